@@ -1,0 +1,35 @@
+# The two commands a new user needs: `make demo` and `make test`. Each sets itself up (a virtualenv in
+# .venv with the project and its extras installed) on a machine that has nothing but Python 3.10+.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) example_project/store_demo.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check celery_mongolock
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+test: lint typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/store.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

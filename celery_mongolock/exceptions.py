@@ -1,0 +1,84 @@
+"""The exception hierarchy.
+
+Contention is *not* an exception at the store level (``LeaseStore.acquire`` returns ``None``); the
+exceptions below are for faults, for misuse, and for the Celery policies that turn contention into an
+error on purpose (``Fail``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+__all__ = [
+    "ConfigurationError",
+    "InvalidKey",
+    "LeaseLost",
+    "LockContended",
+    "MongoLockError",
+    "StoreUnavailable",
+]
+
+
+class MongoLockError(Exception):
+    """Base class of every error raised by celery_mongolock."""
+
+
+class ConfigurationError(MongoLockError, ValueError):
+    """A setting, URL or argument cannot work; the message names which one and why."""
+
+
+class InvalidKey(MongoLockError, ValueError):
+    """A lease key (or a value used to render one) is empty, of the wrong type or cannot be encoded."""
+
+
+class StoreUnavailable(MongoLockError):
+    """MongoDB could not be reached or did not answer in time.
+
+    Raised instead of guessing: a lease whose state is unknown is treated as *not held* (fail closed).
+    The message never contains credentials.
+    """
+
+
+class LockContended(MongoLockError):
+    """The key is held by someone else (raised by ``hold(...)`` after its wait, and by the Fail policy)."""
+
+    def __init__(
+        self,
+        key: str,
+        holder: dict[str, object] | None = None,
+        expires_at: _dt.datetime | None = None,
+        message: str | None = None,
+    ) -> None:
+        self.key = key
+        self.holder = dict(holder or {})
+        self.expires_at = expires_at
+        if message is None:
+            who = _describe_holder(self.holder)
+            message = f"lease {key!r} is held by {who}"
+            if expires_at is not None:
+                message += f" (expires at {expires_at.isoformat()} server time unless renewed)"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Celery pickles or serialises exceptions into results: keep the constructor's arguments.
+        return (type(self), (self.key, self.holder, self.expires_at, str(self)))
+
+
+class LeaseLost(MongoLockError):
+    """The lease was taken over, force-released or expired while its holder believed it held it."""
+
+    def __init__(self, key: str, fence: int | None = None, reason: str = "lost") -> None:
+        self.key = key
+        self.fence = fence
+        self.reason = reason
+        super().__init__(f"lease {key!r} (fence {fence}) is no longer held: {reason}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.key, self.fence, self.reason))
+
+
+def _describe_holder(holder: dict[str, object]) -> str:
+    if not holder:
+        return "another owner"
+    parts = [f"{k}={holder[k]}" for k in ("host", "pid", "task_name", "task_id") if holder.get(k) is not None]
+    return ", ".join(parts) if parts else "another owner"

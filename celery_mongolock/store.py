@@ -1,0 +1,848 @@
+"""Leases on MongoDB: one document per key, taken and kept by owner token, judged on the server's clock.
+
+This module imports pymongo only (no Celery): the Celery glue sits on top of it.
+
+The lease document
+==================
+::
+
+    {
+      _id:         "email-group:42",        # the lease key (see keys.normalize_key)
+      owner:       "5f0c...e1" | null,      # token of the current acquisition; null once released
+      fence:       1795383245193000,        # fencing token: strictly increasing per key, see below
+      ttl_ms:      30000,                   # the lease length the holder asked for
+      expires_at:  ISODate(...),            # server time; TTL index (expireAfterSeconds=0) cleans up
+      acquired_at: ISODate(...),            # server time of this acquisition
+      renewed_at:  ISODate(...),            # server time of the last renewal
+      released_at: ISODate(...) | absent,   # server time of the release, when released
+      holder:      {host, pid, ...info}     # who holds it: host, pid, and e.g. task_name, task_id
+    }
+
+The acquire algorithm (one round trip)
+======================================
+1. A fresh owner token is drawn for every acquisition.
+2. One ``findAndModify`` with ``{_id: key}``, ``upsert: true`` and an *update pipeline* that, on the
+   server, computes ``free = owner is null OR expires_at <= $$NOW OR owner == token`` and, only when
+   free, sets owner, ttl, holder, ``expires_at = $$NOW + ttl`` and
+   ``fence = max(fence + 1, $$NOW in ms * 1000)``; when not free every field is left as it was.
+   Expiry is therefore judged on the server clock, inside the same atomic write; no client clock is
+   involved. (Dates are compared through ``$toLong``: equivalent on MongoDB, and it sidesteps a
+   date-comparison bug of the embedded test server.)
+3. The document after the update says who holds the key: our token means acquired, anything else is
+   contention (the holder's details are reported), not an error.
+4. If the reply is lost (network error, timeout, primary step-down) the *same* command with the *same*
+   token is sent again: the ``owner == token`` clause makes the retry take over our own half-finished
+   acquisition instead of seeing it as contention. If no retry gets through, the token is handed to the
+   heartbeat thread, which releases it as soon as the server answers, so an ambiguous acquire never
+   blocks the key until expiry for nothing.
+5. Concurrent upserts of a missing key may collide on ``_id`` (``DuplicateKeyError``): the loser
+   simply repeats step 2, which now sees the winner's document.
+
+Release sets ``owner`` to null (matching ``{_id, owner}``) and keeps the document, so the fence survives;
+renewal re-computes ``expires_at = $$NOW + ttl_ms`` for every lease the process holds in one
+``update`` matched on their owner tokens.
+
+Fencing tokens
+==============
+``fence = max(previous fence + 1, server time in ms * 1000)``. The first term makes it strictly increase
+while the document exists; the second makes it strictly increase after the document was deleted (by the
+TTL index, which only removes leases whose ``expires_at`` is past, or by hand): a fresh document starts
+from the server's clock, which has moved on since the deleted lease was taken. The one assumption is the
+one every lease makes: the server's clock does not step backwards.
+
+Holder's deadline
+=================
+The holder measures its lease on the monotonic clock from the moment the acquire/renew was *sent*
+(``sent + ttl``, shrunk by ``clock.MAX_DRIFT``), which is never later than the server's ``expires_at``.
+Past that deadline ``lease.lost`` is true even if nobody told us; the heartbeat gives up a margin before it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dataclasses
+import datetime as _dt
+import logging
+import os
+import random
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pymongo
+from pymongo import MongoClient, ReadPreference, ReturnDocument
+from pymongo.collection import Collection
+from pymongo.errors import (
+    AutoReconnect,
+    ConnectionFailure,
+    DuplicateKeyError,
+    ExecutionTimeout,
+    NetworkTimeout,
+    OperationFailure,
+    PyMongoError,
+    ServerSelectionTimeoutError,
+    WriteConcernError,
+    WTimeoutError,
+)
+from pymongo.read_preferences import _ServerMode
+from pymongo.write_concern import WriteConcern
+
+from ._urls import redact, validate_mongo_url
+from .clock import MAX_DRIFT, Clock, SystemClock
+from .exceptions import ConfigurationError, LeaseLost, LockContended, StoreUnavailable
+from .keys import normalize_key
+
+if TYPE_CHECKING:
+    from .heartbeat import Heartbeat
+
+__all__ = ["DEFAULT_LEASE_SECONDS", "Lease", "LeaseInfo", "LeaseStore"]
+
+log_acquire = logging.getLogger("celery_mongolock.acquire")
+log_release = logging.getLogger("celery_mongolock.release")
+log_renew = logging.getLogger("celery_mongolock.renew")
+
+Document = dict[str, Any]
+LostCallback = Callable[["Lease", str], None]
+
+DEFAULT_LEASE_SECONDS = 30.0
+MIN_LEASE_SECONDS = 0.5
+MAX_LEASE_SECONDS = 30 * 24 * 3600.0
+#: Info values stored with the holder are for humans: keep them small.
+MAX_INFO_BYTES = 4096
+
+# Errors after which we cannot know whether the server applied the write.
+_AMBIGUOUS = (AutoReconnect, ConnectionFailure, NetworkTimeout, ExecutionTimeout, WTimeoutError, WriteConcernError)
+
+
+def _validate_seconds(name: str, value: object, *, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {type(value).__name__}: {value!r}")
+    seconds = float(value)
+    if seconds != seconds or not (low <= seconds <= high):  # NaN fails the first test
+        raise ConfigurationError(f"{name} must be between {low:g} and {high:g} seconds, got {value!r}")
+    return seconds
+
+
+def validate_lease_timing(lease_seconds: object, heartbeat_seconds: object | None) -> tuple[float, float]:
+    """Check a lease length and heartbeat interval that must work together; return them as floats.
+
+    The heartbeat must fit at least twice into the lease, so that one lost renewal is survived.
+    """
+    ttl = _validate_seconds("lease_seconds", lease_seconds, low=MIN_LEASE_SECONDS, high=MAX_LEASE_SECONDS)
+    if heartbeat_seconds is None:
+        return ttl, ttl / 3.0
+    beat = _validate_seconds("heartbeat_seconds", heartbeat_seconds, low=0.05, high=MAX_LEASE_SECONDS)
+    if beat > ttl / 2.0:
+        raise ConfigurationError(
+            f"heartbeat_seconds ({beat:g}) must be at most half of lease_seconds ({ttl:g}) so that a "
+            f"missed renewal does not lose the lease; use {ttl / 3.0:g} or less"
+        )
+    return ttl, beat
+
+
+def _aware(value: Any) -> _dt.datetime | None:
+    if not isinstance(value, _dt.datetime):
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseInfo:
+    """A snapshot of one lease document, as ``inspect`` and ``list`` report it."""
+
+    key: str
+    held: bool
+    owner: str | None
+    fence: int
+    expires_at: _dt.datetime | None
+    #: Seconds until ``expires_at`` on the server's clock at the time of the read (negative: expired).
+    expires_in: float | None
+    holder: dict[str, Any]
+    acquired_at: _dt.datetime | None
+    renewed_at: _dt.datetime | None
+    released_at: _dt.datetime | None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for name in ("expires_at", "acquired_at", "renewed_at", "released_at"):
+            if data[name] is not None:
+                data[name] = data[name].isoformat()
+        return data
+
+
+class Lease:
+    """A lease this process holds (or held) on one key.
+
+    ``key``, ``owner`` (this acquisition's token), ``fence`` (fencing token), ``expires_at`` (server
+    time, as of the last acquire/renew) and ``lost``. Use it as a context manager to release on exit.
+    """
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        key: str,
+        owner: str,
+        fence: int,
+        ttl: float,
+        heartbeat_seconds: float,
+        expires_at: _dt.datetime | None,
+        sent_at: float,
+        holder: Mapping[str, Any],
+    ) -> None:
+        self.store = store
+        self.key = key
+        self.owner = owner
+        self.fence = fence
+        self.ttl = ttl
+        self.heartbeat_seconds = heartbeat_seconds
+        self.expires_at = expires_at
+        self.holder = dict(holder)
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._deadline = sent_at + ttl * (1.0 - MAX_DRIFT)
+        self._lost_reason: str | None = None
+        self._released = False
+        self._lost_event = threading.Event()
+        self._callbacks: builtins.list[LostCallback] = []
+
+    # -- state ---------------------------------------------------------------------------------------
+    @property
+    def deadline(self) -> float:
+        """Monotonic time after which this process must assume the lease is gone."""
+        return self._deadline
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the local deadline (0 when lost or released)."""
+        if self._lost_reason is not None or self._released:
+            return 0.0
+        return max(0.0, self._deadline - self.store.clock.monotonic())
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known or must be assumed to be held no more (not after a release)."""
+        if self._lost_reason is not None:
+            return True
+        if self._released:
+            return False
+        if self.store.clock.monotonic() >= self._deadline:
+            self._mark_lost("its deadline passed without a successful renewal")
+            return True
+        return False
+
+    @property
+    def lost_reason(self) -> str | None:
+        _ = self.lost
+        return self._lost_reason
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def held(self) -> bool:
+        """True while the lease is neither released nor lost."""
+        return not self._released and not self.lost
+
+    def raise_if_lost(self) -> None:
+        """Raise ``LeaseLost`` if the lease is lost: call it between steps of long work to stop promptly."""
+        if self.lost:
+            raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until the lease is lost (True) or ``timeout`` passes (False)."""
+        return self._lost_event.wait(timeout)
+
+    def on_lost(self, callback: LostCallback) -> None:
+        """Call ``callback(lease, reason)`` (from the heartbeat thread) when the lease is lost."""
+        with self._lock:
+            already = self._lost_reason
+            if already is None:
+                self._callbacks.append(callback)
+        if already is not None:
+            callback(self, already)
+
+    def _extend(self, sent_at: float, expires_at: _dt.datetime | None = None) -> None:
+        with self._lock:
+            if self._lost_reason is None:
+                self._deadline = max(self._deadline, sent_at + self.ttl * (1.0 - MAX_DRIFT))
+                if expires_at is not None:
+                    self.expires_at = expires_at
+
+    def _mark_lost(self, reason: str) -> bool:
+        with self._lock:
+            if self._lost_reason is not None or self._released:
+                return False
+            self._lost_reason = reason
+            callbacks = builtins.list(self._callbacks)
+        self._lost_event.set()
+        log_renew.warning("lease %r (fence %s) lost: %s", self.key, self.fence, reason)
+        self.store._forget(self)
+        for cb in [*self.store._lost_callbacks, *callbacks]:
+            try:
+                cb(self, reason)
+            except Exception:
+                log_renew.exception("lost-lease callback %r failed", cb)
+        return True
+
+    # -- operations ----------------------------------------------------------------------------------
+    def renew(self) -> None:
+        """Extend the lease by its ttl from now (server time).
+
+        Raises ``LeaseLost`` if it is no longer ours, ``StoreUnavailable`` if MongoDB did not answer
+        (the lease is then still ours until its deadline).
+        """
+        if self._released:
+            raise LeaseLost(self.key, self.fence, "it was released")
+        self.raise_if_lost()
+        sent = self.store.clock.monotonic()
+        matched = self.store._renew_one(self)
+        if not matched:
+            self._mark_lost("renewal matched nothing: released by force, or expired and taken over")
+            raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
+        self._extend(sent)
+
+    def release(self) -> bool:
+        """Give the lease back. True if it was ours to release; False if already lost or released.
+
+        If MongoDB cannot be reached, the release is retried in the background until the lease would
+        have expired anyway, and ``StoreUnavailable`` is raised.
+        """
+        with self._lock:
+            if self._released:
+                return False
+            self._released = True
+            was_lost = self._lost_reason is not None
+        self.store._forget(self)
+        if was_lost:
+            return False
+        return self.store._release_token(self.key, self.owner, self._deadline)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.release()
+        except StoreUnavailable as exc:  # queued for background release; do not mask the block's error
+            log_release.warning("%s", exc)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else ("lost" if self._lost_reason else "held")
+        return f"<Lease {self.key!r} fence={self.fence} owner={self.owner[:8]} {state}>"
+
+
+class LeaseStore:
+    """Leases in one MongoDB collection.
+
+    ``client_or_url`` is a ``pymongo.MongoClient`` (used as is) or a MongoDB URL, from which a client is
+    created lazily *per process*, so a store made before ``fork()`` is safe to use in the children.
+    """
+
+    def __init__(
+        self,
+        client_or_url: MongoClient[Document] | str,
+        database: str = "celery_mongolock",
+        collection: str = "leases",
+        *,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        heartbeat_seconds: float | None = None,
+        operation_timeout: float = 10.0,
+        write_concern: WriteConcern | None = None,
+        read_preference: _ServerMode | None = None,
+        client_options: Mapping[str, Any] | None = None,
+        clock: Clock | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> None:
+        if isinstance(client_or_url, str):
+            self._url: str | None = validate_mongo_url(client_or_url)
+            self._given_client: MongoClient[Document] | None = None
+        elif isinstance(client_or_url, MongoClient):
+            self._url = None
+            self._given_client = client_or_url
+        else:
+            raise ConfigurationError(
+                f"LeaseStore needs a MongoDB URL or a pymongo.MongoClient, got {type(client_or_url).__name__}"
+            )
+        for name, value in (("database", database), ("collection", collection)):
+            if not isinstance(value, str) or not value or any(c in value for c in "$\x00") or value != value.strip():
+                raise ConfigurationError(f"{name} name {value!r} is not a valid MongoDB {name} name")
+        if any(c in database for c in '/\\. "'):
+            raise ConfigurationError(f"database name {database!r} must not contain / \\ . space or quotes")
+        self.database_name = database
+        self.collection_name = collection
+        self.lease_seconds, self.heartbeat_seconds = validate_lease_timing(lease_seconds, heartbeat_seconds)
+        self.operation_timeout = _validate_seconds("operation_timeout", operation_timeout, low=0.1, high=3600.0)
+        if write_concern is None:
+            # Majority + journal: an acknowledged acquisition survives a failover (no rollback, no
+            # second holder). w:majority alone does not imply j on every server.
+            write_concern = WriteConcern(w="majority", j=True)
+        self.write_concern = write_concern
+        self.read_preference = read_preference or ReadPreference.PRIMARY
+        self.client_options = dict(client_options or {})
+        self.clock: Clock = clock or SystemClock()
+        self._lost_callbacks: builtins.list[LostCallback] = [on_lost] if on_lost else []
+        self._state_lock = threading.Lock()
+        self._pid = -1
+        self._client_cache: MongoClient[Document] | None = None
+        self._indexes_ready = False
+        self._heartbeat: Heartbeat | None = None
+        self._host = socket.gethostname()
+
+    # -- connections (per process) -------------------------------------------------------------------
+    def _check_pid(self) -> None:
+        pid = os.getpid()
+        if pid != self._pid:
+            # A forked child: the parent's client, heartbeat thread and index flag are not ours.
+            with self._state_lock:
+                if pid != self._pid:
+                    self._client_cache = None
+                    self._heartbeat = None
+                    self._indexes_ready = False
+                    self._pid = pid
+
+    @property
+    def client(self) -> MongoClient[Document]:
+        """This process's MongoClient (created on first use when the store was given a URL)."""
+        if self._given_client is not None:
+            return self._given_client
+        self._check_pid()
+        client = self._client_cache
+        if client is None:
+            with self._state_lock:
+                client = self._client_cache
+                if client is None:
+                    options: dict[str, Any] = {
+                        "appname": "celery_mongolock",
+                        "serverSelectionTimeoutMS": int(self.operation_timeout * 1000),
+                        "connectTimeoutMS": int(min(self.operation_timeout, 10.0) * 1000),
+                        "tz_aware": True,
+                    }
+                    options.update(self.client_options)
+                    assert self._url is not None
+                    try:
+                        client = MongoClient(self._url, **options)
+                    except PyMongoError as exc:
+                        raise ConfigurationError(f"cannot create a MongoDB client: {redact(str(exc))}") from None
+                    self._client_cache = client
+        return client
+
+    @property
+    def collection(self) -> Collection[Document]:
+        return self.client[self.database_name].get_collection(
+            self.collection_name, write_concern=self.write_concern, read_preference=self.read_preference
+        )
+
+    @property
+    def url(self) -> str | None:
+        """The URL with credentials masked (None when the store was given a client)."""
+        return redact(self._url) if self._url else None
+
+    def close(self) -> None:
+        """Stop the heartbeat and close the client this store created (a given client is left open)."""
+        hb = self._heartbeat
+        if hb is not None:
+            hb.stop()
+        self._heartbeat = None
+        if self._client_cache is not None and self._pid == os.getpid():
+            self._client_cache.close()
+        self._client_cache = None
+
+    def __enter__(self) -> LeaseStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = self.url or "<client>"
+        return f"<LeaseStore {where} {self.database_name}.{self.collection_name}>"
+
+    # -- error handling ------------------------------------------------------------------------------
+    def _unavailable(self, action: str, exc: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"MongoDB did not answer while trying to {action} "
+            f"({self.database_name}.{self.collection_name}): {type(exc).__name__}: {redact(str(exc))[:500]}"
+        )
+
+    @contextlib.contextmanager
+    def _operation(self, action: str, timeout: float | None = None) -> Iterator[None]:
+        """Run MongoDB calls under one deadline (pymongo CSOT); turn driver errors into our own."""
+        try:
+            with pymongo.timeout(timeout if timeout is not None else self.operation_timeout):
+                yield
+        except (DuplicateKeyError, LeaseLost, LockContended):
+            raise
+        except OperationFailure as exc:
+            if exc.code in (13, 18, 8000):  # Unauthorized, AuthenticationFailed, Atlas auth
+                raise StoreUnavailable(f"MongoDB refused to {action}: {redact(str(exc))[:500]}") from None
+            if isinstance(exc, _AMBIGUOUS) or exc.has_error_label("RetryableWriteError"):
+                raise
+            raise self._unavailable(action, exc) from None
+        except _AMBIGUOUS:
+            raise
+        except (ServerSelectionTimeoutError, PyMongoError) as exc:
+            raise self._unavailable(action, exc) from None
+
+    # -- indexes -------------------------------------------------------------------------------------
+    def ensure_indexes(self) -> None:
+        """Create the TTL index on ``expires_at`` and the index on ``owner`` (idempotent, concurrent-safe).
+
+        Called automatically before the first acquire in each process.
+        """
+        coll = self.collection
+        with self._operation("create lease indexes"):
+            for spec, options in (
+                ([("expires_at", pymongo.ASCENDING)], {"name": "expires_at_ttl", "expireAfterSeconds": 0}),
+                ([("owner", pymongo.ASCENDING)], {"name": "owner"}),
+            ):
+                try:
+                    coll.create_index(spec, **options)
+                except OperationFailure as exc:
+                    # 85 IndexOptionsConflict / 86 IndexKeySpecsConflict: someone made a different index
+                    # of that name or keys. 68/"already exists" races between processes are benign.
+                    if exc.code in (85, 86):
+                        raise ConfigurationError(
+                            f"collection {self.database_name}.{self.collection_name} has an index that "
+                            f"conflicts with {options['name']!r}: {exc.details and exc.details.get('errmsg')}"
+                        ) from None
+                    if exc.code != 68:
+                        raise
+        self._indexes_ready = True
+
+    def _ready_collection(self) -> Collection[Document]:
+        self._check_pid()
+        if not self._indexes_ready:
+            self.ensure_indexes()
+        return self.collection
+
+    # -- acquire -------------------------------------------------------------------------------------
+    def _holder_info(self, info: Mapping[str, Any] | None) -> Document:
+        holder: Document = {"host": self._host, "pid": os.getpid()}
+        if info:
+            for k, v in info.items():
+                if not isinstance(k, str) or not k or k.startswith("$") or "." in k:
+                    raise ConfigurationError(f"holder info key {k!r} must be a plain non-empty string")
+                holder[k] = v
+            import bson
+
+            try:
+                size = len(bson.encode(holder))
+            except Exception as exc:
+                raise ConfigurationError(f"holder info cannot be stored in MongoDB: {exc}") from None
+            if size > MAX_INFO_BYTES:
+                raise ConfigurationError(f"holder info is {size} bytes encoded; the limit is {MAX_INFO_BYTES}")
+        return holder
+
+    @staticmethod
+    def _acquire_pipeline(token: str, ttl_ms: int, holder: Document) -> builtins.list[Document]:
+        now_ms = {"$toLong": "$$NOW"}
+        free = {
+            "$or": [
+                {"$eq": [{"$ifNull": ["$owner", None]}, None]},
+                {"$lte": [{"$toLong": "$expires_at"}, now_ms]},
+                {"$eq": ["$owner", token]},
+            ]
+        }
+
+        def when_free(new: object, field: str) -> Document:
+            return {"$cond": ["$__free", new, f"${field}"]}
+
+        return [
+            {"$set": {"__free": free}},
+            {
+                "$set": {
+                    "owner": when_free(token, "owner"),
+                    "ttl_ms": when_free(ttl_ms, "ttl_ms"),
+                    "holder": when_free({"$literal": holder}, "holder"),
+                    "fence": when_free(
+                        {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [now_ms, 1000]}]},
+                        "fence",
+                    ),
+                    "expires_at": when_free({"$add": ["$$NOW", ttl_ms]}, "expires_at"),
+                    "acquired_at": when_free("$$NOW", "acquired_at"),
+                    "renewed_at": when_free("$$NOW", "renewed_at"),
+                    "released_at": when_free({"$literal": None}, "released_at"),
+                    "forced_release": when_free({"$literal": False}, "forced_release"),
+                }
+            },
+            {"$unset": "__free"},
+        ]
+
+    def acquire(
+        self,
+        key: str,
+        ttl: float | None = None,
+        *,
+        info: Mapping[str, Any] | None = None,
+        heartbeat: bool = False,
+        heartbeat_seconds: float | None = None,
+    ) -> Lease | None:
+        """Try once to take ``key`` for ``ttl`` seconds (default: the store's ``lease_seconds``).
+
+        Returns the ``Lease``, or ``None`` if someone else holds the key. ``info`` is stored with the
+        holder (e.g. task name and id). With ``heartbeat=True`` the process's heartbeat thread keeps
+        the lease alive until it is released. Raises ``StoreUnavailable`` if MongoDB cannot be reached:
+        a lease is never assumed.
+        """
+        lease, _ = self._try_acquire(key, ttl, info=info, heartbeat=heartbeat, heartbeat_seconds=heartbeat_seconds)
+        return lease
+
+    def _try_acquire(
+        self,
+        key: str,
+        ttl: float | None,
+        *,
+        info: Mapping[str, Any] | None = None,
+        heartbeat: bool = False,
+        heartbeat_seconds: float | None = None,
+    ) -> tuple[Lease | None, Document | None]:
+        key = normalize_key(key)
+        ttl_s, beat = validate_lease_timing(
+            self.lease_seconds if ttl is None else ttl,
+            heartbeat_seconds if heartbeat_seconds is not None else (self.heartbeat_seconds if ttl is None else None),
+        )
+        ttl_ms = int(ttl_s * 1000)
+        holder = self._holder_info(info)
+        token = uuid.uuid4().hex
+        pipeline = self._acquire_pipeline(token, ttl_ms, holder)
+        clock = self.clock
+        give_up_at = clock.monotonic() + self.operation_timeout
+        attempt = 0
+        last_error: BaseException | None = None
+        sent_at = clock.monotonic()
+        doc: Document | None = None
+        while True:
+            attempt += 1
+            remaining = give_up_at - clock.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                coll = self._ready_collection()
+                sent_at = clock.monotonic()
+                with self._operation(f"acquire lease {key!r}", timeout=remaining):
+                    doc = coll.find_one_and_update(
+                        {"_id": key}, pipeline, upsert=True, return_document=ReturnDocument.AFTER
+                    )
+                    if doc is None:
+                        # Seen on the embedded server under contention: the update was applied but no
+                        # document returned. Read it back; our token tells whether we got it.
+                        doc = coll.find_one({"_id": key})
+                last_error = None
+                break
+            except DuplicateKeyError:
+                # Two upserts of a missing key raced; the other insert won. Run again: now it matches.
+                if attempt >= 5:
+                    raise StoreUnavailable(f"acquire of {key!r} kept colliding on insert") from None
+                continue
+            except _AMBIGUOUS as exc:
+                last_error = exc
+                log_acquire.info("acquire %r: ambiguous outcome (%s), retrying with the same token", key, type(exc).__name__)
+            except OperationFailure as exc:  # RetryableWriteError-labelled failures
+                last_error = exc
+            except StoreUnavailable as exc:
+                last_error = exc
+                break
+            clock.sleep(min(0.05 * (2 ** min(attempt, 6)) * (0.5 + random.random()), max(0.0, give_up_at - clock.monotonic())))
+
+        if last_error is not None:
+            # We may or may not hold the key. Release our token in the background as soon as the server
+            # answers, so an ambiguous acquire does not keep the key blocked until expiry.
+            self._release_later(key, token, clock.monotonic() + ttl_s)
+            if isinstance(last_error, StoreUnavailable):
+                raise last_error
+            raise self._unavailable(f"acquire lease {key!r}", last_error) from None
+
+        if doc is None or doc.get("owner") != token:
+            if doc is not None:
+                log_acquire.debug("lease %r is held by %s", key, doc.get("holder"))
+            return None, doc
+        lease = Lease(
+            self,
+            key,
+            token,
+            int(doc["fence"]),
+            ttl_s,
+            beat,
+            _aware(doc.get("expires_at")),
+            sent_at,
+            holder,
+        )
+        log_acquire.info("acquired lease %r fence=%s ttl=%gs", key, lease.fence, ttl_s)
+        if heartbeat:
+            self.heartbeat.add(lease)
+        return lease, doc
+
+    @contextlib.contextmanager
+    def hold(
+        self,
+        key: str,
+        ttl: float | None = None,
+        *,
+        wait: float = 0.0,
+        info: Mapping[str, Any] | None = None,
+        heartbeat_seconds: float | None = None,
+        poll_interval: float = 0.05,
+        max_poll_interval: float = 1.0,
+    ) -> Iterator[Lease]:
+        """Hold ``key`` while the ``with`` block runs, renewed by the heartbeat thread.
+
+        Waits up to ``wait`` seconds for the key (polling with backoff), then raises ``LockContended``
+        naming the holder. The lease is released when the block exits, however it exits. Inside the
+        block, ``lease.lost`` (or ``lease.raise_if_lost()``) tells whether the lease was lost.
+        """
+        wait_s = _validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
+        clock = self.clock
+        give_up_at = clock.monotonic() + wait_s
+        interval = poll_interval
+        while True:
+            lease, doc = self._try_acquire(key, ttl, info=info, heartbeat=True, heartbeat_seconds=heartbeat_seconds)
+            if lease is not None:
+                break
+            remaining = give_up_at - clock.monotonic()
+            if remaining <= 0:
+                holder = (doc or {}).get("holder") or {}
+                raise LockContended(normalize_key(key), holder, _aware((doc or {}).get("expires_at")))
+            clock.sleep(min(remaining, interval * (0.5 + random.random())))
+            interval = min(max_poll_interval, interval * 2)
+        with lease:
+            yield lease
+
+    # -- renew / release -----------------------------------------------------------------------------
+    @staticmethod
+    def _renew_pipeline() -> builtins.list[Document]:
+        return [{"$set": {"expires_at": {"$add": ["$$NOW", "$ttl_ms"]}, "renewed_at": "$$NOW"}}]
+
+    def _renew_one(self, lease: Lease) -> bool:
+        with self._operation(f"renew lease {lease.key!r}", timeout=max(0.1, min(self.operation_timeout, lease.remaining))):
+            result = self.collection.update_one({"_id": lease.key, "owner": lease.owner}, self._renew_pipeline())
+        log_renew.debug("renewed %r: matched=%s", lease.key, result.matched_count)
+        return result.matched_count == 1
+
+    def renew_many(self, leases: builtins.list[Lease], timeout: float | None = None) -> builtins.list[Lease]:
+        """Renew all ``leases`` in one round trip; return those found lost (and mark them lost).
+
+        A second query is made only when some lease did not match, to learn which.
+        """
+        live = [lease for lease in leases if not lease.lost and not lease.released]
+        if not live:
+            return []
+        by_token = {lease.owner: lease for lease in live}
+        sent = self.clock.monotonic()
+        coll = self.collection
+        with self._operation("renew leases", timeout=timeout):
+            result = coll.update_many({"owner": {"$in": builtins.list(by_token)}}, self._renew_pipeline())
+            lost: builtins.list[Lease] = []
+            if result.matched_count != len(by_token):
+                still = {d["owner"] for d in coll.find({"owner": {"$in": builtins.list(by_token)}}, {"owner": 1})}
+                lost = [lease for token, lease in by_token.items() if token not in still]
+        for lease in live:
+            if lease in lost:
+                lease._mark_lost("renewal matched nothing: released by force, or expired and taken over")
+            else:
+                lease._extend(sent)
+        return lost
+
+    def _release_token(self, key: str, token: str, until: float) -> bool:
+        try:
+            with self._operation(f"release lease {key!r}"):
+                result = self.collection.update_one(
+                    {"_id": key, "owner": token}, [{"$set": {"owner": None, "released_at": "$$NOW"}}]
+                )
+        except (*_AMBIGUOUS, StoreUnavailable, OperationFailure) as exc:
+            self._release_later(key, token, until)
+            if isinstance(exc, StoreUnavailable):
+                raise
+            raise self._unavailable(f"release lease {key!r}", exc) from None
+        released = result.matched_count == 1
+        log_release.info("released lease %r%s", key, "" if released else " (it was no longer ours)")
+        return released
+
+    def _release_later(self, key: str, token: str, until: float) -> None:
+        log_release.warning("lease %r: release queued for the background until MongoDB answers", key)
+        self.heartbeat.release_later(key, token, until)
+
+    def force_release(self, key: str) -> bool:
+        """Release ``key`` whoever holds it (an operator's tool). True if it was held.
+
+        The holder finds out at its next renewal (its lease becomes lost). The fence is kept, so the
+        next acquisition still gets a larger one.
+        """
+        key = normalize_key(key)
+        with self._operation(f"force-release lease {key!r}"):
+            result = self.collection.update_one(
+                {"_id": key, "owner": {"$ne": None}},
+                [{"$set": {"owner": None, "released_at": "$$NOW", "forced_release": True}}],
+            )
+        log_release.warning("force-released lease %r: %s", key, "it was held" if result.matched_count else "it was free")
+        return result.matched_count == 1
+
+    # -- reading -------------------------------------------------------------------------------------
+    @staticmethod
+    def _info(doc: Document) -> LeaseInfo:
+        expires_in_ms = doc.get("__expires_in_ms")
+        owner = doc.get("owner")
+        expires_in = None if expires_in_ms is None else expires_in_ms / 1000.0
+        return LeaseInfo(
+            key=doc["_id"],
+            held=owner is not None and expires_in is not None and expires_in > 0,
+            owner=owner,
+            fence=int(doc.get("fence", 0)),
+            expires_at=_aware(doc.get("expires_at")),
+            expires_in=expires_in,
+            holder=dict(doc.get("holder") or {}),
+            acquired_at=_aware(doc.get("acquired_at")),
+            renewed_at=_aware(doc.get("renewed_at")),
+            released_at=_aware(doc.get("released_at")),
+        )
+
+    def _read(self, match: Document, action: str) -> builtins.list[LeaseInfo]:
+        stage = {"$addFields": {"__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]}}}
+        with self._operation(action):
+            docs = builtins.list(self.collection.aggregate([{"$match": match}, {"$sort": {"_id": 1}}, stage]))
+        return [self._info(d) for d in docs]
+
+    def inspect(self, key: str) -> LeaseInfo | None:
+        """The lease document for ``key`` (held or not), or None if there is none."""
+        key = normalize_key(key)
+        found = self._read({"_id": key}, f"inspect lease {key!r}")
+        return found[0] if found else None
+
+    def list(self, prefix: str | None = None, *, include_free: bool = False) -> builtins.list[LeaseInfo]:
+        """Leases whose key starts with ``prefix`` (all when None), held ones only unless ``include_free``."""
+        match: Document = {}
+        if prefix is not None:
+            if not isinstance(prefix, str):
+                raise ConfigurationError(f"prefix must be a str, got {type(prefix).__name__}")
+            import re
+
+            match["_id"] = {"$regex": "^" + re.escape(prefix)}
+        infos = self._read(match, "list leases")
+        return infos if include_free else [i for i in infos if i.held]
+
+    # -- heartbeat -----------------------------------------------------------------------------------
+    @property
+    def heartbeat(self) -> Heartbeat:
+        """This process's heartbeat (renewal) thread for this store, created on first use."""
+        self._check_pid()
+        hb = self._heartbeat
+        if hb is None:
+            from .heartbeat import Heartbeat
+
+            with self._state_lock:
+                hb = self._heartbeat
+                if hb is None:
+                    hb = self._heartbeat = Heartbeat(self)
+        return hb
+
+    def _forget(self, lease: Lease) -> None:
+        hb = self._heartbeat
+        if hb is not None and lease.pid == os.getpid():
+            hb.discard(lease)
+
+    def add_lost_callback(self, callback: LostCallback) -> None:
+        """Call ``callback(lease, reason)`` whenever a lease of this store is lost."""
+        self._lost_callbacks.append(callback)
