@@ -51,13 +51,19 @@ class Heartbeat:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._tick_lock = threading.Lock()
+        self._next_tick: float | None = None
         self.ticks = 0
         self.failures = 0
 
     # -- registry ------------------------------------------------------------------------------------
     def add(self, lease: Lease) -> None:
+        """Keep ``lease`` alive from now on; its first renewal is one heartbeat interval away."""
+        due = self._clock.monotonic() + lease.heartbeat_seconds
         with self._lock:
             self._leases[lease.owner] = lease
+            if self._next_tick is None or due < self._next_tick:
+                self._next_tick = due
         self._ensure_thread()
         self._wake.set()
 
@@ -68,6 +74,7 @@ class Heartbeat:
     def release_later(self, key: str, token: str, until: float) -> None:
         with self._lock:
             self._pending[token] = (key, until)
+            self._next_tick = self._clock.monotonic()
         self._ensure_thread()
         self._wake.set()
 
@@ -104,30 +111,38 @@ class Heartbeat:
         return min(beats)
 
     def _run(self) -> None:
-        delay: float | None = 0.0
         while not self._stopped.is_set():
-            if delay is None or delay > 0:
+            with self._lock:
+                next_tick = self._next_tick
+            if next_tick is None:
+                self._wake.wait()  # nothing to do until a lease or a pending release arrives
+                self._wake.clear()
+                continue
+            delay = next_tick - self._clock.monotonic()
+            if delay > 0:
                 self._wake.wait(delay)
-            self._wake.clear()
-            if self._stopped.is_set():
-                break
+                self._wake.clear()
+                continue  # re-read the schedule: add() may have moved it earlier
             try:
                 ok = self.tick()
             except Exception:  # never let the thread die: leases would silently stop renewing
                 log.exception("heartbeat tick failed")
                 ok = False
             interval = self._interval()
-            if interval is None:
-                delay = None
-            elif ok:
-                delay = interval
-            else:
-                # Retry soon, but not in a busy loop.
-                delay = min(interval, max(0.05, interval / 4))
-            # A lease added meanwhile sets _wake; it will be renewed on the next tick at the latest.
+            with self._lock:
+                if interval is None:
+                    self._next_tick = None
+                else:
+                    # After a failure retry soon (but never in a busy loop); else at the normal pace.
+                    step = interval if ok else min(interval, max(0.05, interval / 4))
+                    self._next_tick = self._clock.monotonic() + step
 
     def tick(self) -> bool:
         """One heartbeat: give up on overdue leases, renew the rest, retry pending releases."""
+        with self._tick_lock:
+            return self._tick()
+
+    def _tick(self) -> bool:
         store = self._store()
         if store is None:
             self._stopped.set()
@@ -170,15 +185,15 @@ class Heartbeat:
                     self._pending.pop(token, None)
                 continue
             try:
-                with store._operation(f"release lease {key!r}", timeout=2.0):
-                    store.collection.update_one(
-                        {"_id": key, "owner": token}, [{"$set": {"owner": None, "released_at": "$$NOW"}}]
-                    )
+                released = store._release_update(key, token, timeout=2.0)
             except Exception as exc:
                 ok = False
                 log.debug("background release of %r failed, will retry: %s", key, exc)
                 continue
-            with self._lock:
-                self._pending.pop(token, None)
-            log.info("background release of %r done", key)
+            if released:
+                # Until then keep trying: after an ambiguous acquire the write may still land late
+                # (a command stuck in the server's queue), and it must not be left holding the key.
+                with self._lock:
+                    self._pending.pop(token, None)
+                log.info("background release of %r done", key)
         return ok

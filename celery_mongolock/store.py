@@ -386,7 +386,7 @@ class LeaseStore:
         self.clock: Clock = clock or SystemClock()
         self._lost_callbacks: builtins.list[LostCallback] = [on_lost] if on_lost else []
         self._state_lock = threading.Lock()
-        self._pid = -1
+        self._pid = os.getpid()
         self._client_cache: MongoClient[Document] | None = None
         self._indexes_ready = False
         self._heartbeat: Heartbeat | None = None
@@ -748,18 +748,22 @@ class LeaseStore:
 
     def _release_token(self, key: str, token: str, until: float) -> bool:
         try:
-            with self._operation(f"release lease {key!r}"):
-                result = self.collection.update_one(
-                    {"_id": key, "owner": token}, [{"$set": {"owner": None, "released_at": "$$NOW"}}]
-                )
+            released = self._release_update(key, token)
         except (*_AMBIGUOUS, StoreUnavailable, OperationFailure) as exc:
             self._release_later(key, token, until)
             if isinstance(exc, StoreUnavailable):
                 raise
             raise self._unavailable(f"release lease {key!r}", exc) from None
-        released = result.matched_count == 1
         log_release.info("released lease %r%s", key, "" if released else " (it was no longer ours)")
         return released
+
+    def _release_update(self, key: str, token: str, timeout: float | None = None) -> bool:
+        """The release command: matched on ``{_id, owner}``, keeps the document (and so the fence)."""
+        with self._operation(f"release lease {key!r}", timeout=timeout):
+            result = self.collection.update_one(
+                {"_id": key, "owner": token}, [{"$set": {"owner": None, "released_at": "$$NOW"}}]
+            )
+        return result.matched_count == 1
 
     def _release_later(self, key: str, token: str, until: float) -> None:
         log_release.warning("lease %r: release queued for the background until MongoDB answers", key)

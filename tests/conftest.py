@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pymongo import MongoClient, monitoring
+
+from celery_mongolock import LeaseStore
+from celery_mongolock.embedded import EmbeddedMongo
+
+from .servers import RedisServer, mongo_server
+
+
+@pytest.fixture(scope="session")
+def mongo() -> Iterator[tuple[str, str]]:
+    """(url, kind) of the MongoDB server the tests use."""
+    with mongo_server() as found:
+        yield found
+
+
+@pytest.fixture(scope="session")
+def mongo_url(mongo: tuple[str, str]) -> str:
+    return mongo[0]
+
+
+@pytest.fixture
+def db_name() -> str:
+    """A database of its own for each test."""
+    return f"mongolock_test_{uuid.uuid4().hex[:12]}"
+
+
+class CommandCounter(monitoring.CommandListener):
+    """Records the commands a client sends (pymongo command monitoring), minus connection chatter."""
+
+    IGNORED = frozenset({"hello", "isMaster", "ismaster", "endSessions", "ping", "buildInfo", "saslStart",
+                         "saslContinue"})
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[str, dict[str, Any]]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name not in self.IGNORED:
+            self.commands.append((event.command_name, dict(event.command)))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.commands]
+
+    def clear(self) -> None:
+        self.commands.clear()
+
+
+@pytest.fixture
+def counter() -> CommandCounter:
+    return CommandCounter()
+
+
+@pytest.fixture
+def client(mongo_url: str, counter: CommandCounter) -> Iterator[MongoClient[dict[str, Any]]]:
+    c: MongoClient[dict[str, Any]] = MongoClient(mongo_url, event_listeners=[counter], tz_aware=True)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def store(client: MongoClient[dict[str, Any]], db_name: str) -> Iterator[LeaseStore]:
+    """A store on the shared server, in a database of its own, with a monitored client."""
+    s = LeaseStore(client, database=db_name, lease_seconds=5)
+    yield s
+    s.close()
+    client.drop_database(db_name)
+
+
+@pytest.fixture
+def make_store(mongo_url: str, db_name: str) -> Iterator[Any]:
+    """Factory for more stores (other "processes' views") on the same database, each with its own client."""
+    made: list[LeaseStore] = []
+
+    def factory(**kwargs: Any) -> LeaseStore:
+        s = LeaseStore(kwargs.pop("url", mongo_url), database=db_name, **kwargs)
+        made.append(s)
+        return s
+
+    yield factory
+    for s in made:
+        s.close()
+
+
+@pytest.fixture
+def own_server(tmp_path: Any) -> Iterator[Any]:
+    """Factory for an embedded server of the test's own (to stop, kill, restart or arm fail points)."""
+    servers: list[EmbeddedMongo] = []
+
+    def factory(**kwargs: Any) -> EmbeddedMongo:
+        server = EmbeddedMongo(**kwargs).start()
+        servers.append(server)
+        return server
+
+    yield factory
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server

@@ -1,0 +1,550 @@
+"""The lease contract (DESIGN.md, points 1-10), one section per point, against a real server."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from typing import Any
+
+import pytest
+from pymongo import MongoClient
+from pymongo.write_concern import WriteConcern
+
+from celery_mongolock import ConfigurationError, LeaseLost, LeaseStore, LockContended, StoreUnavailable
+from celery_mongolock.clock import MAX_DRIFT
+from celery_mongolock.heartbeat import give_up_margin
+
+from .conftest import CommandCounter
+from .servers import wait_for
+
+# -- 1. acquire is one atomic round trip; contention is an outcome -------------------------------------
+
+
+def test_acquire_is_one_command_and_contention_returns_none(store: LeaseStore, counter: CommandCounter) -> None:
+    store.ensure_indexes()
+    counter.clear()
+    lease = store.acquire("email-group:42")
+    assert lease is not None
+    assert counter.names() == ["findAndModify"]
+    counter.clear()
+    assert store.acquire("email-group:42") is None
+    assert counter.names() == ["findAndModify"]
+    assert lease.held
+
+
+def test_concurrent_acquires_of_a_fresh_key_have_one_winner(make_store: Any) -> None:
+    stores = [make_store(lease_seconds=10) for _ in range(8)]
+    for s in stores:
+        s.ensure_indexes()
+    for round_ in range(5):
+        key = f"fresh:{round_}"
+        barrier = threading.Barrier(len(stores))
+        won: list[Any] = []
+
+        def go(s: LeaseStore, key: str = key, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            lease = s.acquire(key)
+            if lease is not None:
+                won.append(lease)
+
+        threads = [threading.Thread(target=go, args=(s,)) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1, f"round {round_}: {len(won)} winners"
+
+
+# -- 2. owner tokens ------------------------------------------------------------------------------------
+
+
+def test_each_acquisition_has_a_fresh_owner_and_only_the_owner_can_renew_or_release(store: LeaseStore) -> None:
+    first = store.acquire("k")
+    assert first is not None
+    assert first.release() is True
+    second = store.acquire("k")
+    assert second is not None
+    assert second.owner != first.owner
+    # The stale Lease object of the first acquisition can neither renew nor release the second one.
+    with pytest.raises(LeaseLost):
+        first.renew()
+    assert first.release() is False
+    info = store.inspect("k")
+    assert info is not None and info.held and info.owner == second.owner
+
+
+def test_stale_holder_cannot_release_a_taken_over_lease(make_store: Any) -> None:
+    a, b = make_store(lease_seconds=0.5), make_store(lease_seconds=5)
+    old = a.acquire("k")
+    assert old is not None
+    new = wait_for(lambda: b.acquire("k"), timeout=10, message="expiry of the first lease")
+    assert old.release() is False  # its token no longer matches
+    info = b.inspect("k")
+    assert info is not None and info.held and info.owner == new.owner
+
+
+def test_force_release_is_explicit_and_the_holder_learns_of_it(store: LeaseStore, make_store: Any) -> None:
+    lost: list[str] = []
+    lease = store.acquire("k", ttl=3, heartbeat=True, heartbeat_seconds=0.1)
+    assert lease is not None
+    lease.on_lost(lambda _lease, reason: lost.append(reason))
+    operator = make_store()
+    assert operator.force_release("k") is True
+    assert operator.force_release("k") is False  # already free
+    wait_for(lambda: lease.lost, timeout=5, message="the holder to notice the forced release")
+    assert lost and "matched nothing" in lost[0]
+    with pytest.raises(LeaseLost):
+        lease.raise_if_lost()
+
+
+# -- 3. expiry is tested inside the acquire, not left to the TTL monitor -------------------------------
+
+
+def test_expired_lease_is_taken_over_while_its_document_still_exists(make_store: Any) -> None:
+    dead = make_store(lease_seconds=1)
+    other = make_store(lease_seconds=5)
+    lease = dead.acquire("k")
+    assert lease is not None
+    assert other.acquire("k") is None
+    taken = wait_for(lambda: other.acquire("k"), timeout=10, message="takeover after expiry")
+    assert taken.fence > lease.fence
+    # The TTL monitor (every ~60 s) played no part: the old document was updated in place.
+    assert other.collection.count_documents({"_id": "k"}) == 1
+
+
+def test_ttl_index_exists_and_cleans_expired_documents_only(store: LeaseStore) -> None:
+    store.ensure_indexes()
+    store.ensure_indexes()  # idempotent
+    indexes = {ix["name"]: ix for ix in store.collection.list_indexes()}
+    assert indexes["expires_at_ttl"]["expireAfterSeconds"] == 0
+    assert dict(indexes["expires_at_ttl"]["key"]) == {"expires_at": 1}
+    assert "owner" in indexes
+
+
+def test_ensure_indexes_from_many_processes_at_once(make_store: Any) -> None:
+    stores = [make_store() for _ in range(6)]
+    barrier = threading.Barrier(len(stores))
+    errors: list[BaseException] = []
+
+    def go(s: LeaseStore) -> None:
+        barrier.wait()
+        try:
+            s.ensure_indexes()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_conflicting_index_is_a_clear_configuration_error(store: LeaseStore) -> None:
+    store.collection.create_index("expires_at", name="expires_at_ttl", expireAfterSeconds=3600)
+    with pytest.raises(ConfigurationError, match="conflicts with 'expires_at_ttl'"):
+        store.ensure_indexes()
+
+
+# -- 4. server time (see also test_clock_skew.py, which runs processes under libfaketime) --------------
+
+
+def test_expiry_is_computed_by_the_server(store: LeaseStore, client: MongoClient[dict[str, Any]]) -> None:
+    lease = store.acquire("k", ttl=60)
+    assert lease is not None
+    server_now = client.admin.command("hello")["localTime"]
+    assert lease.expires_at is not None
+    delta = (lease.expires_at - server_now.replace(tzinfo=dt.timezone.utc)).total_seconds()
+    assert 55 < delta <= 61
+    # The holder's own deadline is on the monotonic clock, never later than the server's expiry.
+    assert lease.remaining <= 60 * (1 - MAX_DRIFT)
+
+
+def test_acquire_and_renew_send_no_client_time(store: LeaseStore, counter: CommandCounter) -> None:
+    """Nothing in what we send carries the worker's clock: expiry cannot depend on it."""
+    store.ensure_indexes()
+    counter.clear()
+    lease = store.acquire("k", ttl=30)
+    assert lease is not None
+    lease.renew()
+    lease.release()
+
+    def has_datetime(value: Any) -> bool:
+        if isinstance(value, dt.datetime):
+            return True
+        if isinstance(value, dict):
+            return any(has_datetime(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(has_datetime(v) for v in value)
+        return False
+
+    assert len(counter.commands) == 3
+    for name, command in counter.commands:
+        assert not has_datetime(command), f"{name} carries a client-side datetime"
+
+
+# -- 5. fencing ----------------------------------------------------------------------------------------
+
+
+def test_fence_strictly_increases_across_release_expiry_takeover_and_deletion(
+    store: LeaseStore, make_store: Any
+) -> None:
+    fences: list[int] = []
+
+    def take(s: LeaseStore, ttl: float | None = None) -> Any:
+        lease = wait_for(lambda: s.acquire("k", ttl=ttl), timeout=10, message="the key")
+        fences.append(lease.fence)
+        return lease
+
+    take(store).release()  # release
+    take(store).release()
+    take(store, ttl=0.5)  # expiry ...
+    take(make_store())  # ... and takeover by another store
+    store.force_release("k")  # forced release keeps the fence
+    lease = take(store)
+    lease.release()
+    store.collection.delete_one({"_id": "k"})  # deleted by hand right after a release
+    take(store).release()
+    # deleted as the TTL monitor would delete it: only once expires_at has passed
+    take(store, ttl=0.5)
+    wait_for(
+        lambda: store.collection.delete_many({"_id": "k", "$expr": {"$lt": [{"$toLong": "$expires_at"},
+                                                                              {"$toLong": "$$NOW"}]}}).deleted_count,
+        timeout=10,
+        message="the lease to expire",
+    )
+    take(store)
+    assert all(b > a for a, b in zip(fences, fences[1:])), fences
+
+
+def test_fence_of_a_fresh_key_is_positive_and_int(store: LeaseStore) -> None:
+    lease = store.acquire("fresh")
+    assert lease is not None
+    assert isinstance(lease.fence, int) and lease.fence > 0
+
+
+# -- 6. the holder learns of loss ----------------------------------------------------------------------
+
+
+def test_takeover_after_expiry_marks_the_old_lease_lost(make_store: Any) -> None:
+    holder = make_store(lease_seconds=1)
+    lease = holder.acquire("k")  # no heartbeat: it will expire
+    assert lease is not None
+    other = make_store()
+    wait_for(lambda: other.acquire("k"), timeout=10, message="takeover")
+    assert lease.lost  # its deadline passed
+    with pytest.raises(LeaseLost):
+        lease.renew()
+
+
+def test_renewals_failing_until_the_deadline_mark_the_lease_lost_before_server_expiry(own_server: Any) -> None:
+    server = own_server()
+    s = LeaseStore(server.url, lease_seconds=3, operation_timeout=1)
+    try:
+        lost: list[str] = []
+        lease = s.acquire("k", heartbeat=True, heartbeat_seconds=0.2)
+        assert lease is not None
+        lease.on_lost(lambda _l, reason: lost.append(reason))
+        server.kill()  # MongoDB gone: renewals fail
+        wait_for(lambda: lost, timeout=10, message="the heartbeat to give up")
+        # It gave up before the deadline the server would apply, by the documented margin.
+        assert lease.lost
+        assert "failed" in lost[0]
+    finally:
+        s.close()
+
+
+def test_heartbeat_keeps_a_lease_alive_for_several_lease_lengths(make_store: Any) -> None:
+    holder = make_store(lease_seconds=1)
+    other = make_store()
+    with holder.hold("k", heartbeat_seconds=0.2) as lease:
+        start = lease.fence
+        deadline_checks = 0
+        # Keep checking that nobody can take it for 3 lease lengths.
+        import time
+
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            assert other.acquire("k") is None
+            assert not lease.lost
+            deadline_checks += 1
+            time.sleep(0.2)
+        assert deadline_checks > 5
+        assert lease.fence == start
+    assert other.acquire("k") is not None  # released on exit
+
+
+# -- 7. write concern and read preference ---------------------------------------------------------------
+
+
+def test_writes_are_majority_and_journaled_by_default(store: LeaseStore, counter: CommandCounter) -> None:
+    assert store.write_concern.document == {"w": "majority", "j": True}
+    store.ensure_indexes()
+    counter.clear()
+    lease = store.acquire("k")
+    assert lease is not None
+    lease.renew()
+    lease.release()
+    for name, command in counter.commands:
+        assert command.get("writeConcern") == {"w": "majority", "j": True}, name
+
+
+def test_write_concern_is_configurable(client: MongoClient[dict[str, Any]], db_name: str) -> None:
+    s = LeaseStore(client, database=db_name, write_concern=WriteConcern(w=1))
+    assert s.collection.write_concern.document == {"w": 1}
+
+
+# -- 8. ambiguous outcomes -----------------------------------------------------------------------------
+
+
+def _fail_point(server_url: str, **data: Any) -> None:
+    c: MongoClient[dict[str, Any]] = MongoClient(server_url)
+    try:
+        c.admin.command("configureFailPoint", "failCommand", mode={"times": 1}, data=data)
+    finally:
+        c.close()
+
+
+def test_acquire_retries_after_a_dropped_connection(own_server: Any) -> None:
+    server = own_server(enable_test_commands=True)
+    s = LeaseStore(server.url, lease_seconds=30)
+    try:
+        s.ensure_indexes()
+        _fail_point(server.url, failCommands=["findAndModify"], closeConnection=True)
+        lease = s.acquire("k")
+        assert lease is not None
+        info = s.inspect("k")
+        assert info is not None and info.owner == lease.owner
+    finally:
+        s.close()
+
+
+def test_acquire_whose_reply_never_comes_does_not_block_the_key_until_expiry(own_server: Any) -> None:
+    server = own_server(enable_test_commands=True)
+    s = LeaseStore(server.url, lease_seconds=60, operation_timeout=0.5)
+    other = LeaseStore(server.url, lease_seconds=60)
+    try:
+        s.ensure_indexes()
+        # The server holds the command for 1.5 s and then applies it: the client has long given up.
+        _fail_point(server.url, failCommands=["findAndModify"], blockConnection=True, blockTimeMS=1500)
+        with pytest.raises(StoreUnavailable):
+            s.acquire("k")
+        # The late write lands and takes the key for a lease nobody uses; the background release frees
+        # it within seconds, not after the 60 s lease.
+        wait_for(lambda: other.acquire("k"), timeout=15, message="the orphaned acquisition to be released")
+    finally:
+        s.close()
+        other.close()
+
+
+# -- 9. heartbeat: one round trip per tick, whatever the number of leases -----------------------------
+
+
+def test_one_renewal_command_for_many_leases(store: LeaseStore, counter: CommandCounter) -> None:
+    leases = [store.acquire(f"k{i}", ttl=30) for i in range(50)]
+    assert all(leases)
+    counter.clear()
+    lost = store.renew_many([lease for lease in leases if lease is not None])
+    assert lost == []
+    assert counter.names() == ["update"]
+
+
+def test_heartbeat_tick_renews_all_in_one_command_and_finds_the_lost_one(
+    store: LeaseStore, counter: CommandCounter, make_store: Any
+) -> None:
+    leases = [store.acquire(f"k{i}", ttl=30, heartbeat=True, heartbeat_seconds=10) for i in range(20)]
+    assert all(leases)
+    make_store().force_release("k7")
+    counter.clear()
+    assert store.heartbeat.tick()
+    # One update for all; one find to learn which lease did not match.
+    assert counter.names() == ["update", "find"]
+    lost = [lease for lease in leases if lease is not None and lease.lost]
+    assert [lease.key for lease in lost] == ["k7"]
+    counter.clear()
+    assert store.heartbeat.tick()
+    assert counter.names() == ["update"]
+
+
+def test_give_up_margin_is_before_the_deadline() -> None:
+    class L:
+        ttl = 30.0
+        heartbeat_seconds = 10.0
+
+    assert give_up_margin(L()) == 2.0  # type: ignore[arg-type]
+    L.ttl, L.heartbeat_seconds = 1.0, 0.3
+    assert give_up_margin(L()) == pytest.approx(0.1)  # type: ignore[arg-type]
+
+
+# -- 10. bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lease_seconds": 0}, "lease_seconds must be between"),
+        ({"lease_seconds": -1}, "lease_seconds must be between"),
+        ({"lease_seconds": float("nan")}, "lease_seconds must be between"),
+        ({"lease_seconds": "30"}, "lease_seconds must be a number"),
+        ({"lease_seconds": True}, "lease_seconds must be a number"),
+        ({"lease_seconds": 10, "heartbeat_seconds": 6}, "at most half of lease_seconds"),
+        ({"lease_seconds": 10, "heartbeat_seconds": 0}, "heartbeat_seconds must be between"),
+        ({"database": ""}, "database name"),
+        ({"database": "a.b"}, "database name"),
+        ({"collection": "$x"}, "collection name"),
+        ({"operation_timeout": 0}, "operation_timeout"),
+    ],
+)
+def test_bad_store_settings(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        LeaseStore("mongodb://127.0.0.1:1", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("", "empty"),
+        ("http://example.com", "not a valid MongoDB URL|must start with"),
+        ("mongodb://", "not a valid MongoDB URL"),
+        ("mongodb://user:s3cret@host:99999", "not a valid MongoDB URL"),
+    ],
+)
+def test_bad_urls_are_rejected_without_leaking_passwords(url: str, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match) as info:
+        LeaseStore(url)
+    assert "s3cret" not in str(info.value)
+
+
+def test_not_a_url_or_client() -> None:
+    with pytest.raises(ConfigurationError, match="MongoDB URL or a pymongo.MongoClient"):
+        LeaseStore(42)  # type: ignore[arg-type]
+
+
+def test_bad_acquire_arguments(store: LeaseStore) -> None:
+    from celery_mongolock import InvalidKey
+
+    with pytest.raises(InvalidKey, match="must not be empty"):
+        store.acquire("")
+    with pytest.raises(InvalidKey, match="must be a str"):
+        store.acquire(42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="lease_seconds"):
+        store.acquire("k", ttl=0)
+    with pytest.raises(ConfigurationError, match="heartbeat_seconds"):
+        store.acquire("k", ttl=1, heartbeat_seconds=5)
+    with pytest.raises(ConfigurationError, match="holder info key"):
+        store.acquire("k", info={"$where": 1})
+    with pytest.raises(ConfigurationError, match="holder info is"):
+        store.acquire("k", info={"blob": "x" * 10_000})
+    with pytest.raises(ConfigurationError, match="holder info cannot be stored"):
+        store.acquire("k", info={"obj": object()})
+
+
+def test_long_keys_are_hashed_readably_and_stay_distinct(store: LeaseStore) -> None:
+    a = store.acquire("tenant:" + "a" * 500)
+    b = store.acquire("tenant:" + "a" * 499 + "b")
+    assert a is not None and b is not None
+    assert a.key != b.key
+    assert a.key.startswith("tenant:aaa") and "~sha256:" in a.key
+    assert len(a.key.encode()) <= 200
+
+
+def test_unicode_and_hostile_keys_round_trip(store: LeaseStore) -> None:
+    for key in ["grüße:ключ:键", "a.b.c", "$dollar", "{json: 1}", "../../etc/passwd", "x" * 200]:
+        lease = store.acquire(key)
+        assert lease is not None, key
+        info = store.inspect(key)
+        assert info is not None and info.key == key and info.held
+        assert lease.release()
+
+
+# -- hold() --------------------------------------------------------------------------------------------
+
+
+def test_hold_waits_then_raises_lock_contended_naming_the_holder(store: LeaseStore, make_store: Any) -> None:
+    other = make_store()
+    blocker = other.acquire("k", ttl=30, info={"task_name": "upload", "task_id": "abc"})
+    assert blocker is not None
+    with pytest.raises(LockContended) as exc, store.hold("k", wait=0.3):
+        pass
+    assert exc.value.key == "k"
+    assert exc.value.holder["task_id"] == "abc"
+    assert "task_name=upload" in str(exc.value)
+
+
+def test_hold_gets_the_key_when_the_holder_releases(store: LeaseStore, make_store: Any) -> None:
+    other = make_store()
+    blocker = other.acquire("k", ttl=30)
+    assert blocker is not None
+    timer = threading.Timer(0.3, blocker.release)
+    timer.start()
+    with store.hold("k", wait=10) as lease:
+        assert lease.held
+    timer.join()
+    info = store.inspect("k")
+    assert info is not None and not info.held
+
+
+def test_hold_releases_on_exception(store: LeaseStore) -> None:
+    with pytest.raises(RuntimeError), store.hold("k"):
+        raise RuntimeError("boom")
+    info = store.inspect("k")
+    assert info is not None and not info.held and info.released_at is not None
+
+
+# -- inspect / list ------------------------------------------------------------------------------------
+
+
+def test_inspect_and_list(store: LeaseStore) -> None:
+    assert store.inspect("nothing") is None
+    a = store.acquire("email-group:1", info={"task_name": "upload", "task_id": "t1"})
+    b = store.acquire("email-group:2")
+    c = store.acquire("tenant:1")
+    assert a and b and c
+    b.release()
+    info = store.inspect("email-group:1")
+    assert info is not None
+    assert info.held and info.holder["task_id"] == "t1" and info.holder["pid"] > 0
+    assert info.expires_in is not None and 0 < info.expires_in <= 5
+    assert [i.key for i in store.list()] == ["email-group:1", "tenant:1"]
+    assert [i.key for i in store.list(prefix="email-group:")] == ["email-group:1"]
+    assert [i.key for i in store.list(prefix="email-group:", include_free=True)] == ["email-group:1", "email-group:2"]
+    assert [i.key for i in store.list(prefix="email-group.*")] == []  # prefix is literal, not a regex
+    assert info.as_dict()["key"] == "email-group:1"
+
+
+# -- faults ---------------------------------------------------------------------------------------------
+
+
+def test_mongodb_down_fails_closed_with_a_clear_error(own_server: Any) -> None:
+    server = own_server()
+    url = server.url
+    server.stop()
+    s = LeaseStore(url, operation_timeout=1)
+    try:
+        with pytest.raises(StoreUnavailable, match="MongoDB did not answer while trying to"):
+            s.acquire("k")
+    finally:
+        s.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_store_given_a_url_makes_a_new_client_after_fork(mongo_url: str, db_name: str) -> None:
+    import os
+
+    s = LeaseStore(mongo_url, database=db_name)
+    parent_client = s.client
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            ok = s.client is not parent_client and s.acquire("forked") is not None
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    assert s.client is parent_client
+    s.close()
