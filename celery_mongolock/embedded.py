@@ -46,6 +46,17 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As servers do: a port in TIME_WAIT after our own restart is free; one with a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def _python_with_secantus() -> str:
     """The interpreter that can run SecantusDB: ours if it has it installed."""
     import importlib.util
@@ -114,6 +125,8 @@ class EmbeddedMongo:
         """Start the server and wait until it answers ``ping`` (raises ``EmbeddedMongoError`` if not)."""
         if self.running:
             return self
+        if not _port_is_free(self.host, self.port):
+            raise EmbeddedMongoError(f"port {self.port} on {self.host} is already in use")
         if self.storage_path is not None:
             self.storage_path.mkdir(parents=True, exist_ok=True)
         if self.log_path is not None:
@@ -160,7 +173,8 @@ class EmbeddedMongo:
             client: MongoClient[dict[str, Any]] = MongoClient(self.url, serverSelectionTimeoutMS=500, connectTimeoutMS=500)
             try:
                 client.admin.command("ping")
-                return
+                if self._proc.poll() is None:  # it is our process that answered, not someone else's
+                    return
             except PyMongoError:
                 pass
             finally:

@@ -1,0 +1,109 @@
+"""The embedded MongoDB-compatible server: start, answer, stop cleanly, never left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pymongo import MongoClient
+from pymongo.errors import PyMongoError
+
+from celery_mongolock import LeaseStore
+from celery_mongolock.embedded import EmbeddedMongo, EmbeddedMongoError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _answers(url: str) -> bool:
+    c: MongoClient[dict[str, object]] = MongoClient(url, serverSelectionTimeoutMS=300)
+    try:
+        c.admin.command("ping")
+        return True
+    except PyMongoError:
+        return False
+    finally:
+        c.close()
+
+
+def test_start_answer_stop() -> None:
+    with EmbeddedMongo() as server:
+        assert server.running and server.url.startswith("mongodb://127.0.0.1:")
+        assert _answers(server.url)
+        pid = server.pid
+        assert pid is not None
+        client: MongoClient[dict[str, object]] = MongoClient(server.url)
+        try:
+            assert client.admin.command("hello").get("setName")  # presents a one-node replica set
+        finally:
+            client.close()  # presents a one-node replica set
+    assert not server.running
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not _answers(server.url)
+
+
+def test_file_backed_storage_survives_restart(tmp_path: Path) -> None:
+    server = EmbeddedMongo(storage_path=tmp_path / "data").start()
+    try:
+        store = LeaseStore(server.url, operation_timeout=5)
+        lease = store.acquire("k", ttl=60)
+        assert lease is not None
+        store.close()
+        server.restart()
+        store = LeaseStore(server.url, operation_timeout=5)
+        info = store.inspect("k")
+        assert info is not None and info.owner == lease.owner and info.fence == lease.fence
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_a_server_that_cannot_start_reports_why() -> None:
+    with EmbeddedMongo() as first:
+        clash = EmbeddedMongo(port=first.port, startup_timeout=20)
+        with pytest.raises(EmbeddedMongoError, match="already in use"):
+            clash.start()
+        assert not clash.running
+
+
+def test_module_prints_url_and_stops_on_sigint() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery_mongolock.embedded"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("mongodb://127.0.0.1:")
+        assert _answers(url)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert not _answers(url)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_module_stops_its_server_on_sigterm() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery_mongolock.embedded"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert _answers(url)
+        proc.terminate()
+        assert proc.wait(30) == 0
+        assert not _answers(url)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.stdout is not None:
+            proc.stdout.close()
