@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check celery_mongolock
+	$(PY) -m ruff format --check .
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

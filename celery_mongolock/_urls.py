@@ -24,7 +24,9 @@ def redact(text: str) -> str:
 def validate_mongo_url(url: object, setting: str = "MongoDB URL") -> str:
     """Check that ``url`` parses as a MongoDB connection string; raise ``ConfigurationError`` if not."""
     if not isinstance(url, str):
-        raise ConfigurationError(f"{setting} must be a string such as 'mongodb://host:27017', got {type(url).__name__}")
+        raise ConfigurationError(
+            f"{setting} must be a string such as 'mongodb://host:27017', got {type(url).__name__}"
+        )
     if not url.strip():
         raise ConfigurationError(f"{setting} is empty; expected something like 'mongodb://host:27017'")
     from pymongo.errors import ConfigurationError as PyMongoConfigurationError
@@ -36,7 +38,9 @@ def validate_mongo_url(url: object, setting: str = "MongoDB URL") -> str:
         if not url.startswith("mongodb+srv://"):
             parse_uri(url, validate=True)
     except (InvalidURI, PyMongoConfigurationError, ValueError) as exc:
-        raise ConfigurationError(f"{setting} {redact(url)!r} is not a valid MongoDB URL: {redact(str(exc))}") from None
+        raise ConfigurationError(
+            f"{setting} {redact(url)!r} is not a valid MongoDB URL: {redact(str(exc))}"
+        ) from None
     if not (url.startswith("mongodb://") or url.startswith("mongodb+srv://")):
         raise ConfigurationError(f"{setting} {redact(url)!r} must start with mongodb:// or mongodb+srv://")
     return url

@@ -168,9 +168,12 @@ class EmbeddedMongo:
             assert self._proc is not None
             if self._proc.poll() is not None:
                 raise EmbeddedMongoError(
-                    f"embedded MongoDB server exited with code {self._proc.returncode} while starting:\n{self._log_tail()}"
+                    f"embedded MongoDB server exited with code {self._proc.returncode} while starting:\n"
+                    f"{self._log_tail()}"
                 )
-            client: MongoClient[dict[str, Any]] = MongoClient(self.url, serverSelectionTimeoutMS=500, connectTimeoutMS=500)
+            client: MongoClient[dict[str, Any]] = MongoClient(
+                self.url, serverSelectionTimeoutMS=500, connectTimeoutMS=500
+            )
             try:
                 client.admin.command("ping")
                 if self._proc.poll() is None:  # it is our process that answered, not someone else's
@@ -181,7 +184,8 @@ class EmbeddedMongo:
                 client.close()
             if time.monotonic() > deadline:
                 raise EmbeddedMongoError(
-                    f"embedded MongoDB server did not answer on {self.url} within {self.startup_timeout:g}s:\n"
+                    f"embedded MongoDB server did not answer on {self.url} "
+                    f"within {self.startup_timeout:g}s:\n"
                     f"{self._log_tail()}"
                 )
             time.sleep(delay)

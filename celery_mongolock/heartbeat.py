@@ -98,7 +98,9 @@ class Heartbeat:
             with self._lock:
                 t = self._thread
                 if (t is None or not t.is_alive()) and not self._stopped.is_set():
-                    self._thread = threading.Thread(target=self._run, name="celery_mongolock-heartbeat", daemon=True)
+                    self._thread = threading.Thread(
+                        target=self._run, name="celery_mongolock-heartbeat", daemon=True
+                    )
                     self._thread.start()
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -170,7 +172,9 @@ class Heartbeat:
             except Exception as exc:  # ambiguous driver errors surface as PyMongoError subclasses
                 ok = False
                 self.failures += 1
-                log.warning("renewal of %d lease(s) failed, will retry: %s: %s", len(renew), type(exc).__name__, exc)
+                log.warning(
+                    "renewal of %d lease(s) failed, will retry: %s: %s", len(renew), type(exc).__name__, exc
+                )
         if self._pending:
             ok = self._flush_pending(store, now) and ok
         return ok

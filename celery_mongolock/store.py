@@ -64,6 +64,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import logging
+import math
 import os
 import random
 import socket
@@ -114,14 +115,21 @@ MAX_LEASE_SECONDS = 30 * 24 * 3600.0
 MAX_INFO_BYTES = 4096
 
 # Errors after which we cannot know whether the server applied the write.
-_AMBIGUOUS = (AutoReconnect, ConnectionFailure, NetworkTimeout, ExecutionTimeout, WTimeoutError, WriteConcernError)
+_AMBIGUOUS = (
+    AutoReconnect,
+    ConnectionFailure,
+    NetworkTimeout,
+    ExecutionTimeout,
+    WTimeoutError,
+    WriteConcernError,
+)
 
 
 def _validate_seconds(name: str, value: object, *, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigurationError(f"{name} must be a number of seconds, got {type(value).__name__}: {value!r}")
     seconds = float(value)
-    if seconds != seconds or not (low <= seconds <= high):  # NaN fails the first test
+    if math.isnan(seconds) or not (low <= seconds <= high):
         raise ConfigurationError(f"{name} must be between {low:g} and {high:g} seconds, got {value!r}")
     return seconds
 
@@ -185,6 +193,7 @@ class Lease:
         store: LeaseStore,
         key: str,
         owner: str,
+        *,
         fence: int,
         ttl: float,
         heartbeat_seconds: float,
@@ -368,14 +377,21 @@ class LeaseStore:
                 f"LeaseStore needs a MongoDB URL or a pymongo.MongoClient, got {type(client_or_url).__name__}"
             )
         for name, value in (("database", database), ("collection", collection)):
-            if not isinstance(value, str) or not value or any(c in value for c in "$\x00") or value != value.strip():
+            if (
+                not isinstance(value, str)
+                or not value
+                or any(c in value for c in "$\x00")
+                or value != value.strip()
+            ):
                 raise ConfigurationError(f"{name} name {value!r} is not a valid MongoDB {name} name")
         if any(c in database for c in '/\\. "'):
             raise ConfigurationError(f"database name {database!r} must not contain / \\ . space or quotes")
         self.database_name = database
         self.collection_name = collection
         self.lease_seconds, self.heartbeat_seconds = validate_lease_timing(lease_seconds, heartbeat_seconds)
-        self.operation_timeout = _validate_seconds("operation_timeout", operation_timeout, low=0.1, high=3600.0)
+        self.operation_timeout = _validate_seconds(
+            "operation_timeout", operation_timeout, low=0.1, high=3600.0
+        )
         if write_concern is None:
             # Majority + journal: an acknowledged acquisition survives a failover (no rollback, no
             # second holder). w:majority alone does not imply j on every server.
@@ -426,7 +442,9 @@ class LeaseStore:
                     try:
                         client = MongoClient(self._url, **options)
                     except PyMongoError as exc:
-                        raise ConfigurationError(f"cannot create a MongoDB client: {redact(str(exc))}") from None
+                        raise ConfigurationError(
+                            f"cannot create a MongoDB client: {redact(str(exc))}"
+                        ) from None
                     self._client_cache = client
         return client
 
@@ -534,7 +552,9 @@ class LeaseStore:
             except Exception as exc:
                 raise ConfigurationError(f"holder info cannot be stored in MongoDB: {exc}") from None
             if size > MAX_INFO_BYTES:
-                raise ConfigurationError(f"holder info is {size} bytes encoded; the limit is {MAX_INFO_BYTES}")
+                raise ConfigurationError(
+                    f"holder info is {size} bytes encoded; the limit is {MAX_INFO_BYTES}"
+                )
         return holder
 
     @staticmethod
@@ -588,7 +608,9 @@ class LeaseStore:
         the lease alive until it is released. Raises ``StoreUnavailable`` if MongoDB cannot be reached:
         a lease is never assumed.
         """
-        lease, _ = self._try_acquire(key, ttl, info=info, heartbeat=heartbeat, heartbeat_seconds=heartbeat_seconds)
+        lease, _ = self._try_acquire(
+            key, ttl, info=info, heartbeat=heartbeat, heartbeat_seconds=heartbeat_seconds
+        )
         return lease
 
     def _try_acquire(
@@ -603,7 +625,9 @@ class LeaseStore:
         key = normalize_key(key)
         ttl_s, beat = validate_lease_timing(
             self.lease_seconds if ttl is None else ttl,
-            heartbeat_seconds if heartbeat_seconds is not None else (self.heartbeat_seconds if ttl is None else None),
+            heartbeat_seconds
+            if heartbeat_seconds is not None
+            else (self.heartbeat_seconds if ttl is None else None),
         )
         ttl_ms = int(ttl_s * 1000)
         holder = self._holder_info(info)
@@ -640,13 +664,22 @@ class LeaseStore:
                 continue
             except _AMBIGUOUS as exc:
                 last_error = exc
-                log_acquire.info("acquire %r: ambiguous outcome (%s), retrying with the same token", key, type(exc).__name__)
+                log_acquire.info(
+                    "acquire %r: ambiguous outcome (%s), retrying with the same token",
+                    key,
+                    type(exc).__name__,
+                )
             except OperationFailure as exc:  # RetryableWriteError-labelled failures
                 last_error = exc
             except StoreUnavailable as exc:
                 last_error = exc
                 break
-            clock.sleep(min(0.05 * (2 ** min(attempt, 6)) * (0.5 + random.random()), max(0.0, give_up_at - clock.monotonic())))
+            clock.sleep(
+                min(
+                    0.05 * (2 ** min(attempt, 6)) * (0.5 + random.random()),
+                    max(0.0, give_up_at - clock.monotonic()),
+                )
+            )
 
         if last_error is not None:
             # We may or may not hold the key. Release our token in the background as soon as the server
@@ -664,12 +697,12 @@ class LeaseStore:
             self,
             key,
             token,
-            int(doc["fence"]),
-            ttl_s,
-            beat,
-            _aware(doc.get("expires_at")),
-            sent_at,
-            holder,
+            fence=int(doc["fence"]),
+            ttl=ttl_s,
+            heartbeat_seconds=beat,
+            expires_at=_aware(doc.get("expires_at")),
+            sent_at=sent_at,
+            holder=holder,
         )
         log_acquire.info("acquired lease %r fence=%s ttl=%gs", key, lease.fence, ttl_s)
         if heartbeat:
@@ -699,7 +732,9 @@ class LeaseStore:
         give_up_at = clock.monotonic() + wait_s
         interval = poll_interval
         while True:
-            lease, doc = self._try_acquire(key, ttl, info=info, heartbeat=True, heartbeat_seconds=heartbeat_seconds)
+            lease, doc = self._try_acquire(
+                key, ttl, info=info, heartbeat=True, heartbeat_seconds=heartbeat_seconds
+            )
             if lease is not None:
                 break
             remaining = give_up_at - clock.monotonic()
@@ -717,8 +752,12 @@ class LeaseStore:
         return [{"$set": {"expires_at": {"$add": ["$$NOW", "$ttl_ms"]}, "renewed_at": "$$NOW"}}]
 
     def _renew_one(self, lease: Lease) -> bool:
-        with self._operation(f"renew lease {lease.key!r}", timeout=max(0.1, min(self.operation_timeout, lease.remaining))):
-            result = self.collection.update_one({"_id": lease.key, "owner": lease.owner}, self._renew_pipeline())
+        with self._operation(
+            f"renew lease {lease.key!r}", timeout=max(0.1, min(self.operation_timeout, lease.remaining))
+        ):
+            result = self.collection.update_one(
+                {"_id": lease.key, "owner": lease.owner}, self._renew_pipeline()
+            )
         log_renew.debug("renewed %r: matched=%s", lease.key, result.matched_count)
         return result.matched_count == 1
 
@@ -737,7 +776,9 @@ class LeaseStore:
             result = coll.update_many({"owner": {"$in": builtins.list(by_token)}}, self._renew_pipeline())
             lost: builtins.list[Lease] = []
             if result.matched_count != len(by_token):
-                still = {d["owner"] for d in coll.find({"owner": {"$in": builtins.list(by_token)}}, {"owner": 1})}
+                still = {
+                    d["owner"] for d in coll.find({"owner": {"$in": builtins.list(by_token)}}, {"owner": 1})
+                }
                 lost = [lease for token, lease in by_token.items() if token not in still]
         for lease in live:
             if lease in lost:
@@ -781,7 +822,9 @@ class LeaseStore:
                 {"_id": key, "owner": {"$ne": None}},
                 [{"$set": {"owner": None, "released_at": "$$NOW", "forced_release": True}}],
             )
-        log_release.warning("force-released lease %r: %s", key, "it was held" if result.matched_count else "it was free")
+        log_release.warning(
+            "force-released lease %r: %s", key, "it was held" if result.matched_count else "it was free"
+        )
         return result.matched_count == 1
 
     # -- reading -------------------------------------------------------------------------------------
@@ -804,7 +847,11 @@ class LeaseStore:
         )
 
     def _read(self, match: Document, action: str) -> builtins.list[LeaseInfo]:
-        stage = {"$addFields": {"__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]}}}
+        stage = {
+            "$addFields": {
+                "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]}
+            }
+        }
         with self._operation(action):
             docs = builtins.list(self.collection.aggregate([{"$match": match}, {"$sort": {"_id": 1}}, stage]))
         return [self._info(d) for d in docs]

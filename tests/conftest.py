@@ -34,8 +34,9 @@ def db_name() -> str:
 class CommandCounter(monitoring.CommandListener):
     """Records the commands a client sends (pymongo command monitoring), minus connection chatter."""
 
-    IGNORED = frozenset({"hello", "isMaster", "ismaster", "endSessions", "ping", "buildInfo", "saslStart",
-                         "saslContinue"})
+    IGNORED = frozenset(
+        {"hello", "isMaster", "ismaster", "endSessions", "ping", "buildInfo", "saslStart", "saslContinue"}
+    )
 
     def __init__(self) -> None:
         self.commands: list[tuple[str, dict[str, Any]]] = []

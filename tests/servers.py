@@ -103,8 +103,21 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning",
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -18,7 +18,9 @@ from .servers import wait_for
 
 pytestmark = [
     pytest.mark.faketime,
-    pytest.mark.skipif(shutil.which("faketime") is None, reason="libfaketime is not installed (apt-get install faketime)"),
+    pytest.mark.skipif(
+        shutil.which("faketime") is None, reason="libfaketime is not installed (apt-get install faketime)"
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +34,11 @@ class Agent:
         if offset is not None:
             cmd = ["faketime", "-f", offset, *cmd]
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
             # Shift only the wall clock, as on a machine whose clock is wrong: CLOCK_MONOTONIC keeps
             # counting real time (libfaketime would otherwise shift it too, and the kernel's timed waits
             # on that clock would then sleep for ten minutes or not at all).

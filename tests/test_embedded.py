@@ -73,7 +73,10 @@ def test_a_server_that_cannot_start_reports_why() -> None:
 def test_module_prints_url_and_stops_on_sigint() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery_mongolock.embedded"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
         assert proc.stdout is not None
@@ -93,7 +96,10 @@ def test_module_prints_url_and_stops_on_sigint() -> None:
 def test_module_stops_its_server_on_sigterm() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery_mongolock.embedded"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
         assert proc.stdout is not None

@@ -10,6 +10,7 @@ document, writes it back incremented and appends its fence, then releases. The c
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -64,7 +65,15 @@ def test_processes_never_overlap_and_lose_no_update(mongo_url: str, db_name: str
         procs.append(
             (
                 subprocess.Popen(
-                    [sys.executable, str(script), mongo_url, db_name, ",".join(keys), str(per_process), str(out)],
+                    [
+                        sys.executable,
+                        str(script),
+                        mongo_url,
+                        db_name,
+                        ",".join(keys),
+                        str(per_process),
+                        str(out),
+                    ],
                     env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
                 ),
                 out,
@@ -91,9 +100,9 @@ def test_processes_never_overlap_and_lose_no_update(mongo_url: str, db_name: str
         # no lost update
         assert counters[key]["value"] == len(mine)
         # no overlap, and fences increase in hold order
-        for earlier, later in zip(mine, mine[1:]):
+        for earlier, later in itertools.pairwise(mine):
             assert earlier[3] <= later[2], f"overlapping holds of {key}: {earlier} {later}"
             assert earlier[1] < later[1], f"fence went backwards on {key}: {earlier} {later}"
-        applied = counters[key]["fences"]
-        assert all(a < b for a, b in zip(applied, applied[1:]))
+        applied: list[int] = list(counters[key]["fences"])  # type: ignore[call-overload]
+        assert all(a < b for a, b in itertools.pairwise(applied))
         assert applied == [h[1] for h in mine]

@@ -25,7 +25,11 @@ def test_redact(text: str, expected: str) -> None:
 
 
 def test_valid_urls_pass() -> None:
-    for url in ["mongodb://localhost", "mongodb://a:1,b:2/?replicaSet=rs0", "mongodb://u:p@h/db?authSource=admin"]:
+    for url in [
+        "mongodb://localhost",
+        "mongodb://a:1,b:2/?replicaSet=rs0",
+        "mongodb://u:p@h/db?authSource=admin",
+    ]:
         assert validate_mongo_url(url) == url
 
 
