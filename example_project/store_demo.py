@@ -15,6 +15,7 @@ Exits non-zero if an invariant broke.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -36,7 +37,7 @@ DB = "celery_mongolock_demo"
 def upload(url: str, group: int, upload_id: str, members: list[str], log: Any) -> None:
     """Replace an email group's members with ``members``, as a singleton per group."""
     store = LeaseStore(url, database=DB, lease_seconds=5)
-    groups = MongoClient(url)[DB]["group_members"]
+    groups: Any = MongoClient(url)[DB]["group_members"]
     with store.hold(f"email-group:{group}", wait=60, info={"upload": upload_id}) as lease:
         start = time.monotonic()
         groups.delete_many({"group": group})
@@ -88,7 +89,7 @@ def main() -> int:
         t0 = runs[0][2]
         for uid, fence, start, end in runs:
             print(f"   {uid:<10} {fence:>18} {start - t0:>7.3f}s {end - t0:>7.3f}s")
-        overlaps = sum(1 for a, b in zip(runs, runs[1:]) if b[2] < a[3])
+        overlaps = sum(1 for a, b in itertools.pairwise(runs) if b[2] < a[3])
         last = runs[-1][0]
         members = sorted(d["email"] for d in client[DB]["group_members"].find({"group": 42}))
         exact = members == sorted(uploads[last])
