@@ -93,9 +93,7 @@ def main() -> int:
         last = runs[-1][0]
         members = sorted(d["email"] for d in client[DB]["group_members"].find({"group": 42}))
         exact = members == sorted(uploads[last])
-        print(
-            f"   overlaps: {overlaps}; group 42 holds exactly the members of the last upload ({last}): {exact}"
-        )
+        print(f"   overlaps: {overlaps}; group 42 holds exactly the last upload's members ({last}): {exact}")
         ok &= overlaps == 0 and exact
 
         print("\n2. a holder is killed (SIGKILL) while it holds 'nightly-report' (2 s lease)")
@@ -121,7 +119,8 @@ def main() -> int:
             {"_id": "nightly", "fence": {"$lte": old_fence}}, {"$set": {"by": "stale holder"}}
         )
         print(
-            f"   stale write applied: {stale.modified_count == 1}; document: {reports.find_one({'_id': 'nightly'})}"
+            f"   stale write applied: {stale.modified_count == 1}; "
+            f"document: {reports.find_one({'_id': 'nightly'})}"
         )
         ok &= stale.modified_count == 0
         lease.release()
