@@ -8,10 +8,17 @@ prefix plus a SHA-256 of the whole key, so that every distinct key still maps to
 from __future__ import annotations
 
 import hashlib
+import inspect
+import json
+import re
+import string
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
 
-from .exceptions import InvalidKey
+from .exceptions import ConfigurationError, InvalidKey
 
-__all__ = ["MAX_KEY_BYTES", "normalize_key"]
+__all__ = ["MAX_KEY_BYTES", "KeyRenderer", "KeySpec", "encode_value", "normalize_key"]
 
 #: Keys longer than this (in UTF-8 bytes) are stored as ``<prefix>~sha256:<hex>``.
 MAX_KEY_BYTES = 200
@@ -36,3 +43,197 @@ def normalize_key(key: object) -> str:
         return key
     digest = hashlib.sha256(encoded).hexdigest()
     return f"{key[:_PREFIX_CHARS]}~sha256:{digest}"
+
+
+# -- key specs: how a task's arguments name its lease key ----------------------------------------------
+
+KeySpec = Union[None, str, Sequence[str], Callable[..., Any]]
+
+_TEMPLATE_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def encode_value(value: object, *, argument: str = "value") -> str:
+    """The canonical text of an argument value used in a key.
+
+    str as is; int (and bool) in decimal; UUID and ObjectId as their usual string; dict and list as
+    compact JSON with sorted keys (so ``{"a": 1, "b": 2}`` and ``{"b": 2, "a": 1}`` give one key).
+    Anything else (floats, bytes, arbitrary objects) is refused: it has no single obvious text, and a
+    key that silently differs between two calls would not exclude anything.
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if type(value).__name__ == "ObjectId" and type(value).__module__.startswith("bson"):
+        return str(value)
+    if value is None:
+        return "null"
+    if isinstance(value, (dict, list, tuple)):
+        try:
+            return json.dumps(_jsonable(value, argument), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        except InvalidKey:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise InvalidKey(f"argument {argument!r} cannot be encoded into a lease key: {exc}") from None
+    raise InvalidKey(
+        f"argument {argument!r} is a {type(value).__name__} ({value!r:.60}); lease keys accept str, int, UUID, "
+        "ObjectId, dict and list values: pass one of those, or give key= a callable that returns a string"
+    )
+
+
+def _jsonable(value: object, argument: str) -> object:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidKey(f"argument {argument!r} has a dict key {k!r} that is not a str")
+            out[k] = _jsonable(v, argument)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, argument) for v in value]
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    return encode_value(value, argument=argument)
+
+
+class KeyRenderer:
+    """Turns a task's call arguments into its lease key, per the task's key spec.
+
+    * ``None``: the task's name (one run at a time, whatever the arguments);
+    * an argument name, or a list of them: ``"<task name>:<value>[:<value>...]"``;
+    * a template such as ``"email-group:{group_id}"``: the rendered text is the key as is, so two tasks
+      using the same template guard the same resource;
+    * a brace-free string that is not an identifier (``"nightly-report"``): that fixed key;
+    * a callable: called with the task's arguments, returns the key.
+
+    Arguments are bound to the function's signature with defaults applied, so ``f(1)`` and
+    ``f(group_id=1)`` give one key. Every mistake that can be found when the task is declared is
+    reported then (``ConfigurationError``).
+    """
+
+    def __init__(self, spec: KeySpec, func: Callable[..., Any], task_name: str) -> None:
+        self.spec = spec
+        self.task_name = task_name
+        self.func = func
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(func)
+        except (TypeError, ValueError):
+            self.signature = None
+        params = self.signature.parameters if self.signature is not None else {}
+        self._names: tuple[str, ...] = ()
+        self._template: str | None = None
+        self._fixed: str | None = None
+        self._callable: Callable[..., Any] | None = None
+        where = f"task {task_name!r}"
+        if spec is None:
+            self._fixed = task_name
+        elif isinstance(spec, str):
+            if not spec:
+                raise ConfigurationError(f"{where}: key must not be empty (use key=None for the task's name)")
+            if "{" in spec or "}" in spec:
+                fields = self._template_fields(spec, where)
+                missing = [f for f in fields if f not in params and not self._has_var_kwargs(params)]
+                if missing:
+                    raise ConfigurationError(
+                        f"{where}: key template {spec!r} names {', '.join(map(repr, missing))}, which "
+                        f"{'is' if len(missing) == 1 else 'are'} not an argument of {self._describe(params)}"
+                    )
+                self._template = spec
+            elif spec.isidentifier():
+                if spec not in params and not self._has_var_kwargs(params):
+                    raise ConfigurationError(
+                        f"{where}: key {spec!r} is not an argument of {self._describe(params)}; for a fixed "
+                        f"key use a string that is not a bare name, such as {spec + ':lock'!r}"
+                    )
+                self._names = (spec,)
+            else:
+                normalize_key(spec)
+                self._fixed = spec
+        elif callable(spec):
+            self._callable = spec
+        elif isinstance(spec, (list, tuple)):
+            if not spec:
+                raise ConfigurationError(f"{where}: key lists must name at least one argument")
+            for name in spec:
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise ConfigurationError(f"{where}: key list entries must be argument names, got {name!r}")
+                if name not in params and not self._has_var_kwargs(params):
+                    raise ConfigurationError(
+                        f"{where}: key names {name!r}, which is not an argument of {self._describe(params)}"
+                    )
+            self._names = tuple(spec)
+        else:
+            raise ConfigurationError(
+                f"{where}: key must be None, an argument name, a list of names, a template string or a "
+                f"callable, got {type(spec).__name__}"
+            )
+
+    @staticmethod
+    def _has_var_kwargs(params: Mapping[str, inspect.Parameter]) -> bool:
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def _describe(self, params: Mapping[str, inspect.Parameter]) -> str:
+        return f"{getattr(self.func, '__name__', 'the task')}({', '.join(params)})"
+
+    @staticmethod
+    def _template_fields(template: str, where: str) -> list[str]:
+        fields = []
+        try:
+            parsed = list(string.Formatter().parse(template))
+        except ValueError as exc:
+            raise ConfigurationError(f"{where}: key template {template!r} is malformed: {exc}") from None
+        for _literal, field, spec, conversion in parsed:
+            if field is None:
+                continue
+            if not _TEMPLATE_FIELD.match(field):
+                raise ConfigurationError(
+                    f"{where}: key template {template!r} field {{{field}}} must be a plain argument name "
+                    "(no attribute access, indexing or positional fields)"
+                )
+            if spec or conversion:
+                raise ConfigurationError(
+                    f"{where}: key template {template!r} field {{{field}}} must not carry a format spec or "
+                    "conversion; values are encoded canonically"
+                )
+            fields.append(field)
+        return fields
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name, with defaults applied (TypeError if they do not fit)."""
+        if self.signature is None:
+            return dict(kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for name, param in self.signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(name, {}))
+        return arguments
+
+    def render(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The lease key for one call (``InvalidKey`` if an argument cannot be encoded)."""
+        if self._fixed is not None:
+            return normalize_key(self._fixed)
+        if self._callable is not None:
+            value = self._callable(*args, **kwargs)
+            if not isinstance(value, str):
+                value = encode_value(value, argument="key()")
+            return normalize_key(value)
+        arguments = self.bind(args, kwargs)
+        if self._template is not None:
+            values = {}
+            for field in self._template_fields(self._template, self.task_name):
+                if field not in arguments:
+                    raise InvalidKey(f"key template {self._template!r} needs argument {field!r}, not given")
+                values[field] = encode_value(arguments[field], argument=field)
+            return normalize_key(self._template.format(**values))
+        parts = [self.task_name]
+        for name in self._names:
+            if name not in arguments:
+                raise InvalidKey(f"key needs argument {name!r}, not given")
+            parts.append(encode_value(arguments[name], argument=name))
+        return normalize_key(":".join(parts))

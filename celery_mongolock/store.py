@@ -709,6 +709,47 @@ class LeaseStore:
             self.heartbeat.add(lease)
         return lease, doc
 
+    def wait_free(self, key: str, timeout: float, *, poll_interval: float = 0.05, max_poll_interval: float = 1.0) -> bool:
+        """Block until ``key`` looks free or ``timeout`` passes; True if it is worth trying to acquire.
+
+        Wakes at once when the lease document changes (a MongoDB change stream, where the server has
+        them), and at the holder's expiry; without change streams it polls with backoff.
+        """
+        key = normalize_key(key)
+        clock = self.clock
+        give_up_at = clock.monotonic() + max(0.0, timeout)
+        try:
+            with self._operation(f"watch lease {key!r}", timeout=None):
+                stream = self.collection.watch([{"$match": {"documentKey._id": key}}], max_await_time_ms=200)
+        except (StoreUnavailable, OperationFailure, *_AMBIGUOUS):
+            stream = None  # no change streams here (standalone server, permissions): poll instead
+        interval = poll_interval
+        try:
+            while True:
+                info = self.inspect(key)
+                if info is None or not info.held:
+                    return True
+                remaining = give_up_at - clock.monotonic()
+                if remaining <= 0:
+                    return False
+                # Sleep until a change, the holder's expiry, or the deadline, whichever is first.
+                nap = min(remaining, max(0.01, (info.expires_in or 0.0) + 0.005))
+                if stream is not None:
+                    wake_at = clock.monotonic() + nap
+                    try:
+                        # Each try_next waits on the server up to max_await_time_ms for a change.
+                        while stream.try_next() is None and clock.monotonic() < wake_at:
+                            pass
+                    except (PyMongoError, *_AMBIGUOUS):
+                        stream = None
+                else:
+                    clock.sleep(min(nap, interval * (0.5 + random.random())))
+                    interval = min(max_poll_interval, interval * 2)
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.close()
+
     @contextlib.contextmanager
     def hold(
         self,
@@ -723,14 +764,14 @@ class LeaseStore:
     ) -> Iterator[Lease]:
         """Hold ``key`` while the ``with`` block runs, renewed by the heartbeat thread.
 
-        Waits up to ``wait`` seconds for the key (polling with backoff), then raises ``LockContended``
+        Waits up to ``wait`` seconds for the key (woken by its release, see ``wait_free``), then raises
+        ``LockContended``
         naming the holder. The lease is released when the block exits, however it exits. Inside the
         block, ``lease.lost`` (or ``lease.raise_if_lost()``) tells whether the lease was lost.
         """
         wait_s = _validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
         clock = self.clock
         give_up_at = clock.monotonic() + wait_s
-        interval = poll_interval
         while True:
             lease, doc = self._try_acquire(
                 key, ttl, info=info, heartbeat=True, heartbeat_seconds=heartbeat_seconds
@@ -738,11 +779,11 @@ class LeaseStore:
             if lease is not None:
                 break
             remaining = give_up_at - clock.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not self.wait_free(
+                key, remaining, poll_interval=poll_interval, max_poll_interval=max_poll_interval
+            ):
                 holder = (doc or {}).get("holder") or {}
                 raise LockContended(normalize_key(key), holder, _aware((doc or {}).get("expires_at")))
-            clock.sleep(min(remaining, interval * (0.5 + random.random())))
-            interval = min(max_poll_interval, interval * 2)
         with lease:
             yield lease
 
@@ -809,6 +850,24 @@ class LeaseStore:
     def _release_later(self, key: str, token: str, until: float) -> None:
         log_release.warning("lease %r: release queued for the background until MongoDB answers", key)
         self.heartbeat.release_later(key, token, until)
+
+    def release_held_by(self, **holder: Any) -> int:
+        """Release every lease whose holder info matches all of ``holder`` (e.g. ``task_id=..., pid=...``).
+
+        For a supervisor that knows a process died holding leases (Celery's worker parent, when a child
+        is killed), so the keys are free at once instead of at expiry. Returns how many were released.
+        """
+        if not holder:
+            raise ConfigurationError("release_held_by needs at least one holder field to match")
+        match: Document = {f"holder.{k}": v for k, v in holder.items()}
+        match["owner"] = {"$ne": None}
+        with self._operation(f"release leases held by {holder}"):
+            result = self.collection.update_many(
+                match, [{"$set": {"owner": None, "released_at": "$$NOW", "released_for": "holder died"}}]
+            )
+        if result.modified_count:
+            log_release.warning("released %d lease(s) held by %s", result.modified_count, holder)
+        return result.modified_count
 
     def force_release(self, key: str) -> bool:
         """Release ``key`` whoever holds it (an operator's tool). True if it was held.

@@ -1,0 +1,215 @@
+"""Settings: ``mongolock_*`` in ``app.conf`` (Django: ``CELERY_MONGOLOCK_*``), read lazily, validated.
+
+=============================  ===============================  =============================================
+setting                        default                          meaning
+=============================  ===============================  =============================================
+``mongolock_url``              ``mongodb://localhost:27017``    where the leases live
+``mongolock_database``         ``celery_mongolock``             database of the lease collection
+``mongolock_collection``       ``leases``                       the lease collection
+``mongolock_lease_seconds``    ``30``                           how long a lease outlives a dead holder
+``mongolock_heartbeat_seconds`` lease / 3                       renewal interval (at most lease / 2)
+``mongolock_on_contention``    ``"retry"``                      policy when the key is held
+``mongolock_operation_timeout`` ``10``                          deadline of one MongoDB operation
+``mongolock_task_policies``    ``{}``                           per task name: any of ``on_contention``,
+                                                                ``lease_seconds``, ``heartbeat_seconds``
+=============================  ===============================  =============================================
+
+Precedence for a task: ``mongolock_task_policies[task name]`` beats the decorator's arguments, which
+beat the global settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._urls import validate_mongo_url
+from .exceptions import ConfigurationError
+from .policies import Policy, PolicySpec, Retry, parse_policy
+from .store import LeaseStore, _validate_seconds, validate_lease_timing
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ["DEFAULTS", "Settings", "TaskOptions", "get_settings", "get_store", "read_settings"]
+
+DEFAULTS: dict[str, Any] = {
+    "mongolock_url": "mongodb://localhost:27017",
+    "mongolock_database": "celery_mongolock",
+    "mongolock_collection": "leases",
+    "mongolock_lease_seconds": 30.0,
+    "mongolock_heartbeat_seconds": None,
+    "mongolock_on_contention": "retry",
+    "mongolock_operation_timeout": 10.0,
+    "mongolock_task_policies": {},
+}
+TASK_OPTION_NAMES = ("on_contention", "lease_seconds", "heartbeat_seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOptions:
+    """The lease options in force for one task."""
+
+    on_contention: Policy
+    lease_seconds: float
+    heartbeat_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    url: str
+    database: str
+    collection: str
+    lease_seconds: float
+    heartbeat_seconds: float | None
+    on_contention: Policy
+    operation_timeout: float
+    task_policies: Mapping[str, Mapping[str, Any]]
+
+    def for_task(
+        self,
+        name: str,
+        *,
+        on_contention: PolicySpec | None = None,
+        lease_seconds: float | None = None,
+        heartbeat_seconds: float | None = None,
+    ) -> TaskOptions:
+        """Options for task ``name``: per-task settings > decorator arguments > global settings."""
+        override = self.task_policies.get(name, {})
+        where = f"mongolock_task_policies[{name!r}]"
+        policy_spec = override.get("on_contention", on_contention)
+        policy = self.on_contention if policy_spec is None else parse_policy(policy_spec, f"{where}['on_contention']")
+        if "lease_seconds" in override:
+            lease = override["lease_seconds"]
+        elif lease_seconds is not None:
+            lease = lease_seconds
+        else:
+            lease = self.lease_seconds
+        if "heartbeat_seconds" in override:
+            beat = override["heartbeat_seconds"]
+        elif heartbeat_seconds is not None:
+            beat = heartbeat_seconds
+        elif "lease_seconds" in override or lease_seconds is not None:
+            beat = None  # a task-specific lease length gets its own default heartbeat
+        else:
+            beat = self.heartbeat_seconds
+        try:
+            lease_s, beat_s = validate_lease_timing(lease, beat)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"task {name!r}: {exc}") from None
+        return TaskOptions(on_contention=policy, lease_seconds=lease_s, heartbeat_seconds=beat_s)
+
+
+def _conf_get(conf: Any, name: str) -> Any:
+    for candidate in (name, name.upper()):
+        try:
+            value = conf.get(candidate)
+        except Exception:  # pragma: no cover - exotic conf objects
+            value = None
+        if value is not None:
+            return value
+    return DEFAULTS[name]
+
+
+def read_settings(conf: Any) -> Settings:
+    """Read and validate every ``mongolock_*`` setting; ``ConfigurationError`` names the bad one."""
+    url = validate_mongo_url(_conf_get(conf, "mongolock_url"), setting="mongolock_url")
+    names = {}
+    for setting in ("mongolock_database", "mongolock_collection"):
+        value = _conf_get(conf, setting)
+        if not isinstance(value, str) or not value.strip() or "$" in value or "\x00" in value:
+            raise ConfigurationError(f"{setting} must be a non-empty name without '$', got {value!r}")
+        names[setting] = value
+    if any(c in names["mongolock_database"] for c in '/\\. "'):
+        raise ConfigurationError(f"mongolock_database {names['mongolock_database']!r} must not contain / \\ . or spaces")
+    try:
+        lease, beat = validate_lease_timing(
+            _conf_get(conf, "mongolock_lease_seconds"), _conf_get(conf, "mongolock_heartbeat_seconds")
+        )
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"mongolock_{exc}") from None
+    explicit_beat = _conf_get(conf, "mongolock_heartbeat_seconds")
+    policy = parse_policy(_conf_get(conf, "mongolock_on_contention"), "mongolock_on_contention")
+    timeout = _validate_seconds(
+        "mongolock_operation_timeout", _conf_get(conf, "mongolock_operation_timeout"), low=0.1, high=3600.0
+    )
+    raw_policies = _conf_get(conf, "mongolock_task_policies")
+    if not isinstance(raw_policies, Mapping):
+        raise ConfigurationError(
+            f"mongolock_task_policies must be a dict of task name -> options, got {type(raw_policies).__name__}"
+        )
+    task_policies: dict[str, dict[str, Any]] = {}
+    for task_name, options in raw_policies.items():
+        where = f"mongolock_task_policies[{task_name!r}]"
+        if not isinstance(task_name, str) or not task_name:
+            raise ConfigurationError(f"mongolock_task_policies keys must be task names, got {task_name!r}")
+        if isinstance(options, (str, Policy)):
+            options = {"on_contention": options}  # shorthand: {"task": "skip"}
+        if not isinstance(options, Mapping):
+            raise ConfigurationError(f"{where} must be a dict of options, got {type(options).__name__}")
+        unknown = sorted(set(options) - set(TASK_OPTION_NAMES))
+        if unknown:
+            raise ConfigurationError(f"{where} has unknown option(s) {unknown}; known: {list(TASK_OPTION_NAMES)}")
+        checked = dict(options)
+        if "on_contention" in checked:
+            checked["on_contention"] = parse_policy(checked["on_contention"], f"{where}['on_contention']")
+        task_policies[task_name] = checked
+    settings = Settings(
+        url=url,
+        database=names["mongolock_database"],
+        collection=names["mongolock_collection"],
+        lease_seconds=lease,
+        heartbeat_seconds=None if explicit_beat is None else beat,
+        on_contention=policy,
+        operation_timeout=timeout,
+        task_policies=task_policies,
+    )
+    for task_name in task_policies:  # lease/heartbeat combinations are checked now, not at first run
+        settings.for_task(task_name)
+    return settings
+
+
+_lock = threading.Lock()
+
+
+def get_settings(app: Celery) -> Settings:
+    """The app's validated settings (read once per app; ``app.conf`` changes before first use count)."""
+    cached: Settings | None = getattr(app, "_mongolock_settings", None)
+    if cached is None:
+        with _lock:
+            cached = getattr(app, "_mongolock_settings", None)
+            if cached is None:
+                cached = read_settings(app.conf)
+                app._mongolock_settings = cached
+    return cached
+
+
+def get_store(app: Celery) -> LeaseStore:
+    """The app's lease store. Created lazily; its MongoClient is per process (fork-safe)."""
+    store: LeaseStore | None = getattr(app, "_mongolock_store", None)
+    if store is None:
+        with _lock:
+            store = getattr(app, "_mongolock_store", None)
+            if store is None:
+                settings = get_settings(app)
+                store = LeaseStore(
+                    settings.url,
+                    database=settings.database,
+                    collection=settings.collection,
+                    lease_seconds=settings.lease_seconds,
+                    heartbeat_seconds=settings.heartbeat_seconds,
+                    operation_timeout=settings.operation_timeout,
+                )
+                from . import signals
+
+                store.add_lost_callback(signals._send_lost)
+                app._mongolock_store = store
+                app._mongolock_store_pid = os.getpid()
+    return store
+
+
+def default_retry() -> Retry:
+    return Retry()

@@ -1,0 +1,129 @@
+"""What a singleton task does when its key is already held: small policy objects.
+
+Policies are data plus arithmetic; ``task.py`` carries them out. Any of them can be given as an object
+(``Retry(countdown=5)``), a shorthand string (``"retry"``, ``"skip"``, ``"wait"``, ``"fail"``) or, in
+settings, a dict (``{"policy": "wait", "timeout": 10}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+from .exceptions import ConfigurationError
+
+__all__ = ["Fail", "Policy", "PolicySpec", "Retry", "Skip", "Wait", "parse_policy"]
+
+
+class Policy:
+    """Base class of the contention policies."""
+
+    name = "policy"
+
+
+def _number(owner: str, field: str, value: object, *, low: float = 0.0, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < low:
+        raise ConfigurationError(f"{owner}({field}=...) must be a number >= {low:g}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry(Policy):
+    """Run again later, backing off exponentially with jitter; the task's own retry budget is untouched."""
+
+    countdown: float = 1.0
+    backoff: float = 2.0
+    max_countdown: float = 60.0
+    jitter: bool = True
+    #: Contention retries before giving up with ``LockContended`` (None: keep retrying; leases always
+    #: end, so the run eventually gets its turn).
+    max_retries: int | None = None
+    name = "retry"
+
+    def __post_init__(self) -> None:
+        _number("Retry", "countdown", self.countdown)
+        _number("Retry", "backoff", self.backoff, low=1.0)
+        _number("Retry", "max_countdown", self.max_countdown)
+        if self.max_retries is not None and (
+            isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0
+        ):
+            raise ConfigurationError(f"Retry(max_retries=...) must be None or an int >= 0, got {self.max_retries!r}")
+
+    def delay(self, attempt: int, rng: Callable[[], float] = random.random) -> float:
+        """Seconds to wait before contention retry number ``attempt`` (0-based): equal jitter, capped."""
+        base = min(self.max_countdown, self.countdown * self.backoff ** min(attempt, 64))
+        if not self.jitter:
+            return base
+        return base / 2 + rng() * base / 2
+
+    def exhausted(self, attempt: int) -> bool:
+        """True when retry number ``attempt`` (0-based) is beyond ``max_retries``."""
+        return self.max_retries is not None and attempt >= self.max_retries
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip(Policy):
+    """Drop this run: it ends successfully with a result saying which key was held, and by whom."""
+
+    name = "skip"
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait(Policy):
+    """Block until the key is free (woken at once by its release), at most ``timeout`` s, then ``then``."""
+
+    timeout: float = 30.0
+    then: Policy = dataclasses.field(default_factory=Retry)
+    name = "wait"
+
+    def __post_init__(self) -> None:
+        _number("Wait", "timeout", self.timeout)
+        if isinstance(self.then, Wait) or not isinstance(self.then, Policy):
+            raise ConfigurationError(f"Wait(then=...) must be Retry(), Skip() or Fail(), got {self.then!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fail(Policy):
+    """Fail this run with ``LockContended`` (logged without a traceback)."""
+
+    name = "fail"
+
+
+PolicySpec = Union[Policy, str, Mapping[str, Any]]
+
+_BY_NAME: dict[str, type[Policy]] = {"retry": Retry, "skip": Skip, "wait": Wait, "fail": Fail}
+
+
+def parse_policy(value: object, setting: str = "on_contention") -> Policy:
+    """A policy from an object, a shorthand string or a settings dict; ``ConfigurationError`` if invalid."""
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str):
+        cls = _BY_NAME.get(value.strip().lower())
+        if cls is None:
+            raise ConfigurationError(
+                f"{setting} must be one of 'retry', 'skip', 'wait', 'fail' or a policy object, got {value!r}"
+            )
+        return cls()
+    if isinstance(value, Mapping):
+        options = dict(value)
+        kind = options.pop("policy", None)
+        cls = _BY_NAME.get(str(kind).lower()) if kind is not None else None
+        if cls is None:
+            raise ConfigurationError(
+                f"{setting} as a dict needs 'policy': one of 'retry', 'skip', 'wait', 'fail'; got {kind!r}"
+            )
+        if "then" in options:
+            options["then"] = parse_policy(options["then"], f"{setting}['then']")
+        try:
+            return cls(**options)
+        except TypeError as exc:
+            fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+            raise ConfigurationError(f"{setting}: {exc}; {cls.__name__} takes {fields}") from None
+    raise ConfigurationError(
+        f"{setting} must be a policy (Retry(), Skip(), Wait(), Fail()), a name or a dict, got {type(value).__name__}"
+    )

@@ -1,0 +1,57 @@
+"""The library's observable signals, and the worker lifecycle hooks.
+
+Signals (``celery.utils.dispatch.Signal``; connect with ``@lease_acquired.connect``):
+
+* ``lease_acquired(sender=task, key, lease)`` — before the body runs;
+* ``lease_contended(sender=task, key, holder, policy)`` — the key was held; ``policy`` is what happens;
+* ``lease_released(sender=task, key, lease)`` — after the body, on every exit path;
+* ``lease_lost(sender=None, key, lease, reason)`` — from the heartbeat thread: the running body no longer
+  holds its key (``current_lease().lost`` is true; call ``current_lease().raise_if_lost()`` to stop).
+
+Hooks: when a worker process shuts down, every lease it still holds is released.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from celery.signals import worker_process_shutdown, worker_shutdown
+from celery.utils.dispatch import Signal
+
+if TYPE_CHECKING:
+    from .store import Lease
+
+__all__ = ["lease_acquired", "lease_contended", "lease_lost", "lease_released"]
+
+log = logging.getLogger("celery_mongolock.release")
+
+lease_acquired = Signal(name="lease_acquired")
+lease_contended = Signal(name="lease_contended")
+lease_released = Signal(name="lease_released")
+lease_lost = Signal(name="lease_lost")
+
+
+def _send_lost(lease: Lease, reason: str) -> None:
+    lease_lost.send(sender=None, key=lease.key, lease=lease, reason=reason)
+
+
+def release_all_held(**_: Any) -> None:
+    """Release every lease this process holds (graceful shutdown of a worker process)."""
+    from .task import _known_apps
+
+    for app in list(_known_apps):
+        store = getattr(app, "_mongolock_store", None)
+        hb = getattr(store, "_heartbeat", None) if store is not None else None
+        if hb is None:
+            continue
+        for lease in hb.leases:
+            try:
+                lease.release()
+                log.info("released %r at worker shutdown", lease.key)
+            except Exception as exc:
+                log.warning("could not release %r at shutdown (it will expire): %s", lease.key, exc)
+
+
+worker_process_shutdown.connect(release_all_held, weak=False, dispatch_uid="celery_mongolock.release_all")
+worker_shutdown.connect(release_all_held, weak=False, dispatch_uid="celery_mongolock.release_all_main")
