@@ -1,6 +1,7 @@
 """celery_mongolock: singleton Celery tasks per key, guarded by MongoDB leases.
 
-The lease engine (``LeaseStore``, ``Lease``) works without Celery; the Celery integration builds on it.
+``@singleton_task(key=...)`` declares a Celery task that runs at most once at a time per key. The lease
+engine underneath (``LeaseStore``, ``Lease``) works without Celery.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from .exceptions import (
     MongoLockError,
     StoreUnavailable,
 )
+from .policies import Fail, Retry, Skip, Wait
 from .store import Lease, LeaseInfo, LeaseStore
+from .task import SingletonTask, current_lease, singleton_task
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "ConfigurationError",
+    "Fail",
     "InvalidKey",
     "Lease",
     "LeaseInfo",
@@ -26,6 +30,12 @@ __all__ = [
     "LeaseStore",
     "LockContended",
     "MongoLockError",
+    "Retry",
+    "SingletonTask",
+    "Skip",
     "StoreUnavailable",
+    "Wait",
     "__version__",
+    "current_lease",
+    "singleton_task",
 ]

@@ -115,7 +115,7 @@ class KeyRenderer:
     reported then (``ConfigurationError``).
     """
 
-    def __init__(self, spec: KeySpec, func: Callable[..., Any], task_name: str) -> None:
+    def __init__(self, spec: KeySpec, func: Callable[..., Any], task_name: str, *, skip_first: bool = False) -> None:
         self.spec = spec
         self.task_name = task_name
         self.func = func
@@ -123,6 +123,8 @@ class KeyRenderer:
             self.signature: inspect.Signature | None = inspect.signature(func)
         except (TypeError, ValueError):
             self.signature = None
+        if skip_first and self.signature is not None:  # bind=True: the first parameter is the task
+            self.signature = self.signature.replace(parameters=list(self.signature.parameters.values())[1:])
         params = self.signature.parameters if self.signature is not None else {}
         self._names: tuple[str, ...] = ()
         self._template: str | None = None

@@ -1,0 +1,366 @@
+"""Singleton Celery tasks: a lease per key, taken when the task *starts*, in the worker.
+
+``SingletonTask.__call__`` runs in the worker process that executes the body, whatever path the message
+took (``delay``, ``apply_async``, ``send_task``, chains, beat, ETA):
+
+1. render the key from the call's arguments (``keys.KeyRenderer``);
+2. take the lease with one ``findAndModify``; the heartbeat thread keeps it alive while the body runs;
+3. run the body with ``current_lease()`` set;
+4. release it (one update) on every exit: return, exception, ``retry()``, soft time limit, revoke.
+
+When the key is held, the task's policy decides (``policies``). When MongoDB cannot be reached the body
+does not run (fail closed) and the run is retried later (``Fail`` fails it instead), so nothing is lost.
+
+A prefork child that dies holding a lease (hard time limit, OOM, SIGKILL, revoke with terminate) cannot
+release it; ``SingletonRequest`` runs in the worker's parent process, sees the failure, and releases the
+dead child's leases (matched on task id and child pid) before the message is acknowledged or requeued.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar, NoReturn, TypeVar, overload
+
+from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
+from celery import Celery, Task, shared_task
+from celery.exceptions import Ignore
+from celery.exceptions import Retry as RetryTask
+from celery.worker.request import Request
+
+from . import signals
+from .config import TaskOptions, get_settings, get_store
+from .exceptions import ConfigurationError, LockContended, StoreUnavailable
+from .keys import KeyRenderer, KeySpec
+from .policies import Fail, Policy, PolicySpec, Retry, Skip, Wait, parse_policy
+from .store import Lease, _aware
+
+__all__ = ["CONTENTION_HEADER", "SingletonRequest", "SingletonTask", "current_lease", "singleton_task"]
+
+log_acquire = logging.getLogger("celery_mongolock.acquire")
+log_release = logging.getLogger("celery_mongolock.release")
+
+#: Message header counting contention retries, kept apart from the task's own ``retries``.
+CONTENTION_HEADER = "mongolock_contention_retries"
+
+_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_mongolock_lease", default=None)
+_known_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
+
+
+def current_lease() -> Lease | None:
+    """The lease of the singleton task running in this thread (None outside one).
+
+    ``current_lease().lost`` turns true if the lease is lost while the body runs (taken over after the
+    heartbeat could not renew it, or force-released); ``current_lease().raise_if_lost()`` raises
+    ``LeaseLost`` then, which is the documented way for a long task to stop promptly. ``.fence`` is the
+    fencing token to attach to writes.
+    """
+    return _current.get()
+
+
+class _Outcome:
+    """What a run that did not take its lease returns instead of running the body."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def skipped_result(key: str, holder: dict[str, Any], expires_at: Any, reason: str) -> dict[str, Any]:
+    """The result of a run dropped by the Skip policy: says which key, which holder, and why."""
+    return {
+        "mongolock": "skipped",
+        "key": key,
+        "holder": holder,
+        "expires_at": expires_at.isoformat() if hasattr(expires_at, "isoformat") else expires_at,
+        "reason": reason,
+    }
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """A Celery task that runs at most once at a time per lease key.
+
+    Use ``@singleton_task(key=...)``, or ``@app.task(base=SingletonTask, mongolock_key=...)``.
+    """
+
+    abstract = True
+    #: The key spec (see ``keys.KeyRenderer``): None = the task's name.
+    mongolock_key: ClassVar[KeySpec] = None
+    mongolock_on_contention: ClassVar[PolicySpec | None] = None
+    mongolock_lease_seconds: ClassVar[float | None] = None
+    mongolock_heartbeat_seconds: ClassVar[float | None] = None
+    #: Expected errors: logged at INFO without a traceback.
+    throws = (LockContended,)
+    Request = "celery_mongolock.task:SingletonRequest"
+
+    _mongolock_renderer: KeyRenderer | None = None
+
+    @classmethod
+    def on_bound(cls, app: Celery) -> None:
+        _known_apps.add(app)
+        _install_bootstep(app)
+
+    def _renderer(self) -> KeyRenderer:
+        renderer = self.__dict__.get("_mongolock_renderer")
+        if renderer is None:
+            # self.run is bound for bind=True tasks, so its signature has no ``self``.
+            renderer = KeyRenderer(self.mongolock_key, self.run, self.name)
+            self.__dict__["_mongolock_renderer"] = renderer
+        return renderer
+
+    def mongolock_key_for(self, *args: Any, **kwargs: Any) -> str:
+        """The lease key a call with these arguments uses."""
+        return self._renderer().render(args, kwargs)
+
+    def _options(self) -> TaskOptions:
+        decorator_policy = self.mongolock_on_contention
+        if decorator_policy is not None and not isinstance(decorator_policy, Policy):
+            decorator_policy = parse_policy(decorator_policy, f"task {self.name!r} on_contention")
+        return get_settings(self.app).for_task(
+            self.name,
+            on_contention=decorator_policy,
+            lease_seconds=self.mongolock_lease_seconds,
+            heartbeat_seconds=self.mongolock_heartbeat_seconds,
+        )
+
+    # -- the guarded call ------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request_stack.top is None:
+            # Called directly (task(...)), not by a worker: push a request like Task.__call__ does.
+            self.push_request(args=args, kwargs=kwargs)
+            try:
+                return self._guarded(args, kwargs, direct=True)
+            finally:
+                self.pop_request()
+        # In a worker the tracer has pushed the request already (so Task.__call__ must not run).
+        return self._guarded(args, kwargs, direct=False)
+
+    def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
+        key = self._renderer().render(args, kwargs)
+        taken = self._take(key, self._options(), direct)
+        if not isinstance(taken, Lease):
+            return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
+        lease = taken
+        request = self.request
+        log_acquire.info("%s[%s] acquired %r (fence %s)", self.name, request.id, key, lease.fence)
+        signals.lease_acquired.send(sender=self, key=key, lease=lease)
+        token = _current.set(lease)
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            _current.reset(token)
+            try:
+                lease.release()
+            except StoreUnavailable as exc:
+                log_release.warning("%s[%s]: %s (retrying in the background)", self.name, request.id, exc)
+            signals.lease_released.send(sender=self, key=key, lease=lease)
+
+    def _take(self, key: str, options: TaskOptions, direct: bool) -> Lease | _Outcome:
+        """Take the lease, or carry out the contention policy (which raises, or returns an outcome)."""
+        store = get_store(self.app)
+        request = self.request
+        policy = options.on_contention
+        info = {"task_name": self.name, "task_id": request.id, "worker": request.hostname}
+        wait_until: float | None = None
+        while True:
+            try:
+                lease, doc = store._try_acquire(
+                    key, options.lease_seconds, info=info, heartbeat=True, heartbeat_seconds=options.heartbeat_seconds
+                )
+            except StoreUnavailable as exc:
+                return self._unavailable(key, exc, policy, direct)
+            if lease is not None:
+                return lease
+            doc = doc or {}
+            holder = dict(doc.get("holder") or {})
+            expires_at = _aware(doc.get("expires_at"))
+            if request.id and holder.get("task_id") == request.id:
+                # The same message delivered twice (broker visibility timeout, acks_late) while its first
+                # run still holds the lease: do not run twice, and leave the first run's state alone.
+                log_acquire.warning(
+                    "%s[%s]: duplicate delivery while the first run holds %r; dropped", self.name, request.id, key
+                )
+                signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
+                raise Ignore()
+            signals.lease_contended.send(sender=self, key=key, holder=holder, policy=policy.name)
+            if not isinstance(policy, Wait):
+                return self._apply(policy, key, holder, expires_at, direct)
+            now = store.clock.monotonic()
+            if wait_until is None:
+                wait_until = now + policy.timeout
+                log_acquire.info("%s[%s]: %r is held; waiting up to %gs", self.name, request.id, key, policy.timeout)
+            if wait_until - now > 0 and store.wait_free(key, wait_until - now):
+                continue
+            log_acquire.info("%s[%s]: wait for %r timed out; %s", self.name, request.id, key, policy.then.name)
+            return self._apply(policy.then, key, holder, expires_at, direct)
+
+    def _apply(self, policy: Policy, key: str, holder: dict[str, Any], expires_at: Any, direct: bool) -> _Outcome:
+        request = self.request
+        if isinstance(policy, Skip):
+            log_acquire.info("%s[%s]: %r is held by %s; skipped", self.name, request.id, key, holder)
+            return _Outcome(skipped_result(key, holder, expires_at, "the key was held by another run"))
+        if isinstance(policy, Fail) or direct or request.is_eager or request.called_directly:
+            raise LockContended(key, holder, expires_at)
+        if isinstance(policy, Retry):
+            self._contention_retry(policy, LockContended(key, holder, expires_at))
+        raise LockContended(key, holder, expires_at)  # pragma: no cover - Wait is handled by the caller
+
+    def _unavailable(self, key: str, exc: StoreUnavailable, policy: Policy, direct: bool) -> NoReturn:
+        """MongoDB could not be reached: never run the body. Retry later (or fail, under Fail)."""
+        request = self.request
+        log_acquire.error("%s[%s]: cannot take %r, body not run: %s", self.name, request.id, key, exc)
+        if isinstance(policy, Fail) or direct or request.is_eager or request.called_directly:
+            raise exc
+        retry_policy = policy if isinstance(policy, Retry) else (
+            policy.then if isinstance(policy, Wait) and isinstance(policy.then, Retry) else Retry()
+        )
+        self._contention_retry(retry_policy, exc)
+
+    def _contention_retry(self, policy: Retry, exc: Exception) -> NoReturn:
+        """Publish this run again after a backoff; the task's own ``retries`` budget is not used."""
+        request = self.request
+        headers = dict(request.headers or {})
+        attempt = int(headers.get(CONTENTION_HEADER) or 0)
+        if policy.exhausted(attempt):
+            log_acquire.info("%s[%s]: giving up after %d contention retries", self.name, request.id, attempt)
+            raise exc
+        countdown = policy.delay(attempt)
+        headers[CONTENTION_HEADER] = attempt + 1
+        signature = self.signature_from_request(request, countdown=countdown, headers=headers)
+        signature.apply_async()
+        log_acquire.info(
+            "%s[%s]: %s; retry %d in %.2fs", self.name, request.id, exc, attempt + 1, countdown
+        )
+        raise RetryTask(message=str(exc), exc=exc, when=countdown, sig=signature)
+
+
+class SingletonRequest(Request):  # type: ignore[misc]
+    """The worker-side request of a singleton task; runs in the worker's parent (main) process.
+
+    When the child running the task dies (hard time limit, OOM killer, SIGKILL, revoke with terminate),
+    the child's leases are released from here, before the message is acknowledged or requeued.
+    """
+
+    def _release_dead_child(self, why: str) -> None:
+        pid = self.worker_pid
+        if pid is None or pid == os.getpid():
+            return
+        try:
+            released = get_store(self.task.app).release_held_by(task_id=self.id, pid=pid)
+        except Exception as exc:  # the lease will expire; never break the worker's failure handling
+            log_release.warning("%s[%s]: could not release the dead child's lease: %s", self.task.name, self.id, exc)
+            return
+        if released:
+            log_release.warning(
+                "%s[%s]: child %s %s; released %d lease(s)", self.task.name, self.id, pid, why, released
+            )
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        if not soft:
+            self._release_dead_child(f"killed by the hard time limit ({timeout}s)")
+        super().on_timeout(soft, timeout)
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        exc = getattr(exc_info, "exception", None)
+        if isinstance(exc, (WorkerLostError, Terminated, TimeLimitExceeded)):
+            self._release_dead_child(f"died ({type(exc).__name__}: {exc})")
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
+# -- the decorator ---------------------------------------------------------------------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@overload
+def singleton_task(__func: F) -> Any: ...
+
+
+@overload
+def singleton_task(
+    *,
+    key: KeySpec = ...,
+    on_contention: PolicySpec | None = ...,
+    lease_seconds: float | None = ...,
+    heartbeat_seconds: float | None = ...,
+    app: Celery | None = ...,
+    base: type[SingletonTask] = ...,
+    **task_options: Any,
+) -> Callable[[F], Any]: ...
+
+
+def singleton_task(
+    __func: Callable[..., Any] | None = None,
+    *,
+    key: KeySpec = None,
+    on_contention: PolicySpec | None = None,
+    lease_seconds: float | None = None,
+    heartbeat_seconds: float | None = None,
+    app: Celery | None = None,
+    base: type[SingletonTask] = SingletonTask,
+    **task_options: Any,
+) -> Any:
+    """Declare a Celery task that runs at most once at a time per key.
+
+    ``key``: None (the task's name), an argument name or list of names, a template such as
+    ``"email-group:{group_id}"`` (rendered as the lease key as is), a brace-free fixed key, or a callable
+    taking the task's arguments. ``on_contention``: ``Retry()`` (default), ``Skip()``, ``Wait()``,
+    ``Fail()`` or their names. Other keyword arguments go to Celery (``bind``, ``name``, ``acks_late``,
+    ...). Like ``shared_task`` unless ``app=`` binds it to one app. Mistakes in the key spec or the
+    policy raise ``ConfigurationError`` here, at declaration time.
+    """
+    if not (base is SingletonTask or (isinstance(base, type) and issubclass(base, SingletonTask))):
+        raise ConfigurationError(f"singleton_task(base=...) must be SingletonTask or a subclass, got {base!r}")
+    if on_contention is not None:
+        on_contention = parse_policy(on_contention, "on_contention")
+    if lease_seconds is not None or heartbeat_seconds is not None:
+        from .store import DEFAULT_LEASE_SECONDS, validate_lease_timing
+
+        validate_lease_timing(lease_seconds if lease_seconds is not None else DEFAULT_LEASE_SECONDS, heartbeat_seconds)
+
+    def decorate(func: Callable[..., Any]) -> Any:
+        if not callable(func):
+            raise ConfigurationError(f"singleton_task decorates a function, got {func!r}")
+        name = task_options.get("name") or f"{func.__module__}.{func.__qualname__}"
+        KeyRenderer(key, func, name, skip_first=bool(task_options.get("bind")))  # fail now, not at first run
+        options = {
+            "base": base,
+            "mongolock_key": key,
+            "mongolock_on_contention": on_contention,
+            "mongolock_lease_seconds": lease_seconds,
+            "mongolock_heartbeat_seconds": heartbeat_seconds,
+            **task_options,
+        }
+        if app is not None:
+            return app.task(**options)(func)
+        return shared_task(**options)(func)
+
+    if __func is not None:
+        return decorate(__func)
+    return decorate
+
+
+# -- worker start-up: validate settings before taking work ---------------------------------------------
+
+
+def _install_bootstep(app: Celery) -> None:
+    if getattr(app, "_mongolock_bootstep", False):
+        return
+    app._mongolock_bootstep = True
+    from celery import bootsteps
+
+    class ValidateMongolockSettings(bootsteps.StartStopStep):  # type: ignore[misc]
+        """Fail worker start-up with a message naming the bad ``mongolock_*`` setting."""
+
+        label = "celery_mongolock"
+
+        def __init__(self, worker: Any, **kwargs: Any) -> None:
+            get_settings(worker.app)  # raises ConfigurationError naming the setting
+            _known_apps.add(worker.app)
+            super().__init__(worker, **kwargs)
+
+    app.steps["worker"].add(ValidateMongolockSettings)
