@@ -46,7 +46,7 @@ class LockContended(MongoLockError):
         self,
         key: str,
         holder: dict[str, object] | None = None,
-        expires_at: _dt.datetime | None = None,
+        expires_at: _dt.datetime | str | None = None,
         message: str | None = None,
     ) -> None:
         self.key = key
@@ -55,13 +55,16 @@ class LockContended(MongoLockError):
         if message is None:
             who = _describe_holder(self.holder)
             message = f"lease {key!r} is held by {who}"
-            if expires_at is not None:
+            if isinstance(expires_at, _dt.datetime):
                 message += f" (expires at {expires_at.isoformat()} server time unless renewed)"
-        super().__init__(message)
+        self.message = message
+        # args are the constructor's arguments, so that Celery's result backends (which rebuild an
+        # exception as cls(*args)) and pickle give back the same error, key and holder included.
+        when = expires_at.isoformat() if isinstance(expires_at, _dt.datetime) else expires_at
+        super().__init__(key, self.holder, when, message)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        # Celery pickles or serialises exceptions into results: keep the constructor's arguments.
-        return (type(self), (self.key, self.holder, self.expires_at, str(self)))
+    def __str__(self) -> str:
+        return self.message
 
 
 class LeaseLost(MongoLockError):
@@ -71,10 +74,11 @@ class LeaseLost(MongoLockError):
         self.key = key
         self.fence = fence
         self.reason = reason
-        super().__init__(f"lease {key!r} (fence {fence}) is no longer held: {reason}")
+        self.message = f"lease {key!r} (fence {fence}) is no longer held: {reason}"
+        super().__init__(key, fence, reason)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key, self.fence, self.reason))
+    def __str__(self) -> str:
+        return self.message
 
 
 def _describe_holder(holder: dict[str, object]) -> str:

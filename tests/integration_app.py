@@ -1,0 +1,154 @@
+"""The Celery app that the integration tests run in real ``celery worker`` processes.
+
+Configured from the environment: MONGOLOCK_IT_BROKER, MONGOLOCK_IT_MONGODB_URL, MONGOLOCK_IT_DB,
+MONGOLOCK_IT_LEASE (lease seconds), MONGOLOCK_IT_READY_DIR (worker_ready marker files).
+Every task records what it did in MongoDB (collection ``runs``), so tests check outcomes, not logs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_ready
+from pymongo import MongoClient
+
+from celery_mongolock import Fail, Retry, Skip, Wait, current_lease, singleton_task
+from celery_mongolock.signals import lease_lost
+
+app = Celery("integration_app")
+app.conf.update(
+    broker_url=os.environ.get("MONGOLOCK_IT_BROKER", "memory://"),
+    result_backend=os.environ.get("MONGOLOCK_IT_BROKER", "cache+memory://"),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    worker_prefetch_multiplier=1,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    mongolock_url=os.environ.get("MONGOLOCK_IT_MONGODB_URL", "mongodb://127.0.0.1:27017"),
+    mongolock_database=os.environ.get("MONGOLOCK_IT_DB", "mongolock_it"),
+    mongolock_lease_seconds=float(os.environ.get("MONGOLOCK_IT_LEASE", "30")),
+    mongolock_task_policies={"integration_app.per_task_skip": {"on_contention": "skip"}},
+)
+
+_clients: dict[int, MongoClient[dict[str, Any]]] = {}
+
+
+def db() -> Any:
+    """The test database, on the same server as the leases (one client per process: fork-safe)."""
+    pid = os.getpid()
+    if pid not in _clients:
+        _clients[pid] = MongoClient(app.conf.mongolock_url)
+    return _clients[pid][app.conf.mongolock_database]
+
+
+def record(kind: str, tag: str, **fields: Any) -> None:
+    lease = current_lease()
+    db()["runs"].insert_one(
+        {
+            "kind": kind,
+            "tag": tag,
+            "pid": os.getpid(),
+            "t": time.time(),
+            "mono": time.monotonic(),
+            "key": lease.key if lease else None,
+            "fence": lease.fence if lease else None,
+            **fields,
+        }
+    )
+
+
+@worker_ready.connect
+def _ready(sender: Any = None, **_: Any) -> None:
+    ready_dir = os.environ.get("MONGOLOCK_IT_READY_DIR")
+    if ready_dir:
+        name = getattr(sender, "hostname", "worker")
+        Path(ready_dir, f"{name}.ready").write_text(str(os.getpid()))
+
+
+@lease_lost.connect
+def _lost(key: str = "", reason: str = "", **_: Any) -> None:
+    db()["runs"].insert_one({"kind": "lost", "key": key, "reason": reason, "pid": os.getpid(), "t": time.time()})
+
+
+def _work(tag: str, seconds: float) -> None:
+    """The body: record start, work for ``seconds`` (the workload itself), record end."""
+    record("start", tag)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        lease = current_lease()
+        if lease is not None and lease.lost:
+            record("noticed-lost", tag)
+            return
+    record("end", tag)
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.guarded")
+def guarded(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.skipper", on_contention=Skip())
+def skipper(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.failer", on_contention=Fail())
+def failer(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
+    key="resource:{resource}", app=app, name="integration_app.waiter", on_contention=Wait(timeout=20, then=Fail())
+)
+def waiter(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.retrier",
+    on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
+    bind=True,
+    max_retries=1,
+)
+def retrier(self: Any, resource: str, tag: str, seconds: float = 0.3, fail_once: bool = False) -> str:
+    if fail_once and self.request.retries == 0:
+        record("own-retry", tag, contention=int((self.request.headers or {}).get("mongolock_contention_retries", 0)))
+        raise self.retry(countdown=0.1)
+    _work(tag, seconds)
+    record("retries", tag, retries=self.request.retries)
+    return tag
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.per_task_skip", on_contention="retry")
+def per_task_skip(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(key="email-group:{group_id}", app=app, name="integration_app.upload_members")
+def upload_members(group_id: int, upload: str, members: list[str], batch: int = 3) -> int:
+    """Replace a group's members: clear it, then add the members in batches (slowly)."""
+    record("start", upload)
+    coll = db()["group_members"]
+    coll.delete_many({"group": group_id})
+    for i in range(0, len(members), batch):
+        coll.insert_many([{"group": group_id, "email": m, "upload": upload} for m in members[i : i + batch]])
+        time.sleep(0.05)
+    record("end", upload)
+    return len(members)
+
+
+@app.task(name="integration_app.plain")
+def plain(tag: str) -> str:
+    return tag

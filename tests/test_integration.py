@@ -1,0 +1,374 @@
+"""Singleton tasks in real ``celery worker`` processes (prefork, concurrency 2), a real Redis broker and
+the MongoDB-compatible server. Runs record their start and end in MongoDB; the tests check those records.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import chain
+from celery.result import AsyncResult
+from pymongo import MongoClient
+
+from celery_mongolock import LeaseStore, LockContended
+
+from . import integration_app as it
+from .conftest import CommandCounter
+from .servers import RedisServer, wait_for
+from .workers import Worker, worker_env
+
+pytestmark = pytest.mark.slow
+
+LEASE = 3.0  # seconds: short, so that expiry is seen within a test
+
+
+class Cluster:
+    def __init__(self, broker: str, mongo_url: str, db_name: str, ready_dir: Path) -> None:
+        self.broker = broker
+        self.mongo_url = mongo_url
+        self.db_name = db_name
+        self.ready_dir = ready_dir
+        self.client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
+        self.db = self.client[db_name]
+        self.store = LeaseStore(mongo_url, database=db_name, lease_seconds=30)
+        self.workers: list[Worker] = []
+
+    def env(self, **extra: Any) -> dict[str, str]:
+        return worker_env(self.broker, self.mongo_url, self.db_name, self.ready_dir, lease=LEASE, **extra)
+
+    def worker(self, **kwargs: Any) -> Worker:
+        env = kwargs.pop("env", None) or self.env()
+        w = Worker(env, self.ready_dir, **kwargs).start()
+        self.workers.append(w)
+        return w
+
+    def runs(self, tag: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        query: dict[str, Any] = {}
+        if tag is not None:
+            query["tag"] = tag
+        if kind is not None:
+            query["kind"] = kind
+        return list(self.db["runs"].find(query).sort("mono", 1))
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.store.close()
+        self.client.drop_database(self.db_name)
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    db_name = f"mongolock_it_{uuid.uuid4().hex[:8]}"
+    c = Cluster(redis_server.url, mongo_url, db_name, tmp_path_factory.mktemp("workers"))
+    it.app.conf.update(
+        broker_url=redis_server.url,
+        result_backend=redis_server.url,
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=LEASE,
+    )
+    for attr in ("_mongolock_settings", "_mongolock_store"):
+        it.app.__dict__.pop(attr, None)
+    c.worker(name="w1@localhost")
+    c.worker(name="w2@localhost")
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def intervals(cluster: Cluster, tags: list[str]) -> list[tuple[float, float, int]]:
+    out = []
+    for t in tags:
+        start = cluster.runs(t, "start")
+        end = cluster.runs(t, "end")
+        assert len(start) == 1 and len(end) == 1, f"{t}: {start} {end}"
+        out.append((start[0]["mono"], end[0]["mono"], start[0]["fence"]))
+    return sorted(out)
+
+
+# -- mutual exclusion ----------------------------------------------------------------------------------
+
+
+def test_runs_for_one_key_never_overlap(cluster: Cluster) -> None:
+    resource = tag()
+    tags = [tag() for _ in range(6)]
+    results = [it.guarded.delay(resource, t, 0.3) for t in tags]
+    assert [r.get(timeout=90) for r in results] == tags
+    spans = intervals(cluster, tags)
+    for (s1, e1, f1), (s2, e2, f2) in itertools.pairwise(spans):
+        assert e1 <= s2, "two runs for one key overlapped"
+        assert f1 < f2, "fences must increase in run order"
+
+
+def test_different_keys_run_in_parallel(cluster: Cluster) -> None:
+    tags = [tag() for _ in range(4)]
+    results = [it.guarded.delay(tag(), t, 1.5) for t in tags]
+    for r in results:
+        r.get(timeout=60)
+    spans = intervals(cluster, tags)
+    overlapping = sum(1 for (s1, e1, _), (s2, _, _) in itertools.pairwise(spans) if s2 < e1)
+    assert overlapping >= 1, "runs for different keys should not wait for each other"
+
+
+def test_email_group_uploads_end_with_exactly_the_second_files_members(cluster: Cluster) -> None:
+    group = int(time.time() * 1000) % 1_000_000
+    first = [f"a{i}@example.com" for i in range(30)]
+    second = [f"b{i}@example.com" for i in range(12)]
+    up1, up2 = tag(), tag()
+    r1 = it.upload_members.delay(group, up1, first)
+    wait_for(lambda: cluster.runs(up1, "start"), timeout=30, message="the first upload to start")
+    r2 = it.upload_members.delay(group, up2, second)
+    assert r1.get(timeout=60) == 30
+    assert r2.get(timeout=60) == 12
+    members = sorted(d["email"] for d in cluster.db["group_members"].find({"group": group}))
+    assert members == sorted(second)
+    assert cluster.runs(up1, "end")[0]["mono"] <= cluster.runs(up2, "start")[0]["mono"]
+
+
+# -- policies ------------------------------------------------------------------------------------------
+
+
+def test_skip_ends_observably_naming_key_and_holder(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    with cluster.store.hold(f"resource:{resource}", info={"task_name": "someone", "task_id": "holder-1"}):
+        result = it.skipper.delay(resource, t).get(timeout=30)
+    assert result["mongolock"] == "skipped"
+    assert result["key"] == f"resource:{resource}"
+    assert result["holder"]["task_id"] == "holder-1"
+    assert cluster.runs(t) == []  # the body never ran
+
+
+def test_per_task_settings_beat_the_decorator(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    with cluster.store.hold(f"resource:{resource}"):
+        result = it.per_task_skip.delay(resource, t).get(timeout=30)
+    assert result["mongolock"] == "skipped"
+
+
+def test_fail_raises_lock_contended_without_a_traceback(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    with cluster.store.hold(f"resource:{resource}", info={"task_id": "holder-2"}):
+        res = it.failer.delay(resource, t)
+        with pytest.raises(LockContended) as exc:
+            res.get(timeout=30)
+    assert res.state == "FAILURE"
+    assert exc.value.key == f"resource:{resource}"
+    assert exc.value.holder.get("task_id") == "holder-2"
+    assert cluster.runs(t) == []
+    logs = "".join(w.log() for w in cluster.workers)
+    line = next(line for line in logs.splitlines() if res.id in line and "LockContended" in line)
+    assert "Traceback" not in logs.split(line, 1)[1][:300]
+
+
+def test_wait_wakes_promptly_when_the_holder_releases(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    lease = cluster.store.acquire(f"resource:{resource}", ttl=30)
+    assert lease is not None
+    res = it.waiter.delay(resource, t, 0.1)
+    wait_for(
+        lambda: cluster.db["leases"].find_one({"_id": f"resource:{resource}"}) and res.state == "PENDING",
+        timeout=10,
+        message="the waiter to be waiting",
+    )
+    time.sleep(0.5)  # let the waiter settle into its wait (the holder's work, not synchronisation)
+    released_at = time.monotonic()
+    lease.release()
+    assert res.get(timeout=30) == t
+    started = cluster.runs(t, "start")[0]["mono"]
+    assert started - released_at < 2.0, "the waiter should start right after the release, not at expiry"
+
+
+def test_retry_does_not_use_the_tasks_own_retry_budget(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    with cluster.store.hold(f"resource:{resource}"):
+        res = it.retrier.delay(resource, t, 0.1, True)  # max_retries=1, and it retries once itself
+        wait_for(lambda: res.state == "RETRY", timeout=30, message="a contention retry")
+        time.sleep(1.5)  # several contention retries happen while the key is held
+    assert res.get(timeout=60) == t
+    own = cluster.runs(t, "own-retry")
+    assert len(own) == 1 and own[0]["contention"] >= 1
+    assert cluster.runs(t, "retries")[0]["retries"] == 1
+
+
+# -- every path a message can take -----------------------------------------------------------------------
+
+
+def test_send_task_chains_and_eta_are_guarded(cluster: Cluster) -> None:
+    resource = tag()
+    t1, t2, t3 = tag(), tag(), tag()
+    with cluster.store.hold(f"resource:{resource}"):
+        by_name = it.app.send_task("integration_app.skipper", args=(resource, t1))
+        chained = chain(it.plain.si("x"), it.skipper.si(resource, t2)).apply_async()
+        eta = it.skipper.apply_async((resource, t3), countdown=1)
+        assert by_name.get(timeout=30)["mongolock"] == "skipped"
+        assert chained.get(timeout=30)["mongolock"] == "skipped"
+        assert eta.get(timeout=30)["mongolock"] == "skipped"
+    assert cluster.runs(t1) == cluster.runs(t2) == cluster.runs(t3) == []
+
+
+def test_redelivered_message_does_not_run_twice_or_touch_the_first_result(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    task_id = str(uuid.uuid4())
+    # The first delivery's run holds the lease (we play it); the same message arrives again.
+    with cluster.store.hold(f"resource:{resource}", info={"task_id": task_id, "task_name": it.guarded.name}):
+        it.guarded.apply_async((resource, t), task_id=task_id)
+        wait_for(
+            lambda: any("duplicate delivery" in w.log() and task_id in w.log() for w in cluster.workers),
+            timeout=30,
+            message="the duplicate to be dropped",
+        )
+        assert AsyncResult(task_id, app=it.app).state == "PENDING"  # nothing overwritten
+    assert cluster.runs(t) == []
+
+
+# -- exit paths ----------------------------------------------------------------------------------------
+
+
+def test_a_task_running_for_several_lease_lengths_keeps_its_lease(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    res = it.guarded.delay(resource, t, LEASE * 3)
+    wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the long task to start")
+    while not res.ready():
+        assert cluster.store.acquire(f"resource:{resource}") is None
+        time.sleep(0.2)
+    assert res.get(timeout=5) == t
+    assert cluster.runs(t, "noticed-lost") == []
+    assert cluster.db["runs"].count_documents({"kind": "lost", "key": f"resource:{resource}"}) == 0
+
+
+def test_soft_time_limit_releases(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    res = it.guarded.apply_async((resource, t, 10), soft_time_limit=1)
+    with pytest.raises(Exception, match="SoftTimeLimitExceeded|soft"):
+        res.get(timeout=30)
+    info = cluster.store.inspect(f"resource:{resource}")
+    assert info is not None and not info.held and info.released_at is not None
+
+
+def test_a_killed_child_frees_its_key_long_before_expiry(cluster: Cluster) -> None:
+    long_lease = cluster.env(MONGOLOCK_IT_LEASE=60)
+    w = cluster.worker(name=f"k{tag()}@localhost", env=long_lease, extra_args=["-Q", "killq"])
+    resource, t = tag(), tag()
+    it.guarded.apply_async((resource, t, 30), queue="killq")
+    start = wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")[0]
+    killed_at = time.monotonic()
+    import os
+    import signal
+
+    os.kill(start["pid"], signal.SIGKILL)
+    doc = wait_for(
+        lambda: cluster.db["leases"].find_one({"_id": f"resource:{resource}", "released_for": "holder died"}),
+        timeout=20,
+        message="the parent to release the dead child's lease",
+    )
+    assert time.monotonic() - killed_at < 20 < 60
+    assert doc["holder"]["pid"] == start["pid"]
+    w.kill()
+
+
+def test_hard_time_limit_frees_the_key(cluster: Cluster) -> None:
+    long_lease = cluster.env(MONGOLOCK_IT_LEASE=60)
+    w = cluster.worker(name=f"h{tag()}@localhost", env=long_lease, extra_args=["-Q", "hardq"])
+    resource, t = tag(), tag()
+    res = it.guarded.apply_async((resource, t, 30), queue="hardq", time_limit=2)
+    wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")
+    wait_for(
+        lambda: cluster.db["leases"].find_one({"_id": f"resource:{resource}", "owner": None}),
+        timeout=20,
+        message="the lease to be released after the hard time limit",
+    )
+    assert res.state in ("FAILURE", "PENDING", "STARTED", "RETRY") or res.failed()
+    w.kill()
+
+
+def test_revoke_with_terminate_frees_the_key(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    res = it.guarded.apply_async((resource, t, 30))
+    wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")
+    it.app.control.revoke(res.id, terminate=True)
+    wait_for(
+        lambda: cluster.db["leases"].find_one({"_id": f"resource:{resource}", "owner": None}),
+        timeout=20,
+        message="the lease to be released after revoke+terminate",
+    )
+
+
+def test_a_killed_node_frees_the_key_at_expiry(cluster: Cluster) -> None:
+    w = cluster.worker(name=f"n{tag()}@localhost", extra_args=["-Q", "nodeq"])
+    resource, t = tag(), tag()
+    it.guarded.apply_async((resource, t, 60), queue="nodeq")
+    wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")
+    w.kill()  # the whole node: parent and children; nobody can release
+    killed_at = time.monotonic()
+    t2 = tag()
+    assert it.guarded.delay(resource, t2, 0.1).get(timeout=60) == t2
+    started = cluster.runs(t2, "start")[0]["mono"]
+    assert started - killed_at < LEASE + 10
+    doc = cluster.db["leases"].find_one({"_id": f"resource:{resource}"})
+    assert doc is not None and doc["holder"]["pid"] != cluster.runs(t, "start")[0]["pid"]
+
+
+# -- faults --------------------------------------------------------------------------------------------
+
+
+def test_mongodb_down_during_acquisition_does_not_run_the_body(
+    cluster: Cluster, own_server: Any, tmp_path: Path
+) -> None:
+    server = own_server(storage_path=tmp_path / "data")
+    env = cluster.env(MONGOLOCK_IT_MONGODB_URL=server.url)
+    w = cluster.worker(name=f"m{tag()}@localhost", env=env, extra_args=["-Q", "mongoq"])
+    resource, t = tag(), tag()
+    server.stop()
+    down_at = time.time()
+    res = it.guarded.apply_async((resource, t, 0.1), queue="mongoq")
+    wait_for(lambda: res.state == "RETRY", timeout=60, message="the run to be retried while MongoDB is down")
+    server.start()  # same port, same data
+    up_at = time.time()
+    assert res.get(timeout=120) == t  # nothing was lost
+    runs = list(MongoClient(server.url)[cluster.db_name]["runs"].find({"tag": t}))
+    assert runs and all(r["t"] >= up_at for r in runs), "the body ran while MongoDB was down"
+    assert up_at > down_at
+    w.stop()
+
+
+# -- cost ----------------------------------------------------------------------------------------------
+
+
+def test_a_singleton_task_costs_two_commands(mongo_url: str, db_name: str) -> None:
+    counter = CommandCounter()
+    client: MongoClient[dict[str, Any]] = MongoClient(mongo_url, event_listeners=[counter])
+    app = it.app
+    saved = {k: app.__dict__.get(k) for k in ("_mongolock_settings", "_mongolock_store")}
+    saved_conf = {k: app.conf.get(k) for k in ("mongolock_url", "mongolock_database")}
+    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name)
+    try:
+        app.__dict__.pop("_mongolock_settings", None)
+        app._mongolock_store = LeaseStore(client, database=db_name)
+        app._mongolock_store.ensure_indexes()
+        it.plain.apply(("warm",))
+        counter.clear()
+        assert app.tasks["integration_app.skipper"].apply(("cost", "c1", 0.0)).get() == "c1"
+        assert counter.names() == ["findAndModify", "update"]
+    finally:
+        app._mongolock_store.close()
+        app.conf.update(saved_conf)
+        for k, v in saved.items():
+            if v is None:
+                app.__dict__.pop(k, None)
+            else:
+                setattr(app, k, v)
+        client.drop_database(db_name)
+        client.close()
