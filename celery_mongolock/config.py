@@ -81,7 +81,11 @@ class Settings:
         override = self.task_policies.get(name, {})
         where = f"mongolock_task_policies[{name!r}]"
         policy_spec = override.get("on_contention", on_contention)
-        policy = self.on_contention if policy_spec is None else parse_policy(policy_spec, f"{where}['on_contention']")
+        policy = (
+            self.on_contention
+            if policy_spec is None
+            else parse_policy(policy_spec, f"{where}['on_contention']")
+        )
         if "lease_seconds" in override:
             lease = override["lease_seconds"]
         elif lease_seconds is not None:
@@ -124,7 +128,9 @@ def read_settings(conf: Any) -> Settings:
             raise ConfigurationError(f"{setting} must be a non-empty name without '$', got {value!r}")
         names[setting] = value
     if any(c in names["mongolock_database"] for c in '/\\. "'):
-        raise ConfigurationError(f"mongolock_database {names['mongolock_database']!r} must not contain / \\ . or spaces")
+        raise ConfigurationError(
+            f"mongolock_database {names['mongolock_database']!r} must not contain / \\ . or spaces"
+        )
     try:
         lease, beat = validate_lease_timing(
             _conf_get(conf, "mongolock_lease_seconds"), _conf_get(conf, "mongolock_heartbeat_seconds")
@@ -139,20 +145,22 @@ def read_settings(conf: Any) -> Settings:
     raw_policies = _conf_get(conf, "mongolock_task_policies")
     if not isinstance(raw_policies, Mapping):
         raise ConfigurationError(
-            f"mongolock_task_policies must be a dict of task name -> options, got {type(raw_policies).__name__}"
+            "mongolock_task_policies must be a dict of task name -> options, "
+            f"got {type(raw_policies).__name__}"
         )
     task_policies: dict[str, dict[str, Any]] = {}
-    for task_name, options in raw_policies.items():
+    for task_name, given in raw_policies.items():
         where = f"mongolock_task_policies[{task_name!r}]"
         if not isinstance(task_name, str) or not task_name:
             raise ConfigurationError(f"mongolock_task_policies keys must be task names, got {task_name!r}")
-        if isinstance(options, (str, Policy)):
-            options = {"on_contention": options}  # shorthand: {"task": "skip"}
+        options = {"on_contention": given} if isinstance(given, (str, Policy)) else given  # {"t": "skip"}
         if not isinstance(options, Mapping):
             raise ConfigurationError(f"{where} must be a dict of options, got {type(options).__name__}")
         unknown = sorted(set(options) - set(TASK_OPTION_NAMES))
         if unknown:
-            raise ConfigurationError(f"{where} has unknown option(s) {unknown}; known: {list(TASK_OPTION_NAMES)}")
+            raise ConfigurationError(
+                f"{where} has unknown option(s) {unknown}; known: {list(TASK_OPTION_NAMES)}"
+            )
         checked = dict(options)
         if "on_contention" in checked:
             checked["on_contention"] = parse_policy(checked["on_contention"], f"{where}['on_contention']")

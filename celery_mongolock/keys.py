@@ -14,7 +14,7 @@ import re
 import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from .exceptions import ConfigurationError, InvalidKey
 
@@ -47,7 +47,7 @@ def normalize_key(key: object) -> str:
 
 # -- key specs: how a task's arguments name its lease key ----------------------------------------------
 
-KeySpec = Union[None, str, Sequence[str], Callable[..., Any]]
+KeySpec = None | str | Sequence[str] | Callable[..., Any]
 
 _TEMPLATE_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -74,13 +74,16 @@ def encode_value(value: object, *, argument: str = "value") -> str:
         return "null"
     if isinstance(value, (dict, list, tuple)):
         try:
-            return json.dumps(_jsonable(value, argument), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            return json.dumps(
+                _jsonable(value, argument), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+            )
         except InvalidKey:
             raise
         except (TypeError, ValueError) as exc:
             raise InvalidKey(f"argument {argument!r} cannot be encoded into a lease key: {exc}") from None
     raise InvalidKey(
-        f"argument {argument!r} is a {type(value).__name__} ({value!r:.60}); lease keys accept str, int, UUID, "
+        f"argument {argument!r} is a {type(value).__name__} ({value!r:.60}); lease keys accept str, int, "
+        "UUID, "
         "ObjectId, dict and list values: pass one of those, or give key= a callable that returns a string"
     )
 
@@ -115,7 +118,9 @@ class KeyRenderer:
     reported then (``ConfigurationError``).
     """
 
-    def __init__(self, spec: KeySpec, func: Callable[..., Any], task_name: str, *, skip_first: bool = False) -> None:
+    def __init__(
+        self, spec: KeySpec, func: Callable[..., Any], task_name: str, *, skip_first: bool = False
+    ) -> None:
         self.spec = spec
         self.task_name = task_name
         self.func = func
@@ -162,7 +167,9 @@ class KeyRenderer:
                 raise ConfigurationError(f"{where}: key lists must name at least one argument")
             for name in spec:
                 if not isinstance(name, str) or not name.isidentifier():
-                    raise ConfigurationError(f"{where}: key list entries must be argument names, got {name!r}")
+                    raise ConfigurationError(
+                        f"{where}: key list entries must be argument names, got {name!r}"
+                    )
                 if name not in params and not self._has_var_kwargs(params):
                     raise ConfigurationError(
                         f"{where}: key names {name!r}, which is not an argument of {self._describe(params)}"

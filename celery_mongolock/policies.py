@@ -11,7 +11,7 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any
 
 from .exceptions import ConfigurationError
 
@@ -49,9 +49,13 @@ class Retry(Policy):
         _number("Retry", "backoff", self.backoff, low=1.0)
         _number("Retry", "max_countdown", self.max_countdown)
         if self.max_retries is not None and (
-            isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0
+            isinstance(self.max_retries, bool)
+            or not isinstance(self.max_retries, int)
+            or self.max_retries < 0
         ):
-            raise ConfigurationError(f"Retry(max_retries=...) must be None or an int >= 0, got {self.max_retries!r}")
+            raise ConfigurationError(
+                f"Retry(max_retries=...) must be None or an int >= 0, got {self.max_retries!r}"
+            )
 
     def delay(self, attempt: int, rng: Callable[[], float] = random.random) -> float:
         """Seconds to wait before contention retry number ``attempt`` (0-based): equal jitter, capped."""
@@ -93,7 +97,7 @@ class Fail(Policy):
     name = "fail"
 
 
-PolicySpec = Union[Policy, str, Mapping[str, Any]]
+PolicySpec = Policy | str | Mapping[str, Any]
 
 _BY_NAME: dict[str, type[Policy]] = {"retry": Retry, "skip": Skip, "wait": Wait, "fail": Fail}
 
@@ -125,5 +129,6 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
             fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
             raise ConfigurationError(f"{setting}: {exc}; {cls.__name__} takes {fields}") from None
     raise ConfigurationError(
-        f"{setting} must be a policy (Retry(), Skip(), Wait(), Fail()), a name or a dict, got {type(value).__name__}"
+        f"{setting} must be a policy (Retry(), Skip(), Wait(), Fail()), a name or a dict, "
+        f"got {type(value).__name__}"
     )

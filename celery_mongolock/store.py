@@ -587,6 +587,7 @@ class LeaseStore:
                     "renewed_at": when_free("$$NOW", "renewed_at"),
                     "released_at": when_free({"$literal": None}, "released_at"),
                     "forced_release": when_free({"$literal": False}, "forced_release"),
+                    "released_for": when_free({"$literal": None}, "released_for"),
                 }
             },
             {"$unset": "__free"},
@@ -709,7 +710,9 @@ class LeaseStore:
             self.heartbeat.add(lease)
         return lease, doc
 
-    def wait_free(self, key: str, timeout: float, *, poll_interval: float = 0.05, max_poll_interval: float = 1.0) -> bool:
+    def wait_free(
+        self, key: str, timeout: float, *, poll_interval: float = 0.05, max_poll_interval: float = 1.0
+    ) -> bool:
         """Block until ``key`` looks free or ``timeout`` passes; True if it is worth trying to acquire.
 
         Wakes at once when the lease document changes (a MongoDB change stream, where the server has

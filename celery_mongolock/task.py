@@ -46,7 +46,9 @@ log_release = logging.getLogger("celery_mongolock.release")
 #: Message header counting contention retries, kept apart from the task's own ``retries``.
 CONTENTION_HEADER = "mongolock_contention_retries"
 
-_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_mongolock_lease", default=None)
+_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
+    "celery_mongolock_lease", default=None
+)
 _known_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
 
 
@@ -169,7 +171,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         while True:
             try:
                 lease, doc = store._try_acquire(
-                    key, options.lease_seconds, info=info, heartbeat=True, heartbeat_seconds=options.heartbeat_seconds
+                    key,
+                    options.lease_seconds,
+                    info=info,
+                    heartbeat=True,
+                    heartbeat_seconds=options.heartbeat_seconds,
                 )
             except StoreUnavailable as exc:
                 return self._unavailable(key, exc, policy, direct)
@@ -182,7 +188,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 # The same message delivered twice (broker visibility timeout, acks_late) while its first
                 # run still holds the lease: do not run twice, and leave the first run's state alone.
                 log_acquire.warning(
-                    "%s[%s]: duplicate delivery while the first run holds %r; dropped", self.name, request.id, key
+                    "%s[%s]: duplicate delivery while the first run holds %r; dropped",
+                    self.name,
+                    request.id,
+                    key,
                 )
                 signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
                 raise Ignore()
@@ -192,13 +201,19 @@ class SingletonTask(Task):  # type: ignore[misc]
             now = store.clock.monotonic()
             if wait_until is None:
                 wait_until = now + policy.timeout
-                log_acquire.info("%s[%s]: %r is held; waiting up to %gs", self.name, request.id, key, policy.timeout)
+                log_acquire.info(
+                    "%s[%s]: %r is held; waiting up to %gs", self.name, request.id, key, policy.timeout
+                )
             if wait_until - now > 0 and store.wait_free(key, wait_until - now):
                 continue
-            log_acquire.info("%s[%s]: wait for %r timed out; %s", self.name, request.id, key, policy.then.name)
+            log_acquire.info(
+                "%s[%s]: wait for %r timed out; %s", self.name, request.id, key, policy.then.name
+            )
             return self._apply(policy.then, key, holder, expires_at, direct)
 
-    def _apply(self, policy: Policy, key: str, holder: dict[str, Any], expires_at: Any, direct: bool) -> _Outcome:
+    def _apply(
+        self, policy: Policy, key: str, holder: dict[str, Any], expires_at: Any, direct: bool
+    ) -> _Outcome:
         request = self.request
         if isinstance(policy, Skip):
             log_acquire.info("%s[%s]: %r is held by %s; skipped", self.name, request.id, key, holder)
@@ -215,8 +230,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         log_acquire.error("%s[%s]: cannot take %r, body not run: %s", self.name, request.id, key, exc)
         if isinstance(policy, Fail) or direct or request.is_eager or request.called_directly:
             raise exc
-        retry_policy = policy if isinstance(policy, Retry) else (
-            policy.then if isinstance(policy, Wait) and isinstance(policy.then, Retry) else Retry()
+        retry_policy = (
+            policy
+            if isinstance(policy, Retry)
+            else (policy.then if isinstance(policy, Wait) and isinstance(policy.then, Retry) else Retry())
         )
         self._contention_retry(retry_policy, exc)
 
@@ -232,9 +249,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         headers[CONTENTION_HEADER] = attempt + 1
         signature = self.signature_from_request(request, countdown=countdown, headers=headers)
         signature.apply_async()
-        log_acquire.info(
-            "%s[%s]: %s; retry %d in %.2fs", self.name, request.id, exc, attempt + 1, countdown
-        )
+        log_acquire.info("%s[%s]: %s; retry %d in %.2fs", self.name, request.id, exc, attempt + 1, countdown)
         raise RetryTask(message=str(exc), exc=exc, when=countdown, sig=signature)
 
 
@@ -252,7 +267,9 @@ class SingletonRequest(Request):  # type: ignore[misc]
         try:
             released = get_store(self.task.app).release_held_by(task_id=self.id, pid=pid)
         except Exception as exc:  # the lease will expire; never break the worker's failure handling
-            log_release.warning("%s[%s]: could not release the dead child's lease: %s", self.task.name, self.id, exc)
+            log_release.warning(
+                "%s[%s]: could not release the dead child's lease: %s", self.task.name, self.id, exc
+            )
             return
         if released:
             log_release.warning(
@@ -266,6 +283,7 @@ class SingletonRequest(Request):  # type: ignore[misc]
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # billiard wraps pool errors in ExceptionWithTraceback
         if isinstance(exc, (WorkerLostError, Terminated, TimeLimitExceeded)):
             self._release_dead_child(f"died ({type(exc).__name__}: {exc})")
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
@@ -314,13 +332,17 @@ def singleton_task(
     policy raise ``ConfigurationError`` here, at declaration time.
     """
     if not (base is SingletonTask or (isinstance(base, type) and issubclass(base, SingletonTask))):
-        raise ConfigurationError(f"singleton_task(base=...) must be SingletonTask or a subclass, got {base!r}")
+        raise ConfigurationError(
+            f"singleton_task(base=...) must be SingletonTask or a subclass, got {base!r}"
+        )
     if on_contention is not None:
         on_contention = parse_policy(on_contention, "on_contention")
     if lease_seconds is not None or heartbeat_seconds is not None:
         from .store import DEFAULT_LEASE_SECONDS, validate_lease_timing
 
-        validate_lease_timing(lease_seconds if lease_seconds is not None else DEFAULT_LEASE_SECONDS, heartbeat_seconds)
+        validate_lease_timing(
+            lease_seconds if lease_seconds is not None else DEFAULT_LEASE_SECONDS, heartbeat_seconds
+        )
 
     def decorate(func: Callable[..., Any]) -> Any:
         if not callable(func):

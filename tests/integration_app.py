@@ -71,7 +71,9 @@ def _ready(sender: Any = None, **_: Any) -> None:
 
 @lease_lost.connect
 def _lost(key: str = "", reason: str = "", **_: Any) -> None:
-    db()["runs"].insert_one({"kind": "lost", "key": key, "reason": reason, "pid": os.getpid(), "t": time.time()})
+    db()["runs"].insert_one(
+        {"kind": "lost", "key": key, "reason": reason, "pid": os.getpid(), "t": time.time()}
+    )
 
 
 def _work(tag: str, seconds: float) -> None:
@@ -106,7 +108,10 @@ def failer(resource: str, tag: str, seconds: float = 0.3) -> str:
 
 
 @singleton_task(
-    key="resource:{resource}", app=app, name="integration_app.waiter", on_contention=Wait(timeout=20, then=Fail())
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.waiter",
+    on_contention=Wait(timeout=20, then=Fail()),
 )
 def waiter(resource: str, tag: str, seconds: float = 0.3) -> str:
     _work(tag, seconds)
@@ -123,14 +128,20 @@ def waiter(resource: str, tag: str, seconds: float = 0.3) -> str:
 )
 def retrier(self: Any, resource: str, tag: str, seconds: float = 0.3, fail_once: bool = False) -> str:
     if fail_once and self.request.retries == 0:
-        record("own-retry", tag, contention=int((self.request.headers or {}).get("mongolock_contention_retries", 0)))
+        record(
+            "own-retry",
+            tag,
+            contention=int((self.request.headers or {}).get("mongolock_contention_retries", 0)),
+        )
         raise self.retry(countdown=0.1)
     _work(tag, seconds)
     record("retries", tag, retries=self.request.retries)
     return tag
 
 
-@singleton_task(key="resource:{resource}", app=app, name="integration_app.per_task_skip", on_contention="retry")
+@singleton_task(
+    key="resource:{resource}", app=app, name="integration_app.per_task_skip", on_contention="retry"
+)
 def per_task_skip(resource: str, tag: str, seconds: float = 0.3) -> str:
     _work(tag, seconds)
     return tag

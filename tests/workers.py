@@ -18,8 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 class Worker:
     """One ``celery -A tests.integration_app worker`` node; started in its own process group."""
 
-    def __init__(self, env: dict[str, str], ready_dir: Path, *, concurrency: int = 2, name: str | None = None,
-                 extra_args: list[str] | None = None, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        ready_dir: Path,
+        *,
+        concurrency: int = 2,
+        name: str | None = None,
+        extra_args: list[str] | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
         self.name = name or f"w{uuid.uuid4().hex[:6]}@localhost"
         self.env = env
         self.ready_dir = ready_dir
@@ -32,13 +40,30 @@ class Worker:
         marker = self.ready_dir / f"{self.name}.ready"
         marker.unlink(missing_ok=True)
         cmd = [
-            sys.executable, "-m", "celery", "-A", "tests.integration_app", "worker", "--pool=prefork",
-            f"--concurrency={self.concurrency}", "-n", self.name, "--loglevel=INFO", "--without-gossip",
-            "--without-mingle", "--without-heartbeat", *self.extra_args,
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.integration_app",
+            "worker",
+            "--pool=prefork",
+            f"--concurrency={self.concurrency}",
+            "-n",
+            self.name,
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            *self.extra_args,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cmd,
+            cwd=ROOT,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
 
@@ -83,7 +108,9 @@ class Worker:
             self.proc.wait(10)
 
 
-def worker_env(broker: str, mongo_url: str, db: str, ready_dir: Path, lease: float = 3.0, **extra: Any) -> dict[str, str]:
+def worker_env(
+    broker: str, mongo_url: str, db: str, ready_dir: Path, lease: float = 3.0, **extra: Any
+) -> dict[str, str]:
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
