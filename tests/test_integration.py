@@ -376,3 +376,40 @@ def test_a_singleton_task_costs_two_commands(mongo_url: str, db_name: str) -> No
                 setattr(app, k, v)
         client.drop_database(db_name)
         client.close()
+
+
+# -- loss, start-up validation, shutdown ------------------------------------------------------------------
+
+
+def test_a_running_task_learns_its_lease_was_lost(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    it.guarded.delay(resource, t, 30)
+    wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")
+    assert cluster.store.force_release(f"resource:{resource}")
+    # The heartbeat's next renewal matches nothing: lease_lost fires and current_lease().lost turns true.
+    noticed = wait_for(
+        lambda: cluster.runs(t, "noticed-lost"), timeout=LEASE * 3, message="the body to notice"
+    )
+    assert noticed
+    lost = cluster.db["runs"].find_one({"kind": "lost", "key": f"resource:{resource}"})
+    assert lost is not None and "matched nothing" in lost["reason"]
+
+
+def test_worker_refuses_to_start_with_an_invalid_setting(cluster: Cluster) -> None:
+    env = cluster.env(MONGOLOCK_IT_LEASE="-3")
+    w = Worker(env, cluster.ready_dir, name=f"bad{tag()}@localhost")
+    with pytest.raises(AssertionError, match="exited with"):
+        w.start(timeout=60)
+    assert "mongolock_lease_seconds" in w.log()
+    w.stop()
+
+
+def test_warm_shutdown_lets_the_task_finish_and_release(cluster: Cluster) -> None:
+    w = cluster.worker(name=f"s{tag()}@localhost", extra_args=["-Q", "shutq"])
+    resource, t = tag(), tag()
+    it.guarded.apply_async((resource, t, 1.0), queue="shutq")
+    wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")
+    assert w.stop(timeout=60) == 0
+    assert cluster.runs(t, "end")
+    info = cluster.store.inspect(f"resource:{resource}")
+    assert info is not None and not info.held

@@ -1,0 +1,251 @@
+"""Pure logic: policies, settings, key specs. No server."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from bson import ObjectId
+from celery import Celery
+
+from celery_mongolock import ConfigurationError, Fail, InvalidKey, Retry, Skip, Wait, singleton_task
+from celery_mongolock.config import read_settings
+from celery_mongolock.keys import KeyRenderer, encode_value
+from celery_mongolock.policies import parse_policy
+
+# -- policies ------------------------------------------------------------------------------------------
+
+
+def test_retry_backs_off_exponentially_up_to_the_cap_without_jitter() -> None:
+    p = Retry(countdown=1, backoff=2, max_countdown=10, jitter=False)
+    assert [p.delay(n) for n in range(6)] == [1, 2, 4, 8, 10, 10]
+
+
+def test_retry_jitter_stays_within_half_and_full_delay() -> None:
+    p = Retry(countdown=4, backoff=1, max_countdown=60)
+    assert p.delay(0, rng=lambda: 0.0) == 2.0
+    assert p.delay(0, rng=lambda: 1.0) == 4.0
+    assert p.delay(0, rng=lambda: 0.5) == 3.0
+
+
+def test_retry_huge_attempt_numbers_do_not_overflow() -> None:
+    assert Retry(jitter=False, max_countdown=30).delay(10_000) == 30
+
+
+def test_retry_max_retries() -> None:
+    p = Retry(max_retries=2)
+    assert not p.exhausted(0) and not p.exhausted(1) and p.exhausted(2)
+    assert not Retry().exhausted(10**6)
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: Retry(countdown=-1), "countdown"),
+        (lambda: Retry(backoff=0.5), "backoff"),
+        (lambda: Retry(max_retries=-1), "max_retries"),
+        (lambda: Retry(max_retries=1.5), "max_retries"),
+        (lambda: Retry(countdown=float("nan")), "countdown"),
+        (lambda: Wait(timeout=-1), "timeout"),
+        (lambda: Wait(then=Wait()), "then"),
+        (lambda: Wait(then="retry"), "then"),
+    ],
+)
+def test_bad_policy_arguments(factory: Any, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        factory()
+
+
+def test_parse_policy_shorthands_and_dicts() -> None:
+    assert parse_policy("retry") == Retry()
+    assert parse_policy(" SKIP ") == Skip()
+    assert parse_policy("wait") == Wait()
+    assert parse_policy("fail") == Fail()
+    assert parse_policy({"policy": "retry", "countdown": 5}) == Retry(countdown=5)
+    assert parse_policy({"policy": "wait", "timeout": 3, "then": "skip"}) == Wait(timeout=3, then=Skip())
+    p = Retry(countdown=2)
+    assert parse_policy(p) is p
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("later", "must be one of"),
+        ({"countdown": 5}, "needs 'policy'"),
+        ({"policy": "retry", "countdwn": 5}, "countdwn"),
+        (42, "got int"),
+    ],
+)
+def test_parse_policy_errors_name_the_setting(value: Any, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match) as info:
+        parse_policy(value, "mongolock_on_contention")
+    assert "mongolock_on_contention" in str(info.value)
+
+
+# -- settings -----------------------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    s = read_settings({})
+    assert s.url == "mongodb://localhost:27017"
+    assert (s.database, s.collection, s.lease_seconds) == ("celery_mongolock", "leases", 30.0)
+    assert s.on_contention == Retry()
+    opts = s.for_task("t")
+    assert opts.lease_seconds == 30 and opts.heartbeat_seconds == 10
+
+
+def test_precedence_per_task_settings_beat_decorator_beat_global() -> None:
+    s = read_settings(
+        {
+            "mongolock_on_contention": "fail",
+            "mongolock_lease_seconds": 20,
+            "mongolock_task_policies": {"a": {"on_contention": "skip", "lease_seconds": 60}, "b": "wait"},
+        }
+    )
+    assert s.for_task("x").on_contention == Fail()
+    assert s.for_task("x", on_contention=Retry()).on_contention == Retry()
+    a = s.for_task("a", on_contention=Retry(), lease_seconds=5)
+    assert a.on_contention == Skip() and a.lease_seconds == 60 and a.heartbeat_seconds == 20
+    assert s.for_task("b").on_contention == Wait()
+    assert s.for_task("x", lease_seconds=9).heartbeat_seconds == 3
+
+
+def test_django_style_upper_case_settings() -> None:
+    app = Celery("django_style", set_as_current=False)
+
+    class Settings:
+        CELERY_MONGOLOCK_URL = "mongodb://db.example:27017"
+        CELERY_MONGOLOCK_LEASE_SECONDS = 12
+
+    app.config_from_object(Settings, namespace="CELERY")
+    s = read_settings(app.conf)
+    assert s.url == "mongodb://db.example:27017" and s.lease_seconds == 12
+
+
+@pytest.mark.parametrize(
+    ("conf", "setting"),
+    [
+        ({"mongolock_url": "localhost"}, "mongolock_url"),
+        ({"mongolock_url": "mongodb://u:pw@h:notaport"}, "mongolock_url"),
+        ({"mongolock_database": ""}, "mongolock_database"),
+        ({"mongolock_database": "a.b"}, "mongolock_database"),
+        ({"mongolock_collection": "$x"}, "mongolock_collection"),
+        ({"mongolock_lease_seconds": -5}, "mongolock_lease_seconds"),
+        ({"mongolock_lease_seconds": "30"}, "mongolock_lease_seconds"),
+        ({"mongolock_lease_seconds": 10, "mongolock_heartbeat_seconds": 9}, "heartbeat_seconds"),
+        ({"mongolock_on_contention": "sometimes"}, "mongolock_on_contention"),
+        ({"mongolock_operation_timeout": 0}, "mongolock_operation_timeout"),
+        ({"mongolock_task_policies": ["a"]}, "mongolock_task_policies"),
+        ({"mongolock_task_policies": {"t": {"bogus": 1}}}, "mongolock_task_policies['t']"),
+        ({"mongolock_task_policies": {"t": {"on_contention": "nope"}}}, "mongolock_task_policies['t']"),
+        ({"mongolock_task_policies": {"t": {"lease_seconds": 2, "heartbeat_seconds": 5}}}, "task 't'"),
+    ],
+)
+def test_invalid_settings_name_the_setting(conf: dict[str, Any], setting: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        read_settings(conf)
+    assert setting in str(info.value)
+    assert "pw@" not in str(info.value)
+
+
+# -- key specs ------------------------------------------------------------------------------------------
+
+
+def upload(group_id: int, path: str = "members.csv", *, dry_run: bool = False) -> None: ...
+
+
+def test_template_key_binds_args_kwargs_and_defaults_alike() -> None:
+    r = KeyRenderer("email-group:{group_id}", upload, "app.upload")
+    assert r.render((42,), {}) == r.render((), {"group_id": 42}) == "email-group:42"
+    assert KeyRenderer("g:{group_id}:{path}", upload, "t").render((1,), {}) == "g:1:members.csv"
+
+
+def test_argument_name_keys_are_prefixed_with_the_task_name() -> None:
+    assert KeyRenderer("group_id", upload, "app.upload").render((7,), {}) == "app.upload:7"
+    assert (
+        KeyRenderer(["group_id", "path"], upload, "app.upload").render((7, "a.csv"), {})
+        == "app.upload:7:a.csv"
+    )
+
+
+def test_none_and_fixed_keys() -> None:
+    assert KeyRenderer(None, upload, "app.upload").render((1,), {}) == "app.upload"
+    assert KeyRenderer("nightly-report", upload, "app.upload").render((1,), {}) == "nightly-report"
+
+
+def test_callable_keys_get_the_task_arguments() -> None:
+    r = KeyRenderer(lambda group_id, **_: f"tenant:{group_id % 10}", upload, "t")
+    assert r.render((42,), {"path": "x"}) == "tenant:2"
+    assert KeyRenderer(lambda *a, **k: 5, upload, "t").render((1,), {}) == "5"
+
+
+def test_canonical_encoding() -> None:
+    u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    oid = ObjectId("5f0c8e5e8e4b3a2b1c0d0e0f")
+    assert encode_value(u) == "12345678-1234-5678-1234-567812345678"
+    assert encode_value(oid) == "5f0c8e5e8e4b3a2b1c0d0e0f"
+    assert (
+        encode_value({"b": 2, "a": [1, "x"]})
+        == encode_value({"a": [1, "x"], "b": 2})
+        == '{"a":[1,"x"],"b":2}'
+    )
+    assert encode_value([]) == "[]"
+    assert encode_value(True) == "true"
+    assert encode_value(None) == "null"
+    assert encode_value({"id": u}) == '{"id":"12345678-1234-5678-1234-567812345678"}'
+
+
+@pytest.mark.parametrize("value", [1.5, b"bytes", object(), {1: "x"}, {"a": 1.5}])
+def test_values_without_a_canonical_text_are_refused(value: Any) -> None:
+    with pytest.raises(InvalidKey, match="group_id"):
+        KeyRenderer("g:{group_id}", upload, "t").render((value,), {})
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("email-group:{gid}", "'gid', which is not an argument of upload"),
+        ("group_idd", "'group_idd' is not an argument"),
+        (["group_id", "nope"], "'nope'"),
+        ([], "at least one"),
+        ("", "must not be empty"),
+        ("g:{group_id.attr}", "plain argument name"),
+        ("g:{0}", "plain argument name"),
+        ("g:{group_id!r}", "conversion"),
+        ("g:{group_id:>5}", "format spec"),
+        ("g:{group_id", "malformed"),
+        (42, "got int"),
+    ],
+)
+def test_key_spec_mistakes_fail_at_declaration(spec: Any, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        KeyRenderer(spec, upload, "t")
+
+
+def test_decorator_reports_mistakes_at_decoration_time() -> None:
+    app = Celery("decl", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="not an argument"):
+
+        @singleton_task(key="email-group:{gid}", app=app)
+        def bad(group_id: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="on_contention"):
+
+        @singleton_task(on_contention="sometimes", app=app)
+        def bad2() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="heartbeat_seconds"):
+
+        @singleton_task(lease_seconds=10, heartbeat_seconds=8, app=app)
+        def bad3() -> None: ...
+
+
+def test_bound_tasks_key_on_the_arguments_after_self() -> None:
+    app = Celery("bound", set_as_current=False)
+
+    @singleton_task(key="g:{group_id}", app=app, bind=True)
+    def task(self: Any, group_id: int) -> None: ...
+
+    assert task.mongolock_key_for(5) == "g:5"
+    assert task.mongolock_key_for(group_id=5) == "g:5"
