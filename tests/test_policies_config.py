@@ -45,11 +45,11 @@ def test_retry_max_retries() -> None:
         (lambda: Retry(countdown=-1), "countdown"),
         (lambda: Retry(backoff=0.5), "backoff"),
         (lambda: Retry(max_retries=-1), "max_retries"),
-        (lambda: Retry(max_retries=1.5), "max_retries"),
+        (lambda: Retry(max_retries=1.5), "max_retries"),  # type: ignore[arg-type]
         (lambda: Retry(countdown=float("nan")), "countdown"),
         (lambda: Wait(timeout=-1), "timeout"),
         (lambda: Wait(then=Wait()), "then"),
-        (lambda: Wait(then="retry"), "then"),
+        (lambda: Wait(then="retry"), "then"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_policy_arguments(factory: Any, match: str) -> None:
