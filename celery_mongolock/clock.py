@@ -15,11 +15,13 @@ The clock is injectable so that timing logic is tested without sleeping.
 
 from __future__ import annotations
 
+import datetime as _dt
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
-__all__ = ["MAX_DRIFT", "Clock", "FakeClock", "SystemClock"]
+__all__ = ["MAX_DRIFT", "Clock", "FakeClock", "ServerTime", "SystemClock"]
 
 #: How much faster than the server's clock the local monotonic clock may run (0.1%: far above what
 #: NTP-disciplined or even free-running quartz clocks show, which is tens of ppm).
@@ -64,3 +66,56 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         with self._lock:
             self._now += seconds
+
+
+class ServerTime:
+    """An estimate of the MongoDB server's wall clock, for code that must *schedule* by time (beat).
+
+    Sampled from ``hello.localTime`` (corrected by half the round trip) and carried forward on the
+    monotonic clock, so a jump of the local wall clock changes nothing; re-sampled every
+    ``refresh_seconds``. ``uncertainty`` is half the sampling round trip plus the server's 1 ms
+    resolution plus drift since the sample.
+    """
+
+    def __init__(
+        self, hello: Callable[[], Any], clock: Clock | None = None, refresh_seconds: float = 60.0
+    ) -> None:
+        self._hello = hello
+        self._clock: Clock = clock or SystemClock()
+        self.refresh_seconds = refresh_seconds
+        self._base: _dt.datetime | None = None
+        self._base_mono = 0.0
+        self._half_rtt = 0.0
+        self._lock = threading.Lock()
+
+    def sample(self) -> None:
+        """Ask the server for its time now."""
+        sent = self._clock.monotonic()
+        reply = self._hello()
+        received = self._clock.monotonic()
+        local = reply["localTime"]
+        if local.tzinfo is None:
+            local = local.replace(tzinfo=_dt.timezone.utc)
+        with self._lock:
+            self._half_rtt = (received - sent) / 2
+            self._base = local + _dt.timedelta(seconds=self._half_rtt)
+            self._base_mono = received
+
+    def now(self) -> _dt.datetime:
+        """The server's current time (UTC, aware), re-sampling when the estimate is old."""
+        mono = self._clock.monotonic()
+        if self._base is None or mono - self._base_mono >= self.refresh_seconds:
+            try:
+                self.sample()
+            except Exception:
+                if self._base is None:
+                    raise
+            mono = self._clock.monotonic()
+        with self._lock:
+            assert self._base is not None
+            return self._base + _dt.timedelta(seconds=mono - self._base_mono)
+
+    @property
+    def uncertainty(self) -> float:
+        with self._lock:
+            return self._half_rtt + 0.001 + MAX_DRIFT * max(0.0, self._clock.monotonic() - self._base_mono)

@@ -46,7 +46,7 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_operation_timeout": 10.0,
     "mongolock_task_policies": {},
 }
-TASK_OPTION_NAMES = ("on_contention", "lease_seconds", "heartbeat_seconds")
+TASK_OPTION_NAMES = ("on_contention", "lease_seconds", "heartbeat_seconds", "min_hold_seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,7 @@ class TaskOptions:
     on_contention: Policy
     lease_seconds: float
     heartbeat_seconds: float
+    min_hold_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Settings:
         on_contention: PolicySpec | None = None,
         lease_seconds: float | None = None,
         heartbeat_seconds: float | None = None,
+        min_hold_seconds: float | None = None,
     ) -> TaskOptions:
         """Options for task ``name``: per-task settings > decorator arguments > global settings."""
         override = self.task_policies.get(name, {})
@@ -104,7 +106,16 @@ class Settings:
             lease_s, beat_s = validate_lease_timing(lease, beat)
         except ConfigurationError as exc:
             raise ConfigurationError(f"task {name!r}: {exc}") from None
-        return TaskOptions(on_contention=policy, lease_seconds=lease_s, heartbeat_seconds=beat_s)
+        hold = override.get("min_hold_seconds", min_hold_seconds) or 0.0
+        hold_s = _validate_seconds(
+            f"{where}['min_hold_seconds']" if "min_hold_seconds" in override else "min_hold_seconds",
+            hold,
+            low=0.0,
+            high=30 * 24 * 3600.0,
+        )
+        return TaskOptions(
+            on_contention=policy, lease_seconds=lease_s, heartbeat_seconds=beat_s, min_hold_seconds=hold_s
+        )
 
 
 def _conf_get(conf: Any, name: str) -> Any:

@@ -558,40 +558,53 @@ class LeaseStore:
         return holder
 
     @staticmethod
-    def _acquire_pipeline(token: str, ttl_ms: int, holder: Document) -> builtins.list[Document]:
+    def _acquire_pipeline(
+        token: str,
+        ttl_ms: int,
+        holder: Document,
+        *,
+        tick: int | None = None,
+        min_hold_ms: int = 0,
+        hold_until_ms: int | None = None,
+    ) -> builtins.list[Document]:
         now_ms = {"$toLong": "$$NOW"}
-        free = {
+        vacant: Document = {
             "$or": [
                 {"$eq": [{"$ifNull": ["$owner", None]}, None]},
                 {"$lte": [{"$toLong": "$expires_at"}, now_ms]},
-                {"$eq": ["$owner", token]},
             ]
         }
+        if tick is not None:
+            # Once per tick: a run for a tick at or before the last one run is refused even when free.
+            vacant = {"$and": [vacant, {"$lt": [{"$ifNull": ["$last_tick", -1]}, tick]}]}
+        free = {"$or": [{"$eq": ["$owner", token]}, vacant]}
+        hold_until: Document = {"$add": ["$$NOW", min_hold_ms]}
+        if hold_until_ms is not None:
+            # Compared as numbers: the embedded test server compares dates wrongly (see module doc).
+            hold_until = {"$toDate": {"$max": [{"$add": [now_ms, min_hold_ms]}, hold_until_ms]}}
 
         def when_free(new: object, field: str) -> Document:
             return {"$cond": ["$__free", new, f"${field}"]}
 
-        return [
-            {"$set": {"__free": free}},
-            {
-                "$set": {
-                    "owner": when_free(token, "owner"),
-                    "ttl_ms": when_free(ttl_ms, "ttl_ms"),
-                    "holder": when_free({"$literal": holder}, "holder"),
-                    "fence": when_free(
-                        {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [now_ms, 1000]}]},
-                        "fence",
-                    ),
-                    "expires_at": when_free({"$add": ["$$NOW", ttl_ms]}, "expires_at"),
-                    "acquired_at": when_free("$$NOW", "acquired_at"),
-                    "renewed_at": when_free("$$NOW", "renewed_at"),
-                    "released_at": when_free({"$literal": None}, "released_at"),
-                    "forced_release": when_free({"$literal": False}, "forced_release"),
-                    "released_for": when_free({"$literal": None}, "released_for"),
-                }
-            },
-            {"$unset": "__free"},
-        ]
+        fields: Document = {
+            "owner": when_free(token, "owner"),
+            "ttl_ms": when_free(ttl_ms, "ttl_ms"),
+            "holder": when_free({"$literal": holder}, "holder"),
+            "fence": when_free(
+                {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [now_ms, 1000]}]},
+                "fence",
+            ),
+            "expires_at": when_free({"$add": ["$$NOW", ttl_ms]}, "expires_at"),
+            "acquired_at": when_free("$$NOW", "acquired_at"),
+            "renewed_at": when_free("$$NOW", "renewed_at"),
+            "hold_until": when_free(hold_until, "hold_until"),
+            "released_at": when_free({"$literal": None}, "released_at"),
+            "forced_release": when_free({"$literal": False}, "forced_release"),
+            "released_for": when_free({"$literal": None}, "released_for"),
+        }
+        if tick is not None:
+            fields["last_tick"] = when_free(tick, "last_tick")
+        return [{"$set": {"__free": free}}, {"$set": fields}, {"$unset": "__free"}]
 
     def acquire(
         self,
@@ -601,16 +614,30 @@ class LeaseStore:
         info: Mapping[str, Any] | None = None,
         heartbeat: bool = False,
         heartbeat_seconds: float | None = None,
+        min_hold: float = 0.0,
+        tick: int | None = None,
+        hold_until_ms: int | None = None,
     ) -> Lease | None:
         """Try once to take ``key`` for ``ttl`` seconds (default: the store's ``lease_seconds``).
 
         Returns the ``Lease``, or ``None`` if someone else holds the key. ``info`` is stored with the
         holder (e.g. task name and id). With ``heartbeat=True`` the process's heartbeat thread keeps
-        the lease alive until it is released. Raises ``StoreUnavailable`` if MongoDB cannot be reached:
-        a lease is never assumed.
+        the lease alive until it is released. ``min_hold`` keeps the key taken for at least that many
+        seconds from acquisition even if released sooner (ShedLock's lock-at-least-for);
+        ``hold_until_ms`` (epoch milliseconds, server time) is the same as an absolute time, e.g. the end
+        of a schedule tick. ``tick`` (an increasing int, such as a scheduled time in ms) makes the
+        acquisition once-per-tick: refused for a tick at or before the last tick that took this key.
+        Raises ``StoreUnavailable`` if MongoDB cannot be reached: a lease is never assumed.
         """
         lease, _ = self._try_acquire(
-            key, ttl, info=info, heartbeat=heartbeat, heartbeat_seconds=heartbeat_seconds
+            key,
+            ttl,
+            info=info,
+            heartbeat=heartbeat,
+            heartbeat_seconds=heartbeat_seconds,
+            min_hold=min_hold,
+            tick=tick,
+            hold_until_ms=hold_until_ms,
         )
         return lease
 
@@ -622,8 +649,14 @@ class LeaseStore:
         info: Mapping[str, Any] | None = None,
         heartbeat: bool = False,
         heartbeat_seconds: float | None = None,
+        min_hold: float = 0.0,
+        tick: int | None = None,
+        hold_until_ms: int | None = None,
     ) -> tuple[Lease | None, Document | None]:
         key = normalize_key(key)
+        hold_s = _validate_seconds("min_hold", min_hold, low=0.0, high=MAX_LEASE_SECONDS)
+        if tick is not None and (isinstance(tick, bool) or not isinstance(tick, int)):
+            raise ConfigurationError(f"tick must be an int, got {type(tick).__name__}")
         ttl_s, beat = validate_lease_timing(
             self.lease_seconds if ttl is None else ttl,
             heartbeat_seconds
@@ -633,7 +666,14 @@ class LeaseStore:
         ttl_ms = int(ttl_s * 1000)
         holder = self._holder_info(info)
         token = uuid.uuid4().hex
-        pipeline = self._acquire_pipeline(token, ttl_ms, holder)
+        pipeline = self._acquire_pipeline(
+            token,
+            ttl_ms,
+            holder=holder,
+            tick=tick,
+            min_hold_ms=int(hold_s * 1000),
+            hold_until_ms=hold_until_ms,
+        )
         clock = self.clock
         give_up_at = clock.monotonic() + self.operation_timeout
         attempt = 0
@@ -845,10 +885,25 @@ class LeaseStore:
     def _release_update(self, key: str, token: str, timeout: float | None = None) -> bool:
         """The release command: matched on ``{_id, owner}``, keeps the document (and so the fence)."""
         with self._operation(f"release lease {key!r}", timeout=timeout):
-            result = self.collection.update_one(
-                {"_id": key, "owner": token}, [{"$set": {"owner": None, "released_at": "$$NOW"}}]
-            )
+            result = self.collection.update_one({"_id": key, "owner": token}, self._release_pipeline())
         return result.matched_count == 1
+
+    @staticmethod
+    def _release_pipeline() -> builtins.list[Document]:
+        # A lease with a minimum hold time that has not passed stays taken (owner kept) until then, and
+        # simply expires at hold_until; otherwise the owner is cleared at once.
+        holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, {"$toLong": "$$NOW"}]}
+        return [
+            {"$set": {"__hold": holding}},
+            {
+                "$set": {
+                    "owner": {"$cond": ["$__hold", "$owner", None]},
+                    "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
+                    "released_at": "$$NOW",
+                }
+            },
+            {"$unset": "__hold"},
+        ]
 
     def _release_later(self, key: str, token: str, until: float) -> None:
         log_release.warning("lease %r: release queued for the background until MongoDB answers", key)

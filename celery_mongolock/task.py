@@ -95,6 +95,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     mongolock_on_contention: ClassVar[PolicySpec | None] = None
     mongolock_lease_seconds: ClassVar[float | None] = None
     mongolock_heartbeat_seconds: ClassVar[float | None] = None
+    #: Keep the key taken at least this long after the run starts (ShedLock's lock-at-least-for).
+    mongolock_min_hold_seconds: ClassVar[float | None] = None
     #: Expected errors: logged at INFO without a traceback.
     throws = (LockContended,)
     Request = "celery_mongolock.task:SingletonRequest"
@@ -127,6 +129,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             on_contention=decorator_policy,
             lease_seconds=self.mongolock_lease_seconds,
             heartbeat_seconds=self.mongolock_heartbeat_seconds,
+            min_hold_seconds=self.mongolock_min_hold_seconds,
         )
 
     # -- the guarded call ------------------------------------------------------------------------------
@@ -166,7 +169,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         store = get_store(self.app)
         request = self.request
         policy = options.on_contention
-        info = {"task_name": self.name, "task_id": request.id, "worker": request.hostname}
+        info: dict[str, Any] = {"task_name": self.name, "task_id": request.id, "worker": request.hostname}
+        tick, hold_until_ms = _beat_tick(request)
+        if tick is not None:
+            info["beat_tick"] = tick
         wait_until: float | None = None
         while True:
             try:
@@ -176,6 +182,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                     info=info,
                     heartbeat=True,
                     heartbeat_seconds=options.heartbeat_seconds,
+                    min_hold=options.min_hold_seconds,
+                    tick=tick,
+                    hold_until_ms=hold_until_ms,
                 )
             except StoreUnavailable as exc:
                 return self._unavailable(key, exc, policy, direct)
@@ -184,6 +193,13 @@ class SingletonTask(Task):  # type: ignore[misc]
             doc = doc or {}
             holder = dict(doc.get("holder") or {})
             expires_at = _aware(doc.get("expires_at"))
+            if tick is not None and int(doc.get("last_tick") or -1) >= tick:
+                # Another beat sent this tick too, and its run has taken (or is taking) the key.
+                log_acquire.info(
+                    "%s[%s]: tick %s of %r already ran; skipped", self.name, request.id, tick, key
+                )
+                signals.lease_contended.send(sender=self, key=key, holder=holder, policy="tick-already-ran")
+                return _Outcome(skipped_result(key, holder, expires_at, f"tick {tick} already ran"))
             if request.id and holder.get("task_id") == request.id:
                 # The same message delivered twice (broker visibility timeout, acks_late) while its first
                 # run still holds the lease: do not run twice, and leave the first run's state alone.
@@ -253,6 +269,22 @@ class SingletonTask(Task):  # type: ignore[misc]
         raise RetryTask(message=str(exc), exc=exc, when=countdown, sig=signature)
 
 
+def _beat_tick(request: Any) -> tuple[int | None, int | None]:
+    """The nominal tick (epoch ms) and the end of its window, from the header our beat scheduler adds."""
+    from .beat import BEAT_HEADER
+
+    stamp = (request.headers or {}).get(BEAT_HEADER) if request is not None else None
+    if not isinstance(stamp, dict):
+        return None, None
+    try:
+        tick = int(stamp["tick"])
+        window_ms = int(float(stamp.get("window") or 0) * 1000)
+    except (KeyError, TypeError, ValueError):
+        return None, None
+    guard_ms = min(1000, window_ms // 10)  # free the key a little before the next tick is due
+    return tick, tick + max(0, window_ms - guard_ms)
+
+
 class SingletonRequest(Request):  # type: ignore[misc]
     """The worker-side request of a singleton task; runs in the worker's parent (main) process.
 
@@ -305,6 +337,7 @@ def singleton_task(
     on_contention: PolicySpec | None = ...,
     lease_seconds: float | None = ...,
     heartbeat_seconds: float | None = ...,
+    min_hold_seconds: float | None = ...,
     app: Celery | None = ...,
     base: type[SingletonTask] = ...,
     **task_options: Any,
@@ -318,6 +351,7 @@ def singleton_task(
     on_contention: PolicySpec | None = None,
     lease_seconds: float | None = None,
     heartbeat_seconds: float | None = None,
+    min_hold_seconds: float | None = None,
     app: Celery | None = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -327,7 +361,9 @@ def singleton_task(
     ``key``: None (the task's name), an argument name or list of names, a template such as
     ``"email-group:{group_id}"`` (rendered as the lease key as is), a brace-free fixed key, or a callable
     taking the task's arguments. ``on_contention``: ``Retry()`` (default), ``Skip()``, ``Wait()``,
-    ``Fail()`` or their names. Other keyword arguments go to Celery (``bind``, ``name``, ``acks_late``,
+    ``Fail()`` or their names. ``min_hold_seconds`` keeps the key taken at least that long after a run
+    starts, even if it ends sooner (ShedLock's lock-at-least-for). Other keyword arguments go to Celery
+    (``bind``, ``name``, ``acks_late``,
     ...). Like ``shared_task`` unless ``app=`` binds it to one app. Mistakes in the key spec or the
     policy raise ``ConfigurationError`` here, at declaration time.
     """
@@ -337,6 +373,10 @@ def singleton_task(
         )
     if on_contention is not None:
         on_contention = parse_policy(on_contention, "on_contention")
+    if min_hold_seconds is not None:
+        from .store import _validate_seconds
+
+        _validate_seconds("min_hold_seconds", min_hold_seconds, low=0.0, high=30 * 24 * 3600.0)
     if lease_seconds is not None or heartbeat_seconds is not None:
         from .store import DEFAULT_LEASE_SECONDS, validate_lease_timing
 
@@ -355,6 +395,7 @@ def singleton_task(
             "mongolock_on_contention": on_contention,
             "mongolock_lease_seconds": lease_seconds,
             "mongolock_heartbeat_seconds": heartbeat_seconds,
+            "mongolock_min_hold_seconds": min_hold_seconds,
             **task_options,
         }
         if app is not None:

@@ -163,3 +163,39 @@ def upload_members(group_id: int, upload: str, members: list[str], batch: int = 
 @app.task(name="integration_app.plain")
 def plain(tag: str) -> str:
     return tag
+
+
+# -- beat -------------------------------------------------------------------------------------------------
+
+
+@singleton_task(key="beat-job", app=app, name="integration_app.beat_job", on_contention=Skip())
+def beat_job(label: str = "beat") -> str:
+    """A beat-scheduled singleton job: records the tick it was sent for."""
+    from celery_mongolock.beat import BEAT_HEADER
+    from celery_mongolock.task import SingletonTask
+
+    request = beat_job.request
+    stamp = (request.headers or {}).get(BEAT_HEADER) or {}
+    assert isinstance(beat_job, SingletonTask)
+    record("beat", label, tick=stamp.get("tick"), sent_for=stamp.get("entry"))
+    return label
+
+
+@app.task(name="integration_app.plain_tick")
+def plain_tick(label: str = "plain") -> str:
+    from celery_mongolock.beat import BEAT_HEADER
+
+    stamp = (plain_tick.request.headers or {}).get(BEAT_HEADER) or {}
+    record("plain-beat", label, tick=stamp.get("tick"))
+    return label
+
+
+if os.environ.get("MONGOLOCK_IT_BEAT_SECONDS"):
+    _every = float(os.environ["MONGOLOCK_IT_BEAT_SECONDS"])
+    app.conf.beat_schedule = {
+        "singleton-job": {"task": "integration_app.beat_job", "schedule": _every, "args": ("singleton",)},
+        "plain-job": {"task": "integration_app.plain_tick", "schedule": _every, "args": ("plain",)},
+    }
+    app.conf.beat_scheduler = "celery_mongolock.beat:Scheduler"
+    app.conf.mongolock_beat_lease_seconds = float(os.environ.get("MONGOLOCK_IT_BEAT_LEASE", "3"))
+    app.conf.beat_max_loop_interval = 1

@@ -564,3 +564,52 @@ def test_store_given_a_url_makes_a_new_client_after_fork(mongo_url: str, db_name
     os.close(read)
     assert s.client is parent_client
     s.close()
+
+
+# -- minimum hold and once-per-tick ---------------------------------------------------------------------
+
+
+def test_min_hold_keeps_the_key_after_an_early_release(store: LeaseStore, make_store: Any) -> None:
+    other = make_store()
+    lease = store.acquire("k", min_hold=1.0)
+    assert lease is not None
+    assert lease.release() is True
+    info = store.inspect("k")
+    assert info is not None and info.held and info.expires_in is not None and info.expires_in <= 1.0
+    assert other.acquire("k") is None
+    taken = wait_for(lambda: other.acquire("k"), timeout=10, message="the hold to end")
+    assert taken.fence > lease.fence
+    # Without a minimum hold a release frees the key at once.
+    assert taken.release() and other.acquire("k") is not None
+
+
+def test_a_release_after_the_min_hold_frees_at_once(store: LeaseStore) -> None:
+    lease = store.acquire("k", min_hold=0.5)
+    assert lease is not None
+    import time
+
+    time.sleep(0.6)  # outlive the hold: the duration itself is what is tested, not a synchronisation
+    lease.release()
+    info = store.inspect("k")
+    assert info is not None and not info.held
+
+
+def test_once_per_tick(store: LeaseStore, make_store: Any) -> None:
+    other = make_store()
+    first = store.acquire("job", tick=1000)
+    assert first is not None
+    assert other.acquire("job", tick=1000) is None  # held
+    first.release()
+    assert other.acquire("job", tick=1000) is None  # free, but that tick already ran
+    assert other.acquire("job", tick=999) is None  # an older tick never runs after a newer one
+    nxt = other.acquire("job", tick=1001)
+    assert nxt is not None and nxt.fence > first.fence
+    nxt.release()
+    assert other.acquire("job") is not None  # a run without a tick is not affected
+
+
+def test_tick_and_hold_arguments_are_checked(store: LeaseStore) -> None:
+    with pytest.raises(ConfigurationError, match="tick must be an int"):
+        store.acquire("k", tick="5")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="min_hold"):
+        store.acquire("k", min_hold=-1)
