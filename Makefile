@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check celery_mongolock tests example_project benchmarks
+	$(PY) -m ruff format --check $(wildcard celery_mongolock tests example_project benchmarks)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
