@@ -191,7 +191,7 @@ def read_settings(conf: Any) -> Settings:
     return settings
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # get_store calls get_settings while holding it
 
 
 def get_settings(app: Celery) -> Settings:

@@ -487,8 +487,14 @@ class LeaseStore:
         )
 
     @contextlib.contextmanager
-    def _operation(self, action: str, timeout: float | None = None) -> Iterator[None]:
-        """Run MongoDB calls under one deadline (pymongo CSOT); turn driver errors into our own."""
+    def _operation(
+        self, action: str, timeout: float | None = None, *, retryable: bool = False
+    ) -> Iterator[None]:
+        """Run MongoDB calls under one deadline (pymongo CSOT); turn driver errors into ``StoreUnavailable``.
+
+        With ``retryable=True`` (acquire's own retry loop) errors after which the outcome is unknown are
+        passed through as they are, for the caller to retry with the same owner token.
+        """
         try:
             with pymongo.timeout(timeout if timeout is not None else self.operation_timeout):
                 yield
@@ -497,12 +503,14 @@ class LeaseStore:
         except OperationFailure as exc:
             if exc.code in (13, 18, 8000):  # Unauthorized, AuthenticationFailed, Atlas auth
                 raise StoreUnavailable(f"MongoDB refused to {action}: {redact(str(exc))[:500]}") from None
-            if isinstance(exc, _AMBIGUOUS) or exc.has_error_label("RetryableWriteError"):
+            if retryable and (isinstance(exc, _AMBIGUOUS) or exc.has_error_label("RetryableWriteError")):
                 raise
             raise self._unavailable(action, exc) from None
-        except _AMBIGUOUS:
-            raise
-        except (ServerSelectionTimeoutError, PyMongoError) as exc:
+        except _AMBIGUOUS as exc:
+            if retryable and not isinstance(exc, ServerSelectionTimeoutError):
+                raise
+            raise self._unavailable(action, exc) from None
+        except PyMongoError as exc:
             raise self._unavailable(action, exc) from None
 
     # -- indexes -------------------------------------------------------------------------------------
@@ -688,7 +696,7 @@ class LeaseStore:
             try:
                 coll = self._ready_collection()
                 sent_at = clock.monotonic()
-                with self._operation(f"acquire lease {key!r}", timeout=remaining):
+                with self._operation(f"acquire lease {key!r}", timeout=remaining, retryable=True):
                     doc = coll.find_one_and_update(
                         {"_id": key}, pipeline, upsert=True, return_document=ReturnDocument.AFTER
                     )

@@ -31,6 +31,7 @@ app.conf.update(
     mongolock_url=os.environ.get("MONGOLOCK_IT_MONGODB_URL", "mongodb://127.0.0.1:27017"),
     mongolock_database=os.environ.get("MONGOLOCK_IT_DB", "mongolock_it"),
     mongolock_lease_seconds=float(os.environ.get("MONGOLOCK_IT_LEASE", "30")),
+    mongolock_operation_timeout=float(os.environ.get("MONGOLOCK_IT_OP_TIMEOUT", "10")),
     mongolock_task_policies={"integration_app.per_task_skip": {"on_contention": "skip"}},
 )
 

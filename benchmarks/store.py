@@ -1,0 +1,582 @@
+"""Benchmark of the lease store: latency against bare pymongo, commands per operation, batched renewal.
+
+Run it from the repository root (after ``make venv``)::
+
+    .venv/bin/python benchmarks/store.py                 # embedded server, full run (a few minutes)
+    .venv/bin/python benchmarks/store.py --quick         # about a minute, smaller figures
+    .venv/bin/python benchmarks/store.py --mongo-url mongodb://host:27017/
+
+It starts the embedded MongoDB-compatible server unless ``--mongo-url`` (or the environment variable
+``MONGOLOCK_TEST_MONGODB_URL``) names a server, works in a fresh database that it drops at the end, and
+writes its figures as JSON (``benchmarks/results/store.json`` by default). See ``benchmarks/README.md``
+for what each figure means.
+
+Only the standard library, pymongo and celery_mongolock are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pymongo
+from pymongo import MongoClient, ReturnDocument
+from pymongo.collection import Collection
+from pymongo.monitoring import (
+    CommandFailedEvent,
+    CommandListener,
+    CommandStartedEvent,
+    CommandSucceededEvent,
+)
+
+import celery_mongolock
+from celery_mongolock.store import Lease, LeaseStore
+
+Document = dict[str, Any]
+
+URL_ENV = "MONGOLOCK_TEST_MONGODB_URL"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "store.json"
+# A lease length far beyond the benchmark's duration: nothing expires while we measure.
+LONG_TTL = 3600.0
+
+
+# -- command counting -------------------------------------------------------------------------------------
+class CommandCounter(CommandListener):
+    """Counts the commands the client sends, by command name (thread-safe; monitoring is not counted)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started: Counter[str] = Counter()
+        self._failed: Counter[str] = Counter()
+
+    def started(self, event: CommandStartedEvent) -> None:
+        with self._lock:
+            self._started[event.command_name] += 1
+
+    def succeeded(self, event: CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: CommandFailedEvent) -> None:
+        with self._lock:
+            self._failed[event.command_name] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self._started.clear()
+            self._failed.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(sorted(self._started.items()))
+
+    def failures(self) -> dict[str, int]:
+        with self._lock:
+            return dict(sorted(self._failed.items()))
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[dict[str, int]]:
+        """Count the commands sent inside the block; the yielded dict is filled in on exit."""
+        result: dict[str, int] = {}
+        self.reset()
+        try:
+            yield result
+        finally:
+            result.update(self.snapshot())
+
+
+def per_op(counts: dict[str, int], ops: int) -> dict[str, float]:
+    """Commands per operation, rounded (an exact 1 means one command each time)."""
+    return {name: round(n / ops, 3) for name, n in counts.items()}
+
+
+# -- statistics -------------------------------------------------------------------------------------------
+def summarize(samples_ns: list[int]) -> dict[str, float]:
+    """Median, p90, p99, min, max and mean in microseconds."""
+    us = sorted(s / 1000.0 for s in samples_ns)
+    if len(us) >= 2:
+        q = statistics.quantiles(us, n=100, method="inclusive")
+        p90, p99 = q[89], q[98]
+    else:
+        p90 = p99 = us[0]
+    return {
+        "n": len(us),
+        "median_us": round(statistics.median(us), 1),
+        "p90_us": round(p90, 1),
+        "p99_us": round(p99, 1),
+        "min_us": round(us[0], 1),
+        "max_us": round(us[-1], 1),
+        "mean_us": round(statistics.fmean(us), 1),
+    }
+
+
+def ratios(ours: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    return {k: round(ours[k] / other[k], 3) for k in ("median_us", "p90_us", "p99_us") if other[k] > 0}
+
+
+# -- the variants measured --------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, client: MongoClient[Document], store: LeaseStore, counter: CommandCounter) -> None:
+        self.client = client
+        self.store = store
+        self.counter = counter
+        # The very collection object the store uses: same database, write concern and read preference.
+        self.coll: Collection[Document] = store.collection
+        self.ttl_ms = int(store.lease_seconds * 1000)
+        self.holder: Document = {"host": socket.gethostname(), "pid": os.getpid()}
+        self._seq = 0
+
+    def _key(self, prefix: str) -> str:
+        self._seq += 1
+        return f"{prefix}:{self._seq}"
+
+    # Each variant runs ``n`` iterations and returns one latency per iteration, in nanoseconds.
+    def ours(self, n: int, hot_key: str | None) -> list[int]:
+        store = self.store
+        out: list[int] = []
+        clock = time.perf_counter_ns
+        for _ in range(n):
+            key = hot_key or self._key("ours")
+            t0 = clock()
+            lease = store.acquire(key)
+            assert lease is not None, f"store.acquire({key!r}) returned None"
+            released = lease.release()
+            out.append(clock() - t0)
+            assert released, f"release of {key!r} found it no longer ours"
+        return out
+
+    def bare(self, n: int, hot_key: str | None) -> list[int]:
+        coll = self.coll
+        ttl_ms = self.ttl_ms
+        holder = self.holder
+        acquire_pipeline = LeaseStore._acquire_pipeline
+        out: list[int] = []
+        clock = time.perf_counter_ns
+        for _ in range(n):
+            key = hot_key or self._key("bare")
+            t0 = clock()
+            token = uuid.uuid4().hex
+            doc = coll.find_one_and_update(
+                {"_id": key},
+                acquire_pipeline(token, ttl_ms, holder),
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+            )
+            released = coll.update_one(
+                {"_id": key, "owner": token}, [{"$set": {"owner": None, "released_at": "$$NOW"}}]
+            )
+            out.append(clock() - t0)
+            assert doc is not None and doc.get("owner") == token, f"bare acquire of {key!r} failed: {doc}"
+            assert released.matched_count == 1, f"bare release of {key!r} matched nothing"
+        return out
+
+    def ping(self, n: int) -> list[int]:
+        admin = self.client.admin
+        out: list[int] = []
+        clock = time.perf_counter_ns
+        for _ in range(n):
+            t0 = clock()
+            admin.command("ping")
+            out.append(clock() - t0)
+        return out
+
+
+def measure_latency(bench: Bench, iterations: int, rounds: int, seed: int) -> dict[str, Any]:
+    """Every variant runs ``iterations`` times in total, split over ``rounds`` interleaved rounds."""
+    variants: dict[str, Callable[[int], list[int]]] = {
+        "ours_distinct": lambda n: bench.ours(n, None),
+        "bare_distinct": lambda n: bench.bare(n, None),
+        "ours_hot": lambda n: bench.ours(n, "bench-hot-ours"),
+        "bare_hot": lambda n: bench.bare(n, "bench-hot-bare"),
+        "ping": bench.ping,
+    }
+    rng = random.Random(seed)
+    samples: dict[str, list[int]] = {name: [] for name in variants}
+    commands: dict[str, Counter[str]] = {name: Counter() for name in variants}
+    per_round: dict[str, list[float]] = {name: [] for name in variants}
+    batch = max(1, iterations // rounds)
+    for r in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)  # no variant always runs first (or right after the server's busiest one)
+        for name in order:
+            gc.collect()
+            with bench.counter.counting() as counts:
+                got = variants[name](batch)
+            samples[name] += got
+            commands[name].update(counts)
+            per_round[name].append(round(statistics.median(got) / 1000.0, 1))
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.0f}us" for k, v in per_round.items()))
+    stats = {name: summarize(s) for name, s in samples.items()}
+    result: dict[str, Any] = {
+        "iterations_per_variant": batch * rounds,
+        "rounds": rounds,
+        "stats": stats,
+        "median_per_round_us": per_round,
+        "commands_per_iteration": {
+            name: per_op(dict(sorted(c.items())), batch * rounds) for name, c in commands.items()
+        },
+        "ratios": {
+            "distinct_ours_over_bare": ratios(stats["ours_distinct"], stats["bare_distinct"]),
+            "hot_ours_over_bare": ratios(stats["ours_hot"], stats["bare_hot"]),
+            "distinct_ours_over_ping": ratios(stats["ours_distinct"], stats["ping"]),
+            "hot_ours_over_ping": ratios(stats["ours_hot"], stats["ping"]),
+            "bare_distinct_over_ping": ratios(stats["bare_distinct"], stats["ping"]),
+        },
+    }
+    return result
+
+
+# -- commands per operation -------------------------------------------------------------------------------
+def count_commands(bench: Bench, reps: int) -> dict[str, Any]:
+    """Commands per acquire / renew / release (after warm-up), averaged over ``reps`` repetitions."""
+    store, counter = bench.store, bench.counter
+    totals: dict[str, Counter[str]] = {
+        name: Counter()
+        for name in (
+            "acquire",
+            "renew",
+            "release",
+            "acquire_hot",
+            "release_hot",
+            "acquire_contended",
+            "renew_many_1",
+        )
+    }
+    first: dict[str, dict[str, int]] = {}
+
+    def record(name: str, counts: dict[str, int]) -> None:
+        totals[name].update(counts)
+        first.setdefault(name, counts)
+
+    hot = "bench-count-hot"
+    for _ in range(reps):
+        # A new key: acquire (insert by upsert), renew, renew_many of one, release.
+        with counter.counting() as c:
+            lease = store.acquire(bench._key("count"))
+        assert lease is not None
+        record("acquire", c)
+        with counter.counting() as c:
+            lease.renew()
+        record("renew", c)
+        with counter.counting() as c:
+            lost = store.renew_many([lease])
+        assert not lost
+        record("renew_many_1", c)
+        with counter.counting() as c:
+            lease.release()
+        record("release", c)
+        # An existing, free key (the common case for a recurring task key).
+        with counter.counting() as c:
+            lease = store.acquire(hot)
+        assert lease is not None
+        record("acquire_hot", c)
+        # The same key while it is held: contention is reported as None, still in one round trip.
+        with counter.counting() as c:
+            other = store.acquire(hot)
+        assert other is None
+        record("acquire_contended", c)
+        with counter.counting() as c:
+            lease.release()
+        record("release_hot", c)
+
+    # Documented second query: renew_many with one lease no longer ours (update + find to learn which).
+    leases = [store.acquire(bench._key("count-lost"), ttl=LONG_TTL) for _ in range(3)]
+    held = [lease for lease in leases if lease is not None]
+    assert len(held) == 3
+    store.force_release(held[1].key)
+    with counter.counting() as c:
+        lost = store.renew_many(held)
+    assert [lease.key for lease in lost] == [held[1].key], lost
+    for lease in held:
+        lease.release()
+
+    return {
+        "repetitions": reps,
+        "per_operation": {name: per_op(dict(sorted(t.items())), reps) for name, t in totals.items()},
+        "first_repetition": first,
+        "renew_many_with_one_lost": c,
+    }
+
+
+# -- batched renewal --------------------------------------------------------------------------------------
+def measure_renew_many(bench: Bench, sizes: list[int], reps: int) -> dict[str, Any]:
+    store, counter = bench.store, bench.counter
+    results: dict[str, Any] = {}
+    for size in sizes:
+        t0 = time.perf_counter()
+        leases: list[Lease] = []
+        for i in range(size):
+            lease = store.acquire(f"bench-renew-{size}:{i}", ttl=LONG_TTL)
+            assert lease is not None
+            leases.append(lease)
+        setup_s = time.perf_counter() - t0
+        samples: list[int] = []
+        commands: list[dict[str, int]] = []
+        lost_total = 0
+        for _ in range(reps):
+            gc.collect()
+            with counter.counting() as c:
+                t1 = time.perf_counter_ns()
+                lost = store.renew_many(leases)
+                samples.append(time.perf_counter_ns() - t1)
+            lost_total += len(lost)
+            commands.append(c)
+        stats = summarize(samples)
+        distinct = sorted({json.dumps(c, sort_keys=True) for c in commands})
+        results[str(size)] = {
+            "leases": size,
+            "setup_seconds": round(setup_s, 2),
+            "acquire_us_during_setup": round(setup_s * 1e6 / size, 1),
+            "calls": reps,
+            "median_us": stats["median_us"],
+            "min_us": stats["min_us"],
+            "max_us": stats["max_us"],
+            "median_us_per_lease": round(stats["median_us"] / size, 3),
+            "commands_per_call": [json.loads(d) for d in distinct],
+            "commands_per_call_total": sorted({sum(c.values()) for c in commands}),
+            "lost": lost_total,
+        }
+        print(
+            f"  renew_many({size}): median {stats['median_us']:.0f}us "
+            f"({stats['median_us'] / size:.2f}us/lease), commands/call {results[str(size)]['commands_per_call']}"
+            f", setup {setup_s:.1f}s"
+        )
+        # Free the documents' owners is not needed: the database is dropped at the end. Drop our references.
+        del leases
+    return results
+
+
+# -- environment ------------------------------------------------------------------------------------------
+def host_of(url: str) -> str:
+    """The host list of a MongoDB URL, without credentials, path or options (no DNS lookup)."""
+    rest = url.split("://", 1)[-1]
+    hosts = rest.split("/", 1)[0].split("?", 1)[0]
+    return hosts.rsplit("@", 1)[-1]
+
+
+def server_info(client: MongoClient[Document]) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    try:
+        build = client.admin.command("buildInfo")
+        info["version"] = build.get("version")
+        if build.get("gitVersion"):
+            info["git_version"] = build.get("gitVersion")
+    except pymongo.errors.PyMongoError as exc:
+        info["version"] = None
+        info["buildInfo_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    try:
+        hello = client.admin.command("hello")
+        info["replica_set"] = hello.get("setName")
+        info["max_wire_version"] = hello.get("maxWireVersion")
+    except pymongo.errors.PyMongoError:
+        pass
+    return info
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "cpu_count": os.cpu_count(),
+        "pymongo": pymongo.version,
+        "celery_mongolock": celery_mongolock.__version__,
+    }
+
+
+@contextlib.contextmanager
+def mongo_url(given: str | None) -> Iterator[tuple[str, str]]:
+    """Yield (url, kind): the given URL, or an embedded server started for the run."""
+    if given:
+        yield given, "url"
+        return
+    from celery_mongolock.embedded import EmbeddedMongo
+
+    with EmbeddedMongo() as server:
+        yield server.url, "embedded"
+
+
+# -- main -------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser.add_argument(
+        "--mongo-url",
+        default=os.environ.get(URL_ENV) or None,
+        help=f"MongoDB server to use (default: ${URL_ENV}, else an embedded server started for the run)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="latency iterations per variant, split over the rounds (default 2000; 300 with --quick)",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument(
+        "--renew-sizes",
+        default=None,
+        help="comma-separated numbers of leases held for renew_many (default 1,100,10000; 1,100,1000 quick)",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations, at most 1,000 leases")
+    parser.add_argument("--seed", type=int, default=12345, help="seed of the round order shuffle")
+    args = parser.parse_args(argv)
+    if args.iterations is None:
+        args.iterations = 300 if args.quick else 2000
+    if args.renew_sizes is None:
+        sizes = [1, 100, 1000] if args.quick else [1, 100, 10_000]
+    else:
+        sizes = [int(s) for s in args.renew_sizes.split(",") if s.strip()]
+    if args.quick:
+        sizes = [min(s, 1000) for s in sizes]
+    if args.iterations < args.rounds or args.rounds < 1 or any(s < 1 for s in sizes):
+        parser.error("need --rounds >= 1, --iterations >= --rounds and positive --renew-sizes")
+    args.renew_sizes = sizes
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
+    counter = CommandCounter()
+    database = f"mongolock_bench_{time.strftime('%Y%m%d_%H%M%S')}_{uuid.uuid4().hex[:6]}"
+    renew_reps = 5 if args.quick else 9
+    count_reps = 10 if args.quick else 50
+    with mongo_url(args.mongo_url) as (url, kind):
+        client: MongoClient[Document] = MongoClient(
+            url,
+            event_listeners=[counter],
+            appname="celery_mongolock-bench",
+            tz_aware=True,
+            serverSelectionTimeoutMS=10_000,
+        )
+        try:
+            server = {"kind": kind, **({"host": host_of(url)} if kind == "url" else {}), **server_info(client)}
+            print(f"server: {server}, database {database}")
+            store = LeaseStore(client, database=database, collection="leases")
+            bench = Bench(client, store, counter)
+            try:
+                # Warm-up: the first acquire of a process creates the indexes; connections get opened.
+                with counter.counting() as warmup_commands:
+                    lease = store.acquire("bench-warmup")
+                    assert lease is not None
+                    lease.release()
+                for _ in range(20):
+                    bench.ours(1, None)
+                    bench.bare(1, None)
+                    bench.ping(1)
+                print(f"warm-up (first acquire + release): {warmup_commands}")
+
+                print("commands per operation ...")
+                commands = count_commands(bench, count_reps)
+                for name, c in commands["per_operation"].items():
+                    print(f"  {name}: {c}")
+                print(f"  renew_many with one of 3 lost: {commands['renew_many_with_one_lost']}")
+
+                print(f"latency, {args.iterations} iterations per variant in {args.rounds} rounds ...")
+                latency = measure_latency(bench, args.iterations, args.rounds, args.seed)
+
+                print(f"renew_many with {args.renew_sizes} leases held ...")
+                renew = measure_renew_many(bench, args.renew_sizes, renew_reps)
+                failures = counter.failures()
+            finally:
+                with contextlib.suppress(pymongo.errors.PyMongoError):
+                    client.drop_database(database)
+        finally:
+            client.close()
+
+    return {
+        "benchmark": "store",
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "server": server,
+        "parameters": {
+            "quick": args.quick,
+            "iterations_per_variant": latency["iterations_per_variant"],
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "renew_sizes": args.renew_sizes,
+            "renew_many_calls_per_size": renew_reps,
+            "command_count_repetitions": count_reps,
+            "lease_seconds": store.lease_seconds,
+            "write_concern": store.write_concern.document,
+            "database": database,
+        },
+        "warmup_commands": warmup_commands,
+        "commands": commands,
+        "latency": latency,
+        "renew_many": renew,
+        "failed_commands": failures,
+        "duration_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    lat = result["latency"]
+    stats = lat["stats"]
+    print()
+    print(
+        f"== store benchmark ({result['server'].get('kind')} server {result['server'].get('version')}, "
+        f"{lat['iterations_per_variant']} iterations x 5 variants, {result['duration_seconds']}s)"
+    )
+    print(f"{'latency (us)':<34}{'median':>10}{'p90':>10}{'p99':>10}")
+    labels = {
+        "ours_distinct": "acquire+release, distinct keys",
+        "bare_distinct": "bare pymongo, distinct keys",
+        "ours_hot": "acquire+release, one hot key",
+        "bare_hot": "bare pymongo, one hot key",
+        "ping": "ping",
+    }
+    for name, label in labels.items():
+        s = stats[name]
+        print(f"  {label:<32}{s['median_us']:>10.0f}{s['p90_us']:>10.0f}{s['p99_us']:>10.0f}")
+    r = lat["ratios"]
+    for name, label in (
+        ("distinct_ours_over_bare", "ours / bare, distinct keys"),
+        ("hot_ours_over_bare", "ours / bare, hot key"),
+        ("distinct_ours_over_ping", "ours / ping, distinct keys"),
+        ("hot_ours_over_ping", "ours / ping, hot key"),
+    ):
+        x = r[name]
+        print(f"  {label:<32}{x['median_us']:>10.2f}{x['p90_us']:>10.2f}{x['p99_us']:>10.2f}")
+    print("commands per operation (after warm-up):")
+    for name, c in result["commands"]["per_operation"].items():
+        print(f"  {name:<20}{c}")
+    print("renew_many:")
+    for size, rm in result["renew_many"].items():
+        print(
+            f"  {size:>6} leases: median {rm['median_us']:>10.0f}us ({rm['median_us_per_lease']:.2f}us/lease),"
+            f" commands/call {rm['commands_per_call']}, lost {rm['lost']}"
+        )
+    if result["failed_commands"]:
+        print(f"failed commands: {result['failed_commands']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+    print_summary(result)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""``celery -A proj mongolock ...``: look at leases and release them.
+
+Registered as a Celery sub-command through the ``celery.commands`` entry point group::
+
+    celery -A proj mongolock list [--prefix P] [--all] [--json]
+    celery -A proj mongolock inspect KEY [--json]
+    celery -A proj mongolock release KEY --force
+    celery -A proj mongolock watch [--prefix P] [--interval S] [--count N]
+
+The store is the app's (``mongolock_*`` settings). Connection passwords are never printed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+import time
+from typing import Any
+
+import click
+
+from ._urls import redact
+from .config import get_store
+from .exceptions import MongoLockError
+from .store import LeaseInfo, LeaseStore
+
+__all__ = ["mongolock"]
+
+
+def _store(ctx: click.Context) -> LeaseStore:
+    app = getattr(ctx.obj, "app", None)
+    if app is None:  # pragma: no cover - only when run outside the celery umbrella command
+        raise click.UsageError("run as: celery -A your.app mongolock ...")
+    try:
+        return get_store(app)
+    except MongoLockError as exc:
+        raise click.ClickException(redact(str(exc))) from None
+
+
+def _holder(info: LeaseInfo) -> str:
+    h = info.holder
+    where = ":".join(str(h[k]) for k in ("host", "pid") if h.get(k) is not None)
+    task = h.get("task_name") or h.get("role") or ""
+    if h.get("task_id"):
+        task += f"[{h['task_id']}]"
+    return f"{where} {task}".strip() or "-"
+
+
+def _expires(info: LeaseInfo) -> str:
+    if info.expires_in is None:
+        return "-"
+    if not info.held:
+        return "free"
+    return f"{info.expires_in:.1f}s"
+
+
+def _table(infos: list[LeaseInfo]) -> str:
+    rows = [("KEY", "HOLDER", "FENCE", "EXPIRES IN")]
+    rows += [(i.key, _holder(i), str(i.fence), _expires(i)) for i in infos]
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    lines = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _json(value: Any) -> str:
+    def default(obj: Any) -> Any:
+        if isinstance(obj, _dt.datetime):
+            return obj.isoformat()
+        return str(obj)
+
+    return json.dumps(value, default=default, indent=2, sort_keys=True)
+
+
+def _run(action: Any) -> Any:
+    try:
+        return action()
+    except MongoLockError as exc:
+        raise click.ClickException(redact(str(exc))) from None
+
+
+@click.group(name="mongolock")
+@click.pass_context
+def mongolock(ctx: click.Context) -> None:
+    """Inspect and manage celery_mongolock leases."""
+
+
+@mongolock.command(name="list")
+@click.option("--prefix", default=None, help="only keys starting with this text")
+@click.option("--all", "include_free", is_flag=True, help="include released and expired leases")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def list_leases(ctx: click.Context, prefix: str | None, include_free: bool, as_json: bool) -> None:
+    """List held leases: key, holder, fence, expires in."""
+    store = _store(ctx)
+    infos = _run(lambda: store.list(prefix, include_free=include_free))
+    if as_json:
+        click.echo(_json([i.as_dict() for i in infos]))
+    elif infos:
+        click.echo(_table(infos))
+    else:
+        click.echo("no leases held" + (f" with prefix {prefix!r}" if prefix else ""))
+
+
+@mongolock.command(name="inspect")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Show one lease in full."""
+    store = _store(ctx)
+    info = _run(lambda: store.inspect(key))
+    if info is None:
+        if as_json:
+            click.echo("null")
+            return
+        raise click.ClickException(f"no lease {key!r}")
+    if as_json:
+        click.echo(_json(info.as_dict()))
+        return
+    data = info.as_dict()
+    data["state"] = "held" if info.held else "free"
+    data["expires_in"] = _expires(info)
+    width = max(len(k) for k in data)
+    for name in (
+        "key",
+        "state",
+        "holder",
+        "fence",
+        "owner",
+        "expires_in",
+        "expires_at",
+        "acquired_at",
+        "renewed_at",
+        "released_at",
+    ):
+        value = data.get(name)
+        click.echo(f"{name.ljust(width)}  {value if value is not None else '-'}")
+
+
+@mongolock.command(name="release")
+@click.argument("key")
+@click.option("--force", is_flag=True, help="required: release whoever holds it")
+@click.pass_context
+def release_lease(ctx: click.Context, key: str, force: bool) -> None:
+    """Release KEY whoever holds it (the holder finds out at its next renewal)."""
+    if not force:
+        raise click.UsageError(
+            "releasing someone else's lease can let two runs overlap; repeat with --force if you are sure"
+        )
+    store = _store(ctx)
+    released = _run(lambda: store.force_release(key))
+    click.echo(f"released {key!r}" if released else f"{key!r} was not held")
+
+
+@mongolock.command(name="watch")
+@click.option("--prefix", default=None, help="only keys starting with this text")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1))
+@click.option(
+    "--count", default=0, type=click.IntRange(min=0), help="stop after N refreshes (0: until Ctrl-C)"
+)
+@click.pass_context
+def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count: int) -> None:
+    """Show held leases live, refreshed every INTERVAL seconds, until Ctrl-C."""
+    store = _store(ctx)
+    tty = sys.stdout.isatty()
+    shown = 0
+    try:
+        while True:
+            infos = _run(lambda: store.list(prefix))
+            stamp = _dt.datetime.now().strftime("%H:%M:%S")
+            body = _table(infos) if infos else "no leases held"
+            if tty:
+                click.clear()
+            click.echo(f"{stamp}  {len(infos)} held on {store.url or 'the configured MongoDB'}\n{body}\n")
+            shown += 1
+            if count and shown >= count:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,99 @@
+"""``celery -A app mongolock ...`` run as a user runs it: a subprocess through Celery's umbrella command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from celery_mongolock import LeaseStore
+
+from .workers import ROOT
+
+
+def run(mongo_url: str, db: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.integration_app", "mongolock", *args],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "MONGOLOCK_IT_MONGODB_URL": mongo_url,
+            "MONGOLOCK_IT_DB": db,
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def leases(mongo_url: str, db_name: str) -> Any:
+    store = LeaseStore(mongo_url, database=db_name)
+    a = store.acquire("email-group:1", ttl=60, info={"task_name": "upload", "task_id": "t-1"})
+    b = store.acquire("email-group:2", ttl=60)
+    c = store.acquire("tenant:9", ttl=60)
+    assert a and b and c
+    c.release()
+    yield store
+    store.client.drop_database(db_name)
+    store.close()
+
+
+def test_list_table_and_json(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
+    out = run(mongo_url, db_name, "list")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["KEY", "HOLDER", "FENCE", "EXPIRES", "IN"]
+    assert any(line.startswith("email-group:1") and "upload[t-1]" in line for line in lines)
+    assert not any(line.startswith("tenant:9") for line in lines)  # released
+    data = json.loads(run(mongo_url, db_name, "list", "--json", "--prefix", "email-group:").stdout)
+    assert [d["key"] for d in data] == ["email-group:1", "email-group:2"]
+    assert data[0]["holder"]["task_id"] == "t-1" and data[0]["fence"] > 0 and 0 < data[0]["expires_in"] <= 60
+    everything = json.loads(run(mongo_url, db_name, "list", "--json", "--all").stdout)
+    assert "tenant:9" in [d["key"] for d in everything]
+
+
+def test_inspect(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
+    out = run(mongo_url, db_name, "inspect", "email-group:1")
+    assert out.returncode == 0, out.stderr
+    assert "held" in out.stdout and "t-1" in out.stdout
+    data = json.loads(run(mongo_url, db_name, "inspect", "email-group:1", "--json").stdout)
+    assert data["key"] == "email-group:1" and data["held"] is True
+    missing = run(mongo_url, db_name, "inspect", "nope")
+    assert missing.returncode != 0 and "no lease 'nope'" in missing.stderr
+
+
+def test_release_needs_force(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
+    refused = run(mongo_url, db_name, "release", "email-group:1")
+    assert refused.returncode != 0 and "--force" in refused.stderr
+    info = leases.inspect("email-group:1")
+    assert info is not None and info.held
+    done = run(mongo_url, db_name, "release", "email-group:1", "--force")
+    assert done.returncode == 0 and "released 'email-group:1'" in done.stdout
+    info = leases.inspect("email-group:1")
+    assert info is not None and not info.held
+    again = run(mongo_url, db_name, "release", "email-group:1", "--force")
+    assert "was not held" in again.stdout
+
+
+def test_watch_refreshes(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
+    out = run(mongo_url, db_name, "watch", "--count", "2", "--interval", "0.1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("held on") == 2 and "email-group:2" in out.stdout
+
+
+def test_passwords_never_printed(db_name: str) -> None:
+    url = "mongodb://alice:s3cretPW@127.0.0.1:1/?serverSelectionTimeoutMS=300"
+    out = run(url, db_name, "list", MONGOLOCK_IT_OP_TIMEOUT="0.5")
+    assert out.returncode != 0
+    assert "s3cretPW" not in out.stdout + out.stderr
+    assert "MongoDB did not answer" in out.stderr
+    watch = run(url, db_name, "watch", "--count", "1", MONGOLOCK_IT_OP_TIMEOUT="0.5")
+    assert "s3cretPW" not in watch.stdout + watch.stderr
