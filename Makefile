@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) example_project/store_demo.py
+	$(PY) example_project/demo.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -110,7 +110,9 @@ class KeyRenderer:
     * an argument name, or a list of them: ``"<task name>:<value>[:<value>...]"``;
     * a template such as ``"email-group:{group_id}"``: the rendered text is the key as is, so two tasks
       using the same template guard the same resource;
-    * a brace-free string that is not an identifier (``"nightly-report"``): that fixed key;
+    * a brace-free string that is not an identifier (``"nightly-report"``), or any string for a task
+      without arguments: that fixed key (a bare name on a task with arguments must be one of them, so
+      that a misspelt argument name is an error, not a silently global lock);
     * a callable: called with the task's arguments, returns the key.
 
     Arguments are bound to the function's signature with defaults applied, so ``f(1)`` and
@@ -150,6 +152,8 @@ class KeyRenderer:
                         f"{'is' if len(missing) == 1 else 'are'} not an argument of {self._describe(params)}"
                     )
                 self._template = spec
+            elif spec.isidentifier() and not params:
+                self._fixed = spec  # nothing it could name: a task without arguments has one fixed key
             elif spec.isidentifier():
                 if spec not in params and not self._has_var_kwargs(params):
                     raise ConfigurationError(

@@ -169,6 +169,12 @@ def test_argument_name_keys_are_prefixed_with_the_task_name() -> None:
     )
 
 
+def test_a_bare_name_is_a_fixed_key_for_a_task_without_arguments() -> None:
+    def digest() -> None: ...
+
+    assert KeyRenderer("digest", digest, "app.digest").render((), {}) == "digest"
+
+
 def test_none_and_fixed_keys() -> None:
     assert KeyRenderer(None, upload, "app.upload").render((1,), {}) == "app.upload"
     assert KeyRenderer("nightly-report", upload, "app.upload").render((1,), {}) == "nightly-report"
