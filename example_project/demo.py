@@ -77,6 +77,30 @@ def stop_all(procs: list[Proc]) -> None:
         p.stop()
 
 
+def start_workers_and_beats(procs: list[Proc], env: dict[str, str], run_dir: Path, db: Any) -> None:
+    celery = [sys.executable, "-m", "celery", "-A", "emailgroups"]
+    for n in (1, 2):
+        worker = [
+            *celery,
+            "worker",
+            "-n",
+            f"worker{n}@demo",
+            "--pool=prefork",
+            "--concurrency=2",
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+        ]
+        procs.append(Proc(f"worker{n}", worker, env, run_dir))
+    print("starting 2 workers ...", flush=True)
+    wait_until(lambda: all((run_dir / f"worker{n}@demo.ready").exists() for n in (1, 2)), 90, "the workers")
+    for n in (1, 2):
+        beat = [*celery, "beat", "--loglevel=INFO", "-s", str(run_dir / f"beat{n}.schedule")]
+        procs.append(Proc(f"beat{n}", beat, env, run_dir))
+    print("starting 2 beats (leader-elected) ...", flush=True)
+    wait_until(lambda: beat_leader_pid(db), 60, "a beat leader")
+
+
 def wait_until(condition: Any, timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -225,6 +249,15 @@ def main() -> int:
     parser.add_argument("--uploads-per-group", type=int, default=3)
     parser.add_argument("--timeline", default="demo-timeline.html", help="where to write the timeline (HTML)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--external",
+        action="store_true",
+        help="workers and beats run elsewhere (docker compose): start none, kill none",
+    )
+    parser.add_argument("--database", default=None, help="MongoDB database of the example app")
+    parser.add_argument(
+        "--upload-dir", default=None, help="where to write the CSV files (shared with workers)"
+    )
     args = parser.parse_args()
 
     from pymongo import MongoClient
@@ -236,7 +269,9 @@ def main() -> int:
     rng = random.Random(args.seed)
     run_dir = Path(tempfile.mkdtemp(prefix="mongolock-demo-"))
     procs: list[Proc] = []
-    database = f"emailgroups_demo_{os.getpid()}"
+    database = args.database or f"emailgroups_demo_{os.getpid()}"
+    upload_dir = Path(args.upload_dir) if args.upload_dir else run_dir
+    upload_dir.mkdir(parents=True, exist_ok=True)
     ok = True
     try:
         with services(args) as (mongo_url, broker_url), ExitStack() as cleanup:
@@ -259,43 +294,16 @@ def main() -> int:
 
             client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
             db = client[database]
-            celery = [sys.executable, "-m", "celery", "-A", "emailgroups"]
-            for n in (1, 2):
-                procs.append(
-                    Proc(
-                        f"worker{n}",
-                        [
-                            *celery,
-                            "worker",
-                            "-n",
-                            f"worker{n}@demo",
-                            "--pool=prefork",
-                            "--concurrency=2",
-                            "--loglevel=INFO",
-                            "--without-gossip",
-                            "--without-mingle",
-                        ],
-                        env,
-                        run_dir,
-                    )
-                )
-            print("starting 2 workers ...", flush=True)
-            wait_until(
-                lambda: all((run_dir / f"worker{n}@demo.ready").exists() for n in (1, 2)), 90, "the workers"
-            )
-            for n in (1, 2):
-                procs.append(
-                    Proc(
-                        f"beat{n}",
-                        [*celery, "beat", "--loglevel=INFO", "-s", str(run_dir / f"beat{n}.schedule")],
-                        env,
-                        run_dir,
-                    )
-                )
-            print("starting 2 beats (leader-elected) ...", flush=True)
-            wait_until(lambda: beat_leader_pid(db), 60, "a beat leader")
+            for name in ("runs", "members", "groups"):  # a clean slate for the invariants
+                db[name].drop()
+            if args.external:
+                print("waiting for the workers and beats ...", flush=True)
+                wait_until(lambda: app.control.ping(timeout=1.0), 120, "a worker to answer")
+                wait_until(lambda: beat_leader_pid(db), 120, "a beat leader")
+            else:
+                start_workers_and_beats(procs, env, run_dir, db)
 
-            uploads = make_uploads(args.groups, args.uploads_per_group, run_dir, rng)
+            uploads = make_uploads(args.groups, args.uploads_per_group, upload_dir, rng)
             rng.shuffle(uploads)
             print(f"firing {len(uploads)} overlapping uploads for {args.groups} groups ...\n", flush=True)
             results = {}
@@ -310,7 +318,7 @@ def main() -> int:
             killed = False
             while True:
                 done = all(r.ready() for r in results.values())
-                if not killed and time.monotonic() - started > 3:
+                if not killed and not args.external and time.monotonic() - started > 3:
                     pid = beat_leader_pid(db)
                     beat = next((p for p in procs if p.name.startswith("beat") and p.proc.pid == pid), None)
                     if beat is not None:
@@ -321,10 +329,12 @@ def main() -> int:
                         beat.kill()
                         failovers.append(time.time())
                         killed = True
+                # Done when every upload finished and beat ticked again after the failover.
+                after = failovers[0] + 5 if failovers else 0.0
                 if (
                     done
-                    and killed
-                    and db["runs"].count_documents({"kind": "digest", "t": {"$gt": failovers[0] + 5}})
+                    and (killed or args.external)
+                    and db["runs"].count_documents({"kind": "digest", "t": {"$gt": after}})
                 ):
                     break
                 if time.monotonic() - started > 240:
@@ -357,7 +367,7 @@ def main() -> int:
                 overlaps += sum(1 for a, b in itertools.pairwise(spans) if b[0] < a[1])
                 last = max(spans, key=lambda s: s[2])[3]
                 members = sorted(d["email"] for d in db["members"].find({"group": g}))
-                with open(run_dir / f"{last}.csv", newline="") as f:
+                with open(upload_dir / f"{last}.csv", newline="") as f:
                     expected = sorted(row["email"] for row in csv.DictReader(f))
                 if members != expected:
                     bad_groups.append(g)
@@ -389,7 +399,8 @@ def main() -> int:
                 and not twice
                 and len(ends) == len(results)
             )
-            client.drop_database(database)
+            if not args.database:
+                client.drop_database(database)
             client.close()
             app.close()
     except KeyboardInterrupt:
