@@ -8,10 +8,11 @@ from .exceptions import ConfigurationError
 
 __all__ = ["redact", "validate_mongo_url"]
 
-# scheme://user:password@host  or  scheme://user@host
-_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<cred>[^@/?#]*)@")
+# scheme://user:password@host: everything from "://" to the *last* "@" of the URL is credentials (an
+# unescaped password may itself contain "@", "/", "?" or "#", which is exactly when users see errors).
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<cred>[^\s'\"]*)@")
 _QUERY_SECRETS = re.compile(
-    r"(?P<name>(?:password|tlsCertificateKeyFilePassword|authMechanismProperties)=)[^&#]*", re.IGNORECASE
+    r"(?P<name>(?:password|tlsCertificateKeyFilePassword|authMechanismProperties)=)[^&#\s'\"]*", re.IGNORECASE
 )
 
 

@@ -20,14 +20,15 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from .exceptions import MongoLockError
-
 if TYPE_CHECKING:
     from .store import Lease, LeaseStore
 
 __all__ = ["Heartbeat", "give_up_margin"]
 
 log = logging.getLogger("celery_mongolock.heartbeat")
+
+#: How late pymongo may notice a server-selection deadline (it re-checks every 0.5 s), plus a little.
+_SELECTION_SLACK = 0.55
 
 
 def give_up_margin(lease: Lease) -> float:
@@ -46,7 +47,7 @@ class Heartbeat:
         self._clock = store.clock
         self._pid = os.getpid()
         self._leases: dict[str, Lease] = {}
-        self._pending: dict[str, tuple[str, float]] = {}  # token -> (key, give up at)
+        self._pending: dict[str, tuple[str, float, bool]] = {}  # token -> (key, give up at, maybe)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -71,9 +72,19 @@ class Heartbeat:
         with self._lock:
             self._leases.pop(lease.owner, None)
 
-    def release_later(self, key: str, token: str, until: float) -> None:
+    def release_later(self, key: str, token: str, until: float, *, maybe: bool = False) -> None:
+        """Release ``token`` on ``key`` as soon as MongoDB answers, and give up at ``until``.
+
+        ``maybe=True``: a copy of an acquire may still land; keep releasing until ``until`` (a short
+        window: the server gives up on the command after its deadline). Otherwise one successful
+        release settles it.
+        """
         with self._lock:
-            self._pending[token] = (key, until)
+            old = self._pending.get(token)
+            if old is not None:
+                maybe = maybe or old[2]
+                until = max(until, old[1])
+            self._pending[token] = (key, until, maybe)
             self._next_tick = self._clock.monotonic()
         self._ensure_thread()
         self._wake.set()
@@ -131,13 +142,22 @@ class Heartbeat:
                 log.exception("heartbeat tick failed")
                 ok = False
             interval = self._interval()
+            give_up = self._earliest_give_up()
             with self._lock:
                 if interval is None:
                     self._next_tick = None
                 else:
-                    # After a failure retry soon (but never in a busy loop); else at the normal pace.
+                    # After a failure retry soon (but never in a busy loop); else at the normal pace. Never
+                    # later than the moment a lease must be given up, so that it is given up on time.
                     step = interval if ok else min(interval, max(0.05, interval / 4))
-                    self._next_tick = self._clock.monotonic() + step
+                    due = self._clock.monotonic() + step
+                    self._next_tick = due if give_up is None else min(due, give_up)
+
+    def _earliest_give_up(self) -> float | None:
+        with self._lock:
+            leases = list(self._leases.values())
+        times = [lease.deadline - give_up_margin(lease) for lease in leases if not lease.released]
+        return min(times) if times else None
 
     def tick(self) -> bool:
         """One heartbeat: give up on overdue leases, renew the rest, retry pending releases."""
@@ -162,42 +182,54 @@ class Heartbeat:
                 renew.append(lease)
         ok = True
         if renew:
-            earliest = min(lease.deadline for lease in renew) - now
+            # The renewal must answer before the first lease has to be given up, not at its deadline.
+            give_up_at = min(lease.deadline - give_up_margin(lease) for lease in renew)
+            budget = give_up_at - now
             try:
-                store.renew_many(renew, timeout=max(0.2, min(store.operation_timeout, earliest)))
-            except MongoLockError as exc:
-                ok = False
-                self.failures += 1
-                log.warning("renewal of %d lease(s) failed, will retry: %s", len(renew), exc)
-            except Exception as exc:  # ambiguous driver errors surface as PyMongoError subclasses
+                # With no reachable primary, pymongo's server selection only notices its deadline every
+                # 0.5 s: leave that much slack, or the renewal would overrun the give-up time.
+                if not store.client.topology_description.has_writable_server():
+                    budget -= _SELECTION_SLACK
+                    if budget < 0.05:
+                        raise TimeoutError("no reachable primary, and too little time left to wait for one")
+                store.renew_many(renew, timeout=max(0.05, min(store.operation_timeout, budget)))
+            except Exception as exc:  # StoreUnavailable, or anything unexpected: retry soon
                 ok = False
                 self.failures += 1
                 log.warning(
                     "renewal of %d lease(s) failed, will retry: %s: %s", len(renew), type(exc).__name__, exc
                 )
+                after = self._clock.monotonic()
+                for lease in renew:
+                    if after >= lease.deadline - give_up_margin(lease):
+                        lease._mark_lost("renewals failed until just before the lease's deadline")
         if self._pending:
             ok = self._flush_pending(store, now) and ok
         return ok
 
     def _flush_pending(self, store: LeaseStore, now: float) -> bool:
+        """Send every pending release in one update; never for longer than the leases can spare."""
         with self._lock:
+            for token, (_key, until, _maybe) in list(self._pending.items()):
+                if now >= until:
+                    del self._pending[token]
             pending = dict(self._pending)
-        ok = True
-        for token, (key, until) in pending.items():
-            if now >= until:
-                with self._lock:
+        if not pending:
+            return True
+        give_up = self._earliest_give_up()
+        budget = 2.0 if give_up is None else max(0.05, min(2.0, give_up - self._clock.monotonic()))
+        try:
+            with store._operation("release leases in the background", timeout=budget):
+                result = store.collection.update_many(
+                    {"owner": {"$in": list(pending)}}, store._release_pipeline()
+                )
+        except Exception as exc:
+            log.debug("background release of %d lease(s) failed, will retry: %s", len(pending), exc)
+            return False
+        with self._lock:
+            for token, (_key, _until, maybe) in pending.items():
+                if not maybe:
                     self._pending.pop(token, None)
-                continue
-            try:
-                released = store._release_update(key, token, timeout=2.0)
-            except Exception as exc:
-                ok = False
-                log.debug("background release of %r failed, will retry: %s", key, exc)
-                continue
-            if released:
-                # Until then keep trying: after an ambiguous acquire the write may still land late
-                # (a command stuck in the server's queue), and it must not be left holding the key.
-                with self._lock:
-                    self._pending.pop(token, None)
-                log.info("background release of %r done", key)
-        return ok
+        if result.modified_count:
+            log.info("background release: %d lease(s) released", result.modified_count)
+        return True

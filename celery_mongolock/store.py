@@ -114,6 +114,10 @@ MAX_LEASE_SECONDS = 30 * 24 * 3600.0
 #: Info values stored with the holder are for humans: keep them small.
 MAX_INFO_BYTES = 4096
 
+# A renewal only extends a lease that has not expired on the server: a renewal that arrives late (its
+# reply lost, or queued on the server) must not revive a lease its holder has already given up.
+_NOT_EXPIRED: Document = {"$expr": {"$gt": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]}}
+
 # Errors after which we cannot know whether the server applied the write.
 _AMBIGUOUS = (
     AutoReconnect,
@@ -181,11 +185,37 @@ class LeaseInfo:
         return data
 
 
+def _local_ttl(ttl: float) -> float:
+    """How long the holder may count on a lease of ``ttl`` s, on its own monotonic clock.
+
+    Shrunk by the drift allowance and 2 ms: the server's ``$$NOW`` has 1 ms resolution and the lease
+    length sent is whole milliseconds.
+    """
+    return int(ttl * 1000) / 1000.0 * (1.0 - MAX_DRIFT) - 0.002
+
+
+def _run_callbacks(callbacks: builtins.list[LostCallback], lease: Lease, reason: str) -> None:
+    if not callbacks:
+        return
+
+    def run() -> None:
+        for cb in callbacks:
+            try:
+                cb(lease, reason)
+            except Exception:
+                log_renew.exception("lost-lease callback %r failed", cb)
+
+    threading.Thread(target=run, name="celery_mongolock-lost-callbacks", daemon=True).start()
+
+
 class Lease:
     """A lease this process holds (or held) on one key.
 
     ``key``, ``owner`` (this acquisition's token), ``fence`` (fencing token), ``expires_at`` (server
-    time, as of the last acquire/renew) and ``lost``. Use it as a context manager to release on exit.
+    time, as of the acquisition) and ``lost``. Use it as a context manager to release on exit.
+
+    A lease belongs to the process that took it: in a forked child, ``release`` and ``renew`` do
+    nothing to it (the parent still holds it).
     """
 
     def __init__(
@@ -211,8 +241,10 @@ class Lease:
         self.holder = dict(holder)
         self.pid = os.getpid()
         self._lock = threading.Lock()
-        self._deadline = sent_at + ttl * (1.0 - MAX_DRIFT)
+        self._deadline = sent_at + _local_ttl(ttl)
         self._lost_reason: str | None = None
+        #: Until then a copy of an acquire attempt with this token may still land late (see _try_acquire).
+        self._ambiguous_until: float | None = None
         self._released = False
         self._lost_event = threading.Event()
         self._callbacks: builtins.list[LostCallback] = []
@@ -257,31 +289,35 @@ class Lease:
         return not self._released and not self.lost
 
     def raise_if_lost(self) -> None:
-        """Raise ``LeaseLost`` if the lease is lost: call it between steps of long work to stop promptly."""
+        """Raise ``LeaseLost`` if the lease is lost (or was released): call it between steps of long work
+        to stop promptly."""
         if self.lost:
             raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
+        if self._released:
+            raise LeaseLost(self.key, self.fence, "it was released")
 
     def wait_lost(self, timeout: float | None = None) -> bool:
         """Block until the lease is lost (True) or ``timeout`` passes (False)."""
         return self._lost_event.wait(timeout)
 
     def on_lost(self, callback: LostCallback) -> None:
-        """Call ``callback(lease, reason)`` (from the heartbeat thread) when the lease is lost."""
+        """Call ``callback(lease, reason)`` when the lease is lost, from a thread of its own (a slow
+        callback never delays the renewal of other leases)."""
         with self._lock:
             already = self._lost_reason
             if already is None:
                 self._callbacks.append(callback)
         if already is not None:
-            callback(self, already)
+            _run_callbacks([callback], self, already)
 
     def _extend(self, sent_at: float, expires_at: _dt.datetime | None = None) -> None:
         with self._lock:
             if self._lost_reason is None:
-                self._deadline = max(self._deadline, sent_at + self.ttl * (1.0 - MAX_DRIFT))
+                self._deadline = max(self._deadline, sent_at + _local_ttl(self.ttl))
                 if expires_at is not None:
                     self.expires_at = expires_at
 
-    def _mark_lost(self, reason: str) -> bool:
+    def _mark_lost(self, reason: str, *, release: bool = True) -> bool:
         with self._lock:
             if self._lost_reason is not None or self._released:
                 return False
@@ -290,11 +326,13 @@ class Lease:
         self._lost_event.set()
         log_renew.warning("lease %r (fence %s) lost: %s", self.key, self.fence, reason)
         self.store._forget(self)
-        for cb in [*self.store._lost_callbacks, *callbacks]:
-            try:
-                cb(self, reason)
-            except Exception:
-                log_renew.exception("lost-lease callback %r failed", cb)
+        if release and self.pid == os.getpid():
+            # Make sure the token frees the key once MongoDB answers (a late copy of a renewal or of the
+            # acquire must not leave it taken for nobody). Not needed when the token was seen not to match.
+            self.store._release_later(
+                self.key, self.owner, self.store.clock.monotonic() + self.ttl, quiet=True
+            )
+        _run_callbacks([*self.store._lost_callbacks, *callbacks], self, reason)
         return True
 
     # -- operations ----------------------------------------------------------------------------------
@@ -304,13 +342,15 @@ class Lease:
         Raises ``LeaseLost`` if it is no longer ours, ``StoreUnavailable`` if MongoDB did not answer
         (the lease is then still ours until its deadline).
         """
-        if self._released:
-            raise LeaseLost(self.key, self.fence, "it was released")
+        if self.pid != os.getpid():
+            raise LeaseLost(self.key, self.fence, f"it belongs to process {self.pid}, not this forked child")
         self.raise_if_lost()
         sent = self.store.clock.monotonic()
         matched = self.store._renew_one(self)
         if not matched:
-            self._mark_lost("renewal matched nothing: released by force, or expired and taken over")
+            self._mark_lost(
+                "renewal matched nothing: released by force, or expired and taken over", release=False
+            )
             raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
         self._extend(sent)
 
@@ -320,6 +360,11 @@ class Lease:
         If MongoDB cannot be reached, the release is retried in the background until the lease would
         have expired anyway, and ``StoreUnavailable`` is raised.
         """
+        if self.pid != os.getpid():
+            log_release.debug(
+                "lease %r belongs to process %s; not released from this child", self.key, self.pid
+            )
+            return False
         with self._lock:
             if self._released:
                 return False
@@ -327,8 +372,12 @@ class Lease:
             was_lost = self._lost_reason is not None
         self.store._forget(self)
         if was_lost:
-            return False
-        return self.store._release_token(self.key, self.owner, self._deadline)
+            return False  # its release is already queued (see _mark_lost)
+        released = self.store._release_token(self.key, self.owner, self._deadline)
+        if self._ambiguous_until is not None and self.store.clock.monotonic() < self._ambiguous_until:
+            # A delayed copy of the acquire could still land and take the key again with our token.
+            self.store._release_later(self.key, self.owner, self._ambiguous_until, quiet=True)
+        return released
 
     def __enter__(self) -> Lease:
         return self
@@ -460,9 +509,13 @@ class LeaseStore:
         return redact(self._url) if self._url else None
 
     def close(self) -> None:
-        """Stop the heartbeat and close the client this store created (a given client is left open)."""
+        """Release the leases the heartbeat keeps, stop it, and close the client this store created
+        (a client given to the store is left open)."""
         hb = self._heartbeat
-        if hb is not None:
+        if hb is not None and hb._pid == os.getpid():
+            for lease in hb.leases:
+                with contextlib.suppress(Exception):
+                    lease.release()
             hb.stop()
         self._heartbeat = None
         if self._client_cache is not None and self._pid == os.getpid():
@@ -686,6 +739,7 @@ class LeaseStore:
         give_up_at = clock.monotonic() + self.operation_timeout
         attempt = 0
         last_error: BaseException | None = None
+        ambiguous = False  # some attempt may have reached the server with no answer back
         sent_at = clock.monotonic()
         doc: Document | None = None
         while True:
@@ -703,7 +757,8 @@ class LeaseStore:
                     if doc is None:
                         # Seen on the embedded server under contention: the update was applied but no
                         # document returned. Read it back; our token tells whether we got it.
-                        doc = coll.find_one({"_id": key})
+                        primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
+                        doc = primary.find_one({"_id": key})
                 last_error = None
                 break
             except DuplicateKeyError:
@@ -713,6 +768,7 @@ class LeaseStore:
                 continue
             except _AMBIGUOUS as exc:
                 last_error = exc
+                ambiguous = True
                 log_acquire.info(
                     "acquire %r: ambiguous outcome (%s), retrying with the same token",
                     key,
@@ -720,6 +776,7 @@ class LeaseStore:
                 )
             except OperationFailure as exc:  # RetryableWriteError-labelled failures
                 last_error = exc
+                ambiguous = True
             except StoreUnavailable as exc:
                 last_error = exc
                 break
@@ -730,10 +787,13 @@ class LeaseStore:
                 )
             )
 
+        # A copy of an attempt that got no answer may still be queued on the server and land later
+        # (until the server gives up on it, a little after our deadline). Our token must not be left
+        # holding the key for nobody: release it in the background during that window.
+        landing_window = clock.monotonic() + self.operation_timeout + 5.0
         if last_error is not None:
-            # We may or may not hold the key. Release our token in the background as soon as the server
-            # answers, so an ambiguous acquire does not keep the key blocked until expiry.
-            self._release_later(key, token, clock.monotonic() + ttl_s)
+            if ambiguous:
+                self._release_later(key, token, landing_window, maybe=True)
             if isinstance(last_error, StoreUnavailable):
                 raise last_error
             raise self._unavailable(f"acquire lease {key!r}", last_error) from None
@@ -741,6 +801,8 @@ class LeaseStore:
         if doc is None or doc.get("owner") != token:
             if doc is not None:
                 log_acquire.debug("lease %r is held by %s", key, doc.get("holder"))
+            if ambiguous:
+                self._release_later(key, token, landing_window, quiet=True, maybe=True)
             return None, doc
         lease = Lease(
             self,
@@ -753,6 +815,8 @@ class LeaseStore:
             sent_at=sent_at,
             holder=holder,
         )
+        if ambiguous:
+            lease._ambiguous_until = landing_window
         log_acquire.info("acquired lease %r fence=%s ttl=%gs", key, lease.fence, ttl_s)
         if heartbeat:
             self.heartbeat.add(lease)
@@ -818,7 +882,8 @@ class LeaseStore:
         Waits up to ``wait`` seconds for the key (woken by its release, see ``wait_free``), then raises
         ``LockContended``
         naming the holder. The lease is released when the block exits, however it exits. Inside the
-        block, ``lease.lost`` (or ``lease.raise_if_lost()``) tells whether the lease was lost.
+        block, ``lease.lost`` (or ``lease.raise_if_lost()``) tells whether the lease was lost; a block that
+        ends normally after its lease was lost raises ``LeaseLost`` on exit.
         """
         wait_s = _validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
         clock = self.clock
@@ -837,6 +902,9 @@ class LeaseStore:
                 raise LockContended(normalize_key(key), holder, _aware((doc or {}).get("expires_at")))
         with lease:
             yield lease
+            if lease.lost:
+                # The block ran (at least in part) without the lease: do not let it pass as protected.
+                raise LeaseLost(lease.key, lease.fence, lease.lost_reason or "lost")
 
     # -- renew / release -----------------------------------------------------------------------------
     @staticmethod
@@ -848,7 +916,7 @@ class LeaseStore:
             f"renew lease {lease.key!r}", timeout=max(0.1, min(self.operation_timeout, lease.remaining))
         ):
             result = self.collection.update_one(
-                {"_id": lease.key, "owner": lease.owner}, self._renew_pipeline()
+                {"_id": lease.key, "owner": lease.owner, **_NOT_EXPIRED}, self._renew_pipeline()
             )
         log_renew.debug("renewed %r: matched=%s", lease.key, result.matched_count)
         return result.matched_count == 1
@@ -865,16 +933,20 @@ class LeaseStore:
         sent = self.clock.monotonic()
         coll = self.collection
         with self._operation("renew leases", timeout=timeout):
-            result = coll.update_many({"owner": {"$in": builtins.list(by_token)}}, self._renew_pipeline())
+            result = coll.update_many(
+                {"owner": {"$in": builtins.list(by_token)}, **_NOT_EXPIRED}, self._renew_pipeline()
+            )
             lost: builtins.list[Lease] = []
             if result.matched_count != len(by_token):
-                still = {
-                    d["owner"] for d in coll.find({"owner": {"$in": builtins.list(by_token)}}, {"owner": 1})
-                }
+                primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
+                query = {"owner": {"$in": builtins.list(by_token)}, **_NOT_EXPIRED}
+                still = {d["owner"] for d in primary.find(query, {"owner": 1})}
                 lost = [lease for token, lease in by_token.items() if token not in still]
         for lease in live:
             if lease in lost:
-                lease._mark_lost("renewal matched nothing: released by force, or expired and taken over")
+                lease._mark_lost(
+                    "renewal matched nothing: released by force, or expired and taken over", release=False
+                )
             else:
                 lease._extend(sent)
         return lost
@@ -913,9 +985,12 @@ class LeaseStore:
             {"$unset": "__hold"},
         ]
 
-    def _release_later(self, key: str, token: str, until: float) -> None:
-        log_release.warning("lease %r: release queued for the background until MongoDB answers", key)
-        self.heartbeat.release_later(key, token, until)
+    def _release_later(
+        self, key: str, token: str, until: float, *, quiet: bool = False, maybe: bool = False
+    ) -> None:
+        if not quiet:
+            log_release.warning("lease %r: release queued for the background until MongoDB answers", key)
+        self.heartbeat.release_later(key, token, until, maybe=maybe)
 
     def release_held_by(self, **holder: Any) -> int:
         """Release every lease whose holder info matches all of ``holder`` (e.g. ``task_id=..., pid=...``).

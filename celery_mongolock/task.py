@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
@@ -285,6 +287,21 @@ def _beat_tick(request: Any) -> tuple[int | None, int | None]:
     return tick, tick + max(0, window_ms - guard_ms)
 
 
+def _process_gone(pid: int) -> bool:
+    """True when ``pid`` has exited (a zombie waiting to be reaped counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 class SingletonRequest(Request):  # type: ignore[misc]
     """The worker-side request of a singleton task; runs in the worker's parent (main) process.
 
@@ -296,17 +313,37 @@ class SingletonRequest(Request):  # type: ignore[misc]
         pid = self.worker_pid
         if pid is None or pid == os.getpid():
             return
-        try:
-            released = get_store(self.task.app).release_held_by(task_id=self.id, pid=pid)
-        except Exception as exc:  # the lease will expire; never break the worker's failure handling
-            log_release.warning(
-                "%s[%s]: could not release the dead child's lease: %s", self.task.name, self.id, exc
-            )
-            return
-        if released:
-            log_release.warning(
-                "%s[%s]: child %s %s; released %d lease(s)", self.task.name, self.id, pid, why, released
-            )
+        app, name, task_id = self.task.app, self.task.name, self.id
+
+        def release() -> None:
+            # Only once the child is really gone: billiard reports a hard time limit *before* it
+            # kills the child, and a child still running must keep its key.
+            deadline = time.monotonic() + 60.0
+            delay = 0.01
+            while not _process_gone(pid):
+                if time.monotonic() > deadline:
+                    log_release.warning(
+                        "%s[%s]: child %s still alive; leaving its lease to expire", name, task_id, pid
+                    )
+                    return
+                time.sleep(delay)
+                delay = min(0.2, delay * 2)
+            try:
+                released = get_store(app).release_held_by(task_id=task_id, pid=pid)
+            except Exception as exc:  # the lease will expire; never break the worker's failure handling
+                log_release.warning(
+                    "%s[%s]: could not release the dead child's lease: %s", name, task_id, exc
+                )
+                return
+            if released:
+                log_release.warning(
+                    "%s[%s]: child %s %s; released %d lease(s)", name, task_id, pid, why, released
+                )
+
+        if _process_gone(pid):
+            release()  # the usual case (WorkerLostError): before the message is requeued
+        else:
+            threading.Thread(target=release, name="celery_mongolock-release-dead-child", daemon=True).start()
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         if not soft:

@@ -613,3 +613,112 @@ def test_tick_and_hold_arguments_are_checked(store: LeaseStore) -> None:
         store.acquire("k", tick="5")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="min_hold"):
         store.acquire("k", min_hold=-1)
+
+
+# -- regressions found in review ------------------------------------------------------------------------
+
+
+def test_heartbeat_gives_up_before_the_deadline_with_default_timeouts(own_server: Any) -> None:
+    import time
+
+    server = own_server()
+    s = LeaseStore(server.url, lease_seconds=3)  # default operation_timeout (10 s) and heartbeat (1 s)
+    try:
+        lost_at: list[float] = []
+        lease = s.acquire("k", heartbeat=True)
+        assert lease is not None
+        lease.on_lost(lambda _l, _r: lost_at.append(time.monotonic()))
+        server.kill()
+        wait_for(lambda: lost_at, timeout=10, message="the heartbeat to give up")
+        assert lost_at[0] < lease.deadline, "gave up after the deadline"
+    finally:
+        s.close()
+
+
+def test_every_operation_on_a_dead_server_raises_store_unavailable(own_server: Any) -> None:
+    server = own_server()
+    s = LeaseStore(server.url, lease_seconds=30, operation_timeout=0.5)
+    lease = s.acquire("k")
+    assert lease is not None
+    server.kill()
+    try:
+        for action in (
+            lambda: s.inspect("k"),
+            lambda: s.list(),
+            lambda: s.force_release("k"),
+            lambda: s.release_held_by(task_id="x"),
+            lambda: s.acquire("other"),
+            lease.renew,
+        ):
+            with pytest.raises(StoreUnavailable):
+                action()
+    finally:
+        s.close()
+
+
+def test_an_expired_lease_cannot_be_renewed_even_if_nobody_took_it(make_store: Any) -> None:
+    s = make_store(lease_seconds=0.5)
+    lease = s.acquire("k")
+    assert lease is not None
+    wait_for(lambda: not s.inspect("k").held, timeout=10, message="expiry")
+    lease._deadline += 60  # pretend the holder's clock has not noticed: the server must still refuse
+    with pytest.raises(LeaseLost):
+        lease.renew()
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_a_forked_child_cannot_release_the_parents_lease(mongo_url: str, db_name: str) -> None:
+    import os
+
+    s = LeaseStore(mongo_url, database=db_name)
+    lease = s.acquire("k", ttl=30)
+    assert lease is not None
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            lease.release()
+            with lease:
+                pass
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    info = s.inspect("k")
+    assert info is not None and info.held and info.owner == lease.owner
+    assert lease.release()
+    s.client.drop_database(db_name)
+    s.close()
+
+
+def test_hold_raises_lease_lost_when_the_block_outlived_its_lease(store: LeaseStore, make_store: Any) -> None:
+    with pytest.raises(LeaseLost), store.hold("k", ttl=3, heartbeat_seconds=0.1) as lease:
+        make_store().force_release("k")
+        wait_for(lambda: lease.lost, timeout=5, message="loss")
+
+
+def test_released_lease_is_no_protection(store: LeaseStore) -> None:
+    lease = store.acquire("k")
+    assert lease is not None
+    lease.release()
+    with pytest.raises(LeaseLost, match="released"):
+        lease.raise_if_lost()
+
+
+def test_a_slow_lost_callback_does_not_delay_other_renewals(store: LeaseStore, make_store: Any) -> None:
+    import threading
+
+    gate = threading.Event()
+    a = store.acquire("a", ttl=2, heartbeat=True, heartbeat_seconds=0.1)
+    b = store.acquire("b", ttl=2, heartbeat=True, heartbeat_seconds=0.1)
+    assert a is not None and b is not None
+    a.on_lost(lambda _l, _r: None if gate.wait(10) else None)  # blocks for a long time
+    make_store().force_release("a")
+    wait_for(lambda: a.lost, timeout=5, message="a lost")
+    other = make_store()
+    import time
+
+    end = time.monotonic() + 4  # two lease lengths: b must stay renewed meanwhile
+    while time.monotonic() < end:
+        assert other.acquire("b") is None
+        time.sleep(0.2)  # pacing of the probe, not a synchronisation
+    gate.set()
+    assert not b.lost

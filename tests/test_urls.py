@@ -43,3 +43,19 @@ def test_error_names_the_setting_and_hides_the_password() -> None:
     with pytest.raises(ConfigurationError, match="mongolock_url") as info:
         validate_mongo_url("mongodb://bob:hunter2@h:notaport", setting="mongolock_url")
     assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mongodb://user:p#ss@host/db",
+        "mongodb://u:a/b?c@d@host:1/x",
+        "mongodb://u:p@ss@host",
+        "x mongodb://u:pa55@h y",
+    ],
+)
+def test_redact_passwords_with_unescaped_characters(url: str) -> None:
+    out = redact(url)
+    assert "***@" in out
+    for secret in ("p#ss", "a/b?c", "p@ss", "pa55"):
+        assert secret not in out
