@@ -644,7 +644,7 @@ def test_every_operation_on_a_dead_server_raises_store_unavailable(own_server: A
     try:
         for action in (
             lambda: s.inspect("k"),
-            lambda: s.list(),
+            s.list,
             lambda: s.force_release("k"),
             lambda: s.release_held_by(task_id="x"),
             lambda: s.acquire("other"),
