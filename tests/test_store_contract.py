@@ -690,9 +690,15 @@ def test_a_forked_child_cannot_release_the_parents_lease(mongo_url: str, db_name
 
 
 def test_hold_raises_lease_lost_when_the_block_outlived_its_lease(store: LeaseStore, make_store: Any) -> None:
-    with pytest.raises(LeaseLost), store.hold("k", ttl=3, heartbeat_seconds=0.1) as lease:
-        make_store().force_release("k")
-        wait_for(lambda: lease.lost, timeout=5, message="loss")
+    operator = make_store()
+
+    def block() -> None:
+        with store.hold("k", ttl=3, heartbeat_seconds=0.1) as lease:
+            operator.force_release("k")
+            wait_for(lambda: lease.lost, timeout=5, message="loss")
+
+    with pytest.raises(LeaseLost):
+        block()
 
 
 def test_released_lease_is_no_protection(store: LeaseStore) -> None:
@@ -710,7 +716,11 @@ def test_a_slow_lost_callback_does_not_delay_other_renewals(store: LeaseStore, m
     a = store.acquire("a", ttl=2, heartbeat=True, heartbeat_seconds=0.1)
     b = store.acquire("b", ttl=2, heartbeat=True, heartbeat_seconds=0.1)
     assert a is not None and b is not None
-    a.on_lost(lambda _l, _r: None if gate.wait(10) else None)  # blocks for a long time
+
+    def slow(_lease: Any, _reason: str) -> None:
+        gate.wait(10)  # blocks for a long time
+
+    a.on_lost(slow)
     make_store().force_release("a")
     wait_for(lambda: a.lost, timeout=5, message="a lost")
     other = make_store()
