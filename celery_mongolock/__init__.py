@@ -14,6 +14,7 @@ from .exceptions import (
     MongoLockError,
     StoreUnavailable,
 )
+from .fencing import FencedOut, fenced_update_one
 from .policies import Fail, Retry, Skip, Wait
 from .store import Lease, LeaseInfo, LeaseStore
 from .task import SingletonTask, current_lease, singleton_task
@@ -23,6 +24,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "ConfigurationError",
     "Fail",
+    "FencedOut",
     "InvalidKey",
     "Lease",
     "LeaseInfo",
@@ -37,5 +39,6 @@ __all__ = [
     "Wait",
     "__version__",
     "current_lease",
+    "fenced_update_one",
     "singleton_task",
 ]

@@ -6,6 +6,7 @@ Commands (one per line, JSON answers):
     state KEY                        -> {"lost": bool, "remaining": float}
     renew KEY                        -> {"ok": bool, "error": str | null}
     release KEY                      -> {"ok": bool}
+    fenced KEY                       -> {"ok": bool, "error": str | null}  (fenced $inc on protected[KEY])
     wall                             -> {"wall": float}   (this process's time.time())
     quit
 """
@@ -45,6 +46,17 @@ def main() -> None:
                 answer = {"ok": False, "error": str(exc)}
         elif cmd == "release":
             answer = {"ok": leases.pop(args[0]).release()}
+        elif cmd == "fenced":
+            from celery_mongolock.fencing import FencedOut, fenced_update_one
+
+            lease = leases[args[0]]
+            try:
+                fenced_update_one(
+                    store.client[db]["protected"], {"_id": args[0]}, {"$inc": {"n": 1}}, lease, upsert=True
+                )
+                answer = {"ok": True, "error": None}
+            except FencedOut as exc:
+                answer = {"ok": False, "error": str(exc)}
         elif cmd == "wall":
             answer = {"wall": time.time()}
         elif cmd == "quit":

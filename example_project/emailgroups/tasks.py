@@ -6,7 +6,8 @@ import csv
 import time
 from typing import Any
 
-from celery_mongolock import LeaseLost, current_lease, singleton_task
+from celery_mongolock import current_lease, singleton_task
+from celery_mongolock.fencing import fenced_update_one
 
 from .celery import app
 from .storage import db, log_run
@@ -27,15 +28,11 @@ def upload_members(self: Any, group_id: int, upload_id: str, csv_path: str) -> i
         "start", key=lease.key, group=group_id, upload=upload_id, fence=lease.fence, task_id=self.request.id
     )
     groups, members = db()["groups"], db()["members"]
-    # Fenced write: claim the group for this fence; an older holder's late writes are rejected.
-    claimed = groups.update_one(
-        {"_id": group_id, "$or": [{"fence": {"$lt": lease.fence}}, {"fence": {"$exists": False}}]},
-        {"$set": {"fence": lease.fence, "upload": upload_id, "state": "uploading"}},
+    # Fenced write: claim the group for this run's fence. A holder that was paused past its lease and
+    # wakes up after a newer upload began gets FencedOut here instead of clearing the newer members.
+    fenced_update_one(
+        groups, {"_id": group_id}, {"$set": {"upload": upload_id, "state": "uploading"}}, lease, upsert=True
     )
-    if claimed.matched_count == 0 and not groups.find_one({"_id": group_id}):
-        groups.insert_one({"_id": group_id, "fence": lease.fence, "upload": upload_id, "state": "uploading"})
-    elif claimed.matched_count == 0:
-        raise LeaseLost(lease.key, lease.fence, "a newer upload has claimed the group")
     members.delete_many({"group": group_id})
     with open(csv_path, newline="") as f:
         emails = [row["email"] for row in csv.DictReader(f)]
