@@ -34,8 +34,9 @@ from celery.exceptions import Retry as RetryTask
 from celery.worker.request import Request
 
 from . import signals
+from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
-from .exceptions import ConfigurationError, LockContended, StoreUnavailable
+from .exceptions import ConfigurationError, LockContended, MongoLockError, StoreUnavailable
 from .keys import KeyRenderer, KeySpec
 from .policies import Fail, Policy, PolicySpec, Retry, Skip, Wait, parse_policy
 from .store import Lease, _aware
@@ -447,6 +448,27 @@ def singleton_task(
 # -- worker start-up: validate settings before taking work ---------------------------------------------
 
 
+def _check_store(app: Celery) -> None:
+    settings = get_settings(app)
+    where = f"{redact(settings.url)} ({settings.database}.{settings.collection})"
+    try:
+        get_store(app).ensure_indexes()
+    except MongoLockError as exc:
+        log_acquire.warning(
+            "celery_mongolock: the lease store at %s is not usable: %s. Singleton tasks will not run "
+            "their bodies until it is (their runs are handled by their contention policy).",
+            where,
+            exc,
+        )
+    else:
+        log_acquire.info(
+            "celery_mongolock: leases in %s, lease %gs, heartbeat %gs",
+            where,
+            settings.lease_seconds,
+            settings.heartbeat_seconds or settings.lease_seconds / 3,
+        )
+
+
 def _install_bootstep(app: Celery) -> None:
     if getattr(app, "_mongolock_bootstep", False):
         return
@@ -462,5 +484,13 @@ def _install_bootstep(app: Celery) -> None:
             get_settings(worker.app)  # raises ConfigurationError naming the setting
             _known_apps.add(worker.app)
             super().__init__(worker, **kwargs)
+
+        def start(self, worker: Any) -> None:
+            # Say where the leases live, and warn at once (not at the first task) if MongoDB does not
+            # answer. Off the start-up path: a MongoDB that is down must not delay or stop the worker,
+            # since singleton runs fail closed and are retried until it is back.
+            threading.Thread(
+                target=_check_store, args=(worker.app,), name="mongolock-startup-check", daemon=True
+            ).start()
 
     app.steps["worker"].add(ValidateMongolockSettings)

@@ -5,6 +5,7 @@ the MongoDB-compatible server. Runs record their start and end in MongoDB; the t
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -402,6 +403,25 @@ def test_worker_refuses_to_start_with_an_invalid_setting(cluster: Cluster) -> No
         w.start(timeout=60)
     assert "mongolock_lease_seconds" in w.log()
     w.stop()
+
+
+def test_worker_says_at_start_where_the_leases_are_and_warns_if_mongodb_is_down(cluster: Cluster) -> None:
+    # A healthy worker names the store (w1 was started by the fixture).
+    w1 = cluster.workers[0]
+    wait_for(lambda: "celery_mongolock: leases in" in w1.log(), timeout=30, message="the start-up line")
+    # A worker whose MongoDB does not answer still starts, and says so at once, without the password.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once the socket is closed
+    env = cluster.env(
+        MONGOLOCK_IT_MONGODB_URL=f"mongodb://admin:s3cr%40t@127.0.0.1:{port}/?serverSelectionTimeoutMS=500",
+        MONGOLOCK_IT_OP_TIMEOUT="1",
+    )
+    w = cluster.worker(name=f"down{tag()}@localhost", env=env, extra_args=["-Q", "downq"])
+    wait_for(lambda: "is not usable" in w.log(), timeout=30, message="the start-up warning")
+    line = next(x for x in w.log().splitlines() if "is not usable" in x)
+    assert f"127.0.0.1:{port}" in line and "s3cr" not in w.log()
+    assert w.stop(timeout=60) == 0
 
 
 def test_warm_shutdown_lets_the_task_finish_and_release(cluster: Cluster) -> None:
