@@ -167,7 +167,15 @@ def test_several_beats_send_each_tick_once_and_fail_over(beat_cluster: dict[str,
     wait_for(lambda: len(ticks("beat")) >= n + 3, timeout=30, message="ticks after the graceful handover")
     third = wait_for(leaders, timeout=10, message="the last beat to lead")[0]
     assert third is not first and third is not second
-    time.sleep(0.5)  # let the worker finish what was sent (the runs are what we count, not a sync point)
+    # Stop sending, then wait for the worker to run the last tick each entry was sent for.
+    for b in beats:
+        b.stop()
+    last = {d["_id"]: d["last_tick"] for d in db["beat_ticks"].find()}
+    wait_for(
+        lambda: last["singleton-job"] in ticks("beat") and last["plain-job"] in ticks("plain-beat"),
+        timeout=30,
+        message="the worker to run the last ticks sent",
+    )
 
     for kind in ("beat", "plain-beat"):
         seen = ticks(kind)
