@@ -17,7 +17,7 @@ from celery.signals import worker_ready
 from pymongo import MongoClient
 
 from celery_mongolock import Fail, Retry, Skip, Wait, current_lease, singleton_task
-from celery_mongolock.signals import lease_lost
+from celery_mongolock.signals import lease_contended, lease_lost
 
 app = Celery("integration_app")
 app.conf.update(
@@ -74,6 +74,13 @@ def _ready(sender: Any = None, **_: Any) -> None:
 def _lost(key: str = "", reason: str = "", **_: Any) -> None:
     db()["runs"].insert_one(
         {"kind": "lost", "key": key, "reason": reason, "pid": os.getpid(), "t": time.time()}
+    )
+
+
+@lease_contended.connect
+def _contended(key: str = "", policy: str = "", **_: Any) -> None:
+    db()["runs"].insert_one(
+        {"kind": "contended", "key": key, "policy": policy, "pid": os.getpid(), "t": time.time()}
     )
 
 

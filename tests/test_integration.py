@@ -182,11 +182,10 @@ def test_wait_wakes_promptly_when_the_holder_releases(cluster: Cluster) -> None:
     assert lease is not None
     res = it.waiter.delay(resource, t, 0.1)
     wait_for(
-        lambda: cluster.db["leases"].find_one({"_id": f"resource:{resource}"}) and res.state == "PENDING",
-        timeout=10,
-        message="the waiter to be waiting",
+        lambda: cluster.db["runs"].find_one({"kind": "contended", "key": f"resource:{resource}"}),
+        timeout=30,
+        message="the waiter to find the key held",
     )
-    time.sleep(0.5)  # let the waiter settle into its wait (the holder's work, not synchronisation)
     released_at = time.monotonic()
     lease.release()
     assert res.get(timeout=30) == t
@@ -196,10 +195,15 @@ def test_wait_wakes_promptly_when_the_holder_releases(cluster: Cluster) -> None:
 
 def test_retry_does_not_use_the_tasks_own_retry_budget(cluster: Cluster) -> None:
     resource, t = tag(), tag()
-    with cluster.store.hold(f"resource:{resource}"):
+    key = f"resource:{resource}"
+    with cluster.store.hold(key):
         res = it.retrier.delay(resource, t, 0.1, True)  # max_retries=1, and it retries once itself
         wait_for(lambda: res.state == "RETRY", timeout=30, message="a contention retry")
-        time.sleep(1.5)  # several contention retries happen while the key is held
+        wait_for(
+            lambda: cluster.db["runs"].count_documents({"kind": "contended", "key": key}) >= 3,
+            timeout=60,
+            message="several contention retries while the key is held",
+        )
     assert res.get(timeout=60) == t
     own = cluster.runs(t, "own-retry")
     assert len(own) == 1 and own[0]["contention"] >= 1
