@@ -194,6 +194,14 @@ def read_settings(conf: Any) -> Settings:
 _lock = threading.RLock()  # get_store calls get_settings while holding it
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()  # another thread of the parent may have held it at the moment of fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def get_settings(app: Celery) -> Settings:
     """The app's validated settings (read once per app; ``app.conf`` changes before first use count)."""
     cached: Settings | None = getattr(app, "_mongolock_settings", None)

@@ -70,6 +70,7 @@ import random
 import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -119,6 +120,18 @@ MAX_INFO_BYTES = 4096
 _NOT_EXPIRED: Document = {"$expr": {"$gt": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]}}
 
 # Errors after which we cannot know whether the server applied the write.
+# Every store of the process, so that a forked child gets fresh locks: a lock another thread of the
+# parent (a heartbeat, a release) held at the moment of fork would otherwise stay locked in the child.
+_STORES: weakref.WeakSet[LeaseStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._state_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 _AMBIGUOUS = (
     AutoReconnect,
     ConnectionFailure,
@@ -452,6 +465,7 @@ class LeaseStore:
         self._lost_callbacks: builtins.list[LostCallback] = [on_lost] if on_lost else []
         self._state_lock = threading.Lock()
         self._pid = os.getpid()
+        _STORES.add(self)
         self._client_cache: MongoClient[Document] | None = None
         self._indexes_ready = False
         self._heartbeat: Heartbeat | None = None

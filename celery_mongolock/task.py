@@ -36,7 +36,7 @@ from celery.worker.request import Request
 from . import signals
 from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
-from .exceptions import ConfigurationError, LockContended, MongoLockError, StoreUnavailable
+from .exceptions import ConfigurationError, LockContended, StoreUnavailable
 from .keys import KeyRenderer, KeySpec
 from .policies import Fail, Policy, PolicySpec, Retry, Skip, Wait, parse_policy
 from .store import Lease, _aware
@@ -448,17 +448,26 @@ def singleton_task(
 # -- worker start-up: validate settings before taking work ---------------------------------------------
 
 
-def _check_store(app: Celery) -> None:
+def _check_store(app: Celery, timeout: float = 2.0) -> None:
+    """Log where the leases live; warn if that MongoDB does not answer within ``timeout`` seconds."""
+    from pymongo import MongoClient
+    from pymongo.errors import PyMongoError
+
     settings = get_settings(app)
     where = f"{redact(settings.url)} ({settings.database}.{settings.collection})"
+    ms = int(min(timeout, settings.operation_timeout) * 1000)
+    client: MongoClient[dict[str, Any]] | None = None
     try:
-        get_store(app).ensure_indexes()
-    except MongoLockError as exc:
+        client = MongoClient(
+            settings.url, serverSelectionTimeoutMS=ms, connectTimeoutMS=ms, socketTimeoutMS=ms, connect=False
+        )
+        client.admin.command("ping")
+    except PyMongoError as exc:
         log_acquire.warning(
-            "celery_mongolock: the lease store at %s is not usable: %s. Singleton tasks will not run "
-            "their bodies until it is (their runs are handled by their contention policy).",
+            "celery_mongolock: the lease store at %s does not answer: %s. Singleton tasks will not run "
+            "their bodies until it does (their runs are handled by their contention policy).",
             where,
-            exc,
+            redact(f"{type(exc).__name__}: {str(exc).split(' (configured timeouts')[0][:300]}"),
         )
     else:
         log_acquire.info(
@@ -467,6 +476,9 @@ def _check_store(app: Celery) -> None:
             settings.lease_seconds,
             settings.heartbeat_seconds or settings.lease_seconds / 3,
         )
+    finally:
+        if client is not None:
+            client.close()
 
 
 def _install_bootstep(app: Celery) -> None:
@@ -487,10 +499,8 @@ def _install_bootstep(app: Celery) -> None:
 
         def start(self, worker: Any) -> None:
             # Say where the leases live, and warn at once (not at the first task) if MongoDB does not
-            # answer. Off the start-up path: a MongoDB that is down must not delay or stop the worker,
-            # since singleton runs fail closed and are retried until it is back.
-            threading.Thread(
-                target=_check_store, args=(worker.app,), name="mongolock-startup-check", daemon=True
-            ).start()
+            # answer. Synchronous, on a short-lived client of its own: a thread here could hold a lock
+            # while the pool forks a child, and the child would deadlock on it.
+            _check_store(worker.app)
 
     app.steps["worker"].add(ValidateMongolockSettings)

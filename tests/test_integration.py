@@ -422,8 +422,8 @@ def test_worker_says_at_start_where_the_leases_are_and_warns_if_mongodb_is_down(
         MONGOLOCK_IT_OP_TIMEOUT="1",
     )
     w = cluster.worker(name=f"down{tag()}@localhost", env=env, extra_args=["-Q", "downq"])
-    wait_for(lambda: "is not usable" in w.log(), timeout=30, message="the start-up warning")
-    line = next(x for x in w.log().splitlines() if "is not usable" in x)
+    wait_for(lambda: "does not answer" in w.log(), timeout=30, message="the start-up warning")
+    line = next(x for x in w.log().splitlines() if "does not answer" in x)
     assert f"127.0.0.1:{port}" in line and "s3cr" not in w.log()
     assert w.stop(timeout=60) == 0
 

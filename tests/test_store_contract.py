@@ -566,6 +566,53 @@ def test_store_given_a_url_makes_a_new_client_after_fork(mongo_url: str, db_name
     s.close()
 
 
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_a_child_forked_while_another_thread_holds_the_locks_does_not_deadlock(
+    mongo_url: str, db_name: str
+) -> None:
+    """The pool forks children at any time; a parent thread may be inside the store at that moment."""
+    import os
+    import signal
+    import threading
+
+    from celery_mongolock import config
+
+    s = LeaseStore(mongo_url, database=db_name)
+    assert s.acquire("warm") is not None
+    inside, leave = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        with s._state_lock, config._lock:
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    assert inside.wait(10)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            s._pid = -1  # as if the store had been made before an earlier fork: _check_pid takes its lock
+            with config._lock:
+                ok = s.acquire("forked") is not None
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    leave.set()
+    t.join()
+    os.close(write)
+    try:
+        answered = wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, timeout=30, message="the child")
+    finally:
+        if not locals().get("answered"):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    s.close()
+
+
 # -- minimum hold and once-per-tick ---------------------------------------------------------------------
 
 
