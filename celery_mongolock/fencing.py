@@ -79,14 +79,19 @@ def fenced_update_one(
         stamped: Any = {**update, "$set": {**dict(update.get("$set", {})), fence_field: fence}}
     else:
         stamped = [*update, {"$set": {fence_field: fence}}]
+    collision: DuplicateKeyError | None = None
     try:
         result = collection.update_one(guarded, stamped, upsert=upsert)
-    except DuplicateKeyError:
+    except DuplicateKeyError as exc:
         result = None  # the upsert's insert hit the existing document: it has a newer fence
+        collision = exc
     if result is not None and (result.matched_count or result.upserted_id is not None):
         return result
     existing = collection.find_one(dict(filter), {fence_field: 1})
     if existing is None:
+        if collision is not None:
+            # The document exists but does not match the rest of the filter: as update_one(upsert=True).
+            raise collision
         assert result is not None
         return result
     raise FencedOut(key, fence, existing.get(fence_field))

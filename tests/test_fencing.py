@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from pymongo import MongoClient
+from pymongo.errors import DuplicateKeyError
 
 from celery_mongolock import ConfigurationError, LeaseStore
 from celery_mongolock.fencing import FencedOut, fenced_update_one
@@ -81,3 +82,11 @@ def test_a_holder_paused_past_its_lease_is_fenced_out(mongo_url: str, db_name: s
         paused.close()
         store.client.drop_database(db_name)
         store.close()
+
+
+def test_upsert_onto_a_document_that_does_not_match_the_rest_of_the_filter(coll: Any) -> None:
+    """As ``update_one(upsert=True)``: the insert collides with the existing ``_id`` (not a fence issue)."""
+    coll.insert_one({"_id": "g", "state": "done", "fence": 5})
+    with pytest.raises(DuplicateKeyError):
+        fenced_update_one(coll, {"_id": "g", "state": "new"}, {"$set": {"x": 1}}, 7, upsert=True)
+    assert coll.find_one({"_id": "g"}) == {"_id": "g", "state": "done", "fence": 5}

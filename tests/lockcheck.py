@@ -1,0 +1,1247 @@
+"""A lock-set checker: many clients do read-modify-write under leases while faults are injected, and a
+history checker proves afterwards that the lease + fence protocol kept the protected data safe.
+
+The workload
+============
+Keys ``lockcheck:k<i>.e<epoch>`` (a few keys; the epoch advances every ``epoch_seconds`` so that the
+per-key server-side log stays small). For each key, a protected document ``protected[key]``::
+
+    {_id: key, counter: int, fence: int, log: [entry, ...]}
+
+A holder of the lease for ``key`` (a bare ``LeaseStore`` client process or a singleton Celery task in a
+real prefork worker) does, with ``celery_mongolock.fencing.fenced_update_one`` for every write:
+
+1. *claim*: push ``{k: "c", h: hold, f: fence}`` (this stamps our fence on the document, so a stale
+   holder's later write is refused from here on);
+2. for each operation: read ``counter`` (p), work a little (this is where pauses land), then unless
+   the client is "reckless" check ``lease.lost``, and write ``counter = p + 1`` and push
+   ``{k: "w", o: op, h: hold, f: fence, p: p}``, filtered on ``log.o != op`` so a retry of an ambiguous
+   write (connection dropped, reply lost) is recognised and never applied twice.
+
+Every process appends its view to a JSON-lines history file (acquisitions with monotonic send/reply
+times, every write's outcome: ack / fenced / lost-detected / ambiguous / error, releases). Reckless
+clients write even after their lease is lost: only the fence stands between them and the data.
+
+The faults
+==========
+``sigstop-client`` / ``sigstop-task``: a holder (bare client / Celery child) is paused with SIGSTOP
+until its lease has expired and a successor has claimed the document, then resumed. ``kill-child``:
+SIGKILL of a Celery prefork child holding a lease. ``kill-node``: SIGKILL of a whole worker node (parent
+and children), and a new node started. ``clock-jump``: the wall clock of a bare client jumps by
+minutes or hours, forward and back (libfaketime with a timestamp file; optionally also a Celery node's,
+forward). ``server-restart``:
+the MongoDB server (file-backed, ``--sync-on-commit``) is crashed with SIGKILL or stopped, and started
+again on the same port and data. ``fail-close`` / ``fail-error`` / ``fail-block``: ``failCommand`` fail
+points that drop connections, return errors, or hold commands past the clients' timeouts.
+
+The checks (``check``)
+======================
+On the final documents (server-side order) and the histories: no acknowledged update lost, none applied
+twice, no read-modify-write based on a stale read (``p`` of the i-th accepted write is i), fences
+non-decreasing along each log and constant within a hold, holds never interleaved in a log, a fence
+never reused by two holds; across acquisitions, one that ended before another began has a smaller
+fence; holds whose release matched their owner token never overlap in real time (CLOCK_MONOTONIC is
+system-wide); a write reported fenced out or skipped is not in the log; every submitted Celery task
+ended in SUCCESS with a result (done, or skipped by policy).
+
+Run it from ``tests/test_lockcheck.py`` (bounded) or ``scripts/soak.py`` (long).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TextIO
+
+from pymongo import MongoClient, WriteConcern
+from pymongo.collection import Collection
+from pymongo.errors import PyMongoError
+
+from celery_mongolock import LeaseStore
+from celery_mongolock.exceptions import MongoLockError
+from celery_mongolock.fencing import FencedOut, fenced_update_one
+from celery_mongolock.store import Lease, _local_ttl
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "lockcheck:"
+VISIBILITY_TIMEOUT = 15
+SKEWED_QUEUE = "lockcheck.skewed"
+FAKETIME_LIBS = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/local/lib/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+)
+
+ALL_FAULTS = (
+    "sigstop-client",
+    "sigstop-task",
+    "kill-child",
+    "kill-node",
+    "clock-jump",
+    "server-restart",
+    "fail-close",
+    "fail-error",
+    "fail-block",
+)
+
+Doc = dict[str, Any]
+
+
+def faketime_lib() -> str | None:
+    """libfaketime's preload library, if installed."""
+    found = os.environ.get("LOCKCHECK_FAKETIME_LIB")
+    if found and os.path.exists(found):
+        return found
+    for path in FAKETIME_LIBS:
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def faketime_env(timestamp_file: Path) -> dict[str, str]:
+    """Environment that shifts a process's wall clock by the offset in ``timestamp_file`` (re-read on
+    every call, so writing the file makes the clock jump), leaving CLOCK_MONOTONIC alone."""
+    lib = faketime_lib()
+    assert lib is not None
+    site = faketime_site(timestamp_file.parent)
+    return {
+        "PYTHONPATH": f"{site}{os.pathsep}{ROOT}",
+        "LD_PRELOAD": lib,
+        "FAKETIME_TIMESTAMP_FILE": str(timestamp_file),
+        "FAKETIME_NO_CACHE": "1",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
+# libfaketime 0.9.10 with FAKETIME_DONT_FAKE_MONOTONIC=1 makes clock_nanosleep(CLOCK_MONOTONIC,
+# TIMER_ABSTIME) fail with EINVAL, and Python's time.sleep uses exactly that: every sleep in the process
+# (pymongo's monitor threads, Celery, our own backoff) would raise OSError. Processes under faketime get
+# this sitecustomize, which sleeps with select() instead (unaffected). The wall clock stays shifted.
+_SLEEP_FIX = """
+import select, time
+
+def _sleep(seconds, _select=select.select):
+    if seconds < 0:
+        raise ValueError("sleep length must be non-negative")
+    _select([], [], [], seconds)
+
+time.sleep = _sleep
+"""
+
+
+def faketime_site(directory: Path) -> Path:
+    """A directory with the sitecustomize above, to put first on PYTHONPATH under faketime."""
+    site = directory / "faketime-site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_SLEEP_FIX)
+    return site
+
+
+def write_offset(path: Path, offset: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(offset + "\n")
+    os.replace(tmp, path)
+
+
+# -- histories -----------------------------------------------------------------------------------------
+
+
+class HistoryWriter:
+    """Appends events (one JSON object a line, flushed at once) to this process's history file."""
+
+    _by_pid: ClassVar[dict[int, HistoryWriter]] = {}
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: TextIO = open(path, "a", buffering=1)  # noqa: SIM115 - kept for the process's life
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_process(cls, directory: str | Path) -> HistoryWriter:
+        pid = os.getpid()
+        writer = cls._by_pid.get(pid)
+        if writer is None:
+            writer = cls._by_pid[pid] = cls(Path(directory) / f"hist-{pid}.jsonl")
+        return writer
+
+    def event(self, ev: str, **fields: Any) -> None:
+        line = json.dumps({"ev": ev, "pid": os.getpid(), **fields}, default=str)
+        with self._lock:
+            self._file.write(line + "\n")  # line-buffered: in the kernel even if we are SIGKILLed next
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_histories(directory: Path) -> list[Doc]:
+    events: list[Doc] = []
+    for path in sorted(directory.glob("hist-*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):  # a line cut short by SIGKILL
+                events.append(json.loads(line))
+    return events
+
+
+# -- the protected read-modify-write ---------------------------------------------------------------------
+
+_docs_clients: dict[tuple[int, str], MongoClient[Doc]] = {}
+
+
+def docs_collection(url: str, db: str) -> Collection[Doc]:
+    """The protected documents, through a client of this process's own (fork-safe).
+
+    Its socket timeout (1 s) is shorter than the ``blockConnection`` fault, so held writes become
+    ambiguous for the writer, as a lost reply would.
+    """
+    pid_key = (os.getpid(), url)
+    client = _docs_clients.get(pid_key)
+    if client is None:
+        client = _docs_clients[pid_key] = MongoClient(
+            url,
+            appname="lockcheck",
+            serverSelectionTimeoutMS=3000,
+            socketTimeoutMS=1000,
+            connectTimeoutMS=1000,
+        )
+    return client[db].get_collection("protected", write_concern=WriteConcern(w="majority", j=True))
+
+
+def _write(docs: Collection[Doc], lease: Lease, op: str, p: int) -> tuple[str, bool]:
+    """The fenced, idempotent write of ``counter = p + 1``. Returns (outcome, resolved after a retry)."""
+    key = lease.key
+    entry = {"k": "w", "o": op, "h": lease.owner, "f": lease.fence, "p": p}
+    give_up = time.monotonic() + 8.0
+    retried = False
+    while True:
+        try:
+            result = fenced_update_one(
+                docs,
+                {"_id": key, "log.o": {"$ne": op}},
+                {"$set": {"counter": p + 1}, "$push": {"log": entry}},
+                lease,
+            )
+            # matched 0: the filter excludes documents holding ``op`` already: an earlier attempt of
+            # this operation (ours, or a previous run of the same Celery task) was applied.
+            return ("ack" if result.matched_count == 1 else "ack-earlier"), retried
+        except FencedOut:
+            return "fenced", retried
+        except PyMongoError:
+            retried = True
+            if time.monotonic() > give_up:
+                return "ambiguous", retried
+            time.sleep(0.1 + random.random() * 0.2)
+
+
+def run_hold(
+    lease: Lease,
+    docs: Collection[Doc],
+    hist: HistoryWriter,
+    ops: Sequence[str],
+    rng: random.Random,
+    *,
+    reckless: bool,
+    who: str,
+    task_id: str | None = None,
+    work: tuple[float, float] = (0.05, 0.4),
+) -> list[str]:
+    """Under ``lease``: claim the protected document, then one read-modify-write per op. Returns the
+    outcome of each op attempted (fewer than ``ops`` if the hold ended early)."""
+    key, hold, fence = lease.key, lease.owner, lease.fence
+    try:
+        fenced_update_one(
+            docs,
+            {"_id": key},
+            {"$push": {"log": {"k": "c", "h": hold, "f": fence}}, "$setOnInsert": {"counter": 0}},
+            lease,
+            upsert=True,
+        )
+    except FencedOut:
+        hist.event("claim", key=key, hold=hold, fence=fence, outcome="fenced", who=who)
+        return []
+    except PyMongoError as exc:
+        hist.event(
+            "claim", key=key, hold=hold, fence=fence, outcome="error", error=type(exc).__name__, who=who
+        )
+        return []
+    hist.event("claim", key=key, hold=hold, fence=fence, outcome="ok", who=who)
+    outcomes: list[str] = []
+    for op in ops:
+        try:
+            doc = docs.find_one({"_id": key}, {"counter": 1})
+        except PyMongoError as exc:
+            hist.event("read", key=key, hold=hold, op=op, outcome="error", error=type(exc).__name__)
+            outcomes.append("error")
+            break
+        p = int((doc or {}).get("counter", 0))
+        end = time.monotonic() + rng.uniform(*work)  # the work; SIGSTOP and clock jumps land here
+        while time.monotonic() < end:
+            time.sleep(min(0.02, max(0.0, end - time.monotonic())))
+        base = {"key": key, "hold": hold, "fence": fence, "op": op, "p": p, "who": who, "task_id": task_id}
+        if not reckless and lease.lost:
+            hist.event("write", **base, outcome="lost-detected", t=time.monotonic())
+            outcomes.append("lost-detected")
+            break
+        outcome, retried = _write(docs, lease, op, p)
+        hist.event("write", **base, outcome=outcome, retried=retried, reckless=reckless, t=time.monotonic())
+        outcomes.append("ack" if outcome.startswith("ack") else outcome)
+        if outcome not in {"ack", "ack-earlier"}:
+            break
+    return outcomes
+
+
+def record_task_acquired(hist: HistoryWriter, lease: Lease, who: str, task_id: str | None) -> None:
+    t1 = time.monotonic()
+    # When the acquire was sent: the lease's first deadline is sent + local ttl (no renewal yet).
+    t0 = min(t1, lease.deadline - _local_ttl(lease.ttl))
+    hist.event(
+        "acq", key=lease.key, hold=lease.owner, fence=lease.fence, t0=t0, t1=t1, who=who, task_id=task_id
+    )
+
+
+def release_and_record(lease: Lease, hist: HistoryWriter, who: str) -> None:
+    t = time.monotonic()  # sent at; a release that matched proves the hold lasted until at least here
+    try:
+        released = lease.release()
+        error = None
+    except MongoLockError as exc:
+        released, error = False, type(exc).__name__
+    hist.event("rel", key=lease.key, hold=lease.owner, released=released, t=t, error=error, who=who)
+
+
+# -- a bare LeaseStore client (a process of its own) ----------------------------------------------------
+
+
+def key_for(i: int, epoch: int) -> str:
+    return f"{PREFIX}k{i}.e{epoch}"
+
+
+def current_epoch(start: float, epoch_seconds: float) -> int:
+    return int(max(0.0, time.monotonic() - start) // epoch_seconds)
+
+
+def client_main(cfg: Doc) -> None:
+    """A bare ``LeaseStore`` user: takes leases on random keys and does read-modify-writes under them."""
+    name = cfg["name"]
+    rng = random.Random(cfg["seed"])
+    hist = HistoryWriter.for_process(cfg["hist_dir"])
+    store = LeaseStore(cfg["url"], database=cfg["db"], lease_seconds=cfg["ttl"], operation_timeout=3.0)
+    docs = docs_collection(cfg["url"], cfg["db"])
+    stop_file = Path(cfg["stop_file"])
+    parent = os.getppid()
+    seq = 0
+    hist.event("start", who=name, wall=time.time())
+    while not stop_file.exists() and os.getppid() == parent:
+        key = key_for(rng.randrange(cfg["keys"]), current_epoch(cfg["start"], cfg["epoch_seconds"]))
+        t0 = time.monotonic()
+        try:
+            lease = store.acquire(key, heartbeat=True, info={"who": name})
+        except MongoLockError as exc:
+            hist.event("err", who=name, key=key, what="acquire", error=type(exc).__name__)
+            time.sleep(rng.uniform(0.1, 0.4))
+            continue
+        t1 = time.monotonic()
+        if lease is None:
+            hist.event("contended", who=name, key=key)
+            time.sleep(rng.uniform(0.02, 0.15))
+            continue
+        hist.event(
+            "acq", key=key, hold=lease.owner, fence=lease.fence, t0=t0, t1=t1, who=name, wall=time.time()
+        )
+        ops = []
+        for _ in range(rng.randint(1, 3)):
+            seq += 1
+            ops.append(f"{name}-{seq}")
+        try:
+            run_hold(lease, docs, hist, ops, rng, reckless=rng.random() < cfg["reckless"], who=name)
+        except Exception:  # a bug in the workload or the library: recorded, and the run goes on
+            hist.event("unexpected", who=name, error=traceback.format_exc()[-2000:])
+        release_and_record(lease, hist, name)
+        time.sleep(rng.uniform(0.0, 0.1))
+    hist.event("stop", who=name)
+    with contextlib.suppress(Exception):
+        store.close()
+
+
+# -- the history checker ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+@dataclasses.dataclass
+class History:
+    """What a run produced: the processes' events, the final protected documents (by key) and the
+    final state of every submitted Celery task (``{task_id: {"state", "result", "op"}}``)."""
+
+    events: list[Doc]
+    docs: dict[str, Doc]
+    tasks: dict[str, Doc] = dataclasses.field(default_factory=dict)
+
+
+def check(history: History) -> list[Violation]:
+    """Every violation of the lock's guarantees found in ``history`` (empty: none)."""
+    found: list[Violation] = []
+    applied: dict[str, list[tuple[str, str]]] = defaultdict(list)  # op -> [(key, hold)]
+
+    # 1. The server-side order: each protected document's log.
+    for key, doc in sorted(history.docs.items()):
+        log = doc.get("log") or []
+        writes = 0
+        prev_fence: int | None = None
+        hold: str | None = None
+        hold_fence: int | None = None
+        closed: set[str] = set()
+        for i, entry in enumerate(log):
+            fence, h = int(entry["f"]), str(entry["h"])
+            if prev_fence is not None and fence < prev_fence:
+                found.append(
+                    Violation("fence-backwards", f"{key} log[{i}]: fence {fence} after fence {prev_fence}")
+                )
+            if h != hold:
+                if h in closed:
+                    found.append(
+                        Violation("overlap", f"{key} log[{i}]: hold {h[:8]} writes again after hold {hold}")
+                    )
+                if hold is not None:
+                    closed.add(hold)
+                if hold_fence is not None and fence == hold_fence:
+                    found.append(
+                        Violation(
+                            "fence-reused", f"{key} log[{i}]: holds {hold} and {h[:8]} share fence {fence}"
+                        )
+                    )
+                hold, hold_fence = h, fence
+            elif fence != hold_fence:
+                found.append(
+                    Violation("fence-changed", f"{key} log[{i}]: hold {h[:8]} wrote with two fences")
+                )
+            prev_fence = fence
+            if entry.get("k") == "w":
+                op = str(entry["o"])
+                applied[op].append((key, h))
+                if int(entry["p"]) != writes:
+                    found.append(
+                        Violation(
+                            "lost-update",
+                            f"{key} log[{i}]: op {op} (hold {h[:8]}, fence {fence}) "
+                            f"read counter {entry['p']} "
+                            f"but {writes} writes were applied before it: it overwrote "
+                            f"{writes - int(entry['p'])} acknowledged update(s)",
+                        )
+                    )
+                writes += 1
+        if int(doc.get("counter", 0)) != writes:
+            found.append(
+                Violation(
+                    "lost-update", f"{key}: counter is {doc.get('counter')} after {writes} applied writes"
+                )
+            )
+    for op, where in sorted(applied.items()):
+        if len(where) > 1:
+            found.append(Violation("applied-twice", f"op {op} applied {len(where)} times: {where}"))
+
+    # 2. The clients' view against the server's.
+    for ev in history.events:
+        if ev.get("ev") != "write":
+            continue
+        op, outcome = str(ev["op"]), ev["outcome"]
+        if outcome in ("ack", "ack-earlier") and op not in applied:
+            found.append(
+                Violation(
+                    "lost-update", f"op {op} on {ev['key']} was acknowledged ({outcome}) but is not applied"
+                )
+            )
+        if outcome in ("fenced", "lost-detected") and (ev["key"], ev["hold"]) in applied.get(op, []):
+            found.append(
+                Violation(
+                    "fenced-but-applied",
+                    f"op {op} was reported {outcome} but hold {ev['hold'][:8]} applied it",
+                )
+            )
+
+    # 3. Acquisitions: fences strictly increase per key in real-time order; holds never overlap.
+    acqs: dict[str, list[Doc]] = defaultdict(list)
+    for ev in history.events:
+        if ev.get("ev") == "acq":
+            acqs[str(ev["key"])].append(ev)
+    releases = {str(ev["hold"]): ev for ev in history.events if ev.get("ev") == "rel"}
+    for key, items in sorted(acqs.items()):
+        by_fence: dict[int, str] = {}
+        for ev in items:
+            other = by_fence.setdefault(int(ev["fence"]), str(ev["hold"]))
+            if other != ev["hold"]:
+                found.append(
+                    Violation(
+                        "fence-reused",
+                        f"{key}: fence {ev['fence']} given to holds {other[:8]} and {ev['hold'][:8]}",
+                    )
+                )
+        # Sweep: for each acquisition b, every acquisition a answered before b was sent has a smaller fence.
+        ended = sorted(items, key=lambda e: float(e["t1"]))
+        best: Doc | None = None
+        j = 0
+        for b in sorted(items, key=lambda e: float(e["t0"])):
+            while j < len(ended) and float(ended[j]["t1"]) < float(b["t0"]):
+                if best is None or int(ended[j]["fence"]) > int(best["fence"]):
+                    best = ended[j]
+                j += 1
+            if best is not None and int(best["fence"]) >= int(b["fence"]):
+                found.append(
+                    Violation(
+                        "fence-backwards",
+                        f"{key}: acquisition by {b.get('who')} (fence {b['fence']}) began after one by "
+                        f"{best.get('who')} with fence {best['fence']} had ended",
+                    )
+                )
+        # A release that matched its owner token proves nobody else acquired in between.
+        spans = sorted(
+            (float(a["t1"]), float(releases[str(a["hold"])]["t"]), a)
+            for a in items
+            if str(a["hold"]) in releases and releases[str(a["hold"])].get("released")
+        )
+        for (_s1, e1, a1), (s2, _e2, a2) in itertools.pairwise(spans):
+            if s2 < e1:
+                found.append(
+                    Violation(
+                        "overlap",
+                        f"{key}: {a1.get('who')} (fence {a1['fence']}) held it until {e1:.3f} and "
+                        f"{a2.get('who')} (fence {a2['fence']}) from {s2:.3f}, both released cleanly",
+                    )
+                )
+
+    # 4. Every submitted task ended: done (its op applied) or skipped by policy.
+    for task_id, task in sorted(history.tasks.items()):
+        state, result = task.get("state"), task.get("result")
+        if state != "SUCCESS" or not isinstance(result, dict):
+            found.append(
+                Violation(
+                    "task-unfinished", f"task {task_id} (op {task.get('op')}) ended {state}: {result!r}"
+                )
+            )
+        elif result.get("mongolock") == "skipped":
+            continue
+        elif result.get("op") != task.get("op") or result.get("op") not in applied:
+            found.append(
+                Violation("lost-update", f"task {task_id} says op {result.get('op')} done, not applied")
+            )
+    return found
+
+
+# -- figures ---------------------------------------------------------------------------------------------
+
+
+def _stats(values: Iterable[float]) -> Doc:
+    vals = sorted(values)
+    if not vals:
+        return {"n": 0}
+    return {
+        "n": len(vals),
+        "median_s": round(statistics.median(vals), 3),
+        "max_s": round(vals[-1], 3),
+    }
+
+
+def recovery_times(faults: list[Doc], events: list[Doc]) -> dict[str, Doc]:
+    """Per fault kind: seconds from the fault until the key it hit (or, for server-wide faults, any
+    key) was next acquired by another holder."""
+    acqs = sorted((float(e["t1"]), str(e["key"]), str(e["hold"])) for e in events if e.get("ev") == "acq")
+    out: dict[str, list[float]] = defaultdict(list)
+    for fault in faults:
+        t, keys, victims = float(fault["t"]), fault.get("keys"), set(fault.get("holds") or [])
+        if fault["kind"] == "clock-jump":
+            continue
+        if keys is not None and not keys:
+            continue  # it hit no holder (e.g. a node that held nothing): nothing to recover
+        if keys:
+            waits = []
+            for key in keys:
+                nxt = next((t1 for t1, k, h in acqs if t1 > t and k == key and h not in victims), None)
+                if nxt is not None:
+                    waits.append(nxt - t)
+            if waits:
+                out[fault["kind"]].append(max(waits))
+        else:
+            nxt = next((t1 for t1, _k, h in acqs if t1 > t and h not in victims), None)
+            if nxt is not None:
+                out[fault["kind"]].append(nxt - t)
+    return {kind: _stats(v) for kind, v in sorted(out.items())}
+
+
+def figures(history: History, faults: list[Doc], violations: list[Violation], extra: Doc) -> Doc:
+    ev = history.events
+    writes = Counter(e["outcome"] for e in ev if e.get("ev") == "write")
+    kinds = Counter(e["ev"] for e in ev)
+    tasks = history.tasks
+    skipped = sum(
+        1 for t in tasks.values() if isinstance(t.get("result"), dict) and t["result"].get("mongolock")
+    )
+    return {
+        **extra,
+        "acquisitions": kinds["acq"],
+        "contended": kinds["contended"],
+        "operations": {
+            "attempted": sum(writes.values()),
+            "acknowledged": writes["ack"] + writes["ack-earlier"],
+            "acknowledged_after_ambiguous_retry": sum(
+                1
+                for e in ev
+                if e.get("ev") == "write" and e["outcome"].startswith("ack") and e.get("retried")
+            ),
+            "fenced_out": writes["fenced"],
+            "fenced_out_reckless": sum(
+                1 for e in ev if e.get("ev") == "write" and e["outcome"] == "fenced" and e.get("reckless")
+            ),
+            "lease_loss_detected": writes["lost-detected"],
+            "ambiguous": writes["ambiguous"],
+            "claims_fenced": sum(1 for e in ev if e.get("ev") == "claim" and e["outcome"] == "fenced"),
+            "store_errors": kinds["err"]
+            + sum(1 for e in ev if e.get("ev") in ("claim", "read") and e["outcome"] == "error"),
+            "unexpected_exceptions": kinds["unexpected"],
+        },
+        "tasks": {
+            "submitted": len(tasks),
+            "done": sum(1 for t in tasks.values() if t.get("state") == "SUCCESS") - skipped,
+            "skipped": skipped,
+            "runs": sum(1 for e in ev if e.get("ev") == "acq" and e.get("task_id")),
+            "unfinished": sum(1 for t in tasks.values() if t.get("state") != "SUCCESS"),
+        },
+        "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
+        "recovery": recovery_times(faults, ev),
+        "violations": len(violations),
+        "violation_list": [str(v) for v in violations[:50]],
+    }
+
+
+# -- the run: servers, clients, workers, faults ----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Config:
+    duration: float = 60.0
+    seed: int = 0
+    clients: int = 3
+    nodes: int = 2
+    concurrency: int = 2
+    keys: int = 3
+    epoch_seconds: float = 40.0
+    lease_seconds: float = 2.0
+    task_rate: float = 1.5
+    reckless: float = 0.5
+    faults: tuple[str, ...] = ALL_FAULTS
+    #: Also run a Celery node (own queue) under libfaketime whose wall clock jumps forward. Off by default:
+    #: such a node sometimes stops fetching from its queue (kombu's Redis transport under libfaketime),
+    #: which is a stall outside the lock that would leave its tasks pending.
+    skewed_node: bool = False
+    #: The first pass injects every fault once; then (soak) random faults until the end.
+    repeat_faults: bool = False
+    #: Seconds between faults (None: the duration divided evenly among the first pass).
+    fault_interval: float | None = None
+    warmup: float = 4.0
+    drain_timeout: float = 120.0
+    workdir: Path | None = None
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
+class Node:
+    """One ``celery -A tests.lockcheck_app worker`` node (prefork), in its own process group."""
+
+    def __init__(
+        self, name: str, env: dict[str, str], ready_dir: Path, concurrency: int, queue: str | None
+    ) -> None:
+        self.name = name
+        self.env = env
+        self.ready_dir = ready_dir
+        self.concurrency = concurrency
+        self.queue = queue
+        self.log_path = ready_dir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 120.0) -> Node:
+        marker = self.ready_dir / f"{self.name}.ready"
+        marker.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "celery", "-A", "tests.lockcheck_app", "worker", "--pool=prefork"]
+        cmd += [f"--concurrency={self.concurrency}", "-n", self.name, "--loglevel=WARNING"]
+        cmd += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        if self.queue:
+            cmd += ["-Q", self.queue]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        _wait(lambda: self._ready(marker), timeout, f"worker {self.name} to be ready")
+        return self
+
+    def _ready(self, marker: Path) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+        return marker.exists()
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def child_pids(self) -> list[int]:
+        if not self.alive:
+            return []
+        assert self.proc is not None
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False)
+        return [int(p) for p in out.stdout.split()]
+
+    def kill(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)  # nobody stays paused
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        # Children orphaned by a killed parent would keep the process group alive.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Run:
+    """One checker run: set up, inject faults while the workload runs, drain, check."""
+
+    def __init__(self, cfg: Config) -> None:
+        from celery import Celery
+
+        from celery_mongolock.embedded import EmbeddedMongo
+        from celery_mongolock.testing import RedisServer
+
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self._own_dir = cfg.workdir is None
+        self.dir = Path(cfg.workdir or tempfile.mkdtemp(prefix="lockcheck-"))
+        self.hist_dir = self.dir / "hist"
+        self.hist_dir.mkdir(parents=True, exist_ok=True)
+        self.stop_file = self.dir / "stop"
+        self.stop_file.unlink(missing_ok=True)
+        self.db = f"lockcheck_{uuid.uuid4().hex[:8]}"
+        self.log = cfg.log
+        self.faketime = faketime_lib() is not None and shutil.which("faketime") is not None
+        self.skipped_faults: dict[str, str] = {}
+        if not self.faketime:
+            self.skipped_faults["clock-jump"] = "libfaketime is not installed (apt-get install faketime)"
+        self.server = EmbeddedMongo(
+            storage_path=self.dir / "mongo-data",
+            enable_test_commands=True,
+            extra_args=["--sync-on-commit"],  # a crash must not lose journaled (j: true) writes
+            log_path=self.dir / "mongo.log",
+        )
+        self.redis = RedisServer()
+        self.capp = Celery("lockcheck_controller")
+        self.clients: list[subprocess.Popen[bytes]] = []
+        self.client_names: dict[int, str] = {}
+        self.nodes: list[Node] = []
+        self.skewed_node: Node | None = None
+        self.node_seq = 0
+        self.faults: list[Doc] = []
+        self.submitted: dict[str, Doc] = {}
+        self.start_mono = 0.0
+        self._stop = threading.Event()
+        self._clock_offsets = {"client": 0, "node": 0}
+        self.store: LeaseStore | None = None
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        self.server.start()
+        self.redis.start()
+        self.capp.conf.update(broker_url=self.redis.url, result_backend=self.redis.url)
+        self.store = LeaseStore(self.server.url, database=self.db, lease_seconds=30, operation_timeout=3.0)
+        self.store.ensure_indexes()
+        self.start_mono = time.monotonic()
+        for i in range(self.cfg.clients):
+            self._start_client(i, skewed=(i == 0 and self.faketime))
+        for _ in range(self.cfg.nodes):
+            self._start_node()
+        if self.faketime and self.cfg.skewed_node:
+            ts = self.dir / "clock-node.offset"
+            write_offset(ts, "+0")
+            env = {**self._node_env(), **faketime_env(ts)}
+            self.skewed_node = Node("skewed@lockcheck", env, self.dir, 1, SKEWED_QUEUE).start()
+
+    def _start_client(self, i: int, *, skewed: bool) -> None:
+        name = f"client{i}" + ("-skewed" if skewed else "")
+        cfg = {
+            "name": name, "seed": self.cfg.seed * 1000 + i, "url": self.server.url, "db": self.db,
+            "ttl": self.cfg.lease_seconds, "keys": self.cfg.keys, "epoch_seconds": self.cfg.epoch_seconds,
+            "start": self.start_mono, "stop_file": str(self.stop_file), "hist_dir": str(self.hist_dir),
+            "reckless": self.cfg.reckless,
+        }  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if skewed:
+            ts = self.dir / "clock-client.offset"
+            write_offset(ts, "+0")
+            env.update(faketime_env(ts))
+        with open(self.dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.lockcheck", "client", json.dumps(cfg)],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        self.clients.append(proc)
+        self.client_names[proc.pid] = name
+
+    def _node_env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "LOCKCHECK_BROKER": self.redis.url,
+            "LOCKCHECK_MONGODB_URL": self.server.url,
+            "LOCKCHECK_DB": self.db,
+            "LOCKCHECK_LEASE": str(self.cfg.lease_seconds),
+            "LOCKCHECK_READY_DIR": str(self.dir),
+            "LOCKCHECK_HIST_DIR": str(self.hist_dir),
+        }
+
+    def _start_node(self) -> Node:
+        self.node_seq += 1
+        node = Node(f"n{self.node_seq}@lockcheck", self._node_env(), self.dir, self.cfg.concurrency, None)
+        self.nodes.append(node)
+        return node.start()
+
+    # -- the workload ------------------------------------------------------------------------------------
+    def _submitter(self) -> None:
+        n = 0
+        interval = 1.0 / self.cfg.task_rate
+        while not self._stop.wait(interval * (0.5 + self.rng.random())):
+            n += 1
+            op = f"task-{n}"
+            key = key_for(
+                self.rng.randrange(self.cfg.keys), current_epoch(self.start_mono, self.cfg.epoch_seconds)
+            )
+            name = "lockcheck.rmw_skip" if self.rng.random() < 0.2 else "lockcheck.rmw"
+            queue = SKEWED_QUEUE if self.skewed_node is not None and self.rng.random() < 0.25 else "celery"
+            reckless = self.rng.random() < self.cfg.reckless
+            try:
+                result = self.capp.send_task(name, args=(key, op), kwargs={"reckless": reckless}, queue=queue)
+            except Exception as exc:  # the broker is not faulted; never let the submitter die silently
+                self.log(f"submit failed: {exc!r}")
+                continue
+            self.submitted[result.id] = {"op": op, "task": name, "queue": queue}
+
+    # -- faults ------------------------------------------------------------------------------------------
+    def _held(self) -> list[Any]:
+        assert self.store is not None
+        try:
+            return self.store.list(prefix=PREFIX)
+        except MongoLockError:
+            return []
+
+    def _find_victim(self, pids: Callable[[], set[int]], timeout: float = 8.0) -> Any:
+        def find() -> Any:
+            candidates = [
+                i for i in self._held() if i.holder.get("pid") in pids() and (i.expires_in or 0) > 0.5
+            ]
+            return self.rng.choice(candidates) if candidates else None
+
+        try:
+            return _wait(find, timeout, "a holder to hit", interval=0.1)
+        except TimeoutError:
+            return None
+
+    def _record(self, kind: str, t: float, **fields: Any) -> None:
+        fault = {"kind": kind, "t": t, "at_s": round(t - self.start_mono, 2), **fields}
+        self.faults.append(fault)
+        self.log(f"[{fault['at_s']:7.2f}s] fault {kind} {json.dumps(fields, default=str)}")
+
+    def _client_pids(self) -> set[int]:
+        return {p.pid for p in self.clients if p.poll() is None}
+
+    def _task_child_pids(self) -> set[int]:
+        return {pid for node in self.nodes for pid in node.child_pids()}
+
+    def _sigstop(self, kind: str, pids: Callable[[], set[int]]) -> bool:
+        assert self.store is not None
+        victim = self._find_victim(pids)
+        if victim is None:
+            return False
+        pid = int(victim.holder["pid"])
+        t = time.monotonic()
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return False
+        try:
+            self._record(kind, t, keys=[victim.key], holds=[victim.owner], fence=victim.fence, pid=pid)
+
+            # Paused until its lease has expired, another holder has taken the key and has claimed the
+            # protected document (so that a late write from the paused one meets a newer fence).
+            def taken() -> Any:
+                with contextlib.suppress(MongoLockError):
+                    info = self.store.inspect(victim.key) if self.store else None
+                    if info is not None and info.owner not in (None, victim.owner):
+                        return info
+                return None
+
+            successor = None
+            with contextlib.suppress(TimeoutError):
+                successor = _wait(taken, self.cfg.lease_seconds * 4 + 4, "a successor", interval=0.05)
+            if successor is not None:
+                docs = docs_collection(self.server.url, self.db)
+
+                def claimed() -> bool:
+                    with contextlib.suppress(PyMongoError):
+                        d = docs.find_one({"_id": victim.key}, {"fence": 1})
+                        return bool(d and int(d.get("fence", 0)) >= successor.fence)
+                    return False
+
+                with contextlib.suppress(TimeoutError):
+                    _wait(claimed, 3.0, "the successor's claim")
+            else:
+                with contextlib.suppress(TimeoutError):
+                    _wait(lambda: time.monotonic() > t + self.cfg.lease_seconds * 1.5, 10, "lease expiry")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        return True
+
+    def _kill_child(self) -> bool:
+        victim = self._find_victim(self._task_child_pids)
+        if victim is None:
+            return False
+        pid = int(victim.holder["pid"])
+        t = time.monotonic()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        self._record("kill-child", t, keys=[victim.key], holds=[victim.owner], pid=pid)
+        return True
+
+    def _kill_node(self) -> bool:
+        live = [n for n in self.nodes if n.alive]
+        if not live:
+            return False
+        # Preferably a node whose child holds a lease (wait a little for one).
+        with contextlib.suppress(TimeoutError):
+            _wait(lambda: {i.holder.get("worker") for i in self._held()} & {n.name for n in live}, 8, "", 0.1)
+        busy = {i.holder.get("worker") for i in self._held()}
+        node = next((n for n in live if n.name in busy), None) or self.rng.choice(live)
+        held = [i for i in self._held() if i.holder.get("worker") == node.name]
+        t = time.monotonic()
+        node.kill()
+        self._record(
+            "kill-node", t, node=node.name, keys=[i.key for i in held], holds=[i.owner for i in held]
+        )
+        self.nodes.remove(node)
+        node.stop()
+        self._start_node()
+        return True
+
+    def _clock_jump(self) -> bool:
+        if not self.faketime:
+            return False
+        # The bare client jumps both ways; the Celery node only forward: Celery's own ETA/countdown
+        # scheduling (not the lock) trusts the wall clock, and a backward jump would only stall retries.
+        client = ["+10m", "-10m", "+0", "+3h", "-1h", "+0"][self._clock_offsets["client"] % 6]
+        self._clock_offsets["client"] += 1
+        self._clock_offsets["node"] += 1
+        node = f"+{2 * self._clock_offsets['node']}m"
+        t = time.monotonic()
+        write_offset(self.dir / "clock-client.offset", client)
+        if self.skewed_node is not None:
+            write_offset(self.dir / "clock-node.offset", node)
+        if self.skewed_node is not None:
+            self._record("clock-jump", t, client_offset=client, node_offset=node)
+        else:
+            self._record("clock-jump", t, client_offset=client)
+        return True
+
+    def _server_restart(self) -> bool:
+        crash = sum(1 for f in self.faults if f["kind"] == "server-restart") % 2 == 0
+        t = time.monotonic()
+        if crash:
+            self.server.kill()
+        else:
+            self.server.stop()
+        self.server.start()
+        self._record(
+            "server-restart", t, how="SIGKILL" if crash else "SIGTERM", down_s=round(time.monotonic() - t, 2)
+        )
+        return True
+
+    def _fail_point(self, kind: str) -> bool:
+        data: Doc = {"failCommands": ["findAndModify", "update", "find"]}
+        n = sum(1 for f in self.faults if f["kind"] == kind)
+        if kind == "fail-close":
+            data["closeConnection"] = True
+        elif kind == "fail-error":
+            data["errorCode"] = [91, 50, 6, 11600][n % 4]  # ShutdownInProgress, MaxTimeMSExpired, ...
+        else:
+            data.update(blockConnection=True, blockTimeMS=1500)
+        admin: MongoClient[Doc] = MongoClient(self.server.url, serverSelectionTimeoutMS=5000)
+        try:
+            t = time.monotonic()
+            admin.admin.command("configureFailPoint", "failCommand", mode={"times": 8}, data=data)
+            self._record(kind, t, data={k: v for k, v in data.items() if k != "failCommands"})
+            self._stop.wait(3.0)
+            admin.admin.command("configureFailPoint", "failCommand", mode="off")
+        except PyMongoError as exc:
+            self.log(f"fail point {kind} not armed: {exc!r}")
+            return False
+        finally:
+            admin.close()
+        return True
+
+    def inject(self, kind: str) -> bool:
+        if kind == "sigstop-client":
+            return self._sigstop(kind, self._client_pids)
+        if kind == "sigstop-task":
+            return self._sigstop(kind, self._task_child_pids)
+        if kind == "kill-child":
+            return self._kill_child()
+        if kind == "kill-node":
+            return self._kill_node()
+        if kind == "clock-jump":
+            return self._clock_jump()
+        if kind == "server-restart":
+            return self._server_restart()
+        if kind in ("fail-close", "fail-error", "fail-block"):
+            return self._fail_point(kind)
+        raise ValueError(f"unknown fault {kind!r}")
+
+    def _fault_plan(self) -> list[str]:
+        plan = [k for k in self.cfg.faults if k not in self.skipped_faults]
+        self.rng.shuffle(plan)
+        if "clock-jump" in plan:
+            plan.append("clock-jump")  # the bare client's clock goes forward, then back
+        return plan
+
+    def faults_loop(self) -> None:
+        """Every fault once, spread over the duration (retried later when no victim was found); then, for
+        a soak, random faults every ``fault_interval`` seconds until the end."""
+        cfg = self.cfg
+        end = self.start_mono + cfg.warmup + cfg.duration
+        pending = self._fault_plan()
+        gap = cfg.fault_interval or cfg.duration / (len(pending) + 1)
+        self._stop.wait(cfg.warmup + gap / 2)
+        tries: Counter[str] = Counter()
+        while pending:
+            kind = pending.pop(0)
+            slot = time.monotonic() + gap * (0.7 + 0.6 * self.rng.random())
+            if not self.inject(kind):
+                tries[kind] += 1
+                if tries[kind] < 5:
+                    self.log(f"fault {kind}: no victim found now; retrying later")
+                    pending.append(kind)
+                else:
+                    self.skipped_faults[kind] = "no victim found in time"
+            self._stop.wait(max(0.0, slot - time.monotonic()))
+        kinds = [k for k in self.cfg.faults if k not in self.skipped_faults]
+        while cfg.repeat_faults and kinds and time.monotonic() < end - gap / 2:
+            slot = time.monotonic() + gap * (0.7 + 0.6 * self.rng.random())
+            self.inject(self.rng.choice(kinds))
+            self._stop.wait(max(0.0, min(slot, end) - time.monotonic()))
+        self._stop.wait(max(0.0, end - time.monotonic()))
+
+    # -- drain and check ---------------------------------------------------------------------------------
+    def drain(self) -> dict[str, Doc]:
+        self.stop_file.write_text("stop")
+        for proc in self.clients:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+        for proc in self.clients:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.log(f"client {self.client_names.get(proc.pid)} did not stop; killing it")
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        from celery.result import AsyncResult
+
+        states: dict[str, Doc] = {}
+        waiting = dict(self.submitted)
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        while waiting and time.monotonic() < deadline:
+            for task_id, info in list(waiting.items()):
+                res = AsyncResult(task_id, app=self.capp)
+                try:
+                    state = res.state
+                    if state in ("SUCCESS", "FAILURE", "REVOKED"):
+                        states[task_id] = {**info, "state": state, "result": _plain(res.result)}
+                        del waiting[task_id]
+                except Exception as exc:
+                    self.log(f"result of {task_id}: {exc!r}")
+            if waiting:
+                time.sleep(0.5)
+        for task_id, info in waiting.items():
+            res = AsyncResult(task_id, app=self.capp)
+            states[task_id] = {**info, "state": res.state, "result": None}
+        return states
+
+    def run(self) -> Doc:
+        t_start = time.monotonic()
+        submitter = threading.Thread(target=self._submitter, name="lockcheck-submitter", daemon=True)
+        try:
+            self.setup()
+            setup_s = time.monotonic() - t_start
+            self.log(f"set up in {setup_s:.1f}s: server {self.server.url}, {len(self.clients)} clients, "
+                     f"{len(self.nodes)} nodes{' + 1 skewed node' if self.skewed_node else ''}")  # fmt: skip
+            submitter.start()
+            self.faults_loop()
+            self._stop.set()
+            submitter.join(10)
+            self.log("draining: clients stop, submitted tasks finish")
+            tasks = self.drain()
+            for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:
+                node.stop()
+            docs = self._final_docs()
+            history = History(read_histories(self.hist_dir), docs, tasks)
+            violations = check(history)
+            extra = {
+                "seed": self.cfg.seed,
+                "duration_s": round(time.monotonic() - t_start, 1),
+                "fault_phase_s": round(self.cfg.duration + self.cfg.warmup, 1),
+                "setup_s": round(setup_s, 1),
+                "clients": self.cfg.clients,
+                "worker_nodes": self.cfg.nodes + (1 if self.skewed_node else 0),
+                "keys": len(docs),
+                "lease_seconds": self.cfg.lease_seconds,
+                "faults_skipped": self.skipped_faults,
+            }
+            report = figures(history, self.faults, violations, extra)
+            report["fault_log"] = self.faults
+            (self.dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+            report["workdir"] = str(self.dir)
+            return report
+        finally:
+            self._stop.set()
+            self.close()
+
+    def _final_docs(self) -> dict[str, Doc]:
+        docs = docs_collection(self.server.url, self.db)
+        found = _wait(lambda: list(docs.find({"_id": {"$regex": "^" + PREFIX}})), 30, "the final documents")
+        return {str(d["_id"]): d for d in found}
+
+    def close(self) -> None:
+        self.stop_file.write_text("stop")
+        for proc in self.clients:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:
+            with contextlib.suppress(Exception):
+                node.stop(timeout=10)
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.close()
+        self.server.stop()
+        self.redis.stop()
+
+
+def _plain(value: Any) -> Any:
+    """A task result as JSON-able data (exceptions as their repr)."""
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def run(cfg: Config) -> Doc:
+    """Run the checker once; returns the figures (``violations`` must be 0)."""
+    return Run(cfg).run()
+
+
+def format_report(report: Doc) -> str:
+    ops, tasks = report["operations"], report["tasks"]
+    lines = [
+        f"lock-set checker: seed {report['seed']}, {report['duration_s']}s "
+        f"({report['fault_phase_s']}s under faults), {report['clients']} bare clients, "
+        f"{report['worker_nodes']} worker nodes, {report['keys']} keys, lease {report['lease_seconds']}s",
+        f"  acquisitions {report['acquisitions']}, contended {report['contended']}",
+        f"  operations attempted {ops['attempted']}, acknowledged {ops['acknowledged']} "
+        f"({ops['acknowledged_after_ambiguous_retry']} after an ambiguous retry), "
+        f"fenced out {ops['fenced_out']} ({ops['fenced_out_reckless']} reckless), "
+        f"loss detected {ops['lease_loss_detected']}, "
+        f"ambiguous {ops['ambiguous']}, claims fenced {ops['claims_fenced']}, "
+        f"store errors {ops['store_errors']}",
+        f"  tasks submitted {tasks['submitted']}, done {tasks['done']}, skipped {tasks['skipped']}, "
+        f"runs {tasks['runs']}, unfinished {tasks['unfinished']}",
+        "  faults " + ", ".join(f"{k} {v}" for k, v in report["faults"].items()),
+    ]
+    if report.get("faults_skipped"):
+        lines.append(
+            "  faults skipped: " + "; ".join(f"{k}: {v}" for k, v in report["faults_skipped"].items())
+        )
+    lines.append(
+        "  recovery (fault -> key next acquired) "
+        + ", ".join(
+            f"{k} median {v['median_s']}s max {v['max_s']}s (n={v['n']})"
+            for k, v in report["recovery"].items()
+            if v["n"]
+        )
+    )
+    lines.append(f"  violations {report['violations']}")
+    lines += [f"    {v}" for v in report["violation_list"]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "client":
+        client_main(json.loads(args[1]))
+        return 0
+    raise SystemExit(
+        "usage: python -m tests.lockcheck client CONFIG_JSON (use scripts/soak.py to run the checker)"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

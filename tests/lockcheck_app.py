@@ -1,0 +1,96 @@
+"""The Celery app the lock-set checker (tests/lockcheck.py) runs in real ``celery worker`` processes.
+
+Configured from the environment: LOCKCHECK_BROKER, LOCKCHECK_MONGODB_URL, LOCKCHECK_DB, LOCKCHECK_LEASE
+(lease seconds), LOCKCHECK_READY_DIR (worker_ready marker files), LOCKCHECK_HIST_DIR (history files).
+
+Each task does one read-modify-write of a protected document under its lease (``lockcheck.run_hold``),
+with an operation id chosen by the submitter, so that a redelivered or retried run of the same task is
+recognised and never applies its update twice.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_ready
+
+from celery_mongolock import Retry, Skip, current_lease, singleton_task
+
+from . import lockcheck
+
+app = Celery("lockcheck_app")
+app.conf.update(
+    broker_url=os.environ.get("LOCKCHECK_BROKER", "memory://"),
+    result_backend=os.environ.get("LOCKCHECK_BROKER", "cache+memory://"),
+    broker_connection_retry_on_startup=True,
+    # Unacknowledged messages of a node killed outright come back after this many seconds (kombu sweeps
+    # every interval * throttle seconds: 100 by default). The skewed node (its wall clock jumps forward
+    # by minutes) must not sweep: kombu judges visibility by the sweeper's wall clock, and would hand out
+    # every message other nodes are running again.
+    broker_transport_options={
+        "visibility_timeout": lockcheck.VISIBILITY_TIMEOUT,
+        "unacked_restore_interval": int(os.environ.get("LOCKCHECK_RESTORE_INTERVAL", "2")),
+        "unacked_restore_throttle": 1,
+    },
+    worker_hijack_root_logger=False,
+    worker_prefetch_multiplier=1,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    mongolock_url=os.environ.get("LOCKCHECK_MONGODB_URL", "mongodb://127.0.0.1:27017"),
+    mongolock_database=os.environ.get("LOCKCHECK_DB", "lockcheck"),
+    mongolock_lease_seconds=float(os.environ.get("LOCKCHECK_LEASE", "2")),
+    mongolock_operation_timeout=5.0,
+)
+
+_rng = random.Random()
+
+
+@worker_ready.connect
+def _ready(sender: Any = None, **_: Any) -> None:
+    ready_dir = os.environ.get("LOCKCHECK_READY_DIR")
+    if ready_dir:
+        name = getattr(sender, "hostname", "worker")
+        Path(ready_dir, f"{name}.ready").write_text(str(os.getpid()))
+
+
+def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
+    lease = current_lease()
+    assert lease is not None
+    hist = lockcheck.HistoryWriter.for_process(os.environ.get("LOCKCHECK_HIST_DIR", "."))
+    who = f"task:{task.request.hostname}:{os.getpid()}"
+    lockcheck.record_task_acquired(hist, lease, who, task.request.id)
+    outcomes = lockcheck.run_hold(
+        lease, lockcheck.docs_collection(app.conf.mongolock_url, app.conf.mongolock_database), hist,
+        [op], _rng, reckless=reckless, who=who, task_id=task.request.id,
+    )  # fmt: skip
+    lockcheck.release_and_record(lease, hist, who)
+    outcome = outcomes[0] if outcomes else "claim-failed"
+    if outcome != "ack":
+        # Fenced out, lease lost, or MongoDB unreachable: do the work again under a new lease.
+        raise task.retry(countdown=0.2 + _rng.random() * 0.3)
+    return {"op": op, "outcome": outcome}
+
+
+@singleton_task(
+    key="{key}",
+    app=app,
+    name="lockcheck.rmw",
+    bind=True,
+    on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
+    max_retries=200,
+)
+def rmw(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """Read-modify-write of protected[key] under the lease; busy key: retry later."""
+    return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    key="{key}", app=app, name="lockcheck.rmw_skip", bind=True, on_contention=Skip(), max_retries=200
+)
+def rmw_skip(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, but a run that finds the key held is skipped (its result says so)."""
+    return _body(self, key, op, reckless)

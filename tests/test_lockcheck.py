@@ -1,0 +1,152 @@
+"""The lock-set checker (tests/lockcheck.py): a bounded run under every fault must find no violation,
+and the history checker must catch each kind of violation when fed a history that has it.
+
+Run alone: ``pytest -m lockcheck``. A longer soak: ``python scripts/soak.py --duration 300``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from . import lockcheck
+from .lockcheck import Config, History, Violation, check
+
+pytestmark = pytest.mark.lockcheck
+
+HOLD_A, HOLD_B, HOLD_C = "a" * 32, "b" * 32, "c" * 32
+
+
+def _claim(hold: str, fence: int) -> dict[str, Any]:
+    return {"k": "c", "h": hold, "f": fence}
+
+
+def _write(op: str, hold: str, fence: int, p: int) -> dict[str, Any]:
+    return {"k": "w", "o": op, "h": hold, "f": fence, "p": p}
+
+
+def _acq(hold: str, fence: int, t0: float, t1: float, key: str = "k") -> dict[str, Any]:
+    return {"ev": "acq", "key": key, "hold": hold, "fence": fence, "t0": t0, "t1": t1, "who": hold[:1]}
+
+
+def _rel(hold: str, t: float, released: bool = True, key: str = "k") -> dict[str, Any]:
+    return {"ev": "rel", "key": key, "hold": hold, "released": released, "t": t}
+
+
+def _ack(op: str, hold: str, fence: int, outcome: str = "ack", key: str = "k") -> dict[str, Any]:
+    return {"ev": "write", "key": key, "op": op, "hold": hold, "fence": fence, "outcome": outcome}
+
+
+def _good() -> History:
+    log = [
+        _claim(HOLD_A, 10), _write("a1", HOLD_A, 10, 0), _write("a2", HOLD_A, 10, 1),
+        _claim(HOLD_B, 11), _write("b1", HOLD_B, 11, 2),
+    ]  # fmt: skip
+    events = [
+        _acq(HOLD_A, 10, 0.0, 0.1), _ack("a1", HOLD_A, 10), _ack("a2", HOLD_A, 10), _rel(HOLD_A, 1.0),
+        _acq(HOLD_B, 11, 1.1, 1.2), _ack("b1", HOLD_B, 11), _rel(HOLD_B, 2.0),
+        # A stale holder (paused past its lease): its late write was refused.
+        _acq(HOLD_C, 9, -1.0, -0.9), _ack("c1", HOLD_C, 9, outcome="fenced"),
+        _rel(HOLD_C, 2.5, released=False),
+    ]  # fmt: skip
+    return History(events, {"k": {"_id": "k", "counter": 3, "fence": 11, "log": log}})
+
+
+def kinds(found: list[Violation]) -> set[str]:
+    return {v.kind for v in found}
+
+
+def test_a_good_history_passes() -> None:
+    assert check(_good()) == []
+
+
+def test_lost_update_from_a_stale_read_is_reported() -> None:
+    h = _good()
+    # b1 read the counter before a2 was applied (p=1): a2's increment was overwritten.
+    h.docs["k"]["log"][4] = _write("b1", HOLD_B, 11, 1)
+    h.docs["k"]["counter"] = 2
+    assert "lost-update" in kinds(check(h))
+
+
+def test_an_acknowledged_update_missing_from_the_document_is_reported() -> None:
+    h = _good()
+    h.events.append(_ack("ghost", HOLD_B, 11))
+    found = check(h)
+    assert kinds(found) == {"lost-update"} and "ghost" in str(found[0])
+
+
+def test_an_update_applied_twice_is_reported() -> None:
+    h = _good()
+    h.docs["k"]["log"].append(_write("b1", HOLD_B, 11, 3))
+    h.docs["k"]["counter"] = 4
+    assert kinds(check(h)) == {"applied-twice"}
+
+
+def test_a_backwards_fence_is_reported() -> None:
+    h = _good()
+    # The stale holder's write (fence 9) was accepted after fence 11's.
+    h.docs["k"]["log"] += [_claim(HOLD_C, 9), _write("c1", HOLD_C, 9, 3)]
+    h.docs["k"]["counter"] = 4
+    assert {"fence-backwards", "fenced-but-applied"} <= kinds(check(h))
+
+
+def test_a_backwards_fence_between_acquisitions_is_reported() -> None:
+    h = _good()
+    h.events.append(_acq("d" * 32, 10, 2.1, 2.2))  # began after B (fence 11) ended, got 10
+    assert "fence-backwards" in kinds(check(h))
+
+
+def test_interleaved_holds_in_the_log_are_reported() -> None:
+    h = _good()
+    log = h.docs["k"]["log"]
+    log[2], log[3] = log[3], log[2]  # B claimed between A's two writes: fences go 10, 11, 10
+    assert {"overlap", "fence-backwards"} <= kinds(check(h))
+
+
+def test_overlapping_holds_in_real_time_are_reported() -> None:
+    h = _good()
+    # B's acquisition answered at 0.5, while A held the key until 1.0, and both released cleanly.
+    h.events = [
+        e if not (e["ev"] == "acq" and e["hold"] == HOLD_B) else _acq(HOLD_B, 11, 0.4, 0.5) for e in h.events
+    ]
+    found = check(h)
+    assert kinds(found) == {"overlap"}, found
+
+
+def test_a_reused_fence_is_reported() -> None:
+    h = _good()
+    h.docs["k"]["log"][3] = _claim(HOLD_B, 10)
+    h.docs["k"]["log"][4] = _write("b1", HOLD_B, 10, 2)
+    assert "fence-reused" in kinds(check(h))
+
+
+def test_an_unfinished_or_failed_task_is_reported() -> None:
+    h = _good()
+    h.tasks = {
+        "t1": {"op": "b1", "state": "SUCCESS", "result": {"op": "b1", "outcome": "ack"}},
+        "t2": {"op": "x", "state": "SUCCESS", "result": {"mongolock": "skipped", "key": "k"}},
+        "t3": {"op": "y", "state": "PENDING", "result": None},
+        "t4": {"op": "z", "state": "FAILURE", "result": "OSError()"},
+        "t5": {"op": "w", "state": "SUCCESS", "result": {"op": "w", "outcome": "ack"}},  # not in the log
+    }
+    found = check(h)
+    assert [v.kind for v in found] == ["task-unfinished", "task-unfinished", "lost-update"]
+
+
+@pytest.mark.timeout(420)
+def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
+    seed = int(os.environ.get("LOCKCHECK_SEED", "1"))
+    report = lockcheck.run(Config(duration=70.0, seed=seed, workdir=tmp_path))
+    print(lockcheck.format_report(report))
+    assert report["violations"] == 0, lockcheck.format_report(report)
+    skipped = report["faults_skipped"]
+    for kind in lockcheck.ALL_FAULTS:
+        if kind in skipped:
+            assert kind == "clock-jump" and "faketime" in skipped[kind], skipped
+        else:
+            assert report["faults"].get(kind, 0) >= 1, (kind, report["faults"])
+    ops = report["operations"]
+    assert ops["acknowledged"] > 50 and ops["unexpected_exceptions"] == 0
+    assert report["tasks"]["unfinished"] == 0 and report["tasks"]["done"] > 10
