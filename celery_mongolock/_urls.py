@@ -16,9 +16,18 @@ _QUERY_SECRETS = re.compile(
 )
 
 
+_URL_START = re.compile(r"\s*[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
 def redact(text: str) -> str:
     """Return ``text`` with every ``user:password@`` in URLs (and password query options) masked."""
-    text = _CREDENTIALS.sub(lambda m: f"{m.group('scheme')}***@", text)
+    start = _URL_START.match(text)
+    if start is not None and "@" in text[start.end() :]:
+        # The text is a URL: everything from "://" to its last "@" is credentials, whatever the password
+        # holds (pymongo accepts unescaped quotes and spaces, where the pattern for free text stops).
+        text = f"{start.group(0)}***@{text.rsplit('@', 1)[1]}"
+    else:
+        text = _CREDENTIALS.sub(lambda m: f"{m.group('scheme')}***@", text)
     return _QUERY_SECRETS.sub(lambda m: f"{m.group('name')}***", text)
 
 
@@ -30,17 +39,34 @@ def validate_mongo_url(url: object, setting: str = "MongoDB URL") -> str:
         )
     if not url.strip():
         raise ConfigurationError(f"{setting} is empty; expected something like 'mongodb://host:27017'")
+    if url != url.strip():
+        raise ConfigurationError(
+            f"{setting} {redact(url)!r} has leading or trailing whitespace (a stray newline from an "
+            "environment file?): remove it"
+        )
     from pymongo.errors import ConfigurationError as PyMongoConfigurationError
     from pymongo.errors import InvalidURI
     from pymongo.uri_parser import parse_uri
 
     try:
-        # Never resolve SRV records here: validation must not touch the network.
-        if not url.startswith("mongodb+srv://"):
+        if url.startswith("mongodb+srv://"):
+            # Never resolve SRV records here (validation must not touch the network): check the URL's
+            # form and options with pymongo's parser minus the DNS lookup, where this pymongo has it.
+            try:
+                from pymongo.uri_parser_shared import _validate_uri
+            except ImportError:  # pragma: no cover - other pymongo versions
+                pass
+            else:
+                _validate_uri(url, validate=True)
+        else:
             parse_uri(url, validate=True)
-    except (InvalidURI, PyMongoConfigurationError, ValueError) as exc:
+    except (InvalidURI, PyMongoConfigurationError, ValueError, TypeError) as exc:
         raise ConfigurationError(
             f"{setting} {redact(url)!r} is not a valid MongoDB URL: {redact(str(exc))}"
+        ) from None
+    except OSError as exc:  # a file the URL names (tlsCAFile, tlsCertificateKeyFile) cannot be read
+        raise ConfigurationError(
+            f"{setting} {redact(url)!r} names a file that cannot be read: {redact(str(exc))}"
         ) from None
     if not (url.startswith("mongodb://") or url.startswith("mongodb+srv://")):
         raise ConfigurationError(f"{setting} {redact(url)!r} must start with mongodb:// or mongodb+srv://")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ._urls import validate_mongo_url
 from .exceptions import ConfigurationError
 from .policies import Policy, PolicySpec, Retry, parse_policy
-from .store import LeaseStore, _validate_seconds, validate_lease_timing
+from .store import LeaseStore, _validate_seconds, validate_lease_timing, validate_names
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -142,6 +142,7 @@ def read_settings(conf: Any) -> Settings:
         raise ConfigurationError(
             f"mongolock_database {names['mongolock_database']!r} must not contain / \\ . or spaces"
         )
+    validate_names(names["mongolock_database"], names["mongolock_collection"], prefix="mongolock_")
     try:
         lease, beat = validate_lease_timing(
             _conf_get(conf, "mongolock_lease_seconds"), _conf_get(conf, "mongolock_heartbeat_seconds")

@@ -25,9 +25,10 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import quote
 
 __all__ = ["EmbeddedMongo", "EmbeddedMongoError", "find_free_port", "main"]
 
@@ -72,7 +73,9 @@ class EmbeddedMongo:
     """One SecantusDB server process on a free loopback port.
 
     ``storage_path=None`` keeps data in memory (a temporary directory removed on stop); pass a directory
-    to keep data across restarts (``restart()`` reuses the same port and directory).
+    to keep data across restarts (``restart()`` reuses the same port and directory). ``extra_args`` are
+    passed to the server (``--tls-cert-file ...``); ``url_options`` are added to ``url``
+    (``{"tls": "true", "tlsCAFile": ca}``).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class EmbeddedMongo:
         auth: bool = False,
         enable_test_commands: bool = False,
         extra_args: Sequence[str] = (),
+        url_options: Mapping[str, str] | None = None,
         startup_timeout: float = 60.0,
         log_path: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -93,6 +97,7 @@ class EmbeddedMongo:
         self.auth = auth
         self.enable_test_commands = enable_test_commands
         self.extra_args = list(extra_args)
+        self.url_options = dict(url_options or {})
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -101,7 +106,10 @@ class EmbeddedMongo:
 
     @property
     def url(self) -> str:
-        return f"mongodb://{self.host}:{self.port}/?directConnection=true"
+        """The URL to connect with, including ``url_options`` (e.g. ``tls``/``tlsCAFile`` for a server
+        started with TLS through ``extra_args``); the readiness check connects with it too."""
+        query = "".join(f"&{name}={quote(str(value), safe='/')}" for name, value in self.url_options.items())
+        return f"mongodb://{self.host}:{self.port}/?directConnection=true{query}"
 
     @property
     def pid(self) -> int | None:

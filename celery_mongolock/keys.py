@@ -65,7 +65,12 @@ def encode_value(value: object, *, argument: str = "value") -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
-        return str(value)
+        try:
+            return str(value)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise InvalidKey(
+                f"argument {argument!r} is an int too large to encode into a lease key"
+            ) from None
     if isinstance(value, uuid.UUID):
         return str(value)
     if type(value).__name__ == "ObjectId" and type(value).__module__.startswith("bson"):
@@ -81,6 +86,10 @@ def encode_value(value: object, *, argument: str = "value") -> str:
             raise
         except (TypeError, ValueError) as exc:
             raise InvalidKey(f"argument {argument!r} cannot be encoded into a lease key: {exc}") from None
+        except RecursionError:
+            raise InvalidKey(
+                f"argument {argument!r} is nested too deeply (or contains itself) to encode into a lease key"
+            ) from None
     raise InvalidKey(
         f"argument {argument!r} is a {type(value).__name__} ({value!r:.60}); lease keys accept str, int, "
         "UUID, "
@@ -233,6 +242,8 @@ class KeyRenderer:
             return normalize_key(self._fixed)
         if self._callable is not None:
             value = self._callable(*args, **kwargs)
+            if value is None:  # a forgotten return would otherwise give every call the one key "null"
+                raise InvalidKey(f"task {self.task_name!r}: the key callable returned None, not a key")
             if not isinstance(value, str):
                 value = encode_value(value, argument="key()")
             return normalize_key(value)

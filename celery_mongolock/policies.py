@@ -24,11 +24,30 @@ class Policy:
     name = "policy"
 
 
-def _number(owner: str, field: str, value: object, *, low: float = 0.0, allow_none: bool = False) -> None:
+#: Upper bound of every policy duration (30 days, as for leases): larger values overflow Celery's ETAs.
+MAX_SECONDS = 30 * 24 * 3600.0
+
+
+def _number(
+    owner: str,
+    field: str,
+    value: object,
+    *,
+    low: float = 0.0,
+    high: float = MAX_SECONDS,
+    allow_none: bool = False,
+) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < low:
-        raise ConfigurationError(f"{owner}({field}=...) must be a number >= {low:g}, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise ConfigurationError(
+            f"{owner}({field}=...) must be a number from {low:g} to {high:g}, got {value!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +65,10 @@ class Retry(Policy):
 
     def __post_init__(self) -> None:
         _number("Retry", "countdown", self.countdown)
-        _number("Retry", "backoff", self.backoff, low=1.0)
+        _number("Retry", "backoff", self.backoff, low=1.0, high=1000.0)
         _number("Retry", "max_countdown", self.max_countdown)
+        if not isinstance(self.jitter, bool):
+            raise ConfigurationError(f"Retry(jitter=...) must be True or False, got {self.jitter!r}")
         if self.max_retries is not None and (
             isinstance(self.max_retries, bool)
             or not isinstance(self.max_retries, int)
@@ -128,6 +149,8 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
         except TypeError as exc:
             fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
             raise ConfigurationError(f"{setting}: {exc}; {cls.__name__} takes {fields}") from None
+        except ConfigurationError as exc:  # a bad value: say which setting holds it
+            raise ConfigurationError(f"{setting}: {exc}") from None
     raise ConfigurationError(
         f"{setting} must be a policy (Retry(), Skip(), Wait(), Fail()), a name or a dict, "
         f"got {type(value).__name__}"

@@ -151,6 +151,48 @@ def _validate_seconds(name: str, value: object, *, low: float, high: float) -> f
     return seconds
 
 
+#: Databases that would break the guarantees: ``local`` is not replicated (an acknowledged lease could be
+#: lost in a failover), ``config`` belongs to sharded clusters.
+_RESERVED_DATABASES = ("local", "config")
+
+
+def validate_names(database: object, collection: object, *, prefix: str = "") -> tuple[str, str]:
+    """Check a lease database and collection name as MongoDB and pymongo will; ``ConfigurationError`` if not.
+
+    ``prefix`` is put before ``database``/``collection`` in messages (``"mongolock_"`` for the settings).
+    """
+    for name, value in (("database", database), ("collection", collection)):
+        if (
+            not isinstance(value, str)
+            or not value
+            or any(c in value for c in "$\x00")
+            or value != value.strip()
+        ):
+            raise ConfigurationError(f"{prefix}{name} name {value!r} is not a valid MongoDB {name} name")
+    assert isinstance(database, str)
+    assert isinstance(collection, str)
+    if any(c in database for c in '/\\. "'):
+        raise ConfigurationError(
+            f"{prefix}database name {database!r} must not contain / \\ . space or quotes"
+        )
+    if len(database.encode("utf-8")) > 63:
+        raise ConfigurationError(f"{prefix}database name {database!r} is longer than MongoDB's 63 bytes")
+    if database in _RESERVED_DATABASES:
+        raise ConfigurationError(
+            f"{prefix}database {database!r} cannot hold leases: 'local' is not replicated and 'config' is "
+            "reserved for sharding"
+        )
+    if collection.startswith(".") or collection.endswith(".") or ".." in collection:
+        raise ConfigurationError(
+            f"{prefix}collection name {collection!r} must not start or end with '.' or contain '..'"
+        )
+    if collection.startswith("system."):
+        raise ConfigurationError(f"{prefix}collection name {collection!r}: 'system.' names are reserved")
+    if len(f"{database}.{collection}".encode()) > 255:
+        raise ConfigurationError(f"{prefix}collection name {collection!r} is too long for MongoDB")
+    return database, collection
+
+
 def validate_lease_timing(lease_seconds: object, heartbeat_seconds: object | None) -> tuple[float, float]:
     """Check a lease length and heartbeat interval that must work together; return them as floats.
 
@@ -438,16 +480,19 @@ class LeaseStore:
             raise ConfigurationError(
                 f"LeaseStore needs a MongoDB URL or a pymongo.MongoClient, got {type(client_or_url).__name__}"
             )
-        for name, value in (("database", database), ("collection", collection)):
-            if (
-                not isinstance(value, str)
-                or not value
-                or any(c in value for c in "$\x00")
-                or value != value.strip()
-            ):
-                raise ConfigurationError(f"{name} name {value!r} is not a valid MongoDB {name} name")
-        if any(c in database for c in '/\\. "'):
-            raise ConfigurationError(f"database name {database!r} must not contain / \\ . space or quotes")
+        validate_names(database, collection)
+        if write_concern is not None and not isinstance(write_concern, WriteConcern):
+            raise ConfigurationError(
+                f"write_concern must be a pymongo WriteConcern, got {type(write_concern).__name__}"
+            )
+        if read_preference is not None and not isinstance(read_preference, _ServerMode):
+            raise ConfigurationError(
+                f"read_preference must be a pymongo read preference, got {type(read_preference).__name__}"
+            )
+        if client_options is not None and not isinstance(client_options, Mapping):
+            raise ConfigurationError(
+                f"client_options must be a dict of MongoClient options, got {type(client_options).__name__}"
+            )
         self.database_name = database
         self.collection_name = collection
         self.lease_seconds, self.heartbeat_seconds = validate_lease_timing(lease_seconds, heartbeat_seconds)
@@ -504,7 +549,7 @@ class LeaseStore:
                     assert self._url is not None
                     try:
                         client = MongoClient(self._url, **options)
-                    except PyMongoError as exc:
+                    except (PyMongoError, ValueError, TypeError, OSError) as exc:
                         raise ConfigurationError(
                             f"cannot create a MongoDB client: {redact(str(exc))}"
                         ) from None
@@ -569,7 +614,11 @@ class LeaseStore:
             raise
         except OperationFailure as exc:
             if exc.code in (13, 18, 8000):  # Unauthorized, AuthenticationFailed, Atlas auth
-                raise StoreUnavailable(f"MongoDB refused to {action}: {redact(str(exc))[:500]}") from None
+                why = (exc.details or {}).get("errmsg") or str(exc)
+                raise StoreUnavailable(
+                    f"MongoDB refused to {action} ({self.database_name}.{self.collection_name}): "
+                    f"{redact(str(why))[:500]} (code {exc.code})"
+                ) from None
             if retryable and (isinstance(exc, _AMBIGUOUS) or exc.has_error_label("RetryableWriteError")):
                 raise
             raise self._unavailable(action, exc) from None
@@ -615,6 +664,8 @@ class LeaseStore:
     # -- acquire -------------------------------------------------------------------------------------
     def _holder_info(self, info: Mapping[str, Any] | None) -> Document:
         holder: Document = {"host": self._host, "pid": os.getpid()}
+        if info is not None and not isinstance(info, Mapping):
+            raise ConfigurationError(f"holder info must be a dict, got {type(info).__name__}")
         if info:
             for k, v in info.items():
                 if not isinstance(k, str) or not k or k.startswith("$") or "." in k:
@@ -732,6 +783,12 @@ class LeaseStore:
         hold_s = _validate_seconds("min_hold", min_hold, low=0.0, high=MAX_LEASE_SECONDS)
         if tick is not None and (isinstance(tick, bool) or not isinstance(tick, int)):
             raise ConfigurationError(f"tick must be an int, got {type(tick).__name__}")
+        if hold_until_ms is not None and (
+            isinstance(hold_until_ms, bool) or not isinstance(hold_until_ms, int)
+        ):
+            raise ConfigurationError(
+                f"hold_until_ms must be an int (epoch ms), got {type(hold_until_ms).__name__}"
+            )
         ttl_s, beat = validate_lease_timing(
             self.lease_seconds if ttl is None else ttl,
             heartbeat_seconds
@@ -845,6 +902,8 @@ class LeaseStore:
         them), and at the holder's expiry; without change streams it polls with backoff.
         """
         key = normalize_key(key)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout):
+            raise ConfigurationError(f"timeout must be a number of seconds, got {timeout!r}")
         clock = self.clock
         give_up_at = clock.monotonic() + max(0.0, timeout)
         try:

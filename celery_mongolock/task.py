@@ -19,6 +19,7 @@ dead child's leases (matched on task id and child pid) before the message is ack
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import os
 import threading
@@ -53,6 +54,24 @@ _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_mongolock_lease", default=None
 )
 _known_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
+
+
+def _censor_url_in_celery_reports() -> None:
+    """Have Celery mask ``mongolock_url`` where it prints settings (``celery report``, ``inspect conf``).
+
+    Celery masks only settings whose names look secret (``...PASS...``, ``...KEY...``); the lease store's
+    URL may carry a password.
+    """
+    import re
+
+    from celery.app import utils
+
+    hidden = utils.HIDDEN_SETTINGS
+    if not hidden.search("mongolock_url"):
+        utils.HIDDEN_SETTINGS = re.compile(f"{hidden.pattern}|MONGOLOCK_URL", hidden.flags | re.IGNORECASE)
+
+
+_censor_url_in_celery_reports()
 
 
 def current_lease() -> Lease | None:
@@ -115,7 +134,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         renderer = self.__dict__.get("_mongolock_renderer")
         if renderer is None:
             # self.run is bound for bind=True tasks, so its signature has no ``self``.
-            renderer = KeyRenderer(self.mongolock_key, self.run, self.name)
+            spec = self.mongolock_key
+            if inspect.ismethod(spec) and spec.__self__ is self:
+                # A function given as key= is a class attribute of the task, so reading it through the
+                # task binds it; the key callable takes the task's arguments only.
+                spec = spec.__func__
+            renderer = KeyRenderer(spec, self.run, self.name)
             self.__dict__["_mongolock_renderer"] = renderer
         return renderer
 
@@ -481,6 +505,19 @@ def _check_store(app: Celery, timeout: float = 2.0) -> None:
             client.close()
 
 
+def _check_task_policies(app: Celery) -> list[str]:
+    """Warn about ``mongolock_task_policies`` entries naming no task this worker has (a typo applies to
+    nothing); return those names. Only a warning: a worker may not import every task of the project."""
+    unknown = sorted(set(get_settings(app).task_policies) - set(app.tasks))
+    if unknown:
+        log_acquire.warning(
+            "celery_mongolock: mongolock_task_policies names task(s) this worker does not have: %s "
+            "(misspelt? their options apply to no task here)",
+            ", ".join(map(repr, unknown)),
+        )
+    return unknown
+
+
 def _install_bootstep(app: Celery) -> None:
     if getattr(app, "_mongolock_bootstep", False):
         return
@@ -502,5 +539,6 @@ def _install_bootstep(app: Celery) -> None:
             # answer. Synchronous, on a short-lived client of its own: a thread here could hold a lock
             # while the pool forks a child, and the child would deadlock on it.
             _check_store(worker.app)
+            _check_task_policies(worker.app)
 
     app.steps["worker"].add(ValidateMongolockSettings)

@@ -412,7 +412,11 @@ def test_worker_refuses_to_start_with_an_invalid_setting(cluster: Cluster) -> No
 def test_worker_says_at_start_where_the_leases_are_and_warns_if_mongodb_is_down(cluster: Cluster) -> None:
     # A healthy worker names the store (w1 was started by the fixture).
     w1 = cluster.workers[0]
-    wait_for(lambda: "celery_mongolock: leases in" in w1.log(), timeout=30, message="the start-up line")
+    wait_for(
+        lambda: "celery_mongolock: leases in" in w1.log_path.read_text(errors="replace"),
+        timeout=30,
+        message="the start-up line",
+    )
     # A worker whose MongoDB does not answer still starts, and says so at once, without the password.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

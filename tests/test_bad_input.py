@@ -1,0 +1,595 @@
+# ruff: noqa: E501  (the case tables keep one case per line, as in docs/bad-input.md)
+"""Bad input, tried the way a hostile or careless user would, family by family.
+
+Every case asserts the exact exception type and that the message names the offending thing and why.
+docs/bad-input.md is the table of these cases (each row names its test id; a test below checks that
+every case is in it).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery, Task
+
+from celery_mongolock import (
+    ConfigurationError,
+    InvalidKey,
+    LeaseStore,
+    LockContended,
+    Retry,
+    Wait,
+    singleton_task,
+)
+from celery_mongolock.config import read_settings
+from celery_mongolock.keys import normalize_key
+from celery_mongolock.policies import parse_policy
+from celery_mongolock.task import _check_task_policies
+
+from .workers import ROOT
+
+NAN, INF = math.nan, math.inf
+SECRET = "s3cret"  # the password in the URL cases: never in a message
+
+APP = Celery("bad_input", set_as_current=False)
+
+
+def upload(group_id: int, path: str = "members.csv") -> None:
+    """The task body the key specs are declared on."""
+
+
+def declare(key: Any = None, **options: Any) -> Any:
+    return singleton_task(key=key, app=APP, name=f"bad_input.t{uuid.uuid4().hex[:8]}", **options)(upload)
+
+
+TEMPLATE_TASK = declare("email-group:{group_id}")
+
+
+def keyed_by(func: Callable[..., Any]) -> Any:
+    return declare(func)
+
+
+def recursive_list() -> list[Any]:
+    value: list[Any] = []
+    value.append(value)
+    return value
+
+
+def deep_list(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def case(call: Callable[..., Any], error: type[BaseException], names: str, why: str, id: str) -> Any:
+    """One row: ``call`` must raise exactly ``error`` whose message contains ``names`` and ``why``."""
+    return pytest.param(call, error, names, why, id=id)
+
+
+def check(call: Callable[[], Any], error: type[BaseException], names: str, why: str) -> BaseException:
+    with pytest.raises(error) as info:
+        call()
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    assert names in message, message
+    assert why in message, message
+    assert SECRET not in f"{message} {info.value!r}"
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def unreachable() -> Iterator[LeaseStore]:
+    """A store whose server does not exist: bad arguments must be refused before any network call."""
+    store = LeaseStore("mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=300", operation_timeout=0.5)
+    yield store
+    store.close()
+
+
+ARGS = ("call", "error", "names", "why")
+
+# -- 1. lease keys (LeaseStore.acquire, hold, inspect, force_release, wait_free) --------------------------
+
+KEY_CASES = [
+    case(lambda s: s.acquire(""), InvalidKey, "lease key", "must not be empty", "empty"),
+    case(lambda s: s.acquire(None), InvalidKey, "lease key", "must be a str, got NoneType", "none"),
+    case(lambda s: s.acquire(42), InvalidKey, "lease key", "must be a str, got int: 42", "int"),
+    case(lambda s: s.acquire(b"k"), InvalidKey, "lease key", "must be a str, got bytes: b'k'", "bytes"),
+    case(lambda s: s.acquire(NAN), InvalidKey, "lease key", "must be a str, got float: nan", "nan"),
+    case(lambda s: s.acquire(["k"]), InvalidKey, "lease key", "must be a str, got list", "list"),
+    case(lambda s: s.acquire("   "), InvalidKey, "lease key", "only whitespace: '   '", "blank"),
+    case(lambda s: s.acquire("\n\t"), InvalidKey, "lease key", "only whitespace", "newline-tab"),
+    case(lambda s: s.acquire("a\x00b"), InvalidKey, "lease key", "NUL characters: 'a\\x00b'", "nul"),
+    case(lambda s: s.acquire("k\ud800"), InvalidKey, "lease key", "not valid Unicode", "lone-surrogate"),
+    case(lambda s: s.inspect(""), InvalidKey, "lease key", "must not be empty", "inspect-empty"),
+    case(lambda s: s.force_release(None), InvalidKey, "lease key", "got NoneType", "force-release-none"),
+    case(lambda s: s.hold("a\x00b").__enter__(), InvalidKey, "lease key", "NUL", "hold-nul"),
+    case(lambda s: s.wait_free("", 1), InvalidKey, "lease key", "must not be empty", "wait-free-empty"),
+]
+
+
+@pytest.mark.parametrize(ARGS, KEY_CASES)
+def test_bad_lease_keys(unreachable: LeaseStore, call: Any, error: Any, names: str, why: str) -> None:
+    check(lambda: call(unreachable), error, names, why)
+
+
+# -- 2. key specs, refused when the task is declared -------------------------------------------------------
+
+SPEC_CASES = [
+    case(lambda: declare("email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "template-missing-arg"),
+    case(lambda: declare("g:{group_id.__class__}"), ConfigurationError, "{group_id.__class__}", "plain argument name", "template-attribute"),
+    case(lambda: declare("{x.__class__}"), ConfigurationError, "{x.__class__}", "plain argument name", "template-attribute-unknown"),
+    case(lambda: declare("g:{group_id[0]}"), ConfigurationError, "{group_id[0]}", "no attribute access, indexing", "template-index"),
+    case(lambda: declare("g:{0}"), ConfigurationError, "{0}", "positional fields", "template-positional"),
+    case(lambda: declare("g:{}"), ConfigurationError, "{}", "plain argument name", "template-empty-field"),
+    case(lambda: declare("g:{ group_id }"), ConfigurationError, "{ group_id }", "plain argument name", "template-spaces"),
+    case(lambda: declare("g:{group_id!r}"), ConfigurationError, "{group_id}", "format spec or conversion", "template-conversion"),
+    case(lambda: declare("g:{group_id:>10}"), ConfigurationError, "{group_id}", "format spec or conversion", "template-format-spec"),
+    case(lambda: declare("g:{group_id"), ConfigurationError, "'g:{group_id'", "is malformed", "template-unclosed"),
+    case(lambda: declare("g:}"), ConfigurationError, "'g:}'", "is malformed: Single '}'", "template-stray-brace"),
+    case(lambda: declare("group_idd"), ConfigurationError, "'group_idd'", "is not an argument of upload", "misspelt-name"),
+    case(lambda: declare(["group_id", "nope"]), ConfigurationError, "'nope'", "not an argument", "list-unknown-name"),
+    case(lambda: declare([]), ConfigurationError, "key lists", "at least one", "list-empty"),
+    case(lambda: declare(["group_id", 5]), ConfigurationError, "got 5", "must be argument names", "list-non-name"),
+    case(lambda: declare(""), ConfigurationError, "key", "must not be empty", "empty-string"),
+    case(lambda: declare("lock\x00x"), InvalidKey, "'lock\\x00x'", "NUL", "fixed-nul"),
+    case(lambda: declare("   "), InvalidKey, "'   '", "only whitespace", "fixed-blank"),
+    case(lambda: declare(3.5), ConfigurationError, "got float", "key must be None, an argument name", "float"),
+    case(lambda: declare(b"k"), ConfigurationError, "got bytes", "key must be None", "bytes"),
+    case(lambda: declare({"a": 1}), ConfigurationError, "got dict", "key must be None", "dict"),
+    case(lambda: declare(on_contention="sometimes"), ConfigurationError, "on_contention", "got 'sometimes'", "on-contention-name"),
+    case(lambda: declare(lease_seconds=0), ConfigurationError, "lease_seconds", "between 0.5 and", "lease-zero"),
+    case(lambda: declare(heartbeat_seconds=20), ConfigurationError, "heartbeat_seconds (20)", "at most half", "heartbeat-over-half"),
+    case(lambda: declare(min_hold_seconds=-1), ConfigurationError, "min_hold_seconds", "between 0 and", "min-hold-negative"),
+    case(lambda: singleton_task(app=APP, base=Task)(upload), ConfigurationError, "base=", "SingletonTask or a subclass", "base-not-singleton"),
+    case(lambda: singleton_task(app=APP)(42), ConfigurationError, "got 42", "decorates a function", "not-a-function"),  # type: ignore[type-var]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, SPEC_CASES)
+def test_bad_key_specs_are_refused_at_declaration(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
+# -- 3. task arguments that do not encode into a key --------------------------------------------------------
+
+ARGUMENT_CASES = [
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(object()), InvalidKey, "'group_id'", "is a object", "object"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for({1, 2}), InvalidKey, "'group_id'", "is a set", "set"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(frozenset()), InvalidKey, "'group_id'", "is a frozenset", "frozenset"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(1.5), InvalidKey, "'group_id'", "is a float (1.5)", "float"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(NAN), InvalidKey, "'group_id'", "is a float (nan)", "nan"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(INF), InvalidKey, "'group_id'", "is a float (inf)", "inf"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(b"42"), InvalidKey, "'group_id'", "is a bytes", "bytes"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(bytearray(b"4")), InvalidKey, "'group_id'", "is a bytearray", "bytearray"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(decimal.Decimal("4.2")), InvalidKey, "'group_id'", "is a Decimal", "decimal"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(dt.datetime(2026, 1, 1)), InvalidKey, "'group_id'", "is a datetime", "datetime"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for({"a": 1.5}), InvalidKey, "'group_id'", "is a float (1.5)", "dict-with-float"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for({"a": {"b": [1, {2: 3}]}}), InvalidKey, "'group_id'", "dict key 2 that is not a str", "dict-int-key"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for([1, {3}]), InvalidKey, "'group_id'", "is a set", "list-with-set"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(recursive_list()), InvalidKey, "'group_id'", "contains itself", "recursive-list"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(deep_list(5000)), InvalidKey, "'group_id'", "nested too deeply", "deep-list"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(10**5000), InvalidKey, "'group_id'", "int too large", "huge-int"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for([10**5000]), InvalidKey, "'group_id'", "cannot be encoded", "huge-int-in-list"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for("a\x00b"), InvalidKey, "'email-group:a\\x00b'", "NUL", "nul-in-str"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for("\ud800"), InvalidKey, "'email-group:\\ud800'", "not valid Unicode", "lone-surrogate"),
+    case(TEMPLATE_TASK.mongolock_key_for, TypeError, "'group_id'", "missing a required argument", "missing-argument"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(1, zzz=2), TypeError, "'zzz'", "unexpected keyword argument", "unexpected-kwarg"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, ARGUMENT_CASES)
+def test_arguments_that_do_not_encode_into_a_key(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
+def test_a_run_whose_arguments_do_not_encode_fails_before_its_body() -> None:
+    ran: list[object] = []
+
+    def body(group_id: object) -> None:
+        ran.append(group_id)
+
+    task = singleton_task(key="g:{group_id}", app=APP, name="bad_input.body")(body)
+    result = task.apply(args=(object(),))
+    assert result.failed() and isinstance(result.result, InvalidKey) and "'group_id'" in str(result.result)
+    assert ran == []
+
+
+# -- 4. key callables -----------------------------------------------------------------------------------------
+
+
+def tenant_lookup_fails(group_id: int, **_: Any) -> str:
+    raise LookupError(f"no tenant for group {group_id}")
+
+
+CALLABLE_CASES = [
+    case(lambda: keyed_by(lambda group_id, **_: None).mongolock_key_for(1), InvalidKey, "key callable", "returned None", "returns-none"),
+    case(lambda: keyed_by(lambda group_id, **_: b"k").mongolock_key_for(1), InvalidKey, "'key()'", "is a bytes", "returns-bytes"),
+    case(lambda: keyed_by(lambda group_id, **_: 1.5).mongolock_key_for(1), InvalidKey, "'key()'", "is a float", "returns-float"),
+    case(lambda: keyed_by(lambda group_id, **_: object()).mongolock_key_for(1), InvalidKey, "'key()'", "is a object", "returns-object"),
+    case(lambda: keyed_by(lambda group_id, **_: "").mongolock_key_for(1), InvalidKey, "lease key", "must not be empty", "returns-empty"),
+    case(lambda: keyed_by(lambda group_id, **_: "a\x00").mongolock_key_for(1), InvalidKey, "lease key", "NUL", "returns-nul"),
+    case(lambda: keyed_by(tenant_lookup_fails).mongolock_key_for(7), LookupError, "group 7", "no tenant", "raises"),
+    case(lambda: keyed_by(lambda: "k").mongolock_key_for(1), TypeError, "<lambda>()", "takes 0 positional arguments", "wrong-signature"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, CALLABLE_CASES)
+def test_bad_key_callables(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
+# -- 5. MongoDB URLs (LeaseStore(url) and the mongolock_url setting) ------------------------------------------
+
+URL_CASES = [
+    pytest.param(42, "got int", id="not-a-string"),
+    pytest.param(b"mongodb://h", "got bytes", id="bytes"),
+    pytest.param("", "is empty", id="empty"),
+    pytest.param("   ", "is empty", id="blank"),
+    pytest.param("localhost:27017", "Invalid URI scheme", id="no-scheme"),
+    pytest.param("redis://localhost:6379/0", "Invalid URI scheme", id="redis-scheme"),
+    pytest.param("MONGODB://h", "Invalid URI scheme", id="upper-case-scheme"),
+    pytest.param(" mongodb://h", "leading or trailing whitespace", id="leading-space"),
+    pytest.param(f"mongodb://u:{SECRET}@h:27017\n", "leading or trailing whitespace", id="trailing-newline"),
+    pytest.param("mongodb://", "at least one hostname", id="no-host"),
+    pytest.param("mongodb://h:99999", "Port must be an integer between 0 and 65535", id="port-range"),
+    pytest.param("mongodb://h:port", "Port contains non-digit characters", id="port-text"),
+    pytest.param("mongodb://h1,h2,", "Empty host", id="trailing-comma"),
+    pytest.param("mongodb://h/bad$db", 'Bad database name "bad$db"', id="bad-database-in-url"),
+    pytest.param("mongodb://h/?retryWrits=true", "Unknown option: retrywrits", id="unknown-option"),
+    pytest.param("mongodb://h/?tls=maybe", "tls must be 'true' or 'false'", id="bad-option-value"),
+    pytest.param("mongodb://h/?w=-5", "w must be a non negative integer", id="bad-write-concern"),
+    pytest.param("mongodb://h/?serverSelectionTimeoutMS=-1", "must be greater than 0", id="negative-timeout"),
+    pytest.param("mongodb://h/?authMechanism=NOPE", "authmechanism must be in", id="unknown-auth-mechanism"),
+    pytest.param(f"mongodb://u:{SECRET}@h/?authSource=", "authSource database cannot be", id="empty-auth-source"),
+    pytest.param(f"mongodb://u:{SECRET}@x@h", "must be escaped", id="unescaped-at-in-password"),
+    pytest.param(f"mongodb://u:{SECRET}%zz@h", "must be escaped", id="bad-percent-escape"),
+    pytest.param(f"mongodb://:{SECRET}@h", "empty string is not valid username", id="empty-username"),
+    pytest.param("mongodb://a,b/?directConnection=true", "multiple hosts with directConnection", id="direct-multi"),
+    pytest.param("mongodb+srv://cluster.example.net:27017", "must not include a port", id="srv-port"),
+    pytest.param("mongodb+srv://a.example.net,b.example.net", "one, and only one, hostname", id="srv-two-hosts"),
+    pytest.param(f"mongodb+srv://u:{SECRET}@c.example.net/?retryWrits=1", "Unknown option", id="srv-unknown-option"),
+    pytest.param("mongodb+srv://c.example.net/?directConnection=true", "directConnection=true", id="srv-direct"),
+    pytest.param("mongodb://h/?tls=true&tlsCAFile=/nonexistent/ca.pem", "/nonexistent/ca.pem", id="missing-ca-file"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("url", "why"), URL_CASES)
+def test_bad_urls(url: Any, why: str) -> None:
+    """Refused when the store is made or the settings are read, before any connection; never echoing a
+    password."""
+    check(lambda: read_settings({"mongolock_url": url}), ConfigurationError, "mongolock_url", why)
+    names = "MongoDB URL" if isinstance(url, str) else "LeaseStore needs a MongoDB URL"
+    check(lambda: LeaseStore(url), ConfigurationError, names, why)
+
+
+# -- 6. settings (app.conf / Django CELERY_MONGOLOCK_*) ----------------------------------------------------------
+
+
+def setting(name: str, value: Any, why: str, id: str, *, names: str | None = None, **more: Any) -> Any:
+    conf = {name: value, **more}
+    return case(lambda: read_settings(conf), ConfigurationError, names or name, why, id)
+
+
+SETTING_CASES = [
+    setting("mongolock_lease_seconds", 0, "between 0.5 and", "lease-zero"),
+    setting("mongolock_lease_seconds", -1, "between 0.5 and", "lease-negative"),
+    setting("mongolock_lease_seconds", "30", "must be a number of seconds, got str", "lease-str"),
+    setting("mongolock_lease_seconds", NAN, "got nan", "lease-nan"),
+    setting("mongolock_lease_seconds", INF, "got inf", "lease-inf"),
+    setting("mongolock_lease_seconds", True, "got bool", "lease-bool"),
+    setting("mongolock_lease_seconds", 0.4, "between 0.5 and", "lease-too-short"),
+    setting("mongolock_lease_seconds", 1e12, "between 0.5 and 2.592e+06", "lease-too-long"),
+    setting("mongolock_heartbeat_seconds", 0, "between 0.05 and", "heartbeat-zero"),
+    setting("mongolock_heartbeat_seconds", "10", "got str", "heartbeat-str"),
+    setting("mongolock_heartbeat_seconds", NAN, "got nan", "heartbeat-nan"),
+    setting("mongolock_heartbeat_seconds", 30, "at most half of lease_seconds (30)", "heartbeat-equals-lease", mongolock_lease_seconds=30),
+    setting("mongolock_heartbeat_seconds", 16, "at most half of lease_seconds (30)", "heartbeat-over-half"),
+    setting("mongolock_on_contention", "sometimes", "one of 'retry', 'skip', 'wait', 'fail'", "policy-unknown-name"),
+    setting("mongolock_on_contention", "", "got ''", "policy-empty"),
+    setting("mongolock_on_contention", 5, "got int", "policy-int"),
+    setting("mongolock_on_contention", ["retry"], "got list", "policy-list"),
+    setting("mongolock_on_contention", {"timeout": 1}, "needs 'policy'", "policy-dict-without-name"),
+    setting("mongolock_on_contention", {"policy": "retry", "countdwn": 1}, "'countdwn'", "policy-dict-unknown-option"),
+    setting("mongolock_on_contention", {"policy": "wait", "timeout": -1}, "Wait(timeout=...)", "policy-dict-bad-value"),
+    setting("mongolock_on_contention", {"policy": "wait", "then": "wait"}, "Wait(then=...)", "policy-dict-wait-then-wait"),
+    setting("mongolock_on_contention", {"policy": "wait", "then": {"policy": "nope"}}, "got 'nope'", "policy-dict-bad-then", names="mongolock_on_contention['then']"),
+    setting("mongolock_operation_timeout", 0, "between 0.1 and 3600", "timeout-zero"),
+    setting("mongolock_operation_timeout", NAN, "got nan", "timeout-nan"),
+    setting("mongolock_operation_timeout", "10", "got str", "timeout-str"),
+    setting("mongolock_database", "", "non-empty name", "database-empty"),
+    setting("mongolock_database", " ", "non-empty name", "database-blank"),
+    setting("mongolock_database", "a.b", "must not contain", "database-dot"),
+    setting("mongolock_database", "a b", "must not contain", "database-space"),
+    setting("mongolock_database", "$x", "without '$'", "database-dollar"),
+    setting("mongolock_database", "a\x00b", "got 'a\\x00b'", "database-nul"),
+    setting("mongolock_database", 5, "got 5", "database-int"),
+    setting("mongolock_database", "x" * 64, "longer than MongoDB's 63 bytes", "database-too-long"),
+    setting("mongolock_database", "local", "'local' is not replicated", "database-local"),
+    setting("mongolock_database", "config", "reserved for sharding", "database-config"),
+    setting("mongolock_collection", "", "non-empty name", "collection-empty"),
+    setting("mongolock_collection", "$x", "without '$'", "collection-dollar"),
+    setting("mongolock_collection", ".x", "must not start or end with '.'", "collection-leading-dot"),
+    setting("mongolock_collection", "a..b", "contain '..'", "collection-double-dot"),
+    setting("mongolock_collection", "system.leases", "'system.' names are reserved", "collection-system"),
+    setting("mongolock_collection", "x" * 300, "too long", "collection-too-long"),
+    setting("mongolock_task_policies", ["t"], "must be a dict of task name", "task-policies-list"),
+    setting("mongolock_task_policies", "skip", "got str", "task-policies-str"),
+    setting("mongolock_task_policies", {"": "skip"}, "must be task names, got ''", "task-policies-empty-name"),
+    setting("mongolock_task_policies", {5: "skip"}, "must be task names, got 5", "task-policies-int-name"),
+    setting("mongolock_task_policies", {"t": 5}, "must be a dict of options, got int", "task-policies-int-options", names="mongolock_task_policies['t']"),
+    setting("mongolock_task_policies", {"t": None}, "got NoneType", "task-policies-none-options", names="mongolock_task_policies['t']"),
+    setting("mongolock_task_policies", {"t": {"bogus": 1}}, "unknown option(s) ['bogus']", "task-policies-unknown-option", names="mongolock_task_policies['t']"),
+    setting("mongolock_task_policies", {"t": {"on_contention": "nope"}}, "got 'nope'", "task-policies-bad-policy", names="mongolock_task_policies['t']['on_contention']"),
+    setting("mongolock_task_policies", {"t": {"lease_seconds": -1}}, "lease_seconds must be between", "task-policies-bad-lease", names="task 't'"),
+    setting("mongolock_task_policies", {"t": {"heartbeat_seconds": 100}}, "at most half", "task-policies-heartbeat-over-half", names="task 't'"),
+    setting("mongolock_task_policies", {"t": {"min_hold_seconds": -1}}, "between 0 and", "task-policies-bad-min-hold", names="mongolock_task_policies['t']['min_hold_seconds']"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, SETTING_CASES)
+def test_bad_settings(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
+def test_unknown_task_names_in_task_policies_are_reported_when_the_worker_starts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = Celery("bad_input_policies", set_as_current=False)
+    app.conf.mongolock_task_policies = {"proj.tasks.uplaod": "skip", "proj.tasks.upload": "skip"}
+    singleton_task(app=app, name="proj.tasks.upload")(upload)
+    with caplog.at_level(logging.WARNING, logger="celery_mongolock.acquire"):
+        assert _check_task_policies(app) == ["proj.tasks.uplaod"]
+    assert (
+        "mongolock_task_policies names task(s) this worker does not have: 'proj.tasks.uplaod'" in caplog.text
+    )
+
+
+# -- 7. contention policies ------------------------------------------------------------------------------------
+
+POLICY_CASES = [
+    case(lambda: Retry(countdown=-1), ConfigurationError, "Retry(countdown=...)", "from 0 to", "retry-negative-countdown"),
+    case(lambda: Retry(countdown=NAN), ConfigurationError, "Retry(countdown=...)", "got nan", "retry-nan-countdown"),
+    case(lambda: Retry(countdown="1"), ConfigurationError, "Retry(countdown=...)", "got '1'", "retry-str-countdown"),  # type: ignore[arg-type]
+    case(lambda: Retry(countdown=True), ConfigurationError, "Retry(countdown=...)", "got True", "retry-bool-countdown"),
+    case(lambda: Retry(backoff=0.5), ConfigurationError, "Retry(backoff=...)", "from 1 to 1000", "retry-shrinking-backoff"),
+    case(lambda: Retry(backoff=1e308), ConfigurationError, "Retry(backoff=...)", "from 1 to 1000", "retry-huge-backoff"),
+    case(lambda: Retry(max_countdown=INF), ConfigurationError, "Retry(max_countdown=...)", "got inf", "retry-inf-max-countdown"),
+    case(lambda: Retry(max_countdown=1e300), ConfigurationError, "Retry(max_countdown=...)", "from 0 to 2.592e+06", "retry-huge-max-countdown"),
+    case(lambda: Retry(max_retries=-1), ConfigurationError, "Retry(max_retries=...)", "None or an int >= 0", "retry-negative-max-retries"),
+    case(lambda: Retry(max_retries=1.5), ConfigurationError, "Retry(max_retries=...)", "got 1.5", "retry-float-max-retries"),  # type: ignore[arg-type]
+    case(lambda: Retry(max_retries="3"), ConfigurationError, "Retry(max_retries=...)", "got '3'", "retry-str-max-retries"),  # type: ignore[arg-type]
+    case(lambda: Retry(jitter="no"), ConfigurationError, "Retry(jitter=...)", "True or False, got 'no'", "retry-str-jitter"),  # type: ignore[arg-type]
+    case(lambda: Wait(timeout=-1), ConfigurationError, "Wait(timeout=...)", "from 0 to", "wait-negative-timeout"),
+    case(lambda: Wait(timeout=INF), ConfigurationError, "Wait(timeout=...)", "got inf", "wait-inf-timeout"),
+    case(lambda: Wait(timeout=NAN), ConfigurationError, "Wait(timeout=...)", "got nan", "wait-nan-timeout"),
+    case(lambda: Wait(timeout="10"), ConfigurationError, "Wait(timeout=...)", "got '10'", "wait-str-timeout"),  # type: ignore[arg-type]
+    case(lambda: Wait(then=Wait()), ConfigurationError, "Wait(then=...)", "Retry(), Skip() or Fail()", "wait-then-wait"),
+    case(lambda: Wait(then="retry"), ConfigurationError, "Wait(then=...)", "got 'retry'", "wait-then-str"),  # type: ignore[arg-type]
+    case(lambda: Wait(then=None), ConfigurationError, "Wait(then=...)", "got None", "wait-then-none"),  # type: ignore[arg-type]
+    case(lambda: parse_policy(Retry, "on_contention"), ConfigurationError, "on_contention", "got type", "policy-class-not-instance"),
+    case(lambda: parse_policy("retry()", "on_contention"), ConfigurationError, "on_contention", "got 'retry()'", "policy-call-syntax"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, POLICY_CASES)
+def test_bad_policies(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
+# -- 8. LeaseStore(...) arguments --------------------------------------------------------------------------------
+
+URL = "mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=300"
+
+
+def store(**kwargs: Any) -> Callable[[], Any]:
+    return lambda: LeaseStore(kwargs.pop("url", URL), **kwargs)
+
+
+STORE_CASES = [
+    case(lambda: LeaseStore(None), ConfigurationError, "LeaseStore", "got NoneType", "url-none"),  # type: ignore[arg-type]
+    case(lambda: LeaseStore(b"mongodb://h"), ConfigurationError, "LeaseStore", "got bytes", "url-bytes"),  # type: ignore[arg-type]
+    case(store(database=""), ConfigurationError, "database name ''", "not a valid MongoDB database name", "database-empty"),
+    case(store(database="a.b"), ConfigurationError, "database name 'a.b'", "must not contain", "database-dot"),
+    case(store(database="x" * 64), ConfigurationError, "database name", "63 bytes", "database-too-long"),
+    case(store(database="local"), ConfigurationError, "database 'local'", "not replicated", "database-local"),
+    case(store(database=None), ConfigurationError, "database name None", "not a valid", "database-none"),
+    case(store(collection="$x"), ConfigurationError, "collection name '$x'", "not a valid MongoDB collection name", "collection-dollar"),
+    case(store(collection=" leases"), ConfigurationError, "collection name ' leases'", "not a valid", "collection-padded"),
+    case(store(collection="x."), ConfigurationError, "collection name 'x.'", "start or end with '.'", "collection-trailing-dot"),
+    case(store(collection="system.js"), ConfigurationError, "collection name 'system.js'", "reserved", "collection-system"),
+    case(store(lease_seconds=0), ConfigurationError, "lease_seconds", "between 0.5 and", "lease-zero"),
+    case(store(lease_seconds=-1), ConfigurationError, "lease_seconds", "between 0.5 and", "lease-negative"),
+    case(store(lease_seconds=NAN), ConfigurationError, "lease_seconds", "got nan", "lease-nan"),
+    case(store(lease_seconds=INF), ConfigurationError, "lease_seconds", "got inf", "lease-inf"),
+    case(store(lease_seconds="30"), ConfigurationError, "lease_seconds", "got str", "lease-str"),
+    case(store(lease_seconds=10, heartbeat_seconds=6), ConfigurationError, "heartbeat_seconds (6)", "at most half of lease_seconds (10)", "heartbeat-over-half"),
+    case(store(heartbeat_seconds=0), ConfigurationError, "heartbeat_seconds", "between 0.05 and", "heartbeat-zero"),
+    case(store(operation_timeout=0), ConfigurationError, "operation_timeout", "between 0.1 and 3600", "timeout-zero"),
+    case(store(operation_timeout=INF), ConfigurationError, "operation_timeout", "got inf", "timeout-inf"),
+    case(store(write_concern="majority"), ConfigurationError, "write_concern", "pymongo WriteConcern, got str", "write-concern-str"),
+    case(store(read_preference="primary"), ConfigurationError, "read_preference", "got str", "read-preference-str"),
+    case(store(client_options=["tls"]), ConfigurationError, "client_options", "got list", "client-options-list"),
+    case(lambda: LeaseStore(URL, client_options={"tls": "maybe"}).acquire("k"), ConfigurationError, "MongoDB client", "tls must be 'true' or 'false'", "client-option-bad-value"),
+    case(lambda: LeaseStore(URL, client_options={"bogus": 1}).acquire("k"), ConfigurationError, "MongoDB client", "Unknown option: bogus", "client-option-unknown"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, STORE_CASES)
+def test_bad_store_arguments(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
+# -- 9. acquire / hold / list / wait_free / release_held_by arguments --------------------------------------------
+
+
+def hold(s: LeaseStore, **kwargs: Any) -> None:
+    with s.hold("k", **kwargs):
+        pass
+
+
+ACQUIRE_CASES = [
+    case(lambda s: s.acquire("k", ttl=0), ConfigurationError, "lease_seconds", "between 0.5 and", "ttl-zero"),
+    case(lambda s: s.acquire("k", ttl=-1), ConfigurationError, "lease_seconds", "between 0.5 and", "ttl-negative"),
+    case(lambda s: s.acquire("k", ttl=NAN), ConfigurationError, "lease_seconds", "got nan", "ttl-nan"),
+    case(lambda s: s.acquire("k", ttl=INF), ConfigurationError, "lease_seconds", "got inf", "ttl-inf"),
+    case(lambda s: s.acquire("k", ttl="30"), ConfigurationError, "lease_seconds", "got str", "ttl-str"),
+    case(lambda s: s.acquire("k", ttl=True), ConfigurationError, "lease_seconds", "got bool", "ttl-bool"),
+    case(lambda s: s.acquire("k", ttl=1e9), ConfigurationError, "lease_seconds", "between 0.5 and 2.592e+06", "ttl-huge"),
+    case(lambda s: s.acquire("k", ttl=1, heartbeat_seconds=5), ConfigurationError, "heartbeat_seconds (5)", "at most half", "heartbeat-over-half"),
+    case(lambda s: s.acquire("k", heartbeat_seconds=NAN), ConfigurationError, "heartbeat_seconds", "got nan", "heartbeat-nan"),
+    case(lambda s: s.acquire("k", info=["a"]), ConfigurationError, "holder info", "must be a dict, got list", "info-not-a-dict"),
+    case(lambda s: s.acquire("k", info={"$where": 1}), ConfigurationError, "holder info key '$where'", "plain non-empty string", "info-dollar-key"),
+    case(lambda s: s.acquire("k", info={"a.b": 1}), ConfigurationError, "holder info key 'a.b'", "plain non-empty string", "info-dotted-key"),
+    case(lambda s: s.acquire("k", info={"": 1}), ConfigurationError, "holder info key ''", "plain non-empty string", "info-empty-key"),
+    case(lambda s: s.acquire("k", info={1: 1}), ConfigurationError, "holder info key 1", "plain non-empty string", "info-int-key"),
+    case(lambda s: s.acquire("k", info={"blob": "x" * 10_000}), ConfigurationError, "holder info", "the limit is 4096", "info-oversized"),
+    case(lambda s: s.acquire("k", info={"obj": object()}), ConfigurationError, "holder info", "cannot be stored in MongoDB", "info-unencodable"),
+    case(lambda s: s.acquire("k", min_hold=-1), ConfigurationError, "min_hold", "between 0 and", "min-hold-negative"),
+    case(lambda s: s.acquire("k", tick="1"), ConfigurationError, "tick", "must be an int, got str", "tick-str"),
+    case(lambda s: s.acquire("k", tick=True), ConfigurationError, "tick", "got bool", "tick-bool"),
+    case(lambda s: s.acquire("k", hold_until_ms="x"), ConfigurationError, "hold_until_ms", "got str", "hold-until-str"),
+    case(lambda s: s.acquire("k", hold_until_ms=1.5), ConfigurationError, "hold_until_ms", "got float", "hold-until-float"),
+    case(lambda s: hold(s, wait=-1), ConfigurationError, "wait", "between 0 and", "hold-wait-negative"),
+    case(lambda s: hold(s, wait=NAN), ConfigurationError, "wait", "got nan", "hold-wait-nan"),
+    case(lambda s: hold(s, wait=INF), ConfigurationError, "wait", "got inf", "hold-wait-inf"),
+    case(lambda s: hold(s, wait=None), ConfigurationError, "wait", "got NoneType", "hold-wait-none"),
+    case(lambda s: s.list(5), ConfigurationError, "prefix", "must be a str, got int", "list-prefix-int"),
+    case(lambda s: s.wait_free("k", "1"), ConfigurationError, "timeout", "got '1'", "wait-free-str-timeout"),
+    case(lambda s: s.wait_free("k", NAN), ConfigurationError, "timeout", "got nan", "wait-free-nan-timeout"),
+    case(lambda s: s.release_held_by(), ConfigurationError, "release_held_by", "at least one holder field", "release-held-by-nothing"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, ACQUIRE_CASES)
+def test_bad_acquire_arguments(unreachable: LeaseStore, call: Any, error: Any, names: str, why: str) -> None:
+    check(lambda: call(unreachable), error, names, why)
+
+
+# -- 10. the command line ----------------------------------------------------------------------------------------
+
+CLI_CASES = [
+    pytest.param(["release", "email-group:42"], "--force", "repeat with --force", id="release-without-force"),
+    pytest.param(["release", "--force"], "'KEY'", "Missing argument", id="release-without-key"),
+    pytest.param(["inspect"], "'KEY'", "Missing argument", id="inspect-without-key"),
+    pytest.param(["release", "", "--force"], "lease key", "must not be empty", id="release-empty-key"),
+    pytest.param(["inspect", "   "], "lease key", "only whitespace", id="inspect-blank-key"),
+    pytest.param(
+        ["watch", "--interval", "0"], "'--interval'", "0 is not in the range x>=0.1", id="watch-interval-zero"
+    ),
+    pytest.param(["list", "--bogus"], "--bogus", "No such option", id="unknown-option"),
+    pytest.param(["unlock", "k"], "'unlock'", "No such command", id="unknown-command"),
+]
+
+
+@pytest.mark.parametrize(("argv", "names", "why"), CLI_CASES)
+def test_bad_command_line_arguments(argv: list[str], names: str, why: str) -> None:
+    """``celery -A app mongolock ...`` exits non-zero with a one-line error, no traceback; nothing is
+    released."""
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.integration_app", "mongolock", *argv],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "MONGOLOCK_IT_MONGODB_URL": f"mongodb://ops:{SECRET}@127.0.0.1:1/?serverSelectionTimeoutMS=300",
+            "MONGOLOCK_IT_OP_TIMEOUT": "0.5",
+        },
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert out.returncode != 0
+    assert names in out.stderr and why in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and SECRET not in out.stdout + out.stderr
+
+
+# -- 11. hostile but valid: accepted, stored as documented ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "stored"),
+    [
+        pytest.param("$where", "$where", id="dollar-key"),
+        pytest.param("a.b.c", "a.b.c", id="dotted-key"),
+        pytest.param("{json: 1}", "{json: 1}", id="braces-key"),
+        pytest.param("../../etc/passwd", "../../etc/passwd", id="path-key"),
+        pytest.param("grüße:ключ:键:🔒", "grüße:ключ:键:🔒", id="unicode-key"),
+        pytest.param("x" * 200, "x" * 200, id="key-at-limit"),
+        pytest.param("tenant:" + "x" * 16_000_000, None, id="huge-key-hashed"),
+    ],
+)
+def test_hostile_but_valid_keys_are_stored_as_documented(
+    store: LeaseStore, key: str, stored: str | None
+) -> None:
+    lease = store.acquire(key)
+    assert lease is not None
+    expected = stored if stored is not None else normalize_key(key)
+    assert lease.key == expected and len(expected.encode()) <= 200
+    if stored is None:
+        assert re.fullmatch(r"tenant:x{113}~sha256:[0-9a-f]{64}", expected)
+    info = store.inspect(key)
+    assert info is not None and info.key == expected and info.held
+    with pytest.raises(LockContended), store.hold(key, wait=0):
+        pass
+    assert lease.release()
+
+
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [
+        pytest.param(None, "email-group:null", id="none-argument"),
+        pytest.param("", "email-group:", id="empty-argument"),
+        pytest.param((1, "a"), 'email-group:[1,"a"]', id="tuple-argument"),
+        pytest.param({"b": 1, "a": [True]}, 'email-group:{"a":[true],"b":1}', id="dict-argument"),
+        pytest.param(
+            uuid.UUID(int=1), "email-group:00000000-0000-0000-0000-000000000001", id="uuid-argument"
+        ),
+        pytest.param(-(10**40), f"email-group:-{10**40}", id="big-int-argument"),
+    ],
+)
+def test_odd_but_encodable_arguments(value: Any, key: str) -> None:
+    assert TEMPLATE_TASK.mongolock_key_for(value) == key
+
+
+# -- the table --------------------------------------------------------------------------------------------
+
+
+FAMILIES: dict[str, list[Any]] = {
+    "test_bad_lease_keys": KEY_CASES,
+    "test_bad_key_specs_are_refused_at_declaration": SPEC_CASES,
+    "test_arguments_that_do_not_encode_into_a_key": ARGUMENT_CASES,
+    "test_bad_key_callables": CALLABLE_CASES,
+    "test_bad_urls": URL_CASES,
+    "test_bad_settings": SETTING_CASES,
+    "test_bad_policies": POLICY_CASES,
+    "test_bad_store_arguments": STORE_CASES,
+    "test_bad_acquire_arguments": ACQUIRE_CASES,
+    "test_bad_command_line_arguments": CLI_CASES,
+}
+
+
+def test_every_case_has_a_row_in_the_docs_table() -> None:
+    table = (Path(__file__).resolve().parents[1] / "docs" / "bad-input.md").read_text()
+    missing = [f"{name}[{p.id}]" for name, cases in FAMILIES.items() for p in cases]
+    missing = [test_id for test_id in missing if f"`{test_id}`" not in table]
+    assert not missing, f"cases without a row in docs/bad-input.md: {missing}"
+
+
+def test_a_key_callable_gets_the_task_arguments_not_the_task() -> None:
+    """A function given as key= is a class attribute of the task: it must not be bound to the task."""
+    assert keyed_by(lambda group_id, **_: f"tenant:{group_id}").mongolock_key_for(7) == "tenant:7"
+    assert keyed_by(lambda *args, **_: repr(args)).mongolock_key_for(7) == "(7,)"
