@@ -28,8 +28,11 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# All the benchmarks, side by side, into benchmarks/results/ (REPORT.md): about 10 minutes.
+# `make bench BENCH_ARGS=--quick` for a 3-minute run. The peers compared come from the `bench` extra.
 bench: $(STAMP)
-	$(PY) benchmarks/store.py
+	$(PY) -c "import celery_singleton, celery_once" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -62,11 +62,18 @@ class Heartbeat:
         """Keep ``lease`` alive from now on; its first renewal is one heartbeat interval away."""
         due = self._clock.monotonic() + lease.heartbeat_seconds
         with self._lock:
+            # With nothing else to renew, a tick still scheduled for a lease since released would renew
+            # this one early, for nothing: start the schedule afresh from this lease.
+            idle = not self._leases and not self._pending
             self._leases[lease.owner] = lease
-            if self._next_tick is None or due < self._next_tick:
+            planned = self._next_tick
+            if planned is None or due < planned or idle:
                 self._next_tick = due
         self._ensure_thread()
-        self._wake.set()
+        # Wake the thread only when it must tick sooner than it planned to wake: a wake-up for every
+        # lease is a thread switch on each task's path (the thread re-reads a later schedule by itself).
+        if planned is None or due < planned:
+            self._wake.set()
 
     def discard(self, lease: Lease) -> None:
         with self._lock:

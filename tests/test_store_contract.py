@@ -779,3 +779,15 @@ def test_a_slow_lost_callback_does_not_delay_other_renewals(store: LeaseStore, m
         time.sleep(0.2)  # pacing of the probe, not a synchronisation
     gate.set()
     assert not b.lost
+
+
+def test_a_lease_taken_after_a_release_gets_its_own_first_renewal(store: LeaseStore) -> None:
+    """A tick planned for a lease since released must not renew the next lease early, for nothing."""
+    first = store.acquire("hb-a", ttl=3, heartbeat=True, heartbeat_seconds=1)
+    assert first is not None
+    first.release()  # its tick, one second away, stays planned
+    second = store.acquire("hb-b", ttl=30, heartbeat=True, heartbeat_seconds=10)
+    assert second is not None
+    planned = store.heartbeat._next_tick
+    assert planned is not None and planned - store.clock.monotonic() > 8
+    second.release()

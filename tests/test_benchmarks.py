@@ -1,0 +1,86 @@
+"""Smoke test of the benchmarks, so that they cannot rot: a tiny throughput run, and the report built from it.
+
+Real parts as everywhere: a ``celery worker`` (prefork), Redis, the embedded MongoDB-compatible server.
+The figures are not checked (timing claims belong in the benchmarks), only that every part runs and the
+command counts are what the design says.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def throughput(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "throughput.json"
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "throughput.py"),
+        "--quick",
+        "--tasks=12",
+        "--hot-tasks=6",
+        "--rounds=1",
+        "--count-tasks=6",
+        "--count-hot-tasks=4",
+        "--slow-seconds=1.5",
+        "--eager-calls=6",
+        f"--out={out}",
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def test_throughput_runs_every_variant_or_says_why_not(throughput: dict[str, Any]) -> None:
+    variants = throughput["variants"]
+    for name in ("plain", "bare", "ours", "ours_hot_wait", "ours_hot_skip"):
+        assert variants[name]["runs_per_second_median"] > 0, name
+        assert variants[name]["runs_per_batch_median"] == variants[name]["sent_per_batch"], name
+    for name in ("singleton", "once", "singleton_hot", "once_hot"):
+        assert name in variants or name in throughput["not_run"], name
+    for peer in ("celery-singleton", "celery-once"):
+        if importlib.util.find_spec(peer.replace("-", "_")) is None:
+            assert not throughput["peers"][peer]["available"]
+    assert variants["ours"]["redis_extra_commands_per_run"] == {}  # ours spends no Redis command
+
+
+def test_a_singleton_task_sends_two_mongodb_commands_plus_heartbeats(throughput: dict[str, Any]) -> None:
+    commands = throughput["mongodb_commands"]
+    assert commands["distinct"]["per_task"] == {"findAndModify": 1.0, "update:release": 1.0}
+    slow = commands["slow"]  # held 1.5 s with a renewal every second: one renewal each
+    assert slow["acquire_release_per_task"] == 2
+    assert slow["renewals_per_task"] == 1
+
+
+def test_the_report_is_built_from_the_results(throughput: dict[str, Any], tmp_path: Path) -> None:
+    run = load_script("run")
+    args = run.parse_args(["--quick", "--only", "throughput", "--results", str(tmp_path)])
+    statuses = [{"benchmark": "throughput", "status": "ok", "seconds": 1.0}]
+    text, targets = run.report({"throughput": throughput}, statuses, args, 60.0, (0.0, 0.0, 0.0))
+    assert "## Targets (issue 7)" in text
+    assert "Throughput through a real worker" in text
+    names = [t["name"] for t in targets]
+    assert any(n.startswith("throughput:") for n in names)
+    assert any(n.startswith("MongoDB commands per singleton task") for n in names)
