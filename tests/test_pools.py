@@ -20,8 +20,9 @@ def pool_cluster(
     redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     db_name = f"mongolock_pool_{uuid.uuid4().hex[:8]}"
-    # A Redis database of its own, so that the other modules' workers never take these messages.
-    broker = redis_server.url.rsplit("/", 1)[0] + "/7"
+    # The same broker URL as the other modules (the app's producer pool, once made, keeps its URL);
+    # a queue of its own per worker keeps the messages apart.
+    broker = redis_server.url
     c = Cluster(broker, mongo_url, db_name, tmp_path_factory.mktemp("pools"))
     it.app.conf.update(
         broker_url=broker,
@@ -41,18 +42,21 @@ def pool_cluster(
 @pytest.mark.parametrize("pool", ["threads", "solo"])
 def test_one_key_never_overlaps_and_current_lease_is_per_task(pool_cluster: Cluster, pool: str) -> None:
     concurrency = 4 if pool == "threads" else 1
+    queue = f"pool-{pool}-{uuid.uuid4().hex[:6]}"
     worker = pool_cluster.worker(
-        name=f"{pool}{uuid.uuid4().hex[:4]}@localhost", concurrency=concurrency, extra_args=[f"--pool={pool}"]
+        name=f"{pool}{uuid.uuid4().hex[:4]}@localhost",
+        concurrency=concurrency,
+        extra_args=[f"--pool={pool}", "-Q", queue],
     )
     try:
         banner = {"threads": "(thread)", "solo": "(solo)"}[pool]
         assert banner in worker.log(), f"the worker did not start with --pool={pool}"
         resource = tag()
         same = [tag() for _ in range(4)]
-        results = [it.guarded.delay(resource, t, 0.3) for t in same]
+        results = [it.guarded.apply_async((resource, t, 0.3), queue=queue) for t in same]
         # Different keys at once: with threads they run side by side in one process.
         other = [tag() for _ in range(3)]
-        results += [it.guarded.delay(tag(), t, 0.3) for t in other]
+        results += [it.guarded.apply_async((tag(), t, 0.3), queue=queue) for t in other]
         assert [r.get(timeout=120) for r in results] == same + other
 
         spans = intervals(pool_cluster, same)
