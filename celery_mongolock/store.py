@@ -899,7 +899,8 @@ class LeaseStore:
         """Block until ``key`` looks free or ``timeout`` passes; True if it is worth trying to acquire.
 
         Wakes at once when the lease document changes (a MongoDB change stream, where the server has
-        them), and at the holder's expiry; without change streams it polls with backoff.
+        them), and at the holder's expiry; without change streams it polls with backoff, never sleeping
+        longer than ``max_poll_interval`` between looks.
         """
         key = normalize_key(key)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout):
@@ -931,7 +932,8 @@ class LeaseStore:
                     except (PyMongoError, *_AMBIGUOUS):
                         stream = None
                 else:
-                    clock.sleep(min(nap, interval * (0.5 + random.random())))
+                    # Jittered, but never past max_poll_interval: that bounds how late a release is seen.
+                    clock.sleep(min(nap, max_poll_interval, interval * (0.5 + random.random())))
                     interval = min(max_poll_interval, interval * 2)
         finally:
             if stream is not None:

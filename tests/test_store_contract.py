@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 from pymongo import MongoClient
+from pymongo.errors import OperationFailure
 from pymongo.write_concern import WriteConcern
 
 from celery_mongolock import ConfigurationError, LeaseLost, LeaseStore, LockContended, StoreUnavailable
-from celery_mongolock.clock import MAX_DRIFT
+from celery_mongolock.clock import MAX_DRIFT, SystemClock
 from celery_mongolock.heartbeat import give_up_margin
 
 from .conftest import CommandCounter
@@ -496,6 +497,56 @@ def test_hold_gets_the_key_when_the_holder_releases(store: LeaseStore, make_stor
     timer.join()
     info = store.inspect("k")
     assert info is not None and not info.held
+
+
+class _NoChangeStreams:
+    """A lease collection whose ``watch`` fails, as on a server without change streams."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+
+    def watch(self, *args: Any, **kwargs: Any) -> Any:
+        raise OperationFailure("no change streams here")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+
+class _PollingStore(LeaseStore):
+    @property
+    def collection(self) -> Any:
+        return _NoChangeStreams(super().collection)
+
+
+class _RecordingClock(SystemClock):
+    def __init__(self) -> None:
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        super().sleep(seconds)
+
+
+def test_polling_waiter_never_sleeps_past_max_poll_interval(
+    store: LeaseStore, mongo_url: str, db_name: str
+) -> None:
+    """Without change streams a waiter polls with jittered backoff; the jitter must not stretch a nap past
+    ``max_poll_interval`` (it did, by up to half of it: a release went unseen for 1.5 s instead of 1)."""
+    blocker = store.acquire("k", ttl=60)
+    assert blocker is not None
+    clock = _RecordingClock()
+    poller = _PollingStore(mongo_url, database=db_name, clock=clock)
+    try:
+        assert poller.wait_free("k", 2.0, poll_interval=0.05, max_poll_interval=0.2) is False
+        assert clock.sleeps, "the waiter never polled"
+        assert max(clock.sleeps) <= 0.2, clock.sleeps
+        assert len(clock.sleeps) >= 8, clock.sleeps  # it kept looking, about every 0.1 to 0.2 s
+        timer = threading.Timer(0.3, blocker.release)
+        timer.start()
+        assert poller.wait_free("k", 10.0, poll_interval=0.05, max_poll_interval=0.2) is True
+        timer.join()
+    finally:
+        poller.close()
 
 
 def test_hold_releases_on_exception(store: LeaseStore) -> None:
