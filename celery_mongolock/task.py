@@ -35,6 +35,7 @@ from celery.exceptions import Retry as RetryTask
 from celery.worker.request import Request
 
 from . import signals
+from ._childwatch import child_watch
 from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
 from .exceptions import ConfigurationError, LockContended, StoreUnavailable
@@ -333,6 +334,12 @@ class SingletonRequest(Request):  # type: ignore[misc]
     When the child running the task dies (hard time limit, OOM killer, SIGKILL, revoke with terminate),
     the child's leases are released from here, before the message is acknowledged or requeued.
     """
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        super().on_accepted(pid, time_accepted)
+        if pid != os.getpid():
+            # Release the child's leases the moment it dies, not when Celery gets round to noticing.
+            child_watch.watch(pid)
 
     def _release_dead_child(self, why: str) -> None:
         pid = self.worker_pid
