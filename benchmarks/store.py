@@ -472,6 +472,160 @@ def measure_renew_many(
 
 
 # -- environment ------------------------------------------------------------------------------------------
+# -- collection size ---------------------------------------------------------------------------------------
+def fill_leases(store: LeaseStore, start: int, stop: int) -> None:
+    """Lease documents ``fill:start`` .. ``fill:stop-1`` as a busy deployment leaves them: nine in ten
+    released (the document stays, as every key's does), one in ten held for an hour by someone else."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    ttl_ms = int(LONG_TTL * 1000)
+    holder: Document = {"host": "elsewhere", "pid": 1}
+    for first in range(start, stop, 1000):
+        docs: list[Document] = []
+        for i in range(first, min(stop, first + 1000)):
+            held = i % 10 == 0
+            docs.append(
+                {
+                    "_id": f"fill:{i}",
+                    "owner": uuid.uuid4().hex if held else None,
+                    "ttl_ms": ttl_ms,
+                    "holder": holder,
+                    "fence": i,
+                    "expires_at": now + _dt.timedelta(milliseconds=ttl_ms if held else 0),
+                    "acquired_at": now,
+                    "renewed_at": now,
+                    "hold_until": now,
+                    "released_at": None if held else now,
+                    "forced_release": False,
+                    "released_for": None,
+                }
+            )
+        store.collection.insert_many(docs, ordered=False)
+
+
+def measure_collection_size(
+    client: MongoClient[Document],
+    database: str,
+    sizes: list[int],
+    *,
+    iterations: int,
+    rounds: int,
+    seed: int,
+    existing_budget: float,
+) -> dict[str, Any]:
+    """Acquire + release latency in a collection of ``size`` lease documents against an empty one.
+
+    Both collections are on the same server and measured in interleaved rounds, so that the server's own
+    drift (the embedded server's writes get slower with every write it has taken) hits both alike. Two
+    kinds of key: a new one (the acquire inserts its document) and an existing, released one (the
+    acquire updates it: the usual case of a key that ran before). The existing-key figures get a time
+    budget per size, and the same ``findAndModify`` is also sent bare (a plain ``$set`` by ``_id``),
+    beside an ``update`` and a ``find`` by ``_id``, to tell the server's cost from the library's.
+    """
+    big = LeaseStore(client, database=database, collection="leases_big", lease_seconds=LONG_TTL)
+    empty = LeaseStore(client, database=database, collection="leases_empty", lease_seconds=LONG_TTL)
+    for st in (big, empty):
+        st.ensure_indexes()
+    rng = random.Random(seed)
+    seq = iter(range(10**9))
+    reuse: dict[str, list[str]] = {"big": [], "empty": []}
+    clock = time.perf_counter_ns
+
+    def one(store: LeaseStore, name: str, existing: bool) -> int:
+        # An existing key was released before: its document is there, free.
+        key = reuse[name].pop() if existing else f"probe:{next(seq)}"
+        t0 = clock()
+        lease = store.acquire(key)
+        assert lease is not None, f"acquire of {key!r} in {name} returned None"
+        released = lease.release()
+        took = clock() - t0
+        assert released
+        reuse[name].insert(0, key)
+        return took
+
+    def bare_ops(coll: Collection[Document], key: str, reps: int = 3) -> dict[str, float]:
+        ops: dict[str, Callable[[], Any]] = {
+            "find_one": lambda: coll.find_one({"_id": key}),
+            "update_one": lambda: coll.update_one({"_id": key}, {"$set": {"probe": 1}}),
+            "find_one_and_update": lambda: coll.find_one_and_update({"_id": key}, {"$set": {"probe": 1}}),
+        }
+        out = {}
+        for name, op in ops.items():
+            times = []
+            for _ in range(reps):
+                t0 = clock()
+                op()
+                times.append(clock() - t0)
+            out[name] = round(statistics.median(times) / 1000.0, 1)
+        return out
+
+    result: dict[str, Any] = {"sizes": {}, "existing_budget_seconds": existing_budget}
+    filled = 0
+    batch = max(1, iterations // rounds)
+    per_existing_s: float | None = None
+    prev_size = 0
+    for size in sizes:
+        t0 = time.perf_counter()
+        fill_leases(big, filled, size)
+        filled = max(filled, size)
+        fill_s = time.perf_counter() - t0
+        new: dict[str, list[int]] = {"new_big": [], "new_empty": []}
+        for _ in range(rounds):
+            order = [("new_big", big, "big"), ("new_empty", empty, "empty")]
+            rng.shuffle(order)
+            for label, store, name in order:
+                new[label] += [one(store, name, False) for _ in range(batch)]
+        stats = {label: summarize(xs) for label, xs in new.items()}
+        entry: dict[str, Any] = {
+            "documents": big.collection.estimated_document_count(),
+            "fill_seconds": round(fill_s, 1),
+            "iterations_per_variant": batch * rounds,
+            "stats": stats,
+            "ratios": {"new_key_big_over_empty": ratios(stats["new_big"], stats["new_empty"])},
+            "bare_us_on_existing_document": {
+                "big": bare_ops(big.collection, "fill:1"),
+                "empty": bare_ops(empty.collection, reuse["empty"][0]),
+            },
+        }
+        # Existing keys: skipped when the last size predicts a single acquire near the operation timeout.
+        predicted = None if per_existing_s is None else per_existing_s * size / max(1, prev_size)
+        if predicted is not None and predicted > big.operation_timeout / 4:
+            entry["existing_skipped"] = (
+                f"one acquire of an existing key would take about {predicted:.1f}s here "
+                f"({per_existing_s:.2f}s at {prev_size:,} documents)"
+            )
+        else:
+            existing: dict[str, list[int]] = {"existing_big": [], "existing_empty": []}
+            give_up = time.perf_counter() + existing_budget
+            while len(existing["existing_big"]) < batch * rounds and (
+                time.perf_counter() < give_up or len(existing["existing_big"]) < 3
+            ):
+                existing["existing_big"].append(one(big, "big", True))
+                existing["existing_empty"].append(one(empty, "empty", True))
+            for label, xs in existing.items():
+                stats[label] = summarize(xs)
+            entry["ratios"]["existing_key_big_over_empty"] = ratios(
+                stats["existing_big"], stats["existing_empty"]
+            )
+            per_existing_s = stats["existing_big"]["median_us"] / 1e6
+            prev_size = size
+        entry["empty_collection_documents"] = empty.collection.estimated_document_count()
+        result["sizes"][str(size)] = entry
+        bare = entry["bare_us_on_existing_document"]
+        print(
+            f"  {entry['documents']:,} documents (filled in {fill_s:.0f}s): new key "
+            f"{stats['new_big']['median_us']:.0f} vs {stats['new_empty']['median_us']:.0f}us empty; existing "
+            + (
+                f"key {stats['existing_big']['median_us']:.0f} vs "
+                f"{stats['existing_empty']['median_us']:.0f}us"
+                if "existing_big" in stats
+                else f"key skipped ({entry['existing_skipped']})"
+            )
+            + f"; bare on an existing document, big / empty: {bare['big']} / {bare['empty']}",
+            flush=True,
+        )
+    return result
+
+
 def host_of(url: str) -> str:
     """The host list of a MongoDB URL, without credentials, path or options (no DNS lookup)."""
     rest = url.split("://", 1)[-1]
@@ -564,6 +718,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=900.0,
         help="timeout passed to renew_many, so a slow server is measured, not cut off (default 900 s)",
     )
+    parser.add_argument(
+        "--collection-sizes",
+        default=None,
+        help="comma-separated lease document counts to measure acquire against an empty collection "
+        "(default 100000,1000000; 10000,100000 quick; 0 to skip)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, at most 1,000 leases")
     parser.add_argument("--seed", type=int, default=12345, help="seed of the round order shuffle")
@@ -581,6 +741,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.iterations < args.rounds or args.rounds < 1 or any(s < 1 for s in sizes):
         parser.error("need --rounds >= 1, --iterations >= --rounds and positive --renew-sizes")
     args.renew_sizes = sizes
+    if args.collection_sizes is None:
+        args.collection_sizes = [10_000, 100_000] if args.quick else [100_000, 1_000_000]
+    else:
+        args.collection_sizes = sorted(int(x) for x in args.collection_sizes.split(",") if int(x) > 0)
     return args
 
 
@@ -642,6 +806,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     timeout=args.renew_timeout,
                     setup=args.renew_setup,
                 )
+                collection_size: dict[str, Any] = {}
+                if args.collection_sizes:
+                    print(f"acquire + release with {args.collection_sizes} lease documents vs none ...")
+                    collection_size = measure_collection_size(
+                        client,
+                        database,
+                        args.collection_sizes,
+                        iterations=100 if args.quick else 300,
+                        rounds=5 if args.quick else 10,
+                        seed=args.seed,
+                        existing_budget=10.0 if args.quick else 30.0,
+                    )
                 failures = counter.failures()
             finally:
                 with contextlib.suppress(pymongo.errors.PyMongoError):
@@ -664,6 +840,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "renew_many_budget_seconds": args.renew_budget,
             "renew_many_timeout_seconds": args.renew_timeout,
             "renew_many_setup": args.renew_setup,
+            "collection_sizes": args.collection_sizes,
             "operation_timeout": store.operation_timeout,
             "command_count_repetitions": count_reps,
             "lease_seconds": store.lease_seconds,
@@ -674,6 +851,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "commands": commands,
         "latency": latency,
         "renew_many": renew,
+        "collection_size": collection_size,
         "failed_commands": failures,
         "duration_seconds": round(time.perf_counter() - started, 1),
     }
@@ -721,6 +899,14 @@ def print_summary(result: dict[str, Any]) -> None:
             f"({rm['median_us_per_lease']:.2f}us/lease, {rm['calls']} calls), "
             f"commands/call {rm['commands_per_call']}, lost {rm['lost']}"
             + (" - slower than operation_timeout" if rm["exceeds_operation_timeout"] else "")
+        )
+    for size, cs in (result.get("collection_size") or {}).get("sizes", {}).items():
+        r = cs["ratios"]
+        existing = r.get("existing_key_big_over_empty")
+        print(
+            f"  {int(size):>9,} documents: acquire+release / empty collection: new key "
+            f"{r['new_key_big_over_empty']['median_us']:.2f}, existing key "
+            + (f"{existing['median_us']:.2f}" if existing else "skipped")
         )
     if result["failed_commands"]:
         print(f"failed commands: {result['failed_commands']}")

@@ -84,3 +84,59 @@ def test_the_report_is_built_from_the_results(throughput: dict[str, Any], tmp_pa
     names = [t["name"] for t in targets]
     assert any(n.startswith("throughput:") for n in names)
     assert any(n.startswith("MongoDB commands per singleton task") for n in names)
+
+
+@pytest.fixture(scope="module")
+def recovery(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "recovery.json"
+    cmd = [sys.executable, str(BENCHMARKS / "recovery.py"), "--quick", "--reps=1", "--wake-reps=2"]
+    cmd += ["--lease-seconds=2", "--no-peers", f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def test_recovery_measures_every_fault(recovery: dict[str, Any]) -> None:
+    for kind in ("child-kill", "node-kill", "graceful", "released", "released-polling"):
+        assert recovery["ours"][kind]["n"] == 1, kind
+    # A node killed outright: nobody released its key, so the next run waited for the lease (2 s) to end.
+    assert recovery["ours"]["node-kill"]["max_s"] > 1.0
+    assert {w: recovery["store_wake"][w]["n"] for w in ("change_stream", "polling")} == {
+        "change_stream": 2,
+        "polling": 2,
+    }
+    assert [t["name"].split(":")[0] for t in recovery["targets"]].count("recovery") == 3
+
+
+@pytest.fixture(scope="module")
+def store_bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "store.json"
+    cmd = [sys.executable, str(BENCHMARKS / "store.py"), "--quick", "--iterations=20", "--rounds=2"]
+    cmd += ["--renew-sizes=1,10", "--collection-sizes=300", f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def test_store_benchmark_measures_collection_size(store_bench: dict[str, Any]) -> None:
+    size = store_bench["collection_size"]["sizes"]["300"]
+    assert size["documents"] >= 300
+    assert {"new_big", "new_empty", "existing_big", "existing_empty"} <= set(size["stats"])
+
+
+def test_the_report_has_every_benchmark(
+    throughput: dict[str, Any], recovery: dict[str, Any], store_bench: dict[str, Any], tmp_path: Path
+) -> None:
+    run = load_script("run")
+    args = run.parse_args(["--quick", "--results", str(tmp_path)])
+    results = {"throughput": throughput, "store": store_bench, "recovery": recovery}
+    statuses = [{"benchmark": name, "status": "ok", "seconds": 1.0} for name in results]
+    text, targets = run.report(results, statuses, args, 60.0, (0.0, 0.0, 0.0))
+    assert "## Recovery (`recovery.json`)" in text
+    assert "| whole worker node killed (SIGKILL) |" in text
+    assert "| lease documents |" in text
+    names = [t["name"] for t in targets]
+    assert any(n.startswith("recovery: worker child killed") for n in names)
+    assert any(n.startswith("acquire + release of a new key") for n in names)
