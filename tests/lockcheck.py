@@ -28,10 +28,10 @@ The faults
 until its lease has expired and a successor has claimed the document, then resumed. ``kill-child``:
 SIGKILL of a Celery prefork child holding a lease. ``kill-node``: SIGKILL of a whole worker node (parent
 and children), and a new node started. ``clock-jump``: the wall clock of a bare client jumps by
-minutes or hours, forward and back (libfaketime with a timestamp file; optionally also a Celery node's,
-forward). ``server-restart``:
-the MongoDB server (file-backed, ``--sync-on-commit``) is crashed with SIGKILL or stopped, and started
-again on the same port and data. ``fail-close`` / ``fail-error`` / ``fail-block``: ``failCommand`` fail
+minutes or hours, forward and back, and that of a Celery node with a queue of its own by minutes, forward
+only (libfaketime with a timestamp file; ``Config.skewed_node``). ``server-restart``: the MongoDB server
+(file-backed, ``--sync-on-commit``) is crashed with SIGKILL or stopped, and started again on the same
+port and data. ``fail-close`` / ``fail-error`` / ``fail-block``: ``failCommand`` fail
 points that drop connections, return errors, or hold commands past the clients' timeouts.
 
 The checks (``check``)
@@ -83,6 +83,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lockcheck:"
 VISIBILITY_TIMEOUT = 15
 SKEWED_QUEUE = "lockcheck.skewed"
+#: The skewed node's visibility timeout: longer than any run (ten years), so that it never sweeps. kombu's
+#: Redis transport restores an unacknowledged message once ``sweeper's time() - visibility_timeout`` has
+#: passed the ``time()`` of its delivery (possibly another node's). With the skewed node's clock minutes
+#: ahead, its every sweep handed out again all the messages in flight on every node. Those copies are
+#: dropped as duplicates while their first run holds the key (``celery_mongolock``) and acknowledged;
+#: when the first run's node was killed next, the task was gone and stayed pending. The other nodes
+#: (true clocks) still restore a killed node's messages; the skewed node itself is never killed.
+SKEWED_VISIBILITY_TIMEOUT = 10 * 365 * 86400
 FAKETIME_LIBS = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
     "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
@@ -628,6 +636,10 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
             "skipped": skipped,
             "runs": sum(1 for e in ev if e.get("ev") == "acq" and e.get("task_id")),
             "unfinished": sum(1 for t in tasks.values() if t.get("state") != "SUCCESS"),
+            "skewed_node_submitted": sum(1 for t in tasks.values() if t.get("queue") == SKEWED_QUEUE),
+            "skewed_node_ended": sum(
+                1 for t in tasks.values() if t.get("queue") == SKEWED_QUEUE and t.get("state") == "SUCCESS"
+            ),
         },
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
@@ -652,10 +664,10 @@ class Config:
     task_rate: float = 1.5
     reckless: float = 0.5
     faults: tuple[str, ...] = ALL_FAULTS
-    #: Also run a Celery node (own queue) under libfaketime whose wall clock jumps forward. Off by default:
-    #: such a node sometimes stops fetching from its queue (kombu's Redis transport under libfaketime),
-    #: which is a stall outside the lock that would leave its tasks pending.
-    skewed_node: bool = False
+    #: Also run a Celery node (own queue, a quarter of the tasks) under libfaketime whose wall clock jumps
+    #: forward (when libfaketime is installed). It must not sweep unacknowledged messages back into the
+    #: queues (see SKEWED_VISIBILITY_TIMEOUT).
+    skewed_node: bool = True
     #: The first pass injects every fault once; then (soak) random faults until the end.
     repeat_faults: bool = False
     #: Seconds between faults (None: the duration divided evenly among the first pass).
@@ -811,7 +823,11 @@ class Run:
         if self.faketime and self.cfg.skewed_node:
             ts = self.dir / "clock-node.offset"
             write_offset(ts, "+0")
-            env = {**self._node_env(), **faketime_env(ts)}
+            env = {
+                **self._node_env(),
+                **faketime_env(ts),
+                "LOCKCHECK_VISIBILITY_TIMEOUT": str(SKEWED_VISIBILITY_TIMEOUT),
+            }
             self.skewed_node = Node("skewed@lockcheck", env, self.dir, 1, SKEWED_QUEUE).start()
 
     def _start_client(self, i: int, *, skewed: bool) -> None:
@@ -872,7 +888,8 @@ class Run:
             except Exception as exc:  # the broker is not faulted; never let the submitter die silently
                 self.log(f"submit failed: {exc!r}")
                 continue
-            self.submitted[result.id] = {"op": op, "task": name, "queue": queue}
+            at_s = round(time.monotonic() - self.start_mono, 2)
+            self.submitted[result.id] = {"op": op, "task": name, "queue": queue, "at_s": at_s}
 
     # -- faults ------------------------------------------------------------------------------------------
     def _held(self) -> list[Any]:
@@ -1119,10 +1136,32 @@ class Run:
                     self.log(f"result of {task_id}: {exc!r}")
             if waiting:
                 time.sleep(0.5)
+        where = self._find_messages(waiting) if waiting else {}
         for task_id, info in waiting.items():
             res = AsyncResult(task_id, app=self.capp)
-            states[task_id] = {**info, "state": res.state, "result": None}
+            states[task_id] = {**info, "state": res.state, "result": None, "message": where.get(task_id)}
+            self.log(f"unfinished: {task_id} {states[task_id]}")
         return states
+
+    def _find_messages(self, task_ids: Iterable[str]) -> dict[str, str]:
+        """Where the broker holds each task's message: a queue, the unacknowledged set, or nowhere (lost)."""
+        import redis
+
+        found = dict.fromkeys(task_ids, "nowhere")
+        try:
+            client = redis.Redis.from_url(self.redis.url)
+            places = {q: client.lrange(q, 0, -1) for q in ("celery", SKEWED_QUEUE)}
+            places["unacked"] = list(client.hvals("unacked"))
+        except Exception as exc:
+            self.log(f"could not look into the broker: {exc!r}")
+            return {}
+        for place, messages in places.items():
+            for raw in messages:
+                text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+                for task_id in found:
+                    if task_id in text:
+                        found[task_id] = place
+        return found
 
     def run(self) -> Doc:
         t_start = time.monotonic()
@@ -1213,7 +1252,8 @@ def format_report(report: Doc) -> str:
         f"ambiguous {ops['ambiguous']}, claims fenced {ops['claims_fenced']}, "
         f"store errors {ops['store_errors']}",
         f"  tasks submitted {tasks['submitted']}, done {tasks['done']}, skipped {tasks['skipped']}, "
-        f"runs {tasks['runs']}, unfinished {tasks['unfinished']}",
+        f"runs {tasks['runs']}, unfinished {tasks['unfinished']} "
+        f"(skewed node: submitted {tasks['skewed_node_submitted']}, ended {tasks['skewed_node_ended']})",
         "  faults " + ", ".join(f"{k} {v}" for k, v in report["faults"].items()),
     ]
     if report.get("faults_skipped"):

@@ -28,13 +28,21 @@ app.conf.update(
     result_backend=os.environ.get("LOCKCHECK_BROKER", "cache+memory://"),
     broker_connection_retry_on_startup=True,
     # Unacknowledged messages of a node killed outright come back after this many seconds (kombu sweeps
-    # every interval * throttle seconds: 100 by default). The skewed node (its wall clock jumps forward
-    # by minutes) must not sweep: kombu judges visibility by the sweeper's wall clock, and would hand out
-    # every message other nodes are running again.
+    # every interval * throttle seconds: 100 by default). kombu judges visibility by the *sweeper's* wall
+    # clock against the wall-clock time of delivery, so the skewed node (its clock jumps forward by
+    # minutes) gets a visibility timeout it never reaches (LOCKCHECK_VISIBILITY_TIMEOUT): sweeping with
+    # the short one, it handed out again every message the other nodes (and itself) were running, and a
+    # copy dropped as a duplicate while the first run still held the lease was lost for good when that
+    # first run's node was then killed (tasks left pending: see lockcheck.SKEWED_VISIBILITY_TIMEOUT).
     broker_transport_options={
-        "visibility_timeout": lockcheck.VISIBILITY_TIMEOUT,
+        "visibility_timeout": int(
+            os.environ.get("LOCKCHECK_VISIBILITY_TIMEOUT", str(lockcheck.VISIBILITY_TIMEOUT))
+        ),
         "unacked_restore_interval": int(os.environ.get("LOCKCHECK_RESTORE_INTERVAL", "2")),
         "unacked_restore_throttle": 1,
+        # A sweep holds a Redis mutex (5 minutes by default): a node SIGKILLed in mid-sweep would stop
+        # every other node's sweeps for longer than the checker waits for the last tasks.
+        "unacked_mutex_expire": 10,
     },
     worker_hijack_root_logger=False,
     worker_prefetch_multiplier=1,

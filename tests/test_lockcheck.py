@@ -149,4 +149,8 @@ def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
             assert report["faults"].get(kind, 0) >= 1, (kind, report["faults"])
     ops = report["operations"]
     assert ops["acknowledged"] > 50 and ops["unexpected_exceptions"] == 0
-    assert report["tasks"]["unfinished"] == 0 and report["tasks"]["done"] > 10
+    tasks = report["tasks"]
+    assert tasks["unfinished"] == 0 and tasks["done"] > 10
+    if "clock-jump" not in skipped:
+        # The node whose wall clock jumped took its own queue's tasks to the end (unfinished is 0).
+        assert report["faults"]["clock-jump"] >= 2 and tasks["skewed_node_submitted"] > 5, tasks
