@@ -50,6 +50,9 @@ log_release = logging.getLogger("celery_mongolock.release")
 
 #: Message header counting contention retries, kept apart from the task's own ``retries``.
 CONTENTION_HEADER = "mongolock_contention_retries"
+#: Set on the copy of a message delivered again while its first run still held the key (see
+#: ``SingletonTask._park_duplicate``).
+DUPLICATE_HEADER = "mongolock_parked_duplicate"
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_mongolock_lease", default=None
@@ -202,6 +205,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         if tick is not None:
             info["beat_tick"] = tick
         wait_until: float | None = None
+        try:
+            first_run_done = self._first_run_done(store, key)
+        except StoreUnavailable as exc:
+            self._unavailable(key, exc, policy, direct)
+        if first_run_done:
+            log_acquire.info(
+                "%s[%s]: parked duplicate of a run that has ended and released %r; dropped",
+                self.name,
+                request.id,
+                key,
+            )
+            raise Ignore()
         while True:
             try:
                 lease, doc = store._try_acquire(
@@ -231,13 +246,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             if request.id and holder.get("task_id") == request.id:
                 # The same message delivered twice (broker visibility timeout, acks_late) while its first
                 # run still holds the lease: do not run twice, and leave the first run's state alone.
-                log_acquire.warning(
-                    "%s[%s]: duplicate delivery while the first run holds %r; dropped",
-                    self.name,
-                    request.id,
-                    key,
-                )
                 signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
+                self._park_duplicate(key, options, direct)
                 raise Ignore()
             signals.lease_contended.send(sender=self, key=key, holder=holder, policy=policy.name)
             if not isinstance(policy, Wait):
@@ -254,6 +264,47 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "%s[%s]: wait for %r timed out; %s", self.name, request.id, key, policy.then.name
             )
             return self._apply(policy.then, key, holder, expires_at, direct)
+
+    def _park_duplicate(self, key: str, options: TaskOptions, direct: bool) -> None:
+        """Keep a copy of a duplicate delivery until the first run's fate is known.
+
+        Acknowledging the duplicate also acknowledges the first delivery (they share one broker message:
+        kombu's Redis transport keeps one unacknowledged entry per message), so if the first run's worker
+        then died nothing would bring the task back. The copy is published again, marked, to be looked
+        at after one lease length: dropped if the first run has released the key, run if the first run
+        died (its lease released for it or expired), parked again if it is still running.
+        """
+        request = self.request
+        if direct or request.is_eager or request.called_directly:
+            return
+        countdown = max(1.0, min(options.lease_seconds, 300.0))
+        headers = dict(request.headers or {})
+        headers[DUPLICATE_HEADER] = int(headers.get(DUPLICATE_HEADER) or 0) + 1
+        self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
+        log_acquire.warning(
+            "%s[%s]: duplicate delivery while the first run holds %r; parked, looked at again in %gs",
+            self.name,
+            request.id,
+            key,
+            countdown,
+        )
+
+    def _first_run_done(self, store: Any, key: str) -> bool:
+        """For a parked duplicate: did the first run (same task id) end and release the key itself?"""
+        request = self.request
+        if not (request.headers or {}).get(DUPLICATE_HEADER) or not request.id:
+            return False
+        with store._operation(f"inspect lease {key!r}"):
+            doc = store.collection.find_one(
+                {"_id": key}, {"owner": 1, "holder": 1, "released_for": 1, "forced_release": 1}
+            )
+        return bool(
+            doc is not None
+            and (doc.get("holder") or {}).get("task_id") == request.id
+            and doc.get("owner") is None
+            and doc.get("released_for") is None
+            and not doc.get("forced_release")
+        )
 
     def _apply(
         self, policy: Policy, key: str, holder: dict[str, Any], expires_at: Any, direct: bool

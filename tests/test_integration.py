@@ -235,10 +235,40 @@ def test_redelivered_message_does_not_run_twice_or_touch_the_first_result(cluste
         wait_for(
             lambda: any("duplicate delivery" in w.log() and task_id in w.log() for w in cluster.workers),
             timeout=30,
-            message="the duplicate to be dropped",
+            message="the duplicate to be parked",
         )
         assert AsyncResult(task_id, app=it.app).state == "PENDING"  # nothing overwritten
+    # The first run released the key itself: the parked copy, looked at again, is dropped.
+    dropped = "parked duplicate of a run that has ended"
+    wait_for(
+        lambda: any(dropped in w.log() and task_id in w.log() for w in cluster.workers),
+        timeout=30,
+        message="the parked copy to be dropped",
+    )
     assert cluster.runs(t) == []
+    assert AsyncResult(task_id, app=it.app).state == "PENDING"
+
+
+def test_a_parked_duplicate_runs_when_the_first_run_died(cluster: Cluster) -> None:
+    """Acknowledging a duplicate delivery also acknowledges the first one; if the first run then dies,
+    the parked copy is what brings the task back."""
+    resource, t = tag(), tag()
+    task_id = str(uuid.uuid4())
+    key = f"resource:{resource}"
+    first = cluster.store.acquire(key, ttl=60, info={"task_id": task_id, "task_name": it.guarded.name})
+    assert first is not None
+    res = it.guarded.apply_async((resource, t), task_id=task_id)
+    wait_for(
+        lambda: any("duplicate delivery" in w.log() and task_id in w.log() for w in cluster.workers),
+        timeout=30,
+        message="the duplicate to be parked",
+    )
+    assert cluster.runs(t) == []
+    # The first run's worker dies; its parent (here: us) releases the dead holder's lease.
+    assert cluster.store.release_held_by(task_id=task_id) == 1
+    assert res.get(timeout=60) == t
+    assert len(cluster.runs(t, "start")) == 1
+    first.release()
 
 
 # -- exit paths ----------------------------------------------------------------------------------------
