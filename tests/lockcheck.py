@@ -42,7 +42,10 @@ non-decreasing along each log and constant within a hold, holds never interleave
 never reused by two holds; across acquisitions, one that ended before another began has a smaller
 fence; holds whose release matched their owner token never overlap in real time (CLOCK_MONOTONIC is
 system-wide); a write reported fenced out or skipped is not in the log; every submitted Celery task
-ended in SUCCESS with a result (done, or skipped by policy).
+ended in SUCCESS with a result (done, or skipped by policy), unless the histories prove that the broker
+lost its message: kombu's Redis transport pops a message before recording it as unacknowledged, and a
+node SIGKILLed in between loses it (no node received it, no queue holds it, a node was killed after it
+was published). Those are counted (``tasks.lost_by_broker``), not hidden.
 
 Run it from ``tests/test_lockcheck.py`` (bounded) or ``scripts/soak.py`` (long).
 """
@@ -541,9 +544,12 @@ def check(history: History) -> list[Violation]:
                     )
                 )
 
-    # 4. Every submitted task ended: done (its op applied) or skipped by policy.
+    # 4. Every submitted task ended: done (its op applied) or skipped by policy; or its message was lost
+    # by the broker, proven from the histories (``Run._lost_by_broker``) and counted in the figures.
     for task_id, task in sorted(history.tasks.items()):
         state, result = task.get("state"), task.get("result")
+        if task.get("lost_by_broker"):
+            continue
         if state != "SUCCESS" or not isinstance(result, dict):
             found.append(
                 Violation(
@@ -599,6 +605,33 @@ def recovery_times(faults: list[Doc], events: list[Doc]) -> dict[str, Doc]:
     return {kind: _stats(v) for kind, v in sorted(out.items())}
 
 
+def lost_by_broker(
+    task_id: str, submitted: Doc, where: str | None, events: list[Doc], faults: list[Doc], *, start: float
+) -> str | None:
+    """Why the broker, not the library, lost an unfinished task's message, when the histories prove it.
+
+    kombu's Redis transport takes a message off its queue (BRPOP) before it records it as
+    unacknowledged; a node SIGKILLed in between loses the message without a trace (celery/celery#7950:
+    at most once). Proven when the message is in no queue and not unacknowledged (``where``), no node
+    received its last publication (the submitter's, ``submitted["t"]``, or a retry's: ``pub`` events; a
+    node that lives records ``recv`` within milliseconds, from ``task_received``, which Celery sends after
+    kombu's record), and a node was SIGKILLed after that publication. A message that a node received and
+    that then went missing is not explained by this, and stays a violation."""
+    if where != "nowhere":
+        return None
+    mine = [e for e in events if e.get("task_id") == task_id and e.get("ev") in ("pub", "recv")]
+    last_pub = max([float(submitted.get("t", 0.0)), *(float(e["t"]) for e in mine if e["ev"] == "pub")])
+    if any(e["ev"] == "recv" and float(e["t"]) >= last_pub for e in mine):
+        return None
+    kills = [f for f in faults if f["kind"] == "kill-node" and float(f["t"]) >= last_pub]
+    if not kills:
+        return None
+    return (
+        f"published at {last_pub - start:.2f}s, received by no node, in no queue and not unacknowledged; "
+        f"node {kills[0].get('node')} was SIGKILLed at {float(kills[0]['t']) - start:.2f}s"
+    )
+
+
 def figures(history: History, faults: list[Doc], violations: list[Violation], extra: Doc) -> Doc:
     ev = history.events
     writes = Counter(e["outcome"] for e in ev if e.get("ev") == "write")
@@ -636,6 +669,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
             "skipped": skipped,
             "runs": sum(1 for e in ev if e.get("ev") == "acq" and e.get("task_id")),
             "unfinished": sum(1 for t in tasks.values() if t.get("state") != "SUCCESS"),
+            "lost_by_broker": sum(1 for t in tasks.values() if t.get("lost_by_broker")),
             "skewed_node_submitted": sum(1 for t in tasks.values() if t.get("queue") == SKEWED_QUEUE),
             "skewed_node_ended": sum(
                 1 for t in tasks.values() if t.get("queue") == SKEWED_QUEUE and t.get("state") == "SUCCESS"
@@ -883,13 +917,14 @@ class Run:
             name = "lockcheck.rmw_skip" if self.rng.random() < 0.2 else "lockcheck.rmw"
             queue = SKEWED_QUEUE if self.skewed_node is not None and self.rng.random() < 0.25 else "celery"
             reckless = self.rng.random() < self.cfg.reckless
+            t_sent = time.monotonic()  # before the message exists: every receipt of it comes later
             try:
                 result = self.capp.send_task(name, args=(key, op), kwargs={"reckless": reckless}, queue=queue)
             except Exception as exc:  # the broker is not faulted; never let the submitter die silently
                 self.log(f"submit failed: {exc!r}")
                 continue
             at_s = round(time.monotonic() - self.start_mono, 2)
-            self.submitted[result.id] = {"op": op, "task": name, "queue": queue, "at_s": at_s}
+            self.submitted[result.id] = {"op": op, "task": name, "queue": queue, "at_s": at_s, "t": t_sent}
 
     # -- faults ------------------------------------------------------------------------------------------
     def _held(self) -> list[Any]:
@@ -1137,9 +1172,14 @@ class Run:
             if waiting:
                 time.sleep(0.5)
         where = self._find_messages(waiting) if waiting else {}
+        events = read_histories(self.hist_dir) if waiting else []
         for task_id, info in waiting.items():
             res = AsyncResult(task_id, app=self.capp)
             states[task_id] = {**info, "state": res.state, "result": None, "message": where.get(task_id)}
+            place = where.get(task_id)
+            lost = lost_by_broker(task_id, info, place, events, self.faults, start=self.start_mono)
+            if lost:
+                states[task_id]["lost_by_broker"] = lost
             self.log(f"unfinished: {task_id} {states[task_id]}")
         return states
 
@@ -1253,6 +1293,7 @@ def format_report(report: Doc) -> str:
         f"store errors {ops['store_errors']}",
         f"  tasks submitted {tasks['submitted']}, done {tasks['done']}, skipped {tasks['skipped']}, "
         f"runs {tasks['runs']}, unfinished {tasks['unfinished']} "
+        f"(lost by the broker {tasks['lost_by_broker']}) "
         f"(skewed node: submitted {tasks['skewed_node_submitted']}, ended {tasks['skewed_node_ended']})",
         "  faults " + ", ".join(f"{k} {v}" for k, v in report["faults"].items()),
     ]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import before_task_publish, task_received, worker_ready
 
 from celery_mongolock import Retry, Skip, current_lease, singleton_task
 
@@ -65,10 +66,33 @@ def _ready(sender: Any = None, **_: Any) -> None:
         Path(ready_dir, f"{name}.ready").write_text(str(os.getpid()))
 
 
+def _history() -> lockcheck.HistoryWriter | None:
+    hist_dir = os.environ.get("LOCKCHECK_HIST_DIR")
+    return lockcheck.HistoryWriter.for_process(hist_dir) if hist_dir else None
+
+
+# Where each task's messages went, for telling a message the broker lost from one the library lost:
+# kombu's Redis transport pops a message (BRPOP) before it records it as unacknowledged, so a node
+# SIGKILLed in between loses the message with no trace (celery/celery#7950). A message that some node
+# received was recorded by then (``task_received`` is sent after kombu's ``qos.append``).
+@task_received.connect
+def _received(request: Any = None, **_: Any) -> None:
+    hist = _history()
+    if hist is not None and request is not None:
+        hist.event("recv", task_id=request.id, node=request.hostname, t=time.monotonic())
+
+
+@before_task_publish.connect
+def _publishing(headers: Any = None, **_: Any) -> None:
+    hist = _history()  # worker processes only (retries, parked duplicates): the submitter keeps its own
+    if hist is not None and headers and headers.get("id"):
+        hist.event("pub", task_id=headers["id"], t=time.monotonic())
+
+
 def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
     lease = current_lease()
     assert lease is not None
-    hist = lockcheck.HistoryWriter.for_process(os.environ.get("LOCKCHECK_HIST_DIR", "."))
+    hist = _history() or lockcheck.HistoryWriter.for_process(".")
     who = f"task:{task.request.hostname}:{os.getpid()}"
     lockcheck.record_task_acquired(hist, lease, who, task.request.id)
     outcomes = lockcheck.run_hold(

@@ -135,6 +135,37 @@ def test_an_unfinished_or_failed_task_is_reported() -> None:
     assert [v.kind for v in found] == ["task-unfinished", "task-unfinished", "lost-update"]
 
 
+def test_a_task_the_broker_lost_is_counted_not_hidden() -> None:
+    h = _good()
+    h.tasks = {"t3": {"op": "y", "state": "PENDING", "result": None, "lost_by_broker": "node killed"}}
+    assert check(h) == []
+    assert lockcheck.figures(h, [], [], {})["tasks"]["lost_by_broker"] == 1
+
+
+def test_lost_by_the_broker_only_when_the_histories_prove_it() -> None:
+    kill = {"kind": "kill-node", "t": 12.0, "node": "n1"}
+    sent = {"t": 10.0}
+
+    def lost(where: str | None, events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> bool:
+        return lockcheck.lost_by_broker("t", sent, where, events, faults, start=0.0) is not None
+
+    assert lost("nowhere", [], [kill])
+    # The message is still somewhere: not lost (the checker waited too little, or the sweeps did).
+    assert not lost("celery", [], [kill])
+    assert not lost("unacked", [], [kill])
+    # A node received it: whatever lost it afterwards, the broker's pop window did not.
+    assert not lost("nowhere", [{"ev": "recv", "task_id": "t", "t": 10.5}], [kill])
+    # No node was killed after it was published.
+    assert not lost("nowhere", [], [{**kill, "t": 9.0}, {"kind": "kill-child", "t": 12.0}])
+    # Received, then retried (published again): the retry's message is the one that counts.
+    retried = [{"ev": "recv", "task_id": "t", "t": 10.5}, {"ev": "pub", "task_id": "t", "t": 11.0}]
+    assert lost("nowhere", retried, [kill])
+    assert not lost("nowhere", [*retried, {"ev": "recv", "task_id": "t", "t": 11.2}], [kill])
+    assert not lost("nowhere", [*retried, {"ev": "pub", "task_id": "t", "t": 12.5}], [kill])
+    # Another task's receipt says nothing about this one.
+    assert lost("nowhere", [{"ev": "recv", "task_id": "other", "t": 10.5}], [kill])
+
+
 @pytest.mark.timeout(420)
 def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     seed = int(os.environ.get("LOCKCHECK_SEED", "1"))
