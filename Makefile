@@ -28,7 +28,7 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# All the benchmarks, side by side, into benchmarks/results/ (REPORT.md): about 10 minutes.
+# All the benchmarks, side by side, into benchmarks/results/ (REPORT.md): about 16 minutes.
 # `make bench BENCH_ARGS=--quick` for a 3-minute run. The peers compared come from the `bench` extra.
 bench: $(STAMP)
 	$(PY) -c "import celery_singleton, celery_once" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
