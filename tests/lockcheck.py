@@ -31,8 +31,11 @@ and children), and a new node started. ``clock-jump``: the wall clock of a bare 
 minutes or hours, forward and back, and that of a Celery node with a queue of its own by minutes, forward
 only (libfaketime with a timestamp file; ``Config.skewed_node``). ``server-restart``: the MongoDB server
 (file-backed, ``--sync-on-commit``) is crashed with SIGKILL or stopped, and started again on the same
-port and data. ``fail-close`` / ``fail-error`` / ``fail-block``: ``failCommand`` fail
-points that drop connections, return errors, or hold commands past the clients' timeouts.
+port and data. ``server-pause``: the MongoDB server is stopped with SIGSTOP for longer than a lease,
+then resumed: every lease expires while no holder can renew. ``broker-restart``: the Redis broker
+(``appendfsync always``) is crashed with SIGKILL or stopped, and started again on the same port and data,
+with tasks running and messages in flight. ``fail-close`` / ``fail-error`` / ``fail-block``:
+``failCommand`` fail points that drop connections, return errors, or hold commands past the clients' timeouts.
 
 The checks (``check``)
 ======================
@@ -81,6 +84,7 @@ from celery_mongolock import LeaseStore
 from celery_mongolock.exceptions import MongoLockError
 from celery_mongolock.fencing import FencedOut, fenced_update_one
 from celery_mongolock.store import Lease, _local_ttl
+from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lockcheck:"
@@ -108,6 +112,8 @@ ALL_FAULTS = (
     "kill-node",
     "clock-jump",
     "server-restart",
+    "server-pause",
+    "broker-restart",
     "fail-close",
     "fail-error",
     "fail-block",
@@ -828,8 +834,12 @@ class Run:
             extra_args=["--sync-on-commit"],  # a crash must not lose journaled (j: true) writes
             log_path=self.dir / "mongo.log",
         )
-        self.redis = RedisServer()
+        self.redis = RedisServer(persistent=True)
+        # Sends the tasks. Without a result backend: with Redis's, every AsyncResult subscribes to its
+        # task's channel and unsubscribes in __del__, which raises (unraisable) on a connection that a
+        # broker restart broke. Results are read through ``self.results``.
         self.capp = Celery("lockcheck_controller")
+        self.results = Celery("lockcheck_results")
         self.clients: list[subprocess.Popen[bytes]] = []
         self.client_names: dict[int, str] = {}
         self.nodes: list[Node] = []
@@ -841,12 +851,18 @@ class Run:
         self._stop = threading.Event()
         self._clock_offsets = {"client": 0, "node": 0}
         self.store: LeaseStore | None = None
+        #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
+        self._nodes_lock = threading.RLock()
+        self._supervisor_stop = threading.Event()
+        #: Worker nodes that exited on their own and were replaced, as systemd would (not faults).
+        self.node_exits: list[Doc] = []
 
     # -- set-up ------------------------------------------------------------------------------------------
     def setup(self) -> None:
         self.server.start()
         self.redis.start()
-        self.capp.conf.update(broker_url=self.redis.url, result_backend=self.redis.url)
+        self.capp.conf.update(broker_url=self.redis.url)
+        self.results.conf.update(broker_url=self.redis.url, result_backend=self.redis.url)
         self.store = LeaseStore(self.server.url, database=self.db, lease_seconds=30, operation_timeout=3.0)
         self.store.ensure_indexes()
         self.start_mono = time.monotonic()
@@ -863,6 +879,37 @@ class Run:
                 "LOCKCHECK_VISIBILITY_TIMEOUT": str(SKEWED_VISIBILITY_TIMEOUT),
             }
             self.skewed_node = Node("skewed@lockcheck", env, self.dir, 1, SKEWED_QUEUE).start()
+
+    def supervise(self) -> None:
+        """Replace a worker node that exited without being told to, as ``systemd`` (``Restart=always``) or
+        Kubernetes would, and record it. Celery 5.7.0 workers exit with "Unrecoverable error" when the
+        Redis broker goes away (``broker-restart``); the lock must stay safe across that too."""
+        while not self._supervisor_stop.wait(0.5):
+            with self._nodes_lock:
+                for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:
+                    if node.proc is None or node.proc.poll() is None:
+                        continue
+                    t = time.monotonic()
+                    try:
+                        lines = node.log_path.read_text(errors="replace").splitlines()
+                    except OSError:
+                        lines = []
+                    last = [line for line in lines if "CRITICAL" in line]
+                    exit_info = {
+                        "node": node.name, "t": t, "at_s": round(t - self.start_mono, 2),
+                        "returncode": node.proc.returncode, "last_error": last[-1][-300:] if last else None,
+                    }  # fmt: skip
+                    self.node_exits.append(exit_info)
+                    self.log(f"[{exit_info['at_s']:7.2f}s] node {node.name} exited on its own: {exit_info}")
+                    node.stop()
+                    try:
+                        if node is self.skewed_node:
+                            self.skewed_node = Node(node.name, node.env, self.dir, 1, SKEWED_QUEUE).start()
+                        else:
+                            self.nodes.remove(node)
+                            self._start_node()
+                    except Exception as exc:  # e.g. the broker is still down: try again next round
+                        self.log(f"could not replace node {node.name}: {exc!r}")
 
     def _start_client(self, i: int, *, skewed: bool) -> None:
         name = f"client{i}" + ("-skewed" if skewed else "")
@@ -919,8 +966,11 @@ class Run:
             reckless = self.rng.random() < self.cfg.reckless
             t_sent = time.monotonic()  # before the message exists: every receipt of it comes later
             try:
-                result = self.capp.send_task(name, args=(key, op), kwargs={"reckless": reckless}, queue=queue)
-            except Exception as exc:  # the broker is not faulted; never let the submitter die silently
+                result = self.capp.send_task(
+                    name, args=(key, op), kwargs={"reckless": reckless}, queue=queue,
+                    retry=True, retry_policy=REPUBLISH_RETRY_POLICY,  # rides over a broker restart
+                )  # fmt: skip
+            except Exception as exc:  # never let the submitter die silently
                 self.log(f"submit failed: {exc!r}")
                 continue
             at_s = round(time.monotonic() - self.start_mono, 2)
@@ -1025,14 +1075,17 @@ class Run:
         busy = {i.holder.get("worker") for i in self._held()}
         node = next((n for n in live if n.name in busy), None) or self.rng.choice(live)
         held = [i for i in self._held() if i.holder.get("worker") == node.name]
-        t = time.monotonic()
-        node.kill()
-        self._record(
-            "kill-node", t, node=node.name, keys=[i.key for i in held], holds=[i.owner for i in held]
-        )
-        self.nodes.remove(node)
-        node.stop()
-        self._start_node()
+        with self._nodes_lock:
+            if node not in self.nodes or not node.alive:
+                return False  # it exited on its own meanwhile; the supervisor replaced it
+            t = time.monotonic()
+            node.kill()
+            self._record(
+                "kill-node", t, node=node.name, keys=[i.key for i in held], holds=[i.owner for i in held]
+            )
+            self.nodes.remove(node)
+            node.stop()
+            self._start_node()
         return True
 
     def _clock_jump(self) -> bool:
@@ -1064,6 +1117,40 @@ class Run:
         self.server.start()
         self._record(
             "server-restart", t, how="SIGKILL" if crash else "SIGTERM", down_s=round(time.monotonic() - t, 2)
+        )
+        return True
+
+    def _server_pause(self) -> bool:
+        pid = self.server.pid
+        if pid is None:
+            return False
+        held = self._held()
+        pause = self.cfg.lease_seconds * 1.75
+        t = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            self._stop.wait(pause)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        self._record(
+            "server-pause", t, keys=[i.key for i in held], holds=[i.owner for i in held], paused_s=pause
+        )
+        return True
+
+    def _broker_restart(self) -> bool:
+        crash = sum(1 for f in self.faults if f["kind"] == "broker-restart") % 2 == 0
+        t = time.monotonic()
+        if crash:
+            self.redis.kill()
+        else:
+            assert self.redis.proc is not None
+            self.redis.proc.terminate()
+            self.redis.proc.wait(10)
+            self.redis.proc = None
+        self._stop.wait(1.0)
+        self.redis.start()
+        self._record(
+            "broker-restart", t, how="SIGKILL" if crash else "SIGTERM", down_s=round(time.monotonic() - t, 2)
         )
         return True
 
@@ -1103,6 +1190,10 @@ class Run:
             return self._clock_jump()
         if kind == "server-restart":
             return self._server_restart()
+        if kind == "server-pause":
+            return self._server_pause()
+        if kind == "broker-restart":
+            return self._broker_restart()
         if kind in ("fail-close", "fail-error", "fail-block"):
             return self._fail_point(kind)
         raise ValueError(f"unknown fault {kind!r}")
@@ -1154,18 +1245,17 @@ class Run:
                 self.log(f"client {self.client_names.get(proc.pid)} did not stop; killing it")
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
-        from celery.result import AsyncResult
-
+        backend = self.results.backend
         states: dict[str, Doc] = {}
         waiting = dict(self.submitted)
         deadline = time.monotonic() + self.cfg.drain_timeout
         while waiting and time.monotonic() < deadline:
             for task_id, info in list(waiting.items()):
-                res = AsyncResult(task_id, app=self.capp)
                 try:
-                    state = res.state
+                    meta = backend.get_task_meta(task_id)
+                    state = meta["status"]
                     if state in ("SUCCESS", "FAILURE", "REVOKED"):
-                        states[task_id] = {**info, "state": state, "result": _plain(res.result)}
+                        states[task_id] = {**info, "state": state, "result": _plain(meta["result"])}
                         del waiting[task_id]
                 except Exception as exc:
                     self.log(f"result of {task_id}: {exc!r}")
@@ -1174,8 +1264,11 @@ class Run:
         where = self._find_messages(waiting) if waiting else {}
         events = read_histories(self.hist_dir) if waiting else []
         for task_id, info in waiting.items():
-            res = AsyncResult(task_id, app=self.capp)
-            states[task_id] = {**info, "state": res.state, "result": None, "message": where.get(task_id)}
+            try:
+                state = backend.get_task_meta(task_id)["status"]
+            except Exception as exc:
+                state = f"unknown: {exc!r}"
+            states[task_id] = {**info, "state": state, "result": None, "message": where.get(task_id)}
             place = where.get(task_id)
             lost = lost_by_broker(task_id, info, place, events, self.faults, start=self.start_mono)
             if lost:
@@ -1206,17 +1299,21 @@ class Run:
     def run(self) -> Doc:
         t_start = time.monotonic()
         submitter = threading.Thread(target=self._submitter, name="lockcheck-submitter", daemon=True)
+        supervisor = threading.Thread(target=self.supervise, name="lockcheck-supervisor", daemon=True)
         try:
             self.setup()
             setup_s = time.monotonic() - t_start
             self.log(f"set up in {setup_s:.1f}s: server {self.server.url}, {len(self.clients)} clients, "
                      f"{len(self.nodes)} nodes{' + 1 skewed node' if self.skewed_node else ''}")  # fmt: skip
             submitter.start()
+            supervisor.start()
             self.faults_loop()
             self._stop.set()
             submitter.join(10)
             self.log("draining: clients stop, submitted tasks finish")
             tasks = self.drain()
+            self._supervisor_stop.set()
+            supervisor.join(130)
             for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:
                 node.stop()
             docs = self._final_docs()
@@ -1232,6 +1329,7 @@ class Run:
                 "keys": len(docs),
                 "lease_seconds": self.cfg.lease_seconds,
                 "faults_skipped": self.skipped_faults,
+                "node_exits": self.node_exits,
             }
             report = figures(history, self.faults, violations, extra)
             report["fault_log"] = self.faults
@@ -1240,6 +1338,7 @@ class Run:
             return report
         finally:
             self._stop.set()
+            self._supervisor_stop.set()
             self.close()
 
     def _final_docs(self) -> dict[str, Doc]:
@@ -1309,6 +1408,11 @@ def format_report(report: Doc) -> str:
             if v["n"]
         )
     )
+    if report.get("node_exits"):
+        lines.append(
+            f"  worker nodes that exited on their own and were replaced: {len(report['node_exits'])} "
+            f"(last error: {report['node_exits'][-1].get('last_error')})"
+        )
     lines.append(f"  violations {report['violations']}")
     lines += [f"    {v}" for v in report["violation_list"]]
     return "\n".join(lines)

@@ -45,6 +45,10 @@ app.conf.update(
         # every other node's sweeps for longer than the checker waits for the last tasks.
         "unacked_mutex_expire": 10,
     },
+    # A result stored while the broker (also the result backend here) restarts is retried, not lost; with
+    # the default, a run that did its work ends FAILURE (ConnectionError) when its result cannot be stored.
+    result_backend_always_retry=True,
+    result_backend_max_retries=60,
     worker_hijack_root_logger=False,
     worker_prefetch_multiplier=1,
     task_acks_late=True,
