@@ -210,7 +210,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         store = get_store(self.app)
         request = self.request
         policy = options.on_contention
-        info: dict[str, Any] = {"task_name": self.name, "task_id": request.id, "worker": request.hostname}
+        info: dict[str, Any] = {
+            "task_name": self.name,
+            "task_id": request.id,
+            "worker": request.hostname,
+            "delivery": _delivery(request),
+        }
         tick, hold_until_ms = _beat_tick(request)
         if tick is not None:
             info["beat_tick"] = tick
@@ -221,9 +226,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._unavailable(key, exc, policy, direct)
         if first_run_done:
             log_acquire.info(
-                "%s[%s]: parked duplicate of a run that has ended and released %r; dropped",
+                "%s[%s]: %s of a run that has ended and released %r; dropped",
                 self.name,
                 request.id,
+                "parked duplicate" if (request.headers or {}).get(DUPLICATE_HEADER) else "redelivery",
                 key,
             )
             raise Ignore()
@@ -302,17 +308,27 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
 
     def _first_run_done(self, store: Any, key: str) -> bool:
-        """For a parked duplicate: did the first run (same task id) end and release the key itself?"""
+        """For a parked duplicate, or a message the broker delivered again (a worker died before it
+        acknowledged, a visibility timeout): did a run of this very delivery (same task id, same retry
+        and contention-retry count) end and release the key itself? Then running it again would be a
+        second run of one submission. One read, only for such messages."""
         request = self.request
-        if not (request.headers or {}).get(DUPLICATE_HEADER) or not request.id:
+        parked = bool((request.headers or {}).get(DUPLICATE_HEADER))
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        if not (parked or redelivered) or not request.id:
             return False
         with store._operation(f"inspect lease {key!r}"):
             doc = store.collection.find_one(
                 {"_id": key}, {"owner": 1, "holder": 1, "released_for": 1, "forced_release": 1}
             )
+        holder = (doc or {}).get("holder") or {}
+        delivery = _delivery(request)
+        # A holder recorded before deliveries were (an older version) matches a parked copy on its id.
+        same_delivery = holder.get("delivery", delivery if parked else None) == delivery
         return bool(
             doc is not None
-            and (doc.get("holder") or {}).get("task_id") == request.id
+            and holder.get("task_id") == request.id
+            and same_delivery
             and doc.get("owner") is None
             and doc.get("released_for") is None
             and not doc.get("forced_release")
@@ -371,6 +387,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 redact(str(exc)),
             )
             raise
+
+
+def _delivery(request: Any) -> str:
+    """Which run of a task id a message is: its own retries and its contention retries. A copy of the
+    same message (redelivered, parked) has the same; ``Task.retry()`` and a contention retry do not."""
+    headers = getattr(request, "headers", None) or {}
+    return f"{int(getattr(request, 'retries', 0) or 0)}.{int(headers.get(CONTENTION_HEADER) or 0)}"
 
 
 def _beat_tick(request: Any) -> tuple[int | None, int | None]:

@@ -5,6 +5,7 @@ the MongoDB-compatible server. Runs record their start and end in MongoDB; the t
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import time
 import uuid
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import chain
 from celery.result import AsyncResult
 from pymongo import MongoClient
@@ -269,6 +271,50 @@ def test_a_parked_duplicate_runs_when_the_first_run_died(cluster: Cluster) -> No
     assert res.get(timeout=60) == t
     assert len(cluster.runs(t, "start")) == 1
     first.release()
+
+
+def _deliver_again(queue: str, task_ids: set[str]) -> None:
+    """Take the messages off ``queue`` without acknowledging them and drop the connection: kombu's Redis
+    transport puts them back marked ``redelivered``, as it does for a worker that died before it
+    acknowledged (or after the visibility timeout)."""
+    with it.app.connection_for_read() as conn:
+        channel = conn.default_channel
+        taken: set[str] = set()
+        while taken != task_ids:
+            message = channel.basic_get(queue, no_ack=False)
+            assert message is not None, f"{task_ids - taken} not in {queue}"
+            taken.add(message.headers["id"])
+    raw = redis.Redis.from_url(str(it.app.conf.broker_url))
+    try:
+        queued = [json.loads(m) for m in raw.lrange(queue, 0, -1)]
+    finally:
+        raw.close()
+    assert {m["headers"]["id"] for m in queued} == task_ids
+    assert all(m["headers"].get("redelivered") for m in queued), "kombu did not mark them redelivered"
+
+
+def test_a_redelivered_message_whose_run_ended_does_not_run_again(cluster: Cluster) -> None:
+    """A worker that dies after a run ended but before it acknowledged the message (the Celery 5.7.0
+    worker does, when the Redis broker goes away) gets the message redelivered: the lease document
+    knows that this very delivery ran and released the key, so it is not run a second time. A
+    redelivered message that never ran still runs."""
+    queue = f"redeliver{tag()}"
+    done_resource, done_tag, done_id = tag(), tag(), str(uuid.uuid4())
+    assert it.guarded.apply_async((done_resource, done_tag), task_id=done_id).get(timeout=30) == done_tag
+    fresh_resource, fresh_tag, fresh_id = tag(), tag(), str(uuid.uuid4())
+    it.guarded.apply_async((done_resource, done_tag), task_id=done_id, queue=queue)
+    it.guarded.apply_async((fresh_resource, fresh_tag), task_id=fresh_id, queue=queue)
+    _deliver_again(queue, {done_id, fresh_id})
+    w = cluster.worker(name=f"r{tag()}@localhost", extra_args=["-Q", queue])
+    assert AsyncResult(fresh_id, app=it.app).get(timeout=30) == fresh_tag
+    wait_for(
+        lambda: "redelivery of a run that has ended" in w.log() and done_id in w.log(),
+        timeout=30,
+        message="the redelivered copy of the finished run to be dropped",
+    )
+    assert len(cluster.runs(done_tag, "start")) == 1, "the finished run ran again"
+    assert len(cluster.runs(fresh_tag, "start")) == 1
+    w.stop()
 
 
 # -- exit paths ----------------------------------------------------------------------------------------
