@@ -6,6 +6,7 @@ engine underneath (``LeaseStore``, ``Lease``) works without Celery.
 
 from __future__ import annotations
 
+from .__about__ import __version__
 from .exceptions import (
     ConfigurationError,
     InvalidKey,
@@ -18,8 +19,6 @@ from .fencing import FencedOut, fenced_update_one
 from .policies import Fail, Retry, Skip, Wait
 from .store import Lease, LeaseInfo, LeaseStore
 from .task import SingletonTask, current_lease, singleton_task
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "ConfigurationError",
