@@ -2,6 +2,7 @@
 """Soak the lease lock: the lock-set checker of tests/lockcheck.py, run for longer with faults repeated.
 
     .venv/bin/python scripts/soak.py --duration 300 --seed 7 --json soak.json
+    .venv/bin/python scripts/soak.py --bounded --seeds 10 --workdir /tmp/soak   # make test's run, 10 seeds
 
 Bare LeaseStore clients and real Celery prefork workers do fenced read-modify-writes on protected
 documents under their leases while holders are paused (SIGSTOP), worker children and whole nodes are
@@ -17,6 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -49,33 +51,78 @@ def main(argv: list[str] | None = None) -> int:
         help="also run a Celery node whose wall clock jumps forward, with a queue of its own "
         "(default: on where libfaketime is installed)",
     )
-    parser.add_argument("--workdir", type=Path, default=None, help="keep logs and histories here")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="run N seeds back to back (--seed, --seed+1, ...), one summary line each (default 1)",
+    )
+    parser.add_argument(
+        "--bounded",
+        action="store_true",
+        help="the bounded run of make test (70 s, every fault once) instead of repeated faults",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep logs and histories here (a subdirectory per seed with --seeds)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     faults = tuple(f for f in args.faults.split(",") if f)
     unknown = set(faults) - set(lockcheck.ALL_FAULTS)
     if unknown:
         parser.error(f"unknown faults: {', '.join(sorted(unknown))}")
-    cfg = lockcheck.Config(
-        duration=args.duration,
-        seed=args.seed,
-        clients=args.clients,
-        nodes=args.nodes,
-        keys=args.keys,
-        lease_seconds=args.lease,
-        faults=faults,
-        repeat_faults=True,
-        fault_interval=args.fault_interval,
-        workdir=args.workdir,
-        skewed_node=args.skewed_node,
-    )
-    report = lockcheck.run(cfg)
-    print(lockcheck.format_report(report), file=sys.stderr)
-    text = json.dumps(report, indent=2, default=str)
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    reports = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        workdir = args.workdir
+        if workdir is not None and args.seeds > 1:
+            workdir = workdir / f"seed-{seed}"
+        if args.bounded:
+            cfg = lockcheck.Config(duration=70.0, seed=seed, workdir=workdir, faults=faults)
+        else:
+            cfg = lockcheck.Config(
+                duration=args.duration,
+                seed=seed,
+                clients=args.clients,
+                nodes=args.nodes,
+                keys=args.keys,
+                lease_seconds=args.lease,
+                faults=faults,
+                repeat_faults=True,
+                fault_interval=args.fault_interval,
+                workdir=workdir,
+                skewed_node=args.skewed_node,
+            )
+        report = lockcheck.run(cfg)
+        print(lockcheck.format_report(report), file=sys.stderr)
+        reports.append(report)
+        if args.seeds > 1:
+            print(summary_line(report), file=sys.stderr, flush=True)
+    if args.seeds > 1:
+        print("\nper seed:", file=sys.stderr)
+        for report in reports:
+            print(summary_line(report), file=sys.stderr)
+        bad = sum(1 for r in reports if r["violations"])
+        print(f"{len(reports) - bad} of {len(reports)} seeds passed", file=sys.stderr)
+    text = json.dumps(reports[0] if len(reports) == 1 else reports, indent=2, default=str)
     if args.json:
         args.json.write_text(text + "\n")
     print(text)
-    return 1 if report["violations"] else 0
+    return 1 if any(r["violations"] for r in reports) else 0
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """One line per seed: violations, unfinished tasks, faults, duration."""
+    tasks, faults = report["tasks"], report["faults"]
+    return (
+        f"seed {report['seed']}: violations {report['violations']}, unfinished {tasks['unfinished']} "
+        f"(lost by the broker {tasks['lost_by_broker']}), tasks {tasks['submitted']}, "
+        f"faults {sum(faults.values())}, {report['duration_s']} s, workdir {report.get('workdir')}"
+    )
 
 
 if __name__ == "__main__":

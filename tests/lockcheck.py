@@ -86,6 +86,8 @@ from celery_mongolock.fencing import FencedOut, fenced_update_one
 from celery_mongolock.store import Lease, _local_ttl
 from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
+from . import brokerlog
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lockcheck:"
 VISIBILITY_TIMEOUT = 15
@@ -98,6 +100,17 @@ SKEWED_QUEUE = "lockcheck.skewed"
 #: when the first run's node was killed next, the task was gone and stayed pending. The other nodes
 #: (true clocks) still restore a killed node's messages; the skewed node itself is never killed.
 SKEWED_VISIBILITY_TIMEOUT = 10 * 365 * 86400
+#: How often the nodes' kombu sweeps look for unacknowledged messages to restore (lockcheck_app).
+RESTORE_INTERVAL = 2
+#: Guards against a hang, never a pass/fail deadline: waits end on their conditions (a node ready or
+#: exited; a task finished; a message restored) and on measured progress. These only stop a run that
+#: makes no progress at all for this long.
+START_GUARD_S = 600.0
+DRAIN_GUARD_S = 1800.0
+#: Attempts at a fault that finds no victim (each waits for one) before the run says it was skipped.
+FAULT_TRIES = 30
+#: The clock mark written into the broker's append-only file (see tests/brokerlog.py).
+CLOCK_MARK_INTERVAL = 0.1
 FAKETIME_LIBS = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
     "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
@@ -612,30 +625,57 @@ def recovery_times(faults: list[Doc], events: list[Doc]) -> dict[str, Doc]:
 
 
 def lost_by_broker(
-    task_id: str, submitted: Doc, where: str | None, events: list[Doc], faults: list[Doc], *, start: float
+    task_id: str, where: str | None, log: brokerlog.BrokerLog | None, faults: list[Doc], *, start: float
 ) -> str | None:
-    """Why the broker, not the library, lost an unfinished task's message, when the histories prove it.
+    """Why the broker, not the library, lost an unfinished task's message, when the broker's own record
+    proves it; None otherwise (and the task stays a violation).
 
-    kombu's Redis transport takes a message off its queue (BRPOP) before it records it as
-    unacknowledged; a node SIGKILLed in between loses the message without a trace (celery/celery#7950:
-    at most once). Proven when the message is in no queue and not unacknowledged (``where``), no node
-    received its last publication (the submitter's, ``submitted["t"]``, or a retry's: ``pub`` events; a
-    node that lives records ``recv`` within milliseconds, from ``task_received``, which Celery sends after
-    kombu's record), and a node was SIGKILLed after that publication. A message that a node received and
-    that then went missing is not explained by this, and stays a violation."""
-    if where != "nowhere":
+    kombu's Redis transport takes a message off its queue (BRPOP) before it records it as unacknowledged
+    (one pipeline after the pop: ``kombu.transport.redis.QoS.append``). A consumer that dies in between
+    (its node SIGKILLed) or whose recording fails because the broker itself went down (crash or stop)
+    loses the message: celery/celery#7950, at most once. Proven only when all of this holds:
+
+    - the message is in no queue and not unacknowledged now (``where == "nowhere"``);
+    - the broker's append-only file, replayed (``tests/brokerlog.py``), shows the task's last message
+      copy popped and never recorded as unacknowledged, nor pushed again, afterwards;
+    - a fault that cuts a consumer off (``kill-node``, ``broker-restart``) happened after the clock mark
+      before that pop and no later than the clock mark after it plus the longest pop-to-record time that
+      the file shows for the messages that were recorded in this run (measured, not assumed).
+    """
+    if where != "nowhere" or log is None:
         return None
-    mine = [e for e in events if e.get("task_id") == task_id and e.get("ev") in ("pub", "recv")]
-    last_pub = max([float(submitted.get("t", 0.0)), *(float(e["t"]) for e in mine if e["ev"] == "pub")])
-    if any(e["ev"] == "recv" and float(e["t"]) >= last_pub for e in mine):
+    popped = log.last_pop_unrecorded(task_id)
+    if popped is None:
         return None
-    kills = [f for f in faults if f["kind"] == "kill-node" and float(f["t"]) >= last_pub]
-    if not kills:
+    tag, after, before = popped
+    window_end = before + max(log.max_pop_to_record_s, CLOCK_MARK_INTERVAL)
+    cuts = [
+        f
+        for f in faults
+        if f["kind"] in ("kill-node", "broker-restart") and after <= float(f["t"]) <= window_end
+    ]
+    if not cuts:
         return None
+    cut = cuts[0]
+    who = f"node {cut.get('node')} SIGKILLed" if cut["kind"] == "kill-node" else f"broker {cut.get('how')}"
     return (
-        f"published at {last_pub - start:.2f}s, received by no node, in no queue and not unacknowledged; "
-        f"node {kills[0].get('node')} was SIGKILLed at {float(kills[0]['t']) - start:.2f}s"
+        f"message {tag} popped off its queue between {after - start:.2f}s and {before - start:.2f}s and "
+        f"never recorded as unacknowledged (broker append-only file, {log.commands} commands); {who} at "
+        f"{float(cut['t']) - start:.2f}s, within the longest pop-to-record time measured in this run "
+        f"({log.max_pop_to_record_s:.2f}s)"
     )
+
+
+def broker_steps(log: brokerlog.BrokerLog, task_id: str, start: float) -> list[str]:
+    """A task's message copies as the broker's file tells them (for the report of an unfinished task)."""
+    out = []
+    for tag in log.by_task.get(task_id, []):
+        steps = " ".join(
+            f"{kind}@{after - start:.2f}" if after != float("-inf") else kind
+            for kind, after, _ in log.steps.get(tag, [])
+        )
+        out.append(f"{tag[:8]}: {steps}")
+    return out
 
 
 def figures(history: History, faults: list[Doc], violations: list[Violation], extra: Doc) -> Doc:
@@ -731,9 +771,14 @@ class Node:
         self.queue = queue
         self.log_path = ready_dir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.start_s = 0.0
 
-    def start(self, timeout: float = 120.0) -> Node:
+    def start(self, timeout: float = START_GUARD_S) -> Node:
+        """Start the node and wait until it is ready or has exited (then raise with its log). Slow is not
+        dead: on a loaded machine start-up takes as long as it takes; ``timeout`` only guards against a
+        hang and is far beyond any start-up seen (the measured times are in ``Run.start_times``)."""
         marker = self.ready_dir / f"{self.name}.ready"
+        t0 = time.monotonic()
         marker.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "celery", "-A", "tests.lockcheck_app", "worker", "--pool=prefork"]
         cmd += [f"--concurrency={self.concurrency}", "-n", self.name, "--loglevel=WARNING"]
@@ -746,6 +791,7 @@ class Node:
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
         _wait(lambda: self._ready(marker), timeout, f"worker {self.name} to be ready")
+        self.start_s = time.monotonic() - t0
         return self
 
     def _ready(self, marker: Path) -> bool:
@@ -856,11 +902,18 @@ class Run:
         self._supervisor_stop = threading.Event()
         #: Worker nodes that exited on their own and were replaced, as systemd would (not faults).
         self.node_exits: list[Doc] = []
+        #: Measured start-up times of every node started (seconds): the drain's patience scales with them.
+        self.start_times: list[float] = []
+        self._marks_stop = threading.Event()
+        self._marks: threading.Thread | None = None
+        self.drain_s = 0.0
 
     # -- set-up ------------------------------------------------------------------------------------------
     def setup(self) -> None:
         self.server.start()
         self.redis.start()
+        self._marks = threading.Thread(target=self._clock_marks, name="lockcheck-clock-marks", daemon=True)
+        self._marks.start()
         self.capp.conf.update(broker_url=self.redis.url)
         self.results.conf.update(broker_url=self.redis.url, result_backend=self.redis.url)
         self.store = LeaseStore(self.server.url, database=self.db, lease_seconds=30, operation_timeout=3.0)
@@ -879,6 +932,7 @@ class Run:
                 "LOCKCHECK_VISIBILITY_TIMEOUT": str(SKEWED_VISIBILITY_TIMEOUT),
             }
             self.skewed_node = Node("skewed@lockcheck", env, self.dir, 1, SKEWED_QUEUE).start()
+            self.start_times.append(self.skewed_node.start_s)
 
     def supervise(self) -> None:
         """Replace a worker node that exited without being told to, as ``systemd`` (``Restart=always``) or
@@ -905,6 +959,7 @@ class Run:
                     try:
                         if node is self.skewed_node:
                             self.skewed_node = Node(node.name, node.env, self.dir, 1, SKEWED_QUEUE).start()
+                            self.start_times.append(self.skewed_node.start_s)
                         else:
                             self.nodes.remove(node)
                             self._start_node()
@@ -949,7 +1004,9 @@ class Run:
         self.node_seq += 1
         node = Node(f"n{self.node_seq}@lockcheck", self._node_env(), self.dir, self.cfg.concurrency, None)
         self.nodes.append(node)
-        return node.start()
+        node.start()
+        self.start_times.append(node.start_s)
+        return node
 
     # -- the workload ------------------------------------------------------------------------------------
     def _submitter(self) -> None:
@@ -1219,7 +1276,9 @@ class Run:
             slot = time.monotonic() + gap * (0.7 + 0.6 * self.rng.random())
             if not self.inject(kind):
                 tries[kind] += 1
-                if tries[kind] < 5:
+                # Every fault must land once: on a loaded machine a holder to hit can take a while to
+                # appear, so the first pass goes on (past the duration if need be) until it has one.
+                if tries[kind] < FAULT_TRIES:
                     self.log(f"fault {kind}: no victim found now; retrying later")
                     pending.append(kind)
                 else:
@@ -1240,7 +1299,7 @@ class Run:
                 os.kill(proc.pid, signal.SIGCONT)
         for proc in self.clients:
             try:
-                proc.wait(30)
+                proc.wait(START_GUARD_S)  # a client ends its current hold first: slow is not stuck
             except subprocess.TimeoutExpired:
                 self.log(f"client {self.client_names.get(proc.pid)} did not stop; killing it")
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -1248,8 +1307,11 @@ class Run:
         backend = self.results.backend
         states: dict[str, Doc] = {}
         waiting = dict(self.submitted)
-        deadline = time.monotonic() + self.cfg.drain_timeout
-        while waiting and time.monotonic() < deadline:
+        t_begin = last_progress = time.monotonic()
+        seen: dict[str, str] = {}
+        restore_by = 0.0
+        while waiting:
+            now = time.monotonic()
             for task_id, info in list(waiting.items()):
                 try:
                     meta = backend.get_task_meta(task_id)
@@ -1257,12 +1319,29 @@ class Run:
                     if state in ("SUCCESS", "FAILURE", "REVOKED"):
                         states[task_id] = {**info, "state": state, "result": _plain(meta["result"])}
                         del waiting[task_id]
+                        last_progress = now
                 except Exception as exc:
                     self.log(f"result of {task_id}: {exc!r}")
-            if waiting:
-                time.sleep(0.5)
+            if not waiting:
+                break
+            where, restore_by = self._broker_view(waiting)
+            if where != seen:  # a message moved (delivered, retried, restored): progress
+                seen, last_progress = where, now
+            # Waiting ends on measured progress, not on a constant: give up only when nothing finished
+            # and no message moved for longer than a healthy run can take between two such events, and
+            # no unacknowledged message is still due to come back (its restore time, by the broker's
+            # own rule, is in the future: the skewed node's deliveries carry its fast clock).
+            quiet = now - last_progress
+            if quiet > self._stall_allowance() and time.time() > restore_by:
+                self.log(f"drain: no progress for {quiet:.0f}s; {len(waiting)} task(s) unfinished")
+                break
+            if now - t_begin > DRAIN_GUARD_S:
+                self.log(f"drain: still {len(waiting)} unfinished after {DRAIN_GUARD_S:.0f}s; giving up")
+                break
+            time.sleep(0.5)
+        self.drain_s = round(time.monotonic() - t_begin, 1)
         where = self._find_messages(waiting) if waiting else {}
-        events = read_histories(self.hist_dir) if waiting else []
+        broker_log = self._broker_log() if waiting else None
         for task_id, info in waiting.items():
             try:
                 state = backend.get_task_meta(task_id)["status"]
@@ -1270,11 +1349,74 @@ class Run:
                 state = f"unknown: {exc!r}"
             states[task_id] = {**info, "state": state, "result": None, "message": where.get(task_id)}
             place = where.get(task_id)
-            lost = lost_by_broker(task_id, info, place, events, self.faults, start=self.start_mono)
+            lost = lost_by_broker(task_id, place, broker_log, self.faults, start=self.start_mono)
             if lost:
                 states[task_id]["lost_by_broker"] = lost
+            elif broker_log is not None:
+                states[task_id]["broker_steps"] = broker_steps(broker_log, task_id, self.start_mono)
             self.log(f"unfinished: {task_id} {states[task_id]}")
         return states
+
+    def _stall_allowance(self) -> float:
+        """The longest a healthy run goes with no task finishing and no message moving: a dead node's
+        message comes back after the visibility timeout and a sweep, a replaced node takes its measured
+        start-up time (twice the slowest seen in this run: the machine's load decides it), a contention
+        retry backs off at most a second, a parked duplicate waits a lease length."""
+        slowest_start = max([n.start_s for n in self.nodes] + self.start_times + [1.0])
+        return VISIBILITY_TIMEOUT + 2 * RESTORE_INTERVAL + 2 * slowest_start + 4 * self.cfg.lease_seconds + 10
+
+    def _broker_view(self, task_ids: Iterable[str]) -> tuple[dict[str, str], float]:
+        """Where each unfinished task's message is, and the wall-clock time by which every one of those
+        that sits unacknowledged becomes due for a sweep (delivery time + visibility timeout)."""
+        import redis
+
+        ids = list(task_ids)
+        where = dict.fromkeys(ids, "nowhere")
+        restore_by = 0.0
+        try:
+            client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
+            try:
+                places: dict[str, Any] = {q: client.lrange(q, 0, -1) for q in ("celery", SKEWED_QUEUE)}
+                unacked: dict[bytes, bytes] = client.hgetall("unacked")  # type: ignore[assignment]
+                zrange: Any = client.zrange("unacked_index", 0, -1, withscores=True)
+                scores = {bytes(k): float(v) for k, v in zrange}
+            finally:
+                client.close()
+        except Exception:
+            return dict.fromkeys(ids, "unknown"), float("inf")
+        for place, messages in places.items():
+            for raw in messages:
+                text = raw.decode(errors="replace")
+                for task_id in ids:
+                    if task_id in text:
+                        where[task_id] = place
+        for tag, raw in unacked.items():
+            text = raw.decode(errors="replace")
+            for task_id in ids:
+                if task_id in text:
+                    where[task_id] = "unacked"
+                    restore_by = max(restore_by, float(scores.get(tag, 0.0)) + VISIBILITY_TIMEOUT + 1)
+        return where, restore_by
+
+    def _broker_log(self) -> brokerlog.BrokerLog | None:
+        try:
+            return brokerlog.replay(Path(self.redis.dir) / "appendonly.aof")
+        except OSError as exc:
+            self.log(f"could not read the broker's append-only file: {exc!r}")
+            return None
+
+    def _clock_marks(self) -> None:
+        """Write the monotonic time into the broker every CLOCK_MARK_INTERVAL seconds, so that each command
+        in its append-only file lies between two known times (see tests/brokerlog.py)."""
+        import redis
+
+        client = redis.Redis.from_url(self.redis.url, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            while not self._marks_stop.wait(CLOCK_MARK_INTERVAL):
+                with contextlib.suppress(redis.RedisError, OSError):
+                    client.set(brokerlog.CLOCK_KEY, repr(time.monotonic()))
+        finally:
+            client.close()
 
     def _find_messages(self, task_ids: Iterable[str]) -> dict[str, str]:
         """Where the broker holds each task's message: a queue, the unacknowledged set, or nowhere (lost)."""
@@ -1330,6 +1472,8 @@ class Run:
                 "lease_seconds": self.cfg.lease_seconds,
                 "faults_skipped": self.skipped_faults,
                 "node_exits": self.node_exits,
+                "drain_s": self.drain_s,
+                "node_start_s": _stats(self.start_times),
             }
             report = figures(history, self.faults, violations, extra)
             report["fault_log"] = self.faults
@@ -1347,6 +1491,7 @@ class Run:
         return {str(d["_id"]): d for d in found}
 
     def close(self) -> None:
+        self._marks_stop.set()
         self.stop_file.write_text("stop")
         for proc in self.clients:
             if proc.poll() is None:
@@ -1360,6 +1505,9 @@ class Run:
             with contextlib.suppress(Exception):
                 self.store.close()
         self.server.stop()
+        # Keep the broker's own record with the histories (tests/brokerlog.py replays it).
+        with contextlib.suppress(OSError):
+            shutil.copyfile(Path(self.redis.dir) / "appendonly.aof", self.dir / "broker-appendonly.aof")
         self.redis.stop()
 
 

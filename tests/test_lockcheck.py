@@ -6,12 +6,14 @@ Run alone: ``pytest -m lockcheck``. A longer soak: ``python scripts/soak.py --du
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from . import lockcheck
+from . import brokerlog, lockcheck
 from .lockcheck import Config, History, Violation, check
 
 pytestmark = pytest.mark.lockcheck
@@ -142,31 +144,89 @@ def test_a_task_the_broker_lost_is_counted_not_hidden() -> None:
     assert lockcheck.figures(h, [], [], {})["tasks"]["lost_by_broker"] == 1
 
 
-def test_lost_by_the_broker_only_when_the_histories_prove_it() -> None:
-    kill = {"kind": "kill-node", "t": 12.0, "node": "n1"}
-    sent = {"t": 10.0}
-
-    def lost(where: str | None, events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> bool:
-        return lockcheck.lost_by_broker("t", sent, where, events, faults, start=0.0) is not None
-
-    assert lost("nowhere", [], [kill])
-    # The message is still somewhere: not lost (the checker waited too little, or the sweeps did).
-    assert not lost("celery", [], [kill])
-    assert not lost("unacked", [], [kill])
-    # A node received it: whatever lost it afterwards, the broker's pop window did not.
-    assert not lost("nowhere", [{"ev": "recv", "task_id": "t", "t": 10.5}], [kill])
-    # No node was killed after it was published.
-    assert not lost("nowhere", [], [{**kill, "t": 9.0}, {"kind": "kill-child", "t": 12.0}])
-    # Received, then retried (published again): the retry's message is the one that counts.
-    retried = [{"ev": "recv", "task_id": "t", "t": 10.5}, {"ev": "pub", "task_id": "t", "t": 11.0}]
-    assert lost("nowhere", retried, [kill])
-    assert not lost("nowhere", [*retried, {"ev": "recv", "task_id": "t", "t": 11.2}], [kill])
-    assert not lost("nowhere", [*retried, {"ev": "pub", "task_id": "t", "t": 12.5}], [kill])
-    # Another task's receipt says nothing about this one.
-    assert lost("nowhere", [{"ev": "recv", "task_id": "other", "t": 10.5}], [kill])
+def _resp(*args: str | bytes) -> bytes:
+    """One command as Redis appends it to its append-only file."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        raw = arg.encode() if isinstance(arg, str) else arg
+        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+    return b"".join(out)
 
 
-@pytest.mark.timeout(420)
+def _message(task_id: str, tag: str) -> str:
+    return json.dumps({"headers": {"id": task_id}, "properties": {"delivery_tag": tag}, "body": "..."})
+
+
+def _mark(t: float) -> bytes:
+    return _resp("SET", "lockcheck:clock", repr(t))
+
+
+def _aof(tmp_path: Path, *commands: bytes) -> brokerlog.BrokerLog:
+    path = tmp_path / "appendonly.aof"
+    path.write_bytes(b"".join(commands))
+    return brokerlog.replay(path)
+
+
+def _recorded(task_id: str, tag: str) -> bytes:
+    entry = json.dumps([json.loads(_message(task_id, tag)), "", "celery"])
+    return _resp("HSET", "unacked", tag, entry)
+
+
+def test_the_broker_log_replays_pops_records_and_restores(tmp_path: Path) -> None:
+    log = _aof(
+        tmp_path,
+        _mark(1.0), _resp("LPUSH", "celery", _message("t1", "d1")),
+        _resp("LPUSH", "celery", _message("t2", "d2")),
+        _mark(2.0), _resp("RPOP", "celery"),  # BRPOP as Redis logs it: takes d1 (pushed first)
+        _mark(2.3), _resp("MULTI"), _resp("ZADD", "unacked_index", "5", "d1"), _recorded("t1", "d1"),
+        _resp("EXEC"),
+        # A sweep restores d1: off the unacknowledged hash, back on the consuming end of its queue.
+        _mark(3.0), _resp("HDEL", "unacked", "d1"), _resp("RPUSH", "celery", _message("t1", "d1")),
+        _mark(4.0), _resp("RPOP", "celery"),  # takes d1 again (restored to the consuming end)
+        _mark(5.0), _resp("RPOP", "celery"),  # takes d2, never recorded
+        _mark(6.0), b"*3\r\n$4\r\nLPUSH",  # a torn last command (a crash in mid-write) is ignored
+    )  # fmt: skip
+    assert [k for k, _, _ in log.steps["d1"]] == ["push", "pop", "record", "remove", "push", "pop"]
+    assert log.last_pop_unrecorded("t1") == ("d1", 4.0, 5.0)
+    assert log.last_pop_unrecorded("t2") == ("d2", 5.0, 6.0)
+    assert log.last_pop_unrecorded("nobody") is None
+    assert log.max_pop_to_record_s == pytest.approx(1.0)  # d1: popped after 2.0, recorded before 3.0
+
+
+def test_lost_by_the_broker_only_when_its_own_log_proves_it(tmp_path: Path) -> None:
+    popped_then_cut = (
+        _mark(10.0), _resp("LPUSH", "celery", _message("t", "d1")),
+        _mark(11.0), _resp("LPUSH", "celery", _message("u", "d2")), _resp("RPOP", "celery"),
+        _mark(11.1), _resp("RPOP", "celery"),
+        _mark(11.2), _recorded("u", "d2"),
+        _mark(11.3),
+    )  # fmt: skip
+    log = _aof(tmp_path, *popped_then_cut)
+    crash = {"kind": "broker-restart", "t": 11.25, "how": "SIGKILL"}
+    kill = {"kind": "kill-node", "t": 11.05, "node": "n1"}
+
+    def lost(where: str | None, faults: list[dict[str, Any]], log: Any = log) -> bool:
+        return lockcheck.lost_by_broker("t", where, log, faults, start=0.0) is not None
+
+    assert lost("nowhere", [crash])
+    assert lost("nowhere", [kill])
+    # The message is still somewhere: not lost (the sweeps will bring it back).
+    assert not lost("unacked", [crash]) and not lost("celery", [crash])
+    # No fault that cuts a consumer off, or one long after the pop: not the broker's window.
+    assert not lost("nowhere", [])
+    assert not lost("nowhere", [{"kind": "kill-child", "t": 11.05}, {"kind": "server-pause", "t": 11.05}])
+    assert not lost("nowhere", [{**crash, "t": 30.0}])
+    assert not lost("nowhere", [{**crash, "t": 9.0}])  # before the pop
+    # Recorded as unacknowledged after the pop: whatever lost it, the pop window did not.
+    assert not lost("nowhere", [crash], _aof(tmp_path, *popped_then_cut, _recorded("t", "d1")))
+    # Pushed again (a retry) after the pop and that copy was never popped: not this.
+    again = _aof(tmp_path, *popped_then_cut, _resp("LPUSH", "celery", _message("t", "d3")))
+    assert not lost("nowhere", [crash], again)
+    # No log at all (the file could not be read): nothing is proven.
+    assert not lost("nowhere", [crash], None)
+
+
+@pytest.mark.timeout(lockcheck.DRAIN_GUARD_S + 2 * lockcheck.START_GUARD_S)
 def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     seed = int(os.environ.get("LOCKCHECK_SEED", "1"))
     report = lockcheck.run(Config(duration=70.0, seed=seed, workdir=tmp_path))
