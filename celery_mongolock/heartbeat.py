@@ -10,6 +10,9 @@ each tick:
    or the lease they were for has expired anyway.
 
 A failed tick is retried sooner than the normal interval, so a blip costs little of the lease.
+
+The heartbeat sees its store only through ``RenewalStore`` (renew many leases, release tokens, is a
+primary known) and holds it by a weak reference, so a store that is dropped stops its heartbeat.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import logging
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .store import Lease, LeaseStore
+    from .clock import Clock
+    from .lease import Lease
 
-__all__ = ["Heartbeat", "give_up_margin"]
+__all__ = ["Heartbeat", "RenewalStore", "give_up_margin"]
 
 log = logging.getLogger("celery_mongolock.heartbeat")
 
@@ -39,10 +44,32 @@ def give_up_margin(lease: Lease) -> float:
     return min(lease.ttl * 0.1, 2.0, lease.heartbeat_seconds)
 
 
+class RenewalStore(Protocol):
+    """What the heartbeat needs from a lease store (``LeaseStore`` implements it)."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def operation_timeout(self) -> float: ...
+
+    def has_writable_server(self) -> bool:
+        """True if the driver currently knows a primary (no I/O)."""
+        ...
+
+    def renew_many(self, leases: list[Lease], timeout: float | None = None) -> list[Lease]:
+        """Renew ``leases`` in one round trip; mark lost and return those that no longer matched."""
+        ...
+
+    def release_tokens(self, tokens: Collection[str], timeout: float | None = None) -> int:
+        """Release the leases of these owner tokens in one round trip; return how many were released."""
+        ...
+
+
 class Heartbeat:
     """Keeps a store's leases alive from one daemon thread."""
 
-    def __init__(self, store: LeaseStore) -> None:
+    def __init__(self, store: RenewalStore) -> None:
         self._store = weakref.ref(store)
         self._clock = store.clock
         self._pid = os.getpid()
@@ -95,6 +122,11 @@ class Heartbeat:
             self._next_tick = self._clock.monotonic()
         self._ensure_thread()
         self._wake.set()
+
+    @property
+    def pid(self) -> int:
+        """The process this heartbeat belongs to (it is never inherited across ``fork()``)."""
+        return self._pid
 
     @property
     def leases(self) -> list[Lease]:
@@ -184,7 +216,7 @@ class Heartbeat:
             if lease.released:
                 self.discard(lease)
             elif now >= lease.deadline - give_up_margin(lease):
-                lease._mark_lost("renewals failed until just before the lease's deadline")
+                lease.mark_lost("renewals failed until just before the lease's deadline")
             elif not lease.lost:
                 renew.append(lease)
         ok = True
@@ -195,7 +227,7 @@ class Heartbeat:
             try:
                 # With no reachable primary, pymongo's server selection only notices its deadline every
                 # 0.5 s: leave that much slack, or the renewal would overrun the give-up time.
-                if not store.client.topology_description.has_writable_server():
+                if not store.has_writable_server():
                     budget -= _SELECTION_SLACK
                     if budget < 0.05:
                         raise TimeoutError("no reachable primary, and too little time left to wait for one")
@@ -209,12 +241,12 @@ class Heartbeat:
                 after = self._clock.monotonic()
                 for lease in renew:
                     if after >= lease.deadline - give_up_margin(lease):
-                        lease._mark_lost("renewals failed until just before the lease's deadline")
+                        lease.mark_lost("renewals failed until just before the lease's deadline")
         if self._pending:
             ok = self._flush_pending(store, now) and ok
         return ok
 
-    def _flush_pending(self, store: LeaseStore, now: float) -> bool:
+    def _flush_pending(self, store: RenewalStore, now: float) -> bool:
         """Send every pending release in one update; never for longer than the leases can spare."""
         with self._lock:
             for token, (_key, until, _maybe) in list(self._pending.items()):
@@ -226,10 +258,7 @@ class Heartbeat:
         give_up = self._earliest_give_up()
         budget = 2.0 if give_up is None else max(0.05, min(2.0, give_up - self._clock.monotonic()))
         try:
-            with store._operation("release leases in the background", timeout=budget):
-                result = store.collection.update_many(
-                    {"owner": {"$in": list(pending)}}, store._release_pipeline()
-                )
+            released = store.release_tokens(list(pending), timeout=budget)
         except Exception as exc:
             log.debug("background release of %d lease(s) failed, will retry: %s", len(pending), exc)
             return False
@@ -237,6 +266,6 @@ class Heartbeat:
             for token, (_key, _until, maybe) in pending.items():
                 if not maybe:
                     self._pending.pop(token, None)
-        if result.modified_count:
-            log.info("background release: %d lease(s) released", result.modified_count)
+        if released:
+            log.info("background release: %d lease(s) released", released)
         return True

@@ -1,33 +1,19 @@
-"""Leases on MongoDB: one document per key, taken and kept by owner token, judged on the server's clock.
+"""Leases on MongoDB: the operations of ``LeaseStore`` (one document per key, taken and kept by owner
+token, judged on the server's clock).
 
-This module imports pymongo only (no Celery): the Celery glue sits on top of it.
-
-The lease document
-==================
-::
-
-    {
-      _id:         "email-group:42",        # the lease key (see keys.normalize_key)
-      owner:       "5f0c...e1" | null,      # token of the current acquisition; null once released
-      fence:       1795383245193000,        # fencing token: strictly increasing per key, see below
-      ttl_ms:      30000,                   # the lease length the holder asked for
-      expires_at:  ISODate(...),            # server time; TTL index (expireAfterSeconds=0) cleans up
-      acquired_at: ISODate(...),            # server time of this acquisition
-      renewed_at:  ISODate(...),            # server time of the last renewal
-      released_at: ISODate(...) | absent,   # server time of the release, when released
-      holder:      {host, pid, ...info}     # who holds it: host, pid, and e.g. task_name, task_id
-    }
+This module imports pymongo only (no Celery): the Celery glue sits on top of it. The lease document, its
+fencing token and every filter and pipeline sent are in ``_documents``; the ``Lease`` value object is in
+``lease``; the renewal thread is in ``heartbeat``.
 
 The acquire algorithm (one round trip)
 ======================================
 1. A fresh owner token is drawn for every acquisition.
-2. One ``findAndModify`` with ``{_id: key}``, ``upsert: true`` and an *update pipeline* that, on the
-   server, computes ``free = owner is null OR expires_at <= $$NOW OR owner == token`` and, only when
-   free, sets owner, ttl, holder, ``expires_at = $$NOW + ttl`` and
-   ``fence = max(fence + 1, $$NOW in ms * 1000)``; when not free every field is left as it was.
-   Expiry is therefore judged on the server clock, inside the same atomic write; no client clock is
-   involved. (Dates are compared through ``$toLong``: equivalent on MongoDB, and it sidesteps a
-   date-comparison bug of the embedded test server.)
+2. One ``findAndModify`` with ``{_id: key}``, ``upsert: true`` and an *update pipeline*
+   (``_documents.acquire_pipeline``) that, on the server, computes
+   ``free = owner is null OR expires_at <= $$NOW OR owner == token`` and, only when free, sets owner,
+   ttl, holder, ``expires_at = $$NOW + ttl`` and ``fence = max(fence + 1, $$NOW in ms * 1000)``; when
+   not free every field is left as it was. Expiry is therefore judged on the server clock, inside the
+   same atomic write; no client clock is involved.
 3. The document after the update says who holds the key: our token means acquired, anything else is
    contention (the holder's details are reported), not an error.
 4. If the reply is lost (network error, timeout, primary step-down) the *same* command with the *same*
@@ -41,28 +27,12 @@ The acquire algorithm (one round trip)
 Release sets ``owner`` to null (matching ``{_id, owner}``) and keeps the document, so the fence survives;
 renewal re-computes ``expires_at = $$NOW + ttl_ms`` for every lease the process holds in one
 ``update`` matched on their owner tokens.
-
-Fencing tokens
-==============
-``fence = max(previous fence + 1, server time in ms * 1000)``. The first term makes it strictly increase
-while the document exists; the second makes it strictly increase after the document was deleted (by the
-TTL index, which only removes leases whose ``expires_at`` is past, or by hand): a fresh document starts
-from the server's clock, which has moved on since the deleted lease was taken. The one assumption is the
-one every lease makes: the server's clock does not step backwards.
-
-Holder's deadline
-=================
-The holder measures its lease on the monotonic clock from the moment the acquire/renew was *sent*
-(``sent + ttl``, shrunk by ``clock.MAX_DRIFT``), which is never later than the server's ``expires_at``.
-Past that deadline ``lease.lost`` is true even if nobody told us; the heartbeat gives up a margin before it.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import dataclasses
-import datetime as _dt
 import logging
 import math
 import os
@@ -71,8 +41,9 @@ import socket
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection as _Collection
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import pymongo
 from pymongo import MongoClient, ReadPreference, ReturnDocument
@@ -92,34 +63,45 @@ from pymongo.errors import (
 from pymongo.read_preferences import _ServerMode
 from pymongo.write_concern import WriteConcern
 
+from . import _documents as documents
+from ._documents import MAX_INFO_BYTES, Document
 from ._urls import redact, validate_mongo_url
-from .clock import MAX_DRIFT, Clock, SystemClock
+from ._validation import (
+    DEFAULT_LEASE_SECONDS,
+    MAX_LEASE_SECONDS,
+    MIN_LEASE_SECONDS,
+    validate_lease_timing,
+    validate_names,
+    validate_seconds,
+)
+from .clock import Clock, SystemClock
 from .exceptions import ConfigurationError, LeaseLost, LockContended, StoreUnavailable
+from .heartbeat import Heartbeat
 from .keys import normalize_key
+from .lease import Lease, LeaseInfo, LostCallback, aware, local_ttl
 
-if TYPE_CHECKING:
-    from .heartbeat import Heartbeat
+__all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "MAX_INFO_BYTES",
+    "MAX_LEASE_SECONDS",
+    "MIN_LEASE_SECONDS",
+    "Lease",
+    "LeaseInfo",
+    "LeaseStore",
+    "validate_lease_timing",
+    "validate_names",
+]
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "Lease", "LeaseInfo", "LeaseStore"]
+# Names this module had before the lease core was split into modules; kept for code that imports them.
+_validate_seconds = validate_seconds
+_aware = aware
+_local_ttl = local_ttl
+_NOT_EXPIRED = documents.NOT_EXPIRED
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
 log_renew = logging.getLogger("celery_mongolock.renew")
 
-Document = dict[str, Any]
-LostCallback = Callable[["Lease", str], None]
-
-DEFAULT_LEASE_SECONDS = 30.0
-MIN_LEASE_SECONDS = 0.5
-MAX_LEASE_SECONDS = 30 * 24 * 3600.0
-#: Info values stored with the holder are for humans: keep them small.
-MAX_INFO_BYTES = 4096
-
-# A renewal only extends a lease that has not expired on the server: a renewal that arrives late (its
-# reply lost, or queued on the server) must not revive a lease its holder has already given up.
-_NOT_EXPIRED: Document = {"$expr": {"$gt": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]}}
-
-# Errors after which we cannot know whether the server applied the write.
 # Every store of the process, so that a forked child gets fresh locks: a lock another thread of the
 # parent (a heartbeat, a release) held at the moment of fork would otherwise stay locked in the child.
 _STORES: weakref.WeakSet[LeaseStore] = weakref.WeakSet()
@@ -132,6 +114,7 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
+# Errors after which we cannot know whether the server applied the write.
 _AMBIGUOUS = (
     AutoReconnect,
     ConnectionFailure,
@@ -140,312 +123,6 @@ _AMBIGUOUS = (
     WTimeoutError,
     WriteConcernError,
 )
-
-
-def _validate_seconds(name: str, value: object, *, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(f"{name} must be a number of seconds, got {type(value).__name__}: {value!r}")
-    seconds = float(value)
-    if math.isnan(seconds) or not (low <= seconds <= high):
-        raise ConfigurationError(f"{name} must be between {low:g} and {high:g} seconds, got {value!r}")
-    return seconds
-
-
-#: Databases that would break the guarantees: ``local`` is not replicated (an acknowledged lease could be
-#: lost in a failover), ``config`` belongs to sharded clusters.
-_RESERVED_DATABASES = ("local", "config")
-
-
-def validate_names(database: object, collection: object, *, prefix: str = "") -> tuple[str, str]:
-    """Check a lease database and collection name as MongoDB and pymongo will; ``ConfigurationError`` if not.
-
-    ``prefix`` is put before ``database``/``collection`` in messages (``"mongolock_"`` for the settings).
-    """
-    for name, value in (("database", database), ("collection", collection)):
-        if (
-            not isinstance(value, str)
-            or not value
-            or any(c in value for c in "$\x00")
-            or value != value.strip()
-        ):
-            raise ConfigurationError(f"{prefix}{name} name {value!r} is not a valid MongoDB {name} name")
-    assert isinstance(database, str)
-    assert isinstance(collection, str)
-    if any(c in database for c in '/\\. "'):
-        raise ConfigurationError(
-            f"{prefix}database name {database!r} must not contain / \\ . space or quotes"
-        )
-    if len(database.encode("utf-8")) > 63:
-        raise ConfigurationError(f"{prefix}database name {database!r} is longer than MongoDB's 63 bytes")
-    if database in _RESERVED_DATABASES:
-        raise ConfigurationError(
-            f"{prefix}database {database!r} cannot hold leases: 'local' is not replicated and 'config' is "
-            "reserved for sharding"
-        )
-    if collection.startswith(".") or collection.endswith(".") or ".." in collection:
-        raise ConfigurationError(
-            f"{prefix}collection name {collection!r} must not start or end with '.' or contain '..'"
-        )
-    if collection.startswith("system."):
-        raise ConfigurationError(f"{prefix}collection name {collection!r}: 'system.' names are reserved")
-    if len(f"{database}.{collection}".encode()) > 255:
-        raise ConfigurationError(f"{prefix}collection name {collection!r} is too long for MongoDB")
-    return database, collection
-
-
-def validate_lease_timing(lease_seconds: object, heartbeat_seconds: object | None) -> tuple[float, float]:
-    """Check a lease length and heartbeat interval that must work together; return them as floats.
-
-    The heartbeat must fit at least twice into the lease, so that one lost renewal is survived.
-    """
-    ttl = _validate_seconds("lease_seconds", lease_seconds, low=MIN_LEASE_SECONDS, high=MAX_LEASE_SECONDS)
-    if heartbeat_seconds is None:
-        return ttl, ttl / 3.0
-    beat = _validate_seconds("heartbeat_seconds", heartbeat_seconds, low=0.05, high=MAX_LEASE_SECONDS)
-    if beat > ttl / 2.0:
-        raise ConfigurationError(
-            f"heartbeat_seconds ({beat:g}) must be at most half of lease_seconds ({ttl:g}) so that a "
-            f"missed renewal does not lose the lease; use {ttl / 3.0:g} or less"
-        )
-    return ttl, beat
-
-
-def _aware(value: Any) -> _dt.datetime | None:
-    if not isinstance(value, _dt.datetime):
-        return None
-    return value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
-
-
-@dataclasses.dataclass(frozen=True)
-class LeaseInfo:
-    """A snapshot of one lease document, as ``inspect`` and ``list`` report it."""
-
-    key: str
-    held: bool
-    owner: str | None
-    fence: int
-    expires_at: _dt.datetime | None
-    #: Seconds until ``expires_at`` on the server's clock at the time of the read (negative: expired).
-    expires_in: float | None
-    holder: dict[str, Any]
-    acquired_at: _dt.datetime | None
-    renewed_at: _dt.datetime | None
-    released_at: _dt.datetime | None
-
-    def as_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        for name in ("expires_at", "acquired_at", "renewed_at", "released_at"):
-            if data[name] is not None:
-                data[name] = data[name].isoformat()
-        return data
-
-
-def _local_ttl(ttl: float) -> float:
-    """How long the holder may count on a lease of ``ttl`` s, on its own monotonic clock.
-
-    Shrunk by the drift allowance and 2 ms: the server's ``$$NOW`` has 1 ms resolution and the lease
-    length sent is whole milliseconds.
-    """
-    return int(ttl * 1000) / 1000.0 * (1.0 - MAX_DRIFT) - 0.002
-
-
-def _run_callbacks(callbacks: builtins.list[LostCallback], lease: Lease, reason: str) -> None:
-    if not callbacks:
-        return
-
-    def run() -> None:
-        for cb in callbacks:
-            try:
-                cb(lease, reason)
-            except Exception:
-                log_renew.exception("lost-lease callback %r failed", cb)
-
-    threading.Thread(target=run, name="celery_mongolock-lost-callbacks", daemon=True).start()
-
-
-class Lease:
-    """A lease this process holds (or held) on one key.
-
-    ``key``, ``owner`` (this acquisition's token), ``fence`` (fencing token), ``expires_at`` (server
-    time, as of the acquisition) and ``lost``. Use it as a context manager to release on exit.
-
-    A lease belongs to the process that took it: in a forked child, ``release`` and ``renew`` do
-    nothing to it (the parent still holds it).
-    """
-
-    def __init__(
-        self,
-        store: LeaseStore,
-        key: str,
-        owner: str,
-        *,
-        fence: int,
-        ttl: float,
-        heartbeat_seconds: float,
-        expires_at: _dt.datetime | None,
-        sent_at: float,
-        holder: Mapping[str, Any],
-    ) -> None:
-        self.store = store
-        self.key = key
-        self.owner = owner
-        self.fence = fence
-        self.ttl = ttl
-        self.heartbeat_seconds = heartbeat_seconds
-        self.expires_at = expires_at
-        self.holder = dict(holder)
-        self.pid = os.getpid()
-        self._lock = threading.Lock()
-        self._deadline = sent_at + _local_ttl(ttl)
-        self._lost_reason: str | None = None
-        #: Until then a copy of an acquire attempt with this token may still land late (see _try_acquire).
-        self._ambiguous_until: float | None = None
-        self._released = False
-        self._lost_event = threading.Event()
-        self._callbacks: builtins.list[LostCallback] = []
-
-    # -- state ---------------------------------------------------------------------------------------
-    @property
-    def deadline(self) -> float:
-        """Monotonic time after which this process must assume the lease is gone."""
-        return self._deadline
-
-    @property
-    def remaining(self) -> float:
-        """Seconds until the local deadline (0 when lost or released)."""
-        if self._lost_reason is not None or self._released:
-            return 0.0
-        return max(0.0, self._deadline - self.store.clock.monotonic())
-
-    @property
-    def lost(self) -> bool:
-        """True once the lease is known or must be assumed to be held no more (not after a release)."""
-        if self._lost_reason is not None:
-            return True
-        if self._released:
-            return False
-        if self.store.clock.monotonic() >= self._deadline:
-            self._mark_lost("its deadline passed without a successful renewal")
-            return True
-        return False
-
-    @property
-    def lost_reason(self) -> str | None:
-        _ = self.lost
-        return self._lost_reason
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    @property
-    def held(self) -> bool:
-        """True while the lease is neither released nor lost."""
-        return not self._released and not self.lost
-
-    def raise_if_lost(self) -> None:
-        """Raise ``LeaseLost`` if the lease is lost (or was released): call it between steps of long work
-        to stop promptly."""
-        if self.lost:
-            raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
-        if self._released:
-            raise LeaseLost(self.key, self.fence, "it was released")
-
-    def wait_lost(self, timeout: float | None = None) -> bool:
-        """Block until the lease is lost (True) or ``timeout`` passes (False)."""
-        return self._lost_event.wait(timeout)
-
-    def on_lost(self, callback: LostCallback) -> None:
-        """Call ``callback(lease, reason)`` when the lease is lost, from a thread of its own (a slow
-        callback never delays the renewal of other leases)."""
-        with self._lock:
-            already = self._lost_reason
-            if already is None:
-                self._callbacks.append(callback)
-        if already is not None:
-            _run_callbacks([callback], self, already)
-
-    def _extend(self, sent_at: float, expires_at: _dt.datetime | None = None) -> None:
-        with self._lock:
-            if self._lost_reason is None:
-                self._deadline = max(self._deadline, sent_at + _local_ttl(self.ttl))
-                if expires_at is not None:
-                    self.expires_at = expires_at
-
-    def _mark_lost(self, reason: str, *, release: bool = True) -> bool:
-        with self._lock:
-            if self._lost_reason is not None or self._released:
-                return False
-            self._lost_reason = reason
-            callbacks = builtins.list(self._callbacks)
-        self._lost_event.set()
-        log_renew.warning("lease %r (fence %s) lost: %s", self.key, self.fence, reason)
-        self.store._forget(self)
-        if release and self.pid == os.getpid():
-            # Make sure the token frees the key once MongoDB answers (a late copy of a renewal or of the
-            # acquire must not leave it taken for nobody). Not needed when the token was seen not to match.
-            self.store._release_later(
-                self.key, self.owner, self.store.clock.monotonic() + self.ttl, quiet=True
-            )
-        _run_callbacks([*self.store._lost_callbacks, *callbacks], self, reason)
-        return True
-
-    # -- operations ----------------------------------------------------------------------------------
-    def renew(self) -> None:
-        """Extend the lease by its ttl from now (server time).
-
-        Raises ``LeaseLost`` if it is no longer ours, ``StoreUnavailable`` if MongoDB did not answer
-        (the lease is then still ours until its deadline).
-        """
-        if self.pid != os.getpid():
-            raise LeaseLost(self.key, self.fence, f"it belongs to process {self.pid}, not this forked child")
-        self.raise_if_lost()
-        sent = self.store.clock.monotonic()
-        matched = self.store._renew_one(self)
-        if not matched:
-            self._mark_lost(
-                "renewal matched nothing: released by force, or expired and taken over", release=False
-            )
-            raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
-        self._extend(sent)
-
-    def release(self) -> bool:
-        """Give the lease back. True if it was ours to release; False if already lost or released.
-
-        If MongoDB cannot be reached, the release is retried in the background until the lease would
-        have expired anyway, and ``StoreUnavailable`` is raised.
-        """
-        if self.pid != os.getpid():
-            log_release.debug(
-                "lease %r belongs to process %s; not released from this child", self.key, self.pid
-            )
-            return False
-        with self._lock:
-            if self._released:
-                return False
-            self._released = True
-            was_lost = self._lost_reason is not None
-        self.store._forget(self)
-        if was_lost:
-            return False  # its release is already queued (see _mark_lost)
-        released = self.store._release_token(self.key, self.owner, self._deadline)
-        if self._ambiguous_until is not None and self.store.clock.monotonic() < self._ambiguous_until:
-            # A delayed copy of the acquire could still land and take the key again with our token.
-            self.store._release_later(self.key, self.owner, self._ambiguous_until, quiet=True)
-        return released
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            self.release()
-        except StoreUnavailable as exc:  # queued for background release; do not mask the block's error
-            log_release.warning("%s", exc)
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else ("lost" if self._lost_reason else "held")
-        return f"<Lease {self.key!r} fence={self.fence} owner={self.owner[:8]} {state}>"
 
 
 class LeaseStore:
@@ -496,7 +173,7 @@ class LeaseStore:
         self.database_name = database
         self.collection_name = collection
         self.lease_seconds, self.heartbeat_seconds = validate_lease_timing(lease_seconds, heartbeat_seconds)
-        self.operation_timeout = _validate_seconds(
+        self.operation_timeout = validate_seconds(
             "operation_timeout", operation_timeout, low=0.1, high=3600.0
         )
         if write_concern is None:
@@ -571,7 +248,7 @@ class LeaseStore:
         """Release the leases the heartbeat keeps, stop it, and close the client this store created
         (a client given to the store is left open)."""
         hb = self._heartbeat
-        if hb is not None and hb._pid == os.getpid():
+        if hb is not None and hb.pid == os.getpid():
             for lease in hb.leases:
                 with contextlib.suppress(Exception):
                     lease.release()
@@ -662,75 +339,10 @@ class LeaseStore:
         return self.collection
 
     # -- acquire -------------------------------------------------------------------------------------
-    def _holder_info(self, info: Mapping[str, Any] | None) -> Document:
-        holder: Document = {"host": self._host, "pid": os.getpid()}
-        if info is not None and not isinstance(info, Mapping):
-            raise ConfigurationError(f"holder info must be a dict, got {type(info).__name__}")
-        if info:
-            for k, v in info.items():
-                if not isinstance(k, str) or not k or k.startswith("$") or "." in k:
-                    raise ConfigurationError(f"holder info key {k!r} must be a plain non-empty string")
-                holder[k] = v
-            import bson
-
-            try:
-                size = len(bson.encode(holder))
-            except Exception as exc:
-                raise ConfigurationError(f"holder info cannot be stored in MongoDB: {exc}") from None
-            if size > MAX_INFO_BYTES:
-                raise ConfigurationError(
-                    f"holder info is {size} bytes encoded; the limit is {MAX_INFO_BYTES}"
-                )
-        return holder
-
-    @staticmethod
-    def _acquire_pipeline(
-        token: str,
-        ttl_ms: int,
-        holder: Document,
-        *,
-        tick: int | None = None,
-        min_hold_ms: int = 0,
-        hold_until_ms: int | None = None,
-    ) -> builtins.list[Document]:
-        now_ms = {"$toLong": "$$NOW"}
-        vacant: Document = {
-            "$or": [
-                {"$eq": [{"$ifNull": ["$owner", None]}, None]},
-                {"$lte": [{"$toLong": "$expires_at"}, now_ms]},
-            ]
-        }
-        if tick is not None:
-            # Once per tick: a run for a tick at or before the last one run is refused even when free.
-            vacant = {"$and": [vacant, {"$lt": [{"$ifNull": ["$last_tick", -1]}, tick]}]}
-        free = {"$or": [{"$eq": ["$owner", token]}, vacant]}
-        hold_until: Document = {"$add": ["$$NOW", min_hold_ms]}
-        if hold_until_ms is not None:
-            # Compared as numbers: the embedded test server compares dates wrongly (see module doc).
-            hold_until = {"$toDate": {"$max": [{"$add": [now_ms, min_hold_ms]}, hold_until_ms]}}
-
-        def when_free(new: object, field: str) -> Document:
-            return {"$cond": ["$__free", new, f"${field}"]}
-
-        fields: Document = {
-            "owner": when_free(token, "owner"),
-            "ttl_ms": when_free(ttl_ms, "ttl_ms"),
-            "holder": when_free({"$literal": holder}, "holder"),
-            "fence": when_free(
-                {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [now_ms, 1000]}]},
-                "fence",
-            ),
-            "expires_at": when_free({"$add": ["$$NOW", ttl_ms]}, "expires_at"),
-            "acquired_at": when_free("$$NOW", "acquired_at"),
-            "renewed_at": when_free("$$NOW", "renewed_at"),
-            "hold_until": when_free(hold_until, "hold_until"),
-            "released_at": when_free({"$literal": None}, "released_at"),
-            "forced_release": when_free({"$literal": False}, "forced_release"),
-            "released_for": when_free({"$literal": None}, "released_for"),
-        }
-        if tick is not None:
-            fields["last_tick"] = when_free(tick, "last_tick")
-        return [{"$set": {"__free": free}}, {"$set": fields}, {"$unset": "__free"}]
+    # The shapes sent are built by ``_documents``; these names stay for code (benchmarks) that uses them.
+    _acquire_pipeline = staticmethod(documents.acquire_pipeline)
+    _renew_pipeline = staticmethod(documents.renew_pipeline)
+    _release_pipeline = staticmethod(documents.release_pipeline)
 
     def acquire(
         self,
@@ -780,7 +392,7 @@ class LeaseStore:
         hold_until_ms: int | None = None,
     ) -> tuple[Lease | None, Document | None]:
         key = normalize_key(key)
-        hold_s = _validate_seconds("min_hold", min_hold, low=0.0, high=MAX_LEASE_SECONDS)
+        hold_s = validate_seconds("min_hold", min_hold, low=0.0, high=MAX_LEASE_SECONDS)
         if tick is not None and (isinstance(tick, bool) or not isinstance(tick, int)):
             raise ConfigurationError(f"tick must be an int, got {type(tick).__name__}")
         if hold_until_ms is not None and (
@@ -796,9 +408,9 @@ class LeaseStore:
             else (self.heartbeat_seconds if ttl is None else None),
         )
         ttl_ms = int(ttl_s * 1000)
-        holder = self._holder_info(info)
+        holder = documents.holder_info(self._host, os.getpid(), info)
         token = uuid.uuid4().hex
-        pipeline = self._acquire_pipeline(
+        pipeline = documents.acquire_pipeline(
             token,
             ttl_ms,
             holder=holder,
@@ -823,13 +435,16 @@ class LeaseStore:
                 sent_at = clock.monotonic()
                 with self._operation(f"acquire lease {key!r}", timeout=remaining, retryable=True):
                     doc = coll.find_one_and_update(
-                        {"_id": key}, pipeline, upsert=True, return_document=ReturnDocument.AFTER
+                        documents.acquire_filter(key),
+                        pipeline,
+                        upsert=True,
+                        return_document=ReturnDocument.AFTER,
                     )
                     if doc is None:
                         # Seen on the embedded server under contention: the update was applied but no
                         # document returned. Read it back; our token tells whether we got it.
                         primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
-                        doc = primary.find_one({"_id": key})
+                        doc = primary.find_one(documents.acquire_filter(key))
                 last_error = None
                 break
             except DuplicateKeyError:
@@ -864,7 +479,7 @@ class LeaseStore:
         landing_window = clock.monotonic() + self.operation_timeout + 5.0
         if last_error is not None:
             if ambiguous:
-                self._release_later(key, token, landing_window, maybe=True)
+                self.release_later(key, token, landing_window, maybe=True)
             if isinstance(last_error, StoreUnavailable):
                 raise last_error
             raise self._unavailable(f"acquire lease {key!r}", last_error) from None
@@ -873,7 +488,7 @@ class LeaseStore:
             if doc is not None:
                 log_acquire.debug("lease %r is held by %s", key, doc.get("holder"))
             if ambiguous:
-                self._release_later(key, token, landing_window, quiet=True, maybe=True)
+                self.release_later(key, token, landing_window, quiet=True, maybe=True)
             return None, doc
         lease = Lease(
             self,
@@ -882,7 +497,7 @@ class LeaseStore:
             fence=int(doc["fence"]),
             ttl=ttl_s,
             heartbeat_seconds=beat,
-            expires_at=_aware(doc.get("expires_at")),
+            expires_at=aware(doc.get("expires_at")),
             sent_at=sent_at,
             holder=holder,
         )
@@ -960,7 +575,7 @@ class LeaseStore:
         block, ``lease.lost`` (or ``lease.raise_if_lost()``) tells whether the lease was lost; a block that
         ends normally after its lease was lost raises ``LeaseLost`` on exit.
         """
-        wait_s = _validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
+        wait_s = validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
         clock = self.clock
         give_up_at = clock.monotonic() + wait_s
         while True:
@@ -974,7 +589,7 @@ class LeaseStore:
                 key, remaining, poll_interval=poll_interval, max_poll_interval=max_poll_interval
             ):
                 holder = (doc or {}).get("holder") or {}
-                raise LockContended(normalize_key(key), holder, _aware((doc or {}).get("expires_at")))
+                raise LockContended(normalize_key(key), holder, aware((doc or {}).get("expires_at")))
         with lease:
             yield lease
             if lease.lost:
@@ -982,16 +597,13 @@ class LeaseStore:
                 raise LeaseLost(lease.key, lease.fence, lease.lost_reason or "lost")
 
     # -- renew / release -----------------------------------------------------------------------------
-    @staticmethod
-    def _renew_pipeline() -> builtins.list[Document]:
-        return [{"$set": {"expires_at": {"$add": ["$$NOW", "$ttl_ms"]}, "renewed_at": "$$NOW"}}]
-
-    def _renew_one(self, lease: Lease) -> bool:
+    def renew_lease(self, lease: Lease) -> bool:
+        """Extend ``lease`` once, now (``Lease.renew`` calls this); True if it was still ours."""
         with self._operation(
             f"renew lease {lease.key!r}", timeout=max(0.1, min(self.operation_timeout, lease.remaining))
         ):
             result = self.collection.update_one(
-                {"_id": lease.key, "owner": lease.owner, **_NOT_EXPIRED}, self._renew_pipeline()
+                documents.renew_filter(lease.key, lease.owner), documents.renew_pipeline()
             )
         log_renew.debug("renewed %r: matched=%s", lease.key, result.matched_count)
         return result.matched_count == 1
@@ -1008,61 +620,57 @@ class LeaseStore:
         sent = self.clock.monotonic()
         coll = self.collection
         with self._operation("renew leases", timeout=timeout):
-            result = coll.update_many(
-                {"owner": {"$in": builtins.list(by_token)}, **_NOT_EXPIRED}, self._renew_pipeline()
-            )
+            result = coll.update_many(documents.renew_tokens_filter(by_token), documents.renew_pipeline())
             lost: builtins.list[Lease] = []
             if result.matched_count != len(by_token):
                 primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
-                query = {"owner": {"$in": builtins.list(by_token)}, **_NOT_EXPIRED}
+                query = documents.renew_tokens_filter(by_token)
                 still = {d["owner"] for d in primary.find(query, {"owner": 1})}
                 lost = [lease for token, lease in by_token.items() if token not in still]
         for lease in live:
             if lease in lost:
-                lease._mark_lost(
+                lease.mark_lost(
                     "renewal matched nothing: released by force, or expired and taken over", release=False
                 )
             else:
                 lease._extend(sent)
         return lost
 
-    def _release_token(self, key: str, token: str, until: float) -> bool:
+    def release_lease(self, lease: Lease) -> bool:
+        """Send the release of ``lease`` (``Lease.release`` calls this); True if it was still ours.
+
+        If MongoDB does not answer, the release is retried in the background until the lease's deadline
+        and ``StoreUnavailable`` is raised.
+        """
+        key, token = lease.key, lease.owner
         try:
-            released = self._release_update(key, token)
+            with self._operation(f"release lease {key!r}"):
+                result = self.collection.update_one(
+                    documents.release_filter(key, token), documents.release_pipeline()
+                )
+            released = result.matched_count == 1
         except (*_AMBIGUOUS, StoreUnavailable, OperationFailure) as exc:
-            self._release_later(key, token, until)
+            self.release_later(key, token, lease.deadline)
             if isinstance(exc, StoreUnavailable):
                 raise
             raise self._unavailable(f"release lease {key!r}", exc) from None
         log_release.info("released lease %r%s", key, "" if released else " (it was no longer ours)")
         return released
 
-    def _release_update(self, key: str, token: str, timeout: float | None = None) -> bool:
-        """The release command: matched on ``{_id, owner}``, keeps the document (and so the fence)."""
-        with self._operation(f"release lease {key!r}", timeout=timeout):
-            result = self.collection.update_one({"_id": key, "owner": token}, self._release_pipeline())
-        return result.matched_count == 1
+    def release_tokens(self, tokens: _Collection[str], timeout: float | None = None) -> int:
+        """Release the leases of these owner tokens in one round trip (the heartbeat's background
+        releases); return how many were released. ``StoreUnavailable`` if MongoDB does not answer."""
+        with self._operation("release leases in the background", timeout=timeout):
+            result = self.collection.update_many(
+                documents.release_tokens_filter(tokens), documents.release_pipeline()
+            )
+        return result.modified_count
 
-    @staticmethod
-    def _release_pipeline() -> builtins.list[Document]:
-        # A lease with a minimum hold time that has not passed stays taken (owner kept) until then, and
-        # simply expires at hold_until; otherwise the owner is cleared at once.
-        holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, {"$toLong": "$$NOW"}]}
-        return [
-            {"$set": {"__hold": holding}},
-            {
-                "$set": {
-                    "owner": {"$cond": ["$__hold", "$owner", None]},
-                    "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
-                    "released_at": "$$NOW",
-                }
-            },
-            {"$unset": "__hold"},
-        ]
-
-    def _release_later(
+    def release_later(
         self, key: str, token: str, until: float, *, quiet: bool = False, maybe: bool = False
     ) -> None:
+        """Release ``token`` on ``key`` from the heartbeat thread as soon as MongoDB answers, giving up at
+        ``until`` (monotonic). ``maybe``: a copy of an acquire may still land; keep releasing until then."""
         if not quiet:
             log_release.warning("lease %r: release queued for the background until MongoDB answers", key)
         self.heartbeat.release_later(key, token, until, maybe=maybe)
@@ -1073,14 +681,9 @@ class LeaseStore:
         For a supervisor that knows a process died holding leases (Celery's worker parent, when a child
         is killed), so the keys are free at once instead of at expiry. Returns how many were released.
         """
-        if not holder:
-            raise ConfigurationError("release_held_by needs at least one holder field to match")
-        match: Document = {f"holder.{k}": v for k, v in holder.items()}
-        match["owner"] = {"$ne": None}
+        match = documents.held_by_filter(holder)
         with self._operation(f"release leases held by {holder}"):
-            result = self.collection.update_many(
-                match, [{"$set": {"owner": None, "released_at": "$$NOW", "released_for": "holder died"}}]
-            )
+            result = self.collection.update_many(match, documents.release_dead_holder_pipeline())
         if result.modified_count:
             log_release.warning("released %d lease(s) held by %s", result.modified_count, holder)
         return result.modified_count
@@ -1094,8 +697,7 @@ class LeaseStore:
         key = normalize_key(key)
         with self._operation(f"force-release lease {key!r}"):
             result = self.collection.update_one(
-                {"_id": key, "owner": {"$ne": None}},
-                [{"$set": {"owner": None, "released_at": "$$NOW", "forced_release": True}}],
+                documents.force_release_filter(key), documents.force_release_pipeline()
             )
         log_release.warning(
             "force-released lease %r: %s", key, "it was held" if result.matched_count else "it was free"
@@ -1103,33 +705,10 @@ class LeaseStore:
         return result.matched_count == 1
 
     # -- reading -------------------------------------------------------------------------------------
-    @staticmethod
-    def _info(doc: Document) -> LeaseInfo:
-        expires_in_ms = doc.get("__expires_in_ms")
-        owner = doc.get("owner")
-        expires_in = None if expires_in_ms is None else expires_in_ms / 1000.0
-        return LeaseInfo(
-            key=doc["_id"],
-            held=owner is not None and expires_in is not None and expires_in > 0,
-            owner=owner,
-            fence=int(doc.get("fence", 0)),
-            expires_at=_aware(doc.get("expires_at")),
-            expires_in=expires_in,
-            holder=dict(doc.get("holder") or {}),
-            acquired_at=_aware(doc.get("acquired_at")),
-            renewed_at=_aware(doc.get("renewed_at")),
-            released_at=_aware(doc.get("released_at")),
-        )
-
     def _read(self, match: Document, action: str) -> builtins.list[LeaseInfo]:
-        stage = {
-            "$addFields": {
-                "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]}
-            }
-        }
         with self._operation(action):
-            docs = builtins.list(self.collection.aggregate([{"$match": match}, {"$sort": {"_id": 1}}, stage]))
-        return [self._info(d) for d in docs]
+            docs = builtins.list(self.collection.aggregate(documents.read_pipeline(match)))
+        return [documents.lease_info(d) for d in docs]
 
     def inspect(self, key: str) -> LeaseInfo | None:
         """The lease document for ``key`` (held or not), or None if there is none."""
@@ -1139,14 +718,7 @@ class LeaseStore:
 
     def list(self, prefix: str | None = None, *, include_free: bool = False) -> builtins.list[LeaseInfo]:
         """Leases whose key starts with ``prefix`` (all when None), held ones only unless ``include_free``."""
-        match: Document = {}
-        if prefix is not None:
-            if not isinstance(prefix, str):
-                raise ConfigurationError(f"prefix must be a str, got {type(prefix).__name__}")
-            import re
-
-            match["_id"] = {"$regex": "^" + re.escape(prefix)}
-        infos = self._read(match, "list leases")
+        infos = self._read(documents.prefix_filter(prefix), "list leases")
         return infos if include_free else [i for i in infos if i.held]
 
     # -- heartbeat -----------------------------------------------------------------------------------
@@ -1156,18 +728,33 @@ class LeaseStore:
         self._check_pid()
         hb = self._heartbeat
         if hb is None:
-            from .heartbeat import Heartbeat
-
             with self._state_lock:
                 hb = self._heartbeat
                 if hb is None:
                     hb = self._heartbeat = Heartbeat(self)
         return hb
 
-    def _forget(self, lease: Lease) -> None:
+    def held_leases(self) -> builtins.list[Lease]:
+        """The leases this process holds with a heartbeat from this store (none if it never started one)."""
+        hb = self._heartbeat
+        if hb is None or hb.pid != os.getpid():
+            return []
+        return hb.leases
+
+    def has_writable_server(self) -> bool:
+        """True if the driver currently knows a primary (no I/O): the heartbeat's budget depends on it."""
+        return bool(self.client.topology_description.has_writable_server())
+
+    def forget(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` (it was released or lost)."""
         hb = self._heartbeat
         if hb is not None and lease.pid == os.getpid():
             hb.discard(lease)
+
+    @property
+    def lost_callbacks(self) -> Sequence[LostCallback]:
+        """Called (each from a thread of its own) for every lease of this store that is lost."""
+        return tuple(self._lost_callbacks)
 
     def add_lost_callback(self, callback: LostCallback) -> None:
         """Call ``callback(lease, reason)`` whenever a lease of this store is lost."""

@@ -1,0 +1,265 @@
+"""The lease document and every filter and update pipeline that touches it: pure functions, no I/O.
+
+``LeaseStore`` sends what these build; nothing else writes the lease collection. Keeping the shapes here
+lets them be read in one place and tested without a server (``tests/test_documents.py``).
+
+The lease document
+==================
+::
+
+    {
+      _id:           "email-group:42",      # the lease key (see keys.normalize_key)
+      owner:         "5f0c...e1" | null,    # token of the current acquisition; null once released
+      fence:         1795383245193000,      # fencing token: strictly increasing per key, see below
+      ttl_ms:        30000,                 # the lease length the holder asked for
+      expires_at:    ISODate(...),          # server time; TTL index (expireAfterSeconds=0) cleans up
+      acquired_at:   ISODate(...),          # server time of this acquisition
+      renewed_at:    ISODate(...),          # server time of the last renewal
+      hold_until:    ISODate(...),          # a release before this keeps the key taken until then
+      released_at:   ISODate(...) | null,   # server time of the release, when released
+      forced_release: bool,                 # released by an operator (force_release)
+      released_for:  "holder died" | null,  # released by a supervisor for a dead holder
+      last_tick:     int,                   # once-per-tick acquisitions: the last tick that took the key
+      holder:        {host, pid, ...info}   # who holds it: host, pid, and e.g. task_name, task_id
+    }
+
+Expiry is always judged on the server's clock (``$$NOW``) inside the write that depends on it. Dates are
+compared through ``$toLong``: equivalent on MongoDB, and it sidesteps a date-comparison bug of the
+embedded test server.
+
+Fencing tokens
+==============
+``fence = max(previous fence + 1, server time in ms * 1000)``. The first term makes it strictly increase
+while the document exists; the second makes it strictly increase after the document was deleted (by the
+TTL index, which only removes leases whose ``expires_at`` is past, or by hand): a fresh document starts
+from the server's clock, which has moved on since the deleted lease was taken. The one assumption is the
+one every lease makes: the server's clock does not step backwards.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import bson
+
+from .exceptions import ConfigurationError
+from .lease import LeaseInfo, aware
+
+__all__ = [
+    "MAX_INFO_BYTES",
+    "NOT_EXPIRED",
+    "Document",
+    "acquire_filter",
+    "acquire_pipeline",
+    "force_release_filter",
+    "force_release_pipeline",
+    "held_by_filter",
+    "holder_info",
+    "lease_info",
+    "prefix_filter",
+    "read_pipeline",
+    "release_dead_holder_pipeline",
+    "release_filter",
+    "release_pipeline",
+    "release_tokens_filter",
+    "renew_filter",
+    "renew_pipeline",
+    "renew_tokens_filter",
+]
+
+Document = dict[str, Any]
+
+#: Info values stored with the holder are for humans: keep them small.
+MAX_INFO_BYTES = 4096
+
+_NOW_MS: Document = {"$toLong": "$$NOW"}
+
+#: A renewal only extends a lease that has not expired on the server: a renewal that arrives late (its
+#: reply lost, or queued on the server) must not revive a lease its holder has already given up.
+NOT_EXPIRED: Document = {"$expr": {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]}}
+
+
+def holder_info(host: str, pid: int, info: Mapping[str, Any] | None) -> Document:
+    """The ``holder`` sub-document: ``host``, ``pid`` and the caller's ``info`` (checked: plain keys,
+    storable, at most ``MAX_INFO_BYTES`` encoded)."""
+    holder: Document = {"host": host, "pid": pid}
+    if info is not None and not isinstance(info, Mapping):
+        raise ConfigurationError(f"holder info must be a dict, got {type(info).__name__}")
+    if info:
+        for k, v in info.items():
+            if not isinstance(k, str) or not k or k.startswith("$") or "." in k:
+                raise ConfigurationError(f"holder info key {k!r} must be a plain non-empty string")
+            holder[k] = v
+        try:
+            size = len(bson.encode(holder))
+        except Exception as exc:
+            raise ConfigurationError(f"holder info cannot be stored in MongoDB: {exc}") from None
+        if size > MAX_INFO_BYTES:
+            raise ConfigurationError(f"holder info is {size} bytes encoded; the limit is {MAX_INFO_BYTES}")
+    return holder
+
+
+# -- acquire ---------------------------------------------------------------------------------------------
+def acquire_filter(key: str) -> Document:
+    """The acquire matches the key alone (with ``upsert``): whether it is free is decided by the pipeline."""
+    return {"_id": key}
+
+
+def acquire_pipeline(
+    token: str,
+    ttl_ms: int,
+    holder: Document,
+    *,
+    tick: int | None = None,
+    min_hold_ms: int = 0,
+    hold_until_ms: int | None = None,
+) -> list[Document]:
+    """The acquire update: on the server, ``free = owner is null OR expired OR owner == token``; only when
+    free, take the key for ``token`` (new fence, ``expires_at = $$NOW + ttl_ms``); else change nothing.
+
+    ``owner == token`` lets a retry of an acquire whose reply was lost take over its own half-finished
+    acquisition. ``tick``: refuse a tick at or before the last tick that took the key, even when free.
+    ``min_hold_ms``/``hold_until_ms`` (epoch ms): a release before then keeps the key taken until then.
+    """
+    vacant: Document = {
+        "$or": [
+            {"$eq": [{"$ifNull": ["$owner", None]}, None]},
+            {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        ]
+    }
+    if tick is not None:
+        # Once per tick: a run for a tick at or before the last one run is refused even when free.
+        vacant = {"$and": [vacant, {"$lt": [{"$ifNull": ["$last_tick", -1]}, tick]}]}
+    free = {"$or": [{"$eq": ["$owner", token]}, vacant]}
+    hold_until: Document = {"$add": ["$$NOW", min_hold_ms]}
+    if hold_until_ms is not None:
+        # Compared as numbers: the embedded test server compares dates wrongly (see module doc).
+        hold_until = {"$toDate": {"$max": [{"$add": [_NOW_MS, min_hold_ms]}, hold_until_ms]}}
+
+    def when_free(new: object, field: str) -> Document:
+        return {"$cond": ["$__free", new, f"${field}"]}
+
+    fields: Document = {
+        "owner": when_free(token, "owner"),
+        "ttl_ms": when_free(ttl_ms, "ttl_ms"),
+        "holder": when_free({"$literal": holder}, "holder"),
+        "fence": when_free(
+            {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]},
+            "fence",
+        ),
+        "expires_at": when_free({"$add": ["$$NOW", ttl_ms]}, "expires_at"),
+        "acquired_at": when_free("$$NOW", "acquired_at"),
+        "renewed_at": when_free("$$NOW", "renewed_at"),
+        "hold_until": when_free(hold_until, "hold_until"),
+        "released_at": when_free({"$literal": None}, "released_at"),
+        "forced_release": when_free({"$literal": False}, "forced_release"),
+        "released_for": when_free({"$literal": None}, "released_for"),
+    }
+    if tick is not None:
+        fields["last_tick"] = when_free(tick, "last_tick")
+    return [{"$set": {"__free": free}}, {"$set": fields}, {"$unset": "__free"}]
+
+
+# -- renew -----------------------------------------------------------------------------------------------
+def renew_filter(key: str, token: str) -> Document:
+    """One lease, still ours and not expired on the server."""
+    return {"_id": key, "owner": token, **NOT_EXPIRED}
+
+
+def renew_tokens_filter(tokens: Iterable[str]) -> Document:
+    """Every lease of ``tokens`` still ours and not expired (the heartbeat's one update per tick)."""
+    return {"owner": {"$in": list(tokens)}, **NOT_EXPIRED}
+
+
+def renew_pipeline() -> list[Document]:
+    """Extend by the lease's own ``ttl_ms`` from now, on the server's clock."""
+    return [{"$set": {"expires_at": {"$add": ["$$NOW", "$ttl_ms"]}, "renewed_at": "$$NOW"}}]
+
+
+# -- release ---------------------------------------------------------------------------------------------
+def release_filter(key: str, token: str) -> Document:
+    """Nobody can release a lease they do not hold: matched on ``{_id, owner}``."""
+    return {"_id": key, "owner": token}
+
+
+def release_tokens_filter(tokens: Iterable[str]) -> Document:
+    """The leases of ``tokens`` (the heartbeat's background releases, one update for all)."""
+    return {"owner": {"$in": list(tokens)}}
+
+
+def release_pipeline() -> list[Document]:
+    """Clear the owner and keep the document (and so the fence); a lease whose ``hold_until`` has not
+    passed stays taken (owner kept) and simply expires then."""
+    holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, _NOW_MS]}
+    return [
+        {"$set": {"__hold": holding}},
+        {
+            "$set": {
+                "owner": {"$cond": ["$__hold", "$owner", None]},
+                "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
+                "released_at": "$$NOW",
+            }
+        },
+        {"$unset": "__hold"},
+    ]
+
+
+def held_by_filter(holder: Mapping[str, Any]) -> Document:
+    """Held leases whose holder info matches every field of ``holder``."""
+    if not holder:
+        raise ConfigurationError("release_held_by needs at least one holder field to match")
+    match: Document = {f"holder.{k}": v for k, v in holder.items()}
+    match["owner"] = {"$ne": None}
+    return match
+
+
+def release_dead_holder_pipeline() -> list[Document]:
+    """Release for a holder that died (a supervisor's release): marked ``released_for``."""
+    return [{"$set": {"owner": None, "released_at": "$$NOW", "released_for": "holder died"}}]
+
+
+def force_release_filter(key: str) -> Document:
+    """``key`` if anyone holds it."""
+    return {"_id": key, "owner": {"$ne": None}}
+
+
+def force_release_pipeline() -> list[Document]:
+    """An operator's release, whoever holds the key; marked ``forced_release``. The fence is kept."""
+    return [{"$set": {"owner": None, "released_at": "$$NOW", "forced_release": True}}]
+
+
+# -- reading ---------------------------------------------------------------------------------------------
+def prefix_filter(prefix: str | None) -> Document:
+    """Keys starting with ``prefix`` (all keys when None)."""
+    if prefix is None:
+        return {}
+    if not isinstance(prefix, str):
+        raise ConfigurationError(f"prefix must be a str, got {type(prefix).__name__}")
+    return {"_id": {"$regex": "^" + re.escape(prefix)}}
+
+
+def read_pipeline(match: Document) -> list[Document]:
+    """The lease documents matching ``match``, by key, each with the server's ``expires_at - $$NOW``."""
+    stage = {"$addFields": {"__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]}}}
+    return [{"$match": match}, {"$sort": {"_id": 1}}, stage]
+
+
+def lease_info(doc: Document) -> LeaseInfo:
+    """A document read through ``read_pipeline`` as a ``LeaseInfo``: held means owned and not expired."""
+    expires_in_ms = doc.get("__expires_in_ms")
+    owner = doc.get("owner")
+    expires_in = None if expires_in_ms is None else expires_in_ms / 1000.0
+    return LeaseInfo(
+        key=doc["_id"],
+        held=owner is not None and expires_in is not None and expires_in > 0,
+        owner=owner,
+        fence=int(doc.get("fence", 0)),
+        expires_at=aware(doc.get("expires_at")),
+        expires_in=expires_in,
+        holder=dict(doc.get("holder") or {}),
+        acquired_at=aware(doc.get("acquired_at")),
+        renewed_at=aware(doc.get("renewed_at")),
+        released_at=aware(doc.get("released_at")),
+    )

@@ -1,0 +1,89 @@
+"""Checks of the numbers and names a lease store is given: ``ConfigurationError`` saying which and why."""
+
+from __future__ import annotations
+
+import math
+
+from .exceptions import ConfigurationError
+
+__all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "MAX_LEASE_SECONDS",
+    "MIN_LEASE_SECONDS",
+    "validate_lease_timing",
+    "validate_names",
+    "validate_seconds",
+]
+
+DEFAULT_LEASE_SECONDS = 30.0
+MIN_LEASE_SECONDS = 0.5
+MAX_LEASE_SECONDS = 30 * 24 * 3600.0
+
+#: Databases that would break the guarantees: ``local`` is not replicated (an acknowledged lease could be
+#: lost in a failover), ``config`` belongs to sharded clusters.
+_RESERVED_DATABASES = ("local", "config")
+
+
+def validate_seconds(name: str, value: object, *, low: float, high: float) -> float:
+    """``value`` as a float number of seconds from ``low`` to ``high``; ``ConfigurationError`` naming
+    ``name`` if it is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {type(value).__name__}: {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or not (low <= seconds <= high):
+        raise ConfigurationError(f"{name} must be between {low:g} and {high:g} seconds, got {value!r}")
+    return seconds
+
+
+def validate_names(database: object, collection: object, *, prefix: str = "") -> tuple[str, str]:
+    """Check a lease database and collection name as MongoDB and pymongo will; ``ConfigurationError`` if not.
+
+    ``prefix`` is put before ``database``/``collection`` in messages (``"mongolock_"`` for the settings).
+    """
+    for name, value in (("database", database), ("collection", collection)):
+        if (
+            not isinstance(value, str)
+            or not value
+            or any(c in value for c in "$\x00")
+            or value != value.strip()
+        ):
+            raise ConfigurationError(f"{prefix}{name} name {value!r} is not a valid MongoDB {name} name")
+    assert isinstance(database, str)
+    assert isinstance(collection, str)
+    if any(c in database for c in '/\\. "'):
+        raise ConfigurationError(
+            f"{prefix}database name {database!r} must not contain / \\ . space or quotes"
+        )
+    if len(database.encode("utf-8")) > 63:
+        raise ConfigurationError(f"{prefix}database name {database!r} is longer than MongoDB's 63 bytes")
+    if database in _RESERVED_DATABASES:
+        raise ConfigurationError(
+            f"{prefix}database {database!r} cannot hold leases: 'local' is not replicated and 'config' is "
+            "reserved for sharding"
+        )
+    if collection.startswith(".") or collection.endswith(".") or ".." in collection:
+        raise ConfigurationError(
+            f"{prefix}collection name {collection!r} must not start or end with '.' or contain '..'"
+        )
+    if collection.startswith("system."):
+        raise ConfigurationError(f"{prefix}collection name {collection!r}: 'system.' names are reserved")
+    if len(f"{database}.{collection}".encode()) > 255:
+        raise ConfigurationError(f"{prefix}collection name {collection!r} is too long for MongoDB")
+    return database, collection
+
+
+def validate_lease_timing(lease_seconds: object, heartbeat_seconds: object | None) -> tuple[float, float]:
+    """Check a lease length and heartbeat interval that must work together; return them as floats.
+
+    The heartbeat must fit at least twice into the lease, so that one lost renewal is survived.
+    """
+    ttl = validate_seconds("lease_seconds", lease_seconds, low=MIN_LEASE_SECONDS, high=MAX_LEASE_SECONDS)
+    if heartbeat_seconds is None:
+        return ttl, ttl / 3.0
+    beat = validate_seconds("heartbeat_seconds", heartbeat_seconds, low=0.05, high=MAX_LEASE_SECONDS)
+    if beat > ttl / 2.0:
+        raise ConfigurationError(
+            f"heartbeat_seconds ({beat:g}) must be at most half of lease_seconds ({ttl:g}) so that a "
+            f"missed renewal does not lose the lease; use {ttl / 3.0:g} or less"
+        )
+    return ttl, beat

@@ -1,0 +1,304 @@
+"""The lease value objects: ``Lease`` (a lease this process holds) and ``LeaseInfo`` (a lease document read).
+
+No MongoDB call is made here: a ``Lease`` asks the store that issued it (``LeaseBackend``, which
+``LeaseStore`` implements) to renew or release it, and keeps its own deadline.
+
+Holder's deadline
+=================
+The holder measures its lease on the monotonic clock from the moment the acquire/renew was *sent*
+(``sent + ttl``, shrunk by ``clock.MAX_DRIFT``), which is never later than the server's ``expires_at``.
+Past that deadline ``lease.lost`` is true even if nobody told us; the heartbeat gives up a margin before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from .clock import MAX_DRIFT, Clock
+from .exceptions import LeaseLost, StoreUnavailable
+
+__all__ = ["Lease", "LeaseBackend", "LeaseInfo", "LostCallback", "local_ttl"]
+
+log_release = logging.getLogger("celery_mongolock.release")
+log_renew = logging.getLogger("celery_mongolock.renew")
+
+LostCallback = Callable[["Lease", str], None]
+
+
+class LeaseBackend(Protocol):
+    """What a ``Lease`` needs from the store that issued it (``LeaseStore`` implements it)."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def lost_callbacks(self) -> Sequence[LostCallback]:
+        """Called for every lease of the store that is lost."""
+        ...
+
+    def renew_lease(self, lease: Lease) -> bool:
+        """Extend ``lease`` once, now; True if it was still ours (matched, not expired on the server)."""
+        ...
+
+    def release_lease(self, lease: Lease) -> bool:
+        """Send the release of ``lease``; True if it was still ours. Retried in the background (until
+        ``lease.deadline``) and ``StoreUnavailable`` raised if MongoDB does not answer."""
+        ...
+
+    def release_later(
+        self, key: str, token: str, until: float, *, quiet: bool = False, maybe: bool = False
+    ) -> None:
+        """Release ``token`` on ``key`` in the background as soon as MongoDB answers, until ``until``."""
+        ...
+
+    def forget(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` (it was released or lost)."""
+        ...
+
+
+def aware(value: Any) -> _dt.datetime | None:
+    """A datetime read from MongoDB as a timezone-aware UTC datetime (None if it is not a datetime)."""
+    if not isinstance(value, _dt.datetime):
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseInfo:
+    """A snapshot of one lease document, as ``inspect`` and ``list`` report it."""
+
+    key: str
+    held: bool
+    owner: str | None
+    fence: int
+    expires_at: _dt.datetime | None
+    #: Seconds until ``expires_at`` on the server's clock at the time of the read (negative: expired).
+    expires_in: float | None
+    holder: dict[str, Any]
+    acquired_at: _dt.datetime | None
+    renewed_at: _dt.datetime | None
+    released_at: _dt.datetime | None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for name in ("expires_at", "acquired_at", "renewed_at", "released_at"):
+            if data[name] is not None:
+                data[name] = data[name].isoformat()
+        return data
+
+
+def local_ttl(ttl: float) -> float:
+    """How long the holder may count on a lease of ``ttl`` s, on its own monotonic clock.
+
+    Shrunk by the drift allowance and 2 ms: the server's ``$$NOW`` has 1 ms resolution and the lease
+    length sent is whole milliseconds.
+    """
+    return int(ttl * 1000) / 1000.0 * (1.0 - MAX_DRIFT) - 0.002
+
+
+def _run_callbacks(callbacks: list[LostCallback], lease: Lease, reason: str) -> None:
+    if not callbacks:
+        return
+
+    def run() -> None:
+        for cb in callbacks:
+            try:
+                cb(lease, reason)
+            except Exception:
+                log_renew.exception("lost-lease callback %r failed", cb)
+
+    threading.Thread(target=run, name="celery_mongolock-lost-callbacks", daemon=True).start()
+
+
+class Lease:
+    """A lease this process holds (or held) on one key.
+
+    ``key``, ``owner`` (this acquisition's token), ``fence`` (fencing token), ``expires_at`` (server
+    time, as of the acquisition) and ``lost``. Use it as a context manager to release on exit.
+
+    A lease belongs to the process that took it: in a forked child, ``release`` and ``renew`` do
+    nothing to it (the parent still holds it).
+    """
+
+    def __init__(
+        self,
+        store: LeaseBackend,
+        key: str,
+        owner: str,
+        *,
+        fence: int,
+        ttl: float,
+        heartbeat_seconds: float,
+        expires_at: _dt.datetime | None,
+        sent_at: float,
+        holder: Mapping[str, Any],
+    ) -> None:
+        self.store = store
+        self.key = key
+        self.owner = owner
+        self.fence = fence
+        self.ttl = ttl
+        self.heartbeat_seconds = heartbeat_seconds
+        self.expires_at = expires_at
+        self.holder = dict(holder)
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._deadline = sent_at + local_ttl(ttl)
+        self._lost_reason: str | None = None
+        #: Until then a copy of an acquire attempt with this token may still land late (see the store).
+        self._ambiguous_until: float | None = None
+        self._released = False
+        self._lost_event = threading.Event()
+        self._callbacks: list[LostCallback] = []
+
+    # -- state ---------------------------------------------------------------------------------------
+    @property
+    def deadline(self) -> float:
+        """Monotonic time after which this process must assume the lease is gone."""
+        return self._deadline
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the local deadline (0 when lost or released)."""
+        if self._lost_reason is not None or self._released:
+            return 0.0
+        return max(0.0, self._deadline - self.store.clock.monotonic())
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known or must be assumed to be held no more (not after a release)."""
+        if self._lost_reason is not None:
+            return True
+        if self._released:
+            return False
+        if self.store.clock.monotonic() >= self._deadline:
+            self.mark_lost("its deadline passed without a successful renewal")
+            return True
+        return False
+
+    @property
+    def lost_reason(self) -> str | None:
+        _ = self.lost
+        return self._lost_reason
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def held(self) -> bool:
+        """True while the lease is neither released nor lost."""
+        return not self._released and not self.lost
+
+    def raise_if_lost(self) -> None:
+        """Raise ``LeaseLost`` if the lease is lost (or was released): call it between steps of long work
+        to stop promptly."""
+        if self.lost:
+            raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
+        if self._released:
+            raise LeaseLost(self.key, self.fence, "it was released")
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until the lease is lost (True) or ``timeout`` passes (False)."""
+        return self._lost_event.wait(timeout)
+
+    def on_lost(self, callback: LostCallback) -> None:
+        """Call ``callback(lease, reason)`` when the lease is lost, from a thread of its own (a slow
+        callback never delays the renewal of other leases)."""
+        with self._lock:
+            already = self._lost_reason
+            if already is None:
+                self._callbacks.append(callback)
+        if already is not None:
+            _run_callbacks([callback], self, already)
+
+    def _extend(self, sent_at: float, expires_at: _dt.datetime | None = None) -> None:
+        with self._lock:
+            if self._lost_reason is None:
+                self._deadline = max(self._deadline, sent_at + local_ttl(self.ttl))
+                if expires_at is not None:
+                    self.expires_at = expires_at
+
+    def mark_lost(self, reason: str, *, release: bool = True) -> bool:
+        """Declare the lease lost (its renewals failed, or one matched nothing); False if it already was,
+        or was released. ``release=True`` also releases its token in the background, in case a late copy
+        of a renewal or of the acquire lands; pass False when the token was seen not to match."""
+        with self._lock:
+            if self._lost_reason is not None or self._released:
+                return False
+            self._lost_reason = reason
+            callbacks = list(self._callbacks)
+        self._lost_event.set()
+        log_renew.warning("lease %r (fence %s) lost: %s", self.key, self.fence, reason)
+        self.store.forget(self)
+        if release and self.pid == os.getpid():
+            # Make sure the token frees the key once MongoDB answers (a late copy of a renewal or of the
+            # acquire must not leave it taken for nobody). Not needed when the token was seen not to match.
+            self.store.release_later(
+                self.key, self.owner, self.store.clock.monotonic() + self.ttl, quiet=True
+            )
+        _run_callbacks([*self.store.lost_callbacks, *callbacks], self, reason)
+        return True
+
+    # -- operations ----------------------------------------------------------------------------------
+    def renew(self) -> None:
+        """Extend the lease by its ttl from now (server time).
+
+        Raises ``LeaseLost`` if it is no longer ours, ``StoreUnavailable`` if MongoDB did not answer
+        (the lease is then still ours until its deadline).
+        """
+        if self.pid != os.getpid():
+            raise LeaseLost(self.key, self.fence, f"it belongs to process {self.pid}, not this forked child")
+        self.raise_if_lost()
+        sent = self.store.clock.monotonic()
+        matched = self.store.renew_lease(self)
+        if not matched:
+            self.mark_lost(
+                "renewal matched nothing: released by force, or expired and taken over", release=False
+            )
+            raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
+        self._extend(sent)
+
+    def release(self) -> bool:
+        """Give the lease back. True if it was ours to release; False if already lost or released.
+
+        If MongoDB cannot be reached, the release is retried in the background until the lease would
+        have expired anyway, and ``StoreUnavailable`` is raised.
+        """
+        if self.pid != os.getpid():
+            log_release.debug(
+                "lease %r belongs to process %s; not released from this child", self.key, self.pid
+            )
+            return False
+        with self._lock:
+            if self._released:
+                return False
+            self._released = True
+            was_lost = self._lost_reason is not None
+        self.store.forget(self)
+        if was_lost:
+            return False  # its release is already queued (see mark_lost)
+        released = self.store.release_lease(self)
+        if self._ambiguous_until is not None and self.store.clock.monotonic() < self._ambiguous_until:
+            # A delayed copy of the acquire could still land and take the key again with our token.
+            self.store.release_later(self.key, self.owner, self._ambiguous_until, quiet=True)
+        return released
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.release()
+        except StoreUnavailable as exc:  # queued for background release; do not mask the block's error
+            log_release.warning("%s", exc)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else ("lost" if self._lost_reason else "held")
+        return f"<Lease {self.key!r} fence={self.fence} owner={self.owner[:8]} {state}>"

@@ -1,0 +1,295 @@
+"""The lease document shapes (``celery_mongolock._documents``): pure functions, tested without a server.
+
+The update pipelines are run here by a small evaluator of the few aggregation operators they use, on
+plain dicts, so each rule of the lease contract the shapes carry (who may take a key, what a release
+keeps, how the fence moves) is checked on its own. ``test_store_contract.py`` runs the same shapes on a
+real server.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+import pytest
+
+from celery_mongolock import ConfigurationError
+from celery_mongolock import _documents as documents
+from celery_mongolock.lease import LeaseInfo
+
+UTC = _dt.timezone.utc
+NOW = _dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+NOW_MS = int(NOW.timestamp() * 1000)
+Doc = dict[str, Any]
+
+
+# -- a minimal evaluator of the operators the pipelines use ------------------------------------------------
+def _ms(value: Any) -> Any:
+    return int(value.timestamp() * 1000) if isinstance(value, _dt.datetime) else value
+
+
+def _cmp_key(value: Any) -> tuple[int, Any]:
+    # BSON order for what the pipelines compare: null before numbers.
+    return (0, 0) if value is None else (1, value)
+
+
+def evaluate(expr: Any, doc: Doc, now: _dt.datetime) -> Any:
+    if isinstance(expr, str):
+        if expr == "$$NOW":
+            return now
+        if expr.startswith("$"):
+            return doc.get(expr[1:])
+        return expr
+    if isinstance(expr, list):
+        return [evaluate(e, doc, now) for e in expr]
+    if not isinstance(expr, dict):
+        return expr
+    if len(expr) != 1 or not next(iter(expr)).startswith("$"):
+        return {k: evaluate(v, doc, now) for k, v in expr.items()}
+    ((op, arg),) = expr.items()
+    if op == "$literal":
+        return arg
+    args = evaluate(arg, doc, now) if isinstance(arg, list) else [evaluate(arg, doc, now)]
+    if op == "$toLong":
+        return _ms(args[0])
+    if op == "$toDate":
+        return _dt.datetime.fromtimestamp(args[0] / 1000, tz=UTC)
+    if op == "$add":
+        dates = [a for a in args if isinstance(a, _dt.datetime)]
+        total = sum(_ms(a) for a in args)
+        return _dt.datetime.fromtimestamp(total / 1000, tz=UTC) if dates else total
+    if op == "$subtract":
+        return _ms(args[0]) - _ms(args[1])
+    if op == "$multiply":
+        return args[0] * args[1]
+    if op == "$max":
+        return max(args)
+    if op == "$ifNull":
+        return args[1] if args[0] is None else args[0]
+    if op == "$cond":
+        return args[1] if args[0] else args[2]
+    if op == "$or":
+        return any(args)
+    if op == "$and":
+        return all(args)
+    if op == "$eq":
+        return args[0] == args[1]
+    if op in ("$lt", "$lte", "$gt"):
+        a, b = _cmp_key(args[0]), _cmp_key(args[1])
+        return {"$lt": a < b, "$lte": a <= b, "$gt": a > b}[op]
+    raise AssertionError(f"operator {op} not modelled")
+
+
+def run_pipeline(pipeline: list[Doc], doc: Doc, now: _dt.datetime = NOW) -> Doc:
+    out = dict(doc)
+    for stage in pipeline:
+        ((kind, body),) = stage.items()
+        if kind == "$set":
+            values = {field: evaluate(e, out, now) for field, e in body.items()}
+            out.update(values)
+        elif kind == "$unset":
+            out.pop(body, None)
+        else:
+            raise AssertionError(f"stage {kind} not modelled")
+    return out
+
+
+def matches(filter_: Doc, doc: Doc, now: _dt.datetime = NOW) -> bool:
+    for field, cond in filter_.items():
+        if field == "$expr":
+            if not evaluate(cond, doc, now):
+                return False
+            continue
+        value: Any = doc
+        for part in field.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(cond, dict) and "$in" in cond:
+            if value not in cond["$in"]:
+                return False
+        elif isinstance(cond, dict) and "$ne" in cond:
+            if value == cond["$ne"]:
+                return False
+        elif value != cond:
+            return False
+    return True
+
+
+def acquire(doc: Doc, token: str, *, now: _dt.datetime = NOW, ttl_ms: int = 30_000, **kw: Any) -> Doc:
+    holder = documents.holder_info("host-a", 123, {"task_id": token})
+    return run_pipeline(documents.acquire_pipeline(token, ttl_ms, holder, **kw), doc, now)
+
+
+def later(seconds: float) -> _dt.datetime:
+    return NOW + _dt.timedelta(seconds=seconds)
+
+
+# -- acquire -----------------------------------------------------------------------------------------------
+def test_acquire_of_a_new_key_writes_the_whole_lease_document() -> None:
+    doc = acquire({"_id": "k"}, "t1")
+    assert doc["owner"] == "t1"
+    assert doc["ttl_ms"] == 30_000
+    assert doc["expires_at"] == later(30)
+    assert doc["acquired_at"] == doc["renewed_at"] == NOW
+    assert doc["fence"] == NOW_MS * 1000  # a fresh document starts its fence from the server's clock
+    assert doc["holder"] == {"host": "host-a", "pid": 123, "task_id": "t1"}
+    assert doc["released_at"] is None and doc["released_for"] is None and doc["forced_release"] is False
+    assert "__free" not in doc  # the helper field never reaches the stored document
+    assert documents.acquire_filter("k") == {"_id": "k"}
+
+
+def test_a_live_lease_of_another_owner_is_left_exactly_as_it_was() -> None:
+    held = acquire({"_id": "k"}, "t1")
+    assert acquire(held, "t2", now=later(29.999)) == held
+
+
+def test_an_expired_lease_is_taken_over_with_a_larger_fence() -> None:
+    held = acquire({"_id": "k"}, "t1")
+    taken = acquire(held, "t2", now=later(30))  # expires_at <= $$NOW: expired, on the server's clock
+    assert taken["owner"] == "t2"
+    assert taken["fence"] > held["fence"]
+
+
+def test_a_retry_with_the_same_token_takes_over_its_own_acquisition() -> None:
+    held = acquire({"_id": "k"}, "t1")
+    again = acquire(held, "t1", now=later(1))
+    assert again["owner"] == "t1"
+    assert again["expires_at"] == later(31)
+
+
+def test_the_fence_grows_by_one_when_the_server_clock_has_not_moved_past_it() -> None:
+    doc = {"_id": "k", "owner": None, "fence": NOW_MS * 1000 + 500, "expires_at": NOW}
+    assert acquire(doc, "t")["fence"] == NOW_MS * 1000 + 501
+
+
+def test_the_holder_is_stored_literally() -> None:
+    holder = documents.holder_info("h", 1, {"note": "$owner"})
+    doc = run_pipeline(documents.acquire_pipeline("t", 1000, holder), {"_id": "k"})
+    assert doc["holder"]["note"] == "$owner"  # not read as a field path
+
+
+def test_a_tick_at_or_before_the_last_one_is_refused_even_when_free() -> None:
+    first = acquire({"_id": "k"}, "t1", tick=100)
+    assert first["last_tick"] == 100
+    released = run_pipeline(documents.release_pipeline(), first, later(1))
+    assert acquire(released, "t2", now=later(2), tick=100) == released
+    assert acquire(released, "t2", now=later(2), tick=99) == released
+    assert acquire(released, "t2", now=later(2), tick=101)["owner"] == "t2"
+
+
+def test_min_hold_and_hold_until() -> None:
+    doc = acquire({"_id": "k"}, "t", min_hold_ms=5000)
+    assert doc["hold_until"] == later(5)
+    doc = acquire({"_id": "k"}, "t", min_hold_ms=5000, hold_until_ms=NOW_MS + 60_000)
+    assert doc["hold_until"] == later(60)
+    doc = acquire({"_id": "k"}, "t", min_hold_ms=5000, hold_until_ms=NOW_MS + 1000)
+    assert doc["hold_until"] == later(5)  # the later of the two
+
+
+# -- renew -------------------------------------------------------------------------------------------------
+def test_renew_extends_by_the_leases_own_length_on_the_server_clock() -> None:
+    doc = acquire({"_id": "k"}, "t", ttl_ms=10_000)
+    assert matches(documents.renew_filter("k", "t"), doc, later(9))
+    renewed = run_pipeline(documents.renew_pipeline(), doc, later(9))
+    assert renewed["expires_at"] == later(19)
+    assert renewed["renewed_at"] == later(9)
+    assert renewed["fence"] == doc["fence"] and renewed["acquired_at"] == doc["acquired_at"]
+
+
+def test_renew_matches_neither_another_owner_nor_an_expired_lease() -> None:
+    doc = acquire({"_id": "k"}, "t", ttl_ms=10_000)
+    assert not matches(documents.renew_filter("k", "other"), doc, later(1))
+    assert not matches(documents.renew_filter("k", "t"), doc, later(10))  # a late renewal revives nothing
+    assert matches(documents.renew_tokens_filter(["x", "t"]), doc, later(1))
+    assert not matches(documents.renew_tokens_filter(["t"]), doc, later(10))
+    assert documents.renew_tokens_filter({"a": 1, "b": 2})["owner"] == {"$in": ["a", "b"]}
+
+
+# -- release -----------------------------------------------------------------------------------------------
+def test_release_clears_the_owner_and_keeps_the_fence() -> None:
+    doc = acquire({"_id": "k"}, "t")
+    assert matches(documents.release_filter("k", "t"), doc)
+    assert not matches(documents.release_filter("k", "other"), doc)
+    assert matches(documents.release_tokens_filter(["t"]), doc)
+    released = run_pipeline(documents.release_pipeline(), doc, later(1))
+    assert released["owner"] is None
+    assert released["released_at"] == later(1)
+    assert released["fence"] == doc["fence"]
+    assert released["expires_at"] == doc["expires_at"]
+    assert "__hold" not in released
+    assert acquire(released, "t2", now=later(2))["fence"] > doc["fence"]
+
+
+def test_release_before_the_minimum_hold_keeps_the_key_until_then() -> None:
+    doc = acquire({"_id": "k"}, "t", min_hold_ms=5000)
+    early = run_pipeline(documents.release_pipeline(), doc, later(1))
+    assert early["owner"] == "t"
+    assert early["expires_at"] == later(5)
+    assert acquire(early, "t2", now=later(4)) == early
+    assert acquire(early, "t2", now=later(5))["owner"] == "t2"
+    late = run_pipeline(documents.release_pipeline(), doc, later(6))
+    assert late["owner"] is None
+
+
+def test_supervisor_and_operator_releases() -> None:
+    doc = acquire({"_id": "k"}, "t")
+    assert matches(documents.held_by_filter({"task_id": "t", "pid": 123}), doc)
+    assert not matches(documents.held_by_filter({"task_id": "t", "pid": 124}), doc)
+    dead = run_pipeline(documents.release_dead_holder_pipeline(), doc, later(1))
+    assert dead["owner"] is None and dead["released_for"] == "holder died"
+    assert not matches(documents.held_by_filter({"task_id": "t"}), dead)
+    with pytest.raises(ConfigurationError, match="at least one holder field"):
+        documents.held_by_filter({})
+    assert matches(documents.force_release_filter("k"), doc)
+    forced = run_pipeline(documents.force_release_pipeline(), doc, later(1))
+    assert forced["owner"] is None and forced["forced_release"] is True
+    assert forced["fence"] == doc["fence"]
+    assert not matches(documents.force_release_filter("k"), forced)
+
+
+# -- holder info -------------------------------------------------------------------------------------------
+def test_holder_info() -> None:
+    assert documents.holder_info("h", 7, None) == {"host": "h", "pid": 7}
+    assert documents.holder_info("h", 7, {"task_id": "x"}) == {"host": "h", "pid": 7, "task_id": "x"}
+
+
+@pytest.mark.parametrize(
+    ("info", "message"),
+    [
+        (["task"], "must be a dict"),
+        ({"": 1}, "plain non-empty string"),
+        ({"$set": 1}, "plain non-empty string"),
+        ({"a.b": 1}, "plain non-empty string"),
+        ({1: 1}, "plain non-empty string"),
+        ({"x": object()}, "cannot be stored"),
+        ({"x": "y" * documents.MAX_INFO_BYTES}, "bytes encoded"),
+    ],
+)
+def test_bad_holder_info_is_refused(info: Any, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        documents.holder_info("h", 1, info)
+
+
+# -- reading -----------------------------------------------------------------------------------------------
+def test_read_pipeline_and_lease_info() -> None:
+    pipeline = documents.read_pipeline({"_id": "k"})
+    assert pipeline[0] == {"$match": {"_id": "k"}}
+    assert pipeline[1] == {"$sort": {"_id": 1}}
+    doc = acquire({"_id": "k"}, "t")
+    read = {**doc, **{f: evaluate(e, doc, later(10)) for f, e in pipeline[2]["$addFields"].items()}}
+    info = documents.lease_info(read)
+    assert isinstance(info, LeaseInfo)
+    assert info.held and info.owner == "t" and info.expires_in == 20.0
+    assert info.fence == doc["fence"] and info.holder["task_id"] == "t"
+    naive = {**read, "expires_at": doc["expires_at"].replace(tzinfo=None)}
+    assert documents.lease_info(naive).expires_at == doc["expires_at"]  # read as UTC
+    expired = {**read, "__expires_in_ms": 0}
+    assert not documents.lease_info(expired).held
+    released = {**read, "owner": None}
+    assert not documents.lease_info(released).held
+
+
+def test_prefix_filter() -> None:
+    assert documents.prefix_filter(None) == {}
+    assert documents.prefix_filter("a.b*") == {"_id": {"$regex": r"^a\.b\*"}}
+    with pytest.raises(ConfigurationError, match="prefix must be a str"):
+        documents.prefix_filter(3)  # type: ignore[arg-type]
