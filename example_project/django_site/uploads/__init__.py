@@ -1,0 +1,1 @@
+"""Members of email groups, imported from CSV files by a singleton Celery task."""
