@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task, shared_task
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from celery.exceptions import Retry as RetryTask
 from celery.worker.request import Request
 
@@ -160,6 +160,43 @@ class SingletonTask(Task):  # type: ignore[misc]
     def mongolock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """The lease key a call with these arguments uses."""
         return self._renderer().render(args, kwargs)
+
+    def retry(  # noqa: PLR0917 - Celery's signature
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``Task.retry``, with the retry published patiently and never dropped in silence.
+
+        Celery publishes a retry with ``task_publish_retry_policy`` (about 0.6 s by default) and, if the
+        broker does not take it by then, rejects the running message *without* requeueing it: with
+        ``acks_late`` the message is acknowledged and the task is gone, its state left at PENDING or
+        RETRY with nothing anywhere (the lock-set checker lost tasks this way when the broker restarted
+        while a body retried). A singleton task publishes its retry like a contention retry (kombu
+        retries for about a minute, ``REPUBLISH_RETRY_POLICY``); if even that fails, the run ends in
+        FAILURE with the publish error, where callers see it.
+        """
+        options.setdefault("retry", True)
+        options.setdefault("retry_policy", REPUBLISH_RETRY_POLICY)
+        try:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        except Reject as rejected:
+            reason = rejected.reason
+            if rejected.requeue or not isinstance(reason, Exception):
+                raise
+            log_acquire.error(
+                "%s[%s]: could not publish the retry; the broker did not take it for about a minute: %s",
+                self.name,
+                self.request.id,
+                redact(str(reason)),
+            )
+            raise reason from None
 
     def _options(self) -> TaskOptions:
         decorator_policy = self.mongolock_on_contention

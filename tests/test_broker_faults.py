@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import Reject
+from celery.exceptions import Retry as CeleryRetry
 from kombu.exceptions import OperationalError
 
 from celery_mongolock import singleton_task
@@ -71,3 +74,50 @@ def test_the_republish_policy_outlasts_a_restart() -> None:
         waits.append(min(wait, p["interval_max"]))
         wait += p["interval_step"]
     assert 45 <= sum(waits) <= 90, sum(waits)
+
+
+def test_a_body_retry_is_published_across_a_broker_restart(down_broker: RedisServer) -> None:
+    """``self.retry()`` in a singleton body while the broker restarts: Celery's own ``Task.retry`` gives up
+    within a second and rejects the message without requeueing it (with ``acks_late`` the task is gone,
+    its state PENDING or RETRY: how the lock-set checker lost tasks). A singleton task's retry rides over
+    the restart."""
+    app = Celery("retry_restart", set_as_current=False)
+    app.conf.update(broker_url=down_broker.url, broker_connection_timeout=1)
+
+    @app.task(name="retry_restart.plain", bind=True)
+    def plain(self: Any) -> None:  # pragma: no cover - never run here
+        pass
+
+    @singleton_task(key="resource", app=app, name="retry_restart.guarded", bind=True)
+    def guarded(self: Any) -> None:  # pragma: no cover - never run here
+        pass
+
+    def as_worker(task: Any) -> None:
+        task.push_request(
+            id="t-1", args=(), kwargs={}, called_directly=False, is_eager=False, retries=0,
+            delivery_info={"routing_key": "celery", "exchange": ""}, headers={},
+        )  # fmt: skip
+
+    # Celery's own Task.retry: the broker is down, the retry is dropped and the message rejected for good.
+    as_worker(plain)
+    with pytest.raises(Reject) as rejected:
+        plain.retry(countdown=1)
+    assert rejected.value.requeue is False
+    plain.pop_request()
+
+    # A singleton task's: the broker comes back while the publish is retried, and the retry gets through.
+    as_worker(guarded)
+    starter = threading.Timer(2.0, down_broker.start)
+    starter.start()
+    try:
+        with pytest.raises(CeleryRetry):
+            guarded.retry(countdown=1)
+    finally:
+        starter.join()
+        guarded.pop_request()
+    client = redis.Redis.from_url(down_broker.url)
+    try:
+        assert client.llen("celery") == 1, "the retry was not published"
+    finally:
+        client.close()
+    app.close()
