@@ -1342,6 +1342,10 @@ class Run:
         self.drain_s = round(time.monotonic() - t_begin, 1)
         where = self._find_messages(waiting) if waiting else {}
         broker_log = self._broker_log() if waiting else None
+        worker_events: dict[str, list[Doc]] = defaultdict(list)
+        for e in read_histories(self.hist_dir) if waiting else []:
+            if e.get("ev") in ("recv", "pub", "ended") and e.get("task_id") in waiting:
+                worker_events[e["task_id"]].append(e)
         for task_id, info in waiting.items():
             try:
                 state = backend.get_task_meta(task_id)["status"]
@@ -1354,6 +1358,12 @@ class Run:
                 states[task_id]["lost_by_broker"] = lost
             elif broker_log is not None:
                 states[task_id]["broker_steps"] = broker_steps(broker_log, task_id, self.start_mono)
+            states[task_id]["worker_events"] = [
+                f"{e['ev']}@{float(e['t']) - self.start_mono:.2f}"
+                + (f" {e.get('node')}" if e.get("node") else "")
+                + (f" {e.get('state')}" if e.get("state") else "")
+                for e in sorted(worker_events.get(task_id, []), key=lambda e: float(e["t"]))
+            ]
             self.log(f"unfinished: {task_id} {states[task_id]}")
         return states
 

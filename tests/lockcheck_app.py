@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.signals import before_task_publish, task_received, worker_ready
+from celery.signals import before_task_publish, task_postrun, task_received, worker_ready
 
 from celery_mongolock import Retry, Skip, current_lease, singleton_task
 
@@ -91,6 +91,15 @@ def _publishing(headers: Any = None, **_: Any) -> None:
     hist = _history()  # worker processes only (retries, parked duplicates): the submitter keeps its own
     if hist is not None and headers and headers.get("id"):
         hist.event("pub", task_id=headers["id"], t=time.monotonic())
+
+
+@task_postrun.connect
+def _ended(task_id: Any = None, state: Any = None, retval: Any = None, **_: Any) -> None:
+    """How each run ended in the worker (SUCCESS, RETRY, REJECTED, FAILURE, IGNORED): with the broker's
+    file (tests/brokerlog.py) this says what became of an unfinished task's last message."""
+    hist = _history()
+    if hist is not None and task_id:
+        hist.event("ended", task_id=task_id, state=str(state), retval=repr(retval)[:200], t=time.monotonic())
 
 
 def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
