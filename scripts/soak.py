@@ -121,7 +121,8 @@ def summary_line(report: dict[str, Any]) -> str:
     return (
         f"seed {report['seed']}: violations {report['violations']}, unfinished {tasks['unfinished']} "
         f"(lost by the broker {tasks['lost_by_broker']}), tasks {tasks['submitted']}, "
-        f"faults {sum(faults.values())}, {report['duration_s']} s, workdir {report.get('workdir')}"
+        f"faults {sum(faults.values())}, {report['duration_s']} s (drain {report.get('drain_s')} s), "
+        f"workdir {report.get('workdir')}"
     )
 
 

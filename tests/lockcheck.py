@@ -1571,6 +1571,11 @@ def format_report(report: Doc) -> str:
             f"  worker nodes that exited on their own and were replaced: {len(report['node_exits'])} "
             f"(last error: {report['node_exits'][-1].get('last_error')})"
         )
+    if "drain_s" in report:
+        lines.append(
+            f"  drain {report['drain_s']}s; node start-up median {report['node_start_s'].get('median_s')}s "
+            f"max {report['node_start_s'].get('max_s')}s"
+        )
     lines.append(f"  violations {report['violations']}")
     lines += [f"    {v}" for v in report["violation_list"]]
     return "\n".join(lines)
