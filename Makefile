@@ -21,6 +21,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(wildcard celery_mongolock tests example_project benchmarks)
+	$(VENV)/bin/lint-imports  # imports flow one way, no cycles, no Celery in the lease core ([tool.importlinter])
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

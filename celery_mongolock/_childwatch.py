@@ -11,6 +11,9 @@ becomes readable only once the child has exited, and then releases the leases he
 tasks that child was running (``LeaseStore.release_held_by(task_id=..., pid=...)``: the same release
 ``SingletonRequest`` makes, matched on task id *and* pid, so a reused pid never frees anyone else's
 key). Where pidfds are unavailable nothing changes: the release waits for Celery, as before.
+
+``ChildWatchedRequest`` is the worker-side request that starts the watch; ``task.SingletonRequest``
+builds on it (this module does not import ``task``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from celery.worker.request import Request
+
+from .config import get_store
+
 log = logging.getLogger("celery_mongolock.release")
 
 #: ``requests_for(pid)``: the singleton requests the dead child ``pid`` was running, as
@@ -33,8 +40,6 @@ RequestsFor = Callable[[int], Iterable[tuple[Any, str, str]]]
 def _active_singleton_requests(pid: int) -> list[tuple[Any, str, str]]:
     """The worker's active requests of singleton tasks accepted by ``pid`` (read from another thread)."""
     from celery.worker import state
-
-    from .task import SingletonRequest
 
     for _ in range(5):
         try:
@@ -47,13 +52,11 @@ def _active_singleton_requests(pid: int) -> list[tuple[Any, str, str]]:
     return [
         (r.task.app, r.task.name, r.id)
         for r in requests
-        if isinstance(r, SingletonRequest) and r.worker_pid == pid
+        if isinstance(r, ChildWatchedRequest) and r.worker_pid == pid
     ]
 
 
 def _release(pid: int, requests: Iterable[tuple[Any, str, str]]) -> None:
-    from .config import get_store
-
     for app, name, task_id in requests:
         try:
             released = get_store(app).release_held_by(task_id=task_id, pid=pid)
@@ -169,6 +172,16 @@ class ChildWatch:
         self._reset()
 
 
-#: The worker parent's watch (used by ``SingletonRequest.on_accepted``).
+#: The worker parent's watch (used by ``ChildWatchedRequest.on_accepted``).
 child_watch = ChildWatch()
 os.register_at_fork(after_in_child=child_watch._after_fork_in_child)
+
+
+class ChildWatchedRequest(Request):  # type: ignore[misc]
+    """A worker-side request whose pool child is watched: its leases are released the moment it dies."""
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        super().on_accepted(pid, time_accepted)
+        if pid != os.getpid():
+            # Release the child's leases the moment it dies, not when Celery gets round to noticing.
+            child_watch.watch(pid)

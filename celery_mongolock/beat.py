@@ -39,6 +39,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 from pymongo import ReturnDocument
 
+from ._headers import BEAT_HEADER
 from ._urls import validate_mongo_url
 from .clock import ServerTime
 from .config import get_settings
@@ -48,9 +49,6 @@ from .store import Lease, LeaseStore, validate_lease_timing
 __all__ = ["BEAT_HEADER", "BeatSettings", "Scheduler", "next_tick", "read_beat_settings"]
 
 log = logging.getLogger("celery_mongolock.beat")
-
-#: Message header stamped on every task our scheduler sends: {"entry", "tick" (epoch ms), "window" (s)}.
-BEAT_HEADER = "mongolock_tick"
 
 BEAT_DEFAULTS: dict[str, Any] = {
     "mongolock_beat_key": "celery-beat:leader",

@@ -9,18 +9,24 @@ Signals (``celery.utils.dispatch.Signal``; connect with ``@lease_acquired.connec
   holds its key (``current_lease().lost`` is true; call ``current_lease().raise_if_lost()`` to stop).
 
 Hooks: when a worker process shuts down, every lease it still holds is released.
+
+This module imports nothing of the Celery glue above it (``config``, ``task``): the task registers its
+apps here (``_known_apps``), and the hooks find the leases through them.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery.signals import worker_process_shutdown, worker_shutdown
 from celery.utils.dispatch import Signal
 
 if TYPE_CHECKING:
-    from .store import Lease
+    from celery import Celery
+
+    from .lease import Lease
 
 __all__ = ["lease_acquired", "lease_contended", "lease_lost", "lease_released"]
 
@@ -31,6 +37,9 @@ lease_contended = Signal(name="lease_contended")
 lease_released = Signal(name="lease_released")
 lease_lost = Signal(name="lease_lost")
 
+#: The apps whose singleton tasks this process may run (``SingletonTask`` adds its app when bound).
+_known_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
+
 
 def _send_lost(lease: Lease, reason: str) -> None:
     lease_lost.send(sender=None, key=lease.key, lease=lease, reason=reason)
@@ -38,14 +47,11 @@ def _send_lost(lease: Lease, reason: str) -> None:
 
 def release_all_held(**_: Any) -> None:
     """Release every lease this process holds (graceful shutdown of a worker process)."""
-    from .task import _known_apps
-
     for app in list(_known_apps):
         store = getattr(app, "_mongolock_store", None)
-        hb = getattr(store, "_heartbeat", None) if store is not None else None
-        if hb is None:
+        if store is None:
             continue
-        for lease in hb.leases:
+        for lease in store.held_leases():
             try:
                 lease.release()
                 log.info("released %r at worker shutdown", lease.key)

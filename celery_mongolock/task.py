@@ -24,7 +24,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
@@ -32,10 +31,10 @@ from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task, shared_task
 from celery.exceptions import Ignore, Reject
 from celery.exceptions import Retry as RetryTask
-from celery.worker.request import Request
 
 from . import signals
-from ._childwatch import child_watch
+from ._childwatch import ChildWatchedRequest
+from ._headers import BEAT_HEADER
 from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
 from .exceptions import ConfigurationError, LockContended, StoreUnavailable
@@ -67,7 +66,7 @@ REPUBLISH_RETRY_POLICY: dict[str, float] = {
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_mongolock_lease", default=None
 )
-_known_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
+_known_apps = signals._known_apps  # the apps the shutdown hook releases leases for
 
 
 def _censor_url_in_celery_reports() -> None:
@@ -435,8 +434,6 @@ def _delivery(request: Any) -> str:
 
 def _beat_tick(request: Any) -> tuple[int | None, int | None]:
     """The nominal tick (epoch ms) and the end of its window, from the header our beat scheduler adds."""
-    from .beat import BEAT_HEADER
-
     stamp = (request.headers or {}).get(BEAT_HEADER) if request is not None else None
     if not isinstance(stamp, dict):
         return None, None
@@ -464,18 +461,13 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
-class SingletonRequest(Request):  # type: ignore[misc]
+class SingletonRequest(ChildWatchedRequest):
     """The worker-side request of a singleton task; runs in the worker's parent (main) process.
 
     When the child running the task dies (hard time limit, OOM killer, SIGKILL, revoke with terminate),
-    the child's leases are released from here, before the message is acknowledged or requeued.
+    the child's leases are released from here, before the message is acknowledged or requeued (and,
+    through ``ChildWatchedRequest``, the moment the child exits).
     """
-
-    def on_accepted(self, pid: int, time_accepted: float) -> None:
-        super().on_accepted(pid, time_accepted)
-        if pid != os.getpid():
-            # Release the child's leases the moment it dies, not when Celery gets round to noticing.
-            child_watch.watch(pid)
 
     def _release_dead_child(self, why: str) -> None:
         pid = self.worker_pid
