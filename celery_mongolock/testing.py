@@ -6,7 +6,7 @@
 * ``holding(app, key)``: hold a key from the test, to check what your task does under contention;
 * ``wait_for(condition, timeout)``: poll a condition with a deadline instead of sleeping.
 
-Example (pytest)::
+Example (pytest):
 
     @pytest.fixture(scope="session")
     def mongo():
@@ -92,7 +92,7 @@ class RedisServer:
     """A real ``redis-server`` process on a free loopback port.
 
     Without persistence by default. With ``persistent=True`` every write is appended to a file and
-    fsynced before Redis replies (``appendfsync always``), so :meth:`kill` (a crash) and :meth:`start`
+    fsynced before Redis replies (``appendfsync always``), so ``kill()`` (a crash) and ``start()``
     again, on the same port and data, loses nothing Redis acknowledged.
     """
 
@@ -108,9 +108,11 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        """The broker URL: ``redis://127.0.0.1:<port>/0``."""
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> RedisServer:
+        """Start the server and wait until it answers PING (at most ``timeout`` s); returns itself."""
         args = [
             self.binary,
             "--port",
@@ -152,6 +154,7 @@ class RedisServer:
         return self
 
     def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s) and delete its data directory."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -163,7 +166,7 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def kill(self) -> None:
-        """SIGKILL the server, as a crash would, keeping its data: :meth:`start` brings it back."""
+        """SIGKILL the server, as a crash would, keeping its data: ``start()`` brings it back."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
