@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck docs unit bench clean venv
+.PHONY: demo test lint typecheck docs unit bench clean venv matrix
 
 venv: $(STAMP)
 
@@ -34,6 +34,13 @@ docs: $(STAMP)
 
 test: lint typecheck docs
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m nox --tags oldest
+
+# The version matrix (noxfile.py): the store contract and integration suites on every Celery minor from 5.3
+# to 5.7 (each with its kombu) and on pymongo 4.6 and the newest, each in a virtualenv of its own in .nox/
+# (about 2.5 minutes a combination). `make test` runs the oldest one; its own .venv has the newest.
+matrix: $(STAMP)
+	$(PY) -m nox $(NOX_ARGS)
 
 # All the benchmarks, side by side, into benchmarks/results/ (REPORT.md): about 16 minutes.
 # `make bench BENCH_ARGS=--quick` for a 3-minute run. The peers compared come from the `bench` extra.
@@ -42,4 +49,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site .nox

@@ -10,6 +10,7 @@ and both return their result.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -290,3 +291,23 @@ def test_changelog_is_ready_for_a_release() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", version)
     if versions and ".dev" not in version:
         assert version == versions[0]
+
+
+def test_the_version_matrix_starts_at_the_declared_floors() -> None:
+    """noxfile.py's oldest combination is pyproject.toml's floors, and `make test` runs it."""
+    pytest.importorskip("nox")
+    import tomllib
+
+    spec = importlib.util.spec_from_file_location("noxfile", ROOT / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    noxfile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noxfile)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {}
+    for dep in deps:
+        name, floor = dep.split(">=")
+        floors[name] = floor
+    celery, pymongo = noxfile.OLDEST
+    assert floors == {"celery": celery, "kombu": noxfile.CELERY_KOMBU[celery], "pymongo": pymongo}
+    assert min(noxfile.CELERY_KOMBU, key=lambda v: tuple(map(int, v.split(".")))) == celery
+    assert "$(PY) -m nox --tags oldest" in (ROOT / "Makefile").read_text()

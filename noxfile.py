@@ -1,0 +1,58 @@
+"""The version matrix: the store contract suite and the real-worker integration suite on each supported
+Celery minor (with its kombu) and on the oldest and newest supported pymongo.
+
+    make matrix                       # every combination (nox, in .nox/)
+    python -m nox -t oldest           # the oldest combination (CI runs it in `make test`)
+    python -m nox -l                  # the sessions
+    python -m nox -s "compat(celery5.4-pymongo4.6)" -- -k overlap    # one, with pytest arguments
+
+The newest combination is also what `make test`'s own virtualenv has (``pip install -e '.[dev]'``).
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+# Celery minor -> the kombu minor released with it. A new Celery minor goes here and in the README.
+CELERY_KOMBU = {"5.3": "5.3", "5.4": "5.4", "5.5": "5.5", "5.6": "5.6", "5.7": "5.7"}
+# The pymongo floor of pyproject.toml, and the newest release (unpinned).
+PYMONGO = {"4.6": "pymongo~=4.6.0", "newest": "pymongo"}
+SUITES = ["tests/test_store_contract.py", "tests/test_integration.py"]
+
+OLDEST = ("5.3", "4.6")
+NEWEST = ("5.7", "newest")
+
+
+def _params() -> list[nox.param]:
+    params = []
+    for celery in CELERY_KOMBU:
+        for pymongo in PYMONGO:
+            combo = (celery, pymongo)
+            tags = ["oldest"] if combo == OLDEST else ["newest"] if combo == NEWEST else []
+            label = f"pymongo{pymongo}" if pymongo != "newest" else "pymongo-newest"
+            params.append(nox.param(celery, pymongo, id=f"celery{celery}-{label}", tags=tags))
+    return params
+
+
+@nox.session(python=None)  # the interpreter nox runs on
+@nox.parametrize(("celery", "pymongo"), _params())
+def compat(session: nox.Session, celery: str, pymongo: str) -> None:
+    """Store contract + integration suites on one Celery/kombu/pymongo combination."""
+    kombu = CELERY_KOMBU[celery]
+    session.install(
+        "-e",
+        ".[test]",
+        f"celery[redis]~={celery}.0",
+        f"kombu~={kombu}.0",
+        PYMONGO[pymongo],
+    )
+    session.run(
+        "python",
+        "-c",
+        "import celery, kombu, pymongo, redis; print('versions: celery', celery.__version__, "
+        "'kombu', kombu.__version__, 'pymongo', pymongo.__version__, 'redis', redis.__version__)",
+    )
+    session.run("python", "-m", "pytest", *SUITES, "-p", "no:cacheprovider", "-q", *session.posargs)
