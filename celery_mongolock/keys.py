@@ -122,7 +122,10 @@ class KeyRenderer:
     * a brace-free string that is not an identifier (``"nightly-report"``), or any string for a task
       without arguments: that fixed key (a bare name on a task with arguments must be one of them, so
       that a misspelt argument name is an error, not a silently global lock);
-    * a callable: called with the task's arguments, returns the key.
+    * a callable: called with the task's arguments *bound* to the task's signature, defaults applied,
+      by name (positional-only and ``*args`` parameters positionally, ``**kwargs`` spread out), returns
+      the key. So ``lambda group_id, **_: ...`` works for ``f(42, "a.csv")`` and ``f(group_id=42)``
+      alike; a callable that could not take the task's arguments is refused at declaration.
 
     Arguments are bound to the function's signature with defaults applied, so ``f(1)`` and
     ``f(group_id=1)`` give one key. Every mistake that can be found when the task is declared is
@@ -146,6 +149,7 @@ class KeyRenderer:
         self._template: str | None = None
         self._fixed: str | None = None
         self._callable: Callable[..., Any] | None = None
+        self._callable_signature: inspect.Signature | None = None
         where = f"task {task_name!r}"
         if spec is None:
             self._fixed = task_name
@@ -175,6 +179,7 @@ class KeyRenderer:
                 self._fixed = spec
         elif callable(spec):
             self._callable = spec
+            self._check_callable(spec, params, where)
         elif isinstance(spec, (list, tuple)):
             if not spec:
                 raise ConfigurationError(f"{where}: key lists must name at least one argument")
@@ -193,6 +198,69 @@ class KeyRenderer:
                 f"{where}: key must be None, an argument name, a list of names, a template string or a "
                 f"callable, got {type(spec).__name__}"
             )
+
+    def _check_callable(
+        self, spec: Callable[..., Any], params: Mapping[str, inspect.Parameter], where: str
+    ) -> None:
+        """Refuse, now, a key callable that could not take the task's arguments as they are passed."""
+        try:
+            self._callable_signature = inspect.signature(spec)
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+            return
+        if self.signature is None:
+            return
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        for param in params.values():
+            if param.kind is inspect.Parameter.POSITIONAL_ONLY:
+                args.append(None)
+            elif param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+                kwargs[param.name] = None
+        # A task taking *args or **kwargs may pass more than its named parameters: only refuse what the
+        # callable could never take.
+        variadic = any(
+            p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            for p in params.values()
+        )
+        try:
+            if variadic:
+                self._callable_signature.bind_partial(*args, **kwargs)
+            else:
+                self._callable_signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ConfigurationError(
+                f"{where}: the key callable {self._callable_text()} cannot take the arguments of "
+                f"{self._describe(params)} ({exc}); it is called with the task's arguments by name, "
+                "so name the ones it uses and take the rest with **kwargs, e.g. "
+                "key=lambda group_id, **_: ..."
+            ) from None
+
+    def _callable_text(self) -> str:
+        name = getattr(self._callable, "__name__", type(self._callable).__name__)
+        signature = "" if self._callable_signature is None else str(self._callable_signature)
+        return f"{name}{signature}"
+
+    def _callable_arguments(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """The call's arguments bound to the task's signature, as the key callable receives them."""
+        if self.signature is None:
+            return list(args), dict(kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        positional: list[Any] = []
+        named: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                positional.extend(value)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            else:
+                named[name] = value
+        return positional, named
 
     @staticmethod
     def _has_var_kwargs(params: Mapping[str, inspect.Parameter]) -> bool:
@@ -241,7 +309,16 @@ class KeyRenderer:
         if self._fixed is not None:
             return normalize_key(self._fixed)
         if self._callable is not None:
-            value = self._callable(*args, **kwargs)
+            call_args, call_kwargs = self._callable_arguments(args, kwargs)
+            if self._callable_signature is not None:
+                try:  # only a task taking **kwargs can get here with arguments the callable refuses
+                    self._callable_signature.bind(*call_args, **call_kwargs)
+                except TypeError as exc:
+                    raise InvalidKey(
+                        f"task {self.task_name!r}: the key callable {self._callable_text()} cannot take "
+                        f"this call's arguments ({exc})"
+                    ) from None
+            value = self._callable(*call_args, **call_kwargs)
             if value is None:  # a forgotten return would otherwise give every call the one key "null"
                 raise InvalidKey(f"task {self.task_name!r}: the key callable returned None, not a key")
             if not isinstance(value, str):

@@ -29,12 +29,14 @@ from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task, shared_task
+from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject
 from celery.exceptions import Retry as RetryTask
 
 from . import signals
 from ._childwatch import ChildWatchedRequest
 from ._headers import BEAT_HEADER
+from ._options import check_decorator_options, check_task_class, install_start_up_error_hook
 from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
 from .exceptions import ConfigurationError, LockContended, StoreUnavailable
@@ -85,6 +87,10 @@ def _censor_url_in_celery_reports() -> None:
 
 
 _censor_url_in_celery_reports()
+
+# Worker and beat send import_modules before they create the tasks and read the settings: from then on a
+# ConfigurationError that stops them is shown as one line, not as a traceback through Celery's start-up.
+celery_signals.import_modules.connect(install_start_up_error_hook, weak=False)
 
 
 def current_lease() -> Lease | None:
@@ -137,6 +143,12 @@ class SingletonTask(Task):  # type: ignore[misc]
     Request = "celery_mongolock.task:SingletonRequest"
 
     _mongolock_renderer: KeyRenderer | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # @app.task(base=SingletonTask, mongolock_...=...) creates a subclass: check it as
+        # @singleton_task checks its arguments (for a lazily declared task, at app.finalize()).
+        super().__init_subclass__(**kwargs)
+        check_task_class(cls)
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
@@ -585,6 +597,7 @@ def singleton_task(
         if not callable(func):
             raise ConfigurationError(f"singleton_task decorates a function, got {func!r}")
         name = task_options.get("name") or f"{func.__module__}.{func.__qualname__}"
+        check_decorator_options(f"task {name!r}", task_options)  # limit=3, lease_second=60, ...
         KeyRenderer(key, func, name, skip_first=bool(task_options.get("bind")))  # fail now, not at first run
         options = {
             "base": base,

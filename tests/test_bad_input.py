@@ -222,7 +222,9 @@ CALLABLE_CASES = [
     case(lambda: keyed_by(lambda group_id, **_: "").mongolock_key_for(1), InvalidKey, "lease key", "must not be empty", "returns-empty"),
     case(lambda: keyed_by(lambda group_id, **_: "a\x00").mongolock_key_for(1), InvalidKey, "lease key", "NUL", "returns-nul"),
     case(lambda: keyed_by(tenant_lookup_fails).mongolock_key_for(7), LookupError, "group 7", "no tenant", "raises"),
-    case(lambda: keyed_by(lambda: "k").mongolock_key_for(1), TypeError, "<lambda>()", "takes 0 positional arguments", "wrong-signature"),
+    case(lambda: keyed_by(lambda: "k"), ConfigurationError, "<lambda>()", "cannot take the arguments of upload(group_id, path)", "wrong-signature"),
+    case(lambda: keyed_by(lambda x, y, z: "k"), ConfigurationError, "<lambda>(x, y, z)", "cannot take the arguments of upload(group_id, path)", "unrelated-signature"),
+    case(lambda: keyed_by(lambda group_id: "k"), ConfigurationError, "<lambda>(group_id)", "unexpected keyword argument 'path'", "too-few-parameters"),
 ]  # fmt: skip
 
 
@@ -592,4 +594,6 @@ def test_every_case_has_a_row_in_the_docs_table() -> None:
 def test_a_key_callable_gets_the_task_arguments_not_the_task() -> None:
     """A function given as key= is a class attribute of the task: it must not be bound to the task."""
     assert keyed_by(lambda group_id, **_: f"tenant:{group_id}").mongolock_key_for(7) == "tenant:7"
-    assert keyed_by(lambda *args, **_: repr(args)).mongolock_key_for(7) == "(7,)"
+    assert keyed_by(lambda **kwargs: repr(sorted(kwargs.items()))).mongolock_key_for(7) == (
+        "[('group_id', 7), ('path', 'members.csv')]"
+    )
