@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from celery.signals import before_task_publish, task_postrun, task_received, worker_ready
 
 from celery_mongolock import Retry, Skip, current_lease, singleton_task
@@ -116,6 +116,10 @@ def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
     outcome = outcomes[0] if outcomes else "claim-failed"
     if outcome != "ack":
         # Fenced out, lease lost, or MongoDB unreachable: do the work again under a new lease.
+        if os.environ.get("LOCKCHECK_CELERY_RETRY"):
+            # Experiment knob: Celery's own Task.retry (gives up publishing after about 0.6 s and then
+            # rejects the message without requeue), to reproduce the loss SingletonTask.retry fixes.
+            raise Task.retry(task, countdown=0.2 + _rng.random() * 0.3)
         raise task.retry(countdown=0.2 + _rng.random() * 0.3)
     return {"op": op, "outcome": outcome}
 
