@@ -12,8 +12,9 @@ tasks that child was running (``LeaseStore.release_held_by(task_id=..., pid=...)
 ``SingletonRequest`` makes, matched on task id *and* pid, so a reused pid never frees anyone else's
 key). Where pidfds are unavailable nothing changes: the release waits for Celery, as before.
 
-``ChildWatchedRequest`` is the worker-side request that starts the watch; ``task.SingletonRequest``
-builds on it (this module does not import ``task``).
+``ChildWatchedRequest`` is the worker-side request that starts the watch, and that also releases the
+child's leases when Celery reports its death (``WorkerLostError``, a hard time limit): the only path where
+pidfds are unavailable. ``task.SingletonRequest`` builds on it (this module does not import ``task``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 
 from .config import get_store
@@ -177,11 +180,72 @@ child_watch = ChildWatch()
 os.register_at_fork(after_in_child=child_watch._after_fork_in_child)
 
 
+def _process_gone(pid: int) -> bool:
+    """True when ``pid`` has exited (a zombie waiting to be reaped counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 class ChildWatchedRequest(Request):  # type: ignore[misc]
-    """A worker-side request whose pool child is watched: its leases are released the moment it dies."""
+    """A worker-side request (in the worker's parent) that releases its pool child's leases when the child
+    dies: the moment it exits (the watch), and when Celery reports the death (``WorkerLostError``, a hard
+    time limit), before the message is acknowledged or requeued."""
 
     def on_accepted(self, pid: int, time_accepted: float) -> None:
         super().on_accepted(pid, time_accepted)
         if pid != os.getpid():
             # Release the child's leases the moment it dies, not when Celery gets round to noticing.
             child_watch.watch(pid)
+
+    def _release_dead_child(self, why: str) -> None:
+        pid = self.worker_pid
+        if pid is None or pid == os.getpid():
+            return
+        app, name, task_id = self.task.app, self.task.name, self.id
+
+        def release() -> None:
+            # Only once the child is really gone: billiard reports a hard time limit *before* it
+            # kills the child, and a child still running must keep its key.
+            deadline = time.monotonic() + 60.0
+            delay = 0.01
+            while not _process_gone(pid):
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "%s[%s]: child %s still alive; leaving its lease to expire", name, task_id, pid
+                    )
+                    return
+                time.sleep(delay)
+                delay = min(0.2, delay * 2)
+            try:
+                released = get_store(app).release_held_by(task_id=task_id, pid=pid)
+            except Exception as exc:  # the lease will expire; never break the worker's failure handling
+                log.warning("%s[%s]: could not release the dead child's lease: %s", name, task_id, exc)
+                return
+            if released:
+                log.warning("%s[%s]: child %s %s; released %d lease(s)", name, task_id, pid, why, released)
+
+        if _process_gone(pid):
+            release()  # the usual case (WorkerLostError): before the message is requeued
+        else:
+            threading.Thread(target=release, name="celery_mongolock-release-dead-child", daemon=True).start()
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        if not soft:
+            self._release_dead_child(f"killed by the hard time limit ({timeout}s)")
+        super().on_timeout(soft, timeout)
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # billiard wraps pool errors in ExceptionWithTraceback
+        if isinstance(exc, (WorkerLostError, Terminated, TimeLimitExceeded)):
+            self._release_dead_child(f"died ({type(exc).__name__}: {exc})")
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)

@@ -1,8 +1,11 @@
 """What a singleton task does when its key is already held: small policy objects.
 
-Policies are data plus arithmetic; ``task.py`` carries them out. Any of them can be given as an object
-(``Retry(countdown=5)``), a shorthand string (``"retry"``, ``"skip"``, ``"wait"``, ``"fail"``) or, in
-settings, a dict (``{"policy": "wait", "timeout": 10}``).
+Each policy says what a run does when its key is held (``on_contended``) and when MongoDB does not
+answer (``on_unavailable``), through ``Contention``: the few things a run can do (skip, fail, be published
+again later, wait for the key), which the Celery glue implements. A new kind of policy is a new class
+here; the glue does not change. Any of them can be given as an object (``Retry(countdown=5)``), a
+shorthand string (``"retry"``, ``"skip"``, ``"wait"``, ``"fail"``) or, in settings, a dict
+(``{"policy": "wait", "timeout": 10}``).
 """
 
 from __future__ import annotations
@@ -11,17 +14,74 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 from .exceptions import ConfigurationError
 
-__all__ = ["Fail", "Policy", "PolicySpec", "Retry", "Skip", "Wait", "parse_policy"]
+__all__ = [
+    "TRY_AGAIN",
+    "Contention",
+    "Fail",
+    "Policy",
+    "PolicySpec",
+    "Retry",
+    "Skip",
+    "Wait",
+    "parse_policy",
+]
+
+
+class TryAgain:
+    """Returned by ``Policy.on_contended``: try to take the key again now."""
+
+    def __repr__(self) -> str:
+        return "TRY_AGAIN"
+
+
+TRY_AGAIN = TryAgain()
+
+
+class Contention(Protocol):
+    """A run that found its key held, or its lease store unreachable: what a policy can make it do.
+
+    The Celery glue implements it (``task``); the body has not run and does not run unless the policy
+    returns ``TRY_AGAIN`` and the key is then taken.
+    """
+
+    @property
+    def key(self) -> str: ...
+
+    def skip(self, reason: str) -> object:
+        """End the run successfully without its body; returns the run's result (which says why)."""
+        ...
+
+    def fail(self, exc: Exception | None = None) -> NoReturn:
+        """Fail the run with ``exc``, by default ``LockContended`` naming the holder."""
+        ...
+
+    def retry(self, policy: Retry, exc: Exception | None = None) -> NoReturn:
+        """Publish the run again after ``policy``'s backoff, not counted in the task's own retries (a run
+        that cannot be published again, such as a direct call, fails with ``exc`` instead)."""
+        ...
+
+    def wait_free(self, timeout: float) -> bool:
+        """Block until the key looks free (True), or until ``timeout`` seconds have passed since this run
+        first waited (False)."""
+        ...
 
 
 class Policy:
     """Base class of the contention policies."""
 
     name = "policy"
+
+    def on_contended(self, run: Contention) -> object:
+        """The key is held: end the run (return its result, or raise) or return ``TRY_AGAIN``."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what a contended run does")
+
+    def on_unavailable(self, run: Contention, exc: Exception) -> NoReturn:
+        """The lease store did not answer, so the body must not run: by default, run again later."""
+        run.retry(Retry(), exc)
 
 
 #: Upper bound of every policy duration (30 days, as for leases): larger values overflow Celery's ETAs.
@@ -89,12 +149,21 @@ class Retry(Policy):
         """True when retry number ``attempt`` (0-based) is beyond ``max_retries``."""
         return self.max_retries is not None and attempt >= self.max_retries
 
+    def on_contended(self, run: Contention) -> NoReturn:
+        run.retry(self)
+
+    def on_unavailable(self, run: Contention, exc: Exception) -> NoReturn:
+        run.retry(self, exc)
+
 
 @dataclasses.dataclass(frozen=True)
 class Skip(Policy):
     """Drop this run: it ends successfully with a result saying which key was held, and by whom."""
 
     name = "skip"
+
+    def on_contended(self, run: Contention) -> object:
+        return run.skip("the key was held by another run")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +179,26 @@ class Wait(Policy):
         if isinstance(self.then, Wait) or not isinstance(self.then, Policy):
             raise ConfigurationError(f"Wait(then=...) must be Retry(), Skip() or Fail(), got {self.then!r}")
 
+    def on_contended(self, run: Contention) -> object:
+        if run.wait_free(self.timeout):
+            return TRY_AGAIN
+        return self.then.on_contended(run)
+
+    def on_unavailable(self, run: Contention, exc: Exception) -> NoReturn:
+        run.retry(self.then if isinstance(self.then, Retry) else Retry(), exc)
+
 
 @dataclasses.dataclass(frozen=True)
 class Fail(Policy):
     """Fail this run with ``LockContended`` (logged without a traceback)."""
 
     name = "fail"
+
+    def on_contended(self, run: Contention) -> NoReturn:
+        run.fail()
+
+    def on_unavailable(self, run: Contention, exc: Exception) -> NoReturn:
+        run.fail(exc)
 
 
 PolicySpec = Policy | str | Mapping[str, Any]

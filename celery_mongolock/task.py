@@ -21,13 +21,9 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
-import os
-import threading
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
-from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task, shared_task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject
@@ -35,13 +31,15 @@ from celery.exceptions import Retry as RetryTask
 
 from . import signals
 from ._childwatch import ChildWatchedRequest
+from ._contention import ContendedRun, skipped_result
+from ._contention import Outcome as _Outcome
 from ._headers import BEAT_HEADER
 from ._options import check_decorator_options, check_task_class, install_start_up_error_hook
 from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
 from .exceptions import ConfigurationError, LockContended, StoreUnavailable
 from .keys import KeyRenderer, KeySpec
-from .policies import Fail, Policy, PolicySpec, Retry, Skip, Wait, parse_policy
+from .policies import TRY_AGAIN, Policy, PolicySpec, Retry, parse_policy
 from .store import Lease, _aware
 
 __all__ = ["CONTENTION_HEADER", "SingletonRequest", "SingletonTask", "current_lease", "singleton_task"]
@@ -102,26 +100,6 @@ def current_lease() -> Lease | None:
     fencing token to attach to writes.
     """
     return _current.get()
-
-
-class _Outcome:
-    """What a run that did not take its lease returns instead of running the body."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def skipped_result(key: str, holder: dict[str, Any], expires_at: Any, reason: str) -> dict[str, Any]:
-    """The result of a run dropped by the Skip policy: says which key, which holder, and why."""
-    return {
-        "mongolock": "skipped",
-        "key": key,
-        "holder": holder,
-        "expires_at": expires_at.isoformat() if hasattr(expires_at, "isoformat") else expires_at,
-        "reason": reason,
-    }
 
 
 class SingletonTask(Task):  # type: ignore[misc]
@@ -267,7 +245,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         tick, hold_until_ms = _beat_tick(request)
         if tick is not None:
             info["beat_tick"] = tick
-        wait_until: float | None = None
+        run = ContendedRun(self, store, key, direct=direct)
         try:
             first_run_done = self._first_run_done(store, key)
         except StoreUnavailable as exc:
@@ -314,20 +292,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self._park_duplicate(key, options, direct)
                 raise Ignore()
             signals.lease_contended.send(sender=self, key=key, holder=holder, policy=policy.name)
-            if not isinstance(policy, Wait):
-                return self._apply(policy, key, holder, expires_at, direct)
-            now = store.clock.monotonic()
-            if wait_until is None:
-                wait_until = now + policy.timeout
-                log_acquire.info(
-                    "%s[%s]: %r is held; waiting up to %gs", self.name, request.id, key, policy.timeout
-                )
-            if wait_until - now > 0 and store.wait_free(key, wait_until - now):
+            # The policy decides (policies.py): skip, fail, publish again later, or wait and try again.
+            outcome = policy.on_contended(run.held_by(holder, expires_at))
+            if outcome is TRY_AGAIN:
                 continue
-            log_acquire.info(
-                "%s[%s]: wait for %r timed out; %s", self.name, request.id, key, policy.then.name
-            )
-            return self._apply(policy.then, key, holder, expires_at, direct)
+            assert isinstance(outcome, _Outcome), f"{policy!r}.on_contended returned {outcome!r}"
+            return outcome
 
     def _park_duplicate(self, key: str, options: TaskOptions, direct: bool) -> None:
         """Keep a copy of a duplicate delivery until the first run's fate is known.
@@ -382,31 +352,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             and not doc.get("forced_release")
         )
 
-    def _apply(
-        self, policy: Policy, key: str, holder: dict[str, Any], expires_at: Any, direct: bool
-    ) -> _Outcome:
-        request = self.request
-        if isinstance(policy, Skip):
-            log_acquire.info("%s[%s]: %r is held by %s; skipped", self.name, request.id, key, holder)
-            return _Outcome(skipped_result(key, holder, expires_at, "the key was held by another run"))
-        if isinstance(policy, Fail) or direct or request.is_eager or request.called_directly:
-            raise LockContended(key, holder, expires_at)
-        if isinstance(policy, Retry):
-            self._contention_retry(policy, LockContended(key, holder, expires_at))
-        raise LockContended(key, holder, expires_at)  # pragma: no cover - Wait is handled by the caller
-
     def _unavailable(self, key: str, exc: StoreUnavailable, policy: Policy, direct: bool) -> NoReturn:
         """MongoDB could not be reached: never run the body. Retry later (or fail, under Fail)."""
         request = self.request
         log_acquire.error("%s[%s]: cannot take %r, body not run: %s", self.name, request.id, key, exc)
-        if isinstance(policy, Fail) or direct or request.is_eager or request.called_directly:
-            raise exc
-        retry_policy = (
-            policy
-            if isinstance(policy, Retry)
-            else (policy.then if isinstance(policy, Wait) and isinstance(policy.then, Retry) else Retry())
-        )
-        self._contention_retry(retry_policy, exc)
+        policy.on_unavailable(ContendedRun(self, get_store(self.app), key, direct=direct), exc)
 
     def _contention_retry(self, policy: Retry, exc: Exception) -> NoReturn:
         """Publish this run again after a backoff; the task's own ``retries`` budget is not used."""
@@ -458,76 +408,13 @@ def _beat_tick(request: Any) -> tuple[int | None, int | None]:
     return tick, tick + max(0, window_ms - guard_ms)
 
 
-def _process_gone(pid: int) -> bool:
-    """True when ``pid`` has exited (a zombie waiting to be reaped counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 class SingletonRequest(ChildWatchedRequest):
     """The worker-side request of a singleton task; runs in the worker's parent (main) process.
 
     When the child running the task dies (hard time limit, OOM killer, SIGKILL, revoke with terminate),
-    the child's leases are released from here, before the message is acknowledged or requeued (and,
-    through ``ChildWatchedRequest``, the moment the child exits).
+    the child's leases are released from there (``_childwatch.ChildWatchedRequest``), before the message
+    is acknowledged or requeued.
     """
-
-    def _release_dead_child(self, why: str) -> None:
-        pid = self.worker_pid
-        if pid is None or pid == os.getpid():
-            return
-        app, name, task_id = self.task.app, self.task.name, self.id
-
-        def release() -> None:
-            # Only once the child is really gone: billiard reports a hard time limit *before* it
-            # kills the child, and a child still running must keep its key.
-            deadline = time.monotonic() + 60.0
-            delay = 0.01
-            while not _process_gone(pid):
-                if time.monotonic() > deadline:
-                    log_release.warning(
-                        "%s[%s]: child %s still alive; leaving its lease to expire", name, task_id, pid
-                    )
-                    return
-                time.sleep(delay)
-                delay = min(0.2, delay * 2)
-            try:
-                released = get_store(app).release_held_by(task_id=task_id, pid=pid)
-            except Exception as exc:  # the lease will expire; never break the worker's failure handling
-                log_release.warning(
-                    "%s[%s]: could not release the dead child's lease: %s", name, task_id, exc
-                )
-                return
-            if released:
-                log_release.warning(
-                    "%s[%s]: child %s %s; released %d lease(s)", name, task_id, pid, why, released
-                )
-
-        if _process_gone(pid):
-            release()  # the usual case (WorkerLostError): before the message is requeued
-        else:
-            threading.Thread(target=release, name="celery_mongolock-release-dead-child", daemon=True).start()
-
-    def on_timeout(self, soft: bool, timeout: float) -> None:
-        if not soft:
-            self._release_dead_child(f"killed by the hard time limit ({timeout}s)")
-        super().on_timeout(soft, timeout)
-
-    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
-        exc = getattr(exc_info, "exception", None)
-        exc = getattr(exc, "exc", exc)  # billiard wraps pool errors in ExceptionWithTraceback
-        if isinstance(exc, (WorkerLostError, Terminated, TimeLimitExceeded)):
-            self._release_dead_child(f"died ({type(exc).__name__}: {exc})")
-        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
 # -- the decorator ---------------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""A singleton run that did not get its key: what the contention policies act through.
+
+``ContendedRun`` implements ``policies.Contention`` for a Celery run: skip it (a result that says why),
+fail it, publish it again later (``SingletonTask._contention_retry``), or wait for the key. The policy
+decides which (``Policy.on_contended``, ``Policy.on_unavailable``); the task only hands the run over, so a
+new kind of policy needs no change here or in ``task``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from .exceptions import LockContended
+
+if TYPE_CHECKING:
+    from .policies import Retry
+    from .store import LeaseStore
+    from .task import SingletonTask
+
+__all__ = ["ContendedRun", "Outcome", "skipped_result"]
+
+log = logging.getLogger("celery_mongolock.acquire")
+
+
+class Outcome:
+    """What a run that did not take its lease returns instead of running the body."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def skipped_result(key: str, holder: dict[str, Any], expires_at: Any, reason: str) -> dict[str, Any]:
+    """The result of a run dropped by the Skip policy: says which key, which holder, and why."""
+    return {
+        "mongolock": "skipped",
+        "key": key,
+        "holder": holder,
+        "expires_at": expires_at.isoformat() if hasattr(expires_at, "isoformat") else expires_at,
+        "reason": reason,
+    }
+
+
+class ContendedRun:
+    """One run of a singleton task whose key is held (``held_by``) or whose store did not answer."""
+
+    def __init__(self, task: SingletonTask, store: LeaseStore, key: str, *, direct: bool) -> None:
+        self.task = task
+        self.store = store
+        self.key = key
+        #: Called directly (``task(...)``), not by a worker: nothing can be published again.
+        self.direct = direct
+        self.holder: dict[str, Any] = {}
+        self.expires_at: Any = None
+        self._wait_until: float | None = None
+
+    def held_by(self, holder: dict[str, Any], expires_at: Any) -> ContendedRun:
+        """Who holds the key as of the last attempt, and until when."""
+        self.holder = holder
+        self.expires_at = expires_at
+        return self
+
+    def _who(self) -> tuple[str, Any]:
+        return self.task.name, self.task.request.id
+
+    def skip(self, reason: str) -> Outcome:
+        log.info("%s[%s]: %r is held by %s; skipped", *self._who(), self.key, self.holder)
+        return Outcome(skipped_result(self.key, self.holder, self.expires_at, reason))
+
+    def fail(self, exc: Exception | None = None) -> NoReturn:
+        raise exc if exc is not None else LockContended(self.key, self.holder, self.expires_at)
+
+    def retry(self, policy: Retry, exc: Exception | None = None) -> NoReturn:
+        if exc is None:
+            exc = LockContended(self.key, self.holder, self.expires_at)
+        request = self.task.request
+        if self.direct or request.is_eager or request.called_directly:
+            raise exc
+        self.task._contention_retry(policy, exc)
+
+    def wait_free(self, timeout: float) -> bool:
+        now = self.store.clock.monotonic()
+        if self._wait_until is None:
+            self._wait_until = now + timeout
+            log.info("%s[%s]: %r is held; waiting up to %gs", *self._who(), self.key, timeout)
+        remaining = self._wait_until - now
+        if remaining > 0 and self.store.wait_free(self.key, remaining):
+            return True
+        log.info("%s[%s]: wait for %r timed out", *self._who(), self.key)
+        return False
