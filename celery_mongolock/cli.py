@@ -4,16 +4,21 @@ Registered as a Celery sub-command through the ``celery.commands`` entry point g
 
     celery -A proj mongolock list [--prefix P] [--all] [--json]
     celery -A proj mongolock inspect KEY [--json]
-    celery -A proj mongolock release KEY --force
+    celery -A proj mongolock release KEY [--force]
     celery -A proj mongolock watch [--prefix P] [--interval S] [--count N]
 
 The store is the app's (``mongolock_*`` settings). Connection passwords are never printed.
+
+Exit status: 0 done (for ``release``: the key is free now, released by us or free already); 1 an error
+(MongoDB unreachable, no such lease for ``inspect``); 2 a usage error, including ``release`` of a held
+key without ``--force``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -83,6 +88,9 @@ def _run(action: Any) -> Any:
 @click.pass_context
 def mongolock(ctx: click.Context) -> None:
     """Inspect and manage celery_mongolock leases."""
+    # Each command says what happened on stdout; without this, the library's own log records (such as
+    # the store's "force-released ..." warning) would be printed on stderr too, by logging's last resort.
+    logging.getLogger("celery_mongolock").addHandler(logging.NullHandler())
 
 
 @mongolock.command(name="list")
@@ -140,17 +148,38 @@ def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
 
 @mongolock.command(name="release")
 @click.argument("key")
-@click.option("--force", is_flag=True, help="required: release whoever holds it")
+@click.option("--force", is_flag=True, help="required to release a held lease: whoever holds it")
 @click.pass_context
 def release_lease(ctx: click.Context, key: str, force: bool) -> None:
-    """Release KEY whoever holds it (the holder finds out at its next renewal)."""
+    """Release KEY whoever holds it (the holder finds out at its next renewal).
+
+    Exit status 0 when the key is free afterwards (released, or nobody held it); 2 when it is held and
+    --force was not given.
+    """
+    store = _store(ctx)
+    overlap = "releasing someone else's lease can let two runs overlap"
+    try:
+        info = store.inspect(key)
+    except MongoLockError as exc:
+        if force:
+            raise click.ClickException(redact(str(exc))) from None
+        why = redact(str(exc)).split(" (configured timeouts")[0].split(": ServerSelection")[0][:200]
+        raise click.UsageError(
+            f"could not tell whether {key!r} is held ({why}); {overlap}: repeat with --force if you are sure"
+        ) from None
+    if info is None or not info.held:
+        click.echo(f"{key!r} is free: nobody holds it; nothing to release")
+        return
     if not force:
         raise click.UsageError(
-            "releasing someone else's lease can let two runs overlap; repeat with --force if you are sure"
+            f"{key!r} is held by {_holder(info)} (expires in {_expires(info)}); {overlap}: repeat with "
+            "--force if you are sure"
         )
-    store = _store(ctx)
     released = _run(lambda: store.force_release(key))
-    click.echo(f"released {key!r}" if released else f"{key!r} was not held")
+    if released:
+        click.echo(f"released {key!r} (was held by {_holder(info)})")
+    else:  # it ended or expired between the two commands
+        click.echo(f"{key!r} is free: nobody holds it; nothing to release")
 
 
 @mongolock.command(name="watch")

@@ -80,7 +80,23 @@ def test_release_needs_force(mongo_url: str, db_name: str, leases: LeaseStore) -
     info = leases.inspect("email-group:1")
     assert info is not None and not info.held
     again = run(mongo_url, db_name, "release", "email-group:1", "--force")
-    assert "was not held" in again.stdout
+    assert again.returncode == 0
+    # One message, once, on stdout (the store's own log record is not printed as well).
+    assert again.stdout == "'email-group:1' is free: nobody holds it; nothing to release\n"
+    assert again.stderr == ""
+
+
+def test_release_says_who_holds_a_held_key_and_that_a_free_key_is_free(
+    mongo_url: str, db_name: str, leases: LeaseStore
+) -> None:
+    refused = run(mongo_url, db_name, "release", "email-group:2")
+    assert refused.returncode == 2
+    assert "'email-group:2' is held by" in refused.stderr and "repeat with --force" in refused.stderr
+    free = run(mongo_url, db_name, "release", "no-such-key")
+    assert free.returncode == 0 and free.stderr == ""
+    assert free.stdout == "'no-such-key' is free: nobody holds it; nothing to release\n"
+    forced = run(mongo_url, db_name, "release", "no-such-key", "--force")
+    assert forced.returncode == 0 and forced.stderr == "" and forced.stdout == free.stdout
 
 
 def test_watch_refreshes(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
