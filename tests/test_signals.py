@@ -1,0 +1,63 @@
+"""The worker shutdown hook and the lost-lease signal, against the real server, without a worker.
+
+``signals`` imports nothing of the glue above it: the apps it releases leases for are the ones the task
+glue registered (``signals._known_apps``), and the lost signal is hooked to the store by ``config``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_mongolock import signals
+from celery_mongolock.config import get_store
+from celery_mongolock.testing import configure
+
+
+@pytest.fixture
+def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
+    app = Celery("signals", set_as_current=False)
+    configure(app, mongo_url, db_name)
+    yield app
+    signals._known_apps.discard(app)
+    configure(app, mongo_url, db_name)  # closes the store
+
+
+def test_shutdown_releases_what_a_registered_app_holds(app: Celery) -> None:
+    store = get_store(app)
+    held = store.acquire("signals:held", ttl=60, heartbeat=True)
+    assert held is not None
+    signals.release_all_held()  # the app is not registered: none of our business
+    assert not held.released
+    signals._known_apps.add(app)
+    signals.release_all_held()
+    assert held.released
+    info = store.inspect("signals:held")
+    assert info is not None and not info.held
+    assert store.held_leases() == []
+
+
+def test_a_lost_lease_sends_lease_lost(app: Celery) -> None:
+    store = get_store(app)
+    got: list[dict[str, Any]] = []
+    sent = threading.Event()
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        got.append(kwargs)
+        sent.set()
+
+    signals.lease_lost.connect(receiver, weak=False)
+    try:
+        lease = store.acquire("signals:lost", ttl=60, heartbeat=True)
+        assert lease is not None
+        assert store.force_release("signals:lost")
+        assert store.renew_many([lease]) == [lease]  # the renewal matches nothing: lost
+        assert sent.wait(10), "lease_lost was not sent"
+    finally:
+        signals.lease_lost.disconnect(receiver)
+    assert got[0]["key"] == "signals:lost" and got[0]["lease"] is lease
+    assert "renewal matched nothing" in got[0]["reason"]
