@@ -44,11 +44,20 @@ from ._urls import validate_mongo_url
 from .clock import ServerTime
 from .config import get_settings
 from .exceptions import ConfigurationError, MongoLockError
+from .keys import normalize_key
 from .store import Lease, LeaseStore, validate_lease_timing
 
 __all__ = ["BEAT_HEADER", "BeatSettings", "Scheduler", "next_tick", "read_beat_settings"]
 
 log = logging.getLogger("celery_mongolock.beat")
+
+
+def _utc(value: Any) -> _dt.datetime | None:
+    """A date read from MongoDB (naive UTC unless the client is tz-aware), as an aware datetime."""
+    if not isinstance(value, _dt.datetime):
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
+
 
 BEAT_DEFAULTS: dict[str, Any] = {
     "mongolock_beat_key": "celery-beat:leader",
@@ -196,6 +205,7 @@ class Scheduler(celery_beat.Scheduler):  # type: ignore[misc]
             else:
                 return True
         info = {"role": "celery beat", "beat": self._ident}
+        before = self._leader_document()
         lease, doc = self._store._try_acquire(self._beat.key, None, info=info, heartbeat=True)
         if lease is None:
             holder = (doc or {}).get("holder") or {}
@@ -204,17 +214,64 @@ class Scheduler(celery_beat.Scheduler):  # type: ignore[misc]
                 log.info("beat %s: standby; the leader is %s", self._ident, who)
                 self._last_seen_leader = who
             return False
-        previous = (doc or {}).get("holder") or {}
         log.warning(
-            "beat %s: became the leader (fence %s; previous leader %s)",
-            self._ident,
-            lease.fence,
-            previous.get("beat") if previous.get("beat") != self._ident else "none",
+            "beat %s: became the leader (fence %s); %s", self._ident, lease.fence, self._change(before)
         )
         self._leader = lease
         self._last_seen_leader = self._ident
         self._next.clear()
         return True
+
+    def _leader_document(self) -> dict[str, Any] | None:
+        """The leader lease as it is just before this beat tries to take it: who led, and how that
+        ended (released, force-released, or still held until it expires), for the leader-change log.
+        One read per attempt; a standby attempts when the lease changes or every ``standby_wait``."""
+        try:
+            with self._store._operation("read the leader lease"):
+                doc: dict[str, Any] | None = self._store.collection.find_one(
+                    {"_id": normalize_key(self._beat.key)},
+                    {
+                        "holder": 1,
+                        "owner": 1,
+                        "expires_at": 1,
+                        "renewed_at": 1,
+                        "forced_release": 1,
+                        "released_for": 1,
+                    },
+                )
+        except MongoLockError:
+            return None  # the acquire that follows reports the fault
+        return doc
+
+    def _change(self, before: dict[str, Any] | None) -> str:
+        """Who led before this beat, and why the leadership changed, in words."""
+        if before is None:
+            return "first leader (no leader lease before)"
+        holder = before.get("holder") or {}
+        who = str(holder.get("beat") or holder.get("host") or "unknown")
+        if who == self._ident:
+            who = f"{who} (this beat, before it lost the lease)"
+        if before.get("owner") is None:
+            if before.get("forced_release"):
+                why = "its lease was force-released by an operator"
+            elif before.get("released_for"):
+                why = f"its lease was released for it ({before['released_for']})"
+            else:
+                why = "it released the lease (stopped gracefully)"
+            return f"previous leader {who}: {why}"
+        expires_at = _utc(before.get("expires_at"))
+        renewed_at = _utc(before.get("renewed_at"))
+        now = self._now()  # after the acquire, which the server granted: so the lease had ended by then
+        # A second of slack for the estimate of the server's clock: a lease that was still held when read
+        # and that the server let us take after its deadline has expired, not been released.
+        if expires_at is not None and expires_at <= now + _dt.timedelta(seconds=1):
+            silent = f", last renewed {(now - renewed_at).total_seconds():.1f}s ago" if renewed_at else ""
+            return (
+                f"previous leader {who}: its lease expired "
+                f"{max(0.0, (now - expires_at).total_seconds()):.1f}s ago"
+                f"{silent} (it died, hung or lost MongoDB)"
+            )
+        return f"previous leader {who}: it released the lease just now"
 
     # -- the loop ------------------------------------------------------------------------------------
     def tick(self, *args: Any, **kwargs: Any) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -159,6 +160,9 @@ def test_several_beats_send_each_tick_once_and_fail_over(beat_cluster: dict[str,
     wait_for(lambda: len(ticks("beat")) >= n + 3, timeout=BEAT_LEASE + 30, message="ticks after the failover")
     second = wait_for(leaders, timeout=10, message="a new leader")[0]
     assert second is not first
+    # The new leader says who led before and why that changed (the killed beat's lease expired).
+    host = socket.gethostname()
+    assert f"previous leader {host}:{first.proc.pid}: its lease expired" in second.log(), second.log()
 
     # 2. Stop the new leader gracefully: the last standby takes over at once.
     second.stop()
@@ -167,6 +171,9 @@ def test_several_beats_send_each_tick_once_and_fail_over(beat_cluster: dict[str,
     wait_for(lambda: len(ticks("beat")) >= n + 3, timeout=30, message="ticks after the graceful handover")
     third = wait_for(leaders, timeout=10, message="the last beat to lead")[0]
     assert third is not first and third is not second
+    handover = f"previous leader {host}:{second.proc.pid}: it released the lease (stopped gracefully)"
+    assert handover in third.log(), third.log()
+    assert "became the leader" in first.log() and "first leader (no leader lease before)" in first.log()
     # Stop sending, then wait for the worker to run the last tick each entry was sent for.
     for b in beats:
         b.stop()
