@@ -6,6 +6,7 @@ engine underneath (``LeaseStore``, ``Lease``) works without Celery.
 
 from __future__ import annotations
 
+from . import events as _events  # noqa: F401  (lease events as Celery events under -E)
 from .__about__ import __version__
 from .exceptions import (
     ConfigurationError,

@@ -1,0 +1,248 @@
+"""Lease events as Celery events (``-E``) seen by a real event receiver, and Prometheus metrics scraped
+from a real prefork worker (tests/observability_app.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from pymongo import MongoClient
+
+from celery_mongolock import LeaseStore
+from celery_mongolock.embedded import find_free_port
+
+from .servers import RedisServer, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def obs_worker(
+    redis: RedisServer, mongo_url: str, db: str, tmp_path: Path, *extra: str, **env_extra: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    name = f"obs{uuid.uuid4().hex[:6]}@localhost"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MONGOLOCK_OBS_BROKER": redis.url,
+        "MONGOLOCK_OBS_MONGODB_URL": mongo_url,
+        "MONGOLOCK_OBS_DB": db,
+        "MONGOLOCK_OBS_READY_DIR": str(tmp_path),
+        **env_extra,
+    }
+    cmd = [sys.executable, "-m", "celery", "-A", "tests.observability_app", "worker", "--pool=prefork"]
+    cmd += ["--concurrency=3", "-n", name, "--loglevel=INFO", "--without-gossip", "--without-mingle", *extra]
+    log = tmp_path / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+
+            def ready() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"worker exited with {proc.returncode}:\n{log.read_text()[-5000:]}")
+                return (tmp_path / f"{name}.ready").exists()
+
+            wait_for(ready, timeout=60, message="the worker to be ready")
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+
+
+class EventLog:
+    """A real ``app.events.Receiver`` on a thread, recording every event it receives."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.events: list[dict[str, Any]] = []
+        self.receiver: Any = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with self.app.connection() as conn:
+            self.receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
+            self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def start(self) -> EventLog:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self.receiver is not None:
+            self.receiver.should_stop = True
+        self.thread.join(10)
+
+    def of(self, task_id: str, type_: str | None = None) -> list[dict[str, Any]]:
+        return [
+            e for e in list(self.events) if e.get("uuid") == task_id and (type_ is None or e["type"] == type_)
+        ]
+
+    def wait(self, task_id: str, type_: str, timeout: float = 30) -> dict[str, Any]:
+        found: list[dict[str, Any]] = wait_for(
+            lambda: self.of(task_id, type_), timeout=timeout, message=f"a {type_} event for {task_id}"
+        )
+        return found[0]
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def caller(redis: RedisServer) -> Iterator[Celery]:
+    app = Celery("caller", broker=redis.url, backend=redis.url)
+    yield app
+    app.close()
+
+
+def test_lease_events_reach_a_celery_event_receiver_beside_the_tasks_own(
+    redis: RedisServer, caller: Celery, mongo_url: str, db_name: str, tmp_path: Path
+) -> None:
+    events = EventLog(caller).start()
+    gates: Any = MongoClient(mongo_url)[db_name]["gates"]
+    store = LeaseStore(mongo_url, database=db_name)
+    try:
+        # Task events on (-E); heartbeats on, so the receiver knows it is bound once one arrives.
+        with obs_worker(redis, mongo_url, db_name, tmp_path, "-E") as proc:
+            wait_for(
+                lambda: any(e["type"].startswith("worker-") for e in events.events),
+                timeout=30,
+                message="a worker event (the receiver is bound)",
+            )
+            held = caller.send_task("observability_app.hold", args=["r1", "g1"])
+            acquired = events.wait(held.id, "task-mongolock-acquired")
+            assert acquired["key"] == "res:r1" and acquired["fence"] > 0 and acquired["lease_seconds"] == 3
+            assert acquired["hostname"].startswith("obs")
+
+            skipped = caller.send_task("observability_app.skipper", args=["r1", "g1"])
+            assert skipped.get(timeout=30)["mongolock"] == "skipped"
+            contended = events.wait(skipped.id, "task-mongolock-contended")
+            assert contended["policy"] == "skip" and contended["key"] == "res:r1"
+            assert contended["holder_task_id"] == held.id
+            assert events.wait(skipped.id, "task-mongolock-skipped")["reason"]
+
+            # An operator takes the key away: the holder's heartbeat finds out, and says so.
+            assert store.force_release("res:r1")
+            lost = events.wait(held.id, "task-mongolock-lost")
+            assert lost["key"] == "res:r1" and "matched nothing" in lost["reason"]
+            assert held.get(timeout=30) == "lost"
+
+            # Beside the task's own events, under the same task id.
+            events.wait(held.id, "task-succeeded")
+            types = [e["type"] for e in events.of(held.id)]
+            assert {"task-received", "task-started", "task-mongolock-acquired", "task-mongolock-lost"} <= set(
+                types
+            )
+            assert proc.poll() is None
+    finally:
+        events.stop()
+        store.close()
+        gates.database.client.drop_database(db_name)
+        gates.database.client.close()
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("celery_mongolock_"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def test_prometheus_metrics_from_the_pool_children_are_scraped_from_the_worker(
+    redis: RedisServer, caller: Celery, mongo_url: str, db_name: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("prometheus_client")
+    port = find_free_port()
+    gates: Any = MongoClient(mongo_url)[db_name]["gates"]
+    metrics_dir = tmp_path / "metrics"
+    try:
+        with obs_worker(
+            redis,
+            mongo_url,
+            db_name,
+            tmp_path,
+            MONGOLOCK_OBS_METRICS_PORT=str(port),
+            PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
+        ) as proc:
+            held = caller.send_task("observability_app.hold", args=["m1", "gate-held"])
+            hold = 'task="observability_app.hold"'
+            wait_for(
+                lambda: _scrape(port).get(f"celery_mongolock_leases_held{{{hold}}}") == 1.0,
+                timeout=30,
+                message="the held lease in the scrape",
+            )
+            skipped = caller.send_task("observability_app.skipper", args=["m1", "x"])
+            assert skipped.get(timeout=30)["mongolock"] == "skipped"
+            waiter = caller.send_task("observability_app.waiter", args=["m1", "gate-waiter"])
+            wait_for(
+                lambda: _scrape(port).get(
+                    'celery_mongolock_contended_total{policy="wait",task="observability_app.waiter"}'
+                ),
+                timeout=30,
+                message="the waiter's contention in the scrape",
+            )
+            gates.insert_one({"_id": "gate-held"})
+            assert held.get(timeout=30) == "done"
+            # The waiter gets the key, then loses it to an operator's force-release.
+            wait_for(
+                lambda: _scrape(port).get('celery_mongolock_leases_held{task="observability_app.waiter"}'),
+                timeout=30,
+                message="the waiter's lease in the scrape",
+            )
+            with LeaseStore(mongo_url, database=db_name) as store:
+                assert store.force_release("res:m1")
+            assert waiter.get(timeout=30) == "lost"
+
+            def settled() -> dict[str, float] | None:
+                s = _scrape(port)
+                done = s.get('celery_mongolock_wait_seconds_count{task="observability_app.waiter"}') == 1.0
+                return s if done and s.get(f"celery_mongolock_leases_held{{{hold}}}") == 0.0 else None
+
+            found = wait_for(settled, timeout=30, message="the final counts in the scrape")
+            assert found is not None
+            s = found
+            skip = 'task="observability_app.skipper"'
+            wait = 'task="observability_app.waiter"'
+            assert s[f"celery_mongolock_leases_acquired_total{{{hold}}}"] == 1.0
+            assert s[f"celery_mongolock_leases_acquired_total{{{wait}}}"] == 1.0
+            assert s[f'celery_mongolock_contended_total{{policy="skip",{skip}}}'] == 1.0
+            assert s[f"celery_mongolock_skipped_total{{{skip}}}"] == 1.0
+            assert s[f"celery_mongolock_leases_held{{{wait}}}"] == 0.0
+            assert s[f"celery_mongolock_lost_total{{{wait}}}"] == 1.0
+            assert (
+                f"celery_mongolock_lost_total{{{hold}}}" not in s
+                or s[f"celery_mongolock_lost_total{{{hold}}}"] == 0
+            )
+            assert s[f"celery_mongolock_acquire_seconds_count{{{hold}}}"] == 1.0
+            assert s[f"celery_mongolock_acquire_seconds_count{{{skip}}}"] == 1.0
+            assert s[f"celery_mongolock_wait_seconds_sum{{{wait}}}"] > 0.0
+            # The runs went to different pool children, and the scrape sums them all.
+            assert len({p.name.split("_")[-1] for p in metrics_dir.glob("counter_*.db")}) >= 2
+            assert proc.poll() is None
+    finally:
+        gates.database.client.drop_database(db_name)
+        gates.database.client.close()
