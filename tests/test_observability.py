@@ -67,6 +67,21 @@ def obs_worker(
                     proc.wait(10)
 
 
+@contextlib.contextmanager
+def _process(cmd: list[str], out_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with open(out_path, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
 class EventLog:
     """A real ``app.events.Receiver`` on a thread, recording every event it receives."""
 
@@ -121,13 +136,20 @@ def test_lease_events_reach_a_celery_event_receiver_beside_the_tasks_own(
     events = EventLog(caller).start()
     gates: Any = MongoClient(mongo_url)[db_name]["gates"]
     store = LeaseStore(mongo_url, database=db_name)
+    dump = tmp_path / "celery-events-dump.txt"
     try:
-        # Task events on (-E); heartbeats on, so the receiver knows it is bound once one arrives.
-        with obs_worker(redis, mongo_url, db_name, tmp_path, "-E") as proc:
+        # Task events on (-E); heartbeats on, so a receiver knows it is bound once one arrives.
+        with (
+            _process([sys.executable, "-m", "celery", "-b", redis.url, "events", "--dump"], dump),
+            obs_worker(redis, mongo_url, db_name, tmp_path, "-E") as proc,
+        ):
             wait_for(
-                lambda: any(e["type"].startswith("worker-") for e in events.events),
+                lambda: (
+                    any(e["type"].startswith("worker-") for e in events.events)
+                    and "heartbeat: " in dump.read_text()
+                ),
                 timeout=30,
-                message="a worker event (the receiver is bound)",
+                message="a worker event in the receiver and in `celery events --dump`",
             )
             held = caller.send_task("observability_app.hold", args=["r1", "g1"])
             acquired = events.wait(held.id, "task-mongolock-acquired")
@@ -154,6 +176,15 @@ def test_lease_events_reach_a_celery_event_receiver_beside_the_tasks_own(
                 types
             )
             assert proc.poll() is None
+            # `celery events` shows them too, named after the task.
+            shown = wait_for(
+                lambda: "task mongolock lost" in dump.read_text() and dump.read_text(),
+                timeout=30,
+                message="the lost event in `celery events --dump`",
+            )
+            assert f"task mongolock acquired: observability_app.hold({held.id})" in shown
+            assert f"task mongolock skipped: observability_app.skipper({skipped.id})" in shown
+            assert "policy=skip" in shown
     finally:
         events.stop()
         store.close()
