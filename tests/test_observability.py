@@ -177,11 +177,12 @@ def test_lease_events_reach_a_celery_event_receiver_beside_the_tasks_own(
             )
             assert proc.poll() is None
             # `celery events` shows them too, named after the task.
-            shown = wait_for(
-                lambda: "task mongolock lost" in dump.read_text() and dump.read_text(),
+            wait_for(
+                lambda: "task mongolock lost" in dump.read_text(),
                 timeout=30,
                 message="the lost event in `celery events --dump`",
             )
+            shown = dump.read_text()
             assert f"task mongolock acquired: observability_app.hold({held.id})" in shown
             assert f"task mongolock skipped: observability_app.skipper({skipped.id})" in shown
             assert "policy=skip" in shown
