@@ -65,8 +65,12 @@ class ContendedRun:
     def _who(self) -> tuple[str, Any]:
         return self.task.name, self.task.request.id
 
+    def _held(self) -> str:
+        """``lease 'k' is held by <holder> (expires at ...)``: the key and the holder, in one phrase."""
+        return str(LockContended(self.key, self.holder, self.expires_at))
+
     def skip(self, reason: str) -> Outcome:
-        log.info("%s[%s]: %r is held by %s; skipped", *self._who(), self.key, self.holder)
+        log.info("%s[%s]: %s; policy skip: skipped", *self._who(), self._held())
         return Outcome(skipped_result(self.key, self.holder, self.expires_at, reason))
 
     def fail(self, exc: Exception | None = None) -> NoReturn:
@@ -84,7 +88,7 @@ class ContendedRun:
         now = self.store.clock.monotonic()
         if self._wait_until is None:
             self._wait_until = now + timeout
-            log.info("%s[%s]: %r is held; waiting up to %gs", *self._who(), self.key, timeout)
+            log.info("%s[%s]: %s; policy wait: waiting up to %gs", *self._who(), self._held(), timeout)
         remaining = self._wait_until - now
         if remaining > 0 and self.store.wait_free(self.key, remaining):
             return True

@@ -92,7 +92,9 @@ celery_signals.import_modules.connect(install_start_up_error_hook, weak=False)
 
 
 def current_lease() -> Lease | None:
-    """The lease of the singleton task running in this thread (None outside one).
+    """The lease of the singleton task running in this thread (None outside one, e.g. in a test that calls
+    the function body itself, or in a plain task). A bound task (``bind=True``) has ``self.lease``, which
+    is never None: it raises a clear error outside a singleton run instead.
 
     ``current_lease().lost`` turns true if the lease is lost while the body runs (taken over after the
     heartbeat could not renew it, or force-released); ``current_lease().raise_if_lost()`` raises
@@ -145,6 +147,21 @@ class SingletonTask(Task):  # type: ignore[misc]
             renderer = KeyRenderer(spec, self.run, self.name)
             self.__dict__["_mongolock_renderer"] = renderer
         return renderer
+
+    @property
+    def lease(self) -> Lease:
+        """The lease held by this task's running body: ``self.lease.raise_if_lost()``, ``.fence`` (for
+        ``bind=True`` tasks). Set whenever the body runs as a singleton run (in a worker, ``apply()``,
+        or a direct call); anywhere else ``RuntimeError`` says why, rather than an ``AttributeError`` on
+        ``None`` later."""
+        lease = _current.get()
+        if lease is None:
+            raise RuntimeError(
+                f"task {self.name!r}: self.lease is set only while the task's body runs as a singleton "
+                "run (a worker, task.apply() or a direct call task(...)); calling the body another way "
+                "(task.run(...)) takes no lease"
+            )
+        return lease
 
     def mongolock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """The lease key a call with these arguments uses."""
@@ -370,8 +387,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         headers[CONTENTION_HEADER] = attempt + 1
         signature = self.signature_from_request(request, countdown=countdown, headers=headers)
         self._republish(signature, "contention retry")
-        log_acquire.info("%s[%s]: %s; retry %d in %.2fs", self.name, request.id, exc, attempt + 1, countdown)
-        raise RetryTask(message=str(exc), exc=exc, when=countdown, sig=signature)
+        # One INFO line per contention: Celery's own "Task ...[id] retry: <message>" carries the key, the
+        # holder and the policy; ours is for debugging only.
+        message = f"{exc}; policy {policy.name}: contention retry {attempt + 1} in {countdown:.2f}s"
+        log_acquire.debug("%s[%s]: %s", self.name, request.id, message)
+        raise RetryTask(message=message, exc=exc, when=countdown, sig=signature)
 
     def _republish(self, signature: Any, what: str) -> None:
         try:

@@ -224,3 +224,34 @@ def test_the_celery_names_come_from_the_installed_celery() -> None:
     assert {n for n in dir(Task) if not n.startswith("_")} <= names
     # None of ours is a Celery option, so none of them is passed through unchecked.
     assert not {"key", "on_contention", "lease_seconds", "heartbeat_seconds", "limit", "keys"} & names
+
+
+# -- 6. inside a running task: self.lease is never None there, and says why elsewhere -----------------------
+
+
+def test_self_lease_inside_and_outside_a_singleton_run(mongo_url: str, db_name: str) -> None:
+    from celery_mongolock import current_lease
+    from celery_mongolock.testing import configure
+
+    app = new_app()
+    configure(app, mongo_url, database=db_name)
+    seen: list[Any] = []
+
+    @singleton_task(key="email-group:{group_id}", app=app, bind=True, name="proj.upload")
+    def upload(self: Any, group_id: int) -> int:
+        self.lease.raise_if_lost()
+        seen.append((self.lease.key, self.lease is current_lease()))
+        return int(self.lease.fence)
+
+    try:
+        assert upload(42) > 0  # a direct call takes the lease
+        assert upload.apply(args=(43,)).get() > 0  # so does apply()
+        assert seen == [("email-group:42", True), ("email-group:43", True)]
+        assert current_lease() is None  # outside any singleton task
+        with pytest.raises(RuntimeError, match=r"self\.lease is set only while the task's body runs"):
+            upload.lease  # noqa: B018
+        with pytest.raises(RuntimeError, match=r"task\.run\(\.\.\.\)\) takes no lease"):
+            upload.run(44)
+    finally:
+        app._mongolock_store.client.drop_database(db_name)
+        app._mongolock_store.close()

@@ -1,0 +1,220 @@
+"""The README's quick start, run as a new user runs it (issue 14): its code written to a new project's
+``tasks.py`` exactly as printed (only the two server addresses changed), its shell commands run as
+printed, a real prefork worker against a real Redis and MongoDB-compatible server. Also: a worker
+refuses to start, with one line and no traceback, on a bad declaration or a bad setting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_mongolock import LeaseStore
+from celery_mongolock.embedded import EmbeddedMongo
+
+from .servers import RedisServer, wait_for
+from .workers import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def readme_block(section: str, language: str, index: int = 0) -> str:
+    """The ``index``-th fenced ``language`` block of the README section titled ``section``."""
+    body = README.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(rf"```{language}\n(.*?)```", body, flags=re.DOTALL)
+    return str(blocks[index])
+
+
+QUICK_START = readme_block("Quick start", "python")
+COMMANDS = readme_block("Quick start", "sh")
+
+
+def project_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MONGOLOCK_IT_", "CELERY_"))}
+    env.pop("PYTHONPATH", None)  # a new project: only its own directory and the installed library
+    # The README's commands say `python` and `celery`: this virtualenv's.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def write_tasks(project: Path, mongo_url: str, broker_url: str, extra: str = "") -> None:
+    code = QUICK_START
+    assert 'broker="redis://localhost:6379/0"' in code and '"mongodb://localhost:27017"' in code
+    code = code.replace("redis://localhost:6379/0", broker_url)
+    code = code.replace("mongodb://localhost:27017", mongo_url)
+    (project / "tasks.py").write_text(code + extra)
+
+
+class ProjectWorker:
+    def __init__(self, project: Path, *args: str) -> None:
+        self.log_path = project / "worker.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--loglevel=INFO", *args],
+            cwd=project,
+            env=project_env(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, predicate: Any, message: str, timeout: float = 60) -> None:
+        def check() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
+            return bool(predicate(self.log()))
+
+        wait_for(check, timeout=timeout, message=message)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(redis_server: RedisServer) -> Iterator[tuple[str, str]]:
+    # A MongoDB-compatible server of its own: the quick start uses the default database and keys.
+    with EmbeddedMongo() as mongo:
+        yield mongo.url, redis_server.url.rsplit("/", 1)[0] + "/7"
+
+
+# A second task in the same project: the README's callable key (Keys table), called positionally.
+CALLABLE_KEY_TASK = """
+
+def tenant_of(group_id: int) -> int:
+    return group_id % 10
+
+
+@singleton_task(key=lambda group_id, **_: f"tenant:{tenant_of(group_id)}", app=app)
+def upload_for_tenant(group_id: int, csv_path: str) -> str:
+    return f"uploaded {csv_path} for group {group_id}"
+"""
+
+
+@pytest.mark.slow
+def test_the_quick_start_runs_as_written(servers: tuple[str, str], tmp_path: Path) -> None:
+    mongo_url, broker_url = servers
+    write_tasks(tmp_path, mongo_url, broker_url, CALLABLE_KEY_TASK)
+    create_csvs, start_worker, send = (line for line in COMMANDS.splitlines() if line.strip())
+    assert start_worker.startswith("celery -A tasks worker --loglevel=INFO")
+    subprocess.run(["bash", "-c", create_csvs], cwd=tmp_path, check=True)
+    worker = ProjectWorker(tmp_path, "--concurrency=2", "--without-gossip", "--without-mingle")
+    store = LeaseStore(mongo_url)
+    try:
+        worker.wait_log(lambda text: " ready." in text, "the worker to be ready")
+
+        # 1. The commands as printed: both uploads run, one at a time.
+        subprocess.run(["bash", "-c", send], cwd=tmp_path, env=project_env(), check=True, timeout=60)
+        worker.wait_log(lambda text: text.count("succeeded in") >= 2, "both uploads to finish")
+        log = worker.log()
+        assert "group 42 now has 2 members" in log and "group 42 now has 1 members" in log
+        assert "Traceback" not in log and "ERROR" not in log
+
+        # 2. The second of two uploads finds the key held: one INFO line, with key, holder and policy.
+        lease = store.acquire("email-group:42", ttl=60, info={"task_name": "held-by-the-test"})
+        assert lease is not None
+        subprocess.run(
+            [sys.executable, "-c", 'from tasks import upload_members; upload_members.delay(42, "b.csv")'],
+            cwd=tmp_path,
+            env=project_env(),
+            check=True,
+            timeout=60,
+        )
+        worker.wait_log(lambda text: "retry: lease 'email-group:42'" in text, "a contention retry")
+        lease.release()
+        worker.wait_log(lambda text: text.count("succeeded in") >= 3, "the retried upload to finish")
+        contended = [line for line in worker.log().splitlines() if "held-by-the-test" in line]
+        assert contended, worker.log()
+        attempts = [line for line in contended if "retry: lease 'email-group:42' is held by" in line]
+        # Every line about the contention is one of those single lines, each naming the policy.
+        assert contended == attempts and all("policy retry: contention retry" in line for line in attempts)
+
+        # 3. The callable key of the Keys table, called with positional arguments, in the worker.
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                'from tasks import upload_for_tenant; upload_for_tenant.delay(42, "a.csv")',
+            ],
+            cwd=tmp_path,
+            env=project_env(),
+            check=True,
+            timeout=60,
+        )
+        worker.wait_log(lambda text: "uploaded a.csv for group 42" in text, "the callable-key task")
+        assert "acquired 'tenant:2'" in worker.log() and "TypeError" not in worker.log()
+    finally:
+        worker.stop()
+        store.close()
+
+
+BAD_DECLARATION = """
+from celery_mongolock import SingletonTask
+
+
+@app.task(base=SingletonTask, mongolock_key="email-group:{gid}")
+def g(group_id: int) -> None: ...
+"""
+BAD_POLICY = """
+from celery_mongolock import SingletonTask
+
+
+@app.task(base=SingletonTask, mongolock_key="email-group:{group_id}", mongolock_on_contention="skipp")
+def g(group_id: int) -> None: ...
+"""
+BAD_SETTING = """
+app.conf.mongolock_lease_seconds = -1
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            BAD_DECLARATION,
+            "task 'tasks.g': key template 'email-group:{gid}' names 'gid', which is not an argument of "
+            "g(group_id)",
+        ),
+        (BAD_POLICY, "task 'tasks.g': mongolock_on_contention must be one of"),
+        (BAD_SETTING, "mongolock_lease_seconds must be between 0.5 and 2.592e+06 seconds, got -1"),
+    ],
+    ids=["template", "policy", "setting"],
+)
+def test_a_worker_refuses_to_start_with_one_line(extra: str, message: str, tmp_path: Path) -> None:
+    # No server is needed: the worker stops before it connects to anything.
+    write_tasks(tmp_path, "mongodb://127.0.0.1:1", "redis://127.0.0.1:1/0", extra)
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--loglevel=INFO"],
+        cwd=tmp_path,
+        env=project_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    output = out.stdout + out.stderr
+    assert out.returncode == 1, output
+    assert "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.startswith("celery_mongolock:")]
+    assert lines == [f"celery_mongolock: cannot start: {message}"] or (
+        len(lines) == 1 and lines[0].startswith(f"celery_mongolock: cannot start: {message}")
+    ), output
+    assert " ready." not in output
