@@ -4,6 +4,7 @@ from a real prefork worker (tests/observability_app.py)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -68,9 +69,13 @@ def obs_worker(
 
 
 @contextlib.contextmanager
-def _process(cmd: list[str], out_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _process(
+    cmd: list[str], out_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     with open(out_path, "ab") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             yield proc
         finally:
@@ -80,6 +85,16 @@ def _process(cmd: list[str], out_path: Path) -> Iterator[subprocess.Popen[bytes]
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+
+
+def _flower_state(port: int, task_id: str) -> str | None:
+    """The task's state in Flower's API (None while Flower has not heard of it)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/task/info/{task_id}", timeout=5) as answer:
+            state: str = json.loads(answer.read())["state"]
+            return state
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 class EventLog:
@@ -137,10 +152,14 @@ def test_lease_events_reach_a_celery_event_receiver_beside_the_tasks_own(
     gates: Any = MongoClient(mongo_url)[db_name]["gates"]
     store = LeaseStore(mongo_url, database=db_name)
     dump = tmp_path / "celery-events-dump.txt"
+    flower_port = find_free_port()
+    flower_cmd = [sys.executable, "-m", "celery", "-b", redis.url, "flower", f"--port={flower_port}"]
+    flower_env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}
     try:
         # Task events on (-E); heartbeats on, so a receiver knows it is bound once one arrives.
         with (
             _process([sys.executable, "-m", "celery", "-b", redis.url, "events", "--dump"], dump),
+            _process([*flower_cmd, "--address=127.0.0.1"], tmp_path / "flower.log", flower_env),
             obs_worker(redis, mongo_url, db_name, tmp_path, "-E") as proc,
         ):
             wait_for(
@@ -151,8 +170,24 @@ def test_lease_events_reach_a_celery_event_receiver_beside_the_tasks_own(
                 timeout=30,
                 message="a worker event in the receiver and in `celery events --dump`",
             )
+            # Flower follows the events once it reports a finished task.
+            gates.insert_one({"_id": "open"})
+            warm_up = caller.send_task("observability_app.hold", args=["warm-up", "open"])
+            assert warm_up.get(timeout=30) == "done"
+            wait_for(
+                lambda: _flower_state(flower_port, warm_up.id) == "SUCCESS",
+                timeout=60,
+                message=f"Flower to see a task\n{(tmp_path / 'flower.log').read_text()[-3000:]}",
+            )
+
             held = caller.send_task("observability_app.hold", args=["r1", "g1"])
             acquired = events.wait(held.id, "task-mongolock-acquired")
+            # Flower shows the lease event as the running task's state.
+            wait_for(
+                lambda: _flower_state(flower_port, held.id) == "MONGOLOCK-ACQUIRED",
+                timeout=30,
+                message="Flower to show the held task as MONGOLOCK-ACQUIRED",
+            )
             assert acquired["key"] == "res:r1" and acquired["fence"] > 0 and acquired["lease_seconds"] == 3
             assert acquired["hostname"].startswith("obs")
 
@@ -168,6 +203,11 @@ def test_lease_events_reach_a_celery_event_receiver_beside_the_tasks_own(
             lost = events.wait(held.id, "task-mongolock-lost")
             assert lost["key"] == "res:r1" and "matched nothing" in lost["reason"]
             assert held.get(timeout=30) == "lost"
+            wait_for(
+                lambda: _flower_state(flower_port, held.id) == "SUCCESS",
+                timeout=30,
+                message="Flower to show the held task's end",
+            )
 
             # Beside the task's own events, under the same task id.
             events.wait(held.id, "task-succeeded")
