@@ -30,6 +30,7 @@ from celery_mongolock import (
     LeaseStore,
     LockContended,
     Retry,
+    SingletonTask,
     Wait,
     singleton_task,
 )
@@ -55,6 +56,14 @@ def declare(key: Any = None, **options: Any) -> Any:
 
 
 TEMPLATE_TASK = declare("email-group:{group_id}")
+
+
+def app_task(**attrs: Any) -> None:
+    """``@app.task(base=SingletonTask, mongolock_...=...)`` on a new app, checked at ``app.finalize()``."""
+    app = Celery("bad_input_app_task", set_as_current=False)
+    # shared=False: a shared task that cannot be created would break every app finalized later.
+    app.task(base=SingletonTask, name="proj.upload", shared=False, **attrs)(upload)
+    app.finalize()
 
 
 def keyed_by(func: Callable[..., Any]) -> Any:
@@ -155,6 +164,14 @@ SPEC_CASES = [
     case(lambda: declare(min_hold_seconds=-1), ConfigurationError, "min_hold_seconds", "between 0 and", "min-hold-negative"),
     case(lambda: singleton_task(app=APP, base=Task)(upload), ConfigurationError, "base=", "SingletonTask or a subclass", "base-not-singleton"),
     case(lambda: singleton_task(app=APP)(42), ConfigurationError, "got 42", "decorates a function", "not-a-function"),  # type: ignore[type-var]
+    case(lambda: declare(lease_second=60), ConfigurationError, "lease_second=", "did you mean lease_seconds=?", "misspelt-option"),
+    case(lambda: declare(on_contension="skip"), ConfigurationError, "on_contension=", "did you mean on_contention=?", "misspelt-policy-option"),
+    case(lambda: declare(mongolock_key="g"), ConfigurationError, "mongolock_key=", "without the mongolock_ prefix", "prefixed-option"),
+    case(lambda: declare(limit=3), ConfigurationError, "limit=", "not supported yet", "planned-limit"),
+    case(lambda: declare(keys=("a", "b")), ConfigurationError, "keys=", "not supported yet", "planned-keys"),
+    case(lambda: app_task(mongolock_key="email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "app-task-template-missing-arg"),
+    case(lambda: app_task(mongolock_on_contention="skipp"), ConfigurationError, "mongolock_on_contention", "got 'skipp'", "app-task-misspelt-policy"),
+    case(lambda: app_task(mongolock_lease_second=60), ConfigurationError, "mongolock_lease_second", "did you mean mongolock_lease_seconds?", "app-task-misspelt-option"),
 ]  # fmt: skip
 
 
