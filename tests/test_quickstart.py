@@ -218,3 +218,20 @@ def test_a_worker_refuses_to_start_with_one_line(extra: str, message: str, tmp_p
         len(lines) == 1 and lines[0].startswith(f"celery_mongolock: cannot start: {message}")
     ), output
     assert " ready." not in output
+
+
+def test_the_testing_example_runs_as_written_against_the_quick_start(tmp_path: Path) -> None:
+    """The README's "Testing your own tasks" example, as a test file of the quick start's project, run
+    by pytest there (a new project: no configuration of ours)."""
+    write_tasks(tmp_path, "mongodb://127.0.0.1:1", "redis://127.0.0.1:1/0")  # apply() needs no broker
+    (tmp_path / "test_tasks.py").write_text(readme_block("Testing your own tasks", "python"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_tasks.py"],
+        cwd=tmp_path,
+        env=project_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
