@@ -82,8 +82,10 @@ class BrokerLog:
         tags = self.by_task.get(task_id) or []
         if not tags:
             return None
-        # The copy whose last step is the latest in the file.
-        last_tag = max(tags, key=lambda t: self._last_index.get(t, -1))
+        # The newest copy: the one pushed last (a retry is a new copy; a restored one keeps its tag). Its
+        # predecessors' acknowledgements can come after its pop in the file (a run publishes its retry,
+        # then its message is acknowledged), so "the copy with the latest step" would be the wrong one.
+        last_tag = max(tags, key=lambda t: self._last_push.get(t, -1))
         steps = self.steps[last_tag]
         if not steps or steps[-1][0] != "pop":
             return None
@@ -91,7 +93,7 @@ class BrokerLog:
         return last_tag, after, before
 
     def __post_init__(self) -> None:
-        self._last_index: dict[str, int] = {}
+        self._last_push: dict[str, int] = {}
 
 
 def _payload_ids(raw: bytes) -> tuple[str | None, str | None]:
@@ -116,7 +118,7 @@ def replay(path: str | Path) -> BrokerLog:
     copies: dict[str, Copy] = {}
     by_task: dict[str, list[str]] = defaultdict(list)
     steps: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
-    order: dict[str, int] = {}
+    last_push: dict[str, int] = {}
     # Steps are stamped with the clock mark before them now and the one after them once it is seen.
     pending: list[tuple[str, str, int]] = []  # (tag, kind, index into steps[tag]) awaiting the next mark
     mark = float("-inf")
@@ -129,7 +131,8 @@ def replay(path: str | Path) -> BrokerLog:
                 by_task[task_id].append(tag)
         steps[tag].append((kind, mark, float("inf")))
         pending.append((tag, kind, len(steps[tag]) - 1))
-        order[tag] = count
+        if kind == "push":
+            last_push[tag] = count
 
     def pushed(value: bytes) -> None:
         tag, task_id = _payload_ids(value)
@@ -194,7 +197,7 @@ def replay(path: str | Path) -> BrokerLog:
         max_pop_to_record_s=max(gaps, default=0.0),
         commands=count,
     )
-    log._last_index = order
+    log._last_push = last_push
     return log
 
 

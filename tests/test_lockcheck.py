@@ -219,6 +219,15 @@ def test_lost_by_the_broker_only_when_its_own_log_proves_it(tmp_path: Path) -> N
     assert not lost("nowhere", [{**crash, "t": 9.0}])  # before the pop
     # Recorded as unacknowledged after the pop: whatever lost it, the pop window did not.
     assert not lost("nowhere", [crash], _aof(tmp_path, *popped_then_cut, _recorded("t", "d1")))
+    # The previous copy's acknowledgement comes after the new copy's pop in the file (a run publishes its
+    # retry, which another node pops, then its own message is acknowledged): the new copy still counts.
+    earlier = (
+        _mark(10.0), _resp("LPUSH", "celery", _message("t", "d0")), _resp("RPOP", "celery"),
+        _recorded("t", "d0"),
+        _mark(11.0), _resp("LPUSH", "celery", _message("t", "d1")), _resp("RPOP", "celery"),
+        _resp("HDEL", "unacked", "d0"), _mark(11.1),
+    )  # fmt: skip
+    assert lost("nowhere", [kill], _aof(tmp_path, *earlier))
     # Pushed again (a retry) after the pop and that copy was never popped: not this.
     again = _aof(tmp_path, *popped_then_cut, _resp("LPUSH", "celery", _message("t", "d3")))
     assert not lost("nowhere", [crash], again)
