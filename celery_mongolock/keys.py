@@ -318,7 +318,17 @@ class KeyRenderer:
                         f"task {self.task_name!r}: the key callable {self._callable_text()} cannot take "
                         f"this call's arguments ({exc})"
                     ) from None
-            value = self._callable(*call_args, **call_kwargs)
+            try:
+                value = self._callable(*call_args, **call_kwargs)
+            except Exception as exc:
+                # Its own exception, unchanged (an autoretry_for or a caller may rely on its type), but
+                # a traceback in a worker's log says it came from the key, before the body ran.
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(
+                        f"raised by the key callable {self._callable_text()} of task {self.task_name!r}: "
+                        "the lease was not taken and the body did not run"
+                    )
+                raise
             if value is None:  # a forgotten return would otherwise give every call the one key "null"
                 raise InvalidKey(f"task {self.task_name!r}: the key callable returned None, not a key")
             if not isinstance(value, str):

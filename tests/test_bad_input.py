@@ -62,7 +62,7 @@ def app_task(**attrs: Any) -> None:
     """``@app.task(base=SingletonTask, mongolock_...=...)`` on a new app, checked at ``app.finalize()``."""
     app = Celery("bad_input_app_task", set_as_current=False)
     # shared=False: a shared task that cannot be created would break every app finalized later.
-    app.task(base=SingletonTask, name="proj.upload", shared=False, **attrs)(upload)
+    app.task(base=SingletonTask, name=f"bad_input.a{uuid.uuid4().hex[:8]}", shared=False, **attrs)(upload)
     app.finalize()
 
 

@@ -7,6 +7,7 @@ misspelt and planned options are refused with a suggestion; Celery's own options
 
 from __future__ import annotations
 
+import sys
 import uuid
 from typing import Any
 
@@ -30,6 +31,8 @@ def new_app() -> Celery:
 
 
 def declare(key: Any, **options: Any) -> Any:
+    # shared=False: a shared task is created in every app finalized later in this process.
+    options.setdefault("shared", False)
     return singleton_task(key=key, app=new_app(), name="proj.upload_members", **options)(upload_members)
 
 
@@ -53,7 +56,7 @@ def test_bound_tasks_key_callables_do_not_get_the_task() -> None:
     def body(self: Any, group_id: int, csv_path: str = "x") -> None: ...
 
     task = singleton_task(
-        key=lambda group_id, **_: f"g:{group_id}", app=new_app(), name="proj.bound", bind=True
+        key=lambda group_id, **_: f"g:{group_id}", app=new_app(), name="proj.bound", bind=True, shared=False
     )(body)
     assert task.mongolock_key_for(7, "y") == task.mongolock_key_for(group_id=7) == "g:7"
 
@@ -62,7 +65,10 @@ def test_positional_only_and_var_arguments_are_passed_as_the_task_takes_them() -
     def body(a: int, /, *rest: int, **extra: int) -> None: ...
 
     task = singleton_task(
-        key=lambda a, /, *rest, **extra: f"{a}:{rest}:{sorted(extra)}", app=new_app(), name="proj.varargs"
+        key=lambda a, /, *rest, **extra: f"{a}:{rest}:{sorted(extra)}",
+        app=new_app(),
+        name="proj.varargs",
+        shared=False,
     )(body)
     assert task.mongolock_key_for(1, 2, 3, z=4) == "1:(2, 3):['z']"
 
@@ -80,10 +86,24 @@ def test_a_callable_that_cannot_take_the_arguments_is_refused_at_declaration(key
 def test_a_task_taking_kwargs_refuses_at_call_time_with_a_key_error() -> None:
     def body(**fields: Any) -> None: ...
 
-    task = singleton_task(key=lambda group_id, **_: f"g:{group_id}", app=new_app(), name="proj.kw")(body)
+    task = singleton_task(
+        key=lambda group_id, **_: f"g:{group_id}", app=new_app(), name="proj.kw", shared=False
+    )(body)
     assert task.mongolock_key_for(group_id=3) == "g:3"
     with pytest.raises(InvalidKey, match="cannot take this call's arguments"):
         task.mongolock_key_for(other=3)
+
+
+def test_an_error_inside_a_key_callable_keeps_its_type_and_says_where_it_came_from() -> None:
+    def tenant_lookup(group_id: int, **_: Any) -> str:
+        raise LookupError(f"no tenant for group {group_id}")
+
+    task = declare(tenant_lookup)
+    with pytest.raises(LookupError, match="no tenant for group 42") as info:
+        task.mongolock_key_for(42, "a.csv")
+    if sys.version_info >= (3, 11):
+        notes = getattr(info.value, "__notes__", [])
+        assert any("raised by the key callable tenant_lookup(" in n and "did not run" in n for n in notes)
 
 
 # -- 2. @app.task(base=SingletonTask, mongolock_...) is checked like @singleton_task ------------------------
@@ -237,7 +257,7 @@ def test_self_lease_inside_and_outside_a_singleton_run(mongo_url: str, db_name: 
     configure(app, mongo_url, database=db_name)
     seen: list[Any] = []
 
-    @singleton_task(key="email-group:{group_id}", app=app, bind=True, name="proj.upload")
+    @singleton_task(key="email-group:{group_id}", app=app, bind=True, name="proj.upload", shared=False)
     def upload(self: Any, group_id: int) -> int:
         self.lease.raise_if_lost()
         seen.append((self.lease.key, self.lease is current_lease()))
