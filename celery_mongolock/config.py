@@ -21,6 +21,7 @@ beat the global settings.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import threading
 from collections.abc import Mapping
@@ -168,10 +169,18 @@ def read_settings(conf: Any) -> Settings:
         options = {"on_contention": given} if isinstance(given, (str, Policy)) else given  # {"t": "skip"}
         if not isinstance(options, Mapping):
             raise ConfigurationError(f"{where} must be a dict of options, got {type(options).__name__}")
-        unknown = sorted(set(options) - set(TASK_OPTION_NAMES))
+        unknown = sorted(set(options) - set(TASK_OPTION_NAMES), key=str)
         if unknown:
+            planned = [name for name in unknown if name in ("limit", "keys")]
+            if planned:
+                raise ConfigurationError(f"{where}: {planned[0]!r} is not supported yet (planned); remove it")
+            hints = [
+                difflib.get_close_matches(str(name), TASK_OPTION_NAMES, n=1, cutoff=0.75) for name in unknown
+            ]
+            close = [f"{h[0]!r} for {n!r}" for n, h in zip(unknown, hints, strict=True) if h]
+            suggestion = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigurationError(
-                f"{where} has unknown option(s) {unknown}; known: {list(TASK_OPTION_NAMES)}"
+                f"{where} has unknown option(s) {unknown}{suggestion}; known: {list(TASK_OPTION_NAMES)}"
             )
         checked = dict(options)
         if "on_contention" in checked:
