@@ -86,82 +86,86 @@ def test_build_makes_an_sdist_and_a_wheel_that_twine_accepts(dist: Path) -> None
         assert prefix + path in members
 
 
-QUICK_START = """\
-# tasks.py: the README's quick start, with a file standing in for the email group.
-import os
-import re
-import time
-from pathlib import Path
+def readme_block(section: str, language: str, index: int = 0) -> str:
+    """The ``index``-th fenced ``language`` block of the README section titled ``section``."""
+    body = (ROOT / "README.md").read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return str(re.findall(rf"```{language}\n(.*?)```", body, flags=re.DOTALL)[index])
 
-import celery_mongolock
-from celery import Celery
-from celery_mongolock import singleton_task, current_lease
-from celery_mongolock.signals import lease_contended
 
-WORK = Path(os.environ["QS_WORK"])
+# Appended to the README's tasks.py: a result backend (the quick start has none, and the test wants the
+# results), and a record of every lease event with the file the library was imported from.
+OBSERVE = """
 
-app = Celery("proj", broker=os.environ["QS_BROKER"], backend=os.environ["QS_BROKER"])
-app.conf.mongolock_url = os.environ["QS_MONGODB"]      # where the leases live
+import json as _json
+import os as _os
+import time as _time
+
+import celery_mongolock as _cm
+from celery_mongolock.signals import lease_acquired, lease_contended, lease_released
+
+app.conf.result_backend = _os.environ["QS_BACKEND"]
+
+
+def _note(kind, sender, key, **fields):
+    line = {"kind": kind, "key": key, "task_id": sender.request.id, "t": _time.time(), "module": _cm.__file__}
+    with open(_os.environ["QS_EVENTS"], "a") as f:
+        f.write(_json.dumps({**line, **fields}) + "\\n")
+
+
+@lease_acquired.connect
+def _acquired(sender=None, key=None, lease=None, **_):
+    _note("acquired", sender, key, fence=lease.fence)
 
 
 @lease_contended.connect
-def _contended(sender=None, key=None, **_):
-    (WORK / f"contended-{key}").touch()
+def _contended(sender=None, key=None, policy=None, **_):
+    _note("contended", sender, key, policy=policy)
 
 
-@singleton_task(key="email-group:{group_id}", app=app)
-def upload_members(group_id: int, csv_path: str) -> dict:
-    inside = WORK / f"inside-{group_id}"
-    try:
-        fd = os.open(inside, os.O_CREAT | os.O_EXCL)
-    except FileExistsError:
-        (WORK / "overlap").write_text(csv_path)
-        raise
-    started = time.time()
-    (WORK / f"started-{csv_path}").touch()
-    # The first upload goes on until the second one has found the group held.
-    deadline = time.monotonic() + 60
-    while not (WORK / f"contended-email-group:{group_id}").exists() and time.monotonic() < deadline:
-        current_lease().raise_if_lost()                 # stop promptly if the lease was lost
-        time.sleep(0.02)
-    (WORK / f"group-{group_id}").write_text(csv_path)
-    os.close(fd)
-    inside.unlink()
-    return {"csv": csv_path, "start": started, "end": time.time(), "module": celery_mongolock.__file__,
-            "fence": current_lease().fence}
+@lease_released.connect
+def _released(sender=None, key=None, lease=None, **_):
+    _note("released", sender, key, fence=lease.fence)
 """
 
+# The README's two calls, the first one's file a named pipe: it holds group 42 until the second one has
+# found the group held, then gets its rows.
 CLIENT = """\
 import json
 import os
-import re
 import sys
 import time
-from pathlib import Path
 
 import celery_mongolock
 from tasks import upload_members
 
-WORK = Path(os.environ["QS_WORK"])
-first = upload_members.delay(42, "a.csv")
-deadline = time.monotonic() + 90
-while not (WORK / "started-a.csv").exists():
-    if time.monotonic() > deadline:
-        sys.exit("the first upload never started")
-    time.sleep(0.02)
-second = upload_members.delay(group_id=42, csv_path="b.csv")
-results = [first.get(timeout=90), second.get(timeout=90)]
-print(json.dumps({"results": results, "client_module": celery_mongolock.__file__}))
-"""
 
-WORKER_OPTIONS = [
-    "--pool=prefork",
-    "--concurrency=2",
-    "--loglevel=INFO",
-    "--without-gossip",
-    "--without-mingle",
-    "--without-heartbeat",
-]
+def events(kind, task_id):
+    try:
+        with open(os.environ["QS_EVENTS"]) as f:
+            lines = [json.loads(line) for line in f]
+    except FileNotFoundError:
+        return []
+    return [e for e in lines if e["kind"] == kind and e["task_id"] == task_id]
+
+
+def wait(kind, task_id):
+    deadline = time.monotonic() + 90
+    while not events(kind, task_id):
+        if time.monotonic() > deadline:
+            sys.exit(f"no {kind} event for {task_id}")
+        time.sleep(0.02)
+
+
+first = upload_members.delay(42, "a.fifo")
+wait("acquired", first.id)
+second = upload_members.delay(42, "b.csv")
+wait("contended", second.id)
+with open("a.fifo", "w") as f:
+    f.write("ann@example.com\\nbob@example.com\\n")
+results = [first.get(timeout=90), second.get(timeout=90)]
+ids = [first.id, second.id]
+print(json.dumps({"results": results, "ids": ids, "client_module": celery_mongolock.__file__}))
+"""
 
 
 def _clean_env(venv: Path, **extra: str) -> dict[str, str]:
@@ -170,6 +174,7 @@ def _clean_env(venv: Path, **extra: str) -> dict[str, str]:
         k: v
         for k, v in os.environ.items()
         if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONSTARTUP"}
+        and not k.startswith(("MONGOLOCK_", "CELERY_"))
     }
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(venv)
@@ -202,7 +207,7 @@ def test_wheel_in_a_fresh_virtualenv_runs_the_quick_start(dist: Path, tmp_path: 
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[embedded]", "celery[redis]"],
+        [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[embedded,redis]"],
         cwd=tmp_path,
         env=_clean_env(venv),
         capture_output=True,
@@ -213,12 +218,10 @@ def test_wheel_in_a_fresh_virtualenv_runs_the_quick_start(dist: Path, tmp_path: 
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
     project = tmp_path / "project"
-    work = tmp_path / "work"
     project.mkdir()
-    work.mkdir()
-    (project / "tasks.py").write_text(QUICK_START)
-    (project / "client.py").write_text(CLIENT)
-
+    os.mkfifo(project / "a.fifo")
+    (project / "b.csv").write_text("cy@example.com\n")
+    events = tmp_path / "events.jsonl"
     with contextlib.ExitStack() as stack:
         embedded_log = tmp_path / "embedded.log"
         stack.enter_context(
@@ -234,11 +237,19 @@ def test_wheel_in_a_fresh_virtualenv_runs_the_quick_start(dist: Path, tmp_path: 
             message="the embedded server to print its URL",
         )
         redis = stack.enter_context(RedisServer())
-        env = _clean_env(venv, QS_WORK=str(work), QS_BROKER=redis.url, QS_MONGODB=mongo_url)
+        code = readme_block("Quick start", "python")
+        assert 'broker="redis://localhost:6379/0"' in code and '"mongodb://localhost:27017"' in code
+        code = code.replace("redis://localhost:6379/0", redis.url).replace(
+            "mongodb://localhost:27017", mongo_url
+        )
+        (project / "tasks.py").write_text(code + OBSERVE)
+        (project / "client.py").write_text(CLIENT)
+        env = _clean_env(venv, QS_EVENTS=str(events), QS_BACKEND=redis.url)
         worker_log = tmp_path / "worker.log"
+        # The README's command (`celery -A tasks worker --loglevel=INFO`): the prefork pool, two children.
         worker = stack.enter_context(
             _process(
-                [str(venv / "bin" / "celery"), "-A", "tasks", "worker", *WORKER_OPTIONS],
+                [str(venv / "bin" / "celery"), "-A", "tasks", "worker", "--loglevel=INFO", "--concurrency=2"],
                 project,
                 env,
                 worker_log,
@@ -253,22 +264,33 @@ def test_wheel_in_a_fresh_virtualenv_runs_the_quick_start(dist: Path, tmp_path: 
             timeout=240,
             check=False,
         )
+        if client.returncode != 0:  # let a run blocked on the pipe end before the worker is stopped
+            with contextlib.suppress(OSError):
+                os.close(os.open(project / "a.fifo", os.O_WRONLY | os.O_NONBLOCK))
         assert client.returncode == 0, (
             client.stdout + client.stderr + "\n--- worker log:\n" + worker_log.read_text()[-5000:]
         )
         assert worker.poll() is None, worker_log.read_text()[-5000:]
 
     out = json.loads(client.stdout.splitlines()[-1])
-    first, second = out["results"]
-    # The library came from the fresh virtualenv, in the client and in the worker's pool child.
-    for module in (out["client_module"], first["module"], second["module"]):
+    first_id, second_id = out["ids"]
+    assert out["results"] == [2, 1]
+    log = [json.loads(line) for line in events.read_text().splitlines()]
+    # The library came from the fresh virtualenv, in the client and in the worker's pool children.
+    for module in [out["client_module"], *(e["module"] for e in log)]:
         assert Path(module).resolve().is_relative_to(venv.resolve()), module
-    assert not (work / "overlap").exists()
-    assert (work / "contended-email-group:42").exists()  # the second upload did find the group held
-    assert (first["csv"], second["csv"]) == ("a.csv", "b.csv")
-    assert first["end"] <= second["start"]
-    assert second["fence"] > first["fence"]
-    assert (work / "group-42").read_text() == "b.csv"
+    # The second call found the group held (and was retried); the holds never overlapped.
+    assert any(e["kind"] == "contended" and e["task_id"] == second_id for e in log)
+    holds = [(e["kind"], e["task_id"]) for e in log if e["kind"] in ("acquired", "released")]
+    assert holds == [
+        ("acquired", first_id),
+        ("released", first_id),
+        ("acquired", second_id),
+        ("released", second_id),
+    ]
+    fences = [e["fence"] for e in log if e["kind"] == "acquired"]
+    assert fences == sorted(fences) and fences[0] < fences[1]
+    assert all(e["key"] == "email-group:42" for e in log)
 
 
 def test_changelog_is_ready_for_a_release() -> None:
