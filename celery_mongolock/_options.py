@@ -14,6 +14,7 @@ prints the message on one line instead of a long traceback (``install_start_up_e
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import sys
 import threading
@@ -68,6 +69,7 @@ _CELERY_DECLARATION_NAMES = frozenset(
 )
 
 
+@functools.lru_cache(maxsize=1)
 def _celery_names() -> frozenset[str]:
     from celery import Task
 
@@ -144,16 +146,16 @@ def check_task_class(cls: type) -> None:
             hint = _close(attr, TASK_ATTRIBUTES)
             suggestion = f"did you mean {hint[0]}?" if hint else f"known: {', '.join(TASK_ATTRIBUTES)}"
             raise ConfigurationError(f"{where}: unknown option {attr}; {suggestion}")
-        if attr.startswith("_") or attr in celery_names:
+        if attr.startswith("_") or attr in celery_names or attr in FUTURE_OPTIONS:
             continue
-        if attr in FUTURE_OPTIONS:
-            raise _future(where, attr, attr)
+        # Unprefixed: only our own options' names (and near misses) are refused; any other attribute
+        # (``limit`` included: a task class may have one of its own) is the task's business.
         if attr in DECORATOR_OPTIONS:
             raise ConfigurationError(
                 f"{where}: {attr} is not read on a SingletonTask; did you mean mongolock_{attr}? "
                 "(or declare it with @singleton_task(..., " + attr + "=...))"
             )
-        hint = _close(attr, (*DECORATOR_OPTIONS, *FUTURE_OPTIONS))
+        hint = _close(attr, DECORATOR_OPTIONS)
         if hint and not callable(cls.__dict__[attr]):
             raise ConfigurationError(
                 f"{where}: unknown option {attr}; did you mean mongolock_{hint[0]}? (SingletonTask "

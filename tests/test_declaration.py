@@ -206,13 +206,19 @@ def test_planned_options_are_not_offered_as_suggestions() -> None:
         ({"key": "g:{group_id}"}, "key is not read on a SingletonTask; did you mean mongolock_key?"),
         ({"on_contention": "skip"}, "did you mean mongolock_on_contention?"),
         ({"lease_second": 3}, "did you mean mongolock_lease_seconds?"),
-        ({"limit": 3}, "limit is not supported yet"),
     ],
 )  # fmt: skip
 def test_singleton_task_subclasses_refuse_unknown_options(attrs: dict[str, Any], match: str) -> None:
     app = declare_with_app_task(mongolock_key="g:{group_id}", **attrs)
     with pytest.raises(ConfigurationError, match=match.replace("?", r"\?")):
         app.finalize()
+
+
+def test_a_subclass_may_have_attributes_of_its_own_even_named_like_planned_options() -> None:
+    # Unprefixed names other than ours belong to the task (mongolock_limit is the planned spelling).
+    app = declare_with_app_task(mongolock_key="g:{group_id}", limit=100, keys=("a",), page_size=5)
+    app.finalize()
+    assert app.tasks["proj.g"].limit == 100
 
 
 def test_celerys_own_options_and_custom_attributes_pass_through() -> None:
