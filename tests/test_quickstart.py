@@ -235,3 +235,22 @@ def test_the_testing_example_runs_as_written_against_the_quick_start(tmp_path: P
         check=False,
     )
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_beat_refuses_to_start_with_one_line(tmp_path: Path) -> None:
+    write_tasks(tmp_path, "mongodb://127.0.0.1:1", "redis://127.0.0.1:1/0", BAD_SETTING)
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tasks", "beat", "-S", "celery_mongolock.beat:Scheduler"],
+        cwd=tmp_path,
+        env=project_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    output = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in output, output
+    assert [line for line in output.splitlines() if line.startswith("celery_mongolock:")] == [
+        "celery_mongolock: cannot start: mongolock_lease_seconds must be between 0.5 and 2.592e+06 seconds, "
+        "got -1"
+    ], output
