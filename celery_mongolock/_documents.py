@@ -21,7 +21,17 @@ The lease document
       released_for:  "holder died" | null,  # released by a supervisor for a dead holder
       last_tick:     int,                   # once-per-tick acquisitions: the last tick that took the key
       holder:        {host, pid, ...info}   # who holds it: host, pid, and e.g. task_name, task_id
+      waited_ms:     int | null,            # how long this run waited for the key (null: unknown)
+      ends:          [ending, ...]          # the last 8 endings of this key's leases, oldest first
     }
+
+An ending (``ending_expr``) is written by the same command that ends a lease: a release, a supervisor's
+release for a dead holder, a force-release, or the acquire that takes over an expired lease. Only one
+ending is written per fence (a second ending command for the same acquisition leaves ``ends`` alone)::
+
+    {f: fence, t: task_id, n: task_name (or role), run: delivery, host, pid, worker,
+     a: acquired_at, e: ended_at (server time; for "expired" the old expires_at), w: waited ms,
+     how: "released" | "holder-died" | "forced" | "expired", seen: takeover time ("expired" only)}
 
 Expiry is always judged on the server's clock (``$$NOW``) inside the write that depends on it. Dates are
 compared through ``$toLong``: equivalent on MongoDB, and it sidesteps a date-comparison bug of the
@@ -48,14 +58,22 @@ from .exceptions import ConfigurationError
 from .lease import LeaseInfo, aware
 
 __all__ = [
+    "ACQUIRE_PROJECTION",
+    "ENDS_KEPT",
+    "HOLDER_VIEW",
     "MAX_INFO_BYTES",
     "NOT_EXPIRED",
+    "SERVER_VIEW",
     "Document",
     "acquire_filter",
     "acquire_pipeline",
+    "ended_by_takeover",
+    "ending_expr",
     "force_release_filter",
     "force_release_pipeline",
     "held_by_filter",
+    "history_id",
+    "history_record",
     "holder_info",
     "lease_info",
     "prefix_filter",
@@ -67,6 +85,7 @@ __all__ = [
     "renew_filter",
     "renew_pipeline",
     "renew_tokens_filter",
+    "story_pipeline",
 ]
 
 Document = dict[str, Any]
@@ -75,6 +94,47 @@ Document = dict[str, Any]
 MAX_INFO_BYTES = 4096
 
 _NOW_MS: Document = {"$toLong": "$$NOW"}
+
+#: How many endings a lease document keeps in ``ends``.
+ENDS_KEPT = 8
+
+#: The fence of the last ending recorded (missing when there is none).
+_LAST_ENDED_FENCE: Document = {
+    "$let": {"vars": {"last": {"$arrayElemAt": [{"$ifNull": ["$ends", []]}, -1]}}, "in": "$$last.f"}
+}
+#: True while the current acquisition (``fence``) has no ending recorded yet.
+NOT_ENDED: Document = {"$ne": [_LAST_ENDED_FENCE, "$fence"]}
+
+
+def ending_expr(how: str, ended_at: object = "$$NOW", **extra: object) -> Document:
+    """The ending of the lease as the document holds it *before* the update (``$fence``, ``$holder``...).
+
+    Fields that are missing in the document (no task id outside Celery, ``waited_ms`` unknown) are left
+    out of the ending by the server.
+    """
+    ending: Document = {
+        "f": "$fence",
+        "t": "$holder.task_id",
+        "n": {"$ifNull": ["$holder.task_name", "$holder.role"]},
+        "run": "$holder.delivery",
+        "host": "$holder.host",
+        "pid": "$holder.pid",
+        "worker": "$holder.worker",
+        "a": "$acquired_at",
+        "e": ended_at,
+        "w": "$waited_ms",
+        "how": {"$literal": how},
+    }
+    ending.update(extra)
+    return ending
+
+
+def _append_ending(when: object, ending: Document) -> Document:
+    """``ends`` with ``ending`` appended (the last ``ENDS_KEPT`` kept) when ``when`` is true and this
+    acquisition has no ending yet; else ``ends`` as it was."""
+    appended = {"$slice": [{"$concatArrays": [{"$ifNull": ["$ends", []]}, [ending]]}, -ENDS_KEPT]}
+    return {"$cond": [{"$and": [when, NOT_ENDED]}, appended, "$ends"]}
+
 
 #: A renewal only extends a lease that has not expired on the server: a renewal that arrives late (its
 #: reply lost, or queued on the server) must not revive a lease its holder has already given up.
@@ -115,6 +175,8 @@ def acquire_pipeline(
     tick: int | None = None,
     min_hold_ms: int = 0,
     hold_until_ms: int | None = None,
+    waited_ms: int | None = None,
+    waited_since_ms: int | None = None,
 ) -> list[Document]:
     """The acquire update: on the server, ``free = owner is null OR expired OR owner == token``; only when
     free, take the key for ``token`` (new fence, ``expires_at = $$NOW + ttl_ms``); else change nothing.
@@ -122,6 +184,12 @@ def acquire_pipeline(
     ``owner == token`` lets a retry of an acquire whose reply was lost take over its own half-finished
     acquisition. ``tick``: refuse a tick at or before the last tick that took the key, even when free.
     ``min_hold_ms``/``hold_until_ms`` (epoch ms): a release before then keeps the key taken until then.
+    ``waited_ms``: how long the run waited for the key, when the caller knows; ``waited_since_ms`` (epoch
+    ms, the caller's clock): when the run first found the key held, the wait is counted from then to the
+    server's ``$$NOW`` (never below 0). Neither: ``waited_ms`` is null (unknown).
+
+    Taking over a lease that expired with its holder still set records that lease's ending ("expired",
+    ended at its ``expires_at``, ``seen`` at ``$$NOW``) in ``ends``, in this same update.
     """
     vacant: Document = {
         "$or": [
@@ -141,6 +209,20 @@ def acquire_pipeline(
     def when_free(new: object, field: str) -> Document:
         return {"$cond": ["$__free", new, f"${field}"]}
 
+    waited: object = {"$literal": None}
+    if waited_since_ms is not None:
+        waited = {"$max": [0, {"$subtract": [_NOW_MS, waited_since_ms]}]}
+    elif waited_ms is not None:
+        waited = max(0, int(waited_ms))
+    # An expired lease taken over: its holder is set and is not us (our own half-finished acquisition).
+    taken_over = {
+        "$and": [
+            "$__free",
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            {"$ne": ["$owner", token]},
+        ]
+    }
+
     fields: Document = {
         "owner": when_free(token, "owner"),
         "ttl_ms": when_free(ttl_ms, "ttl_ms"),
@@ -156,10 +238,34 @@ def acquire_pipeline(
         "released_at": when_free({"$literal": None}, "released_at"),
         "forced_release": when_free({"$literal": False}, "forced_release"),
         "released_for": when_free({"$literal": None}, "released_for"),
+        "waited_ms": when_free(waited, "waited_ms"),
+        "ends": _append_ending(taken_over, ending_expr("expired", "$expires_at", seen="$$NOW")),
     }
     if tick is not None:
         fields["last_tick"] = when_free(tick, "last_tick")
     return [{"$set": {"__free": free}}, {"$set": fields}, {"$unset": "__free"}]
+
+
+#: What the acquire's reply carries: the document with only its newest ending (the one a takeover of an
+#: expired lease has just written), so that the reply does not grow with the history.
+ACQUIRE_PROJECTION: Document = {"ends": {"$slice": -1}}
+
+
+def ended_by_takeover(doc: Mapping[str, Any] | None) -> Document | None:
+    """The ending an acquire just wrote for the expired lease it took over, from the acquire's reply
+    (``ACQUIRE_PROJECTION``): the newest ending is "expired" and was seen at this acquisition's time."""
+    if not doc:
+        return None
+    ends = doc.get("ends") or []
+    last = ends[-1] if ends else None
+    if (
+        isinstance(last, dict)
+        and last.get("how") == "expired"
+        and last.get("seen") is not None
+        and last.get("seen") == doc.get("acquired_at")
+    ):
+        return dict(last)
+    return None
 
 
 # -- renew -----------------------------------------------------------------------------------------------
@@ -200,6 +306,7 @@ def release_pipeline() -> list[Document]:
                 "owner": {"$cond": ["$__hold", "$owner", None]},
                 "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
                 "released_at": "$$NOW",
+                "ends": _append_ending(True, ending_expr("released")),
             }
         },
         {"$unset": "__hold"},
@@ -217,7 +324,16 @@ def held_by_filter(holder: Mapping[str, Any]) -> Document:
 
 def release_dead_holder_pipeline() -> list[Document]:
     """Release for a holder that died (a supervisor's release): marked ``released_for``."""
-    return [{"$set": {"owner": None, "released_at": "$$NOW", "released_for": "holder died"}}]
+    return [
+        {
+            "$set": {
+                "owner": None,
+                "released_at": "$$NOW",
+                "released_for": "holder died",
+                "ends": _append_ending(True, ending_expr("holder-died")),
+            }
+        }
+    ]
 
 
 def force_release_filter(key: str) -> Document:
@@ -227,7 +343,16 @@ def force_release_filter(key: str) -> Document:
 
 def force_release_pipeline() -> list[Document]:
     """An operator's release, whoever holds the key; marked ``forced_release``. The fence is kept."""
-    return [{"$set": {"owner": None, "released_at": "$$NOW", "forced_release": True}}]
+    return [
+        {
+            "$set": {
+                "owner": None,
+                "released_at": "$$NOW",
+                "forced_release": True,
+                "ends": _append_ending(True, ending_expr("forced")),
+            }
+        }
+    ]
 
 
 # -- reading ---------------------------------------------------------------------------------------------
@@ -243,7 +368,42 @@ def prefix_filter(prefix: str | None) -> Document:
 def read_pipeline(match: Document) -> list[Document]:
     """The lease documents matching ``match``, by key, each with the server's ``expires_at - $$NOW``."""
     stage = {"$addFields": {"__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]}}}
-    return [{"$match": match}, {"$sort": {"_id": 1}}, stage]
+    return [{"$match": match}, {"$sort": {"_id": 1}}, stage, {"$project": {"ends": 0}}]
+
+
+def story_pipeline(key: str) -> list[Document]:
+    """One key's whole document, ``ends`` included, with the server's ``$$NOW`` and
+    ``expires_at - $$NOW`` (``celery mongolock why``)."""
+    stage = {
+        "$addFields": {
+            "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
+            "__now": "$$NOW",
+        }
+    }
+    return [{"$match": {"_id": key}}, stage]
+
+
+# -- history ---------------------------------------------------------------------------------------------
+#: The two views of one acquisition's end: the server's (the ending in ``ends``) and the holder's own (it
+#: saw its lease lost).
+SERVER_VIEW = "s"
+HOLDER_VIEW = "h"
+
+
+def history_id(key: str, fence: int, view: str) -> str:
+    """``_id`` of a history record: one per key, acquisition (fence) and view, so a record written twice
+    is stored once."""
+    return f"{key}\x00{int(fence):020d}\x00{view}"
+
+
+def history_record(key: str, ending: Mapping[str, Any], view: str = SERVER_VIEW) -> Document:
+    """A record for the history collection: the ending's fields plus ``_id``, ``k`` and ``v``.
+
+    ``e`` (the end, server time) is what the collection's TTL index counts from.
+    """
+    record: Document = {k: v for k, v in ending.items() if v is not None}
+    record.update(_id=history_id(key, int(ending["f"]), view), k=key, v=view)
+    return record
 
 
 def lease_info(doc: Document) -> LeaseInfo:

@@ -33,23 +33,50 @@ def _cmp_key(value: Any) -> tuple[int, Any]:
     return (0, 0) if value is None else (1, value)
 
 
-def evaluate(expr: Any, doc: Doc, now: _dt.datetime) -> Any:
+def _path(value: Any, path: str) -> Any:
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def evaluate(expr: Any, doc: Doc, now: _dt.datetime, variables: Doc | None = None) -> Any:
+    variables = variables or {}
     if isinstance(expr, str):
         if expr == "$$NOW":
             return now
+        if expr.startswith("$$"):
+            name, _, rest = expr[2:].partition(".")
+            return _path(variables.get(name), rest) if rest else variables.get(name)
         if expr.startswith("$"):
-            return doc.get(expr[1:])
+            return _path(doc, expr[1:])
         return expr
     if isinstance(expr, list):
-        return [evaluate(e, doc, now) for e in expr]
+        return [evaluate(e, doc, now, variables) for e in expr]
     if not isinstance(expr, dict):
         return expr
     if len(expr) != 1 or not next(iter(expr)).startswith("$"):
-        return {k: evaluate(v, doc, now) for k, v in expr.items()}
+        # An object expression: a field whose value is missing (None here) is left out, as on the server.
+        values = {k: evaluate(v, doc, now, variables) for k, v in expr.items()}
+        return {k: v for k, v in values.items() if v is not None}
     ((op, arg),) = expr.items()
     if op == "$literal":
         return arg
-    args = evaluate(arg, doc, now) if isinstance(arg, list) else [evaluate(arg, doc, now)]
+    if op == "$let":
+        bound = {name: evaluate(e, doc, now, variables) for name, e in arg["vars"].items()}
+        return evaluate(arg["in"], doc, now, {**variables, **bound})
+    args = (
+        evaluate(arg, doc, now, variables) if isinstance(arg, list) else [evaluate(arg, doc, now, variables)]
+    )
+    if op == "$arrayElemAt":
+        items, index = args
+        return items[index] if -len(items) <= index < len(items) else None
+    if op == "$concatArrays":
+        return [item for part in args for item in part]
+    if op == "$slice":
+        items, count = args
+        return items[count:] if count < 0 else items[:count]
+    if op == "$ne":
+        return args[0] != args[1]
     if op == "$toLong":
         return _ms(args[0])
     if op == "$toDate":
@@ -293,3 +320,111 @@ def test_prefix_filter() -> None:
     assert documents.prefix_filter("a.b*") == {"_id": {"$regex": r"^a\.b\*"}}
     with pytest.raises(ConfigurationError, match="prefix must be a str"):
         documents.prefix_filter(3)  # type: ignore[arg-type]
+
+
+# -- endings (the ``ends`` array) --------------------------------------------------------------------------
+def _held(token: str = "t1", **kw: Any) -> Doc:
+    holder = documents.holder_info(
+        "host-a", 123, {"task_id": token, "task_name": "app.upload", "worker": "w1@h", "delivery": "0.0"}
+    )
+    return run_pipeline(documents.acquire_pipeline(token, 30_000, holder, **kw), {"_id": "k"})
+
+
+def _end(doc: Doc, how: str, at: _dt.datetime) -> Doc:
+    pipeline = {
+        "released": documents.release_pipeline(),
+        "holder-died": documents.release_dead_holder_pipeline(),
+        "forced": documents.force_release_pipeline(),
+    }[how]
+    return run_pipeline(pipeline, doc, at)
+
+
+@pytest.mark.parametrize("how", ["released", "holder-died", "forced"])
+def test_each_ending_command_appends_one_ending_in_the_same_update(how: str) -> None:
+    doc = _held(waited_ms=1500)
+    ended = _end(doc, how, later(2))
+    assert ended["ends"] == [
+        {
+            "f": doc["fence"],
+            "t": "t1",
+            "n": "app.upload",
+            "run": "0.0",
+            "host": "host-a",
+            "pid": 123,
+            "worker": "w1@h",
+            "a": NOW,
+            "e": later(2),
+            "w": 1500,
+            "how": how,
+        }
+    ]
+    # A second ending command for the same acquisition (a late duplicate) records nothing more.
+    assert _end(ended, "forced", later(3))["ends"] == ended["ends"]
+
+
+def test_a_takeover_of_an_expired_lease_records_it_as_expired() -> None:
+    doc = _held()
+    taken = acquire(doc, "t2", now=later(40))
+    (ending,) = taken["ends"]
+    assert ending["how"] == "expired" and ending["f"] == doc["fence"] and ending["t"] == "t1"
+    assert ending["e"] == later(30)  # when it expired, on the server's clock
+    assert ending["seen"] == later(40) == taken["acquired_at"]
+    assert "w" not in ending  # the expired run's wait was not known
+    assert documents.ended_by_takeover(taken) == ending
+
+
+@pytest.mark.parametrize(
+    ("before", "token", "at", "ended"),
+    [
+        ("fresh", "t2", 0, False),  # a new key: nothing ended
+        ("held", "t2", 10, False),  # contention: nothing changes
+        ("held", "t1", 10, False),  # our own retried acquire takes over our own acquisition
+        ("released", "t2", 10, False),  # already ended by its release: no second ending
+        ("held", "t2", 30, True),  # expired: ended now
+        ("min-hold released", "t2", 60, False),  # released early, then ran out its minimum hold
+    ],
+)
+def test_which_acquires_record_an_ending(before: str, token: str, at: float, ended: bool) -> None:
+    doc = {
+        "fresh": {"_id": "k"},
+        "held": _held(),
+        "released": _end(_held(), "released", later(1)),
+        "min-hold released": _end(_held(min_hold_ms=50_000), "released", later(1)),
+    }[before]
+    count = len(doc.get("ends") or [])
+    after = acquire(doc, token, now=later(at))
+    assert len(after.get("ends") or []) == count + int(ended)
+    assert (documents.ended_by_takeover(after) is not None) == ended
+
+
+def test_ends_keeps_the_last_eight() -> None:
+    doc = _held()
+    fences = []
+    for i in range(12):
+        fences.append(doc["fence"])
+        doc = _end(doc, "released", later(i + 0.5))
+        doc = acquire(doc, f"t{i + 2}", now=later(i + 1))
+    assert [e["f"] for e in doc["ends"]] == fences[-documents.ENDS_KEPT :]
+
+
+def test_waited() -> None:
+    assert _held()["waited_ms"] is None  # unknown
+    assert _held(waited_ms=0)["waited_ms"] == 0
+    assert _held(waited_since_ms=NOW_MS - 2500)["waited_ms"] == 2500  # to the server's now
+    assert _held(waited_since_ms=NOW_MS + 999)["waited_ms"] == 0  # a fast caller's clock: never below 0
+    held = _held(waited_ms=7)
+    assert acquire(held, "t2", now=later(1), waited_ms=99)["waited_ms"] == 7  # contention: unchanged
+
+
+def test_history_records_and_reads() -> None:
+    ending = _end(_held(), "released", later(2))["ends"][0]
+    record = documents.history_record("k", ending)
+    assert record["_id"] == documents.history_id("k", ending["f"], "s")
+    assert record["k"] == "k" and record["v"] == "s" and record["how"] == "released"
+    assert documents.history_id("k", 5, "h") == "k\x00" + "5".zfill(20) + "\x00h"
+    assert documents.history_id("k", 5, "h") != documents.history_id("k", 5, "s")
+    assert documents.read_pipeline({})[-1] == {"$project": {"ends": 0}}  # list and inspect stay small
+    assert documents.story_pipeline("k")[0] == {"$match": {"_id": "k"}}
+    assert documents.ACQUIRE_PROJECTION == {"ends": {"$slice": -1}}
+    assert documents.ended_by_takeover(None) is None
+    assert documents.ended_by_takeover({"ends": [ending], "acquired_at": NOW}) is None
