@@ -1309,7 +1309,6 @@ class Run:
         waiting = dict(self.submitted)
         t_begin = last_progress = time.monotonic()
         seen: dict[str, str] = {}
-        restore_by = 0.0
         while waiting:
             now = time.monotonic()
             for task_id, info in list(waiting.items()):
@@ -1324,16 +1323,19 @@ class Run:
                     self.log(f"result of {task_id}: {exc!r}")
             if not waiting:
                 break
-            where, restore_by = self._broker_view(waiting)
+            where = self._broker_view(waiting)
             if where != seen:  # a message moved (delivered, retried, restored): progress
                 seen, last_progress = where, now
-            # Waiting ends on measured progress, not on a constant: give up only when nothing finished
-            # and no message moved for longer than a healthy run can take between two such events, and
-            # no unacknowledged message is still due to come back (its restore time, by the broker's
-            # own rule, is in the future: the skewed node's deliveries carry its fast clock).
+            # Waiting ends on conditions and measured progress, not on a constant. A message in a queue
+            # will be consumed; an unacknowledged one will run (a live node holds it) or come back by
+            # kombu's restore (a dead node held it: after the visibility timeout by the *delivering*
+            # node's clock, minutes late for the node whose clock runs ahead). So the drain gives up
+            # only on messages that are nowhere, and only once nothing finished and no message moved
+            # for longer than a healthy run takes between two such events.
             quiet = now - last_progress
-            if quiet > self._stall_allowance() and time.time() > restore_by:
-                self.log(f"drain: no progress for {quiet:.0f}s; {len(waiting)} task(s) unfinished")
+            nowhere = all(place == "nowhere" for place in where.values())
+            if nowhere and quiet > self._stall_allowance():
+                self.log(f"drain: no progress for {quiet:.0f}s; {len(waiting)} task(s) unfinished, nowhere")
                 break
             if now - t_begin > DRAIN_GUARD_S:
                 self.log(f"drain: still {len(waiting)} unfinished after {DRAIN_GUARD_S:.0f}s; giving up")
@@ -1375,38 +1377,34 @@ class Run:
         slowest_start = max([n.start_s for n in self.nodes] + self.start_times + [1.0])
         return VISIBILITY_TIMEOUT + 2 * RESTORE_INTERVAL + 2 * slowest_start + 4 * self.cfg.lease_seconds + 10
 
-    def _broker_view(self, task_ids: Iterable[str]) -> tuple[dict[str, str], float]:
-        """Where each unfinished task's message is, and the wall-clock time by which every one of those
-        that sits unacknowledged becomes due for a sweep (delivery time + visibility timeout)."""
+    def _broker_view(self, task_ids: Iterable[str]) -> dict[str, str]:
+        """Where each unfinished task's message is: a queue, ``unacked``, ``nowhere``, or ``unknown``
+        (the broker did not answer)."""
         import redis
 
         ids = list(task_ids)
         where = dict.fromkeys(ids, "nowhere")
-        restore_by = 0.0
         try:
             client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
             try:
                 places: dict[str, Any] = {q: client.lrange(q, 0, -1) for q in ("celery", SKEWED_QUEUE)}
                 unacked: dict[bytes, bytes] = client.hgetall("unacked")  # type: ignore[assignment]
-                zrange: Any = client.zrange("unacked_index", 0, -1, withscores=True)
-                scores = {bytes(k): float(v) for k, v in zrange}
             finally:
                 client.close()
         except Exception:
-            return dict.fromkeys(ids, "unknown"), float("inf")
+            return dict.fromkeys(ids, "unknown")
         for place, messages in places.items():
             for raw in messages:
                 text = raw.decode(errors="replace")
                 for task_id in ids:
                     if task_id in text:
                         where[task_id] = place
-        for tag, raw in unacked.items():
+        for raw in unacked.values():
             text = raw.decode(errors="replace")
             for task_id in ids:
                 if task_id in text:
                     where[task_id] = "unacked"
-                    restore_by = max(restore_by, float(scores.get(tag, 0.0)) + VISIBILITY_TIMEOUT + 1)
-        return where, restore_by
+        return where
 
     def _broker_log(self) -> brokerlog.BrokerLog | None:
         try:
