@@ -30,6 +30,7 @@ Serve the metrics yourself instead with ``port=None`` and :func:`registry`.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import sys
@@ -155,13 +156,42 @@ def enable(port: int | None = None, addr: str = "127.0.0.1") -> None:
 def registry() -> Any:
     """A ``CollectorRegistry`` with every process's metrics (prometheus_client's multiprocess collector)."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
 
     if _metrics is None:
         raise ConfigurationError("call celery_mongolock.metrics.enable() first")
     reg = CollectorRegistry()
-    MultiProcessCollector(reg)  # type: ignore[no-untyped-call]
+    reg.register(_Collector(os.environ[_MULTIPROC_ENV]))
     return reg
+
+
+class _Collector:
+    """prometheus_client's multiprocess collector, minus the files a process is creating right now.
+
+    A pool child that records a metric of a new kind creates its file empty and sizes it a moment later;
+    read in between, prometheus_client's reader fails on it and the whole scrape answers 500 (seen in
+    tests/test_observability.py). An empty file holds no samples yet: it is left for the next scrape.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Any:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        for attempt in range(3):
+            files = []
+            for name in glob.glob(os.path.join(self.path, "*.db")):
+                try:
+                    if os.path.getsize(name) > 0:
+                        files.append(name)
+                except OSError:  # removed meanwhile (a pool child's exit: mark_process_dead)
+                    pass
+            try:
+                return MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        return []
 
 
 def _on_worker_ready(**_: Any) -> None:
