@@ -24,11 +24,14 @@ from .servers import RedisServer, wait_for
 from .workers import ROOT
 
 README = (ROOT / "README.md").read_text()
+# The README links to the testing how-to for "testing your own tasks"; its first example is run here.
+TESTING_HOW_TO = (ROOT / "docs" / "how-to" / "testing.md").read_text()
 
 
-def readme_block(section: str, language: str, index: int = 0) -> str:
-    """The ``index``-th fenced ``language`` block of the README section titled ``section``."""
-    body = README.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+def readme_block(section: str, language: str, index: int = 0, text: str = README) -> str:
+    """The ``index``-th fenced ``language`` block of the section titled ``section`` of the README (or of
+    ``text``, another Markdown page)."""
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(rf"```{language}\n(.*?)```", body, flags=re.DOTALL)
     return str(blocks[index])
 
@@ -96,7 +99,8 @@ def servers(redis_server: RedisServer) -> Iterator[tuple[str, str]]:
         yield mongo.url, redis_server.url.rsplit("/", 1)[0] + "/7"
 
 
-# A second task in the same project: the README's callable key (Keys table), called positionally.
+# A second task in the same project: the callable key of the keys table (docs/reference/keys.md), called
+# positionally.
 CALLABLE_KEY_TASK = """
 
 def tenant_of(group_id: int) -> int:
@@ -221,10 +225,12 @@ def test_a_worker_refuses_to_start_with_one_line(extra: str, message: str, tmp_p
 
 
 def test_the_testing_example_runs_as_written_against_the_quick_start(tmp_path: Path) -> None:
-    """The README's "Testing your own tasks" example, as a test file of the quick start's project, run
-    by pytest there (a new project: no configuration of ours)."""
+    """The testing how-to's first example (docs/how-to/testing.md, "testing your own tasks" in the README's
+    documentation links), as a test file of the quick start's project, run by pytest there (a new
+    project: no configuration of ours)."""
     write_tasks(tmp_path, "mongodb://127.0.0.1:1", "redis://127.0.0.1:1/0")  # apply() needs no broker
-    (tmp_path / "test_tasks.py").write_text(readme_block("Testing your own tasks", "python"))
+    example = readme_block("Eager tests: one process, no broker", "python", text=TESTING_HOW_TO)
+    (tmp_path / "test_tasks.py").write_text(example)
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_tasks.py"],
         cwd=tmp_path,

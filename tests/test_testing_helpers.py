@@ -1,4 +1,4 @@
-"""The README's "testing your own tasks" recipe works as written."""
+"""The testing how-to's recipe (docs/how-to/testing.md, "testing your own tasks") works as written."""
 
 from __future__ import annotations
 
