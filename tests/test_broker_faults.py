@@ -9,7 +9,7 @@ fault (tests/test_lockcheck.py) restarts the broker under real workers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -52,18 +52,24 @@ def test_a_contention_retry_is_published_across_a_broker_restart(down_broker: Re
         signature.apply_async()
 
     # Ours: the broker comes back while the publish is being retried, and the message gets through.
-    starter = threading.Timer(2.0, down_broker.start)
+    _publish_across_restart(down_broker, lambda: guarded._republish(signature, "contention retry"))
+    app.close()
+
+
+def _publish_across_restart(broker: RedisServer, publish: Callable[[], None]) -> None:
+    """Publish while the broker is down and comes back 2 s later (the fault, not a wait); the message
+    must then be on the queue."""
+    starter = threading.Timer(2.0, broker.start)
     starter.start()
     try:
-        guarded._republish(signature, "contention retry")
+        publish()
     finally:
         starter.join()
-    client = redis.Redis.from_url(down_broker.url)
+    client = redis.Redis.from_url(broker.url)
     try:
         assert client.llen("celery") == 1, "the retry was not published"
     finally:
         client.close()
-    app.close()
 
 
 def test_the_republish_policy_outlasts_a_restart() -> None:
@@ -107,17 +113,13 @@ def test_a_body_retry_is_published_across_a_broker_restart(down_broker: RedisSer
 
     # A singleton task's: the broker comes back while the publish is retried, and the retry gets through.
     as_worker(guarded)
-    starter = threading.Timer(2.0, down_broker.start)
-    starter.start()
-    try:
+
+    def retry() -> None:
         with pytest.raises(CeleryRetry):
             guarded.retry(countdown=1)
-    finally:
-        starter.join()
-        guarded.pop_request()
-    client = redis.Redis.from_url(down_broker.url)
+
     try:
-        assert client.llen("celery") == 1, "the retry was not published"
+        _publish_across_restart(down_broker, retry)
     finally:
-        client.close()
+        guarded.pop_request()
     app.close()
