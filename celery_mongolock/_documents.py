@@ -54,6 +54,7 @@ from typing import Any
 
 import bson
 
+from . import _admission as admission
 from .exceptions import ConfigurationError
 from .lease import LeaseInfo, aware
 
@@ -65,6 +66,7 @@ __all__ = [
     "NOT_EXPIRED",
     "SERVER_VIEW",
     "Document",
+    "acquire_fields",
     "acquire_filter",
     "acquire_pipeline",
     "ended_by_takeover",
@@ -167,6 +169,63 @@ def acquire_filter(key: str) -> Document:
     return {"_id": key}
 
 
+def acquire_fields(
+    token: str,
+    ttl_ms: int,
+    holder: Document,
+    *,
+    tick: int | None = None,
+    min_hold_ms: int = 0,
+    hold_until_ms: int | None = None,
+    waited_ms: int | None = None,
+    waited_since_ms: int | None = None,
+) -> Document:
+    """The ``$set`` fields of an acquire, each ``{"$cond": ["$__free", new, old]}``: an earlier stage
+    decides ``__free`` (``acquire_pipeline``, or the admit of a queued run in ``_admission``)."""
+    hold_until: Document = {"$add": ["$$NOW", min_hold_ms]}
+    if hold_until_ms is not None:
+        # Compared as numbers: the embedded test server compares dates wrongly (see module doc).
+        hold_until = {"$toDate": {"$max": [{"$add": [_NOW_MS, min_hold_ms]}, hold_until_ms]}}
+
+    def when_free(new: object, field: str) -> Document:
+        return {"$cond": ["$__free", new, f"${field}"]}
+
+    waited: object = {"$literal": None}
+    if waited_since_ms is not None:
+        waited = {"$max": [0, {"$subtract": [_NOW_MS, waited_since_ms]}]}
+    elif waited_ms is not None:
+        waited = max(0, int(waited_ms))
+    # An expired lease taken over: its holder is set and is not us (our own half-finished acquisition).
+    taken_over = {
+        "$and": [
+            "$__free",
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            {"$ne": ["$owner", {"$literal": token}]},
+        ]
+    }
+    fields: Document = {
+        "owner": when_free({"$literal": token}, "owner"),
+        "ttl_ms": when_free(ttl_ms, "ttl_ms"),
+        "holder": when_free({"$literal": holder}, "holder"),
+        "fence": when_free(
+            {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]},
+            "fence",
+        ),
+        "expires_at": when_free({"$add": ["$$NOW", ttl_ms]}, "expires_at"),
+        "acquired_at": when_free("$$NOW", "acquired_at"),
+        "renewed_at": when_free("$$NOW", "renewed_at"),
+        "hold_until": when_free(hold_until, "hold_until"),
+        "released_at": when_free({"$literal": None}, "released_at"),
+        "forced_release": when_free({"$literal": False}, "forced_release"),
+        "released_for": when_free({"$literal": None}, "released_for"),
+        "waited_ms": when_free(waited, "waited_ms"),
+        "ends": _append_ending(taken_over, ending_expr("expired", "$expires_at", seen="$$NOW")),
+    }
+    if tick is not None:
+        fields["last_tick"] = when_free(tick, "last_tick")
+    return fields
+
+
 def acquire_pipeline(
     token: str,
     ttl_ms: int,
@@ -188,6 +247,9 @@ def acquire_pipeline(
     ms, the caller's clock): when the run first found the key held, the wait is counted from then to the
     server's ``$$NOW`` (never below 0). Neither: ``waited_ms`` is null (unknown).
 
+    A key with parked runs or a pending handoff (``_admission``) is not free for this acquire: the key
+    goes to the parked runs first, in send order, and nobody barges in.
+
     Taking over a lease that expired with its holder still set records that lease's ending ("expired",
     ended at its ``expires_at``, ``seen`` at ``$$NOW``) in ``ends``, in this same update.
     """
@@ -197,53 +259,28 @@ def acquire_pipeline(
             {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
         ]
     }
+    nobody_waits: Document = {
+        "$and": [
+            {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
+            {"$eq": [{"$ifNull": ["$ho", None]}, None]},
+        ]
+    }
+    vacant = {"$and": [vacant, nobody_waits]}
     if tick is not None:
         # Once per tick: a run for a tick at or before the last one run is refused even when free.
         vacant = {"$and": [vacant, {"$lt": [{"$ifNull": ["$last_tick", -1]}, tick]}]}
-    free = {"$or": [{"$eq": ["$owner", token]}, vacant]}
-    hold_until: Document = {"$add": ["$$NOW", min_hold_ms]}
-    if hold_until_ms is not None:
-        # Compared as numbers: the embedded test server compares dates wrongly (see module doc).
-        hold_until = {"$toDate": {"$max": [{"$add": [_NOW_MS, min_hold_ms]}, hold_until_ms]}}
-
-    def when_free(new: object, field: str) -> Document:
-        return {"$cond": ["$__free", new, f"${field}"]}
-
-    waited: object = {"$literal": None}
-    if waited_since_ms is not None:
-        waited = {"$max": [0, {"$subtract": [_NOW_MS, waited_since_ms]}]}
-    elif waited_ms is not None:
-        waited = max(0, int(waited_ms))
-    # An expired lease taken over: its holder is set and is not us (our own half-finished acquisition).
-    taken_over = {
-        "$and": [
-            "$__free",
-            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
-            {"$ne": ["$owner", token]},
-        ]
-    }
-
-    fields: Document = {
-        "owner": when_free(token, "owner"),
-        "ttl_ms": when_free(ttl_ms, "ttl_ms"),
-        "holder": when_free({"$literal": holder}, "holder"),
-        "fence": when_free(
-            {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]},
-            "fence",
-        ),
-        "expires_at": when_free({"$add": ["$$NOW", ttl_ms]}, "expires_at"),
-        "acquired_at": when_free("$$NOW", "acquired_at"),
-        "renewed_at": when_free("$$NOW", "renewed_at"),
-        "hold_until": when_free(hold_until, "hold_until"),
-        "released_at": when_free({"$literal": None}, "released_at"),
-        "forced_release": when_free({"$literal": False}, "forced_release"),
-        "released_for": when_free({"$literal": None}, "released_for"),
-        "waited_ms": when_free(waited, "waited_ms"),
-        "ends": _append_ending(taken_over, ending_expr("expired", "$expires_at", seen="$$NOW")),
-    }
-    if tick is not None:
-        fields["last_tick"] = when_free(tick, "last_tick")
-    return [{"$set": {"__free": free}}, {"$set": fields}, {"$unset": "__free"}]
+    free = {"$or": [{"$eq": ["$owner", {"$literal": token}]}, vacant]}
+    fields = acquire_fields(
+        token,
+        ttl_ms,
+        holder,
+        tick=tick,
+        min_hold_ms=min_hold_ms,
+        hold_until_ms=hold_until_ms,
+        waited_ms=waited_ms,
+        waited_since_ms=waited_since_ms,
+    )
+    return [{"$set": {"__free": free}}, {"$set": fields}, {"$unset": "__free"}, admission.gc_stage()]
 
 
 #: What the acquire's reply carries: the document with only its newest ending (the one a takeover of an
@@ -281,7 +318,10 @@ def renew_tokens_filter(tokens: Iterable[str]) -> Document:
 
 def renew_pipeline() -> list[Document]:
     """Extend by the lease's own ``ttl_ms`` from now, on the server's clock."""
-    return [{"$set": {"expires_at": {"$add": ["$$NOW", "$ttl_ms"]}, "renewed_at": "$$NOW"}}]
+    return [
+        {"$set": {"expires_at": {"$add": ["$$NOW", "$ttl_ms"]}, "renewed_at": "$$NOW"}},
+        admission.gc_stage(),
+    ]
 
 
 # -- release ---------------------------------------------------------------------------------------------
@@ -295,9 +335,12 @@ def release_tokens_filter(tokens: Iterable[str]) -> Document:
     return {"owner": {"$in": list(tokens)}}
 
 
-def release_pipeline() -> list[Document]:
+def release_pipeline(by: str = "") -> list[Document]:
     """Clear the owner and keep the document (and so the fence); a lease whose ``hold_until`` has not
-    passed stays taken (owner kept) and simply expires then."""
+    passed stays taken (owner kept) and simply expires then.
+
+    With runs parked on the key, the same command hands it to the oldest (``_admission``), marked with
+    ``by`` (the releaser's token: it publishes the handoff; empty: the sweeper does)."""
     holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, _NOW_MS]}
     return [
         {"$set": {"__hold": holding}},
@@ -307,9 +350,12 @@ def release_pipeline() -> list[Document]:
                 "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
                 "released_at": "$$NOW",
                 "ends": _append_ending(True, ending_expr("released")),
+                "seen": admission.seen_append({"$not": ["$__hold"]}),
             }
         },
+        *admission.release_handoff_stages(by, keep_when="$__hold"),
         {"$unset": "__hold"},
+        admission.gc_stage(),
     ]
 
 
@@ -322,8 +368,9 @@ def held_by_filter(holder: Mapping[str, Any]) -> Document:
     return match
 
 
-def release_dead_holder_pipeline() -> list[Document]:
-    """Release for a holder that died (a supervisor's release): marked ``released_for``."""
+def release_dead_holder_pipeline(by: str = "") -> list[Document]:
+    """Release for a holder that died (a supervisor's release): marked ``released_for``; handed to the
+    oldest parked run, if any (see ``release_pipeline``)."""
     return [
         {
             "$set": {
@@ -332,7 +379,9 @@ def release_dead_holder_pipeline() -> list[Document]:
                 "released_for": "holder died",
                 "ends": _append_ending(True, ending_expr("holder-died")),
             }
-        }
+        },
+        *admission.release_handoff_stages(by),
+        admission.gc_stage(),
     ]
 
 
@@ -341,8 +390,9 @@ def force_release_filter(key: str) -> Document:
     return {"_id": key, "owner": {"$ne": None}}
 
 
-def force_release_pipeline() -> list[Document]:
-    """An operator's release, whoever holds the key; marked ``forced_release``. The fence is kept."""
+def force_release_pipeline(by: str = "") -> list[Document]:
+    """An operator's release, whoever holds the key; marked ``forced_release``. The fence is kept; the
+    key is handed to the oldest parked run, if any (see ``release_pipeline``)."""
     return [
         {
             "$set": {
@@ -351,7 +401,9 @@ def force_release_pipeline() -> list[Document]:
                 "forced_release": True,
                 "ends": _append_ending(True, ending_expr("forced")),
             }
-        }
+        },
+        *admission.release_handoff_stages(by),
+        admission.gc_stage(),
     ]
 
 

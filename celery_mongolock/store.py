@@ -41,8 +41,8 @@ import socket
 import threading
 import uuid
 import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Collection as _Collection
-from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pymongo
@@ -63,6 +63,7 @@ from pymongo.errors import (
 from pymongo.read_preferences import _ServerMode
 from pymongo.write_concern import WriteConcern
 
+from . import _admission as admission_docs
 from . import _documents as documents
 from ._documents import MAX_INFO_BYTES, Document
 from ._urls import redact, validate_mongo_url
@@ -97,6 +98,9 @@ _validate_seconds = validate_seconds
 _aware = aware
 _local_ttl = local_ttl
 _NOT_EXPIRED = documents.NOT_EXPIRED
+
+#: ``callback(key, entry, document)``: publish the run a command of this process handed ``key`` to.
+HandoffCallback = Callable[[str, Document, Document], None]
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
@@ -185,6 +189,7 @@ class LeaseStore:
         self.client_options = dict(client_options or {})
         self.clock: Clock = clock or SystemClock()
         self._lost_callbacks: builtins.list[LostCallback] = [on_lost] if on_lost else []
+        self._handoff_callbacks: builtins.list[HandoffCallback] = []
         self._state_lock = threading.Lock()
         self._pid = os.getpid()
         _STORES.add(self)
@@ -308,15 +313,18 @@ class LeaseStore:
 
     # -- indexes -------------------------------------------------------------------------------------
     def ensure_indexes(self) -> None:
-        """Create the TTL index on ``expires_at`` and the index on ``owner`` (idempotent, concurrent-safe).
+        """Create the TTL index on ``gc_at``, the index on ``owner`` and the one on ``wq`` (keys with
+        parked runs) (idempotent, concurrent-safe); drop the TTL index on ``expires_at`` of earlier
+        versions, which could delete a lease document that holds parked runs.
 
         Called automatically before the first acquire in each process.
         """
         coll = self.collection
         with self._operation("create lease indexes"):
             for spec, options in (
-                ([("expires_at", pymongo.ASCENDING)], {"name": "expires_at_ttl", "expireAfterSeconds": 0}),
+                ([("gc_at", pymongo.ASCENDING)], {"name": "gc_at_ttl", "expireAfterSeconds": 0}),
                 ([("owner", pymongo.ASCENDING)], {"name": "owner"}),
+                ([("wq", pymongo.ASCENDING)], {"name": "wq", "sparse": True}),
             ):
                 try:
                     coll.create_index(spec, **options)
@@ -330,6 +338,11 @@ class LeaseStore:
                         ) from None
                     if exc.code != 68:
                         raise
+            try:
+                coll.drop_index("expires_at_ttl")
+            except OperationFailure as exc:
+                if exc.code != 27:  # IndexNotFound: the usual case
+                    raise
         self._indexes_ready = True
 
     def _ready_collection(self) -> Collection[Document]:
@@ -390,7 +403,11 @@ class LeaseStore:
         min_hold: float = 0.0,
         tick: int | None = None,
         hold_until_ms: int | None = None,
+        admission: Mapping[str, Any] | None = None,
     ) -> tuple[Lease | None, Document | None]:
+        """One acquire (with its retries on an ambiguous outcome): ``(lease, None)`` when taken, else
+        ``(None, the document)``. ``admission``: the keyword arguments of ``_admission.admit_pipeline``
+        (a queued run's admit: the outcome is in the returned document's ``lo``)."""
         key = normalize_key(key)
         hold_s = validate_seconds("min_hold", min_hold, low=0.0, high=MAX_LEASE_SECONDS)
         if tick is not None and (isinstance(tick, bool) or not isinstance(tick, int)):
@@ -410,14 +427,22 @@ class LeaseStore:
         ttl_ms = int(ttl_s * 1000)
         holder = documents.holder_info(self._host, os.getpid(), info)
         token = uuid.uuid4().hex
-        pipeline = documents.acquire_pipeline(
-            token,
-            ttl_ms,
-            holder=holder,
-            tick=tick,
-            min_hold_ms=int(hold_s * 1000),
-            hold_until_ms=hold_until_ms,
-        )
+        projection: Document | None = None
+        if admission is None:
+            pipeline = documents.acquire_pipeline(
+                token,
+                ttl_ms,
+                holder=holder,
+                tick=tick,
+                min_hold_ms=int(hold_s * 1000),
+                hold_until_ms=hold_until_ms,
+            )
+        else:
+            fields = documents.acquire_fields(
+                token, ttl_ms, holder, min_hold_ms=int(hold_s * 1000), hold_until_ms=hold_until_ms
+            )
+            pipeline = admission_docs.admit_pipeline(fields, token=token, **admission)
+            projection = admission_docs.ADMIT_PROJECTION
         clock = self.clock
         give_up_at = clock.monotonic() + self.operation_timeout
         attempt = 0
@@ -437,6 +462,7 @@ class LeaseStore:
                     doc = coll.find_one_and_update(
                         documents.acquire_filter(key),
                         pipeline,
+                        projection=projection,
                         upsert=True,
                         return_document=ReturnDocument.AFTER,
                     )
@@ -444,7 +470,7 @@ class LeaseStore:
                         # Seen on the embedded server under contention: the update was applied but no
                         # document returned. Read it back; our token tells whether we got it.
                         primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
-                        doc = primary.find_one(documents.acquire_filter(key))
+                        doc = primary.find_one(documents.acquire_filter(key), projection)
                 last_error = None
                 break
             except DuplicateKeyError:
@@ -484,6 +510,12 @@ class LeaseStore:
                 raise last_error
             raise self._unavailable(f"acquire lease {key!r}", last_error) from None
 
+        if admission is not None and doc is not None:
+            outcome = doc.get("lo")
+            if outcome == "dup" and ambiguous:
+                doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
+            if doc.get("owner") == token and outcome not in ("acquired", "claimed"):
+                doc["lo"] = "acquired"
         if doc is None or doc.get("owner") != token:
             if doc is not None:
                 log_acquire.debug("lease %r is held by %s", key, doc.get("holder"))
@@ -639,23 +671,99 @@ class LeaseStore:
     def release_lease(self, lease: Lease) -> bool:
         """Send the release of ``lease`` (``Lease.release`` calls this); True if it was still ours.
 
-        If MongoDB does not answer, the release is retried in the background until the lease's deadline
-        and ``StoreUnavailable`` is raised.
+        With runs parked on the key, the same command hands the key to the oldest, and this process
+        publishes that run (``add_handoff_callback``). If MongoDB does not answer, the release is retried
+        in the background until the lease's deadline and ``StoreUnavailable`` is raised.
         """
         key, token = lease.key, lease.owner
         try:
             with self._operation(f"release lease {key!r}"):
-                result = self.collection.update_one(
-                    documents.release_filter(key, token), documents.release_pipeline()
+                doc = self.collection.find_one_and_update(
+                    documents.release_filter(key, token),
+                    documents.release_pipeline(token),
+                    projection=admission_docs.HANDOFF_PROJECTION,
+                    return_document=ReturnDocument.AFTER,
                 )
-            released = result.matched_count == 1
+            released = doc is not None
         except (*_AMBIGUOUS, StoreUnavailable, OperationFailure) as exc:
             self.release_later(key, token, lease.deadline)
             if isinstance(exc, StoreUnavailable):
                 raise
             raise self._unavailable(f"release lease {key!r}", exc) from None
         log_release.info("released lease %r%s", key, "" if released else " (it was no longer ours)")
+        if doc is not None:
+            self._handed(key, doc, token)
         return released
+
+    # -- handoffs ------------------------------------------------------------------------------------
+    def add_handoff_callback(self, callback: HandoffCallback) -> None:
+        """Call ``callback(key, entry)`` for every handoff a command of this process made and must
+        publish (the Celery glue publishes the handed run's message). Without one, the sweeper of a
+        worker publishes it."""
+        if callback not in self._handoff_callbacks:
+            self._handoff_callbacks.append(callback)
+
+    def _handed(self, key: str, doc: Mapping[str, Any] | None, by: str) -> Document | None:
+        """If the command whose reply is ``doc`` handed ``key`` to a parked run, publish that run."""
+        ho = (doc or {}).get("ho")
+        if not isinstance(ho, dict) or ho.get("by") != by or not by:
+            return None
+        log_release.info("lease %r handed to %s (fence %s)", key, ho.get("t"), (doc or {}).get("fence"))
+        for callback in builtins.list(self._handoff_callbacks):
+            try:
+                callback(key, ho, dict(doc or {}))
+            except Exception:
+                log_release.exception("publishing the handoff of %r to %s failed", key, ho.get("t"))
+        return ho
+
+    def waiting_keys(self, limit: int = 1000) -> builtins.list[Document]:
+        """Lease documents with parked runs, a pending handoff or results to write (the sweeper's list),
+        without the parked runs' messages."""
+        with self._operation("list keys with parked runs"):
+            return builtins.list(
+                self.collection.find({"wq": True}, {"q.m": 0, "ends": 0, "seen": 0}).limit(limit)
+            )
+
+    def sweep(self, key: str, *, revoked: _Collection[str] = ()) -> Document | None:
+        """One sweep of ``key`` (in one command): drop parked runs whose task ids are ``revoked``, move
+        runs past their deadline to ``dead``, hand a free or expired key to the oldest parked run
+        (re-handing a handoff nobody took up), and adopt a handoff nobody published. The handoff this
+        command made or adopted is published (``add_handoff_callback``). Returns the document after."""
+        key = normalize_key(key)
+        token = "sweep:" + uuid.uuid4().hex
+        with self._operation(f"sweep lease {key!r}"):
+            doc = self.collection.find_one_and_update(
+                {"_id": key, "wq": True},
+                admission_docs.sweep_pipeline(token, builtins.list(revoked)),
+                projection={"q.m": 0, "ends": 0, "seen": 0},
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is not None:
+            self._handed(key, doc, token)
+        return doc
+
+    def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
+        """Remove entries of ``dead`` or ``sup`` whose results have been written."""
+        if field not in ("dead", "sup"):
+            raise ValueError(field)
+        with self._operation(f"forget written results of {key!r}"):
+            self.collection.update_one(
+                {"_id": normalize_key(key)},
+                [
+                    {
+                        "$set": {
+                            field: {
+                                "$filter": {
+                                    "input": {"$ifNull": [f"${field}", []]},
+                                    "as": "e",
+                                    "cond": {"$not": [{"$in": ["$$e.t", builtins.list(task_ids)]}]},
+                                }
+                            }
+                        }
+                    },
+                    admission_docs.gc_stage(),
+                ],
+            )
 
     def release_tokens(self, tokens: _Collection[str], timeout: float | None = None) -> int:
         """Release the leases of these owner tokens in one round trip (the heartbeat's background
@@ -679,30 +787,47 @@ class LeaseStore:
         """Release every lease whose holder info matches all of ``holder`` (e.g. ``task_id=..., pid=...``).
 
         For a supervisor that knows a process died holding leases (Celery's worker parent, when a child
-        is killed), so the keys are free at once instead of at expiry. Returns how many were released.
+        is killed), so the keys are free at once instead of at expiry; a key with parked runs goes to the
+        oldest (published by this process). Returns how many were released.
         """
         match = documents.held_by_filter(holder)
+        released = 0
         with self._operation(f"release leases held by {holder}"):
-            result = self.collection.update_many(match, documents.release_dead_holder_pipeline())
-        if result.modified_count:
-            log_release.warning("released %d lease(s) held by %s", result.modified_count, holder)
-        return result.modified_count
+            keys = [d["_id"] for d in self.collection.find(match, {"_id": 1})]
+            for key in keys:
+                token = uuid.uuid4().hex
+                doc = self.collection.find_one_and_update(
+                    {**match, "_id": key},
+                    documents.release_dead_holder_pipeline(token),
+                    projection=admission_docs.HANDOFF_PROJECTION,
+                    return_document=ReturnDocument.AFTER,
+                )
+                if doc is not None:
+                    released += 1
+                    self._handed(key, doc, token)
+        if released:
+            log_release.warning("released %d lease(s) held by %s", released, holder)
+        return released
 
     def force_release(self, key: str) -> bool:
         """Release ``key`` whoever holds it (an operator's tool). True if it was held.
 
         The holder finds out at its next renewal (its lease becomes lost). The fence is kept, so the
-        next acquisition still gets a larger one.
+        next acquisition still gets a larger one. A key with parked runs goes to the oldest.
         """
         key = normalize_key(key)
+        token = uuid.uuid4().hex
         with self._operation(f"force-release lease {key!r}"):
-            result = self.collection.update_one(
-                documents.force_release_filter(key), documents.force_release_pipeline()
+            doc = self.collection.find_one_and_update(
+                documents.force_release_filter(key),
+                documents.force_release_pipeline(token),
+                projection=admission_docs.HANDOFF_PROJECTION,
+                return_document=ReturnDocument.AFTER,
             )
-        log_release.warning(
-            "force-released lease %r: %s", key, "it was held" if result.matched_count else "it was free"
-        )
-        return result.matched_count == 1
+        log_release.warning("force-released lease %r: %s", key, "it was held" if doc else "it was free")
+        if doc is not None:
+            self._handed(key, doc, token)
+        return doc is not None
 
     # -- reading -------------------------------------------------------------------------------------
     def _read(self, match: Document, action: str) -> builtins.list[LeaseInfo]:

@@ -39,11 +39,17 @@ def _path(value: Any, path: str) -> Any:
     return value
 
 
+#: ``$$REMOVE``: a field set to it is left out.
+REMOVE = object()
+
+
 def evaluate(expr: Any, doc: Doc, now: _dt.datetime, variables: Doc | None = None) -> Any:
     variables = variables or {}
     if isinstance(expr, str):
         if expr == "$$NOW":
             return now
+        if expr == "$$REMOVE":
+            return REMOVE
         if expr.startswith("$$"):
             name, _, rest = expr[2:].partition(".")
             return _path(variables.get(name), rest) if rest else variables.get(name)
@@ -57,26 +63,71 @@ def evaluate(expr: Any, doc: Doc, now: _dt.datetime, variables: Doc | None = Non
     if len(expr) != 1 or not next(iter(expr)).startswith("$"):
         # An object expression: a field whose value is missing (None here) is left out, as on the server.
         values = {k: evaluate(v, doc, now, variables) for k, v in expr.items()}
-        return {k: v for k, v in values.items() if v is not None}
+        return {k: v for k, v in values.items() if v is not None and v is not REMOVE}
     ((op, arg),) = expr.items()
     if op == "$literal":
         return arg
     if op == "$let":
         bound = {name: evaluate(e, doc, now, variables) for name, e in arg["vars"].items()}
         return evaluate(arg["in"], doc, now, {**variables, **bound})
+    if op in ("$filter", "$map"):
+        items = evaluate(arg["input"], doc, now, variables) or []
+        name = arg.get("as", "this")
+        body = arg["cond"] if op == "$filter" else arg["in"]
+        results = [(item, evaluate(body, doc, now, {**variables, name: item})) for item in items]
+        return [item for item, keep in results if keep] if op == "$filter" else [r for _, r in results]
+    if op == "$cond":
+        cond, then, otherwise = arg
+        return evaluate(then if evaluate(cond, doc, now, variables) else otherwise, doc, now, variables)
+    if op == "$switch":
+        for branch in arg["branches"]:
+            if evaluate(branch["case"], doc, now, variables):
+                return evaluate(branch["then"], doc, now, variables)
+        return evaluate(arg["default"], doc, now, variables)
+    if op == "$getField":
+        source = evaluate(arg["input"], doc, now, variables)
+        return source.get(arg["field"]) if isinstance(source, dict) else None
     args = (
         evaluate(arg, doc, now, variables) if isinstance(arg, list) else [evaluate(arg, doc, now, variables)]
     )
     if op == "$arrayElemAt":
         items, index = args
+        if items is None:
+            return None
         return items[index] if -len(items) <= index < len(items) else None
     if op == "$concatArrays":
+        if any(part is None for part in args):
+            return None
         return [item for part in args for item in part]
+    if op == "$slice" and args[0] is None:
+        return None
     if op == "$slice":
+        if len(args) == 3:
+            items, start, count = args
+            return items[start : start + count]
         items, count = args
         return items[count:] if count < 0 else items[:count]
+    if op == "$size":
+        return len(args[0] or [])
+    if op == "$in":
+        return args[0] in args[1]
+    if op == "$not":
+        return not args[0]
+    if op == "$gte":
+        return _cmp_key(args[0]) >= _cmp_key(args[1])
+    if op == "$mergeObjects":
+        merged: Doc = {}
+        for part in args:
+            merged.update(part or {})
+        return merged
+    if op == "$concat":
+        return "".join(args)
+    if op == "$toString":
+        return str(args[0])
     if op == "$ne":
         return args[0] != args[1]
+    if op in ("$add", "$subtract", "$toLong", "$toDate", "$multiply") and any(a is None for a in args):
+        return None
     if op == "$toLong":
         return _ms(args[0])
     if op == "$toDate":
@@ -90,6 +141,9 @@ def evaluate(expr: Any, doc: Doc, now: _dt.datetime, variables: Doc | None = Non
     if op == "$multiply":
         return args[0] * args[1]
     if op == "$max":
+        if len(args) == 1 and isinstance(args[0], list):
+            present = [a for a in args[0] if a is not None]
+            return max(present) if present else None
         return max(args)
     if op == "$ifNull":
         return args[1] if args[0] is None else args[0]
@@ -114,8 +168,11 @@ def run_pipeline(pipeline: list[Doc], doc: Doc, now: _dt.datetime = NOW) -> Doc:
         if kind == "$set":
             values = {field: evaluate(e, out, now) for field, e in body.items()}
             out.update(values)
+            for field in [f for f, v in values.items() if v is REMOVE]:
+                out.pop(field)
         elif kind == "$unset":
-            out.pop(body, None)
+            for field in [body] if isinstance(body, str) else body:
+                out.pop(field, None)
         else:
             raise AssertionError(f"stage {kind} not modelled")
     return out

@@ -124,9 +124,17 @@ def test_ttl_index_exists_and_cleans_expired_documents_only(store: LeaseStore) -
     store.ensure_indexes()
     store.ensure_indexes()  # idempotent
     indexes = {ix["name"]: ix for ix in store.collection.list_indexes()}
-    assert indexes["expires_at_ttl"]["expireAfterSeconds"] == 0
-    assert dict(indexes["expires_at_ttl"]["key"]) == {"expires_at": 1}
+    assert indexes["gc_at_ttl"]["expireAfterSeconds"] == 0
+    assert dict(indexes["gc_at_ttl"]["key"]) == {"gc_at": 1}
     assert "owner" in indexes
+    assert "expires_at_ttl" not in indexes
+
+
+def test_the_ttl_index_of_earlier_versions_is_dropped(store: LeaseStore) -> None:
+    # A TTL index on expires_at could delete a lease document with parked runs in it.
+    store.collection.create_index("expires_at", name="expires_at_ttl", expireAfterSeconds=0)
+    store.ensure_indexes()
+    assert "expires_at_ttl" not in {ix["name"] for ix in store.collection.list_indexes()}
 
 
 def test_ensure_indexes_from_many_processes_at_once(make_store: Any) -> None:
@@ -150,8 +158,8 @@ def test_ensure_indexes_from_many_processes_at_once(make_store: Any) -> None:
 
 
 def test_conflicting_index_is_a_clear_configuration_error(store: LeaseStore) -> None:
-    store.collection.create_index("expires_at", name="expires_at_ttl", expireAfterSeconds=3600)
-    with pytest.raises(ConfigurationError, match="conflicts with 'expires_at_ttl'"):
+    store.collection.create_index("gc_at", name="gc_at_ttl", expireAfterSeconds=3600)
+    with pytest.raises(ConfigurationError, match="conflicts with 'gc_at_ttl'"):
         store.ensure_indexes()
 
 

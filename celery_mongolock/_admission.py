@@ -1,0 +1,518 @@
+"""Per-key admission: the parked runs of a key and the handoff, as pure pipeline builders (no I/O).
+
+A run of a ``Queue`` or ``Replace`` task that finds its key held is **parked**: one entry in the lease
+document's ``q`` array, kept in send order, carrying the run's message. When the key is released (by the
+holder, the worker's parent for a dead child, an operator, or found expired), the *same command* hands it
+to the oldest parked run: ``owner`` becomes a token reserved for that run (``tk``), the fence goes up, and
+the entry moves to ``ho`` (a handoff not yet taken up). Whoever sees the handoff in the command's reply
+(the releaser, or the sweeper for a handoff nobody published) publishes the run's message again; the run
+then **claims** the key (``owner: tk`` -> its own token). No newcomer can take the key in between: every
+acquire refuses a key with parked runs or a pending handoff.
+
+Fields added to the lease document (see ``_documents`` for the rest)::
+
+    q:     [entry, ...]     # parked runs, oldest send first (by (s, id))
+    ho:    entry + {hat, hn, by} | null   # a handoff not yet claimed: handed at, attempt, by whom
+    seen:  [run id, ...]    # the last SEEN_KEPT runs that ended with a normal release (duplicate guard)
+    dead:  [entry, ...]     # parked runs past their deadline, whose result is not yet written
+    sup:   [{t, by, k}, ...] # Replace: runs superseded by a newer send, result not yet written
+    last:  {s, t}           # Replace: the newest send that got the key
+    wq:    true | absent    # something waits on this key (indexed: the sweeper's work list)
+    gc_at: date | null      # the TTL index's field: expires_at when nothing waits, else null
+
+An entry::
+
+    {id: "<task id>/<delivery>", t: task id, n: task name, r: delivery, s: send stamp (int, us),
+     src: where the stamp came from, tk: handoff token, ttl: lease ms, at: parked at, dl: deadline | null,
+     th: "skip" | "fail", m: the message (Binary, the task's serializer) , ct: content type, ce: encoding}
+
+All time is the server's (``$$NOW``); dates are compared through ``$toLong``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "ADMIT_OUTCOMES",
+    "ADMIT_PROJECTION",
+    "HANDOFF_PROJECTION",
+    "SEEN_KEPT",
+    "WAITS",
+    "admit_pipeline",
+    "gc_stage",
+    "handoff_stages",
+    "run_id",
+]
+
+Document = dict[str, Any]
+
+_NOW_MS: Document = {"$toLong": "$$NOW"}
+_Q: Document = {"$ifNull": ["$q", []]}
+#: How many normally released runs a key remembers, to drop a late copy of one of their messages.
+SEEN_KEPT = 128
+_BIG = 1 << 30
+
+#: What an admit's reply carries: not the parked runs' messages, not the histories.
+ADMIT_PROJECTION: Document = {"q.m": 0, "seen": 0, "ends": 0, "dead": 0}
+#: What a release's reply carries: enough to publish a handoff it made.
+HANDOFF_PROJECTION: Document = {"ho": 1, "owner": 1, "fence": 1, "sup": 1}
+
+#: What the admit pipeline can decide (``__o`` in the reply's ``lo``).
+ADMIT_OUTCOMES = (
+    "acquired",  # the run took the key (it was free and nobody older waits)
+    "claimed",  # the run took the key handed to it
+    "dup",  # a copy of a run that is parked or handed: drop it
+    "done",  # a copy of a run that already ran and released: drop it
+    "running",  # a copy of the run that holds the key now
+    "parked",  # parked (and, when the key was found free with older runs parked, handed to the oldest)
+    "full",  # the queue is at max_length: the policy's ``then``
+    "superseded",  # Replace: a newer send exists; this run ends superseded
+)
+
+#: True when something waits on the key: parked runs, a pending handoff, results not yet written.
+WAITS: Document = {
+    "$or": [
+        {"$gt": [{"$size": _Q}, 0]},
+        {"$ne": [{"$ifNull": ["$ho", None]}, None]},
+        {"$gt": [{"$size": {"$ifNull": ["$dead", []]}}, 0]},
+        {"$gt": [{"$size": {"$ifNull": ["$sup", []]}}, 0]},
+    ]
+}
+
+
+def run_id(task_id: str, delivery: str) -> str:
+    """One run of a task id (its own retries and contention retries): what duplicates are matched on."""
+    return f"{task_id}/{delivery}"
+
+
+def gc_stage() -> Document:
+    """The last stage of every pipeline that writes a lease document: ``wq`` and ``gc_at``.
+
+    The TTL index is on ``gc_at``: a document is deleted only when nothing waits on it, so parked runs
+    (whose messages were acknowledged) are never deleted with it.
+    """
+    return {
+        "$set": {
+            "wq": {"$cond": [WAITS, True, "$$REMOVE"]},
+            "gc_at": {"$cond": [WAITS, None, "$expires_at"]},
+        }
+    }
+
+
+def _get(field: str, doc: object) -> Document:
+    return {"$getField": {"field": field, "input": doc}}
+
+
+def _entry_expired(e: object) -> Document:
+    dl = {"$ifNull": [_get("dl", e), None]}
+    return {"$and": [{"$ne": [dl, None]}, {"$lte": [{"$toLong": dl}, _NOW_MS]}]}
+
+
+def _before(e: object, stamp: int, ident: str) -> Document:
+    """Entry ``e`` sorts before a run with send stamp ``stamp`` and id ``ident`` ((s, id) order)."""
+    s_, id_ = _get("s", e), _get("id", e)
+    return {
+        "$or": [
+            {"$lt": [s_, stamp]},
+            {"$and": [{"$eq": [s_, stamp]}, {"$lt": [id_, {"$literal": ident}]}]},
+        ]
+    }
+
+
+def _dead_view(q: object) -> Document:
+    """Entries of ``q`` past their deadline, without their messages (for ``dead``)."""
+    return {
+        "$map": {
+            "input": {"$filter": {"input": q, "as": "e", "cond": _entry_expired("$$e")}},
+            "as": "e",
+            "in": {
+                "id": "$$e.id",
+                "t": "$$e.t",
+                "n": "$$e.n",
+                "s": "$$e.s",
+                "at": "$$e.at",
+                "dl": "$$e.dl",
+                "th": "$$e.th",
+            },
+        }
+    }
+
+
+def _live(q: object) -> Document:
+    return {"$filter": {"input": q, "as": "e", "cond": {"$not": [_entry_expired("$$e")]}}}
+
+
+def handoff_stages(
+    hand: object, queue: object, by: str, base: list[Document] | None = None
+) -> list[Document]:
+    """Stages that, when ``hand`` is true, give the key to the oldest live entry of ``queue`` (an
+    expression evaluated against the document as it is before these stages).
+
+    Entries of ``queue`` past their deadline move to ``dead`` (results written by the sweeper); the rest
+    stay parked in ``q``. With no live entry left, the key stays as the earlier stages left it. ``by``
+    marks the handoff, so that the command's author can tell from the reply that the handoff is its to
+    publish. ``base`` are stages to run before these (they may set ``__``-fields read here).
+    """
+    stages = list(base or [])
+    stages.append(
+        {
+            "$set": {
+                "__hq": {"$cond": [hand, queue, None]},
+            }
+        }
+    )
+    stages.append(
+        {
+            "$set": {
+                "__live": {"$cond": ["$__hq", _live("$__hq"), None]},
+                "dead": {
+                    "$cond": [
+                        "$__hq",
+                        {"$concatArrays": [{"$ifNull": ["$dead", []]}, _dead_view("$__hq")]},
+                        "$dead",
+                    ]
+                },
+            }
+        }
+    )
+    head = {"$arrayElemAt": ["$__live", 0]}
+    stages.append(
+        {
+            "$set": {
+                "__head": {"$cond": [{"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]}, head, None]},
+            }
+        }
+    )
+
+    def when_head(new: object, old: object) -> Document:
+        return {"$cond": [{"$ne": ["$__head", None]}, new, old]}
+
+    fence = {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]}
+    stages.append(
+        {
+            "$set": {
+                "q": {
+                    "$cond": [
+                        {"$ne": ["$__head", None]},
+                        {"$slice": ["$__live", 1, _BIG]},
+                        {"$cond": ["$__hq", "$__live", "$q"]},
+                    ]
+                },
+                "owner": when_head("$__head.tk", "$owner"),
+                "ho": when_head(
+                    {
+                        "$mergeObjects": [
+                            "$__head",
+                            {
+                                "hat": "$$NOW",
+                                "hn": {"$add": [{"$ifNull": ["$__head.hn", 0]}, 1]},
+                                "by": {"$literal": by},
+                            },
+                        ]
+                    },
+                    {"$cond": ["$__hq", None, "$ho"]},
+                ),
+                "fence": when_head(fence, "$fence"),
+                "ttl_ms": when_head("$__head.ttl", "$ttl_ms"),
+                "expires_at": when_head({"$add": ["$$NOW", "$__head.ttl"]}, "$expires_at"),
+                "acquired_at": when_head("$$NOW", "$acquired_at"),
+                "renewed_at": when_head("$$NOW", "$renewed_at"),
+                "hold_until": when_head("$$NOW", "$hold_until"),
+                "released_for": when_head(None, "$released_for"),
+                "forced_release": when_head(False, "$forced_release"),
+                "waited_ms": when_head(
+                    {"$max": [0, {"$subtract": [_NOW_MS, {"$toLong": "$__head.at"}]}]}, "$waited_ms"
+                ),
+                "holder": when_head(
+                    {
+                        "task_id": "$__head.t",
+                        "task_name": "$__head.n",
+                        "delivery": "$__head.r",
+                        "handed": True,
+                    },
+                    "$holder",
+                ),
+            }
+        }
+    )
+    stages.append({"$unset": ["__hq", "__live", "__head"]})
+    return stages
+
+
+def release_handoff_stages(by: str, *, keep_when: object = False) -> list[Document]:
+    """After a release (owner cleared) or for a key found vacant: hand it to the oldest parked run,
+    re-handing an unclaimed handoff first. ``keep_when``: an expression under which nothing is handed
+    (e.g. a release that keeps the key until ``hold_until``)."""
+    vacant = {
+        "$or": [
+            {"$eq": [{"$ifNull": ["$owner", None]}, None]},
+            {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        ]
+    }
+    has_ho = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
+    queue = {
+        "$cond": [
+            has_ho,
+            {"$concatArrays": [[_unhanded("$ho")], _Q]},
+            _Q,
+        ]
+    }
+    hand = {
+        "$and": [
+            {"$not": [keep_when]},
+            vacant,
+            {"$or": [has_ho, {"$gt": [{"$size": _Q}, 0]}]},
+        ]
+    }
+    return handoff_stages(hand, queue, by)
+
+
+def _unhanded(ho: str) -> str:
+    """A pending handoff back as a parked entry: it keeps its attempt count ``hn``; ``hat`` and ``by``
+    are set again when it is handed."""
+    return ho
+
+
+def seen_append(when: object) -> Document:
+    """``seen`` with the current holder's run appended (when ``when``), the last SEEN_KEPT kept."""
+    rid = {
+        "$concat": [
+            {"$toString": {"$ifNull": ["$holder.task_id", ""]}},
+            "/",
+            {"$toString": {"$ifNull": ["$holder.delivery", ""]}},
+        ]
+    }
+    appended = {"$slice": [{"$concatArrays": [{"$ifNull": ["$seen", []]}, [rid]]}, -SEEN_KEPT]}
+    has_task = {"$ne": [{"$ifNull": ["$holder.task_id", None]}, None]}
+    return {"$cond": [{"$and": [when, has_task]}, appended, "$seen"]}
+
+
+def entry_expr(entry: Mapping[str, Any], timeout_ms: int | None) -> Document:
+    """A parked entry as an aggregation expression: literal fields, ``at``/``dl`` on the server's clock."""
+    expr: Document = {k: {"$literal": v} for k, v in entry.items() if k not in ("at", "dl")}
+    expr["at"] = "$$NOW"
+    expr["dl"] = None if timeout_ms is None else {"$add": ["$$NOW", int(timeout_ms)]}
+    return expr
+
+
+def admit_pipeline(
+    acquire_fields: Document,
+    *,
+    token: str,
+    entry: Mapping[str, Any],
+    timeout_ms: int | None,
+    claim: str | None,
+    max_length: int | None,
+    replace: bool = False,
+) -> list[Document]:
+    """The admit: one command that acquires the key, claims a handoff, or parks the run.
+
+    ``acquire_fields`` are the ``$set`` fields of today's acquire, each written as
+    ``{"$cond": ["$__free", new, old]}``; the admit sets ``__free`` for ``acquired`` and ``claimed``.
+    ``entry`` is this run (``id``, ``t``, ``s`` ... without ``at``/``dl``); ``claim`` the handoff token of
+    a handed run's message; ``max_length`` the longest queue. The outcome is left in ``lo`` (the reply
+    carries it); fields starting with ``__`` are removed.
+    """
+    ident = str(entry["id"])
+    stamp = int(entry["s"])
+    ids = {"$map": {"input": _Q, "as": "e", "in": "$$e.id"}}
+    vacant = {
+        "$or": [
+            {"$eq": [{"$ifNull": ["$owner", None]}, None]},
+            {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        ]
+    }
+    has_ho = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
+    live = _live(_Q)
+    live_head = {"$arrayElemAt": [live, 0]}
+    first = {"$or": [{"$eq": [{"$size": live}, 0]}, {"$not": [_before(live_head, stamp, ident)]}]}
+    running = {
+        "$and": [
+            {"$eq": ["$holder.task_id", {"$literal": entry["t"]}]},
+            {"$eq": ["$holder.delivery", {"$literal": entry.get("r")}]},
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            {"$not": [vacant]},
+        ]
+    }
+    branches: list[Document] = [
+        {"case": {"$eq": ["$owner", {"$literal": token}]}, "then": "acquired"},
+    ]
+    if claim is not None:
+        branches.append(
+            {
+                "case": {
+                    "$and": [
+                        {"$eq": ["$owner", {"$literal": claim}]},
+                        {"$eq": ["$ho.tk", {"$literal": claim}]},
+                    ]
+                },
+                "then": "claimed",
+            }
+        )
+    branches += [
+        {
+            "case": {"$or": [{"$in": [{"$literal": ident}, ids]}, {"$eq": ["$ho.id", {"$literal": ident}]}]},
+            "then": "dup",
+        },
+        {"case": {"$in": [{"$literal": ident}, {"$ifNull": ["$seen", []]}]}, "then": "done"},
+        {"case": running, "then": "running"},
+    ]
+    if replace:
+        last_s = {"$ifNull": ["$last.s", -1]}
+        parked_s = {"$max": {"$map": {"input": _Q, "as": "e", "in": "$$e.s"}}}
+        branches += [
+            {"case": {"$gt": [last_s, stamp]}, "then": "superseded"},
+            {"case": {"$gt": [{"$ifNull": [parked_s, -1]}, stamp]}, "then": "superseded"},
+            {"case": {"$and": [{"$gt": [{"$ifNull": ["$ho.s", -1]}, stamp]}]}, "then": "superseded"},
+        ]
+    branches += [
+        {"case": {"$and": [vacant, {"$not": [has_ho]}, first]}, "then": "acquired"},
+        {"case": vacant, "then": "parked"},  # and handed to the oldest
+    ]
+    if max_length is not None:
+        branches.append({"case": {"$gte": [{"$size": _Q}, int(max_length)]}, "then": "full"})
+    stages: list[Document] = [
+        {"$set": {"__o": {"$switch": {"branches": branches, "default": "parked"}}}},
+        {
+            "$set": {
+                "__free": {"$in": ["$__o", ["acquired", "claimed"]]},
+                "__park": {"$eq": ["$__o", "parked"]},
+                "__vac": vacant,
+            }
+        },
+    ]
+    e = entry_expr(entry, timeout_ms)
+    if replace:
+        # At most one parked run: a newer send replaces it (the replaced one is superseded).
+        parked_q: object = [e]
+        superseded_new: object = {
+            "$map": {
+                "input": _Q,
+                "as": "p",
+                "in": {"t": "$$p.t", "by": {"$literal": entry["t"]}, "at": "$$NOW"},
+            }
+        }
+    else:
+        parked_q = {
+            "$concatArrays": [
+                {"$filter": {"input": _Q, "as": "e", "cond": _before("$$e", stamp, ident)}},
+                [e],
+                {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_before("$$e", stamp, ident)]}}},
+            ]
+        }
+        superseded_new = []
+    fields = dict(acquire_fields)
+    fields.update(
+        {
+            "q": {"$cond": ["$__park", parked_q, "$q"]},
+            "sup": {
+                "$cond": [
+                    "$__park",
+                    {"$concatArrays": [{"$ifNull": ["$sup", []]}, superseded_new]},
+                    "$sup",
+                ]
+            },
+            "ho": {"$cond": [{"$eq": ["$__o", "claimed"]}, None, "$ho"]},
+            "lo": "$__o",
+        }
+    )
+    if replace:
+        # Who superseded this run: the newest of the last send that got the key, a pending handoff and
+        # the parked run.
+        newer_by = {
+            "$cond": [
+                {"$gt": [{"$ifNull": ["$last.s", -1]}, stamp]},
+                "$last.t",
+                {
+                    "$cond": [
+                        {"$gt": [{"$ifNull": ["$ho.s", -1]}, stamp]},
+                        "$ho.t",
+                        {"$arrayElemAt": [{"$map": {"input": _Q, "as": "e", "in": "$$e.t"}}, -1]},
+                    ]
+                },
+            ]
+        }
+        fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer_by, None]}
+        fields["last"] = {
+            "$cond": [
+                {"$and": ["$__free", {"$gt": [stamp, {"$ifNull": ["$last.s", -1]}]}]},
+                {"s": stamp, "t": {"$literal": entry["t"]}},
+                "$last",
+            ]
+        }
+    if claim is not None:
+        # The claim keeps the fence the handoff gave; the wait counts from when the run was parked.
+        fields["fence"] = {"$cond": [{"$eq": ["$__o", "claimed"]}, "$fence", fields["fence"]]}
+        fields["waited_ms"] = {
+            "$cond": [
+                {"$eq": ["$__o", "claimed"]},
+                {"$max": [0, {"$subtract": [_NOW_MS, {"$toLong": {"$ifNull": ["$ho.at", "$$NOW"]}}]}]},
+                fields["waited_ms"],
+            ]
+        }
+    stages.append({"$set": fields})
+    # Found free with runs parked (or an unclaimed handoff): this run parked, and the key goes to the
+    # oldest, in this same command.
+    hand_when = {"$and": ["$__park", "$__vac"]}
+    queue = {
+        "$cond": [
+            {"$ne": [{"$ifNull": ["$ho", None]}, None]},
+            {"$concatArrays": [[_unhanded("$ho")], _Q]},
+            _Q,
+        ]
+    }
+    stages += handoff_stages(hand_when, queue, token)
+    stages.append({"$unset": ["__o", "__free", "__park", "__vac"]})
+    stages.append(gc_stage())
+    return stages
+
+
+def sweep_pipeline(by: str, revoked: list[str]) -> list[Document]:
+    """The sweeper's command for one key (see ``LeaseStore.sweep``).
+
+    1. Parked runs whose task ids are in ``revoked`` leave ``q``; a pending handoff to one of them is
+       dropped and the key freed (the run was revoked while its handoff message waited).
+    2. Parked runs past their deadline move to ``dead``.
+    3. A key found free or expired with runs parked (or with an unclaimed handoff) goes to the oldest.
+    4. A handoff nobody marked as published (``by`` empty: a background release handed it) is adopted.
+    """
+    rv = {"$literal": revoked}
+    ho_revoked = {"$and": [{"$ne": [{"$ifNull": ["$ho", None]}, None]}, {"$in": ["$ho.t", rv]}]}
+    stages: list[Document] = [
+        {
+            "$set": {
+                "__rv": ho_revoked,
+                "q": {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [{"$in": ["$$e.t", rv]}]}}},
+            }
+        },
+        {
+            "$set": {
+                "owner": {"$cond": [{"$and": ["$__rv", {"$eq": ["$owner", "$ho.tk"]}]}, None, "$owner"]},
+                "ho": {"$cond": ["$__rv", None, "$ho"]},
+                "dead": {"$concatArrays": [{"$ifNull": ["$dead", []]}, _dead_view(_Q)]},
+                "q": _live(_Q),
+            }
+        },
+        {"$unset": ["__rv"]},
+        *release_handoff_stages(by),
+        {
+            "$set": {
+                "ho": {
+                    "$cond": [
+                        {
+                            "$and": [
+                                {"$ne": [{"$ifNull": ["$ho", None]}, None]},
+                                {"$eq": [{"$ifNull": ["$ho.by", ""]}, ""]},
+                            ]
+                        },
+                        {"$mergeObjects": ["$ho", {"by": {"$literal": by}}]},
+                        "$ho",
+                    ]
+                }
+            }
+        },
+        gc_stage(),
+    ]
+    return stages
