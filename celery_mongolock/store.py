@@ -511,6 +511,7 @@ class LeaseStore:
             raise self._unavailable(f"acquire lease {key!r}", last_error) from None
 
         if admission is not None and doc is not None:
+            doc["_admit_token"] = token  # a handoff this admit made is marked with it (ho.by)
             outcome = doc.get("lo")
             if outcome == "dup" and ambiguous:
                 doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
@@ -538,6 +539,63 @@ class LeaseStore:
         log_acquire.info("acquired lease %r fence=%s ttl=%gs", key, lease.fence, ttl_s)
         if heartbeat:
             self.heartbeat.add(lease)
+        return lease, doc
+
+    def admit(
+        self,
+        key: str,
+        entry: Mapping[str, Any],
+        *,
+        ttl: float | None = None,
+        claim: str | None = None,
+        timeout: float | None = None,
+        max_length: int | None = None,
+        replace: bool = False,
+        info: Mapping[str, Any] | None = None,
+        heartbeat: bool = False,
+        heartbeat_seconds: float | None = None,
+    ) -> tuple[Lease | None, Document]:
+        """Admit a run of a queued task (one ``findAndModify``): take ``key``, claim the handoff
+        ``claim``, or park the run (``entry``: ``id``, ``t``, ``s`` and the fields listed in
+        ``_admission``; ``tk`` and ``ttl`` are filled in). Returns ``(lease, document)``; the outcome is
+        the document's ``lo`` (``_admission.ADMIT_OUTCOMES``). ``timeout``: seconds the run may stay
+        parked; ``max_length``: the longest queue (``full`` beyond); ``replace``: at most one parked
+        run, a newer send supersedes it. A handoff this admit made (the key was found free with older
+        runs parked) is published (``add_handoff_callback``)."""
+        for field in ("id", "t", "s"):
+            if field not in entry:
+                raise ConfigurationError(f"a parked entry needs {field!r}, got {sorted(entry)}")
+        ttl_s = self.lease_seconds if ttl is None else ttl
+        full_entry = dict(entry)
+        full_entry.setdefault("tk", uuid.uuid4().hex)
+        full_entry["ttl"] = int(ttl_s * 1000)
+        timeout_ms = (
+            None
+            if timeout is None
+            else int(validate_seconds("timeout", timeout, low=0.0, high=MAX_LEASE_SECONDS) * 1000)
+        )
+        # The holder names the run, so that a copy of its message is recognised while it runs.
+        run_info = {"task_id": entry["t"], "task_name": entry.get("n"), "delivery": entry.get("r")}
+        run_info = {k: v for k, v in run_info.items() if v is not None}
+        lease, doc = self._try_acquire(
+            key,
+            ttl,
+            info={**run_info, **(info or {})},
+            heartbeat=heartbeat,
+            heartbeat_seconds=heartbeat_seconds,
+            admission={
+                "entry": full_entry,
+                "timeout_ms": timeout_ms,
+                "claim": claim,
+                "max_length": max_length,
+                "replace": replace,
+            },
+        )
+        doc = dict(doc or {})
+        if lease is not None:
+            doc.setdefault("lo", "acquired")
+        elif doc.get("lo") == "parked":
+            self._handed(normalize_key(key), doc, str(doc.get("_admit_token") or ""))
         return lease, doc
 
     def wait_free(

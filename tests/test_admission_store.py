@@ -1,0 +1,254 @@
+"""Per-key admission in the lease store, on the embedded server: parking in send order, the handoff
+inside the release, the claim, duplicates, barging, deadlines, the sweeper and Replace."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from celery_mongolock import LeaseStore
+
+KEY = "email-group:42"
+
+
+def entry(stamp: int, task_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    tid = task_id or f"task-{stamp}"
+    return {"id": f"{tid}/0.0", "t": tid, "n": "upload", "r": "0.0", "s": stamp, "m": b"msg", **extra}
+
+
+class Handoffs:
+    def __init__(self, store: LeaseStore) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        store.add_handoff_callback(self)
+
+    def __call__(self, key: str, ho: dict[str, Any], doc: dict[str, Any]) -> None:
+        self.seen.append((key, ho))
+
+    @property
+    def tasks(self) -> list[str]:
+        return [ho["t"] for _, ho in self.seen]
+
+
+def parked(store: LeaseStore, key: str = KEY) -> list[str]:
+    doc = store.collection.find_one({"_id": key}) or {}
+    return [e["t"] for e in doc.get("q") or []]
+
+
+def test_runs_park_in_send_order_and_each_release_hands_the_key_to_the_oldest(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in (30, 10, 20):
+        lease, doc = store.admit(KEY, entry(stamp))
+        assert lease is None and doc["lo"] == "parked"
+    assert parked(store) == ["task-10", "task-20", "task-30"]
+
+    assert holder.release()
+    assert handoffs.tasks == ["task-10"]
+    ho = handoffs.seen[0][1]
+    assert ho["m"] == b"msg" and ho["hn"] == 1
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc["owner"] == ho["tk"] and doc["fence"] > holder.fence
+    assert parked(store) == ["task-20", "task-30"]
+
+    # Nobody barges in while the handoff is pending, and a plain acquire cannot take it either.
+    assert store.acquire(KEY, 30) is None
+    lease, doc = store.admit(KEY, entry(5, "newcomer"))
+    assert doc["lo"] == "parked"
+
+    # The handed run claims: it keeps the handoff's fence.
+    claimed, doc = store.admit(KEY, entry(10), claim=ho["tk"])
+    assert claimed is not None and doc["lo"] == "claimed"
+    assert claimed.fence == (store.collection.find_one({"_id": KEY}) or {})["fence"]
+    assert (store.collection.find_one({"_id": KEY}) or {}).get("ho") is None
+    # A second copy of the handoff message does not run twice.
+    _, doc = store.admit(KEY, entry(10), claim=ho["tk"])
+    assert doc["lo"] == "running"
+    claimed.release()
+    assert handoffs.tasks == ["task-10", "newcomer"]
+
+
+def test_copies_of_parked_and_finished_runs_are_recognised(store: LeaseStore) -> None:
+    Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1))
+    _, doc = store.admit(KEY, entry(1))
+    assert doc["lo"] == "dup"
+    holder.release()
+    ho = (store.collection.find_one({"_id": KEY}) or {})["ho"]
+    _, doc = store.admit(KEY, entry(1))  # the original message delivered again while handed
+    assert doc["lo"] == "dup"
+    lease, _ = store.admit(KEY, entry(1), claim=ho["tk"])
+    assert lease is not None
+    lease.release()
+    _, doc = store.admit(KEY, entry(1))  # and again after it ran
+    assert doc["lo"] == "done"
+
+
+def test_a_free_key_goes_to_the_oldest_send_first(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    # Parked runs on a key whose holder is gone (crafted: a holder that expired).
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(20))
+    store.collection.update_one({"_id": KEY}, [{"$set": {"expires_at": "$$NOW"}}])
+    # An older send arriving now takes the key at once; a newer one parks and hands it to the oldest.
+    lease, doc = store.admit(KEY, entry(10))
+    assert lease is not None and doc["lo"] == "acquired"
+    lease.release()
+    assert handoffs.tasks == ["task-20"]
+
+
+def test_a_newer_send_on_a_free_key_with_runs_parked_parks_and_hands_over(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(20))
+    store.collection.update_one({"_id": KEY}, {"$set": {"owner": None}})  # released by an old version
+    lease, doc = store.admit(KEY, entry(30))
+    assert lease is None and doc["lo"] == "parked"
+    assert handoffs.tasks == ["task-20"]
+    assert parked(store) == ["task-30"]
+
+
+def test_max_length_is_exact(store: LeaseStore) -> None:
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    outcomes = [store.admit(KEY, entry(i), max_length=3)[1]["lo"] for i in range(5)]
+    assert outcomes == ["parked", "parked", "parked", "full", "full"]
+
+
+def test_a_run_past_its_deadline_is_never_handed_the_key(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1), timeout=0.0)
+    store.admit(KEY, entry(2))
+    holder.release()
+    assert handoffs.tasks == ["task-2"]
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert [d["t"] for d in doc["dead"]] == ["task-1"]
+    assert doc["gc_at"] is None and doc["wq"] is True
+    store.forget_results(KEY, "dead", ["task-1"])
+    assert (store.collection.find_one({"_id": KEY}) or {})["dead"] == []
+
+
+def test_the_sweeper_hands_over_an_expired_key_and_drops_revoked_runs(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1))
+    store.admit(KEY, entry(2))
+    store.admit(KEY, entry(3))
+    assert [d["_id"] for d in store.waiting_keys()] == [KEY]
+    # Held: the sweep drops the revoked run only.
+    store.sweep(KEY, revoked={"task-2"})
+    assert parked(store) == ["task-1", "task-3"] and handoffs.tasks == []
+    # The holder's node died: the lease expires, the sweep hands the key over.
+    store.collection.update_one({"_id": KEY}, [{"$set": {"expires_at": "$$NOW"}}])
+    store.sweep(KEY)
+    assert handoffs.tasks == ["task-1"]
+    # A handoff never taken up is handed again when it expires.
+    store.collection.update_one({"_id": KEY}, [{"$set": {"expires_at": "$$NOW"}}])
+    store.sweep(KEY)
+    assert handoffs.tasks == ["task-1", "task-1"]
+    assert (store.collection.find_one({"_id": KEY}) or {})["ho"]["hn"] == 2
+    # The handed run was revoked: the key goes to the next.
+    store.sweep(KEY, revoked={"task-1"})
+    assert handoffs.tasks == ["task-1", "task-1", "task-3"]
+
+
+def test_a_background_release_hands_over_and_the_sweeper_publishes(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1))
+    assert store.release_tokens([holder.owner]) == 1
+    assert handoffs.tasks == []  # handed, but nobody here published it
+    store.sweep(KEY)
+    assert handoffs.tasks == ["task-1"]
+    store.sweep(KEY)
+    assert handoffs.tasks == ["task-1"]  # adopted once only
+
+
+def test_dead_holder_and_force_release_hand_over(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30, info={"task_id": "dying", "pid": 4242})
+    assert holder is not None
+    store.admit(KEY, entry(1))
+    store.admit(KEY, entry(2))
+    assert store.release_held_by(task_id="dying", pid=4242) == 1
+    assert handoffs.tasks == ["task-1"]
+    claimed, _ = store.admit(KEY, entry(1), claim=handoffs.seen[0][1]["tk"])
+    assert claimed is not None
+    assert store.force_release(KEY)
+    assert handoffs.tasks == ["task-1", "task-2"]
+
+
+def test_replace_keeps_only_the_newest_send(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    assert store.admit(KEY, entry(10), replace=True)[1]["lo"] == "parked"
+    _, doc = store.admit(KEY, entry(30), replace=True)
+    assert doc["lo"] == "parked"
+    assert [(s["t"], s["by"]) for s in doc["sup"]] == [("task-10", "task-30")]
+    _, doc = store.admit(KEY, entry(20), replace=True)  # sent before the parked one: superseded
+    assert doc["lo"] == "superseded" and doc["lo_by"] == "task-30"
+    assert parked(store) == ["task-30"]
+    holder.release()
+    assert handoffs.tasks == ["task-30"]
+    ho = handoffs.seen[0][1]
+    lease, _ = store.admit(KEY, entry(30), replace=True, claim=ho["tk"])
+    assert lease is not None
+    lease.release()
+    # A late older send, after the newest ran: superseded by it.
+    _, doc = store.admit(KEY, entry(25), replace=True)
+    assert doc["lo"] == "superseded" and doc["lo_by"] == "task-30"
+
+
+def test_a_document_with_parked_runs_is_never_left_to_the_ttl_index(store: LeaseStore) -> None:
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc["gc_at"] == doc["expires_at"] and "wq" not in doc
+    store.admit(KEY, entry(1))
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc["gc_at"] is None and doc["wq"] is True
+    store.renew_lease(holder)
+    assert (store.collection.find_one({"_id": KEY}) or {})["gc_at"] is None
+
+
+def test_admit_refuses_an_entry_without_its_identity(store: LeaseStore) -> None:
+    from celery_mongolock import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="needs 's'"):
+        store.admit(KEY, {"id": "x", "t": "x"})
+
+
+def test_many_concurrent_admits_park_each_run_once(make_store: Any) -> None:
+    import threading
+
+    stores = [make_store(lease_seconds=30) for _ in range(4)]
+    holder = stores[0].acquire(KEY)
+    assert holder is not None
+    errors: list[BaseException] = []
+
+    def admit_some(s: LeaseStore, base: int) -> None:
+        try:
+            for i in range(10):
+                s.admit(KEY, entry(base + i, f"t{base + i}-{uuid.uuid4().hex[:4]}"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=admit_some, args=(s, n * 100)) for n, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stamps = [e["s"] for e in (stores[0].collection.find_one({"_id": KEY}) or {})["q"]]
+    assert len(stamps) == 40 and stamps == sorted(stamps)
