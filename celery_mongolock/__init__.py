@@ -14,10 +14,11 @@ from .exceptions import (
     LeaseLost,
     LockContended,
     MongoLockError,
+    QueueTimeout,
     StoreUnavailable,
 )
 from .fencing import FencedOut, fenced_update_one
-from .policies import Fail, Retry, Skip, Wait
+from .policies import Fail, Queue, Replace, Retry, Skip, Wait
 from .store import Lease, LeaseInfo, LeaseStore
 from .task import SingletonTask, current_lease, singleton_task
 
@@ -32,6 +33,9 @@ __all__ = [
     "LeaseStore",
     "LockContended",
     "MongoLockError",
+    "Queue",
+    "QueueTimeout",
+    "Replace",
     "Retry",
     "SingletonTask",
     "Skip",

@@ -24,7 +24,7 @@ import dataclasses
 import difflib
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._urls import validate_mongo_url
@@ -224,6 +224,11 @@ def get_settings(app: Celery) -> Settings:
     return cached
 
 
+#: ``hook(app, store)`` for every store ``get_store`` creates (the Celery glue above adds its own, e.g. the
+#: handoff publisher of queued tasks).
+STORE_HOOKS: list[Callable[[Celery, LeaseStore], None]] = []
+
+
 def get_store(app: Celery) -> LeaseStore:
     """The app's lease store. Created lazily; its MongoClient is per process (fork-safe)."""
     store: LeaseStore | None = getattr(app, "_mongolock_store", None)
@@ -243,6 +248,8 @@ def get_store(app: Celery) -> LeaseStore:
                 from . import signals
 
                 store.add_lost_callback(signals._send_lost)
+                for hook in STORE_HOOKS:
+                    hook(app, store)
                 app._mongolock_store = store
                 app._mongolock_store_pid = os.getpid()
     return store

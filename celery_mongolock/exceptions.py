@@ -15,6 +15,7 @@ __all__ = [
     "LeaseLost",
     "LockContended",
     "MongoLockError",
+    "QueueTimeout",
     "StoreUnavailable",
 ]
 
@@ -86,3 +87,14 @@ def _describe_holder(holder: dict[str, object]) -> str:
         return "another owner"
     parts = [f"{k}={holder[k]}" for k in ("host", "pid", "task_name", "task_id") if holder.get(k) is not None]
     return ", ".join(parts) if parts else "another owner"
+
+
+class QueueTimeout(LockContended):
+    """A run stayed parked longer than its ``Queue(timeout=...)``, or found the queue full, under
+    ``then=Fail()``."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.reason = reason
+        super().__init__(key, {}, None, f"lease {key!r}: {reason}")
+        # The constructor's arguments, so that result backends and pickle rebuild the same error.
+        self.args = (key, reason)

@@ -24,6 +24,8 @@ __all__ = [
     "Fail",
     "Policy",
     "PolicySpec",
+    "Queue",
+    "Replace",
     "Retry",
     "Skip",
     "Wait",
@@ -74,6 +76,10 @@ class Policy:
     """Base class of the contention policies."""
 
     name = "policy"
+    #: A queued policy (``Queue``, ``Replace``) admits runs through the lease document: a contended run
+    #: is parked there (its message acknowledged) and handed the key in send order, instead of coming back
+    #: through the broker.
+    queued = False
 
     def on_contended(self, run: Contention) -> object:
         """The key is held: end the run (return its result, or raise) or return ``TRY_AGAIN``."""
@@ -176,7 +182,7 @@ class Wait(Policy):
 
     def __post_init__(self) -> None:
         _number("Wait", "timeout", self.timeout)
-        if isinstance(self.then, Wait) or not isinstance(self.then, Policy):
+        if isinstance(self.then, Wait) or not isinstance(self.then, Policy) or self.then.queued:
             raise ConfigurationError(f"Wait(then=...) must be Retry(), Skip() or Fail(), got {self.then!r}")
 
     def on_contended(self, run: Contention) -> object:
@@ -201,9 +207,74 @@ class Fail(Policy):
         run.fail(exc)
 
 
+def _then(owner: str, then: object) -> None:
+    if not isinstance(then, (Skip, Fail)):
+        raise ConfigurationError(f"{owner}(then=...) must be Skip() or Fail(), got {then!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Queue(Policy):
+    """Park the run until the key is free, then run it: runs of one key start in the order they were
+    **sent**, one at a time, and a parked run holds no worker slot.
+
+    A contended run is recorded in the key's lease document (with its message), its broker message is
+    acknowledged, and its state becomes ``QUEUED``. When the key is released, the same MongoDB command
+    hands it to the oldest parked run, whose message is published again with its task id (so
+    ``AsyncResult.get()`` returns its real result); no newcomer can take the key in between.
+    ``timeout``: seconds a run may stay parked; ``max_length``: the most runs parked per key. Past either,
+    ``then`` (``Skip()``, the default, or ``Fail()``) ends the run.
+    """
+
+    timeout: float | None = None
+    max_length: int | None = None
+    then: Policy = dataclasses.field(default_factory=Skip)
+    name = "queue"
+    queued = True
+
+    def __post_init__(self) -> None:
+        _number(type(self).__name__, "timeout", self.timeout, allow_none=True)
+        if self.max_length is not None and (
+            isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1
+        ):
+            raise ConfigurationError(
+                f"{type(self).__name__}(max_length=...) must be None or an int >= 1, got {self.max_length!r}"
+            )
+        _then(type(self).__name__, self.then)
+
+    def on_contended(self, run: Contention) -> object:
+        # Only a run that cannot be parked gets here (a direct call or task.apply(): no message to
+        # acknowledge and publish again): it waits for the key like Wait, then ``then``.
+        if run.wait_free(self.timeout if self.timeout is not None else MAX_SECONDS):
+            return TRY_AGAIN
+        return self.then.on_contended(run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replace(Queue):
+    """Latest wins: at most one run is parked per key, and a newer **send** replaces it. The replaced
+    run ends ``SUCCESS`` with ``{"mongolock": "superseded", "key": ..., "by": <task id>}``; a run sent
+    before one that already got the key is superseded too. "Newer" is by send stamp, never by delivery
+    order. ``timeout`` and ``then`` as for ``Queue``."""
+
+    name = "replace"
+
+    def __post_init__(self) -> None:
+        _number("Replace", "timeout", self.timeout, allow_none=True)
+        if self.max_length is not None:
+            raise ConfigurationError("Replace() parks at most one run per key; it takes no max_length")
+        _then("Replace", self.then)
+
+
 PolicySpec = Policy | str | Mapping[str, Any]
 
-_BY_NAME: dict[str, type[Policy]] = {"retry": Retry, "skip": Skip, "wait": Wait, "fail": Fail}
+_BY_NAME: dict[str, type[Policy]] = {
+    "retry": Retry,
+    "skip": Skip,
+    "wait": Wait,
+    "fail": Fail,
+    "queue": Queue,
+    "replace": Replace,
+}
 
 
 def parse_policy(value: object, setting: str = "on_contention") -> Policy:
@@ -214,7 +285,8 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
         cls = _BY_NAME.get(value.strip().lower())
         if cls is None:
             raise ConfigurationError(
-                f"{setting} must be one of 'retry', 'skip', 'wait', 'fail' or a policy object, got {value!r}"
+                f"{setting} must be one of 'retry', 'skip', 'wait', 'fail', 'queue', 'replace' or a policy "
+                f"object, got {value!r}"
             )
         return cls()
     if isinstance(value, Mapping):
@@ -223,7 +295,8 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
         cls = _BY_NAME.get(str(kind).lower()) if kind is not None else None
         if cls is None:
             raise ConfigurationError(
-                f"{setting} as a dict needs 'policy': one of 'retry', 'skip', 'wait', 'fail'; got {kind!r}"
+                f"{setting} as a dict needs 'policy': one of 'retry', 'skip', 'wait', 'fail', 'queue', "
+                f"'replace'; got {kind!r}"
             )
         if "then" in options:
             options["then"] = parse_policy(options["then"], f"{setting}['then']")

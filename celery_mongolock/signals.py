@@ -5,6 +5,7 @@ Signals (``celery.utils.dispatch.Signal``; connect with ``@lease_acquired.connec
 * ``lease_acquired(sender=task, key, lease)`` — before the body runs;
 * ``lease_contended(sender=task, key, holder, policy)`` — the key was held; ``policy`` is what happens;
 * ``lease_released(sender=task, key, lease)`` — after the body, on every exit path;
+* ``run_parked``, ``run_handed_off``, ``run_superseded`` — queued tasks (``Queue``, ``Replace``);
 * ``lease_lost(sender=None, key, lease, reason)`` — from the heartbeat thread: the running body no longer
   holds its key (``current_lease().lost`` is true; call ``current_lease().raise_if_lost()`` to stop).
 
@@ -28,7 +29,15 @@ if TYPE_CHECKING:
 
     from .lease import Lease
 
-__all__ = ["lease_acquired", "lease_contended", "lease_lost", "lease_released"]
+__all__ = [
+    "lease_acquired",
+    "lease_contended",
+    "lease_lost",
+    "lease_released",
+    "run_handed_off",
+    "run_parked",
+    "run_superseded",
+]
 
 log = logging.getLogger("celery_mongolock.release")
 
@@ -36,6 +45,14 @@ lease_acquired = Signal(name="lease_acquired")
 lease_contended = Signal(name="lease_contended")
 lease_released = Signal(name="lease_released")
 lease_lost = Signal(name="lease_lost")
+#: ``run_parked(sender=task, key, task_id, position, stamp)``: a contended run of a queued task was
+#: parked (its message acknowledged); ``position`` is 1 for the next to run.
+run_parked = Signal(name="run_parked")
+#: ``run_handed_off(sender=None, key, task_id, attempt, waited)``: the key was handed to a parked run and
+#: its message published again.
+run_handed_off = Signal(name="run_handed_off")
+#: ``run_superseded(sender=None, key, task_id, by)``: under ``Replace``, a newer send replaced the run.
+run_superseded = Signal(name="run_superseded")
 
 #: The apps whose singleton tasks this process may run (``SingletonTask`` adds its app when bound).
 _known_apps: weakref.WeakSet[Celery] = weakref.WeakSet()

@@ -19,6 +19,7 @@ dead child's leases (matched on task id and child pid) before the message is ack
 from __future__ import annotations
 
 import contextvars
+import datetime as _dt
 import inspect
 import logging
 from collections.abc import Callable
@@ -26,10 +27,11 @@ from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
 from celery import Celery, Task, shared_task
 from celery import signals as celery_signals
+from celery import states as celery_states
 from celery.exceptions import Ignore, Reject
 from celery.exceptions import Retry as RetryTask
 
-from . import signals
+from . import _queue, signals
 from ._childwatch import ChildWatchedRequest
 from ._contention import ContendedRun, skipped_result
 from ._contention import Outcome as _Outcome
@@ -37,16 +39,25 @@ from ._headers import BEAT_HEADER
 from ._options import check_decorator_options, check_task_class, install_start_up_error_hook
 from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
-from .exceptions import ConfigurationError, LockContended, StoreUnavailable
+from .exceptions import ConfigurationError, LockContended, QueueTimeout, StoreUnavailable
 from .keys import KeyRenderer, KeySpec
-from .policies import TRY_AGAIN, Policy, PolicySpec, Retry, parse_policy
-from .store import Lease, _aware
+from .policies import TRY_AGAIN, Fail, Policy, PolicySpec, Queue, Replace, Retry, parse_policy
+from .store import Lease, LeaseStore, _aware
 
-__all__ = ["CONTENTION_HEADER", "SingletonRequest", "SingletonTask", "current_lease", "singleton_task"]
+__all__ = [
+    "CONTENTION_HEADER",
+    "QUEUED",
+    "SingletonRequest",
+    "SingletonTask",
+    "current_lease",
+    "singleton_task",
+]
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
 
+#: The state of a parked run (``Queue``, ``Replace``): its meta says ``key``, ``position``, ``since``.
+QUEUED = "QUEUED"
 #: Message header counting contention retries, kept apart from the task's own ``retries``.
 CONTENTION_HEADER = "mongolock_contention_retries"
 #: Set on the copy of a message delivered again while its first run still held the key (see
@@ -263,6 +274,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         if tick is not None:
             info["beat_tick"] = tick
         run = ContendedRun(self, store, key, direct=direct)
+        if policy.queued and not (direct or request.is_eager or request.called_directly):
+            return self._admit(key, options, policy, info, store)
         try:
             first_run_done = self._first_run_done(store, key)
         except StoreUnavailable as exc:
@@ -315,6 +328,102 @@ class SingletonTask(Task):  # type: ignore[misc]
                 continue
             assert isinstance(outcome, _Outcome), f"{policy!r}.on_contended returned {outcome!r}"
             return outcome
+
+    def _admit(
+        self, key: str, options: TaskOptions, policy: Policy, info: dict[str, Any], store: LeaseStore
+    ) -> Lease | _Outcome:
+        """A run of a queued task (``Queue``, ``Replace``): take the key, claim it when it was handed to
+        this run, or park the run (and acknowledge its message) until the key is handed to it."""
+        assert isinstance(policy, Queue)
+        request = self.request
+        stamp, _src = _queue.stamp_of(request)
+        delivery = _delivery(request)
+        entry: dict[str, Any] = {
+            "id": f"{request.id}/{delivery}",
+            "t": request.id,
+            "n": self.name,
+            "r": delivery,
+            "s": stamp,
+            "src": _src,
+            "th": policy.then.name,
+            **_queue.message_of(self, request, stamp),
+        }
+        _queue.install_publisher(self.app, store)
+        try:
+            lease, doc = store.admit(
+                key,
+                entry,
+                ttl=options.lease_seconds,
+                claim=_queue.handoff_of(request, key),
+                timeout=policy.timeout,
+                max_length=policy.max_length,
+                replace=isinstance(policy, Replace),
+                info=info,
+                heartbeat=True,
+                heartbeat_seconds=options.heartbeat_seconds,
+            )
+        except StoreUnavailable as exc:
+            self._unavailable(key, exc, policy, direct=False)
+        if lease is not None:
+            return lease
+        outcome = doc.get("lo")
+        holder = dict(doc.get("holder") or {})
+        expires_at = _aware(doc.get("expires_at"))
+        who = (self.name, request.id)
+        if outcome in ("dup", "done"):
+            log_acquire.info(
+                "%s[%s]: copy of a run that is %s on %r; dropped",
+                *who,
+                "parked or handed the key" if outcome == "dup" else "over",
+                key,
+            )
+            raise Ignore()
+        if outcome == "running":
+            signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
+            self._park_duplicate(key, options, False)
+            raise Ignore()
+        signals.lease_contended.send(sender=self, key=key, holder=holder, policy=policy.name)
+        if outcome == "superseded":
+            by = str(doc.get("lo_by"))
+            log_acquire.info("%s[%s]: %r: a newer send (%s) supersedes this run", *who, key, by)
+            signals.run_superseded.send(sender=self, key=key, task_id=request.id, by=by)
+            return _Outcome(_queue.superseded_result(key, by))
+        if outcome == "full":
+            reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
+            if isinstance(policy.then, Fail):
+                raise QueueTimeout(key, reason)
+            return ContendedRun(self, store, key, direct=False).held_by(holder, expires_at).skip(reason)
+        # Parked: its message is in the lease document; acknowledging it ends this delivery.
+        mine = [s for s in doc.get("sup") or [] if s.get("by") == request.id]
+        if mine:
+            _queue.write_superseded(self.app, store, key, mine)
+        parked_ids = [e.get("t") for e in doc.get("q") or []]
+        position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
+        self._mark_queued(key, position)
+        signals.run_parked.send(sender=self, key=key, task_id=request.id, position=position, stamp=stamp)
+        log_acquire.info(
+            "%s[%s]: %s; policy %s: parked at position %d",
+            *who,
+            LockContended(key, holder, expires_at),
+            policy.name,
+            position,
+        )
+        raise Ignore()
+
+    def _mark_queued(self, key: str, position: int) -> None:
+        """State ``QUEUED`` for a parked run (unless it already has a final state: its handoff may have
+        run it already)."""
+        if self.ignore_result or self.request.ignore_result:
+            return
+        task_id = self.request.id
+        try:
+            meta = self.backend.get_task_meta(task_id)
+            if meta.get("status") in celery_states.READY_STATES:
+                return
+            since = _dt.datetime.now(_dt.timezone.utc).isoformat()
+            self.backend.store_result(task_id, {"key": key, "position": position, "since": since}, QUEUED)
+        except Exception as exc:  # the run is parked; its state is only for humans
+            log_acquire.warning("%s[%s]: could not set state QUEUED: %s", self.name, task_id, exc)
 
     def _park_duplicate(self, key: str, options: TaskOptions, direct: bool) -> None:
         """Keep a copy of a duplicate delivery until the first run's fate is known.
@@ -489,6 +598,10 @@ def singleton_task(
         )
     if on_contention is not None:
         on_contention = parse_policy(on_contention, "on_contention")
+        if on_contention.queued:
+            # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
+            # a run whose worker dies from being lost.
+            task_options.setdefault("acks_late", True)
     if min_hold_seconds is not None:
         from .store import _validate_seconds
 
@@ -595,5 +708,13 @@ def _install_bootstep(app: Celery) -> None:
             # while the pool forks a child, and the child would deadlock on it.
             _check_store(worker.app)
             _check_task_policies(worker.app)
+
+    def start_sweeper(sender: Any = None, **_: Any) -> None:
+        # After the pool has started its children: the sweeper's thread lives in the main process only.
+        worker_app = getattr(sender, "app", None)
+        if worker_app is app:
+            _queue.start_sweeper(app)
+
+    celery_signals.worker_ready.connect(start_sweeper, weak=False)
 
     app.steps["worker"].add(ValidateMongolockSettings)

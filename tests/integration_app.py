@@ -16,7 +16,7 @@ from celery import Celery
 from celery.signals import worker_ready
 from pymongo import MongoClient
 
-from celery_mongolock import Fail, Retry, Skip, Wait, current_lease, singleton_task
+from celery_mongolock import Fail, Queue, Retry, Skip, Wait, current_lease, singleton_task
 from celery_mongolock.signals import lease_contended, lease_lost
 
 app = Celery("integration_app")
@@ -166,6 +166,29 @@ def upload_members(group_id: int, upload: str, members: list[str], batch: int = 
         time.sleep(0.05)
     record("end", upload)
     return len(members)
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.queued", on_contention=Queue())
+def queued(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.queued_briefly",
+    on_contention=Queue(timeout=1.0, then=Fail()),
+)
+def queued_briefly(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.latest", on_contention="replace")
+def latest(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
 
 
 @app.task(name="integration_app.plain")

@@ -1,0 +1,291 @@
+"""Queued admission in Celery: send stamps, parking a run, publishing handoffs, and the sweeper.
+
+The lease store does the atomic part (``_admission``: park, hand over, claim, all in the lease document).
+This module is the Celery side of it:
+
+* **Send stamp.** A ``before_task_publish`` receiver gives every message a ``mongolock_sent`` header
+  (microseconds since the epoch, strictly increasing per producer process), unless it has one: a
+  handoff, a contention retry or a parked duplicate keeps the stamp of the original send. Runs of a key
+  are parked and handed over in stamp order. Messages sent by code that does not load the library have no
+  stamp; the worker stamps them when they reach admission (their order is then arrival order).
+* **Parking.** The run's message (its signature, serialized with the task's serializer) goes into the
+  entry, so that the run can be published again, with its task id, when the key is handed to it.
+* **Handoff publisher.** Every store of an app publishes the handoffs its own commands make
+  (``LeaseStore.add_handoff_callback``), with a ``mongolock_handoff`` header that lets that run claim.
+* **Sweeper.** A thread in each worker's main process looks at the keys with parked runs every
+  ``min(lease / 2, 15 s)``: it hands over keys whose holder died without a parent to release them, re-hands
+  handoffs nobody took up, drops revoked runs, and writes the results of runs that timed out while parked
+  or were superseded.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from celery import signals as celery_signals
+from kombu.serialization import dumps, loads
+
+from . import config, signals
+from .exceptions import QueueTimeout
+
+if TYPE_CHECKING:
+    from .store import LeaseStore
+
+__all__ = [
+    "HANDOFF_HEADER",
+    "SENT_HEADER",
+    "install_publisher",
+    "message_of",
+    "send_stamp",
+    "start_sweeper",
+]
+
+log = logging.getLogger("celery_mongolock.queue")
+
+#: The send stamp: microseconds since the epoch, strictly increasing per producer process.
+SENT_HEADER = "mongolock_sent"
+#: On a run's message published again by a handoff: ``{"k": key, "tk": token}`` to claim the key with.
+HANDOFF_HEADER = "mongolock_handoff"
+#: The message headers a handoff must not carry over from the parked run's message.
+_TRANSIENT_HEADERS = (HANDOFF_HEADER,)
+
+REPUBLISH_RETRY_POLICY: dict[str, float] = {
+    "max_retries": 30,
+    "interval_start": 0.2,
+    "interval_step": 0.5,
+    "interval_max": 2.0,
+}
+
+
+# -- send stamps -----------------------------------------------------------------------------------------
+_stamp_lock = threading.Lock()
+_last_stamp = 0
+
+
+def send_stamp() -> int:
+    """A new send stamp: the wall clock in microseconds, strictly above the last one of this process."""
+    global _last_stamp
+    with _stamp_lock:
+        stamp = max(_last_stamp + 1, time.time_ns() // 1000)
+        _last_stamp = stamp
+        return stamp
+
+
+def _stamp_message(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    if headers is not None and SENT_HEADER not in headers:
+        headers[SENT_HEADER] = send_stamp()
+
+
+celery_signals.before_task_publish.connect(_stamp_message, weak=False, dispatch_uid="celery_mongolock.stamp")
+
+
+def stamp_of(request: Any) -> tuple[int, str]:
+    """A run's send stamp and where it came from (``"sent"``, or ``"worker"`` when the message had none)."""
+    headers = getattr(request, "headers", None) or {}
+    stamp = headers.get(SENT_HEADER)
+    if stamp is None:
+        stamp = getattr(request, SENT_HEADER, None)
+    if isinstance(stamp, int) and not isinstance(stamp, bool):
+        return stamp, "sent"
+    return send_stamp(), "worker"
+
+
+def handoff_of(request: Any, key: str) -> str | None:
+    """The token a handed run claims ``key`` with (None for a message that was not a handoff)."""
+    headers = getattr(request, "headers", None) or {}
+    handoff = headers.get(HANDOFF_HEADER) or getattr(request, HANDOFF_HEADER, None)
+    if isinstance(handoff, Mapping) and handoff.get("k") == key and isinstance(handoff.get("tk"), str):
+        return str(handoff["tk"])
+    return None
+
+
+# -- the message of a parked run -------------------------------------------------------------------------
+def message_of(task: Any, request: Any, stamp: int) -> dict[str, Any]:
+    """The fields of a parked entry that let the run be published again: its signature (arguments,
+    routing, links, task id), serialized with the task's serializer."""
+    headers = dict(getattr(request, "headers", None) or {})
+    for name in _TRANSIENT_HEADERS:
+        headers.pop(name, None)
+    headers[SENT_HEADER] = stamp
+    signature = task.signature_from_request(request, headers=headers)
+    content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
+        dict(signature), serializer=task.serializer or "json"
+    )
+    return {
+        "m": body if isinstance(body, bytes) else body.encode(encoding),
+        "ct": content_type,
+        "ce": encoding,
+    }
+
+
+def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any]) -> None:
+    """Publish the run ``entry`` that ``key`` was handed to, with the token it claims the key with."""
+    fields = loads(entry["m"], entry["ct"], entry["ce"])  # type: ignore[no-untyped-call]
+    signature = app.signature(fields)
+    headers = dict(signature.options.get("headers") or {})
+    headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"]}
+    # The signature carries the run's task id, routing, links and retries; only the headers change.
+    signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
+    signals.run_handed_off.send(
+        sender=None, key=key, task_id=entry["t"], attempt=int(entry.get("hn") or 1), waited=entry.get("at")
+    )
+    log.info("handed %r to %s[%s] (attempt %s)", key, entry.get("n"), entry["t"], entry.get("hn"))
+
+
+_installed: weakref.WeakSet[LeaseStore] = weakref.WeakSet()
+
+
+def install_publisher(app: Celery, store: LeaseStore) -> None:
+    """Have ``store`` publish the handoffs its commands make, through ``app``."""
+    if store in _installed:
+        return
+    app_ref = weakref.ref(app)
+
+    def publish(key: str, entry: dict[str, Any], doc: dict[str, Any]) -> None:
+        owner = app_ref()
+        if owner is not None:
+            publish_handoff(owner, key, entry)
+
+    store.add_handoff_callback(publish)
+    _installed.add(store)
+
+
+config.STORE_HOOKS.append(install_publisher)
+
+
+# -- results the sweeper (or the admitting run) writes -----------------------------------------------------
+def superseded_result(key: str, by: str) -> dict[str, Any]:
+    """The result of a run replaced by a newer send (``Replace``)."""
+    return {"mongolock": "superseded", "key": key, "by": by}
+
+
+def write_superseded(app: Celery, store: LeaseStore, key: str, entries: list[Mapping[str, Any]]) -> None:
+    """Write SUCCESS ``superseded`` for runs that a newer send replaced, then forget them."""
+    done = []
+    for entry in entries:
+        app.backend.store_result(entry["t"], superseded_result(key, str(entry.get("by"))), "SUCCESS")
+        signals.run_superseded.send(sender=None, key=key, task_id=entry["t"], by=entry.get("by"))
+        log.info("%s superseded on %r by %s", entry["t"], key, entry.get("by"))
+        done.append(entry["t"])
+    if done:
+        store.forget_results(key, "sup", done)
+
+
+def write_timed_out(app: Celery, store: LeaseStore, key: str, entries: list[Mapping[str, Any]]) -> None:
+    """Write the results of runs that stayed parked past their deadline (``then``), then forget them."""
+    done = []
+    for entry in entries:
+        at = entry.get("at")
+        reason = "parked past its Queue(timeout=...)"
+        if isinstance(at, _dt.datetime):
+            reason = f"parked since {at.isoformat()}, past its Queue(timeout=...)"
+        if entry.get("th") == "fail":
+            app.backend.mark_as_failure(entry["t"], QueueTimeout(key, reason))
+        else:
+            app.backend.store_result(
+                entry["t"],
+                {"mongolock": "skipped", "key": key, "reason": reason, "holder": {}, "expires_at": None},
+                "SUCCESS",
+            )
+        log.info("%s on %r: %s", entry["t"], key, reason)
+        done.append(entry["t"])
+    if done:
+        store.forget_results(key, "dead", done)
+
+
+# -- the sweeper -----------------------------------------------------------------------------------------
+def _revoked_ids() -> set[str]:
+    try:
+        from celery.worker import state
+
+        return set(state.revoked)
+    except Exception:  # pragma: no cover - not in a worker
+        return set()
+
+
+class Sweeper:
+    """The thread in a worker's main process that completes what crashed processes left undone."""
+
+    def __init__(self, app: Celery, interval: float) -> None:
+        self.app = app
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mongolock-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sweep_once()
+            except Exception as exc:
+                log.warning("sweeper pass failed (will try again): %s", exc)
+
+    def sweep_once(self) -> int:
+        """One pass; returns how many keys were looked at."""
+        store = config.get_store(self.app)
+        install_publisher(self.app, store)
+        revoked = _revoked_ids()
+        docs = store.waiting_keys()
+        for doc in docs:
+            key = doc["_id"]
+            ids = {str(e.get("t")) for e in doc.get("q") or []}
+            ho = doc.get("ho") or {}
+            hits = sorted((ids | {str(ho.get("t"))}) & revoked)
+            after = store.sweep(key, revoked=hits)
+            for task_id in hits:
+                if task_id in ids:
+                    self.app.backend.mark_as_revoked(task_id, "revoked while parked")
+            if after is None:
+                continue
+            if after.get("dead"):
+                write_timed_out(self.app, store, key, list(after["dead"]))
+            if after.get("sup"):
+                write_superseded(self.app, store, key, list(after["sup"]))
+        return len(docs)
+
+
+_sweepers: dict[int, Sweeper] = {}
+
+
+def start_sweeper(app: Celery) -> Sweeper:
+    """Start the app's sweeper in this process (once)."""
+    sweeper = _sweepers.get(id(app))
+    if sweeper is None:
+        settings = config.get_settings(app)
+        sweeper = Sweeper(app, max(0.5, min(settings.lease_seconds / 2, 15.0)))
+        _sweepers[id(app)] = sweeper
+        sweeper.start()
+    return sweeper
+
+
+def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """A handoff message discarded because its run was revoked: hand the key to the next run now."""
+    handoff = None
+    for source in (getattr(request, "headers", None) or {}, getattr(request, "__dict__", {})):
+        if isinstance(source, Mapping) and isinstance(source.get(HANDOFF_HEADER), Mapping):
+            handoff = source[HANDOFF_HEADER]
+            break
+    app = getattr(sender, "app", None)
+    if handoff is None or app is None:
+        return
+    try:
+        store = config.get_store(app)
+        install_publisher(app, store)
+        store.sweep(str(handoff.get("k")), revoked={str(getattr(request, "id", ""))})
+    except Exception as exc:
+        log.warning("could not hand over %r after a revoke (the sweeper will): %s", handoff.get("k"), exc)
+
+
+celery_signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_mongolock.revoked")

@@ -1,0 +1,205 @@
+"""Queue and Replace with real ``celery worker`` processes (prefork), a real Redis broker and the
+MongoDB-compatible server: runs of one key start in the order they were sent, parked runs hold no worker
+slot, each run keeps its task id (``AsyncResult.get()`` returns its result), copies never run twice, and
+the key is handed over after a child or a whole node dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_mongolock import QueueTimeout
+
+from . import integration_app as it
+from .servers import RedisServer, wait_for
+from .test_integration import Cluster
+
+pytestmark = pytest.mark.slow
+
+LEASE = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    db_name = f"mongolock_q_{uuid.uuid4().hex[:8]}"
+    c = Cluster(redis_server.url, mongo_url, db_name, tmp_path_factory.mktemp("qworkers"))
+    it.app.conf.update(
+        broker_url=redis_server.url,
+        result_backend=redis_server.url,
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=LEASE,
+    )
+    for attr in ("_mongolock_settings", "_mongolock_store"):
+        it.app.__dict__.pop(attr, None)
+    c.worker(name="q1@localhost")
+    c.worker(name="q2@localhost")
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def starts(cluster: Cluster, tags: list[str]) -> list[str]:
+    """The tags in the order their runs started."""
+    runs = [r for r in cluster.runs(kind="start") if r["tag"] in tags]
+    return [r["tag"] for r in sorted(runs, key=lambda r: r["t"])]
+
+
+def parked(cluster: Cluster, key: str) -> list[str]:
+    doc = cluster.store.collection.find_one({"_id": key}) or {}
+    return [e["t"] for e in doc.get("q") or []]
+
+
+def test_runs_start_in_the_order_they_were_sent_and_return_their_own_results(cluster: Cluster) -> None:
+    resource = tag()
+    first = tag()
+    r0 = it.queued.delay(resource, first, 2.0)
+    wait_for(lambda: cluster.runs(first, "start"), timeout=60, message="the first run to start")
+    tags = [tag() for _ in range(5)]
+    results = []
+    for t in tags:
+        results.append(it.queued.delay(resource, t, 0.2))
+    wait_for(lambda: len(parked(cluster, f"resource:{resource}")) == 5, timeout=60, message="5 parked")
+    # Parked runs say so, with their key and position.
+    state = AsyncResult(results[0].id, app=it.app)
+    assert state.state == "QUEUED"
+    assert state.info["key"] == f"resource:{resource}" and state.info["position"] >= 1
+    assert r0.get(timeout=90) == first
+    assert [r.get(timeout=90) for r in results] == tags
+    assert starts(cluster, [first, *tags]) == [first, *tags]
+    fences = [cluster.runs(t, "start")[0]["fence"] for t in [first, *tags]]
+    assert fences == sorted(fences) and len(set(fences)) == len(fences)
+
+
+def test_parked_runs_hold_no_worker_slot(cluster: Cluster) -> None:
+    # 2 nodes x 2 children = 4 slots. One run holds the key; 6 more of its key are parked; runs of other
+    # keys still get slots while the holder runs.
+    resource = tag()
+    holder = tag()
+    r0 = it.queued.delay(resource, holder, 4.0)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    waiting = [it.queued.delay(resource, tag(), 0.05) for _ in range(6)]
+    wait_for(lambda: len(parked(cluster, f"resource:{resource}")) == 6, timeout=60, message="6 parked")
+    others = [tag() for _ in range(3)]
+    results = [it.queued.delay(tag(), t, 0.05) for t in others]
+    for r in results:
+        r.get(timeout=60)
+    assert not cluster.runs(holder, "end"), "other keys' runs had to wait for the holder: slots were held"
+    r0.get(timeout=60)
+    for r in waiting:
+        r.get(timeout=60)
+
+
+def test_a_copy_of_a_parked_message_never_runs_twice(cluster: Cluster) -> None:
+    resource = tag()
+    holder, dup = tag(), tag()
+    r0 = it.queued.delay(resource, holder, 1.5)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    task_id = str(uuid.uuid4())
+    it.queued.apply_async((resource, dup, 0.1), task_id=task_id)
+    wait_for(lambda: parked(cluster, f"resource:{resource}") == [task_id], timeout=60, message="parked")
+    # The same message again (a broker redelivery): same task id, same headers.
+    it.queued.apply_async((resource, dup, 0.1), task_id=task_id)
+    r0.get(timeout=60)
+    assert AsyncResult(task_id, app=it.app).get(timeout=60) == dup
+    # Any copy still in flight is dropped; the body ran once.
+    wait_for(
+        lambda: not cluster.store.collection.find_one({"_id": f"resource:{resource}", "wq": True}),
+        timeout=60,
+        message="nothing left waiting on the key",
+    )
+    assert len(cluster.runs(dup, "start")) == 1
+
+
+def test_a_retry_task_on_a_queued_key_does_not_barge_in(cluster: Cluster) -> None:
+    resource = tag()
+    holder = tag()
+    r0 = it.queued.delay(resource, holder, 1.5)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    queued = [tag() for _ in range(3)]
+    rq = [it.queued.delay(resource, t, 0.3) for t in queued]
+    wait_for(lambda: len(parked(cluster, f"resource:{resource}")) == 3, timeout=60, message="3 parked")
+    barger = tag()
+    rb = it.guarded.delay(resource, barger, 0.1)
+    r0.get(timeout=60)
+    for r in rq:
+        r.get(timeout=60)
+    rb.get(timeout=90)
+    order = starts(cluster, [holder, *queued, barger])
+    assert order == [holder, *queued, barger]
+
+
+def test_replace_runs_only_the_newest_send(cluster: Cluster) -> None:
+    resource = tag()
+    holder = tag()
+    r0 = it.latest.delay(resource, holder, 1.5)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    tags = [tag() for _ in range(4)]
+    results = [it.latest.delay(resource, t, 0.1) for t in tags]
+    r0.get(timeout=60)
+    assert results[-1].get(timeout=60) == tags[-1]
+    for i, r in enumerate(results[:-1]):
+        value = r.get(timeout=60)
+        # Superseded by the send that replaced it: always a newer one.
+        later = [x.id for x in results[i + 1 :]]
+        assert value["mongolock"] == "superseded" and value["key"] == f"resource:{resource}"
+        assert value["by"] in later
+    assert [t for t in tags if cluster.runs(t, "start")] == [tags[-1]]
+
+
+def test_a_run_parked_past_its_timeout_fails_with_queue_timeout(cluster: Cluster) -> None:
+    resource = tag()
+    holder, late = tag(), tag()
+    r0 = it.queued_briefly.delay(resource, holder, 3.0)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    r1 = it.queued_briefly.delay(resource, late, 0.1)
+    with pytest.raises(QueueTimeout, match="past its Queue"):
+        r1.get(timeout=60)
+    r0.get(timeout=60)
+    assert not cluster.runs(late, "start")
+
+
+def test_a_killed_child_hands_the_key_to_the_next_parked_run(cluster: Cluster) -> None:
+    resource = tag()
+    holder, nxt = tag(), tag()
+    it.queued.delay(resource, holder, 30.0)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    r1 = it.queued.delay(resource, nxt, 0.1)
+    wait_for(lambda: parked(cluster, f"resource:{resource}") == [r1.id], timeout=60, message="parked")
+    os.kill(cluster.runs(holder, "start")[0]["pid"], signal.SIGKILL)
+    assert r1.get(timeout=60) == nxt
+
+
+def test_a_dead_node_s_key_goes_to_the_parked_run_after_expiry(cluster: Cluster) -> None:
+    resource = tag()
+    holder, nxt = tag(), tag()
+    it.queued.delay(resource, holder, 60.0)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    holder_pid = cluster.runs(holder, "start")[0]["pid"]
+    r1 = it.queued.delay(resource, nxt, 0.1)
+    wait_for(lambda: parked(cluster, f"resource:{resource}") == [r1.id], timeout=60, message="parked")
+    # Kill the whole node that runs the holder (its parent too: nobody releases the lease); the other
+    # node's sweeper hands the key over once the lease has expired.
+    node = next(w for w in cluster.workers if holder_pid in w.child_pids())
+    sent = time.monotonic()
+    node.kill()
+    try:
+        assert r1.get(timeout=120) == nxt
+        print(f"parked run done {time.monotonic() - sent:.1f}s after its holder's node died (lease {LEASE}s)")
+    finally:
+        node.stop()  # already dead: closes its log
+        cluster.workers.remove(node)
+        cluster.worker(name=f"q3-{tag()}@localhost")
