@@ -209,7 +209,10 @@ class Fail(Policy):
 
 def _then(owner: str, then: object) -> None:
     if not isinstance(then, (Skip, Fail)):
-        raise ConfigurationError(f"{owner}(then=...) must be Skip() or Fail(), got {then!r}")
+        raise ConfigurationError(
+            f"{owner}(then=...) must be Skip() or Fail(), got {then!r}: a parked run's message is "
+            "acknowledged, so it cannot be retried or wait"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,8 @@ from celery_mongolock import (
     InvalidKey,
     LeaseStore,
     LockContended,
+    Queue,
+    Replace,
     Retry,
     SingletonTask,
     Wait,
@@ -400,6 +402,16 @@ POLICY_CASES = [
     case(lambda: Wait(then=Wait()), ConfigurationError, "Wait(then=...)", "Retry(), Skip() or Fail()", "wait-then-wait"),
     case(lambda: Wait(then="retry"), ConfigurationError, "Wait(then=...)", "got 'retry'", "wait-then-str"),  # type: ignore[arg-type]
     case(lambda: Wait(then=None), ConfigurationError, "Wait(then=...)", "got None", "wait-then-none"),  # type: ignore[arg-type]
+    case(lambda: Wait(then=Queue()), ConfigurationError, "Wait(then=...)", "got Queue(", "wait-then-queue"),
+    case(lambda: Queue(timeout=-1), ConfigurationError, "Queue(timeout=...)", "from 0 to", "queue-negative-timeout"),
+    case(lambda: Queue(max_length=0), ConfigurationError, "Queue(max_length=...)", "None or an int >= 1, got 0", "queue-zero-max-length"),
+    case(lambda: Queue(max_length=2.5), ConfigurationError, "Queue(max_length=...)", "got 2.5", "queue-float-max-length"),  # type: ignore[arg-type]
+    case(lambda: Queue(then=Retry()), ConfigurationError, "Queue(then=...)", "Skip() or Fail()", "queue-then-retry"),
+    case(lambda: Queue(then=Wait()), ConfigurationError, "Queue(then=...)", "Skip() or Fail()", "queue-then-wait"),
+    case(lambda: Replace(max_length=3), ConfigurationError, "Replace()", "at most one run per key", "replace-max-length"),
+    case(lambda: Replace(timeout=NAN), ConfigurationError, "Replace(timeout=...)", "got nan", "replace-nan-timeout"),
+    case(lambda: parse_policy({"policy": "queue", "then": "retry"}, "on_contention"), ConfigurationError, "on_contention", "Skip() or Fail()", "policy-dict-queue-then-retry"),
+    case(lambda: parse_policy({"policy": "queue", "timout": 5}, "on_contention"), ConfigurationError, "on_contention", "timeout", "policy-dict-queue-misspelt"),
     case(lambda: parse_policy(Retry, "on_contention"), ConfigurationError, "on_contention", "got type", "policy-class-not-instance"),
     case(lambda: parse_policy("retry()", "on_contention"), ConfigurationError, "on_contention", "got 'retry()'", "policy-call-syntax"),
 ]  # fmt: skip

@@ -9,10 +9,21 @@ import pytest
 from bson import ObjectId
 from celery import Celery
 
-from celery_mongolock import ConfigurationError, Fail, InvalidKey, Retry, Skip, Wait, singleton_task
+from celery_mongolock import (
+    ConfigurationError,
+    Fail,
+    InvalidKey,
+    LockContended,
+    Queue,
+    Replace,
+    Retry,
+    Skip,
+    Wait,
+    singleton_task,
+)
 from celery_mongolock.config import read_settings
 from celery_mongolock.keys import KeyRenderer, encode_value
-from celery_mongolock.policies import parse_policy
+from celery_mongolock.policies import TRY_AGAIN, parse_policy
 
 # -- policies ------------------------------------------------------------------------------------------
 
@@ -66,6 +77,38 @@ def test_parse_policy_shorthands_and_dicts() -> None:
     assert parse_policy({"policy": "wait", "timeout": 3, "then": "skip"}) == Wait(timeout=3, then=Skip())
     p = Retry(countdown=2)
     assert parse_policy(p) is p
+    assert parse_policy("queue") == Queue()
+    assert parse_policy("Replace") == Replace()
+    assert parse_policy({"policy": "queue", "timeout": 600, "max_length": 10, "then": "fail"}) == Queue(
+        timeout=600, max_length=10, then=Fail()
+    )
+    assert parse_policy({"policy": "replace", "timeout": 5}) == Replace(timeout=5)
+
+
+def test_queued_tasks_default_to_acks_late() -> None:
+    app = Celery(f"q{uuid.uuid4().hex[:6]}", set_as_current=False)
+
+    @singleton_task(app=app, key="k", on_contention=Queue())
+    def queued() -> None: ...
+
+    @singleton_task(app=app, key="k", on_contention="replace", acks_late=False)
+    def told_otherwise() -> None: ...
+
+    @singleton_task(app=app, key="k", on_contention=Skip())
+    def skipped() -> None: ...
+
+    assert queued.acks_late is True
+    assert told_otherwise.acks_late is False
+    assert skipped.acks_late is app.conf.task_acks_late
+
+
+def test_a_direct_call_of_a_queued_task_waits_for_the_key_then_its_then() -> None:
+    from tests.test_contention import Run
+
+    assert Queue(timeout=1).on_contended(Run(free_after=1)) is TRY_AGAIN
+    assert Queue(timeout=1).on_contended(Run()) == ("skipped", "the key was held by another run")
+    with pytest.raises(LockContended):
+        Replace(timeout=1, then=Fail()).on_contended(Run())
 
 
 @pytest.mark.parametrize(
