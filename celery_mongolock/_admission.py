@@ -63,6 +63,7 @@ HANDOFF_PROJECTION: Document = {"ho": 1, "owner": 1, "fence": 1, "sup": 1}
 ADMIT_OUTCOMES = (
     "acquired",  # the run took the key (it was free and nobody older waits)
     "claimed",  # the run took the key handed to it
+    "due",  # Replace(debounce=...): the run's delayed copy took the key for its parked entry
     "dup",  # a copy of a run that is parked or handed: drop it
     "done",  # a copy of a run that already ran and released: drop it
     "running",  # a copy of the run that holds the key now
@@ -140,6 +141,12 @@ def _dead_view(q: object) -> Document:
     }
 
 
+def _due(e: object) -> Document:
+    """Entry ``e`` may start now: it has no not-before time (``Replace(debounce=...)``) or it has passed."""
+    nb = {"$ifNull": [_get("nb", e), None]}
+    return {"$or": [{"$eq": [nb, None]}, {"$lte": [{"$toLong": nb}, _NOW_MS]}]}
+
+
 def _live(q: object) -> Document:
     return {"$filter": {"input": q, "as": "e", "cond": {"$not": [_entry_expired("$$e")]}}}
 
@@ -181,7 +188,13 @@ def handoff_stages(
     stages.append(
         {
             "$set": {
-                "__head": {"$cond": [{"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]}, head, None]},
+                "__head": {
+                    "$cond": [
+                        {"$and": [{"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]}, _due(head)]},
+                        head,
+                        None,
+                    ]
+                },
             }
         }
     )
@@ -289,11 +302,14 @@ def seen_append(when: object) -> Document:
     return {"$cond": [{"$and": [when, has_task]}, appended, "$seen"]}
 
 
-def entry_expr(entry: Mapping[str, Any], timeout_ms: int | None) -> Document:
-    """A parked entry as an aggregation expression: literal fields, ``at``/``dl`` on the server's clock."""
-    expr: Document = {k: {"$literal": v} for k, v in entry.items() if k not in ("at", "dl")}
+def entry_expr(entry: Mapping[str, Any], timeout_ms: int | None, debounce_ms: int | None = None) -> Document:
+    """A parked entry as an aggregation expression: literal fields; ``at`` (parked at), ``dl`` (deadline)
+    and ``nb`` (not before: ``Replace(debounce=...)``) on the server's clock."""
+    expr: Document = {k: {"$literal": v} for k, v in entry.items() if k not in ("at", "dl", "nb")}
     expr["at"] = "$$NOW"
     expr["dl"] = None if timeout_ms is None else {"$add": ["$$NOW", int(timeout_ms)]}
+    if debounce_ms:
+        expr["nb"] = {"$add": ["$$NOW", int(debounce_ms)]}
     return expr
 
 
@@ -306,13 +322,17 @@ def admit_pipeline(
     claim: str | None,
     max_length: int | None,
     replace: bool = False,
+    debounce_ms: int | None = None,
+    due: bool = False,
 ) -> list[Document]:
     """The admit: one command that acquires the key, claims a handoff, or parks the run.
 
     ``acquire_fields`` are the ``$set`` fields of today's acquire, each written as
     ``{"$cond": ["$__free", new, old]}``; the admit sets ``__free`` for ``acquired`` and ``claimed``.
     ``entry`` is this run (``id``, ``t``, ``s`` ... without ``at``/``dl``); ``claim`` the handoff token of
-    a handed run's message; ``max_length`` the longest queue. The outcome is left in ``lo`` (the reply
+    a handed run's message; ``max_length`` the longest queue. ``debounce_ms``: every run parks, to start
+    only once no newer send came for that long; ``due``: this is the run's own delayed copy, which takes
+    the key if its entry is at the head, due and the key free. The outcome is left in ``lo`` (the reply
     carries it); fields starting with ``__`` are removed.
     """
     ident = str(entry["id"])
@@ -351,6 +371,10 @@ def admit_pipeline(
                 "then": "claimed",
             }
         )
+    if due:
+        head = {"$arrayElemAt": [_Q, 0]}
+        due_now = [vacant, {"$not": [has_ho]}, {"$eq": [_get("id", head), {"$literal": ident}]}, _due(head)]
+        branches.append({"case": {"$and": due_now}, "then": "due"})
     branches += [
         {
             "case": {"$or": [{"$in": [{"$literal": ident}, ids]}, {"$eq": ["$ho.id", {"$literal": ident}]}]},
@@ -367,23 +391,22 @@ def admit_pipeline(
             {"case": {"$gt": [{"$ifNull": [parked_s, -1]}, stamp]}, "then": "superseded"},
             {"case": {"$and": [{"$gt": [{"$ifNull": ["$ho.s", -1]}, stamp]}]}, "then": "superseded"},
         ]
-    branches += [
-        {"case": {"$and": [vacant, {"$not": [has_ho]}, first]}, "then": "acquired"},
-        {"case": vacant, "then": "parked"},  # and handed to the oldest
-    ]
+    if not debounce_ms:
+        branches.append({"case": {"$and": [vacant, {"$not": [has_ho]}, first]}, "then": "acquired"})
+    branches.append({"case": vacant, "then": "parked"})  # and handed to the oldest (when due)
     if max_length is not None:
         branches.append({"case": {"$gte": [{"$size": _Q}, int(max_length)]}, "then": "full"})
     stages: list[Document] = [
         {"$set": {"__o": {"$switch": {"branches": branches, "default": "parked"}}}},
         {
             "$set": {
-                "__free": {"$in": ["$__o", ["acquired", "claimed"]]},
+                "__free": {"$in": ["$__o", ["acquired", "claimed", "due"]]},
                 "__park": {"$eq": ["$__o", "parked"]},
                 "__vac": vacant,
             }
         },
     ]
-    e = entry_expr(entry, timeout_ms)
+    e = entry_expr(entry, timeout_ms, debounce_ms)
     if replace:
         # At most one parked run: a newer send replaces it (the replaced one is superseded).
         parked_q: object = [e]
@@ -406,7 +429,19 @@ def admit_pipeline(
     fields = dict(acquire_fields)
     fields.update(
         {
-            "q": {"$cond": ["$__park", parked_q, "$q"]},
+            "q": {
+                "$cond": [
+                    "$__park",
+                    parked_q,
+                    {
+                        "$cond": [
+                            {"$eq": ["$__o", "due"]},
+                            {"$filter": {"input": _Q, "as": "e", "cond": {"$ne": ["$$e.id", ident]}}},
+                            "$q",
+                        ]
+                    },
+                ]
+            },
             "sup": {
                 "$cond": [
                     "$__park",

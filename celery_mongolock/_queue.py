@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .store import LeaseStore
 
 __all__ = [
+    "DEBOUNCE_HEADER",
     "HANDOFF_HEADER",
     "SENT_HEADER",
     "install_publisher",
@@ -53,8 +54,10 @@ log = logging.getLogger("celery_mongolock.queue")
 SENT_HEADER = "mongolock_sent"
 #: On a run's message published again by a handoff: ``{"k": key, "tk": token}`` to claim the key with.
 HANDOFF_HEADER = "mongolock_handoff"
+#: On a ``Replace(debounce=...)`` run's own delayed copy: it takes the key once its entry is due.
+DEBOUNCE_HEADER = "mongolock_debounce"
 #: The message headers a handoff must not carry over from the parked run's message.
-_TRANSIENT_HEADERS = (HANDOFF_HEADER,)
+_TRANSIENT_HEADERS = (HANDOFF_HEADER, DEBOUNCE_HEADER)
 
 REPUBLISH_RETRY_POLICY: dict[str, float] = {
     "max_retries": 30,
@@ -95,6 +98,13 @@ def stamp_of(request: Any) -> tuple[int, str]:
     if isinstance(stamp, int) and not isinstance(stamp, bool):
         return stamp, "sent"
     return send_stamp(), "worker"
+
+
+def header(request: Any, name: str) -> Any:
+    """A custom message header of ``request`` (Celery keeps them in ``request.headers`` or as attributes)."""
+    headers = getattr(request, "headers", None) or {}
+    value = headers.get(name)
+    return value if value is not None else getattr(request, name, None)
 
 
 def handoff_of(request: Any, key: str) -> str | None:

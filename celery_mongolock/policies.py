@@ -257,12 +257,16 @@ class Replace(Queue):
     """Latest wins: at most one run is parked per key, and a newer **send** replaces it. The replaced
     run ends ``SUCCESS`` with ``{"mongolock": "superseded", "key": ..., "by": <task id>}``; a run sent
     before one that already got the key is superseded too. "Newer" is by send stamp, never by delivery
-    order. ``timeout`` and ``then`` as for ``Queue``."""
+    order. ``debounce`` (seconds): every run waits that long after it reached a worker and starts only if
+    no newer run of its key came meanwhile (trailing-edge debounce: a burst runs once, after its last
+    send). ``timeout`` and ``then`` as for ``Queue``."""
 
+    debounce: float = 0.0
     name = "replace"
 
     def __post_init__(self) -> None:
         _number("Replace", "timeout", self.timeout, allow_none=True)
+        _number("Replace", "debounce", self.debounce, high=24 * 3600.0)
         if self.max_length is not None:
             raise ConfigurationError("Replace() parks at most one run per key; it takes no max_length")
         _then("Replace", self.then)

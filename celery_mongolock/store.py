@@ -515,7 +515,7 @@ class LeaseStore:
             outcome = doc.get("lo")
             if outcome == "dup" and ambiguous:
                 doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
-            if doc.get("owner") == token and outcome not in ("acquired", "claimed"):
+            if doc.get("owner") == token and outcome not in ("acquired", "claimed", "due"):
                 doc["lo"] = "acquired"
         if doc is None or doc.get("owner") != token:
             if doc is not None:
@@ -551,6 +551,8 @@ class LeaseStore:
         timeout: float | None = None,
         max_length: int | None = None,
         replace: bool = False,
+        debounce: float | None = None,
+        due: bool = False,
         info: Mapping[str, Any] | None = None,
         heartbeat: bool = False,
         heartbeat_seconds: float | None = None,
@@ -560,8 +562,10 @@ class LeaseStore:
         ``_admission``; ``tk`` and ``ttl`` are filled in). Returns ``(lease, document)``; the outcome is
         the document's ``lo`` (``_admission.ADMIT_OUTCOMES``). ``timeout``: seconds the run may stay
         parked; ``max_length``: the longest queue (``full`` beyond); ``replace``: at most one parked
-        run, a newer send supersedes it. A handoff this admit made (the key was found free with older
-        runs parked) is published (``add_handoff_callback``)."""
+        run, a newer send supersedes it; ``debounce``: every run parks and may start only when no newer
+        send came for that many seconds; ``due``: the run's own delayed copy, which takes the key for its
+        entry once due. A handoff this admit made (the key was found free with older runs parked) is
+        published (``add_handoff_callback``)."""
         for field in ("id", "t", "s"):
             if field not in entry:
                 raise ConfigurationError(f"a parked entry needs {field!r}, got {sorted(entry)}")
@@ -589,6 +593,8 @@ class LeaseStore:
                 "claim": claim,
                 "max_length": max_length,
                 "replace": replace,
+                "debounce_ms": int(debounce * 1000) if debounce else None,
+                "due": due,
             },
         )
         doc = dict(doc or {})

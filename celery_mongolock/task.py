@@ -349,6 +349,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             **_queue.message_of(self, request, stamp),
         }
         _queue.install_publisher(self.app, store)
+        debounced_copy = bool(_queue.header(request, _queue.DEBOUNCE_HEADER))
         try:
             lease, doc = store.admit(
                 key,
@@ -358,6 +359,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 timeout=policy.timeout,
                 max_length=policy.max_length,
                 replace=isinstance(policy, Replace),
+                debounce=policy.debounce if isinstance(policy, Replace) else None,
+                due=debounced_copy,
                 info=info,
                 heartbeat=True,
                 heartbeat_seconds=options.heartbeat_seconds,
@@ -383,6 +386,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._park_duplicate(key, options, False)
             raise Ignore()
         signals.lease_contended.send(sender=self, key=key, holder=holder, policy=policy.name)
+        if outcome == "superseded" and debounced_copy:
+            # The delayed copy of a run that a newer send replaced: its result is written already.
+            raise Ignore()
         if outcome == "superseded":
             by = str(doc.get("lo_by"))
             log_acquire.info("%s[%s]: %r: a newer send (%s) supersedes this run", *who, key, by)
@@ -400,6 +406,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         parked_ids = [e.get("t") for e in doc.get("q") or []]
         position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
         self._mark_queued(key, position)
+        if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
+            # Come back when the debounce has passed: the copy takes the key if no newer send came.
+            headers = dict(request.headers or {})
+            headers[_queue.DEBOUNCE_HEADER] = 1
+            headers[_queue.SENT_HEADER] = stamp
+            self._republish(
+                self.signature_from_request(request, countdown=policy.debounce, headers=headers),
+                "debounce",
+            )
         signals.run_parked.send(sender=self, key=key, task_id=request.id, position=position, stamp=stamp)
         log_acquire.info(
             "%s[%s]: %s; policy %s: parked at position %d",

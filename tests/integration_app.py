@@ -16,7 +16,7 @@ from celery import Celery
 from celery.signals import worker_ready
 from pymongo import MongoClient
 
-from celery_mongolock import Fail, Queue, Retry, Skip, Wait, current_lease, singleton_task
+from celery_mongolock import Fail, Queue, Replace, Retry, Skip, Wait, current_lease, singleton_task
 from celery_mongolock.signals import lease_contended, lease_lost
 
 app = Celery("integration_app")
@@ -187,6 +187,17 @@ def queued_briefly(resource: str, tag: str, seconds: float = 0.3) -> str:
 
 @singleton_task(key="resource:{resource}", app=app, name="integration_app.latest", on_contention="replace")
 def latest(resource: str, tag: str, seconds: float = 0.3) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.debounced",
+    on_contention=Replace(debounce=1.0),
+)
+def debounced(resource: str, tag: str, seconds: float = 0.1) -> str:
     _work(tag, seconds)
     return tag
 

@@ -252,3 +252,19 @@ def test_many_concurrent_admits_park_each_run_once(make_store: Any) -> None:
     assert errors == []
     stamps = [e["s"] for e in (stores[0].collection.find_one({"_id": KEY}) or {})["q"]]
     assert len(stamps) == 40 and stamps == sorted(stamps)
+
+
+def test_a_debounced_run_parks_even_on_a_free_key_and_takes_it_once_due(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    lease, doc = store.admit(KEY, entry(1), replace=True, debounce=30)
+    assert lease is None and doc["lo"] == "parked" and handoffs.tasks == []
+    assert parked(store) == ["task-1"]
+    # Its delayed copy, too early: stays parked.
+    lease, doc = store.admit(KEY, entry(1), replace=True, debounce=30, due=True)
+    assert lease is None and doc["lo"] == "dup"
+    # Due (crafted): the copy takes the key, and leaves the queue.
+    past = {"$map": {"input": "$q", "as": "e", "in": {"$mergeObjects": ["$$e", {"nb": "$$NOW"}]}}}
+    store.collection.update_one({"_id": KEY}, [{"$set": {"q": past}}])
+    lease, doc = store.admit(KEY, entry(1), replace=True, debounce=30, due=True)
+    assert lease is not None and doc["lo"] == "due"
+    assert parked(store) == []

@@ -452,7 +452,7 @@ def test_a_singleton_task_costs_two_commands(mongo_url: str, db_name: str) -> No
         it.plain.apply(("warm",))
         counter.clear()
         assert app.tasks["integration_app.skipper"].apply(("cost", "c1", 0.0)).get() == "c1"
-        assert counter.names() == ["findAndModify", "update"]
+        assert counter.names() == ["findAndModify", "findAndModify"]
     finally:
         app._mongolock_store.close()
         app.conf.update(saved_conf)

@@ -160,6 +160,27 @@ def test_replace_runs_only_the_newest_send(cluster: Cluster) -> None:
     assert [t for t in tags if cluster.runs(t, "start")] == [tags[-1]]
 
 
+def test_a_debounced_burst_runs_once_after_its_last_send(cluster: Cluster) -> None:
+    resource = tag()
+    tags = [tag() for _ in range(5)]
+    results = []
+    for t in tags:
+        results.append(it.debounced.delay(resource, t))
+        wait_for(
+            lambda: cluster.store.collection.find_one({"_id": f"resource:{resource}", "q.t": results[-1].id}),
+            timeout=60,
+            message="the send to be parked",
+        )
+    last_parked = time.time()
+    assert results[-1].get(timeout=60) == tags[-1]
+    for r in results[:-1]:
+        assert r.get(timeout=60)["mongolock"] == "superseded"
+    runs = [r for t in tags for r in cluster.runs(t, "start")]
+    assert [r["tag"] for r in runs] == [tags[-1]]
+    # It waited for the debounce after the last send reached a worker (server and test share a clock).
+    assert runs[0]["t"] >= last_parked + 0.9
+
+
 def test_a_run_parked_past_its_timeout_fails_with_queue_timeout(cluster: Cluster) -> None:
     resource = tag()
     holder, late = tag(), tag()
