@@ -419,8 +419,14 @@ def prefix_filter(prefix: str | None) -> Document:
 
 def read_pipeline(match: Document) -> list[Document]:
     """The lease documents matching ``match``, by key, each with the server's ``expires_at - $$NOW``."""
-    stage = {"$addFields": {"__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]}}}
-    return [{"$match": match}, {"$sort": {"_id": 1}}, stage, {"$project": {"ends": 0}}]
+    stage = {
+        "$addFields": {
+            "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
+            "__now_ms": _NOW_MS,
+        }
+    }
+    hidden = {"ends": 0, "seen": 0, "q.m": 0, "ho.m": 0}
+    return [{"$match": match}, {"$sort": {"_id": 1}}, stage, {"$project": hidden}]
 
 
 def story_pipeline(key: str) -> list[Document]:
@@ -474,4 +480,36 @@ def lease_info(doc: Document) -> LeaseInfo:
         acquired_at=aware(doc.get("acquired_at")),
         renewed_at=aware(doc.get("renewed_at")),
         released_at=aware(doc.get("released_at")),
+        parked=[_parked_view(i + 1, e, doc.get("__now_ms")) for i, e in enumerate(doc.get("q") or [])],
+        handoff=_handoff_view(doc.get("ho"), doc.get("__now_ms")),
     )
+
+
+def _since(when: Any, now_ms: Any) -> float | None:
+    if not isinstance(now_ms, int) or aware(when) is None:
+        return None
+    stamp = aware(when)
+    assert stamp is not None
+    return round(max(0.0, now_ms / 1000.0 - stamp.timestamp()), 3)
+
+
+def _parked_view(position: int, entry: Mapping[str, Any], now_ms: Any) -> Document:
+    return {
+        "position": position,
+        "task_id": entry.get("t"),
+        "task_name": entry.get("n"),
+        "stamp": entry.get("s"),
+        "parked_for": _since(entry.get("at"), now_ms),
+        "deadline": aware(entry.get("dl")),
+    }
+
+
+def _handoff_view(ho: Any, now_ms: Any) -> Document | None:
+    if not isinstance(ho, Mapping):
+        return None
+    return {
+        "task_id": ho.get("t"),
+        "task_name": ho.get("n"),
+        "handed_for": _since(ho.get("hat"), now_ms),
+        "attempt": ho.get("hn"),
+    }

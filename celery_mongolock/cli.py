@@ -60,10 +60,19 @@ def _expires(info: LeaseInfo) -> str:
     return f"{info.expires_in:.1f}s"
 
 
+def _parked(info: LeaseInfo) -> str:
+    if not info.parked and not info.handoff:
+        return "-"
+    text = str(len(info.parked))
+    if info.handoff:
+        text += " (+1 handed)"
+    return text
+
+
 def _table(infos: list[LeaseInfo]) -> str:
-    rows = [("KEY", "HOLDER", "FENCE", "EXPIRES IN")]
-    rows += [(i.key, _holder(i), str(i.fence), _expires(i)) for i in infos]
-    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    rows = [("KEY", "HOLDER", "FENCE", "EXPIRES IN", "PARKED")]
+    rows += [(i.key, _holder(i), str(i.fence), _expires(i), _parked(i)) for i in infos]
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
     lines = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows]
     return "\n".join(lines)
 
@@ -99,7 +108,7 @@ def mongolock(ctx: click.Context) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_context
 def list_leases(ctx: click.Context, prefix: str | None, include_free: bool, as_json: bool) -> None:
-    """List held leases: key, holder, fence, expires in."""
+    """List held leases (and keys with runs parked): key, holder, fence, expires in, parked runs."""
     store = _store(ctx)
     infos = _run(lambda: store.list(prefix, include_free=include_free))
     if as_json:
@@ -115,7 +124,7 @@ def list_leases(ctx: click.Context, prefix: str | None, include_free: bool, as_j
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_context
 def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
-    """Show one lease in full."""
+    """Show one lease in full, with the runs parked on it (next first)."""
     store = _store(ctx)
     info = _run(lambda: store.inspect(key))
     if info is None:
@@ -144,6 +153,18 @@ def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
     ):
         value = data.get(name)
         click.echo(f"{name.ljust(width)}  {value if value is not None else '-'}")
+    if info.handoff:
+        h = info.handoff
+        click.echo(
+            f"{'handoff'.ljust(width)}  {h['task_name']}[{h['task_id']}] handed {h['handed_for']}s ago, "
+            f"not yet taken up (attempt {h['attempt']})"
+        )
+    click.echo(f"{'parked'.ljust(width)}  {len(info.parked) or '-'}")
+    for e in info.parked:
+        deadline = f", deadline {e['deadline'].isoformat()}" if e.get("deadline") else ""
+        click.echo(
+            f"  {e['position']:>3}. {e['task_name']}[{e['task_id']}] parked {e['parked_for']}s{deadline}"
+        )
 
 
 @mongolock.command(name="release")

@@ -84,12 +84,20 @@ class LeaseInfo:
     acquired_at: _dt.datetime | None
     renewed_at: _dt.datetime | None
     released_at: _dt.datetime | None
+    #: Runs parked on the key (``Queue``, ``Replace``), next first: ``position``, ``task_id``,
+    #: ``task_name``, ``stamp`` (send stamp, us), ``parked_for`` (s, server clock), ``deadline``.
+    parked: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: A handoff not yet taken up: ``task_id``, ``task_name``, ``handed_for`` (s), ``attempt``.
+    handoff: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         for name in ("expires_at", "acquired_at", "renewed_at", "released_at"):
             if data[name] is not None:
                 data[name] = data[name].isoformat()
+        for entry in data["parked"]:
+            if isinstance(entry.get("deadline"), _dt.datetime):
+                entry["deadline"] = entry["deadline"].isoformat()
         return data
 
 

@@ -906,9 +906,10 @@ class LeaseStore:
         return found[0] if found else None
 
     def list(self, prefix: str | None = None, *, include_free: bool = False) -> builtins.list[LeaseInfo]:
-        """Leases whose key starts with ``prefix`` (all when None), held ones only unless ``include_free``."""
+        """Leases whose key starts with ``prefix`` (all when None): held ones, or with runs parked, unless
+        ``include_free``."""
         infos = self._read(documents.prefix_filter(prefix), "list leases")
-        return infos if include_free else [i for i in infos if i.held]
+        return infos if include_free else [i for i in infos if i.held or i.parked or i.handoff]
 
     # -- heartbeat -----------------------------------------------------------------------------------
     @property

@@ -50,7 +50,7 @@ def test_list_table_and_json(mongo_url: str, db_name: str, leases: LeaseStore) -
     out = run(mongo_url, db_name, "list")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].split() == ["KEY", "HOLDER", "FENCE", "EXPIRES", "IN"]
+    assert lines[0].split() == ["KEY", "HOLDER", "FENCE", "EXPIRES", "IN", "PARKED"]
     assert any(line.startswith("email-group:1") and "upload[t-1]" in line for line in lines)
     assert not any(line.startswith("tenant:9") for line in lines)  # released
     data = json.loads(run(mongo_url, db_name, "list", "--json", "--prefix", "email-group:").stdout)
@@ -58,6 +58,23 @@ def test_list_table_and_json(mongo_url: str, db_name: str, leases: LeaseStore) -
     assert data[0]["holder"]["task_id"] == "t-1" and data[0]["fence"] > 0 and 0 < data[0]["expires_in"] <= 60
     everything = json.loads(run(mongo_url, db_name, "list", "--json", "--all").stdout)
     assert "tenant:9" in [d["key"] for d in everything]
+
+
+def test_list_and_inspect_show_the_parked_runs(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
+    for stamp, task_id in ((2, "second"), (1, "first")):
+        entry = {"id": f"{task_id}/0.0", "t": task_id, "n": "upload", "r": "0.0", "s": stamp, "m": b""}
+        _, doc = leases.admit("email-group:1", entry, timeout=600)
+        assert doc["lo"] == "parked"
+    lines = run(mongo_url, db_name, "list").stdout.splitlines()
+    assert any(line.startswith("email-group:1") and line.endswith(" 2") for line in lines), lines
+    out = run(mongo_url, db_name, "inspect", "email-group:1")
+    assert out.returncode == 0, out.stderr
+    parked = [line.split() for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert [p[:2] for p in parked] == [["1.", "upload[first]"], ["2.", "upload[second]"]]
+    assert all("deadline" in line for line in out.stdout.splitlines() if line.startswith("  "))
+    data = json.loads(run(mongo_url, db_name, "inspect", "email-group:1", "--json").stdout)
+    assert [p["task_id"] for p in data["parked"]] == ["first", "second"]
+    assert data["parked"][0]["parked_for"] >= 0 and data["handoff"] is None
 
 
 def test_inspect(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
