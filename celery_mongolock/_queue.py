@@ -144,7 +144,12 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any]) -> None:
     # The signature carries the run's task id, routing, links and retries; only the headers change.
     signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
     signals.run_handed_off.send(
-        sender=None, key=key, task_id=entry["t"], attempt=int(entry.get("hn") or 1), waited=entry.get("at")
+        sender=None,
+        app=app,
+        key=key,
+        task_id=entry["t"],
+        attempt=int(entry.get("hn") or 1),
+        waited=entry.get("at"),
     )
     log.info("handed %r to %s[%s] (attempt %s)", key, entry.get("n"), entry["t"], entry.get("hn"))
 
@@ -171,6 +176,13 @@ config.STORE_HOOKS.append(install_publisher)
 
 
 # -- results the sweeper (or the admitting run) writes -----------------------------------------------------
+def has_backend(app: Celery) -> bool:
+    """Whether the app stores results (a superseded or timed-out run's result has somewhere to go)."""
+    from celery.backends.base import DisabledBackend
+
+    return not isinstance(app.backend, DisabledBackend)
+
+
 def superseded_result(key: str, by: str) -> dict[str, Any]:
     """The result of a run replaced by a newer send (``Replace``)."""
     return {"mongolock": "superseded", "key": key, "by": by}
@@ -180,8 +192,9 @@ def write_superseded(app: Celery, store: LeaseStore, key: str, entries: list[Map
     """Write SUCCESS ``superseded`` for runs that a newer send replaced, then forget them."""
     done = []
     for entry in entries:
-        app.backend.store_result(entry["t"], superseded_result(key, str(entry.get("by"))), "SUCCESS")
-        signals.run_superseded.send(sender=None, key=key, task_id=entry["t"], by=entry.get("by"))
+        if has_backend(app):
+            app.backend.store_result(entry["t"], superseded_result(key, str(entry.get("by"))), "SUCCESS")
+        signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
         log.info("%s superseded on %r by %s", entry["t"], key, entry.get("by"))
         done.append(entry["t"])
     if done:
@@ -196,7 +209,9 @@ def write_timed_out(app: Celery, store: LeaseStore, key: str, entries: list[Mapp
         reason = "parked past its Queue(timeout=...)"
         if isinstance(at, _dt.datetime):
             reason = f"parked since {at.isoformat()}, past its Queue(timeout=...)"
-        if entry.get("th") == "fail":
+        if not has_backend(app):
+            pass
+        elif entry.get("th") == "fail":
             app.backend.mark_as_failure(entry["t"], QueueTimeout(key, reason))
         else:
             app.backend.store_result(
@@ -255,7 +270,7 @@ class Sweeper:
             hits = sorted((ids | {str(ho.get("t"))}) & revoked)
             after = store.sweep(key, revoked=hits)
             for task_id in hits:
-                if task_id in ids:
+                if task_id in ids and has_backend(self.app):
                     self.app.backend.mark_as_revoked(task_id, "revoked while parked")
             if after is None:
                 continue

@@ -11,6 +11,11 @@ event type                     fields
                                ``fail``, ``duplicate``, ``tick-already-ran``), ``holder_task_id``,
                                ``holder_worker``
 ``task-mongolock-skipped``     ``reason``: the run ended without running its body (Skip)
+``task-mongolock-parked``      ``position``, ``stamp``: the run was parked (Queue, Replace), its
+                               message acknowledged, until the key is handed to it
+``task-mongolock-handed``      ``attempt``: the key was handed to this parked run and its message
+                               published again (sent by the worker whose command handed it)
+``task-mongolock-superseded``  ``by``: a newer send replaced this run (Replace)
 ``task-mongolock-lost``        ``fence``, ``reason``: the running body no longer holds its key
 =============================  =====================================================================
 
@@ -41,7 +46,10 @@ ACQUIRED = "task-mongolock-acquired"
 CONTENDED = "task-mongolock-contended"
 SKIPPED = "task-mongolock-skipped"
 LOST = "task-mongolock-lost"
-EVENT_TYPES = (ACQUIRED, CONTENDED, SKIPPED, LOST)
+PARKED = "task-mongolock-parked"
+HANDED = "task-mongolock-handed"
+SUPERSEDED = "task-mongolock-superseded"
+EVENT_TYPES = (ACQUIRED, CONTENDED, SKIPPED, LOST, PARKED, HANDED, SUPERSEDED)
 
 # Publishing an event must not hold a run up for long when the broker is away.
 _RETRY_POLICY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
@@ -146,6 +154,35 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, retval: Any = No
         )
 
 
+def _on_parked(
+    sender: Any = None, key: str = "", task_id: str = "", position: int = 0, stamp: int = 0, **_: Any
+) -> None:
+    if not _task_events or sender is None:
+        return
+    _send(sender.app, sender.request.hostname, PARKED, task_id, key=key, position=position, stamp=stamp)
+
+
+def _on_handed(app: Any = None, key: str = "", task_id: str = "", attempt: int = 1, **_: Any) -> None:
+    if not _task_events or app is None:
+        return
+    import socket
+
+    _send(app, f"mongolock@{socket.gethostname()}", HANDED, task_id, key=key, attempt=attempt)
+
+
+def _on_superseded(
+    sender: Any = None, app: Any = None, key: str = "", task_id: str = "", by: str = "", **_: Any
+) -> None:
+    app = app if app is not None else getattr(sender, "app", None)
+    if not _task_events or app is None:
+        return
+    hostname = getattr(getattr(sender, "request", None), "hostname", None)
+    _send(app, hostname, SUPERSEDED, task_id, key=key, by=by)
+
+
+signals.run_parked.connect(_on_parked, weak=False, dispatch_uid="celery_mongolock.events.parked")
+signals.run_handed_off.connect(_on_handed, weak=False, dispatch_uid="celery_mongolock.events.handed")
+signals.run_superseded.connect(_on_superseded, weak=False, dispatch_uid="celery_mongolock.events.superseded")
 worker_init.connect(_on_worker_init, weak=False, dispatch_uid="celery_mongolock.events.worker_init")
 signals.lease_acquired.connect(_on_acquired, weak=False, dispatch_uid="celery_mongolock.events.acquired")
 signals.lease_released.connect(_on_released, weak=False, dispatch_uid="celery_mongolock.events.released")

@@ -73,6 +73,17 @@ class _Metrics:
             "celery_mongolock_skipped", "Runs that ended without running their body (Skip).", ["task"]
         )
         self.lost = Counter("celery_mongolock_lost", "Leases lost while their body ran.", ["task"])
+        self.parked = Counter(
+            "celery_mongolock_parked",
+            "Runs parked until their key is handed to them (Queue, Replace).",
+            ["task"],
+        )
+        self.handed_off = Counter(
+            "celery_mongolock_handed_off", "Keys handed to a parked run (by this process).", []
+        )
+        self.superseded = Counter(
+            "celery_mongolock_superseded", "Runs replaced by a newer send (Replace).", []
+        )
         self.acquire_seconds = Histogram(
             "celery_mongolock_acquire_seconds",
             "From the run's start to its lease decision (taken, or held by another).",
@@ -145,6 +156,13 @@ def enable(port: int | None = None, addr: str = "127.0.0.1") -> None:
                 _on_contended, weak=False, dispatch_uid="celery_mongolock.metrics.contended"
             )
             signals.lease_lost.connect(_on_lost, weak=False, dispatch_uid="celery_mongolock.metrics.lost")
+            signals.run_parked.connect(_on_parked, weak=False, dispatch_uid="celery_mongolock.metrics.parked")
+            signals.run_handed_off.connect(
+                _on_handed, weak=False, dispatch_uid="celery_mongolock.metrics.handed"
+            )
+            signals.run_superseded.connect(
+                _on_superseded, weak=False, dispatch_uid="celery_mongolock.metrics.superseded"
+            )
             worker_process_shutdown.connect(
                 _on_process_shutdown, weak=False, dispatch_uid="celery_mongolock.metrics.shutdown"
             )
@@ -258,6 +276,21 @@ def _on_lost(sender: Any = None, lease: Any = None, **_: Any) -> None:
     name = _drop_holding(m, lease)
     if name is not None:
         m.lost.labels(name).inc()
+
+
+def _on_parked(sender: Any = None, **_: Any) -> None:
+    if _metrics is not None and sender is not None:
+        _metrics.parked.labels(sender.name).inc()
+
+
+def _on_handed(**_: Any) -> None:
+    if _metrics is not None:
+        _metrics.handed_off.inc()
+
+
+def _on_superseded(**_: Any) -> None:
+    if _metrics is not None:
+        _metrics.superseded.inc()
 
 
 def _on_contended(sender: Any = None, policy: str = "", **_: Any) -> None:

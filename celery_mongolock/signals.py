@@ -48,10 +48,11 @@ lease_lost = Signal(name="lease_lost")
 #: ``run_parked(sender=task, key, task_id, position, stamp)``: a contended run of a queued task was
 #: parked (its message acknowledged); ``position`` is 1 for the next to run.
 run_parked = Signal(name="run_parked")
-#: ``run_handed_off(sender=None, key, task_id, attempt, waited)``: the key was handed to a parked run and
+#: ``run_handed_off(sender=None, app, key, task_id, attempt, waited)``: the key was handed to a parked run and
 #: its message published again.
 run_handed_off = Signal(name="run_handed_off")
-#: ``run_superseded(sender=None, key, task_id, by)``: under ``Replace``, a newer send replaced the run.
+#: ``run_superseded(sender=task or None, key, task_id, by)`` (``app=`` when sent without a task): under
+#: ``Replace``, a newer send replaced the run.
 run_superseded = Signal(name="run_superseded")
 
 #: The apps whose singleton tasks this process may run (``SingletonTask`` adds its app when bound).

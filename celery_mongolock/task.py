@@ -428,7 +428,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _mark_queued(self, key: str, position: int) -> None:
         """State ``QUEUED`` for a parked run (unless it already has a final state: its handoff may have
         run it already)."""
-        if self.ignore_result or self.request.ignore_result:
+        if self.ignore_result or self.request.ignore_result or not _queue.has_backend(self.app):
             return
         task_id = self.request.id
         try:

@@ -17,7 +17,7 @@ from celery import Celery
 from celery.signals import worker_ready
 from pymongo import MongoClient
 
-from celery_mongolock import Skip, Wait, current_lease, metrics, singleton_task
+from celery_mongolock import Queue, Replace, Skip, Wait, current_lease, metrics, singleton_task
 
 if os.environ.get("MONGOLOCK_OBS_METRICS_PORT"):
     metrics.enable(port=int(os.environ["MONGOLOCK_OBS_METRICS_PORT"]))
@@ -77,4 +77,14 @@ def skipper(resource: str, gate: str) -> str:
     key="res:{resource}", app=app, name="observability_app.waiter", on_contention=Wait(timeout=30)
 )
 def waiter(resource: str, gate: str) -> str:
+    return _hold(gate)
+
+
+@singleton_task(key="res:{resource}", app=app, name="observability_app.queued", on_contention=Queue())
+def queued(resource: str, gate: str) -> str:
+    return _hold(gate)
+
+
+@singleton_task(key="res:{resource}", app=app, name="observability_app.latest", on_contention=Replace())
+def latest(resource: str, gate: str) -> str:
     return _hold(gate)

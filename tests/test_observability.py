@@ -212,6 +212,24 @@ def test_lease_events_reach_a_celery_event_receiver_beside_the_tasks_own(
                 message="Flower to show the held task's end",
             )
 
+            # Queued runs: parked, then handed the key; under Replace, superseded by a newer send.
+            first = caller.send_task("observability_app.queued", args=["r2", "g2"])
+            events.wait(first.id, "task-mongolock-acquired")
+            second = caller.send_task("observability_app.queued", args=["r2", "open"])
+            parked = events.wait(second.id, "task-mongolock-parked")
+            assert parked["key"] == "res:r2" and parked["position"] == 1 and parked["stamp"] > 0
+            gates.insert_one({"_id": "g2"})
+            assert events.wait(second.id, "task-mongolock-handed")["attempt"] == 1
+            assert second.get(timeout=30) == "done" and first.get(timeout=30) == "done"
+            holder = caller.send_task("observability_app.latest", args=["r3", "g3"])
+            events.wait(holder.id, "task-mongolock-acquired")
+            older = caller.send_task("observability_app.latest", args=["r3", "open"])
+            events.wait(older.id, "task-mongolock-parked")
+            newer = caller.send_task("observability_app.latest", args=["r3", "open"])
+            assert events.wait(older.id, "task-mongolock-superseded")["by"] == newer.id
+            gates.insert_one({"_id": "g3"})
+            assert newer.get(timeout=30) == "done"
+
             # Beside the task's own events, under the same task id.
             events.wait(held.id, "task-succeeded")
             types = [e["type"] for e in events.of(held.id)]
