@@ -246,8 +246,9 @@ class Queue(Policy):
 
     def on_contended(self, run: Contention) -> object:
         # Only a run that cannot be parked gets here (a direct call or task.apply(): no message to
-        # acknowledge and publish again): it waits for the key like Wait, then ``then``.
-        if run.wait_free(self.timeout if self.timeout is not None else MAX_SECONDS):
+        # acknowledge and publish again): it waits for the key like Wait (up to ``timeout``, or Wait's
+        # 30 s), then ``then``.
+        if run.wait_free(self.timeout if self.timeout is not None else Wait.timeout):
             return TRY_AGAIN
         return self.then.on_contended(run)
 

@@ -242,6 +242,7 @@ def test_wheel_in_a_fresh_virtualenv_runs_the_quick_start(dist: Path, tmp_path: 
         code = code.replace("redis://localhost:6379/0", redis.url).replace(
             "mongodb://localhost:27017", mongo_url
         )
+        code = code.replace("redis://localhost:6379/1", redis.url.rsplit("/", 1)[0] + "/1")
         (project / "tasks.py").write_text(code + OBSERVE)
         (project / "client.py").write_text(CLIENT)
         env = _clean_env(venv, QS_EVENTS=str(events), QS_BACKEND=redis.url)
