@@ -571,6 +571,8 @@ def timeline_html(
     runs: list[dict[str, Any]],
     failovers: list[float],
     checks: list[Check],
+    policies: dict[str, str],
+    finals: dict[str, Any],
 ) -> None:
     """One self-contained HTML page (inline SVG, no scripts, nothing fetched): per key, one lane per
     send in send order, on a common time axis: when it was sent, how long it waited in the broker and
@@ -606,42 +608,42 @@ def timeline_html(
     for key in keys:
         key_sends = per_key[key]
         is_upload = key_sends[0].plan.kind == "upload"
-        policy = "Replace: latest send wins" if is_upload else "Queue: every run, in send order"
+        policy = policies["upload" if is_upload else "posting"]
         last = key_sends[-1]
         bg.append(f'<rect x="0" y="{y}" width="{width}" height="{head}" fill="#e8ecf2"/>')
         fg.append(_text(6, y + 17, key, font_weight="bold", font_size="13"))
         fg.append(_text(left + 6, y + 17, policy, fill="#444"))
+        final = finals.get(key)  # the file the group holds, or the ledger's entries, at the end
+        entries = {e["posting"]: e for e in (final or []) if isinstance(e, dict)}
         if is_upload:
-            good = key not in bad_keys and told[last.task_id].start is not None
-            fg.append(
-                _text(
-                    width - 6,
-                    y + 17,
-                    f"group ends with {last.label}, the file sent last {'✓' if good else '✗'}"
-                    if good
-                    else f"group does NOT hold {last.label}, the file sent last ✗",
-                    text_anchor="end",
-                    font_weight="bold",
-                    fill="#2a6a2a" if good else COLORS["fail"],
-                )
+            good = key not in bad_keys and final == last.label
+            verdict = (
+                f"group ends with {last.label}, the file sent last ✓"
+                if good
+                else f"group ends with {final}, NOT {last.label}, the file sent last ✗"
             )
         else:
-            total = sum(s.plan.amount for s in key_sends)
-            fg.append(
-                _text(
-                    width - 6,
-                    y + 17,
-                    f"ledger in send order, balance {total}",
-                    text_anchor="end",
-                    font_weight="bold",
-                )
+            applied = [e.get("posting") for e in final or []]
+            good = key not in bad_keys and applied == [s.label for s in key_sends]
+            balance = (final or [{}])[-1].get("balance") if final else None
+            verdict = (
+                f"ledger {'in' if good else 'NOT in'} send order, balance {balance} {'✓' if good else '✗'}"
             )
+        fg.append(
+            _text(
+                width - 6,
+                y + 17,
+                verdict,
+                text_anchor="end",
+                font_weight="bold",
+                fill="#2a6a2a" if good else COLORS["fail"],
+            )
+        )
         y += head
-        balance = 0
         for i, s in enumerate(key_sends, 1):
             st = told[s.task_id]
             mid = y + lane / 2
-            if is_upload and s is last:
+            if is_upload and s.label == final:
                 bg.append(f'<rect x="0" y="{y}" width="{width}" height="{lane}" fill="{COLORS["final"]}"/>')
             elif i % 2 == 0:
                 bg.append(f'<rect x="0" y="{y}" width="{width}" height="{lane}" fill="#f7f7f7"/>')
@@ -706,13 +708,16 @@ def timeline_html(
                 color = COLORS["run_upload"] if is_upload else COLORS["run_posting"]
                 tip = f"{s.label} ran {st.start - t0:.2f}s to {st.end - t0:.2f}s (fence {st.fence})"
                 fg.append(_bar(x(st.start), x(st.end), y + 2, lane - 4, color, tip, ' rx="2"'))
-                if is_upload:
-                    outcome = f"ran {st.end - st.start:.2f}s" + (
-                        "  ★ the group's members" if s is last else ""
-                    )
-                else:
-                    balance += s.plan.amount
-                    outcome = f"ran {st.end - st.start:.2f}s → balance {balance}"
+                outcome = f"ran {st.end - st.start:.2f}s"
+                if is_upload and s.label == final:
+                    outcome += "  ★ the group's members"
+                elif s.label in entries:
+                    entry = entries[s.label]
+                    position = list(entries).index(s.label) + 1
+                    outcome = f"applied {ordinal.get(position, f'{position}th')}"
+                    if entry.get("refused"):
+                        outcome += ": REFUSED (overdraft)"
+                    outcome += f" → balance {entry.get('balance')}"
             elif st.by is not None:
                 xe = x(st.superseded if st.superseded is not None else s.t)
                 fg.append(
@@ -835,6 +840,16 @@ def main() -> int:
         action="store_true",
         help="workers and beats run elsewhere (docker compose): start none, kill none",
     )
+    parser.add_argument(
+        "--upload-policy",
+        default="",
+        help="run the uploads with this policy instead of Replace (e.g. retry: watch the invariants fail)",
+    )
+    parser.add_argument(
+        "--ledger-policy",
+        default="",
+        help="run the postings with this policy instead of Queue (e.g. retry: watch the invariants fail)",
+    )
     parser.add_argument("--database", default=None, help="MongoDB database of the example app")
     parser.add_argument(
         "--upload-dir", default=None, help="where to write the CSV files (shared with workers)"
@@ -868,6 +883,8 @@ def main() -> int:
                 "EMAILGROUPS_LEASE_SECONDS": "10",
                 "EMAILGROUPS_BEAT_LEASE_SECONDS": "3",
                 "EMAILGROUPS_DIGEST_EVERY": "1",
+                "EMAILGROUPS_UPLOAD_POLICY": args.upload_policy,
+                "EMAILGROUPS_LEDGER_POLICY": args.ledger_policy,
             }
             os.environ.update({k: env[k] for k in env if k.startswith("EMAILGROUPS_")})
             sys.path.insert(0, str(HERE))
@@ -893,8 +910,9 @@ def main() -> int:
             keys = sorted({p.key for p in plans}, key=lambda k: (not k.startswith("email-group:"), k))
             print(
                 f"sending {sum(p.kind == 'upload' for p in plans)} uploads to {args.groups} email groups "
-                f"(Replace) and {sum(p.kind == 'posting' for p in plans)} postings to {args.accounts} "
-                f"ledger accounts (Queue), in bursts, on {slots} worker slots ...\n",
+                f"({args.upload_policy or 'Replace'}) and {sum(p.kind == 'posting' for p in plans)} postings "
+                f"to {args.accounts} ledger accounts ({args.ledger_policy or 'Queue'}), in bursts, "
+                f"on {slots} worker slots ...\n",
                 flush=True,
             )
 
@@ -1005,7 +1023,32 @@ def main() -> int:
                 p.log().count("became the leader") for p in procs if p.name.startswith("beat")
             )
             timeline = Path(args.timeline).resolve()
-            timeline_html(timeline, sends=sends, told=told, runs=runs, failovers=failovers, checks=checks)
+            # What the groups and ledgers hold at the end (the timeline shows it per key).
+            finals: dict[str, Any] = {}
+            for doc in db["members"].find({}, {"group": 1, "upload": 1}):
+                key = f"email-group:{doc['group']}"
+                seen = finals.setdefault(key, doc["upload"])
+                if seen != doc["upload"]:
+                    finals[key] = "a mix of files"
+            for doc in db["ledgers"].find({}):
+                finals[f"ledger:{doc['_id']}"] = doc.get("entries") or []
+            timeline_html(
+                timeline,
+                sends=sends,
+                told=told,
+                runs=runs,
+                failovers=failovers,
+                checks=checks,
+                finals=finals,
+                policies={
+                    "upload": f"{args.upload_policy} (instead of Replace)"
+                    if args.upload_policy
+                    else "Replace: latest send wins",
+                    "posting": f"{args.ledger_policy} (instead of Queue)"
+                    if args.ledger_policy
+                    else "Queue: every run, in send order",
+                },
+            )
             ran = sum(1 for st in told.values() if st.starts)
             print("summary")
             print(f"  runs                  {ran} ran, {len(sends) - ran} superseded, of {len(sends)} sent")
