@@ -28,8 +28,30 @@ def test_demo_runs_and_ends_with_its_summary_and_timeline(tmp_path: Path) -> Non
     assert "summary" in out.stdout and "overlaps              0" in out.stdout
     assert "all invariants held" in out.stdout
     assert "beat failovers        1" in out.stdout
+    # Each invariant is printed with its verdict, and all of them pass.
+    for invariant in (
+        "every send ended: ran exactly once, or was superseded (Replace); none failed or lost",
+        "no two runs of one key overlapped",
+        "Replace: every group ends with the members of the file sent last",
+        "Replace: a run is superseded only by a newer send; the runs of a group start in send order",
+        "Queue: runs of a key start in the order they were sent",
+        "no worker slot is held by parked runs",
+        "every digest tick ran once (two beats, leader killed)",
+    ):
+        assert f"PASS  {invariant}" in out.stdout, out.stdout[-3000:]
+    assert "FAIL" not in out.stdout
+    # Every group, by the demo's own send order, ends with the file sent last (its 4th upload).
+    for g in (1, 2, 3):
+        assert f"group {g}: g{g}-u4 (sent last of 4)" in out.stdout
     page = timeline.read_text()
-    assert "<svg" in page and "email-group:1" in page and "beat leader killed" in page
+    assert "<svg" in page and "beat leader killed" in page
+    # One lane per send with its full label, for the email groups (Replace) and the ledgers (Queue).
+    for key in ("email-group:1", "email-group:3", "ledger:acct-1", "ledger:acct-2"):
+        assert key in page
+    for label in ("g1-u1", "g3-u4", "a1-p1", "a2-p6"):
+        assert f">{label}" in page
+    assert "group ends with g2-u4, the file sent last ✓" in page
+    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # loads nothing
     # Nothing left running: no worker or beat of this demo survives it.
     ps = subprocess.run(["pgrep", "-f", "celery -A emailgroups"], capture_output=True, text=True, check=False)
     assert ps.stdout.strip() == ""

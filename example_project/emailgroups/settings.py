@@ -25,10 +25,18 @@ mongolock_url = MONGO_URL
 mongolock_database = DATABASE
 mongolock_lease_seconds = float(os.environ.get("EMAILGROUPS_LEASE_SECONDS", "10"))
 mongolock_on_contention = Retry(countdown=0.5, backoff=1.5, max_countdown=5)
-mongolock_task_policies = {
+mongolock_task_policies: dict[str, dict[str, object]] = {
     # The digest is sent every tick: if the previous one is still running, skip rather than queue up.
     "emailgroups.tasks.send_digest": {"on_contention": Skip()},
 }
+# The uploads use Replace and the postings Queue (in tasks.py). The demo can run them with another policy
+# (`demo.py --upload-policy retry`) to show which invariants that breaks.
+for _task, _variable in (
+    ("emailgroups.tasks.upload_members", "EMAILGROUPS_UPLOAD_POLICY"),
+    ("emailgroups.tasks.post_to_ledger", "EMAILGROUPS_LEDGER_POLICY"),
+):
+    if os.environ.get(_variable):
+        mongolock_task_policies[_task] = {"on_contention": os.environ[_variable]}
 
 # -- beat: run two or more `celery beat -S celery_mongolock.beat:Scheduler` ----------------------------------
 beat_scheduler = "celery_mongolock.beat:Scheduler"
