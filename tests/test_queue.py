@@ -193,6 +193,25 @@ def test_a_run_parked_past_its_timeout_fails_with_queue_timeout(cluster: Cluster
     assert not cluster.runs(late, "start")
 
 
+def test_a_revoked_parked_run_is_dropped_and_the_next_one_runs(cluster: Cluster) -> None:
+    resource = tag()
+    holder, revoked, nxt = tag(), tag(), tag()
+    r0 = it.queued.delay(resource, holder, 2.0)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    r1 = it.queued.delay(resource, revoked, 0.1)
+    r2 = it.queued.delay(resource, nxt, 0.1)
+    key = f"resource:{resource}"
+    wait_for(lambda: parked(cluster, key) == [r1.id, r2.id], timeout=60, message="both parked")
+    it.app.control.revoke(r1.id)
+    wait_for(
+        lambda: parked(cluster, key) == [r2.id], timeout=60, message="the sweeper to drop the revoked run"
+    )
+    wait_for(lambda: r1.state == "REVOKED", timeout=60, message="the revoked run's state")
+    r0.get(timeout=60)
+    assert r2.get(timeout=60) == nxt
+    assert not cluster.runs(revoked, "start")
+
+
 def test_a_killed_child_hands_the_key_to_the_next_parked_run(cluster: Cluster) -> None:
     resource = tag()
     holder, nxt = tag(), tag()
