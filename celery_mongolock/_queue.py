@@ -235,6 +235,34 @@ def _revoked_ids() -> set[str]:
         return set()
 
 
+def _ms(value: Any) -> float | None:
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return float(value.timestamp() * 1000)
+    return None
+
+
+def needs_sweep(doc: Mapping[str, Any]) -> bool:
+    """Whether a key read by ``waiting_keys`` has anything for the sweeper to do, judged on the server's
+    time of the read (``__now``): a sweep is a write, so keys whose queue simply waits for a running
+    holder are left alone."""
+    now = _ms(doc.get("__now"))
+    if now is None or doc.get("dead") or doc.get("sup"):
+        return True
+    expires = _ms(doc.get("expires_at"))
+    if doc.get("owner") is None or expires is None or expires <= now:
+        return True  # free or expired, with runs parked or a handoff pending
+    ho = doc.get("ho")
+    if isinstance(ho, Mapping) and not ho.get("by"):
+        return True  # a handoff nobody published
+    for entry in doc.get("q") or []:
+        deadline = _ms(entry.get("dl"))
+        if deadline is not None and deadline <= now:
+            return True
+    return False
+
+
 class Sweeper:
     """The thread in a worker's main process that completes what crashed processes left undone."""
 
@@ -268,6 +296,8 @@ class Sweeper:
             ids = {str(e.get("t")) for e in doc.get("q") or []}
             ho = doc.get("ho") or {}
             hits = sorted((ids | {str(ho.get("t"))}) & revoked)
+            if not hits and not needs_sweep(doc):
+                continue
             after = store.sweep(key, revoked=hits)
             for task_id in hits:
                 if task_id in ids and has_backend(self.app):

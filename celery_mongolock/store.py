@@ -782,11 +782,15 @@ class LeaseStore:
 
     def waiting_keys(self, limit: int = 1000) -> builtins.list[Document]:
         """Lease documents with parked runs, a pending handoff or results to write (the sweeper's list),
-        without the parked runs' messages."""
+        without the parked runs' messages, each with the server's time of the read (``__now``)."""
+        pipeline: builtins.list[Document] = [
+            {"$match": {"wq": True}},
+            {"$limit": limit},
+            {"$addFields": {"__now": "$$NOW"}},
+            {"$project": {"q.m": 0, "ho.m": 0, "ends": 0, "seen": 0}},
+        ]
         with self._operation("list keys with parked runs"):
-            return builtins.list(
-                self.collection.find({"wq": True}, {"q.m": 0, "ends": 0, "seen": 0}).limit(limit)
-            )
+            return builtins.list(self.collection.aggregate(pipeline))
 
     def sweep(self, key: str, *, revoked: _Collection[str] = ()) -> Document | None:
         """One sweep of ``key`` (in one command): drop parked runs whose task ids are ``revoked``, move

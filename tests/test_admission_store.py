@@ -268,3 +268,20 @@ def test_a_debounced_run_parks_even_on_a_free_key_and_takes_it_once_due(store: L
     lease, doc = store.admit(KEY, entry(1), replace=True, debounce=30, due=True)
     assert lease is not None and doc["lo"] == "due"
     assert parked(store) == []
+
+
+def test_the_sweeper_leaves_a_key_alone_while_its_queue_just_waits_for_a_live_holder() -> None:
+    import datetime as dt
+
+    from celery_mongolock._queue import needs_sweep
+
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    later, earlier = now + dt.timedelta(seconds=10), now - dt.timedelta(seconds=1)
+    waiting = {"__now": now, "owner": "t", "expires_at": later, "q": [{"t": "a", "dl": None}]}
+    assert not needs_sweep(waiting)
+    assert needs_sweep({**waiting, "expires_at": earlier})  # the holder expired
+    assert needs_sweep({**waiting, "owner": None})  # released by an old version, or debounced
+    assert needs_sweep({**waiting, "q": [{"t": "a", "dl": earlier}]})  # a run past its deadline
+    assert needs_sweep({**waiting, "ho": {"t": "a", "by": ""}})  # a handoff nobody published
+    assert not needs_sweep({**waiting, "ho": {"t": "a", "by": "x"}})
+    assert needs_sweep({**waiting, "dead": [{"t": "b"}]}) and needs_sweep({**waiting, "sup": [{"t": "c"}]})
