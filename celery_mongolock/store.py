@@ -553,6 +553,7 @@ class LeaseStore:
         replace: bool = False,
         debounce: float | None = None,
         due: bool = False,
+        min_hold: float = 0.0,
         info: Mapping[str, Any] | None = None,
         heartbeat: bool = False,
         heartbeat_seconds: float | None = None,
@@ -587,6 +588,7 @@ class LeaseStore:
             info={**run_info, **(info or {})},
             heartbeat=heartbeat,
             heartbeat_seconds=heartbeat_seconds,
+            min_hold=min_hold,
             admission={
                 "entry": full_entry,
                 "timeout_ms": timeout_ms,

@@ -274,7 +274,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         if tick is not None:
             info["beat_tick"] = tick
         run = ContendedRun(self, store, key, direct=direct)
-        if policy.queued and not (direct or request.is_eager or request.called_directly):
+        if policy.queued and tick is None and not (direct or request.is_eager or request.called_directly):
+            # (A beat tick is not parked: it runs once per tick or not at all, see the acquire below.)
             return self._admit(key, options, policy, info, store)
         try:
             first_run_done = self._first_run_done(store, key)
@@ -361,6 +362,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 replace=isinstance(policy, Replace),
                 debounce=policy.debounce if isinstance(policy, Replace) else None,
                 due=debounced_copy,
+                min_hold=options.min_hold_seconds or 0.0,
                 info=info,
                 heartbeat=True,
                 heartbeat_seconds=options.heartbeat_seconds,
