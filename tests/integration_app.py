@@ -192,6 +192,18 @@ def latest(resource: str, tag: str, seconds: float = 0.3) -> str:
 
 
 @singleton_task(
+    key="resource:{resource}", app=app, name="integration_app.queued_retry", on_contention=Queue(), bind=True
+)
+def queued_retry(self: Any, resource: str, tag: str, seconds: float = 0.1) -> str:
+    """A queued task whose body retries once (Celery's own retry, not a contention retry)."""
+    if self.request.retries == 0:
+        record("own-retry", tag)
+        raise self.retry(countdown=0.2)
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
     key="resource:{resource}",
     app=app,
     name="integration_app.debounced",

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from celery import chain
 from celery.result import AsyncResult
 
 from celery_mongolock import QueueTimeout
@@ -191,6 +192,21 @@ def test_a_run_parked_past_its_timeout_fails_with_queue_timeout(cluster: Cluster
         r1.get(timeout=60)
     r0.get(timeout=60)
     assert not cluster.runs(late, "start")
+
+
+def test_chains_and_a_body_s_own_retry_go_through_the_queue(cluster: Cluster) -> None:
+    resource = tag()
+    holder, a, b, c = tag(), tag(), tag(), tag()
+    r0 = it.queued.delay(resource, holder, 1.5)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    # A chain whose every step is a queued run of the same key, parked behind the holder.
+    workflow = chain(
+        it.queued.si(resource, a, 0.1), it.queued.si(resource, b, 0.1), it.queued_retry.si(resource, c, 0.1)
+    ).apply_async()
+    r0.get(timeout=60)
+    assert workflow.get(timeout=90) == c
+    assert starts(cluster, [holder, a, b, c]) == [holder, a, b, c]
+    assert len(cluster.runs(c, "own-retry")) == 1 and len(cluster.runs(c, "start")) == 1
 
 
 def test_a_revoked_parked_run_is_dropped_and_the_next_one_runs(cluster: Cluster) -> None:
