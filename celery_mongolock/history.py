@@ -319,7 +319,7 @@ class KeyStory:
             return f"{line}; {parked}" if parked else line
         if self.state == "expired":
             ago = -(self.expires_in or 0.0)
-            line = f"expired {ago:.1f} s ago, not yet taken over (last holder {self.holder_phrase})"
+            line = f"expired {ago:.1f} s ago, not yet taken over: {self.holder_phrase} stopped renewing it"
             return f"{line}; {parked}" if parked else line
         if self.handoff is not None:
             handed = self._since(self.handoff.handed_at)
