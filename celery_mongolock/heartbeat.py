@@ -10,7 +10,8 @@ each tick:
    or the lease they were for has expired anyway;
 4. inserts the lease history records queued since the last tick (the endings of leases this process
    ended, and its own view of leases it lost) in one ``insert_many``: writing the history never adds a
-   round trip to a task's path. With nothing held, queued records wait at most one heartbeat interval.
+   round trip to a task's path. Queued records have a schedule of their own besides: they wait at most
+   the store's heartbeat interval, even while short runs keep putting the renewal tick off.
 
 A failed tick is retried sooner than the normal interval, so a blip costs little of the lease.
 
@@ -100,6 +101,7 @@ class Heartbeat:
         self._history: list[dict[str, Any]] = []  # history records to insert at the next tick
         self._copies: list[dict[str, Any]] = []  # lease documents whose endings to copy at the next tick
         self._history_delay = store.heartbeat_seconds
+        self._history_due: float | None = None  # monotonic time to write the queued history by
         self.history_written = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -165,12 +167,15 @@ class Heartbeat:
                     del self._history[: len(self._history) - MAX_QUEUED_RECORDS]
             if match is not None:
                 self._copies.append(match)
-            scheduled = self._next_tick is None
-            if scheduled:
-                self._next_tick = self._clock.monotonic() + self._history_delay
+            # The history has a schedule of its own: a renewal tick that comes first writes it too, but
+            # back-to-back short runs put the renewal tick off again and again (see ``add``).
+            wake = False
+            if self._history_due is None:
+                due = self._history_due = self._clock.monotonic() + self._history_delay
+                wake = self._next_tick is None or due < self._next_tick
         self._ensure_thread()
-        if scheduled:
-            self._wake.set()  # the thread may be waiting with nothing planned: let it read the schedule
+        if wake:
+            self._wake.set()  # the thread may be waiting for a later tick, or for nothing: let it re-plan
 
     def flush_history(self, timeout: float | None = None) -> bool:
         """Insert the queued history records now; False (records kept for the next try) if MongoDB did
@@ -181,6 +186,7 @@ class Heartbeat:
         with self._lock:
             records, self._history = self._history, []
             copies, self._copies = self._copies, []
+            self._history_due = None
         if not (records or copies):
             return True
         try:
@@ -191,9 +197,16 @@ class Heartbeat:
                 self._history[:0] = records
                 del self._history[: max(0, len(self._history) - MAX_QUEUED_RECORDS)]
                 self._copies[:0] = copies
+                self._history_due = self._clock.monotonic() + min(1.0, self._history_delay)
             return False
         self.history_written += written
         return True
+
+    def _flush_history_budget(self) -> bool:
+        """``flush_history`` within what the held leases can spare (never more than 2 s)."""
+        give_up = self._earliest_give_up()
+        budget = 2.0 if give_up is None else max(0.05, min(2.0, give_up - self._clock.monotonic()))
+        return self.flush_history(timeout=budget)
 
     @property
     def pid(self) -> int:
@@ -229,7 +242,7 @@ class Heartbeat:
     def _interval(self) -> float | None:
         with self._lock:
             beats = [lease.heartbeat_seconds for lease in self._leases.values()]
-            pending = bool(self._pending or self._history or self._copies)
+            pending = bool(self._pending)
         if not beats:
             return 1.0 if pending else None
         return min(beats)
@@ -238,15 +251,24 @@ class Heartbeat:
         while not self._stopped.is_set():
             with self._lock:
                 next_tick = self._next_tick
-            if next_tick is None:
-                self._wake.wait()  # nothing to do until a lease or a pending release arrives
+                history_due = self._history_due
+            if next_tick is None and history_due is None:
+                self._wake.wait()  # nothing to do until a lease, a pending release or a record arrives
                 self._wake.clear()
                 continue
-            delay = next_tick - self._clock.monotonic()
+            now = self._clock.monotonic()
+            delay = min(t for t in (next_tick, history_due) if t is not None) - now
             if delay > 0:
                 self._wake.wait(delay)
                 self._wake.clear()
                 continue  # re-read the schedule: add() may have moved it earlier
+            if next_tick is None or next_tick > now:
+                # Only the history is due: write it, and leave the renewals to their own schedule.
+                try:
+                    self._flush_history_budget()
+                except Exception:  # pragma: no cover - flush_history catches what the store raises
+                    log.exception("writing the lease history failed")
+                continue
             try:
                 ok = self.tick()
             except Exception:  # never let the thread die: leases would silently stop renewing
@@ -317,9 +339,7 @@ class Heartbeat:
         if self._pending:
             ok = self._flush_pending(store, now) and ok
         if self._history or self._copies:
-            give_up = self._earliest_give_up()
-            budget = 2.0 if give_up is None else max(0.05, min(2.0, give_up - self._clock.monotonic()))
-            ok = self.flush_history(timeout=budget) and ok
+            ok = self._flush_history_budget() and ok
         return ok
 
     def _flush_pending(self, store: RenewalStore, now: float) -> bool:

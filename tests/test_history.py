@@ -222,3 +222,18 @@ def test_history_days_setting_reaches_the_store() -> None:
     assert read_settings({}).history_days == 7
     assert read_settings({"mongolock_history_days": 0}).history_days == 0
     assert read_settings({"mongolock_history_days": 1.5}).history_days == 1.5
+
+
+def test_back_to_back_short_runs_do_not_put_the_history_off(store: LeaseStore) -> None:
+    """Each acquire of an idle heartbeat puts its renewal tick off by a heartbeat interval; the history has
+    a schedule of its own, so a worker that runs short tasks back to back still writes it."""
+    fences: list[int] = []
+
+    def one_more_run_then_look() -> bool:
+        lease = store.acquire(f"k{len(fences) % 3}", info=INFO, heartbeat=True)
+        assert lease is not None and lease.release()
+        fences.append(lease.fence)
+        return store.history_collection.count_documents({}) > 0
+
+    # Runs at most 0.25 s apart: the renewal tick (1.7 s after the last acquire) never comes.
+    wait_for(one_more_run_then_look, timeout=30, interval=0.05, message="the history to be written")
