@@ -181,7 +181,8 @@ class Heartbeat:
         """Insert the queued history records now; False (records kept for the next try) if MongoDB did
         not answer."""
         store = self._store()
-        if store is None:
+        if store is None:  # the store was dropped: so is what it queued, and this heartbeat stops
+            self._stopped.set()
             return True
         with self._lock:
             records, self._history = self._history, []
