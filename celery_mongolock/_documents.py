@@ -373,14 +373,15 @@ def read_pipeline(match: Document) -> list[Document]:
 
 def story_pipeline(key: str) -> list[Document]:
     """One key's whole document, ``ends`` included, with the server's ``$$NOW`` and
-    ``expires_at - $$NOW`` (``celery mongolock why``)."""
+    ``expires_at - $$NOW`` (``celery mongolock why``); not the parked runs' messages (``m``) nor the
+    queue's duplicate guard (``seen``), which can be large."""
     stage = {
         "$addFields": {
             "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
             "__now": "$$NOW",
         }
     }
-    return [{"$match": {"_id": key}}, stage]
+    return [{"$match": {"_id": key}}, stage, {"$project": {"q.m": 0, "ho.m": 0, "seen": 0}}]
 
 
 # -- history ---------------------------------------------------------------------------------------------

@@ -306,7 +306,8 @@ def why_lines(story: KeyStory, endings: int = 5) -> list[str]:
         row("parked", "none")
     if story.handoff is not None:
         ho = story.handoff
-        row("handoff", f"to {ho.task}, handed {_ago(story, ho.handed_at)}, not taken up yet")
+        attempt = f" (attempt {ho.attempt})" if ho.attempt else ""
+        row("handoff", f"to {ho.task}, handed {_ago(story, ho.handed_at)}{attempt}, not taken up yet")
     if story.endings:
         for n, e in enumerate(story.endings[:endings]):
             held = f", held {e.held_seconds:.2f} s" if e.held_seconds is not None else ""

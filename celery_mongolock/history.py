@@ -162,8 +162,9 @@ class ParkedRun:
     sent_at: _dt.datetime | None
     parked_at: _dt.datetime | None
     deadline: _dt.datetime | None
-    #: Handoff only: when the key was handed to it.
+    #: Handoff only: when the key was handed to it, and which attempt this is.
     handed_at: _dt.datetime | None = None
+    attempt: int | None = None
 
     @classmethod
     def from_entry(cls, entry: Mapping[str, Any]) -> ParkedRun:
@@ -179,6 +180,7 @@ class ParkedRun:
             parked_at=aware(entry.get("at")),
             deadline=aware(entry.get("dl")),
             handed_at=aware(entry.get("hat")),
+            attempt=_int(entry.get("hn")),
         )
 
     @property

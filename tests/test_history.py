@@ -14,7 +14,7 @@ import pytest
 from pymongo import MongoClient
 
 from celery_mongolock import ConfigurationError, LeaseStore
-from celery_mongolock._documents import HOLDER_VIEW, SERVER_VIEW, history_id
+from celery_mongolock._documents import HOLDER_VIEW, SERVER_VIEW, history_id, story_pipeline
 from celery_mongolock.config import read_settings
 
 from .conftest import CommandCounter
@@ -237,3 +237,27 @@ def test_back_to_back_short_runs_do_not_put_the_history_off(store: LeaseStore) -
 
     # Runs at most 0.25 s apart: the renewal tick (1.7 s after the last acquire) never comes.
     wait_for(one_more_run_then_look, timeout=30, interval=0.05, message="the history to be written")
+
+
+def test_why_reads_a_key_with_parked_runs_without_their_messages(store: LeaseStore) -> None:
+    """The queue's fields, as the lead's queue work writes them, crafted into a held key's document."""
+    lease = store.acquire("k", info=INFO, ttl=30)
+    assert lease is not None
+    now = store.why("k")
+    assert now is not None and now.state == "held" and now.parked == () and now.handoff is None
+    entry = {"id": "t-9/0.0", "t": "t-9", "n": "app.upload", "s": 1_795_000_000_000_000, "dl": None}
+    store.collection.update_one(
+        {"_id": "k"},
+        [{"$set": {"q": [{**entry, "at": "$$NOW", "m": b"x" * 100_000}], "seen": ["a"] * 100}}],
+    )
+    story = store.why("k")
+    assert story is not None and [run.task for run in story.parked] == ["app.upload[t-9]"]
+    assert story.parked[0].parked_at is not None and story.parked[0].sent_at is not None
+    assert (
+        story.verdict.startswith("held by w1@h1 pid ")
+        and "; 1 run parked; next: app.upload[t-9]" in story.verdict
+    )
+    assert 0 < (story.expires_in or 0) <= 30
+    assert store.why("nope") is None
+    [read] = store.collection.aggregate(story_pipeline("k"))
+    assert "m" not in read["q"][0] and "seen" not in read and read["q"][0]["t"] == "t-9"

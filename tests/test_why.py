@@ -153,8 +153,11 @@ def test_why_report_of_a_force_released_key() -> None:
 def test_why_report_of_an_expired_key_and_a_pending_handoff() -> None:
     expired = why_lines(KeyStory.from_document(held(expires_at=at(-4.2), __expires_in_ms=-4200)))
     assert "expired     4.2 s ago on the server's clock (at 12:40:02.8)" in expired
-    handoff = why_lines(KeyStory.from_document(released(ho={**PARKED[0], "hat": at(-0.4)})))
-    assert "handoff     to app.upload[9a0e], handed 12:40:06.6 (0.4 s ago), not taken up yet" in handoff
+    handoff = why_lines(KeyStory.from_document(released(ho={**PARKED[0], "hat": at(-0.4), "hn": 2})))
+    assert (
+        "handoff     to app.upload[9a0e], handed 12:40:06.6 (0.4 s ago) (attempt 2), not taken up yet"
+        in handoff
+    )
 
 
 def test_story_as_dict_is_plain_data() -> None:
