@@ -381,7 +381,19 @@ def story_pipeline(key: str) -> list[Document]:
             "__now": "$$NOW",
         }
     }
-    return [{"$match": {"_id": key}}, stage, {"$project": {"q.m": 0, "ho.m": 0, "seen": 0}}]
+    # Rebuilt field by field: the embedded test server does not take a dotted exclusion inside an array.
+    fields = ("id", "t", "n", "r", "s", "at", "dl", "hat", "hn")
+    runs = {
+        "q": {"$map": {"input": {"$ifNull": ["$q", []]}, "as": "e", "in": {f: f"$$e.{f}" for f in fields}}},
+        "ho": {
+            "$cond": [
+                {"$eq": [{"$ifNull": ["$ho", None]}, None]},
+                None,
+                {f: f"$ho.{f}" for f in fields},
+            ]
+        },
+    }
+    return [{"$match": {"_id": key}}, stage, {"$addFields": runs}, {"$project": {"seen": 0}}]
 
 
 # -- history ---------------------------------------------------------------------------------------------
