@@ -134,7 +134,11 @@ def measure_flush(store: LeaseStore, sizes: list[int], reps: int) -> dict[str, A
             written = store.write_history(records)
             samples.append(time.perf_counter_ns() - t0)
             assert written == size, (written, size)
-        out[str(size)] = summarize(samples)
+        out[str(size)] = {
+            **summarize(samples),
+            "samples_ms": [round(s / 1e6, 2) for s in samples],
+            "collection_size_after": store.history_collection.estimated_document_count(),
+        }
     return out
 
 
