@@ -431,14 +431,27 @@ def read_pipeline(match: Document) -> list[Document]:
 
 def story_pipeline(key: str) -> list[Document]:
     """One key's whole document, ``ends`` included, with the server's ``$$NOW`` and
-    ``expires_at - $$NOW`` (``celery mongolock why``)."""
+    ``expires_at - $$NOW`` (``celery mongolock why``); not the parked runs' messages (``m``) nor the
+    queue's duplicate guard (``seen``), which can be large."""
     stage = {
         "$addFields": {
             "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
             "__now": "$$NOW",
         }
     }
-    return [{"$match": {"_id": key}}, stage]
+    # Rebuilt field by field: the embedded test server does not take a dotted exclusion inside an array.
+    fields = ("id", "t", "n", "r", "s", "at", "dl", "hat", "hn")
+    runs = {
+        "q": {"$map": {"input": {"$ifNull": ["$q", []]}, "as": "e", "in": {f: f"$$e.{f}" for f in fields}}},
+        "ho": {
+            "$cond": [
+                {"$eq": [{"$ifNull": ["$ho", None]}, None]},
+                None,
+                {f: f"$ho.{f}" for f in fields},
+            ]
+        },
+    }
+    return [{"$match": {"_id": key}}, stage, {"$addFields": runs}, {"$project": {"seen": 0}}]
 
 
 # -- history ---------------------------------------------------------------------------------------------

@@ -7,9 +7,12 @@ import math
 from .exceptions import ConfigurationError
 
 __all__ = [
+    "DEFAULT_HISTORY_DAYS",
     "DEFAULT_LEASE_SECONDS",
+    "MAX_HISTORY_DAYS",
     "MAX_LEASE_SECONDS",
     "MIN_LEASE_SECONDS",
+    "validate_history_days",
     "validate_lease_timing",
     "validate_names",
     "validate_seconds",
@@ -33,6 +36,29 @@ def validate_seconds(name: str, value: object, *, low: float, high: float) -> fl
     if math.isnan(seconds) or not (low <= seconds <= high):
         raise ConfigurationError(f"{name} must be between {low:g} and {high:g} seconds, got {value!r}")
     return seconds
+
+
+#: The longest history MongoDB's TTL index can keep (``expireAfterSeconds`` is a 32-bit int), in days.
+MAX_HISTORY_DAYS = 24_855
+DEFAULT_HISTORY_DAYS = 7
+
+
+def validate_history_days(value: object, name: str = "history_days") -> float:
+    """Days a lease history record is kept (0: no history collection); ``ConfigurationError`` naming
+    ``name`` if ``value`` is not a number of days from 0 to ``MAX_HISTORY_DAYS``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(
+            f"{name} must be a number of days (0 turns the history off), "
+            f"got {type(value).__name__}: {value!r}"
+        )
+    days = float(value)
+    if math.isnan(days) or not (0 <= days <= MAX_HISTORY_DAYS):
+        raise ConfigurationError(
+            f"{name} must be between 0 (no history) and {MAX_HISTORY_DAYS} days, got {value!r}"
+        )
+    if 0 < days * 86400 < 1:
+        raise ConfigurationError(f"{name} must be 0 (no history) or at least one second, got {value!r}")
+    return days
 
 
 def validate_names(database: object, collection: object, *, prefix: str = "") -> tuple[str, str]:

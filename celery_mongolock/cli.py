@@ -6,12 +6,14 @@ Registered as a Celery sub-command through the ``celery.commands`` entry point g
     celery -A proj mongolock inspect KEY [--json]
     celery -A proj mongolock release KEY [--force]
     celery -A proj mongolock watch [--prefix P] [--interval S] [--count N]
+    celery -A proj mongolock history KEY [--limit N] [--json]
+    celery -A proj mongolock why KEY [--json]
 
 The store is the app's (``mongolock_*`` settings). Connection passwords are never printed.
 
 Exit status: 0 done (for ``release``: the key is free now, released by us or free already); 1 an error
-(MongoDB unreachable, no such lease for ``inspect``); 2 a usage error, including ``release`` of a held
-key without ``--force``.
+(MongoDB unreachable, no such lease for ``inspect`` and ``why``); 2 a usage error, including ``release``
+of a held key without ``--force``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import click
 from ._urls import redact
 from .config import get_store
 from .exceptions import MongoLockError
+from .history import KeyStory, LeaseEnding, clock
 from .store import LeaseInfo, LeaseStore
 
 __all__ = ["mongolock"]
@@ -229,3 +232,150 @@ def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count:
             time.sleep(interval)
     except KeyboardInterrupt:
         return
+
+
+# -- history and why -------------------------------------------------------------------------------------
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def _stamp(when: _dt.datetime | None) -> str:
+    """``2026-11-23 12:40:06.9`` (UTC), or ``-``."""
+    return "-" if when is None else f"{when.astimezone(_dt.timezone.utc):%Y-%m-%d} {clock(when)}"
+
+
+def _how(ending: LeaseEnding) -> str:
+    if ending.holder_saw and ending.how != ending.holder_saw:
+        return f"{ending.how} (holder saw: {ending.holder_saw})"
+    return ending.how
+
+
+def history_table(entries: list[LeaseEnding]) -> str:
+    """``celery mongolock history``: one line per acquisition, newest first."""
+    rows = [("FENCE", "HOW", "TASK", "WHERE", "WAITED", "HELD", "ENDED (UTC)")]
+    rows += [
+        (
+            str(e.fence),
+            _how(e),
+            e.task,
+            e.where,
+            _seconds(None if e.waited_ms is None else e.waited_ms / 1000),
+            _seconds(e.held_seconds),
+            _stamp(e.ended_at),
+        )
+        for e in entries
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows)
+
+
+def _ago(story: KeyStory, when: _dt.datetime | None) -> str:
+    if when is None:
+        return "-"
+    seconds = (story.server_now - when).total_seconds()
+    rel = f"{seconds:.1f} s ago" if seconds >= 0 else f"in {-seconds:.1f} s"
+    return f"{clock(when)} ({rel})"
+
+
+def why_lines(story: KeyStory, endings: int = 5) -> list[str]:
+    """``celery mongolock why``: the verdict, then the details it rests on (times on the server's clock,
+    UTC)."""
+    lines = [f"{story.key}: {story.verdict}", ""]
+
+    def row(name: str, value: str) -> None:
+        lines.append(f"{name.ljust(11)} {value}")
+
+    h = story.holder
+    task = str(h.get("task_name") or h.get("role") or "?") + (f"[{h['task_id']}]" if h.get("task_id") else "")
+    where = str(h.get("worker") or h.get("host") or "?") + (
+        f" pid {h['pid']}" if h.get("pid") is not None else ""
+    )
+    if story.state == "free":
+        row("holder", "none")
+        if h:
+            row("last holder", f"{task} on {where}, fence {story.fence}")
+    else:
+        row("holder", f"{task} on {where}, fence {story.fence}")
+    row("taken", _ago(story, story.acquired_at))
+    if story.state in ("held", "held-after-release") and story.expires_in is not None:
+        renewed = ""
+        if story.renewed_at is not None and story.renewed_at != story.acquired_at:
+            renewed = f"; renewed {(story.server_now - story.renewed_at).total_seconds():.1f} s ago"
+        row(
+            "expires",
+            f"in {story.expires_in:.1f} s on the server's clock (at {clock(story.expires_at)}{renewed})",
+        )
+    elif story.state == "expired" and story.expires_in is not None:
+        row("expired", f"{-story.expires_in:.1f} s ago on the server's clock (at {clock(story.expires_at)})")
+    if story.released_at is not None and story.state != "held":
+        why = " by force" if story.forced_release else ""
+        why += f" ({story.released_for})" if story.released_for else ""
+        row("released", _ago(story, story.released_at) + why)
+    if story.parked:
+        row("parked", f"{len(story.parked)}, in queue order:")
+        for n, run in enumerate(story.parked, 1):
+            parked = (story.server_now - run.parked_at).total_seconds() if run.parked_at else None
+            deadline = "none"
+            if run.deadline is not None:
+                left = (run.deadline - story.server_now).total_seconds()
+                deadline = f"in {left:.1f} s" if left >= 0 else f"passed {-left:.1f} s ago"
+            lines.append(
+                f"{'':12}{n:>2}  {run.task}  sent {clock(run.sent_at)}  "
+                f"parked {'-' if parked is None else f'{parked:.1f} s ago'}  deadline {deadline}"
+            )
+    else:
+        row("parked", "none")
+    if story.handoff is not None:
+        ho = story.handoff
+        attempt = f" (attempt {ho.attempt})" if ho.attempt else ""
+        row("handoff", f"to {ho.task}, handed {_ago(story, ho.handed_at)}{attempt}, not taken up yet")
+    if story.endings:
+        for n, e in enumerate(story.endings[:endings]):
+            held = f", held {e.held_seconds:.2f} s" if e.held_seconds is not None else ""
+            row(
+                "last ends" if n == 0 else "",
+                f"{clock(e.ended_at)}  {_how(e).ljust(11)} {e.task} on {e.where}{held}",
+            )
+    else:
+        row("last ends", "none recorded")
+    return [line.rstrip() for line in lines]
+
+
+@mongolock.command(name="history")
+@click.argument("key")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1), help="at most N leases")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def lease_history(ctx: click.Context, key: str, limit: int, as_json: bool) -> None:
+    """How KEY's last leases ended, newest first: holder, task, wait, hold, end (server time, UTC)."""
+    store = _store(ctx)
+    entries = _run(lambda: store.history(key, limit))
+    if as_json:
+        click.echo(_json([e.as_dict() for e in entries]))
+    elif entries:
+        click.echo(history_table(entries))
+    else:
+        click.echo(f"no endings recorded for {key!r}")
+
+
+@mongolock.command(name="why")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Why KEY is not running: the verdict first, then holder, expiry (server's clock), parked runs, last
+    endings."""
+    store = _store(ctx)
+    story = _run(lambda: store.why(key))
+    if story is None:
+        if as_json:
+            click.echo("null")
+            return
+        raise click.ClickException(
+            f"no lease {key!r}: nothing has taken this key (or its lease document expired and was removed); "
+            "it is free. Check the spelling with: celery mongolock list --all"
+        )
+    if as_json:
+        click.echo(_json(story.as_dict()))
+        return
+    click.echo("\n".join(why_lines(story)))

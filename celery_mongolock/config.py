@@ -12,6 +12,7 @@ setting                        default                          meaning
 ``mongolock_operation_timeout`` ``10``                          deadline of one MongoDB operation
 ``mongolock_task_policies``    ``{}``                           per task name: any of ``on_contention``,
                                                                 ``lease_seconds``, ``heartbeat_seconds``
+``mongolock_history_days``     ``7``                            days the lease history is kept (0: none)
 =============================  ===============================  =============================================
 
 Precedence for a task: ``mongolock_task_policies[task name]`` beats the decorator's arguments, which
@@ -28,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._urls import validate_mongo_url
+from ._validation import DEFAULT_HISTORY_DAYS, validate_history_days
 from .exceptions import ConfigurationError
 from .policies import Policy, PolicySpec, Retry, parse_policy
 from .store import LeaseStore, _validate_seconds, validate_lease_timing, validate_names
@@ -46,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_on_contention": "retry",
     "mongolock_operation_timeout": 10.0,
     "mongolock_task_policies": {},
+    "mongolock_history_days": DEFAULT_HISTORY_DAYS,
 }
 TASK_OPTION_NAMES = ("on_contention", "lease_seconds", "heartbeat_seconds", "min_hold_seconds")
 
@@ -70,6 +73,7 @@ class Settings:
     on_contention: Policy
     operation_timeout: float
     task_policies: Mapping[str, Mapping[str, Any]]
+    history_days: float = DEFAULT_HISTORY_DAYS
 
     def for_task(
         self,
@@ -186,6 +190,7 @@ def read_settings(conf: Any) -> Settings:
         if "on_contention" in checked:
             checked["on_contention"] = parse_policy(checked["on_contention"], f"{where}['on_contention']")
         task_policies[task_name] = checked
+    history_days = validate_history_days(_conf_get(conf, "mongolock_history_days"), "mongolock_history_days")
     settings = Settings(
         url=url,
         database=names["mongolock_database"],
@@ -195,6 +200,7 @@ def read_settings(conf: Any) -> Settings:
         on_contention=policy,
         operation_timeout=timeout,
         task_policies=task_policies,
+        history_days=history_days,
     )
     for task_name in task_policies:  # lease/heartbeat combinations are checked now, not at first run
         settings.for_task(task_name)
@@ -244,6 +250,7 @@ def get_store(app: Celery) -> LeaseStore:
                     lease_seconds=settings.lease_seconds,
                     heartbeat_seconds=settings.heartbeat_seconds,
                     operation_timeout=settings.operation_timeout,
+                    history_days=settings.history_days,
                 )
                 from . import signals
 

@@ -7,7 +7,11 @@ each tick:
 1. marks lost every lease whose local deadline is within the give-up margin (renewals kept failing);
 2. renews all the others with a single ``update`` matched on their owner tokens;
 3. retries background releases (of ambiguous acquires and of releases that failed) until they succeed
-   or the lease they were for has expired anyway.
+   or the lease they were for has expired anyway;
+4. inserts the lease history records queued since the last tick (the endings of leases this process
+   ended, and its own view of leases it lost) in one ``insert_many``: writing the history never adds a
+   round trip to a task's path. Queued records have a schedule of their own besides: they wait at most
+   the store's heartbeat interval, even while short runs keep putting the renewal tick off.
 
 A failed tick is retried sooner than the normal interval, so a blip costs little of the lease.
 
@@ -21,8 +25,8 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Collection
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .clock import Clock
@@ -31,6 +35,10 @@ if TYPE_CHECKING:
 __all__ = ["Heartbeat", "RenewalStore", "give_up_margin"]
 
 log = logging.getLogger("celery_mongolock.heartbeat")
+
+#: At most this many history records wait for MongoDB; beyond, the oldest are dropped (their endings
+#: are still in the lease documents' ``ends``).
+MAX_QUEUED_RECORDS = 10_000
 
 #: How late pymongo may notice a server-selection deadline (it re-checks every 0.5 s), plus a little.
 _SELECTION_SLACK = 0.55
@@ -53,6 +61,11 @@ class RenewalStore(Protocol):
     @property
     def operation_timeout(self) -> float: ...
 
+    @property
+    def heartbeat_seconds(self) -> float:
+        """The store's default renewal interval: queued history records wait at most this long."""
+        ...
+
     def has_writable_server(self) -> bool:
         """True if the driver currently knows a primary (no I/O)."""
         ...
@@ -65,6 +78,16 @@ class RenewalStore(Protocol):
         """Release the leases of these owner tokens in one round trip; return how many were released."""
         ...
 
+    def write_history(
+        self,
+        records: list[dict[str, Any]],
+        copies: Sequence[dict[str, Any]] = (),
+        timeout: float | None = None,
+    ) -> int:
+        """Insert history records, and copy the endings of the lease documents ``copies`` match; records
+        already stored are skipped. Return how many were new."""
+        ...
+
 
 class Heartbeat:
     """Keeps a store's leases alive from one daemon thread."""
@@ -75,6 +98,11 @@ class Heartbeat:
         self._pid = os.getpid()
         self._leases: dict[str, Lease] = {}
         self._pending: dict[str, tuple[str, float, bool]] = {}  # token -> (key, give up at, maybe)
+        self._history: list[dict[str, Any]] = []  # history records to insert at the next tick
+        self._copies: list[dict[str, Any]] = []  # lease documents whose endings to copy at the next tick
+        self._history_delay = store.heartbeat_seconds
+        self._history_due: float | None = None  # monotonic time to write the queued history by
+        self.history_written = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -123,6 +151,64 @@ class Heartbeat:
         self._ensure_thread()
         self._wake.set()
 
+    def record(self, record: dict[str, Any]) -> None:
+        """Queue a history record for the next tick (never a round trip of its own, never sooner)."""
+        self._queue_history(record, None)
+
+    def copy_endings(self, match: dict[str, Any]) -> None:
+        """Copy the endings of the lease documents ``match`` selects into the history at the next tick."""
+        self._queue_history(None, match)
+
+    def _queue_history(self, record: dict[str, Any] | None, match: dict[str, Any] | None) -> None:
+        with self._lock:
+            if record is not None:
+                self._history.append(record)
+                if len(self._history) > MAX_QUEUED_RECORDS:
+                    del self._history[: len(self._history) - MAX_QUEUED_RECORDS]
+            if match is not None:
+                self._copies.append(match)
+            # The history has a schedule of its own: a renewal tick that comes first writes it too, but
+            # back-to-back short runs put the renewal tick off again and again (see ``add``).
+            wake = False
+            if self._history_due is None:
+                due = self._history_due = self._clock.monotonic() + self._history_delay
+                wake = self._next_tick is None or due < self._next_tick
+        self._ensure_thread()
+        if wake:
+            self._wake.set()  # the thread may be waiting for a later tick, or for nothing: let it re-plan
+
+    def flush_history(self, timeout: float | None = None) -> bool:
+        """Insert the queued history records now; False (records kept for the next try) if MongoDB did
+        not answer."""
+        store = self._store()
+        if store is None:  # the store was dropped: so is what it queued, and this heartbeat stops
+            self._stopped.set()
+            return True
+        with self._lock:
+            records, self._history = self._history, []
+            copies, self._copies = self._copies, []
+            self._history_due = None
+        if not (records or copies):
+            return True
+        try:
+            written = store.write_history(records, copies, timeout=timeout)
+        except Exception as exc:
+            log.debug("writing %d history record(s) failed, will retry: %s", len(records), exc)
+            with self._lock:  # back in front of those queued meanwhile, the oldest dropped beyond the cap
+                self._history[:0] = records
+                del self._history[: max(0, len(self._history) - MAX_QUEUED_RECORDS)]
+                self._copies[:0] = copies
+                self._history_due = self._clock.monotonic() + min(1.0, self._history_delay)
+            return False
+        self.history_written += written
+        return True
+
+    def _flush_history_budget(self) -> bool:
+        """``flush_history`` within what the held leases can spare (never more than 2 s)."""
+        give_up = self._earliest_give_up()
+        budget = 2.0 if give_up is None else max(0.05, min(2.0, give_up - self._clock.monotonic()))
+        return self.flush_history(timeout=budget)
+
     @property
     def pid(self) -> int:
         """The process this heartbeat belongs to (it is never inherited across ``fork()``)."""
@@ -166,15 +252,24 @@ class Heartbeat:
         while not self._stopped.is_set():
             with self._lock:
                 next_tick = self._next_tick
-            if next_tick is None:
-                self._wake.wait()  # nothing to do until a lease or a pending release arrives
+                history_due = self._history_due
+            if next_tick is None and history_due is None:
+                self._wake.wait()  # nothing to do until a lease, a pending release or a record arrives
                 self._wake.clear()
                 continue
-            delay = next_tick - self._clock.monotonic()
+            now = self._clock.monotonic()
+            delay = min(t for t in (next_tick, history_due) if t is not None) - now
             if delay > 0:
                 self._wake.wait(delay)
                 self._wake.clear()
                 continue  # re-read the schedule: add() may have moved it earlier
+            if next_tick is None or next_tick > now:
+                # Only the history is due: write it, and leave the renewals to their own schedule.
+                try:
+                    self._flush_history_budget()
+                except Exception:  # pragma: no cover - flush_history catches what the store raises
+                    log.exception("writing the lease history failed")
+                continue
             try:
                 ok = self.tick()
             except Exception:  # never let the thread die: leases would silently stop renewing
@@ -244,6 +339,8 @@ class Heartbeat:
                         lease.mark_lost("renewals failed until just before the lease's deadline")
         if self._pending:
             ok = self._flush_pending(store, now) and ok
+        if self._history or self._copies:
+            ok = self._flush_history_budget() and ok
         return ok
 
     def _flush_pending(self, store: RenewalStore, now: float) -> bool:
@@ -266,6 +363,8 @@ class Heartbeat:
             for token, (_key, _until, maybe) in pending.items():
                 if not maybe:
                     self._pending.pop(token, None)
+            if released:  # their endings are in the lease documents: copy them into the history too
+                self._copies.append({"_id": {"$in": sorted({key for key, _, _ in pending.values()})}})
         if released:
             log.info("background release: %d lease(s) released", released)
         return True

@@ -61,6 +61,10 @@ class LeaseBackend(Protocol):
         """Stop renewing ``lease`` (it was released or lost)."""
         ...
 
+    def record_lost(self, lease: Lease, reason: str) -> None:
+        """Queue the holder's own view of ``lease``'s end, "lost", for the lease history (no I/O)."""
+        ...
+
 
 def aware(value: Any) -> _dt.datetime | None:
     """A datetime read from MongoDB as a timezone-aware UTC datetime (None if it is not a datetime)."""
@@ -146,6 +150,8 @@ class Lease:
         expires_at: _dt.datetime | None,
         sent_at: float,
         holder: Mapping[str, Any],
+        acquired_at: _dt.datetime | None = None,
+        waited_ms: int | None = None,
     ) -> None:
         self.store = store
         self.key = key
@@ -155,6 +161,12 @@ class Lease:
         self.heartbeat_seconds = heartbeat_seconds
         self.expires_at = expires_at
         self.holder = dict(holder)
+        #: Server time of the acquisition, and how long the run waited for the key (None: not known).
+        self.acquired_at = acquired_at
+        self.waited_ms = waited_ms
+        #: Monotonic time the acquisition's reply arrived: with ``acquired_at``, an estimate of the
+        #: server's time later on (for the lease history).
+        self.acquired_mono = store.clock.monotonic()
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._deadline = sent_at + local_ttl(ttl)
@@ -245,6 +257,8 @@ class Lease:
         self._lost_event.set()
         log_renew.warning("lease %r (fence %s) lost: %s", self.key, self.fence, reason)
         self.store.forget(self)
+        if self.pid == os.getpid():
+            self.store.record_lost(self, reason)
         if release and self.pid == os.getpid():
             # Make sure the token frees the key once MongoDB answers (a late copy of a renewal or of the
             # acquire must not leave it taken for nobody). Not needed when the token was seen not to match.

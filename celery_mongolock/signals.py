@@ -64,7 +64,8 @@ def _send_lost(lease: Lease, reason: str) -> None:
 
 
 def release_all_held(**_: Any) -> None:
-    """Release every lease this process holds (graceful shutdown of a worker process)."""
+    """Release every lease this process holds and write its queued lease history (graceful shutdown of a
+    worker process)."""
     for app in list(_known_apps):
         store = getattr(app, "_mongolock_store", None)
         if store is None:
@@ -75,6 +76,9 @@ def release_all_held(**_: Any) -> None:
                 log.info("released %r at worker shutdown", lease.key)
             except Exception as exc:
                 log.warning("could not release %r at shutdown (it will expire): %s", lease.key, exc)
+        # The lease history this process queued since its heartbeat's last tick (the endings stay in the
+        # lease documents' ``ends`` if MongoDB does not answer).
+        store.flush_history(timeout=2.0)
 
 
 worker_process_shutdown.connect(release_all_held, weak=False, dispatch_uid="celery_mongolock.release_all")

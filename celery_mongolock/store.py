@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import datetime as _dt
 import logging
 import math
 import os
@@ -50,6 +51,7 @@ from pymongo import MongoClient, ReadPreference, ReturnDocument
 from pymongo.collection import Collection
 from pymongo.errors import (
     AutoReconnect,
+    BulkWriteError,
     ConnectionFailure,
     DuplicateKeyError,
     ExecutionTimeout,
@@ -68,9 +70,11 @@ from . import _documents as documents
 from ._documents import MAX_INFO_BYTES, Document
 from ._urls import redact, validate_mongo_url
 from ._validation import (
+    DEFAULT_HISTORY_DAYS,
     DEFAULT_LEASE_SECONDS,
     MAX_LEASE_SECONDS,
     MIN_LEASE_SECONDS,
+    validate_history_days,
     validate_lease_timing,
     validate_names,
     validate_seconds,
@@ -78,6 +82,7 @@ from ._validation import (
 from .clock import Clock, SystemClock
 from .exceptions import ConfigurationError, LeaseLost, LockContended, StoreUnavailable
 from .heartbeat import Heartbeat
+from .history import KeyStory, LeaseEnding, merge_endings
 from .keys import normalize_key
 from .lease import Lease, LeaseInfo, LostCallback, aware, local_ttl
 
@@ -105,6 +110,27 @@ HandoffCallback = Callable[[str, Document, Document], None]
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
 log_renew = logging.getLogger("celery_mongolock.renew")
+log_history = logging.getLogger("celery_mongolock.history")
+
+#: Holder info fields and the ending fields they are recorded as (``_documents.ending_expr``).
+_ENDING_FIELDS = {
+    "task_id": "t",
+    "task_name": "n",
+    "delivery": "run",
+    "host": "host",
+    "pid": "pid",
+    "worker": "worker",
+}
+
+
+def _ended_for(holder: Mapping[str, Any]) -> Document:
+    """The lease documents with a ``holder-died`` ending for ``holder`` in ``ends``: found again at the
+    heartbeat's tick even if the key has been taken again meanwhile (its ``holder`` replaced)."""
+    fields = {_ENDING_FIELDS.get(name): value for name, value in holder.items()}
+    if None in fields:  # a holder field that endings do not record: match the documents' holder
+        return {f"holder.{name}": value for name, value in holder.items()}
+    return {"ends": {"$elemMatch": {"how": "holder-died", **fields}}}
+
 
 # Every store of the process, so that a forked child gets fresh locks: a lock another thread of the
 # parent (a heartbeat, a release) held at the moment of fork would otherwise stay locked in the child.
@@ -150,6 +176,7 @@ class LeaseStore:
         client_options: Mapping[str, Any] | None = None,
         clock: Clock | None = None,
         on_lost: LostCallback | None = None,
+        history_days: float = DEFAULT_HISTORY_DAYS,
     ) -> None:
         if isinstance(client_or_url, str):
             self._url: str | None = validate_mongo_url(client_or_url)
@@ -187,6 +214,9 @@ class LeaseStore:
         self.write_concern = write_concern
         self.read_preference = read_preference or ReadPreference.PRIMARY
         self.client_options = dict(client_options or {})
+        #: Days the history collection keeps a lease's record (0: no history collection; the lease
+        #: documents' ``ends`` are kept either way).
+        self.history_days = validate_history_days(history_days)
         self.clock: Clock = clock or SystemClock()
         self._lost_callbacks: builtins.list[LostCallback] = [on_lost] if on_lost else []
         self._handoff_callbacks: builtins.list[HandoffCallback] = []
@@ -245,6 +275,19 @@ class LeaseStore:
         )
 
     @property
+    def history_collection_name(self) -> str:
+        """``<collection>.history``: one record per ended lease and view (see ``history``)."""
+        return f"{self.collection_name}.history"
+
+    @property
+    def history_collection(self) -> Collection[Document]:
+        return self.client[self.database_name].get_collection(
+            self.history_collection_name,
+            write_concern=self.write_concern,
+            read_preference=self.read_preference,
+        )
+
+    @property
     def url(self) -> str | None:
         """The URL with credentials masked (None when the store was given a client)."""
         return redact(self._url) if self._url else None
@@ -258,6 +301,7 @@ class LeaseStore:
                 with contextlib.suppress(Exception):
                     lease.release()
             hb.stop()
+            hb.flush_history(timeout=1.0)  # the records of leases that ended since the last tick
         self._heartbeat = None
         if self._client_cache is not None and self._pid == os.getpid():
             self._client_cache.close()
@@ -343,7 +387,44 @@ class LeaseStore:
             except OperationFailure as exc:
                 if exc.code != 27:  # IndexNotFound: the usual case
                     raise
+        if self.history_days:
+            self._ensure_history_indexes()
         self._indexes_ready = True
+
+    def _ensure_history_indexes(self) -> None:
+        """The history collection's indexes: by key and fence, and the TTL index on the end (``e``) with
+        ``expireAfterSeconds = history_days * 86400``; a changed ``history_days`` is applied with
+        ``collMod``."""
+        coll = self.history_collection
+        ttl = int(self.history_days * 86400)
+        with self._operation("create lease history indexes"):
+            for spec, options in (
+                ([("k", pymongo.ASCENDING), ("f", pymongo.DESCENDING)], {"name": "k_f"}),
+                ([("e", pymongo.ASCENDING)], {"name": "e_ttl", "expireAfterSeconds": ttl}),
+            ):
+                try:
+                    coll.create_index(spec, **options)
+                except OperationFailure as exc:
+                    if exc.code == 68:  # created meanwhile by another process
+                        continue
+                    current = {ix["name"]: ix for ix in coll.list_indexes()}.get(options["name"])
+                    old = None if current is None else current.get("expireAfterSeconds")
+                    if exc.code not in (85, 86) or "expireAfterSeconds" not in options or old is None:
+                        raise ConfigurationError(
+                            f"collection {self.database_name}.{self.history_collection_name} has an index "
+                            f"that conflicts with {options['name']!r}: "
+                            f"{exc.details and exc.details.get('errmsg')}"
+                        ) from None
+                    # Another history_days: apply ours (the setting says how long records are kept).
+                    self.client[self.database_name].command(
+                        {
+                            "collMod": self.history_collection_name,
+                            "index": {"name": "e_ttl", "expireAfterSeconds": ttl},
+                        }
+                    )
+                    log_history.info(
+                        "lease history: records now kept %g days (was %g)", self.history_days, old / 86400
+                    )
 
     def _ready_collection(self) -> Collection[Document]:
         self._check_pid()
@@ -404,6 +485,8 @@ class LeaseStore:
         tick: int | None = None,
         hold_until_ms: int | None = None,
         admission: Mapping[str, Any] | None = None,
+        waited_ms: int | None = None,
+        waited_since_ms: int | None = None,
     ) -> tuple[Lease | None, Document | None]:
         """One acquire (with its retries on an ambiguous outcome): ``(lease, None)`` when taken, else
         ``(None, the document)``. ``admission``: the keyword arguments of ``_admission.admit_pipeline``
@@ -427,7 +510,7 @@ class LeaseStore:
         ttl_ms = int(ttl_s * 1000)
         holder = documents.holder_info(self._host, os.getpid(), info)
         token = uuid.uuid4().hex
-        projection: Document | None = None
+        projection: Document | None = documents.ACQUIRE_PROJECTION
         if admission is None:
             pipeline = documents.acquire_pipeline(
                 token,
@@ -436,10 +519,18 @@ class LeaseStore:
                 tick=tick,
                 min_hold_ms=int(hold_s * 1000),
                 hold_until_ms=hold_until_ms,
+                waited_ms=waited_ms,
+                waited_since_ms=waited_since_ms,
             )
         else:
             fields = documents.acquire_fields(
-                token, ttl_ms, holder, min_hold_ms=int(hold_s * 1000), hold_until_ms=hold_until_ms
+                token,
+                ttl_ms,
+                holder,
+                min_hold_ms=int(hold_s * 1000),
+                hold_until_ms=hold_until_ms,
+                waited_ms=waited_ms,
+                waited_since_ms=waited_since_ms,
             )
             pipeline = admission_docs.admit_pipeline(fields, token=token, **admission)
             projection = admission_docs.ADMIT_PROJECTION
@@ -533,9 +624,14 @@ class LeaseStore:
             expires_at=aware(doc.get("expires_at")),
             sent_at=sent_at,
             holder=holder,
+            acquired_at=aware(doc.get("acquired_at")),
+            waited_ms=doc.get("waited_ms"),
         )
         if ambiguous:
             lease._ambiguous_until = landing_window
+        taken_over = documents.ended_by_takeover(doc)
+        if taken_over is not None:
+            self._record(documents.history_record(key, taken_over))
         log_acquire.info("acquired lease %r fence=%s ttl=%gs", key, lease.fence, ttl_s)
         if heartbeat:
             self.heartbeat.add(lease)
@@ -759,6 +855,12 @@ class LeaseStore:
         log_release.info("released lease %r%s", key, "" if released else " (it was no longer ours)")
         if doc is not None:
             self._handed(key, doc, token)
+        if released:
+            self._record(self._local_ending(lease, "released"))
+        elif lease.acquired_at is not None:
+            self.record_lost(
+                lease, "its release matched nothing: released by force, or expired and taken over"
+            )
         return released
 
     # -- handoffs ------------------------------------------------------------------------------------
@@ -877,6 +979,9 @@ class LeaseStore:
                     self._handed(key, doc, token)
         if released:
             log_release.warning("released %d lease(s) held by %s", released, holder)
+            if self.history_days:
+                # The endings are in the documents (same update); the heartbeat copies them at its tick.
+                self.heartbeat.copy_endings(_ended_for(holder))
         return released
 
     def force_release(self, key: str) -> bool:
@@ -895,9 +1000,115 @@ class LeaseStore:
                 return_document=ReturnDocument.AFTER,
             )
         log_release.warning("force-released lease %r: %s", key, "it was held" if doc else "it was free")
+        if doc is not None and self.history_days:
+            # An operator's command, often from a process that exits right after: copy the ending into
+            # the history now (two more commands, never on a task's path).
+            with contextlib.suppress(StoreUnavailable, ConfigurationError):
+                self.write_history([], [{"_id": key}], timeout=min(self.operation_timeout, 5.0))
         if doc is not None:
             self._handed(key, doc, token)
         return doc is not None
+
+    # -- history -------------------------------------------------------------------------------------
+    def _server_now(self, lease: Lease) -> _dt.datetime:
+        """The server's time now, estimated from the lease's acquisition (server time) carried forward on
+        the monotonic clock: no round trip. Off by at most the acquire's round trip and the drift."""
+        if lease.acquired_at is None:
+            return _dt.datetime.now(_dt.timezone.utc)
+        elapsed = max(0.0, self.clock.monotonic() - lease.acquired_mono)
+        now = lease.acquired_at + _dt.timedelta(seconds=elapsed)
+        return now.replace(microsecond=now.microsecond // 1000 * 1000)  # BSON dates are milliseconds
+
+    def _local_ending(
+        self, lease: Lease, how: str, view: str = documents.SERVER_VIEW, **extra: Any
+    ) -> Document:
+        """The history record of ``lease``'s end as this process saw it (no I/O)."""
+        holder = lease.holder
+        ending: Document = {
+            field: holder[name] for name, field in _ENDING_FIELDS.items() if holder.get(name) is not None
+        }
+        if "n" not in ending and holder.get("role") is not None:
+            ending["n"] = holder["role"]
+        ending.update(
+            f=lease.fence, a=lease.acquired_at, e=self._server_now(lease), w=lease.waited_ms, how=how, **extra
+        )
+        return documents.history_record(lease.key, ending, view)
+
+    def _record(self, record: Document) -> None:
+        """Queue a history record; the heartbeat thread inserts it at its next tick."""
+        if self.history_days:
+            self.heartbeat.record(record)
+
+    def record_lost(self, lease: Lease, reason: str) -> None:
+        """Queue the holder's own view of a lease it lost ("lost", with the reason) for the history."""
+        if lease.acquired_at is not None:  # a lease this store issued (not a made-up Lease object)
+            self._record(self._local_ending(lease, "lost", documents.HOLDER_VIEW, why=reason))
+
+    def write_history(
+        self,
+        records: builtins.list[Document],
+        copies: Sequence[Document] = (),
+        timeout: float | None = None,
+    ) -> int:
+        """Insert history records (``insert_many``, unordered; a record already there is skipped: its
+        ``_id`` is key + fence + view). ``copies``: lease documents (filters) whose endings are copied in
+        as well, read in one ``find``. Returns how many were new. ``StoreUnavailable`` if MongoDB does not
+        answer."""
+        if not self.history_days:
+            return 0
+        records = builtins.list(records)
+        if not self._indexes_ready:  # the TTL index before the first record (an operator's process)
+            self.ensure_indexes()
+        with self._operation("write the lease history", timeout=timeout):
+            if copies:
+                query = copies[0] if len(copies) == 1 else {"$or": builtins.list(copies)}
+                for doc in self.collection.find(query, {"ends": 1}):
+                    records += [documents.history_record(doc["_id"], e) for e in doc.get("ends") or []]
+            if not records:
+                return 0
+            try:
+                return len(self.history_collection.insert_many(records, ordered=False).inserted_ids)
+            except BulkWriteError as exc:
+                errors = exc.details.get("writeErrors") or []
+                if any(e.get("code") != 11000 for e in errors):
+                    raise
+                return int(exc.details.get("nInserted") or 0)
+
+    def flush_history(self, timeout: float | None = None) -> bool:
+        """Insert the history records this process has queued now, instead of at the heartbeat's next
+        tick (at a worker process's shutdown); False if MongoDB did not answer (they stay queued)."""
+        hb = self._heartbeat
+        if hb is None or hb.pid != os.getpid():
+            return True
+        return hb.flush_history(timeout=timeout)
+
+    def why(self, key: str) -> KeyStory | None:
+        """Why ``key`` is (not) running: its lease document, holder, expiry on the server's clock, parked
+        runs and last endings, read in one command (``celery mongolock why``). None if there is no lease
+        document for ``key`` (never taken, or removed by the TTL index after it expired)."""
+        key = normalize_key(key)
+        with self._operation(f"read lease {key!r}"):
+            docs = builtins.list(self.collection.aggregate(documents.story_pipeline(key)))
+        return KeyStory.from_document(docs[0]) if docs else None
+
+    def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:
+        """How the last ``limit`` leases of ``key`` ended, newest first (``celery mongolock history``).
+
+        The history collection (kept ``history_days``) merged with the lease document's ``ends`` (the
+        last 8 endings, written by the ending commands themselves: they are there even when the process
+        that ended a lease was killed before writing its history), one entry per acquisition (fence).
+        """
+        key = normalize_key(key)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigurationError(f"limit must be a positive int, got {limit!r}")
+        with self._operation(f"read the history of {key!r}"):
+            doc = self.collection.find_one({"_id": key}, {"ends": 1}) or {}
+            stored: builtins.list[Document] = []
+            if self.history_days:
+                stored = builtins.list(
+                    self.history_collection.find({"k": key}).sort("f", pymongo.DESCENDING).limit(limit * 2)
+                )
+        return merge_endings(key, doc.get("ends") or [], stored, limit, documents.HOLDER_VIEW)
 
     # -- reading -------------------------------------------------------------------------------------
     def _read(self, match: Document, action: str) -> builtins.list[LeaseInfo]:

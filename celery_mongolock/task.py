@@ -22,6 +22,7 @@ import contextvars
 import datetime as _dt
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
@@ -60,6 +61,9 @@ log_release = logging.getLogger("celery_mongolock.release")
 QUEUED = "QUEUED"
 #: Message header counting contention retries, kept apart from the task's own ``retries``.
 CONTENTION_HEADER = "mongolock_contention_retries"
+#: Epoch ms (the sender's clock) of a run's first contention, carried by its contention retries: the lease
+#: history counts the run's wait for its key from it (``waited_ms``).
+CONTENDED_SINCE_HEADER = "mongolock_contended_since"
 #: Set on the copy of a message delivered again while its first run still held the key (see
 #: ``SingletonTask._park_duplicate``).
 DUPLICATE_HEADER = "mongolock_parked_duplicate"
@@ -290,7 +294,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                 key,
             )
             raise Ignore()
+        # How long this run has waited for its key (the lease history's ``waited_ms``): from its first
+        # contention, carried across contention retries by a header; counted here while it waits.
+        contended_since = _contended_since(request)
+        contended_at: float | None = None
         while True:
+            waited_ms = 0 if contended_at is None else int((store.clock.monotonic() - contended_at) * 1000)
             try:
                 lease, doc = store._try_acquire(
                     key,
@@ -301,11 +310,15 @@ class SingletonTask(Task):  # type: ignore[misc]
                     min_hold=options.min_hold_seconds,
                     tick=tick,
                     hold_until_ms=hold_until_ms,
+                    waited_ms=waited_ms,
+                    waited_since_ms=contended_since,
                 )
             except StoreUnavailable as exc:
                 return self._unavailable(key, exc, policy, direct)
             if lease is not None:
                 return lease
+            if contended_at is None:
+                contended_at = store.clock.monotonic()
             doc = doc or {}
             holder = dict(doc.get("holder") or {})
             expires_at = _aware(doc.get("expires_at"))
@@ -511,6 +524,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise exc
         countdown = policy.delay(attempt)
         headers[CONTENTION_HEADER] = attempt + 1
+        headers.setdefault(CONTENDED_SINCE_HEADER, int(time.time() * 1000))
         signature = self.signature_from_request(request, countdown=countdown, headers=headers)
         self._republish(signature, "contention retry")
         # One INFO line per contention: Celery's own "Task ...[id] retry: <message>" carries the key, the
@@ -538,6 +552,12 @@ def _delivery(request: Any) -> str:
     same message (redelivered, parked) has the same; ``Task.retry()`` and a contention retry do not."""
     headers = getattr(request, "headers", None) or {}
     return f"{int(getattr(request, 'retries', 0) or 0)}.{int(headers.get(CONTENTION_HEADER) or 0)}"
+
+
+def _contended_since(request: Any) -> int | None:
+    """Epoch ms of the run's first contention, from the header its contention retries carry."""
+    value = (getattr(request, "headers", None) or {}).get(CONTENDED_SINCE_HEADER)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _beat_tick(request: Any) -> tuple[int | None, int | None]:

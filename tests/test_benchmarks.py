@@ -140,3 +140,26 @@ def test_the_report_has_every_benchmark(
     names = [t["name"] for t in targets]
     assert any(n.startswith("recovery: worker child killed") for n in names)
     assert any(n.startswith("acquire + release of a new key") for n in names)
+
+
+def test_history_benchmark_counts_no_command_on_the_tasks_path(tmp_path: Path) -> None:
+    out = tmp_path / "history.json"
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "history.py"),
+        "--quick",
+        "--iterations=40",
+        "--rounds=2",
+        "--flush-reps=2",
+        f"--out={out}",
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    on, off = data["variants"]["history_on"], data["variants"]["history_off"]
+    for variant in (on, off):
+        assert variant["task_thread_commands_per_run"] == {"findAndModify": 1.0, "update": 1.0}
+    assert on["history_records"] == on["runs"] + 20  # every run, and the warm-up's 20
+    assert set(on["background_commands"]) == {"insert"} and off["background_commands"] == {}
+    assert off["history_collection_exists"] is False
+    assert data["summary"] and data["latency_ratio_on_off_median"] > 0

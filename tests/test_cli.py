@@ -12,6 +12,7 @@ import pytest
 
 from celery_mongolock import LeaseStore
 
+from .servers import wait_for
 from .workers import ROOT
 
 
@@ -130,3 +131,67 @@ def test_passwords_never_printed(db_name: str) -> None:
     assert "MongoDB did not answer" in out.stderr
     watch = run(url, db_name, "watch", "--count", "1", MONGOLOCK_IT_OP_TIMEOUT="0.5")
     assert "s3cretPW" not in watch.stdout + watch.stderr
+
+
+def test_history_and_why_on_real_data(mongo_url: str, db_name: str) -> None:
+    store = LeaseStore(mongo_url, database=db_name, lease_seconds=60)
+    try:
+        first = store.acquire(
+            "email-group:7", info={"task_name": "upload", "task_id": "t-1", "worker": "w1@h1"}
+        )
+        assert first is not None and first.release()
+        second = store.acquire(
+            "email-group:7", info={"task_name": "upload", "task_id": "t-2", "worker": "w1@h1"}
+        )
+        assert second is not None
+        assert store.flush_history()
+
+        out = run(mongo_url, db_name, "why", "email-group:7")
+        assert out.returncode == 0, out.stderr
+        verdict, blank, *details = out.stdout.splitlines()
+        assert verdict.startswith("email-group:7: held by w1@h1 pid ")
+        assert "(task upload[t-2]) since " in verdict and "on the server's clock" in verdict and blank == ""
+        assert any(
+            line.startswith("last ends") and "released" in line and "upload[t-1]" in line for line in details
+        )
+        data = json.loads(run(mongo_url, db_name, "why", "email-group:7", "--json").stdout)
+        assert data["state"] == "held" and data["fence"] == second.fence and 0 < data["expires_in"] <= 60
+
+        forced = run(mongo_url, db_name, "release", "email-group:7", "--force")
+        assert forced.returncode == 0, forced.stderr
+        out = run(mongo_url, db_name, "history", "email-group:7")
+        assert out.returncode == 0, out.stderr
+        header, newest, oldest = out.stdout.splitlines()
+        assert header.split()[:4] == ["FENCE", "HOW", "TASK", "WHERE"]
+        assert newest.split()[:3] == [str(second.fence), "forced", "upload[t-2]"]
+        assert oldest.split()[:3] == [str(first.fence), "released", "upload[t-1]"]
+        records = json.loads(
+            run(mongo_url, db_name, "history", "email-group:7", "--json", "--limit", "1").stdout
+        )
+        assert [(r["fence"], r["how"], r["task_id"]) for r in records] == [(second.fence, "forced", "t-2")]
+        # The CLI process wrote the forced ending into the history collection itself before exiting.
+        assert store.history_collection.count_documents({"k": "email-group:7", "how": "forced"}) == 1
+        out = run(mongo_url, db_name, "why", "email-group:7")
+        assert out.stdout.startswith("email-group:7: free (force-released ")
+
+        expired = store.acquire("tenant:3", ttl=1, info={"task_name": "sync", "task_id": "t-3"})
+        assert expired is not None
+
+        def past_expiry() -> bool:
+            info = store.inspect("tenant:3")
+            return info is not None and info.expires_in is not None and info.expires_in < 0
+
+        wait_for(past_expiry, timeout=10, message="the lease to expire on the server")
+        out = run(mongo_url, db_name, "why", "tenant:3")
+        assert out.returncode == 0 and " not yet taken over: " in out.stdout.splitlines()[0]
+
+        missing = run(mongo_url, db_name, "why", "nope")
+        assert missing.returncode == 1 and "no lease 'nope'" in missing.stderr and missing.stdout == ""
+        assert run(mongo_url, db_name, "why", "nope", "--json").stdout == "null\n"
+        empty = run(mongo_url, db_name, "history", "nope")
+        assert empty.returncode == 0 and empty.stdout == "no endings recorded for 'nope'\n"
+        bad = run(mongo_url, db_name, "history", "email-group:7", "--limit", "0")
+        assert bad.returncode == 2
+    finally:
+        store.client.drop_database(db_name)
+        store.close()

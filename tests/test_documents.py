@@ -480,7 +480,7 @@ def test_history_records_and_reads() -> None:
     assert record["k"] == "k" and record["v"] == "s" and record["how"] == "released"
     assert documents.history_id("k", 5, "h") == "k\x00" + "5".zfill(20) + "\x00h"
     assert documents.history_id("k", 5, "h") != documents.history_id("k", 5, "s")
-    assert documents.read_pipeline({})[-1] == {"$project": {"ends": 0}}  # list and inspect stay small
+    assert documents.read_pipeline({})[-1] == {"$project": {"ends": 0, "seen": 0, "q.m": 0, "ho.m": 0}}
     assert documents.story_pipeline("k")[0] == {"$match": {"_id": "k"}}
     assert documents.ACQUIRE_PROJECTION == {"ends": {"$slice": -1}}
     assert documents.ended_by_takeover(None) is None

@@ -523,3 +523,72 @@ def test_warm_shutdown_lets_the_task_finish_and_release(cluster: Cluster) -> Non
     assert cluster.runs(t, "end")
     info = cluster.store.inspect(f"resource:{resource}")
     assert info is not None and not info.held
+
+
+# -- the lease history (issue 17, part 3) -----------------------------------------------------------------
+
+
+def _history_of(cluster: Cluster, key: str, task_id: str) -> Any:
+    """The history entry of ``task_id``'s run on ``key`` once its worker's heartbeat wrote it."""
+    wait_for(
+        lambda: cluster.store.history_collection.count_documents({"k": key, "t": task_id}),
+        timeout=30,
+        message=f"the history of {task_id} to be written by its worker",
+    )
+    [entry] = [e for e in cluster.store.history(key) if e.task_id == task_id]
+    return entry
+
+
+def test_history_of_runs_that_waited_through_real_workers(cluster: Cluster) -> None:
+    resource = tag()
+    key = f"resource:{resource}"
+    for task, policy in ((it.waiter, "wait"), (it.retrier, "retry")):
+        lease = cluster.store.acquire(key, ttl=30)
+        assert lease is not None
+        res = task.delay(resource, tag(), 0.1)
+        query = {"kind": "contended", "key": key, "policy": policy}
+
+        def first_contention(q: dict[str, Any] = query) -> dict[str, Any] | None:
+            found: dict[str, Any] | None = cluster.db["runs"].find_one(q)
+            return found
+
+        contended = wait_for(first_contention, timeout=30, message=f"the {policy} run to find the key held")
+        assert contended is not None
+        released_at = time.time()
+        lease.release()
+        res.get(timeout=60)
+        entry = _history_of(cluster, key, res.id)
+        assert entry.how == "released" and entry.task_name == task.name
+        assert entry.worker in ("w1@localhost", "w2@localhost") and entry.pid and entry.host
+        # It waited at least from its first contention to the release (same machine's clock, less 50 ms
+        # for the server's clock reading).
+        assert entry.waited_ms is not None, entry
+        assert entry.waited_ms >= (released_at - contended["t"]) * 1000 - 50, (policy, entry)
+        assert entry.held_seconds is not None and entry.held_seconds >= 0.1
+    # A run that got its key at once waited 0.
+    res = it.guarded.delay(resource, tag(), 0.1)
+    res.get(timeout=60)
+    assert _history_of(cluster, key, res.id).waited_ms == 0
+
+
+def test_history_says_holder_died_for_a_killed_child(cluster: Cluster) -> None:
+    import os
+    import signal
+
+    w = cluster.worker(
+        name=f"h{tag()}@localhost", env=cluster.env(MONGOLOCK_IT_LEASE=60), extra_args=["-Q", "hq"]
+    )
+    resource, t = tag(), tag()
+    key = f"resource:{resource}"
+    res = it.guarded.apply_async((resource, t, 30), queue="hq")
+    start = wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")[0]
+    os.kill(start["pid"], signal.SIGKILL)
+    # The worker's parent releases the dead child's lease and writes its ending into the history.
+    wait_for(
+        lambda: cluster.store.history_collection.count_documents({"k": key, "how": "holder-died"}),
+        timeout=30,
+        message="the parent to record the dead child's lease",
+    )
+    [died] = [e for e in cluster.store.history(key) if e.fence == start["fence"]]
+    assert (died.how, died.task_id, died.pid) == ("holder-died", res.id, start["pid"])
+    w.kill()

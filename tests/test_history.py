@@ -1,0 +1,263 @@
+"""The lease history (issue 17, part 3): every way a lease ends is recorded once, off the task's path, and
+survives a process killed before it wrote its history (the lease document's ``ends``). Real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+from pymongo import MongoClient
+
+from celery_mongolock import ConfigurationError, LeaseStore
+from celery_mongolock._documents import HOLDER_VIEW, SERVER_VIEW, history_id, story_pipeline
+from celery_mongolock.config import read_settings
+
+from .conftest import CommandCounter
+from .servers import wait_for
+
+INFO = {"task_name": "app.upload", "task_id": "t-1", "worker": "w1@h1", "delivery": "0.0"}
+
+
+def stored(store: LeaseStore, key: str) -> list[dict[str, Any]]:
+    """The history collection's records of ``key``, oldest first (the server's view before the holder's)."""
+    return list(store.history_collection.find({"k": key}).sort([("f", 1), ("v", -1)]))
+
+
+def test_release_is_recorded_once_without_a_command_on_the_tasks_path(
+    store: LeaseStore, counter: CommandCounter
+) -> None:
+    store.ensure_indexes()
+    counter.clear()
+    lease = store.acquire("k", info=INFO, heartbeat=True, heartbeat_seconds=1)
+    assert lease is not None
+    assert lease.release() is True
+    # Acquire and release: the same two commands as without a history.
+    assert counter.names() == ["findAndModify", "findAndModify"]
+    # The heartbeat thread writes the record at its next tick, in one insert.
+    wait_for(lambda: stored(store, "k"), timeout=10, message="the heartbeat to write the history")
+    assert "insert" in counter.names()
+    [record] = stored(store, "k")
+    assert record["_id"] == history_id("k", lease.fence, SERVER_VIEW)
+    assert record["how"] == "released" and record["f"] == lease.fence
+    assert (record["t"], record["n"], record["worker"], record["run"]) == (
+        "t-1",
+        "app.upload",
+        "w1@h1",
+        "0.0",
+    )
+    assert record["host"] and record["pid"] == os.getpid() and record["a"] <= record["e"]
+    [entry] = store.history("k")
+    assert (entry.how, entry.fence, entry.task, entry.source) == (
+        "released",
+        lease.fence,
+        "app.upload[t-1]",
+        "ends",
+    )
+    assert entry.held_seconds is not None and entry.held_seconds >= 0
+    # Written again (a retry after a lost reply): still one record.
+    assert store.write_history([dict(record)]) == 0
+    assert len(stored(store, "k")) == 1
+
+
+def test_each_ending_kind_is_recorded_once_with_its_how(make_store: Any) -> None:
+    worker = make_store(lease_seconds=1)  # no heartbeat on these leases: they may expire
+    other = make_store(lease_seconds=30)
+    # released
+    released = worker.acquire("released", info=INFO)
+    assert released is not None and released.release()
+    # expired: taken over by another store once its lease ran out
+    expired = worker.acquire("expired", info={**INFO, "task_id": "t-exp"})
+    assert expired is not None
+    taker = wait_for(lambda: other.acquire("expired", ttl=30), timeout=15, message="takeover after expiry")
+    # holder-died: the worker's parent releases the leases of a child that died
+    died = worker.acquire("died", ttl=30, info={**INFO, "task_id": "t-died"})
+    assert died is not None
+    assert other.release_held_by(task_id="t-died", pid=os.getpid()) == 1
+    # forced, and the holder's own view: lost
+    forced = worker.acquire("forced", ttl=30, info={**INFO, "task_id": "t-forced"}, heartbeat=True)
+    assert forced is not None
+    assert other.force_release("forced")
+    assert worker.heartbeat.tick()  # the renewal matches nothing: the holder sees its lease lost
+    assert forced.lost
+    assert worker.flush_history() and other.flush_history()
+
+    def hows(key: str) -> list[tuple[str, str]]:
+        return [(r["how"], r["v"]) for r in stored(worker, key)]
+
+    assert hows("released") == [("released", SERVER_VIEW)]
+    assert hows("expired") == [("expired", SERVER_VIEW)]
+    assert hows("died") == [("holder-died", SERVER_VIEW)]
+    assert hows("forced") == [("forced", SERVER_VIEW), ("lost", HOLDER_VIEW)]
+    [exp] = stored(worker, "expired")
+    assert exp["f"] == expired.fence and exp["t"] == "t-exp" and exp["seen"] >= exp["e"]
+    [lost] = [r for r in stored(worker, "forced") if r["v"] == HOLDER_VIEW]
+    assert "matched nothing" in lost["why"] and lost["f"] == forced.fence
+    # history(): one entry per acquisition; the holder's view beside the server's.
+    assert [(e.how, e.fence) for e in worker.history("released")] == [("released", released.fence)]
+    assert [(e.how, e.fence) for e in worker.history("expired")] == [("expired", expired.fence)]
+    assert [(e.how, e.task_id) for e in worker.history("died")] == [("holder-died", "t-died")]
+    [f] = worker.history("forced")
+    assert (f.how, f.holder_saw, f.fence) == ("forced", "lost", forced.fence)
+    assert f.holder_saw_why is not None and "matched nothing" in f.holder_saw_why
+    taker.release()
+
+
+def test_a_holder_that_gives_up_records_lost_beside_its_release(make_store: Any) -> None:
+    """A lease that ran out on its holder's side: the holder records "lost" (its view), and the release it
+    then sends in the background (so the key is not left taken for nobody) is the server's ending."""
+    holder = make_store(lease_seconds=1)
+    lease = holder.acquire("k", info=INFO)
+    assert lease is not None
+    wait_for(lambda: lease.lost, timeout=10, message="the local deadline to pass")
+    wait_for(
+        lambda: [e.how for e in holder.history("k")] == ["released"],
+        timeout=10,
+        message="the background release",
+    )
+    assert holder.flush_history()
+    [entry] = holder.history("k")
+    assert (entry.how, entry.holder_saw, entry.fence) == ("released", "lost", lease.fence)
+    assert entry.holder_saw_why is not None and "deadline" in entry.holder_saw_why
+    assert [(r["how"], r["v"]) for r in stored(holder, "k")] == [
+        ("released", SERVER_VIEW),
+        ("lost", HOLDER_VIEW),
+    ]
+
+
+def test_history_is_newest_first_limited_and_merged_with_ends(make_store: Any) -> None:
+    store = make_store(lease_seconds=30)
+    fences = []
+    for _ in range(12):
+        lease = store.acquire("k", info=INFO)
+        assert lease is not None and lease.release()
+        fences.append(lease.fence)
+    # Nothing flushed yet: the last 8 come from ends alone.
+    assert [e.fence for e in store.history("k", limit=20)] == fences[::-1][:8]
+    assert store.flush_history()
+    everything = store.history("k", limit=20)
+    assert [e.fence for e in everything] == fences[::-1]
+    assert {e.source for e in everything[:8]} == {"ends"} and {e.source for e in everything[8:]} == {
+        "history"
+    }
+    assert [e.fence for e in store.history("k", limit=3)] == fences[::-1][:3]
+    with pytest.raises(ConfigurationError, match="limit"):
+        store.history("k", limit=0)
+
+
+def test_a_process_killed_before_writing_its_history_still_shows_the_ending(
+    mongo_url: str, db_name: str, make_store: Any
+) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from celery_mongolock import LeaseStore
+        store = LeaseStore({mongo_url!r}, database={db_name!r}, lease_seconds=60)
+        lease = store.acquire("k", info={{"task_name": "app.upload", "task_id": "t-killed"}}, heartbeat=True)
+        lease.release()
+        print(lease.fence, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        fence = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGKILL)  # long before its heartbeat's first tick (20 s)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    reader = make_store()
+    reader.ensure_indexes()
+    assert stored(reader, "k") == []  # it never wrote its history
+    [entry] = reader.history("k")
+    assert (entry.how, entry.fence, entry.task_id, entry.source) == ("released", fence, "t-killed", "ends")
+
+
+def test_history_days_zero_writes_no_collection(make_store: Any, mongo_url: str, db_name: str) -> None:
+    store = make_store(lease_seconds=30, history_days=0)
+    lease = store.acquire("k", info=INFO, heartbeat=True)
+    assert lease is not None and lease.release()
+    held = store.acquire("k", info=INFO)
+    assert held is not None and store.force_release("k")
+    assert store.release_held_by(task_id="t-1") == 0
+    assert store.flush_history() and store.write_history([{"_id": "x", "f": 1}]) == 0
+    client: MongoClient[dict[str, Any]]
+    with MongoClient(mongo_url) as client:
+        names = client[db_name].list_collection_names()
+    assert "leases" in names and "leases.history" not in names
+    # The endings are still in the lease document.
+    assert [e.how for e in store.history("k")] == ["forced", "released"]
+
+
+def test_ttl_index_follows_history_days(make_store: Any) -> None:
+    store = make_store(history_days=7)
+    store.ensure_indexes()
+    indexes = {ix["name"]: ix for ix in store.history_collection.list_indexes()}
+    assert indexes["e_ttl"]["expireAfterSeconds"] == 7 * 86400 and dict(indexes["e_ttl"]["key"]) == {"e": 1}
+    assert dict(indexes["k_f"]["key"]) == {"k": 1, "f": -1}
+    shorter = make_store(history_days=0.5)
+    shorter.ensure_indexes()  # a changed setting is applied to the index
+    indexes = {ix["name"]: ix for ix in store.history_collection.list_indexes()}
+    assert indexes["e_ttl"]["expireAfterSeconds"] == 43200
+
+
+@pytest.mark.parametrize("bad", [-1, "7", True, float("nan"), 10**6, 1e-9])
+def test_bad_history_days_are_refused_naming_the_setting(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="history_days"):
+        LeaseStore("mongodb://localhost:1", history_days=bad)
+    with pytest.raises(ConfigurationError, match="mongolock_history_days"):
+        read_settings({"mongolock_history_days": bad})
+
+
+def test_history_days_setting_reaches_the_store() -> None:
+    assert read_settings({}).history_days == 7
+    assert read_settings({"mongolock_history_days": 0}).history_days == 0
+    assert read_settings({"mongolock_history_days": 1.5}).history_days == 1.5
+
+
+def test_back_to_back_short_runs_do_not_put_the_history_off(store: LeaseStore) -> None:
+    """Each acquire of an idle heartbeat puts its renewal tick off by a heartbeat interval; the history has
+    a schedule of its own, so a worker that runs short tasks back to back still writes it."""
+    fences: list[int] = []
+
+    def one_more_run_then_look() -> bool:
+        lease = store.acquire(f"k{len(fences) % 3}", info=INFO, heartbeat=True)
+        assert lease is not None and lease.release()
+        fences.append(lease.fence)
+        return store.history_collection.count_documents({}) > 0
+
+    # Runs at most 0.25 s apart: the renewal tick (1.7 s after the last acquire) never comes.
+    wait_for(one_more_run_then_look, timeout=30, interval=0.05, message="the history to be written")
+
+
+def test_why_reads_a_key_with_parked_runs_without_their_messages(store: LeaseStore) -> None:
+    """The queue's fields, as the lead's queue work writes them, crafted into a held key's document."""
+    lease = store.acquire("k", info=INFO, ttl=30)
+    assert lease is not None
+    now = store.why("k")
+    assert now is not None and now.state == "held" and now.parked == () and now.handoff is None
+    entry = {"id": "t-9/0.0", "t": "t-9", "n": "app.upload", "s": 1_795_000_000_000_000, "dl": None}
+    store.collection.update_one(
+        {"_id": "k"},
+        [{"$set": {"q": [{**entry, "at": "$$NOW", "m": b"x" * 100_000}], "seen": ["a"] * 100}}],
+    )
+    story = store.why("k")
+    assert story is not None and [run.task for run in story.parked] == ["app.upload[t-9]"]
+    assert story.parked[0].parked_at is not None and story.parked[0].sent_at is not None
+    assert (
+        story.verdict.startswith("held by w1@h1 pid ")
+        and "; 1 run parked; next: app.upload[t-9]" in story.verdict
+    )
+    assert 0 < (story.expires_in or 0) <= 30
+    assert store.why("nope") is None
+    [read] = store.collection.aggregate(story_pipeline("k"))
+    assert "m" not in read["q"][0] and "seen" not in read and read["q"][0]["t"] == "t-9"
