@@ -111,7 +111,7 @@ def store_targets(store: dict[str, Any]) -> list[dict[str, Any]]:
                 )
             )
     per_op = (store.get("commands") or {}).get("per_operation") or {}
-    for op, wanted in (("acquire", {"findAndModify": 1.0}), ("release", {"update": 1.0})):
+    for op, wanted in (("acquire", {"findAndModify": 1.0}), ("release", {"findAndModify": 1.0})):
         if op in per_op:
             got = per_op[op]
             n = sum(got.values())

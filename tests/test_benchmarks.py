@@ -68,7 +68,7 @@ def test_throughput_runs_every_variant_or_says_why_not(throughput: dict[str, Any
 
 def test_a_singleton_task_sends_two_mongodb_commands_plus_heartbeats(throughput: dict[str, Any]) -> None:
     commands = throughput["mongodb_commands"]
-    assert commands["distinct"]["per_task"] == {"findAndModify": 1.0, "update:release": 1.0}
+    assert commands["distinct"]["per_task"] == {"findAndModify": 1.0, "findAndModify:release": 1.0}
     slow = commands["slow"]  # held 1.5 s with a renewal every second: one renewal each
     assert slow["acquire_release_per_task"] == 2
     assert slow["renewals_per_task"] == 1
@@ -158,7 +158,7 @@ def test_history_benchmark_counts_no_command_on_the_tasks_path(tmp_path: Path) -
     data = json.loads(out.read_text())
     on, off = data["variants"]["history_on"], data["variants"]["history_off"]
     for variant in (on, off):
-        assert variant["task_thread_commands_per_run"] == {"findAndModify": 1.0, "update": 1.0}
+        assert variant["task_thread_commands_per_run"] == {"findAndModify": 2.0}  # acquire, release
     assert on["history_records"] == on["runs"] + 20  # every run, and the warm-up's 20
     assert set(on["background_commands"]) == {"insert"} and off["background_commands"] == {}
     assert off["history_collection_exists"] is False
