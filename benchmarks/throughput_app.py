@@ -130,10 +130,10 @@ class _MongoCommands:
 
 
 def _kind(name: str, command: Any) -> str:
-    """``findAndModify`` = acquire, or release (its pipeline sets ``released_at``); ``update`` split into
+    """``findAndModify`` = acquire, or release (its filter names the owner); ``update`` split into
     release and renew (heartbeat) by its pipeline."""
-    if name == "findAndModify" and "released_at" in repr(command.get("update")):
-        return "findAndModify:release"
+    if name == "findAndModify" and "owner" in (command.get("query") or {}):
+        return "findAndModify:release"  # a release matches its owner token; an acquire, the key alone
     if name == "update":
         text = repr(command.get("updates"))
         if "released_at" in text:
