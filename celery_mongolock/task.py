@@ -42,7 +42,17 @@ from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
 from .exceptions import ConfigurationError, LockContended, QueueTimeout, StoreUnavailable
 from .keys import KeyRenderer, KeySpec
-from .policies import TRY_AGAIN, Fail, Policy, PolicySpec, Queue, Replace, Retry, parse_policy
+from .policies import (
+    TRY_AGAIN,
+    Fail,
+    Policy,
+    PolicySpec,
+    Queue,
+    Replace,
+    Retry,
+    check_limit,
+    parse_policy,
+)
 from .store import Lease, LeaseStore, _aware
 
 __all__ = [
@@ -133,6 +143,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     mongolock_heartbeat_seconds: ClassVar[float | None] = None
     #: Keep the key taken at least this long after the run starts (ShedLock's lock-at-least-for).
     mongolock_min_hold_seconds: ClassVar[float | None] = None
+    #: At most this many runs of one key at once (``limit=N``); None or 1: one.
+    mongolock_limit: ClassVar[int | None] = None
     #: Expected errors: logged at INFO without a traceback.
     throws = (LockContended,)
     Request = "celery_mongolock.task:SingletonRequest"
@@ -229,6 +241,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             lease_seconds=self.mongolock_lease_seconds,
             heartbeat_seconds=self.mongolock_heartbeat_seconds,
             min_hold_seconds=self.mongolock_min_hold_seconds,
+            limit=self.mongolock_limit,
         )
 
     # -- the guarded call ------------------------------------------------------------------------------
@@ -600,6 +613,7 @@ def singleton_task(
     lease_seconds: float | None = ...,
     heartbeat_seconds: float | None = ...,
     min_hold_seconds: float | None = ...,
+    limit: int | None = ...,
     app: Celery | None = ...,
     base: type[SingletonTask] = ...,
     **task_options: Any,
@@ -614,6 +628,7 @@ def singleton_task(
     lease_seconds: float | None = None,
     heartbeat_seconds: float | None = None,
     min_hold_seconds: float | None = None,
+    limit: int | None = None,
     app: Celery | None = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -624,7 +639,9 @@ def singleton_task(
     ``"email-group:{group_id}"`` (rendered as the lease key as is), a brace-free fixed key, or a callable
     taking the task's arguments. ``on_contention``: ``Retry()`` (default), ``Skip()``, ``Wait()``,
     ``Fail()`` or their names. ``min_hold_seconds`` keeps the key taken at least that long after a run
-    starts, even if it ends sooner (ShedLock's lock-at-least-for). Other keyword arguments go to Celery
+    starts, even if it ends sooner (ShedLock's lock-at-least-for). ``limit=N``: up to N runs of one key
+    at once (per-tenant concurrency), each holding a slot (``current_lease().slot``) with its own fence;
+    ``Retry``, ``Skip``, ``Wait`` and ``Fail`` work with it. Other keyword arguments go to Celery
     (``bind``, ``name``, ``acks_late``,
     ...). Like ``shared_task`` unless ``app=`` binds it to one app. Mistakes in the key spec or the
     policy raise ``ConfigurationError`` here, at declaration time.
@@ -635,10 +652,11 @@ def singleton_task(
         )
     if on_contention is not None:
         on_contention = parse_policy(on_contention, "on_contention")
-        if on_contention.queued:
-            # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
-            # a run whose worker dies from being lost.
-            task_options.setdefault("acks_late", True)
+    check_limit(limit, on_contention, min_hold_seconds)
+    if on_contention is not None and on_contention.queued:
+        # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
+        # a run whose worker dies from being lost.
+        task_options.setdefault("acks_late", True)
     if min_hold_seconds is not None:
         from .store import _validate_seconds
 
@@ -663,6 +681,7 @@ def singleton_task(
             "mongolock_lease_seconds": lease_seconds,
             "mongolock_heartbeat_seconds": heartbeat_seconds,
             "mongolock_min_hold_seconds": min_hold_seconds,
+            "mongolock_limit": limit,
             **task_options,
         }
         if app is not None:
