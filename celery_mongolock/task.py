@@ -325,6 +325,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     hold_until_ms=hold_until_ms,
                     waited_ms=waited_ms,
                     waited_since_ms=contended_since,
+                    limit=options.limit,
                 )
             except StoreUnavailable as exc:
                 return self._unavailable(key, exc, policy, direct)
