@@ -156,12 +156,12 @@ def check_task_class(cls: type) -> None:
             continue
         # Unprefixed: only our own options' names (and near misses) are refused; any other attribute
         # (``limit`` included: a task class may have one of its own) is the task's business.
-        if attr in DECORATOR_OPTIONS:
+        if attr in DECORATOR_OPTIONS and attr != "limit":
             raise ConfigurationError(
                 f"{where}: {attr} is not read on a SingletonTask; did you mean mongolock_{attr}? "
                 "(or declare it with @singleton_task(..., " + attr + "=...))"
             )
-        hint = _close(attr, DECORATOR_OPTIONS)
+        hint = _close(attr, [o for o in DECORATOR_OPTIONS if o != "limit"])
         if hint and not callable(cls.__dict__[attr]):
             raise ConfigurationError(
                 f"{where}: unknown option {attr}; did you mean mongolock_{hint[0]}? (SingletonTask "
