@@ -42,8 +42,8 @@ test: lint typecheck docs
 matrix: $(STAMP)
 	$(PY) -m nox $(NOX_ARGS)
 
-# All the benchmarks, side by side, into benchmarks/results/ (REPORT.md): about 16 minutes.
-# `make bench BENCH_ARGS=--quick` for a 3-minute run. The peers compared come from the `bench` extra.
+# All the benchmarks, side by side, into benchmarks/results/ (REPORT.md): about 20 minutes.
+# `make bench BENCH_ARGS=--quick` for a 4-minute run. The peers compared come from the `bench` extra.
 bench: $(STAMP)
 	$(PY) -c "import celery_singleton, celery_once" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/run.py $(BENCH_ARGS)

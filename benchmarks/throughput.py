@@ -396,7 +396,11 @@ def count_mongodb_commands(
             after.subtract(before)
             runs = result["enqueued"]
             per_task = {k: round(c / runs, 3) for k, c in sorted(after.items()) if c}
-            lock_commands = sum(c for k, c in after.items() if k in ("findAndModify", "update:release"))
+            lock_commands = sum(
+                c
+                for k, c in after.items()
+                if k in ("findAndModify", "findAndModify:release", "update:release")
+            )
             out[name] = {
                 "tasks": runs,
                 "per_task": per_task,

@@ -130,7 +130,10 @@ class _MongoCommands:
 
 
 def _kind(name: str, command: Any) -> str:
-    """``findAndModify`` = acquire; ``update`` split into release and renew (heartbeat) by its pipeline."""
+    """``findAndModify`` = acquire, or release (its pipeline sets ``released_at``); ``update`` split into
+    release and renew (heartbeat) by its pipeline."""
+    if name == "findAndModify" and "released_at" in repr(command.get("update")):
+        return "findAndModify:release"
     if name == "update":
         text = repr(command.get("updates"))
         if "released_at" in text:

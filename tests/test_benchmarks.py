@@ -68,7 +68,7 @@ def test_throughput_runs_every_variant_or_says_why_not(throughput: dict[str, Any
 
 def test_a_singleton_task_sends_two_mongodb_commands_plus_heartbeats(throughput: dict[str, Any]) -> None:
     commands = throughput["mongodb_commands"]
-    assert commands["distinct"]["per_task"] == {"findAndModify": 1.0, "update:release": 1.0}
+    assert commands["distinct"]["per_task"] == {"findAndModify": 1.0, "findAndModify:release": 1.0}
     slow = commands["slow"]  # held 1.5 s with a renewal every second: one renewal each
     assert slow["acquire_release_per_task"] == 2
     assert slow["renewals_per_task"] == 1
@@ -79,7 +79,7 @@ def test_the_report_is_built_from_the_results(throughput: dict[str, Any], tmp_pa
     args = run.parse_args(["--quick", "--only", "throughput", "--results", str(tmp_path)])
     statuses = [{"benchmark": "throughput", "status": "ok", "seconds": 1.0}]
     text, targets = run.report({"throughput": throughput}, statuses, args, 60.0, (0.0, 0.0, 0.0))
-    assert "## Targets (issue 7)" in text
+    assert "## Targets (issue 7; the `Queue` ones: issue 16)" in text
     assert "Throughput through a real worker" in text
     names = [t["name"] for t in targets]
     assert any(n.startswith("throughput:") for n in names)
@@ -158,8 +158,70 @@ def test_history_benchmark_counts_no_command_on_the_tasks_path(tmp_path: Path) -
     data = json.loads(out.read_text())
     on, off = data["variants"]["history_on"], data["variants"]["history_off"]
     for variant in (on, off):
-        assert variant["task_thread_commands_per_run"] == {"findAndModify": 1.0, "update": 1.0}
+        assert variant["task_thread_commands_per_run"] == {"findAndModify": 2.0}  # acquire, release
     assert on["history_records"] == on["runs"] + 20  # every run, and the warm-up's 20
     assert set(on["background_commands"]) == {"insert"} and off["background_commands"] == {}
     assert off["history_collection_exists"] is False
     assert data["summary"] and data["latency_ratio_on_off_median"] > 0
+
+
+@pytest.fixture(scope="module")
+def contention(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "contention.json"
+    cmd = [sys.executable, str(BENCHMARKS / "contention.py"), "--quick", "--nodes=1", "--concurrency=2"]
+    cmd += ["--runs=3", "--seconds=0.1", "--rounds=1", "--parked-sizes=5,20", "--parked-samples=1"]
+    cmd += [f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def test_contention_measures_every_policy(contention: dict[str, Any]) -> None:
+    policies = contention["policies"]
+    assert set(policies) == {"queue", "wait", "retry"}
+    for name, p in policies.items():
+        assert p["rounds"] == 1, name
+        assert p["handoff_idle"]["n"] == 2, name  # 3 runs of one key: 2 handoffs
+        assert {"median", "p95", "max"} <= set(p["handoff_idle"]), name
+        assert p["makespan_over_work_median"] > 0, name
+        assert {"release", "to_next_execution", "to_body"} == set(p["handoff_parts_median_ms"]), name
+        assert p["slots_waiting_max"] >= p["slots_waiting_p95_max"] >= 0, name
+        assert p["overlapping_bodies"] == 0, name  # a singleton: one body at a time, whatever the policy
+        assert p["mongodb_commands_per_contended_run_median"] is not None, name
+    # A parked run sends findAndModify only (park, claim, release; the embedded server sometimes needs a
+    # find to read back a findAndModify's document): no change stream, unlike Wait.
+    queue_kinds = {k.split(":", 1)[1] for k in policies["queue"]["mongodb_commands_by_kind_per_run"]}
+    assert queue_kinds <= {"findAndModify", "find"}
+    assert "child:aggregate" in policies["wait"]["mongodb_commands_by_kind_per_run"]
+    [batch] = [b for b in contention["batches"] if b["policy"] == "queue"]
+    assert sorted(batch["start_order"]) == [0, 1, 2]
+
+
+def test_contention_measures_many_parked_runs(contention: dict[str, Any]) -> None:
+    sizes = contention["parked_store"]["sizes"]
+    assert set(sizes) == {"5", "20"}
+    for s in sizes.values():
+        assert s["park"]["n"] == s["handoff"]["n"] == 1
+        assert s["document_bytes"] > s["parked"] * s["message_bytes"]
+    assert set(contention["parked_store"]["ratios"]) == {"park_20_over_5", "handoff_20_over_5"}
+    assert contention["parked_store"]["commands"].get("findAndModify", 0) >= 6
+
+
+def test_the_report_has_the_contention_benchmark(contention: dict[str, Any], tmp_path: Path) -> None:
+    run = load_script("run")
+    args = run.parse_args(["--quick", "--only", "contention", "--results", str(tmp_path)])
+    statuses = [{"benchmark": "contention", "status": "ok", "seconds": 1.0}]
+    text, targets = run.report({"contention": contention}, statuses, args, 60.0, (0.0, 0.0, 0.0))
+    assert "## Contended runs on one hot key: Queue, Wait, Retry (`contention.json`)" in text
+    assert "| Queue() |" in text and "| Wait(timeout=600) |" in text
+    names = [t["name"] for t in targets]
+    for prefix in (
+        "Queue: handoff idle",
+        "Queue: makespan",
+        "Queue: worker slots",
+        "Queue: MongoDB commands",
+    ):
+        assert any(n.startswith(prefix) for n in names), prefix
+    assert sum("runs parked" in n for n in names) == 2
+    assert all(t["met"] in (True, False) for t in targets)
