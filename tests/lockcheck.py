@@ -50,6 +50,12 @@ lost its message: kombu's Redis transport pops a message before recording it as 
 node SIGKILLed in between loses it (no node received it, no queue holds it, a node was killed after it
 was published). Those are counted (``tasks.lost_by_broker``), not hidden.
 
+Queue and Replace runs (``check_queued``; keys ``q<i>`` and ``r<i>``, one policy per key): none lost,
+none run again after it finished, no grant to a newer Queue run (an inversion) or a plain acquire
+(barging) while an older run was parked, superseded only by a newer send, no older Replace run after a
+newer one. Grants are ordered by fence; a run parked in a reply with fence f was parked before every
+grant with a larger one (docs/discussions/test-bed.md, "Queue and Replace runs").
+
 Run it from ``tests/test_lockcheck.py`` (bounded) or ``scripts/soak.py`` (long).
 """
 
