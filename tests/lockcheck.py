@@ -633,6 +633,7 @@ class Grant:
 def grants(events: Iterable[Doc]) -> dict[str, list[Grant]]:
     """Every grant of every key seen in the histories, by key, in fence order (the server's order)."""
     seen: set[tuple[str, int, str | None, str]] = set()
+    events = list(events)
     for ev in events:
         kind = ev.get("ev")
         granted = kind in ("acq", "handoff") or (
@@ -645,6 +646,13 @@ def grants(events: Iterable[Doc]) -> dict[str, list[Grant]]:
             continue
         who = str(task_id) if task_id else str(ev.get("who"))
         seen.add((str(ev["key"]), int(ev["fence"]), str(task_id) if task_id else None, who))
+    for ev in events:
+        # An admission's reply that shows a handoff not yet claimed: the key was handed to that run with
+        # the reply's fence (a pending handoff keeps the fence until it is claimed or handed again). This
+        # covers handoffs made by a process that records none (a bare client's release).
+        if ev.get("ev") == "admit" and ev.get("handed") and ev.get("fence") is not None:
+            handed = str(ev["handed"])
+            seen.add((str(ev["key"]), int(ev["fence"]), handed, handed))
     out: dict[str, list[Grant]] = defaultdict(list)
     for key, fence, task_id, who in sorted(seen, key=lambda g: (g[0], g[1], g[3])):
         out[key].append(Grant(key, fence, task_id, who))
@@ -668,9 +676,10 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
       (``run-twice``); the op is applied at most once (``applied-twice`` above).
     * **Send order (Queue).** For a Queue run A first parked with fence P(A) and first granted the key
       with fence G(A) (infinite if never): no grant with P(A) < fence < G(A) goes to anybody but an
-      older Queue run (smaller stamp). A newer Queue run is an ``inversion``; a bare client or a plain
-      run is ``barged``. A run still in a broker or prefetch buffer when a newer one took the key was not
-      parked then (its P is larger), so running late is not an inversion.
+      older Queue run (smaller stamp), or be a handoff handed again (it expired unclaimed) to a run first
+      handed the key before A was parked (its turn goes on). A newer Queue run is an ``inversion``; a
+      bare client or a plain run is ``barged``. A run still in a broker or prefetch buffer when a newer
+      one took the key was not parked then (its P is larger), so running late is not an inversion.
     * **Replace.** A superseded run names a newer send of its key (``superseded-by-older``
       otherwise), and never gets the key after a newer Replace run got it (``replace-order``).
     """
@@ -686,6 +695,12 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
             if g.task_id is not None:
                 first_grant[g.task_id] = min(first_grant.get(g.task_id, g.fence), g.fence)
                 all_grants[g.task_id].append(g.fence)
+    # Handoffs handed again (``hn`` > 1: the first expired unclaimed): the same turn, not a new one.
+    rehands = {
+        (str(ev["key"]), int(ev["fence"]), str(ev.get("task_id")))
+        for ev in history.events
+        if ev.get("ev") == "handoff" and int(ev.get("attempt") or 1) > 1 and ev.get("fence") is not None
+    }
     first_park: dict[str, int] = {}
     for ev in history.events:
         if ev.get("ev") == "admit" and ev.get("outcome") == "parked" and ev.get("fence") is not None:
@@ -759,6 +774,8 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                 for g in items:
                     if g.fence <= parked or (granted is not None and g.fence >= granted):
                         continue
+                    if (key, g.fence, str(g.task_id)) in rehands and first_grant[str(g.task_id)] <= parked:
+                        continue  # a handoff made before A was parked, handed again: the same turn
                     other = queued.get(g.task_id or "")
                     if other is not None and other.get("task") == QUEUE_TASK:
                         if int(other["stamp"]) < int(task["stamp"]):
@@ -1808,6 +1825,8 @@ class Run:
             for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:
                 node.stop()
             docs = self._final_docs()
+            # Kept with the histories, so that a run can be checked again (``check``) from its workdir.
+            (self.dir / "tasks.json").write_text(json.dumps(tasks, indent=1, default=str))
             history = History(read_histories(self.hist_dir), docs, tasks)
             violations = check(history)
             extra = {

@@ -200,6 +200,24 @@ def test_an_older_run_that_arrived_late_is_not_an_inversion() -> None:
     assert lockcheck.queued_figures(h)["late_pairs"] == 1
 
 
+def test_a_handoff_seen_only_in_a_reply_counts_as_a_grant() -> None:
+    # A bare client's release handed the key to B (fence 11; bare clients record no handoff); A's park
+    # landed after it (its reply shows B's handoff pending). B's handoff expired unclaimed and B was
+    # handed the key again (12), then A (13): B had its turn before A was parked, not an inversion.
+    h = _queued_history(
+        _admit("B", "parked", 10), {**_admit("A", "parked", 11), "handed": "B"},
+        {"ev": "handoff", "key": QKEY, "task_id": "B", "fence": 12, "attempt": 2},
+        _run("B", 12), _run("A", 13),
+        A=_queued("A", 2), B=_queued("B", 3),
+    )  # fmt: skip
+    assert lockcheck.check_queued(h, {}) == []
+    h.events[1] = _admit("A", "parked", 11)  # without that evidence, B's grant 12 came after A parked
+    assert kinds(lockcheck.check_queued(h, {})) == {"inversion"}
+    h.events[1] = {**_admit("A", "parked", 11), "handed": "B"}
+    h.events[2] = {**h.events[2], "attempt": 1}  # a first handoff to B after A parked: not its turn
+    assert kinds(lockcheck.check_queued(h, {})) == {"inversion"}
+
+
 def test_a_plain_acquire_past_a_parked_run_is_barging() -> None:
     bare = {"ev": "acq", "key": QKEY, "hold": "x", "fence": 11, "t0": 1.0, "t1": 1.1, "who": "client0"}
     h = _queued_history(_run("h", 10), _admit("A", "parked", 10), bare, _run("A", 12), A=_queued("A", 2))
