@@ -595,11 +595,28 @@ def check(history: History) -> list[Violation]:
 
     # 4. Every submitted task ended: done (its op applied) or skipped by policy; or its message was lost
     # by the broker, proven from the histories (``Run._lost_by_broker``) and counted in the figures.
+    # A copy dropped as one of a run that had finished (it released the key normally): if the task has no
+    # result, that run's worker died between its release and storing its result.
+    dropped_done = {
+        str(ev["task_id"]) for ev in history.events if ev.get("ev") == "admit" and ev.get("outcome") == "done"
+    }
     for task_id, task in sorted(history.tasks.items()):
         state, result = task.get("state"), task.get("result")
         if task.get("lost_by_broker"):
             continue
         if state != "SUCCESS" or not isinstance(result, dict):
+            if task_id in dropped_done:
+                # KNOWN LIBRARY ISSUE (reported, not fixed here): the body ran and released the key, its
+                # worker died before the result was stored, and the redelivered message was dropped as a
+                # copy of a finished run (admission "done"), so the task never gets a final state.
+                found.append(
+                    Violation(
+                        "result-never-stored",
+                        f"task {task_id} (op {task.get('op')}) ended {state}: its run released the key and "
+                        "its worker died before storing the result; the redelivery was dropped as done",
+                    )
+                )
+                continue
             found.append(
                 Violation(
                     "task-unfinished", f"task {task_id} (op {task.get('op')}) ended {state}: {result!r}"
@@ -1695,12 +1712,12 @@ class Run:
             elif broker_log is not None:
                 states[task_id]["broker_steps"] = broker_steps(broker_log, task_id, self.start_mono)
             states[task_id]["worker_events"] = [
-                f"{e['ev']}@{float(e['t']) - self.start_mono:.2f}"
+                f"{e['ev']}@{_when(e) - self.start_mono:.2f}"
                 + (f" {e.get('node')}" if e.get("node") else "")
                 + (f" {e.get('state')}" if e.get("state") else "")
                 + (f" {e.get('outcome')}" if e.get("outcome") else "")
                 + (f" fence {e.get('fence')}" if e.get("fence") else "")
-                for e in sorted(worker_events.get(task_id, []), key=lambda e: float(e["t"]))
+                for e in sorted(worker_events.get(task_id, []), key=_when)
             ]
             self.log(f"unfinished: {task_id} {states[task_id]}")
         return states
@@ -1877,6 +1894,11 @@ class Run:
         with contextlib.suppress(OSError):
             shutil.copyfile(Path(self.redis.dir) / "appendonly.aof", self.dir / "broker-appendonly.aof")
         self.redis.stop()
+
+
+def _when(event: Doc) -> float:
+    """When a history event happened (an acquisition: when its reply came)."""
+    return float(event.get("t") or event.get("t1") or 0.0)
 
 
 def _merge_places(broker: dict[str, str], parked: dict[str, str]) -> dict[str, str]:

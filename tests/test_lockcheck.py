@@ -137,6 +137,13 @@ def test_an_unfinished_or_failed_task_is_reported() -> None:
     assert [v.kind for v in found] == ["task-unfinished", "task-unfinished", "lost-update"]
 
 
+def test_a_task_whose_redelivery_was_dropped_as_done_is_reported_as_such() -> None:
+    h = _good()
+    h.tasks = {"t3": {"op": "y", "state": "QUEUED", "result": None}}
+    h.events.append({"ev": "admit", "key": "k", "task_id": "t3", "outcome": "done", "fence": 11})
+    assert [v.kind for v in check(h)] == ["result-never-stored"]
+
+
 def test_a_task_the_broker_lost_is_counted_not_hidden() -> None:
     h = _good()
     h.tasks = {"t3": {"op": "y", "state": "PENDING", "result": None, "lost_by_broker": "node killed"}}
