@@ -116,6 +116,8 @@ START_GUARD_S = 600.0
 DRAIN_GUARD_S = 1800.0
 #: Attempts at a fault that finds no victim (each waits for one) before the run says it was skipped.
 FAULT_TRIES = 30
+#: Before a fault, wait up to this long for queued runs to be waiting (they do every second or two).
+PARKED_WAIT_S = 8.0
 #: The clock mark written into the broker's append-only file (see tests/brokerlog.py).
 CLOCK_MARK_INTERVAL = 0.1
 FAKETIME_LIBS = (
@@ -984,9 +986,12 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
     writes = Counter(e["outcome"] for e in ev if e.get("ev") == "write")
     kinds = Counter(e["ev"] for e in ev)
     tasks = history.tasks
-    skipped = sum(
-        1 for t in tasks.values() if isinstance(t.get("result"), dict) and t["result"].get("mongolock")
+    ended_by_policy = Counter(
+        str(t["result"]["mongolock"])
+        for t in tasks.values()
+        if isinstance(t.get("result"), dict) and t["result"].get("mongolock")
     )
+    skipped = sum(ended_by_policy.values())
     return {
         **extra,
         "acquisitions": kinds["acq"],
@@ -1013,7 +1018,8 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "tasks": {
             "submitted": len(tasks),
             "done": sum(1 for t in tasks.values() if t.get("state") == "SUCCESS") - skipped,
-            "skipped": skipped,
+            "skipped": ended_by_policy["skipped"],
+            "superseded": ended_by_policy["superseded"],
             "runs": sum(1 for e in ev if e.get("ev") == "acq" and e.get("task_id")),
             "unfinished": sum(1 for t in tasks.values() if t.get("state") != "SUCCESS"),
             "lost_by_broker": sum(1 for t in tasks.values() if t.get("lost_by_broker")),
@@ -1580,7 +1586,19 @@ class Run:
         return True
 
     def inject(self, kind: str) -> bool:
-        self._parked_before = self._parked_now()  # queued runs waiting when the fault begins
+        # Let the fault land while queued runs wait (parked, or handed the key and not yet claimed): the
+        # bursts park some every second or two. Waited for as a condition, not a time; a few seconds at
+        # most (the fault goes ahead anyway), as when looking for a victim.
+        parked = [0]
+
+        def waiting() -> bool:
+            parked[0] = self._parked_now()
+            return parked[0] > 0
+
+        if self.cfg.queue_keys or self.cfg.replace_keys:
+            with contextlib.suppress(TimeoutError):
+                _wait(waiting, PARKED_WAIT_S, "queued runs waiting", interval=0.1)
+        self._parked_before = parked[0]  # queued runs waiting when the fault began
         if kind == "sigstop-client":
             return self._sigstop(kind, self._client_pids)
         if kind == "sigstop-task":
@@ -1938,6 +1956,7 @@ def format_report(report: Doc) -> str:
         f"ambiguous {ops['ambiguous']}, claims fenced {ops['claims_fenced']}, "
         f"store errors {ops['store_errors']}",
         f"  tasks submitted {tasks['submitted']}, done {tasks['done']}, skipped {tasks['skipped']}, "
+        f"superseded {tasks['superseded']}, "
         f"runs {tasks['runs']}, unfinished {tasks['unfinished']} "
         f"(lost by the broker {tasks['lost_by_broker']}) "
         f"(skewed node: submitted {tasks['skewed_node_submitted']}, ended {tasks['skewed_node_ended']})",
