@@ -48,7 +48,9 @@ def _store(ctx: click.Context) -> LeaseStore:
 
 def _holder(info: LeaseInfo) -> str:
     if info.slots:
-        return f"{len(info.slots)}/{info.limit} slots: " + ", ".join(_who(s["holder"] or {}) for s in info.slots)
+        return f"{len(info.slots)}/{info.limit} slots: " + ", ".join(
+            _who(s["holder"] or {}) for s in info.slots
+        )
     return _who(info.holder)
 
 

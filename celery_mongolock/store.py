@@ -937,11 +937,12 @@ class LeaseStore:
         key, token = lease.key, lease.owner
         if lease.slot is not None:
             return self._release_slot(lease)
+        by = self._handoff_by(token)
         try:
             with self._operation(f"release lease {key!r}"):
                 doc = self.collection.find_one_and_update(
                     documents.release_filter(key, token),
-                    documents.release_pipeline(token),
+                    documents.release_pipeline(by),
                     projection=admission_docs.HANDOFF_PROJECTION,
                     return_document=ReturnDocument.AFTER,
                 )
@@ -953,7 +954,7 @@ class LeaseStore:
             raise self._unavailable(f"release lease {key!r}", exc) from None
         log_release.info("released lease %r%s", key, "" if released else " (it was no longer ours)")
         if doc is not None:
-            self._handed(key, doc, token)
+            self._handed(key, doc, by)
         if released:
             self._record(self._local_ending(lease, "released"))
         elif lease.acquired_at is not None:
@@ -989,6 +990,12 @@ class LeaseStore:
         worker publishes it."""
         if callback not in self._handoff_callbacks:
             self._handoff_callbacks.append(callback)
+
+    def _handoff_by(self, token: str) -> str:
+        """How a releasing command of this process marks a handoff it makes: with its token when this
+        process publishes handoffs (a callback), else unmarked, so that a worker's sweeper adopts and
+        publishes it at its next pass (a marked one would wait until it expired unclaimed)."""
+        return token if self._handoff_callbacks else ""
 
     def _handed(self, key: str, doc: Mapping[str, Any] | None, by: str) -> Document | None:
         """If the command whose reply is ``doc`` handed ``key`` to a parked run, publish that run."""
@@ -1090,7 +1097,7 @@ class LeaseStore:
         with self._operation(f"release leases held by {holder}"):
             keys = [d["_id"] for d in self.collection.find(match, {"_id": 1})]
             for key in keys:
-                token = uuid.uuid4().hex
+                token = self._handoff_by(uuid.uuid4().hex)
                 doc = self.collection.find_one_and_update(
                     {**match, "_id": key},
                     documents.release_dead_holder_pipeline(token),
@@ -1118,7 +1125,7 @@ class LeaseStore:
         next acquisition still gets a larger one. A key with parked runs goes to the oldest.
         """
         key = normalize_key(key)
-        token = uuid.uuid4().hex
+        token = self._handoff_by(uuid.uuid4().hex)
         with self._operation(f"force-release lease {key!r}"):
             doc = self.collection.find_one_and_update(
                 documents.force_release_filter(key),

@@ -68,7 +68,7 @@ log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
 
 #: The state of a parked run (``Queue``, ``Replace``): its meta says ``key``, ``position``, ``since``.
-QUEUED = "QUEUED"
+QUEUED = _queue.QUEUED
 #: Message header counting contention retries, kept apart from the task's own ``retries``.
 CONTENTION_HEADER = "mongolock_contention_retries"
 #: Epoch ms (the sender's clock) of a run's first contention, carried by its contention retries: the lease
@@ -431,10 +431,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         # Parked: its message is in the lease document; acknowledging it ends this delivery.
         mine = [s for s in doc.get("sup") or [] if s.get("by") == request.id]
         if mine:
-            _queue.write_superseded(self.app, store, key, mine)
+            # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
+            # its result with it; it writes the result itself once it has (``_mark_queued``).
+            _queue.write_superseded(self.app, store, key, mine, ready=_queue.marked_queued(self.app))
         parked_ids = [e.get("t") for e in doc.get("q") or []]
         position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
-        self._mark_queued(key, position)
+        self._mark_queued(key, position, store if isinstance(policy, Replace) else None)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
             # Come back when the debounce has passed: the copy takes the key if no newer send came.
             headers = dict(request.headers or {})
@@ -454,9 +456,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         raise Ignore()
 
-    def _mark_queued(self, key: str, position: int) -> None:
+    def _mark_queued(self, key: str, position: int, replaced_in: LeaseStore | None = None) -> None:
         """State ``QUEUED`` for a parked run (unless it already has a final state: its handoff may have
-        run it already)."""
+        run it already).
+
+        ``replaced_in`` (``Replace``): a newer send may have superseded this run while its state was
+        being written. Its result is written only once this run's state is ``QUEUED`` (a result written
+        before would be overwritten), so the run looks again, and writes it if it is waiting."""
         if self.ignore_result or self.request.ignore_result or not _queue.has_backend(self.app):
             return
         task_id = self.request.id
@@ -468,6 +474,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.backend.store_result(task_id, {"key": key, "position": position, "since": since}, QUEUED)
         except Exception as exc:  # the run is parked; its state is only for humans
             log_acquire.warning("%s[%s]: could not set state QUEUED: %s", self.name, task_id, exc)
+        if replaced_in is None:
+            return
+        try:
+            with replaced_in._operation(f"inspect lease {key!r}"):
+                doc = replaced_in.collection.find_one({"_id": key}, {"sup": 1})
+            own = [s for s in (doc or {}).get("sup") or [] if s.get("t") == task_id]
+            if own:
+                _queue.write_superseded(self.app, replaced_in, key, own)
+        except Exception as exc:  # the sweeper writes it
+            log_acquire.warning("%s[%s]: could not look for a newer send: %s", self.name, task_id, exc)
 
     def _park_duplicate(self, key: str, options: TaskOptions, direct: bool) -> None:
         """Keep a copy of a duplicate delivery until the first run's fate is known.

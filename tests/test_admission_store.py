@@ -174,6 +174,27 @@ def test_a_background_release_hands_over_and_the_sweeper_publishes(store: LeaseS
     assert handoffs.tasks == ["task-1"]  # adopted once only
 
 
+def test_a_handoff_made_by_a_store_that_publishes_none_is_adopted_by_the_next_sweep(
+    store: LeaseStore, make_store: Any
+) -> None:
+    # A plain LeaseStore user (no Celery, no handoff publisher) releases a key with a run parked: the
+    # worker's sweeper publishes that handoff at its next pass, not once it has expired unclaimed.
+    bare = make_store()
+    handoffs = Handoffs(store)
+    holder = bare.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1))
+    assert holder.release()
+    store.sweep(KEY)
+    assert handoffs.tasks == ["task-1"]
+    holder = bare.acquire("other", 30, info={"task_id": "dying", "pid": 4242})
+    assert holder is not None
+    store.admit("other", entry(2))
+    assert bare.release_held_by(task_id="dying") == 1 and bare.force_release("nothing") is False
+    store.sweep("other")
+    assert handoffs.tasks == ["task-1", "task-2"]
+
+
 def test_dead_holder_and_force_release_hand_over(store: LeaseStore) -> None:
     handoffs = Handoffs(store)
     holder = store.acquire(KEY, 30, info={"task_id": "dying", "pid": 4242})
