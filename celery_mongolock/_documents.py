@@ -365,7 +365,7 @@ def release_pipeline(by: str = "") -> list[Document]:
                 "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
                 "released_at": "$$NOW",
                 "ends": _append_ending(True, ending_expr("released")),
-                "seen": admission.seen_append({"$not": ["$__hold"]}),
+                "seen": admission.seen_append(True),  # the run is over, even if the key stays taken
             }
         },
         *admission.release_handoff_stages(by, keep_when="$__hold"),

@@ -107,11 +107,17 @@ def header(request: Any, name: str) -> Any:
     return value if value is not None else getattr(request, name, None)
 
 
-def handoff_of(request: Any, key: str) -> str | None:
-    """The token a handed run claims ``key`` with (None for a message that was not a handoff)."""
+def handoff_of(request: Any, key: str, run: str) -> str | None:
+    """The token a handed run claims ``key`` with (None for a message that was not this run's handoff:
+    a body's own ``Task.retry()`` of a handed run copies its headers, but is another run)."""
     headers = getattr(request, "headers", None) or {}
     handoff = headers.get(HANDOFF_HEADER) or getattr(request, HANDOFF_HEADER, None)
-    if isinstance(handoff, Mapping) and handoff.get("k") == key and isinstance(handoff.get("tk"), str):
+    if (
+        isinstance(handoff, Mapping)
+        and handoff.get("k") == key
+        and isinstance(handoff.get("tk"), str)
+        and handoff.get("id", run) == run
+    ):
         return str(handoff["tk"])
     return None
 
@@ -140,7 +146,7 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any]) -> None:
     fields = loads(entry["m"], entry["ct"], entry["ce"])  # type: ignore[no-untyped-call]
     signature = app.signature(fields)
     headers = dict(signature.options.get("headers") or {})
-    headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"]}
+    headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"], "id": entry.get("id")}
     # The signature carries the run's task id, routing, links and retries; only the headers change.
     signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
     signals.run_handed_off.send(
@@ -298,6 +304,10 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
     return False
 
 
+#: Keys read per page by the sweeper.
+PAGE = 500
+
+
 class Sweeper:
     """The thread in a worker's main process that completes what crashed processes left undone."""
 
@@ -329,7 +339,14 @@ class Sweeper:
         store = config.get_store(self.app)
         install_publisher(self.app, store)
         revoked = _revoked_ids()
-        docs = store.waiting_keys()
+        docs: list[dict[str, Any]] = []
+        last_key: str | None = None
+        while True:  # every waiting key, a page at a time
+            page = store.waiting_keys(limit=PAGE, after=last_key)
+            docs += page
+            if len(page) < PAGE:
+                break
+            last_key = page[-1]["_id"]
         for doc in docs:
             key = doc["_id"]
             ids = {str(e.get("t")) for e in doc.get("q") or []}

@@ -788,13 +788,17 @@ class LeaseStore:
         try:
             while True:
                 info = self.inspect(key)
-                if info is None or not info.full:
+                queued = info is not None and bool(info.parked or info.handoff)
+                if info is None or not (info.full or queued):
                     return True
                 remaining = give_up_at - clock.monotonic()
                 if remaining <= 0:
                     return False
-                # Sleep until a change, the holder's expiry, or the deadline, whichever is first.
+                # Sleep until a change, the holder's expiry, or the deadline, whichever is first. A key
+                # with runs parked is theirs first, even when nobody holds it: look again later.
                 nap = min(remaining, max(0.01, (info.expires_in or 0.0) + 0.005))
+                if queued and not info.full:
+                    nap = min(remaining, max_poll_interval)
                 if stream is not None:
                     wake_at = clock.monotonic() + nap
                     try:
@@ -1010,11 +1014,16 @@ class LeaseStore:
                 log_release.exception("publishing the handoff of %r to %s failed", key, ho.get("t"))
         return ho
 
-    def waiting_keys(self, limit: int = 1000) -> builtins.list[Document]:
+    def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
         """Lease documents with parked runs, a pending handoff or results to write (the sweeper's list),
-        without the parked runs' messages, each with the server's time of the read (``__now``)."""
+        without the parked runs' messages, each with the server's time of the read (``__now``): at most
+        ``limit`` of them, by key, after ``after`` (page through with the last key returned)."""
+        match: Document = {"wq": True}
+        if after is not None:
+            match["_id"] = {"$gt": after}
         pipeline: builtins.list[Document] = [
-            {"$match": {"wq": True}},
+            {"$match": match},
+            {"$sort": {"_id": 1}},
             {"$limit": limit},
             {"$addFields": {"__now": "$$NOW"}},
             {"$project": {"q.m": 0, "ho.m": 0, "ends": 0, "seen": 0}},

@@ -365,7 +365,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         assert isinstance(policy, Queue)
         request = self.request
         stamp, _src = _queue.stamp_of(request)
-        delivery = _delivery(request)
+        # A queued run is one run per task id and own retry: a contention retry (after MongoDB did not
+        # answer) is the same run, and must find its own park if that landed.
+        delivery = str(int(getattr(request, "retries", 0) or 0))
+        info["delivery"] = delivery
         entry: dict[str, Any] = {
             "id": f"{request.id}/{delivery}",
             "t": request.id,
@@ -378,12 +381,24 @@ class SingletonTask(Task):  # type: ignore[misc]
         }
         _queue.install_publisher(self.app, store)
         debounced_copy = bool(_queue.header(request, _queue.DEBOUNCE_HEADER))
+        claim = _queue.handoff_of(request, key, entry["id"])
+        fresh = not (
+            claim
+            or debounced_copy
+            or (request.headers or {}).get(DUPLICATE_HEADER)
+            or (request.delivery_info or {}).get("redelivered")
+        )
+        if fresh:
+            # QUEUED before the admit, never after it: once parked, the run may be handed the key and end
+            # at any moment, and a state written later would hide its result.
+            since = _dt.datetime.now(_dt.timezone.utc).isoformat()
+            self._set_state(QUEUED, {"key": key, "since": since}, unless_ready=True)
         try:
             lease, doc = store.admit(
                 key,
                 entry,
                 ttl=options.lease_seconds,
-                claim=_queue.handoff_of(request, key),
+                claim=claim,
                 timeout=policy.timeout,
                 max_length=policy.max_length,
                 replace=isinstance(policy, Replace),
@@ -397,18 +412,19 @@ class SingletonTask(Task):  # type: ignore[misc]
         except StoreUnavailable as exc:
             self._unavailable(key, exc, policy, direct=False)
         if lease is not None:
+            self._set_state(celery_states.STARTED, {"key": key, "fence": lease.fence})
             return lease
         outcome = doc.get("lo")
         holder = dict(doc.get("holder") or {})
         expires_at = _aware(doc.get("expires_at"))
         who = (self.name, request.id)
-        if outcome in ("dup", "done"):
-            log_acquire.info(
-                "%s[%s]: copy of a run that is %s on %r; dropped",
-                *who,
-                "parked or handed the key" if outcome == "dup" else "over",
-                key,
-            )
+        if outcome in ("dup", "done", "stale"):
+            what = {
+                "dup": "parked or handed the key",
+                "done": "over",
+                "stale": "no longer waiting (timed out, revoked, or handed again)",
+            }[outcome]
+            log_acquire.info("%s[%s]: copy of a run that is %s on %r; dropped", *who, what, key)
             raise Ignore()
         if outcome == "running":
             signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
@@ -436,7 +452,6 @@ class SingletonTask(Task):  # type: ignore[misc]
             _queue.write_superseded(self.app, store, key, mine, ready=_queue.marked_queued(self.app))
         parked_ids = [e.get("t") for e in doc.get("q") or []]
         position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
-        self._mark_queued(key, position, store if isinstance(policy, Replace) else None)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
             # Come back when the debounce has passed: the copy takes the key if no newer send came.
             headers = dict(request.headers or {})
@@ -456,34 +471,20 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         raise Ignore()
 
-    def _mark_queued(self, key: str, position: int, replaced_in: LeaseStore | None = None) -> None:
-        """State ``QUEUED`` for a parked run (unless it already has a final state: its handoff may have
-        run it already).
-
-        ``replaced_in`` (``Replace``): a newer send may have superseded this run while its state was
-        being written. Its result is written only once this run's state is ``QUEUED`` (a result written
-        before would be overwritten), so the run looks again, and writes it if it is waiting."""
+    def _set_state(self, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
+        """Write this run's state (only for humans and ``AsyncResult.state``: failures are logged)."""
         if self.ignore_result or self.request.ignore_result or not _queue.has_backend(self.app):
             return
         task_id = self.request.id
         try:
-            meta = self.backend.get_task_meta(task_id)
-            if meta.get("status") in celery_states.READY_STATES:
-                return
-            since = _dt.datetime.now(_dt.timezone.utc).isoformat()
-            self.backend.store_result(task_id, {"key": key, "position": position, "since": since}, QUEUED)
-        except Exception as exc:  # the run is parked; its state is only for humans
-            log_acquire.warning("%s[%s]: could not set state QUEUED: %s", self.name, task_id, exc)
-        if replaced_in is None:
-            return
-        try:
-            with replaced_in._operation(f"inspect lease {key!r}"):
-                doc = replaced_in.collection.find_one({"_id": key}, {"sup": 1})
-            own = [s for s in (doc or {}).get("sup") or [] if s.get("t") == task_id]
-            if own:
-                _queue.write_superseded(self.app, replaced_in, key, own)
-        except Exception as exc:  # the sweeper writes it
-            log_acquire.warning("%s[%s]: could not look for a newer send: %s", self.name, task_id, exc)
+            if (
+                unless_ready
+                and self.backend.get_task_meta(task_id).get("status") in celery_states.READY_STATES
+            ):
+                return  # an earlier run of this task id ended: leave its result alone
+            self.backend.store_result(task_id, meta, state)
+        except Exception as exc:
+            log_acquire.warning("%s[%s]: could not set state %s: %s", self.name, task_id, state, exc)
 
     def _park_duplicate(self, key: str, options: TaskOptions, direct: bool) -> None:
         """Keep a copy of a duplicate delivery until the first run's fate is known.
