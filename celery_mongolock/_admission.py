@@ -38,6 +38,7 @@ __all__ = [
     "ADMIT_OUTCOMES",
     "ADMIT_PROJECTION",
     "HANDOFF_PROJECTION",
+    "MAX_PARKED",
     "SEEN_KEPT",
     "WAITS",
     "admit_pipeline",
@@ -50,6 +51,9 @@ Document = dict[str, Any]
 
 _NOW_MS: Document = {"$toLong": "$$NOW"}
 _Q: Document = {"$ifNull": ["$q", []]}
+#: The most runs parked on one key (``Queue(max_length=...)`` may say fewer): a parked run's entry carries
+#: its message, and all of a key's entries share one document.
+MAX_PARKED = 5000
 #: How many normally released runs a key remembers, to drop a late copy of one of their messages.
 SEEN_KEPT = 128
 _BIG = 1 << 30
@@ -67,6 +71,7 @@ ADMIT_OUTCOMES = (
     "dup",  # a copy of a run that is parked or handed: drop it
     "done",  # a copy of a run that already ran and released: drop it
     "running",  # a copy of the run that holds the key now
+    "stale",  # a handoff message of a run no longer parked or handed: drop it
     "parked",  # parked (and, when the key was found free with older runs parked, handed to the oldest)
     "full",  # the queue is at max_length: the policy's ``then``
     "superseded",  # Replace: a newer send exists; this run ends superseded
@@ -383,6 +388,10 @@ def admit_pipeline(
         {"case": {"$in": [{"$literal": ident}, {"$ifNull": ["$seen", []]}]}, "then": "done"},
         {"case": running, "then": "running"},
     ]
+    if claim is not None:
+        # A handoff message whose claim failed, of a run no longer parked or handed (timed out, revoked,
+        # handed again with another token): never a new run.
+        branches.append({"case": {"$literal": True}, "then": "stale"})
     if replace:
         last_s = {"$ifNull": ["$last.s", -1]}
         parked_s = {"$max": {"$map": {"input": _Q, "as": "e", "in": "$$e.s"}}}
@@ -394,8 +403,10 @@ def admit_pipeline(
     if not debounce_ms:
         branches.append({"case": {"$and": [vacant, {"$not": [has_ho]}, first]}, "then": "acquired"})
     branches.append({"case": vacant, "then": "parked"})  # and handed to the oldest (when due)
-    if max_length is not None:
-        branches.append({"case": {"$gte": [{"$size": _Q}, int(max_length)]}, "then": "full"})
+    # Every parked run lives in the key's one document (16 MiB): MAX_PARKED bounds it whatever the task
+    # says.
+    cap = MAX_PARKED if max_length is None else min(int(max_length), MAX_PARKED)
+    branches.append({"case": {"$gte": [{"$size": _Q}, cap]}, "then": "full"})
     stages: list[Document] = [
         {"$set": {"__o": {"$switch": {"branches": branches, "default": "parked"}}}},
         {
@@ -477,6 +488,8 @@ def admit_pipeline(
                 "$last",
             ]
         }
+    # Taking a key handed to us ends no one else's lease (the handoff is the same acquisition).
+    fields["ends"] = {"$cond": [{"$eq": ["$__o", "claimed"]}, "$ends", fields["ends"]]}
     if claim is not None:
         # The claim keeps the fence the handoff gave; the wait counts from when the run was parked.
         fields["fence"] = {"$cond": [{"$eq": ["$__o", "claimed"]}, "$fence", fields["fence"]]}

@@ -259,10 +259,25 @@ def acquire_pipeline(
             {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
         ]
     }
+    no_slot_held = {
+        "$eq": [
+            {
+                "$size": {
+                    "$filter": {
+                        "input": {"$ifNull": ["$hs", []]},
+                        "as": "e",
+                        "cond": {"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]},
+                    }
+                }
+            },
+            0,
+        ]
+    }
     nobody_waits: Document = {
         "$and": [
             {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
             {"$eq": [{"$ifNull": ["$ho", None]}, None]},
+            no_slot_held,  # a key taken with limit=N (``_slots``) is not free for a single lease
         ]
     }
     vacant = {"$and": [vacant, nobody_waits]}
@@ -350,7 +365,7 @@ def release_pipeline(by: str = "") -> list[Document]:
                 "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
                 "released_at": "$$NOW",
                 "ends": _append_ending(True, ending_expr("released")),
-                "seen": admission.seen_append({"$not": ["$__hold"]}),
+                "seen": admission.seen_append(True),  # the run is over, even if the key stays taken
             }
         },
         *admission.release_handoff_stages(by, keep_when="$__hold"),
@@ -482,19 +497,31 @@ def lease_info(doc: Document) -> LeaseInfo:
     expires_in_ms = doc.get("__expires_in_ms")
     owner = doc.get("owner")
     expires_in = None if expires_in_ms is None else expires_in_ms / 1000.0
+    now_ms = doc.get("__now_ms")
+    slots = []
+    for hold in doc.get("hs") or []:
+        x = aware(hold.get("x"))
+        left = None if x is None or not isinstance(now_ms, int) else x.timestamp() - now_ms / 1000.0
+        if left is not None and left > 0:
+            slots.append(
+                {"slot": hold.get("s"), "fence": hold.get("f"), "holder": hold.get("h"), "expires_in": left}
+            )
+    slots.sort(key=lambda h: int(h["slot"] or 0))
     return LeaseInfo(
         key=doc["_id"],
-        held=owner is not None and expires_in is not None and expires_in > 0,
+        held=bool(slots) or (owner is not None and expires_in is not None and expires_in > 0),
         owner=owner,
         fence=int(doc.get("fence", 0)),
         expires_at=aware(doc.get("expires_at")),
         expires_in=expires_in,
-        holder=dict(doc.get("holder") or {}),
+        holder=dict((slots[0]["holder"] if slots else doc.get("holder")) or {}),
         acquired_at=aware(doc.get("acquired_at")),
         renewed_at=aware(doc.get("renewed_at")),
         released_at=aware(doc.get("released_at")),
         parked=[_parked_view(i + 1, e, doc.get("__now_ms")) for i, e in enumerate(doc.get("q") or [])],
         handoff=_handoff_view(doc.get("ho"), doc.get("__now_ms")),
+        slots=slots,
+        limit=doc.get("lim") if slots or doc.get("hs") else None,
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from .exceptions import ConfigurationError
 from .keys import KeyRenderer
-from .policies import Policy, parse_policy
+from .policies import Policy, check_limit, parse_policy
 
 __all__ = [
     "DECORATOR_OPTIONS",
@@ -36,12 +36,18 @@ __all__ = [
 ]
 
 #: ``singleton_task``'s own keyword arguments.
-DECORATOR_OPTIONS = ("key", "on_contention", "lease_seconds", "heartbeat_seconds", "min_hold_seconds")
+DECORATOR_OPTIONS = (
+    "key",
+    "on_contention",
+    "lease_seconds",
+    "heartbeat_seconds",
+    "min_hold_seconds",
+    "limit",
+)
 #: The class attributes of ``SingletonTask`` that carry them (``mongolock_`` + the option's name).
 TASK_ATTRIBUTES = tuple(f"mongolock_{name}" for name in DECORATOR_OPTIONS)
 #: Planned options, refused until they exist (so that nobody relies on them doing something today).
 FUTURE_OPTIONS = {
-    "limit": "limit=N (at most N runs per key at once)",
     "keys": "keys=(spec, ...) (several keys held together)",
 }
 
@@ -150,12 +156,12 @@ def check_task_class(cls: type) -> None:
             continue
         # Unprefixed: only our own options' names (and near misses) are refused; any other attribute
         # (``limit`` included: a task class may have one of its own) is the task's business.
-        if attr in DECORATOR_OPTIONS:
+        if attr in DECORATOR_OPTIONS and attr != "limit":
             raise ConfigurationError(
                 f"{where}: {attr} is not read on a SingletonTask; did you mean mongolock_{attr}? "
                 "(or declare it with @singleton_task(..., " + attr + "=...))"
             )
-        hint = _close(attr, DECORATOR_OPTIONS)
+        hint = _close(attr, [o for o in DECORATOR_OPTIONS if o != "limit"])
         if hint and not callable(cls.__dict__[attr]):
             raise ConfigurationError(
                 f"{where}: unknown option {attr}; did you mean mongolock_{hint[0]}? (SingletonTask "
@@ -167,6 +173,7 @@ def check_task_class(cls: type) -> None:
     lease = getattr(cls, "mongolock_lease_seconds", None)
     beat = getattr(cls, "mongolock_heartbeat_seconds", None)
     hold = getattr(cls, "mongolock_min_hold_seconds", None)
+    limit = getattr(cls, "mongolock_limit", None)
     from .store import DEFAULT_LEASE_SECONDS, _validate_seconds, validate_lease_timing
 
     try:
@@ -174,6 +181,7 @@ def check_task_class(cls: type) -> None:
             validate_lease_timing(lease if lease is not None else DEFAULT_LEASE_SECONDS, beat)
         if hold is not None:
             _validate_seconds("min_hold_seconds", hold, low=0.0, high=30 * 24 * 3600.0)
+        check_limit(limit, policy, hold)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
     body = _task_function(cls)

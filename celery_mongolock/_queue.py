@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -107,11 +107,17 @@ def header(request: Any, name: str) -> Any:
     return value if value is not None else getattr(request, name, None)
 
 
-def handoff_of(request: Any, key: str) -> str | None:
-    """The token a handed run claims ``key`` with (None for a message that was not a handoff)."""
+def handoff_of(request: Any, key: str, run: str) -> str | None:
+    """The token a handed run claims ``key`` with (None for a message that was not this run's handoff:
+    a body's own ``Task.retry()`` of a handed run copies its headers, but is another run)."""
     headers = getattr(request, "headers", None) or {}
     handoff = headers.get(HANDOFF_HEADER) or getattr(request, HANDOFF_HEADER, None)
-    if isinstance(handoff, Mapping) and handoff.get("k") == key and isinstance(handoff.get("tk"), str):
+    if (
+        isinstance(handoff, Mapping)
+        and handoff.get("k") == key
+        and isinstance(handoff.get("tk"), str)
+        and handoff.get("id", run) == run
+    ):
         return str(handoff["tk"])
     return None
 
@@ -140,7 +146,7 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any]) -> None:
     fields = loads(entry["m"], entry["ct"], entry["ce"])  # type: ignore[no-untyped-call]
     signature = app.signature(fields)
     headers = dict(signature.options.get("headers") or {})
-    headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"]}
+    headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"], "id": entry.get("id")}
     # The signature carries the run's task id, routing, links and retries; only the headers change.
     signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
     signals.run_handed_off.send(
@@ -188,10 +194,39 @@ def superseded_result(key: str, by: str) -> dict[str, Any]:
     return {"mongolock": "superseded", "key": key, "by": by}
 
 
-def write_superseded(app: Celery, store: LeaseStore, key: str, entries: list[Mapping[str, Any]]) -> None:
-    """Write SUCCESS ``superseded`` for runs that a newer send replaced, then forget them."""
+#: The state a parked run writes for itself (``task.QUEUED``).
+QUEUED = "QUEUED"
+
+
+def state_of(app: Celery, task_id: str) -> str | None:
+    """A run's state in the result backend (None if it cannot be read)."""
+    try:
+        return str(app.backend.get_task_meta(task_id).get("status"))
+    except Exception:
+        return None
+
+
+def write_superseded(
+    app: Celery,
+    store: LeaseStore,
+    key: str,
+    entries: list[Mapping[str, Any]],
+    *,
+    ready: Callable[[str], bool] | None = None,
+) -> list[Mapping[str, Any]]:
+    """Write SUCCESS ``superseded`` for runs that a newer send replaced, then forget them; return the
+    entries left for later.
+
+    A parked run writes its own state ``QUEUED`` after its park, so a result written before that could be
+    overwritten by it (the backend's read and write are not one step): with ``ready``, only the runs it
+    accepts are written now (the others stay in ``sup``: the run itself, after writing ``QUEUED``, or the
+    sweeper writes them)."""
     done = []
+    left = []
     for entry in entries:
+        if ready is not None and not ready(str(entry["t"])):
+            left.append(entry)
+            continue
         if has_backend(app):
             app.backend.store_result(entry["t"], superseded_result(key, str(entry.get("by"))), "SUCCESS")
         signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
@@ -199,6 +234,12 @@ def write_superseded(app: Celery, store: LeaseStore, key: str, entries: list[Map
         done.append(entry["t"])
     if done:
         store.forget_results(key, "sup", done)
+    return left
+
+
+def marked_queued(app: Celery) -> Callable[[str], bool]:
+    """``ready`` for ``write_superseded``: the run has written its state ``QUEUED`` already."""
+    return lambda task_id: state_of(app, task_id) == QUEUED
 
 
 def write_timed_out(app: Celery, store: LeaseStore, key: str, entries: list[Mapping[str, Any]]) -> None:
@@ -263,12 +304,20 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
     return False
 
 
+#: Keys read per page by the sweeper.
+PAGE = 500
+
+
 class Sweeper:
     """The thread in a worker's main process that completes what crashed processes left undone."""
 
-    def __init__(self, app: Celery, interval: float) -> None:
+    def __init__(self, app: Celery, interval: float, grace: float | None = None) -> None:
         self.app = app
         self.interval = interval
+        #: How long a superseded run that has not written its state ``QUEUED`` (it died first, or does
+        #: not store results) waits for it before the sweeper writes its result anyway.
+        self.grace = max(2 * interval, config.get_settings(app).lease_seconds) if grace is None else grace
+        self._unmarked: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mongolock-sweeper", daemon=True)
 
@@ -290,7 +339,14 @@ class Sweeper:
         store = config.get_store(self.app)
         install_publisher(self.app, store)
         revoked = _revoked_ids()
-        docs = store.waiting_keys()
+        docs: list[dict[str, Any]] = []
+        last_key: str | None = None
+        while True:  # every waiting key, a page at a time
+            page = store.waiting_keys(limit=PAGE, after=last_key)
+            docs += page
+            if len(page) < PAGE:
+                break
+            last_key = page[-1]["_id"]
         for doc in docs:
             key = doc["_id"]
             ids = {str(e.get("t")) for e in doc.get("q") or []}
@@ -307,8 +363,18 @@ class Sweeper:
             if after.get("dead"):
                 write_timed_out(self.app, store, key, list(after["dead"]))
             if after.get("sup"):
-                write_superseded(self.app, store, key, list(after["sup"]))
+                write_superseded(self.app, store, key, list(after["sup"]), ready=self._superseded_ready)
         return len(docs)
+
+    def _superseded_ready(self, task_id: str) -> bool:
+        """A superseded run's result may be written: the run wrote its state ``QUEUED`` (a later write of
+        that state would overwrite the result), or it has not for ``grace`` seconds."""
+        now = time.monotonic()
+        waited = now - self._unmarked.setdefault(task_id, now)
+        if state_of(self.app, task_id) == QUEUED or waited > self.grace:
+            self._unmarked.pop(task_id, None)
+            return True
+        return False
 
 
 _sweepers: dict[int, Sweeper] = {}

@@ -113,3 +113,16 @@ def validate_lease_timing(lease_seconds: object, heartbeat_seconds: object | Non
             f"missed renewal does not lose the lease; use {ttl / 3.0:g} or less"
         )
     return ttl, beat
+
+
+#: The largest ``limit=N``: every hold of a key lives in its one lease document.
+MAX_LIMIT = 1000
+
+
+def validate_limit(limit: object) -> int | None:
+    """``limit=N``: None or 1 mean a single lease (returned as None); 2 to ``MAX_LIMIT`` are slots."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigurationError(f"limit must be an int from 1 to {MAX_LIMIT}, got {limit!r}")
+    return None if limit == 1 else limit

@@ -47,7 +47,14 @@ def _store(ctx: click.Context) -> LeaseStore:
 
 
 def _holder(info: LeaseInfo) -> str:
-    h = info.holder
+    if info.slots:
+        return f"{len(info.slots)}/{info.limit} slots: " + ", ".join(
+            _who(s["holder"] or {}) for s in info.slots
+        )
+    return _who(info.holder)
+
+
+def _who(h: dict[str, Any]) -> str:
     where = ":".join(str(h[k]) for k in ("host", "pid") if h.get(k) is not None)
     task = h.get("task_name") or h.get("role") or ""
     if h.get("task_id"):
@@ -156,6 +163,11 @@ def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
     ):
         value = data.get(name)
         click.echo(f"{name.ljust(width)}  {value if value is not None else '-'}")
+    for hold in info.slots:
+        click.echo(
+            f"  slot {hold['slot']}: {_who(hold['holder'] or {})} fence {hold['fence']}, "
+            f"expires in {hold['expires_in']:.1f}s"
+        )
     if info.handoff:
         h = info.handoff
         click.echo(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ._urls import validate_mongo_url
 from ._validation import DEFAULT_HISTORY_DAYS, validate_history_days
 from .exceptions import ConfigurationError
-from .policies import Policy, PolicySpec, Retry, parse_policy
+from .policies import Policy, PolicySpec, Retry, check_limit, parse_policy
 from .store import LeaseStore, _validate_seconds, validate_lease_timing, validate_names
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_task_policies": {},
     "mongolock_history_days": DEFAULT_HISTORY_DAYS,
 }
-TASK_OPTION_NAMES = ("on_contention", "lease_seconds", "heartbeat_seconds", "min_hold_seconds")
+TASK_OPTION_NAMES = ("on_contention", "lease_seconds", "heartbeat_seconds", "min_hold_seconds", "limit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,8 @@ class TaskOptions:
     lease_seconds: float
     heartbeat_seconds: float
     min_hold_seconds: float = 0.0
+    #: ``limit=N``: up to N runs of one key at once (None: one, a single lease).
+    limit: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,7 @@ class Settings:
         lease_seconds: float | None = None,
         heartbeat_seconds: float | None = None,
         min_hold_seconds: float | None = None,
+        limit: int | None = None,
     ) -> TaskOptions:
         """Options for task ``name``: per-task settings > decorator arguments > global settings."""
         override = self.task_policies.get(name, {})
@@ -118,8 +121,18 @@ class Settings:
             low=0.0,
             high=30 * 24 * 3600.0,
         )
+        limit_spec = override.get("limit", limit)
+        try:
+            n = check_limit(limit_spec, policy, hold_s)
+        except ConfigurationError as exc:
+            source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
+            raise ConfigurationError(f"{source}: {exc}") from None
         return TaskOptions(
-            on_contention=policy, lease_seconds=lease_s, heartbeat_seconds=beat_s, min_hold_seconds=hold_s
+            on_contention=policy,
+            lease_seconds=lease_s,
+            heartbeat_seconds=beat_s,
+            min_hold_seconds=hold_s,
+            limit=n,
         )
 
 
@@ -175,7 +188,7 @@ def read_settings(conf: Any) -> Settings:
             raise ConfigurationError(f"{where} must be a dict of options, got {type(options).__name__}")
         unknown = sorted(set(options) - set(TASK_OPTION_NAMES), key=str)
         if unknown:
-            planned = [name for name in unknown if name in ("limit", "keys")]
+            planned = [name for name in unknown if name in ("keys",)]
             if planned:
                 raise ConfigurationError(f"{where}: {planned[0]!r} is not supported yet (planned); remove it")
             hints = [

@@ -93,6 +93,16 @@ class LeaseInfo:
     parked: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: A handoff not yet taken up: ``task_id``, ``task_name``, ``handed_for`` (s), ``attempt``.
     handoff: dict[str, Any] | None = None
+    #: ``limit=N`` keys: the live holds, by slot (``slot``, ``fence``, ``holder``, ``expires_in``), and N.
+    slots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    limit: int | None = None
+
+    @property
+    def full(self) -> bool:
+        """Held, and (for a ``limit=N`` key) every slot taken: a new run cannot take it now."""
+        if not self.held:
+            return False
+        return not self.slots or self.limit is None or len(self.slots) >= self.limit
 
     def as_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -152,11 +162,14 @@ class Lease:
         holder: Mapping[str, Any],
         acquired_at: _dt.datetime | None = None,
         waited_ms: int | None = None,
+        slot: int | None = None,
     ) -> None:
         self.store = store
         self.key = key
         self.owner = owner
         self.fence = fence
+        #: Which of the key's slots this lease holds (``limit=N``: 0 to N-1); None for a single lease.
+        self.slot = slot
         self.ttl = ttl
         self.heartbeat_seconds = heartbeat_seconds
         self.expires_at = expires_at
@@ -323,4 +336,5 @@ class Lease:
 
     def __repr__(self) -> str:
         state = "released" if self._released else ("lost" if self._lost_reason else "held")
-        return f"<Lease {self.key!r} fence={self.fence} owner={self.owner[:8]} {state}>"
+        slot = "" if self.slot is None else f" slot={self.slot}"
+        return f"<Lease {self.key!r} fence={self.fence}{slot} owner={self.owner[:8]} {state}>"

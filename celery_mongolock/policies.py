@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, Protocol
 
+from ._validation import validate_limit
 from .exceptions import ConfigurationError
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Retry",
     "Skip",
     "Wait",
+    "check_limit",
     "parse_policy",
 ]
 
@@ -319,3 +321,20 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
         f"{setting} must be a policy (Retry(), Skip(), Wait(), Fail()), a name or a dict, "
         f"got {type(value).__name__}"
     )
+
+
+def check_limit(limit: object, policy: object = None, min_hold: object = None) -> int | None:
+    """``limit=N``: an int from 1 to 1000; with N > 1, not (yet) with ``Queue``/``Replace`` or a minimum
+    hold. Returns N (None for a single lease)."""
+    n = validate_limit(limit)
+    if n is not None:
+        if policy is not None and not isinstance(policy, Policy):
+            policy = parse_policy(policy)
+        if isinstance(policy, Policy) and policy.queued:
+            raise ConfigurationError(
+                f"limit={n} with on_contention={policy.name!r} is not supported yet: a parked run is handed "
+                "one key, not one of N slots; use Retry, Skip, Wait or Fail with limit"
+            )
+        if min_hold:
+            raise ConfigurationError(f"limit={n} with min_hold_seconds is not supported yet")
+    return n

@@ -40,6 +40,7 @@ import os
 import random
 import socket
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -67,6 +68,7 @@ from pymongo.write_concern import WriteConcern
 
 from . import _admission as admission_docs
 from . import _documents as documents
+from . import _slots as slots_docs
 from ._documents import MAX_INFO_BYTES, Document
 from ._urls import redact, validate_mongo_url
 from ._validation import (
@@ -76,6 +78,7 @@ from ._validation import (
     MIN_LEASE_SECONDS,
     validate_history_days,
     validate_lease_timing,
+    validate_limit,
     validate_names,
     validate_seconds,
 )
@@ -449,6 +452,7 @@ class LeaseStore:
         min_hold: float = 0.0,
         tick: int | None = None,
         hold_until_ms: int | None = None,
+        limit: int | None = None,
     ) -> Lease | None:
         """Try once to take ``key`` for ``ttl`` seconds (default: the store's ``lease_seconds``).
 
@@ -459,7 +463,10 @@ class LeaseStore:
         ``hold_until_ms`` (epoch milliseconds, server time) is the same as an absolute time, e.g. the end
         of a schedule tick. ``tick`` (an increasing int, such as a scheduled time in ms) makes the
         acquisition once-per-tick: refused for a tick at or before the last tick that took this key.
-        Raises ``StoreUnavailable`` if MongoDB cannot be reached: a lease is never assumed.
+        ``limit=N`` (N > 1): up to N holds of the key at once, each in a slot of its own
+        (``lease.slot``), with fences that strictly increase over all of them; ``min_hold``, ``tick`` and
+        ``hold_until_ms`` are for single leases only. Raises ``StoreUnavailable`` if MongoDB cannot be
+        reached: a lease is never assumed.
         """
         lease, _ = self._try_acquire(
             key,
@@ -470,6 +477,7 @@ class LeaseStore:
             min_hold=min_hold,
             tick=tick,
             hold_until_ms=hold_until_ms,
+            limit=limit,
         )
         return lease
 
@@ -487,6 +495,7 @@ class LeaseStore:
         admission: Mapping[str, Any] | None = None,
         waited_ms: int | None = None,
         waited_since_ms: int | None = None,
+        limit: int | None = None,
     ) -> tuple[Lease | None, Document | None]:
         """One acquire (with its retries on an ambiguous outcome): ``(lease, None)`` when taken, else
         ``(None, the document)``. ``admission``: the keyword arguments of ``_admission.admit_pipeline``
@@ -510,8 +519,18 @@ class LeaseStore:
         ttl_ms = int(ttl_s * 1000)
         holder = documents.holder_info(self._host, os.getpid(), info)
         token = uuid.uuid4().hex
+        limit = validate_limit(limit)
+        if limit is not None and (admission is not None or tick is not None or hold_s or hold_until_ms):
+            raise ConfigurationError(
+                "limit=N (N > 1) takes no queued admission, beat tick or minimum hold yet"
+            )
         projection: Document | None = documents.ACQUIRE_PROJECTION
-        if admission is None:
+        if limit is not None:
+            if waited_since_ms is not None and waited_ms is None:
+                waited_ms = max(0, int(time.time() * 1000) - waited_since_ms)
+            pipeline = slots_docs.slot_acquire_pipeline(token, ttl_ms, holder, limit, waited_ms=waited_ms)
+            projection = {"q.m": 0, "ends": 0, "seen": 0}
+        elif admission is None:
             pipeline = documents.acquire_pipeline(
                 token,
                 ttl_ms,
@@ -608,6 +627,10 @@ class LeaseStore:
                 doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
             if doc.get("owner") == token and outcome not in ("acquired", "claimed", "due"):
                 doc["lo"] = "acquired"
+        if limit is not None:
+            return self._slot_lease(
+                key, token, doc, ttl_s, beat, sent_at, holder, ambiguous, landing_window, heartbeat
+            )
         if doc is None or doc.get("owner") != token:
             if doc is not None:
                 log_acquire.debug("lease %r is held by %s", key, doc.get("holder"))
@@ -633,6 +656,46 @@ class LeaseStore:
         if taken_over is not None:
             self._record(documents.history_record(key, taken_over))
         log_acquire.info("acquired lease %r fence=%s ttl=%gs", key, lease.fence, ttl_s)
+        if heartbeat:
+            self.heartbeat.add(lease)
+        return lease, doc
+
+    def _slot_lease(  # noqa: PLR0917 - the acquire's state, handed over as is
+        self,
+        key: str,
+        token: str,
+        doc: Document | None,
+        ttl_s: float,
+        beat: float,
+        sent_at: float,
+        holder: Document,
+        ambiguous: bool,
+        landing_window: float,
+        heartbeat: bool,
+    ) -> tuple[Lease | None, Document | None]:
+        """The outcome of a ``limit=N`` acquire, from its reply: our hold is in ``hs``, or the key is full."""
+        mine = next((h for h in (doc or {}).get("hs") or [] if h.get("o") == token), None)
+        if mine is None:
+            if ambiguous:
+                self.release_later(key, token, landing_window, quiet=True, maybe=True)
+            return None, doc
+        lease = Lease(
+            self,
+            key,
+            token,
+            fence=int(mine["f"]),
+            ttl=ttl_s,
+            heartbeat_seconds=beat,
+            expires_at=aware(mine.get("x")),
+            sent_at=sent_at,
+            holder=holder,
+            acquired_at=aware(mine.get("a")),
+            waited_ms=mine.get("w"),
+            slot=int(mine["s"]),
+        )
+        if ambiguous:
+            lease._ambiguous_until = landing_window
+        log_acquire.info("acquired lease %r slot %s fence=%s ttl=%gs", key, lease.slot, lease.fence, ttl_s)
         if heartbeat:
             self.heartbeat.add(lease)
         return lease, doc
@@ -725,13 +788,17 @@ class LeaseStore:
         try:
             while True:
                 info = self.inspect(key)
-                if info is None or not info.held:
+                queued = info is not None and bool(info.parked or info.handoff)
+                if info is None or not (info.full or queued):
                     return True
                 remaining = give_up_at - clock.monotonic()
                 if remaining <= 0:
                     return False
-                # Sleep until a change, the holder's expiry, or the deadline, whichever is first.
+                # Sleep until a change, the holder's expiry, or the deadline, whichever is first. A key
+                # with runs parked is theirs first, even when nobody holds it: look again later.
                 nap = min(remaining, max(0.01, (info.expires_in or 0.0) + 0.005))
+                if queued and not info.full:
+                    nap = min(remaining, max_poll_interval)
                 if stream is not None:
                     wake_at = clock.monotonic() + nap
                     try:
@@ -793,6 +860,10 @@ class LeaseStore:
     # -- renew / release -----------------------------------------------------------------------------
     def renew_lease(self, lease: Lease) -> bool:
         """Extend ``lease`` once, now (``Lease.renew`` calls this); True if it was still ours."""
+        if lease.slot is not None:
+            return not self._renew_slots(
+                [lease], timeout=max(0.1, min(self.operation_timeout, lease.remaining))
+            )
         with self._operation(
             f"renew lease {lease.key!r}", timeout=max(0.1, min(self.operation_timeout, lease.remaining))
         ):
@@ -808,8 +879,21 @@ class LeaseStore:
         A second query is made only when some lease did not match, to learn which.
         """
         live = [lease for lease in leases if not lease.lost and not lease.released]
+        slotted = [lease for lease in live if lease.slot is not None]
+        live = [lease for lease in live if lease.slot is None]
+        lost_slots: builtins.list[Lease] = []
+        if slotted:
+            sent_slots = self.clock.monotonic()
+            lost_slots = self._renew_slots(slotted, timeout=timeout)
+            for lease in slotted:
+                if lease in lost_slots:
+                    lease.mark_lost(
+                        "renewal found its slot gone: released by force, or expired and taken", release=False
+                    )
+                else:
+                    lease._extend(sent_slots)
         if not live:
-            return []
+            return lost_slots
         by_token = {lease.owner: lease for lease in live}
         sent = self.clock.monotonic()
         coll = self.collection
@@ -828,7 +912,24 @@ class LeaseStore:
                 )
             else:
                 lease._extend(sent)
-        return lost
+        return lost + lost_slots
+
+    def _renew_slots(
+        self, leases: builtins.list[Lease], timeout: float | None = None
+    ) -> builtins.list[Lease]:
+        """Renew ``limit=N`` holds (one update, then one read of which are still live); return the lost."""
+        tokens = [lease.owner for lease in leases]
+        with self._operation("renew slot leases", timeout=timeout):
+            self.collection.update_many(
+                slots_docs.slot_tokens_filter(tokens), slots_docs.slot_renew_pipeline(tokens)
+            )
+            primary = self.collection.with_options(read_preference=ReadPreference.PRIMARY)
+            still = {
+                token
+                for d in primary.aggregate(slots_docs.slot_live_tokens_pipeline(tokens))
+                for token in d.get("live") or []
+            }
+        return [lease for lease in leases if lease.owner not in still]
 
     def release_lease(self, lease: Lease) -> bool:
         """Send the release of ``lease`` (``Lease.release`` calls this); True if it was still ours.
@@ -838,11 +939,14 @@ class LeaseStore:
         in the background until the lease's deadline and ``StoreUnavailable`` is raised.
         """
         key, token = lease.key, lease.owner
+        if lease.slot is not None:
+            return self._release_slot(lease)
+        by = self._handoff_by(token)
         try:
             with self._operation(f"release lease {key!r}"):
                 doc = self.collection.find_one_and_update(
                     documents.release_filter(key, token),
-                    documents.release_pipeline(token),
+                    documents.release_pipeline(by),
                     projection=admission_docs.HANDOFF_PROJECTION,
                     return_document=ReturnDocument.AFTER,
                 )
@@ -854,13 +958,33 @@ class LeaseStore:
             raise self._unavailable(f"release lease {key!r}", exc) from None
         log_release.info("released lease %r%s", key, "" if released else " (it was no longer ours)")
         if doc is not None:
-            self._handed(key, doc, token)
+            self._handed(key, doc, by)
         if released:
             self._record(self._local_ending(lease, "released"))
         elif lease.acquired_at is not None:
             self.record_lost(
                 lease, "its release matched nothing: released by force, or expired and taken over"
             )
+        return released
+
+    def _release_slot(self, lease: Lease) -> bool:
+        key, token = lease.key, lease.owner
+        try:
+            with self._operation(f"release lease {key!r} slot {lease.slot}"):
+                result = self.collection.update_one(
+                    {"_id": key, "hs.o": token}, slots_docs.slot_release_pipeline([token])
+                )
+        except (*_AMBIGUOUS, StoreUnavailable, OperationFailure) as exc:
+            self.release_later(key, token, lease.deadline)
+            if isinstance(exc, StoreUnavailable):
+                raise
+            raise self._unavailable(f"release lease {key!r}", exc) from None
+        released = result.matched_count == 1
+        log_release.info(
+            "released lease %r slot %s%s", key, lease.slot, "" if released else " (it was no longer ours)"
+        )
+        if released:
+            self._record(self._local_ending(lease, "released"))
         return released
 
     # -- handoffs ------------------------------------------------------------------------------------
@@ -870,6 +994,12 @@ class LeaseStore:
         worker publishes it."""
         if callback not in self._handoff_callbacks:
             self._handoff_callbacks.append(callback)
+
+    def _handoff_by(self, token: str) -> str:
+        """How a releasing command of this process marks a handoff it makes: with its token when this
+        process publishes handoffs (a callback), else unmarked, so that a worker's sweeper adopts and
+        publishes it at its next pass (a marked one would wait until it expired unclaimed)."""
+        return token if self._handoff_callbacks else ""
 
     def _handed(self, key: str, doc: Mapping[str, Any] | None, by: str) -> Document | None:
         """If the command whose reply is ``doc`` handed ``key`` to a parked run, publish that run."""
@@ -884,11 +1014,16 @@ class LeaseStore:
                 log_release.exception("publishing the handoff of %r to %s failed", key, ho.get("t"))
         return ho
 
-    def waiting_keys(self, limit: int = 1000) -> builtins.list[Document]:
+    def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
         """Lease documents with parked runs, a pending handoff or results to write (the sweeper's list),
-        without the parked runs' messages, each with the server's time of the read (``__now``)."""
+        without the parked runs' messages, each with the server's time of the read (``__now``): at most
+        ``limit`` of them, by key, after ``after`` (page through with the last key returned)."""
+        match: Document = {"wq": True}
+        if after is not None:
+            match["_id"] = {"$gt": after}
         pipeline: builtins.list[Document] = [
-            {"$match": {"wq": True}},
+            {"$match": match},
+            {"$sort": {"_id": 1}},
             {"$limit": limit},
             {"$addFields": {"__now": "$$NOW"}},
             {"$project": {"q.m": 0, "ho.m": 0, "ends": 0, "seen": 0}},
@@ -940,11 +1075,15 @@ class LeaseStore:
     def release_tokens(self, tokens: _Collection[str], timeout: float | None = None) -> int:
         """Release the leases of these owner tokens in one round trip (the heartbeat's background
         releases); return how many were released. ``StoreUnavailable`` if MongoDB does not answer."""
+        tokens = builtins.list(tokens)
         with self._operation("release leases in the background", timeout=timeout):
             result = self.collection.update_many(
                 documents.release_tokens_filter(tokens), documents.release_pipeline()
             )
-        return result.modified_count
+            slotted = self.collection.update_many(
+                slots_docs.slot_tokens_filter(tokens), slots_docs.slot_release_pipeline(tokens)
+            )
+        return result.modified_count + slotted.modified_count
 
     def release_later(
         self, key: str, token: str, until: float, *, quiet: bool = False, maybe: bool = False
@@ -967,7 +1106,7 @@ class LeaseStore:
         with self._operation(f"release leases held by {holder}"):
             keys = [d["_id"] for d in self.collection.find(match, {"_id": 1})]
             for key in keys:
-                token = uuid.uuid4().hex
+                token = self._handoff_by(uuid.uuid4().hex)
                 doc = self.collection.find_one_and_update(
                     {**match, "_id": key},
                     documents.release_dead_holder_pipeline(token),
@@ -977,6 +1116,10 @@ class LeaseStore:
                 if doc is not None:
                     released += 1
                     self._handed(key, doc, token)
+            slotted = self.collection.update_many(
+                slots_docs.slot_held_by_filter(holder), slots_docs.slot_release_dead_pipeline(holder)
+            )
+            released += slotted.modified_count
         if released:
             log_release.warning("released %d lease(s) held by %s", released, holder)
             if self.history_days:
@@ -991,7 +1134,7 @@ class LeaseStore:
         next acquisition still gets a larger one. A key with parked runs goes to the oldest.
         """
         key = normalize_key(key)
-        token = uuid.uuid4().hex
+        token = self._handoff_by(uuid.uuid4().hex)
         with self._operation(f"force-release lease {key!r}"):
             doc = self.collection.find_one_and_update(
                 documents.force_release_filter(key),
@@ -999,6 +1142,13 @@ class LeaseStore:
                 projection=admission_docs.HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )
+            if doc is None:  # a limit=N key: every slot
+                doc = self.collection.find_one_and_update(
+                    {"_id": key, "hs.0": {"$exists": True}},
+                    slots_docs.slot_force_release_pipeline(),
+                    projection=admission_docs.HANDOFF_PROJECTION,
+                    return_document=ReturnDocument.AFTER,
+                )
         log_release.warning("force-released lease %r: %s", key, "it was held" if doc else "it was free")
         if doc is not None and self.history_days:
             # An operator's command, often from a process that exits right after: copy the ending into

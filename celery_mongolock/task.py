@@ -42,7 +42,17 @@ from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
 from .exceptions import ConfigurationError, LockContended, QueueTimeout, StoreUnavailable
 from .keys import KeyRenderer, KeySpec
-from .policies import TRY_AGAIN, Fail, Policy, PolicySpec, Queue, Replace, Retry, parse_policy
+from .policies import (
+    TRY_AGAIN,
+    Fail,
+    Policy,
+    PolicySpec,
+    Queue,
+    Replace,
+    Retry,
+    check_limit,
+    parse_policy,
+)
 from .store import Lease, LeaseStore, _aware
 
 __all__ = [
@@ -58,7 +68,7 @@ log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
 
 #: The state of a parked run (``Queue``, ``Replace``): its meta says ``key``, ``position``, ``since``.
-QUEUED = "QUEUED"
+QUEUED = _queue.QUEUED
 #: Message header counting contention retries, kept apart from the task's own ``retries``.
 CONTENTION_HEADER = "mongolock_contention_retries"
 #: Epoch ms (the sender's clock) of a run's first contention, carried by its contention retries: the lease
@@ -133,6 +143,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     mongolock_heartbeat_seconds: ClassVar[float | None] = None
     #: Keep the key taken at least this long after the run starts (ShedLock's lock-at-least-for).
     mongolock_min_hold_seconds: ClassVar[float | None] = None
+    #: At most this many runs of one key at once (``limit=N``); None or 1: one.
+    mongolock_limit: ClassVar[int | None] = None
     #: Expected errors: logged at INFO without a traceback.
     throws = (LockContended,)
     Request = "celery_mongolock.task:SingletonRequest"
@@ -229,6 +241,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             lease_seconds=self.mongolock_lease_seconds,
             heartbeat_seconds=self.mongolock_heartbeat_seconds,
             min_hold_seconds=self.mongolock_min_hold_seconds,
+            limit=self.mongolock_limit,
         )
 
     # -- the guarded call ------------------------------------------------------------------------------
@@ -312,6 +325,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     hold_until_ms=hold_until_ms,
                     waited_ms=waited_ms,
                     waited_since_ms=contended_since,
+                    limit=options.limit,
                 )
             except StoreUnavailable as exc:
                 return self._unavailable(key, exc, policy, direct)
@@ -351,7 +365,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         assert isinstance(policy, Queue)
         request = self.request
         stamp, _src = _queue.stamp_of(request)
-        delivery = _delivery(request)
+        # A queued run is one run per task id and own retry: a contention retry (after MongoDB did not
+        # answer) is the same run, and must find its own park if that landed.
+        delivery = str(int(getattr(request, "retries", 0) or 0))
+        info["delivery"] = delivery
         entry: dict[str, Any] = {
             "id": f"{request.id}/{delivery}",
             "t": request.id,
@@ -364,12 +381,24 @@ class SingletonTask(Task):  # type: ignore[misc]
         }
         _queue.install_publisher(self.app, store)
         debounced_copy = bool(_queue.header(request, _queue.DEBOUNCE_HEADER))
+        claim = _queue.handoff_of(request, key, entry["id"])
+        fresh = not (
+            claim
+            or debounced_copy
+            or (request.headers or {}).get(DUPLICATE_HEADER)
+            or (request.delivery_info or {}).get("redelivered")
+        )
+        if fresh:
+            # QUEUED before the admit, never after it: once parked, the run may be handed the key and end
+            # at any moment, and a state written later would hide its result.
+            since = _dt.datetime.now(_dt.timezone.utc).isoformat()
+            self._set_state(QUEUED, {"key": key, "since": since}, unless_ready=True)
         try:
             lease, doc = store.admit(
                 key,
                 entry,
                 ttl=options.lease_seconds,
-                claim=_queue.handoff_of(request, key),
+                claim=claim,
                 timeout=policy.timeout,
                 max_length=policy.max_length,
                 replace=isinstance(policy, Replace),
@@ -383,18 +412,19 @@ class SingletonTask(Task):  # type: ignore[misc]
         except StoreUnavailable as exc:
             self._unavailable(key, exc, policy, direct=False)
         if lease is not None:
+            self._set_state(celery_states.STARTED, {"key": key, "fence": lease.fence})
             return lease
         outcome = doc.get("lo")
         holder = dict(doc.get("holder") or {})
         expires_at = _aware(doc.get("expires_at"))
         who = (self.name, request.id)
-        if outcome in ("dup", "done"):
-            log_acquire.info(
-                "%s[%s]: copy of a run that is %s on %r; dropped",
-                *who,
-                "parked or handed the key" if outcome == "dup" else "over",
-                key,
-            )
+        if outcome in ("dup", "done", "stale"):
+            what = {
+                "dup": "parked or handed the key",
+                "done": "over",
+                "stale": "no longer waiting (timed out, revoked, or handed again)",
+            }[outcome]
+            log_acquire.info("%s[%s]: copy of a run that is %s on %r; dropped", *who, what, key)
             raise Ignore()
         if outcome == "running":
             signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
@@ -417,10 +447,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         # Parked: its message is in the lease document; acknowledging it ends this delivery.
         mine = [s for s in doc.get("sup") or [] if s.get("by") == request.id]
         if mine:
-            _queue.write_superseded(self.app, store, key, mine)
+            # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
+            # its result with it; it writes the result itself once it has (``_mark_queued``).
+            _queue.write_superseded(self.app, store, key, mine, ready=_queue.marked_queued(self.app))
         parked_ids = [e.get("t") for e in doc.get("q") or []]
         position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
-        self._mark_queued(key, position)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
             # Come back when the debounce has passed: the copy takes the key if no newer send came.
             headers = dict(request.headers or {})
@@ -440,20 +471,20 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         raise Ignore()
 
-    def _mark_queued(self, key: str, position: int) -> None:
-        """State ``QUEUED`` for a parked run (unless it already has a final state: its handoff may have
-        run it already)."""
+    def _set_state(self, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
+        """Write this run's state (only for humans and ``AsyncResult.state``: failures are logged)."""
         if self.ignore_result or self.request.ignore_result or not _queue.has_backend(self.app):
             return
         task_id = self.request.id
         try:
-            meta = self.backend.get_task_meta(task_id)
-            if meta.get("status") in celery_states.READY_STATES:
-                return
-            since = _dt.datetime.now(_dt.timezone.utc).isoformat()
-            self.backend.store_result(task_id, {"key": key, "position": position, "since": since}, QUEUED)
-        except Exception as exc:  # the run is parked; its state is only for humans
-            log_acquire.warning("%s[%s]: could not set state QUEUED: %s", self.name, task_id, exc)
+            if (
+                unless_ready
+                and self.backend.get_task_meta(task_id).get("status") in celery_states.READY_STATES
+            ):
+                return  # an earlier run of this task id ended: leave its result alone
+            self.backend.store_result(task_id, meta, state)
+        except Exception as exc:
+            log_acquire.warning("%s[%s]: could not set state %s: %s", self.name, task_id, state, exc)
 
     def _park_duplicate(self, key: str, options: TaskOptions, direct: bool) -> None:
         """Keep a copy of a duplicate delivery until the first run's fate is known.
@@ -600,6 +631,7 @@ def singleton_task(
     lease_seconds: float | None = ...,
     heartbeat_seconds: float | None = ...,
     min_hold_seconds: float | None = ...,
+    limit: int | None = ...,
     app: Celery | None = ...,
     base: type[SingletonTask] = ...,
     **task_options: Any,
@@ -614,6 +646,7 @@ def singleton_task(
     lease_seconds: float | None = None,
     heartbeat_seconds: float | None = None,
     min_hold_seconds: float | None = None,
+    limit: int | None = None,
     app: Celery | None = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -624,7 +657,9 @@ def singleton_task(
     ``"email-group:{group_id}"`` (rendered as the lease key as is), a brace-free fixed key, or a callable
     taking the task's arguments. ``on_contention``: ``Retry()`` (default), ``Skip()``, ``Wait()``,
     ``Fail()`` or their names. ``min_hold_seconds`` keeps the key taken at least that long after a run
-    starts, even if it ends sooner (ShedLock's lock-at-least-for). Other keyword arguments go to Celery
+    starts, even if it ends sooner (ShedLock's lock-at-least-for). ``limit=N``: up to N runs of one key
+    at once (per-tenant concurrency), each holding a slot (``current_lease().slot``) with its own fence;
+    ``Retry``, ``Skip``, ``Wait`` and ``Fail`` work with it. Other keyword arguments go to Celery
     (``bind``, ``name``, ``acks_late``,
     ...). Like ``shared_task`` unless ``app=`` binds it to one app. Mistakes in the key spec or the
     policy raise ``ConfigurationError`` here, at declaration time.
@@ -635,10 +670,11 @@ def singleton_task(
         )
     if on_contention is not None:
         on_contention = parse_policy(on_contention, "on_contention")
-        if on_contention.queued:
-            # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
-            # a run whose worker dies from being lost.
-            task_options.setdefault("acks_late", True)
+    check_limit(limit, on_contention, min_hold_seconds)
+    if on_contention is not None and on_contention.queued:
+        # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
+        # a run whose worker dies from being lost.
+        task_options.setdefault("acks_late", True)
     if min_hold_seconds is not None:
         from .store import _validate_seconds
 
@@ -663,6 +699,7 @@ def singleton_task(
             "mongolock_lease_seconds": lease_seconds,
             "mongolock_heartbeat_seconds": heartbeat_seconds,
             "mongolock_min_hold_seconds": min_hold_seconds,
+            "mongolock_limit": limit,
             **task_options,
         }
         if app is not None:

@@ -57,6 +57,7 @@ def record(kind: str, tag: str, **fields: Any) -> None:
             "mono": time.monotonic(),
             "key": lease.key if lease else None,
             "fence": lease.fence if lease else None,
+            "slot": lease.slot if lease else None,
             **fields,
         }
     )
@@ -210,6 +211,18 @@ def queued_retry(self: Any, resource: str, tag: str, seconds: float = 0.1) -> st
     on_contention=Replace(debounce=1.0),
 )
 def debounced(resource: str, tag: str, seconds: float = 0.1) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
+    key="tenant:{tenant}",
+    app=app,
+    name="integration_app.per_tenant",
+    limit=3,
+    on_contention=Retry(countdown=0.1, backoff=1.5, max_countdown=0.5),
+)
+def per_tenant(tenant: str, tag: str, seconds: float = 0.5) -> str:
     _work(tag, seconds)
     return tag
 

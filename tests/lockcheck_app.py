@@ -6,6 +6,12 @@ Configured from the environment: LOCKCHECK_BROKER, LOCKCHECK_MONGODB_URL, LOCKCH
 Each task does one read-modify-write of a protected document under its lease (``lockcheck.run_hold``),
 with an operation id chosen by the submitter, so that a redelivered or retried run of the same task is
 recognised and never applies its update twice.
+
+The queued tasks (``rmw_queue``: ``Queue()``, ``rmw_replace``: ``Replace()``) also leave what the order
+checks need: every admission's outcome with the fence in the lease document at that moment (``admit``,
+recorded around ``LeaseStore.admit``), every handoff with the fence it gave (``handoff``, around
+``LeaseStore._handed``), and the library's ``run_parked``, ``run_handed_off`` and ``run_superseded``
+signals. These wrappers only record; they call the library's own methods unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from typing import Any
 from celery import Celery, Task
 from celery.signals import before_task_publish, task_postrun, task_received, worker_ready
 
-from celery_mongolock import Retry, Skip, current_lease, singleton_task
+from celery_mongolock import LeaseStore, Queue, Replace, Retry, Skip, current_lease, singleton_task
+from celery_mongolock import signals as mongolock_signals
 
 from . import lockcheck
 
@@ -102,12 +109,78 @@ def _ended(task_id: Any = None, state: Any = None, retval: Any = None, **_: Any)
         hist.event("ended", task_id=task_id, state=str(state), retval=repr(retval)[:200], t=time.monotonic())
 
 
+# -- what the queued tasks' checks need (lockcheck.check_queued) ------------------------------------------
+_library_admit = LeaseStore.admit
+_library_handed = LeaseStore._handed
+
+
+def _admit(self: LeaseStore, key: str, entry: Any, **kwargs: Any) -> Any:
+    """``LeaseStore.admit``, recording its outcome and the key's fence in the command's reply: a run
+    parked with fence f was in the queue before every grant of a larger fence (one document, one order)."""
+    t0 = time.monotonic()
+    lease, doc = _library_admit(self, key, entry, **kwargs)
+    hist = _history()
+    if hist is not None:
+        hist.event(
+            "admit", key=key, task_id=entry.get("t"), run=entry.get("id"), stamp=entry.get("s"),
+            outcome=doc.get("lo"), fence=doc.get("fence"), by=doc.get("lo_by"),
+            claim=kwargs.get("claim") is not None, handed=(doc.get("ho") or {}).get("t"),
+            t0=t0, t=time.monotonic(),
+        )  # fmt: skip
+    return lease, doc
+
+
+def _handed(self: LeaseStore, key: str, doc: Any, by: str) -> Any:
+    """``LeaseStore._handed`` (the command whose reply is ``doc`` handed ``key``), recording the handoff
+    and the fence it gave before the run is published."""
+    ho = (doc or {}).get("ho")
+    if isinstance(ho, dict) and ho.get("by") == by and by:
+        hist = _history()
+        if hist is not None:
+            hist.event(
+                "handoff", key=key, task_id=ho.get("t"), run=ho.get("id"), stamp=ho.get("s"),
+                fence=(doc or {}).get("fence"), attempt=ho.get("hn"), t=time.monotonic(),
+            )  # fmt: skip
+    return _library_handed(self, key, doc, by)
+
+
+LeaseStore.admit = _admit  # type: ignore[method-assign]
+LeaseStore._handed = _handed  # type: ignore[method-assign]
+
+
+@mongolock_signals.run_parked.connect
+def _parked(key: Any = None, task_id: Any = None, position: Any = None, stamp: Any = None, **_: Any) -> None:
+    hist = _history()
+    if hist is not None:
+        hist.event("parked", key=key, task_id=task_id, position=position, stamp=stamp, t=time.monotonic())
+
+
+@mongolock_signals.run_handed_off.connect
+def _handed_off(key: Any = None, task_id: Any = None, attempt: Any = None, **_: Any) -> None:
+    hist = _history()
+    if hist is not None:
+        hist.event("handed", key=key, task_id=task_id, attempt=attempt, t=time.monotonic())
+
+
+@mongolock_signals.run_superseded.connect
+def _superseded(key: Any = None, task_id: Any = None, by: Any = None, **_: Any) -> None:
+    hist = _history()
+    if hist is not None:
+        hist.event("superseded", key=key, task_id=task_id, by=by, t=time.monotonic())
+
+
+def _stamp(request: Any) -> Any:
+    """The run's send stamp, as the library reads it (header ``mongolock_sent``)."""
+    stamp = (getattr(request, "headers", None) or {}).get("mongolock_sent")
+    return stamp if stamp is not None else getattr(request, "mongolock_sent", None)
+
+
 def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
     lease = current_lease()
     assert lease is not None
     hist = _history() or lockcheck.HistoryWriter.for_process(".")
     who = f"task:{task.request.hostname}:{os.getpid()}"
-    lockcheck.record_task_acquired(hist, lease, who, task.request.id)
+    lockcheck.record_task_acquired(hist, lease, who, task.request.id, stamp=_stamp(task.request))
     outcomes = lockcheck.run_hold(
         lease, lockcheck.docs_collection(app.conf.mongolock_url, app.conf.mongolock_database), hist,
         [op], _rng, reckless=reckless, who=who, task_id=task.request.id,
@@ -142,4 +215,20 @@ def rmw(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
 )
 def rmw_skip(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """The same, but a run that finds the key held is skipped (its result says so)."""
+    return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    key="{key}", app=app, name="lockcheck.rmw_queue", bind=True, on_contention=Queue(), max_retries=200
+)
+def rmw_queue(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, but a run that finds the key held is parked and handed the key in send order."""
+    return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    key="{key}", app=app, name="lockcheck.rmw_replace", bind=True, on_contention=Replace(), max_retries=200
+)
+def rmw_replace(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, but latest wins: a newer send replaces the parked run (which ends superseded)."""
     return _body(self, key, op, reckless)

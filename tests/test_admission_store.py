@@ -10,6 +10,8 @@ import pytest
 
 from celery_mongolock import LeaseStore
 
+from .conftest import CommandCounter
+
 KEY = "email-group:42"
 
 
@@ -174,6 +176,27 @@ def test_a_background_release_hands_over_and_the_sweeper_publishes(store: LeaseS
     assert handoffs.tasks == ["task-1"]  # adopted once only
 
 
+def test_a_handoff_made_by_a_store_that_publishes_none_is_adopted_by_the_next_sweep(
+    store: LeaseStore, make_store: Any
+) -> None:
+    # A plain LeaseStore user (no Celery, no handoff publisher) releases a key with a run parked: the
+    # worker's sweeper publishes that handoff at its next pass, not once it has expired unclaimed.
+    bare = make_store()
+    handoffs = Handoffs(store)
+    holder = bare.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1))
+    assert holder.release()
+    store.sweep(KEY)
+    assert handoffs.tasks == ["task-1"]
+    holder = bare.acquire("other", 30, info={"task_id": "dying", "pid": 4242})
+    assert holder is not None
+    store.admit("other", entry(2))
+    assert bare.release_held_by(task_id="dying") == 1 and bare.force_release("nothing") is False
+    store.sweep("other")
+    assert handoffs.tasks == ["task-1", "task-2"]
+
+
 def test_dead_holder_and_force_release_hand_over(store: LeaseStore) -> None:
     handoffs = Handoffs(store)
     holder = store.acquire(KEY, 30, info={"task_id": "dying", "pid": 4242})
@@ -285,3 +308,62 @@ def test_the_sweeper_leaves_a_key_alone_while_its_queue_just_waits_for_a_live_ho
     assert needs_sweep({**waiting, "ho": {"t": "a", "by": ""}})  # a handoff nobody published
     assert not needs_sweep({**waiting, "ho": {"t": "a", "by": "x"}})
     assert needs_sweep({**waiting, "dead": [{"t": "b"}]}) and needs_sweep({**waiting, "sup": [{"t": "c"}]})
+
+
+def test_a_handoff_message_whose_run_is_no_longer_waiting_is_stale(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1), timeout=0.0)  # past its deadline at once
+    store.admit(KEY, entry(2))
+    holder.release()  # task-1 goes to dead, task-2 is handed the key
+    assert handoffs.tasks == ["task-2"]
+    # task-1's handoff message from an earlier handoff (or a revoked run's): its claim fails, and it is
+    # neither parked nor run.
+    lease, doc = store.admit(KEY, entry(1), claim="an-old-token")
+    assert lease is None and doc["lo"] == "stale"
+    assert parked(store) == []
+
+
+def test_a_claim_ends_no_lease_and_the_handed_run_s_release_is_recorded(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1))
+    holder.release()
+    claimed, _ = store.admit(KEY, entry(1), claim=handoffs.seen[0][1]["tk"])
+    assert claimed is not None
+    claimed.release()
+    ends = (store.collection.find_one({"_id": KEY}) or {})["ends"]
+    assert [(e["how"], e["f"]) for e in ends] == [("released", holder.fence), ("released", claimed.fence)]
+
+
+def test_a_run_released_while_its_key_is_held_on_is_remembered(store: LeaseStore) -> None:
+    lease, _ = store.admit(KEY, entry(1), min_hold=30)
+    assert lease is not None
+    store.admit(KEY, entry(2))
+    lease.release()  # the key stays taken (min hold), but the run is over
+    _, doc = store.admit(KEY, entry(1))
+    assert doc["lo"] == "done"
+
+
+def test_waiting_for_a_free_key_with_runs_parked_does_not_spin(
+    store: LeaseStore, counter: CommandCounter
+) -> None:
+    holder = store.acquire(KEY, 30)
+    assert holder is not None
+    store.admit(KEY, entry(1), replace=True, debounce=60)  # parked, not due for a minute
+    holder.release()  # free, but not for a plain acquirer
+    counter.clear()
+    assert store.wait_free(KEY, 1.0, max_poll_interval=0.5) is False
+    assert len(counter.names()) < 20, counter.names()
+
+
+def test_the_sweeper_pages_through_every_waiting_key(store: LeaseStore) -> None:
+    for n in range(3):
+        holder = store.acquire(f"k{n}", 30)
+        assert holder is not None
+        store.admit(f"k{n}", entry(n))
+    first = store.waiting_keys(limit=2)
+    rest = store.waiting_keys(limit=2, after=first[-1]["_id"])
+    assert [d["_id"] for d in first + rest] == ["k0", "k1", "k2"]

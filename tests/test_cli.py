@@ -78,6 +78,19 @@ def test_list_and_inspect_show_the_parked_runs(mongo_url: str, db_name: str, lea
     assert data["parked"][0]["parked_for"] >= 0 and data["handoff"] is None
 
 
+def test_list_and_inspect_show_the_slots_of_a_limited_key(
+    mongo_url: str, db_name: str, leases: LeaseStore
+) -> None:
+    for n in range(2):
+        assert leases.acquire("tenant:5", ttl=60, limit=3, info={"task_name": "sync", "task_id": f"s-{n}"})
+    lines = run(mongo_url, db_name, "list").stdout.splitlines()
+    assert any(line.startswith("tenant:5") and "2/3 slots" in line and "sync[s-1]" in line for line in lines)
+    out = run(mongo_url, db_name, "inspect", "tenant:5").stdout
+    assert "slot 0: " in out and "sync[s-0]" in out and "slot 1: " in out and "state        held" in out
+    data = json.loads(run(mongo_url, db_name, "inspect", "tenant:5", "--json").stdout)
+    assert data["limit"] == 3 and [s["slot"] for s in data["slots"]] == [0, 1]
+
+
 def test_inspect(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
     out = run(mongo_url, db_name, "inspect", "email-group:1")
     assert out.returncode == 0, out.stderr

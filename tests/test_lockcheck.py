@@ -137,11 +137,141 @@ def test_an_unfinished_or_failed_task_is_reported() -> None:
     assert [v.kind for v in found] == ["task-unfinished", "task-unfinished", "lost-update"]
 
 
+def test_a_task_whose_redelivery_was_dropped_as_done_is_reported_as_such() -> None:
+    h = _good()
+    h.tasks = {"t3": {"op": "y", "state": "QUEUED", "result": None}}
+    h.events.append({"ev": "admit", "key": "k", "task_id": "t3", "outcome": "done", "fence": 11})
+    assert [v.kind for v in check(h)] == ["result-never-stored"]
+
+
 def test_a_task_the_broker_lost_is_counted_not_hidden() -> None:
     h = _good()
     h.tasks = {"t3": {"op": "y", "state": "PENDING", "result": None, "lost_by_broker": "node killed"}}
     assert check(h) == []
     assert lockcheck.figures(h, [], [], {})["tasks"]["lost_by_broker"] == 1
+
+
+QKEY, RKEY = "lockcheck:q0.e0", "lockcheck:r0.e0"
+
+
+def _queued(task_id: str, stamp: int, key: str = QKEY, result: Any = None) -> dict[str, Any]:
+    name = lockcheck.QUEUE_TASK if key == QKEY else lockcheck.REPLACE_TASK
+    done = {"op": f"op-{task_id}", "outcome": "ack"}
+    return {
+        "op": f"op-{task_id}", "task": name, "key": key, "stamp": stamp, "state": "SUCCESS",
+        "result": done if result is None else result,
+    }  # fmt: skip
+
+
+def _admit(task_id: str, outcome: str, fence: int, key: str = QKEY) -> dict[str, Any]:
+    return {"ev": "admit", "key": key, "task_id": task_id, "outcome": outcome, "fence": fence}
+
+
+def _run(task_id: str, fence: int, key: str = QKEY) -> dict[str, Any]:
+    return {"ev": "acq", "key": key, "hold": f"{task_id}-{fence}", "fence": fence, "t0": float(fence),
+            "t1": fence + 0.1, "who": f"task:{task_id}", "task_id": task_id}  # fmt: skip
+
+
+def _queued_history(*events: dict[str, Any], **tasks: dict[str, Any]) -> History:
+    return History(list(events), {}, dict(tasks))
+
+
+def test_queued_runs_in_send_order_pass() -> None:
+    # h holds (fence 10); A (older) and B park; A is handed the key (11), then B (12).
+    h = _queued_history(
+        _run("h", 10), _admit("A", "parked", 10), _admit("B", "parked", 10),
+        {"ev": "handoff", "key": QKEY, "task_id": "A", "fence": 11}, _admit("A", "claimed", 11),
+        _run("A", 11), _admit("B", "claimed", 12), _run("B", 12),
+        h=_queued("h", 1), A=_queued("A", 2), B=_queued("B", 3),
+    )  # fmt: skip
+    assert lockcheck.check_queued(h, {}) == []
+
+
+def test_a_newer_queued_run_before_a_parked_older_one_is_an_inversion() -> None:
+    h = _queued_history(
+        _run("h", 10), _admit("A", "parked", 10), _admit("B", "parked", 10), _run("B", 11), _run("A", 12),
+        h=_queued("h", 1), A=_queued("A", 2), B=_queued("B", 3),
+    )  # fmt: skip
+    found = lockcheck.check_queued(h, {})
+    assert kinds(found) == {"inversion"} and "A (stamp 2)" in str(found[0]), found
+
+
+def test_an_older_run_that_arrived_late_is_not_an_inversion() -> None:
+    # B (newer) took the free key (11) before A's message reached a worker; A parked behind it (its park
+    # reply shows fence 11) and ran next: late, not inverted.
+    h = _queued_history(
+        _admit("B", "acquired", 11), _run("B", 11), _admit("A", "parked", 11), _run("A", 12),
+        A=_queued("A", 2), B=_queued("B", 3),
+    )  # fmt: skip
+    assert lockcheck.check_queued(h, {}) == []
+    assert lockcheck.queued_figures(h)["late_pairs"] == 1
+
+
+def test_a_handoff_seen_only_in_a_reply_counts_as_a_grant() -> None:
+    # A bare client's release handed the key to B (fence 11; bare clients record no handoff); A's park
+    # landed after it (its reply shows B's handoff pending). B's handoff expired unclaimed and B was
+    # handed the key again (12), then A (13): B had its turn before A was parked, not an inversion.
+    h = _queued_history(
+        _admit("B", "parked", 10), {**_admit("A", "parked", 11), "handed": "B"},
+        {"ev": "handoff", "key": QKEY, "task_id": "B", "fence": 12, "attempt": 2},
+        _run("B", 12), _run("A", 13),
+        A=_queued("A", 2), B=_queued("B", 3),
+    )  # fmt: skip
+    assert lockcheck.check_queued(h, {}) == []
+    h.events[1] = _admit("A", "parked", 11)  # without that evidence, B's grant 12 came after A parked
+    assert kinds(lockcheck.check_queued(h, {})) == {"inversion"}
+    h.events[1] = {**_admit("A", "parked", 11), "handed": "B"}
+    h.events[2] = {**h.events[2], "attempt": 1}  # a first handoff to B after A parked: not its turn
+    assert kinds(lockcheck.check_queued(h, {})) == {"inversion"}
+
+
+def test_a_plain_acquire_past_a_parked_run_is_barging() -> None:
+    bare = {"ev": "acq", "key": QKEY, "hold": "x", "fence": 11, "t0": 1.0, "t1": 1.1, "who": "client0"}
+    h = _queued_history(_run("h", 10), _admit("A", "parked", 10), bare, _run("A", 12), A=_queued("A", 2))
+    assert kinds(lockcheck.check_queued(h, {})) == {"barged"}
+
+
+def test_a_parked_run_that_never_ran_while_newer_ones_did_is_reported() -> None:
+    h = _queued_history(
+        _run("h", 10), _admit("A", "parked", 10), _run("B", 11),
+        A=_queued("A", 2, result={"mongolock": "skipped", "key": QKEY}), B=_queued("B", 3),
+    )  # fmt: skip
+    assert kinds(lockcheck.check_queued(h, {})) == {"inversion", "queued-run-skipped"}
+
+
+def test_superseded_only_by_a_newer_send_under_replace() -> None:
+    sup = {"mongolock": "superseded", "key": RKEY}
+    good = _queued_history(
+        _run("A", 10, RKEY), _run("C", 11, RKEY),
+        A=_queued("A", 1, RKEY), B=_queued("B", 2, RKEY, result={**sup, "by": "C"}), C=_queued("C", 3, RKEY),
+    )  # fmt: skip
+    assert lockcheck.check_queued(good, {}) == []
+    good.tasks["B"]["result"] = {**sup, "by": "A"}  # A was sent before B
+    assert kinds(lockcheck.check_queued(good, {})) == {"superseded-by-older"}
+    good.tasks["A"]["result"] = {**sup, "by": "C"}
+    good.tasks["A"]["task"] = lockcheck.QUEUE_TASK  # a Queue run is never superseded
+    assert "superseded-under-queue" in kinds(lockcheck.check_queued(good, {}))
+
+
+def test_an_older_replace_run_after_a_newer_one_is_reported() -> None:
+    h = _queued_history(
+        _run("B", 10, RKEY), _run("A", 11, RKEY), A=_queued("A", 1, RKEY), B=_queued("B", 2, RKEY)
+    )
+    assert kinds(lockcheck.check_queued(h, {})) == {"replace-order"}
+
+
+def test_a_queued_run_that_ran_again_after_finishing_is_reported() -> None:
+    first, again = _run("A", 10), _run("A", 12)
+    wrote = {"ev": "write", "key": QKEY, "op": "op-A", "hold": first["hold"], "fence": 10, "outcome": "ack"}
+    h = _queued_history(
+        first, wrote,
+        {"ev": "rel", "key": QKEY, "hold": first["hold"], "released": True, "t": 10.5},
+        again, A=_queued("A", 2),
+    )  # fmt: skip
+    assert kinds(lockcheck.check_queued(h, {})) == {"run-twice"}
+    # A run cut short (killed before its release) runs again: that is not twice.
+    h.events[2] = {**h.events[2], "released": False}
+    assert lockcheck.check_queued(h, {}) == []
 
 
 def _resp(*args: str | bytes) -> bytes:
@@ -251,6 +381,9 @@ def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     assert ops["acknowledged"] > 50 and ops["unexpected_exceptions"] == 0
     tasks = report["tasks"]
     assert tasks["unfinished"] == 0 and tasks["done"] > 10
+    queued = report["queued"]  # Queue and Replace runs were part of it: parked, handed the key
+    assert queued["queue_submitted"] > 10 and queued["replace_submitted"] > 5, queued
+    assert queued["parked"] > 5 and queued["handoffs"] > 5, queued
     if "clock-jump" not in skipped:
         # The node whose wall clock jumped took its own queue's tasks to the end (unfinished is 0).
         assert report["faults"]["clock-jump"] >= 2 and tasks["skewed_node_submitted"] > 5, tasks

@@ -298,3 +298,27 @@ def test_bound_tasks_key_on_the_arguments_after_self() -> None:
 
     assert task.mongolock_key_for(5) == "g:5"
     assert task.mongolock_key_for(group_id=5) == "g:5"
+
+
+def test_limit_from_the_decorator_a_class_attribute_or_the_settings() -> None:
+    from celery_mongolock import SingletonTask
+    from celery_mongolock.config import get_settings
+
+    app = Celery(f"l{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.mongolock_task_policies = {"proj.by_setting": {"limit": 5}}
+
+    @singleton_task(app=app, key="tenant:{tenant}", limit=3, name="proj.by_decorator")
+    def by_decorator(tenant: str) -> None: ...
+
+    @app.task(base=SingletonTask, mongolock_key="tenant:{tenant}", mongolock_limit=4, name="proj.by_class")
+    def by_class(tenant: str) -> None: ...
+
+    @singleton_task(app=app, key="tenant:{tenant}", limit=3, name="proj.by_setting")
+    def by_setting(tenant: str) -> None: ...
+
+    app.finalize()
+    settings = get_settings(app)
+    assert app.tasks["proj.by_decorator"]._options().limit == 3
+    assert app.tasks["proj.by_class"]._options().limit == 4
+    assert app.tasks["proj.by_setting"]._options().limit == 5  # per-task settings beat the decorator
+    assert settings.for_task("other", limit=1).limit is None  # limit=1: a single lease

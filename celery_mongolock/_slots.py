@@ -1,0 +1,260 @@
+"""``limit=N``: up to N holds of one key at once, as pure pipeline builders (no I/O).
+
+A key with a limit keeps its holds in the lease document's ``hs`` array, one entry per hold, so that
+taking a slot is one atomic command that sees every other hold, and the fence is one counter for the
+key: it strictly increases over every hold of every slot. ``owner`` stays null on such a key (and a
+single lease cannot be taken while any slot is held, nor a slot while a single lease is)::
+
+    hs:  [{o: token, f: fence, s: slot (0..N-1), x: expires at, t: ttl ms, a: acquired at,
+           h: holder {host, pid, task_name, task_id, worker, delivery, ...}}, ...]
+    lim: N                # the limit of the last hold taken
+    fence: ...            # the key's fence: the largest given to any hold
+    expires_at: ...       # the latest ``x`` of the holds (what the TTL field and readers see)
+
+Expiry is judged per hold on the server's clock; a hold past its ``x`` is dropped by the next command
+that touches the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "slot_acquire_pipeline",
+    "slot_held_by_filter",
+    "slot_live_tokens_pipeline",
+    "slot_release_dead_pipeline",
+    "slot_release_pipeline",
+    "slot_renew_pipeline",
+    "slot_tokens_filter",
+]
+
+Document = dict[str, Any]
+
+_NOW_MS: Document = {"$toLong": "$$NOW"}
+_HS: Document = {"$ifNull": ["$hs", []]}
+_ENDS_KEPT = 8
+
+
+def _live_cond(var: str) -> Document:
+    return {"$gt": [{"$toLong": f"{var}.x"}, _NOW_MS]}
+
+
+def _latest_expiry(hs: object) -> Document:
+    """``expires_at`` of a slotted key: the latest expiry of its holds (null without holds)."""
+    return {"$max": {"$map": {"input": hs, "as": "e", "in": "$$e.x"}}}
+
+
+def _gc() -> Document:
+    return {
+        "$set": {
+            "gc_at": {
+                "$cond": [
+                    {
+                        "$or": [
+                            {"$gt": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
+                            {"$ne": [{"$ifNull": ["$ho", None]}, None]},
+                        ]
+                    },
+                    None,
+                    "$expires_at",
+                ]
+            }
+        }
+    }
+
+
+def _ending(entry: str, how: str) -> Document:
+    """The ending of the hold ``entry`` (a ``$$`` variable), in the shape of ``_documents.ending_expr``."""
+    return {
+        "f": f"{entry}.f",
+        "t": f"{entry}.h.task_id",
+        "n": {"$ifNull": [f"{entry}.h.task_name", f"{entry}.h.role"]},
+        "run": f"{entry}.h.delivery",
+        "host": f"{entry}.h.host",
+        "pid": f"{entry}.h.pid",
+        "worker": f"{entry}.h.worker",
+        "a": f"{entry}.a",
+        "e": "$$NOW",
+        "how": {"$literal": how},
+        "slot": f"{entry}.s",
+    }
+
+
+def _append_endings(ended: object, how: str) -> Document:
+    """``ends`` with the endings of the holds in ``ended`` appended (the last few kept)."""
+    new = {"$map": {"input": ended, "as": "g", "in": _ending("$$g", how)}}
+    return {"$slice": [{"$concatArrays": [{"$ifNull": ["$ends", []]}, new]}, -_ENDS_KEPT]}
+
+
+def slot_acquire_pipeline(
+    token: str, ttl_ms: int, holder: Mapping[str, Any], limit: int, *, waited_ms: int | None = None
+) -> list[Document]:
+    """Take a slot of the key for ``token`` if fewer than ``limit`` holds are live, nobody holds it as a
+    single lease and no run is parked on it; ``token``'s own hold (a retry of an acquire whose reply was
+    lost) counts as taken. The new hold gets the lowest free slot number and the key's next fence."""
+    mine = {"$in": [{"$literal": token}, {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}]}
+    single_held = {
+        "$and": [
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        ]
+    }
+    nobody_parked = {
+        "$and": [
+            {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
+            {"$eq": [{"$ifNull": ["$ho", None]}, None]},
+        ]
+    }
+    live = {"$filter": {"input": _HS, "as": "e", "cond": _live_cond("$$e")}}
+    expired = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [_live_cond("$$e")]}}}
+    used = {"$map": {"input": "$__live", "as": "e", "in": "$$e.s"}}
+    fence = {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]}
+    hold = {
+        "o": {"$literal": token},
+        "f": "$__fence",
+        "s": {"$arrayElemAt": [{"$setDifference": [{"$range": [0, int(limit)]}, used]}, 0]},
+        "x": {"$add": ["$$NOW", int(ttl_ms)]},
+        "t": int(ttl_ms),
+        "a": "$$NOW",
+        "h": {"$literal": dict(holder)},
+        "w": None if waited_ms is None else int(waited_ms),
+    }
+    return [
+        {
+            "$set": {
+                "__mine": mine,
+                "__live": live,
+                "__expired": expired,
+                "__fence": fence,
+            }
+        },
+        {
+            "$set": {
+                "__take": {
+                    "$and": [
+                        {"$not": ["$__mine"]},
+                        {"$lt": [{"$size": "$__live"}, int(limit)]},
+                        {"$not": [single_held]},
+                        nobody_parked,
+                    ]
+                }
+            }
+        },
+        {
+            "$set": {
+                "hs": {
+                    "$cond": [
+                        "$__mine",
+                        "$hs",
+                        {"$cond": ["$__take", {"$concatArrays": ["$__live", [hold]]}, "$__live"]},
+                    ]
+                },
+                "fence": {"$cond": ["$__take", "$__fence", "$fence"]},
+                "lim": {"$cond": ["$__take", int(limit), "$lim"]},
+                "ends": {
+                    "$cond": [
+                        {"$gt": [{"$size": "$__expired"}, 0]},
+                        _append_endings("$__expired", "expired"),
+                        "$ends",
+                    ]
+                },
+            }
+        },
+        {"$set": {"expires_at": {"$ifNull": [_latest_expiry("$hs"), "$expires_at"]}}},
+        {"$unset": ["__mine", "__live", "__expired", "__fence", "__take"]},
+        _gc(),
+    ]
+
+
+def slot_tokens_filter(tokens: Iterable[str]) -> Document:
+    """The keys holding a slot for any of ``tokens``."""
+    return {"hs.o": {"$in": list(tokens)}}
+
+
+def slot_renew_pipeline(tokens: Iterable[str]) -> list[Document]:
+    """Extend each live hold of ``tokens`` by its own ttl from now (server clock); an expired hold is not
+    revived."""
+    toks = {"$literal": list(tokens)}
+    renewed = {
+        "$map": {
+            "input": _HS,
+            "as": "e",
+            "in": {
+                "$cond": [
+                    {"$and": [{"$in": ["$$e.o", toks]}, _live_cond("$$e")]},
+                    {"$mergeObjects": ["$$e", {"x": {"$add": ["$$NOW", "$$e.t"]}}]},
+                    "$$e",
+                ]
+            },
+        }
+    }
+    return [
+        {"$set": {"hs": renewed}},
+        {"$set": {"expires_at": {"$ifNull": [_latest_expiry("$hs"), "$expires_at"]}}},
+        _gc(),
+    ]
+
+
+def slot_live_tokens_pipeline(tokens: Iterable[str]) -> list[Document]:
+    """For an aggregate: which of ``tokens`` still hold a live slot (one document per key: ``live``)."""
+    toks = list(tokens)
+    return [
+        {"$match": {"hs.o": {"$in": toks}}},
+        {
+            "$project": {
+                "live": {
+                    "$map": {
+                        "input": {
+                            "$filter": {
+                                "input": _HS,
+                                "as": "e",
+                                "cond": {"$and": [{"$in": ["$$e.o", {"$literal": toks}]}, _live_cond("$$e")]},
+                            }
+                        },
+                        "as": "e",
+                        "in": "$$e.o",
+                    }
+                }
+            }
+        },
+    ]
+
+
+def _drop(cond_on_e: Document, how: str) -> list[Document]:
+    gone = {"$filter": {"input": _HS, "as": "e", "cond": cond_on_e}}
+    kept = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [cond_on_e]}}}
+    return [
+        {"$set": {"__gone": gone, "hs": kept}},
+        {
+            "$set": {
+                "ends": _append_endings("$__gone", how),
+                "released_at": "$$NOW",
+                "expires_at": {"$ifNull": [_latest_expiry("$hs"), "$$NOW"]},
+            }
+        },
+        {"$unset": ["__gone"]},
+        _gc(),
+    ]
+
+
+def slot_release_pipeline(tokens: Iterable[str]) -> list[Document]:
+    """Release the holds of ``tokens`` (the slot is free at once)."""
+    return _drop({"$in": ["$$e.o", {"$literal": list(tokens)}]}, "released")
+
+
+def slot_held_by_filter(holder: Mapping[str, Any]) -> Document:
+    """Keys with a hold whose holder matches every field of ``holder``."""
+    return {"hs": {"$elemMatch": {f"h.{k}": v for k, v in holder.items()}}}
+
+
+def slot_release_dead_pipeline(holder: Mapping[str, Any]) -> list[Document]:
+    """Release the holds of a holder that died (the worker's parent, for a killed child)."""
+    cond = {"$and": [{"$eq": [f"$$e.h.{k}", {"$literal": v}]} for k, v in holder.items()]}
+    return _drop(cond, "holder-died")
+
+
+def slot_force_release_pipeline() -> list[Document]:
+    """An operator's release of every hold of the key."""
+    return _drop({"$literal": True}, "forced")

@@ -1,0 +1,97 @@
+"""``limit=N`` with real ``celery worker`` processes (prefork), a real Redis broker and the MongoDB-compatible
+server: never more than N runs of one key at once, slots and fences recorded by each run, a killed
+child's slot freed at once by its worker's parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from . import integration_app as it
+from .servers import RedisServer, wait_for
+from .test_integration import Cluster
+
+pytestmark = pytest.mark.slow
+
+LEASE = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    db_name = f"mongolock_limit_{uuid.uuid4().hex[:8]}"
+    c = Cluster(redis_server.url, mongo_url, db_name, tmp_path_factory.mktemp("lworkers"))
+    it.app.conf.update(
+        broker_url=redis_server.url,
+        result_backend=redis_server.url,
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=LEASE,
+    )
+    for attr in ("_mongolock_settings", "_mongolock_store"):
+        it.app.__dict__.pop(attr, None)
+    # 2 nodes x 3 children = 6 slots: more than the limit, so the limit is what holds runs back.
+    c.worker(name="l1@localhost", concurrency=3)
+    c.worker(name="l2@localhost", concurrency=3)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def test_never_more_than_n_runs_of_a_tenant_at_once(cluster: Cluster) -> None:
+    tenant = tag()
+    tags = [tag() for _ in range(9)]
+    results = [it.per_tenant.delay(tenant, t, 0.6) for t in tags]
+    assert [r.get(timeout=120) for r in results] == tags
+    events = []
+    for t in tags:
+        start, end = cluster.runs(t, "start"), cluster.runs(t, "end")
+        assert len(start) == 1 and len(end) == 1, t
+        events += [(start[0]["mono"], 1, start[0]), (end[0]["mono"], -1, end[0])]
+    running = peak = 0
+    for _, step, _ in sorted(events, key=lambda e: (e[0], e[1])):
+        running += step
+        peak = max(peak, running)
+    assert peak <= 3, f"{peak} runs of one tenant at once, limit 3"
+    assert peak >= 2, "runs of one tenant never ran side by side"
+    starts = sorted((e[2] for e in events if e[1] == 1), key=lambda r: r["mono"])
+    assert {r["slot"] for r in starts} <= {0, 1, 2}
+    fences = [r["fence"] for r in sorted(starts, key=lambda r: r["fence"])]
+    assert len(set(fences)) == len(fences), "every hold of the key has a fence of its own"
+    # Another tenant is not held back by this one.
+    assert it.per_tenant.delay(tag(), tag(), 0.05).get(timeout=60)
+
+
+def test_a_killed_child_frees_its_slot_at_once(cluster: Cluster) -> None:
+    tenant = tag()
+    holders = [tag() for _ in range(3)]
+    for t in holders:
+        it.per_tenant.delay(tenant, t, 30.0)
+    wait_for(lambda: all(cluster.runs(t, "start") for t in holders), timeout=60, message="3 holders")
+    key = f"tenant:{tenant}"
+    info = cluster.store.inspect(key)
+    assert info is not None and info.full and len(info.slots) == 3
+    victim = cluster.runs(holders[0], "start")[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    # The worker's parent releases the dead child's slot at once (well before the 3 s lease would end
+    # if nobody renewed it... the other holders keep theirs).
+    wait_for(
+        lambda: len((cluster.store.inspect(key) or pytest.fail("gone")).slots) == 2,
+        timeout=30,
+        message="the dead child's slot to be freed",
+    )
+    doc = cluster.store.collection.find_one({"_id": key}) or {}
+    assert any(e["how"] == "holder-died" and e.get("slot") == victim["slot"] for e in doc.get("ends") or [])
+    late = tag()
+    assert it.per_tenant.delay(tenant, late, 0.05).get(timeout=60) == late
+    cluster.store.force_release(key)

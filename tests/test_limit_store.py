@@ -1,0 +1,143 @@
+"""``limit=N`` in the lease store, on the embedded server: N holds of one key at once, each in a slot,
+one atomic command to take one, fences strictly increasing over all slots, expiry per hold on the
+server's clock, renewal and loss per hold, release by the worker's parent and by an operator."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from celery_mongolock import ConfigurationError, LeaseStore
+from celery_mongolock.testing import wait_for
+
+from .conftest import CommandCounter
+
+KEY = "tenant:7"
+
+
+def test_at_most_n_holds_each_in_a_slot_with_increasing_fences(
+    store: LeaseStore, counter: CommandCounter
+) -> None:
+    store.ensure_indexes()
+    counter.clear()
+    leases = [store.acquire(KEY, 30, limit=3) for _ in range(3)]
+    assert all(lease is not None for lease in leases)
+    assert counter.names() == ["findAndModify"] * 3  # one atomic command per acquire
+    assert sorted(lease.slot or 0 for lease in leases if lease) == [0, 1, 2]
+    fences = [lease.fence for lease in leases if lease]
+    assert fences == sorted(fences) and len(set(fences)) == 3
+    assert store.acquire(KEY, 30, limit=3) is None  # full
+    info = store.inspect(KEY)
+    assert info is not None and info.held and info.full and info.limit == 3
+    assert [s["slot"] for s in info.slots] == [0, 1, 2]
+    # Releasing one frees that slot at once; the next hold gets it and a larger fence.
+    assert leases[1] is not None and leases[1].release()
+    again = store.acquire(KEY, 30, limit=3)
+    assert again is not None and again.slot == leases[1].slot and again.fence > max(fences)
+    inspected = store.inspect(KEY)
+    assert inspected is not None and inspected.full
+
+
+def test_a_single_lease_and_slots_of_one_key_exclude_each_other(store: LeaseStore) -> None:
+    single = store.acquire(KEY, 30)
+    assert single is not None
+    assert store.acquire(KEY, 30, limit=3) is None
+    single.release()
+    slot = store.acquire(KEY, 30, limit=3)
+    assert slot is not None
+    assert store.acquire(KEY, 30) is None
+    slot.release()
+    assert store.acquire(KEY, 30) is not None
+
+
+def test_an_expired_hold_frees_its_slot_and_is_recorded(store: LeaseStore) -> None:
+    short = store.acquire(KEY, 0.5, limit=2)
+    other = store.acquire(KEY, 30, limit=2)
+    assert short is not None and other is not None
+    assert store.acquire(KEY, 30, limit=2) is None
+    taken = wait_for(lambda: store.acquire(KEY, 30, limit=2), timeout=10, message="the expired slot")
+    assert taken is not None
+    assert taken.slot == short.slot and taken.fence > other.fence
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert [e["how"] for e in doc["ends"]] == ["expired"] and doc["ends"][0]["f"] == short.fence
+
+
+def test_renewal_keeps_each_hold_and_a_taken_slot_is_lost(store: LeaseStore) -> None:
+    a = store.acquire(KEY, 1.0, limit=2)
+    b = store.acquire(KEY, 1.0, limit=2)
+    assert a is not None and b is not None
+    assert store.renew_many([a, b]) == []
+    # An operator frees b's slot: the next renewal finds it gone, a's hold is kept.
+    store.collection.update_one({"_id": KEY}, {"$pull": {"hs": {"o": b.owner}}})
+    assert store.renew_many([a, b]) == [b]
+    assert b.lost and not a.lost
+
+
+def test_a_heartbeat_keeps_slot_leases_alive_past_their_length(store: LeaseStore) -> None:
+    lease = store.acquire(KEY, 1.0, limit=2, heartbeat=True, heartbeat_seconds=0.3)
+    assert lease is not None
+    first = (store.inspect(KEY) or pytest.fail("no lease")).slots[0]["expires_in"]
+    wait_for(
+        lambda: store.collection.find_one({"_id": KEY, "hs.x": {"$gt": lease.expires_at}}),
+        timeout=10,
+        message="a renewal",
+    )
+    assert not lease.lost and first <= 1.0
+    assert lease.release()
+
+
+def test_the_parent_of_a_dead_child_frees_its_slots_only(store: LeaseStore) -> None:
+    mine = store.acquire(KEY, 30, limit=3, info={"task_id": "dying", "pid": 99})
+    theirs = store.acquire(KEY, 30, limit=3, info={"task_id": "alive", "pid": 98})
+    assert mine is not None and theirs is not None
+    assert store.release_held_by(task_id="dying", pid=99) == 1
+    info = store.inspect(KEY)
+    assert info is not None and [s["holder"]["task_id"] for s in info.slots] == ["alive"]
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc["ends"][-1]["how"] == "holder-died" and doc["ends"][-1]["t"] == "dying"
+
+
+def test_force_release_frees_every_slot_and_background_release_frees_tokens(store: LeaseStore) -> None:
+    a = store.acquire(KEY, 30, limit=3)
+    b = store.acquire(KEY, 30, limit=3)
+    assert a is not None and b is not None
+    assert store.release_tokens([a.owner]) == 1
+    assert [s["fence"] for s in (store.inspect(KEY) or pytest.fail("gone")).slots] == [b.fence]
+    assert store.force_release(KEY)
+    assert not (store.inspect(KEY) or pytest.fail("gone")).held
+
+
+def test_concurrent_acquires_never_exceed_the_limit(make_store: Any) -> None:
+    stores = [make_store(lease_seconds=30) for _ in range(4)]
+    taken: list[Any] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(len(stores))
+
+    def grab(s: LeaseStore) -> None:
+        barrier.wait()
+        for _ in range(5):
+            lease = s.acquire(KEY, limit=3)
+            if lease is not None:
+                with lock:
+                    taken.append(lease)
+
+    threads = [threading.Thread(target=grab, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(taken) == 3 and sorted(lease.slot or 0 for lease in taken) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1001, 2.5, "3", True])
+def test_a_bad_limit_is_refused(store: LeaseStore, limit: Any) -> None:
+    with pytest.raises(ConfigurationError, match="limit must be an int from 1 to 1000"):
+        store.acquire(KEY, 30, limit=limit)
+
+
+def test_limit_one_is_a_single_lease(store: LeaseStore) -> None:
+    lease = store.acquire(KEY, 30, limit=1)
+    assert lease is not None and lease.slot is None
+    assert (store.collection.find_one({"_id": KEY}) or {})["owner"] == lease.owner
