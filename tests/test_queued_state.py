@@ -1,14 +1,13 @@
 """The ``QUEUED`` state of a parked run never overwrites the run's final state.
 
-A parked run writes its own state ``QUEUED`` after its park; a newer ``Replace`` send may supersede it
-and write its final ``SUCCESS`` ``superseded`` result in between (the lock-set checker found a run left
-``QUEUED`` for good this way: seed 2 of the bounded run). Here the parked run's write is held inside the
-result backend, between the backend's read and its write, until the newer send's admission is over.
+A parked run once wrote its state ``QUEUED`` after its park, and a newer ``Replace`` send could supersede
+it and write its final ``SUCCESS`` ``superseded`` result in between (the lock-set checker found a run left
+``QUEUED`` for good this way: seed 2 of the bounded run). The state is now written before the admit, so
+every later write (a result) lands after it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -56,7 +55,7 @@ def _admit(task: Any, task_id: str, stamp: int) -> None:
         task.pop_request()
 
 
-def test_a_run_superseded_while_it_writes_its_queued_state_ends_superseded(
+def test_a_parked_run_s_queued_state_comes_before_its_park_so_never_over_its_result(
     app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     task = _task(app)
@@ -64,23 +63,22 @@ def test_a_run_superseded_while_it_writes_its_queued_state_ends_superseded(
     holder = store.acquire(KEY, ttl=30)
     assert holder is not None
     old_run, new_run = f"old-{uuid.uuid4().hex}", f"new-{uuid.uuid4().hex}"
-    in_write, admitted = threading.Event(), threading.Event()
-    backend_class = type(app.backend)  # one backend object per thread: hold the write in the class
+    writes: list[tuple[str, str, bool]] = []
+    backend_class = type(app.backend)
     set_with_state = backend_class._set_with_state
 
-    def held_write(self: Any, key: Any, value: Any, state: Any) -> Any:
-        if state == "QUEUED" and old_run.encode() in (key if isinstance(key, bytes) else key.encode()):
-            in_write.set()  # the backend has read the run's state (not final yet): hold its write
-            assert admitted.wait(30)
+    def logged(self: Any, key: Any, value: Any, state: Any) -> Any:
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        parked = bool((store.collection.find_one({"_id": KEY}) or {}).get("q"))
+        writes.append((name, str(state), parked))
         return set_with_state(self, key, value, state)
 
-    monkeypatch.setattr(backend_class, "_set_with_state", held_write)
-    old = threading.Thread(target=_admit, args=(task, old_run, 100))
-    old.start()
-    assert in_write.wait(30)
-    _admit(task, new_run, 200)  # supersedes old_run while its QUEUED write is on its way
-    admitted.set()
-    old.join(30)
+    monkeypatch.setattr(backend_class, "_set_with_state", logged)
+    _admit(task, old_run, 100)  # parks
+    _admit(task, new_run, 200)  # parks in its place: old_run is superseded
+    mine = [(state, parked) for name, state, parked in writes if old_run in name]
+    # QUEUED while nothing was parked yet (before its own park), then the final result, written once.
+    assert mine == [("QUEUED", False), ("SUCCESS", True)], writes
     meta = app.backend.get_task_meta(old_run, cache=False)
     assert meta["status"] == "SUCCESS", meta
     assert meta["result"] == {"mongolock": "superseded", "key": KEY, "by": new_run}
