@@ -18,6 +18,7 @@ from .exceptions import (
     StoreUnavailable,
 )
 from .fencing import FencedOut, fenced_update_one
+from .lease import LeaseSet
 from .policies import Fail, Queue, Replace, Retry, Skip, Wait
 from .store import Lease, LeaseInfo, LeaseStore
 from .task import SingletonTask, current_lease, singleton_task
@@ -30,6 +31,7 @@ __all__ = [
     "Lease",
     "LeaseInfo",
     "LeaseLost",
+    "LeaseSet",
     "LeaseStore",
     "LockContended",
     "MongoLockError",

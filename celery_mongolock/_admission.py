@@ -54,6 +54,10 @@ _Q: Document = {"$ifNull": ["$q", []]}
 #: The most runs parked on one key (``Queue(max_length=...)`` may say fewer): a parked run's entry carries
 #: its message, and all of a key's entries share one document.
 MAX_PARKED = 5000
+#: How long after its last lease a key that remembers finished queued runs (``seen``) is kept: longer
+#: than a Redis broker's default visibility timeout (1 h), after which an unacknowledged message is
+#: delivered again.
+SEEN_KEEP_MS = 2 * 3600 * 1000
 #: How many normally released runs a key remembers, to drop a late copy of one of their messages.
 SEEN_KEPT = 128
 _BIG = 1 << 30
@@ -99,10 +103,19 @@ def gc_stage() -> Document:
     The TTL index is on ``gc_at``: a document is deleted only when nothing waits on it, so parked runs
     (whose messages were acknowledged) are never deleted with it.
     """
+    remembers = {"$gt": [{"$size": {"$ifNull": ["$seen", []]}}, 0]}
     return {
         "$set": {
             "wq": {"$cond": [WAITS, True, "$$REMOVE"]},
-            "gc_at": {"$cond": [WAITS, None, "$expires_at"]},
+            "gc_at": {
+                "$cond": [
+                    WAITS,
+                    None,
+                    # A key that remembers finished queued runs keeps that memory (the duplicate guard)
+                    # longer than a broker may take to deliver a message again.
+                    {"$cond": [remembers, {"$add": ["$expires_at", SEEN_KEEP_MS]}, "$expires_at"]},
+                ]
+            },
         }
     }
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from .exceptions import ConfigurationError
 from .keys import KeyRenderer
-from .policies import Policy, check_limit, parse_policy
+from .policies import Policy, check_keys, check_limit, parse_policy
 
 __all__ = [
     "DECORATOR_OPTIONS",
@@ -43,13 +43,12 @@ DECORATOR_OPTIONS = (
     "heartbeat_seconds",
     "min_hold_seconds",
     "limit",
+    "keys",
 )
 #: The class attributes of ``SingletonTask`` that carry them (``mongolock_`` + the option's name).
 TASK_ATTRIBUTES = tuple(f"mongolock_{name}" for name in DECORATOR_OPTIONS)
 #: Planned options, refused until they exist (so that nobody relies on them doing something today).
-FUTURE_OPTIONS = {
-    "keys": "keys=(spec, ...) (several keys held together)",
-}
+FUTURE_OPTIONS: dict[str, str] = {}
 
 # Names Celery itself reads from a task declaration: the Task class's attributes and the keyword
 # arguments that app.task / shared_task / add_autoretry_behaviour consume.
@@ -152,16 +151,21 @@ def check_task_class(cls: type) -> None:
             hint = _close(attr, TASK_ATTRIBUTES)
             suggestion = f"did you mean {hint[0]}?" if hint else f"known: {', '.join(TASK_ATTRIBUTES)}"
             raise ConfigurationError(f"{where}: unknown option {attr}; {suggestion}")
-        if attr.startswith("_") or attr in celery_names or attr in FUTURE_OPTIONS:
+        if (
+            attr.startswith("_")
+            or attr in celery_names
+            or attr in FUTURE_OPTIONS
+            or attr in ("limit", "keys")
+        ):
             continue
         # Unprefixed: only our own options' names (and near misses) are refused; any other attribute
         # (``limit`` included: a task class may have one of its own) is the task's business.
-        if attr in DECORATOR_OPTIONS and attr != "limit":
+        if attr in DECORATOR_OPTIONS and attr not in ("limit", "keys"):
             raise ConfigurationError(
                 f"{where}: {attr} is not read on a SingletonTask; did you mean mongolock_{attr}? "
                 "(or declare it with @singleton_task(..., " + attr + "=...))"
             )
-        hint = _close(attr, [o for o in DECORATOR_OPTIONS if o != "limit"])
+        hint = _close(attr, [o for o in DECORATOR_OPTIONS if o not in ("limit", "keys")])
         if hint and not callable(cls.__dict__[attr]):
             raise ConfigurationError(
                 f"{where}: unknown option {attr}; did you mean mongolock_{hint[0]}? (SingletonTask "
@@ -182,6 +186,7 @@ def check_task_class(cls: type) -> None:
         if hold is not None:
             _validate_seconds("min_hold_seconds", hold, low=0.0, high=30 * 24 * 3600.0)
         check_limit(limit, policy, hold)
+        multi = check_keys(getattr(cls, "mongolock_keys", None), None, policy, limit)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
     body = _task_function(cls)
@@ -190,7 +195,8 @@ def check_task_class(cls: type) -> None:
         spec = inspect.getattr_static(cls, "mongolock_key", None)
         if isinstance(spec, (staticmethod, classmethod)):
             spec = spec.__func__
-        KeyRenderer(spec, func, name, skip_first=skip_first)
+        for one in multi or [spec]:
+            KeyRenderer(one, func, name, skip_first=skip_first)
 
 
 # -- start-up errors: one line, not a traceback ---------------------------------------------------------

@@ -212,7 +212,8 @@ def clock(when: _dt.datetime | None) -> str:
 class KeyStory:
     """Why a key is (not) running now: its lease document read in one command, with the server's time.
 
-    ``state``: ``held``, ``held-after-release`` (released, but kept taken until its minimum hold ends),
+    ``state``: ``slots`` (a ``limit=N`` key with holds: ``slots``, ``limit``), ``held``,
+    ``held-after-release`` (released, but kept taken until its minimum hold ends),
     ``expired`` (its holder stopped renewing; nobody has taken it over yet), or ``free``.
     ``expires_in``: seconds until ``expires_at`` on the server's clock (negative: past). ``parked`` and
     ``handoff``: runs waiting for the key, when the queue policy keeps them in the document. ``endings``:
@@ -235,6 +236,9 @@ class KeyStory:
     parked: tuple[ParkedRun, ...]
     handoff: ParkedRun | None
     endings: tuple[LeaseEnding, ...]
+    #: ``limit=N`` keys: the live holds (``slot``, ``fence``, ``holder``, ``expires_in``) and N.
+    slots: tuple[dict[str, Any], ...] = ()
+    limit: int | None = None
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> KeyStory:
@@ -257,6 +261,22 @@ class KeyStory:
             state = "held"
         parked = tuple(ParkedRun.from_entry(e) for e in doc.get("q") or [] if isinstance(e, Mapping))
         ho = doc.get("ho")
+        slots = []
+        for hold in doc.get("hs") or []:
+            x = aware(hold.get("x")) if isinstance(hold, Mapping) else None
+            if x is not None and x > now:
+                h = dict(hold.get("h") or {})
+                slots.append(
+                    {
+                        "slot": hold.get("s"),
+                        "fence": hold.get("f"),
+                        "holder": h,
+                        "expires_in": (x - now).total_seconds(),
+                    }
+                )
+        slots.sort(key=lambda e: int(e["slot"] or 0))
+        if slots:
+            state = "slots"
         return cls(
             key=key,
             state=state,
@@ -274,6 +294,8 @@ class KeyStory:
             parked=parked,
             handoff=ParkedRun.from_entry(ho) if isinstance(ho, Mapping) else None,
             endings=endings,
+            slots=tuple(slots),
+            limit=_int(doc.get("lim")) if slots else None,
         )
 
     # -- phrases -------------------------------------------------------------------------------------
@@ -307,6 +329,15 @@ class KeyStory:
     def verdict(self) -> str:
         """One line: why the key is (not) running now."""
         parked = self._parked_phrase()
+        if self.state == "slots":
+            who = ", ".join(
+                f"slot {s['slot']}: {_holder_text(s['holder'])} (expires in {s['expires_in']:.1f} s)"
+                for s in self.slots
+            )
+            n, limit = len(self.slots), self.limit or len(self.slots)
+            if n >= limit:
+                return f"all {limit} slots held ({who}): the next run waits for one to be free"
+            return f"{n} of {limit} slots held ({who}): the next run takes a slot at once"
         if self.state in ("held", "held-after-release"):
             since = f" since {clock(self.acquired_at)}" if self.acquired_at else ""
             left = f"expires in {self.expires_in:.1f} s on the server's clock"
@@ -361,3 +392,11 @@ class KeyStory:
                 value = value.as_dict()
             data[field.name] = value
         return data
+
+
+def _holder_text(holder: Mapping[str, Any]) -> str:
+    task = holder.get("task_name") or holder.get("role") or "?"
+    if holder.get("task_id"):
+        task = f"{task}[{holder['task_id']}]"
+    where = ":".join(str(holder[k]) for k in ("host", "pid") if holder.get(k) is not None)
+    return f"{task} on {where}" if where else str(task)

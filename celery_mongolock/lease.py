@@ -17,13 +17,13 @@ import datetime as _dt
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from .clock import MAX_DRIFT, Clock
 from .exceptions import LeaseLost, StoreUnavailable
 
-__all__ = ["Lease", "LeaseBackend", "LeaseInfo", "LostCallback", "local_ttl"]
+__all__ = ["Lease", "LeaseBackend", "LeaseInfo", "LeaseSet", "LostCallback", "local_ttl"]
 
 log_release = logging.getLogger("celery_mongolock.release")
 log_renew = logging.getLogger("celery_mongolock.renew")
@@ -338,3 +338,120 @@ class Lease:
         state = "released" if self._released else ("lost" if self._lost_reason else "held")
         slot = "" if self.slot is None else f" slot={self.slot}"
         return f"<Lease {self.key!r} fence={self.fence}{slot} owner={self.owner[:8]} {state}>"
+
+
+class LeaseSet(Lease):
+    """The leases of a run that holds several keys at once (``keys=(...)``), in key order; a ``Lease``
+    itself, so code written for one lease (``raise_if_lost()``, ``lost``, ``fence``) works unchanged.
+
+    ``lease_set["email-group:7"]`` is one key's ``Lease`` (its ``fence`` is the one to write with to what
+    that key guards); ``lost`` is true when any of them is lost, and ``raise_if_lost()`` raises for the
+    first lost one. ``fence`` is the largest of the fences, ``key`` the keys joined by ``+``.
+    """
+
+    def __init__(self, leases: Sequence[Lease]) -> None:  # a view over other leases: no Lease.__init__
+        if not leases:
+            raise ValueError("a LeaseSet needs at least one lease")
+        self.leases: dict[str, Lease] = {lease.key: lease for lease in leases}
+        first = leases[0]
+        self.store = first.store
+        self.key = "+".join(self.leases)
+        self.owner = first.owner
+        self.fence = max(lease.fence for lease in leases)
+        self.ttl = min(lease.ttl for lease in leases)
+        self.heartbeat_seconds = first.heartbeat_seconds
+        self.expires_at = min((lease.expires_at for lease in leases if lease.expires_at), default=None)
+        self.holder = dict(first.holder)
+        self.acquired_at = first.acquired_at
+        self.waited_ms = first.waited_ms
+        self.acquired_mono = first.acquired_mono
+        self.slot = None
+        self.pid = first.pid
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.leases)
+
+    @property
+    def fences(self) -> dict[str, int]:
+        return {key: lease.fence for key, lease in self.leases.items()}
+
+    def __getitem__(self, key: str) -> Lease:
+        return self.leases[key]
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(self.leases.values())
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    @property
+    def deadline(self) -> float:
+        return min(lease.deadline for lease in self.leases.values())
+
+    @property
+    def remaining(self) -> float:
+        return min(lease.remaining for lease in self.leases.values())
+
+    @property
+    def lost(self) -> bool:
+        return any(lease.lost for lease in self.leases.values())
+
+    @property
+    def lost_reason(self) -> str | None:
+        for lease in self.leases.values():
+            if lease.lost:
+                return f"{lease.key!r}: {lease.lost_reason}"
+        return None
+
+    @property
+    def held(self) -> bool:
+        return all(lease.held for lease in self.leases.values())
+
+    @property
+    def released(self) -> bool:
+        return all(lease.released for lease in self.leases.values())
+
+    def raise_if_lost(self) -> None:
+        """Raise ``LeaseLost`` if any of the leases is lost (or released)."""
+        for lease in self.leases.values():
+            lease.raise_if_lost()
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until any of the leases is lost (True) or ``timeout`` passes (False)."""
+        event = threading.Event()
+        for lease in self.leases.values():
+            lease.on_lost(lambda *_: event.set())
+        return event.wait(timeout)
+
+    def on_lost(self, callback: LostCallback) -> None:
+        """Call ``callback(lease, reason)`` when any of the leases is lost (with that lease)."""
+        for lease in self.leases.values():
+            lease.on_lost(callback)
+
+    def renew(self) -> None:
+        for lease in self.leases.values():
+            lease.renew()
+
+    def mark_lost(self, reason: str, *, release: bool = True) -> bool:
+        marked = [lease.mark_lost(reason, release=release) for lease in self.leases.values()]  # all of them
+        return any(marked)
+
+    def release(self) -> bool:
+        """Release every lease (each is tried, whatever happens to the others); True if all were ours."""
+        results = []
+        error: StoreUnavailable | None = None
+        for lease in reversed(list(self.leases.values())):
+            try:
+                results.append(lease.release())
+            except StoreUnavailable as exc:  # queued for the background; go on with the others
+                error = exc
+        if error is not None:
+            raise error
+        return all(results)
+
+    def __enter__(self) -> LeaseSet:
+        return self
+
+    def __repr__(self) -> str:
+        return f"<LeaseSet {', '.join(repr(lease) for lease in self.leases.values())}>"

@@ -30,6 +30,7 @@ __all__ = [
     "Retry",
     "Skip",
     "Wait",
+    "check_keys",
     "check_limit",
     "parse_policy",
 ]
@@ -338,3 +339,29 @@ def check_limit(limit: object, policy: object = None, min_hold: object = None) -
         if min_hold:
             raise ConfigurationError(f"limit={n} with min_hold_seconds is not supported yet")
     return n
+
+
+def check_keys(
+    keys: object, key: object = None, policy: object = None, limit: object = None
+) -> tuple[Any, ...] | None:
+    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=``, ``limit=N`` or a
+    queued policy (yet). Returns them as a tuple (None when not given)."""
+    if keys is None:
+        return None
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)) or not keys:
+        raise ConfigurationError(
+            f"keys= must be a non-empty list or tuple of key specs (templates, argument names or callables), "
+            f"got {keys!r}"
+        )
+    if key is not None:
+        raise ConfigurationError("give key= or keys=, not both")
+    if validate_limit(limit) is not None:
+        raise ConfigurationError("keys= with limit=N is not supported yet")
+    if policy is not None and not isinstance(policy, Policy):
+        policy = parse_policy(policy)
+    if isinstance(policy, Policy) and policy.queued:
+        raise ConfigurationError(
+            f"keys= with on_contention={policy.name!r} is not supported yet: a parked run waits for one "
+            "key; use Retry, Skip, Wait or Fail with keys="
+        )
+    return tuple(keys)

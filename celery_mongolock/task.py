@@ -23,7 +23,7 @@ import datetime as _dt
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
 from celery import Celery, Task, shared_task
@@ -42,6 +42,7 @@ from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
 from .exceptions import ConfigurationError, LockContended, QueueTimeout, StoreUnavailable
 from .keys import KeyRenderer, KeySpec
+from .lease import LeaseSet
 from .policies import (
     TRY_AGAIN,
     Fail,
@@ -50,6 +51,7 @@ from .policies import (
     Queue,
     Replace,
     Retry,
+    check_keys,
     check_limit,
     parse_policy,
 )
@@ -124,7 +126,8 @@ def current_lease() -> Lease | None:
     ``current_lease().lost`` turns true if the lease is lost while the body runs (taken over after the
     heartbeat could not renew it, or force-released); ``current_lease().raise_if_lost()`` raises
     ``LeaseLost`` then, which is the documented way for a long task to stop promptly. ``.fence`` is the
-    fencing token to attach to writes.
+    fencing token to attach to writes. A task with several keys (``keys=(...)``) gets a ``LeaseSet``:
+    ``current_lease()["email-group:7"]`` is that key's lease, with its own fence.
     """
     return _current.get()
 
@@ -145,6 +148,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     mongolock_min_hold_seconds: ClassVar[float | None] = None
     #: At most this many runs of one key at once (``limit=N``); None or 1: one.
     mongolock_limit: ClassVar[int | None] = None
+    #: Several keys held together (``keys=(spec, ...)``), instead of ``mongolock_key``.
+    mongolock_keys: ClassVar[Sequence[KeySpec] | None] = None
     #: Expected errors: logged at INFO without a traceback.
     throws = (LockContended,)
     Request = "celery_mongolock.task:SingletonRequest"
@@ -189,6 +194,23 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "(task.run(...)) takes no lease"
             )
         return lease
+
+    def _renderers(self) -> list[KeyRenderer]:
+        renderers = self.__dict__.get("_mongolock_renderers")
+        if renderers is None:
+            renderers = []
+            for given in self.mongolock_keys or ():
+                spec = given.__func__ if inspect.ismethod(given) and given.__self__ is self else given
+                renderers.append(KeyRenderer(spec, self.run, self.name))
+            self.__dict__["_mongolock_renderers"] = renderers
+        return list(renderers)
+
+    def mongolock_keys_for(self, *args: Any, **kwargs: Any) -> list[str]:
+        """The lease keys a call with these arguments holds: sorted, without repeats (one key for a task
+        with ``key=``)."""
+        if self.mongolock_keys:
+            return sorted({r.render(args, kwargs) for r in self._renderers()})
+        return [self.mongolock_key_for(*args, **kwargs)]
 
     def mongolock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """The lease key a call with these arguments uses."""
@@ -257,6 +279,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         return self._guarded(args, kwargs, direct=False)
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
+        if self.mongolock_keys:
+            return self._guarded_many(args, kwargs, direct=direct)
         key = self._renderer().render(args, kwargs)
         taken = self._take(key, self._options(), direct)
         if not isinstance(taken, Lease):
@@ -275,6 +299,86 @@ class SingletonTask(Task):  # type: ignore[misc]
             except StoreUnavailable as exc:
                 log_release.warning("%s[%s]: %s (retrying in the background)", self.name, request.id, exc)
             signals.lease_released.send(sender=self, key=key, lease=lease)
+
+    def _guarded_many(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
+        """A run that needs several keys: the body runs only while it holds all of them."""
+        keys = self.mongolock_keys_for(*args, **kwargs)
+        taken = self._take_all(keys, self._options(), direct)
+        if not isinstance(taken, LeaseSet):
+            return taken.value
+        request = self.request
+        log_acquire.info("%s[%s] acquired %s (fences %s)", self.name, request.id, keys, taken.fences)
+        for lease in taken:
+            signals.lease_acquired.send(sender=self, key=lease.key, lease=lease)
+        token = _current.set(taken)
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            _current.reset(token)
+            try:
+                taken.release()
+            except StoreUnavailable as exc:
+                log_release.warning("%s[%s]: %s (retrying in the background)", self.name, request.id, exc)
+            for lease in taken:
+                signals.lease_released.send(sender=self, key=lease.key, lease=lease)
+
+    def _take_all(self, keys: list[str], options: TaskOptions, direct: bool) -> LeaseSet | _Outcome:
+        """Take every key, in sorted order, within one attempt: all of them, or none (the ones taken are
+        released at once when one is held, so a run never holds some keys while it waits for others, and
+        two runs that need overlapping keys cannot deadlock). Then the policy decides, as for one key."""
+        store = get_store(self.app)
+        request = self.request
+        policy = options.on_contention
+        info: dict[str, Any] = {
+            "task_name": self.name,
+            "task_id": request.id,
+            "worker": request.hostname,
+            "delivery": _delivery(request),
+            "keys": keys,
+        }
+        try:
+            if self._first_run_done(store, keys[0]):
+                log_acquire.info("%s[%s]: redelivery of a run that has ended; dropped", self.name, request.id)
+                raise Ignore()
+        except StoreUnavailable as exc:
+            self._unavailable(keys[0], exc, policy, direct)
+        while True:
+            taken: list[Lease] = []
+            blocked: tuple[str, Any] | None = None
+            for key in keys:
+                try:
+                    lease, doc = store._try_acquire(
+                        key,
+                        options.lease_seconds,
+                        info=info,
+                        heartbeat=True,
+                        heartbeat_seconds=options.heartbeat_seconds,
+                        limit=options.limit,
+                    )
+                except StoreUnavailable as exc:
+                    _release_quietly(taken)
+                    self._unavailable(key, exc, policy, direct)
+                if lease is None:
+                    blocked = (key, doc or {})
+                    break
+                taken.append(lease)
+            if blocked is None:
+                return LeaseSet(taken)
+            _release_quietly(taken)
+            key, doc = blocked
+            holder = dict(doc.get("holder") or {})
+            expires_at = _aware(doc.get("expires_at"))
+            if request.id and holder.get("task_id") == request.id:
+                signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
+                self._park_duplicate(key, options, direct)
+                raise Ignore()
+            signals.lease_contended.send(sender=self, key=key, holder=holder, policy=policy.name)
+            run = ContendedRun(self, store, key, direct=direct)
+            outcome = policy.on_contended(run.held_by(holder, expires_at))
+            if outcome is TRY_AGAIN:
+                continue
+            assert isinstance(outcome, _Outcome), f"{policy!r}.on_contended returned {outcome!r}"
+            return outcome
 
     def _take(self, key: str, options: TaskOptions, direct: bool) -> Lease | _Outcome:
         """Take the lease, or carry out the contention policy (which raises, or returns an outcome)."""
@@ -578,6 +682,15 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
 
 
+def _release_quietly(leases: list[Lease]) -> None:
+    """Give back the keys a multi-key run took before it found one held (in reverse order)."""
+    for lease in reversed(leases):
+        try:
+            lease.release()
+        except StoreUnavailable as exc:  # queued for the background release
+            log_release.warning("%s", exc)
+
+
 def _delivery(request: Any) -> str:
     """Which run of a task id a message is: its own retries and its contention retries. A copy of the
     same message (redelivered, parked) has the same; ``Task.retry()`` and a contention retry do not."""
@@ -632,6 +745,7 @@ def singleton_task(
     heartbeat_seconds: float | None = ...,
     min_hold_seconds: float | None = ...,
     limit: int | None = ...,
+    keys: Sequence[KeySpec] | None = ...,
     app: Celery | None = ...,
     base: type[SingletonTask] = ...,
     **task_options: Any,
@@ -647,6 +761,7 @@ def singleton_task(
     heartbeat_seconds: float | None = None,
     min_hold_seconds: float | None = None,
     limit: int | None = None,
+    keys: Sequence[KeySpec] | None = None,
     app: Celery | None = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -671,6 +786,7 @@ def singleton_task(
     if on_contention is not None:
         on_contention = parse_policy(on_contention, "on_contention")
     check_limit(limit, on_contention, min_hold_seconds)
+    keys = check_keys(keys, key, on_contention, limit)
     if on_contention is not None and on_contention.queued:
         # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
         # a run whose worker dies from being lost.
@@ -691,7 +807,8 @@ def singleton_task(
             raise ConfigurationError(f"singleton_task decorates a function, got {func!r}")
         name = task_options.get("name") or f"{func.__module__}.{func.__qualname__}"
         check_decorator_options(f"task {name!r}", task_options)  # limit=3, lease_second=60, ...
-        KeyRenderer(key, func, name, skip_first=bool(task_options.get("bind")))  # fail now, not at first run
+        for spec in keys or [key]:  # fail now, not at the first run
+            KeyRenderer(spec, func, name, skip_first=bool(task_options.get("bind")))
         options = {
             "base": base,
             "mongolock_key": key,
@@ -700,6 +817,7 @@ def singleton_task(
             "mongolock_heartbeat_seconds": heartbeat_seconds,
             "mongolock_min_hold_seconds": min_hold_seconds,
             "mongolock_limit": limit,
+            "mongolock_keys": keys,
             **task_options,
         }
         if app is not None:

@@ -227,6 +227,38 @@ def per_tenant(tenant: str, tag: str, seconds: float = 0.5) -> str:
     return tag
 
 
+@singleton_task(
+    keys=("resource:{src}", "resource:{dst}"),
+    app=app,
+    name="integration_app.merge",
+    on_contention=Retry(countdown=0.05, backoff=1.5, max_countdown=0.3),
+)
+def merge(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    """Needs both keys: records the keys and fences it holds, then works."""
+    lease = current_lease()
+    assert lease is not None
+    keys = sorted(getattr(lease, "keys", [lease.key]))
+    db()["runs"].insert_one(
+        {
+            "kind": "start",
+            "tag": tag,
+            "keys": keys,
+            "fences": getattr(lease, "fences", {}),
+            "mono": time.monotonic(),
+            "t": time.time(),
+            "pid": os.getpid(),
+        }
+    )
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        lease.raise_if_lost()
+    db()["runs"].insert_one(
+        {"kind": "end", "tag": tag, "keys": keys, "mono": time.monotonic(), "t": time.time()}
+    )
+    return keys
+
+
 @app.task(name="integration_app.plain")
 def plain(tag: str) -> str:
     return tag

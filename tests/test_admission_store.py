@@ -367,3 +367,20 @@ def test_the_sweeper_pages_through_every_waiting_key(store: LeaseStore) -> None:
     first = store.waiting_keys(limit=2)
     rest = store.waiting_keys(limit=2, after=first[-1]["_id"])
     assert [d["_id"] for d in first + rest] == ["k0", "k1", "k2"]
+
+
+def test_a_key_that_remembers_finished_runs_outlives_a_broker_redelivery(store: LeaseStore) -> None:
+    from celery_mongolock._admission import SEEN_KEEP_MS
+
+    lease, _ = store.admit(KEY, entry(1))
+    assert lease is not None
+    lease.release()
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc["seen"] == ["task-1/0.0"]
+    kept = (doc["gc_at"] - doc["expires_at"]).total_seconds() * 1000
+    assert kept == SEEN_KEEP_MS  # the TTL index deletes it only after a redelivery would have come
+    plain = store.acquire("plain-key", 30)
+    assert plain is not None
+    plain.release()
+    other = store.collection.find_one({"_id": "plain-key"}) or {}
+    assert other["gc_at"] == other["expires_at"]

@@ -173,7 +173,7 @@ SPEC_CASES = [
     case(lambda: declare(limit=2.5), ConfigurationError, "limit", "got 2.5", "limit-float"),
     case(lambda: declare(limit=3, on_contention="queue"), ConfigurationError, "limit=3 with on_contention='queue'", "not supported yet", "limit-with-queue"),
     case(lambda: declare(limit=3, min_hold_seconds=5), ConfigurationError, "limit=3 with min_hold_seconds", "not supported yet", "limit-with-min-hold"),
-    case(lambda: declare(keys=("a", "b")), ConfigurationError, "keys=", "not supported yet", "planned-keys"),
+    case(lambda: declare("g:{group_id}", keys=("g:{group_id}", "p:{path}")), ConfigurationError, "key= or keys=", "not both", "key-and-keys"),
     case(lambda: app_task(mongolock_key="email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "app-task-template-missing-arg"),
     case(lambda: app_task(mongolock_on_contention="skipp"), ConfigurationError, "mongolock_on_contention", "got 'skipp'", "app-task-misspelt-policy"),
     case(lambda: app_task(mongolock_lease_second=60), ConfigurationError, "mongolock_lease_second", "did you mean mongolock_lease_seconds?", "app-task-misspelt-option"),

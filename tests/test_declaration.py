@@ -179,8 +179,10 @@ def test_a_class_based_singleton_task_is_checked_when_the_class_is_created() -> 
         ({"min_hold_second": 5}, "did you mean min_hold_seconds=?"),
         ({"keyy": "g"}, "did you mean key=?"),
         ({"mongolock_key": "g"}, "without the mongolock_ prefix, got mongolock_key=; did you mean key=?"),
-        ({"keys": ("a", "b")}, "keys= is not supported yet"),
-        ({"mongolock_keys": ("a",)}, "mongolock_keys= is not supported yet"),
+        (
+            {"mongolock_keys": ("a",)},
+            "without the mongolock_ prefix, got mongolock_keys=; did you mean keys=?",
+        ),
     ],
 )
 def test_singleton_task_refuses_misspelt_and_planned_options(options: dict[str, Any], match: str) -> None:
@@ -188,10 +190,10 @@ def test_singleton_task_refuses_misspelt_and_planned_options(options: dict[str, 
         declare("g:{group_id}", **options)
 
 
-def test_planned_options_are_not_offered_as_suggestions() -> None:
-    with pytest.raises(ConfigurationError) as info:
-        declare("g:{group_id}", keys=("a", "b"))
-    assert "did you mean" not in str(info.value) and "planned" in str(info.value)
+def test_no_option_is_planned_any_more() -> None:
+    from celery_mongolock._options import FUTURE_OPTIONS
+
+    assert FUTURE_OPTIONS == {}  # limit= and keys= exist now
 
 
 @pytest.mark.parametrize(
@@ -200,7 +202,6 @@ def test_planned_options_are_not_offered_as_suggestions() -> None:
         ({"mongolock_lease_second": 60}, "unknown option mongolock_lease_second; did you mean mongolock_lease_seconds?"),  # noqa: E501
         ({"mongolock_on_contension": "skip"}, "did you mean mongolock_on_contention?"),
         ({"mongolock_whatever": 1}, "unknown option mongolock_whatever; known: mongolock_key"),
-        ({"mongolock_keys": ("a",)}, "mongolock_keys is not supported yet"),
         ({"key": "g:{group_id}"}, "key is not read on a SingletonTask; did you mean mongolock_key?"),
         ({"on_contention": "skip"}, "did you mean mongolock_on_contention?"),
         ({"lease_second": 3}, "did you mean mongolock_lease_seconds?"),

@@ -1,50 +1,134 @@
-"""Key normalisation: pure logic, no server."""
+"""``keys=(...)``: a run that holds several keys at once, with real ``celery worker`` processes (prefork),
+a real Redis broker and the MongoDB-compatible server, and the declaration checks (no server)."""
 
 from __future__ import annotations
 
+import itertools
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
+from celery import Celery
 
-from celery_mongolock import InvalidKey
-from celery_mongolock.keys import MAX_KEY_BYTES, normalize_key
+from celery_mongolock import ConfigurationError, LeaseSet, singleton_task
 
+from . import integration_app as it
+from .servers import RedisServer
+from .test_integration import Cluster
 
-@pytest.mark.parametrize("key", ["email-group:42", "a", "grüße", "键" * 60, "x" * MAX_KEY_BYTES])
-def test_short_keys_are_kept_as_is(key: str) -> None:
-    assert normalize_key(key) == key
-
-
-def test_long_keys_are_hashed_with_a_readable_prefix() -> None:
-    key = "tenant:" + "x" * 1000
-    out = normalize_key(key)
-    assert out.startswith("tenant:xxxx")
-    assert "~sha256:" in out
-    assert len(out.encode()) <= MAX_KEY_BYTES
-    assert normalize_key(key) == out  # deterministic
-    assert normalize_key(key + "y") != out
+LEASE = 3.0
 
 
-def test_multibyte_keys_are_measured_in_bytes() -> None:
-    key = "键" * 100  # 300 bytes
-    assert "~sha256:" in normalize_key(key)
+def _app() -> Celery:
+    return Celery(f"k{uuid.uuid4().hex[:6]}", set_as_current=False)
+
+
+def test_the_keys_of_a_call_are_sorted_without_repeats() -> None:
+    @singleton_task(app=_app(), keys=("group:{dst}", "group:{src}"))
+    def merge(src: int, dst: int) -> None: ...
+
+    assert merge.mongolock_keys_for(2, 1) == ["group:1", "group:2"]
+    assert merge.mongolock_keys_for(3, 3) == ["group:3"]
 
 
 @pytest.mark.parametrize(
-    ("key", "match"),
+    ("options", "match"),
     [
-        ("", "must not be empty"),
-        ("   ", "only whitespace"),
-        ("a\x00b", "NUL"),
-        ("\ud800", "not valid Unicode"),
-        (42, "must be a str, got int"),
-        (None, "must be a str, got NoneType"),
-        (b"bytes", "must be a str, got bytes"),
+        ({"keys": "group:{src}"}, "keys= must be a non-empty list or tuple"),
+        ({"keys": ()}, "keys= must be a non-empty list or tuple"),
+        ({"keys": ("group:{src}",), "key": "g"}, "give key= or keys=, not both"),
+        (
+            {"keys": ("group:{src}",), "on_contention": "queue"},
+            "keys= with on_contention='queue' is not supported",
+        ),
+        ({"keys": ("group:{src}",), "limit": 3}, "keys= with limit=N is not supported yet"),
+        ({"keys": ("group:{source}",)}, "'source'"),
     ],
 )
-def test_bad_keys(key: object, match: str) -> None:
-    with pytest.raises(InvalidKey, match=match):
-        normalize_key(key)
+def test_bad_keys_are_refused_at_declaration(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+
+        @singleton_task(app=_app(), **options)
+        def merge(src: int, dst: int) -> None: ...
 
 
-def test_invalid_key_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="empty"):
-        normalize_key("")
+@pytest.fixture(scope="module")
+def cluster(
+    redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    db_name = f"mongolock_keys_{uuid.uuid4().hex[:8]}"
+    c = Cluster(redis_server.url, mongo_url, db_name, tmp_path_factory.mktemp("kworkers"))
+    it.app.conf.update(
+        broker_url=redis_server.url,
+        result_backend=redis_server.url,
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=LEASE,
+    )
+    for attr in ("_mongolock_settings", "_mongolock_store"):
+        it.app.__dict__.pop(attr, None)
+    c.worker(name="k1@localhost", concurrency=3)
+    c.worker(name="k2@localhost", concurrency=3)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+def test_overlapping_multi_key_runs_never_overlap_on_a_key_and_never_deadlock(cluster: Cluster) -> None:
+    a, b, c = (uuid.uuid4().hex[:8] for _ in range(3))
+    # Runs naming overlapping keys in different orders, and single-key runs on the same keys.
+    sends = [(a, b), (b, a), (b, c), (c, a), (a, b), (c, b)]
+    tags = [uuid.uuid4().hex[:10] for _ in sends]
+    results = [it.merge.delay(src, dst, t, 0.2) for (src, dst), t in zip(sends, tags, strict=True)]
+    single_tags = [uuid.uuid4().hex[:10] for _ in range(3)]
+    singles = [it.guarded.delay(r, t, 0.2) for r, t in zip((a, b, c), single_tags, strict=True)]
+    for r, (src, dst) in zip(results, sends, strict=True):
+        assert r.get(timeout=120) == sorted([f"resource:{src}", f"resource:{dst}"])
+    for r in singles:
+        r.get(timeout=120)
+    holds: dict[str, list[tuple[float, float]]] = {}
+    for t in tags:
+        [start] = cluster.runs(t, "start")
+        [end] = cluster.runs(t, "end")
+        assert sorted(start["fences"]) == start["keys"], "the body ran holding every key"
+        for key in start["keys"]:
+            holds.setdefault(key, []).append((start["mono"], end["mono"]))
+    for t in single_tags:
+        [start] = cluster.runs(t, "start")
+        [end] = cluster.runs(t, "end")
+        holds.setdefault(str(start["key"]), []).append((start["mono"], end["mono"]))
+    for key, spans in holds.items():
+        for (_, e1), (s2, _) in itertools.pairwise(sorted(spans)):
+            assert e1 <= s2, f"two runs held {key} at once"
+
+
+def test_a_lease_set_is_a_lease() -> None:
+    assert issubclass(LeaseSet, object) and LeaseSet.__mro__[1].__name__ == "Lease"
+
+
+@pytest.mark.slow
+def test_a_run_holds_none_of_its_keys_while_it_waits_for_one(cluster: Cluster) -> None:
+    from .servers import wait_for
+
+    a, b = (f"w{uuid.uuid4().hex[:8]}" for _ in range(2))
+    blocker = cluster.store.acquire(f"resource:{b}", 60)
+    assert blocker is not None
+    tag = uuid.uuid4().hex[:10]
+    result = it.merge.delay(a, b, tag, 0.1)
+    wait_for(
+        lambda: len(list(cluster.db["runs"].find({"kind": "contended", "key": f"resource:{b}"}))) >= 3,
+        timeout=60,
+        message="three attempts of the merge to find b held",
+    )
+    held_a = cluster.store.inspect(f"resource:{a}")
+    blocker.release()
+    assert result.get(timeout=60) == sorted([f"resource:{a}", f"resource:{b}"])
+    ends = (cluster.store.collection.find_one({"_id": f"resource:{a}"}) or {}).get("ends") or []
+    attempts = [e for e in ends if e.get("t") == result.id][:-1]  # every attempt before the run itself
+    assert len(attempts) >= 2
+    for attempt in attempts:  # a was given back within the attempt that found b held
+        assert (attempt["e"] - attempt["a"]).total_seconds() < 1.0, attempt
+    assert held_a is None or not held_a.held or held_a.holder.get("task_id") == result.id

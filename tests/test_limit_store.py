@@ -141,3 +141,15 @@ def test_limit_one_is_a_single_lease(store: LeaseStore) -> None:
     lease = store.acquire(KEY, 30, limit=1)
     assert lease is not None and lease.slot is None
     assert (store.collection.find_one({"_id": KEY}) or {})["owner"] == lease.owner
+
+
+def test_why_says_how_many_slots_are_held_and_by_whom(store: LeaseStore) -> None:
+    a = store.acquire(KEY, 30, limit=2, info={"task_name": "sync", "task_id": "s-1"})
+    assert a is not None
+    story = store.why(KEY)
+    assert story is not None and story.state == "slots"
+    assert story.verdict.startswith("1 of 2 slots held (slot 0: sync[s-1]")
+    assert story.verdict.endswith("the next run takes a slot at once")
+    assert store.acquire(KEY, 30, limit=2) is not None
+    full = store.why(KEY)
+    assert full is not None and full.verdict.startswith("all 2 slots held (")
