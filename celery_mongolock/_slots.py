@@ -89,11 +89,18 @@ def _append_endings(ended: object, how: str) -> Document:
 
 
 def slot_acquire_pipeline(
-    token: str, ttl_ms: int, holder: Mapping[str, Any], limit: int, *, waited_ms: int | None = None
+    token: str,
+    ttl_ms: int,
+    holder: Mapping[str, Any],
+    limit: int,
+    *,
+    waited_ms: int | None = None,
+    tick: int | None = None,
 ) -> list[Document]:
     """Take a slot of the key for ``token`` if fewer than ``limit`` holds are live, nobody holds it as a
     single lease and no run is parked on it; ``token``'s own hold (a retry of an acquire whose reply was
-    lost) counts as taken. The new hold gets the lowest free slot number and the key's next fence."""
+    lost) counts as taken. The new hold gets the lowest free slot number and the key's next fence.
+    ``tick``: once per tick (a beat-sent run): refused for a tick at or before the last that took a slot."""
     mine = {"$in": [{"$literal": token}, {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}]}
     single_held = {
         "$and": [
@@ -138,6 +145,7 @@ def slot_acquire_pipeline(
                         {"$lt": [{"$size": "$__live"}, int(limit)]},
                         {"$not": [single_held]},
                         nobody_parked,
+                        True if tick is None else {"$lt": [{"$ifNull": ["$last_tick", -1]}, int(tick)]},
                     ]
                 }
             }
@@ -153,6 +161,7 @@ def slot_acquire_pipeline(
                 },
                 "fence": {"$cond": ["$__take", "$__fence", "$fence"]},
                 "lim": {"$cond": ["$__take", int(limit), "$lim"]},
+                **({} if tick is None else {"last_tick": {"$cond": ["$__take", int(tick), "$last_tick"]}}),
                 "ends": {
                     "$cond": [
                         {"$gt": [{"$size": "$__expired"}, 0]},

@@ -520,15 +520,17 @@ class LeaseStore:
         holder = documents.holder_info(self._host, os.getpid(), info)
         token = uuid.uuid4().hex
         limit = validate_limit(limit)
-        if limit is not None and (admission is not None or tick is not None or hold_s or hold_until_ms):
-            raise ConfigurationError(
-                "limit=N (N > 1) takes no queued admission, beat tick or minimum hold yet"
-            )
+        if limit is not None and (admission is not None or hold_s):
+            raise ConfigurationError("limit=N (N > 1) takes no queued admission or minimum hold yet")
         projection: Document | None = documents.ACQUIRE_PROJECTION
         if limit is not None:
             if waited_since_ms is not None and waited_ms is None:
                 waited_ms = max(0, int(time.time() * 1000) - waited_since_ms)
-            pipeline = slots_docs.slot_acquire_pipeline(token, ttl_ms, holder, limit, waited_ms=waited_ms)
+            # (A beat tick's hold_until_ms, the end of its window, is for single leases: a slot is held
+            # while its run runs.)
+            pipeline = slots_docs.slot_acquire_pipeline(
+                token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick
+            )
             projection = {"q.m": 0, "ends": 0, "seen": 0}
         elif admission is None:
             pipeline = documents.acquire_pipeline(

@@ -153,3 +153,10 @@ def test_why_says_how_many_slots_are_held_and_by_whom(store: LeaseStore) -> None
     assert store.acquire(KEY, 30, limit=2) is not None
     full = store.why(KEY)
     assert full is not None and full.verdict.startswith("all 2 slots held (")
+
+
+def test_a_beat_tick_takes_one_slot_once(store: LeaseStore) -> None:
+    first = store.acquire(KEY, 30, limit=3, tick=1000, hold_until_ms=2000)
+    assert first is not None
+    assert store.acquire(KEY, 30, limit=3, tick=1000) is None  # another beat's copy of the same tick
+    assert store.acquire(KEY, 30, limit=3, tick=2000) is not None  # the next tick, in another slot
