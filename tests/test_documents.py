@@ -141,10 +141,9 @@ def evaluate(expr: Any, doc: Doc, now: _dt.datetime, variables: Doc | None = Non
     if op == "$multiply":
         return args[0] * args[1]
     if op == "$max":
-        if len(args) == 1 and isinstance(args[0], list):
-            present = [a for a in args[0] if a is not None]
-            return max(present) if present else None
-        return max(args)
+        items = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+        present = [a for a in items if a is not None]  # as on the server: nulls are ignored
+        return max(present) if present else None
     if op == "$ifNull":
         return args[1] if args[0] is None else args[0]
     if op == "$cond":

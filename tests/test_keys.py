@@ -113,7 +113,8 @@ def test_a_lease_set_is_a_lease() -> None:
 def test_a_run_holds_none_of_its_keys_while_it_waits_for_one(cluster: Cluster) -> None:
     from .servers import wait_for
 
-    a, b = (f"w{uuid.uuid4().hex[:8]}" for _ in range(2))
+    suffix = uuid.uuid4().hex[:8]
+    a, b = f"a{suffix}", f"b{suffix}"  # a sorts first: each attempt takes a, then finds b held
     blocker = cluster.store.acquire(f"resource:{b}", 60)
     assert blocker is not None
     tag = uuid.uuid4().hex[:10]

@@ -160,3 +160,43 @@ def test_a_beat_tick_takes_one_slot_once(store: LeaseStore) -> None:
     assert first is not None
     assert store.acquire(KEY, 30, limit=3, tick=1000) is None  # another beat's copy of the same tick
     assert store.acquire(KEY, 30, limit=3, tick=2000) is not None  # the next tick, in another slot
+
+
+def test_a_queued_run_does_not_take_a_key_whose_slots_are_held(store: LeaseStore) -> None:
+    slot = store.acquire(KEY, 30, limit=3)
+    assert slot is not None
+    entry = {"id": "q/0", "t": "q", "n": "job", "r": "0", "s": 1, "m": b""}
+    lease, doc = store.admit(KEY, entry)
+    assert lease is None and doc["lo"] == "parked"
+
+
+def test_a_slot_s_release_leaves_a_single_lease_s_expiry_alone(store: LeaseStore) -> None:
+    stalled = store.acquire(KEY, 0.5, limit=2)
+    assert stalled is not None
+    single = wait_for(lambda: store.acquire(KEY, 60), timeout=10, message="the slot to expire")
+    assert single is not None
+    stalled.release()  # late: its hold had expired
+    info = store.inspect(KEY)
+    assert info is not None and info.held and info.owner == single.owner
+    assert store.acquire(KEY, 60) is None
+    single.renew()  # still ours
+
+
+def test_a_stale_single_owner_neither_revives_nor_limits_the_slots(store: LeaseStore) -> None:
+    old = store.acquire(KEY, 0.5)  # a single holder that died without releasing
+    assert old is not None
+    store.forget(old)
+    taken = wait_for(lambda: store.acquire(KEY, 30, limit=3), timeout=10, message="the stale lease to expire")
+    assert taken is not None
+    assert store.acquire(KEY, 30, limit=3) is not None  # not limited to one by the stale owner
+    assert store.renew_lease(old) is False  # and the dead holder's renewal does not revive it
+    assert store.force_release(KEY)
+    assert not (store.inspect(KEY) or pytest.fail("gone")).held  # slots released too
+
+
+def test_a_copy_of_a_run_that_holds_a_slot_takes_none(store: LeaseStore) -> None:
+    info = {"task_id": "same", "delivery": "0.0"}
+    first = store.acquire(KEY, 30, limit=3, info=info)
+    assert first is not None
+    assert store.acquire(KEY, 30, limit=3, info=info) is None
+    assert store.acquire(KEY, 30, limit=3, info={"task_id": "other", "delivery": "0.0"}) is not None
