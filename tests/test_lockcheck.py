@@ -384,6 +384,10 @@ def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     queued = report["queued"]  # Queue and Replace runs were part of it: parked, handed the key
     assert queued["queue_submitted"] > 10 and queued["replace_submitted"] > 5, queued
     assert queued["parked"] > 5 and queued["handoffs"] > 5, queued
+    # Faults land while queued runs wait (each fault waits a few seconds at most for some: all 11 kinds
+    # in every seed measured; two may miss on a loaded machine, e.g. while broker-restarted nodes start).
+    hit = queued["faults_hitting_queued_runs"]
+    assert len(hit) >= len(report["faults"]) - 2, (hit, report["faults"])
     if "clock-jump" not in skipped:
         # The node whose wall clock jumped took its own queue's tasks to the end (unfinished is 0).
         assert report["faults"]["clock-jump"] >= 2 and tasks["skewed_node_submitted"] > 5, tasks
