@@ -104,6 +104,8 @@ def gc_stage() -> Document:
     (whose messages were acknowledged) are never deleted with it.
     """
     remembers = {"$gt": [{"$size": {"$ifNull": ["$seen", []]}}, 0]}
+    # The later of the single lease's expiry and the latest slot hold's (``limit=N``: ``sx``).
+    latest = {"$ifNull": [{"$max": ["$expires_at", "$sx"]}, "$expires_at"]}
     return {
         "$set": {
             "wq": {"$cond": [WAITS, True, "$$REMOVE"]},
@@ -113,7 +115,7 @@ def gc_stage() -> Document:
                     None,
                     # A key that remembers finished queued runs keeps that memory (the duplicate guard)
                     # longer than a broker may take to deliver a message again.
-                    {"$cond": [remembers, {"$add": ["$expires_at", SEEN_KEEP_MS]}, "$expires_at"]},
+                    {"$cond": [remembers, {"$add": [latest, SEEN_KEEP_MS]}, latest]},
                 ]
             },
         }
@@ -163,6 +165,23 @@ def _due(e: object) -> Document:
     """Entry ``e`` may start now: it has no not-before time (``Replace(debounce=...)``) or it has passed."""
     nb = {"$ifNull": [_get("nb", e), None]}
     return {"$or": [{"$eq": [nb, None]}, {"$lte": [{"$toLong": nb}, _NOW_MS]}]}
+
+
+#: No ``limit=N`` hold of the key is live (a queued run never takes a key while slots are held).
+NO_SLOT_HELD: Document = {
+    "$eq": [
+        {
+            "$size": {
+                "$filter": {
+                    "input": {"$ifNull": ["$hs", []]},
+                    "as": "e",
+                    "cond": {"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]},
+                }
+            }
+        },
+        0,
+    ]
+}
 
 
 def _live(q: object) -> Document:
@@ -277,9 +296,14 @@ def release_handoff_stages(by: str, *, keep_when: object = False) -> list[Docume
     re-handing an unclaimed handoff first. ``keep_when``: an expression under which nothing is handed
     (e.g. a release that keeps the key until ``hold_until``)."""
     vacant = {
-        "$or": [
-            {"$eq": [{"$ifNull": ["$owner", None]}, None]},
-            {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        "$and": [
+            {
+                "$or": [
+                    {"$eq": [{"$ifNull": ["$owner", None]}, None]},
+                    {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+                ]
+            },
+            NO_SLOT_HELD,
         ]
     }
     has_ho = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
@@ -357,9 +381,14 @@ def admit_pipeline(
     stamp = int(entry["s"])
     ids = {"$map": {"input": _Q, "as": "e", "in": "$$e.id"}}
     vacant = {
-        "$or": [
-            {"$eq": [{"$ifNull": ["$owner", None]}, None]},
-            {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        "$and": [
+            {
+                "$or": [
+                    {"$eq": [{"$ifNull": ["$owner", None]}, None]},
+                    {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+                ]
+            },
+            NO_SLOT_HELD,
         ]
     }
     has_ho = {"$ne": [{"$ifNull": ["$ho", None]}, None]}

@@ -9,7 +9,7 @@ single lease cannot be taken while any slot is held, nor a slot while a single l
            h: holder {host, pid, task_name, task_id, worker, delivery, ...}}, ...]
     lim: N                # the limit of the last hold taken
     fence: ...            # the key's fence: the largest given to any hold
-    expires_at: ...       # the latest ``x`` of the holds (what the TTL field and readers see)
+    sx: ...               # the latest ``x`` of the holds (``expires_at`` stays the single lease's own)
 
 Expiry is judged per hold on the server's clock; a hold past its ``x`` is dropped by the next command
 that touches the key.
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from ._admission import gc_stage
 
 __all__ = [
     "slot_acquire_pipeline",
@@ -42,27 +44,12 @@ def _live_cond(var: str) -> Document:
 
 
 def _latest_expiry(hs: object) -> Document:
-    """``expires_at`` of a slotted key: the latest expiry of its holds (null without holds)."""
+    """``sx`` of a slotted key: the latest expiry of its holds (null without holds)."""
     return {"$max": {"$map": {"input": hs, "as": "e", "in": "$$e.x"}}}
 
 
 def _gc() -> Document:
-    return {
-        "$set": {
-            "gc_at": {
-                "$cond": [
-                    {
-                        "$or": [
-                            {"$gt": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
-                            {"$ne": [{"$ifNull": ["$ho", None]}, None]},
-                        ]
-                    },
-                    None,
-                    "$expires_at",
-                ]
-            }
-        }
-    }
+    return gc_stage()
 
 
 def _ending(entry: str, how: str) -> Document:
@@ -101,13 +88,42 @@ def slot_acquire_pipeline(
     single lease and no run is parked on it; ``token``'s own hold (a retry of an acquire whose reply was
     lost) counts as taken. The new hold gets the lowest free slot number and the key's next fence.
     ``tick``: once per tick (a beat-sent run): refused for a tick at or before the last that took a slot."""
-    mine = {"$in": [{"$literal": token}, {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}]}
+    live_tokens = {
+        "$map": {
+            "input": {"$filter": {"input": _HS, "as": "e", "cond": _live_cond("$$e")}},
+            "as": "e",
+            "in": "$$e.o",
+        }
+    }
+    mine = {"$in": [{"$literal": token}, live_tokens]}  # our own live hold: an acquire's retry
+    same_run = {
+        "$gt": [
+            {
+                "$size": {
+                    "$filter": {
+                        "input": _HS,
+                        "as": "e",
+                        "cond": {
+                            "$and": [
+                                _live_cond("$$e"),
+                                {"$ne": ["$$e.o", {"$literal": token}]},
+                                {"$eq": ["$$e.h.task_id", {"$literal": holder.get("task_id")}]},
+                                {"$eq": ["$$e.h.delivery", {"$literal": holder.get("delivery")}]},
+                            ]
+                        },
+                    }
+                }
+            },
+            0,
+        ]
+    }
     single_held = {
         "$and": [
             {"$ne": [{"$ifNull": ["$owner", None]}, None]},
             {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
         ]
     }
+    has_task = holder.get("task_id") is not None
     nobody_parked = {
         "$and": [
             {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
@@ -121,7 +137,7 @@ def slot_acquire_pipeline(
     hold = {
         "o": {"$literal": token},
         "f": "$__fence",
-        "s": {"$arrayElemAt": [{"$setDifference": [{"$range": [0, int(limit)]}, used]}, 0]},
+        "s": {"$min": {"$setDifference": [{"$range": [0, int(limit)]}, used]}},
         "x": {"$add": ["$$NOW", int(ttl_ms)]},
         "t": int(ttl_ms),
         "a": "$$NOW",
@@ -132,6 +148,7 @@ def slot_acquire_pipeline(
         {
             "$set": {
                 "__mine": mine,
+                "__dup": same_run if has_task else False,
                 "__live": live,
                 "__expired": expired,
                 "__fence": fence,
@@ -142,6 +159,7 @@ def slot_acquire_pipeline(
                 "__take": {
                     "$and": [
                         {"$not": ["$__mine"]},
+                        {"$not": ["$__dup"]},  # a copy of a run that holds a slot now takes none
                         {"$lt": [{"$size": "$__live"}, int(limit)]},
                         {"$not": [single_held]},
                         nobody_parked,
@@ -152,13 +170,7 @@ def slot_acquire_pipeline(
         },
         {
             "$set": {
-                "hs": {
-                    "$cond": [
-                        "$__mine",
-                        "$hs",
-                        {"$cond": ["$__take", {"$concatArrays": ["$__live", [hold]]}, "$__live"]},
-                    ]
-                },
+                "hs": {"$cond": ["$__take", {"$concatArrays": ["$__live", [hold]]}, "$__live"]},
                 "fence": {"$cond": ["$__take", "$__fence", "$fence"]},
                 "lim": {"$cond": ["$__take", int(limit), "$lim"]},
                 **({} if tick is None else {"last_tick": {"$cond": ["$__take", int(tick), "$last_tick"]}}),
@@ -171,8 +183,8 @@ def slot_acquire_pipeline(
                 },
             }
         },
-        {"$set": {"expires_at": {"$ifNull": [_latest_expiry("$hs"), "$expires_at"]}}},
-        {"$unset": ["__mine", "__live", "__expired", "__fence", "__take"]},
+        {"$set": {"sx": _latest_expiry("$hs")}},
+        {"$unset": ["__mine", "__live", "__expired", "__fence", "__take", "__dup"]},
         _gc(),
     ]
 
@@ -201,7 +213,7 @@ def slot_renew_pipeline(tokens: Iterable[str]) -> list[Document]:
     }
     return [
         {"$set": {"hs": renewed}},
-        {"$set": {"expires_at": {"$ifNull": [_latest_expiry("$hs"), "$expires_at"]}}},
+        {"$set": {"sx": _latest_expiry("$hs")}},
         _gc(),
     ]
 
@@ -239,8 +251,7 @@ def _drop(cond_on_e: Document, how: str) -> list[Document]:
         {
             "$set": {
                 "ends": _append_endings("$__gone", how),
-                "released_at": "$$NOW",
-                "expires_at": {"$ifNull": [_latest_expiry("$hs"), "$$NOW"]},
+                "sx": _latest_expiry("$hs"),
             }
         },
         {"$unset": ["__gone"]},

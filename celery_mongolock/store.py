@@ -1144,13 +1144,14 @@ class LeaseStore:
                 projection=admission_docs.HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )
-            if doc is None:  # a limit=N key: every slot
-                doc = self.collection.find_one_and_update(
-                    {"_id": key, "hs.0": {"$exists": True}},
-                    slots_docs.slot_force_release_pipeline(),
-                    projection=admission_docs.HANDOFF_PROJECTION,
-                    return_document=ReturnDocument.AFTER,
-                )
+            slotted = self.collection.find_one_and_update(  # a limit=N key: every slot too
+                {"_id": key, "hs.0": {"$exists": True}},
+                slots_docs.slot_force_release_pipeline(),
+                projection=admission_docs.HANDOFF_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+            if doc is None:
+                doc = slotted
         log_release.warning("force-released lease %r: %s", key, "it was held" if doc else "it was free")
         if doc is not None and self.history_days:
             # An operator's command, often from a process that exits right after: copy the ending into

@@ -336,44 +336,54 @@ class SingletonTask(Task):  # type: ignore[misc]
             "delivery": _delivery(request),
             "keys": keys,
         }
-        try:
-            if self._first_run_done(store, keys[0]):
-                log_acquire.info("%s[%s]: redelivery of a run that has ended; dropped", self.name, request.id)
-                raise Ignore()
-        except StoreUnavailable as exc:
-            self._unavailable(keys[0], exc, policy, direct)
+        # (No "first run done" check here: the keys a run gives back within an attempt look like a
+        # finished run's, and a redelivered copy dropped for that would be lost. At least once, as any
+        # acks_late task.)
+        run = ContendedRun(self, store, keys[0], direct=direct)  # one run: Wait's timeout counts once
         while True:
             taken: list[Lease] = []
             blocked: tuple[str, Any] | None = None
-            for key in keys:
-                try:
-                    lease, doc = store._try_acquire(
-                        key,
-                        options.lease_seconds,
-                        info=info,
-                        heartbeat=True,
-                        heartbeat_seconds=options.heartbeat_seconds,
-                        limit=options.limit,
-                    )
-                except StoreUnavailable as exc:
-                    _release_quietly(taken)
-                    self._unavailable(key, exc, policy, direct)
-                if lease is None:
-                    blocked = (key, doc or {})
-                    break
-                taken.append(lease)
+            try:
+                for key in keys:
+                    try:
+                        lease, doc = store._try_acquire(
+                            key,
+                            options.lease_seconds,
+                            info=info,
+                            heartbeat=True,
+                            heartbeat_seconds=options.heartbeat_seconds,
+                            limit=options.limit,
+                        )
+                    except StoreUnavailable as exc:
+                        _release_quietly(taken)
+                        self._unavailable(key, exc, policy, direct)
+                    if lease is None:
+                        blocked = (key, doc or {})
+                        break
+                    taken.append(lease)
+            except BaseException:  # a time limit, a revoke: never keep the keys taken so far
+                _release_quietly(taken)
+                raise
             if blocked is None:
                 return LeaseSet(taken)
             _release_quietly(taken)
             key, doc = blocked
             holder = dict(doc.get("holder") or {})
             expires_at = _aware(doc.get("expires_at"))
+            same_run = [
+                hold
+                for hold in doc.get("hs") or []
+                if (hold.get("h") or {}).get("task_id") == request.id
+                and (hold.get("h") or {}).get("delivery") == info["delivery"]
+            ]
+            if same_run:  # limit=N: a slot held by this very run
+                holder = dict(same_run[0].get("h") or {})
             if request.id and holder.get("task_id") == request.id:
                 signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
                 self._park_duplicate(key, options, direct)
                 raise Ignore()
             signals.lease_contended.send(sender=self, key=key, holder=holder, policy=policy.name)
-            run = ContendedRun(self, store, key, direct=direct)
+            run.key = key  # the key it waits for now
             outcome = policy.on_contended(run.held_by(holder, expires_at))
             if outcome is TRY_AGAIN:
                 continue
@@ -402,6 +412,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             first_run_done = self._first_run_done(store, key)
         except StoreUnavailable as exc:
             self._unavailable(key, exc, policy, direct)
+        if first_run_done and not self._has_final_state():
+            return _Outcome(_already_ran(key, request.id))
         if first_run_done:
             log_acquire.info(
                 "%s[%s]: %s of a run that has ended and released %r; dropped",
@@ -522,6 +534,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         holder = dict(doc.get("holder") or {})
         expires_at = _aware(doc.get("expires_at"))
         who = (self.name, request.id)
+        if outcome == "done" and not self._has_final_state():
+            # The run ran and released its key, and its worker died before its result was stored: end
+            # this copy with a result that says so (never run the body twice, never leave it waiting).
+            return _Outcome(_already_ran(key, request.id))
         if outcome in ("dup", "done", "stale"):
             what = {
                 "dup": "parked or handed the key",
@@ -552,7 +568,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         mine = [s for s in doc.get("sup") or [] if s.get("by") == request.id]
         if mine:
             # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
-            # its result with it; it writes the result itself once it has (``_mark_queued``).
+            # its result with it (it writes QUEUED before it parks, so this is rare: the write failed).
             _queue.write_superseded(self.app, store, key, mine, ready=_queue.marked_queued(self.app))
         parked_ids = [e.get("t") for e in doc.get("q") or []]
         position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
@@ -574,6 +590,17 @@ class SingletonTask(Task):  # type: ignore[misc]
             position,
         )
         raise Ignore()
+
+    def _has_final_state(self) -> bool:
+        """Whether this task id has a final state in the result backend (True when there is none to
+        ask: nothing would wait for it)."""
+        if self.ignore_result or self.request.ignore_result or not _queue.has_backend(self.app):
+            return True
+        try:
+            status = self.backend.get_task_meta(self.request.id).get("status")
+        except Exception:
+            return True  # cannot tell: drop the copy, as before
+        return status in celery_states.READY_STATES
 
     def _set_state(self, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
         """Write this run's state (only for humans and ``AsyncResult.state``: failures are logged)."""
@@ -628,10 +655,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             return False
         with store._operation(f"inspect lease {key!r}"):
             doc = store.collection.find_one(
-                {"_id": key}, {"owner": 1, "holder": 1, "released_for": 1, "forced_release": 1}
+                {"_id": key},
+                {"owner": 1, "holder": 1, "released_for": 1, "forced_release": 1, "hs.h": 1, "ends": 1},
+            )
+        delivery = _delivery(request)
+        if doc is not None and "hs" in doc:  # limit=N: did this run's own hold end by a release?
+            return any(
+                e.get("t") == request.id and e.get("run") == delivery and e.get("how") == "released"
+                for e in doc.get("ends") or []
             )
         holder = (doc or {}).get("holder") or {}
-        delivery = _delivery(request)
         # A holder recorded before deliveries were (an older version) matches a parked copy on its id.
         same_delivery = holder.get("delivery", delivery if parked else None) == delivery
         return bool(
@@ -680,6 +713,16 @@ class SingletonTask(Task):  # type: ignore[misc]
                 redact(str(exc)),
             )
             raise
+
+
+def _already_ran(key: str, task_id: str) -> dict[str, Any]:
+    """The result of a copy of a run whose body ran and ended, but whose result was never stored."""
+    return {
+        "mongolock": "already-ran",
+        "key": key,
+        "reason": f"the body of {task_id} ran and released {key!r}; its worker died before it stored "
+        "the result, which is lost (the body is never run twice)",
+    }
 
 
 def _release_quietly(leases: list[Lease]) -> None:

@@ -608,9 +608,9 @@ def check(history: History) -> list[Violation]:
             continue
         if state != "SUCCESS" or not isinstance(result, dict):
             if task_id in dropped_done:
-                # KNOWN LIBRARY ISSUE (reported, not fixed here): the body ran and released the key, its
-                # worker died before the result was stored, and the redelivered message was dropped as a
-                # copy of a finished run (admission "done"), so the task never gets a final state.
+                # The body ran and released the key, its worker died before the result was stored, and
+                # the redelivered message was dropped as a copy of a finished run (admission "done")
+                # without ending the task: it must end it ("already-ran").
                 found.append(
                     Violation(
                         "result-never-stored",
@@ -625,6 +625,10 @@ def check(history: History) -> list[Violation]:
                 )
             )
         elif result.get("mongolock") == "skipped" and task.get("task") not in QUEUED_TASKS:
+            continue
+        elif result.get("mongolock") == "already-ran" and task.get("op") in applied:
+            # The body ran and released the key; its worker died before the result was stored, and the
+            # redelivered copy ended the task saying so (the body never runs twice).
             continue
         elif result.get("mongolock") and task.get("task") in QUEUED_TASKS:
             continue  # skipped or superseded: judged by check_queued
@@ -750,6 +754,8 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                         + (f"(stamp {by.get('stamp')}, key {by.get('key')})" if by else "(no send of ours)"),
                     )
                 )
+        elif result.get("mongolock") == "already-ran" and task.get("op") in applied:
+            continue  # its run applied the op; its worker died before the result was stored
         elif result.get("mongolock"):
             found.append(Violation("queued-run-skipped", f"{policy} run {task_id} ended {result}"))
     acqs: dict[str, list[Doc]] = defaultdict(list)

@@ -104,3 +104,32 @@ def test_the_sweeper_writes_the_result_of_a_superseded_run_that_never_wrote_its_
         time.sleep(0.05)
     assert app.backend.get_task_meta(old_run)["result"]["by"] == new_run
     holder.release()
+
+
+def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app: Celery) -> None:
+    from celery_mongolock._contention import Outcome
+
+    task = _task(app)
+    store: LeaseStore = get_store(app)
+    run = f"run-{uuid.uuid4().hex}"
+
+    def admit() -> Any:
+        task.push_request(
+            id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100}, delivery_info={},
+            hostname="w1", retries=0, is_eager=False,
+        )  # fmt: skip
+        try:
+            info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
+            return task._admit(KEY, task._options(), task._options().on_contention, info, store)
+        finally:
+            task.pop_request()
+
+    lease = admit()
+    assert lease.key == KEY
+    lease.release()  # the body ended; its worker dies before Celery stores the result
+    copy = admit()  # the broker delivers the message again
+    assert isinstance(copy, Outcome) and copy.value["mongolock"] == "already-ran"
+    # With a final state stored, a copy is simply dropped.
+    app.backend.store_result(run, "done", "SUCCESS")
+    with pytest.raises(Ignore):
+        admit()
