@@ -9,6 +9,7 @@ import json
 import socket
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,9 @@ def test_redelivered_message_does_not_run_twice_or_touch_the_first_result(cluste
             message="the duplicate to be parked",
         )
         assert AsyncResult(task_id, app=it.app).state == "PENDING"  # nothing overwritten
+        with warnings.catch_warnings():  # redis-py deprecates the setex Celery's backend calls
+            warnings.simplefilter("ignore", DeprecationWarning)
+            it.app.backend.store_result(task_id, "the first run's result", "SUCCESS")  # the first run ends
     # The first run released the key itself: the parked copy, looked at again, is dropped.
     dropped = "parked duplicate of a run that has ended"
     wait_for(
@@ -248,7 +252,23 @@ def test_redelivered_message_does_not_run_twice_or_touch_the_first_result(cluste
         message="the parked copy to be dropped",
     )
     assert cluster.runs(t) == []
-    assert AsyncResult(task_id, app=it.app).state == "PENDING"
+    assert AsyncResult(task_id, app=it.app).get(timeout=10) == "the first run's result"
+
+
+def test_a_copy_of_a_run_that_ended_without_a_result_ends_the_task(cluster: Cluster) -> None:
+    resource, t = tag(), tag()
+    task_id = str(uuid.uuid4())
+    # The first run ran and released the key, and its worker died before it stored the result.
+    with cluster.store.hold(f"resource:{resource}", info={"task_id": task_id, "task_name": it.guarded.name}):
+        it.guarded.apply_async((resource, t), task_id=task_id)
+        wait_for(
+            lambda: any("duplicate delivery" in w.log() and task_id in w.log() for w in cluster.workers),
+            timeout=30,
+            message="the duplicate to be parked",
+        )
+    result = AsyncResult(task_id, app=it.app).get(timeout=60)
+    assert result["mongolock"] == "already-ran" and result["key"] == f"resource:{resource}"
+    assert cluster.runs(t) == []  # the body never ran twice
 
 
 def test_a_parked_duplicate_runs_when_the_first_run_died(cluster: Cluster) -> None:
