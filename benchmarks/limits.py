@@ -2,7 +2,7 @@
 
 Run it from the repository root (after ``make venv``)::
 
-    .venv/bin/python benchmarks/limits.py              # embedded server (about 3 minutes)
+    .venv/bin/python benchmarks/limits.py              # embedded server (about 8 minutes)
     .venv/bin/python benchmarks/limits.py --quick      # under a minute
     .venv/bin/python benchmarks/limits.py --mongo-url mongodb://host:27017/
 
@@ -246,18 +246,46 @@ def measure_store(args: argparse.Namespace, url: str, database: str) -> dict[str
     }
 
 
+def fill(collection: Any, documents: int) -> None:
+    """``documents`` lease documents of other keys, as a busy deployment leaves them: released, half of
+    them single-lease documents and half slot documents (an empty ``hs``), expiring in an hour."""
+    import datetime as _dt
+
+    later = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(hours=1)
+    batch: list[Document] = []
+    for i in range(documents):
+        doc: Document = {"_id": f"filler:{i}", "owner": None, "fence": i + 1, "expires_at": later}
+        doc.update({"gc_at": later, "released_at": later})
+        if i % 2:
+            doc.update({"hs": [], "lim": 3})
+        batch.append(doc)
+        if len(batch) == 5000:
+            collection.insert_many(batch, ordered=False)
+            batch = []
+    if batch:
+        collection.insert_many(batch, ordered=False)
+
+
 def measure_heartbeat(
     args: argparse.Namespace, client: MongoClient[Document], counter: Commands, database: str
 ) -> dict[str, Any]:
     """One ``renew_many`` call (a heartbeat tick) for ``size`` single leases or slot leases (``limit=3``,
-    each key also holding 2 holds of another process), in a collection of their own."""
+    each key also holding 2 holds of another process), in a collection of their own; then one lease of
+    each kind among ``--heartbeat-documents`` other lease documents."""
     out: dict[str, Any] = {}
-    for size in args.heartbeat_sizes:
+    cases = [(size, 0) for size in args.heartbeat_sizes]
+    if args.heartbeat_documents:
+        cases.append((1, args.heartbeat_documents))
+    for size, documents in cases:
+        suffix = f"_among_{documents}" if documents else ""
         for kind in ("single", "slots"):
-            coll = f"leases_renew_{kind}_{size}"
+            coll = f"leases_renew_{kind}_{size}{suffix}"
             store = LeaseStore(client, database=database, collection=coll, history_days=0)
             other = LeaseStore(client, database=database, collection=coll, history_days=0)
             try:
+                if documents:
+                    store.ensure_indexes()
+                    fill(store.collection, documents)
                 leases: list[Lease] = []
                 for i in range(size):
                     key = f"renew:{i}"
@@ -279,9 +307,10 @@ def measure_heartbeat(
                     calls.append(dict(sorted(counter.take().items())))
                 distinct = [dict(c) for c in {tuple(c.items()) for c in calls}]
                 stats = summarize(samples)
-                out[f"{kind}_{size}"] = {
+                out[f"{kind}_{size}{suffix}"] = {
                     "kind": kind,
                     "leases": size,
+                    "other_documents": documents,
                     "latency": stats,
                     "median_us_per_lease": round(stats["median_us"] / size, 1),
                     "commands_per_call": sorted(distinct, key=lambda c: sorted(c.items())),
@@ -289,8 +318,7 @@ def measure_heartbeat(
                 }
             finally:
                 client[database][coll].drop()
-    for size in args.heartbeat_sizes:
-        s, t = out[f"single_{size}"], out[f"slots_{size}"]
+        s, t = out[f"single_{size}{suffix}"], out[f"slots_{size}{suffix}"]
         t["median_over_single"] = ratio(t["latency"]["median_us"], s["latency"]["median_us"])
     return out
 
@@ -366,9 +394,15 @@ def batch_figures(directory: Path, batch: str) -> tuple[int, list[float], Counte
     return done, durations, task, other
 
 
-def run_batch(app_module: Any, variant: str, n: int, count_dir: Path, worker: Worker) -> dict[str, Any]:
+def run_batch(
+    app_module: Any, variant: str, n: int, count_dir: Path, *, worker: Worker, leases: Any
+) -> dict[str, Any]:
     task = getattr(app_module, variant)
     batch = f"{variant}-{uuid.uuid4().hex[:10]}"
+    # An empty lease collection for every batch (no lease is held between batches): on the embedded
+    # server a findAndModify on an existing document, such as a single lease's release, scans the
+    # collection, so the figures would otherwise grow with the documents earlier batches left.
+    leases.delete_many({})
     t0 = time.perf_counter()
     for i in range(n):
         task.apply_async((batch, f"{batch}-{i}"))
@@ -417,17 +451,22 @@ def measure_workers(args: argparse.Namespace, url: str, database: str) -> dict[s
 
         limits_app.app.conf.broker_url = broker.url
         worker = Worker(env, work_dir, args.concurrency).start()
+        client: MongoClient[Document] = MongoClient(url)
+        leases = client[database]["leases"]
         try:
             for v in WORKER_VARIANTS:  # warm-up: every pool process makes its client and indexes
-                run_batch(limits_app, v, 4 * args.concurrency, count_dir, worker)
+                run_batch(limits_app, v, 4 * args.concurrency, count_dir, worker=worker, leases=leases)
             batches: dict[str, list[dict[str, Any]]] = {v: [] for v in WORKER_VARIANTS}
             for _ in range(args.rounds):
                 order = list(WORKER_VARIANTS)
                 rng.shuffle(order)
                 for v in order:
-                    batches[v].append(run_batch(limits_app, v, args.tasks, count_dir, worker))
+                    batches[v].append(
+                        run_batch(limits_app, v, args.tasks, count_dir, worker=worker, leases=leases)
+                    )
         finally:
             worker.stop()
+            client.close()
             limits_app.app.close()
     variants: dict[str, Any] = {}
     for v, bs in batches.items():
@@ -503,15 +542,16 @@ def summary_lines(store: dict[str, Any] | None, workers: dict[str, Any] | None) 
         hb = store["heartbeat"]
         lines += [
             "",
-            "| heartbeat tick (`renew_many`) | leases | commands per call | median µs | per lease µs | "
-            "slots / single |",
-            "| --- | ---: | --- | ---: | ---: | ---: |",
+            "| heartbeat tick (`renew_many`) | leases | other lease documents | commands per call | "
+            "median µs | "
+            "per lease µs | slots / single |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
         ]
-        for h in sorted(hb.values(), key=lambda h: (h["leases"], h["kind"])):
+        for h in sorted(hb.values(), key=lambda h: (h["other_documents"], h["leases"], h["kind"])):
             calls = " or ".join(fmt_cmds(c) for c in h["commands_per_call"])
             lines.append(
                 f"| {'slot leases (`limit=3`)' if h['kind'] == 'slots' else 'single leases'} | "
-                f"{h['leases']:,} | {calls} | {h['latency']['median_us']:,.0f} | "
+                f"{h['leases']:,} | {h['other_documents']:,} | {calls} | {h['latency']['median_us']:,.0f} | "
                 f"{h['median_us_per_lease']:,.1f} | "
                 + (f"{h['median_over_single']:.2f}" if h.get("median_over_single") else "")
                 + " |"
@@ -602,6 +642,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "rounds",
                 "store_keys",
                 "heartbeat_sizes",
+                "heartbeat_documents",
                 "heartbeat_calls",
                 "tasks",
                 "concurrency",
@@ -634,6 +675,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--heartbeat-sizes", default=None, help="store: leases per heartbeat tick (1,10,100; 1,10 quick)"
     )
     parser.add_argument(
+        "--heartbeat-documents",
+        type=int,
+        default=None,
+        help="store: other lease documents beside one lease per kind (20000; 2000 quick; 0 skips)",
+    )
+    parser.add_argument(
         "--heartbeat-calls", type=int, default=None, help="timed ticks per size (20; 5 quick)"
     )
     parser.add_argument("--tasks", type=int, default=None, help="workers: tasks per batch (40; 16 quick)")
@@ -650,6 +697,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds or (3 if args.quick else 10)
     sizes = args.heartbeat_sizes or ("1,10" if args.quick else "1,10,100")
     args.heartbeat_sizes = [int(s) for s in sizes.split(",") if s.strip()]
+    if args.heartbeat_documents is None:
+        args.heartbeat_documents = 2000 if args.quick else 20000
     args.heartbeat_calls = args.heartbeat_calls or (5 if args.quick else 20)
     args.tasks = args.tasks or (16 if args.quick else 40)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]

@@ -230,7 +230,8 @@ def test_the_report_has_the_contention_benchmark(contention: dict[str, Any], tmp
 def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
     out = tmp_path / "limits.json"
     cmd = [sys.executable, str(BENCHMARKS / "limits.py"), "--quick", "--store-iterations=6", "--rounds=1"]
-    cmd += ["--store-keys=2", "--heartbeat-sizes=2", "--heartbeat-calls=2", "--tasks=4", f"--out={out}"]
+    cmd += ["--store-keys=2", "--heartbeat-sizes=2", "--heartbeat-documents=50", "--heartbeat-calls=2"]
+    cmd += ["--tasks=4", f"--out={out}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     data = json.loads(out.read_text())
@@ -252,6 +253,8 @@ def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
     assert heartbeat["single_2"]["commands_per_call"] == [{"update": 1}]
     assert heartbeat["slots_2"]["commands_per_call"] == [{"aggregate": 1, "update": 1}]
     assert heartbeat["single_2"]["lost"] == heartbeat["slots_2"]["lost"] == 0
+    assert heartbeat["slots_1_among_50"]["other_documents"] == 50
+    assert heartbeat["slots_1_among_50"]["commands_per_call"] == [{"aggregate": 1, "update": 1}]
     workers = data["workers"]["variants"]
     assert set(workers) == {"plain", "single", "limit3", "limit10", "keys2", "keys4"}
     assert workers["plain"]["task_thread_commands_per_run"] == {}
