@@ -2,7 +2,7 @@
 
 Run it from the repository root (after ``make venv``)::
 
-    .venv/bin/python benchmarks/limits.py              # embedded server (about 8 minutes)
+    .venv/bin/python benchmarks/limits.py              # embedded server (about 6 minutes)
     .venv/bin/python benchmarks/limits.py --quick      # under a minute
     .venv/bin/python benchmarks/limits.py --mongo-url mongodb://host:27017/
 
@@ -136,6 +136,7 @@ class StoreVariant:
     def __init__(self, name: str, limit: int | None, others: int, full: bool, keys: list[str]) -> None:
         self.name, self.limit, self.others, self.full, self.keys = name, limit, others, full, keys
         self.i = 0
+        self.not_released: list[dict[str, Any]] = []
 
     def prepare(self, other: LeaseStore) -> None:
         for key in self.keys:
@@ -155,8 +156,30 @@ class StoreVariant:
             assert lease is None, (self.name, key)
             return t1 - t0, 0
         assert lease is not None, (self.name, key)
-        assert lease.release(), (self.name, key)
-        return t1 - t0, clock() - t1
+        released = lease.release()
+        t2 = clock()
+        if not released:  # not expected: kept as evidence (the key's document as it is now)
+            doc = store.collection.find_one({"_id": key}) or {}
+            self.not_released.append(
+                {
+                    "key": key,
+                    "token": lease.owner,
+                    "slot": lease.slot,
+                    "fence": lease.fence,
+                    "acquire_ms": round((t1 - t0) / 1e6, 1),
+                    "release_ms": round((t2 - t1) / 1e6, 1),
+                    "owner_now": doc.get("owner"),
+                    "holds_now": [
+                        {k: str(v) for k, v in h.items() if k in ("o", "s", "f", "x", "a")}
+                        for h in doc.get("hs") or []
+                    ],
+                    "ends_now": [
+                        {k: str(v) for k, v in e.items() if k in ("f", "how", "slot", "e")}
+                        for e in doc.get("ends") or []
+                    ],
+                }
+            )
+        return t1 - t0, t2 - t1
 
 
 def store_variants(keys_per_variant: int) -> list[StoreVariant]:
@@ -219,6 +242,7 @@ def measure_store(args: argparse.Namespace, url: str, database: str) -> dict[str
                 "acquire_median_us": round(statistics.median(parts[v.name][0]), 1),
                 "release_median_us": None if v.full else round(statistics.median(parts[v.name][1]), 1),
                 "commands_per_iteration": per(commands[v.name], n),
+                "releases_not_ours": v.not_released,
                 "median_over_single": ratio(stats["median_us"], base["median_us"]),
                 "p90_over_single": ratio(stats["p90_us"], base["p90_us"]),
             }
@@ -563,6 +587,13 @@ def summary_lines(store: dict[str, Any] | None, workers: dict[str, Any] | None) 
             f"the last slot of a key over its first (median): {grow}; the slot heartbeat tick sends "
             "`update` + `aggregate` where single leases send one `update`",
         ]
+        odd = {name: len(v["releases_not_ours"]) for name, v in sv.items() if v["releases_not_ours"]}
+        if odd:
+            lines.append(
+                "* **unexpected**: a release of a lease just taken found it no longer ours (details in "
+                "`store.variants.*.releases_not_ours`): "
+                + ", ".join(f"{name} {n} of {sv[name]['iterations']}" for name, n in odd.items())
+            )
     if workers:
         wv = workers["variants"]
         lines += [

@@ -241,6 +241,7 @@ def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
     assert set(store) == expected
     for name, v in store.items():
         assert v["iterations"] == 6 and v["latency"]["median_us"] > 0, name
+        assert isinstance(v["releases_not_ours"], list), name
         # One round trip to acquire (taken or refused), one to release: a single lease releases with a
         # findAndModify (it may hand the key to a parked run), a slot with an update.
         if v["refused"]:
