@@ -236,11 +236,11 @@ def verdict(t: dict[str, Any]) -> str:
 
 def machine_lines(results: dict[str, dict[str, Any]], load_start: tuple[float, ...]) -> list[str]:
     m: dict[str, Any] = {}
-    for name in ("throughput", "store", "recovery", "contention"):
+    for name in ("throughput", "store", "recovery", "contention", "limits"):
         if name in results:
             m = {**(results[name].get("machine") or {}), **m}
     server = ""
-    for name in ("store", "throughput", "recovery", "contention"):
+    for name in ("store", "throughput", "recovery", "contention", "limits"):
         s = (results.get(name) or {}).get("server") or {}
         if s:
             server = f"{s.get('kind', '?')}" + (f" (version {s['version']})" if s.get("version") else "")
