@@ -4,11 +4,11 @@
     .venv/bin/python benchmarks/run.py --quick     # about 4 minutes
     .venv/bin/python benchmarks/run.py --only throughput --quick
 
-Each benchmark (``store.py``, ``throughput.py``, ``recovery.py``, ``history.py``, ``contention.py``, when
-present) runs in a process of its own and writes ``benchmarks/results/<name>.json``; this script then writes
-``benchmarks/results/REPORT.md``: the machine, the medians and ratios, and every target of issues 7 and 16
-with whether it was met and by how much. A benchmark that is missing or fails is reported as such; the others
-still run. See ``benchmarks/README.md``.
+Each benchmark (``store.py``, ``throughput.py``, ``recovery.py``, ``history.py``, ``contention.py``,
+``limits.py``, when present) runs in a process of its own and writes ``benchmarks/results/<name>.json``;
+this script then writes ``benchmarks/results/REPORT.md``: the machine, the medians and ratios, and every
+target of issues 7 and 16 with whether it was met and by how much. A benchmark that is missing or fails is
+reported as such; the others still run. See ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -29,15 +29,23 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
-BENCHMARKS = ("store", "throughput", "recovery", "history", "contention")
+BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits")
 # Generous per-benchmark limits: a stuck benchmark is stopped, reported, and the others still run.
-TIME_LIMIT = {"store": 1800.0, "throughput": 900.0, "recovery": 1200.0, "history": 600.0, "contention": 900.0}
+TIME_LIMIT = {
+    "store": 1800.0,
+    "throughput": 900.0,
+    "recovery": 1200.0,
+    "history": 600.0,
+    "contention": 900.0,
+    "limits": 900.0,
+}
 QUICK_TIME_LIMIT = {
     "store": 300.0,
     "throughput": 300.0,
     "recovery": 400.0,
     "history": 180.0,
     "contention": 300.0,
+    "limits": 180.0,
 }
 STORE_TARGET = 1.2  # issue 7: acquire + release under 1.2x the bare two commands
 
@@ -228,11 +236,11 @@ def verdict(t: dict[str, Any]) -> str:
 
 def machine_lines(results: dict[str, dict[str, Any]], load_start: tuple[float, ...]) -> list[str]:
     m: dict[str, Any] = {}
-    for name in ("throughput", "store", "recovery", "contention"):
+    for name in ("throughput", "store", "recovery", "contention", "limits"):
         if name in results:
             m = {**(results[name].get("machine") or {}), **m}
     server = ""
-    for name in ("store", "throughput", "recovery", "contention"):
+    for name in ("store", "throughput", "recovery", "contention", "limits"):
         s = (results.get(name) or {}).get("server") or {}
         if s:
             server = f"{s.get('kind', '?')}" + (f" (version {s['version']})" if s.get("version") else "")
@@ -557,6 +565,10 @@ def report(
     if "contention" in results:
         section = generic_section("contention", results["contention"])
         section[0] = "## Contended runs on one hot key: Queue, Wait, Retry (`contention.json`)"
+        lines += ["", *section]
+    if "limits" in results:
+        section = generic_section("limits", results["limits"])
+        section[0] = "## `limit=N` and several keys against a single key (`limits.json`)"
         lines += ["", *section]
     return "\n".join(lines) + "\n", targets
 

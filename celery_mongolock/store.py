@@ -360,9 +360,10 @@ class LeaseStore:
 
     # -- indexes -------------------------------------------------------------------------------------
     def ensure_indexes(self) -> None:
-        """Create the TTL index on ``gc_at``, the index on ``owner`` and the one on ``wq`` (keys with
-        parked runs) (idempotent, concurrent-safe); drop the TTL index on ``expires_at`` of earlier
-        versions, which could delete a lease document that holds parked runs.
+        """Create the TTL index on ``gc_at``, the index on ``owner``, the one on ``wq`` (keys with
+        parked runs) and the one on ``hs.o`` (the slots of ``limit=N`` keys) (idempotent,
+        concurrent-safe); drop the TTL index on ``expires_at`` of earlier versions, which could delete a
+        lease document that holds parked runs.
 
         Called automatically before the first acquire in each process.
         """
@@ -372,6 +373,8 @@ class LeaseStore:
                 ([("gc_at", pymongo.ASCENDING)], {"name": "gc_at_ttl", "expireAfterSeconds": 0}),
                 ([("owner", pymongo.ASCENDING)], {"name": "owner"}),
                 ([("wq", pymongo.ASCENDING)], {"name": "wq", "sparse": True}),
+                # limit=N: the heartbeat finds a process's slots by hs.o (only keys with a limit have hs).
+                ([("hs.o", pymongo.ASCENDING)], {"name": "hs_o", "sparse": True}),
             ):
                 try:
                     coll.create_index(spec, **options)

@@ -225,3 +225,51 @@ def test_the_report_has_the_contention_benchmark(contention: dict[str, Any], tmp
         assert any(n.startswith(prefix) for n in names), prefix
     assert sum("runs parked" in n for n in names) == 2
     assert all(t["met"] in (True, False) for t in targets)
+
+
+def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
+    out = tmp_path / "limits.json"
+    cmd = [sys.executable, str(BENCHMARKS / "limits.py"), "--quick", "--store-iterations=6", "--rounds=1"]
+    cmd += ["--store-keys=2", "--heartbeat-sizes=2", "--heartbeat-documents=50", "--heartbeat-calls=2"]
+    cmd += ["--tasks=4", f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    store = data["store"]["variants"]
+    expected = {"single", "limit1_holds1", "limit1_full", "limit3_holds1", "limit3_holds2", "limit3_holds3"}
+    expected |= {"limit3_full", "limit10_holds1", "limit10_holds5", "limit10_holds10", "limit10_full"}
+    assert set(store) == expected
+    for name, v in store.items():
+        assert v["iterations"] == 6 and v["latency"]["median_us"] > 0, name
+        assert isinstance(v["releases_not_ours"], list), name
+        # One round trip to acquire (taken or refused), one to release: a single lease releases with a
+        # findAndModify (it may hand the key to a parked run), a slot with an update.
+        if v["refused"]:
+            assert v["commands_per_iteration"] == {"findAndModify": 1.0}, name
+        elif v["limit"] == 1:
+            assert v["commands_per_iteration"] == {"findAndModify": 2.0}, name
+        else:
+            assert v["commands_per_iteration"] == {"findAndModify": 1.0, "update": 1.0}, name
+    heartbeat = data["store"]["heartbeat"]
+    assert heartbeat["single_2"]["commands_per_call"] == [{"update": 1}]
+    assert heartbeat["slots_2"]["commands_per_call"] == [{"aggregate": 1, "update": 1}]
+    assert heartbeat["single_2"]["lost"] == heartbeat["slots_2"]["lost"] == 0
+    assert heartbeat["slots_1_among_50"]["other_documents"] == 50
+    assert heartbeat["slots_1_among_50"]["commands_per_call"] == [{"aggregate": 1, "update": 1}]
+    workers = data["workers"]["variants"]
+    assert set(workers) == {"plain", "single", "limit3", "limit10", "keys2", "keys4"}
+    assert workers["plain"]["task_thread_commands_per_run"] == {}
+    assert workers["single"]["task_thread_commands_per_run"] == {"findAndModify": 2.0}
+    for name in ("limit3", "limit10"):
+        assert workers[name]["task_thread_commands_per_run"] == {"findAndModify": 1.0, "update": 1.0}, name
+    assert workers["keys2"]["task_thread_commands_per_run"] == {"findAndModify": 4.0}
+    assert workers["keys4"]["task_thread_commands_per_run"] == {"findAndModify": 8.0}
+    for v in workers.values():
+        assert v["runs"] == 4 and v["latency"]["n"] == 4
+    run = load_script("run")
+    args = run.parse_args(["--quick", "--only", "limits", "--results", str(tmp_path)])
+    statuses = [{"benchmark": "limits", "status": "ok", "seconds": 1.0}]
+    text, targets = run.report({"limits": data}, statuses, args, 60.0, (0.0, 0.0, 0.0))
+    assert "## `limit=N` and several keys against a single key (`limits.json`)" in text
+    assert "| `limit=10`, full: acquire refused |" in text and "| `keys=` 4 keys |" in text
+    assert targets == []

@@ -130,6 +130,20 @@ def test_ttl_index_exists_and_cleans_expired_documents_only(store: LeaseStore) -
     assert "expires_at_ttl" not in indexes
 
 
+def test_the_slot_heartbeat_is_served_by_an_index(store: LeaseStore) -> None:
+    # limit=N: the heartbeat finds a process's slots by hs.o (its update and its aggregate, every tick);
+    # without an index that is a collection scan at every tick of every process holding a slot.
+    lease = store.acquire("tenant:a", limit=3)
+    assert lease is not None
+    indexes = {ix["name"]: ix for ix in store.collection.list_indexes()}
+    assert dict(indexes["hs_o"]["key"]) == {"hs.o": 1}
+    assert indexes["hs_o"]["sparse"] is True
+    plan = store.collection.find({"hs.o": {"$in": [lease.owner]}}).explain()
+    assert "IXSCAN" in repr(plan["queryPlanner"]["winningPlan"])
+    assert store.renew_many([lease]) == []
+    assert lease.release()
+
+
 def test_the_ttl_index_of_earlier_versions_is_dropped(store: LeaseStore) -> None:
     # A TTL index on expires_at could delete a lease document with parked runs in it.
     store.collection.create_index("expires_at", name="expires_at_ttl", expireAfterSeconds=0)
