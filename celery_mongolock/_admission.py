@@ -424,7 +424,19 @@ def admit_pipeline(
         branches.append({"case": {"$and": due_now}, "then": "due"})
     branches += [
         {
-            "case": {"$or": [{"$in": [{"$literal": ident}, ids]}, {"$eq": ["$ho.id", {"$literal": ident}]}]},
+            "case": {
+                "$or": [
+                    {"$in": [{"$literal": ident}, ids]},
+                    {"$eq": ["$ho.id", {"$literal": ident}]},
+                    # timed out while parked: its result is being written (never run it after that)
+                    {
+                        "$in": [
+                            {"$literal": ident},
+                            {"$map": {"input": {"$ifNull": ["$dead", []]}, "as": "d", "in": "$$d.id"}},
+                        ]
+                    },
+                ]
+            },
             "then": "dup",
         },
         {"case": {"$in": [{"$literal": ident}, {"$ifNull": ["$seen", []]}]}, "then": "done"},

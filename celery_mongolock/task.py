@@ -509,24 +509,32 @@ class SingletonTask(Task):  # type: ignore[misc]
             # at any moment, and a state written later would hide its result.
             since = _dt.datetime.now(_dt.timezone.utc).isoformat()
             self._set_state(QUEUED, {"key": key, "since": since}, unless_ready=True)
-        try:
-            lease, doc = store.admit(
-                key,
-                entry,
-                ttl=options.lease_seconds,
-                claim=claim,
-                timeout=policy.timeout,
-                max_length=policy.max_length,
-                replace=isinstance(policy, Replace),
-                debounce=policy.debounce if isinstance(policy, Replace) else None,
-                due=debounced_copy,
-                min_hold=options.min_hold_seconds or 0.0,
-                info=info,
-                heartbeat=True,
-                heartbeat_seconds=options.heartbeat_seconds,
-            )
-        except StoreUnavailable as exc:
-            self._unavailable(key, exc, policy, direct=False)
+        while True:
+            try:
+                lease, doc = store.admit(
+                    key,
+                    entry,
+                    ttl=options.lease_seconds,
+                    claim=claim,
+                    timeout=policy.timeout,
+                    max_length=policy.max_length,
+                    replace=isinstance(policy, Replace),
+                    debounce=policy.debounce if isinstance(policy, Replace) else None,
+                    due=debounced_copy,
+                    min_hold=options.min_hold_seconds or 0.0,
+                    info=info,
+                    heartbeat=True,
+                    heartbeat_seconds=options.heartbeat_seconds,
+                )
+            except StoreUnavailable as exc:
+                self._unavailable(key, exc, policy, direct=False)
+            if lease is None and doc.get("lo") == "stale" and not self._has_final_state():
+                # A handoff message whose claim failed, of a run that has no result: it claimed the key
+                # and died (its worker killed), so it runs again, admitted as any run (a run timed out,
+                # revoked or superseded has its result, and is dropped).
+                claim = None
+                continue
+            break
         if lease is not None:
             self._set_state(celery_states.STARTED, {"key": key, "fence": lease.fence})
             return lease

@@ -133,3 +133,38 @@ def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app
     app.backend.store_result(run, "done", "SUCCESS")
     with pytest.raises(Ignore):
         admit()
+
+
+def test_a_handed_run_that_died_after_its_claim_runs_again(app: Celery) -> None:
+    task = _task(app)
+    store: LeaseStore = get_store(app)
+    holder = store.acquire(KEY, ttl=30)
+    assert holder is not None
+    run = f"run-{uuid.uuid4().hex}"
+    handed: list[dict[str, Any]] = []
+    store.add_handoff_callback(lambda key, ho, doc: handed.append(ho))
+
+    def admit(headers: dict[str, Any]) -> Any:
+        task.push_request(
+            id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100, **headers}, delivery_info={},
+            hostname="w1", retries=0, is_eager=False,
+        )  # fmt: skip
+        try:
+            info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
+            return task._admit(KEY, task._options(), task._options().on_contention, info, store)
+        finally:
+            task.pop_request()
+
+    with pytest.raises(Ignore):
+        admit({})  # parked
+    holder.release()  # handed to it
+    [ho] = [h for h in handed if h["t"] == run]
+    handoff = {"mongolock_handoff": {"k": KEY, "tk": ho["tk"], "id": ho["id"]}}
+    claimed = admit(handoff)
+    assert claimed.key == KEY
+    store.forget(claimed)
+    assert store.release_held_by(task_id=run) == 1  # its worker died; the parent freed the key
+    # The handoff message comes back: its claim fails, it has no result, so it runs again.
+    again = admit(handoff)
+    assert again.key == KEY and again.fence > claimed.fence
+    again.release()
