@@ -88,6 +88,21 @@ WAITS: Document = {
         {"$ne": [{"$ifNull": ["$ho", None]}, None]},
         {"$gt": [{"$size": {"$ifNull": ["$dead", []]}}, 0]},
         {"$gt": [{"$size": {"$ifNull": ["$sup", []]}}, 0]},
+        # limit=N: a slot handed to a parked run that has not claimed it
+        {
+            "$gt": [
+                {
+                    "$size": {
+                        "$filter": {
+                            "input": {"$ifNull": ["$hs", []]},
+                            "as": "e",
+                            "cond": {"$ne": [{"$ifNull": ["$$e.ho", None]}, None]},
+                        }
+                    }
+                },
+                0,
+            ]
+        },
     ]
 }
 

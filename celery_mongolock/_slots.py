@@ -48,6 +48,11 @@ def _latest_expiry(hs: object) -> Document:
     return {"$max": {"$map": {"input": hs, "as": "e", "in": "$$e.x"}}}
 
 
+def _handed(var: str) -> Document:
+    """The hold ``var`` is a slot handed to a parked run, not yet claimed (``_slot_admission``)."""
+    return {"$ne": [{"$ifNull": [f"{var}.ho", None]}, None]}
+
+
 def _gc() -> Document:
     return gc_stage()
 
@@ -130,8 +135,11 @@ def slot_acquire_pipeline(
             {"$eq": [{"$ifNull": ["$ho", None]}, None]},
         ]
     }
-    live = {"$filter": {"input": _HS, "as": "e", "cond": _live_cond("$$e")}}
-    expired = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [_live_cond("$$e")]}}}
+    # A slot handed to a parked run stays taken until the sweeper hands it again, even past its expiry
+    # (dropping it would lose the run: its message lives in the handoff).
+    kept = {"$or": [_live_cond("$$e"), _handed("$$e")]}
+    live = {"$filter": {"input": _HS, "as": "e", "cond": kept}}
+    expired = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [kept]}}}
     used = {"$map": {"input": "$__live", "as": "e", "in": "$$e.s"}}
     fence = {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]}
     hold = {
@@ -276,5 +284,5 @@ def slot_release_dead_pipeline(holder: Mapping[str, Any]) -> list[Document]:
 
 
 def slot_force_release_pipeline() -> list[Document]:
-    """An operator's release of every hold of the key."""
-    return _drop({"$literal": True}, "forced")
+    """An operator's release of every hold of the key (a slot handed to a parked run stays handed)."""
+    return _drop({"$not": [_handed("$$e")]}, "forced")

@@ -68,6 +68,7 @@ from pymongo.write_concern import WriteConcern
 
 from . import _admission as admission_docs
 from . import _documents as documents
+from . import _slot_admission as slot_admission
 from . import _slots as slots_docs
 from ._documents import MAX_INFO_BYTES, Document
 from ._urls import redact, validate_mongo_url
@@ -106,6 +107,8 @@ _validate_seconds = validate_seconds
 _aware = aware
 _local_ttl = local_ttl
 _NOT_EXPIRED = documents.NOT_EXPIRED
+#: What a release of a ``limit=N`` slot returns: enough to publish the handoffs it made.
+SLOT_HANDOFF_PROJECTION: Document = {"hs": 1, "fence": 1, "sup": 1, "lim": 1}
 
 #: ``callback(key, entry, document)``: publish the run a command of this process handed ``key`` to.
 HandoffCallback = Callable[[str, Document, Document], None]
@@ -523,10 +526,15 @@ class LeaseStore:
         holder = documents.holder_info(self._host, os.getpid(), info)
         token = uuid.uuid4().hex
         limit = validate_limit(limit)
-        if limit is not None and (admission is not None or hold_s):
-            raise ConfigurationError("limit=N (N > 1) takes no queued admission or minimum hold yet")
+        if limit is not None and hold_s:
+            raise ConfigurationError("limit=N (N > 1) takes no minimum hold yet")
         projection: Document | None = documents.ACQUIRE_PROJECTION
-        if limit is not None:
+        if limit is not None and admission is not None:
+            pipeline = slot_admission.slot_admit_pipeline(
+                token, ttl_ms, holder, limit, waited_ms=waited_ms, **admission
+            )
+            projection = admission_docs.ADMIT_PROJECTION
+        elif limit is not None:
             if waited_since_ms is not None and waited_ms is None:
                 waited_ms = max(0, int(time.time() * 1000) - waited_since_ms)
             # (A beat tick's hold_until_ms, the end of its window, is for single leases: a slot is held
@@ -630,7 +638,10 @@ class LeaseStore:
             outcome = doc.get("lo")
             if outcome == "dup" and ambiguous:
                 doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
-            if doc.get("owner") == token and outcome not in ("acquired", "claimed", "due"):
+            mine = doc.get("owner") == token or any(
+                h.get("o") == token for h in doc.get("hs") or [] if isinstance(h, dict)
+            )
+            if mine and outcome not in ("acquired", "claimed", "due"):
                 doc["lo"] = "acquired"
         if limit is not None:
             return self._slot_lease(
@@ -721,6 +732,7 @@ class LeaseStore:
         info: Mapping[str, Any] | None = None,
         heartbeat: bool = False,
         heartbeat_seconds: float | None = None,
+        limit: int | None = None,
     ) -> tuple[Lease | None, Document]:
         """Admit a run of a queued task (one ``findAndModify``): take ``key``, claim the handoff
         ``claim``, or park the run (``entry``: ``id``, ``t``, ``s`` and the fields listed in
@@ -729,8 +741,9 @@ class LeaseStore:
         parked; ``max_length``: the longest queue (``full`` beyond); ``replace``: at most one parked
         run, a newer send supersedes it; ``debounce``: every run parks and may start only when no newer
         send came for that many seconds; ``due``: the run's own delayed copy, which takes the key for its
-        entry once due. A handoff this admit made (the key was found free with older runs parked) is
-        published (``add_handoff_callback``)."""
+        entry once due; ``limit``: the key has N slots (``limit=N``), a parked run is handed any one. A
+        handoff this admit made (the key was found free with older runs parked) is published
+        (``add_handoff_callback``)."""
         for field in ("id", "t", "s"):
             if field not in entry:
                 raise ConfigurationError(f"a parked entry needs {field!r}, got {sorted(entry)}")
@@ -762,11 +775,15 @@ class LeaseStore:
                 "debounce_ms": int(debounce * 1000) if debounce else None,
                 "due": due,
             },
+            limit=limit,
         )
         doc = dict(doc or {})
         if lease is not None:
             doc.setdefault("lo", "acquired")
-        elif doc.get("lo") == "parked":
+        if limit is not None:
+            # Any admit on a slotted key may hand free slots to parked runs (the command's last stages).
+            self._handed(normalize_key(key), doc, str(doc.get("_admit_token") or ""))
+        elif lease is None and doc.get("lo") == "parked":
             self._handed(normalize_key(key), doc, str(doc.get("_admit_token") or ""))
         return lease, doc
 
@@ -974,20 +991,26 @@ class LeaseStore:
 
     def _release_slot(self, lease: Lease) -> bool:
         key, token = lease.key, lease.owner
+        by = self._handoff_by(token)
         try:
             with self._operation(f"release lease {key!r} slot {lease.slot}"):
-                result = self.collection.update_one(
-                    {"_id": key, "hs.o": token}, slots_docs.slot_release_pipeline([token])
+                doc = self.collection.find_one_and_update(
+                    {"_id": key, "hs.o": token},
+                    slot_admission.slot_release_handoff_pipeline([token], by),
+                    projection=SLOT_HANDOFF_PROJECTION,
+                    return_document=ReturnDocument.AFTER,
                 )
         except (*_AMBIGUOUS, StoreUnavailable, OperationFailure) as exc:
             self.release_later(key, token, lease.deadline)
             if isinstance(exc, StoreUnavailable):
                 raise
             raise self._unavailable(f"release lease {key!r}", exc) from None
-        released = result.matched_count == 1
+        released = doc is not None
         log_release.info(
             "released lease %r slot %s%s", key, lease.slot, "" if released else " (it was no longer ours)"
         )
+        if doc is not None:
+            self._handed(key, doc, by)
         if released:
             self._record(self._local_ending(lease, "released"))
         return released
@@ -1007,17 +1030,24 @@ class LeaseStore:
         return token if self._handoff_callbacks else ""
 
     def _handed(self, key: str, doc: Mapping[str, Any] | None, by: str) -> Document | None:
-        """If the command whose reply is ``doc`` handed ``key`` to a parked run, publish that run."""
-        ho = (doc or {}).get("ho")
-        if not isinstance(ho, dict) or ho.get("by") != by or not by:
+        """If the command whose reply is ``doc`` handed ``key`` (or slots of it) to parked runs, publish
+        those runs. Returns the (last) handoff published."""
+        if not by:
             return None
-        log_release.info("lease %r handed to %s (fence %s)", key, ho.get("t"), (doc or {}).get("fence"))
-        for callback in builtins.list(self._handoff_callbacks):
-            try:
-                callback(key, ho, dict(doc or {}))
-            except Exception:
-                log_release.exception("publishing the handoff of %r to %s failed", key, ho.get("t"))
-        return ho
+        found = [(ho, (doc or {}).get("fence")) for ho in [(doc or {}).get("ho")]]
+        found += [(h.get("ho"), h.get("f")) for h in (doc or {}).get("hs") or [] if isinstance(h, dict)]
+        published: Document | None = None
+        for ho, fence in found:
+            if not isinstance(ho, dict) or ho.get("by") != by:
+                continue
+            log_release.info("lease %r handed to %s (fence %s)", key, ho.get("t"), fence)
+            for callback in builtins.list(self._handoff_callbacks):
+                try:
+                    callback(key, ho, dict(doc or {}))
+                except Exception:
+                    log_release.exception("publishing the handoff of %r to %s failed", key, ho.get("t"))
+            published = ho
+        return published
 
     def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
         """Lease documents with parked runs, a pending handoff or results to write (the sweeper's list),
@@ -1031,22 +1061,33 @@ class LeaseStore:
             {"$sort": {"_id": 1}},
             {"$limit": limit},
             {"$addFields": {"__now": "$$NOW"}},
-            {"$project": {"q.m": 0, "ho.m": 0, "ends": 0, "seen": 0}},
+            {"$project": {"q.m": 0, "ho.m": 0, "hs.ho.m": 0, "ends": 0, "seen": 0}},
         ]
         with self._operation("list keys with parked runs"):
             return builtins.list(self.collection.aggregate(pipeline))
 
-    def sweep(self, key: str, *, revoked: _Collection[str] = ()) -> Document | None:
+    def sweep(
+        self, key: str, *, revoked: _Collection[str] = (), slots: bool | None = None
+    ) -> Document | None:
         """One sweep of ``key`` (in one command): drop parked runs whose task ids are ``revoked``, move
         runs past their deadline to ``dead``, hand a free or expired key to the oldest parked run
         (re-handing a handoff nobody took up), and adopt a handoff nobody published. The handoff this
-        command made or adopted is published (``add_handoff_callback``). Returns the document after."""
+        command made or adopted is published (``add_handoff_callback``). Returns the document after.
+        ``slots``: whether the key is a ``limit=N`` key (read from the document when not given)."""
         key = normalize_key(key)
         token = "sweep:" + uuid.uuid4().hex
         with self._operation(f"sweep lease {key!r}"):
+            if slots is None:
+                found = self.collection.find_one({"_id": key}, {"lim": 1, "hs.s": 1})
+                slots = found is not None and ("hs" in found or "lim" in found)
+            pipeline = (
+                slot_admission.slot_sweep_pipeline(token, builtins.list(revoked))
+                if slots
+                else admission_docs.sweep_pipeline(token, builtins.list(revoked))
+            )
             doc = self.collection.find_one_and_update(
                 {"_id": key, "wq": True},
-                admission_docs.sweep_pipeline(token, builtins.list(revoked)),
+                pipeline,
                 projection={"q.m": 0, "ends": 0, "seen": 0},
                 return_document=ReturnDocument.AFTER,
             )
@@ -1085,8 +1126,9 @@ class LeaseStore:
             result = self.collection.update_many(
                 documents.release_tokens_filter(tokens), documents.release_pipeline()
             )
+            # (a freed slot handed to a parked run is unmarked: a worker's sweeper publishes it)
             slotted = self.collection.update_many(
-                slots_docs.slot_tokens_filter(tokens), slots_docs.slot_release_pipeline(tokens)
+                slots_docs.slot_tokens_filter(tokens), slot_admission.slot_release_handoff_pipeline(tokens)
             )
         return result.modified_count + slotted.modified_count
 
@@ -1121,10 +1163,18 @@ class LeaseStore:
                 if doc is not None:
                     released += 1
                     self._handed(key, doc, token)
-            slotted = self.collection.update_many(
-                slots_docs.slot_held_by_filter(holder), slots_docs.slot_release_dead_pipeline(holder)
-            )
-            released += slotted.modified_count
+            match_slots = slots_docs.slot_held_by_filter(holder)
+            for key in [d["_id"] for d in self.collection.find(match_slots, {"_id": 1})]:
+                token = self._handoff_by(uuid.uuid4().hex)
+                doc = self.collection.find_one_and_update(
+                    {**match_slots, "_id": key},
+                    slot_admission.slot_release_dead_handoff_pipeline(holder, token),
+                    projection=SLOT_HANDOFF_PROJECTION,
+                    return_document=ReturnDocument.AFTER,
+                )
+                if doc is not None:
+                    released += 1
+                    self._handed(key, doc, token)
         if released:
             log_release.warning("released %d lease(s) held by %s", released, holder)
             if self.history_days:
@@ -1149,10 +1199,12 @@ class LeaseStore:
             )
             slotted = self.collection.find_one_and_update(  # a limit=N key: every slot too
                 {"_id": key, "hs.0": {"$exists": True}},
-                slots_docs.slot_force_release_pipeline(),
-                projection=admission_docs.HANDOFF_PROJECTION,
+                slot_admission.slot_force_release_handoff_pipeline(token),
+                projection=SLOT_HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )
+            if slotted is not None:
+                self._handed(key, slotted, token)
             if doc is None:
                 doc = slotted
         log_release.warning("force-released lease %r: %s", key, "it was held" if doc else "it was free")
@@ -1161,7 +1213,7 @@ class LeaseStore:
             # the history now (two more commands, never on a task's path).
             with contextlib.suppress(StoreUnavailable, ConfigurationError):
                 self.write_history([], [{"_id": key}], timeout=min(self.operation_timeout, 5.0))
-        if doc is not None:
+        if doc is not None and doc is not slotted:
             self._handed(key, doc, token)
         return doc is not None
 

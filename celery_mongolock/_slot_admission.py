@@ -1,0 +1,516 @@
+"""``limit=N`` with ``Queue``/``Replace``: parked runs handed one of N slots, as pure pipeline builders.
+
+A key with a limit keeps its holds in ``hs`` (see ``_slots``) and its parked runs in ``q`` (see
+``_admission``): one document, so that a release hands the freed slot to the oldest parked run in the
+same command. A slot handed to a parked run is a hold like any other, with the run's handoff token as its
+owner and the entry in ``ho`` until the run claims it::
+
+    hs: [{o: token, f, s, x, t, a, h, w, ho: entry + {hat, hn, by} | null}, ...]
+
+A handed hold counts against the limit from the moment it is handed, expires on the server's clock as
+any hold, and is handed again (same token, attempt ``hn`` + 1) when nobody claimed it by then. Every
+command that writes such a key ends the same way: expired holds leave (the handed ones go back to the
+front of the queue), parked runs past their deadline move to ``dead``, and every free slot goes to the
+oldest due parked run, with fences that strictly increase over all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import _admission as adm
+from . import _slots
+
+__all__ = [
+    "HANDED",
+    "fill_stages",
+    "slot_admit_pipeline",
+    "slot_force_release_handoff_pipeline",
+    "slot_release_dead_handoff_pipeline",
+    "slot_release_handoff_pipeline",
+    "slot_sweep_pipeline",
+]
+
+Document = dict[str, Any]
+
+_NOW_MS: Document = {"$toLong": "$$NOW"}
+_HS: Document = {"$ifNull": ["$hs", []]}
+_Q: Document = {"$ifNull": ["$q", []]}
+
+
+def _has_ho(e: str) -> Document:
+    return {"$ne": [{"$ifNull": [f"{e}.ho", None]}, None]}
+
+
+#: True when a slot of the key is handed to a parked run that has not claimed it yet.
+HANDED: Document = {"$gt": [{"$size": {"$filter": {"input": _HS, "as": "e", "cond": _has_ho("$$e")}}}, 0]}
+
+
+def _live(e: str) -> Document:
+    return {"$gt": [{"$toLong": f"{e}.x"}, _NOW_MS]}
+
+
+def _fence_base() -> Document:
+    return {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]}
+
+
+def normalize_stages(keep_owner: str | None = None) -> list[Document]:
+    """Expired holds leave ``hs``: a handed one's entry goes back to the front of ``q`` (it keeps its
+    token and attempt count), any other is appended to ``ends`` as ``expired``; parked runs past their
+    deadline move to ``dead``. ``keep_owner``: a hold kept even if expired (the handoff being claimed)."""
+    keep: Document = _live("$$e")
+    if keep_owner is not None:
+        keep = {"$or": [keep, {"$eq": ["$$e.o", {"$literal": keep_owner}]}]}
+    gone = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [keep]}}}
+    return [
+        {"$set": {"__gone": gone, "hs": {"$filter": {"input": _HS, "as": "e", "cond": keep}}}},
+        {
+            "$set": {
+                "q": {
+                    "$concatArrays": [
+                        {
+                            "$map": {
+                                "input": {"$filter": {"input": "$__gone", "as": "e", "cond": _has_ho("$$e")}},
+                                "as": "e",
+                                "in": "$$e.ho",
+                            }
+                        },
+                        _Q,
+                    ]
+                },
+                "__died": {"$filter": {"input": "$__gone", "as": "e", "cond": {"$not": [_has_ho("$$e")]}}},
+            }
+        },
+        {
+            "$set": {
+                "ends": {
+                    "$cond": [
+                        {"$gt": [{"$size": "$__died"}, 0]},
+                        _slots._append_endings("$__died", "expired"),
+                        "$ends",
+                    ]
+                },
+                "dead": {"$concatArrays": [{"$ifNull": ["$dead", []]}, adm._dead_view(_Q)]},
+                "q": adm._live(_Q),
+            }
+        },
+        {"$unset": ["__gone", "__died"]},
+    ]
+
+
+def fill_stages(by: str) -> list[Document]:
+    """Hand every free slot (of ``lim``) to the oldest due parked runs, one hold each, in send order.
+    ``by`` marks the handoffs this command made (its author publishes them). Expects ``hs`` and ``q``
+    as ``normalize_stages`` leaves them."""
+    used = {"$map": {"input": _HS, "as": "e", "in": "$$e.s"}}
+    free = {
+        "$filter": {
+            "input": {"$range": [0, {"$toInt": {"$ifNull": ["$lim", 1]}}]},
+            "as": "s",
+            "cond": {"$not": [{"$in": ["$$s", used]}]},
+        }
+    }
+    single_held = {
+        "$and": [
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        ]
+    }
+    hold = {
+        "$let": {
+            "vars": {"h": {"$arrayElemAt": ["$__hd", "$$i"]}, "s": {"$arrayElemAt": ["$__fs", "$$i"]}},
+            "in": {
+                "o": "$$h.tk",
+                "f": {"$add": ["$__base", "$$i"]},
+                "s": "$$s",
+                "x": {"$add": ["$$NOW", "$$h.ttl"]},
+                "t": "$$h.ttl",
+                "a": "$$NOW",
+                "h": {"task_id": "$$h.t", "task_name": "$$h.n", "delivery": "$$h.r", "handed": True},
+                "w": {"$max": [0, {"$subtract": [_NOW_MS, {"$toLong": "$$h.at"}]}]},
+                "ho": {
+                    "$mergeObjects": [
+                        "$$h",
+                        {
+                            "hat": "$$NOW",
+                            "hn": {"$add": [{"$ifNull": ["$$h.hn", 0]}, 1]},
+                            "by": {"$literal": by},
+                        },
+                    ]
+                },
+            },
+        }
+    }
+    return [
+        {
+            "$set": {
+                "__fs": {"$cond": [single_held, [], free]},
+                "__dq": {"$filter": {"input": _Q, "as": "e", "cond": adm._due("$$e")}},
+            }
+        },
+        {"$set": {"__k": {"$min": [{"$size": "$__fs"}, {"$size": "$__dq"}]}, "__base": _fence_base()}},
+        {"$set": {"__hd": {"$cond": [{"$gt": ["$__k", 0]}, {"$slice": ["$__dq", "$__k"]}, []]}}},
+        {
+            "$set": {
+                "hs": {
+                    "$concatArrays": [
+                        _HS,
+                        {"$map": {"input": {"$range": [0, "$__k"]}, "as": "i", "in": hold}},
+                    ]
+                },
+                "q": {
+                    "$filter": {
+                        "input": _Q,
+                        "as": "e",
+                        "cond": {
+                            "$not": [
+                                {"$in": ["$$e.id", {"$map": {"input": "$__hd", "as": "d", "in": "$$d.id"}}]}
+                            ]
+                        },
+                    }
+                },
+                "fence": {"$cond": [{"$gt": ["$__k", 0]}, {"$add": ["$__base", "$__k", -1]}, "$fence"]},
+            }
+        },
+        {"$unset": ["__fs", "__dq", "__k", "__base", "__hd"]},
+        {"$set": {"sx": _slots._latest_expiry("$hs")}},
+    ]
+
+
+def _seen_of(gone: object) -> Document:
+    """``seen`` with the runs of the released holds ``gone`` appended (the duplicate guard)."""
+    ids = {
+        "$map": {
+            "input": {
+                "$filter": {
+                    "input": gone,
+                    "as": "e",
+                    "cond": {"$ne": [{"$ifNull": ["$$e.h.task_id", None]}, None]},
+                }
+            },
+            "as": "e",
+            "in": {
+                "$concat": [
+                    {"$toString": "$$e.h.task_id"},
+                    "/",
+                    {"$toString": {"$ifNull": ["$$e.h.delivery", ""]}},
+                ]
+            },
+        }
+    }
+    return {"$slice": [{"$concatArrays": [{"$ifNull": ["$seen", []]}, ids]}, -adm.SEEN_KEPT]}
+
+
+def _then_hand(drop: list[Document], by: str) -> list[Document]:
+    """``drop`` (a ``_slots`` pipeline ending with the gc stage), then the freed slots handed."""
+    assert drop[-1] == adm.gc_stage(), "a _slots pipeline ends with the gc stage"
+    return [*drop[:-1], *normalize_stages(), *fill_stages(by), adm.gc_stage()]
+
+
+def slot_release_handoff_pipeline(tokens: Iterable[str], by: str = "") -> list[Document]:
+    """Release the holds of ``tokens``; the freed slots go to the oldest parked runs (``by``)."""
+    toks = list(tokens)
+    mine = {"$filter": {"input": _HS, "as": "e", "cond": {"$in": ["$$e.o", {"$literal": toks}]}}}
+    return [{"$set": {"seen": _seen_of(mine)}}, *_then_hand(_slots.slot_release_pipeline(toks), by)]
+
+
+def slot_release_dead_handoff_pipeline(holder: Mapping[str, Any], by: str = "") -> list[Document]:
+    """Release the holds of a holder that died; the freed slots go to the oldest parked runs."""
+    return _then_hand(_slots.slot_release_dead_pipeline(holder), by)
+
+
+def slot_force_release_handoff_pipeline(by: str = "") -> list[Document]:
+    """An operator's release of every hold of the key (a slot handed to a parked run and not yet claimed
+    stays handed); the freed slots go to the oldest parked runs."""
+    return _then_hand(_slots.slot_force_release_pipeline(), by)
+
+
+def slot_admit_pipeline(
+    token: str,
+    ttl_ms: int,
+    holder: Mapping[str, Any],
+    limit: int,
+    *,
+    entry: Mapping[str, Any],
+    timeout_ms: int | None,
+    claim: str | None,
+    max_length: int | None,
+    replace: bool = False,
+    debounce_ms: int | None = None,
+    due: bool = False,
+    waited_ms: int | None = None,
+) -> list[Document]:
+    """The admit of a queued run on a ``limit=N`` key (one command): take a free slot when no older run
+    is parked, claim the slot handed to this run, or park the run; then hand every free slot to the
+    oldest parked runs. The outcomes are those of ``_admission.admit_pipeline`` (in ``lo``)."""
+    ident = str(entry["id"])
+    stamp = int(entry["s"])
+    n = int(limit)
+    single_held = {
+        "$and": [
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        ]
+    }
+    room = {"$and": [{"$lt": [{"$size": _HS}, n]}, {"$not": [single_held]}]}
+    ids = {"$map": {"input": _Q, "as": "e", "in": "$$e.id"}}
+    handed = {"$filter": {"input": _HS, "as": "e", "cond": _has_ho("$$e")}}
+    handed_ids = {"$map": {"input": handed, "as": "e", "in": "$$e.ho.id"}}
+    dead_ids = {"$map": {"input": {"$ifNull": ["$dead", []]}, "as": "d", "in": "$$d.id"}}
+    head = {"$arrayElemAt": [_Q, 0]}
+    first = {"$or": [{"$eq": [{"$size": _Q}, 0]}, {"$not": [adm._before(head, stamp, ident)]}]}
+    owners = {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}
+    running = {
+        "$gt": [
+            {
+                "$size": {
+                    "$filter": {
+                        "input": _HS,
+                        "as": "e",
+                        "cond": {
+                            "$and": [
+                                {"$not": [_has_ho("$$e")]},
+                                {"$eq": ["$$e.h.task_id", {"$literal": entry["t"]}]},
+                                {"$eq": ["$$e.h.delivery", {"$literal": entry.get("r")}]},
+                            ]
+                        },
+                    }
+                }
+            },
+            0,
+        ]
+    }
+    branches: list[Document] = [{"case": {"$in": [{"$literal": token}, owners]}, "then": "mine"}]
+    if claim is not None:
+        claimable = {
+            "$gt": [
+                {
+                    "$size": {
+                        "$filter": {
+                            "input": handed,
+                            "as": "e",
+                            "cond": {
+                                "$and": [
+                                    {"$eq": ["$$e.o", {"$literal": claim}]},
+                                    {"$eq": ["$$e.ho.tk", {"$literal": claim}]},
+                                ]
+                            },
+                        }
+                    }
+                },
+                0,
+            ]
+        }
+        branches.append({"case": claimable, "then": "claimed"})
+    if due:
+        due_now = [room, {"$eq": [adm._get("id", head), {"$literal": ident}]}, adm._due(head)]
+        branches.append({"case": {"$and": due_now}, "then": "due"})
+    branches += [
+        {
+            "case": {
+                "$or": [
+                    {"$in": [{"$literal": ident}, ids]},
+                    {"$in": [{"$literal": ident}, handed_ids]},
+                    {"$in": [{"$literal": ident}, dead_ids]},
+                ]
+            },
+            "then": "dup",
+        },
+        {"case": {"$in": [{"$literal": ident}, {"$ifNull": ["$seen", []]}]}, "then": "done"},
+        {"case": running, "then": "running"},
+    ]
+    if claim is not None:
+        branches.append({"case": {"$literal": True}, "then": "stale"})
+    if replace:
+        last_s = {"$ifNull": ["$last.s", -1]}
+        parked_s = {"$max": {"$map": {"input": _Q, "as": "e", "in": "$$e.s"}}}
+        handed_s = {"$max": {"$map": {"input": handed, "as": "e", "in": "$$e.ho.s"}}}
+        branches += [
+            {"case": {"$gt": [last_s, stamp]}, "then": "superseded"},
+            {"case": {"$gt": [{"$ifNull": [parked_s, -1]}, stamp]}, "then": "superseded"},
+            {"case": {"$gt": [{"$ifNull": [handed_s, -1]}, stamp]}, "then": "superseded"},
+        ]
+    if not debounce_ms:
+        branches.append({"case": {"$and": [room, first]}, "then": "acquired"})
+    branches.append({"case": room, "then": "parked"})  # and handed a slot at once, below
+    cap = adm.MAX_PARKED if max_length is None else min(int(max_length), adm.MAX_PARKED)
+    branches.append({"case": {"$gte": [{"$size": _Q}, cap]}, "then": "full"})
+
+    e = adm.entry_expr(entry, timeout_ms, debounce_ms)
+    if replace:
+        parked_q: object = [e]
+        superseded_new: object = {
+            "$map": {
+                "input": _Q,
+                "as": "p",
+                "in": {"t": "$$p.t", "by": {"$literal": entry["t"]}, "at": "$$NOW"},
+            }
+        }
+    else:
+        parked_q = {
+            "$concatArrays": [
+                {"$filter": {"input": _Q, "as": "e", "cond": adm._before("$$e", stamp, ident)}},
+                [e],
+                {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [adm._before("$$e", stamp, ident)]}}},
+            ]
+        }
+        superseded_new = []
+    used = {"$map": {"input": _HS, "as": "e", "in": "$$e.s"}}
+    new_hold = {
+        "o": {"$literal": token},
+        "f": "$__base",
+        "s": {"$min": {"$setDifference": [{"$range": [0, n]}, used]}},
+        "x": {"$add": ["$$NOW", int(ttl_ms)]},
+        "t": int(ttl_ms),
+        "a": "$$NOW",
+        "h": {"$literal": dict(holder)},
+        "w": None if waited_ms is None else int(waited_ms),
+    }
+    claimed_hold = {
+        "$mergeObjects": [
+            "$$e",
+            {
+                "o": {"$literal": token},
+                "x": {"$add": ["$$NOW", int(ttl_ms)]},
+                "t": int(ttl_ms),
+                "h": {"$literal": dict(holder)},
+                "w": {
+                    "$max": [0, {"$subtract": [_NOW_MS, {"$toLong": {"$ifNull": ["$$e.ho.at", "$$NOW"]}}]}]
+                },
+                "ho": None,
+            },
+        ]
+    }
+    fields: Document = {
+        "hs": {
+            "$switch": {
+                "branches": [
+                    {"case": "$__new", "then": {"$concatArrays": [_HS, [new_hold]]}},
+                    {
+                        "case": {"$eq": ["$__o", "claimed"]},
+                        "then": {
+                            "$map": {
+                                "input": _HS,
+                                "as": "e",
+                                "in": {
+                                    "$cond": [
+                                        {"$eq": ["$$e.o", {"$literal": claim}]},
+                                        claimed_hold,
+                                        "$$e",
+                                    ]
+                                },
+                            }
+                        },
+                    },
+                ],
+                "default": "$hs",
+            }
+        },
+        "fence": {"$cond": ["$__new", "$__base", "$fence"]},
+        "lim": {"$cond": [{"$or": ["$__new", {"$eq": [{"$ifNull": ["$lim", None]}, None]}]}, n, "$lim"]},
+        "q": {
+            "$switch": {
+                "branches": [
+                    {"case": {"$eq": ["$__o", "parked"]}, "then": parked_q},
+                    {
+                        "case": {"$eq": ["$__o", "due"]},
+                        "then": {"$filter": {"input": _Q, "as": "e", "cond": {"$ne": ["$$e.id", ident]}}},
+                    },
+                ],
+                "default": "$q",
+            }
+        },
+        "sup": {
+            "$cond": [
+                {"$eq": ["$__o", "parked"]},
+                {"$concatArrays": [{"$ifNull": ["$sup", []]}, superseded_new]},
+                "$sup",
+            ]
+        },
+        "lo": {"$cond": [{"$eq": ["$__o", "mine"]}, "acquired", "$__o"]},
+    }
+    if replace:
+        newer_by = {
+            "$cond": [
+                {"$gt": [{"$ifNull": ["$last.s", -1]}, stamp]},
+                "$last.t",
+                {
+                    "$cond": [
+                        {
+                            "$gt": [
+                                {
+                                    "$ifNull": [
+                                        {"$max": {"$map": {"input": handed, "as": "e", "in": "$$e.ho.s"}}},
+                                        -1,
+                                    ]
+                                },
+                                stamp,
+                            ]
+                        },
+                        {"$arrayElemAt": [{"$map": {"input": handed, "as": "e", "in": "$$e.ho.t"}}, -1]},
+                        {"$arrayElemAt": [{"$map": {"input": _Q, "as": "e", "in": "$$e.t"}}, -1]},
+                    ]
+                },
+            ]
+        }
+        fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer_by, None]}
+        fields["last"] = {
+            "$cond": [
+                {
+                    "$and": [
+                        {"$in": ["$__o", ["acquired", "claimed", "due"]]},
+                        {"$gt": [stamp, {"$ifNull": ["$last.s", -1]}]},
+                    ]
+                },
+                {"s": stamp, "t": {"$literal": entry["t"]}},
+                "$last",
+            ]
+        }
+    return [
+        *normalize_stages(keep_owner=claim),
+        {"$set": {"__o": {"$switch": {"branches": branches, "default": "parked"}}, "__base": _fence_base()}},
+        {"$set": {"__new": {"$in": ["$__o", ["acquired", "due"]]}}},
+        {"$set": fields},
+        {"$unset": ["__o", "__new", "__base"]},
+        *fill_stages(token),
+        adm.gc_stage(),
+    ]
+
+
+def slot_sweep_pipeline(by: str, revoked: list[str]) -> list[Document]:
+    """The sweeper's command for a ``limit=N`` key: expired holds leave (handed ones go back to the
+    queue), revoked runs leave the queue (a slot handed to one is freed), runs past their deadline move
+    to ``dead``, free slots go to the oldest parked runs, and handoffs nobody published are adopted."""
+    rv = {"$literal": revoked}
+    revoked_hold = {"$and": [_has_ho("$$e"), {"$in": ["$$e.ho.t", rv]}]}
+    adopt = {
+        "$map": {
+            "input": _HS,
+            "as": "e",
+            "in": {
+                "$cond": [
+                    {"$and": [_has_ho("$$e"), {"$eq": [{"$ifNull": ["$$e.ho.by", ""]}, ""]}]},
+                    {
+                        "$mergeObjects": [
+                            "$$e",
+                            {"ho": {"$mergeObjects": ["$$e.ho", {"by": {"$literal": by}}]}},
+                        ]
+                    },
+                    "$$e",
+                ]
+            },
+        }
+    }
+    return [
+        *normalize_stages(),
+        {
+            "$set": {
+                "q": {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [{"$in": ["$$e.t", rv]}]}}},
+                "hs": {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [revoked_hold]}}},
+            }
+        },
+        *fill_stages(by),
+        {"$set": {"hs": adopt}},
+        adm.gc_stage(),
+    ]
