@@ -519,7 +519,10 @@ def lease_info(doc: Document) -> LeaseInfo:
         renewed_at=aware(doc.get("renewed_at")),
         released_at=aware(doc.get("released_at")),
         parked=[_parked_view(i + 1, e, doc.get("__now_ms")) for i, e in enumerate(doc.get("q") or [])],
-        handoff=_handoff_view(doc.get("ho"), doc.get("__now_ms")),
+        handoff=_handoff_view(
+            doc.get("ho") or next((h.get("ho") for h in doc.get("hs") or [] if h.get("ho")), None),
+            doc.get("__now_ms"),
+        ),
         slots=slots,
         limit=doc.get("lim") if slots or doc.get("hs") else None,
     )

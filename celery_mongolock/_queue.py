@@ -291,17 +291,44 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
     now = _ms(doc.get("__now"))
     if now is None or doc.get("dead") or doc.get("sup"):
         return True
+    if _slotted(doc):
+        holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
+        for hold in holds:
+            x = _ms(hold.get("x"))
+            if x is None or x <= now:
+                return True  # an expired hold (a handed one goes back to the queue)
+            ho = hold.get("ho")
+            if isinstance(ho, Mapping) and not ho.get("by"):
+                return True  # a handoff nobody published
+        if doc.get("q") and len(holds) < int(doc.get("lim") or 1):
+            return True  # a free slot with runs parked
+        return _past_deadline(doc, now)
     expires = _ms(doc.get("expires_at"))
     if doc.get("owner") is None or expires is None or expires <= now:
         return True  # free or expired, with runs parked or a handoff pending
     ho = doc.get("ho")
     if isinstance(ho, Mapping) and not ho.get("by"):
         return True  # a handoff nobody published
+    return _past_deadline(doc, now)
+
+
+def _past_deadline(doc: Mapping[str, Any], now: float) -> bool:
     for entry in doc.get("q") or []:
         deadline = _ms(entry.get("dl"))
         if deadline is not None and deadline <= now:
             return True
     return False
+
+
+def _slotted(doc: Mapping[str, Any]) -> bool:
+    """A ``limit=N`` key (its holds in ``hs``)."""
+    return "hs" in doc or "lim" in doc
+
+
+def _handed_ids(doc: Mapping[str, Any]) -> set[str]:
+    """Task ids of the runs the key (or a slot of it) is handed to, not yet claimed."""
+    handoffs = [doc.get("ho")] + [h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)]
+    return {str(ho.get("t")) for ho in handoffs if isinstance(ho, Mapping)}
 
 
 #: Keys read per page by the sweeper.
@@ -350,11 +377,10 @@ class Sweeper:
         for doc in docs:
             key = doc["_id"]
             ids = {str(e.get("t")) for e in doc.get("q") or []}
-            ho = doc.get("ho") or {}
-            hits = sorted((ids | {str(ho.get("t"))}) & revoked)
+            hits = sorted((ids | _handed_ids(doc)) & revoked)
             if not hits and not needs_sweep(doc):
                 continue
-            after = store.sweep(key, revoked=hits)
+            after = store.sweep(key, revoked=hits, slots=_slotted(doc))
             for task_id in hits:
                 if task_id in ids and has_backend(self.app):
                     self.app.backend.mark_as_revoked(task_id, "revoked while parked")

@@ -325,17 +325,12 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
 
 
 def check_limit(limit: object, policy: object = None, min_hold: object = None) -> int | None:
-    """``limit=N``: an int from 1 to 1000; with N > 1, not (yet) with ``Queue``/``Replace`` or a minimum
-    hold. Returns N (None for a single lease)."""
+    """``limit=N``: an int from 1 to 1000; with N > 1, every policy (a ``Queue``/``Replace`` run parks
+    until any of the N slots is free), not (yet) a minimum hold. Returns N (None for a single lease)."""
     n = validate_limit(limit)
     if n is not None:
         if policy is not None and not isinstance(policy, Policy):
-            policy = parse_policy(policy)
-        if isinstance(policy, Policy) and policy.queued:
-            raise ConfigurationError(
-                f"limit={n} with on_contention={policy.name!r} is not supported yet: a parked run is handed "
-                "one key, not one of N slots; use Retry, Skip, Wait or Fail with limit"
-            )
+            parse_policy(policy)
         if min_hold:
             raise ConfigurationError(f"limit={n} with min_hold_seconds is not supported yet")
     return n

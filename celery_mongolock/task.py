@@ -525,6 +525,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     info=info,
                     heartbeat=True,
                     heartbeat_seconds=options.heartbeat_seconds,
+                    limit=options.limit,
                 )
             except StoreUnavailable as exc:
                 self._unavailable(key, exc, policy, direct=False)

@@ -230,6 +230,22 @@ def per_tenant(tenant: str, tag: str, seconds: float = 0.5) -> str:
 
 
 @singleton_task(
+    key="tenant:{tenant}", app=app, name="integration_app.per_tenant_queued", limit=3, on_contention=Queue()
+)
+def per_tenant_queued(tenant: str, tag: str, seconds: float = 0.5) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
+    key="tenant:{tenant}", app=app, name="integration_app.per_tenant_latest", limit=2, on_contention=Replace()
+)
+def per_tenant_latest(tenant: str, tag: str, seconds: float = 0.5) -> str:
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
     keys=("resource:{src}", "resource:{dst}"),
     app=app,
     name="integration_app.merge",

@@ -171,7 +171,6 @@ SPEC_CASES = [
     case(lambda: declare(mongolock_key="g"), ConfigurationError, "mongolock_key=", "without the mongolock_ prefix", "prefixed-option"),
     case(lambda: declare(limit=0), ConfigurationError, "limit", "an int from 1 to 1000, got 0", "limit-zero"),
     case(lambda: declare(limit=2.5), ConfigurationError, "limit", "got 2.5", "limit-float"),
-    case(lambda: declare(limit=3, on_contention="queue"), ConfigurationError, "limit=3 with on_contention='queue'", "not supported yet", "limit-with-queue"),
     case(lambda: declare(limit=3, min_hold_seconds=5), ConfigurationError, "limit=3 with min_hold_seconds", "not supported yet", "limit-with-min-hold"),
     case(lambda: declare("g:{group_id}", keys=("g:{group_id}", "p:{path}")), ConfigurationError, "key= or keys=", "not both", "key-and-keys"),
     case(lambda: app_task(mongolock_key="email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "app-task-template-missing-arg"),

@@ -95,3 +95,84 @@ def test_a_killed_child_frees_its_slot_at_once(cluster: Cluster) -> None:
     late = tag()
     assert it.per_tenant.delay(tenant, late, 0.05).get(timeout=60) == late
     cluster.store.force_release(key)
+
+
+def peak_of(cluster: Cluster, tags: list[str]) -> int:
+    """The most runs of ``tags`` whose bodies overlapped in time."""
+    events = []
+    for t in tags:
+        for start in cluster.runs(t, "start"):
+            events.append((start["mono"], 1))
+        for end in cluster.runs(t, "end"):
+            events.append((end["mono"], -1))
+    running = peak = 0
+    for _, step in sorted(events):
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def parked(cluster: Cluster, key: str) -> list[str]:
+    doc = cluster.store.collection.find_one({"_id": key}) or {}
+    return [e["t"] for e in doc.get("q") or []]
+
+
+def test_queue_with_a_limit_parks_runs_until_any_slot_frees_in_send_order(cluster: Cluster) -> None:
+    tenant = tag()
+    key = f"tenant:{tenant}"
+    holders = [tag() for _ in range(3)]
+    held = [it.per_tenant_queued.delay(tenant, t, 1.5) for t in holders]
+    wait_for(lambda: all(cluster.runs(t, "start") for t in holders), timeout=60, message="3 holders")
+    waiting = [tag() for _ in range(6)]
+    results = [it.per_tenant_queued.delay(tenant, t, 0.3) for t in waiting]
+    wait_for(lambda: len(parked(cluster, key)) == 6, timeout=60, message="6 runs parked")
+    # Parked runs hold no worker slot: another tenant's run goes through while all six wait.
+    other = tag()
+    assert it.per_tenant_queued.delay(tag(), other, 0.05).get(timeout=60) == other
+    assert [r.get(timeout=120) for r in held] == holders
+    assert [r.get(timeout=120) for r in results] == waiting
+    assert peak_of(cluster, holders + waiting) <= 3
+    # Each freed slot went to the oldest parked run: the handoffs' fences follow the send order.
+    fences = [cluster.runs(t, "start")[0]["fence"] for t in waiting]
+    assert fences == sorted(fences) and len(set(fences)) == len(fences)
+    assert max(cluster.runs(t, "start")[0]["fence"] for t in holders) < fences[0]
+    info = cluster.store.inspect(key)
+    assert info is None or not (info.held or info.parked or info.handoff)
+
+
+def test_a_killed_child_s_slot_goes_to_the_oldest_parked_run(cluster: Cluster) -> None:
+    tenant = tag()
+    key = f"tenant:{tenant}"
+    holders = [tag() for _ in range(3)]
+    for t in holders:
+        it.per_tenant_queued.delay(tenant, t, 30.0)
+    wait_for(lambda: all(cluster.runs(t, "start") for t in holders), timeout=60, message="3 holders")
+    late = tag()
+    result = it.per_tenant_queued.delay(tenant, late, 0.05)
+    wait_for(lambda: parked(cluster, key) == [result.id], timeout=60, message="the run to park")
+    victim = cluster.runs(holders[0], "start")[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert result.get(timeout=60) == late
+    assert cluster.runs(late, "start")[0]["slot"] == victim["slot"]
+    doc = cluster.store.collection.find_one({"_id": key}) or {}
+    assert any(e["how"] == "holder-died" and e.get("slot") == victim["slot"] for e in doc.get("ends") or [])
+    cluster.store.force_release(key)
+
+
+def test_replace_with_a_limit_runs_only_the_newest_of_the_runs_that_waited(cluster: Cluster) -> None:
+    tenant = tag()
+    key = f"tenant:{tenant}"
+    holders = [tag() for _ in range(2)]
+    held = [it.per_tenant_latest.delay(tenant, t, 1.5) for t in holders]
+    wait_for(lambda: all(cluster.runs(t, "start") for t in holders), timeout=60, message="2 holders")
+    burst = [tag() for _ in range(4)]
+    results = []
+    for t in burst:
+        results.append(it.per_tenant_latest.delay(tenant, t, 0.1))
+        wait_for(lambda r=results[-1]: r.id in parked(cluster, key) or r.ready(), timeout=60, message="park")
+    assert [r.get(timeout=90) for r in held] == holders
+    outcomes = [r.get(timeout=90) for r in results]
+    assert outcomes[-1] == burst[-1]
+    for i, outcome in enumerate(outcomes[:-1]):
+        assert outcome == {"mongolock": "superseded", "key": key, "by": results[i + 1].id}
+        assert not cluster.runs(burst[i], "start")

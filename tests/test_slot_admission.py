@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from celery_mongolock import LeaseLost, LeaseStore
+from celery_mongolock import Lease, LeaseLost, LeaseStore
 
 from .test_admission_store import Handoffs, entry
 
@@ -20,6 +20,14 @@ N = 3
 
 def doc_of(store: LeaseStore, key: str = KEY) -> dict[str, Any]:
     return store.collection.find_one({"_id": key}) or {}
+
+
+def fill(store: LeaseStore) -> list[Lease]:
+    """Take all N slots (runs stamped 1..N)."""
+    leases = [store.admit(KEY, entry(s), ttl=30, limit=N)[0] for s in range(1, N + 1)]
+    taken = [lease for lease in leases if lease is not None]
+    assert len(taken) == N
+    return taken
 
 
 def expire(store: LeaseStore, owner: str) -> None:
@@ -104,8 +112,7 @@ def test_a_release_with_free_slots_and_nobody_parked_hands_nothing(store: LeaseS
 
 def test_an_unclaimed_slot_handoff_is_handed_again_after_expiry_and_not_lost(store: LeaseStore) -> None:
     handoffs = Handoffs(store)
-    leases = [store.admit(KEY, entry(s), ttl=30, limit=N)[0] for s in (1, 2, 3)]
-    assert all(leases)
+    leases = fill(store)
     admit(store, 10)
     leases[0].release()
     assert handoffs.tasks == ["task-10"]
@@ -123,8 +130,7 @@ def test_an_unclaimed_slot_handoff_is_handed_again_after_expiry_and_not_lost(sto
 
 def test_an_expired_hold_found_by_an_admit_hands_its_slot_to_the_oldest(store: LeaseStore) -> None:
     handoffs = Handoffs(store)
-    leases = [store.admit(KEY, entry(s), ttl=30, limit=N)[0] for s in (1, 2, 3)]
-    assert all(leases)
+    leases = fill(store)
     admit(store, 10)
     # Expire slot 0's hold on the server (as if its holder died silently).
     expire(store, leases[0].owner)
@@ -155,7 +161,7 @@ def test_a_dead_holders_slot_and_an_operators_release_hand_on(store: LeaseStore)
 
 def test_revoke_of_a_parked_or_handed_run_frees_its_place(store: LeaseStore) -> None:
     handoffs = Handoffs(store)
-    leases = [store.admit(KEY, entry(s), ttl=30, limit=N)[0] for s in (1, 2, 3)]
+    leases = fill(store)
     for stamp in (10, 20, 30):
         admit(store, stamp)
     leases[0].release()
