@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from celery.result import AsyncResult
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
@@ -168,8 +169,13 @@ def test_replace_with_a_limit_runs_only_the_newest_of_the_runs_that_waited(clust
     burst = [tag() for _ in range(4)]
     results = []
     for t in burst:
-        results.append(it.per_tenant_latest.delay(tenant, t, 0.1))
-        wait_for(lambda r=results[-1]: r.id in parked(cluster, key) or r.ready(), timeout=60, message="park")
+        result = it.per_tenant_latest.delay(tenant, t, 0.1)
+        results.append(result)
+
+        def landed(r: AsyncResult = result) -> bool:
+            return r.id in parked(cluster, key) or r.ready()
+
+        wait_for(landed, timeout=60, message="the run to park")
     assert [r.get(timeout=90) for r in held] == holders
     outcomes = [r.get(timeout=90) for r in results]
     assert outcomes[-1] == burst[-1]
