@@ -322,13 +322,7 @@ def release_handoff_stages(by: str, *, keep_when: object = False) -> list[Docume
         ]
     }
     has_ho = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
-    queue = {
-        "$cond": [
-            has_ho,
-            {"$concatArrays": [[_unhanded("$ho")], _Q]},
-            _Q,
-        ]
-    }
+    queue = requeue_handoff()
     hand = {
         "$and": [
             {"$not": [keep_when]},
@@ -343,6 +337,73 @@ def _unhanded(ho: str) -> str:
     """A pending handoff back as a parked entry: it keeps its attempt count ``hn``; ``hat`` and ``by``
     are set again when it is handed."""
     return ho
+
+
+def _before_entry(e: object, other: object) -> Document:
+    """Entry ``e`` sorts before entry ``other`` ((s, id) order), both expressions."""
+    return {
+        "$or": [
+            {"$lt": [_get("s", e), _get("s", other)]},
+            {
+                "$and": [
+                    {"$eq": [_get("s", e), _get("s", other)]},
+                    {"$lt": [_get("id", e), _get("id", other)]},
+                ]
+            },
+        ]
+    }
+
+
+def requeue_handoff() -> Document:
+    """The parked runs with the pending handoff put back among them, to be handed again: first (a run
+    that was handed the key keeps it), except a reservation of a run that needs several keys
+    (``ks``), which goes back in send order, so that an older run that needs the same key is handed it
+    first (the way a reservation held while its run waits for other keys cannot deadlock: see
+    ``reserve_pipeline``)."""
+    has_ho = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
+    multi = {"$isArray": "$ho.ks"}
+    in_order = {
+        "$concatArrays": [
+            {"$filter": {"input": _Q, "as": "e", "cond": _before_entry("$$e", "$ho")}},
+            [_unhanded("$ho")],
+            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_before_entry("$$e", "$ho")]}}},
+        ]
+    }
+    front = {"$concatArrays": [[_unhanded("$ho")], _Q]}
+    return {"$cond": [has_ho, {"$cond": [multi, in_order, front]}, _Q]}
+
+
+def reserve_pipeline(entry: Mapping[str, Any], timeout_ms: int | None, by: str) -> list[Document]:
+    """A run that needs several keys (``keys=``) took this one in an attempt that found another held: the
+    key becomes a *reservation* for the run's parked entry (a handoff not yet claimed, ``ho``, owner the
+    entry's token ``tk``), in the same command, so the run keeps its place without running. The run is
+    published once every one of its keys is reserved for it (``ks``), and claims them all.
+
+    A reservation expires as any handoff (after the entry's lease time) and is handed again in send
+    order (``requeue_handoff``): an older run that needs this key and was parked later (a late message)
+    gets it first. So two runs that reserve overlapping keys in different orders cannot wait on each
+    other for longer than a lease."""
+    e = entry_expr(entry, timeout_ms)
+    ho = {"$mergeObjects": [e, {"hat": "$$NOW", "hn": 1, "by": {"$literal": by}}]}
+    return [
+        {
+            "$set": {
+                "owner": {"$literal": entry["tk"]},
+                "ho": ho,
+                "ttl_ms": int(entry["ttl"]),
+                "expires_at": {"$add": ["$$NOW", int(entry["ttl"])]},
+                "renewed_at": "$$NOW",
+                "hold_until": "$$NOW",
+                "holder": {
+                    "task_id": {"$literal": entry["t"]},
+                    "task_name": {"$literal": entry.get("n")},
+                    "delivery": {"$literal": entry.get("r")},
+                    "handed": True,
+                },
+            }
+        },
+        gc_stage(),
+    ]
 
 
 def seen_append(when: object) -> Document:
@@ -573,14 +634,7 @@ def admit_pipeline(
     # Found free with runs parked (or an unclaimed handoff): this run parked, and the key goes to the
     # oldest, in this same command.
     hand_when = {"$and": ["$__park", "$__vac"]}
-    queue = {
-        "$cond": [
-            {"$ne": [{"$ifNull": ["$ho", None]}, None]},
-            {"$concatArrays": [[_unhanded("$ho")], _Q]},
-            _Q,
-        ]
-    }
-    stages += handoff_stages(hand_when, queue, token)
+    stages += handoff_stages(hand_when, requeue_handoff(), token)
     stages.append({"$unset": ["__o", "__free", "__park", "__vac"]})
     stages.append(gc_stage())
     return stages

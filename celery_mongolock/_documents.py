@@ -350,7 +350,7 @@ def release_tokens_filter(tokens: Iterable[str]) -> Document:
     return {"owner": {"$in": list(tokens)}}
 
 
-def release_pipeline(by: str = "") -> list[Document]:
+def release_pipeline(by: str = "", *, seen: bool = True) -> list[Document]:
     """Clear the owner and keep the document (and so the fence); a lease whose ``hold_until`` has not
     passed stays taken (owner kept) and simply expires then.
 
@@ -365,7 +365,9 @@ def release_pipeline(by: str = "") -> list[Document]:
                 "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
                 "released_at": "$$NOW",
                 "ends": _append_ending(True, ending_expr("released")),
-                "seen": admission.seen_append(True),  # the run is over, even if the key stays taken
+                # the run is over, even if the key stays taken (``seen=False``: a key given back by a
+                # run that has not run yet, see ``LeaseStore.give_back``)
+                "seen": admission.seen_append(seen),
             }
         },
         *admission.release_handoff_stages(by, keep_when="$__hold"),

@@ -107,6 +107,20 @@ def header(request: Any, name: str) -> Any:
     return value if value is not None else getattr(request, name, None)
 
 
+def handoff_of_keys(request: Any, keys: list[str], run: str) -> str | None:
+    """The token a handed run that needs several keys claims them all with (see ``handoff_of``)."""
+    headers = getattr(request, "headers", None) or {}
+    handoff = headers.get(HANDOFF_HEADER) or getattr(request, HANDOFF_HEADER, None)
+    if (
+        isinstance(handoff, Mapping)
+        and list(handoff.get("ks") or []) == list(keys)
+        and isinstance(handoff.get("tk"), str)
+        and handoff.get("id", run) == run
+    ):
+        return str(handoff["tk"])
+    return None
+
+
 def handoff_of(request: Any, key: str, run: str) -> str | None:
     """The token a handed run claims ``key`` with (None for a message that was not this run's handoff:
     a body's own ``Task.retry()`` of a handed run copies its headers, but is another run)."""
@@ -147,6 +161,8 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any]) -> None:
     signature = app.signature(fields)
     headers = dict(signature.options.get("headers") or {})
     headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"], "id": entry.get("id")}
+    if entry.get("ks"):
+        headers[HANDOFF_HEADER]["ks"] = list(entry["ks"])
     # The signature carries the run's task id, routing, links and retries; only the headers change.
     signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
     signals.run_handed_off.send(
@@ -171,8 +187,14 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
 
     def publish(key: str, entry: dict[str, Any], doc: dict[str, Any]) -> None:
         owner = app_ref()
-        if owner is not None:
-            publish_handoff(owner, key, entry)
+        if owner is None:
+            return
+        if entry.get("ks") and not store.reserved_for_all(entry):
+            # A run that needs several keys: published once all of them are reserved for it (whoever
+            # reserves the last one publishes it).
+            log.debug("%r reserved for %s, which waits for its other keys", key, entry.get("t"))
+            return
+        publish_handoff(owner, key, entry)
 
     store.add_handoff_callback(publish)
     _installed.add(store)

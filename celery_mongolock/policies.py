@@ -339,8 +339,8 @@ def check_limit(limit: object, policy: object = None, min_hold: object = None) -
 def check_keys(
     keys: object, key: object = None, policy: object = None, limit: object = None
 ) -> tuple[Any, ...] | None:
-    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=``, ``limit=N`` or a
-    queued policy (yet). Returns them as a tuple (None when not given)."""
+    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=``, ``limit=N`` or
+    ``Replace`` (yet). Returns them as a tuple (None when not given)."""
     if keys is None:
         return None
     if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)) or not keys:
@@ -354,9 +354,10 @@ def check_keys(
         raise ConfigurationError("keys= with limit=N is not supported yet")
     if policy is not None and not isinstance(policy, Policy):
         policy = parse_policy(policy)
-    if isinstance(policy, Policy) and policy.queued:
+    if isinstance(policy, Policy) and policy.name == "replace":
         raise ConfigurationError(
-            f"keys= with on_contention={policy.name!r} is not supported yet: a parked run waits for one "
-            "key; use Retry, Skip, Wait or Fail with keys="
+            "keys= with on_contention='replace' is not supported yet: which send is the newest is decided "
+            "per key; use Queue (every run, in send order, keeping its place on each key) or Retry, Skip, "
+            "Wait or Fail with keys="
         )
     return tuple(keys)

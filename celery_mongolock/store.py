@@ -1015,6 +1015,70 @@ class LeaseStore:
             self._record(self._local_ending(lease, "released"))
         return released
 
+    # -- several keys per run under Queue (keys=) ----------------------------------------------------
+    def reserve(self, lease: Lease, entry: Mapping[str, Any], *, timeout: float | None = None) -> bool:
+        """Turn ``lease`` (taken by a run that needs several keys, in an attempt that found another of
+        them held) into a reservation of its key for the run's parked ``entry`` (``id``, ``t``, ``s``,
+        ``tk``, ``ks`` ...), in one command: the key is handed to the entry without being released, so
+        the run keeps its place (``_admission.reserve_pipeline``). False if the lease was no longer ours
+        (the run must admit that key again)."""
+        full_entry = dict(entry)
+        full_entry["ttl"] = int(lease.ttl * 1000)
+        timeout_ms = (
+            None
+            if timeout is None
+            else int(validate_seconds("timeout", timeout, low=0.0, high=MAX_LEASE_SECONDS) * 1000)
+        )
+        by = "reserve:" + uuid.uuid4().hex
+        with self._operation(f"reserve lease {lease.key!r}"):
+            doc = self.collection.find_one_and_update(
+                {"_id": lease.key, "owner": lease.owner},
+                admission_docs.reserve_pipeline(full_entry, timeout_ms, by),
+                projection={"_id": 1},
+            )
+        with lease._lock:
+            lease._released = True  # handed over to the entry: not ours to renew or release
+        self.forget(lease)
+        log_acquire.info(
+            "lease %r reserved for %s (%s)", lease.key, entry.get("t"), "kept" if doc else "lost"
+        )
+        return doc is not None
+
+    def give_back(self, lease: Lease) -> bool:
+        """Release ``lease`` of a run that has not run (an attempt that gives its keys back): as a
+        release, but the run is not remembered as over (``seen``), so a copy of it may still run."""
+        with lease._lock:
+            if lease._released:
+                return False
+            lease._released = True
+        self.forget(lease)
+        by = self._handoff_by(lease.owner)
+        with self._operation(f"give back lease {lease.key!r}"):
+            doc = self.collection.find_one_and_update(
+                documents.release_filter(lease.key, lease.owner),
+                documents.release_pipeline(by, seen=False),
+                projection=admission_docs.HANDOFF_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is not None:
+            self._handed(lease.key, doc, by)
+        return doc is not None
+
+    def reserved_for_all(self, entry: Mapping[str, Any]) -> bool:
+        """Whether every key of the run ``entry`` (``ks``) is handed or reserved to it, not yet claimed:
+        then its message is published (once per completion; copies collapse at the claims)."""
+        keys = [normalize_key(k) for k in entry.get("ks") or []]
+        if not keys:
+            return False
+        with self._operation(f"read the keys of {entry.get('t')}"):
+            docs = builtins.list(self.collection.find({"_id": {"$in": keys}}, {"owner": 1, "ho.id": 1}))
+        ready = {
+            d["_id"]
+            for d in docs
+            if (d.get("ho") or {}).get("id") == entry.get("id") and d.get("owner") == entry.get("tk")
+        }
+        return ready == set(keys)
+
     # -- handoffs ------------------------------------------------------------------------------------
     def add_handoff_callback(self, callback: HandoffCallback) -> None:
         """Call ``callback(key, entry)`` for every handoff a command of this process made and must

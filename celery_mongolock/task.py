@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime as _dt
+import hashlib
 import inspect
 import logging
 import time
@@ -303,7 +304,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _guarded_many(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
         """A run that needs several keys: the body runs only while it holds all of them."""
         keys = self.mongolock_keys_for(*args, **kwargs)
-        taken = self._take_all(keys, self._options(), direct)
+        options = self._options()
+        request = self.request
+        queued = options.on_contention.queued and not (direct or request.is_eager or request.called_directly)
+        taken = self._admit_all(keys, options) if queued else self._take_all(keys, options, direct)
         if not isinstance(taken, LeaseSet):
             return taken.value
         request = self.request
@@ -389,6 +393,158 @@ class SingletonTask(Task):  # type: ignore[misc]
                 continue
             assert isinstance(outcome, _Outcome), f"{policy!r}.on_contended returned {outcome!r}"
             return outcome
+
+    def _admit_all(self, keys: list[str], options: TaskOptions) -> LeaseSet | _Outcome:
+        """A run of a ``Queue`` task that needs several keys: take them all (in sorted order, one admit
+        each), claim them all when they were handed to it, or park it on every key it did not get and
+        turn the keys it got into reservations for it (``LeaseStore.reserve``): it keeps its place on
+        each key, holds none while its body is not running, and is published once all are reserved."""
+        policy = options.on_contention
+        assert isinstance(policy, Queue)
+        store = get_store(self.app)
+        request = self.request
+        stamp, src = _queue.stamp_of(request)
+        delivery = str(int(getattr(request, "retries", 0) or 0))
+        ident = f"{request.id}/{delivery}"
+        entry: dict[str, Any] = {
+            "id": ident,
+            "t": request.id,
+            "n": self.name,
+            "r": delivery,
+            "s": stamp,
+            "src": src,
+            "th": policy.then.name,
+            "ks": keys,
+            # One handoff token for all the keys (the same on every admit of this run).
+            "tk": hashlib.sha256(f"mongolock-keys:{ident}:{','.join(keys)}".encode()).hexdigest()[:32],
+            **_queue.message_of(self, request, stamp),
+        }
+        info: dict[str, Any] = {
+            "task_name": self.name,
+            "task_id": request.id,
+            "worker": request.hostname,
+            "delivery": delivery,
+            "keys": keys,
+        }
+        _queue.install_publisher(self.app, store)
+        claim = _queue.handoff_of_keys(request, keys, ident)
+        fresh = not (
+            claim
+            or (request.headers or {}).get(DUPLICATE_HEADER)
+            or (request.delivery_info or {}).get("redelivered")
+        )
+        if fresh:
+            since = _dt.datetime.now(_dt.timezone.utc).isoformat()
+            self._set_state(QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
+
+        def admit(key: str, claim: str | None) -> tuple[Lease | None, dict[str, Any]]:
+            try:
+                return store.admit(
+                    key,
+                    entry,
+                    ttl=options.lease_seconds,
+                    claim=claim,
+                    timeout=policy.timeout,
+                    max_length=policy.max_length,
+                    info=info,
+                    heartbeat=True,
+                    heartbeat_seconds=options.heartbeat_seconds,
+                )
+            except StoreUnavailable as exc:
+                self._unavailable(key, exc, policy, direct=False)
+
+        def reserve_all(leases: list[Lease]) -> None:
+            """Keys taken in an attempt that must wait: each becomes a reservation for the entry."""
+            for lease in leases:
+                try:
+                    kept = store.reserve(lease, entry, timeout=policy.timeout)
+                except StoreUnavailable as exc:
+                    _release_quietly(leases)
+                    self._unavailable(lease.key, exc, policy, direct=False)
+                if not kept:  # lost meanwhile (expired, forced): wait for it as any parked run
+                    admit(lease.key, None)
+
+        def park() -> NoReturn:
+            """Parked or reserved on every key: published when all are reserved for it."""
+            if store.reserved_for_all(entry):
+                _queue.publish_handoff(self.app, keys[0], {**entry, "hn": 1})
+            signals.run_parked.send(sender=self, key=keys[0], task_id=request.id, position=0, stamp=stamp)
+            log_acquire.info("%s[%s]: waits for %s (parked or reserved on each)", self.name, request.id, keys)
+            raise Ignore()
+
+        if claim is not None:
+            claimed: list[Lease] = []
+            try:
+                for key in keys:
+                    lease, doc = admit(key, claim)
+                    if lease is not None:
+                        claimed.append(lease)
+                        continue
+                    outcome = doc.get("lo")
+                    if outcome == "running":
+                        # A copy of the handoff message while the first copy runs.
+                        _release_quietly(claimed)
+                        self._park_duplicate(key, options, False)
+                        raise Ignore()
+                    # Not (or no longer) reserved for this run here: an older run was handed it, or its
+                    # reservation expired and waits again. Keep the keys claimed as reservations.
+                    reserve_all(claimed)
+                    claimed = []
+                    if outcome == "dup":
+                        park()
+                    if self._has_final_state():
+                        log_acquire.info("%s[%s]: stale handoff of %s; dropped", self.name, request.id, keys)
+                        raise Ignore()
+                    claim = None  # claimed and died (its worker killed): admitted as any run, below
+                    break
+            except BaseException:
+                _release_quietly(claimed)
+                raise
+            if claim is not None:
+                self._set_state(celery_states.STARTED, {"keys": keys})
+                return LeaseSet(claimed)
+
+        tentative: list[Lease] = []
+        waiting = False
+        try:
+            for key in keys:
+                lease, doc = admit(key, None)
+                if lease is not None:
+                    tentative.append(lease)
+                    continue
+                outcome = doc.get("lo")
+                if outcome in ("parked", "dup"):
+                    waiting = True
+                    continue
+                # done, running, full: this run does not wait. Give back what it took, leave the queues.
+                for got in tentative:
+                    store.give_back(got)
+                for other in keys:
+                    store.sweep(other, revoked={request.id})
+                if outcome == "done":
+                    if not self._has_final_state():
+                        return _Outcome(_already_ran(key, request.id))
+                    raise Ignore()
+                if outcome == "running":
+                    self._park_duplicate(key, options, False)
+                    raise Ignore()
+                holder = dict(doc.get("holder") or {})
+                reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
+                if isinstance(policy.then, Fail):
+                    raise QueueTimeout(key, reason)
+                return (
+                    ContendedRun(self, store, key, direct=False)
+                    .held_by(holder, _aware(doc.get("expires_at")))
+                    .skip(reason)
+                )
+        except BaseException:
+            _release_quietly(tentative)
+            raise
+        if not waiting:
+            self._set_state(celery_states.STARTED, {"keys": keys})
+            return LeaseSet(tentative)
+        reserve_all(tentative)
+        park()
 
     def _take(self, key: str, options: TaskOptions, direct: bool) -> Lease | _Outcome:
         """Take the lease, or carry out the contention policy (which raises, or returns an outcome)."""

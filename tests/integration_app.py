@@ -253,6 +253,21 @@ def per_tenant_latest(tenant: str, tag: str, seconds: float = 0.5) -> str:
 )
 def merge(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
     """Needs both keys: records the keys and fences it holds, then works."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
+    keys=("resource:{src}", "resource:{dst}"),
+    app=app,
+    name="integration_app.merge_queued",
+    on_contention=Queue(),
+)
+def merge_queued(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    """``merge`` under Queue: waits for both keys in send order, keeping its place on each."""
+    return _merge_body(tag, seconds)
+
+
+def _merge_body(tag: str, seconds: float) -> list[str]:
     lease = current_lease()
     assert lease is not None
     keys = sorted(getattr(lease, "keys", [lease.key]))

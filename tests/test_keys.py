@@ -39,8 +39,8 @@ def test_the_keys_of_a_call_are_sorted_without_repeats() -> None:
         ({"keys": ()}, "keys= must be a non-empty list or tuple"),
         ({"keys": ("group:{src}",), "key": "g"}, "give key= or keys=, not both"),
         (
-            {"keys": ("group:{src}",), "on_contention": "queue"},
-            "keys= with on_contention='queue' is not supported",
+            {"keys": ("group:{src}",), "on_contention": "replace"},
+            "keys= with on_contention='replace' is not supported",
         ),
         ({"keys": ("group:{src}",), "limit": 3}, "keys= with limit=N is not supported yet"),
         ({"keys": ("group:{source}",)}, "'source'"),
@@ -133,3 +133,77 @@ def test_a_run_holds_none_of_its_keys_while_it_waits_for_one(cluster: Cluster) -
     for attempt in attempts:  # a was given back within the attempt that found b held
         assert (attempt["e"] - attempt["a"]).total_seconds() < 1.0, attempt
     assert held_a is None or not held_a.held or held_a.holder.get("task_id") == result.id
+
+
+def _spans(cluster: Cluster, tags: list[str]) -> dict[str, list[tuple[float, float, str]]]:
+    """Per key, the (start, end, tag) of every body that held it."""
+    holds: dict[str, list[tuple[float, float, str]]] = {}
+    for t in tags:
+        [start] = cluster.runs(t, "start")
+        [end] = cluster.runs(t, "end")
+        for key in start.get("keys") or [start["key"]]:
+            holds.setdefault(str(key), []).append((start["mono"], end["mono"], t))
+    return holds
+
+
+def _no_overlap(holds: dict[str, list[tuple[float, float, str]]]) -> None:
+    for key, spans in holds.items():
+        for (_, e1, t1), (s2, _, t2) in itertools.pairwise(sorted(spans)):
+            assert e1 <= s2, f"{t1} and {t2} held {key} at once"
+
+
+@pytest.mark.slow
+def test_queued_multi_key_runs_in_both_orders_all_run_never_overlap_and_never_deadlock(
+    cluster: Cluster,
+) -> None:
+    a, b, c = (uuid.uuid4().hex[:8] for _ in range(3))
+    sends = [(a, b), (b, a), (b, c), (c, a), (a, b), (c, b), (a, c)]
+    tags = [uuid.uuid4().hex[:10] for _ in sends]
+    results = [it.merge_queued.delay(src, dst, t, 0.2) for (src, dst), t in zip(sends, tags, strict=True)]
+    single_tags = [uuid.uuid4().hex[:10] for _ in range(3)]
+    singles = [it.queued.delay(r, t, 0.2) for r, t in zip((a, b, c), single_tags, strict=True)]
+    for r, (src, dst) in zip(results, sends, strict=True):
+        assert r.get(timeout=120) == sorted([f"resource:{src}", f"resource:{dst}"])
+    assert [r.get(timeout=120) for r in singles] == single_tags
+    for t in tags:
+        [start] = cluster.runs(t, "start")
+        assert sorted(start["fences"]) == start["keys"], "the body ran holding every key"
+    _no_overlap(_spans(cluster, tags + single_tags))
+    for r in (a, b, c):
+        info = cluster.store.inspect(f"resource:{r}")
+        assert info is None or not (info.held or info.parked or info.handoff), info
+
+
+@pytest.mark.slow
+def test_a_queued_multi_key_run_keeps_its_place_on_each_key(cluster: Cluster) -> None:
+    from .servers import wait_for
+
+    suffix = uuid.uuid4().hex[:8]
+    a, b = f"a{suffix}", f"b{suffix}"
+    first = uuid.uuid4().hex[:10]
+    r_first = it.queued.delay(b, first, 2.0)  # holds b for a while
+    wait_for(lambda: cluster.runs(first, "start"), timeout=60, message="the run on b to start")
+    merge_tag = uuid.uuid4().hex[:10]
+    r_merge = it.merge_queued.delay(a, b, merge_tag, 0.3)
+
+    def waiting() -> bool:
+        doc_a = cluster.store.collection.find_one({"_id": f"resource:{a}"}) or {}
+        doc_b = cluster.store.collection.find_one({"_id": f"resource:{b}"}) or {}
+        return (doc_a.get("ho") or {}).get("t") == r_merge.id and r_merge.id in [
+            e["t"] for e in doc_b.get("q") or []
+        ]
+
+    wait_for(waiting, timeout=60, message="the merge to reserve a and park on b")
+    # Runs sent later, on either key, wait behind it: a is reserved for it, b has it first in line.
+    later = [uuid.uuid4().hex[:10] for _ in range(4)]
+    r_later = [it.queued.delay(k, t, 0.1) for k, t in zip((a, b, a, b), later, strict=True)]
+    assert r_first.get(timeout=60) == first
+    assert r_merge.get(timeout=60) == sorted([f"resource:{a}", f"resource:{b}"])
+    assert [r.get(timeout=60) for r in r_later] == later
+    [merge_start] = cluster.runs(merge_tag, "start")
+    [merge_end] = cluster.runs(merge_tag, "end")
+    for t in later:
+        [start] = cluster.runs(t, "start")
+        assert start["mono"] >= merge_end["mono"], f"{t} ran before the merge sent before it"
+    assert not cluster.runs(merge_tag, "start")[1:]
+    assert merge_start["mono"] >= cluster.runs(first, "end")[0]["mono"]
