@@ -1,0 +1,123 @@
+"""Several keys per run under Queue (``keys=``), in the lease store on the embedded server: a run keeps
+its place on each key with reservations (handoffs to itself made without a release), is ready once every
+key is reserved for it, claims them all with one token, and an expired reservation goes back in send
+order, so that an older run parked later is not deadlocked by a younger one's reservation."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+from celery_mongolock import Lease, LeaseStore
+
+from .test_admission_store import Handoffs
+
+X, Y = "group:x", "group:y"
+
+
+def multi(stamp: int, task_id: str | None = None) -> dict[str, Any]:
+    tid = task_id or f"merge-{stamp}"
+    return {
+        "id": f"{tid}/0",
+        "t": tid,
+        "n": "merge",
+        "r": "0",
+        "s": stamp,
+        "m": b"msg",
+        "ks": [X, Y],
+        "tk": f"tk-{tid}",
+    }
+
+
+def doc_of(store: LeaseStore, key: str) -> dict[str, Any]:
+    return store.collection.find_one({"_id": key}) or {}
+
+
+def parked(store: LeaseStore, key: str) -> list[str]:
+    return [e["t"] for e in doc_of(store, key).get("q") or []]
+
+
+def wait_on_y(store: LeaseStore, entry: dict[str, Any]) -> None:
+    """The run's attempt: x is free (taken, then reserved), y is held (parked)."""
+    lease, doc = store.admit(X, entry, ttl=30)
+    assert lease is not None, doc.get("lo")
+    _, doc = store.admit(Y, entry, ttl=30)
+    assert doc["lo"] == "parked"
+    assert store.reserve(lease, entry)
+    assert lease.released  # handed over: the run no longer renews or releases it
+
+
+def test_a_run_reserves_the_keys_it_got_and_is_ready_when_the_last_is_handed_to_it(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    blocker = store.acquire(Y, 30)
+    assert blocker is not None
+    e = multi(10)
+    wait_on_y(store, e)
+    d = doc_of(store, X)
+    assert d["owner"] == e["tk"] and d["ho"]["id"] == e["id"] and d["ho"]["ks"] == [X, Y]
+    assert not store.reserved_for_all(e)
+    # Nobody takes the reserved key: a plain acquire is refused, a newcomer parks behind.
+    assert store.acquire(X, 30) is None
+    _, doc = store.admit(X, {"id": "late/0", "t": "late", "s": 5, "m": b"m"}, ttl=30)
+    assert doc["lo"] == "parked"
+
+    blocker.release()
+    assert handoffs.tasks == ["merge-10"]  # y handed to it (the publisher checks it is ready)
+    assert store.reserved_for_all(e)
+    fence_x, fence_y = doc_of(store, X)["fence"], doc_of(store, Y)["fence"]
+    lx, doc = store.admit(X, e, ttl=30, claim=e["tk"])
+    assert lx is not None and doc["lo"] == "claimed" and lx.fence == fence_x
+    ly, doc = store.admit(Y, e, ttl=30, claim=e["tk"])
+    assert ly is not None and doc["lo"] == "claimed" and ly.fence == fence_y
+    assert ly.fence > blocker.fence
+    lx.release()
+    assert handoffs.tasks == ["merge-10", "late"]  # x goes on to the run that waited behind
+    ly.release()
+
+
+def test_an_older_run_parked_later_gets_the_key_when_the_younger_reservation_expires(
+    store: LeaseStore,
+) -> None:
+    handoffs = Handoffs(store)
+    blocker = store.acquire(Y, 30)
+    assert blocker is not None
+    younger, older = multi(20), multi(10)
+    wait_on_y(store, younger)  # reserves x, parks on y
+    # The older run's message arrives late: x is reserved for the younger one, so it parks there; on y
+    # it parks ahead of the younger one (send order).
+    _, doc = store.admit(X, older, ttl=30)
+    assert doc["lo"] == "parked"
+    _, doc = store.admit(Y, older, ttl=30)
+    assert doc["lo"] == "parked"
+    assert parked(store, Y) == ["merge-10", "merge-20"]
+    blocker.release()
+    assert handoffs.tasks == ["merge-10"]
+    # Each has one key reserved and waits for the other: neither is ready.
+    assert not store.reserved_for_all(older) and not store.reserved_for_all(younger)
+    # The younger one's reservation of x expires (a lease); the sweeper hands x again in send order.
+    store.collection.update_one({"_id": X}, {"$set": {"expires_at": _dt.datetime(2000, 1, 1)}})
+    store.sweep(X)
+    assert handoffs.tasks == ["merge-10", "merge-10"]
+    assert store.reserved_for_all(older)
+    assert parked(store, X) == ["merge-20"]  # the younger one keeps its place, next in line
+
+
+def test_a_key_given_back_is_not_remembered_as_a_finished_run(store: LeaseStore) -> None:
+    e = multi(1)
+    lease, _ = store.admit(X, e, ttl=30)
+    assert isinstance(lease, Lease)
+    assert store.give_back(lease)
+    assert not store.give_back(lease)
+    lease, doc = store.admit(X, e, ttl=30)
+    assert lease is not None and doc["lo"] == "acquired"  # not "done": the run has not run
+    lease.release()
+    _, doc = store.admit(X, e, ttl=30)
+    assert doc["lo"] == "done"
+
+
+def test_a_lost_lease_is_not_reserved(store: LeaseStore) -> None:
+    e = multi(1)
+    lease, _ = store.admit(X, e, ttl=30)
+    assert lease is not None
+    assert store.force_release(X)
+    assert not store.reserve(lease, e)
