@@ -454,10 +454,14 @@ def story_pipeline(key: str) -> list[Document]:
         "$addFields": {
             "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
             "__now": "$$NOW",
+            # The key is handed to a parked run (or reserved for a multi-key run), not yet claimed.
+            "__handed": {
+                "$and": [{"$ne": [{"$ifNull": ["$ho", None]}, None]}, {"$eq": ["$owner", "$ho.tk"]}]
+            },
         }
     }
     # Rebuilt field by field: the embedded test server does not take a dotted exclusion inside an array.
-    fields = ("id", "t", "n", "r", "s", "at", "dl", "hat", "hn")
+    fields = ("id", "t", "n", "r", "s", "at", "dl", "hat", "hn", "ks")
     runs = {
         "q": {"$map": {"input": {"$ifNull": ["$q", []]}, "as": "e", "in": {f: f"$$e.{f}" for f in fields}}},
         "ho": {

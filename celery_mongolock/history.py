@@ -165,6 +165,8 @@ class ParkedRun:
     #: Handoff only: when the key was handed to it, and which attempt this is.
     handed_at: _dt.datetime | None = None
     attempt: int | None = None
+    #: A run that needs several keys (``keys=``): all of them.
+    keys: tuple[str, ...] = ()
 
     @classmethod
     def from_entry(cls, entry: Mapping[str, Any]) -> ParkedRun:
@@ -181,6 +183,7 @@ class ParkedRun:
             deadline=aware(entry.get("dl")),
             handed_at=aware(entry.get("hat")),
             attempt=_int(entry.get("hn")),
+            keys=tuple(str(k) for k in entry.get("ks") or ()),
         )
 
     @property
@@ -261,6 +264,8 @@ class KeyStory:
             state = "held"
         parked = tuple(ParkedRun.from_entry(e) for e in doc.get("q") or [] if isinstance(e, Mapping))
         ho = doc.get("ho")
+        if state == "held" and isinstance(ho, Mapping) and doc.get("__handed"):
+            state = "handed"  # handed to a parked run (or reserved for a multi-key run), not yet claimed
         slots = []
         for hold in doc.get("hs") or []:
             x = aware(hold.get("x")) if isinstance(hold, Mapping) else None
@@ -338,6 +343,22 @@ class KeyStory:
             if n >= limit:
                 return f"all {limit} slots held ({who}): the next run waits for one to be free"
             return f"{n} of {limit} slots held ({who}): the next run takes a slot at once"
+        if self.state == "handed" and self.handoff is not None:
+            handed = self._since(self.handoff.handed_at)
+            when = f" {_ago(handed)} ago" if handed is not None else ""
+            others = [k for k in self.handoff.keys if k != self.key]
+            if others:
+                line = (
+                    f"reserved{when} for {self.handoff.task}, which waits for its other keys "
+                    f"({', '.join(others)}): it runs once all are reserved for it"
+                )
+            else:
+                line = (
+                    f"handed{when} to {self.handoff.task}, not taken up yet "
+                    f"(attempt {self.handoff.attempt}); "
+                    f"handed again in {self.expires_in or 0.0:.1f} s (server's clock) if it does not claim it"
+                )
+            return f"{line}; {parked}" if parked else line
         if self.state in ("held", "held-after-release"):
             since = f" since {clock(self.acquired_at)}" if self.acquired_at else ""
             left = f"expires in {self.expires_in:.1f} s on the server's clock"
@@ -398,5 +419,7 @@ def _holder_text(holder: Mapping[str, Any]) -> str:
     task = holder.get("task_name") or holder.get("role") or "?"
     if holder.get("task_id"):
         task = f"{task}[{holder['task_id']}]"
+    if holder.get("handed"):
+        return f"{task}, handed to it, not taken up yet"
     where = ":".join(str(holder[k]) for k in ("host", "pid") if holder.get(k) is not None)
     return f"{task} on {where}" if where else str(task)

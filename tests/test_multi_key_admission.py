@@ -121,3 +121,19 @@ def test_a_lost_lease_is_not_reserved(store: LeaseStore) -> None:
     assert lease is not None
     assert store.force_release(X)
     assert not store.reserve(lease, e)
+
+
+def test_why_says_a_key_is_reserved_for_a_run_that_waits_for_its_other_keys(store: LeaseStore) -> None:
+    Handoffs(store)
+    blocker = store.acquire(Y, 30)
+    assert blocker is not None
+    wait_on_y(store, multi(10))
+    story = store.why(X)
+    assert story is not None and story.state == "handed"
+    assert story.verdict.startswith("reserved ") and "merge[merge-10]" in story.verdict
+    assert f"waits for its other keys ({Y})" in story.verdict
+    story_y = store.why(Y)
+    assert story_y is not None and "1 run parked; next: merge[merge-10]" in story_y.verdict
+    blocker.release()
+    story_y = store.why(Y)
+    assert story_y is not None and story_y.verdict.startswith("reserved ")
