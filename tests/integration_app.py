@@ -267,6 +267,16 @@ def merge_queued(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str
     return _merge_body(tag, seconds)
 
 
+@singleton_task(
+    keys=("resource:{src}", "resource:{dst}"),
+    app=app,
+    name="integration_app.merge_queued_briefly",
+    on_contention=Queue(timeout=1.0, then=Fail()),
+)
+def merge_queued_briefly(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    return _merge_body(tag, seconds)
+
+
 def _merge_body(tag: str, seconds: float) -> list[str]:
     lease = current_lease()
     assert lease is not None

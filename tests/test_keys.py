@@ -207,3 +207,22 @@ def test_a_queued_multi_key_run_keeps_its_place_on_each_key(cluster: Cluster) ->
         assert start["mono"] >= merge_end["mono"], f"{t} ran before the merge sent before it"
     assert not cluster.runs(merge_tag, "start")[1:]
     assert merge_start["mono"] >= cluster.runs(first, "end")[0]["mono"]
+
+
+@pytest.mark.slow
+def test_a_queued_multi_key_run_past_its_timeout_fails_and_frees_its_reservations(cluster: Cluster) -> None:
+    from celery_mongolock import QueueTimeout
+
+    suffix = uuid.uuid4().hex[:8]
+    a, b = f"a{suffix}", f"b{suffix}"
+    blocker = cluster.store.acquire(f"resource:{b}", 60)
+    assert blocker is not None
+    result = it.merge_queued_briefly.delay(a, b, uuid.uuid4().hex[:10], 0.1)
+    with pytest.raises(QueueTimeout):
+        result.get(timeout=60)
+    # Its reservation of a ends with it (at most a lease later): a run on a goes through.
+    after = uuid.uuid4().hex[:10]
+    assert it.queued.delay(a, after, 0.05).get(timeout=60) == after
+    blocker.release()
+    doc_b = cluster.store.collection.find_one({"_id": f"resource:{b}"}) or {}
+    assert result.id not in [e["t"] for e in doc_b.get("q") or []]
