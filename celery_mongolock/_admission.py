@@ -182,7 +182,8 @@ def _due(e: object) -> Document:
     return {"$or": [{"$eq": [nb, None]}, {"$lte": [{"$toLong": nb}, _NOW_MS]}]}
 
 
-#: No ``limit=N`` hold of the key is live (a queued run never takes a key while slots are held).
+#: No ``limit=N`` hold of the key is live or handed to a parked run (a queued run never takes or claims
+#: a key while slots are held).
 NO_SLOT_HELD: Document = {
     "$eq": [
         {
@@ -190,11 +191,31 @@ NO_SLOT_HELD: Document = {
                 "$filter": {
                     "input": {"$ifNull": ["$hs", []]},
                     "as": "e",
-                    "cond": {"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]},
+                    "cond": {
+                        "$or": [
+                            {"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]},
+                            {"$ne": [{"$ifNull": ["$$e.ho", None]}, None]},
+                        ]
+                    },
                 }
             }
         },
         0,
+    ]
+}
+
+
+#: The key is held as a single lease, or handed to a parked run that has not claimed it yet (even past
+#: its expiry: the sweeper hands it again): no ``limit=N`` slot may be taken or claimed meanwhile.
+SINGLE_HELD: Document = {
+    "$and": [
+        {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+        {
+            "$or": [
+                {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
+                {"$ne": [{"$ifNull": ["$ho", None]}, None]},
+            ]
+        },
     ]
 }
 
@@ -489,6 +510,7 @@ def admit_pipeline(
                     "$and": [
                         {"$eq": ["$owner", {"$literal": claim}]},
                         {"$eq": ["$ho.tk", {"$literal": claim}]},
+                        NO_SLOT_HELD,  # a key mixed with limit=N holds: never two kinds at once
                     ]
                 },
                 "then": "claimed",

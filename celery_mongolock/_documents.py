@@ -266,7 +266,13 @@ def acquire_pipeline(
                     "$filter": {
                         "input": {"$ifNull": ["$hs", []]},
                         "as": "e",
-                        "cond": {"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]},
+                        # live, or handed to a parked run and not yet claimed (counted until then)
+                        "cond": {
+                            "$or": [
+                                {"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]},
+                                {"$ne": [{"$ifNull": ["$$e.ho", None]}, None]},
+                            ]
+                        },
                     }
                 }
             },

@@ -21,6 +21,7 @@ This module is the Celery side of it:
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import logging
 import threading
 import time
@@ -107,6 +108,12 @@ def header(request: Any, name: str) -> Any:
     return value if value is not None else getattr(request, name, None)
 
 
+def keys_token(run: str, keys: list[str]) -> str:
+    """The handoff token of a run that needs several keys: one for all its keys, the same on every
+    admit of the run (its copies included)."""
+    return hashlib.sha256(f"mongolock-keys:{run}:{','.join(keys)}".encode()).hexdigest()[:32]
+
+
 def handoff_of_keys(request: Any, keys: list[str], run: str) -> str | None:
     """The token a handed run that needs several keys claims them all with (see ``handoff_of``)."""
     headers = getattr(request, "headers", None) or {}
@@ -176,6 +183,16 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any]) -> None:
     log.info("handed %r to %s[%s] (attempt %s)", key, entry.get("n"), entry["t"], entry.get("hn"))
 
 
+def publish_again(app: Celery, entry: Mapping[str, Any]) -> None:
+    """Publish the run ``entry`` again as a new delivery (no handoff header): it is admitted as any run
+    and finds its own places (``dup``) where it is parked or reserved."""
+    fields = loads(entry["m"], entry["ct"], entry["ce"])  # type: ignore[no-untyped-call]
+    signature = app.signature(fields)
+    headers = dict(signature.options.get("headers") or {})
+    headers.pop(HANDOFF_HEADER, None)
+    signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
+
+
 _installed: weakref.WeakSet[LeaseStore] = weakref.WeakSet()
 
 
@@ -189,11 +206,20 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
         owner = app_ref()
         if owner is None:
             return
-        if entry.get("ks") and not store.reserved_for_all(entry):
+        if entry.get("ks"):
             # A run that needs several keys: published once all of them are reserved for it (whoever
             # reserves the last one publishes it).
-            log.debug("%r reserved for %s, which waits for its other keys", key, entry.get("t"))
-            return
+            state = store.keys_state(entry)
+            if state == "missing" and int(entry.get("hn") or 1) > 1:
+                # Handed again after its reservation expired, and absent from some of its keys: its
+                # worker died between its admits. Its message, published again as a new delivery,
+                # completes its places (it keeps its send stamp).
+                log.warning("%s is missing from some of %s; publishing it again", entry.get("t"), entry["ks"])
+                publish_again(owner, entry)
+                return
+            if state != "ready":
+                log.debug("%r reserved for %s, which waits for its other keys", key, entry.get("t"))
+                return
         publish_handoff(owner, key, entry)
 
     store.add_handoff_callback(publish)

@@ -111,12 +111,7 @@ def fill_stages(by: str) -> list[Document]:
             "cond": {"$not": [{"$in": ["$$s", used]}]},
         }
     }
-    single_held = {
-        "$and": [
-            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
-            {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
-        ]
-    }
+    single_held = adm.SINGLE_HELD
     hold = {
         "$let": {
             "vars": {"h": {"$arrayElemAt": ["$__hd", "$$i"]}, "s": {"$arrayElemAt": ["$__fs", "$$i"]}},
@@ -208,11 +203,15 @@ def _then_hand(drop: list[Document], by: str) -> list[Document]:
     return [*drop[:-1], *normalize_stages(), *fill_stages(by), adm.gc_stage()]
 
 
-def slot_release_handoff_pipeline(tokens: Iterable[str], by: str = "") -> list[Document]:
-    """Release the holds of ``tokens``; the freed slots go to the oldest parked runs (``by``)."""
+def slot_release_handoff_pipeline(
+    tokens: Iterable[str], by: str = "", *, seen: bool = True
+) -> list[Document]:
+    """Release the holds of ``tokens``; the freed slots go to the oldest parked runs (``by``). ``seen``:
+    their runs are remembered as over (not for holds whose run never got them)."""
     toks = list(tokens)
     mine = {"$filter": {"input": _HS, "as": "e", "cond": {"$in": ["$$e.o", {"$literal": toks}]}}}
-    return [{"$set": {"seen": _seen_of(mine)}}, *_then_hand(_slots.slot_release_pipeline(toks), by)]
+    remember = [{"$set": {"seen": _seen_of(mine)}}] if seen else []
+    return [*remember, *_then_hand(_slots.slot_release_pipeline(toks), by)]
 
 
 def slot_release_dead_handoff_pipeline(holder: Mapping[str, Any], by: str = "") -> list[Document]:
@@ -247,13 +246,8 @@ def slot_admit_pipeline(
     ident = str(entry["id"])
     stamp = int(entry["s"])
     n = int(limit)
-    single_held = {
-        "$and": [
-            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
-            {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
-        ]
-    }
-    room = {"$and": [{"$lt": [{"$size": _HS}, n]}, {"$not": [single_held]}]}
+    single_held = adm.SINGLE_HELD
+    room = {"$and": [{"$lt": [{"$size": _HS}, _slots.effective_limit(_HS, n)]}, {"$not": [single_held]}]}
     ids = {"$map": {"input": _Q, "as": "e", "in": "$$e.id"}}
     handed = {"$filter": {"input": _HS, "as": "e", "cond": _has_ho("$$e")}}
     handed_ids = {"$map": {"input": handed, "as": "e", "in": "$$e.ho.id"}}
@@ -302,7 +296,8 @@ def slot_admit_pipeline(
                 0,
             ]
         }
-        branches.append({"case": claimable, "then": "claimed"})
+        # (never while the key is held or handed as a single lease: a key mixed with single leases)
+        branches.append({"case": {"$and": [claimable, {"$not": [single_held]}]}, "then": "claimed"})
     if due:
         due_now = [room, {"$eq": [adm._get("id", head), {"$literal": ident}]}, adm._due(head)]
         branches.append({"case": {"$and": due_now}, "then": "due"})
@@ -408,7 +403,13 @@ def slot_admit_pipeline(
             }
         },
         "fence": {"$cond": ["$__new", "$__base", "$fence"]},
-        "lim": {"$cond": [{"$or": ["$__new", {"$eq": [{"$ifNull": ["$lim", None]}, None]}]}, n, "$lim"]},
+        "lim": {
+            "$cond": [
+                {"$or": ["$__new", {"$eq": [{"$ifNull": ["$lim", None]}, None]}]},
+                _slots.effective_limit(_HS, n),
+                "$lim",
+            ]
+        },
         "q": {
             "$switch": {
                 "branches": [

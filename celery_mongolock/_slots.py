@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._admission import gc_stage
+from ._admission import SINGLE_HELD, gc_stage
 
 __all__ = [
     "slot_acquire_pipeline",
@@ -51,6 +51,14 @@ def _latest_expiry(hs: object) -> Document:
 def _handed(var: str) -> Document:
     """The hold ``var`` is a slot handed to a parked run, not yet claimed (``_slot_admission``)."""
     return {"$ne": [{"$ifNull": [f"{var}.ho", None]}, None]}
+
+
+def effective_limit(holds: object, limit: int) -> Document:
+    """The limit a new hold is judged by: ``limit``, or the key's own (``lim``) if smaller while other
+    holds exist. Two tasks that guard one key with different limits then never exceed the smaller one
+    (and ``lim`` only grows again once the key is empty)."""
+    n = int(limit)
+    return {"$cond": [{"$gt": [{"$size": holds}, 0]}, {"$min": [n, {"$ifNull": ["$lim", n]}]}, n]}
 
 
 def _gc() -> Document:
@@ -122,12 +130,7 @@ def slot_acquire_pipeline(
             0,
         ]
     }
-    single_held = {
-        "$and": [
-            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
-            {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
-        ]
-    }
+    single_held = SINGLE_HELD
     has_task = holder.get("task_id") is not None
     nobody_parked = {
         "$and": [
@@ -168,7 +171,7 @@ def slot_acquire_pipeline(
                     "$and": [
                         {"$not": ["$__mine"]},
                         {"$not": ["$__dup"]},  # a copy of a run that holds a slot now takes none
-                        {"$lt": [{"$size": "$__live"}, int(limit)]},
+                        {"$lt": [{"$size": "$__live"}, effective_limit("$__live", limit)]},
                         {"$not": [single_held]},
                         nobody_parked,
                         True if tick is None else {"$lt": [{"$ifNull": ["$last_tick", -1]}, int(tick)]},
@@ -180,7 +183,7 @@ def slot_acquire_pipeline(
             "$set": {
                 "hs": {"$cond": ["$__take", {"$concatArrays": ["$__live", [hold]]}, "$__live"]},
                 "fence": {"$cond": ["$__take", "$__fence", "$fence"]},
-                "lim": {"$cond": ["$__take", int(limit), "$lim"]},
+                "lim": {"$cond": ["$__take", effective_limit("$__live", limit), "$lim"]},
                 **({} if tick is None else {"last_tick": {"$cond": ["$__take", int(tick), "$last_tick"]}}),
                 "ends": {
                     "$cond": [

@@ -74,8 +74,11 @@ class RenewalStore(Protocol):
         """Renew ``leases`` in one round trip; mark lost and return those that no longer matched."""
         ...
 
-    def release_tokens(self, tokens: Collection[str], timeout: float | None = None) -> int:
-        """Release the leases of these owner tokens in one round trip; return how many were released."""
+    def release_tokens(
+        self, tokens: Collection[str], timeout: float | None = None, *, unconfirmed: Collection[str] = ()
+    ) -> int:
+        """Release the leases of these owner tokens in one round trip; return how many were released.
+        ``unconfirmed``: tokens whose acquire never answered (their run is not remembered as over)."""
         ...
 
     def write_history(
@@ -355,7 +358,8 @@ class Heartbeat:
         give_up = self._earliest_give_up()
         budget = 2.0 if give_up is None else max(0.05, min(2.0, give_up - self._clock.monotonic()))
         try:
-            released = store.release_tokens(list(pending), timeout=budget)
+            unconfirmed = [token for token, (_key, _until, maybe) in pending.items() if maybe]
+            released = store.release_tokens(list(pending), timeout=budget, unconfirmed=unconfirmed)
         except Exception as exc:
             log.debug("background release of %d lease(s) failed, will retry: %s", len(pending), exc)
             return False

@@ -1030,19 +1030,67 @@ class LeaseStore:
             else int(validate_seconds("timeout", timeout, low=0.0, high=MAX_LEASE_SECONDS) * 1000)
         )
         by = "reserve:" + uuid.uuid4().hex
-        with self._operation(f"reserve lease {lease.key!r}"):
-            doc = self.collection.find_one_and_update(
-                {"_id": lease.key, "owner": lease.owner},
-                admission_docs.reserve_pipeline(full_entry, timeout_ms, by),
-                projection={"_id": 1},
-            )
         with lease._lock:
             lease._released = True  # handed over to the entry: not ours to renew or release
-        self.forget(lease)
+        self.forget(lease)  # (before the command: a renewal racing it would report the lease lost)
+        # Ours, or already reserved for the entry by an attempt of this command whose reply was lost.
+        match = {
+            "_id": lease.key,
+            "$or": [{"owner": lease.owner}, {"owner": entry["tk"], "ho.id": entry["id"]}],
+        }
+        doc: Document | None = None
+        for attempt in range(3):
+            try:
+                with self._operation(f"reserve lease {lease.key!r}"):
+                    doc = self.collection.find_one_and_update(
+                        match,
+                        admission_docs.reserve_pipeline(full_entry, timeout_ms, by),
+                        projection={"_id": 1},
+                    )
+                break
+            except StoreUnavailable:
+                if attempt == 2:
+                    raise
         log_acquire.info(
             "lease %r reserved for %s (%s)", lease.key, entry.get("t"), "kept" if doc else "lost"
         )
         return doc is not None
+
+    def unpark(self, key: str, entry_id: str) -> None:
+        """Remove the run ``entry_id`` from ``key``: its parked entry, or the handoff or reservation made
+        to it (the key then goes to the next parked run, published by this process)."""
+        key = normalize_key(key)
+        by = self._handoff_by(uuid.uuid4().hex)
+        ident = {"$literal": entry_id}
+        mine = {"$and": [{"$eq": [{"$ifNull": ["$ho.id", None]}, ident]}, {"$eq": ["$owner", "$ho.tk"]}]}
+        pipeline: builtins.list[Document] = [
+            {"$set": {"__mine": mine}},
+            {
+                "$set": {
+                    "q": {
+                        "$filter": {
+                            "input": {"$ifNull": ["$q", []]},
+                            "as": "e",
+                            "cond": {"$ne": ["$$e.id", ident]},
+                        }
+                    },
+                    "owner": {"$cond": ["$__mine", None, "$owner"]},
+                    "ho": {"$cond": ["$__mine", None, "$ho"]},
+                }
+            },
+            {"$unset": ["__mine"]},
+            *admission_docs.release_handoff_stages(by),
+            admission_docs.gc_stage(),
+        ]
+        with self._operation(f"unpark {entry_id} from {key!r}"):
+            doc = self.collection.find_one_and_update(
+                {"_id": key, "$or": [{"q.id": entry_id}, {"ho.id": entry_id}]},
+                pipeline,
+                projection=admission_docs.HANDOFF_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is not None:
+            self._handed(key, doc, by)
 
     def give_back(self, lease: Lease) -> bool:
         """Release ``lease`` of a run that has not run (an attempt that gives its keys back): as a
@@ -1067,17 +1115,42 @@ class LeaseStore:
     def reserved_for_all(self, entry: Mapping[str, Any]) -> bool:
         """Whether every key of the run ``entry`` (``ks``) is handed or reserved to it, not yet claimed:
         then its message is published (once per completion; copies collapse at the claims)."""
+        return self.keys_state(entry) == "ready"
+
+    def keys_state(self, entry: Mapping[str, Any]) -> str:
+        """Where the multi-key run ``entry`` stands on its keys (one read): ``ready`` (every key reserved
+        for it), ``waiting`` (parked or reserved on each), or ``missing`` (absent from some key: its
+        worker died between its admits and nothing brought its message back)."""
         keys = [normalize_key(k) for k in entry.get("ks") or []]
         if not keys:
-            return False
+            return "missing"
+        ident = {"$literal": entry.get("id")}
+        pipeline: builtins.list[Document] = [
+            {"$match": {"_id": {"$in": keys}}},
+            {
+                "$project": {
+                    "reserved": {
+                        "$and": [
+                            {"$eq": ["$ho.id", ident]},
+                            {"$eq": ["$owner", {"$literal": entry.get("tk")}]},
+                        ]
+                    },
+                    "parked": {
+                        "$in": [
+                            ident,
+                            {"$map": {"input": {"$ifNull": ["$q", []]}, "as": "e", "in": "$$e.id"}},
+                        ]
+                    },
+                }
+            },
+        ]
         with self._operation(f"read the keys of {entry.get('t')}"):
-            docs = builtins.list(self.collection.find({"_id": {"$in": keys}}, {"owner": 1, "ho.id": 1}))
-        ready = {
-            d["_id"]
-            for d in docs
-            if (d.get("ho") or {}).get("id") == entry.get("id") and d.get("owner") == entry.get("tk")
-        }
-        return ready == set(keys)
+            docs = builtins.list(self.collection.aggregate(pipeline))
+        reserved = {d["_id"] for d in docs if d.get("reserved")}
+        present = reserved | {d["_id"] for d in docs if d.get("parked")}
+        if reserved == set(keys):
+            return "ready"
+        return "waiting" if present == set(keys) else "missing"
 
     # -- handoffs ------------------------------------------------------------------------------------
     def add_handoff_callback(self, callback: HandoffCallback) -> None:
@@ -1182,19 +1255,33 @@ class LeaseStore:
                 ],
             )
 
-    def release_tokens(self, tokens: _Collection[str], timeout: float | None = None) -> int:
+    def release_tokens(
+        self, tokens: _Collection[str], timeout: float | None = None, *, unconfirmed: _Collection[str] = ()
+    ) -> int:
         """Release the leases of these owner tokens in one round trip (the heartbeat's background
-        releases); return how many were released. ``StoreUnavailable`` if MongoDB does not answer."""
-        tokens = builtins.list(tokens)
+        releases); return how many were released. ``StoreUnavailable`` if MongoDB does not answer.
+        ``unconfirmed``: tokens of acquires whose caller never got the lease (no answer came): their run
+        did not run with them, so it is not remembered as over (``seen``)."""
+        maybe = set(unconfirmed)
+        groups = [
+            (builtins.list(t for t in tokens if t not in maybe), True),
+            (builtins.list(t for t in tokens if t in maybe), False),
+        ]
+        released = 0
         with self._operation("release leases in the background", timeout=timeout):
-            result = self.collection.update_many(
-                documents.release_tokens_filter(tokens), documents.release_pipeline()
-            )
-            # (a freed slot handed to a parked run is unmarked: a worker's sweeper publishes it)
-            slotted = self.collection.update_many(
-                slots_docs.slot_tokens_filter(tokens), slot_admission.slot_release_handoff_pipeline(tokens)
-            )
-        return result.modified_count + slotted.modified_count
+            for toks, seen in groups:
+                if not toks:
+                    continue
+                result = self.collection.update_many(
+                    documents.release_tokens_filter(toks), documents.release_pipeline(seen=seen)
+                )
+                # (a freed slot handed to a parked run is unmarked: a worker's sweeper publishes it)
+                slotted = self.collection.update_many(
+                    slots_docs.slot_tokens_filter(toks),
+                    slot_admission.slot_release_handoff_pipeline(toks, seen=seen),
+                )
+                released += result.modified_count + slotted.modified_count
+        return released
 
     def release_later(
         self, key: str, token: str, until: float, *, quiet: bool = False, maybe: bool = False

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextvars
 import datetime as _dt
-import hashlib
 import inspect
 import logging
 import time
@@ -369,7 +368,17 @@ class SingletonTask(Task):  # type: ignore[misc]
                 _release_quietly(taken)
                 raise
             if blocked is None:
-                return LeaseSet(taken)
+                # One renewal confirms every lease before the body starts: an acquire slower than a
+                # lease must not let it run with a key that expired and was taken meanwhile.
+                try:
+                    lost = store.renew_many(taken)
+                except StoreUnavailable as exc:
+                    _release_quietly(taken)
+                    self._unavailable(keys[0], exc, policy, direct)
+                if not lost:
+                    return LeaseSet(taken)
+                _release_quietly(taken)
+                continue
             _release_quietly(taken)
             key, doc = blocked
             holder = dict(doc.get("holder") or {})
@@ -398,7 +407,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         """A run of a ``Queue`` task that needs several keys: take them all (in sorted order, one admit
         each), claim them all when they were handed to it, or park it on every key it did not get and
         turn the keys it got into reservations for it (``LeaseStore.reserve``): it keeps its place on
-        each key, holds none while its body is not running, and is published once all are reserved."""
+        each key, holds none while its body is not running, and is published once all are reserved.
+
+        Keys taken or claimed by an attempt that does not run the body are given back without marking
+        the run as over (``LeaseStore.give_back``), so that a retry or copy of it still runs; the body
+        starts only after one renewal has confirmed every lease (an admit slower than a lease must not
+        let it run with a key another worker took meanwhile)."""
         policy = options.on_contention
         assert isinstance(policy, Queue)
         store = get_store(self.app)
@@ -416,7 +430,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             "th": policy.then.name,
             "ks": keys,
             # One handoff token for all the keys (the same on every admit of this run).
-            "tk": hashlib.sha256(f"mongolock-keys:{ident}:{','.join(keys)}".encode()).hexdigest()[:32],
+            "tk": _queue.keys_token(ident, keys),
             **_queue.message_of(self, request, stamp),
         }
         info: dict[str, Any] = {
@@ -438,89 +452,55 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._set_state(QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
 
         def admit(key: str, claim: str | None) -> tuple[Lease | None, dict[str, Any]]:
-            try:
-                return store.admit(
-                    key,
-                    entry,
-                    ttl=options.lease_seconds,
-                    claim=claim,
-                    timeout=policy.timeout,
-                    max_length=policy.max_length,
-                    info=info,
-                    heartbeat=True,
-                    heartbeat_seconds=options.heartbeat_seconds,
-                )
-            except StoreUnavailable as exc:
-                self._unavailable(key, exc, policy, direct=False)
+            return store.admit(
+                key,
+                entry,
+                ttl=options.lease_seconds,
+                claim=claim,
+                timeout=policy.timeout,
+                max_length=policy.max_length,
+                info=info,
+                heartbeat=True,
+                heartbeat_seconds=options.heartbeat_seconds,
+            )
 
-        def reserve_all(leases: list[Lease]) -> None:
-            """Keys taken in an attempt that must wait: each becomes a reservation for the entry."""
-            for lease in leases:
-                try:
-                    kept = store.reserve(lease, entry, timeout=policy.timeout)
-                except StoreUnavailable as exc:
-                    _release_quietly(leases)
-                    self._unavailable(lease.key, exc, policy, direct=False)
-                if not kept:  # lost meanwhile (expired, forced): wait for it as any parked run
-                    admit(lease.key, None)
+        def confirmed(leases: list[Lease]) -> bool:
+            """All still ours on the server (one round trip); else all given back."""
+            if not store.renew_many(leases):
+                return True
+            _give_back_quietly(store, leases)
+            log_acquire.info(
+                "%s[%s]: a key expired while the others were taken; again", self.name, request.id
+            )
+            return False
 
-        def park() -> NoReturn:
-            """Parked or reserved on every key: published when all are reserved for it."""
-            if store.reserved_for_all(entry):
-                _queue.publish_handoff(self.app, keys[0], {**entry, "hn": 1})
-            signals.run_parked.send(sender=self, key=keys[0], task_id=request.id, position=0, stamp=stamp)
-            log_acquire.info("%s[%s]: waits for %s (parked or reserved on each)", self.name, request.id, keys)
-            raise Ignore()
-
-        if claim is not None:
-            claimed: list[Lease] = []
-            try:
-                for key in keys:
-                    lease, doc = admit(key, claim)
-                    if lease is not None:
-                        claimed.append(lease)
-                        continue
-                    outcome = doc.get("lo")
-                    if outcome == "running":
-                        # A copy of the handoff message while the first copy runs.
-                        _release_quietly(claimed)
+        try:
+            for _attempt in range(5):
+                if claim is not None:
+                    claimed, outcome, key = self._claim_all(keys, claim, admit, store, entry, policy)
+                    if claimed is not None:
+                        if not confirmed(claimed):
+                            claim = None
+                            continue
+                        self._set_state(celery_states.STARTED, {"keys": keys})
+                        return LeaseSet(claimed)
+                    if outcome == "running":  # a copy of the handoff message while the first copy runs
                         self._park_duplicate(key, options, False)
                         raise Ignore()
-                    # Not (or no longer) reserved for this run here: an older run was handed it, or its
-                    # reservation expired and waits again. Keep the keys claimed as reservations.
-                    reserve_all(claimed)
-                    claimed = []
-                    if outcome == "dup":
-                        park()
+                    if outcome == "dup":  # waiting again on that key: it is published when ready
+                        self._parked_all(keys, store, entry, stamp)
                     if self._has_final_state():
                         log_acquire.info("%s[%s]: stale handoff of %s; dropped", self.name, request.id, keys)
                         raise Ignore()
                     claim = None  # claimed and died (its worker killed): admitted as any run, below
-                    break
-            except BaseException:
-                _release_quietly(claimed)
-                raise
-            if claim is not None:
-                self._set_state(celery_states.STARTED, {"keys": keys})
-                return LeaseSet(claimed)
-
-        tentative: list[Lease] = []
-        waiting = False
-        try:
-            for key in keys:
-                lease, doc = admit(key, None)
-                if lease is not None:
-                    tentative.append(lease)
+                taken, outcome, key, doc = self._admit_each(keys, admit, store, entry, policy)
+                if outcome is None:  # every key taken in this attempt
+                    if confirmed(taken):
+                        self._set_state(celery_states.STARTED, {"keys": keys})
+                        return LeaseSet(taken)
                     continue
-                outcome = doc.get("lo")
-                if outcome in ("parked", "dup"):
-                    waiting = True
-                    continue
-                # done, running, full: this run does not wait. Give back what it took, leave the queues.
-                for got in tentative:
-                    store.give_back(got)
-                for other in keys:
-                    store.sweep(other, revoked={request.id})
+                if outcome == "waiting":
+                    self._parked_all(keys, store, entry, stamp)
                 if outcome == "done":
                     if not self._has_final_state():
                         return _Outcome(_already_ran(key, request.id))
@@ -528,23 +508,133 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if outcome == "running":
                     self._park_duplicate(key, options, False)
                     raise Ignore()
-                holder = dict(doc.get("holder") or {})
+                assert outcome == "full", outcome
                 reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
                 if isinstance(policy.then, Fail):
                     raise QueueTimeout(key, reason)
+                holder = dict(doc.get("holder") or {})
                 return (
                     ContendedRun(self, store, key, direct=False)
                     .held_by(holder, _aware(doc.get("expires_at")))
                     .skip(reason)
                 )
+            raise StoreUnavailable(f"the keys {keys} kept expiring while they were taken")
+        except StoreUnavailable as exc:
+            self._unavailable(keys[0], exc, policy, direct=False)
+
+    def _claim_all(  # noqa: PLR0917 - the run's state, handed over as is
+        self,
+        keys: list[str],
+        claim: str,
+        admit: Callable[[str, str | None], tuple[Lease | None, dict[str, Any]]],
+        store: LeaseStore,
+        entry: dict[str, Any],
+        policy: Queue,
+    ) -> tuple[list[Lease] | None, str | None, str]:
+        """Claim every key handed to this run. ``(leases, None, "")`` when all were claimed; else the
+        keys claimed so far are reservations again, and ``(None, outcome, key)`` says why ``key``
+        failed."""
+        claimed: list[Lease] = []
+        try:
+            for key in keys:
+                lease, doc = admit(key, claim)
+                if lease is not None:
+                    claimed.append(lease)
+                    continue
+                outcome = str(doc.get("lo"))
+                if outcome == "running":
+                    _give_back_quietly(store, claimed)
+                else:
+                    # Not (or no longer) reserved for this run here: an older run was handed it, or its
+                    # reservation expired and it waits again. Keep the keys claimed as reservations.
+                    self._reserve_all(claimed, admit, store, entry, policy)
+                claimed = []
+                return None, outcome, key
         except BaseException:
-            _release_quietly(tentative)
+            _give_back_quietly(store, claimed)
+            raise
+        return claimed, None, ""
+
+    def _admit_each(
+        self,
+        keys: list[str],
+        admit: Callable[[str, str | None], tuple[Lease | None, dict[str, Any]]],
+        store: LeaseStore,
+        entry: dict[str, Any],
+        policy: Queue,
+    ) -> tuple[list[Lease], str | None, str, dict[str, Any]]:
+        """One attempt over every key: ``(leases, None, "", {})`` when all were taken; ``([], "waiting",
+        "", {})`` when the run is parked or reserved on each; otherwise the keys taken are given back,
+        this attempt's parks removed, and the outcome (``done``, ``running``, ``full``) returned with the
+        key and its document."""
+        taken: list[Lease] = []
+        waiting = False
+        try:
+            for key in keys:
+                lease, doc = admit(key, None)
+                if lease is not None:
+                    taken.append(lease)
+                    continue
+                outcome = str(doc.get("lo"))
+                if outcome in ("parked", "dup"):
+                    waiting = True
+                    continue
+                # done, running, full: this run does not wait. Give back what it took and leave the
+                # queues it joined in this attempt (never another copy's places: only this entry's).
+                _give_back_quietly(store, taken)
+                taken = []
+                if outcome in ("full", "done"):
+                    for other in keys:
+                        store.unpark(other, entry["id"])
+                return [], outcome, key, doc
+        except BaseException:
+            _give_back_quietly(store, taken)
             raise
         if not waiting:
-            self._set_state(celery_states.STARTED, {"keys": keys})
-            return LeaseSet(tentative)
-        reserve_all(tentative)
-        park()
+            return taken, None, "", {}
+        self._reserve_all(taken, admit, store, entry, policy)
+        return [], "waiting", "", {}
+
+    def _reserve_all(
+        self,
+        leases: list[Lease],
+        admit: Callable[[str, str | None], tuple[Lease | None, dict[str, Any]]],
+        store: LeaseStore,
+        entry: dict[str, Any],
+        policy: Queue,
+    ) -> None:
+        """Keys taken by an attempt that must wait: each becomes a reservation for the run's entry. A key
+        lost meanwhile (expired, forced) is admitted again: taken (and reserved) or parked on."""
+        pending = list(leases)
+        rounds = 0
+        try:
+            while pending:
+                lease = pending.pop(0)
+                if store.reserve(lease, entry, timeout=policy.timeout):
+                    continue
+                rounds += 1
+                if rounds > 3 * len(leases):
+                    raise StoreUnavailable(f"{lease.key!r} kept being lost while this run reserved it")
+                again, doc = admit(lease.key, None)
+                if again is not None:
+                    pending.append(again)
+                elif doc.get("lo") not in ("parked", "dup"):
+                    raise StoreUnavailable(
+                        f"{lease.key!r} was lost while this run reserved it, and it cannot wait there "
+                        f"({doc.get('lo')})"
+                    )
+        except BaseException:
+            _give_back_quietly(store, pending)
+            raise
+
+    def _parked_all(self, keys: list[str], store: LeaseStore, entry: dict[str, Any], stamp: int) -> NoReturn:
+        """Parked or reserved on every key: published when all are reserved for it (by whoever makes
+        the last reservation; here if that was this attempt)."""
+        if store.reserved_for_all(entry):
+            _queue.publish_handoff(self.app, keys[0], {**entry, "hn": 1})
+        signals.run_parked.send(sender=self, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)
+        log_acquire.info("%s[%s]: waits for %s (parked or reserved on each)", self.name, entry["t"], keys)
+        raise Ignore()
 
     def _take(self, key: str, options: TaskOptions, direct: bool) -> Lease | _Outcome:
         """Take the lease, or carry out the contention policy (which raises, or returns an outcome)."""
@@ -888,6 +978,16 @@ def _already_ran(key: str, task_id: str) -> dict[str, Any]:
         "reason": f"the body of {task_id} ran and released {key!r}; its worker died before it stored "
         "the result, which is lost (the body is never run twice)",
     }
+
+
+def _give_back_quietly(store: LeaseStore, leases: list[Lease]) -> None:
+    """Give back keys taken by an attempt that does not run the body (in reverse order), without
+    marking the run as over; one that cannot be given back now expires (its run never used it)."""
+    for lease in reversed(leases):
+        try:
+            store.give_back(lease)
+        except StoreUnavailable as exc:
+            log_release.warning("%s (it expires on its own)", exc)
 
 
 def _release_quietly(leases: list[Lease]) -> None:

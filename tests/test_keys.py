@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.result import AsyncResult
 
 from celery_mongolock import ConfigurationError, LeaseSet, singleton_task
 
@@ -226,3 +227,45 @@ def test_a_queued_multi_key_run_past_its_timeout_fails_and_frees_its_reservation
     blocker.release()
     doc_b = cluster.store.collection.find_one({"_id": f"resource:{b}"}) or {}
     assert result.id not in [e["t"] for e in doc_b.get("q") or []]
+
+
+@pytest.mark.slow
+def test_a_queued_multi_key_run_whose_worker_died_between_its_admits_still_runs(cluster: Cluster) -> None:
+    """Its entry is parked on one key only (its worker died before it took the other, and its message
+    did not come back): once its reservation there expires unclaimed, the worker that hands it again
+    publishes its message as a new delivery, which completes its places and runs it."""
+    from kombu.serialization import dumps
+
+    from celery_mongolock import _queue
+
+    suffix = uuid.uuid4().hex[:8]
+    a, b = f"a{suffix}", f"b{suffix}"
+    keys = sorted([f"resource:{a}", f"resource:{b}"])
+    blocker = cluster.store.acquire(f"resource:{b}", 60)
+    assert blocker is not None
+    tag = uuid.uuid4().hex[:10]
+    task_id = uuid.uuid4().hex
+    stamp = _queue.send_stamp()
+    sig = it.merge_queued.s(a, b, tag, 0.1).set(task_id=task_id, headers={_queue.SENT_HEADER: stamp})
+    content_type, encoding, body = dumps(dict(sig), serializer="json")  # type: ignore[no-untyped-call]
+    run = f"{task_id}/0"
+    entry = {
+        "id": run,
+        "t": task_id,
+        "n": it.merge_queued.name,
+        "r": "0",
+        "s": stamp,
+        "src": "test",
+        "th": "skip",
+        "ks": keys,
+        "tk": _queue.keys_token(run, keys),
+        "m": body if isinstance(body, bytes) else body.encode(encoding),
+        "ct": content_type,
+        "ce": encoding,
+    }
+    _, doc = cluster.store.admit(f"resource:{b}", entry, ttl=LEASE)
+    assert doc["lo"] == "parked"
+    blocker.release()  # b is handed to it: a reservation, while it is missing from a
+    assert AsyncResult(task_id, app=it.app).get(timeout=90) == keys
+    [start] = cluster.runs(tag, "start")
+    assert sorted(start["fences"]) == keys

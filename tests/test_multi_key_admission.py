@@ -137,3 +137,56 @@ def test_why_says_a_key_is_reserved_for_a_run_that_waits_for_its_other_keys(stor
     blocker.release()
     story_y = store.why(Y)
     assert story_y is not None and story_y.verdict.startswith("reserved ")
+
+
+def test_a_run_missing_from_one_of_its_keys_is_told_apart(store: LeaseStore) -> None:
+    # Its worker died after it parked on y and before it took x: nothing holds x for it.
+    blocker = store.acquire(Y, 30)
+    assert blocker is not None
+    e = multi(10)
+    store.admit(Y, e, ttl=30)
+    assert store.keys_state(e) == "missing"
+    lease, _ = store.admit(X, e, ttl=30)
+    assert lease is not None and store.reserve(lease, e)
+    assert store.keys_state(e) == "waiting"
+    blocker.release()
+    assert store.keys_state(e) == "ready"
+
+
+def test_mixed_single_and_slot_holders_never_hold_one_key_at_once(store: LeaseStore) -> None:
+    single = {"id": "b2/0", "t": "b2", "n": "b", "r": "0", "s": 20, "m": b"m"}
+    holder = store.acquire(X, 30)
+    assert holder is not None
+    assert store.admit(X, single, ttl=30)[1]["lo"] == "parked"
+    holder.release()  # handed to b2, whose message is late: its handoff expires unclaimed
+    tk = doc_of(store, X)["ho"]["tk"]
+    store.collection.update_one({"_id": X}, {"$set": {"expires_at": _dt.datetime(2000, 1, 1)}})
+    slot, doc = store.admit(X, {**single, "id": "a1/0", "t": "a1", "s": 30}, ttl=30, limit=2)
+    assert slot is None  # the pending single handoff still counts
+    claimed, doc = store.admit(X, single, ttl=30, claim=tk)
+    assert claimed is not None and doc["lo"] == "claimed"
+    claimed.release()
+    # The other way round: a slot handed and not claimed keeps a single lease out, even expired.
+    taken = [
+        store.admit(Y, {**single, "id": f"s{i}/0", "t": f"s{i}", "s": i}, ttl=30, limit=2)[0] for i in (1, 2)
+    ]
+    slots = [lease for lease in taken if lease is not None]
+    assert len(slots) == 2
+    store.admit(Y, {**single, "id": "s3/0", "t": "s3", "s": 3}, ttl=30, limit=2)
+    slots[0].release()
+    store.collection.update_one(
+        {"_id": Y}, {"$set": {"hs.$[h].x": _dt.datetime(2000, 1, 1)}}, array_filters=[{"h.h.task_id": "s3"}]
+    )
+    assert store.acquire(Y, 30) is None
+
+
+def test_a_background_release_of_an_unanswered_acquire_does_not_mark_the_run_over(store: LeaseStore) -> None:
+    for limit, key in ((None, X), (3, Y)):
+        e = {"id": "run/0", "t": "run", "n": "t", "r": "0", "s": 1, "m": b"m"}
+        lease, _ = store.admit(key, e, ttl=30, limit=limit)  # an attempt that landed after its caller gave up
+        assert lease is not None
+        store.heartbeat.discard(lease)
+        assert store.release_tokens([lease.owner], unconfirmed=[lease.owner]) == 1
+        again, doc = store.admit(key, e, ttl=30, limit=limit)
+        assert again is not None and doc["lo"] == "acquired", doc.get("lo")  # not "done"
+        again.release()
