@@ -534,7 +534,8 @@ class LeaseStore:
             pipeline = slots_docs.slot_acquire_pipeline(
                 token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick
             )
-            projection = {"q.m": 0, "ends": 0, "seen": 0}
+            # With ``ends`` (at most 8): the endings of holds this acquire found expired go to the history.
+            projection = {"q.m": 0, "seen": 0}
         elif admission is None:
             pipeline = documents.acquire_pipeline(
                 token,
@@ -679,6 +680,10 @@ class LeaseStore:
         heartbeat: bool,
     ) -> tuple[Lease | None, Document | None]:
         """The outcome of a ``limit=N`` acquire, from its reply: our hold is in ``hs``, or the key is full."""
+        for ending in documents.slots_expired_by(doc):
+            self._record(documents.history_record(key, ending))
+        if doc is not None:
+            doc.pop("ends", None)
         mine = next((h for h in (doc or {}).get("hs") or [] if h.get("o") == token), None)
         if mine is None:
             if ambiguous:
@@ -767,7 +772,10 @@ class LeaseStore:
         if lease is not None:
             doc.setdefault("lo", "acquired")
         elif doc.get("lo") == "parked":
-            self._handed(normalize_key(key), doc, str(doc.get("_admit_token") or ""))
+            key = normalize_key(key)
+            if self._handed(key, doc, str(doc.get("_admit_token") or "")) is not None and self.history_days:
+                # The key was found vacant: an expired lease's ending may be in ``ends`` (same command).
+                self.heartbeat.copy_endings({"_id": key})
         return lease, doc
 
     def wait_free(
@@ -1052,7 +1060,33 @@ class LeaseStore:
             )
         if doc is not None:
             self._handed(key, doc, token)
+            if self.history_days:
+                # The sweep may have ended an expired lease or handoff (its ending is in ``ends``): the
+                # heartbeat copies it at its next tick, with whatever else this process ended.
+                self.heartbeat.copy_endings({"_id": key})
         return doc
+
+    def record_run_ending(
+        self,
+        key: str,
+        how: str,
+        run: Mapping[str, Any],
+        *,
+        fence: int | None,
+        ended_at: _dt.datetime | None = None,
+        parked_at: _dt.datetime | None = None,
+        by: str | None = None,
+    ) -> None:
+        """Queue the history record of a run that ended while parked, never holding ``key``
+        (``superseded``, ``timeout``, ``revoked``); the heartbeat thread writes it at its next tick.
+        ``run``: its parked entry (``t``, ``n``, ``r``/``id``); ``fence``: the key's when it ended."""
+        if not self.history_days:
+            return
+        self._record(
+            documents.run_record(
+                normalize_key(key), how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by
+            )
+        )
 
     def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written."""
@@ -1240,12 +1274,20 @@ class LeaseStore:
 
     def why(self, key: str) -> KeyStory | None:
         """Why ``key`` is (not) running: its lease document, holder, expiry on the server's clock, parked
-        runs and last endings, read in one command (``celery mongolock why``). None if there is no lease
-        document for ``key`` (never taken, or removed by the TTL index after it expired)."""
+        runs and last endings (``celery mongolock why``): the document in one command, and the newest
+        records of the history collection in a second (runs that ended while parked are only there). None
+        if there is no lease document for ``key`` (never taken, or removed by the TTL index after it
+        expired)."""
         key = normalize_key(key)
         with self._operation(f"read lease {key!r}"):
             docs = builtins.list(self.collection.aggregate(documents.story_pipeline(key)))
-        return KeyStory.from_document(docs[0]) if docs else None
+            stored: builtins.list[Document] = []
+            if docs and self.history_days:
+                # Endings ``ends`` does not keep: runs that ended while parked, and older ones.
+                stored = builtins.list(
+                    self.history_collection.find({"k": key}).sort("f", pymongo.DESCENDING).limit(16)
+                )
+        return KeyStory.from_document(docs[0], stored, documents.HOLDER_VIEW) if docs else None
 
     def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:
         """How the last ``limit`` leases of ``key`` ended, newest first (``celery mongolock history``).

@@ -566,6 +566,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             by = str(doc.get("lo_by"))
             log_acquire.info("%s[%s]: %r: a newer send (%s) supersedes this run", *who, key, by)
             signals.run_superseded.send(sender=self, key=key, task_id=request.id, by=by)
+            store.record_run_ending(key, "superseded", entry, fence=doc.get("fence"), by=by)  # history
             return _Outcome(_queue.superseded_result(key, by))
         if outcome == "full":
             reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
@@ -577,7 +578,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         if mine:
             # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
             # its result with it (it writes QUEUED before it parks, so this is rare: the write failed).
-            _queue.write_superseded(self.app, store, key, mine, ready=_queue.marked_queued(self.app))
+            _queue.write_superseded(
+                self.app, store, key, mine, ready=_queue.marked_queued(self.app), fence=doc.get("fence")
+            )
         parked_ids = [e.get("t") for e in doc.get("q") or []]
         position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
