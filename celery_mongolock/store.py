@@ -874,7 +874,7 @@ class LeaseStore:
     def renew_lease(self, lease: Lease) -> bool:
         """Extend ``lease`` once, now (``Lease.renew`` calls this); True if it was still ours."""
         if lease.slot is not None:
-            return not self._renew_slots(
+            return not self._renew_tokens(
                 [lease], timeout=max(0.1, min(self.operation_timeout, lease.remaining))
             )
         with self._operation(
@@ -887,59 +887,64 @@ class LeaseStore:
         return result.matched_count == 1
 
     def renew_many(self, leases: builtins.list[Lease], timeout: float | None = None) -> builtins.list[Lease]:
-        """Renew all ``leases`` in one round trip; return those found lost (and mark them lost).
+        """Renew all ``leases`` in one round trip, single leases and ``limit=N`` slots alike; return those
+        found lost (and mark them lost).
 
-        A second query is made only when some lease did not match, to learn which.
+        A second query is made only when the update matched fewer documents than leases were renewed, or
+        when one key holds two of them (a thread pool's two slots of one key: a match then says only that
+        one of them is live), to learn which are lost.
         """
         live = [lease for lease in leases if not lease.lost and not lease.released]
-        slotted = [lease for lease in live if lease.slot is not None]
-        live = [lease for lease in live if lease.slot is None]
-        lost_slots: builtins.list[Lease] = []
-        if slotted:
-            sent_slots = self.clock.monotonic()
-            lost_slots = self._renew_slots(slotted, timeout=timeout)
-            for lease in slotted:
-                if lease in lost_slots:
-                    lease.mark_lost(
-                        "renewal found its slot gone: released by force, or expired and taken", release=False
-                    )
-                else:
-                    lease._extend(sent_slots)
         if not live:
-            return lost_slots
-        by_token = {lease.owner: lease for lease in live}
+            return []
         sent = self.clock.monotonic()
-        coll = self.collection
-        with self._operation("renew leases", timeout=timeout):
-            result = coll.update_many(documents.renew_tokens_filter(by_token), documents.renew_pipeline())
-            lost: builtins.list[Lease] = []
-            if result.matched_count != len(by_token):
-                primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
-                query = documents.renew_tokens_filter(by_token)
-                still = {d["owner"] for d in primary.find(query, {"owner": 1})}
-                lost = [lease for token, lease in by_token.items() if token not in still]
+        lost = self._renew_tokens(live, timeout=timeout)
         for lease in live:
-            if lease in lost:
+            if lease not in lost:
+                lease._extend(sent)
+            elif lease.slot is not None:
+                lease.mark_lost(
+                    "renewal found its slot gone: released by force, or expired and taken", release=False
+                )
+            else:
                 lease.mark_lost(
                     "renewal matched nothing: released by force, or expired and taken over", release=False
                 )
-            else:
-                lease._extend(sent)
-        return lost + lost_slots
+        return lost
 
-    def _renew_slots(
+    def _renew_tokens(
         self, leases: builtins.list[Lease], timeout: float | None = None
     ) -> builtins.list[Lease]:
-        """Renew ``limit=N`` holds (one update, then one read of which are still live); return the lost."""
+        """One update renewing ``leases`` (both document shapes); return those no longer live.
+
+        Single leases alone: the update matches only live ones (``documents.renew_tokens_filter``). With
+        slots: the update modifies exactly the documents in which it renewed a lease (an expired lease is
+        not revived and leaves its document unchanged). Either way, when each key holds one of
+        ``leases``, a count equal to their number means every one was live and renewed. Otherwise (a
+        lease lost, two renewals in one millisecond, two slots of one key) one read tells which are still
+        live."""
         tokens = [lease.owner for lease in leases]
-        with self._operation("renew slot leases", timeout=timeout):
-            self.collection.update_many(
-                slots_docs.slot_tokens_filter(tokens), slots_docs.slot_renew_pipeline(tokens)
-            )
-            primary = self.collection.with_options(read_preference=ReadPreference.PRIMARY)
+        one_per_key = len({lease.key for lease in leases}) == len(leases)
+        slotted = any(lease.slot is not None for lease in leases)
+        single = any(lease.slot is None for lease in leases)
+        coll = self.collection
+        with self._operation("renew leases", timeout=timeout):
+            if not slotted:
+                # Single leases only: the filter matches only the live ones (as before slots existed).
+                result = coll.update_many(documents.renew_tokens_filter(tokens), documents.renew_pipeline())
+                renewed = result.matched_count
+            else:
+                result = coll.update_many(
+                    slots_docs.renew_tokens_filter(tokens, single=single, slots=True),
+                    slots_docs.renew_tokens_pipeline(tokens, single=single),
+                )
+                renewed = result.modified_count
+            if one_per_key and renewed == len(leases):
+                return []  # every document held exactly one of them, live: all renewed
+            primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
             still = {
                 token
-                for d in primary.aggregate(slots_docs.slot_live_tokens_pipeline(tokens))
+                for d in primary.aggregate(slots_docs.live_tokens_pipeline(tokens))
                 for token in d.get("live") or []
             }
         return [lease for lease in leases if lease.owner not in still]
