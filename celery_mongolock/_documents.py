@@ -499,9 +499,11 @@ def history_record(key: str, ending: Mapping[str, Any], view: str = SERVER_VIEW)
     return record
 
 
-def run_history_id(key: str, fence: int, task_id: str) -> str:
-    """``_id`` of the record of a run that ended while parked: one per key and task id (a run ends once)."""
-    return f"{key}\x00{int(fence):020d}\x00{RUN_VIEW}\x00{task_id}"
+def run_history_id(key: str, task_id: str) -> str:
+    """``_id`` of the record of a run that ended while parked: one per key and task id (a run ends once;
+    two workers that both see it end, e.g. the sweeper and the revoke of its handoff message, store one
+    record)."""
+    return f"{key}\x00{RUN_VIEW}\x00{task_id}"
 
 
 def run_record(
@@ -525,7 +527,7 @@ def run_record(
     waited = None if parked is None else max(0, int((ended - parked).total_seconds() * 1000))
     task_id = str(run.get("t"))
     record: Document = {
-        "_id": run_history_id(key, fence or 0, task_id),
+        "_id": run_history_id(key, task_id),
         "k": key,
         "v": RUN_VIEW,
         "f": int(fence or 0),

@@ -306,3 +306,24 @@ def test_runs_that_end_while_parked_are_in_the_history_and_why(cluster: Cluster)
     [timed_out] = runs_ended("timeout").values()
     assert timed_out.task_id == r2.id and timed_out.parked
     assert timed_out.waited_ms is not None and timed_out.waited_ms >= 900  # parked for its 1 s timeout
+
+
+def test_a_run_revoked_while_parked_is_in_the_history(cluster: Cluster) -> None:
+    resource = tag()
+    key = f"resource:{resource}"
+    holder, revoked = tag(), tag()
+    r0 = it.queued.delay(resource, holder, 2.0)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    r1 = it.queued.delay(resource, revoked, 0.1)
+    wait_for(lambda: parked(cluster, key) == [r1.id], timeout=60, message="parked")
+    it.app.control.revoke(r1.id)
+    r0.get(timeout=60)
+
+    def revoked_runs() -> list[Any]:
+        return [e for e in cluster.store.history(key, limit=50) if e.how == "revoked"]
+
+    wait_for(revoked_runs, timeout=60, message="the revoked run's record")
+    [ending] = revoked_runs()
+    # (dropped by the sweeper while parked, or its handoff message discarded by the worker's revoke)
+    assert ending.task_id == r1.id and ending.parked
+    assert not cluster.runs(revoked, "start")
