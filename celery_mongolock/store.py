@@ -890,9 +890,9 @@ class LeaseStore:
         """Renew all ``leases`` in one round trip, single leases and ``limit=N`` slots alike; return those
         found lost (and mark them lost).
 
-        A second query is made only when the update matched fewer documents than leases were renewed, or
-        when one key holds two of them (a thread pool's two slots of one key: a match then says only that
-        one of them is live), to learn which are lost.
+        A second query is made only when the update renewed fewer documents than there are leases, or
+        when one key holds two of them (a thread pool's two slots of one key: a renewed document then says
+        only that one of them is live), to learn which are lost (see ``_renew_tokens``).
         """
         live = [lease for lease in leases if not lease.lost and not lease.released]
         if not live:
