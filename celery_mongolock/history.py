@@ -407,7 +407,7 @@ class KeyStory:
             return f"{line}; {parked}" if parked else line
         if parked:
             return f"free, but {parked}"
-        last = self.endings[0] if self.endings else None
+        last = next((e for e in self.endings if not e.parked), None)  # the last lease, not a parked run
         if last is not None:
             return f"free ({self.ending_phrase(last)}): the next run takes it at once"
         return "free: the next run takes it at once"

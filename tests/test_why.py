@@ -256,3 +256,12 @@ def test_runs_that_ended_while_parked_sort_among_the_leases_and_print_as_such() 
     assert any(
         "superseded by bb22 (parked) app.upload[aa11], parked 0.50 s" in line for line in why_lines(story)
     )
+
+
+def test_the_verdict_of_a_free_key_names_its_last_lease_not_a_parked_run() -> None:
+    doc = {"_id": "email-group:42", "__now": NOW, "fence": 101, "owner": None, "ends": ENDS}
+    sup = {"_id": "x", "f": 102, "v": "q", "t": "aa11", "n": "app.upload", "how": "superseded",
+           "by": "bb22", "e": at(-0.5)}  # fmt: skip
+    story = KeyStory.from_document(doc, [sup])
+    assert story.state == "free" and story.endings[0].parked  # newest first: the superseded run...
+    assert story.verdict.startswith("free (released 1.3 s ago for app.upload[77d2], whose worker")
