@@ -584,8 +584,8 @@ def summary_lines(store: dict[str, Any] | None, workers: dict[str, Any] | None) 
         lines += [
             "",
             "* store: every variant sends one command to acquire (taken or refused) and one to release; "
-            f"the last slot of a key over its first (median): {grow}; the slot heartbeat tick sends "
-            "`update` + `aggregate` where single leases send one `update`",
+            f"the last slot of a key over its first (median): {grow}; the heartbeat tick sends one "
+            "`update` for slot leases as for single leases",
         ]
         odd = {name: len(v["releases_not_ours"]) for name, v in sv.items() if v["releases_not_ours"]}
         if odd:

@@ -15,7 +15,8 @@ Fields added to the lease document (see ``_documents`` for the rest)::
     ho:    entry + {hat, hn, by} | null   # a handoff not yet claimed: handed at, attempt, by whom
     seen:  [run id, ...]    # the last SEEN_KEPT runs that ended with a normal release (duplicate guard)
     dead:  [entry, ...]     # parked runs past their deadline, whose result is not yet written
-    sup:   [{t, by, k}, ...] # Replace: runs superseded by a newer send, result not yet written
+    sup:   [{t, by, at, n, r, pa}, ...] # Replace: runs superseded by a newer send (at; parked at pa),
+                            # result not yet written
     last:  {s, t}           # Replace: the newest send that got the key
     wq:    true | absent    # something waits on this key (indexed: the sweeper's work list)
     gc_at: date | null      # the TTL index's field: expires_at when nothing waits, else null
@@ -224,6 +225,44 @@ def _live(q: object) -> Document:
     return {"$filter": {"input": q, "as": "e", "cond": {"$not": [_entry_expired("$$e")]}}}
 
 
+#: How many endings a lease document keeps in ``ends`` (``_documents.ENDS_KEPT``).
+_ENDS_KEPT = 8
+
+
+def _expired_ending(when: object) -> Document:
+    """``ends`` with the ending of the lease found expired (its holder stopped renewing, or the run it was
+    handed to never claimed it: ``handoff-expired``) appended when ``when`` and it has none yet; in the
+    shape of ``_documents.ending_expr`` (ended at its ``expires_at``, ``seen`` now)."""
+    handed = {"$and": [{"$ne": [{"$ifNull": ["$ho", None]}, None]}, {"$eq": ["$owner", "$ho.tk"]}]}
+    ending = {
+        "f": "$fence",
+        "t": "$holder.task_id",
+        "n": {"$ifNull": ["$holder.task_name", "$holder.role"]},
+        "run": "$holder.delivery",
+        "host": "$holder.host",
+        "pid": "$holder.pid",
+        "worker": "$holder.worker",
+        "a": "$acquired_at",
+        "e": "$expires_at",
+        "w": "$waited_ms",
+        "how": {"$cond": [handed, "handoff-expired", "expired"]},
+        "seen": "$$NOW",
+    }
+    last_fence = {
+        "$let": {"vars": {"last": {"$arrayElemAt": [{"$ifNull": ["$ends", []]}, -1]}}, "in": "$$last.f"}
+    }
+    expired = {
+        "$and": [
+            when,
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+            {"$ne": [last_fence, "$fence"]},
+        ]
+    }
+    appended = {"$slice": [{"$concatArrays": [{"$ifNull": ["$ends", []]}, [ending]]}, -_ENDS_KEPT]}
+    return {"$cond": [expired, appended, "$ends"]}
+
+
 def handoff_stages(
     hand: object, queue: object, by: str, base: list[Document] | None = None
 ) -> list[Document]:
@@ -240,6 +279,8 @@ def handoff_stages(
         {
             "$set": {
                 "__hq": {"$cond": [hand, queue, None]},
+                # A key handed over because its lease expired: that lease's ending, in this same command.
+                "ends": _expired_ending(hand),
             }
         }
     )
@@ -577,7 +618,15 @@ def admit_pipeline(
             "$map": {
                 "input": _Q,
                 "as": "p",
-                "in": {"t": "$$p.t", "by": {"$literal": entry["t"]}, "at": "$$NOW"},
+                "in": {
+                    "t": "$$p.t",
+                    "by": {"$literal": entry["t"]},
+                    "at": "$$NOW",
+                    # for the history: the run, and when it was parked
+                    "n": "$$p.n",
+                    "r": "$$p.r",
+                    "pa": "$$p.at",
+                },
             }
         }
     else:

@@ -261,9 +261,11 @@ def write_superseded(
     entries: list[Mapping[str, Any]],
     *,
     ready: Callable[[str], bool] | None = None,
+    fence: int | None = None,
 ) -> list[Mapping[str, Any]]:
     """Write SUCCESS ``superseded`` for runs that a newer send replaced, then forget them; return the
-    entries left for later.
+    entries left for later. Each gets a history record (queued: written at the heartbeat's next tick);
+    ``fence``: the key's fence.
 
     A parked run writes its own state ``QUEUED`` after its park, so a result written before that could be
     overwritten by it (the backend's read and write are not one step): with ``ready``, only the runs it
@@ -278,6 +280,15 @@ def write_superseded(
         if has_backend(app):
             app.backend.store_result(entry["t"], superseded_result(key, str(entry.get("by"))), "SUCCESS")
         signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
+        store.record_run_ending(
+            key,
+            "superseded",
+            entry,
+            fence=fence,
+            ended_at=entry.get("at"),
+            parked_at=entry.get("pa"),
+            by=_str(entry.get("by")),
+        )
         log.info("%s superseded on %r by %s", entry["t"], key, entry.get("by"))
         done.append(entry["t"])
     if done:
@@ -290,8 +301,20 @@ def marked_queued(app: Celery) -> Callable[[str], bool]:
     return lambda task_id: state_of(app, task_id) == QUEUED
 
 
-def write_timed_out(app: Celery, store: LeaseStore, key: str, entries: list[Mapping[str, Any]]) -> None:
-    """Write the results of runs that stayed parked past their deadline (``then``), then forget them."""
+def _str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def write_timed_out(
+    app: Celery,
+    store: LeaseStore,
+    key: str,
+    entries: list[Mapping[str, Any]],
+    *,
+    fence: int | None = None,
+) -> None:
+    """Write the results of runs that stayed parked past their deadline (``then``), then forget them;
+    each gets a history record (``timeout``; ``fence``: the key's)."""
     done = []
     for entry in entries:
         at = entry.get("at")
@@ -308,6 +331,7 @@ def write_timed_out(app: Celery, store: LeaseStore, key: str, entries: list[Mapp
                 {"mongolock": "skipped", "key": key, "reason": reason, "holder": {}, "expires_at": None},
                 "SUCCESS",
             )
+        store.record_run_ending(key, "timeout", entry, fence=fence, ended_at=entry.get("dl"), parked_at=at)
         log.info("%s on %r: %s", entry["t"], key, reason)
         done.append(entry["t"])
     if done:
@@ -434,10 +458,24 @@ class Sweeper:
                     self.app.backend.mark_as_revoked(task_id, "revoked while parked")
             if after is None:
                 continue
+            fence = after.get("fence")
+            fence = fence if isinstance(fence, int) else None
+            if hits:
+                runs = [e for e in doc.get("q") or [] if str(e.get("t")) in hits]
+                handoffs = [doc.get("ho")] + [
+                    h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)
+                ]
+                runs += [ho for ho in handoffs if isinstance(ho, Mapping) and str(ho.get("t")) in hits]
+                for run in runs:
+                    store.record_run_ending(
+                        key, "revoked", run, fence=fence, ended_at=doc.get("__now"), parked_at=run.get("at")
+                    )
             if after.get("dead"):
-                write_timed_out(self.app, store, key, list(after["dead"]))
+                write_timed_out(self.app, store, key, list(after["dead"]), fence=fence)
             if after.get("sup"):
-                write_superseded(self.app, store, key, list(after["sup"]), ready=self._superseded_ready)
+                write_superseded(
+                    self.app, store, key, list(after["sup"]), ready=self._superseded_ready, fence=fence
+                )
         return len(docs)
 
     def _superseded_ready(self, task_id: str) -> bool:
@@ -478,7 +516,13 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     try:
         store = config.get_store(app)
         install_publisher(app, store)
-        store.sweep(str(handoff.get("k")), revoked={str(getattr(request, "id", ""))})
+        task_id = str(getattr(request, "id", ""))
+        after = store.sweep(str(handoff.get("k")), revoked={task_id})
+        fence = (after or {}).get("fence")
+        run = {"t": task_id, "n": getattr(sender, "name", None), "id": handoff.get("id")}
+        store.record_run_ending(
+            str(handoff.get("k")), "revoked", run, fence=fence if isinstance(fence, int) else None
+        )
     except Exception as exc:
         log.warning("could not hand over %r after a revoke (the sweeper will): %s", handoff.get("k"), exc)
 

@@ -339,7 +339,14 @@ def slot_admit_pipeline(
             "$map": {
                 "input": _Q,
                 "as": "p",
-                "in": {"t": "$$p.t", "by": {"$literal": entry["t"]}, "at": "$$NOW"},
+                "in": {
+                    "t": "$$p.t",
+                    "by": {"$literal": entry["t"]},
+                    "at": "$$NOW",
+                    "n": "$$p.n",
+                    "r": "$$p.r",
+                    "pa": "$$p.at",
+                },
             }
         }
     else:

@@ -23,12 +23,13 @@ from typing import Any
 from ._admission import SINGLE_HELD, gc_stage
 
 __all__ = [
+    "live_tokens_pipeline",
+    "renew_tokens_filter",
+    "renew_tokens_pipeline",
     "slot_acquire_pipeline",
     "slot_held_by_filter",
-    "slot_live_tokens_pipeline",
     "slot_release_dead_pipeline",
     "slot_release_pipeline",
-    "slot_renew_pipeline",
     "slot_tokens_filter",
 ]
 
@@ -205,9 +206,46 @@ def slot_tokens_filter(tokens: Iterable[str]) -> Document:
     return {"hs.o": {"$in": list(tokens)}}
 
 
-def slot_renew_pipeline(tokens: Iterable[str]) -> list[Document]:
-    """Extend each live hold of ``tokens`` by its own ttl from now (server clock); an expired hold is not
-    revived."""
+def _single_live(toks: Document) -> Document:
+    """A single lease (no ``limit``) of one of ``toks`` that has not expired on the server's clock."""
+    return {
+        "$and": [
+            {"$in": [{"$ifNull": ["$owner", None]}, toks]},
+            {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
+        ]
+    }
+
+
+def _my_live_holds(toks: Document) -> Document:
+    return {
+        "$filter": {
+            "input": _HS,
+            "as": "e",
+            "cond": {"$and": [{"$in": ["$$e.o", toks]}, _live_cond("$$e")]},
+        }
+    }
+
+
+def renew_tokens_filter(tokens: Iterable[str], *, single: bool = True, slots: bool = True) -> Document:
+    """The heartbeat's one update a tick, both document shapes: the single leases of ``tokens``
+    (``single``) and the keys holding a slot of ``tokens`` (``slots``). Plain index lookups (``owner``,
+    ``hs.o``): liveness on the server's clock is judged by ``renew_tokens_pipeline``, which renews only
+    live leases and leaves a document with none of them unchanged. So when no key holds two of
+    ``tokens``, the update's *modified* count equals the number of live leases, and a smaller count says
+    some were lost (see ``live_tokens_pipeline``)."""
+    toks = list(tokens)
+    branches = ([{"owner": {"$in": toks}}] if single else []) + ([{"hs.o": {"$in": toks}}] if slots else [])
+    if len(branches) == 1:
+        return branches[0]
+    return {"$or": branches}
+
+
+def renew_tokens_pipeline(tokens: Iterable[str], *, single: bool = True) -> list[Document]:
+    """Extend every live lease of ``tokens`` by its own ttl from now (server clock), whatever the
+    document's shape: a single lease's ``expires_at`` (unless ``single=False``: only slots are renewed),
+    or the holds of ``tokens`` in ``hs``. An expired lease or hold is not revived, and a document with no
+    live lease of ``tokens`` is left as it was (every field this sets is derived from the document
+    itself), so that the update's modified count counts the documents where a lease was renewed."""
     toks = {"$literal": list(tokens)}
     renewed = {
         "$map": {
@@ -222,32 +260,36 @@ def slot_renew_pipeline(tokens: Iterable[str]) -> list[Document]:
             },
         }
     }
-    return [
-        {"$set": {"hs": renewed}},
-        {"$set": {"sx": _latest_expiry("$hs")}},
-        _gc(),
+    slotted = {"$isArray": "$hs"}
+    renew: Document = {"hs": {"$cond": [slotted, renewed, "$$REMOVE"]}}
+    stages: list[Document] = []
+    if single:
+        stages.append({"$set": {"__s": _single_live(toks)}})
+        renew["expires_at"] = {"$cond": ["$__s", {"$add": ["$$NOW", "$ttl_ms"]}, "$expires_at"]}
+        renew["renewed_at"] = {"$cond": ["$__s", "$$NOW", "$renewed_at"]}
+    stages += [
+        {"$set": renew},
+        {"$set": {"sx": {"$cond": [slotted, _latest_expiry("$hs"), "$$REMOVE"]}}},
     ]
+    if single:
+        stages.append({"$unset": ["__s"]})
+    return [*stages, _gc()]
 
 
-def slot_live_tokens_pipeline(tokens: Iterable[str]) -> list[Document]:
-    """For an aggregate: which of ``tokens`` still hold a live slot (one document per key: ``live``)."""
+def live_tokens_pipeline(tokens: Iterable[str]) -> list[Document]:
+    """For an aggregate, when the renewal's matched count says some lease was lost: which of ``tokens``
+    still hold a live lease, single or slot (one document per key: ``live``)."""
     toks = list(tokens)
+    lit = {"$literal": toks}
     return [
-        {"$match": {"hs.o": {"$in": toks}}},
+        {"$match": {"$or": [{"owner": {"$in": toks}}, {"hs.o": {"$in": toks}}]}},
         {
             "$project": {
                 "live": {
-                    "$map": {
-                        "input": {
-                            "$filter": {
-                                "input": _HS,
-                                "as": "e",
-                                "cond": {"$and": [{"$in": ["$$e.o", {"$literal": toks}]}, _live_cond("$$e")]},
-                            }
-                        },
-                        "as": "e",
-                        "in": "$$e.o",
-                    }
+                    "$concatArrays": [
+                        {"$cond": [_single_live(lit), ["$owner"], []]},
+                        {"$map": {"input": _my_live_holds(lit), "as": "e", "in": "$$e.o"}},
+                    ]
                 }
             }
         },

@@ -259,6 +259,9 @@ def _stamp(when: _dt.datetime | None) -> str:
 def _how(ending: LeaseEnding) -> str:
     if ending.holder_saw and ending.how != ending.holder_saw:
         return f"{ending.how} (holder saw: {ending.holder_saw})"
+    if ending.parked:
+        by = f" by {ending.by}" if ending.by else ""
+        return f"{ending.how}{by} (parked)"
     return ending.how
 
 
@@ -267,10 +270,10 @@ def history_table(entries: list[LeaseEnding]) -> str:
     rows = [("FENCE", "HOW", "TASK", "WHERE", "WAITED", "HELD", "ENDED (UTC)")]
     rows += [
         (
-            str(e.fence),
+            "-" if e.parked else str(e.fence),
             _how(e),
             e.task,
-            e.where,
+            "-" if e.parked else e.where,
             _seconds(None if e.waited_ms is None else e.waited_ms / 1000),
             _seconds(e.held_seconds),
             _stamp(e.ended_at),
@@ -344,9 +347,13 @@ def why_lines(story: KeyStory, endings: int = 5) -> list[str]:
     if story.endings:
         for n, e in enumerate(story.endings[:endings]):
             held = f", held {e.held_seconds:.2f} s" if e.held_seconds is not None else ""
+            where = f" on {e.where}"
+            if e.parked:  # a run that never held the key
+                where = ""
+                held = f", parked {e.waited_ms / 1000:.2f} s" if e.waited_ms is not None else ""
             row(
                 "last ends" if n == 0 else "",
-                f"{clock(e.ended_at)}  {_how(e).ljust(11)} {e.task} on {e.where}{held}",
+                f"{clock(e.ended_at)}  {_how(e).ljust(11)} {e.task}{where}{held}",
             )
     else:
         row("last ends", "none recorded")

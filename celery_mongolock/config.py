@@ -25,13 +25,13 @@ import dataclasses
 import difflib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._urls import validate_mongo_url
 from ._validation import DEFAULT_HISTORY_DAYS, validate_history_days
 from .exceptions import ConfigurationError
-from .policies import Policy, PolicySpec, Retry, check_limit, parse_policy
+from .policies import Policy, PolicySpec, Retry, check_keys, check_limit, parse_policy
 from .store import LeaseStore, _validate_seconds, validate_lease_timing, validate_names
 
 if TYPE_CHECKING:
@@ -50,7 +50,14 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_task_policies": {},
     "mongolock_history_days": DEFAULT_HISTORY_DAYS,
 }
-TASK_OPTION_NAMES = ("on_contention", "lease_seconds", "heartbeat_seconds", "min_hold_seconds", "limit")
+TASK_OPTION_NAMES = (
+    "on_contention",
+    "lease_seconds",
+    "heartbeat_seconds",
+    "min_hold_seconds",
+    "limit",
+    "keys",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +70,8 @@ class TaskOptions:
     min_hold_seconds: float = 0.0
     #: ``limit=N``: up to N runs of one key at once (None: one, a single lease).
     limit: int | None = None
+    #: ``keys=(spec, ...)``: several keys held together (None: the task's one key).
+    keys: tuple[Any, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +95,10 @@ class Settings:
         heartbeat_seconds: float | None = None,
         min_hold_seconds: float | None = None,
         limit: int | None = None,
+        keys: Sequence[Any] | None = None,
     ) -> TaskOptions:
-        """Options for task ``name``: per-task settings > decorator arguments > global settings."""
+        """Options for task ``name``: per-task settings > decorator arguments > global settings.
+        ``keys`` from the settings replace the decorator's ``key=`` or ``keys=``."""
         override = self.task_policies.get(name, {})
         where = f"mongolock_task_policies[{name!r}]"
         policy_spec = override.get("on_contention", on_contention)
@@ -127,12 +138,18 @@ class Settings:
         except ConfigurationError as exc:
             source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
             raise ConfigurationError(f"{source}: {exc}") from None
+        try:
+            multi = check_keys(override.get("keys", keys), None, policy, n)
+        except ConfigurationError as exc:
+            source = f"{where}['keys']" if "keys" in override else f"task {name!r}"
+            raise ConfigurationError(f"{source}: {exc}") from None
         return TaskOptions(
             on_contention=policy,
             lease_seconds=lease_s,
             heartbeat_seconds=beat_s,
             min_hold_seconds=hold_s,
             limit=n,
+            keys=multi,
         )
 
 
@@ -188,9 +205,6 @@ def read_settings(conf: Any) -> Settings:
             raise ConfigurationError(f"{where} must be a dict of options, got {type(options).__name__}")
         unknown = sorted(set(options) - set(TASK_OPTION_NAMES), key=str)
         if unknown:
-            planned = [name for name in unknown if name in ("keys",)]
-            if planned:
-                raise ConfigurationError(f"{where}: {planned[0]!r} is not supported yet (planned); remove it")
             hints = [
                 difflib.get_close_matches(str(name), TASK_OPTION_NAMES, n=1, cutoff=0.75) for name in unknown
             ]
@@ -202,6 +216,13 @@ def read_settings(conf: Any) -> Settings:
         checked = dict(options)
         if "on_contention" in checked:
             checked["on_contention"] = parse_policy(checked["on_contention"], f"{where}['on_contention']")
+        if "keys" in checked:
+            # The shape now; against the task's policy, limit and signature once the task is known (a
+            # worker's start-up: ``task.check_task_policies``).
+            try:
+                checked["keys"] = check_keys(checked["keys"])
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"{where}['keys']: {exc}") from None
         task_policies[task_name] = checked
     history_days = validate_history_days(_conf_get(conf, "mongolock_history_days"), "mongolock_history_days")
     settings = Settings(

@@ -8,11 +8,19 @@ Where an ending comes from
 Every command that ends a lease appends its ending to the lease document's ``ends`` (the last 8, see
 ``_documents``), in the same update: a release (``released``), the worker's parent releasing for a child
 that died (``holder-died``), an operator's force-release (``forced``), the acquire that takes over an
-expired lease (``expired``). The process that sent it queues a copy, and its heartbeat thread inserts the
-queued copies into ``<collection>.history`` in one ``insert_many`` at its next tick (never on the task's
-path). A holder that finds its lease gone records its own view, ``lost``, beside the server's. ``history``
-merges the collection with ``ends``, one entry per acquisition (fence): the endings of a process killed
-before its tick are still shown from ``ends``.
+expired lease (``expired``), the handoff of a key whose lease expired (``expired``, or
+``handoff-expired`` when the run it had been handed to never claimed it), and the acquire of a slot of a
+``limit=N`` key that drops expired holds. The process that sent it queues a copy, and its heartbeat thread
+inserts the queued copies into ``<collection>.history`` in one ``insert_many`` at its next tick (never on
+the task's path). A holder that finds its lease gone records its own view, ``lost``, beside the server's.
+``history`` merges the collection with ``ends``, one entry per acquisition (fence): the endings of a
+process killed before its tick are still shown from ``ends``.
+
+Runs that never held the key (``Queue``/``Replace``: parked, then ``superseded`` by a newer send, timed out
+while parked (``timeout``), or ``revoked`` while parked) get a record of their own (view ``q``), written
+from the worker that ends them (the sweeper, or the superseded run itself), in the same batches. Its
+``f`` is the key's fence when it ended (so it sorts among the key's leases); ``w`` is how long it was
+parked.
 """
 
 from __future__ import annotations
@@ -22,14 +30,26 @@ import datetime as _dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._documents import RUN_VIEW
 from .lease import aware
 
-__all__ = ["ENDING_KINDS", "KeyStory", "LeaseEnding", "ParkedRun"]
+__all__ = ["ENDING_KINDS", "RUN_VIEW", "KeyStory", "LeaseEnding", "ParkedRun"]
 
 #: The ways a lease ends, as ``LeaseEnding.how`` says them. ``lost`` is the holder's own view (it found its
-#: lease gone); the server's view of the same lease is one of the others. ``superseded`` is written by the
-#: queue work (a newer run replaced this one).
-ENDING_KINDS = ("released", "expired", "holder-died", "forced", "superseded", "lost")
+#: lease gone); the server's view of the same lease is one of the others. ``handoff-expired``: the key was
+#: handed to a parked run that never claimed it. The last three are runs that never held the key
+#: (``LeaseEnding.parked``): replaced by a newer send, past their ``Queue(timeout=...)``, revoked.
+ENDING_KINDS = (
+    "released",
+    "expired",
+    "holder-died",
+    "forced",
+    "lost",
+    "handoff-expired",
+    "superseded",
+    "timeout",
+    "revoked",
+)
 
 
 def _int(value: Any) -> int | None:
@@ -49,7 +69,10 @@ class LeaseEnding:
     ``how``: ``released``, ``expired`` (its holder stopped renewing and another run took the key over;
     ``ended_at`` is the old expiry, ``seen_at`` the takeover), ``holder-died`` (released by the worker's
     parent after the child running it died), ``forced`` (``celery mongolock release --force``),
-    ``superseded``, or ``lost`` (only the holder's own view is known). ``holder_saw``/``holder_saw_why``:
+    ``handoff-expired`` (handed to a parked run that never claimed it), or ``lost`` (only the holder's own
+    view is known). ``parked``: a run that never held the key and ended while parked: ``superseded`` (by the
+    newer send ``by``), ``timeout`` or ``revoked``; its ``fence`` is the key's when it ended, ``waited_ms``
+    how long it was parked. ``holder_saw``/``holder_saw_why``:
     the holder's own view when it found the lease gone (``lost`` and its reason). Times are the server's
     (UTC). ``source``: ``ends`` (the lease document) or ``history`` (the history collection).
     """
@@ -70,6 +93,8 @@ class LeaseEnding:
     holder_saw: str | None = None
     holder_saw_why: str | None = None
     source: str = "ends"
+    parked: bool = False
+    by: str | None = None
 
     @classmethod
     def from_record(cls, key: str, record: Mapping[str, Any], source: str = "ends") -> LeaseEnding:
@@ -91,6 +116,8 @@ class LeaseEnding:
             seen_at=aware(record.get("seen")),
             holder_saw_why=_str(record.get("why")) if record.get("how") == "lost" else None,
             source=source,
+            parked=record.get("v") == RUN_VIEW,
+            by=_str(record.get("by")),
         )
 
     @property
@@ -133,9 +160,12 @@ def merge_endings(
     ``holder_saw``, or stands alone (``how="lost"``) when nothing else is known of that fence."""
     merged: dict[int, LeaseEnding] = {}
     seen_by_holder: dict[int, LeaseEnding] = {}
+    runs: dict[str, LeaseEnding] = {}  # runs that ended while parked, by record
     for record in stored:
         ending = LeaseEnding.from_record(key, record, "history")
-        if record.get("v") == holder_view:
+        if ending.parked:
+            runs.setdefault(str(record.get("_id")), ending)
+        elif record.get("v") == holder_view:
             seen_by_holder.setdefault(ending.fence, ending)
         else:
             merged.setdefault(ending.fence, ending)
@@ -148,7 +178,14 @@ def merge_endings(
             merged[fence] = dataclasses.replace(own, holder_saw="lost", holder_saw_why=own.holder_saw_why)
         else:
             merged[fence] = dataclasses.replace(server, holder_saw="lost", holder_saw_why=own.holder_saw_why)
-    return sorted(merged.values(), key=lambda e: e.fence, reverse=True)[:limit]
+
+    # A run that ended while parked carries the fence the key had then: it sorts after that lease's
+    # acquisition (below its ending, which is at or after it in most cases) and before the next one's.
+    def order(e: LeaseEnding) -> tuple[int, int, float]:
+        when = e.ended_at.timestamp() if e.ended_at is not None else 0.0
+        return (e.fence, 0 if e.parked else 1, when)
+
+    return sorted([*merged.values(), *runs.values()], key=order, reverse=True)[:limit]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,8 +281,15 @@ class KeyStory:
     limit: int | None = None
 
     @classmethod
-    def from_document(cls, doc: Mapping[str, Any]) -> KeyStory:
-        """From a lease document read with ``_documents.story_pipeline`` (``__now``, ``__expires_in_ms``)."""
+    def from_document(
+        cls,
+        doc: Mapping[str, Any],
+        stored: Sequence[Mapping[str, Any]] = (),
+        holder_view: str = "h",
+    ) -> KeyStory:
+        """From a lease document read with ``_documents.story_pipeline`` (``__now``, ``__expires_in_ms``).
+        ``stored``: the key's newest records of the history collection, merged into ``endings`` (runs that
+        ended while parked, endings older than ``ends`` keeps); the state is judged on ``ends`` alone."""
         key = str(doc["_id"])
         now = aware(doc.get("__now")) or _dt.datetime.now(_dt.timezone.utc)
         in_ms = doc.get("__expires_in_ms")
@@ -282,6 +326,8 @@ class KeyStory:
         slots.sort(key=lambda e: int(e["slot"] or 0))
         if slots:
             state = "slots"
+        if stored:
+            endings = tuple(merge_endings(key, ends, stored, max(len(ends), 8), holder_view))
         return cls(
             key=key,
             state=state,
@@ -382,7 +428,7 @@ class KeyStory:
             return f"{line}; {parked}" if parked else line
         if parked:
             return f"free, but {parked}"
-        last = self.endings[0] if self.endings else None
+        last = next((e for e in self.endings if not e.parked), None)  # the last lease, not a parked run
         if last is not None:
             return f"free ({self.ending_phrase(last)}): the next run takes it at once"
         return "free: the next run takes it at once"
@@ -399,6 +445,15 @@ class KeyStory:
             return f"released{when} for {ending.task}, whose worker process died"
         if ending.how == "expired":
             return f"expired{when}: {ending.task} stopped renewing"
+        if ending.how == "handoff-expired":
+            return f"handed to {ending.task}, which never claimed it (expired{when})"
+        if ending.how == "superseded":
+            by = f" by {ending.by}" if ending.by else ""
+            return f"{ending.task} superseded{when}{by} while parked"
+        if ending.how == "timeout":
+            return f"{ending.task} timed out{when} while parked"
+        if ending.how == "revoked":
+            return f"{ending.task} revoked{when} while parked"
         return f"{ending.how}{when}: {ending.task}"
 
     def as_dict(self) -> dict[str, Any]:

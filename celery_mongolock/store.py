@@ -542,7 +542,8 @@ class LeaseStore:
             pipeline = slots_docs.slot_acquire_pipeline(
                 token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick
             )
-            projection = {"q.m": 0, "ends": 0, "seen": 0}
+            # With ``ends`` (at most 8): the endings of holds this acquire found expired go to the history.
+            projection = {"q.m": 0, "seen": 0}
         elif admission is None:
             pipeline = documents.acquire_pipeline(
                 token,
@@ -690,6 +691,10 @@ class LeaseStore:
         heartbeat: bool,
     ) -> tuple[Lease | None, Document | None]:
         """The outcome of a ``limit=N`` acquire, from its reply: our hold is in ``hs``, or the key is full."""
+        for ending in documents.slots_expired_by(doc):
+            self._record(documents.history_record(key, ending))
+        if doc is not None:
+            doc.pop("ends", None)
         mine = next((h for h in (doc or {}).get("hs") or [] if h.get("o") == token), None)
         if mine is None:
             if ambiguous:
@@ -780,11 +785,16 @@ class LeaseStore:
         doc = dict(doc or {})
         if lease is not None:
             doc.setdefault("lo", "acquired")
+        key = normalize_key(key)
+        handed = None
         if limit is not None:
             # Any admit on a slotted key may hand free slots to parked runs (the command's last stages).
-            self._handed(normalize_key(key), doc, str(doc.get("_admit_token") or ""))
+            handed = self._handed(key, doc, str(doc.get("_admit_token") or ""))
         elif lease is None and doc.get("lo") == "parked":
-            self._handed(normalize_key(key), doc, str(doc.get("_admit_token") or ""))
+            handed = self._handed(key, doc, str(doc.get("_admit_token") or ""))
+        if handed is not None and self.history_days:
+            # The key was found vacant: an expired lease's ending may be in ``ends`` (same command).
+            self.heartbeat.copy_endings({"_id": key})
         return lease, doc
 
     def wait_free(
@@ -883,7 +893,7 @@ class LeaseStore:
     def renew_lease(self, lease: Lease) -> bool:
         """Extend ``lease`` once, now (``Lease.renew`` calls this); True if it was still ours."""
         if lease.slot is not None:
-            return not self._renew_slots(
+            return not self._renew_tokens(
                 [lease], timeout=max(0.1, min(self.operation_timeout, lease.remaining))
             )
         with self._operation(
@@ -896,59 +906,64 @@ class LeaseStore:
         return result.matched_count == 1
 
     def renew_many(self, leases: builtins.list[Lease], timeout: float | None = None) -> builtins.list[Lease]:
-        """Renew all ``leases`` in one round trip; return those found lost (and mark them lost).
+        """Renew all ``leases`` in one round trip, single leases and ``limit=N`` slots alike; return those
+        found lost (and mark them lost).
 
-        A second query is made only when some lease did not match, to learn which.
+        A second query is made only when the update renewed fewer documents than there are leases, or
+        when one key holds two of them (a thread pool's two slots of one key: a renewed document then says
+        only that one of them is live), to learn which are lost (see ``_renew_tokens``).
         """
         live = [lease for lease in leases if not lease.lost and not lease.released]
-        slotted = [lease for lease in live if lease.slot is not None]
-        live = [lease for lease in live if lease.slot is None]
-        lost_slots: builtins.list[Lease] = []
-        if slotted:
-            sent_slots = self.clock.monotonic()
-            lost_slots = self._renew_slots(slotted, timeout=timeout)
-            for lease in slotted:
-                if lease in lost_slots:
-                    lease.mark_lost(
-                        "renewal found its slot gone: released by force, or expired and taken", release=False
-                    )
-                else:
-                    lease._extend(sent_slots)
         if not live:
-            return lost_slots
-        by_token = {lease.owner: lease for lease in live}
+            return []
         sent = self.clock.monotonic()
-        coll = self.collection
-        with self._operation("renew leases", timeout=timeout):
-            result = coll.update_many(documents.renew_tokens_filter(by_token), documents.renew_pipeline())
-            lost: builtins.list[Lease] = []
-            if result.matched_count != len(by_token):
-                primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
-                query = documents.renew_tokens_filter(by_token)
-                still = {d["owner"] for d in primary.find(query, {"owner": 1})}
-                lost = [lease for token, lease in by_token.items() if token not in still]
+        lost = self._renew_tokens(live, timeout=timeout)
         for lease in live:
-            if lease in lost:
+            if lease not in lost:
+                lease._extend(sent)
+            elif lease.slot is not None:
+                lease.mark_lost(
+                    "renewal found its slot gone: released by force, or expired and taken", release=False
+                )
+            else:
                 lease.mark_lost(
                     "renewal matched nothing: released by force, or expired and taken over", release=False
                 )
-            else:
-                lease._extend(sent)
-        return lost + lost_slots
+        return lost
 
-    def _renew_slots(
+    def _renew_tokens(
         self, leases: builtins.list[Lease], timeout: float | None = None
     ) -> builtins.list[Lease]:
-        """Renew ``limit=N`` holds (one update, then one read of which are still live); return the lost."""
+        """One update renewing ``leases`` (both document shapes); return those no longer live.
+
+        Single leases alone: the update matches only live ones (``documents.renew_tokens_filter``). With
+        slots: the update modifies exactly the documents in which it renewed a lease (an expired lease is
+        not revived and leaves its document unchanged). Either way, when each key holds one of
+        ``leases``, a count equal to their number means every one was live and renewed. Otherwise (a
+        lease lost, two renewals in one millisecond, two slots of one key) one read tells which are still
+        live."""
         tokens = [lease.owner for lease in leases]
-        with self._operation("renew slot leases", timeout=timeout):
-            self.collection.update_many(
-                slots_docs.slot_tokens_filter(tokens), slots_docs.slot_renew_pipeline(tokens)
-            )
-            primary = self.collection.with_options(read_preference=ReadPreference.PRIMARY)
+        one_per_key = len({lease.key for lease in leases}) == len(leases)
+        slotted = any(lease.slot is not None for lease in leases)
+        single = any(lease.slot is None for lease in leases)
+        coll = self.collection
+        with self._operation("renew leases", timeout=timeout):
+            if not slotted:
+                # Single leases only: the filter matches only the live ones (as before slots existed).
+                result = coll.update_many(documents.renew_tokens_filter(tokens), documents.renew_pipeline())
+                renewed = result.matched_count
+            else:
+                result = coll.update_many(
+                    slots_docs.renew_tokens_filter(tokens, single=single, slots=True),
+                    slots_docs.renew_tokens_pipeline(tokens, single=single),
+                )
+                renewed = result.modified_count
+            if one_per_key and renewed == len(leases):
+                return []  # every document held exactly one of them, live: all renewed
+            primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
             still = {
                 token
-                for d in primary.aggregate(slots_docs.slot_live_tokens_pipeline(tokens))
+                for d in primary.aggregate(slots_docs.live_tokens_pipeline(tokens))
                 for token in d.get("live") or []
             }
         return [lease for lease in leases if lease.owner not in still]
@@ -1230,7 +1245,33 @@ class LeaseStore:
             )
         if doc is not None:
             self._handed(key, doc, token)
+            if self.history_days:
+                # The sweep may have ended an expired lease or handoff (its ending is in ``ends``): the
+                # heartbeat copies it at its next tick, with whatever else this process ended.
+                self.heartbeat.copy_endings({"_id": key})
         return doc
+
+    def record_run_ending(
+        self,
+        key: str,
+        how: str,
+        run: Mapping[str, Any],
+        *,
+        fence: int | None,
+        ended_at: _dt.datetime | None = None,
+        parked_at: _dt.datetime | None = None,
+        by: str | None = None,
+    ) -> None:
+        """Queue the history record of a run that ended while parked, never holding ``key``
+        (``superseded``, ``timeout``, ``revoked``); the heartbeat thread writes it at its next tick.
+        ``run``: its parked entry (``t``, ``n``, ``r``/``id``); ``fence``: the key's when it ended."""
+        if not self.history_days:
+            return
+        self._record(
+            documents.run_record(
+                normalize_key(key), how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by
+            )
+        )
 
     def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written."""
@@ -1443,12 +1484,20 @@ class LeaseStore:
 
     def why(self, key: str) -> KeyStory | None:
         """Why ``key`` is (not) running: its lease document, holder, expiry on the server's clock, parked
-        runs and last endings, read in one command (``celery mongolock why``). None if there is no lease
-        document for ``key`` (never taken, or removed by the TTL index after it expired)."""
+        runs and last endings (``celery mongolock why``): the document in one command, and the newest
+        records of the history collection in a second (runs that ended while parked are only there). None
+        if there is no lease document for ``key`` (never taken, or removed by the TTL index after it
+        expired)."""
         key = normalize_key(key)
         with self._operation(f"read lease {key!r}"):
             docs = builtins.list(self.collection.aggregate(documents.story_pipeline(key)))
-        return KeyStory.from_document(docs[0]) if docs else None
+            stored: builtins.list[Document] = []
+            if docs and self.history_days:
+                # Endings ``ends`` does not keep: runs that ended while parked, and older ones.
+                stored = builtins.list(
+                    self.history_collection.find({"k": key}).sort("f", pymongo.DESCENDING).limit(16)
+                )
+        return KeyStory.from_document(docs[0], stored, documents.HOLDER_VIEW) if docs else None
 
     def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:
         """How the last ``limit`` leases of ``key`` ended, newest first (``celery mongolock history``).

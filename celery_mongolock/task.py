@@ -195,20 +195,25 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         return lease
 
+    def _key_specs(self) -> Sequence[KeySpec] | None:
+        """``keys=(spec, ...)`` in force: ``mongolock_task_policies``' ``"keys"``, else the decorator's."""
+        return self._options().keys
+
     def _renderers(self) -> list[KeyRenderer]:
-        renderers = self.__dict__.get("_mongolock_renderers")
-        if renderers is None:
+        specs = self._key_specs()
+        cached = self.__dict__.get("_mongolock_renderers")
+        if cached is None or cached[0] != specs:
             renderers = []
-            for given in self.mongolock_keys or ():
+            for given in specs or ():
                 spec = given.__func__ if inspect.ismethod(given) and given.__self__ is self else given
                 renderers.append(KeyRenderer(spec, self.run, self.name))
-            self.__dict__["_mongolock_renderers"] = renderers
-        return list(renderers)
+            cached = self.__dict__["_mongolock_renderers"] = (specs, renderers)
+        return list(cached[1])
 
     def mongolock_keys_for(self, *args: Any, **kwargs: Any) -> list[str]:
         """The lease keys a call with these arguments holds: sorted, without repeats (one key for a task
         with ``key=``)."""
-        if self.mongolock_keys:
+        if self._key_specs():
             return sorted({r.render(args, kwargs) for r in self._renderers()})
         return [self.mongolock_key_for(*args, **kwargs)]
 
@@ -264,6 +269,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             heartbeat_seconds=self.mongolock_heartbeat_seconds,
             min_hold_seconds=self.mongolock_min_hold_seconds,
             limit=self.mongolock_limit,
+            keys=self.mongolock_keys,
         )
 
     # -- the guarded call ------------------------------------------------------------------------------
@@ -279,7 +285,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         return self._guarded(args, kwargs, direct=False)
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
-        if self.mongolock_keys:
+        if self._key_specs():
             return self._guarded_many(args, kwargs, direct=direct)
         key = self._renderer().render(args, kwargs)
         taken = self._take(key, self._options(), direct)
@@ -813,6 +819,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             by = str(doc.get("lo_by"))
             log_acquire.info("%s[%s]: %r: a newer send (%s) supersedes this run", *who, key, by)
             signals.run_superseded.send(sender=self, key=key, task_id=request.id, by=by)
+            store.record_run_ending(key, "superseded", entry, fence=doc.get("fence"), by=by)  # history
             return _Outcome(_queue.superseded_result(key, by))
         if outcome == "full":
             reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
@@ -824,7 +831,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         if mine:
             # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
             # its result with it (it writes QUEUED before it parks, so this is rare: the write failed).
-            _queue.write_superseded(self.app, store, key, mine, ready=_queue.marked_queued(self.app))
+            _queue.write_superseded(
+                self.app, store, key, mine, ready=_queue.marked_queued(self.app), fence=doc.get("fence")
+            )
         parked_ids = [e.get("t") for e in doc.get("q") or []]
         position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
@@ -1175,8 +1184,15 @@ def _check_store(app: Celery, timeout: float = 2.0) -> None:
 
 def _check_task_policies(app: Celery) -> list[str]:
     """Warn about ``mongolock_task_policies`` entries naming no task this worker has (a typo applies to
-    nothing); return those names. Only a warning: a worker may not import every task of the project."""
-    unknown = sorted(set(get_settings(app).task_policies) - set(app.tasks))
+    nothing); return those names. Only a warning: a worker may not import every task of the project.
+    The entries of tasks it has are checked against them (``ConfigurationError``): ``"keys"`` with the
+    task's policy and limit, and their templates against its signature."""
+    policies = get_settings(app).task_policies
+    for name in sorted(set(policies) & set(app.tasks)):
+        task = app.tasks[name]
+        if isinstance(task, SingletonTask) and "keys" in policies[name]:
+            task._renderers()  # its options (check_keys), then each template against the signature
+    unknown = sorted(set(policies) - set(app.tasks))
     if unknown:
         log_acquire.warning(
             "celery_mongolock: mongolock_task_policies names task(s) this worker does not have: %s "

@@ -357,6 +357,7 @@ SETTING_CASES = [
     setting("mongolock_task_policies", {"t": {"bogus": 1}}, "unknown option(s) ['bogus']", "task-policies-unknown-option", names="mongolock_task_policies['t']"),
     setting("mongolock_task_policies", {"t": {"lease_second": 60}}, "(did you mean 'lease_seconds' for 'lease_second'?)", "task-policies-misspelt-option", names="mongolock_task_policies['t']"),
     setting("mongolock_task_policies", {"t": {"limit": 0}}, "an int from 1 to 1000, got 0", "task-policies-bad-limit", names="mongolock_task_policies['t']['limit']"),
+    setting("mongolock_task_policies", {"t": {"keys": "g:{src}"}}, "keys= must be a non-empty list or tuple", "task-policies-bad-keys", names="mongolock_task_policies['t']['keys']"),
     setting("mongolock_task_policies", {"t": {"on_contention": "nope"}}, "got 'nope'", "task-policies-bad-policy", names="mongolock_task_policies['t']['on_contention']"),
     setting("mongolock_task_policies", {"t": {"lease_seconds": -1}}, "lease_seconds must be between", "task-policies-bad-lease", names="task 't'"),
     setting("mongolock_task_policies", {"t": {"heartbeat_seconds": 100}}, "at most half", "task-policies-heartbeat-over-half", names="task 't'"),

@@ -252,10 +252,10 @@ def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
             assert v["commands_per_iteration"] == {"findAndModify": 1.0, "update": 1.0}, name
     heartbeat = data["store"]["heartbeat"]
     assert heartbeat["single_2"]["commands_per_call"] == [{"update": 1}]
-    assert heartbeat["slots_2"]["commands_per_call"] == [{"aggregate": 1, "update": 1}]
+    assert heartbeat["slots_2"]["commands_per_call"] == [{"update": 1}]
     assert heartbeat["single_2"]["lost"] == heartbeat["slots_2"]["lost"] == 0
     assert heartbeat["slots_1_among_50"]["other_documents"] == 50
-    assert heartbeat["slots_1_among_50"]["commands_per_call"] == [{"aggregate": 1, "update": 1}]
+    assert heartbeat["slots_1_among_50"]["commands_per_call"] == [{"update": 1}]
     workers = data["workers"]["variants"]
     assert set(workers) == {"plain", "single", "limit3", "limit10", "keys2", "keys4"}
     assert workers["plain"]["task_thread_commands_per_run"] == {}

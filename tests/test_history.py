@@ -261,3 +261,79 @@ def test_why_reads_a_key_with_parked_runs_without_their_messages(store: LeaseSto
     assert store.why("nope") is None
     [read] = store.collection.aggregate(story_pipeline("k"))
     assert "m" not in read["q"][0] and "seen" not in read and read["q"][0]["t"] == "t-9"
+
+
+# -- endings written by the queue's and the slots' commands (issue 17, item 3) ----------------------------
+def parked_entry(stamp: int, task_id: str, **extra: Any) -> dict[str, Any]:
+    return {"id": f"{task_id}/0", "t": task_id, "n": "app.upload", "r": "0", "s": stamp, "m": b"m", **extra}
+
+
+def expire(store: LeaseStore, key: str) -> None:
+    """The holder's node died: its lease runs out now (on the server's clock)."""
+    store.collection.update_one({"_id": key}, [{"$set": {"expires_at": "$$NOW"}}])
+
+
+def test_a_key_handed_over_after_expiry_records_the_expired_lease_and_the_unclaimed_handoff(
+    store: LeaseStore,
+) -> None:
+    holder = store.acquire("k", 30, info={**INFO, "task_id": "t-node-died"})
+    assert holder is not None
+    store.admit("k", parked_entry(1, "t-parked"))
+    expire(store, "k")
+    store.sweep("k")  # hands the expired key to the parked run
+    handed = (store.collection.find_one({"_id": "k"}) or {})["fence"]
+    expire(store, "k")  # the handed run never claimed it
+    store.sweep("k")  # hands it to the same run again (a new acquisition)
+    ends = (store.collection.find_one({"_id": "k"}) or {})["ends"]
+    assert [(e["how"], e["f"], e["t"]) for e in ends] == [
+        ("expired", holder.fence, "t-node-died"),
+        ("handoff-expired", handed, "t-parked"),
+    ]
+    assert all(e["seen"] >= e["e"] for e in ends)
+    # The sweeps' process copies them into the history at its heartbeat's next tick.
+    wait_for(lambda: len(stored(store, "k")) == 2, timeout=15, message="the heartbeat to copy the endings")
+    assert [(r["how"], r["f"]) for r in stored(store, "k")] == [
+        ("expired", holder.fence),
+        ("handoff-expired", handed),
+    ]
+    assert [e.how for e in store.history("k")] == ["handoff-expired", "expired"]
+
+
+def test_an_admit_that_finds_the_key_expired_records_its_ending(store: LeaseStore) -> None:
+    holder = store.acquire("k", 30, info={**INFO, "task_id": "t-gone"})
+    assert holder is not None
+    store.admit("k", parked_entry(1, "t-first"))
+    expire(store, "k")
+    _, doc = store.admit("k", parked_entry(2, "t-second"))  # parks, and hands the key to t-first
+    assert doc["lo"] == "parked"
+    assert store.flush_history()
+    assert [(r["how"], r["t"]) for r in stored(store, "k")] == [("expired", "t-gone")]
+
+
+def test_expired_slot_holds_reach_the_history(store: LeaseStore, counter: CommandCounter) -> None:
+    short = store.acquire("tenant", 0.5, limit=2, info={**INFO, "task_id": "t-short"})
+    other = store.acquire("tenant", 30, limit=2, info={**INFO, "task_id": "t-other"})
+    assert short is not None and other is not None
+    taken = wait_for(
+        lambda: store.acquire("tenant", 30, limit=2, info=INFO), timeout=10, message="the expired slot"
+    )
+    assert taken is not None and taken.slot == short.slot
+    # The acquire that dropped the expired hold was one command; its ending waits for the heartbeat.
+    counter.clear()
+    assert store.flush_history()
+    assert counter.names() == ["insert"]
+    [record] = stored(store, "tenant")
+    assert (record["how"], record["f"], record["t"], record["slot"]) == (
+        "expired",
+        short.fence,
+        "t-short",
+        short.slot,
+    )
+    assert taken.release() and other.release()
+    assert store.flush_history()
+    assert [(e.how, e.fence) for e in store.history("tenant")] == [
+        ("released", taken.fence),
+        ("released", other.fence),
+        ("expired", short.fence),
+    ]
+    assert {r["how"] for r in stored(store, "tenant")} == {"expired", "released"}

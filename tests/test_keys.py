@@ -54,6 +54,84 @@ def test_bad_keys_are_refused_at_declaration(options: dict[str, Any], match: str
         def merge(src: int, dst: int) -> None: ...
 
 
+# -- keys from mongolock_task_policies ------------------------------------------------------------------
+def test_keys_from_the_settings_replace_the_decorator_s_key(mongo_url: str) -> None:
+    from celery_mongolock import current_lease
+    from celery_mongolock.config import get_store
+    from celery_mongolock.task import _check_task_policies
+
+    app = _app()
+    database = f"keys_setting_{uuid.uuid4().hex[:8]}"
+    app.conf.update(
+        mongolock_url=mongo_url,
+        mongolock_database=database,
+        mongolock_task_policies={"proj.merge_s": {"keys": ["group:{src}", "group:{dst}"]}},
+    )
+    seen: list[Any] = []
+
+    @singleton_task(app=app, key="group:{src}", name="proj.merge_s", on_contention="skip")
+    def merge(src: int, dst: int) -> str:
+        seen.append(current_lease())
+        return "merged"
+
+    @singleton_task(app=app, keys=("a:{x}",), name="proj.declared_s")
+    def declared(x: int) -> None: ...
+
+    app.finalize()
+    assert _check_task_policies(app) == []
+    # Rendered against the task's signature, like the decorator's keys=: by name or position, sorted.
+    assert merge.mongolock_keys_for(2, dst=1) == ["group:1", "group:2"]
+    assert declared.mongolock_keys_for(5) == ["a:5"]  # no setting: the decorator's keys
+    # A real run (the embedded server): the body holds both keys, and a key held elsewhere skips it.
+    assert merge(7, 8) == "merged"
+    [lease_set] = seen
+    assert isinstance(lease_set, LeaseSet) and sorted(lease_set.fences) == ["group:7", "group:8"]
+    store = get_store(app)
+    held = store.acquire("group:8", 30)
+    assert held is not None
+    result = merge(7, 8)
+    assert result["mongolock"] == "skipped" and len(seen) == 1
+    given_back = store.inspect("group:7")  # taken first (sorted order), given back when group:8 was held
+    assert given_back is not None and not given_back.held
+    held.release()
+    store.client.drop_database(database)
+
+
+@pytest.mark.parametrize(
+    ("policy", "decorator", "match"),
+    [
+        ({"keys": "group:{src}"}, {}, r"\['keys'\]: keys= must be a non-empty list or tuple"),
+        ({"keys": []}, {}, r"\['keys'\]: keys= must be a non-empty list or tuple"),
+        ({"keys": ["group:{src}"], "limit": 3}, {}, r"\['keys'\]: keys= with limit=N is not supported"),
+        ({"keys": ["group:{src}"], "on_contention": "replace"}, {}, r"\['keys'\]: keys= with on_contention"),
+        ({"keys": ["group:{src}"]}, {"on_contention": "replace"}, r"\['keys'\]: keys= with on_contention"),
+        ({"keys": ["group:{src}"]}, {"limit": 3}, r"\['keys'\]: keys= with limit=N"),
+        ({"keys": ["group:{source}"]}, {}, "'source'"),
+    ],
+)
+def test_bad_keys_in_the_settings_are_refused_at_start_up(
+    policy: dict[str, Any], decorator: dict[str, Any], match: str
+) -> None:
+    from celery_mongolock.config import get_settings
+    from celery_mongolock.task import _check_task_policies
+
+    app = _app()
+    name = f"proj.merge_{uuid.uuid4().hex[:8]}"
+    app.conf.mongolock_task_policies = {name: policy}
+
+    def start_up() -> None:
+        get_settings(app)  # the settings alone: shape, and with the setting's own policy and limit
+
+        @singleton_task(app=app, key="group:{src}", name=name, **decorator)
+        def merge(src: int, dst: int) -> None: ...
+
+        app.finalize()
+        _check_task_policies(app)  # a worker's start-up: against the task's own policy and signature
+
+    with pytest.raises(ConfigurationError, match=match):
+        start_up()
+
+
 @pytest.fixture(scope="module")
 def cluster(
     redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory

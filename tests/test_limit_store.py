@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from celery_mongolock import ConfigurationError, LeaseStore
+from celery_mongolock._admission import gc_stage
 from celery_mongolock.testing import wait_for
 
 from .conftest import CommandCounter
@@ -73,6 +74,80 @@ def test_renewal_keeps_each_hold_and_a_taken_slot_is_lost(store: LeaseStore) -> 
     store.collection.update_one({"_id": KEY}, {"$pull": {"hs": {"o": b.owner}}})
     assert store.renew_many([a, b]) == [b]
     assert b.lost and not a.lost
+
+
+def test_one_command_renews_single_leases_and_slots_and_a_lost_one_is_found_at_the_next_tick(
+    store: LeaseStore, counter: CommandCounter
+) -> None:
+    single = store.acquire("single", 30)
+    slots = [store.acquire(f"tenant:{i}", 30, limit=3) for i in range(3)]
+    other = store.acquire("tenant:0", 30, limit=3)  # another process's hold of one of those keys
+    assert single is not None and other is not None and all(slots)
+    leases = [single, *[s for s in slots if s]]
+    before = {d["_id"]: (d.get("expires_at"), [h["x"] for h in d.get("hs") or []])
+              for d in store.collection.find()}  # fmt: skip
+    counter.clear()
+    assert store.renew_many(leases) == []
+    assert counter.names() == ["update"]  # one command a tick, both document shapes
+    after = {d["_id"]: d for d in store.collection.find()}
+    assert after["single"]["expires_at"] > before["single"][0]
+    for lease in leases[1:]:
+        [mine] = [h for h in after[lease.key]["hs"] if h["o"] == lease.owner]
+        assert mine["x"] > lease.acquired_at  # renewed from now
+    [theirs] = [h for h in after["tenant:0"]["hs"] if h["o"] == other.owner]
+    assert theirs["x"] in before["tenant:0"][1]  # not ours: untouched
+    # A slot taken from us (an operator), and the single lease expired on the server: both are found at
+    # the next tick, with one more query to learn which.
+    store.collection.update_one({"_id": "tenant:1"}, {"$pull": {"hs": {"o": leases[2].owner}}})
+    store.collection.update_one({"_id": "single"}, [{"$set": {"expires_at": "$$NOW"}}])
+    counter.clear()
+    assert store.renew_many(leases) == [single, leases[2]]
+    assert counter.names() == ["update", "aggregate"]
+    assert single.lost and leases[2].lost and not leases[1].lost and not leases[3].lost
+    counter.clear()
+    assert store.renew_many(leases) == []  # the lost ones are no longer renewed
+    assert counter.names() == ["update"]
+
+
+def test_a_hold_and_a_lease_that_expired_in_place_are_found_lost_at_the_next_tick(
+    store: LeaseStore, counter: CommandCounter
+) -> None:
+    """Expired on the server's clock (say its clock ran ahead) but still in the document, nobody having
+    taken them over: the renewal does not revive them and leaves their documents unchanged, so its
+    modified count tells."""
+    short = store.acquire(KEY, 30, limit=2)
+    single = store.acquire("single", 30)
+    kept = store.acquire("other", 30, limit=2)
+    assert short is not None and single is not None and kept is not None
+    # Expire both now on the server, the derived fields kept as every command keeps them.
+    hs = {"$map": {"input": "$hs", "as": "e", "in": {"$mergeObjects": ["$$e", {"x": "$$NOW"}]}}}
+    store.collection.update_one(
+        {"_id": KEY}, [{"$set": {"hs": hs}}, {"$set": {"sx": {"$max": "$hs.x"}}}, gc_stage()]
+    )
+    store.collection.update_one({"_id": "single"}, [{"$set": {"expires_at": "$$NOW"}}, gc_stage()])
+    counter.clear()
+    assert store.renew_many([short, single, kept]) == [short, single]
+    assert counter.names() == ["update", "aggregate"]
+    assert short.lost and single.lost and not kept.lost
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert [h["o"] for h in doc["hs"]] == [short.owner]  # still there, not revived
+    assert doc["hs"][0]["x"] < (store.collection.find_one({"_id": "other"}) or {})["hs"][0]["x"]
+
+
+def test_two_slots_of_one_key_in_one_process_keep_loss_detection_exact(
+    store: LeaseStore, counter: CommandCounter
+) -> None:
+    a = store.acquire(KEY, 30, limit=3)
+    b = store.acquire(KEY, 30, limit=3)
+    single = store.acquire("single", 30)
+    assert a is not None and b is not None and single is not None
+    counter.clear()
+    assert store.renew_many([a, b, single]) == []
+    # One document holds both: its match says only that one of them is live, so the tick asks which.
+    assert counter.names() == ["update", "aggregate"]
+    store.collection.update_one({"_id": KEY}, {"$pull": {"hs": {"o": b.owner}}})
+    assert store.renew_many([a, b, single]) == [b]
+    assert b.lost and not a.lost and not single.lost
 
 
 def test_a_heartbeat_keeps_slot_leases_alive_past_their_length(store: LeaseStore) -> None:

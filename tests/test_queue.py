@@ -10,6 +10,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from celery import chain
@@ -259,3 +260,70 @@ def test_a_dead_node_s_key_goes_to_the_parked_run_after_expiry(cluster: Cluster)
         node.stop()  # already dead: closes its log
         cluster.workers.remove(node)
         cluster.worker(name=f"q3-{tag()}@localhost")
+
+
+def test_runs_that_end_while_parked_are_in_the_history_and_why(cluster: Cluster) -> None:
+    """Superseded and timed-out runs never hold the key; the workers that end them record them in the
+    history (written by their heartbeat threads, off the tasks' path)."""
+    resource = tag()
+    key = f"resource:{resource}"
+    holder = tag()
+    r0 = it.latest.delay(resource, holder, 1.5)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    results = [it.latest.delay(resource, tag(), 0.1) for _ in range(3)]
+    r0.get(timeout=60)
+    for r in results:
+        r.get(timeout=60)
+    superseded = {r.id for r in results[:-1]}
+
+    def runs_ended(how: str) -> dict[str, Any]:
+        return {str(e.task_id): e for e in cluster.store.history(key, limit=50) if e.how == how}
+
+    wait_for(lambda: set(runs_ended("superseded")) == superseded, timeout=60, message="superseded records")
+    for r in results[:-1]:
+        ending = runs_ended("superseded")[r.id]
+        assert ending.parked and ending.task_name == "integration_app.latest"
+        assert ending.by in [x.id for x in results] and ending.by != r.id
+        # (how long it was parked: unknown for a run superseded on arrival, sent before a run it met)
+        assert ending.waited_ms is None or ending.waited_ms >= 0
+    # The runs that held the key are there too, after the superseded ones they outlived.
+    held = [e.task_id for e in cluster.store.history(key, limit=50) if e.how == "released"]
+    assert held == [results[-1].id, r0.id]
+    story = cluster.store.why(key)
+    assert story is not None and {e.task_id for e in story.endings if e.how == "superseded"} == superseded
+
+    # A run parked past its Queue(timeout=...).
+    resource = tag()
+    key = f"resource:{resource}"
+    slow, late = tag(), tag()
+    r1 = it.queued_briefly.delay(resource, slow, 3.0)
+    wait_for(lambda: cluster.runs(slow, "start"), timeout=60, message="the holder to start")
+    r2 = it.queued_briefly.delay(resource, late, 0.1)
+    with pytest.raises(QueueTimeout):
+        r2.get(timeout=60)
+    r1.get(timeout=60)
+    wait_for(lambda: runs_ended("timeout"), timeout=60, message="the timeout record")
+    [timed_out] = runs_ended("timeout").values()
+    assert timed_out.task_id == r2.id and timed_out.parked
+    assert timed_out.waited_ms is not None and timed_out.waited_ms >= 900  # parked for its 1 s timeout
+
+
+def test_a_run_revoked_while_parked_is_in_the_history(cluster: Cluster) -> None:
+    resource = tag()
+    key = f"resource:{resource}"
+    holder, revoked = tag(), tag()
+    r0 = it.queued.delay(resource, holder, 2.0)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    r1 = it.queued.delay(resource, revoked, 0.1)
+    wait_for(lambda: parked(cluster, key) == [r1.id], timeout=60, message="parked")
+    it.app.control.revoke(r1.id)
+    r0.get(timeout=60)
+
+    def revoked_runs() -> list[Any]:
+        return [e for e in cluster.store.history(key, limit=50) if e.how == "revoked"]
+
+    wait_for(revoked_runs, timeout=60, message="the revoked run's record")
+    [ending] = revoked_runs()
+    # (dropped by the sweeper while parked, or its handoff message discarded by the worker's revoke)
+    assert ending.task_id == r1.id and ending.parked
+    assert not cluster.runs(revoked, "start")

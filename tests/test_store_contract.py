@@ -131,7 +131,7 @@ def test_ttl_index_exists_and_cleans_expired_documents_only(store: LeaseStore) -
 
 
 def test_the_slot_heartbeat_is_served_by_an_index(store: LeaseStore) -> None:
-    # limit=N: the heartbeat finds a process's slots by hs.o (its update and its aggregate, every tick);
+    # limit=N: the heartbeat finds a process's slots by hs.o (its update every tick, its aggregate on loss);
     # without an index that is a collection scan at every tick of every process holding a slot.
     lease = store.acquire("tenant:a", limit=3)
     assert lease is not None
@@ -394,9 +394,10 @@ def test_heartbeat_tick_renews_all_in_one_command_and_finds_the_lost_one(
     make_store().force_release("k7")
     counter.clear()
     assert store.heartbeat.tick()
-    # One update for all; one find to learn which lease did not match; one insert of the lease history
-    # (the holder's own view of the lease it lost), off every task's path.
-    assert counter.names() == ["update", "find", "insert"]
+    # One update for all; one read (an aggregate: single leases and slots alike) to learn which lease did
+    # not match; one insert of the lease history (the holder's own view of the lease it lost), off every
+    # task's path.
+    assert counter.names() == ["update", "aggregate", "insert"]
     lost = [lease for lease in leases if lease is not None and lease.lost]
     assert [lease.key for lease in lost] == ["k7"]
     counter.clear()

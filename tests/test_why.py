@@ -200,3 +200,68 @@ def test_ending_from_a_record_with_missing_fields() -> None:
     ending = LeaseEnding.from_record("k", {"f": 7, "how": "expired"})
     assert (ending.task, ending.where, ending.held_seconds) == ("?", "?", None)
     assert ending.as_dict()["fence"] == 7
+
+
+def test_runs_that_ended_while_parked_sort_among_the_leases_and_print_as_such() -> None:
+    sup = {
+        "_id": "k\x00101\x00q\x00aa",
+        "f": 101,
+        "v": "q",
+        "t": "aa11",
+        "n": "app.upload",
+        "how": "superseded",
+        "by": "bb22",
+        "e": at(-2.0),
+        "w": 500,
+    }
+    late = {
+        "_id": "k\x00101\x00q\x00cc",
+        "f": 101,
+        "v": "q",
+        "t": "cc33",
+        "n": "app.upload",
+        "how": "timeout",
+        "e": at(-1.5),
+        "w": 1000,
+    }
+    early = {
+        "_id": "k\x00100\x00q\x00dd",
+        "f": 100,
+        "v": "q",
+        "t": "dd44",
+        "n": "app.upload",
+        "how": "revoked",
+        "e": at(-3.0),
+    }
+    # (the same records read twice are one each)
+    entries = merge_endings("email-group:42", ENDS, [sup, late, early, dict(sup)], 10)
+    assert [(e.fence, e.how, e.parked) for e in entries] == [
+        (101, "holder-died", False),
+        (101, "timeout", True),
+        (101, "superseded", True),
+        (100, "released", False),
+        (100, "revoked", True),
+    ]
+    table = history_table(entries).splitlines()
+    assert table[2].split() == [
+        "-", "timeout", "(parked)", "app.upload[cc33]", "-", "1.00s", "-", "2026-11-23", "12:40:05.5"
+    ]  # fmt: skip
+    assert "superseded by bb22 (parked)" in table[3]
+    story = KeyStory.from_document(held(ends=ENDS), [sup, late, early])
+    assert story.state == "held"  # judged on ends: the runs never held the key
+    assert [e.how for e in story.endings][:3] == ["holder-died", "timeout", "superseded"]
+    assert (
+        story.ending_phrase(story.endings[2]) == "app.upload[aa11] superseded 2.0 s ago by bb22 while parked"
+    )
+    assert any(
+        "superseded by bb22 (parked) app.upload[aa11], parked 0.50 s" in line for line in why_lines(story)
+    )
+
+
+def test_the_verdict_of_a_free_key_names_its_last_lease_not_a_parked_run() -> None:
+    doc = {"_id": "email-group:42", "__now": NOW, "fence": 101, "owner": None, "ends": ENDS}
+    sup = {"_id": "x", "f": 102, "v": "q", "t": "aa11", "n": "app.upload", "how": "superseded",
+           "by": "bb22", "e": at(-0.5)}  # fmt: skip
+    story = KeyStory.from_document(doc, [sup])
+    assert story.state == "free" and story.endings[0].parked  # newest first: the superseded run...
+    assert story.verdict.startswith("free (released 1.3 s ago for app.upload[77d2], whose worker")
