@@ -600,9 +600,10 @@ def test_history_says_holder_died_for_a_killed_child(cluster: Cluster) -> None:
     import os
     import signal
 
-    w = cluster.worker(
-        name=f"h{tag()}@localhost", env=cluster.env(MONGOLOCK_IT_LEASE=60), extra_args=["-Q", "hq"]
-    )
+    # A 60 s lease, so that only the parent's release can end it within the test; the parent writes the
+    # history at its heartbeat's next tick (by default lease / 3 = 20 s later): every second here.
+    env = cluster.env(MONGOLOCK_IT_LEASE=60, MONGOLOCK_IT_HEARTBEAT=1)
+    w = cluster.worker(name=f"h{tag()}@localhost", env=env, extra_args=["-Q", "hq"])
     resource, t = tag(), tag()
     key = f"resource:{resource}"
     res = it.guarded.apply_async((resource, t, 30), queue="hq")
