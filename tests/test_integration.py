@@ -441,7 +441,8 @@ def test_mongodb_down_during_acquisition_does_not_run_the_body(
     cluster: Cluster, own_server: Any, tmp_path: Path
 ) -> None:
     server = own_server(storage_path=tmp_path / "data")
-    env = cluster.env(MONGOLOCK_IT_MONGODB_URL=server.url)
+    # Each attempt while MongoDB is down waits out the operation timeout (10 s by default): 2 s here.
+    env = cluster.env(MONGOLOCK_IT_MONGODB_URL=server.url, MONGOLOCK_IT_OP_TIMEOUT="2")
     w = cluster.worker(name=f"m{tag()}@localhost", env=env, extra_args=["-Q", "mongoq"])
     resource, t = tag(), tag()
     server.stop()
