@@ -32,8 +32,11 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
+# The suite runs in two processes (pytest-xdist), each file's tests in one of them, with servers of its own;
+# tests/conftest.py hands out the longest files first. `make test PYTEST_XDIST=` runs it in one process.
+PYTEST_XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: lint typecheck docs
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 	$(PY) -m nox --tags oldest
 
 # The version matrix (noxfile.py): the store contract and integration suites on every Celery minor from 5.3

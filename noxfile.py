@@ -25,6 +25,9 @@ CELERY_KOMBU = {"5.3": "5.3", "5.4": "5.4", "5.5": "5.5", "5.6": "5.6", "5.7": "
 # The pymongo floor of pyproject.toml, and the newest release (unpinned).
 PYMONGO = {"4.6": "pymongo~=4.6.0", "newest": "pymongo"}
 SUITES = ["tests/test_store_contract.py", "tests/test_integration.py"]
+# The two suites side by side, one process each (pytest-xdist, from the test extra), each with servers of
+# its own: the session takes as long as the longer suite.
+XDIST = ["-n", "2", "--dist", "loadfile"]
 
 OLDEST = ("5.3", "4.6")
 NEWEST = ("5.7", "newest")
@@ -59,7 +62,7 @@ def compat(session: nox.Session, celery: str, pymongo: str) -> None:
         "import celery, kombu, pymongo, redis; print('versions: celery', celery.__version__, "
         "'kombu', kombu.__version__, 'pymongo', pymongo.__version__, 'redis', redis.__version__)",
     )
-    session.run("python", "-m", "pytest", *SUITES, "-p", "no:cacheprovider", "-q", *session.posargs)
+    session.run("python", "-m", "pytest", *SUITES, *XDIST, "-p", "no:cacheprovider", "-q", *session.posargs)
 
 
 @nox.session(python=["3.10", "3.12", "3.13"], tags=["pythons"])
@@ -71,4 +74,4 @@ def pythons(session: nox.Session) -> None:
         "-c",
         "import sys, celery, pymongo; print(sys.version, celery.__version__, pymongo.__version__)",
     )
-    session.run("python", "-m", "pytest", *SUITES, "-p", "no:cacheprovider", "-q", *session.posargs)
+    session.run("python", "-m", "pytest", *SUITES, *XDIST, "-p", "no:cacheprovider", "-q", *session.posargs)

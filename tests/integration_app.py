@@ -1,7 +1,8 @@
 """The Celery app that the integration tests run in real ``celery worker`` processes.
 
 Configured from the environment: MONGOLOCK_IT_BROKER, MONGOLOCK_IT_MONGODB_URL, MONGOLOCK_IT_DB,
-MONGOLOCK_IT_LEASE (lease seconds), MONGOLOCK_IT_READY_DIR (worker_ready marker files).
+MONGOLOCK_IT_LEASE (lease seconds), MONGOLOCK_IT_HEARTBEAT (renewal seconds), MONGOLOCK_IT_READY_DIR
+(worker_ready marker files).
 Every task records what it did in MongoDB (collection ``runs``), so tests check outcomes, not logs.
 """
 
@@ -32,6 +33,11 @@ app.conf.update(
     mongolock_database=os.environ.get("MONGOLOCK_IT_DB", "mongolock_it"),
     mongolock_lease_seconds=float(os.environ.get("MONGOLOCK_IT_LEASE", "30")),
     mongolock_operation_timeout=float(os.environ.get("MONGOLOCK_IT_OP_TIMEOUT", "10")),
+    # MONGOLOCK_IT_HEARTBEAT: the renewal interval (default lease / 3); the parent also writes the history
+    # of the leases it released for dead children at its heartbeat's ticks.
+    mongolock_heartbeat_seconds=float(os.environ["MONGOLOCK_IT_HEARTBEAT"])
+    if os.environ.get("MONGOLOCK_IT_HEARTBEAT")
+    else None,
     mongolock_task_policies={"integration_app.per_task_skip": {"on_contention": "skip"}},
 )
 

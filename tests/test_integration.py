@@ -61,8 +61,13 @@ class Cluster:
         return list(self.db["runs"].find(query).sort("mono", 1))
 
     def close(self) -> None:
+        # SIGKILL every node, parent and children, rather than a warm shutdown: that would wait for the
+        # long bodies some tests leave running (a redelivered 30 s holder: 30 s of teardown) and put the
+        # messages the nodes had reserved back on the shared queue, for the next module's workers to run.
+        # Nothing here is checked: the database goes with the nodes (warm shutdown has its own test).
         for w in self.workers:
-            w.stop()
+            w.kill()
+            w.stop()  # already dead: closes its log
         self.store.close()
         self.client.drop_database(self.db_name)
         self.client.close()
@@ -436,7 +441,8 @@ def test_mongodb_down_during_acquisition_does_not_run_the_body(
     cluster: Cluster, own_server: Any, tmp_path: Path
 ) -> None:
     server = own_server(storage_path=tmp_path / "data")
-    env = cluster.env(MONGOLOCK_IT_MONGODB_URL=server.url)
+    # Each attempt while MongoDB is down waits out the operation timeout (10 s by default): 2 s here.
+    env = cluster.env(MONGOLOCK_IT_MONGODB_URL=server.url, MONGOLOCK_IT_OP_TIMEOUT="2")
     w = cluster.worker(name=f"m{tag()}@localhost", env=env, extra_args=["-Q", "mongoq"])
     resource, t = tag(), tag()
     server.stop()
@@ -595,9 +601,10 @@ def test_history_says_holder_died_for_a_killed_child(cluster: Cluster) -> None:
     import os
     import signal
 
-    w = cluster.worker(
-        name=f"h{tag()}@localhost", env=cluster.env(MONGOLOCK_IT_LEASE=60), extra_args=["-Q", "hq"]
-    )
+    # A 60 s lease, so that only the parent's release can end it within the test; the parent writes the
+    # history at its heartbeat's next tick (by default lease / 3 = 20 s later): every second here.
+    env = cluster.env(MONGOLOCK_IT_LEASE=60, MONGOLOCK_IT_HEARTBEAT=1)
+    w = cluster.worker(name=f"h{tag()}@localhost", env=env, extra_args=["-Q", "hq"])
     resource, t = tag(), tag()
     key = f"resource:{resource}"
     res = it.guarded.apply_async((resource, t, 30), queue="hq")

@@ -288,6 +288,7 @@ def test_renewals_failing_until_the_deadline_mark_the_lease_lost_before_server_e
         assert lease.lost
         assert "failed" in lost[0]
     finally:
+        server.start()  # back, so that close() does not wait for the renewal in flight to time out
         s.close()
 
 
@@ -754,6 +755,9 @@ def test_heartbeat_gives_up_before_the_deadline_with_default_timeouts(own_server
         wait_for(lambda: lost_at, timeout=10, message="the heartbeat to give up")
         assert lost_at[0] < lease.deadline, "gave up after the deadline"
     finally:
+        # Back, so that close() does not wait out the 10 s timeout of the renewal in flight (and the
+        # heartbeat thread's 5 s join): 15 s of closing a store whose server is gone.
+        server.start()
         s.close()
 
 
