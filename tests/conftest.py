@@ -36,6 +36,8 @@ LONGEST_FIRST = {
     "test_security.py": 53,
     "test_cli.py": 43,
     "test_clock_skew.py": 35,
+    "test_limit.py": 40,
+    "test_keys.py": 32,
     "test_queue.py": 30,
     "test_quickstart.py": 25,
     "test_demo.py": 24,
