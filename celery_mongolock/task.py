@@ -856,15 +856,20 @@ class SingletonTask(Task):  # type: ignore[misc]
         raise Ignore()
 
     def _has_final_state(self) -> bool:
-        """Whether this task id has a final state in the result backend (True when there is none to
-        ask: nothing would wait for it)."""
+        """Whether this task id has a final state in the result backend, or a retry of it is on its way
+        (``RETRY``: the body called ``self.retry()``, and that newer run will store the result): then a
+        copy of an earlier run has nothing to do. True when there is no backend to ask (nothing would
+        wait for a result)."""
         if self.ignore_result or self.request.ignore_result or not _queue.has_backend(self.app):
             return True
         try:
-            status = self.backend.get_task_meta(self.request.id).get("status")
+            meta = self.backend.get_task_meta(self.request.id)
         except Exception:
             return True  # cannot tell: drop the copy, as before
-        return status in celery_states.READY_STATES
+        status = meta.get("status")
+        return status in celery_states.READY_STATES or (
+            status == celery_states.RETRY and not _contention_retry_meta(meta.get("result"))
+        )
 
     def _set_state(self, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
         """Write this run's state (only for humans and ``AsyncResult.state``: failures are logged)."""
@@ -987,6 +992,13 @@ def _already_ran(key: str, task_id: str) -> dict[str, Any]:
         "reason": f"the body of {task_id} ran and released {key!r}; its worker died before it stored "
         "the result, which is lost (the body is never run twice)",
     }
+
+
+def _contention_retry_meta(result: Any) -> bool:
+    """Whether a ``RETRY`` state's stored reason is one of this library's contention retries (the key was
+    held, or MongoDB did not answer), not the body's own ``self.retry()``."""
+    name = result.get("exc_type") if isinstance(result, dict) else type(result).__name__
+    return name in ("LockContended", "StoreUnavailable")
 
 
 def _give_back_quietly(store: LeaseStore, leases: list[Lease]) -> None:

@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 from celery.exceptions import Ignore
 
-from celery_mongolock import LeaseStore, Replace, singleton_task
+from celery_mongolock import LeaseStore, LockContended, Replace, singleton_task
 from celery_mongolock._queue import Sweeper
 from celery_mongolock.config import get_settings, get_store
 
@@ -113,10 +113,10 @@ def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app
     store: LeaseStore = get_store(app)
     run = f"run-{uuid.uuid4().hex}"
 
-    def admit() -> Any:
+    def admit(redelivered: bool = False) -> Any:
         task.push_request(
-            id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100}, delivery_info={},
-            hostname="w1", retries=0, is_eager=False,
+            id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100},
+            delivery_info={"redelivered": redelivered}, hostname="w1", retries=0, is_eager=False,
         )  # fmt: skip
         try:
             info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
@@ -129,6 +129,15 @@ def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app
     lease.release()  # the body ended; its worker dies before Celery stores the result
     copy = admit()  # the broker delivers the message again
     assert isinstance(copy, Outcome) and copy.value["mongolock"] == "already-ran"
+    # After a contention retry (the key was held, or MongoDB did not answer), the state is RETRY and the
+    # copy still ends the task; after the body's own self.retry(), a newer run will store the result:
+    # the copy is dropped (the lock-set checker's false already-ran on seed 13).
+    app.backend.mark_as_retry(run, LockContended(KEY))
+    copy = admit(redelivered=True)
+    assert isinstance(copy, Outcome) and copy.value["mongolock"] == "already-ran"
+    app.backend.mark_as_retry(run, ValueError("the body asked for a retry"))
+    with pytest.raises(Ignore):
+        admit(redelivered=True)
     # With a final state stored, a copy is simply dropped.
     app.backend.store_result(run, "done", "SUCCESS")
     with pytest.raises(Ignore):
