@@ -18,6 +18,26 @@ real prefork worker) does, with ``celery_mongolock.fencing.fenced_update_one`` f
    ``{k: "w", o: op, h: hold, f: fence, p: p}``, filtered on ``log.o != op`` so a retry of an ambiguous
    write (connection dropped, reply lost) is recognised and never applied twice.
 
+Keys ``l<i>`` are ``limit=N`` keys (N = ``LIMIT`` = 3): up to N holds at once (Celery ``Retry``/``Skip``
+runs sent in bursts of 2 to N + 1, and the bare clients with ``acquire(limit=N)``), each in a slot
+(``lease.slot``) with its own fence. They share one protected document per key, so each hold guards only
+its own slot's part of it (``run_slot_hold``)::
+
+    {_id: key, counter: int, sc: {slot: int}, sf: {slot: fence}, log: [entry, ...]}
+
+the claim pushes ``{k: "c", h, f, s}`` and stamps ``sf.<s>``; each op reads ``sc.<s>`` (p), works, then
+writes ``sc.<s> = p + 1``, ``$inc counter`` and pushes ``{k: "w", o, h, f, s, p}``, filtered on ``sf.<s>
+<= f`` (a stale holder of the slot is fenced out by the slot's next holder) and ``log.o != op`` (so an
+op is applied once per key even when its retry gets another slot). Within a slot the log is then a
+single-holder history, checked as a plain key's log is.
+
+Several-keys runs (``keys=("{a}", "{b}")``: ``Retry`` and ``Skip``) take two of the plain ``k`` keys,
+named in either order, beside single-key runs and bare clients on the same keys. The body records its
+start (``mbody``: the keys of its ``LeaseSet`` with each hold token and fence) and an acquisition per
+key, then does the plain claim + read-modify-write on each key's document with that key's lease and
+fence (op ``<op>@<key>``), and releases each key (``run_multi_hold``). A run cut short on one key
+(fenced out, loss detected) is retried; its retry recognises the ops already applied.
+
 Every process appends its view to a JSON-lines history file (acquisitions with monotonic send/reply
 times, every write's outcome: ack / fenced / lost-detected / ambiguous / error, releases). Reckless
 clients write even after their lease is lost: only the fence stands between them and the data.
@@ -55,6 +75,23 @@ none run again after it finished, no grant to a newer Queue run (an inversion) o
 (barging) while an older run was parked, superseded only by a newer send, no older Replace run after a
 newer one. Grants are ordered by fence; a run parked in a reply with fence f was parked before every
 grant with a larger one (docs/discussions/test-bed.md, "Queue and Replace runs").
+
+``limit=N`` keys (``check_slot_log``, ``check_limit_holds``): at no instant more than N holds whose
+release matched their owner token (clean holds: CLOCK_MONOTONIC from the reply seen to the release sent,
+inside the real hold) overlap (``over-limit``); two clean holds of one slot never overlap
+(``slot-overlap``); per slot, the log is a single-holder history (fences non-decreasing, holds not
+interleaved, the i-th write of the slot read ``p == i``: ``lost-update`` otherwise); a fence belongs to
+one hold over all slots (``fence-reused``), and the acquisitions' fences increase in real-time order
+across slots (the plain sweep); ``counter`` and each ``sc.<s>`` equal the writes applied; no op applied
+twice, no acknowledged op missing.
+
+Several-keys runs (``check_multi``): every body started holding a lease on every key of its task
+(``multi-missing-key``); its clean holds overlapped in time, so it held them all at once
+(``multi-not-all-held``); its writes to each key's document carry that key's hold and fence
+(``multi-wrong-fence``); a run that ended done has each key's op applied, by one of its own bodies
+(``multi-partial``). Each key's holds (several-keys and single-key alike) go through the plain checks
+above, so a several-keys body and a single-key run holding one key at once is an ``overlap``, and a
+deadlock leaves tasks unfinished.
 
 Run it from ``tests/test_lockcheck.py`` (bounded) or ``scripts/soak.py`` (long).
 """
