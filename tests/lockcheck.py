@@ -538,7 +538,7 @@ def run_multi_hold(
     for key in leases.keys:
         got = run_hold(
             leases[key], docs, hist, [multi_op(op, key)], rng, reckless=reckless, who=who, task_id=task_id,
-            work=(0.02, 0.15),
+            work=(0.05, 0.3),
         )  # fmt: skip
         outcome = got[0] if got else "claim-failed"
         outcomes.append(outcome)
@@ -1350,6 +1350,25 @@ def queued_figures(history: History) -> Doc:
     }
 
 
+def hold_ends(events: Iterable[Doc]) -> dict[str, float]:
+    """When each hold was last seen (its release sent, or its last write): a killed holder has no release."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.get("ev") in ("rel", "write") and e.get("hold") and e.get("t") is not None:
+            out[str(e["hold"])] = max(out.get(str(e["hold"]), 0.0), float(e["t"]))
+    return out
+
+
+def faults_during(faults: Iterable[Doc], spans: Sequence[tuple[float, float]]) -> dict[str, int]:
+    """Per fault kind, how many of its injections began while one of ``spans`` (start, end) was running."""
+    out: Counter[str] = Counter()
+    for fault in faults:
+        t = float(fault["t"])
+        if any(s <= t <= e for s, e in spans):
+            out[str(fault["kind"])] += 1
+    return dict(sorted(out.items()))
+
+
 def limit_figures(history: History, faults: list[Doc]) -> Doc:
     """What the ``limit=N`` holds and the several-keys runs did (figures, not verdicts)."""
     ev = history.events
@@ -1373,6 +1392,22 @@ def limit_figures(history: History, faults: list[Doc]) -> Doc:
         if all(ops_by_hold.get(str(h)) for h in (b.get("holds") or {}).values()):
             complete += 1
     orders = {tuple(t.get("keys") or ()) for t in multi_tasks}
+    ends = hold_ends(ev)
+    limit_spans = [
+        (float(a["t1"]), ends.get(str(a["hold"]), float(a["t1"]) + 5.0))
+        for v in limit_acqs.values()
+        for a in v
+    ]
+    body_spans = [
+        (
+            float(b["t"]),
+            max(
+                (ends.get(str(h), float(b["t"]) + 5.0) for h in (b.get("holds") or {}).values()),
+                default=float(b["t"]),
+            ),
+        )
+        for b in bodies
+    ]
     return {
         "limit": LIMIT,
         "limit_holds": sum(len(v) for v in limit_acqs.values()),
@@ -1389,6 +1424,8 @@ def limit_figures(history: History, faults: list[Doc]) -> Doc:
         "multi_skipped": sum(
             1 for t in multi_tasks if isinstance(t.get("result"), dict) and t["result"].get("mongolock")
         ),
+        "faults_during_limit_holds": faults_during(faults, limit_spans),
+        "faults_during_multi_bodies": faults_during(faults, body_spans),
         "faults_hitting_limit_keys": dict(
             sorted(
                 Counter(
@@ -1580,7 +1617,7 @@ class Config:
     #: that are a several-keys run on two of the plain keys (in either order, beside single-key runs).
     limit_keys: int = 1
     limit_share: float = 0.12
-    multi_share: float = 0.15
+    multi_share: float = 0.2
     epoch_seconds: float = 40.0
     lease_seconds: float = 2.0
     task_rate: float = 1.5
@@ -1680,6 +1717,17 @@ class Node:
         # Children orphaned by a killed parent would keep the process group alive.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def holder_kind(info: Any) -> str:
+    """What a held lease (``LeaseInfo`` or ``SlotHold``) is, for picking fault victims: ``queued``,
+    ``limit``, ``multi`` (a several-keys run's) or ``plain``."""
+    policy = key_policy(info.key)
+    if policy in ("queue", "replace"):
+        return "queued"
+    if policy == "limit":
+        return "limit"
+    return "multi" if info.holder.get("keys") else "plain"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1955,20 +2003,19 @@ class Run:
         return out
 
     def _find_victim(self, pids: Callable[[], set[int]], timeout: float = 8.0) -> Any:
+        # Which holder to hit, drawn once: a queued key's (its fault lands on a run that others are
+        # parked behind, or on a bare client holding such a key), a slot of a limit=N key, a several-keys
+        # run (its holder names its keys), or any. That kind is looked for during the first half of the
+        # wait, then any holder will do.
+        want = self.rng.choices(("queued", "limit", "multi", "any"), weights=(4, 2, 2, 2))[0]
+        prefer_until = time.monotonic() + timeout / 2
+
         def find() -> Any:
             candidates = [
                 i for i in self._held() if i.holder.get("pid") in pids() and (i.expires_in or 0) > 0.5
             ]
-            # Half the time a holder of a queued key, when there is one: its fault lands on a run
-            # that others are parked behind (or on a bare client holding such a key). Else, a fifth
-            # of the time, a slot of a limit=N key or a several-keys run (its holder names its keys).
-            queued = [i for i in candidates if key_policy(i.key) in ("queue", "replace")]
-            special = [i for i in candidates if key_policy(i.key) == "limit" or i.holder.get("keys")]
-            pick = self.rng.random()
-            if queued and pick < 0.5:
-                candidates = queued
-            elif special and pick < 0.7:
-                candidates = special
+            if want != "any" and time.monotonic() < prefer_until:
+                candidates = [i for i in candidates if holder_kind(i) == want]
             return self.rng.choice(candidates) if candidates else None
 
         try:
@@ -2571,8 +2618,10 @@ def format_report(report: Doc) -> str:
         "slots used {slots_used}; several-keys tasks {multi_submitted} (key pairs named in both orders "
         "{multi_key_pairs_both_orders}, skipped {multi_skipped}), bodies {multi_bodies} (all keys written "
         "{multi_bodies_all_written}, started with a lease past its deadline "
-        "{multi_bodies_started_past_a_deadline}); faults hitting limit keys {faults_hitting_limit_keys}, "
-        "several-keys bodies {faults_hitting_multi_bodies}".format(**report["limit_multi"]),
+        "{multi_bodies_started_past_a_deadline}); faults hitting a limit key's holder "
+        "{faults_hitting_limit_keys}, a several-keys body's {faults_hitting_multi_bodies}; faults that began "
+        "while limit holds ran {faults_during_limit_holds}, while several-keys bodies ran "
+        "{faults_during_multi_bodies}".format(**report["limit_multi"]),
         "  faults " + ", ".join(f"{k} {v}" for k, v in report["faults"].items()),
     ]
     if report.get("faults_skipped"):

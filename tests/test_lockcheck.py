@@ -551,9 +551,10 @@ def _multi_good() -> History:
 def test_a_good_several_keys_history_passes() -> None:
     h = _multi_good()
     assert check(h) == []
-    fig = lockcheck.limit_figures(h, [{"kind": "kill-child", "holds": ["n2" * 16]}])
+    fig = lockcheck.limit_figures(h, [{"kind": "kill-child", "holds": ["n2" * 16], "t": 2.0}])
     assert fig["multi_bodies"] == 3 and fig["multi_bodies_all_written"] == 2, fig
     assert fig["multi_key_pairs_both_orders"] == 1 and fig["faults_hitting_multi_bodies"] == {"kill-child": 1}
+    assert fig["faults_during_multi_bodies"] == {"kill-child": 1} and fig["faults_during_limit_holds"] == {}
 
 
 def test_a_several_keys_run_done_with_a_key_unwritten_is_reported() -> None:
