@@ -1727,7 +1727,8 @@ def holder_kind(info: Any) -> str:
         return "queued"
     if policy == "limit":
         return "limit"
-    return "multi" if info.holder.get("keys") else "plain"
+    multi = info.holder.get("keys") or info.holder.get("task_name") in MULTI_TASKS
+    return "multi" if multi else "plain"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2007,7 +2008,10 @@ class Run:
         # parked behind, or on a bare client holding such a key), a slot of a limit=N key, a several-keys
         # run (its holder names its keys), or any. That kind is looked for during the first half of the
         # wait, then any holder will do.
-        want = self.rng.choices(("queued", "limit", "multi", "any"), weights=(4, 2, 2, 2))[0]
+        weights = {"queued": 3, "limit": 2, "multi": 3, "any": 2}
+        if pids == self._client_pids:  # the bare clients take no several-keys leases
+            del weights["multi"]
+        want = self.rng.choices(list(weights), weights=list(weights.values()))[0]
         prefer_until = time.monotonic() + timeout / 2
 
         def find() -> Any:
