@@ -86,7 +86,8 @@ across slots (the plain sweep); ``counter`` and each ``sc.<s>`` equal the writes
 twice, no acknowledged op missing.
 
 Several-keys runs (``check_multi``): every body started holding a lease on every key of its task
-(``multi-missing-key``); its clean holds overlapped in time, so it held them all at once
+(``multi-missing-key``), none of them past its deadline when the last was taken
+(``multi-started-without-all``); its clean holds overlapped in time, so it held them all at once
 (``multi-not-all-held``); its writes to each key's document carry that key's hold and fence
 (``multi-wrong-fence``); a run that ended done has each key's op applied, by one of its own bodies
 (``multi-partial``). Each key's holds (several-keys and single-key alike) go through the plain checks
@@ -533,6 +534,9 @@ def run_multi_hold(
         "mbody", task_id=task_id, who=who, t=now, keys=list(leases.keys),
         holds={k: leases[k].owner for k in leases.keys}, fences={k: leases[k].fence for k in leases.keys},
         expired=[k for k in leases.keys if leases[k].deadline <= now or leases[k].lost],
+        acquired={k: leases[k].acquired_mono for k in leases.keys},
+        deadlines={k: leases[k].deadline for k in leases.keys},
+        lost={k: leases[k].lost_reason for k in leases.keys if leases[k].lost_reason},
     )  # fmt: skip
     outcomes: list[str] = []
     for key in leases.keys:
@@ -1022,6 +1026,11 @@ def check_multi(history: History, applied: dict[str, list[tuple[str, str]]]) -> 
       fence for k (e.g. another key's fence).
     * ``multi-partial``: a task that ended done (not skipped) has a key whose op is not applied, or
       applied by no body of that task (every key written, or the run was retried until it was).
+    * ``multi-started-without-all``: the run's set of leases was complete (the last key's acquire
+      answered, ``acquired_mono``) only after another key's lease had passed its deadline (``deadline``
+      as the body saw it, after any renewal): by the library's own rule the run must assume that key
+      gone, yet its body started. (Both times are the worker's own CLOCK_MONOTONIC readings kept by the
+      library's ``Lease``; nothing the checker measures around them.)
     """
     found: list[Violation] = []
     tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in MULTI_TASKS}
@@ -1044,6 +1053,23 @@ def check_multi(history: History, applied: dict[str, list[tuple[str, str]]]) -> 
                     f"task {tid}: body started holding {keys} (fences {fences}), its keys are {want}",
                 )
             )
+        acquired, deadlines = body.get("acquired") or {}, body.get("deadlines") or {}
+        if acquired and deadlines:
+            complete = max(float(v) for v in acquired.values())
+            gone = {k: float(d) for k, d in deadlines.items() if float(d) < complete}
+            if gone:
+                found.append(
+                    Violation(
+                        "multi-started-without-all",
+                        f"task {tid}: its last key was taken at {complete:.3f} but the lease on "
+                        + ", ".join(
+                            f"{k} (taken at {float(acquired[k]):.3f}, fence {fences.get(k)}) had passed its "
+                            f"deadline at {d:.3f}"
+                            for k, d in sorted(gone.items())
+                        )
+                        + f"; the body started at {float(body['t']):.3f} (lost: {body.get('lost') or {}})",
+                    )
+                )
         for k, h in holds.items():
             holds_of[tid].add((k, str(h)))
             body_of[k, str(h)] = body

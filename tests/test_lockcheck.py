@@ -589,3 +589,17 @@ def test_a_single_key_run_inside_a_several_keys_hold_is_an_overlap() -> None:
     # C (single key K1) was answered at 0.5 while M held K1 until 1.0: both released cleanly.
     h.events[7] = _acq(HOLD_C, 11, 0.4, 0.5, key=K1)
     assert "overlap" in kinds(check(h))
+
+
+def test_a_several_keys_body_started_after_one_lease_lapsed_is_reported() -> None:
+    h = _multi_good()
+    m = {K2: ("m2" * 16, 20), K1: ("m1" * 16, 10)}
+    # K2 taken at 0.0 (deadline 2.0, never renewed), K1 only at 2.6 (its acquire held up): the set was
+    # complete after K2's lease had lapsed.
+    h.events[2] = {**_mbody("M", m, 2.7), "acquired": {K2: 0.0, K1: 2.6}, "deadlines": {K2: 2.0, K1: 4.6}}
+    found = check(h)
+    assert kinds(found) == {"multi-started-without-all"}, found
+    assert f"{K2} (taken at 0.000, fence 20) had passed its deadline at 2.000" in str(found[0]), found
+    # Renewed in time (deadline 3.5 when the body started): it held both.
+    h.events[2] = {**h.events[2], "deadlines": {K2: 3.5, K1: 4.6}}
+    assert check(h) == []
