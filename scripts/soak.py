@@ -8,8 +8,10 @@ Bare LeaseStore clients and real Celery prefork workers do fenced read-modify-wr
 documents under their leases while holders are paused (SIGSTOP), worker children and whole nodes are
 SIGKILLed, wall clocks jump (libfaketime: a bare client's, and a Celery node's with a queue of its own),
 the MongoDB server is crashed and restarted on its data, and fail points drop connections, fail or hold
-commands. Afterwards the history checker looks for lost or doubled updates, overlapping holds and fences
-going backwards. Prints the figures; exits 1 on any violation.
+commands. ``limit=3`` runs share a key's slots and several-keys runs hold two keys at once, beside
+single-key runs on the same keys. Afterwards the history checker looks for lost or doubled updates,
+overlapping holds, more than N clean holds of a ``limit=N`` key at once, a several-keys body without all
+of its keys, and fences going backwards. Prints the figures; exits 1 on any violation.
 """
 
 from __future__ import annotations
@@ -116,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_line(report: dict[str, Any]) -> str:
-    """One line per seed: violations, unfinished tasks, faults, duration."""
-    tasks, faults = report["tasks"], report["faults"]
+    """One line per seed: violations, unfinished tasks, faults, the limit=N and several-keys figures,
+    duration."""
+    tasks, faults, lm = report["tasks"], report["faults"], report["limit_multi"]
+    most = max(lm["max_clean_holds_at_once"].values(), default=0)
     return (
         f"seed {report['seed']}: violations {report['violations']}, unfinished {tasks['unfinished']} "
         f"(lost by the broker {tasks['lost_by_broker']}), tasks {tasks['submitted']}, "
-        f"faults {sum(faults.values())}, {report['duration_s']} s (drain {report.get('drain_s')} s), "
-        f"workdir {report.get('workdir')}"
+        f"faults {sum(faults.values())}, limit holds {lm['limit_holds']} (most clean at once {most} of "
+        f"{lm['limit']}), several-keys bodies {lm['multi_bodies']}, {report['duration_s']} s "
+        f"(drain {report.get('drain_s')} s), workdir {report.get('workdir')}"
     )
 
 

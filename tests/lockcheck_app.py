@@ -12,6 +12,11 @@ checks need: every admission's outcome with the fence in the lease document at t
 recorded around ``LeaseStore.admit``), every handoff with the fence it gave (``handoff``, around
 ``LeaseStore._handed``), and the library's ``run_parked``, ``run_handed_off`` and ``run_superseded``
 signals. These wrappers only record; they call the library's own methods unchanged.
+
+The ``limit=N`` tasks (``rmw_limit``: ``Retry``, ``rmw_limit_skip``: ``Skip``; N = ``lockcheck.LIMIT``)
+write their slot's part of the key's protected document (``lockcheck.run_slot_hold``). The several-keys
+tasks (``rmw_multi``: ``Retry``, ``rmw_multi_skip``: ``Skip``; ``keys=("{a}", "{b}")``) write each key's
+protected document with that key's lease and fence (``lockcheck.run_multi_hold``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from celery.signals import before_task_publish, task_postrun, task_received, wor
 
 from celery_mongolock import LeaseStore, Queue, Replace, Retry, Skip, current_lease, singleton_task
 from celery_mongolock import signals as mongolock_signals
+from celery_mongolock.lease import LeaseSet
 
 from . import lockcheck
 
@@ -180,13 +186,21 @@ def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
     assert lease is not None
     hist = _history() or lockcheck.HistoryWriter.for_process(".")
     who = f"task:{task.request.hostname}:{os.getpid()}"
-    lockcheck.record_task_acquired(hist, lease, who, task.request.id, stamp=_stamp(task.request))
-    outcomes = lockcheck.run_hold(
-        lease, lockcheck.docs_collection(app.conf.mongolock_url, app.conf.mongolock_database), hist,
-        [op], _rng, reckless=reckless, who=who, task_id=task.request.id,
-    )  # fmt: skip
-    lockcheck.release_and_record(lease, hist, who)
-    outcome = outcomes[0] if outcomes else "claim-failed"
+    docs = lockcheck.docs_collection(app.conf.mongolock_url, app.conf.mongolock_database)
+    if isinstance(lease, LeaseSet):  # keys=(...): every key's lease, then each key's document
+        lockcheck.record_set_acquired(hist, lease, who, task.request.id)
+        outcomes = lockcheck.run_multi_hold(
+            lease, docs, hist, op, _rng, reckless=reckless, who=who, task_id=task.request.id
+        )
+        for one in reversed(list(lease)):
+            lockcheck.release_and_record(one, hist, who)
+        outcome = "ack" if len(outcomes) == len(lease) and set(outcomes) == {"ack"} else "cut"
+    else:
+        lockcheck.record_task_acquired(hist, lease, who, task.request.id, stamp=_stamp(task.request))
+        hold = lockcheck.run_hold if lease.slot is None else lockcheck.run_slot_hold
+        outcomes = hold(lease, docs, hist, [op], _rng, reckless=reckless, who=who, task_id=task.request.id)
+        lockcheck.release_and_record(lease, hist, who)
+        outcome = outcomes[0] if outcomes else "claim-failed"
     if outcome != "ack":
         # Fenced out, lease lost, or MongoDB unreachable: do the work again under a new lease.
         if os.environ.get("LOCKCHECK_CELERY_RETRY"):
@@ -232,3 +246,48 @@ def rmw_queue(self: Any, key: str, op: str, reckless: bool = False) -> dict[str,
 def rmw_replace(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """The same, but latest wins: a newer send replaces the parked run (which ends superseded)."""
     return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    key="{key}",
+    app=app,
+    name="lockcheck.rmw_limit",
+    bind=True,
+    limit=lockcheck.LIMIT,
+    on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
+    max_retries=200,
+)
+def rmw_limit(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """Up to ``LIMIT`` at once per key, each writing its slot's part of the document; full: retry later."""
+    return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    key="{key}", app=app, name="lockcheck.rmw_limit_skip", bind=True, limit=lockcheck.LIMIT,
+    on_contention=Skip(), max_retries=200,
+)  # fmt: skip
+def rmw_limit_skip(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, but a run that finds every slot held is skipped."""
+    return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"),
+    app=app,
+    name="lockcheck.rmw_multi",
+    bind=True,
+    on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
+    max_retries=200,
+)
+def rmw_multi(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """Holds both keys (named in either order by the submitter) and writes each key's document."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"), app=app, name="lockcheck.rmw_multi_skip", bind=True, on_contention=Skip(),
+    max_retries=200,
+)  # fmt: skip
+def rmw_multi_skip(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, but a run that finds either key held is skipped."""
+    return _body(self, f"{a}+{b}", op, reckless)

@@ -388,6 +388,225 @@ def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     # in every seed measured; two may miss on a loaded machine, e.g. while broker-restarted nodes start).
     hit = queued["faults_hitting_queued_runs"]
     assert len(hit) >= len(report["faults"]) - 2, (hit, report["faults"])
+    # limit=3 runs (Celery runs and bare clients) shared one key's slots, and several-keys runs held two
+    # plain keys at once beside single-key runs on them.
+    lm = report["limit_multi"]
+    assert lm["limit_task_runs"] > 5 and max(lm["max_clean_holds_at_once"].values()) >= 2, lm
+    assert lm["multi_submitted"] > 5 and lm["multi_bodies"] > 3, lm
     if "clock-jump" not in skipped:
         # The node whose wall clock jumped took its own queue's tasks to the end (unfinished is 0).
         assert report["faults"]["clock-jump"] >= 2 and tasks["skewed_node_submitted"] > 5, tasks
+
+
+# -- limit=N keys and several-keys runs ---------------------------------------------------------------------
+
+LKEY = "lockcheck:l0.e0"
+K1, K2 = "lockcheck:k0.e0", "lockcheck:k1.e0"
+HOLD_D = "d" * 32
+
+
+def _slot_claim(hold: str, fence: int, slot: int) -> dict[str, Any]:
+    return {"k": "c", "h": hold, "f": fence, "s": slot}
+
+
+def _slot_write(op: str, hold: str, fence: int, slot: int, p: int) -> dict[str, Any]:
+    return {"k": "w", "o": op, "h": hold, "f": fence, "s": slot, "p": p}
+
+
+def _slot_acq(hold: str, fence: int, slot: int, t0: float, t1: float) -> dict[str, Any]:
+    return {**_acq(hold, fence, t0, t1, key=LKEY), "slot": slot}
+
+
+def _limit_good() -> History:
+    """Three holds of a limit=3 key at once (slots 0, 1, 2), then a fourth in slot 0 after the first
+    released it; a stale holder of slot 1 (paused past its lease) fenced out by the next hold of slot 1."""
+    log = [
+        _slot_claim(HOLD_A, 10, 0), _slot_claim(HOLD_B, 11, 1), _slot_claim(HOLD_C, 12, 2),
+        _slot_write("a1", HOLD_A, 10, 0, 0), _slot_write("c1", HOLD_C, 12, 2, 0),
+        _slot_write("b1", HOLD_B, 11, 1, 0),
+        _slot_claim(HOLD_D, 13, 0), _slot_write("d1", HOLD_D, 13, 0, 1),
+    ]  # fmt: skip
+    events = [
+        _slot_acq(HOLD_A, 10, 0, 0.0, 0.1), _slot_acq(HOLD_B, 11, 1, 0.2, 0.3),
+        _slot_acq(HOLD_C, 12, 2, 0.4, 0.5),
+        _ack("a1", HOLD_A, 10, key=LKEY), _ack("b1", HOLD_B, 11, key=LKEY), _ack("c1", HOLD_C, 12, key=LKEY),
+        _rel(HOLD_A, 1.0, key=LKEY), _slot_acq(HOLD_D, 13, 0, 1.1, 1.2), _ack("d1", HOLD_D, 13, key=LKEY),
+        _rel(HOLD_B, 1.5, key=LKEY), _rel(HOLD_C, 1.6, key=LKEY), _rel(HOLD_D, 1.7, key=LKEY),
+    ]  # fmt: skip
+    doc = {"_id": LKEY, "counter": 4, "sc": {"0": 2, "1": 1, "2": 1}, "sf": {"0": 13, "1": 11, "2": 12}}
+    return History(events, {LKEY: {**doc, "log": log}})
+
+
+def test_a_good_limit_history_passes() -> None:
+    h = _limit_good()
+    assert check(h) == []
+    fig = lockcheck.limit_figures(h, [])
+    assert fig["max_clean_holds_at_once"] == {LKEY: 3} and fig["limit_clean_holds"] == 4, fig
+
+
+def test_more_than_n_clean_holds_at_once_is_reported() -> None:
+    h = _limit_good()
+    # D was answered at 0.9, while A, B and C all still held the key (and all four released cleanly).
+    h.events = [
+        e if e.get("hold") != HOLD_D or e["ev"] != "acq" else _slot_acq(HOLD_D, 13, 0, 0.8, 0.9)
+        for e in h.events
+    ]
+    found = check(h)
+    assert {"over-limit", "slot-overlap"} <= kinds(found), found
+    assert "4 clean holds at once" in str(next(v for v in found if v.kind == "over-limit"))
+    # A's release did not match (it had expired and was dropped): three clean holds at once, allowed.
+    h.events = [
+        e if not (e["ev"] == "rel" and e["hold"] == HOLD_A) else _rel(HOLD_A, 1.0, False, LKEY)
+        for e in h.events
+    ]
+    assert check(h) == []
+
+
+def test_two_holders_of_one_slot_in_the_log_are_reported() -> None:
+    h = _limit_good()
+    log = h.docs[LKEY]["log"]
+    # D took slot 0 while A still wrote there: D's write read the slot's counter before A's write.
+    log[3], log[7] = _slot_write("a1", HOLD_A, 10, 0, 1), _slot_write("d1", HOLD_D, 13, 0, 0)
+    log[3], log[6] = log[6], log[3]  # D claims, then A writes, then D writes: A's write after D's fence
+    found = check(h)
+    assert {"fence-backwards", "overlap"} <= kinds(found), found
+
+
+def test_a_lost_slot_write_is_reported() -> None:
+    h = _limit_good()
+    h.docs[LKEY]["log"][7] = _slot_write("d1", HOLD_D, 13, 0, 0)  # read slot 0 before a1 was applied
+    assert kinds(check(h)) == {"lost-update"}
+    h = _limit_good()
+    h.docs[LKEY]["counter"] = 3
+    assert kinds(check(h)) == {"lost-update"}
+
+
+def test_a_fence_shared_by_two_slots_is_reported() -> None:
+    h = _limit_good()
+    log = h.docs[LKEY]["log"]
+    log[1], log[5] = _slot_claim(HOLD_B, 10, 1), _slot_write("b1", HOLD_B, 10, 1, 0)
+    h.events = [
+        e if not (e["ev"] == "acq" and e["hold"] == HOLD_B) else _slot_acq(HOLD_B, 10, 1, 0.2, 0.3)
+        for e in h.events
+    ]
+    assert "fence-reused" in kinds(check(h))
+
+
+def test_a_slot_write_applied_twice_across_slots_is_reported() -> None:
+    h = _limit_good()
+    h.docs[LKEY]["log"].append(_slot_write("a1", HOLD_D, 13, 0, 2))  # a retried run, in another hold
+    h.docs[LKEY]["counter"], h.docs[LKEY]["sc"]["0"] = 5, 3
+    assert kinds(check(h)) == {"applied-twice"}
+
+
+def _multi_task(op: str, keys: list[str], result: Any = None) -> dict[str, Any]:
+    done = {"op": op, "outcome": "ack"}
+    return {"op": op, "task": "lockcheck.rmw_multi", "key": "", "keys": keys, "state": "SUCCESS",
+            "result": done if result is None else result}  # fmt: skip
+
+
+def _mbody(task_id: str, holds: dict[str, tuple[str, int]], t: float) -> dict[str, Any]:
+    return {"ev": "mbody", "task_id": task_id, "t": t, "keys": list(holds),
+            "holds": {k: h for k, (h, _f) in holds.items()}, "fences": {k: f for k, (_h, f) in holds.items()},
+            "expired": []}  # fmt: skip
+
+
+def _multi_good() -> History:
+    """Task M holds K2 and K1 (named in that order) and writes both; then a single-key run on K1 (hold C),
+    and task N holds K1 and K2: its first body wrote K1 and was fenced out on K2 (its lease on K2 lost to
+    hold D), and its retry wrote K2 (K1's op recognised as applied)."""
+    m1, m2, n1, n2, n3, n4 = "m1" * 16, "m2" * 16, "n1" * 16, "n2" * 16, "n3" * 16, "n4" * 16
+    k1_log = [
+        _claim(m1, 10), _write("M@" + K1, m1, 10, 0), _claim(HOLD_C, 11), _write("c1", HOLD_C, 11, 1),
+        _claim(n1, 12), _write("N@" + K1, n1, 12, 2), _claim(n3, 14),
+    ]  # fmt: skip
+    k2_log = [
+        _claim(m2, 20), _write("M@" + K2, m2, 20, 0), _claim(HOLD_D, 22), _claim(n4, 23),
+        _write("N@" + K2, n4, 23, 1),
+    ]  # fmt: skip
+    events = [
+        _acq(m2, 20, 0.0, 0.2, key=K2), _acq(m1, 10, 0.1, 0.2, key=K1),
+        _mbody("M", {K2: (m2, 20), K1: (m1, 10)}, 0.2),
+        _ack("M@" + K2, m2, 20, key=K2), _ack("M@" + K1, m1, 10, key=K1),
+        _rel(m1, 1.0, key=K1), _rel(m2, 1.0, key=K2),
+        _acq(HOLD_C, 11, 1.1, 1.2, key=K1), _ack("c1", HOLD_C, 11, key=K1), _rel(HOLD_C, 1.5, key=K1),
+        _acq(n1, 12, 1.6, 1.8, key=K1), _acq(n2, 21, 1.7, 1.8, key=K2),
+        _mbody("N", {K1: (n1, 12), K2: (n2, 21)}, 1.8),
+        _ack("N@" + K1, n1, 12, key=K1), {**_ack("N@" + K2, n2, 21, key=K2), "outcome": "fenced"},
+        _rel(n1, 4.0, key=K1), _rel(n2, 4.0, released=False, key=K2),
+        _acq(HOLD_D, 22, 3.0, 3.1, key=K2), _rel(HOLD_D, 3.5, key=K2),
+        _acq(n3, 14, 4.1, 4.3, key=K1), _acq(n4, 23, 4.2, 4.3, key=K2),
+        _mbody("N", {K1: (n3, 14), K2: (n4, 23)}, 4.3),
+        _ack("N@" + K1, n3, 14, outcome="ack-earlier", key=K1), _ack("N@" + K2, n4, 23, key=K2),
+        _rel(n4, 5.0, key=K2), _rel(n3, 5.0, key=K1),
+    ]  # fmt: skip
+    docs = {
+        K1: {"_id": K1, "counter": 3, "fence": 14, "log": k1_log},
+        K2: {"_id": K2, "counter": 2, "fence": 23, "log": k2_log},
+    }
+    tasks = {"M": _multi_task("M", [K2, K1]), "N": _multi_task("N", [K1, K2])}
+    return History(events, docs, tasks)
+
+
+def test_a_good_several_keys_history_passes() -> None:
+    h = _multi_good()
+    assert check(h) == []
+    fig = lockcheck.limit_figures(h, [{"kind": "kill-child", "holds": ["n2" * 16], "t": 2.0}])
+    assert fig["multi_bodies"] == 3 and fig["multi_bodies_all_written"] == 2, fig
+    assert fig["multi_key_pairs_both_orders"] == 1 and fig["faults_hitting_multi_bodies"] == {"kill-child": 1}
+    assert fig["faults_during_multi_bodies"] == {"kill-child": 1} and fig["faults_during_limit_holds"] == {}
+
+
+def test_a_several_keys_run_done_with_a_key_unwritten_is_reported() -> None:
+    h = _multi_good()
+    del h.docs[K2]["log"][3:]  # N's retry never wrote K2, yet N ended done
+    h.docs[K2]["counter"] = 1
+    h.events = [e for e in h.events if not (e["ev"] == "write" and e["hold"] == "n4" * 16)]
+    assert kinds(check(h)) == {"multi-partial"}
+
+
+def test_a_several_keys_body_writing_with_another_keys_fence_is_reported() -> None:
+    h = _multi_good()
+    h.docs[K2]["log"][1] = _write("M@" + K2, "m2" * 16, 10, 0)  # K1's fence on K2's document
+    assert "multi-wrong-fence" in kinds(check(h))
+
+
+def test_a_several_keys_body_without_all_its_keys_is_reported() -> None:
+    h = _multi_good()
+    h.events[2] = _mbody("M", {K1: ("m1" * 16, 10)}, 0.2)  # started holding K1 only
+    assert "multi-missing-key" in kinds(check(h))
+
+
+def test_a_several_keys_body_whose_holds_did_not_overlap_is_reported() -> None:
+    h = _multi_good()
+    # M's hold on K2 was released (cleanly) before its hold on K1 was taken.
+    h.events[0], h.events[6] = _acq("m2" * 16, 20, 0.0, 0.05, key=K2), _rel("m2" * 16, 0.08, key=K2)
+    assert kinds(check(h)) == {"multi-not-all-held"}
+
+
+def test_a_single_key_run_inside_a_several_keys_hold_is_an_overlap() -> None:
+    h = _multi_good()
+    # C (single key K1) was answered at 0.5 while M held K1 until 1.0: both released cleanly.
+    h.events[7] = _acq(HOLD_C, 11, 0.4, 0.5, key=K1)
+    assert "overlap" in kinds(check(h))
+
+
+def test_a_several_keys_body_started_after_one_lease_lapsed_is_reported() -> None:
+    h = _multi_good()
+    m = {K2: ("m2" * 16, 20), K1: ("m1" * 16, 10)}
+    # K2 taken at 0.0 (deadline 2.0, never renewed), K1 only at 2.6 (its acquire held up): the set was
+    # complete after K2's lease had lapsed.
+    h.events[2] = {**_mbody("M", m, 2.7), "acquired": {K2: 0.0, K1: 2.6}, "deadlines": {K2: 2.0, K1: 4.6}}
+    found = check(h)
+    assert kinds(found) == {"multi-started-without-all"}, found
+    assert f"{K2} (taken at 0.000, fence 20) had passed its deadline at 2.000" in str(found[0]), found
+    # Renewed in time (deadline 3.5 when the body started): it held both.
+    h.events[2] = {**h.events[2], "deadlines": {K2: 3.5, K1: 4.6}}
+    assert check(h) == []
+    # Only the last key's own reply came after its deadline (the server ran that acquire late): the
+    # single-lease case, not a key held while waiting for another.
+    h.events[2] = {**h.events[2], "deadlines": {K2: 3.5, K1: 2.5}}
+    assert check(h) == []
+    # Nor the first key's (sent before a pause, answered after it, past its deadline; soak seed 12).
+    h.events[2] = {**h.events[2], "acquired": {K2: 2.5, K1: 2.6}, "deadlines": {K2: 1.9, K1: 4.6}}
+    assert check(h) == []
