@@ -1115,6 +1115,8 @@ class LeaseStore:
                 return False
             lease._released = True
         self.forget(lease)
+        if lease.slot is not None:  # a limit=N slot: released as the background release does
+            return self.release_tokens([lease.owner], unconfirmed=[lease.owner]) > 0
         by = self._handoff_by(lease.owner)
         with self._operation(f"give back lease {lease.key!r}"):
             doc = self.collection.find_one_and_update(

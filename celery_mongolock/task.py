@@ -293,6 +293,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
         lease = taken
         request = self.request
+        if lease.remaining <= 0:  # (not ``lease.lost``: that would queue a release marking the run over)
+            # Its acquire was answered after the lease's whole time had passed (MongoDB paused or slow):
+            # the key may be someone else's by now. Fail closed: give it back, and try again later.
+            get_store(self.app).give_back(lease)
+            self._unavailable(
+                key,
+                StoreUnavailable(f"the acquire of {key!r} was answered after its lease had run out"),
+                self._options().on_contention,
+                direct,
+            )
         log_acquire.info("%s[%s] acquired %r (fence %s)", self.name, request.id, key, lease.fence)
         signals.lease_acquired.send(sender=self, key=key, lease=lease)
         token = _current.set(lease)

@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 from celery.exceptions import Ignore
 
-from celery_mongolock import LeaseStore, LockContended, Replace, singleton_task
+from celery_mongolock import LeaseStore, LockContended, Queue, Replace, singleton_task
 from celery_mongolock._queue import Sweeper
 from celery_mongolock.config import get_settings, get_store
 
@@ -177,3 +177,50 @@ def test_a_handed_run_that_died_after_its_claim_runs_again(app: Celery) -> None:
     again = admit(handoff)
     assert again.key == KEY and again.fence > claimed.fence
     again.release()
+
+
+def test_a_lease_answered_after_its_time_ran_out_is_given_back_and_the_body_does_not_run(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery.exceptions import Retry as RetryTask
+
+    from celery_mongolock.clock import SystemClock
+
+    class Late(SystemClock):
+        offset = 0.0
+
+        def monotonic(self) -> float:
+            return super().monotonic() + self.offset
+
+    ran: list[str] = []
+
+    @singleton_task(key="{key}", app=app, name="queued_state.slow_reply", on_contention=Queue())
+    def slow_reply(key: str) -> str:
+        ran.append(key)
+        return key
+
+    store: LeaseStore = get_store(app)
+    clock = Late()
+    monkeypatch.setattr(store, "clock", clock)
+    original = store._try_acquire
+
+    def answered_late(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        clock.offset += 3600.0  # the reply came after the whole lease (MongoDB paused)
+        return result
+
+    monkeypatch.setattr(store, "_try_acquire", answered_late)
+    run = f"run-{uuid.uuid4().hex}"
+    slow_reply.push_request(
+        id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100}, delivery_info={},
+        hostname="w1", retries=0, is_eager=False, called_directly=False,
+    )  # fmt: skip
+    try:
+        with pytest.raises(RetryTask):
+            slow_reply._guarded((KEY,), {}, direct=False)
+    finally:
+        slow_reply.pop_request()
+    assert ran == []
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc.get("owner") is None
+    assert f"{run}/0" not in (doc.get("seen") or [])  # its retry runs: it is not remembered as over
