@@ -493,6 +493,40 @@ def entry_expr(entry: Mapping[str, Any], timeout_ms: int | None, debounce_ms: in
     return expr
 
 
+def park_exprs(
+    entry: Mapping[str, Any], timeout_ms: int | None, debounce_ms: int | None, *, replace: bool
+) -> tuple[object, object]:
+    """``(q, superseded)`` when the run ``entry`` parks: the queue with its entry in send order, and the
+    runs it supersedes (``Replace``: at most one parked run, a newer send replaces it)."""
+    ident, stamp = str(entry["id"]), int(entry["s"])
+    e = entry_expr(entry, timeout_ms, debounce_ms)
+    if replace:
+        superseded: object = {
+            "$map": {
+                "input": _Q,
+                "as": "p",
+                "in": {
+                    "t": "$$p.t",
+                    "by": {"$literal": entry["t"]},
+                    "at": "$$NOW",
+                    # for the history: the run, and when it was parked
+                    "n": "$$p.n",
+                    "r": "$$p.r",
+                    "pa": "$$p.at",
+                },
+            }
+        }
+        return [e], superseded
+    in_order = {
+        "$concatArrays": [
+            {"$filter": {"input": _Q, "as": "e", "cond": _before("$$e", stamp, ident)}},
+            [e],
+            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_before("$$e", stamp, ident)]}}},
+        ]
+    }
+    return in_order, []
+
+
 def admit_pipeline(
     acquire_fields: Document,
     *,
@@ -610,34 +644,7 @@ def admit_pipeline(
             }
         },
     ]
-    e = entry_expr(entry, timeout_ms, debounce_ms)
-    if replace:
-        # At most one parked run: a newer send replaces it (the replaced one is superseded).
-        parked_q: object = [e]
-        superseded_new: object = {
-            "$map": {
-                "input": _Q,
-                "as": "p",
-                "in": {
-                    "t": "$$p.t",
-                    "by": {"$literal": entry["t"]},
-                    "at": "$$NOW",
-                    # for the history: the run, and when it was parked
-                    "n": "$$p.n",
-                    "r": "$$p.r",
-                    "pa": "$$p.at",
-                },
-            }
-        }
-    else:
-        parked_q = {
-            "$concatArrays": [
-                {"$filter": {"input": _Q, "as": "e", "cond": _before("$$e", stamp, ident)}},
-                [e],
-                {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_before("$$e", stamp, ident)]}}},
-            ]
-        }
-        superseded_new = []
+    parked_q, superseded_new = park_exprs(entry, timeout_ms, debounce_ms, replace=replace)
     fields = dict(acquire_fields)
     fields.update(
         {

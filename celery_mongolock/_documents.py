@@ -264,26 +264,7 @@ def acquire_pipeline(
             {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
         ]
     }
-    no_slot_held = {
-        "$eq": [
-            {
-                "$size": {
-                    "$filter": {
-                        "input": {"$ifNull": ["$hs", []]},
-                        "as": "e",
-                        # live, or handed to a parked run and not yet claimed (counted until then)
-                        "cond": {
-                            "$or": [
-                                {"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]},
-                                {"$ne": [{"$ifNull": ["$$e.ho", None]}, None]},
-                            ]
-                        },
-                    }
-                }
-            },
-            0,
-        ]
-    }
+    no_slot_held = admission.NO_SLOT_HELD
     nobody_waits: Document = {
         "$and": [
             {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},

@@ -332,32 +332,7 @@ def slot_admit_pipeline(
     cap = adm.MAX_PARKED if max_length is None else min(int(max_length), adm.MAX_PARKED)
     branches.append({"case": {"$gte": [{"$size": _Q}, cap]}, "then": "full"})
 
-    e = adm.entry_expr(entry, timeout_ms, debounce_ms)
-    if replace:
-        parked_q: object = [e]
-        superseded_new: object = {
-            "$map": {
-                "input": _Q,
-                "as": "p",
-                "in": {
-                    "t": "$$p.t",
-                    "by": {"$literal": entry["t"]},
-                    "at": "$$NOW",
-                    "n": "$$p.n",
-                    "r": "$$p.r",
-                    "pa": "$$p.at",
-                },
-            }
-        }
-    else:
-        parked_q = {
-            "$concatArrays": [
-                {"$filter": {"input": _Q, "as": "e", "cond": adm._before("$$e", stamp, ident)}},
-                [e],
-                {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [adm._before("$$e", stamp, ident)]}}},
-            ]
-        }
-        superseded_new = []
+    parked_q, superseded_new = adm.park_exprs(entry, timeout_ms, debounce_ms, replace=replace)
     used = {"$map": {"input": _HS, "as": "e", "in": "$$e.s"}}
     new_hold = {
         "o": {"$literal": token},
