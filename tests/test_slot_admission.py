@@ -190,3 +190,20 @@ def test_max_length_with_a_limit_refuses_beyond_it(store: LeaseStore) -> None:
         assert admit(store, stamp)[0] is not None
     assert admit(store, 10, max_length=1)[1]["lo"] == "parked"
     assert admit(store, 20, max_length=1)[1]["lo"] == "full"
+
+
+def test_replace_with_debounce_and_a_limit_starts_the_last_send_once_due(store: LeaseStore) -> None:
+    handoffs = Handoffs(store)
+    lease, doc = admit(store, 10, replace=True, debounce=30)
+    assert lease is None and doc["lo"] == "parked"  # a free slot, but it waits out its debounce
+    assert handoffs.tasks == []  # not handed before it is due
+    _, doc = admit(store, 20, replace=True, debounce=30)
+    assert doc["lo"] == "parked" and parked(store) == ["task-20"]
+    early, doc = admit(store, 20, replace=True, debounce=30, due=True)
+    assert early is None  # its delayed copy came back before the debounce ended
+    store.collection.update_one({"_id": KEY}, {"$set": {"q.0.nb": _dt.datetime(2000, 1, 1)}})
+    lease, doc = admit(store, 20, replace=True, debounce=30, due=True)
+    assert lease is not None and doc["lo"] == "due"
+    assert parked(store) == []
+    _, doc = admit(store, 10, replace=True, debounce=30, due=True)
+    assert doc["lo"] == "superseded"
