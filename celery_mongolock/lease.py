@@ -275,8 +275,10 @@ class Lease:
         if release and self.pid == os.getpid():
             # Make sure the token frees the key once MongoDB answers (a late copy of a renewal or of the
             # acquire must not leave it taken for nobody). Not needed when the token was seen not to match.
+            # (``maybe``: a lost lease's run is not remembered as over; its body may not have started,
+            # and a retry of it must still run.)
             self.store.release_later(
-                self.key, self.owner, self.store.clock.monotonic() + self.ttl, quiet=True
+                self.key, self.owner, self.store.clock.monotonic() + self.ttl, quiet=True, maybe=True
             )
         _run_callbacks([*self.store.lost_callbacks, *callbacks], self, reason)
         return True

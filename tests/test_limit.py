@@ -180,8 +180,14 @@ def test_replace_with_a_limit_runs_only_the_newest_of_the_runs_that_waited(clust
     tenant = tag()
     key = f"tenant:{tenant}"
     holders = [tag() for _ in range(2)]
-    held = [it.per_tenant_latest.delay(tenant, t, 1.5) for t in holders]
-    wait_for(lambda: all(cluster.runs(t, "start") for t in holders), timeout=60, message="2 holders")
+    held = []
+    for t in holders:  # one after the other: a send older than one already running would be superseded
+        held.append(it.per_tenant_latest.delay(tenant, t, 5.0))
+
+        def started(t: str = t) -> bool:
+            return bool(cluster.runs(t, "start"))
+
+        wait_for(started, timeout=60, message="a holder to start")
     burst = [tag() for _ in range(4)]
     results = []
     for t in burst:
