@@ -481,8 +481,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
 
         def confirmed(leases: list[Lease]) -> bool:
-            """All still ours on the server (one round trip); else all given back."""
-            if not store.renew_many(leases):
+            """All still ours on the server (one round trip); else all given back (also when MongoDB
+            does not answer: the run retries later, and its keys must not stay held by no body)."""
+            try:
+                lost = store.renew_many(leases)
+            except StoreUnavailable:
+                _give_back_quietly(store, leases)
+                raise
+            if not lost:
                 return True
             _give_back_quietly(store, leases)
             log_acquire.info(

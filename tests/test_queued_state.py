@@ -224,3 +224,42 @@ def test_a_lease_answered_after_its_time_ran_out_is_given_back_and_the_body_does
     doc = store.collection.find_one({"_id": KEY}) or {}
     assert doc.get("owner") is None
     assert f"{run}/0" not in (doc.get("seen") or [])  # its retry runs: it is not remembered as over
+
+
+def test_a_multi_key_run_whose_confirming_renewal_fails_gives_its_keys_back(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock-set checker's seed 8 (lc3): the renewal that confirms every key before the body starts
+    failed, and the keys stayed held by no body; the run's later copy then ended ``already-ran``."""
+    from celery.exceptions import Retry as RetryTask
+
+    from celery_mongolock import StoreUnavailable
+
+    ran: list[str] = []
+
+    @singleton_task(keys=("a:{x}", "b:{x}"), app=app, name="queued_state.pair", on_contention=Queue())
+    def pair(x: str) -> str:
+        ran.append(x)
+        return x
+
+    store: LeaseStore = get_store(app)
+
+    def unreachable(*_: Any, **__: Any) -> Any:
+        raise StoreUnavailable("renew leases: no answer (the test)")
+
+    monkeypatch.setattr(store, "renew_many", unreachable)
+    run = f"run-{uuid.uuid4().hex}"
+    pair.push_request(
+        id=run, args=("7",), kwargs={}, headers={"mongolock_sent": 100}, delivery_info={},
+        hostname="w1", retries=0, is_eager=False, called_directly=False,
+    )  # fmt: skip
+    try:
+        with pytest.raises(RetryTask):
+            pair._guarded(("7",), {}, direct=False)
+    finally:
+        pair.pop_request()
+    assert ran == []
+    for key in ("a:7", "b:7"):
+        doc = store.collection.find_one({"_id": key}) or {}
+        assert doc.get("owner") is None, key
+        assert f"{run}/0" not in (doc.get("seen") or []), key
