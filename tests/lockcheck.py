@@ -430,6 +430,10 @@ def _slot_update(docs: Collection[Doc], key: str, fence: int, slot: int, *, flt:
     result = docs.update_one({"$and": [{"_id": key}, flt, _slot_fenced(fence, slot)]}, stamped)
     if result.matched_count:
         return True
+    if flt and docs.find_one({"$and": [{"_id": key}, flt]}, {"_id": 1}) is None:
+        # ``flt`` no longer matches: the op is applied already (a retry of a write whose reply was
+        # lost), whether or not a newer hold of the slot has written since (soak seed 2: judged fenced).
+        return False
     doc = docs.find_one({"_id": key}, {"sf": 1})
     newer = int(((doc or {}).get("sf") or {}).get(str(slot), 0))
     if newer > fence:
