@@ -1326,6 +1326,15 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                 )
         elif result.get("mongolock") == "already-ran" and all(op in applied for op in task_ops(task)):
             continue  # its run applied the op(s); its worker died before the result was stored
+        elif result.get("mongolock") == "already-ran":
+            missing = [op for op in task_ops(task) if op not in applied]
+            found.append(
+                Violation(
+                    "queued-run-skipped",
+                    f"{policy} run {task_id} ended already-ran but its op is not applied ({missing}): "
+                    f"{result}",
+                )
+            )
         elif result.get("mongolock"):
             found.append(Violation("queued-run-skipped", f"{policy} run {task_id} ended {result}"))
     acqs: dict[str, list[Doc]] = defaultdict(list)
