@@ -122,11 +122,14 @@ def summary_line(report: dict[str, Any]) -> str:
     duration."""
     tasks, faults, lm = report["tasks"], report["faults"], report["limit_multi"]
     most = max(lm["max_clean_holds_at_once"].values(), default=0)
+    lq, mq = report["queued"]["limit_queued"], report["queued"]["multi_queued"]
     return (
         f"seed {report['seed']}: violations {report['violations']}, unfinished {tasks['unfinished']} "
         f"(lost by the broker {tasks['lost_by_broker']}), tasks {tasks['submitted']}, "
         f"faults {sum(faults.values())}, limit holds {lm['limit_holds']} (most clean at once {most} of "
-        f"{lm['limit']}), several-keys bodies {lm['multi_bodies']}, {report['duration_s']} s "
+        f"{lm['limit']}), several-keys bodies {lm['multi_bodies']}, Queue limit runs {lq['submitted']} "
+        f"(parked {lq['parked']}, handed {lq['handed']}), Queue several-keys runs {mq['submitted']} "
+        f"(parked {mq['parked']}, handed {mq['handed']}), {report['duration_s']} s "
         f"(drain {report.get('drain_s')} s), workdir {report.get('workdir')}"
     )
 

@@ -19,7 +19,8 @@ real prefork worker) does, with ``celery_mongolock.fencing.fenced_update_one`` f
    write (connection dropped, reply lost) is recognised and never applied twice.
 
 Keys ``l<i>`` are ``limit=N`` keys (N = ``LIMIT`` = 3): up to N holds at once (Celery ``Retry``/``Skip``
-runs sent in bursts of 2 to N + 1, and the bare clients with ``acquire(limit=N)``), each in a slot
+runs sent in bursts of 2 to N + 1, ``Queue`` runs in bursts of N to N + 2 that park and are handed
+slots, and the bare clients with ``acquire(limit=N)``), each in a slot
 (``lease.slot``) with its own fence. They share one protected document per key, so each hold guards only
 its own slot's part of it (``run_slot_hold``)::
 
@@ -31,8 +32,9 @@ writes ``sc.<s> = p + 1``, ``$inc counter`` and pushes ``{k: "w", o, h, f, s, p}
 op is applied once per key even when its retry gets another slot). Within a slot the log is then a
 single-holder history, checked as a plain key's log is.
 
-Several-keys runs (``keys=("{a}", "{b}")``: ``Retry`` and ``Skip``) take two of the plain ``k`` keys,
-named in either order, beside single-key runs and bare clients on the same keys. The body records its
+Several-keys runs (``keys=("{a}", "{b}")``: ``Retry`` and ``Skip``, and ``Queue`` in bursts of 2 or 3 on
+one pair, each naming it in either order) take two of the plain ``k`` keys, beside single-key runs and
+bare clients on the same keys. The body records its
 start (``mbody``: the keys of its ``LeaseSet`` with each hold token and fence) and an acquisition per
 key, then does the plain claim + read-modify-write on each key's document with that key's lease and
 fence (op ``<op>@<key>``), and releases each key (``run_multi_hold``). A run cut short on one key
@@ -74,7 +76,12 @@ Queue and Replace runs (``check_queued``; keys ``q<i>`` and ``r<i>``, one policy
 none run again after it finished, no grant to a newer Queue run (an inversion) or a plain acquire
 (barging) while an older run was parked, superseded only by a newer send, no older Replace run after a
 newer one. Grants are ordered by fence; a run parked in a reply with fence f was parked before every
-grant with a larger one (docs/discussions/test-bed.md, "Queue and Replace runs").
+grant with a larger one (docs/discussions/test-bed.md, "Queue and Replace runs"). The same, per key, for
+``Queue`` runs on ``limit=N`` keys (a slot handed to a parked run is a grant with that slot's fence;
+fences increase over all slots, so no slot may go to anyone but an older parked run while one waits)
+and for several-keys ``Queue`` runs on each of their keys (a reservation is a handoff); those end
+``SUCCESS`` with their op applied once per key, never skipped, and a several-keys body never starts
+again after a body of its task wrote every key and released them cleanly.
 
 ``limit=N`` keys (``check_slot_log``, ``check_limit_holds``): at no instant more than N holds whose
 release matched their owner token (clean holds: CLOCK_MONOTONIC from the reply seen to the release sent,
@@ -165,14 +172,24 @@ FAKETIME_LIBS = (
     "/usr/lib/faketime/libfaketime.so.1",
 )
 
-#: The queued tasks of tests/lockcheck_app.py, and their policies.
+#: The queued tasks of tests/lockcheck_app.py, and their policies: ``Queue`` runs on single keys
+#: (``q`` keys), on ``limit=N`` keys (``l`` keys) and on two keys at once (``k`` keys); ``Replace`` runs.
 QUEUE_TASK = "lockcheck.rmw_queue"
 REPLACE_TASK = "lockcheck.rmw_replace"
-QUEUED_TASKS = {QUEUE_TASK: "queue", REPLACE_TASK: "replace"}
+LIMIT_QUEUE_TASK = "lockcheck.rmw_limit_queued"
+MULTI_QUEUE_TASK = "lockcheck.rmw_multi_queued"
+QUEUED_TASKS = {
+    QUEUE_TASK: "queue",
+    REPLACE_TASK: "replace",
+    LIMIT_QUEUE_TASK: "queue",
+    MULTI_QUEUE_TASK: "queue",
+}
+#: Per kind of key (``key_policy``), the Queue task whose runs on it are checked for send order.
+ORDERED_BY_KEY = {"queue": QUEUE_TASK, "limit": LIMIT_QUEUE_TASK, "plain": MULTI_QUEUE_TASK}
 #: The ``limit=N`` tasks (keys ``l<i>``, N = ``LIMIT``) and the several-keys tasks (two ``k`` keys each).
 LIMIT = 3
-LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip")
-MULTI_TASKS = ("lockcheck.rmw_multi", "lockcheck.rmw_multi_skip")
+LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK)
+MULTI_TASKS = ("lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK)
 
 ALL_FAULTS = (
     "sigstop-client",
@@ -413,6 +430,10 @@ def _slot_update(docs: Collection[Doc], key: str, fence: int, slot: int, *, flt:
     result = docs.update_one({"$and": [{"_id": key}, flt, _slot_fenced(fence, slot)]}, stamped)
     if result.matched_count:
         return True
+    if flt and docs.find_one({"$and": [{"_id": key}, flt]}, {"_id": 1}) is None:
+        # ``flt`` no longer matches: the op is applied already (a retry of a write whose reply was
+        # lost), whether or not a newer hold of the slot has written since (soak seed 2: judged fenced).
+        return False
     doc = docs.find_one({"_id": key}, {"sf": 1})
     newer = int(((doc or {}).get("sf") or {}).get(str(slot), 0))
     if newer > fence:
@@ -800,11 +821,19 @@ def check(history: History) -> list[Violation]:
                     )
                 )
         # Sweep: for each acquisition b, every acquisition a answered before b was sent has a smaller fence.
+        # On a limit=N key, a slot handed to a parked run got its fence when it was handed, not when the
+        # run claimed it, and other slots may be taken in between: such a claim "began" no later than
+        # the run's first admission on the key (it was parked before it was handed anything).
+        began = handed_grant_starts(history.events, key) if key_policy(key) == "limit" else {}
+        start_of: dict[int, float] = {
+            id(e): min(float(e["t0"]), began.get((str(e.get("task_id")), int(e["fence"])), float("inf")))
+            for e in items
+        }
         ended = sorted(items, key=lambda e: float(e["t1"]))
         best: Doc | None = None
         j = 0
-        for b in sorted(items, key=lambda e: float(e["t0"])):
-            while j < len(ended) and float(ended[j]["t1"]) < float(b["t0"]):
+        for b in sorted(items, key=lambda e: start_of[id(e)]):
+            while j < len(ended) and float(ended[j]["t1"]) < start_of[id(b)]:
                 if best is None or int(ended[j]["fence"]) > int(best["fence"]):
                     best = ended[j]
                 j += 1
@@ -884,6 +913,23 @@ def check(history: History) -> list[Violation]:
     # 6. Several keys per run.
     found += check_multi(history, applied)
     return found
+
+
+def handed_grant_starts(events: Iterable[Doc], key: str) -> dict[tuple[str, int], float]:
+    """For each claim of a handoff on ``key`` (an admission with outcome ``claimed``: task id and fence),
+    the earliest time its grant can have been made: the send time of the run's first admission on the
+    key (a run is handed a slot only after its admission parked it)."""
+    events = [e for e in events if e.get("ev") == "admit" and str(e.get("key")) == key]
+    first: dict[str, float] = {}
+    for e in events:
+        if e.get("t0") is not None:
+            tid = str(e.get("task_id"))
+            first[tid] = min(first.get(tid, float(e["t0"])), float(e["t0"]))
+    return {
+        (str(e.get("task_id")), int(e["fence"])): first.get(str(e.get("task_id")), float("-inf"))
+        for e in events
+        if e.get("outcome") == "claimed" and e.get("fence") is not None
+    }
 
 
 def check_slot_log(key: str, doc: Doc, applied: dict[str, list[tuple[str, str]]]) -> list[Violation]:
@@ -1170,10 +1216,26 @@ def grants(events: Iterable[Doc]) -> dict[str, list[Grant]]:
         if ev.get("ev") == "admit" and ev.get("handed") and ev.get("fence") is not None:
             handed = str(ev["handed"])
             seen.add((str(ev["key"]), int(ev["fence"]), handed, handed))
+        # A ``limit=N`` key's reply: each slot handed to a parked run and not yet claimed, with its fence.
+        for handed_slot in ev.get("handed_slots") or [] if ev.get("ev") == "admit" else []:
+            task_id, fence = handed_slot[0], handed_slot[1]
+            if task_id and fence is not None:
+                seen.add((str(ev["key"]), int(fence), str(task_id), str(task_id)))
     out: dict[str, list[Grant]] = defaultdict(list)
     for key, fence, task_id, who in sorted(seen, key=lambda g: (g[0], g[1], g[3])):
         out[key].append(Grant(key, fence, task_id, who))
     return out
+
+
+def task_keys(task: Doc) -> list[str]:
+    """The keys a submitted task runs on (its ``keys``, or its one ``key``)."""
+    return [str(k) for k in task.get("keys") or [task.get("key")]]
+
+
+def task_ops(task: Doc) -> list[str]:
+    """The op ids a submitted task applies when done: one per key for a several-keys run."""
+    keys = task.get("keys")
+    return [multi_op(str(task["op"]), str(k)) for k in keys] if keys else [str(task.get("op"))]
 
 
 def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) -> list[Violation]:
@@ -1199,18 +1261,25 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
       one took the key was not parked then (its P is larger), so running late is not an inversion.
     * **Replace.** A superseded run names a newer send of its key (``superseded-by-older``
       otherwise), and never gets the key after a newer Replace run got it (``replace-order``).
+    * **Queue on ``limit=N`` keys and on several keys** (``LIMIT_QUEUE_TASK``, ``MULTI_QUEUE_TASK``): the
+      same rules per (run, key). A slot handed to a parked run is a grant with that slot's fence
+      (``handoff`` with ``slot``; ``handed_slots`` in an admission's reply); the key's fence rises with
+      every grant over all slots, and the library admits a run only with a slot free and nobody older
+      parked, so any slot given past a parked run is barging or an inversion. A several-keys run is
+      ``run-twice`` when a body starts after one of its bodies wrote every key and released them all
+      cleanly; ``already-ran`` needs its op applied on every key.
     """
     found: list[Violation] = []
     queued = {tid: t for tid, t in history.tasks.items() if t.get("task") in QUEUED_TASKS}
     if not queued:
         return found
     by_key = grants(history.events)
-    first_grant: dict[str, int] = {}
+    first_grant: dict[tuple[str, str], int] = {}  # (task id, key) -> its first grant's fence
     all_grants: dict[str, list[int]] = defaultdict(list)
-    for items in by_key.values():
+    for key, items in by_key.items():
         for g in items:
             if g.task_id is not None:
-                first_grant[g.task_id] = min(first_grant.get(g.task_id, g.fence), g.fence)
+                first_grant[g.task_id, key] = min(first_grant.get((g.task_id, key), g.fence), g.fence)
                 all_grants[g.task_id].append(g.fence)
     # Handoffs handed again (``hn`` > 1: the first expired unclaimed): the same turn, not a new one.
     rehands = {
@@ -1218,11 +1287,18 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
         for ev in history.events
         if ev.get("ev") == "handoff" and int(ev.get("attempt") or 1) > 1 and ev.get("fence") is not None
     }
-    first_park: dict[str, int] = {}
+    rehands |= {
+        (str(ev["key"]), int(hs[1]), str(hs[0]))
+        for ev in history.events
+        if ev.get("ev") == "admit"
+        for hs in ev.get("handed_slots") or []
+        if len(hs) > 3 and int(hs[3] or 1) > 1 and hs[1] is not None
+    }
+    first_park: dict[tuple[str, str], int] = {}  # (task id, key) -> the fence in its first park's reply
     for ev in history.events:
         if ev.get("ev") == "admit" and ev.get("outcome") == "parked" and ev.get("fence") is not None:
-            tid = str(ev["task_id"])
-            first_park[tid] = min(first_park.get(tid, int(ev["fence"])), int(ev["fence"]))
+            at = (str(ev["task_id"]), str(ev["key"]))
+            first_park[at] = min(first_park.get(at, int(ev["fence"])), int(ev["fence"]))
 
     # Not lost, not twice.
     for task_id, task in sorted(queued.items()):
@@ -1248,13 +1324,23 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                         + (f"(stamp {by.get('stamp')}, key {by.get('key')})" if by else "(no send of ours)"),
                     )
                 )
-        elif result.get("mongolock") == "already-ran" and task.get("op") in applied:
-            continue  # its run applied the op; its worker died before the result was stored
+        elif result.get("mongolock") == "already-ran" and all(op in applied for op in task_ops(task)):
+            continue  # its run applied the op(s); its worker died before the result was stored
+        elif result.get("mongolock") == "already-ran":
+            missing = [op for op in task_ops(task) if op not in applied]
+            found.append(
+                Violation(
+                    "queued-run-skipped",
+                    f"{policy} run {task_id} ended already-ran but its op is not applied ({missing}): "
+                    f"{result}",
+                )
+            )
         elif result.get("mongolock"):
             found.append(Violation("queued-run-skipped", f"{policy} run {task_id} ended {result}"))
     acqs: dict[str, list[Doc]] = defaultdict(list)
     for ev in history.events:
-        if ev.get("ev") == "acq" and ev.get("task_id") in queued:
+        # A several-keys run is judged by its bodies below (a body cut short on one key is retried).
+        if ev.get("ev") == "acq" and ev.get("task_id") in queued and not queued[ev["task_id"]].get("keys"):
             acqs[str(ev["task_id"])].append(ev)
     releases = {str(ev["hold"]): ev for ev in history.events if ev.get("ev") == "rel"}
     wrote = {
@@ -1262,6 +1348,31 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
         for ev in history.events
         if ev.get("ev") == "write" and str(ev.get("outcome", "")).startswith("ack")
     }
+    bodies: dict[str, list[Doc]] = defaultdict(list)
+    for ev in history.events:
+        if ev.get("ev") == "mbody" and ev.get("task_id") in queued:
+            bodies[str(ev["task_id"])].append(ev)
+    for task_id, runs in sorted(bodies.items()):
+        # A body finished when it wrote its op on every key and released every key cleanly.
+        finished = [
+            max(float(releases[h]["t"]) for h in holds)
+            for holds in ([str(h) for h in (b.get("holds") or {}).values()] for b in runs)
+            if holds and all(h in wrote and releases.get(h, {}).get("released") for h in holds)
+        ]
+        if not finished:
+            continue
+        done_at = min(finished)
+        again = [b for b in runs if float(b["t"]) > done_at]
+        if again:
+            found.append(
+                Violation(
+                    "run-twice",
+                    f"{task_id} on {again[0].get('keys')}: a body finished (ops written on every key, keys "
+                    f"released cleanly) and a body started again {len(again)} time(s) (fences "
+                    f"{again[0].get('fences')}, {again[0].get('who')}, "
+                    f"{float(again[0]['t']) - done_at:.1f}s after the releases)",
+                )
+            )
     for task_id, runs in sorted(acqs.items()):
         finished = [
             float(releases[str(a["hold"])]["t"])
@@ -1284,21 +1395,28 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                 )
             )
 
-    # Send order.
+    # Send order: per key, for the Queue task that runs on that kind of key (a single key, a limit=N
+    # key's slots, or one key of a several-keys run).
     for key, items in sorted(by_key.items()):
         policy = key_policy(key)
-        if policy == "queue":
+        ordered = ORDERED_BY_KEY.get(policy)
+        if ordered is not None:
             for task_id, task in sorted(queued.items()):
-                if task.get("key") != key or task_id not in first_park:
+                if (
+                    task.get("task") != ordered
+                    or key not in task_keys(task)
+                    or (task_id, key) not in first_park
+                ):
                     continue
-                parked, granted = first_park[task_id], first_grant.get(task_id)
+                parked, granted = first_park[task_id, key], first_grant.get((task_id, key))
                 for g in items:
                     if g.fence <= parked or (granted is not None and g.fence >= granted):
                         continue
-                    if (key, g.fence, str(g.task_id)) in rehands and first_grant[str(g.task_id)] <= parked:
+                    first = first_grant.get((str(g.task_id), key), g.fence)
+                    if (key, g.fence, str(g.task_id)) in rehands and first <= parked:
                         continue  # a handoff made before A was parked, handed again: the same turn
                     other = queued.get(g.task_id or "")
-                    if other is not None and other.get("task") == QUEUE_TASK:
+                    if other is not None and other.get("task") == ordered:
                         if int(other["stamp"]) < int(task["stamp"]):
                             continue  # an older run goes first
                         kind = "inversion"
@@ -1330,8 +1448,8 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                             f"had (fence {newer_first})",
                         )
                     )
-                if tid in first_grant:
-                    newer_first = min(first_grant[tid], newer_first or first_grant[tid])
+                if (tid, key) in first_grant:
+                    newer_first = min(first_grant[tid, key], newer_first or first_grant[tid, key])
     return found
 
 
@@ -1346,9 +1464,10 @@ def queued_faults(faults: list[Doc]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def queued_figures(history: History) -> Doc:
-    """What the Queue and Replace runs did (figures, not verdicts)."""
-    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in QUEUED_TASKS}
+def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
+    """What the Queue and Replace runs did (figures, not verdicts); the Queue runs on ``limit=N`` keys and
+    on two keys at once under ``limit_queued`` and ``multi_queued``."""
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in (QUEUE_TASK, REPLACE_TASK)}
     ev = history.events
     admits = Counter(str(e.get("outcome")) for e in ev if e.get("ev") == "admit")
     parked = {str(e["task_id"]) for e in ev if e.get("ev") == "admit" and e.get("outcome") == "parked"}
@@ -1386,6 +1505,54 @@ def queued_figures(history: History) -> Doc:
         "superseded": len(superseded),
         "superseded_after_a_cut_run": sum(1 for t in superseded if t.get("op") in applied_ops),
         "late_pairs": late,
+        "limit_queued": queued_kind_figures(history, LIMIT_QUEUE_TASK, faults),
+        "multi_queued": queued_kind_figures(history, MULTI_QUEUE_TASK, faults),
+    }
+
+
+def queued_kind_figures(history: History, name: str, faults: Sequence[Doc] = ()) -> Doc:
+    """What the Queue runs of task ``name`` did: submitted, parked (on some key), handed a key or slot
+    (``handed``: runs; ``handoffs``: handoff events, re-handings included), ended done, and the faults
+    that began while one of them was between its first admission and its end."""
+    ev = history.events
+    tids = {tid for tid, t in history.tasks.items() if t.get("task") == name}
+    parked = {str(e["task_id"]) for e in ev if e.get("ev") == "admit" and e.get("outcome") == "parked"}
+    handoffs = [e for e in ev if e.get("ev") == "handoff" and e.get("task_id") in tids]
+    handed = {str(e["task_id"]) for e in handoffs}
+    handed |= {
+        str(hs[0])
+        for e in ev
+        if e.get("ev") == "admit"
+        for hs in e.get("handed_slots") or []
+        if hs[0] in tids
+    }
+    began: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    for e in ev:
+        tid = str(e.get("task_id"))
+        if tid not in tids or e.get("t") is None:
+            continue
+        if e.get("ev") == "admit":
+            t0 = float(e.get("t0") or e["t"])
+            began[tid] = min(began.get(tid, t0), t0)
+        elif e.get("ev") == "ended":
+            ended[tid] = max(ended.get(tid, 0.0), float(e["t"]))
+    spans = [(t0, ended.get(tid, t0)) for tid, t0 in began.items()]
+    done = sum(
+        1
+        for tid in tids
+        if history.tasks[tid].get("state") == "SUCCESS"
+        and isinstance(history.tasks[tid].get("result"), dict)
+        and not history.tasks[tid]["result"].get("mongolock")
+    )
+    return {
+        "submitted": len(tids),
+        "parked": len(parked & tids),
+        "handed": len(handed),
+        "handoffs": len(handoffs),
+        "rehandoffs": sum(1 for e in handoffs if int(e.get("attempt") or 1) > 1),
+        "done": done,
+        "faults_while_waiting_or_running": faults_during(faults, spans),
     }
 
 
@@ -1624,7 +1791,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
                 1 for t in tasks.values() if t.get("queue") == SKEWED_QUEUE and t.get("state") == "SUCCESS"
             ),
         },
-        "queued": {**queued_figures(history), "faults_hitting_queued_runs": queued_faults(faults)},
+        "queued": {**queued_figures(history, faults), "faults_hitting_queued_runs": queued_faults(faults)},
         "limit_multi": limit_figures(history, faults),
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
@@ -1660,6 +1827,10 @@ class Config:
     limit_keys: int = 1
     limit_share: float = 0.12
     multi_share: float = 0.2
+    #: Of those, the share that are a burst of ``Queue`` runs instead: N to N + 2 ``limit=N`` runs on one
+    #: key (some park and are handed slots), or 2 to 3 several-keys runs on one pair named in either order.
+    limit_queue_share: float = 0.5
+    multi_queue_share: float = 0.4
     epoch_seconds: float = 40.0
     lease_seconds: float = 2.0
     task_rate: float = 1.5
@@ -1972,16 +2143,29 @@ class Run:
                 self.cfg.limit_keys
             ):
                 key = key_for(self.rng.randrange(self.cfg.limit_keys), epoch, "l")
-                names = [
-                    LIMIT_TASKS[1] if self.rng.random() < 0.2 else LIMIT_TASKS[0]
-                    for _ in range(self.rng.randint(2, LIMIT + 1))
-                ]
+                if self.rng.random() < self.cfg.limit_queue_share:
+                    # A burst of Queue runs: N take the slots, the rest park and are handed slots.
+                    names = [LIMIT_QUEUE_TASK] * self.rng.randint(LIMIT, LIMIT + 2)
+                else:
+                    names = [
+                        LIMIT_TASKS[1] if self.rng.random() < 0.2 else LIMIT_TASKS[0]
+                        for _ in range(self.rng.randint(2, LIMIT + 1))
+                    ]
             elif (
                 pick
                 < self.cfg.queue_share + self.cfg.replace_share + self.cfg.limit_share + self.cfg.multi_share
                 and self.cfg.keys > 1
             ):
                 a, b = self.rng.sample(range(self.cfg.keys), 2)  # both orders over the run
+                if self.rng.random() < self.cfg.multi_queue_share:
+                    # A burst of Queue runs on one pair, each naming it in either order: they park on
+                    # each other's keys and keep their places.
+                    for _ in range(self.rng.randint(2, 3)):
+                        n += 1
+                        pair = (a, b) if self.rng.random() < 0.5 else (b, a)
+                        keys = (key_for(pair[0], epoch), key_for(pair[1], epoch))
+                        self._submit(MULTI_QUEUE_TASK, "", f"task-{n}", keys=keys)
+                    continue
                 n += 1
                 name = MULTI_TASKS[1] if self.rng.random() < 0.2 else MULTI_TASKS[0]
                 self._submit(name, "", f"task-{n}", keys=(key_for(a, epoch), key_for(b, epoch)))
@@ -2076,7 +2260,9 @@ class Run:
             docs = self.store.waiting_keys()
         except MongoLockError:
             return -1
-        return sum(len(d.get("q") or []) + (1 if d.get("ho") else 0) for d in docs)
+        # A limit=N key's slot handed to a parked run is a hold with the run's entry in ``ho``.
+        handed_slots = sum(1 for d in docs for h in d.get("hs") or [] if isinstance(h, dict) and h.get("ho"))
+        return sum(len(d.get("q") or []) + (1 if d.get("ho") else 0) for d in docs) + handed_slots
 
     def _record(self, kind: str, t: float, **fields: Any) -> None:
         fault = {"kind": kind, "t": t, "at_s": round(t - self.start_mono, 2), **fields}
@@ -2459,6 +2645,13 @@ class Run:
             ho = doc.get("ho") or {}
             if ho.get("t") in ids:
                 found[str(ho["t"])] = f"parked {doc['_id']} handoff {ho.get('hn')} {state}"
+            for hold in doc.get("hs") or []:  # a limit=N key's slot handed to a parked run
+                sho = (hold.get("ho") or {}) if isinstance(hold, dict) else {}
+                if sho.get("t") in ids:
+                    found[str(sho["t"])] = (
+                        f"parked {doc['_id']} handoff {sho.get('hn')} slot {hold.get('s')} "
+                        f"fence {hold.get('f')}"
+                    )
         return found
 
     def _broker_view(self, task_ids: Iterable[str]) -> dict[str, str]:
@@ -2669,6 +2862,15 @@ def format_report(report: Doc) -> str:
         "{faults_hitting_limit_keys}, a several-keys body's {faults_hitting_multi_bodies}; faults that began "
         "while limit holds ran {faults_during_limit_holds}, while several-keys bodies ran "
         "{faults_during_multi_bodies}".format(**report["limit_multi"]),
+        *(
+            f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "
+            f"{f['handed']} (handoff records {f['handoffs']}, handed again {f['rehandoffs']}), done "
+            f"{f['done']}; faults while one waited or ran {f['faults_while_waiting_or_running']}"
+            for what, f in (
+                ("limit=N", report["queued"]["limit_queued"]),
+                ("several keys", report["queued"]["multi_queued"]),
+            )
+        ),
         "  faults " + ", ".join(f"{k} {v}" for k, v in report["faults"].items()),
     ]
     if report.get("faults_skipped"):

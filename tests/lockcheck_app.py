@@ -13,10 +13,12 @@ recorded around ``LeaseStore.admit``), every handoff with the fence it gave (``h
 ``LeaseStore._handed``), and the library's ``run_parked``, ``run_handed_off`` and ``run_superseded``
 signals. These wrappers only record; they call the library's own methods unchanged.
 
-The ``limit=N`` tasks (``rmw_limit``: ``Retry``, ``rmw_limit_skip``: ``Skip``; N = ``lockcheck.LIMIT``)
-write their slot's part of the key's protected document (``lockcheck.run_slot_hold``). The several-keys
-tasks (``rmw_multi``: ``Retry``, ``rmw_multi_skip``: ``Skip``; ``keys=("{a}", "{b}")``) write each key's
-protected document with that key's lease and fence (``lockcheck.run_multi_hold``).
+The ``limit=N`` tasks (``rmw_limit``: ``Retry``, ``rmw_limit_skip``: ``Skip``, ``rmw_limit_queued``:
+``Queue()``; N = ``lockcheck.LIMIT``) write their slot's part of the key's protected document
+(``lockcheck.run_slot_hold``); a slot handed to a parked run is recorded as a ``handoff`` with its slot
+and fence. The several-keys tasks (``rmw_multi``: ``Retry``, ``rmw_multi_skip``: ``Skip``,
+``rmw_multi_queued``: ``Queue()``; ``keys=("{a}", "{b}")``) write each key's protected document with that
+key's lease and fence (``lockcheck.run_multi_hold``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -127,27 +130,64 @@ def _admit(self: LeaseStore, key: str, entry: Any, **kwargs: Any) -> Any:
     lease, doc = _library_admit(self, key, entry, **kwargs)
     hist = _history()
     if hist is not None:
-        hist.event(
-            "admit", key=key, task_id=entry.get("t"), run=entry.get("id"), stamp=entry.get("s"),
-            outcome=doc.get("lo"), fence=doc.get("fence"), by=doc.get("lo_by"),
-            claim=kwargs.get("claim") is not None, handed=(doc.get("ho") or {}).get("t"),
-            t0=t0, t=time.monotonic(),
-        )  # fmt: skip
+        # Recording must never break the run (a lease taken here and never handed back would be renewed
+        # for good): a bug of the recording is an ``unexpected`` event, which fails the run's report.
+        try:
+            _record_admit(hist, key, entry, lease, doc, kwargs=kwargs, t0=t0)
+        except Exception:
+            hist.event("unexpected", who="admit-recorder", error=traceback.format_exc()[-2000:])
     return lease, doc
+
+
+def _record_admit(
+    hist: lockcheck.HistoryWriter, key: str, entry: Any, lease: Any, doc: Any, *, kwargs: Any, t0: float
+) -> None:
+    # A ``limit=N`` key's reply: ``fence`` is the key's latest (every grant raises it); the run's own
+    # grant is its lease's fence and slot, and the slots handed to parked runs are holds with ``ho``.
+    slotted = kwargs.get("limit") is not None
+    extra: dict[str, Any] = {}
+    if slotted:
+        extra["handed_slots"] = [
+            [h["ho"].get("t"), h.get("f"), h.get("s"), h["ho"].get("hn")]
+            for h in doc.get("hs") or []
+            if isinstance(h, dict) and isinstance(h.get("ho"), dict)
+        ]
+    fence = doc.get("fence") if not slotted or lease is None else lease.fence
+    if slotted and lease is not None:
+        extra["slot"] = lease.slot
+    hist.event(
+        "admit", key=key, task_id=entry.get("t"), run=entry.get("id"), stamp=entry.get("s"),
+        outcome=doc.get("lo"), fence=fence, by=doc.get("lo_by"),
+        claim=kwargs.get("claim") is not None, handed=(doc.get("ho") or {}).get("t"),
+        t0=t0, t=time.monotonic(), **extra,
+    )  # fmt: skip
 
 
 def _handed(self: LeaseStore, key: str, doc: Any, by: str) -> Any:
     """``LeaseStore._handed`` (the command whose reply is ``doc`` handed ``key``), recording the handoff
-    and the fence it gave before the run is published."""
-    ho = (doc or {}).get("ho")
-    if isinstance(ho, dict) and ho.get("by") == by and by:
-        hist = _history()
-        if hist is not None:
+    and the fence it gave before the run is published. A ``limit=N`` key hands slots: each is a hold in
+    ``hs`` with the run's entry in its ``ho`` and its own fence and slot."""
+    hist = _history()
+    if hist is not None:
+        try:  # never break the handoff (see ``_admit``)
+            _record_handed(hist, key, doc, by)
+        except Exception:
+            hist.event("unexpected", who="handoff-recorder", error=traceback.format_exc()[-2000:])
+    return _library_handed(self, key, doc, by)
+
+
+def _record_handed(hist: lockcheck.HistoryWriter, key: str, doc: Any, by: str) -> None:
+    found = [(ho, (doc or {}).get("fence"), None) for ho in [(doc or {}).get("ho")]]
+    found += [
+        (h.get("ho"), h.get("f"), h.get("s")) for h in (doc or {}).get("hs") or [] if isinstance(h, dict)
+    ]
+    for ho, fence, slot in found:
+        if isinstance(ho, dict) and ho.get("by") == by and by:
             hist.event(
                 "handoff", key=key, task_id=ho.get("t"), run=ho.get("id"), stamp=ho.get("s"),
-                fence=(doc or {}).get("fence"), attempt=ho.get("hn"), t=time.monotonic(),
+                fence=fence, attempt=ho.get("hn"), t=time.monotonic(),
+                **({} if slot is None else {"slot": slot}),
             )  # fmt: skip
-    return _library_handed(self, key, doc, by)
 
 
 LeaseStore.admit = _admit  # type: ignore[method-assign]
@@ -272,6 +312,15 @@ def rmw_limit_skip(self: Any, key: str, op: str, reckless: bool = False) -> dict
 
 
 @singleton_task(
+    key="{key}", app=app, name="lockcheck.rmw_limit_queued", bind=True, limit=lockcheck.LIMIT,
+    on_contention=Queue(), max_retries=200,
+)  # fmt: skip
+def rmw_limit_queued(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, but a run that finds every slot held is parked and handed a slot in send order."""
+    return _body(self, key, op, reckless)
+
+
+@singleton_task(
     keys=("{a}", "{b}"),
     app=app,
     name="lockcheck.rmw_multi",
@@ -290,4 +339,14 @@ def rmw_multi(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dic
 )  # fmt: skip
 def rmw_multi_skip(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """The same, but a run that finds either key held is skipped."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"), app=app, name="lockcheck.rmw_multi_queued", bind=True, on_contention=Queue(),
+    max_retries=200,
+)  # fmt: skip
+def rmw_multi_queued(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, but a run that finds either key held parks on it and keeps its place on each key
+    (the keys it got become reservations for it); it runs once both are reserved for it."""
     return _body(self, f"{a}+{b}", op, reckless)

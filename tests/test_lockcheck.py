@@ -393,6 +393,11 @@ def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     lm = report["limit_multi"]
     assert lm["limit_task_runs"] > 5 and max(lm["max_clean_holds_at_once"].values()) >= 2, lm
     assert lm["multi_submitted"] > 5 and lm["multi_bodies"] > 3, lm
+    # Queue runs on the limit key and on pairs of keys were part of it: they parked and were handed a
+    # slot or their keys (and every check above judged them, send order per key included).
+    for kind in ("limit_queued", "multi_queued"):
+        qk = queued[kind]
+        assert qk["submitted"] > 4 and qk["parked"] >= 1 and qk["handed"] >= 1, (kind, qk)
     if "clock-jump" not in skipped:
         # The node whose wall clock jumped took its own queue's tasks to the end (unfinished is 0).
         assert report["faults"]["clock-jump"] >= 2 and tasks["skewed_node_submitted"] > 5, tasks
@@ -610,3 +615,133 @@ def test_a_several_keys_body_started_after_one_lease_lapsed_is_reported() -> Non
     # Nor the first key's (sent before a pause, answered after it, past its deadline; soak seed 12).
     h.events[2] = {**h.events[2], "acquired": {K2: 2.5, K1: 2.6}, "deadlines": {K2: 1.9, K1: 4.6}}
     assert check(h) == []
+
+
+# -- Queue runs on limit=N keys and on two keys at once ----------------------------------------------------
+
+
+def _lq(
+    task_id: str, stamp: int, result: Any = None, name: str = lockcheck.LIMIT_QUEUE_TASK
+) -> dict[str, Any]:
+    return {**_queued(task_id, stamp, LKEY, result), "task": name}
+
+
+def _slot_run(task_id: str, fence: int, slot: int) -> dict[str, Any]:
+    return {**_run(task_id, fence, LKEY), "slot": slot}
+
+
+def _limit_queued_good() -> History:
+    """Three runs take the three slots (fences 10..12); A, then B, park (fence 12 in their replies).
+    The release of slot 1 hands it to A (13), which claims it; then slot 0's release hands it to B (14),
+    seen only in C's park reply (a bare client's release records no handoff); C runs last (15)."""
+    return _queued_history(
+        _slot_run("h0", 10, 0), _slot_run("h1", 11, 1), _slot_run("h2", 12, 2),
+        _admit("A", "parked", 12, LKEY), _admit("B", "parked", 12, LKEY),
+        {"ev": "handoff", "key": LKEY, "task_id": "A", "fence": 13, "slot": 1, "attempt": 1},
+        {**_admit("A", "claimed", 13, LKEY), "slot": 1}, _slot_run("A", 13, 1),
+        {**_admit("C", "parked", 14, LKEY), "handed_slots": [["B", 14, 0, 1]]},
+        _slot_run("B", 14, 0), _slot_run("C", 15, 2),
+        h0=_lq("h0", 1), h1=_lq("h1", 2), h2=_lq("h2", 3), A=_lq("A", 4), B=_lq("B", 5), C=_lq("C", 6),
+    )  # fmt: skip
+
+
+def test_queued_runs_on_a_limit_key_in_send_order_pass() -> None:
+    h = _limit_queued_good()
+    assert lockcheck.check_queued(h, {}) == []
+    fig = lockcheck.queued_kind_figures(h, lockcheck.LIMIT_QUEUE_TASK, [{"kind": "kill-child", "t": 20.0}])
+    assert fig["submitted"] == 6 and fig["parked"] == 3 and fig["handed"] == 2 and fig["handoffs"] == 1, fig
+
+
+def test_a_slot_given_past_a_parked_limit_run_is_reported() -> None:
+    h = _limit_queued_good()
+    # A Retry run (not queued) takes a slot with fence 13 while A and B are parked: barging.
+    h.events[5] = {**_slot_run("x", 13, 1), "task_id": "x"}
+    h.tasks["x"] = {**_lq("x", 9), "task": "lockcheck.rmw_limit"}
+    assert kinds(lockcheck.check_queued(h, {})) == {"barged"}
+    # A newer Queue run (C, stamp 6) handed a slot before the older parked B: an inversion.
+    h = _limit_queued_good()
+    h.events[8] = {**_admit("C", "parked", 12, LKEY), "handed_slots": [["C", 14, 0, 1]]}
+    h.events[9], h.events[10] = _slot_run("C", 14, 0), _slot_run("B", 15, 2)
+    found = lockcheck.check_queued(h, {})
+    assert kinds(found) == {"inversion"} and "B (stamp 5)" in str(found[0]), found
+    # ... unless C was handed the slot before B was parked and it was handed again (attempt 2).
+    h.events[4] = _admit("B", "parked", 13, LKEY)
+    h.events.insert(4, {"ev": "handoff", "key": LKEY, "task_id": "C", "fence": 12, "slot": 2, "attempt": 1})
+    h.events[9] = {**_admit("C", "parked", 12, LKEY), "handed_slots": [["C", 14, 0, 2]]}
+    assert lockcheck.check_queued(h, {}) == []
+    h.events[9] = {**_admit("C", "parked", 12, LKEY), "handed_slots": [["C", 14, 0, 1]]}  # a new turn
+    assert kinds(lockcheck.check_queued(h, {})) == {"inversion"}
+
+
+def test_a_limit_queue_run_skipped_or_never_ended_is_reported() -> None:
+    h = _limit_queued_good()
+    h.tasks["C"] = _lq("C", 6, result={"mongolock": "skipped", "key": LKEY})
+    assert kinds(lockcheck.check_queued(h, {})) == {"queued-run-skipped"}
+    # A Skip run of a limit key skipped is fine (check, step 4); a Queue run skipped is not.
+    found = check(History(h.events, {}, {"C": h.tasks["C"]}))
+    assert "queued-run-skipped" in kinds(found), found
+
+
+def _mq(task_id: str, stamp: int, keys: list[str], result: Any = None) -> dict[str, Any]:
+    done = {"op": f"op-{task_id}", "outcome": "ack"}
+    return {
+        "op": f"op-{task_id}", "task": lockcheck.MULTI_QUEUE_TASK, "key": "", "keys": keys, "stamp": stamp,
+        "state": "SUCCESS", "result": done if result is None else result,
+    }  # fmt: skip
+
+
+def test_several_keys_queue_runs_keep_their_place_on_each_key() -> None:
+    # M (older) holds K1 and K2; N and P park on K1 (fence 10 in their replies); N is handed K1 (11),
+    # then P (12). On K2, P parked behind M (fence 20) and got it at 21.
+    good = _queued_history(
+        _admit("M", "acquired", 10, K1), _admit("M", "acquired", 20, K2),
+        _admit("N", "parked", 10, K1), _admit("P", "parked", 10, K1), _admit("P", "parked", 20, K2),
+        {"ev": "handoff", "key": K1, "task_id": "N", "fence": 11, "attempt": 1},
+        {"ev": "handoff", "key": K2, "task_id": "P", "fence": 21, "attempt": 1},
+        {"ev": "handoff", "key": K1, "task_id": "P", "fence": 12, "attempt": 1},
+        M=_mq("M", 1, [K1, K2]), N=_mq("N", 2, [K1, "lockcheck:k2.e0"]), P=_mq("P", 3, [K2, K1]),
+    )  # fmt: skip
+    assert lockcheck.check_queued(good, {}) == []
+    bad = _queued_history(*good.events[:5], {**_run("x", 11, K1), "task_id": None}, **good.tasks)
+    assert kinds(lockcheck.check_queued(bad, {})) == {"barged"}  # a single-key acquire past N and P
+    swapped = [*good.events[:5], {**good.events[7], "fence": 11}, {**good.events[5], "fence": 12}]
+    found = lockcheck.check_queued(_queued_history(*swapped, **good.tasks), {})
+    assert kinds(found) == {"inversion"} and "N (stamp 2)" in str(found[0]), found
+
+
+def test_a_several_keys_queue_run_cut_on_one_key_and_retried_is_not_run_twice() -> None:
+    m1, m2, n1, n2 = "m1" * 16, "m2" * 16, "n1" * 16, "n2" * 16
+    body1 = _mbody("M", {K1: (m1, 10), K2: (m2, 20)}, 1.0)
+    body2 = _mbody("M", {K1: (n1, 11), K2: (n2, 21)}, 3.0)
+    events = [
+        body1, _ack("op-M@" + K1, m1, 10, key=K1),
+        {**_ack("op-M@" + K2, m2, 20, key=K2), "outcome": "fenced"},
+        _rel(m1, 1.5, key=K1), _rel(m2, 1.5, released=False, key=K2),
+        body2, _ack("op-M@" + K1, n1, 11, outcome="ack-earlier", key=K1), _ack("op-M@" + K2, n2, 21, key=K2),
+        _rel(n1, 3.5, key=K1), _rel(n2, 3.5, key=K2),
+    ]  # fmt: skip
+    h = _queued_history(*events, M=_mq("M", 1, [K1, K2]))
+    assert lockcheck.check_queued(h, {}) == []
+    # A third body after the second one finished (every key written and released cleanly): run twice.
+    h.events.append(_mbody("M", {K1: ("x1" * 16, 12), K2: ("x2" * 16, 22)}, 4.0))
+    assert kinds(lockcheck.check_queued(h, {})) == {"run-twice"}
+
+
+def test_a_several_keys_queue_run_already_ran_needs_every_key_applied() -> None:
+    ran = {"mongolock": "already-ran", "key": K1}
+    h = _queued_history(M=_mq("M", 1, [K1, K2], result=ran))
+    both = {f"op-M@{K1}": [(K1, "h")], f"op-M@{K2}": [(K2, "h")]}
+    assert lockcheck.check_queued(h, both) == []
+    assert kinds(lockcheck.check_queued(h, {f"op-M@{K1}": [(K1, "h")]})) == {"queued-run-skipped"}
+
+
+def test_a_claimed_slot_got_its_fence_when_handed_not_when_claimed() -> None:
+    # A parked (admission sent at 0.5); slot 1 was handed to it with fence 13; a bare client then took
+    # the free slot 0 with fence 14 (1.1 to 1.2); A claimed slot 1 afterwards (1.5): not backwards.
+    parked = {**_admit("A", "parked", 12, LKEY), "t0": 0.5, "t": 0.6}
+    claimed = {**_admit("A", "claimed", 13, LKEY), "t0": 1.5, "t": 1.55, "slot": 1}
+    a_acq = {**_slot_acq(HOLD_A, 13, 1, 1.5, 1.6), "task_id": "A"}
+    events = [parked, _slot_acq(HOLD_B, 14, 0, 1.1, 1.2), claimed, a_acq]
+    assert check(History(events, {})) == []
+    # Without the claim (a plain acquisition sent after fence 14 was answered), fence 13 is backwards.
+    assert kinds(check(History([parked, events[1], a_acq], {}))) == {"fence-backwards"}
