@@ -42,7 +42,7 @@ from pymongo import ReturnDocument
 from ._headers import BEAT_HEADER
 from ._urls import validate_mongo_url
 from .clock import ServerTime
-from .config import get_settings
+from .config import BEAT_DEFAULTS, get_settings
 from .exceptions import ConfigurationError, MongoLockError
 from .keys import normalize_key
 from .store import Lease, LeaseStore, validate_lease_timing
@@ -57,15 +57,6 @@ def _utc(value: Any) -> _dt.datetime | None:
     if not isinstance(value, _dt.datetime):
         return None
     return value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
-
-
-BEAT_DEFAULTS: dict[str, Any] = {
-    "mongolock_beat_key": "celery-beat:leader",
-    "mongolock_beat_lease_seconds": 10.0,
-    "mongolock_beat_heartbeat_seconds": None,
-    "mongolock_beat_collection": "beat_ticks",
-    "mongolock_beat_max_catchup": 1,
-}
 
 
 class BeatSettings:

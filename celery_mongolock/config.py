@@ -37,7 +37,17 @@ from .store import LeaseStore, _validate_seconds, validate_lease_timing, validat
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["DEFAULTS", "Settings", "TaskOptions", "get_settings", "get_store", "read_settings"]
+__all__ = [
+    "BEAT_DEFAULTS",
+    "DEFAULTS",
+    "KNOWN_SETTINGS",
+    "Settings",
+    "TaskOptions",
+    "check_setting_names",
+    "get_settings",
+    "get_store",
+    "read_settings",
+]
 
 DEFAULTS: dict[str, Any] = {
     "mongolock_url": "mongodb://localhost:27017",
@@ -50,6 +60,16 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_task_policies": {},
     "mongolock_history_days": DEFAULT_HISTORY_DAYS,
 }
+#: The beat scheduler's settings (read by ``beat.read_beat_settings``; here so that every known
+#: ``mongolock_*`` name is in one module).
+BEAT_DEFAULTS: dict[str, Any] = {
+    "mongolock_beat_key": "celery-beat:leader",
+    "mongolock_beat_lease_seconds": 10.0,
+    "mongolock_beat_heartbeat_seconds": None,
+    "mongolock_beat_collection": "beat_ticks",
+}
+#: Every setting the library reads; any other ``mongolock_*`` name in ``app.conf`` is refused.
+KNOWN_SETTINGS: tuple[str, ...] = (*DEFAULTS, *BEAT_DEFAULTS)
 TASK_OPTION_NAMES = (
     "on_contention",
     "lease_seconds",
@@ -164,8 +184,62 @@ def _conf_get(conf: Any, name: str) -> Any:
     return DEFAULTS[name]
 
 
+def _conf_keys(conf: Any) -> tuple[list[str], str]:
+    """The setting names in ``conf`` (an ``app.conf`` or a plain mapping) and its namespace prefix
+    (``"CELERY_"`` after ``config_from_object(..., namespace="CELERY")``, else empty)."""
+    try:
+        keys = [k for k in conf if isinstance(k, str)]  # loads a lazy app.conf first
+    except Exception:  # pragma: no cover - exotic conf objects
+        return [], ""
+    prefix = getattr(conf, "prefix", None)
+    return keys, prefix if isinstance(prefix, str) else ""
+
+
+def _unknown(key: str, meant: str, prefix: str, upper: bool) -> ConfigurationError:
+    """The error for a ``mongolock_*`` name the library does not read: the closest known name spelt as
+    the user spells settings (namespace, case), else the list of known names."""
+    close = difflib.get_close_matches(meant, KNOWN_SETTINGS, n=1, cutoff=0.75)
+    if close:
+        name = close[0].upper() if upper else close[0]
+        return ConfigurationError(f"unknown setting {key!r}; did you mean {prefix + name!r}?")
+    return ConfigurationError(f"unknown setting {key!r}; the settings are {', '.join(KNOWN_SETTINGS)}")
+
+
+def check_setting_names(conf: Any) -> None:
+    """Refuse a ``mongolock_*`` setting the library does not read (``ConfigurationError`` naming it and
+    the closest known name): a misspelt setting would otherwise be silently ignored. Any case; with or
+    without the app's namespace (Django: ``CELERY_MONGOLOCK_*``); ``CELERY_MONGOLOCK_*`` in an app that
+    has no ``CELERY`` namespace is refused too, as it is not read either."""
+    keys, prefix = _conf_keys(conf)
+    for key in keys:
+        namespaced = bool(prefix) and key.upper().startswith(prefix.upper())
+        bare = key[len(prefix) :] if namespaced else key
+        spelt = key[: len(prefix)] if namespaced else ""
+        lower = bare.lower()
+        compact = lower.replace("_", "").replace("-", "")
+        if compact.startswith("celerymongolock"):
+            # Django style, but this app strips no CELERY_ namespace: the library never reads it.
+            meant = lower[len("celery_") :] if lower.startswith("celery_") else lower
+            if meant in KNOWN_SETTINGS:
+                raise ConfigurationError(
+                    f"setting {key!r} is not read: this app has no 'CELERY' namespace; name it {meant!r} "
+                    "(or load the settings with app.config_from_object(..., namespace='CELERY'))"
+                )
+            raise _unknown(key, meant, "", bare.isupper())
+        if not compact.startswith("mongolock"):
+            continue
+        if lower not in KNOWN_SETTINGS:
+            raise _unknown(key, lower, spelt, bare.isupper())
+        if bare not in (lower, lower.upper()):
+            raise ConfigurationError(
+                f"setting {key!r} is not read: write it {lower!r} (or {lower.upper()!r})"
+            )
+
+
 def read_settings(conf: Any) -> Settings:
-    """Read and validate every ``mongolock_*`` setting; ``ConfigurationError`` names the bad one."""
+    """Read and validate every ``mongolock_*`` setting; ``ConfigurationError`` names the bad one, or a
+    ``mongolock_*`` name the library does not read (a typo)."""
+    check_setting_names(conf)
     url = validate_mongo_url(_conf_get(conf, "mongolock_url"), setting="mongolock_url")
     names = {}
     for setting in ("mongolock_database", "mongolock_collection"):

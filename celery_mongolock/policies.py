@@ -11,6 +11,7 @@ shorthand string (``"retry"``, ``"skip"``, ``"wait"``, ``"fail"``) or, in settin
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import random
 from collections.abc import Callable, Mapping
@@ -288,6 +289,12 @@ _BY_NAME: dict[str, type[Policy]] = {
 }
 
 
+def _did_you_mean(name: object) -> str:
+    """`` (did you mean 'replace'?)`` for a misspelt policy name; empty if no name is close."""
+    close = difflib.get_close_matches(str(name).strip().lower(), list(_BY_NAME), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def parse_policy(value: object, setting: str = "on_contention") -> Policy:
     """A policy from an object, a shorthand string or a settings dict; ``ConfigurationError`` if invalid."""
     if isinstance(value, Policy):
@@ -297,7 +304,7 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
         if cls is None:
             raise ConfigurationError(
                 f"{setting} must be one of 'retry', 'skip', 'wait', 'fail', 'queue', 'replace' or a policy "
-                f"object, got {value!r}"
+                f"object, got {value!r}{_did_you_mean(value)}"
             )
         return cls()
     if isinstance(value, Mapping):
@@ -305,9 +312,10 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
         kind = options.pop("policy", None)
         cls = _BY_NAME.get(str(kind).lower()) if kind is not None else None
         if cls is None:
+            hint = _did_you_mean(kind) if kind is not None else ""
             raise ConfigurationError(
                 f"{setting} as a dict needs 'policy': one of 'retry', 'skip', 'wait', 'fail', 'queue', "
-                f"'replace'; got {kind!r}"
+                f"'replace'; got {kind!r}{hint}"
             )
         if "then" in options:
             options["then"] = parse_policy(options["then"], f"{setting}['then']")

@@ -192,6 +192,83 @@ def test_invalid_settings_name_the_setting(conf: dict[str, Any], setting: str) -
     assert "pw@" not in str(info.value)
 
 
+def _django_conf(**settings: Any) -> Any:
+    """``app.conf`` of an app configured as Django projects do (``namespace="CELERY"``)."""
+    app = Celery("django_typos", set_as_current=False)
+    app.config_from_object(type("Settings", (), settings), namespace="CELERY")
+    return app.conf
+
+
+def _plain_conf(**settings: Any) -> Any:
+    app = Celery("plain_typos", set_as_current=False)
+    app.conf.update(settings)
+    return app.conf
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        (
+            _django_conf(CELERY_MONGOLOCK_LEASE_SECOND=60),
+            "unknown setting 'CELERY_MONGOLOCK_LEASE_SECOND'; did you mean 'CELERY_MONGOLOCK_LEASE_SECONDS'?",
+        ),
+        (
+            _django_conf(CELERY_MONGOLOCK_ON_CONTENTON="skip"),
+            "unknown setting 'CELERY_MONGOLOCK_ON_CONTENTON'; did you mean 'CELERY_MONGOLOCK_ON_CONTENTION'?",
+        ),
+        (
+            _plain_conf(mongolock_lease_second=60),
+            "unknown setting 'mongolock_lease_second'; did you mean 'mongolock_lease_seconds'?",
+        ),
+        (
+            _plain_conf(MONGOLOCK_BEAT_LEASE_SECOND=5),
+            "unknown setting 'MONGOLOCK_BEAT_LEASE_SECOND'; did you mean 'MONGOLOCK_BEAT_LEASE_SECONDS'?",
+        ),
+        ({"mongolock_whatever": 1}, "unknown setting 'mongolock_whatever'; the settings are mongolock_url, "),
+        (
+            _plain_conf(CELERY_MONGOLOCK_LEASE_SECONDS=60),
+            "setting 'CELERY_MONGOLOCK_LEASE_SECONDS' is not read: this app has no 'CELERY' namespace; "
+            "name it 'mongolock_lease_seconds'",
+        ),
+        (
+            _plain_conf(Mongolock_Lease_Seconds=60),
+            "setting 'Mongolock_Lease_Seconds' is not read: write it 'mongolock_lease_seconds'",
+        ),
+    ],
+    ids=["django-lease", "django-policy", "plain", "beat", "no-close-name", "no-namespace", "mixed-case"],
+)
+def test_a_misspelt_setting_is_refused_with_the_closest_name(conf: Any, message: str) -> None:
+    """Issue 27: a ``mongolock_*`` name the library does not read is refused, not silently ignored (the
+    worker and beat read the settings at start, so they refuse to start)."""
+    with pytest.raises(ConfigurationError) as info:
+        read_settings(conf)
+    assert str(info.value).startswith(message)
+
+
+def test_known_settings_in_any_spelling_the_library_reads_are_accepted() -> None:
+    s = read_settings(
+        _django_conf(
+            CELERY_MONGOLOCK_LEASE_SECONDS=60,
+            CELERY_MONGOLOCK_ON_CONTENTION="skip",
+            CELERY_MONGOLOCK_BEAT_KEY="beat:one",
+            DEBUG=True,  # Django's own settings are not ours to judge
+        )
+    )
+    assert s.lease_seconds == 60 and s.on_contention == Skip()
+    plain = read_settings(_plain_conf(MONGOLOCK_LEASE_SECONDS=12, mongolock_history_days=0))
+    assert plain.lease_seconds == 12 and plain.history_days == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "hint"),
+    [("replac", "'replace'"), ("skipp", "'skip'"), ("Qeue", "'queue'"), ({"policy": "retyr"}, "'retry'")],
+)
+def test_a_misspelt_policy_name_gets_a_did_you_mean(value: Any, hint: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        parse_policy(value, "mongolock_on_contention")
+    assert str(info.value).endswith(f"(did you mean {hint}?)")
+
+
 # -- key specs ------------------------------------------------------------------------------------------
 
 

@@ -194,6 +194,16 @@ def g(group_id: int) -> None: ...
 BAD_SETTING = """
 app.conf.mongolock_lease_seconds = -1
 """
+# Issue 27: a misspelt setting in a Django-style namespace started a worker with the default lease.
+MISSPELT_SETTING = """
+
+
+class DjangoSettings:
+    CELERY_MONGOLOCK_LEASE_SECOND = 60
+
+
+app.config_from_object(DjangoSettings, namespace="CELERY")
+"""
 
 
 @pytest.mark.parametrize(
@@ -206,8 +216,12 @@ app.conf.mongolock_lease_seconds = -1
         ),
         (BAD_POLICY, "task 'tasks.g': mongolock_on_contention must be one of"),
         (BAD_SETTING, "mongolock_lease_seconds must be between 0.5 and 2.592e+06 seconds, got -1"),
+        (
+            MISSPELT_SETTING,
+            "unknown setting 'CELERY_MONGOLOCK_LEASE_SECOND'; did you mean 'CELERY_MONGOLOCK_LEASE_SECONDS'?",
+        ),
     ],
-    ids=["template", "policy", "setting"],
+    ids=["template", "policy", "setting", "misspelt-setting"],
 )
 def test_a_worker_refuses_to_start_with_one_line(extra: str, message: str, tmp_path: Path) -> None:
     # No server is needed: the worker stops before it connects to anything.
