@@ -59,3 +59,37 @@ def test_redact_passwords_with_unescaped_characters(url: str) -> None:
     assert "***@" in out
     for secret in ("p#ss", "a/b?c", "p@ss", "pa55"):
         assert secret not in out
+
+
+@pytest.mark.parametrize(
+    ("url", "ours"),
+    [
+        ("mongodb://h/?retryWrits=true", "unknown option 'retryWrits' (did you mean 'retryWrites'?)"),
+        ("mongodb://h/?tls=maybe", "option 'tls' has a bad value 'maybe'"),
+        ("mongodb://h:99999", "port '99999' of host 'h:99999' is not a number from 1 to 65535"),
+        ("mongodb://h/bad$db", "the database name 'bad$db' after the hosts holds '$'"),
+    ],
+)
+def test_the_reason_is_ours_whatever_pymongo_says(
+    url: str, ours: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pymongo's wording changes between its releases (4.20.1 stopped naming an unknown option): our
+    message names the offending part itself, and pymongo's text, whatever it is, is only detail."""
+    from pymongo import uri_parser
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("something pymongo said this month")
+
+    for name in ("split_options", "parse_uri"):
+        monkeypatch.setattr(uri_parser, name, refuse)
+    with pytest.raises(ConfigurationError) as info:
+        validate_mongo_url(url, setting="mongolock_url")
+    assert ours in str(info.value)
+    assert str(info.value).startswith(f"mongolock_url {url!r} is not a valid MongoDB URL: ")
+
+
+def test_a_password_with_an_unescaped_character_is_never_echoed() -> None:
+    for url in ["mongodb://u:pa?ss=hunter2@h", "mongodb://u:pa/hunter2@h", "mongodb://u:hunter2@x@h"]:
+        with pytest.raises(ConfigurationError) as info:
+            validate_mongo_url(url, setting="mongolock_url")
+        assert "hunter2" not in str(info.value), str(info.value)
