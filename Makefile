@@ -5,15 +5,33 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck docs unit bench clean venv matrix
+.PHONY: demo test lint typecheck docs unit bench clean venv matrix lock test-newest
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Installs the pinned set of requirements/lock.txt (every package, transitive ones included), so a fresh
+# clone tests what the last landing tested whatever was released since. The build backend is pinned too
+# (hatchling, in the lock through the release extra; installed first, then used without build isolation).
+LOCK := requirements/lock.txt
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c $(LOCK) hatchling
+	$(PY) -m pip install --quiet --no-build-isolation -c $(LOCK) -e '.[dev]'
 	touch $(STAMP)
+
+# Remake the pinned sets from pyproject.toml with today's releases (uv, from the dev extra): lock.txt, the
+# newest supported set that `make test` installs (one file for every Python from 3.10: markers where they
+# differ), and oldest.txt, the oldest supported Celery, kombu and pymongo (requirements/oldest.in) that
+# `nox -t oldest` installs. Then run `make test` and commit both files.
+UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --universal --python-version 3.10 --upgrade
+lock: $(STAMP)
+	$(UV_COMPILE) pyproject.toml --extra dev -o $(LOCK)
+	$(UV_COMPILE) pyproject.toml requirements/oldest.in --extra test -o requirements/oldest.txt
+
+# Today's newest releases, unpinned (nox, in .nox/newest): the store contract and real-worker integration
+# suites. Finds out whether an upstream release breaks us before `make lock` moves the pins to it.
+test-newest: $(STAMP)
+	$(PY) -m nox -s newest $(NOX_ARGS)
 
 demo: $(STAMP)
 	$(PY) example_project/demo.py

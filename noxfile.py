@@ -2,13 +2,14 @@
 Celery minor (with its kombu) and on the oldest and newest supported pymongo.
 
     make matrix                       # every combination (nox, in .nox/)
-    python -m nox -t oldest           # the oldest combination (CI runs it in `make test`)
+    python -m nox -t oldest           # the oldest combination, pinned (CI runs it in `make test`)
+    python -m nox -s newest           # today's newest releases, unpinned (`make test-newest`)
     python -m nox -l                  # the sessions
     python -m nox -t pythons          # the same suites on Python 3.10, 3.12 and 3.13 (newest releases)
     PYENV_VERSION=3.10.13:3.12.1:3.13.0:system make matrix    # with interpreters installed by pyenv
     python -m nox -s "compat(celery5.4-pymongo4.6)" -- -k overlap    # one, with pytest arguments
 
-The newest combination is also what `make test`'s own virtualenv has (``pip install -e '.[dev]'``).
+`make test`'s own virtualenv has the pinned newest set of requirements/lock.txt (`make lock` remakes it).
 """
 
 from __future__ import annotations
@@ -49,20 +50,37 @@ def _params() -> list[nox.param]:
 def compat(session: nox.Session, celery: str, pymongo: str) -> None:
     """Store contract + integration suites on one Celery/kombu/pymongo combination."""
     kombu = CELERY_KOMBU[celery]
+    # The oldest combination (the one `make test` runs) installs a pinned set, requirements/oldest.txt
+    # (`make lock` remakes it), so a new release of anything cannot turn a landing red; the others resolve.
+    pins = ["-c", "requirements/oldest.txt"] if (celery, pymongo) == OLDEST else []
     session.install(
+        *pins,
         "-e",
         ".[test]",
         f"celery[redis]~={celery}.0",
         f"kombu~={kombu}.0",
         PYMONGO[pymongo],
     )
+    _versions(session)
+    session.run("python", "-m", "pytest", *SUITES, *XDIST, "-p", "no:cacheprovider", "-q", *session.posargs)
+
+
+@nox.session(python=None, tags=["newest-releases"])
+def newest(session: nox.Session) -> None:
+    """Store contract + integration suites on today's newest release of every dependency, unpinned
+    (`make test-newest`): a new upstream release is found by running this, not by a red landing."""
+    session.install("--upgrade", "--upgrade-strategy", "eager", "-e", ".[test]")
+    _versions(session)
+    session.run("python", "-m", "pytest", *SUITES, *XDIST, "-p", "no:cacheprovider", "-q", *session.posargs)
+
+
+def _versions(session: nox.Session) -> None:
     session.run(
         "python",
         "-c",
         "import celery, kombu, pymongo, redis; print('versions: celery', celery.__version__, "
         "'kombu', kombu.__version__, 'pymongo', pymongo.__version__, 'redis', redis.__version__)",
     )
-    session.run("python", "-m", "pytest", *SUITES, *XDIST, "-p", "no:cacheprovider", "-q", *session.posargs)
 
 
 @nox.session(python=["3.10", "3.12", "3.13"], tags=["pythons"])
