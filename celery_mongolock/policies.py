@@ -327,8 +327,8 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
         except ConfigurationError as exc:  # a bad value: say which setting holds it
             raise ConfigurationError(f"{setting}: {exc}") from None
     raise ConfigurationError(
-        f"{setting} must be a policy (Retry(), Skip(), Wait(), Fail()), a name or a dict, "
-        f"got {type(value).__name__}"
+        f"{setting} must be a policy (Retry(), Skip(), Wait(), Fail(), Queue(), Replace()), a name or a "
+        f"dict, got {type(value).__name__}"
     )
 
 

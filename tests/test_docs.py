@@ -1,0 +1,380 @@
+"""The manual tells the truth (issue 27).
+
+* Every fenced Python block of README.md and docs/ compiles, and is either a complete module (its imports
+  resolve in a fresh interpreter) or is marked as a fragment with ``<!-- fragment -->`` on the line
+  before its fence (a fragment continues the page's code, or elides a body with ``...``).
+* Every ``celery ... mongolock COMMAND --option`` that a page names exists (compared with the CLI itself).
+* Every row of docs/bad-input.md names a case of tests/test_bad_input.py, and its message column is the
+  message that case gets today (``python -m tests.test_docs --write-bad-input`` rewrites the column).
+* Pages do not claim "not supported yet" for what is built (each such claim is tried here).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+FRAGMENT = "<!-- fragment -->"
+
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
+
+
+class Block:
+    def __init__(self, page: Path, line: int, lang: str, body: str, fragment: bool) -> None:
+        self.page, self.line, self.lang, self.body, self.fragment = page, line, lang, body, fragment
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> Iterator[Block]:
+    text = page.read_text()
+    for m in _FENCE.finditer(text):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        indent = len(m.group("indent"))
+        body = "\n".join(line[indent:] for line in m.group("body").splitlines())
+        yield Block(page, text.count("\n", 0, m.start()) + 1, m.group("lang"), body, before == FRAGMENT)
+
+
+PYTHON_BLOCKS = [b for page in PAGES for b in blocks(page) if b.lang in ("python", "py")]
+
+
+def test_the_pages_have_python_blocks() -> None:
+    assert len(PYTHON_BLOCKS) >= 35
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.where for b in PYTHON_BLOCKS])
+def test_every_python_block_compiles(block: Block) -> None:
+    try:
+        ast.parse(block.body)
+    except SyntaxError as exc:
+        pytest.fail(f"{block.where}: a Python block that does not parse ({exc}):\n{block.body}")
+
+
+def _module_names(body: str) -> list[str]:
+    """The absolute imports of a block (its ``from .x import`` are the project's own modules)."""
+    names = []
+    for node in ast.walk(ast.parse(body)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [f"{node.module}:{a.name}" for a in node.names]
+    return names
+
+
+# Modules of a user's project that pages import (the how-tos name them; they are shown on their page).
+PROJECT_MODULES = ("proj", "tasks", "emailgroups", "myproject", "mysite", "example_project", "conftest")
+
+
+def test_every_import_of_a_complete_block_resolves() -> None:
+    """A block that is not marked as a fragment imports only what exists: names of the library, of
+    Celery and of the standard library (a misspelt or removed public name fails here)."""
+    wanted: dict[str, set[str]] = {}
+    for block in PYTHON_BLOCKS:
+        if block.fragment:
+            continue
+        for name in _module_names(block.body):
+            if name.split(":")[0].split(".")[0] in PROJECT_MODULES:
+                continue
+            wanted.setdefault(name, set()).add(block.where)
+    script = (
+        "import importlib, sys\n"
+        "bad = []\n"
+        "for name in sys.argv[1:]:\n"
+        "    module, _, attr = name.partition(':')\n"
+        "    try:\n"
+        "        m = importlib.import_module(module)\n"
+        "        if attr and attr != '*' and not hasattr(m, attr):\n"
+        "            importlib.import_module(f'{module}.{attr}')\n"
+        "    except Exception as exc:\n"
+        "        bad.append(f'{name}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, *sorted(wanted)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    bad = [line for line in out.stdout.splitlines() if line]
+    assert not bad, "\n".join(f"{b} (in {', '.join(sorted(wanted[b.split(': ')[0]]))})" for b in bad)
+
+
+# -- the command line named by the pages ---------------------------------------------------------------
+
+
+def _cli_tree() -> dict[str, set[str]]:
+    """``celery mongolock``'s commands and each one's options, read from the click group itself."""
+    import click
+
+    from celery_mongolock.cli import mongolock
+
+    assert isinstance(mongolock, click.Group)
+    tree: dict[str, set[str]] = {}
+    for name, command in mongolock.commands.items():
+        options = {
+            opt for p in command.params if isinstance(p, click.Option) for opt in p.opts + p.secondary_opts
+        }
+        tree[name] = options | {"--help"}
+    return tree
+
+
+_CLI_USE = re.compile(r"\bcelery\b(?:\s+-A\s+\S+)?\s+mongolock\s+(?P<rest>[^`\n|]*)")
+
+
+def cli_uses() -> list[tuple[str, str, list[str]]]:
+    """Every ``celery [-A app] mongolock COMMAND ...`` a page names: (where, command, options)."""
+    found = []
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for m in _CLI_USE.finditer(line):
+                words = m.group("rest").split()
+                if not words or not re.fullmatch(r"[a-z][a-z-]*", words[0]):
+                    continue
+                options = [w.split("=")[0] for w in words[1:] if w.startswith("--")]
+                found.append((f"{page.relative_to(ROOT)}:{number}", words[0], options))
+    return found
+
+
+def test_every_cli_command_and_option_a_page_names_exists() -> None:
+    tree = _cli_tree()
+    uses = cli_uses()
+    assert len(uses) > 10
+    wrong = [
+        f"{where}: celery mongolock {command} {' '.join(options)}"
+        for where, command, options in uses
+        if command not in tree or not set(options) <= tree[command]
+    ]
+    assert not wrong, "commands or options that the CLI does not have:\n" + "\n".join(wrong)
+
+
+def test_the_cli_reference_documents_every_command_and_option() -> None:
+    reference = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    missing = [
+        f"{command} {option}"
+        for command, options in _cli_tree().items()
+        for option in [f"`{command}", *sorted(o for o in options if o.startswith("--") and o != "--help")]
+        if option not in reference
+    ]
+    assert not missing, f"docs/reference/cli.md does not name: {missing}"
+
+
+# -- docs/bad-input.md against tests/test_bad_input.py --------------------------------------------------
+
+BAD_INPUT = ROOT / "docs" / "bad-input.md"
+_ROW = re.compile(r"^\|.*\| `(?P<test>test_\w+)\[(?P<id>[\w-]+)\]` \|$")
+
+
+def normalize(message: str) -> str:
+    """A message as the table shows it: task names as proj.upload, long runs of x shortened, addresses
+    elided (a row may also end early with "…")."""
+    message = re.sub(r"bad_input\.[at][0-9a-f]{8}", "proj.upload", message)
+    message = re.sub(r"x{20,}", lambda m: f"xxx…({len(m.group())} x)", message)
+    message = re.sub(r" at 0x[0-9a-f]+>", " at 0x…>", message)
+    return message.replace("|", "\\|").replace("\n", " ")
+
+
+def _same(documented: str, actual: str) -> bool:
+    # pymongo's own text (shown after ours as "(pymongo: ...)") changes between releases and orders sets
+    # by hash: only our words are compared.
+    documented, actual = (m.split(" (pymongo: ")[0] for m in (documented, actual))
+    if documented.endswith("…"):
+        return actual.startswith(documented[:-1])
+    return documented == actual
+
+
+def _bad_input_calls() -> dict[str, Callable[[], Any]]:
+    """Each case of tests/test_bad_input.py with a message in the table, as a call that raises it (the
+    command-line cases run a process each and are checked by their own test)."""
+    from celery_mongolock import LeaseStore
+    from celery_mongolock.config import read_settings
+
+    from . import test_bad_input as cases
+
+    store = LeaseStore("mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=300", operation_timeout=0.5)
+    calls: dict[str, Callable[[], Any]] = {}
+    for family, params in cases.FAMILIES.items():
+        for p in params:
+            test_id = f"{family}[{p.id}]"
+            if family == "test_bad_command_line_arguments":
+                continue
+            if family == "test_bad_urls":
+                calls[test_id] = functools.partial(read_settings, {"mongolock_url": p.values[0]})
+            elif family in ("test_bad_lease_keys", "test_bad_acquire_arguments"):
+                calls[test_id] = functools.partial(p.values[0], store)
+            else:
+                calls[test_id] = p.values[0]
+    return calls
+
+
+def _message(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except Exception as exc:
+        return normalize(str(exc))
+    return "(accepted: no error)"
+
+
+def _rows() -> dict[str, tuple[int, list[str]]]:
+    rows = {}
+    for number, line in enumerate(BAD_INPUT.read_text().splitlines()):
+        m = _ROW.match(line)
+        if m:
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows[f"{m.group('test')}[{m.group('id')}]"] = (number, cells)
+    return rows
+
+
+def test_every_row_of_the_bad_input_table_is_a_case_that_exists() -> None:
+    from . import test_bad_input as cases
+
+    ids = {f"{family}[{p.id}]" for family, params in cases.FAMILIES.items() for p in params}
+    stale = sorted(
+        test_id for test_id in _rows() if test_id.split("[")[0] in cases.FAMILIES and test_id not in ids
+    )
+    assert not stale, f"rows of docs/bad-input.md whose case no longer exists (it is accepted now?): {stale}"
+
+
+def test_every_message_in_the_bad_input_table_is_the_message_given() -> None:
+    rows = _rows()
+    wrong = []
+    for test_id, call in _bad_input_calls().items():
+        if test_id not in rows:
+            continue  # test_bad_input.py checks that every case has a row
+        documented = rows[test_id][1][3]
+        actual = _message(call)
+        if not _same(documented, actual):
+            wrong.append(f"{test_id}\n  documented: {documented}\n  given:      {actual}")
+    assert not wrong, (
+        "docs/bad-input.md shows messages the library no longer gives (python -m tests.test_docs "
+        "--write-bad-input rewrites them):\n" + "\n".join(wrong)
+    )
+
+
+def write_bad_input_messages() -> None:
+    """Rewrite the message column of every row whose message changed."""
+    lines = BAD_INPUT.read_text().splitlines(keepends=True)
+    rows = _rows()
+    for test_id, call in _bad_input_calls().items():
+        if test_id not in rows:
+            continue
+        number, cells = rows[test_id]
+        actual = _message(call)
+        if not _same(cells[3], actual):
+            cells[3] = actual
+            lines[number] = "| " + " | ".join(cells) + " |\n"
+    BAD_INPUT.write_text("".join(lines))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-bad-input"]:
+        write_bad_input_messages()
+    else:
+        sys.exit("usage: python -m tests.test_docs --write-bad-input")
+
+
+# -- "not supported yet" claims, tried ------------------------------------------------------------------
+
+
+def _declare(**options: Any) -> Any:
+    from celery import Celery
+
+    from celery_mongolock import singleton_task
+
+    app = Celery("docs_claims", set_as_current=False)
+
+    def sync(src: int, dst: int) -> None: ...
+
+    return singleton_task(app=app, name=f"docs.claims.{len(options)}", **options)(sync)
+
+
+def _task_policy(**options: Any) -> Any:
+    from celery_mongolock.config import read_settings
+
+    return read_settings({"mongolock_task_policies": {"proj.sync": options}})
+
+
+KEYS = ("g:{src}", "g:{dst}")
+# (page, the words of the claim): a call that the claim says is refused.
+REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
+    ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` is refused with a limit"): lambda: _declare(
+        key="t:{src}", limit=3, min_hold_seconds=5
+    ),
+    ("docs/how-to/several-keys.md", "`Replace` with `keys=(...)` is not supported yet"): lambda: _declare(
+        keys=KEYS, on_contention="replace"
+    ),
+    ("docs/how-to/several-keys.md", "`limit=N` with several keys"): lambda: _declare(keys=KEYS, limit=3),
+    ("docs/reference/policies.md", "`Replace` with `keys=` is not supported yet"): lambda: _declare(
+        keys=KEYS, on_contention="replace"
+    ),
+    ("docs/reference/settings.md", "Not with `limit` or `Replace`"): lambda: _task_policy(keys=KEYS, limit=3),
+    ("docs/reference/settings.md", "Not with `limit` or `Replace` (refused"): lambda: _task_policy(
+        keys=KEYS, on_contention="replace"
+    ),
+    ("docs/reference/keys.md", "`keys=`\n  with `limit=` or `Replace`"): lambda: _declare(keys=KEYS, limit=2),
+}
+# What pages say works (issue 27: pages said these were refused).
+ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
+    ("docs/how-to/per-tenant-limit.md", "`Queue()` is the one to use"): lambda: _declare(
+        key="t:{src}", limit=3, on_contention="queue"
+    ),
+    ("docs/reference/policies.md", "With `keys=(...)`, `Queue` parks the run"): lambda: _declare(
+        keys=KEYS, on_contention="queue"
+    ),
+    ("docs/reference/settings.md", "with `Queue`, a run parks until it can have every key"): lambda: (
+        _task_policy(keys=KEYS, on_contention="queue")
+    ),
+}
+
+
+@pytest.mark.parametrize(("where", "call"), list(REFUSED.items()), ids=[f"{p}:{w[:30]}" for p, w in REFUSED])
+def test_what_a_page_says_is_refused_is_refused(where: tuple[str, str], call: Callable[[], Any]) -> None:
+    from celery_mongolock import ConfigurationError
+
+    page, words = where
+    assert words in (ROOT / page).read_text(), f"{page} no longer says {words!r}: update this test"
+    with pytest.raises(ConfigurationError, match="not supported yet"):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("where", "call"), list(ACCEPTED.items()), ids=[f"{p}:{w[:30]}" for p, w in ACCEPTED]
+)
+def test_what_a_page_says_works_is_accepted(where: tuple[str, str], call: Callable[[], Any]) -> None:
+    page, words = where
+    assert words in (ROOT / page).read_text(), f"{page} no longer says {words!r}: update this test"
+    call()
+
+
+_CLAIM = re.compile(r"not supported yet|refused with a limit|not (yet )?(built|implemented)", re.I)
+
+
+def test_every_not_supported_claim_of_the_manual_is_tried() -> None:
+    """A "not supported yet" in a how-to or a reference page (or the README) is in REFUSED, so it is
+    tried; the design notes and the bad-input table are checked by their own tests."""
+    tried = {page for page, _ in REFUSED}
+    pages = [
+        ROOT / "README.md",
+        *(ROOT / "docs" / "how-to").glob("*.md"),
+        *(ROOT / "docs" / "reference").glob("*.md"),
+    ]
+    untried = [
+        f"{page.relative_to(ROOT)}:{n}: {line.strip()}"
+        for page in pages
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        if _CLAIM.search(line) and str(page.relative_to(ROOT)) not in tried
+    ]
+    assert not untried, "claims nobody tries (add them to REFUSED):\n" + "\n".join(untried)
