@@ -378,3 +378,14 @@ def test_every_not_supported_claim_of_the_manual_is_tried() -> None:
         if _CLAIM.search(line) and str(page.relative_to(ROOT)) not in tried
     ]
     assert not untried, "claims nobody tries (add them to REFUSED):\n" + "\n".join(untried)
+
+
+def _section(text: str, title: str) -> str:
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_site_and_the_readme_give_one_quick_start() -> None:
+    """docs/index.md's quick start is the README's (run by tests/test_quickstart.py), links aside."""
+    readme = _section((ROOT / "README.md").read_text(), "Quick start").replace("](docs/", "](")
+    site = _section((ROOT / "docs" / "index.md").read_text(), "Quick start")
+    assert site == readme, "docs/index.md's quick start differs from the README's: copy the README's"
