@@ -10,13 +10,12 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # Installs the pinned set of requirements/lock.txt (every package, transitive ones included), so a fresh
-# clone tests what the last landing tested whatever was released since. The build backend is pinned too
-# (hatchling, in the lock through the release extra; installed first, then used without build isolation).
+# clone tests what the last landing tested whatever was released since. PIP_CONSTRAINT (not -c) so that the
+# build backend, hatchling (in the lock through the release extra), is pinned in pip's build environment too.
 LOCK := requirements/lock.txt
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c $(LOCK) hatchling
-	$(PY) -m pip install --quiet --no-build-isolation -c $(LOCK) -e '.[dev]'
+	PIP_CONSTRAINT=$(LOCK) $(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 # Remake the pinned sets from pyproject.toml with today's releases (uv, from the dev extra): lock.txt, the
