@@ -389,3 +389,115 @@ def test_the_site_and_the_readme_give_one_quick_start() -> None:
     readme = _section((ROOT / "README.md").read_text(), "Quick start").replace("](docs/", "](")
     site = _section((ROOT / "docs" / "index.md").read_text(), "Quick start")
     assert site == readme, "docs/index.md's quick start differs from the README's: copy the README's"
+
+
+# -- the how-tos' projects, run as written --------------------------------------------------------------
+
+_PATH_LINE = re.compile(r"# (?P<path>[\w./-]+\.py)$")
+
+
+def project_files(page: Path) -> dict[str, str]:
+    """The page's complete modules: every block that is not a fragment and whose first line names its file
+    (``# proj/tasks.py``), by that path."""
+    files = {}
+    for block in blocks(page):
+        first = block.body.split("\n", 1)[0]
+        m = _PATH_LINE.fullmatch(first)
+        if block.lang == "python" and not block.fragment and m:
+            files[m.group("path")] = block.body
+    return files
+
+
+def shell_lines(page: Path, section: str) -> list[str]:
+    body = _section(page.read_text(), section)
+    (block,) = [b for b in blocks(page) if b.lang == "sh" and b.body in body]
+    return [line for line in block.body.splitlines() if line.strip()]
+
+
+def _project_env() -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MONGOLOCK_", "CELERY_"))}
+    env.pop("PYTHONPATH", None)  # a new project: its own directory and the installed library only
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@pytest.mark.slow
+def test_the_email_group_upload_how_to_runs_as_written(redis_server: Any, tmp_path: Path) -> None:
+    """docs/how-to/email-group-upload.md: its modules written to a new project as printed (only the
+    server addresses changed), its commands run as printed, a real prefork worker."""
+    import os
+    import signal
+
+    from pymongo import MongoClient
+
+    from celery_mongolock.embedded import EmbeddedMongo
+
+    from .servers import wait_for
+
+    page = ROOT / "docs" / "how-to" / "email-group-upload.md"
+    files = project_files(page)
+    assert sorted(files) == ["proj/celery.py", "proj/storage.py", "proj/tasks.py", "send.py"]
+    create, start_worker, send = shell_lines(page, "3. Send uploads as usual")
+    assert start_worker == "celery -A proj worker --loglevel=INFO" and send == "python send.py"
+    redis_base = redis_server.url.rsplit("/", 1)[0]
+    with EmbeddedMongo() as mongo:
+        for path, printed in files.items():
+            code = printed.replace("redis://localhost:6379/0", f"{redis_base}/13")
+            code = code.replace("redis://localhost:6379/1", f"{redis_base}/14")
+            code = code.replace("mongodb://localhost:27017", mongo.url)
+            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path).write_text(code)
+        (tmp_path / "proj" / "__init__.py").write_text("")  # "an empty proj/__init__.py"
+        subprocess.run(["bash", "-c", create], cwd=tmp_path, check=True)
+        log_path = tmp_path / "worker.log"
+        with open(log_path, "wb") as log:
+            worker = subprocess.Popen(
+                [*start_worker.split(), "--concurrency=2", "--without-gossip", "--without-mingle"],
+                cwd=tmp_path,
+                env=_project_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+
+            def ready() -> bool:
+                assert worker.poll() is None, log_path.read_text()
+                return " ready." in log_path.read_text()
+
+            wait_for(ready, timeout=60, message="the worker to be ready")
+            out = subprocess.run(
+                send.split(),
+                cwd=tmp_path,
+                env=_project_env(),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr + log_path.read_text()
+            lines = out.stdout.splitlines()
+            assert lines[1] == "second: 1", out.stdout
+            assert lines[0] == "first: 2" or lines[0].startswith("first: {'mongolock': 'superseded'"), (
+                out.stdout
+            )
+            client: MongoClient[dict[str, Any]] = MongoClient(mongo.url)
+            try:
+                members = sorted(d["email"] for d in client["proj"]["members"].find({"group": 42}))
+                group = client["proj"]["groups"].find_one({"_id": 42})
+            finally:
+                client.close()
+            assert members == ["cy@example.com"]
+            assert group is not None and group["upload"] == "u-1002" and group["state"] == "done"
+            assert "Traceback" not in log_path.read_text()
+        finally:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+                try:
+                    worker.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(worker.pid, signal.SIGKILL)
+                    worker.wait(10)
