@@ -19,8 +19,10 @@ of a held key without ``--force``.
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import json
 import logging
+import math
 import sys
 import time
 from typing import Any
@@ -34,6 +36,113 @@ from .history import KeyStory, LeaseEnding, clock
 from .store import LeaseInfo, LeaseStore
 
 __all__ = ["mongolock"]
+
+
+# -- usage errors in our words ----------------------------------------------------------------------------
+# click's own wording of usage errors ("No such option", "Missing argument") changes between its releases;
+# ours names the command, the option or argument as typed, and what it takes, from click's structured
+# fields (the option's name, the parameter) only.
+
+_ARGUMENTS = {"key": "the lease key"}
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+
+
+def _option_names(command: click.Command, ctx: click.Context) -> list[str]:
+    return sorted(o for p in command.get_params(ctx) if isinstance(p, click.Option) for o in p.opts)
+
+
+def _in_our_words(command: click.Command, ctx: click.Context, exc: click.UsageError) -> click.UsageError:
+    """The usage error ``exc`` raised by click while parsing ``command``'s arguments, said in our words."""
+    where = f"mongolock {ctx.info_name}" if ctx.info_name != "mongolock" else "mongolock"
+    if isinstance(exc, click.NoSuchOption):
+        known = _option_names(command, ctx)
+        text = f"{where} has no option {exc.option_name!r}{_did_you_mean(exc.option_name, known)}"
+        text += f"; its options are {', '.join(known)}"
+    elif isinstance(exc, click.BadOptionUsage):
+        text = f"{where}: option {exc.option_name!r} needs a value"
+    elif isinstance(exc, click.MissingParameter) and exc.param is not None:
+        name = exc.param.human_readable_name
+        what = _ARGUMENTS.get(exc.param.name or "", "an argument")
+        text = f"{where} needs {name}, {what}: celery -A proj {where} {name}"
+    elif (
+        isinstance(exc, click.BadParameter) and exc.param is not None and isinstance(exc.param.type, _Number)
+    ):
+        text = f"{where}: {exc.param.opts[0]} {exc.message}"  # _Number's message is ours
+    else:  # pragma: no cover - another of click's usage errors: its words, after ours
+        text = f"{where}: bad command line ({exc.format_message()})"
+    return click.UsageError(text, ctx)
+
+
+class _Number(click.ParamType):  # type: ignore[type-arg]  # generic in click 8.3+ only
+    """A number of at least ``low``, refused in our words (click's ranges word it their own way)."""
+
+    def __init__(self, kind: type[int] | type[float], low: float, unit: str = "") -> None:
+        self.kind, self.low, self.unit = kind, low, unit
+        self.name = kind.__name__
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number: float | None
+        try:
+            number = self.kind(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not math.isfinite(number) or number < self.low:
+            what = "an int" if self.kind is int else "a number"
+            unit = f" {self.unit}" if self.unit else ""
+            self.fail(f"must be {what} of at least {self.low:g}{unit}, got {value!r}", param, ctx)
+        return number
+
+
+class _Command(click.Command):
+    """A sub-command whose usage errors are in our words."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.allow_extra_args = True  # refused below, in our words
+        try:
+            rest = super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if exc.ctx is not None and exc.ctx is not ctx:  # pragma: no cover - not ours to word
+                raise
+            raise _in_our_words(self, ctx, exc) from None
+        if rest and not ctx.resilient_parsing:
+            raise click.UsageError(
+                f"mongolock {ctx.info_name} takes no more arguments, got {' '.join(map(repr, rest))}", ctx
+            )
+        return rest
+
+
+class _Group(click.Group):
+    """``mongolock``: an unknown command or option is refused in our words."""
+
+    command_class = _Command
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except (click.NoSuchOption, click.BadOptionUsage) as exc:
+            raise _in_our_words(self, ctx, exc) from None
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name = args[0] if args else ""
+        if (
+            name
+            and not name.startswith("-")
+            and self.get_command(ctx, name) is None
+            and not ctx.resilient_parsing
+        ):
+            known = sorted(self.commands)
+            raise click.UsageError(
+                f"mongolock has no command {name!r}{_did_you_mean(name, known)}; "
+                f"its commands are {', '.join(known)}",
+                ctx,
+            )
+        return super().resolve_command(ctx, args)
 
 
 def _store(ctx: click.Context) -> LeaseStore:
@@ -103,7 +212,7 @@ def _run(action: Any) -> Any:
         raise click.ClickException(redact(str(exc))) from None
 
 
-@click.group(name="mongolock")
+@click.group(name="mongolock", cls=_Group)
 @click.pass_context
 def mongolock(ctx: click.Context) -> None:
     """Inspect and manage celery_mongolock leases."""
@@ -220,10 +329,8 @@ def release_lease(ctx: click.Context, key: str, force: bool) -> None:
 
 @mongolock.command(name="watch")
 @click.option("--prefix", default=None, help="only keys starting with this text")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1))
-@click.option(
-    "--count", default=0, type=click.IntRange(min=0), help="stop after N refreshes (0: until Ctrl-C)"
-)
+@click.option("--interval", default=1.0, show_default=True, type=_Number(float, 0.1, "seconds"))
+@click.option("--count", default=0, type=_Number(int, 0), help="stop after N refreshes (0: until Ctrl-C)")
 @click.pass_context
 def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count: int) -> None:
     """Show held leases live, refreshed every INTERVAL seconds, until Ctrl-C."""
@@ -362,7 +469,7 @@ def why_lines(story: KeyStory, endings: int = 5) -> list[str]:
 
 @mongolock.command(name="history")
 @click.argument("key")
-@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1), help="at most N leases")
+@click.option("--limit", default=20, show_default=True, type=_Number(int, 1), help="at most N leases")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_context
 def lease_history(ctx: click.Context, key: str, limit: int, as_json: bool) -> None:

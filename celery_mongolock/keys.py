@@ -246,7 +246,7 @@ class KeyRenderer:
         """The call's arguments bound to the task's signature, as the key callable receives them."""
         if self.signature is None:
             return list(args), dict(kwargs)
-        bound = self.signature.bind(*args, **kwargs)
+        bound = self._bind_call(self.signature, args, kwargs)
         bound.apply_defaults()
         positional: list[Any] = []
         named: dict[str, Any] = {}
@@ -275,7 +275,10 @@ class KeyRenderer:
         try:
             parsed = list(string.Formatter().parse(template))
         except ValueError as exc:
-            raise ConfigurationError(f"{where}: key template {template!r} is malformed: {exc}") from None
+            raise ConfigurationError(
+                f"{where}: key template {template!r} is malformed: a '{{' or '}}' without its pair (write "
+                f"'{{{{' or '}}}}' for a brace in the key) ({exc})"
+            ) from None
         for _literal, field, spec, conversion in parsed:
             if field is None:
                 continue
@@ -292,11 +295,48 @@ class KeyRenderer:
             fields.append(field)
         return fields
 
+    def _bind_call(
+        self, signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> inspect.BoundArguments:
+        """``signature.bind``; a call that does not fit is a ``TypeError`` in our words, naming the argument
+        (Python's own wording of it follows only as detail)."""
+        try:
+            return signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            params = signature.parameters
+            unexpected = [name for name in kwargs if name not in params]
+            required = [
+                name
+                for name, p in params.items()
+                if p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            ]
+            given = set(kwargs) | set(list(params)[: len(args)])
+            missing = [name for name in required if name not in given]
+            positional = [
+                p
+                for p in params.values()
+                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            ]
+            var_positional = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
+            if len(args) > len(positional) and not var_positional:
+                why = f"it takes at most {len(positional)} positional argument(s), got {len(args)}"
+            elif unexpected and not self._has_var_kwargs(params):
+                why = f"it has no argument {unexpected[0]!r}"
+            elif missing:
+                why = f"argument {missing[0]!r} is not given"
+            else:
+                why = "they do not fit its signature"
+            raise TypeError(
+                f"task {self.task_name!r}: cannot call {self._describe(params)} with these arguments: "
+                f"{why} ({exc})"
+            ) from None
+
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The call's arguments by name, with defaults applied (TypeError if they do not fit)."""
         if self.signature is None:
             return dict(kwargs)
-        bound = self.signature.bind(*args, **kwargs)
+        bound = self._bind_call(self.signature, args, kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         for name, param in self.signature.parameters.items():
