@@ -22,6 +22,7 @@ import contextvars
 import datetime as _dt
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
@@ -447,7 +448,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             "ks": keys,
             # One handoff token for all the keys (the same on every admit of this run).
             "tk": _queue.keys_token(ident, keys),
-            **_queue.message_of(self, request, stamp),
+            **_queue.message_of(self, request, stamp, ident),
         }
         info: dict[str, Any] = {
             "task_name": self.name,
@@ -653,7 +654,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Parked or reserved on every key: published when all are reserved for it (by whoever makes
         the last reservation; here if that was this attempt)."""
         if store.reserved_for_all(entry):
-            _queue.publish_handoff(self.app, keys[0], {**entry, "hn": 1})
+            _queue.publish_handoff(self.app, keys[0], {**entry, "hn": 1}, store)
         signals.run_parked.send(sender=self, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)
         log_acquire.info("%s[%s]: waits for %s (parked or reserved on each)", self.name, entry["t"], keys)
         raise Ignore()
@@ -672,6 +673,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         tick, hold_until_ms = _beat_tick(request)
         if tick is not None:
             info["beat_tick"] = tick
+        else:
+            _warn_if_sent_by_another_beat(self.name, request)
         run = ContendedRun(self, store, key, direct=direct)
         if policy.queued and tick is None and not (direct or request.is_eager or request.called_directly):
             # (A beat tick is not parked: it runs once per tick or not at all, see the acquire below.)
@@ -761,7 +764,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             "s": stamp,
             "src": _src,
             "th": policy.then.name,
-            **_queue.message_of(self, request, stamp),
+            **_queue.message_of(self, request, stamp, f"{request.id}/{delivery}"),
         }
         _queue.install_publisher(self.app, store)
         debounced_copy = bool(_queue.header(request, _queue.DEBOUNCE_HEADER))
@@ -1061,6 +1064,94 @@ def _beat_tick(request: Any) -> tuple[int | None, int | None]:
         return None, None
     guard_ms = min(1000, window_ms // 10)  # free the key a little before the next tick is due
     return tick, tick + max(0, window_ms - guard_ms)
+
+
+# -- a beat that does not run our scheduler -------------------------------------------------------------
+
+OUR_SCHEDULER = "celery_mongolock.beat:Scheduler"
+#: Celery's own beat stamps this header on everything it sends (Celery 5.5 and later).
+CELERY_BEAT_HEADER = "celery_beat_task"
+_warned_beat_in_pid: int | None = None
+
+
+def _is_our_scheduler(scheduler: Any) -> bool:
+    cls = scheduler if isinstance(scheduler, type) else type(scheduler)
+    return any(f"{c.__module__}:{c.__qualname__}" == OUR_SCHEDULER for c in cls.__mro__)
+
+
+def _names_our_scheduler(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().replace("celery_mongolock.beat.Scheduler", OUR_SCHEDULER) == OUR_SCHEDULER
+    return isinstance(value, type) and _is_our_scheduler(value)
+
+
+def _scheduler_name(scheduler: Any) -> str:
+    return f"{type(scheduler).__module__}:{type(scheduler).__qualname__}"
+
+
+def _warn_if_sent_by_another_beat(task_name: str, request: Any) -> None:
+    """A run that Celery's beat sent without our tick header: the beat does not run our scheduler, so
+    several beats each send every tick and a tick is not refused a second run. Said once per process."""
+    global _warned_beat_in_pid
+    headers = getattr(request, "headers", None) or {}
+    if not headers.get(CELERY_BEAT_HEADER) or _warned_beat_in_pid == os.getpid():
+        return
+    _warned_beat_in_pid = os.getpid()
+    log_acquire.warning(
+        "celery_mongolock: %s[%s] was sent by a celery beat that does not run %s (no tick header): "
+        "with two such beats every tick is sent twice, and a second run of one tick is not refused. Set "
+        "beat_scheduler = %r where the app is created (a setting made in a tasks module comes too late "
+        "for `celery beat`), or start every beat with -S %s. (Said once per worker process.)",
+        task_name,
+        getattr(request, "id", None),
+        OUR_SCHEDULER,
+        OUR_SCHEDULER,
+        OUR_SCHEDULER,
+    )
+
+
+def _check_beat_scheduler(sender: Any = None, **_: Any) -> None:
+    """At ``celery beat``'s start (``beat_init``): warn when it does not run our scheduler although
+    ``beat_scheduler`` names it now (set after the beat chose its scheduler: in a tasks module), and say
+    at INFO which singleton tasks of its schedule get no once-per-tick guarantee from it otherwise."""
+    scheduler = getattr(sender, "scheduler", None)
+    app = getattr(sender, "app", None)
+    if scheduler is None or app is None or _is_our_scheduler(scheduler):
+        return
+    running = _scheduler_name(scheduler)
+    if _names_our_scheduler(app.conf.get("beat_scheduler")):
+        log_acquire.warning(
+            "celery_mongolock: this beat runs %s, not %s, although beat_scheduler names it: the setting was "
+            "made after `celery beat` chose its scheduler (in a module imported later, such as a tasks "
+            "module). Every beat started like this sends every tick itself (with two, each tick is sent "
+            "twice). Set beat_scheduler where the app is created, or start the beat with -S %s.",
+            running,
+            OUR_SCHEDULER,
+            OUR_SCHEDULER,
+        )
+        return
+    schedule = getattr(scheduler, "schedule", None) or {}
+    singletons = sorted(
+        {
+            entry.task
+            for entry in schedule.values()
+            if isinstance(app.tasks.get(getattr(entry, "task", None)), SingletonTask)
+        }
+    )
+    if singletons:
+        log_acquire.info(
+            "celery_mongolock: this beat runs %s, not %s: the singleton task(s) %s of its schedule are sent "
+            "by every beat started like this (run one, or use -S %s for several)",
+            running,
+            OUR_SCHEDULER,
+            ", ".join(singletons),
+            OUR_SCHEDULER,
+        )
+
+
+celery_signals.beat_init.connect(
+    _check_beat_scheduler, weak=False, dispatch_uid="celery_mongolock.beat_check"
+)
 
 
 class SingletonRequest(ChildWatchedRequest):

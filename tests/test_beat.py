@@ -223,3 +223,104 @@ def test_server_time_follows_the_server_and_the_monotonic_clock_only(monkeypatch
     st.now()
     assert len(calls) == 2  # re-sampled after refresh_seconds
     assert st.uncertainty < 0.01
+
+
+# -- a beat that does not run our scheduler (issue 27) --------------------------------------------------
+
+TOO_LATE_CELERY = """
+from celery import Celery
+
+app = Celery("proj", broker="{broker}", include=["proj.tasks"])
+app.conf.mongolock_url = "{mongo}"
+app.conf.mongolock_database = "{db}"
+"""
+# beat_scheduler set beside beat_schedule in the tasks module: `celery beat` chose its scheduler before
+# it imported this module, so it runs Celery's own.
+TOO_LATE_TASKS = """
+from celery_mongolock import singleton_task
+
+from .celery import app
+
+app.conf.beat_scheduler = "celery_mongolock.beat:Scheduler"
+app.conf.beat_schedule = {{"digest": {{"task": "proj.tasks.send_digest", "schedule": 1.0}}}}
+
+
+@singleton_task(key="digest:{db}", app=app)
+def send_digest() -> str:
+    return "sent"
+"""
+
+
+@pytest.mark.slow
+def test_a_beat_that_does_not_run_our_scheduler_is_named_in_a_warning(
+    redis_server: RedisServer, mongo_url: str, tmp_path: Path
+) -> None:
+    """The beat says at start that beat_scheduler came too late; a worker says, once, that it runs
+    beat-sent singleton runs without a tick."""
+    db = f"beatlate_{uuid.uuid4().hex[:8]}"
+    broker = redis_server.url.rsplit("/", 1)[0] + "/6"
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "celery.py").write_text(
+        TOO_LATE_CELERY.format(broker=broker, mongo=mongo_url, db=db)
+    )
+    (tmp_path / "proj" / "tasks.py").write_text(TOO_LATE_TASKS.format(db=db))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MONGOLOCK_", "CELERY_"))}
+    env.pop("PYTHONPATH", None)
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    for name, args in (
+        ("beat", ["beat", "--loglevel=INFO", "-s", str(tmp_path / "schedule")]),
+        ("worker", ["worker", "--loglevel=INFO", "--concurrency=1", "--without-gossip", "--without-mingle"]),
+    ):
+        log_path = tmp_path / f"{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "proj", *args],
+                cwd=tmp_path,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        procs.append((proc, log_path))
+    (beat, beat_log), (worker, worker_log) = procs
+
+    def logged(path: Path, words: str, proc: subprocess.Popen[bytes]) -> bool:
+        assert proc.poll() is None, path.read_text(errors="replace")
+        return words in path.read_text(errors="replace")
+
+    try:
+        wait_for(
+            lambda: logged(beat_log, "although beat_scheduler names it", beat),
+            timeout=60,
+            message="the beat's warning",
+        )
+        text = beat_log.read_text(errors="replace")
+        assert "this beat runs celery.beat:PersistentScheduler, not celery_mongolock.beat:Scheduler" in text
+        assert "start the beat with -S celery_mongolock.beat:Scheduler" in text
+        wait_for(
+            lambda: logged(worker_log, "was sent by a celery beat that does not run", worker),
+            timeout=60,
+            message="the worker's warning",
+        )
+        wait_for(
+            lambda: worker_log.read_text(errors="replace").count("succeeded in") >= 3,
+            timeout=60,
+            message="three beat-sent runs",
+        )
+        warnings = [
+            line for line in worker_log.read_text(errors="replace").splitlines() if "does not run" in line
+        ]
+        assert len(warnings) == 1, warnings  # once per worker process
+        assert "proj.tasks.send_digest[" in warnings[0] and "(no tick header)" in warnings[0]
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
