@@ -13,7 +13,7 @@ from pymongo import MongoClient, monitoring
 from celery_mongolock import LeaseStore
 from celery_mongolock.embedded import EmbeddedMongo
 
-from .servers import RedisServer, mongo_server
+from .servers import NO_RABBITMQ, RabbitMQServer, RedisServer, mongo_server
 
 if celery.VERSION < (5, 7):
     # Celery before 5.7 (the version matrix, noxfile.py): the garbage collector can run
@@ -157,3 +157,26 @@ def redis_server() -> Iterator[RedisServer]:
         # them while Redis still runs (with Celery 5.3 a late collection failed the session: unraisable
         # ConnectionError and redis-py DeprecationWarning from AsyncResult.__del__).
         gc.collect()
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server() -> Iterator[RabbitMQServer]:
+    """A RabbitMQ node for the session (started on first use; skips when RabbitMQ is not installed)."""
+    if NO_RABBITMQ:
+        pytest.skip(NO_RABBITMQ)
+    with RabbitMQServer() as server:
+        yield server
+        gc.collect()
+
+
+@pytest.fixture(scope="session", params=["redis", "rabbitmq"])
+def broker_kind(request: pytest.FixtureRequest) -> str:
+    """Each broker in turn, for the suites that run on both (a test that needs one names its server)."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def broker_url(broker_kind: str, request: pytest.FixtureRequest) -> str:
+    """The URL of the broker ``broker_kind`` names, started for the session."""
+    server = request.getfixturevalue(f"{broker_kind}_server")
+    return str(server.url)

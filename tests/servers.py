@@ -1,4 +1,4 @@
-"""Real servers for the tests: MongoDB (env URL, Docker via testcontainers, or embedded) and Redis."""
+"""Real servers for the tests: MongoDB (env URL, Docker, or embedded), Redis and RabbitMQ."""
 
 from __future__ import annotations
 
@@ -8,9 +8,31 @@ import socket
 from collections.abc import Iterator
 
 from celery_mongolock.embedded import EmbeddedMongo
-from celery_mongolock.testing import RedisServer, redis_server_binary, wait_for
+from celery_mongolock.testing import (
+    RabbitMQServer,
+    RedisServer,
+    rabbitmq_server_binary,
+    redis_server_binary,
+    wait_for,
+)
 
-__all__ = ["RedisServer", "docker_available", "mongo_server", "redis_server_binary", "wait_for"]
+__all__ = [
+    "NO_RABBITMQ",
+    "RabbitMQServer",
+    "RedisServer",
+    "docker_available",
+    "mongo_server",
+    "rabbitmq_server_binary",
+    "redis_server_binary",
+    "wait_for",
+]
+
+# Why the RabbitMQ tests skip here, or "" when a server is installed (.ci/run installs one).
+NO_RABBITMQ = (
+    ""
+    if rabbitmq_server_binary()
+    else "RabbitMQ is not installed (apt-get install rabbitmq-server; .ci/run installs it)"
+)
 
 
 def docker_available() -> tuple[bool, str]:

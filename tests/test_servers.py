@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import pytest
 
-from .servers import RedisServer, docker_available
+from .servers import NO_RABBITMQ, RabbitMQServer, RedisServer, docker_available
 
 
 def test_redis_server_answers(redis_server: RedisServer) -> None:
@@ -42,3 +43,32 @@ def test_mongodb_in_docker() -> None:
         lease = store.acquire("docker")
         assert lease is not None and lease.release()
         store.close()
+
+
+@pytest.mark.skipif(bool(NO_RABBITMQ), reason=NO_RABBITMQ)
+def test_rabbitmq_keeps_confirmed_messages_through_a_crash() -> None:
+    """The RabbitMQ node: a durable queue's persistent message, confirmed by the broker, survives a SIGKILL
+    and a restart on the same data (what the broker-fault runs rely on); a stopped node no longer listens."""
+    from kombu import connection, entity
+
+    Connection: Any = connection.Connection  # untyped
+    Exchange: Any = entity.Exchange
+    Queue: Any = entity.Queue
+
+    server = RabbitMQServer().start()
+    try:
+        queue = Queue("survivor", Exchange("survivor"), "survivor", durable=True)
+        with Connection(server.url, transport_options={"confirm_publish": True}) as conn:
+            conn.Producer().publish(
+                {"n": 1}, exchange=queue.exchange, routing_key="survivor", declare=[queue], delivery_mode=2
+            )
+        server.kill()
+        server.start()
+        with Connection(server.url) as conn:
+            message = queue(conn.default_channel).get(no_ack=True)
+            assert message is not None and message.payload == {"n": 1}
+    finally:
+        port = server.port
+        server.stop()
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        pass
