@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -161,8 +162,6 @@ START_GUARD_S = 600.0
 DRAIN_GUARD_S = 1800.0
 #: Attempts at a fault that finds no victim (each waits for one) before the run says it was skipped.
 FAULT_TRIES = 30
-#: Before a fault, wait up to this long for queued runs to be waiting (they do every second or two).
-PARKED_WAIT_S = 8.0
 #: The clock mark written into the broker's append-only file (see tests/brokerlog.py).
 CLOCK_MARK_INTERVAL = 0.1
 FAKETIME_LIBS = (
@@ -190,6 +189,27 @@ ORDERED_BY_KEY = {"queue": QUEUE_TASK, "limit": LIMIT_QUEUE_TASK, "plain": MULTI
 LIMIT = 3
 LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK)
 MULTI_TASKS = ("lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK)
+#: The directed phase (``Run.directed``, before the faults): bursts of queued runs on keys of their own
+#: (index ``DIRECTED_KEY`` of each kind), parked behind holds of the controller's (a "gate": the key, or
+#: all N slots of a ``limit=N`` key) that let go only once the lease document shows every run of the
+#: burst parked. So the runs park, are handed the key and run to the end by construction, not by timing.
+DIRECTED_KEY = 90
+QUEUE_BURST = 7
+REPLACE_BURST = 6
+LIMIT_BURST = LIMIT + 3
+MULTI_BURST = 6
+#: Each fault begins with a ``Queue`` run parked behind a gate on a key of its own (index
+#: ``FAULT_GATE_KEYS`` + n), released when the fault is over.
+FAULT_GATE_KEYS = 100
+#: The fault phase ends only once the bare clients' and the tasks' writes acknowledged exceed this.
+MIN_ACKNOWLEDGED = 50
+#: Who the controller's gate holds are, in the histories.
+GATE = "gate"
+#: A ``sigstop-task`` or ``kill-child`` fault begins with a Celery run holding a key of its own (index
+#: ``LINGER_KEYS`` + n) until the fault is over (``Run._lingering``): a victim, whatever the random
+#: workload holds at that moment. The run gives up waiting after this long (a guard).
+LINGER_KEYS = 200
+LINGER_GUARD_S = 300.0
 
 ALL_FAULTS = (
     "sigstop-client",
@@ -1800,6 +1820,60 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
     }
 
 
+def unmet_coverage(report: Doc) -> list[str]:
+    """What a bounded run (``Config`` defaults, every fault) claims to have exercised and did not; empty:
+    all of it. Each claim holds by how the run is driven, not by timing or load:
+
+    - every fault kind landed: the first pass retries a fault that finds no victim until it lands;
+    - more than ``MIN_ACKNOWLEDGED`` writes acknowledged: the fault phase lasts until then;
+    - the directed phase (``Run.directed``, before the faults): a gate of the controller's holds each
+      directed key (all N slots of the ``limit=N`` key) until the lease document shows the whole burst
+      waiting there, then lets go, and every run of the bursts ends: ``Queue`` runs parked and handed the
+      key one after another (each release hands it to the next: ``QUEUE_BURST - 1`` handoffs at least),
+      ``Replace`` runs superseded, ``Queue`` runs of the ``limit=N`` key parked and handed slots,
+      several-keys ``Queue`` runs parked on a key and handed both; the gate held all N slots at once;
+    - every fault began with a ``Queue`` run parked behind a gate on a key of its own (confirmed in its
+      lease document), handed the key when the fault was over;
+    - the node whose wall clock jumps (when libfaketime is installed) took the directed ``Queue`` burst
+      and every fault's gated run, and the plan jumps its clock twice.
+    """
+    out: list[str] = []
+
+    def claim(ok: bool, what: str, figures: Any) -> None:
+        if not ok:
+            out.append(f"{what}: {figures}")
+
+    faults, skipped = report["faults"], report["faults_skipped"]
+    for kind in ALL_FAULTS:
+        if kind in skipped:
+            claim(kind == "clock-jump" and "faketime" in skipped[kind], f"fault {kind} skipped", skipped)
+        else:
+            claim(faults.get(kind, 0) >= 1, f"fault {kind} injected", faults)
+    ops, tasks, queued, lm = report["operations"], report["tasks"], report["queued"], report["limit_multi"]
+    claim(ops["acknowledged"] > MIN_ACKNOWLEDGED, f"more than {MIN_ACKNOWLEDGED} writes acknowledged", ops)
+    claim(queued["queue_submitted"] >= QUEUE_BURST, "the Queue burst sent", queued)
+    claim(queued["parked"] >= QUEUE_BURST, "the Queue burst parked", queued)
+    claim(queued["handoffs"] >= QUEUE_BURST - 1, "the Queue burst handed the key on", queued)
+    claim(queued["replace_submitted"] >= REPLACE_BURST, "the Replace burst sent", queued)
+    claim(queued["superseded"] >= REPLACE_BURST - 1, "the Replace burst superseded", queued)
+    claim(
+        tasks["done"] >= QUEUE_BURST + LIMIT_BURST + MULTI_BURST + 1, "the directed bursts ended done", tasks
+    )
+    for kind, burst in (("limit_queued", LIMIT_BURST), ("multi_queued", MULTI_BURST)):
+        qk = queued[kind]
+        claim(qk["submitted"] >= burst and qk["parked"] >= burst, f"the {kind} burst parked", qk)
+        claim(qk["handed"] >= 1, f"the {kind} burst handed", qk)
+    claim(max(lm["max_clean_holds_at_once"].values(), default=0) == LIMIT, f"{LIMIT} clean holds at once", lm)
+    claim(lm["limit_task_runs"] >= LIMIT_BURST, "the limit burst ran as tasks", lm)
+    claim(lm["multi_bodies"] >= MULTI_BURST, "the several-keys burst ran its bodies", lm)
+    claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
+    if "clock-jump" not in skipped:
+        claim(faults.get("clock-jump", 0) >= 2, "the clock jumped twice", faults)
+        gated = sum(faults.values())
+        claim(tasks["skewed_node_submitted"] >= QUEUE_BURST + gated, "the skewed node's directed runs", tasks)
+    return out
+
+
 # -- the run: servers, clients, workers, faults ----------------------------------------------------------
 
 
@@ -2013,6 +2087,10 @@ class Run:
         self._stop = threading.Event()
         self._clock_offsets = {"client": 0, "node": 0}
         self._parked_before = 0
+        self._gate_info: Doc | None = None
+        self._gates = 0
+        self._lingers = 0
+        self.directed_s = 0.0
         self.store: LeaseStore | None = None
         #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
         self._nodes_lock = threading.RLock()
@@ -2177,27 +2255,197 @@ class Run:
                 n += 1
                 self._submit(name, key, f"task-{n}")
 
-    def _submit(self, name: str, key: str, op: str, keys: tuple[str, ...] | None = None) -> None:
-        queue = SKEWED_QUEUE if self.skewed_node is not None and self.rng.random() < 0.25 else "celery"
+    def _submit(
+        self,
+        name: str,
+        key: str,
+        op: str,
+        keys: tuple[str, ...] | None = None,
+        *,
+        queue: str | None = None,
+        linger: str | None = None,
+    ) -> str | None:
+        """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time; ``linger``:
+        see ``_lingering``); its id, or None if it could not be sent."""
+        if queue is None:
+            queue = SKEWED_QUEUE if self.skewed_node is not None and self.rng.random() < 0.25 else "celery"
         reckless = self.rng.random() < self.cfg.reckless
         # The send stamp the library orders queued runs by (its before_task_publish receiver would add
         # the same header; taken here so that the checker knows it).
         stamp = send_stamp()
         t_sent = time.monotonic()  # before the message exists: every receipt of it comes later
+        kwargs: Doc = {"reckless": reckless, **({"linger": linger} if linger else {})}
         try:
             result = self.capp.send_task(
-                name, args=(*(keys or (key,)), op), kwargs={"reckless": reckless}, queue=queue,
+                name, args=(*(keys or (key,)), op), kwargs=kwargs, queue=queue,
                 headers={SENT_HEADER: stamp},
                 retry=True, retry_policy=REPUBLISH_RETRY_POLICY,  # rides over a broker restart
             )  # fmt: skip
         except Exception as exc:  # never let the submitter die silently
             self.log(f"submit failed: {exc!r}")
-            return
+            return None
         at_s = round(time.monotonic() - self.start_mono, 2)
         self.submitted[result.id] = {
             "op": op, "task": name, "queue": queue, "at_s": at_s, "t": t_sent, "key": key, "stamp": stamp,
             **({"keys": list(keys)} if keys else {}),
         }  # fmt: skip
+        return str(result.id)
+
+    # -- contention by construction: the controller's gates ----------------------------------------------
+    def _gate_take(self, key: str, slots: int = 1) -> list[Lease]:
+        """The controller takes ``key`` (``slots`` slots of a ``limit=N`` key) as a bare client does:
+        acquire (heartbeat on), record, claim the protected document; no writes. The key is one of its
+        own (nobody else takes it), so it is free; waits only for faults to pass (a guard, not a delay)."""
+        assert self.store is not None
+        store = self.store
+        hist = HistoryWriter.for_process(self.hist_dir)
+        docs = docs_collection(self.server.url, self.db)
+        limit = LIMIT if key_policy(key) == "limit" else None
+        leases: list[Lease] = []
+        for _ in range(slots):
+
+            def take() -> tuple[Lease, float, float] | None:
+                t0 = time.monotonic()
+                try:
+                    lease = store.acquire(key, ttl=30.0, heartbeat=True, info={"who": GATE}, limit=limit)
+                except MongoLockError:
+                    return None
+                return (lease, t0, time.monotonic()) if lease is not None else None
+
+            lease, t0, t1 = _wait(take, START_GUARD_S, f"the gate on {key}", interval=0.1)
+            hist.event(
+                "acq", key=key, hold=lease.owner, fence=lease.fence, t0=t0, t1=t1, who=GATE,
+                **({} if lease.slot is None else {"slot": lease.slot}),
+            )  # fmt: skip
+            hold = run_hold if lease.slot is None else run_slot_hold
+            hold(lease, docs, hist, [], self.rng, reckless=False, who=GATE)
+            leases.append(lease)
+        return leases
+
+    def _gate_release(self, leases: Sequence[Lease]) -> None:
+        """Let go of a gate (handing the key or the slots to the oldest parked runs, in the same command);
+        a release that gets no answer (a fault) is sent again until one comes (a guard bounds it)."""
+        hist = HistoryWriter.for_process(self.hist_dir)
+        for lease in leases:
+            released, t, error = _wait(
+                functools.partial(self._release_once, lease, time.monotonic() + 60.0),
+                START_GUARD_S, f"the release of {lease.key}", interval=0.2,
+            )  # fmt: skip
+            hist.event("rel", key=lease.key, hold=lease.owner, released=released, t=t, error=error, who=GATE)
+
+    @staticmethod
+    def _release_once(lease: Lease, give_up: float) -> tuple[bool, float, str | None] | None:
+        """One release of ``lease``: (matched, sent at, error); None to try again (no answer yet)."""
+        t = time.monotonic()
+        try:
+            return lease.release(), t, None
+        except MongoLockError as exc:
+            return None if time.monotonic() < give_up else (False, t, type(exc).__name__)
+
+    def _waiting_on(self, key: str) -> set[str]:
+        """The task ids parked on ``key`` (``q``), superseded and not yet ended there (``sup``), or handed it
+        and not yet claimed (``ho``, a slot's ``ho``)."""
+        assert self.store is not None
+        try:
+            doc = self.store.collection.find_one(
+                {"_id": key}, {"q.t": 1, "sup.t": 1, "ho.t": 1, "hs.ho.t": 1}
+            )
+        except PyMongoError:
+            return set()
+        doc = doc or {}
+        ids = {str(e.get("t")) for e in [*(doc.get("q") or []), *(doc.get("sup") or [])]}
+        ids |= {str(ho.get("t")) for ho in [doc.get("ho"), *[h.get("ho") for h in doc.get("hs") or []]] if ho}
+        return ids
+
+    def _ended(self, task_ids: Iterable[str]) -> set[str]:
+        """Those of ``task_ids`` whose result is stored (SUCCESS or FAILURE)."""
+        out = set()
+        for task_id in task_ids:
+            with contextlib.suppress(Exception):
+                if self.results.backend.get_task_meta(task_id)["status"] in ("SUCCESS", "FAILURE"):
+                    out.add(task_id)
+        return out
+
+    def _burst(self, kind: str, n: int) -> tuple[str, list[Lease], list[str]]:
+        """A gate on the directed key of ``kind`` and ``n`` runs sent behind it; (a key, gate, task ids)."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        if kind == "multi":
+            a, b = key_for(DIRECTED_KEY, epoch), key_for(DIRECTED_KEY + 1, epoch)
+            gate = self._gate_take(a)
+            ids = [
+                self._submit(MULTI_QUEUE_TASK, "", f"directed-multi-{i}", keys=(a, b) if i % 2 else (b, a))
+                for i in range(n)
+            ]
+            return a, gate, [t for t in ids if t]
+        letter, name = {"queue": ("q", QUEUE_TASK), "replace": ("r", REPLACE_TASK)}.get(
+            kind, ("l", LIMIT_QUEUE_TASK)
+        )
+        key = key_for(DIRECTED_KEY, epoch, letter)
+        gate = self._gate_take(key, slots=LIMIT if letter == "l" else 1)
+        # The Queue burst goes to the node whose clock jumps (when there is one): its queue gets runs that
+        # park and are handed the key whatever the random draws.
+        queue = SKEWED_QUEUE if kind == "queue" and self.skewed_node is not None else "celery"
+        ids = [self._submit(name, key, f"directed-{kind}-{i}", queue=queue) for i in range(n)]
+        return key, gate, [t for t in ids if t]
+
+    def directed(self) -> None:
+        """Before the faults: every kind of queued run parks, is handed its key (slot, both keys), and runs
+        to the end. A gate holds each directed key until the lease document shows the whole burst waiting
+        there (``Replace``: parked or superseded), then lets go; then every run of the bursts must end."""
+        t0 = time.monotonic()
+        plan = []
+        if self.cfg.queue_keys:
+            plan.append(("queue", QUEUE_BURST))
+        if self.cfg.replace_keys:
+            plan.append(("replace", REPLACE_BURST))
+        if self.cfg.limit_keys:
+            plan.append(("limit", LIMIT_BURST))
+        if self.cfg.keys > 1:
+            plan.append(("multi", MULTI_BURST))
+        bursts = [self._burst(kind, n) for kind, n in plan]
+        for key, gate, ids in bursts:
+
+            def waiting(key: str = key, ids: list[str] = ids) -> bool:
+                # A Replace run superseded by a newer send may have ended already: it waited there too.
+                return set(ids) <= self._waiting_on(key) | self._ended(ids)
+
+            try:
+                _wait(waiting, START_GUARD_S, f"the burst on {key} to wait behind the gate", interval=0.2)
+            except TimeoutError as exc:
+                self.log(f"directed phase: {exc}")
+            self._gate_release(gate)
+        everyone = [t for _k, _g, ids in bursts for t in ids]
+        try:
+            _wait(
+                lambda: len(self._ended(everyone)) == len(everyone), START_GUARD_S, "the bursts to end", 0.5
+            )
+        except TimeoutError as exc:
+            self.log(f"directed phase: {exc} ({len(everyone) - len(self._ended(everyone))} unfinished)")
+        self.directed_s = round(time.monotonic() - t0, 1)
+        self.log(
+            f"directed phase: {len(everyone)} queued runs parked behind gates and ended in {self.directed_s}s"
+        )
+
+    def _fault_gate(self) -> tuple[list[Lease], Doc] | None:
+        """A ``Queue`` run parked behind a gate on a key of its own, for the fault about to begin."""
+        if not self.cfg.queue_keys:
+            return None
+        self._gates += 1
+        key = key_for(
+            FAULT_GATE_KEYS + self._gates, current_epoch(self.start_mono, self.cfg.epoch_seconds), "q"
+        )
+        gate = self._gate_take(key)
+        queue = SKEWED_QUEUE if self.skewed_node is not None else "celery"
+        task_id = self._submit(QUEUE_TASK, key, f"fault-gate-{self._gates}", queue=queue)
+        info: Doc = {"key": key, "task_id": task_id, "parked": False}
+        if task_id is not None:
+            with contextlib.suppress(TimeoutError):
+                info["parked"] = bool(
+                    _wait(
+                        lambda: task_id in self._waiting_on(key), START_GUARD_S, f"a run parked on {key}", 0.1
+                    )
+                )
+        return gate, info
 
     # -- faults ------------------------------------------------------------------------------------------
     def _held(self) -> list[Any]:
@@ -2267,6 +2515,8 @@ class Run:
     def _record(self, kind: str, t: float, **fields: Any) -> None:
         fault = {"kind": kind, "t": t, "at_s": round(t - self.start_mono, 2), **fields}
         fault["parked_before"] = self._parked_before
+        if self._gate_info is not None:
+            fault["gate"] = self._gate_info
         self.faults.append(fault)
         self.log(f"[{fault['at_s']:7.2f}s] fault {kind} {json.dumps(fields, default=str)}")
 
@@ -2463,25 +2713,51 @@ class Run:
         return True
 
     def inject(self, kind: str) -> bool:
-        # Let the fault land while queued runs wait (parked, or handed the key and not yet claimed): the
-        # bursts park some every second or two. Waited for as a condition, not a time; a few seconds at
-        # most (the fault goes ahead anyway), as when looking for a victim.
-        parked = [0]
+        # Every fault lands while a queued run waits: a run parked behind a gate on a key of its own,
+        # confirmed in its lease document before the fault begins, handed the key when the fault is over.
+        gated = self._fault_gate()
+        self._gate_info = gated[1] if gated else None
+        parked = self._parked_now()
+        self._parked_before = max(parked, 1) if gated and gated[1]["parked"] else parked
+        try:
+            return self._inject(kind)
+        finally:
+            if gated:
+                self._gate_release(gated[0])
+            self._gate_info = None
 
-        def waiting() -> bool:
-            parked[0] = self._parked_now()
-            return parked[0] > 0
+    def _lingering(self) -> Path:
+        """A Celery run (``rmw``) that holds a key of its own until the returned path exists (the caller
+        creates it when its fault is over), waited for until a worker child holds the key: so a fault on a
+        Celery child holding a lease finds one, whatever else holds leases then."""
+        self._lingers += 1
+        path = self.dir / f"linger-{self._lingers}"
+        key = key_for(LINGER_KEYS + self._lingers, current_epoch(self.start_mono, self.cfg.epoch_seconds))
+        self._submit("lockcheck.rmw", key, f"linger-{self._lingers}", queue="celery", linger=str(path))
 
-        if self.cfg.queue_keys or self.cfg.replace_keys:
-            with contextlib.suppress(TimeoutError):
-                _wait(waiting, PARKED_WAIT_S, "queued runs waiting", interval=0.1)
-        self._parked_before = parked[0]  # queued runs waiting when the fault began
+        def held() -> bool:
+            children = self._task_child_pids()
+            return any(i.key == key and i.holder.get("pid") in children for i in self._held())
+
+        try:
+            _wait(held, START_GUARD_S, f"a Celery run holding {key}", interval=0.1)
+        except TimeoutError as exc:
+            self.log(f"fault: {exc}")
+        return path
+
+    def _inject(self, kind: str) -> bool:
         if kind == "sigstop-client":
             return self._sigstop(kind, self._client_pids)
-        if kind == "sigstop-task":
-            return self._sigstop(kind, self._task_child_pids)
-        if kind == "kill-child":
-            return self._kill_child()
+        if kind in ("sigstop-task", "kill-child"):
+            lingering = self._lingering()
+            try:
+                return (
+                    self._sigstop(kind, self._task_child_pids)
+                    if kind == "sigstop-task"
+                    else self._kill_child()
+                )
+            finally:
+                lingering.write_text("go")
         if kind == "kill-node":
             return self._kill_node()
         if kind == "clock-jump":
@@ -2504,13 +2780,17 @@ class Run:
         return plan
 
     def faults_loop(self) -> None:
-        """Every fault once, spread over the duration (retried later when no victim was found); then, for
-        a soak, random faults every ``fault_interval`` seconds until the end."""
+        """After the warm-up, the directed phase (``directed``); then every fault once, spread over the
+        duration (retried later when no victim was found); then, for a soak, random faults every
+        ``fault_interval`` seconds until the end. The phase ends once the workload's acknowledged writes
+        exceed ``MIN_ACKNOWLEDGED`` (on a loaded machine that can take longer than the duration)."""
         cfg = self.cfg
-        end = self.start_mono + cfg.warmup + cfg.duration
         pending = self._fault_plan()
         gap = cfg.fault_interval or cfg.duration / (len(pending) + 1)
-        self._stop.wait(cfg.warmup + gap / 2)
+        self._stop.wait(cfg.warmup)
+        self.directed()
+        end = time.monotonic() + cfg.duration
+        self._stop.wait(gap / 2)
         tries: Counter[str] = Counter()
         while pending:
             kind = pending.pop(0)
@@ -2531,6 +2811,18 @@ class Run:
             self.inject(self.rng.choice(kinds))
             self._stop.wait(max(0.0, min(slot, end) - time.monotonic()))
         self._stop.wait(max(0.0, end - time.monotonic()))
+        try:
+            _wait(lambda: self._acknowledged() > MIN_ACKNOWLEDGED, START_GUARD_S, "acknowledged writes", 0.5)
+        except TimeoutError as exc:
+            self.log(f"fault phase: {exc}")
+
+    def _acknowledged(self) -> int:
+        """The writes acknowledged so far, in the histories."""
+        return sum(
+            1
+            for e in read_histories(self.hist_dir)
+            if e.get("ev") == "write" and str(e.get("outcome", "")).startswith("ack")
+        )
 
     # -- drain and check ---------------------------------------------------------------------------------
     def drain(self) -> dict[str, Doc]:
@@ -2752,6 +3044,7 @@ class Run:
                 "seed": self.cfg.seed,
                 "duration_s": round(time.monotonic() - t_start, 1),
                 "fault_phase_s": round(self.cfg.duration + self.cfg.warmup, 1),
+                "directed_s": self.directed_s,
                 "setup_s": round(setup_s, 1),
                 "clients": self.cfg.clients,
                 "worker_nodes": self.cfg.nodes + (1 if self.skewed_node else 0),

@@ -221,7 +221,15 @@ def _stamp(request: Any) -> Any:
     return stamp if stamp is not None else getattr(request, "mongolock_sent", None)
 
 
-def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
+def _linger(lease: Any, path: str | None) -> None:
+    """Keep the key (the heartbeat renews it) until the controller creates ``path``: a Celery child that
+    holds a lease for the fault about to begin (``lockcheck.Run._lingering``). A lost lease ends it."""
+    give_up = time.monotonic() + lockcheck.LINGER_GUARD_S
+    while path and not os.path.exists(path) and not lease.lost and time.monotonic() < give_up:
+        time.sleep(0.05)
+
+
+def _body(task: Any, key: str, op: str, reckless: bool, linger: str | None = None) -> dict[str, Any]:
     lease = current_lease()
     assert lease is not None
     hist = _history() or lockcheck.HistoryWriter.for_process(".")
@@ -237,6 +245,7 @@ def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
         outcome = "ack" if len(outcomes) == len(lease) and set(outcomes) == {"ack"} else "cut"
     else:
         lockcheck.record_task_acquired(hist, lease, who, task.request.id, stamp=_stamp(task.request))
+        _linger(lease, linger)
         hold = lockcheck.run_hold if lease.slot is None else lockcheck.run_slot_hold
         outcomes = hold(lease, docs, hist, [op], _rng, reckless=reckless, who=who, task_id=task.request.id)
         lockcheck.release_and_record(lease, hist, who)
@@ -259,9 +268,10 @@ def _body(task: Any, key: str, op: str, reckless: bool) -> dict[str, Any]:
     on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
     max_retries=200,
 )
-def rmw(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
-    """Read-modify-write of protected[key] under the lease; busy key: retry later."""
-    return _body(self, key, op, reckless)
+def rmw(self: Any, key: str, op: str, reckless: bool = False, linger: str | None = None) -> dict[str, Any]:
+    """Read-modify-write of protected[key] under the lease; busy key: retry later. With ``linger`` (a
+    path), the run holds its key until that file exists before it writes."""
+    return _body(self, key, op, reckless, linger)
 
 
 @singleton_task(

@@ -371,36 +371,14 @@ def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     report = lockcheck.run(Config(duration=70.0, seed=seed, workdir=tmp_path))
     print(lockcheck.format_report(report))
     assert report["violations"] == 0, lockcheck.format_report(report)
-    skipped = report["faults_skipped"]
-    for kind in lockcheck.ALL_FAULTS:
-        if kind in skipped:
-            assert kind == "clock-jump" and "faketime" in skipped[kind], skipped
-        else:
-            assert report["faults"].get(kind, 0) >= 1, (kind, report["faults"])
-    ops = report["operations"]
-    assert ops["acknowledged"] > 50 and ops["unexpected_exceptions"] == 0
-    tasks = report["tasks"]
-    assert tasks["unfinished"] == 0 and tasks["done"] > 10
-    queued = report["queued"]  # Queue and Replace runs were part of it: parked, handed the key
-    assert queued["queue_submitted"] > 10 and queued["replace_submitted"] > 5, queued
-    assert queued["parked"] > 5 and queued["handoffs"] > 5, queued
-    # Faults land while queued runs wait (each fault waits a few seconds at most for some: all 11 kinds
-    # in every seed measured; two may miss on a loaded machine, e.g. while broker-restarted nodes start).
-    hit = queued["faults_hitting_queued_runs"]
-    assert len(hit) >= len(report["faults"]) - 2, (hit, report["faults"])
-    # limit=3 runs (Celery runs and bare clients) shared one key's slots, and several-keys runs held two
-    # plain keys at once beside single-key runs on them.
-    lm = report["limit_multi"]
-    assert lm["limit_task_runs"] > 5 and max(lm["max_clean_holds_at_once"].values()) >= 2, lm
-    assert lm["multi_submitted"] > 5 and lm["multi_bodies"] > 3, lm
-    # Queue runs on the limit key and on pairs of keys were part of it: they parked and were handed a
-    # slot or their keys (and every check above judged them, send order per key included).
-    for kind in ("limit_queued", "multi_queued"):
-        qk = queued[kind]
-        assert qk["submitted"] > 4 and qk["parked"] >= 1 and qk["handed"] >= 1, (kind, qk)
-    if "clock-jump" not in skipped:
-        # The node whose wall clock jumped took its own queue's tasks to the end (unfinished is 0).
-        assert report["faults"]["clock-jump"] >= 2 and tasks["skewed_node_submitted"] > 5, tasks
+    ops, tasks = report["operations"], report["tasks"]
+    # Unfinished only where the broker's own log proves kombu lost the message (celery/celery#7950).
+    assert ops["unexpected_exceptions"] == 0, lockcheck.format_report(report)
+    assert tasks["unfinished"] == tasks["lost_by_broker"], lockcheck.format_report(report)
+    # What the run exercised: every claim holds by how the run is driven, not by timing (see
+    # lockcheck.unmet_coverage).
+    unmet = lockcheck.unmet_coverage(report)
+    assert unmet == [], unmet
 
 
 # -- limit=N keys and several-keys runs ---------------------------------------------------------------------
