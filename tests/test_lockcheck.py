@@ -723,3 +723,43 @@ def test_a_claimed_slot_got_its_fence_when_handed_not_when_claimed() -> None:
     assert check(History(events, {})) == []
     # Without the claim (a plain acquisition sent after fence 14 was answered), fence 13 is backwards.
     assert kinds(check(History([parked, events[1], a_acq], {}))) == {"fence-backwards"}
+
+
+def _covered() -> dict[str, Any]:
+    """The figures of a bounded run that exercised everything it claims (no libfaketime: no clock jump)."""
+    faults = {kind: 1 for kind in lockcheck.ALL_FAULTS if kind != "clock-jump"}
+    burst = {"submitted": 6, "parked": 6, "handed": 6}
+    return {
+        "faults": faults,
+        "faults_skipped": {"clock-jump": "libfaketime is not installed"},
+        "operations": {"acknowledged": 51},
+        "tasks": {"done": 20, "skewed_node_submitted": 0},
+        "queued": {
+            "queue_submitted": 7, "parked": 7, "handoffs": 6, "replace_submitted": 6, "superseded": 5,
+            "limit_queued": burst, "multi_queued": burst, "faults_hitting_queued_runs": dict(faults),
+        },
+        "limit_multi": {"max_clean_holds_at_once": {LKEY: 3}, "limit_task_runs": 6, "multi_bodies": 6},
+    }  # fmt: skip
+
+
+def test_the_bounded_runs_coverage_claims() -> None:
+    assert lockcheck.unmet_coverage(_covered()) == []
+    seed29 = _covered()  # the Queue-with-limit burst never contended (issue 24)
+    seed29["queued"]["limit_queued"] = {"submitted": 13, "parked": 0, "handed": 0}
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(seed29)] == [
+        "the limit_queued burst parked", "the limit_queued burst handed",
+    ]  # fmt: skip
+    missed = _covered()
+    missed["queued"]["faults_hitting_queued_runs"].pop("kill-node")
+    missed["faults_skipped"]["sigstop-task"] = "no victim found in time"
+    missed["limit_multi"]["max_clean_holds_at_once"] = {LKEY: 2}
+    found = [u.split(":")[0] for u in lockcheck.unmet_coverage(missed)]
+    assert found == [
+        "fault sigstop-task skipped", "3 clean holds at once", "every fault with a queued run parked",
+    ], found  # fmt: skip
+    skewed = _covered()
+    del skewed["faults_skipped"]["clock-jump"]
+    skewed["faults"]["clock-jump"] = skewed["queued"]["faults_hitting_queued_runs"]["clock-jump"] = 2
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(skewed)] == ["the skewed node's directed runs"]
+    skewed["tasks"]["skewed_node_submitted"] = lockcheck.QUEUE_BURST + sum(skewed["faults"].values())
+    assert lockcheck.unmet_coverage(skewed) == []
