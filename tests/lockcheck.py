@@ -2090,6 +2090,7 @@ class Run:
         self._gate_info: Doc | None = None
         self._gates = 0
         self._lingers = 0
+        self._gate_hist: HistoryWriter | None = None
         self.directed_s = 0.0
         self.store: LeaseStore | None = None
         #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
@@ -2298,7 +2299,7 @@ class Run:
         own (nobody else takes it), so it is free; waits only for faults to pass (a guard, not a delay)."""
         assert self.store is not None
         store = self.store
-        hist = HistoryWriter.for_process(self.hist_dir)
+        hist = self._gate_history()
         docs = docs_collection(self.server.url, self.db)
         limit = LIMIT if key_policy(key) == "limit" else None
         leases: list[Lease] = []
@@ -2322,10 +2323,17 @@ class Run:
             leases.append(lease)
         return leases
 
+    def _gate_history(self) -> HistoryWriter:
+        """The gates' history file, in this run's directory (``HistoryWriter.for_process`` keeps one file
+        per process: ``scripts/soak.py --seeds`` runs several seeds in one process)."""
+        if self._gate_hist is None:
+            self._gate_hist = HistoryWriter(self.hist_dir / f"hist-{os.getpid()}-{GATE}.jsonl")
+        return self._gate_hist
+
     def _gate_release(self, leases: Sequence[Lease]) -> None:
         """Let go of a gate (handing the key or the slots to the oldest parked runs, in the same command);
         a release that gets no answer (a fault) is sent again until one comes (a guard bounds it)."""
-        hist = HistoryWriter.for_process(self.hist_dir)
+        hist = self._gate_history()
         for lease in leases:
             released, t, error = _wait(
                 functools.partial(self._release_once, lease, time.monotonic() + 60.0),
@@ -3072,6 +3080,8 @@ class Run:
 
     def close(self) -> None:
         self._marks_stop.set()
+        if self._gate_hist is not None:
+            self._gate_hist.close()
         self.stop_file.write_text("stop")
         for proc in self.clients:
             if proc.poll() is None:

@@ -250,7 +250,14 @@ def test_the_testing_example_runs_as_written_against_the_quick_start(tmp_path: P
     documentation links), as a test file of the quick start's project, run by pytest there (a new
     project: no configuration of ours)."""
     write_tasks(tmp_path, "mongodb://127.0.0.1:1", "redis://127.0.0.1:1/0")  # apply() needs no broker
-    example = readme_block("Eager tests: one process, no broker", "python", text=TESTING_HOW_TO)
+    # The page's eager examples and its key check, one test file (the later blocks use the first's names).
+    example = "\n\n".join(
+        [
+            readme_block("Eager tests: one process, no broker", "python", 0, text=TESTING_HOW_TO),
+            readme_block("Eager tests: one process, no broker", "python", 1, text=TESTING_HOW_TO),
+            readme_block("Check the keys", "python", 0, text=TESTING_HOW_TO),
+        ]
+    )
     (tmp_path / "test_tasks.py").write_text(example)
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_tasks.py"],
@@ -261,7 +268,7 @@ def test_the_testing_example_runs_as_written_against_the_quick_start(tmp_path: P
         timeout=180,
         check=False,
     )
-    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "3 passed" in out.stdout, out.stdout + out.stderr
 
 
 def test_a_beat_refuses_to_start_with_one_line(tmp_path: Path) -> None:
