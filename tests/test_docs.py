@@ -1,8 +1,13 @@
 """The manual tells the truth (issue 27).
 
-* Every fenced Python block of README.md and docs/ compiles, and is either a complete module (its imports
-  resolve in a fresh interpreter) or is marked as a fragment with ``<!-- fragment -->`` on the line
-  before its fence (a fragment continues the page's code, or elides a body with ``...``).
+* Every fenced Python block of README.md and docs/ compiles, its imports resolve, and it is checked one
+  of these ways (``how_is_it_checked``): run by a test (the quick start, the testing how-to, the
+  email-group upload: real workers, Redis and a MongoDB-compatible server); imported as a project with
+  its tasks declared (the how-tos whose modules are headed ``# proj/<module>.py``); compared with the
+  tested Django site; read as settings by the library; or marked as a fragment with
+  ``<!-- fragment -->`` on the line before its fence (it continues the page's code or elides a body with
+  ``...``; a fragment that declares a task is still run with an app of its own, so the declaration
+  checks pass on it).
 * Every ``celery ... mongolock COMMAND --option`` that a page names exists (compared with the CLI itself).
 * Every row of docs/bad-input.md names a case of tests/test_bad_input.py, and its message column is the
   message that case gets today (``python -m tests.test_docs --write-bad-input`` rewrites the column).
@@ -501,3 +506,191 @@ def test_the_email_group_upload_how_to_runs_as_written(redis_server: Any, tmp_pa
                 except subprocess.TimeoutExpired:
                     os.killpg(worker.pid, signal.SIGKILL)
                     worker.wait(10)
+
+
+# -- every block is run, loaded or marked a fragment ----------------------------------------------------
+
+EMAIL_GROUP_PAGE = "docs/how-to/email-group-upload.md"
+# Pages whose modules (blocks headed "# proj/<module>.py") are imported as a project, on top of the email
+# group upload's proj/celery.py and proj/storage.py (the page's own files win): declaring the tasks runs
+# every declaration-time check. The email-group upload's project is also run (above).
+PROJECT_PAGES = {
+    EMAIL_GROUP_PAGE: ["proj.tasks.upload_members"],
+    "docs/how-to/beat.md": ["proj.tasks.send_digest"],
+    "docs/how-to/per-tenant-limit.md": ["proj.tasks.sync_tenant"],
+    "docs/how-to/several-keys.md": ["proj.merge.merge_groups"],
+}
+DJANGO_SITE_PAGE = "docs/how-to/django.md"
+# Blocks run by tests elsewhere: (page, first line of the block) -> the test that runs it.
+RUN_ELSEWHERE = {
+    ("README.md", "# tasks.py"): "tests/test_quickstart.py::test_the_quick_start_runs_as_written",
+    ("docs/index.md", "# tasks.py"): "test_the_site_and_the_readme_give_one_quick_start (the README's)",
+    ("docs/how-to/testing.md", "import pytest"): "tests/test_quickstart.py::test_the_testing_example_runs...",
+    ("docs/how-to/testing.md", "def test_a_second_upload_is_skipped(mongo_url):"): "the same test",
+    ("docs/how-to/testing.md", "def test_uploads_of_one_group_share_a_key():"): "the same test",
+}
+
+
+def _rel(block: Block) -> str:
+    return str(block.page.relative_to(ROOT))
+
+
+def _first_line(block: Block) -> str:
+    return block.body.split("\n", 1)[0]
+
+
+def _is_settings(block: Block) -> bool:
+    return bool(re.fullmatch(r"# [\w/]+/settings\.py.*", _first_line(block)))
+
+
+def how_is_it_checked(block: Block) -> str | None:
+    if block.fragment:
+        return "fragment"
+    if (_rel(block), _first_line(block)) in RUN_ELSEWHERE:
+        return "run"
+    if _rel(block) in PROJECT_PAGES and _PATH_LINE.fullmatch(_first_line(block)):
+        return "project"
+    if _rel(block) == DJANGO_SITE_PAGE and _PATH_LINE.fullmatch(_first_line(block).split(" (")[0]):
+        return "django-site"
+    if _is_settings(block) or (_rel(block) == "docs/reference/settings.md" and "mongolock_" in block.body):
+        return "settings"
+    return None
+
+
+def test_every_python_block_is_run_loaded_or_marked_a_fragment() -> None:
+    """Issue 27: a block a reader copies either runs in CI (or is loaded: imported, declared, its settings
+    read) or says it is a fragment (``<!-- fragment -->`` on the line before it)."""
+    unchecked = [block.where for block in PYTHON_BLOCKS if how_is_it_checked(block) is None]
+    assert not unchecked, f"blocks neither run nor marked <!-- fragment -->: {unchecked}"
+
+
+def test_the_how_to_projects_import_and_declare_their_tasks(tmp_path: Path) -> None:
+    base = project_files(ROOT / EMAIL_GROUP_PAGE)
+    for page, tasks in PROJECT_PAGES.items():
+        files = {**{p: c for p, c in base.items() if p.startswith("proj/")}, **project_files(ROOT / page)}
+        project = tmp_path / Path(page).stem
+        for path, code in files.items():
+            (project / path).parent.mkdir(parents=True, exist_ok=True)
+            (project / path).write_text(code)
+        (project / "proj" / "__init__.py").write_text("")
+        modules = sorted({name.rsplit(".", 1)[0] for name in tasks})
+        script = (
+            f"import {', '.join(modules)}\n"
+            "from proj.celery import app\n"
+            "app.finalize()\n"
+            "print(sorted(name for name in app.tasks if name.startswith('proj.')))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=project,
+            env=_project_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 0, f"{page}: {out.stderr}"
+        assert set(tasks) <= set(ast.literal_eval(out.stdout.strip())), f"{page}: {out.stdout}"
+
+
+def _without_environment(code: str) -> str:
+    """The example site reads its addresses from the environment; the page shows their defaults."""
+    return re.sub(r'os\.environ\.get\("\w+", ("[^"]*")\)', r"\1", code)
+
+
+def _code_lines(code: str) -> list[str]:
+    lines = []
+    for line in code.splitlines():
+        bare = re.sub(r"\s+#.*$", "", line).strip() if not line.lstrip().startswith("#") else ""
+        if bare:
+            lines.append(re.sub(r"\s+", " ", bare))
+    return lines
+
+
+def test_the_django_how_to_shows_the_tested_site() -> None:
+    """docs/how-to/django.md walks through example_project/django_site (run by tests/test_django.py with a
+    real worker): every line of code it shows is in that file."""
+    site = ROOT / "example_project" / "django_site"
+    shown = [b for b in blocks(ROOT / DJANGO_SITE_PAGE) if how_is_it_checked(b) == "django-site"]
+    assert len(shown) >= 4
+    for block in shown:
+        path = _first_line(block)[2:].split(" (")[0]
+        actual = set(_code_lines(_without_environment((site / path).read_text())))
+        missing = [line for line in _code_lines(block.body) if line not in actual]
+        assert not missing, f"{block.where}: lines not in {site.name}/{path}: {missing}"
+
+
+SETTINGS_CHECK = """
+import sys, types
+from celery import Celery
+from celery_mongolock.config import read_settings
+module = types.ModuleType("docs_settings")
+exec(sys.stdin.read(), module.__dict__)
+app = Celery("docs", set_as_current=False)
+django_style = any(k.startswith("CELERY_") for k in vars(module))
+app.config_from_object(module, namespace="CELERY" if django_style else None)
+read_settings(app.conf)
+"""
+
+
+def test_the_settings_a_page_shows_are_valid_settings() -> None:
+    """Every settings module a page shows (``# proj/settings.py``), and the reference's example, is read
+    by the library as it would be at a worker's start: no typo, no unknown option, no bad value."""
+    settings_blocks = [b for b in PYTHON_BLOCKS if how_is_it_checked(b) == "settings" or _is_settings(b)]
+    assert len(settings_blocks) >= 3
+    for block in settings_blocks:
+        out = subprocess.run(
+            [sys.executable, "-c", SETTINGS_CHECK],
+            input=block.body,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 0, f"{block.where}: {out.stderr.strip().splitlines()[-1:]}"
+
+
+DECLARE_FRAGMENTS = """
+import json, sys
+from celery import Celery
+import celery_mongolock
+blocks = json.load(sys.stdin)
+# A fragment continues its page: the library's public names are imported, an app is made.
+public = {name: getattr(celery_mongolock, name) for name in celery_mongolock.__all__}
+failed = []
+for i, (where, body) in enumerate(blocks):
+    app = Celery(f"docs{i}", set_as_current=False, broker="memory://")
+    try:
+        exec(compile(body, where, "exec"), {**public, "__name__": f"docs.block{i}", "app": app})
+        app.finalize()
+    except Exception as exc:
+        failed.append(f"{where}: {type(exc).__name__}: {exc}")
+print(json.dumps(failed))
+"""
+
+
+def test_fragments_that_declare_tasks_declare_them() -> None:
+    """A fragment that declares a singleton task is run with an ``app`` of its own: the declaration-time
+    checks (key templates against the signature, policy, limit and keys) pass on what the page shows."""
+    import json
+
+    chosen = [
+        (b.where, b.body)
+        for b in PYTHON_BLOCKS
+        if b.fragment
+        and "singleton_task" in b.body
+        and "from ." not in b.body
+        and not b.page.is_relative_to(ROOT / "docs" / "design")
+    ]
+    assert len(chosen) >= 3
+    out = subprocess.run(
+        [sys.executable, "-c", DECLARE_FRAGMENTS],
+        input=json.dumps(chosen),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(out.stdout) == []
