@@ -16,6 +16,7 @@ from .exceptions import (
     MongoLockError,
     QueueTimeout,
     StoreUnavailable,
+    UntrustedMessage,
 )
 from .fencing import FencedOut, fenced_update_one
 from .lease import LeaseSet
@@ -42,6 +43,7 @@ __all__ = [
     "SingletonTask",
     "Skip",
     "StoreUnavailable",
+    "UntrustedMessage",
     "Wait",
     "__version__",
     "current_lease",

@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery import signals as celery_signals
-from kombu.serialization import dumps, loads
+from kombu.serialization import dumps
 
 from . import config, signals
-from .exceptions import QueueTimeout
+from ._trust import SIGNATURE_FIELD, RefusedEntry, check_entry, sign_entry
+from .exceptions import QueueTimeout, UntrustedMessage
 
 if TYPE_CHECKING:
     from .store import LeaseStore
@@ -144,9 +145,10 @@ def handoff_of(request: Any, key: str, run: str) -> str | None:
 
 
 # -- the message of a parked run -------------------------------------------------------------------------
-def message_of(task: Any, request: Any, stamp: int) -> dict[str, Any]:
-    """The fields of a parked entry that let the run be published again: its signature (arguments,
-    routing, links, task id), serialized with the task's serializer."""
+def message_of(task: Any, request: Any, stamp: int, run: str) -> dict[str, Any]:
+    """The fields of a parked entry that let the run ``run`` be published again: its signature
+    (arguments, routing, links, task id), serialized with the task's serializer; signed (``sg``) when the
+    app has a ``mongolock_signing_key`` (the handoff checks it: ``_trust``)."""
     headers = dict(getattr(request, "headers", None) or {})
     for name in _TRANSIENT_HEADERS:
         headers.pop(name, None)
@@ -155,17 +157,33 @@ def message_of(task: Any, request: Any, stamp: int) -> dict[str, Any]:
     content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
         dict(signature), serializer=task.serializer or "json"
     )
-    return {
+    fields = {
         "m": body if isinstance(body, bytes) else body.encode(encoding),
         "ct": content_type,
         "ce": encoding,
     }
+    secret = config.get_settings(task.app).signing_key
+    if secret is not None:
+        fields[SIGNATURE_FIELD] = sign_entry(secret, {"id": run, "t": request.id, "n": task.name, **fields})
+    return fields
 
 
-def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any]) -> None:
-    """Publish the run ``entry`` that ``key`` was handed to, with the token it claims the key with."""
-    fields = loads(entry["m"], entry["ct"], entry["ce"])  # type: ignore[no-untyped-call]
-    signature = app.signature(fields)
+def _trusted(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseStore | None) -> Any:
+    """The signature to publish for ``entry``, or None when its stored message is refused (then the run
+    is dropped from its key(s), recorded and logged: ``refuse``)."""
+    try:
+        return check_entry(app, key, entry, config.get_settings(app).signing_key)
+    except RefusedEntry as exc:
+        refuse(app, store or config.get_store(app), key, entry, str(exc))
+        return None
+
+
+def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseStore | None = None) -> bool:
+    """Publish the run ``entry`` that ``key`` was handed to, with the token it claims the key with; False
+    when its stored message was refused (``_trust``), and the key went on to the next run."""
+    signature = _trusted(app, key, entry, store)
+    if signature is None:
+        return False
     headers = dict(signature.options.get("headers") or {})
     headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"], "id": entry.get("id")}
     if entry.get("ks"):
@@ -181,13 +199,15 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any]) -> None:
         waited=entry.get("at"),
     )
     log.info("handed %r to %s[%s] (attempt %s)", key, entry.get("n"), entry["t"], entry.get("hn"))
+    return True
 
 
-def publish_again(app: Celery, entry: Mapping[str, Any]) -> None:
+def publish_again(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseStore | None = None) -> None:
     """Publish the run ``entry`` again as a new delivery (no handoff header): it is admitted as any run
     and finds its own places (``dup``) where it is parked or reserved."""
-    fields = loads(entry["m"], entry["ct"], entry["ce"])  # type: ignore[no-untyped-call]
-    signature = app.signature(fields)
+    signature = _trusted(app, key, entry, store)
+    if signature is None:
+        return
     headers = dict(signature.options.get("headers") or {})
     headers.pop(HANDOFF_HEADER, None)
     signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
@@ -215,18 +235,55 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
                 # worker died between its admits. Its message, published again as a new delivery,
                 # completes its places (it keeps its send stamp).
                 log.warning("%s is missing from some of %s; publishing it again", entry.get("t"), entry["ks"])
-                publish_again(owner, entry)
+                publish_again(owner, key, entry, store)
                 return
             if state != "ready":
                 log.debug("%r reserved for %s, which waits for its other keys", key, entry.get("t"))
                 return
-        publish_handoff(owner, key, entry)
+        publish_handoff(owner, key, entry, store)
 
     store.add_handoff_callback(publish)
     _installed.add(store)
 
 
 config.STORE_HOOKS.append(install_publisher)
+
+
+# -- refused entries --------------------------------------------------------------------------------------
+_dropping = threading.local()
+
+
+def refuse(app: Celery, store: LeaseStore, key: str, entry: Mapping[str, Any], reason: str) -> None:
+    """Drop a parked run whose stored message a handoff refused: from every key it waits on (the key goes
+    on to the next run), with a history record (``refused``), an error in the log naming the key and the
+    stored task name, and, for a run of ours that waits (state ``QUEUED``), a failure result that says
+    why (``UntrustedMessage``). Never published, never run."""
+    task_id = str(entry.get("t"))
+    log.error(
+        "refused the stored message of parked run %s[%s] on %r: %s; dropped from the queue",
+        entry.get("n"),
+        task_id,
+        key,
+        reason,
+    )
+    store.record_run_ending(key, "refused", entry, fence=None, parked_at=entry.get("at"))
+    if has_backend(app) and state_of(app, task_id) == QUEUED:
+        app.backend.mark_as_failure(task_id, UntrustedMessage(key, reason))
+    keys = [str(k) for k in entry.get("ks") or [key]]
+    # Dropping it hands the key to the next run, whose publication may be refused too: the outermost
+    # refusal of this thread drops them one after the other (no recursion as deep as the queue).
+    pending: list[tuple[list[str], str]] | None = getattr(_dropping, "pending", None)
+    if pending is not None:
+        pending.append((keys, task_id))
+        return
+    _dropping.pending = pending = [(keys, task_id)]
+    try:
+        while pending:
+            drop_keys, drop_id = pending.pop(0)
+            for drop_key in drop_keys:
+                store.sweep(drop_key, revoked={drop_id})
+    finally:
+        _dropping.pending = None
 
 
 # -- results the sweeper (or the admitting run) writes -----------------------------------------------------

@@ -13,6 +13,7 @@ setting                        default                          meaning
 ``mongolock_task_policies``    ``{}``                           per task name: any of ``on_contention``,
                                                                 ``lease_seconds``, ``heartbeat_seconds``
 ``mongolock_history_days``     ``7``                            days the lease history is kept (0: none)
+``mongolock_signing_key``      ``None``                         secret that signs parked runs' messages
 =============================  ===============================  =============================================
 
 Precedence for a task: ``mongolock_task_policies[task name]`` beats the decorator's arguments, which
@@ -59,6 +60,7 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_operation_timeout": 10.0,
     "mongolock_task_policies": {},
     "mongolock_history_days": DEFAULT_HISTORY_DAYS,
+    "mongolock_signing_key": None,
 }
 #: The beat scheduler's settings (read by ``beat.read_beat_settings``; here so that every known
 #: ``mongolock_*`` name is in one module).
@@ -105,6 +107,8 @@ class Settings:
     operation_timeout: float
     task_policies: Mapping[str, Mapping[str, Any]]
     history_days: float = DEFAULT_HISTORY_DAYS
+    #: ``mongolock_signing_key``: the HMAC secret of parked runs' stored messages (None: unsigned).
+    signing_key: bytes | None = dataclasses.field(default=None, repr=False)
 
     def for_task(
         self,
@@ -309,10 +313,33 @@ def read_settings(conf: Any) -> Settings:
         operation_timeout=timeout,
         task_policies=task_policies,
         history_days=history_days,
+        signing_key=_signing_key(_conf_get(conf, "mongolock_signing_key")),
     )
     for task_name in task_policies:  # lease/heartbeat combinations are checked now, not at first run
         settings.for_task(task_name)
     return settings
+
+
+#: The shortest ``mongolock_signing_key``: an HMAC-SHA256 key of fewer bytes is easy to guess.
+MIN_SIGNING_KEY_BYTES = 16
+
+
+def _signing_key(value: Any) -> bytes | None:
+    """``mongolock_signing_key`` as bytes (None: not set); never echoed in an error."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes):
+        raise ConfigurationError(
+            f"mongolock_signing_key must be a str or bytes secret, got {type(value).__name__}"
+        )
+    if len(value) < MIN_SIGNING_KEY_BYTES:
+        raise ConfigurationError(
+            f"mongolock_signing_key must be at least {MIN_SIGNING_KEY_BYTES} bytes long, got {len(value)} "
+            "(e.g. secrets.token_hex(32))"
+        )
+    return value
 
 
 _lock = threading.RLock()  # get_store calls get_settings while holding it

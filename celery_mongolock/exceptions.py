@@ -17,6 +17,7 @@ __all__ = [
     "MongoLockError",
     "QueueTimeout",
     "StoreUnavailable",
+    "UntrustedMessage",
 ]
 
 
@@ -98,3 +99,18 @@ class QueueTimeout(LockContended):
         super().__init__(key, {}, None, f"lease {key!r}: {reason}")
         # The constructor's arguments, so that result backends and pickle rebuild the same error.
         self.args = (key, reason)
+
+
+class UntrustedMessage(MongoLockError):
+    """A parked run's stored message failed the handoff's checks (it does not name a singleton task of the
+    app, its arguments render another key, its signature does not match, ...): it was not published, and
+    the run was dropped from the key's queue. The result of such a run, if it was one of ours."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        self.message = f"the parked run's stored message on {key!r} was refused at handoff: {reason}"
+        super().__init__(key, reason)
+
+    def __str__(self) -> str:
+        return self.message

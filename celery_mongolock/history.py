@@ -37,8 +37,9 @@ __all__ = ["ENDING_KINDS", "RUN_VIEW", "KeyStory", "LeaseEnding", "ParkedRun"]
 
 #: The ways a lease ends, as ``LeaseEnding.how`` says them. ``lost`` is the holder's own view (it found its
 #: lease gone); the server's view of the same lease is one of the others. ``handoff-expired``: the key was
-#: handed to a parked run that never claimed it. The last three are runs that never held the key
-#: (``LeaseEnding.parked``): replaced by a newer send, past their ``Queue(timeout=...)``, revoked.
+#: handed to a parked run that never claimed it. The last four are runs that never held the key
+#: (``LeaseEnding.parked``): replaced by a newer send, past their ``Queue(timeout=...)``, revoked, or
+#: refused at handoff (their stored message failed the checks of ``_trust``).
 ENDING_KINDS = (
     "released",
     "expired",
@@ -49,6 +50,7 @@ ENDING_KINDS = (
     "superseded",
     "timeout",
     "revoked",
+    "refused",
 )
 
 
@@ -454,6 +456,8 @@ class KeyStory:
             return f"{ending.task} timed out{when} while parked"
         if ending.how == "revoked":
             return f"{ending.task} revoked{when} while parked"
+        if ending.how == "refused":
+            return f"{ending.task} refused{when} at handoff: its stored message failed the checks"
         return f"{ending.how}{when}: {ending.task}"
 
     def as_dict(self) -> dict[str, Any]:
