@@ -32,7 +32,7 @@ All time is the server's (``$$NOW``); dates are compared through ``$toLong``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "admit_pipeline",
     "gc_stage",
     "handoff_stages",
+    "ran_any",
     "run_id",
 ]
 
@@ -480,6 +481,14 @@ def seen_append(when: object) -> Document:
     appended = {"$slice": [{"$concatArrays": [{"$ifNull": ["$seen", []]}, [rid]]}, -SEEN_KEPT]}
     has_task = {"$ne": [{"$ifNull": ["$holder.task_id", None]}, None]}
     return {"$cond": [{"$and": [when, has_task]}, appended, "$seen"]}
+
+
+def ran_any(run_ids: Sequence[str]) -> Document:
+    """True when one of ``run_ids`` is remembered as over (``seen``: it ended with a normal release). The
+    acquire of a copy of such a run (a redelivered or parked message) refuses the key with it, in the same
+    command: a run whose release lands between the copy's look and its acquire is never run again."""
+    seen = {"$ifNull": ["$seen", []]}
+    return {"$or": [{"$in": [{"$literal": rid}, seen]} for rid in run_ids]}
 
 
 def entry_expr(entry: Mapping[str, Any], timeout_ms: int | None, debounce_ms: int | None = None) -> Document:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import bson
@@ -241,6 +241,7 @@ def acquire_pipeline(
     hold_until_ms: int | None = None,
     waited_ms: int | None = None,
     waited_since_ms: int | None = None,
+    ended_runs: Sequence[str] = (),
 ) -> list[Document]:
     """The acquire update: on the server, ``free = owner is null OR expired OR owner == token``; only when
     free, take the key for ``token`` (new fence, ``expires_at = $$NOW + ttl_ms``); else change nothing.
@@ -257,6 +258,9 @@ def acquire_pipeline(
 
     Taking over a lease that expired with its holder still set records that lease's ending ("expired",
     ended at its ``expires_at``, ``seen`` at ``$$NOW``) in ``ends``, in this same update.
+
+    ``ended_runs``: the run ids of a copy (a redelivered or parked message, ``task.py``); the key is not
+    free for it when one of them is remembered as over (``_admission.ran_any``).
     """
     vacant: Document = {
         "$or": [
@@ -276,6 +280,9 @@ def acquire_pipeline(
     if tick is not None:
         # Once per tick: a run for a tick at or before the last one run is refused even when free.
         vacant = {"$and": [vacant, {"$lt": [{"$ifNull": ["$last_tick", -1]}, tick]}]}
+    if ended_runs:
+        # A copy of a run that ended: never a new run, whenever the release landed (issue 32).
+        vacant = {"$and": [vacant, {"$not": [admission.ran_any(ended_runs)]}]}
     free = {"$or": [{"$eq": ["$owner", {"$literal": token}]}, vacant]}
     fields = acquire_fields(
         token,

@@ -17,10 +17,10 @@ that touches the key.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ._admission import SINGLE_HELD, gc_stage
+from ._admission import SINGLE_HELD, gc_stage, ran_any
 
 __all__ = [
     "live_tokens_pipeline",
@@ -97,11 +97,13 @@ def slot_acquire_pipeline(
     *,
     waited_ms: int | None = None,
     tick: int | None = None,
+    ended_runs: Sequence[str] = (),
 ) -> list[Document]:
     """Take a slot of the key for ``token`` if fewer than ``limit`` holds are live, nobody holds it as a
     single lease and no run is parked on it; ``token``'s own hold (a retry of an acquire whose reply was
     lost) counts as taken. The new hold gets the lowest free slot number and the key's next fence.
-    ``tick``: once per tick (a beat-sent run): refused for a tick at or before the last that took a slot."""
+    ``tick``: once per tick (a beat-sent run): refused for a tick at or before the last that took a slot.
+    ``ended_runs``: a copy's run ids; refused when one of them is remembered as over (``ran_any``)."""
     live_tokens = {
         "$map": {
             "input": {"$filter": {"input": _HS, "as": "e", "cond": _live_cond("$$e")}},
@@ -176,6 +178,7 @@ def slot_acquire_pipeline(
                         {"$not": [single_held]},
                         nobody_parked,
                         True if tick is None else {"$lt": [{"$ifNull": ["$last_tick", -1]}, int(tick)]},
+                        {"$not": [ran_any(ended_runs)]} if ended_runs else True,
                     ]
                 }
             }

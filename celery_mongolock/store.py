@@ -502,10 +502,13 @@ class LeaseStore:
         waited_ms: int | None = None,
         waited_since_ms: int | None = None,
         limit: int | None = None,
+        ended_runs: Sequence[str] = (),
     ) -> tuple[Lease | None, Document | None]:
         """One acquire (with its retries on an ambiguous outcome): ``(lease, None)`` when taken, else
         ``(None, the document)``. ``admission``: the keyword arguments of ``_admission.admit_pipeline``
-        (a queued run's admit: the outcome is in the returned document's ``lo``)."""
+        (a queued run's admit: the outcome is in the returned document's ``lo``). ``ended_runs``: a
+        copy's run ids (not for an admission, which judges its copies itself): refused, even when free,
+        when one of them is remembered as over (the duplicate guard, in the acquire itself)."""
         key = normalize_key(key)
         hold_s = validate_seconds("min_hold", min_hold, low=0.0, high=MAX_LEASE_SECONDS)
         if tick is not None and (isinstance(tick, bool) or not isinstance(tick, int)):
@@ -540,7 +543,7 @@ class LeaseStore:
             # (A beat tick's hold_until_ms, the end of its window, is for single leases: a slot is held
             # while its run runs.)
             pipeline = slots_docs.slot_acquire_pipeline(
-                token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick
+                token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick, ended_runs=ended_runs
             )
             # With ``ends`` (at most 8): the endings of holds this acquire found expired go to the history.
             projection = {"q.m": 0, "seen": 0}
@@ -554,6 +557,7 @@ class LeaseStore:
                 hold_until_ms=hold_until_ms,
                 waited_ms=waited_ms,
                 waited_since_ms=waited_since_ms,
+                ended_runs=ended_runs,
             )
         else:
             fields = documents.acquire_fields(

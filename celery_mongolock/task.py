@@ -33,7 +33,7 @@ from celery import states as celery_states
 from celery.exceptions import Ignore, Reject
 from celery.exceptions import Retry as RetryTask
 
-from . import _queue, signals
+from . import _admission, _queue, signals
 from ._childwatch import ChildWatchedRequest
 from ._contention import ContendedRun, skipped_result
 from ._contention import Outcome as _Outcome
@@ -683,17 +683,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             first_run_done = self._first_run_done(store, key)
         except StoreUnavailable as exc:
             self._unavailable(key, exc, policy, direct)
-        if first_run_done and not self._has_final_state():
-            return _Outcome(_already_ran(key, request.id))
         if first_run_done:
-            log_acquire.info(
-                "%s[%s]: %s of a run that has ended and released %r; dropped",
-                self.name,
-                request.id,
-                "parked duplicate" if (request.headers or {}).get(DUPLICATE_HEADER) else "redelivery",
-                key,
-            )
-            raise Ignore()
+            return self._copy_of_an_ended_run(key)
+        # A copy's acquire refuses the key when its run is remembered as over, in the same command: the
+        # first run's release may land between the look above and this acquire (issue 32).
+        ended_runs = _copy_run_ids(request)
         # How long this run has waited for its key (the lease history's ``waited_ms``): from its first
         # contention, carried across contention retries by a header; counted here while it waits.
         contended_since = _contended_since(request)
@@ -713,7 +707,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                     waited_ms=waited_ms,
                     waited_since_ms=contended_since,
                     limit=options.limit,
+                    ended_runs=ended_runs,
                 )
+                if lease is None and ended_runs and self._first_run_done(store, key):
+                    return self._copy_of_an_ended_run(key)
             except StoreUnavailable as exc:
                 return self._unavailable(key, exc, policy, direct)
             if lease is not None:
@@ -931,21 +928,48 @@ class SingletonTask(Task):  # type: ignore[misc]
             countdown,
         )
 
+    def _copy_of_an_ended_run(self, key: str) -> _Outcome:
+        """A copy of a run that ended and released ``key`` itself: end the task saying so when its result
+        was never stored (the run's worker died in between), else drop the copy. Never runs the body."""
+        request = self.request
+        if not self._has_final_state():
+            return _Outcome(_already_ran(key, request.id))
+        log_acquire.info(
+            "%s[%s]: %s of a run that has ended and released %r; dropped",
+            self.name,
+            request.id,
+            "parked duplicate" if (request.headers or {}).get(DUPLICATE_HEADER) else "redelivery",
+            key,
+        )
+        raise Ignore()
+
     def _first_run_done(self, store: Any, key: str) -> bool:
         """For a parked duplicate, or a message the broker delivered again (a worker died before it
         acknowledged, a visibility timeout): did a run of this very delivery (same task id, same retry
         and contention-retry count) end and release the key itself? Then running it again would be a
-        second run of one submission. One read, only for such messages."""
+        second run of one submission. One read, only for such messages. The key remembers the last
+        ``SEEN_KEPT`` runs that ended so (``seen``), whoever took it since, for 2 hours after its last
+        lease (``SEEN_KEEP_MS``); the holder fields cover a holder recorded without its delivery."""
         request = self.request
-        parked = bool((request.headers or {}).get(DUPLICATE_HEADER))
-        redelivered = bool((request.delivery_info or {}).get("redelivered"))
-        if not (parked or redelivered) or not request.id:
+        ended_runs = _copy_run_ids(request)
+        if not ended_runs:
             return False
         with store._operation(f"inspect lease {key!r}"):
             doc = store.collection.find_one(
                 {"_id": key},
-                {"owner": 1, "holder": 1, "released_for": 1, "forced_release": 1, "hs.h": 1, "ends": 1},
+                {
+                    "owner": 1,
+                    "holder": 1,
+                    "released_for": 1,
+                    "forced_release": 1,
+                    "hs.h": 1,
+                    "ends": 1,
+                    "seen": 1,
+                },
             )
+        if doc is not None and set(ended_runs) & set(doc.get("seen") or []):
+            return True
+        parked = bool((request.headers or {}).get(DUPLICATE_HEADER))
         delivery = _delivery(request)
         if doc is not None and "hs" in doc:  # limit=N: did this run's own hold end by a release?
             return any(
@@ -1044,6 +1068,19 @@ def _delivery(request: Any) -> str:
     same message (redelivered, parked) has the same; ``Task.retry()`` and a contention retry do not."""
     headers = getattr(request, "headers", None) or {}
     return f"{int(getattr(request, 'retries', 0) or 0)}.{int(headers.get(CONTENTION_HEADER) or 0)}"
+
+
+def _copy_run_ids(request: Any) -> list[str]:
+    """The run ids (``_admission.run_id``) a copy of a message (parked duplicate, or delivered again by the
+    broker) is matched on in ``seen``; empty for any other message (a first delivery is never checked).
+    A parked copy also matches a holder recorded without its delivery (an older version, ``hold()``)."""
+    parked = bool((getattr(request, "headers", None) or {}).get(DUPLICATE_HEADER))
+    redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
+    task_id = getattr(request, "id", None)
+    if not (parked or redelivered) or not task_id:
+        return []
+    ids = [_admission.run_id(task_id, _delivery(request))]
+    return [*ids, _admission.run_id(task_id, "")] if parked else ids
 
 
 def _contended_since(request: Any) -> int | None:

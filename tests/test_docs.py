@@ -189,6 +189,8 @@ def normalize(message: str) -> str:
     message = re.sub(r"bad_input\.[at][0-9a-f]{8}", "proj.upload", message)
     message = re.sub(r"x{20,}", lambda m: f"xxx…({len(m.group())} x)", message)
     message = re.sub(r" at 0x[0-9a-f]+>", " at 0x…>", message)
+    # Brackets escaped: "['t']['limit']" would be a Markdown reference link (mkdocs --strict refuses it).
+    message = re.sub(r"([\[\]])", r"\\\1", message)
     return message.replace("|", "\\|").replace("\n", " ")
 
 

@@ -285,6 +285,30 @@ def test_a_copy_of_a_run_that_ended_without_a_result_ends_the_task(cluster: Clus
     assert cluster.runs(t) == []  # the body never ran twice
 
 
+def test_a_copy_of_a_run_that_ended_inside_its_minimum_hold_never_runs(cluster: Cluster) -> None:
+    """A run that ends inside its minimum hold (``min_hold_seconds``) is over, although its key stays
+    taken until the hold ends and is then free without another release. Its copy, looked at while the
+    key is still taken or once it is free, ends the task "already-ran": the key remembers the runs that
+    ended (issue 32: the copy used to take the key once the hold had passed, and ran the body again)."""
+    resource, t = tag(), tag()
+    task_id = str(uuid.uuid4())
+    key = f"resource:{resource}"
+    # The first run (we play it, delivery "0.0" as a first delivery's) ends at once, inside a long hold.
+    info = {"task_id": task_id, "task_name": it.guarded.name, "delivery": "0.0"}
+    first = cluster.store.acquire(key, ttl=60, min_hold=30, info=info)
+    assert first is not None
+    assert first.release()
+    doc = cluster.db["leases"].find_one({"_id": key}) or {}
+    assert doc.get("owner") is not None, "the release inside the minimum hold keeps the key taken"
+    # The same message arrives: it finds the key held by its own run and is parked as a duplicate; the
+    # parked copy is looked at a lease length later, long before the hold ends.
+    it.guarded.apply_async((resource, t), task_id=task_id)
+    result = AsyncResult(task_id, app=it.app).get(timeout=60)
+    assert isinstance(result, dict), f"the body ran again: {result!r}"
+    assert result["mongolock"] == "already-ran" and result["key"] == key
+    assert cluster.runs(t) == []
+
+
 def test_a_parked_duplicate_runs_when_the_first_run_died(cluster: Cluster) -> None:
     """Acknowledging a duplicate delivery also acknowledges the first one; if the first run then dies,
     the parked copy is what brings the task back."""
