@@ -1,17 +1,20 @@
-"""MongoDB URL helpers: validation and credential redaction (private)."""
+"""MongoDB URL and client option helpers: validation, credential redaction, refusals in our words
+(private)."""
 
 from __future__ import annotations
 
 import difflib
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 from urllib.parse import unquote_plus
 
 from .exceptions import ConfigurationError
 
-__all__ = ["redact", "validate_mongo_url"]
+__all__ = ["describe_refusal", "redact", "validate_client_options", "validate_mongo_url"]
 
 # scheme://user:password@host: everything from "://" to the *last* "@" of the URL is credentials (an
 # unescaped password may itself contain "@", "/", "?" or "#", which is exactly when users see errors).
@@ -305,3 +308,94 @@ def _check_combination(parts: _Parts) -> None:
         raise _Refused("it names a file that cannot be read", exc) from None
     except Exception as exc:
         raise _Refused("its options do not go together", exc) from None
+
+
+# -- MongoClient options (LeaseStore(client_options=...)) ----------------------------------------------------
+# MongoClient's keyword arguments that are not connection string options.
+_CLIENT_KEYWORDS = ("host", "port", "document_class", "tz_aware", "connect", "type_registry", "driver")
+
+
+def validate_client_options(options: Mapping[Any, Any]) -> dict[str, Any]:
+    """Check ``LeaseStore(client_options=...)`` option by option; raise ``ConfigurationError`` in our words
+    (the option as written, with a did-you-mean; pymongo's own text only as detail), before any client is
+    made. A secret option's value is never echoed."""
+    try:
+        from pymongo import common
+    except ImportError:  # pragma: no cover - pymongo is a dependency
+        return dict(options)
+    known = dict(_known_options())
+    for name in (*_CLIENT_KEYWORDS, *getattr(common, "VALIDATORS", {})):
+        known.setdefault(str(name).lower(), str(name))
+    validate = getattr(common, "validate", None)
+    validated = {str(k).lower() for k in getattr(common, "VALIDATORS", {})}
+    checked: dict[str, Any] = {}
+    for name, value in options.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"client_options: option names must be non-empty strings, got {name!r}")
+        if name.lower() not in known:
+            raise ConfigurationError(
+                f"client_options: {_unknown(name, False, known)}; see pymongo.MongoClient"
+            )
+        if validate is not None and name.lower() in validated:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    validate(name, value)
+            except Exception as exc:  # pymongo's ValueError, TypeError or ConfigurationError
+                shown = "" if _is_secret_option(name) or "password" in name.lower() else f" {value!r}"
+                detail = "" if shown == "" else f" (pymongo: {redact(str(exc))})"
+                raise ConfigurationError(
+                    f"client_options: option {name!r} has a bad value{shown}{detail}"
+                ) from None
+        checked[name] = value
+    return checked
+
+
+# -- MongoDB's refusals, in our words ---------------------------------------------------------------------
+_UNAUTHORIZED = 13
+_AUTHENTICATION_FAILED = (18, 8000)  # AuthenticationFailed; Atlas's
+
+
+def describe_refusal(exc: BaseException, client: Any, database: str, credentials: bool | None) -> str | None:
+    """Why MongoDB refused us, in our words, when ``exc`` (or, for a server selection timeout, the error
+    ``client``'s topology kept) is a refused login, a missing right or an untrusted TLS certificate; else
+    None. The server's and pymongo's wording differ between servers and releases: neither is relied on."""
+    import ssl
+
+    from pymongo.errors import OperationFailure, ServerSelectionTimeoutError
+
+    errors: list[BaseException] = [exc]
+    if isinstance(exc, ServerSelectionTimeoutError) and client is not None:
+        # A refusal seen while selecting a server is reported inside a timeout error; the topology keeps it.
+        try:
+            servers = client.topology_description.server_descriptions().values()
+            errors += [s.error for s in servers if s.error is not None]
+        except Exception:  # pragma: no cover - no topology to read: nothing more to say
+            pass
+    for error in errors:
+        code = error.code if isinstance(error, OperationFailure) else None
+        if code in _AUTHENTICATION_FAILED:
+            return (
+                f"it did not accept the user name and password (authentication failed, code {code}): a wrong "
+                "password, an unknown user, or a user created in another database than authSource?"
+            )
+        if code == _UNAUTHORIZED:
+            if credentials is False:
+                return f"it requires a user name and password, and the URL gives none (code {code})"
+            return (
+                f"the user is not authorized for this (code {code}): it needs the readWrite role on "
+                f"database {database!r}"
+            )
+        # pymongo keeps no cause for a failed TLS handshake: OpenSSL's reason code (an identifier, the same
+        # in every OpenSSL release) names it.
+        cause = error.__cause__
+        if (
+            isinstance(error, ssl.SSLCertVerificationError)
+            or isinstance(cause, ssl.SSLCertVerificationError)
+            or ("CERTIFICATE_VERIFY_FAILED" in str(error))
+        ):
+            return (
+                "its TLS certificate was not trusted (certificate verify failed): name the CA that signed it "
+                "with tlsCAFile in the URL"
+            )
+    return None

@@ -465,8 +465,9 @@ STORE_CASES = [
     case(store(write_concern="majority"), ConfigurationError, "write_concern", "pymongo WriteConcern, got str", "write-concern-str"),
     case(store(read_preference="primary"), ConfigurationError, "read_preference", "got str", "read-preference-str"),
     case(store(client_options=["tls"]), ConfigurationError, "client_options", "got list", "client-options-list"),
-    case(lambda: LeaseStore(URL, client_options={"tls": "maybe"}).acquire("k"), ConfigurationError, "MongoDB client", "tls must be 'true' or 'false'", "client-option-bad-value"),
-    case(lambda: LeaseStore(URL, client_options={"bogus": 1}).acquire("k"), ConfigurationError, "MongoDB client", "Unknown option: bogus", "client-option-unknown"),
+    case(store(client_options={"tls": "maybe"}), ConfigurationError, "client_options", "option 'tls' has a bad value 'maybe'", "client-option-bad-value"),
+    case(store(client_options={"bogus": 1}), ConfigurationError, "client_options", "unknown option 'bogus'", "client-option-unknown"),
+    case(store(client_options={"retryWrits": True}), ConfigurationError, "client_options", "unknown option 'retryWrits' (did you mean 'retryWrites'?)", "client-option-misspelt"),
 ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 
@@ -114,6 +115,10 @@ def upload_for_tenant(group_id: int, csv_path: str) -> str:
 """
 
 
+# Sends a task from the project and prints its result (read from the result backend).
+GET_RESULT = "from tasks import *; print({call}.get(timeout=60))"
+
+
 @pytest.mark.slow
 def test_the_quick_start_runs_as_written(servers: tuple[str, str], tmp_path: Path) -> None:
     mongo_url, broker_url = servers
@@ -124,7 +129,8 @@ def test_the_quick_start_runs_as_written(servers: tuple[str, str], tmp_path: Pat
     worker = ProjectWorker(tmp_path, "--concurrency=2", "--without-gossip", "--without-mingle")
     store = LeaseStore(mongo_url)
     try:
-        worker.wait_log(lambda text: " ready." in text, "the worker to be ready")
+        # Our start-up line (Celery's own "ready" banner is worded its way, and may change).
+        worker.wait_log(lambda text: "celery_mongolock: leases in" in text, "the worker to start")
 
         # 1. The commands as printed: the uploads never overlap, and the group ends with the file sent
         # last (b.csv, one member); a.csv ran first, or was superseded if it reached a worker second.
@@ -141,17 +147,29 @@ def test_the_quick_start_runs_as_written(servers: tuple[str, str], tmp_path: Pat
         # and handed the key when it is released.
         lease = store.acquire("email-group:42", ttl=60, info={"task_name": "held-by-the-test"})
         assert lease is not None
-        before = worker.log().count("succeeded in")
-        subprocess.run(
-            [sys.executable, "-c", 'from tasks import upload_members; upload_members.delay(42, "b.csv")'],
+        # The parked upload's result, from the result backend (not from Celery's log lines).
+        sender = subprocess.Popen(
+            [sys.executable, "-c", GET_RESULT.format(call='upload_members.delay(42, "b.csv")')],
             cwd=tmp_path,
             env=project_env(),
-            check=True,
-            timeout=60,
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        worker.wait_log(lambda text: "policy replace: parked at position 1" in text, "the upload to park")
-        lease.release()
-        worker.wait_log(lambda text: text.count("succeeded in") >= before + 1, "the parked upload to finish")
+        try:
+            worker.wait_log(
+                lambda text: any(
+                    "held-by-the-test" in line and "policy replace: parked at position 1" in line
+                    for line in text.splitlines()
+                ),
+                "the upload to park behind the test's lease",
+            )
+            lease.release()
+            out, _ = sender.communicate(timeout=90)
+        finally:
+            if sender.poll() is None:
+                sender.kill()
+                sender.wait()
+        assert sender.returncode == 0 and out.strip() == "1", out  # b.csv has one member
         contended = [line for line in worker.log().splitlines() if "held-by-the-test" in line]
         assert contended, worker.log()
         # Every line about the contention is that single line, naming the key, the holder and the policy.
@@ -159,18 +177,16 @@ def test_the_quick_start_runs_as_written(servers: tuple[str, str], tmp_path: Pat
         assert "policy replace: parked at position 1" in contended[0]
 
         # 3. The callable key of the Keys table, called with positional arguments, in the worker.
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                'from tasks import upload_for_tenant; upload_for_tenant.delay(42, "a.csv")',
-            ],
+        done = subprocess.run(
+            [sys.executable, "-c", GET_RESULT.format(call='upload_for_tenant.delay(42, "a.csv")')],
             cwd=tmp_path,
             env=project_env(),
-            check=True,
-            timeout=60,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
         )
-        worker.wait_log(lambda text: "uploaded a.csv for group 42" in text, "the callable-key task")
+        assert done.returncode == 0 and done.stdout.strip() == "uploaded a.csv for group 42", done
         assert "acquired 'tenant:2'" in worker.log() and "TypeError" not in worker.log()
     finally:
         worker.stop()
@@ -259,8 +275,18 @@ def test_the_testing_example_runs_as_written_against_the_quick_start(tmp_path: P
         ]
     )
     (tmp_path / "test_tasks.py").write_text(example)
+    report = tmp_path / "r.xml"
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_tasks.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            "test_tasks.py",
+        ],
         cwd=tmp_path,
         env=project_env(),
         capture_output=True,
@@ -268,7 +294,12 @@ def test_the_testing_example_runs_as_written_against_the_quick_start(tmp_path: P
         timeout=180,
         check=False,
     )
-    assert out.returncode == 0 and "3 passed" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Three tests ran and passed: pytest's JUnit report, not the wording of its summary line.
+    suite = ElementTree.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    counts = {name: suite.get(name) for name in ("tests", "failures", "errors", "skipped")}
+    assert counts == {"tests": "3", "failures": "0", "errors": "0", "skipped": "0"}, out.stdout
 
 
 def test_a_beat_refuses_to_start_with_one_line(tmp_path: Path) -> None:
