@@ -155,23 +155,63 @@ def _store(ctx: click.Context) -> LeaseStore:
         raise click.ClickException(redact(str(exc))) from None
 
 
-def _holder(info: LeaseInfo) -> str:
-    if info.slots:
-        return f"{len(info.slots)}/{info.limit} slots: " + ", ".join(
-            _who(s["holder"] or {}) for s in info.slots
-        )
-    return _who(info.holder)
+#: ``list`` and ``watch`` fit in this many columns for keys of up to 30 characters (``--json``: in full).
+TABLE_WIDTH = 120
+_HOLDER_WIDTH = 48
 
 
-def _who(h: dict[str, Any]) -> str:
+def _short_id(task_id: Any) -> str:
+    text = str(task_id)
+    return text if len(text) <= 12 else text[:8] + "…"
+
+
+def _who(h: dict[str, Any], short: bool = False) -> str:
+    """``host:pid task[id]`` (``short``: the task id's first 8 characters)."""
     where = ":".join(str(h[k]) for k in ("host", "pid") if h.get(k) is not None)
     task = h.get("task_name") or h.get("role") or ""
     if h.get("task_id"):
-        task += f"[{h['task_id']}]"
+        task += f"[{_short_id(h['task_id']) if short else h['task_id']}]"
     return f"{where} {task}".strip() or "-"
 
 
+def _holder_line(h: dict[str, Any]) -> str:
+    """``task[id] on worker (host pid N), with keys a, b``: one holder, in full, for ``inspect``."""
+    task = str(h.get("task_name") or h.get("role") or "?")
+    if h.get("task_id"):
+        task += f"[{h['task_id']}]"
+    where = " ".join(str(p) for p in (h.get("host"), h.get("pid") and f"pid {h['pid']}") if p)
+    worker = h.get("worker")
+    text = f"{task} on {worker} ({where})" if worker and where else f"{task} on {worker or where or '?'}"
+    keys = h.get("keys")
+    if isinstance(keys, (list, tuple)) and len(keys) > 1:
+        text += f", with keys {', '.join(map(str, keys))}"
+    return text
+
+
+def _slots_summary(info: LeaseInfo) -> str:
+    """``3/3 slots: sync_tenant x2, report x1``: the holds of a ``limit=N`` key, by task."""
+    counts: dict[str, int] = {}
+    for hold in info.slots:
+        h = hold["holder"] or {}
+        name = str(h.get("task_name") or h.get("role") or "?")
+        counts[name] = counts.get(name, 0) + 1
+    tasks = ", ".join(f"{name} x{n}" for name, n in counts.items())
+    return f"{len(info.slots)}/{info.limit} slots: {tasks}"
+
+
+def _holder(info: LeaseInfo, short: bool = False) -> str:
+    if info.slots:
+        if short:
+            return _slots_summary(info)
+        return f"{len(info.slots)}/{info.limit} slots: " + ", ".join(
+            _who(s["holder"] or {}) for s in info.slots
+        )
+    return _who(info.holder, short)
+
+
 def _expires(info: LeaseInfo) -> str:
+    if info.slots:  # the first hold to end frees a slot
+        return f"{min(float(s['expires_in']) for s in info.slots):.1f}s"
     if info.expires_in is None:
         return "-"
     if not info.held:
@@ -188,9 +228,18 @@ def _parked(info: LeaseInfo) -> str:
     return text
 
 
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _table(infos: list[LeaseInfo]) -> str:
+    """The ``list``/``watch`` table: one row per key, within ``TABLE_WIDTH`` columns for usual keys (a
+    long holder is cut with "…"; ``inspect`` and ``--json`` show it in full)."""
     rows = [("KEY", "HOLDER", "FENCE", "EXPIRES IN", "PARKED")]
-    rows += [(i.key, _holder(i), str(i.fence), _expires(i), _parked(i)) for i in infos]
+    rows += [
+        (i.key, _fit(_holder(i, short=True), _HOLDER_WIDTH), str(i.fence), _expires(i), _parked(i))
+        for i in infos
+    ]
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     lines = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows]
     return "\n".join(lines)
@@ -258,23 +307,30 @@ def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
     data["state"] = "held" if info.held else "free"
     data["expires_in"] = _expires(info)
     width = max(len(k) for k in data)
-    for name in (
-        "key",
-        "state",
-        "holder",
-        "fence",
-        "owner",
-        "expires_in",
-        "expires_at",
-        "acquired_at",
-        "renewed_at",
-        "released_at",
-    ):
+    if info.slots or info.limit:  # a limit=N key: each hold has its own holder, owner and expiry
+        held = f"{len(info.slots)} of {info.limit} slots held" if info.slots else "no slot held"
+        data.update(state=held if info.slots else "free", limit=info.limit)
+        names: tuple[str, ...] = ("key", "state", "limit", "fence", "released_at")
+    else:
+        data["holder"] = _holder_line(info.holder) if info.holder else None
+        names = (
+            "key",
+            "state",
+            "holder",
+            "fence",
+            "owner",
+            "expires_in",
+            "expires_at",
+            "acquired_at",
+            "renewed_at",
+            "released_at",
+        )
+    for name in names:
         value = data.get(name)
         click.echo(f"{name.ljust(width)}  {value if value is not None else '-'}")
     for hold in info.slots:
         click.echo(
-            f"  slot {hold['slot']}: {_who(hold['holder'] or {})} fence {hold['fence']}, "
+            f"  slot {hold['slot']}: {_holder_line(hold['holder'] or {})}, fence {hold['fence']}, "
             f"expires in {hold['expires_in']:.1f}s"
         )
     if info.handoff:
@@ -412,13 +468,29 @@ def why_lines(story: KeyStory, endings: int = 5) -> list[str]:
     where = str(h.get("worker") or h.get("host") or "?") + (
         f" pid {h['pid']}" if h.get("pid") is not None else ""
     )
-    if story.state == "free":
+    keys = h.get("keys")
+    if isinstance(keys, (list, tuple)) and len(keys) > 1:
+        where += f", with keys {', '.join(map(str, keys))}"
+    if story.state == "slots":  # a limit=N key: one line per hold, no single holder
+        row("slots", f"{len(story.slots)} of {story.limit or len(story.slots)} held")
+        for hold in story.slots:
+            held = hold.get("holder") or {}
+            name = str(held.get("task_name") or held.get("role") or "?")
+            name += f"[{held['task_id']}]" if held.get("task_id") else ""
+            at = str(held.get("worker") or held.get("host") or "?")
+            at += f" pid {held['pid']}" if held.get("pid") is not None else ""
+            lines.append(
+                f"{'':12}slot {hold['slot']}: {name} on {at}, fence {hold['fence']}, "
+                f"expires in {float(hold['expires_in']):.1f} s"
+            )
+    elif story.state == "free":
         row("holder", "none")
         if h:
             row("last holder", f"{task} on {where}, fence {story.fence}")
     else:
         row("holder", f"{task} on {where}, fence {story.fence}")
-    row("taken", _ago(story, story.acquired_at))
+    if story.state != "slots":
+        row("taken", _ago(story, story.acquired_at))
     if story.state in ("held", "held-after-release") and story.expires_in is not None:
         renewed = ""
         if story.renewed_at is not None and story.renewed_at != story.acquired_at:

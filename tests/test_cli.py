@@ -81,14 +81,43 @@ def test_list_and_inspect_show_the_parked_runs(mongo_url: str, db_name: str, lea
 def test_list_and_inspect_show_the_slots_of_a_limited_key(
     mongo_url: str, db_name: str, leases: LeaseStore
 ) -> None:
-    for n in range(2):
-        assert leases.acquire("tenant:5", ttl=60, limit=3, info={"task_name": "sync", "task_id": f"s-{n}"})
+    """Issue 27: as clear as a single key: no raw dict, no "?", no "-" for what a slot has, a list row
+    that fits the table's 120 columns."""
+    task_ids = [f"{n}f3c1e2a-9b7d-4c6e-8a5f-0123456789ab" for n in range(2)]
+    for task_id in task_ids:
+        info = {"task_name": "proj.tasks.sync_tenant", "task_id": task_id, "worker": "celery@web-3"}
+        assert leases.acquire("tenant:5", ttl=60, limit=3, info=info)
     lines = run(mongo_url, db_name, "list").stdout.splitlines()
-    assert any(line.startswith("tenant:5") and "2/3 slots" in line and "sync[s-1]" in line for line in lines)
+    (row,) = [line for line in lines if line.startswith("tenant:5")]
+    assert "2/3 slots: proj.tasks.sync_tenant x2" in row and row.split()[-2].endswith("s"), row
+    assert max(len(line) for line in lines) <= 120, lines
     out = run(mongo_url, db_name, "inspect", "tenant:5").stdout
-    assert "slot 0: " in out and "sync[s-0]" in out and "slot 1: " in out and "state        held" in out
+    assert "state        2 of 3 slots held" in out and "limit        3" in out, out
+    for n, task_id in enumerate(task_ids):
+        assert f"slot {n}: proj.tasks.sync_tenant[{task_id}] on celery@web-3 (" in out, out
+    assert "{'" not in out and "owner" not in out, out
+    why = run(mongo_url, db_name, "why", "tenant:5").stdout
+    assert "slots       2 of 3 held" in why and "?" not in why, why
+    assert f"slot 1: proj.tasks.sync_tenant[{task_ids[1]}] on celery@web-3 pid " in why, why
     data = json.loads(run(mongo_url, db_name, "inspect", "tenant:5", "--json").stdout)
     assert data["limit"] == 3 and [s["slot"] for s in data["slots"]] == [0, 1]
+
+
+def test_inspect_and_why_name_the_keys_of_a_several_keys_run(
+    mongo_url: str, db_name: str, leases: LeaseStore
+) -> None:
+    keys = ["email-group:7", "email-group:8"]
+    info = {"task_name": "proj.merge.merge_groups", "task_id": "m-1", "worker": "celery@web-2", "keys": keys}
+    held = [leases.acquire(key, ttl=60, info=info) for key in keys]
+    assert all(held)
+    out = run(mongo_url, db_name, "inspect", "email-group:8").stdout
+    assert (
+        "holder       proj.merge.merge_groups[m-1] on celery@web-2 (" in out
+        and "with keys email-group:7, email-group:8" in out
+    ), out
+    assert "{'" not in out, out
+    why = run(mongo_url, db_name, "why", "email-group:7").stdout
+    assert "with keys email-group:7, email-group:8" in why and "?" not in why, why
 
 
 def test_inspect(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
