@@ -62,8 +62,8 @@ def test_build_makes_an_sdist_and_a_wheel_that_twine_accepts(dist: Path) -> None
         timeout=120,
         check=False,
     )
+    # Its exit status says both passed (--strict: warnings too), not the wording of its report.
     assert check.returncode == 0, check.stdout + check.stderr
-    assert check.stdout.count("PASSED") == 2
 
     # The version is written once (celery_mongolock/__about__.py) and reaches the metadata from there.
     with zipfile.ZipFile(wheels[0]) as whl:
