@@ -1280,9 +1280,20 @@ class LeaseStore:
         )
 
     def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
-        """Remove entries of ``dead`` or ``sup`` whose results have been written."""
+        """Remove entries of ``dead`` or ``sup`` whose results have been written. The runs of ``dead``
+        (parked past their deadline) are remembered as over (``seen``): a late copy of one of their
+        messages is dropped, as a copy of a run that ran is, not admitted as a new run."""
         if field not in ("dead", "sup"):
             raise ValueError(field)
+        ids = builtins.list(task_ids)
+        entries = {"$ifNull": [f"${field}", []]}
+        written = {"$filter": {"input": entries, "as": "e", "cond": {"$in": ["$$e.t", ids]}}}
+        remember: Document = {}
+        if field == "dead":
+            runs = {"$map": {"input": written, "as": "e", "in": "$$e.id"}}
+            remember["seen"] = {
+                "$slice": [{"$concatArrays": [{"$ifNull": ["$seen", []]}, runs]}, -admission_docs.SEEN_KEPT]
+            }
         with self._operation(f"forget written results of {key!r}"):
             self.collection.update_one(
                 {"_id": normalize_key(key)},
@@ -1291,11 +1302,12 @@ class LeaseStore:
                         "$set": {
                             field: {
                                 "$filter": {
-                                    "input": {"$ifNull": [f"${field}", []]},
+                                    "input": entries,
                                     "as": "e",
-                                    "cond": {"$not": [{"$in": ["$$e.t", builtins.list(task_ids)]}]},
+                                    "cond": {"$not": [{"$in": ["$$e.t", ids]}]},
                                 }
-                            }
+                            },
+                            **remember,
                         }
                     },
                     admission_docs.gc_stage(),

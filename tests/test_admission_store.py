@@ -324,7 +324,11 @@ def test_a_handoff_message_whose_run_is_no_longer_waiting_is_stale(store: LeaseS
     assert lease is None and doc["lo"] == "dup"  # timed out: its result is being written
     store.forget_results(KEY, "dead", ["task-1"])
     lease, doc = store.admit(KEY, entry(1), claim="an-old-token")
-    assert lease is None and doc["lo"] == "stale"  # the glue asks the result backend what became of it
+    assert lease is None and doc["lo"] == "done"  # its result is written: remembered as over (seen)
+    lease, doc = store.admit(KEY, entry(1))  # nor a late copy of its first message (issue 32)
+    assert lease is None and doc["lo"] == "done"
+    lease, doc = store.admit(KEY, entry(3), claim="an-old-token")
+    assert lease is None and doc["lo"] == "stale"  # a run it never knew: the glue asks the result backend
     assert parked(store) == []
 
 

@@ -1,0 +1,99 @@
+"""The duplicate guard at its bounds: what decides that a copy of a message (parked duplicate, broker
+redelivery) is of a run that already ran, through the store's commands on the embedded server.
+
+A key remembers its last ``SEEN_KEPT`` runs that ended with a release (``seen``), and its document is
+kept ``SEEN_KEEP_MS`` after its last lease; past either bound a copy is a new run, as any ``acks_late``
+task's (docs/discussions/failure-semantics.md, "What the duplicate guard remembers")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from celery_mongolock import LeaseStore
+from celery_mongolock._admission import SEEN_KEEP_MS, SEEN_KEPT, run_id
+
+KEY = "resource:guard"
+
+
+def info(task_id: str) -> dict[str, Any]:
+    return {"task_id": task_id, "task_name": "guarded", "delivery": "0.0"}
+
+
+def ended_run(store: LeaseStore, task_id: str, limit: int | None = None) -> None:
+    """A first delivery of ``task_id`` that took the key, ran and released it."""
+    lease = store.acquire(KEY, 30, info=info(task_id), limit=limit)
+    assert lease is not None
+    assert lease.release()
+
+
+def copy_takes_the_key(store: LeaseStore, task_id: str, limit: int | None = None) -> bool:
+    """Whether a copy of ``task_id``'s first delivery takes the key (its acquire, as ``task.py`` sends it)."""
+    lease, _ = store._try_acquire(
+        KEY, 30, info=info(task_id), limit=limit, ended_runs=[run_id(task_id, "0.0")]
+    )
+    if lease is None:
+        return False
+    store.give_back(lease)  # (not a run that ran: not remembered)
+    return True
+
+
+@pytest.mark.parametrize("limit", [None, 3], ids=["single", "limit3"])
+def test_a_copy_of_a_run_that_ended_is_refused_the_free_key(store: LeaseStore, limit: int | None) -> None:
+    """The acquire itself refuses the key to the copy: a release that lands between the copy's look at the
+    key and its acquire cannot let it run again (issue 32). Anyone else takes the free key."""
+    ended_run(store, "first", limit)
+    assert not copy_takes_the_key(store, "first", limit)
+    assert copy_takes_the_key(store, "another", limit)  # a copy of a run the key never saw is a new run
+    other = store.acquire(KEY, 30, info=info("fresh"), limit=limit)  # a first delivery: not checked
+    assert other is not None
+    other.release()
+
+
+@pytest.mark.parametrize("limit", [None, 3], ids=["single", "limit3"])
+def test_the_guard_remembers_the_last_128_runs_that_ended(store: LeaseStore, limit: int | None) -> None:
+    """At the bound: a copy of a run followed by SEEN_KEPT - 1 other runs is refused; after one more, the
+    key has forgotten it and the copy runs (``limit=N`` keys remembered only their last 8 endings)."""
+    assert SEEN_KEPT == 128
+    ended_run(store, "first", limit)
+    for n in range(SEEN_KEPT - 1):
+        ended_run(store, f"other-{n}", limit)
+    assert not copy_takes_the_key(store, "first", limit)
+    if limit is None:  # a Queue run's copy is judged on the same memory
+        lease, doc = store.admit(KEY, {"id": run_id("first", "0.0"), "t": "first", "s": 1, "m": b"m"})
+        assert lease is None and doc["lo"] == "done"
+    ended_run(store, "one-more", limit)
+    assert copy_takes_the_key(store, "first", limit)
+
+
+def test_a_key_that_remembers_runs_is_kept_two_hours_after_its_last_lease(store: LeaseStore) -> None:
+    """At the other bound: the TTL index deletes the document SEEN_KEEP_MS after its last lease's expiry,
+    longer than Redis's default visibility timeout (1 hour). Past it (deleted, as the TTL monitor does) a
+    copy is a new run."""
+    assert SEEN_KEEP_MS == 2 * 3600 * 1000
+    ended_run(store, "first")
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc["seen"] == [run_id("first", "0.0")]
+    assert (doc["gc_at"] - doc["expires_at"]).total_seconds() * 1000 == SEEN_KEEP_MS
+    assert not copy_takes_the_key(store, "first")
+    store.collection.delete_one({"_id": KEY})  # what the TTL monitor does once gc_at has passed
+    assert copy_takes_the_key(store, "first")
+
+
+def test_a_run_given_back_before_its_body_ran_is_not_remembered(store: LeaseStore) -> None:
+    """Only a run that ended with its own release is remembered: a key given back before the body ran
+    (an acquire answered too late), a dead holder's key released by its worker's parent, or a forced
+    release leave the copy free to run (it is the run's only chance)."""
+    lease = store.acquire(KEY, 30, info=info("late"))
+    assert lease is not None
+    store.give_back(lease)
+    assert copy_takes_the_key(store, "late")
+    lease = store.acquire(KEY, 30, info=info("killed"))
+    assert lease is not None
+    assert store.release_held_by(task_id="killed") == 1
+    assert copy_takes_the_key(store, "killed")
+    lease = store.acquire(KEY, 30, info=info("forced"))
+    assert lease is not None
+    assert store.force_release(KEY)
+    assert copy_takes_the_key(store, "forced")
