@@ -198,7 +198,14 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: Leas
         attempt=int(entry.get("hn") or 1),
         waited=entry.get("at"),
     )
-    log.info("handed %r to %s[%s] (attempt %s)", key, entry.get("n"), entry["t"], entry.get("hn"))
+    log.info(
+        "handed %r to %s[%s], parked until now (attempt %s): its message is published again and it starts "
+        "on the next free worker slot",
+        key,
+        entry.get("n"),
+        entry["t"],
+        entry.get("hn"),
+    )
     return True
 
 
@@ -346,7 +353,14 @@ def write_superseded(
             parked_at=entry.get("pa"),
             by=_str(entry.get("by")),
         )
-        log.info("%s superseded on %r by %s", entry["t"], key, entry.get("by"))
+        log.info(
+            "%s[%s], parked on %r, superseded by a newer send (%s): it ends SUCCESS with a 'superseded' "
+            "result, without running its body",
+            entry.get("n"),
+            entry["t"],
+            key,
+            entry.get("by"),
+        )
         done.append(entry["t"])
     if done:
         store.forget_results(key, "sup", done)

@@ -18,6 +18,7 @@ dead child's leases (matched on task id and child pid) before the message is ack
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import datetime as _dt
 import inspect
@@ -656,7 +657,16 @@ class SingletonTask(Task):  # type: ignore[misc]
         if store.reserved_for_all(entry):
             _queue.publish_handoff(self.app, keys[0], {**entry, "hn": 1}, store)
         signals.run_parked.send(sender=self, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)
-        log_acquire.info("%s[%s]: waits for %s (parked or reserved on each)", self.name, entry["t"], keys)
+        log_acquire.info(
+            "%s[%s]: waits for %s (parked or reserved on each, no worker slot held): it starts once every "
+            "key is handed to it",
+            self.name,
+            entry["t"],
+            keys,
+        )
+        _ignored_as(
+            entry["t"], f"waits for {', '.join(map(repr, keys))}, not dropped: it starts once it has them all"
+        )
         raise Ignore()
 
     def _take(self, key: str, options: TaskOptions, direct: bool) -> Lease | _Outcome:
@@ -822,6 +832,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "stale": "no longer waiting (timed out, revoked, or handed again)",
             }[outcome]
             log_acquire.info("%s[%s]: copy of a run that is %s on %r; dropped", *who, what, key)
+            _ignored_as(request.id, f"is a copy of a run that is {what} on {key!r}: this copy is dropped")
             raise Ignore()
         if outcome == "running":
             signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
@@ -833,7 +844,13 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise Ignore()
         if outcome == "superseded":
             by = str(doc.get("lo_by"))
-            log_acquire.info("%s[%s]: %r: a newer send (%s) supersedes this run", *who, key, by)
+            log_acquire.info(
+                "%s[%s]: %r: a newer send (%s) supersedes this run: it ends SUCCESS with a 'superseded' "
+                "result, without running its body",
+                *who,
+                key,
+                by,
+            )
             signals.run_superseded.send(sender=self, key=key, task_id=request.id, by=by)
             store.record_run_ending(key, "superseded", entry, fence=doc.get("fence"), by=by)  # history
             return _Outcome(_queue.superseded_result(key, by))
@@ -863,11 +880,17 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         signals.run_parked.send(sender=self, key=key, task_id=request.id, position=position, stamp=stamp)
         log_acquire.info(
-            "%s[%s]: %s; policy %s: parked at position %d",
+            "%s[%s]: %s; policy %s: parked at position %d (state QUEUED, no worker slot held): it starts "
+            "when the key is handed to it%s",
             *who,
             LockContended(key, holder, expires_at),
             policy.name,
             position,
+            ", unless a newer send replaces it first" if isinstance(policy, Replace) else ", in send order",
+        )
+        _ignored_as(
+            request.id,
+            f"parked at position {position} on {key!r}, not dropped: it starts when handed the key",
         )
         raise Ignore()
 
@@ -1101,6 +1124,41 @@ def _beat_tick(request: Any) -> tuple[int | None, int | None]:
         return None, None
     guard_ms = min(1000, window_ms // 10)  # free the key a little before the next tick is due
     return tick, tick + max(0, window_ms - guard_ms)
+
+
+# -- Celery's "ignored" line, in our words ----------------------------------------------------------------
+# A run that is parked, or a copy that is dropped, ends its delivery with ``Ignore``: Celery then logs
+# "Task proj.upload[id] ignored", which reads as if the run were lost. For our runs the line says what
+# became of it instead ("Task proj.upload[id] parked at position 1 on 'email-group:42', not dropped: ...").
+
+_IGNORED_AS: collections.OrderedDict[str, str] = collections.OrderedDict()
+_IGNORED_AS_MAX = 1000  # entries of runs whose line was never logged (INFO disabled) are forgotten
+
+
+def _ignored_as(task_id: Any, words: str) -> None:
+    """Have Celery's "ignored" line for ``task_id`` say ``words`` instead."""
+    if task_id is None:
+        return
+    _IGNORED_AS[str(task_id)] = words
+    while len(_IGNORED_AS) > _IGNORED_AS_MAX:
+        _IGNORED_AS.popitem(last=False)
+
+
+class _IgnoredInOurWords(logging.Filter):
+    """On ``celery.app.trace``: the "ignored" line of a run we parked or dropped says what became of it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, dict) and args.get("description") == "ignored":
+            words = _IGNORED_AS.pop(str(args.get("id")), None)
+            if words is not None:
+                record.args = {**args, "description": words}
+        return True
+
+
+_trace_logger = logging.getLogger("celery.app.trace")
+if not any(isinstance(f, _IgnoredInOurWords) for f in _trace_logger.filters):
+    _trace_logger.addFilter(_IgnoredInOurWords())
 
 
 # -- a beat that does not run our scheduler -------------------------------------------------------------
