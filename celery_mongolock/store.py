@@ -71,7 +71,7 @@ from . import _documents as documents
 from . import _slot_admission as slot_admission
 from . import _slots as slots_docs
 from ._documents import MAX_INFO_BYTES, Document
-from ._urls import redact, validate_mongo_url
+from ._urls import describe_refusal, redact, validate_client_options, validate_mongo_url
 from ._validation import (
     DEFAULT_HISTORY_DAYS,
     DEFAULT_LEASE_SECONDS,
@@ -112,6 +112,9 @@ SLOT_HANDOFF_PROJECTION: Document = {"hs": 1, "fence": 1, "sup": 1, "lim": 1}
 
 #: ``callback(key, entry, document)``: publish the run a command of this process handed ``key`` to.
 HandoffCallback = Callable[[str, Document, Document], None]
+
+#: Seconds ``LeaseStore.close()`` and ``release_held()`` may take at most, whatever MongoDB does.
+CLOSE_SECONDS = 1.0
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
@@ -219,7 +222,7 @@ class LeaseStore:
             write_concern = WriteConcern(w="majority", j=True)
         self.write_concern = write_concern
         self.read_preference = read_preference or ReadPreference.PRIMARY
-        self.client_options = dict(client_options or {})
+        self.client_options = validate_client_options(client_options or {})
         #: Days the history collection keeps a lease's record (0: no history collection; the lease
         #: documents' ``ends`` are kept either way).
         self.history_days = validate_history_days(history_days)
@@ -298,20 +301,44 @@ class LeaseStore:
         """The URL with credentials masked (None when the store was given a client)."""
         return redact(self._url) if self._url else None
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
         """Release the leases the heartbeat keeps, stop it, and close the client this store created
-        (a client given to the store is left open)."""
-        hb = self._heartbeat
-        if hb is not None and hb.pid == os.getpid():
-            for lease in hb.leases:
-                with contextlib.suppress(Exception):
-                    lease.release()
-            hb.stop()
-            hb.flush_history(timeout=1.0)  # the records of leases that ended since the last tick
-        self._heartbeat = None
-        if self._client_cache is not None and self._pid == os.getpid():
-            self._client_cache.close()
-        self._client_cache = None
+        (a client given to the store is left open), all within ``timeout`` seconds whatever MongoDB does.
+
+        A lease whose release gets no answer in time stays on the server until it expires there (on the
+        server's clock): nobody else takes it early.
+        """
+        timeout = validate_seconds("timeout", timeout, low=0.01, high=3600.0)
+        deadline = time.monotonic() + timeout
+        # One deadline (pymongo CSOT, nested ones only shorten it) for every MongoDB call below, the
+        # driver's own endSessions in MongoClient.close() included: that one waited a whole
+        # serverSelectionTimeoutMS for a server that was gone.
+        with pymongo.timeout(timeout):
+            hb = self._heartbeat
+            if hb is not None and hb.pid == os.getpid():
+                self.release_held(timeout)
+                hb.stop(timeout=max(0.0, deadline - time.monotonic()))
+                # the records of leases that ended since the last tick
+                hb.flush_history(timeout=max(0.01, deadline - time.monotonic()))
+            self._heartbeat = None
+            if self._client_cache is not None and self._pid == os.getpid():
+                self._client_cache.close()
+            self._client_cache = None
+
+    def release_held(self, timeout: float = CLOSE_SECONDS) -> int:
+        """Release every lease this process holds with a heartbeat from this store, all within
+        ``timeout`` seconds (a worker's shutdown); return how many were released. A lease whose release
+        gets no answer in time is left to expire on the server's clock."""
+        timeout = validate_seconds("timeout", timeout, low=0.01, high=3600.0)
+        released = 0
+        with pymongo.timeout(timeout):
+            for lease in self.held_leases():
+                try:
+                    if lease.release():
+                        released += 1
+                except Exception as exc:
+                    log_release.warning("could not release %r (it will expire): %s", lease.key, exc)
+        return released
 
     def __enter__(self) -> LeaseStore:
         return self
@@ -325,6 +352,9 @@ class LeaseStore:
 
     # -- error handling ------------------------------------------------------------------------------
     def _unavailable(self, action: str, exc: BaseException) -> StoreUnavailable:
+        refused = self._refused(action, exc)
+        if refused is not None:
+            return refused
         return StoreUnavailable(
             f"MongoDB did not answer while trying to {action} "
             f"({self.database_name}.{self.collection_name}): {type(exc).__name__}: {redact(str(exc))[:500]}"
@@ -345,12 +375,9 @@ class LeaseStore:
         except (DuplicateKeyError, LeaseLost, LockContended):
             raise
         except OperationFailure as exc:
-            if exc.code in (13, 18, 8000):  # Unauthorized, AuthenticationFailed, Atlas auth
-                why = (exc.details or {}).get("errmsg") or str(exc)
-                raise StoreUnavailable(
-                    f"MongoDB refused to {action} ({self.database_name}.{self.collection_name}): "
-                    f"{redact(str(why))[:500]} (code {exc.code})"
-                ) from None
+            refused = self._refused(action, exc)
+            if refused is not None:
+                raise refused from None
             if retryable and (isinstance(exc, _AMBIGUOUS) or exc.has_error_label("RetryableWriteError")):
                 raise
             raise self._unavailable(action, exc) from None
@@ -360,6 +387,22 @@ class LeaseStore:
             raise self._unavailable(action, exc) from None
         except PyMongoError as exc:
             raise self._unavailable(action, exc) from None
+
+    def _refused(self, action: str, exc: BaseException) -> StoreUnavailable | None:
+        """MongoDB's refusal of our login, rights or its TLS certificate, in our words (None if ``exc`` is
+        not one); the server's own message, whose wording varies, is not shown."""
+        client = self._given_client or self._client_cache
+        credentials = None
+        if self._url is not None:
+            credentials = "@" in self._url.split("?", 1)[0] or any(
+                k.lower() == "username" for k in self.client_options
+            )
+        why = describe_refusal(exc, client, self.database_name, credentials)
+        if why is None:
+            return None
+        return StoreUnavailable(
+            f"MongoDB refused to {action} ({self.database_name}.{self.collection_name}): {why}"
+        )
 
     # -- indexes -------------------------------------------------------------------------------------
     def ensure_indexes(self) -> None:
