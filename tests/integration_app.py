@@ -1,6 +1,7 @@
 """The Celery app that the integration tests run in real ``celery worker`` processes.
 
-Configured from the environment: MONGOLOCK_IT_BROKER, MONGOLOCK_IT_MONGODB_URL, MONGOLOCK_IT_DB,
+Configured from the environment: MONGOLOCK_IT_BROKER (Redis or RabbitMQ), MONGOLOCK_IT_BACKEND (the result
+backend; default: the broker's URL), MONGOLOCK_IT_MONGODB_URL, MONGOLOCK_IT_DB,
 MONGOLOCK_IT_LEASE (lease seconds), MONGOLOCK_IT_HEARTBEAT (renewal seconds), MONGOLOCK_IT_READY_DIR
 (worker_ready marker files).
 Every task records what it did in MongoDB (collection ``runs``), so tests check outcomes, not logs.
@@ -20,10 +21,20 @@ from pymongo import MongoClient
 from celery_mongolock import Fail, Queue, Replace, Retry, Skip, Wait, current_lease, singleton_task
 from celery_mongolock.signals import lease_contended, lease_lost
 
+
+def broker_transport_options(broker_url: str) -> dict[str, Any]:
+    """What a broker needs so that nothing published is lost: on RabbitMQ, publisher confirms (a publish
+    returns once the broker has the message; Celery's queues are durable and its messages persistent by
+    default). Redis has no such option."""
+    return {"confirm_publish": True} if broker_url.startswith(("amqp", "pyamqp")) else {}
+
+
 app = Celery("integration_app")
 app.conf.update(
     broker_url=os.environ.get("MONGOLOCK_IT_BROKER", "memory://"),
-    result_backend=os.environ.get("MONGOLOCK_IT_BROKER", "cache+memory://"),
+    broker_transport_options=broker_transport_options(os.environ.get("MONGOLOCK_IT_BROKER", "memory://")),
+    result_backend=os.environ.get("MONGOLOCK_IT_BACKEND")
+    or os.environ.get("MONGOLOCK_IT_BROKER", "cache+memory://"),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     worker_prefetch_multiplier=1,

@@ -25,7 +25,7 @@ from celery_mongolock import LeaseStore, LockContended
 from . import integration_app as it
 from .conftest import CommandCounter
 from .servers import RedisServer, wait_for
-from .workers import Worker, worker_env
+from .workers import Worker, pointed_at, purge_after_kill, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,11 @@ LEASE = 3.0  # seconds: short, so that expiry is seen within a test
 
 
 class Cluster:
-    def __init__(self, broker: str, mongo_url: str, db_name: str, ready_dir: Path) -> None:
+    def __init__(
+        self, broker: str, mongo_url: str, db_name: str, ready_dir: Path, *, backend: str | None = None
+    ) -> None:
         self.broker = broker
+        self.backend = backend or broker
         self.mongo_url = mongo_url
         self.db_name = db_name
         self.ready_dir = ready_dir
@@ -44,6 +47,7 @@ class Cluster:
         self.workers: list[Worker] = []
 
     def env(self, **extra: Any) -> dict[str, str]:
+        extra.setdefault("MONGOLOCK_IT_BACKEND", self.backend)
         return worker_env(self.broker, self.mongo_url, self.db_name, self.ready_dir, lease=LEASE, **extra)
 
     def worker(self, **kwargs: Any) -> Worker:
@@ -68,6 +72,7 @@ class Cluster:
         for w in self.workers:
             w.kill()
             w.stop()  # already dead: closes its log
+        purge_after_kill(self.broker)  # RabbitMQ gives the dead nodes' messages back at once
         self.store.close()
         self.client.drop_database(self.db_name)
         self.client.close()
@@ -75,25 +80,25 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(
-    redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
+    """Two worker nodes on each broker in turn (``broker_url``: Redis, then RabbitMQ), results in Redis."""
     db_name = f"mongolock_it_{uuid.uuid4().hex[:8]}"
-    c = Cluster(redis_server.url, mongo_url, db_name, tmp_path_factory.mktemp("workers"))
-    it.app.conf.update(
-        broker_url=redis_server.url,
-        result_backend=redis_server.url,
+    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp("workers"), backend=redis_server.url)
+    with pointed_at(
+        it.app,
+        broker_url,
+        redis_server.url,
         mongolock_url=mongo_url,
         mongolock_database=db_name,
         mongolock_lease_seconds=LEASE,
-    )
-    for attr in ("_mongolock_settings", "_mongolock_store"):
-        it.app.__dict__.pop(attr, None)
-    c.worker(name="w1@localhost")
-    c.worker(name="w2@localhost")
-    try:
-        yield c
-    finally:
-        c.close()
+    ):
+        c.worker(name="w1@localhost")
+        c.worker(name="w2@localhost")
+        try:
+            yield c
+        finally:
+            c.close()
 
 
 def tag() -> str:
@@ -332,9 +337,9 @@ def test_a_parked_duplicate_runs_when_the_first_run_died(cluster: Cluster) -> No
 
 
 def _deliver_again(queue: str, task_ids: set[str]) -> None:
-    """Take the messages off ``queue`` without acknowledging them and drop the connection: kombu's Redis
-    transport puts them back marked ``redelivered``, as it does for a worker that died before it
-    acknowledged (or after the visibility timeout)."""
+    """Take the messages off ``queue`` without acknowledging them and drop the connection: the broker puts
+    them back marked ``redelivered`` (kombu's Redis transport in the message, RabbitMQ in the delivery), as
+    it does for a worker that died before it acknowledged (or, on Redis, after the visibility timeout)."""
     with it.app.connection_for_read() as conn:
         channel = conn.default_channel
         taken: set[str] = set()
@@ -342,6 +347,21 @@ def _deliver_again(queue: str, task_ids: set[str]) -> None:
             message = channel.basic_get(queue, no_ack=False)
             assert message is not None, f"{task_ids - taken} not in {queue}"
             taken.add(message.headers["id"])
+    if not str(it.app.conf.broker_url).startswith("redis"):
+        # RabbitMQ: look at them once more the same way (they go back again when this connection closes).
+        with it.app.connection_for_read() as conn:
+            channel = conn.default_channel
+            flags: dict[str, bool] = {}
+
+            def all_back() -> bool:
+                message = channel.basic_get(queue, no_ack=False)
+                if message is not None:
+                    flags[message.headers["id"]] = bool(message.delivery_info.get("redelivered"))
+                return set(flags) == task_ids
+
+            wait_for(all_back, timeout=10, message=f"{task_ids} back in {queue}")
+        assert all(flags.values()), f"RabbitMQ did not mark them redelivered: {flags}"
+        return
     raw = redis.Redis.from_url(str(it.app.conf.broker_url))
     try:
         queued = [json.loads(m) for m in raw.lrange(queue, 0, -1)]

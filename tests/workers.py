@@ -7,9 +7,12 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from .integration_app import broker_transport_options
 from .servers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,3 +125,56 @@ def worker_env(
     }
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def _drop_connections(app: Any) -> None:
+    """Forget ``app``'s broker connections (its producer pool), so that the next publish uses its broker URL
+    as configured now: a pool made earlier keeps the broker it was made for. (Not closed: kombu keeps one pool
+    per broker for the whole process, and would hand the closed one out again.)"""
+    app._pool = None
+    app.amqp._producer_pool = None
+    for attr in ("_mongolock_settings", "_mongolock_store"):
+        app.__dict__.pop(attr, None)
+
+
+@contextmanager
+def pointed_at(app: Any, broker: str, backend: str, **settings: Any) -> Iterator[None]:
+    """Point the test process's ``app`` at ``broker`` (Redis or RabbitMQ, with what it needs so that nothing
+    published is lost) and ``backend`` for a block; then back to what it had, its connections dropped."""
+    keys = ("broker_url", "result_backend", "broker_transport_options", *settings)
+    before = {key: app.conf.get(key) for key in keys}
+    app.conf.update(
+        broker_url=broker,
+        result_backend=backend,
+        broker_transport_options=broker_transport_options(broker),
+        **settings,
+    )
+    _drop_connections(app)
+    try:
+        yield
+    finally:
+        app.conf.update(before)
+        _drop_connections(app)
+
+
+def purge_after_kill(broker: str, queue: str = "celery", timeout: float = 30) -> None:
+    """On RabbitMQ, the messages of a SIGKILLed node go back to their queue at once (on Redis only after the
+    visibility timeout): once ``queue`` has no consumer left, empty it, so that the next module's workers
+    on the same broker do not run this module's leftovers."""
+    if not broker.startswith(("amqp", "pyamqp")):
+        return
+    from kombu.connection import Connection
+
+    connection: Any = Connection  # untyped
+    with connection(broker) as conn:
+        channel = conn.default_channel
+
+        def no_consumer() -> bool:
+            try:
+                return int(channel.queue_declare(queue=queue, passive=True).consumer_count) == 0
+            except Exception:  # no such queue: nothing to purge
+                return True
+
+        wait_for(no_consumer, timeout=timeout, message=f"{queue} to have no consumer")
+        with suppress(Exception):  # no such queue
+            channel.queue_purge(queue)
