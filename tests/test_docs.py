@@ -696,3 +696,38 @@ def test_fragments_that_declare_tasks_declare_them() -> None:
         check=True,
     )
     assert json.loads(out.stdout) == []
+
+
+# -- every mongolock_* name a page uses exists ----------------------------------------------------------
+
+# Misspellings the pages show on purpose (what a typo gets), environment variables of examples.
+SHOWN_AS_TYPOS = {"mongolock_lease_second", "mongolock_on_contension", "celery_mongolock_lease_second"}
+ENVIRONMENT = {"mongolock_test_mongodb_url", "mongolock_password"}
+
+
+def _known_mongolock_names() -> set[str]:
+    from celery_mongolock import SingletonTask, _headers, _queue, task
+    from celery_mongolock.config import KNOWN_SETTINGS
+
+    names = {n.lower() for n in KNOWN_SETTINGS}
+    names |= {n for n in dir(SingletonTask) if n.startswith("mongolock_")}
+    for module in (_headers, _queue, task):
+        names |= {str(v) for k, v in vars(module).items() if k.endswith("_HEADER") and isinstance(v, str)}
+    return names | {"mongolock_beat_"}  # "mongolock_beat_*", the beat's settings
+
+
+def test_every_mongolock_name_a_page_uses_exists() -> None:
+    """A setting, task attribute, method or message header named ``mongolock_*`` on a page (README, how-to,
+    reference, discussions; not the design record, which also names what was not built) is one the library
+    has, in any case and with Django's ``CELERY_`` namespace."""
+    known = _known_mongolock_names() | SHOWN_AS_TYPOS | ENVIRONMENT
+    pages = [p for p in PAGES if not p.is_relative_to(ROOT / "docs" / "design")]
+    unknown = sorted(
+        {
+            f"{page.relative_to(ROOT)}: {word}"
+            for page in pages
+            for word in re.findall(r"\b(?:CELERY_)?(?:MONGOLOCK|mongolock)_[A-Za-z_]+", page.read_text())
+            if word.lower().removeprefix("celery_") not in known and word.lower() not in known
+        }
+    )
+    assert not unknown, f"names the library does not have: {unknown}"
