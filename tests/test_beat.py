@@ -197,6 +197,10 @@ def test_several_beats_send_each_tick_once_and_fail_over(beat_cluster: dict[str,
             after_stop = stopped_at_ms - period <= t <= stopped_at_ms + 2000
             assert after_kill or after_stop, f"{kind}: tick {t} missed outside a failover window"
     assert "no longer the leader" not in "".join(b.log() for b in beats if b is not first)
+    # With our scheduler, neither the beats nor the worker warn that it is not used (issue 27).
+    assert "not celery_mongolock.beat:Scheduler" not in "".join(b.log() for b in beats)
+    worker_log = beat_cluster["worker"].log_path.read_text(errors="replace")
+    assert "does not run celery_mongolock.beat:Scheduler" not in worker_log
 
 
 def test_server_time_follows_the_server_and_the_monotonic_clock_only(monkeypatch: pytest.MonkeyPatch) -> None:
