@@ -430,84 +430,141 @@ def _project_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.slow
-def test_the_email_group_upload_how_to_runs_as_written(redis_server: Any, tmp_path: Path) -> None:
-    """docs/how-to/email-group-upload.md: its modules written to a new project as printed (only the
-    server addresses changed), its commands run as printed, a real prefork worker."""
-    import os
-    import signal
+class HowToProject:
+    """A how-to's project written to ``root`` as printed (only the server addresses changed: the broker,
+    the result backend and MongoDB are the test's), with a real prefork worker started by the page's own
+    command."""
 
-    from pymongo import MongoClient
-
-    from celery_mongolock.embedded import EmbeddedMongo
-
-    from .servers import wait_for
-
-    page = ROOT / "docs" / "how-to" / "email-group-upload.md"
-    files = project_files(page)
-    assert sorted(files) == ["proj/celery.py", "proj/storage.py", "proj/tasks.py", "send.py"]
-    create, start_worker, send = shell_lines(page, "3. Send uploads as usual")
-    assert start_worker == "celery -A proj worker --loglevel=INFO" and send == "python send.py"
-    redis_base = redis_server.url.rsplit("/", 1)[0]
-    with EmbeddedMongo() as mongo:
+    def __init__(self, root: Path, files: dict[str, str], redis_url: str, mongo_url: str) -> None:
+        self.root, self.mongo_url = root, mongo_url
+        redis_base = redis_url.rsplit("/", 1)[0]
         for path, printed in files.items():
             code = printed.replace("redis://localhost:6379/0", f"{redis_base}/13")
             code = code.replace("redis://localhost:6379/1", f"{redis_base}/14")
-            code = code.replace("mongodb://localhost:27017", mongo.url)
-            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / path).write_text(code)
-        (tmp_path / "proj" / "__init__.py").write_text("")  # "an empty proj/__init__.py"
-        subprocess.run(["bash", "-c", create], cwd=tmp_path, check=True)
-        log_path = tmp_path / "worker.log"
-        with open(log_path, "wb") as log:
-            worker = subprocess.Popen(
-                [*start_worker.split(), "--concurrency=2", "--without-gossip", "--without-mingle"],
-                cwd=tmp_path,
+            code = code.replace("mongodb://localhost:27017", mongo_url)
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(code)
+        (root / "proj" / "__init__.py").write_text("")  # "an empty proj/__init__.py"
+        self.log_path = root / "worker.log"
+        self.worker: subprocess.Popen[bytes] | None = None
+
+    def start_worker(self, command: str) -> None:
+        from .servers import wait_for
+
+        with open(self.log_path, "wb") as log:
+            self.worker = subprocess.Popen(
+                [*command.split(), "--without-gossip", "--without-mingle"],
+                cwd=self.root,
                 env=_project_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        try:
+        worker = self.worker
 
-            def ready() -> bool:
-                assert worker.poll() is None, log_path.read_text()
-                return " ready." in log_path.read_text()
+        def ready() -> bool:
+            assert worker.poll() is None, self.log()
+            return "celery_mongolock: leases in" in self.log()
 
-            wait_for(ready, timeout=60, message="the worker to be ready")
-            out = subprocess.run(
-                send.split(),
-                cwd=tmp_path,
-                env=_project_env(),
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-            assert out.returncode == 0, out.stdout + out.stderr + log_path.read_text()
-            lines = out.stdout.splitlines()
-            assert lines[1] == "second: 1", out.stdout
-            assert lines[0] == "first: 2" or lines[0].startswith("first: {'mongolock': 'superseded'"), (
-                out.stdout
-            )
-            client: MongoClient[dict[str, Any]] = MongoClient(mongo.url)
+        wait_for(ready, timeout=60, message="the worker to start")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def run(self, command: str) -> str:
+        """A command of the page, as printed (in bash); its output."""
+        out = subprocess.run(
+            ["bash", "-c", command],
+            cwd=self.root,
+            env=_project_env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr + self.log()
+        return out.stdout
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.worker is not None and self.worker.poll() is None:
+            self.worker.send_signal(signal.SIGTERM)
             try:
-                members = sorted(d["email"] for d in client["proj"]["members"].find({"group": 42}))
-                group = client["proj"]["groups"].find_one({"_id": 42})
-            finally:
-                client.close()
-            assert members == ["cy@example.com"]
-            assert group is not None and group["upload"] == "u-1002" and group["state"] == "done"
-            assert "Traceback" not in log_path.read_text()
+                self.worker.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.worker.pid, signal.SIGKILL)
+                self.worker.wait(10)
+
+
+@pytest.fixture
+def how_to(redis_server: Any, tmp_path: Path) -> Iterator[Callable[[dict[str, str]], HowToProject]]:
+    from celery_mongolock.embedded import EmbeddedMongo
+
+    projects: list[HowToProject] = []
+    with EmbeddedMongo() as mongo:
+
+        def make(files: dict[str, str]) -> HowToProject:
+            projects.append(HowToProject(tmp_path, files, redis_server.url, mongo.url))
+            return projects[-1]
+
+        try:
+            yield make
         finally:
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGTERM)
-                try:
-                    worker.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(worker.pid, signal.SIGKILL)
-                    worker.wait(10)
+            for project in projects:
+                project.stop()
+
+
+@pytest.mark.slow
+def test_the_email_group_upload_how_to_runs_as_written(
+    how_to: Callable[[dict[str, str]], HowToProject],
+) -> None:
+    """docs/how-to/email-group-upload.md: its modules written to a new project as printed, its commands
+    run as printed, a real prefork worker."""
+    from pymongo import MongoClient
+
+    page = ROOT / EMAIL_GROUP_PAGE
+    files = project_files(page)
+    assert sorted(files) == ["proj/celery.py", "proj/storage.py", "proj/tasks.py", "send.py"]
+    create, start_worker, send = shell_lines(page, "3. Send uploads as usual")
+    assert start_worker == "celery -A proj worker --loglevel=INFO" and send == "python send.py"
+    project = how_to(files)
+    project.run(create)
+    project.start_worker(start_worker + " --concurrency=2")
+    lines = project.run(send).splitlines()
+    assert lines[1] == "second: 1", lines
+    assert lines[0] == "first: 2" or lines[0].startswith("first: {'mongolock': 'superseded'"), lines
+    client: MongoClient[dict[str, Any]] = MongoClient(project.mongo_url)
+    try:
+        members = sorted(d["email"] for d in client["proj"]["members"].find({"group": 42}))
+        group = client["proj"]["groups"].find_one({"_id": 42})
+    finally:
+        client.close()
+    assert members == ["cy@example.com"]
+    assert group is not None and group["upload"] == "u-1002" and group["state"] == "done"
+    assert "Traceback" not in project.log()
+
+
+@pytest.mark.slow
+def test_the_per_tenant_limit_how_to_runs_as_written(
+    how_to: Callable[[dict[str, str]], HowToProject],
+) -> None:
+    """docs/how-to/per-tenant-limit.md on the email-group upload's proj/celery.py: its "Try it" commands,
+    a real prefork worker of 4 slots, at most 3 runs of tenant 42 at once."""
+    base = {p: c for p, c in project_files(ROOT / EMAIL_GROUP_PAGE).items() if p.startswith("proj/")}
+    page = ROOT / "docs" / "how-to" / "per-tenant-limit.md"
+    files = {**base, **project_files(page)}
+    start_worker, send = shell_lines(page, "Try it")
+    project = how_to(files)
+    project.start_worker(start_worker)
+    out = project.run(send)
+    (line,) = [line for line in out.splitlines() if line.startswith("slots used:")]
+    slots = ast.literal_eval(line.split(":", 1)[1].strip())
+    assert slots and set(slots) <= {0, 1, 2}, out
+    assert project.log().count("syncing tenant 42 since 2026-11-01 in slot") == 6, project.log()
+    assert "Traceback" not in project.log()
 
 
 # -- every block is run, loaded or marked a fragment ----------------------------------------------------
