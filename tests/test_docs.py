@@ -788,3 +788,42 @@ def test_every_mongolock_name_a_page_uses_exists() -> None:
         }
     )
     assert not unknown, f"names the library does not have: {unknown}"
+
+
+def _logger_names() -> set[str]:
+    names = set()
+    for path in (ROOT / "celery_mongolock").glob("*.py"):
+        names |= set(re.findall(r'getLogger\("(celery_mongolock[\w.]*)"\)', path.read_text()))
+    return names
+
+
+def test_every_celery_mongolock_name_a_page_uses_exists() -> None:
+    """``celery_mongolock.x.y`` on a page (not the design record) is a module or attribute of the library,
+    one of its loggers, or the default lease collection ``celery_mongolock.leases``."""
+    import importlib
+
+    pages = [p for p in PAGES if not p.is_relative_to(ROOT / "docs" / "design")]
+    names = {
+        name
+        for page in pages
+        for name in re.findall(r"\bcelery_mongolock(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_]\w*)?", page.read_text())
+    }
+    assert len(names) > 20
+    known = _logger_names() | {"celery_mongolock.leases"}
+
+    def resolves(name: str) -> bool:
+        parts = name.replace(":", ".").split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj: Any = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                if not hasattr(obj, attr):
+                    return False
+                obj = getattr(obj, attr)
+            return True
+        return False
+
+    missing = sorted(name for name in names if name not in known and not resolves(name))
+    assert not missing, f"names the library does not have: {missing}"
