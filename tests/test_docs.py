@@ -827,3 +827,71 @@ def test_every_celery_mongolock_name_a_page_uses_exists() -> None:
 
     missing = sorted(name for name in names if name not in known and not resolves(name))
     assert not missing, f"names the library does not have: {missing}"
+
+
+# -- the start-up errors the pages show are the library's -------------------------------------------------
+
+
+def _key_template_error() -> Any:
+    from celery import Celery
+
+    from celery_mongolock import singleton_task
+
+    def g(group_id: int) -> None: ...
+
+    return singleton_task(key="email-group:{gid}", name="tasks.g", app=Celery("tasks", set_as_current=False))(
+        g
+    )
+
+
+def _django_settings(**settings: Any) -> Any:
+    from celery import Celery
+
+    from celery_mongolock.config import read_settings
+
+    app = Celery("docs_django", set_as_current=False)
+    app.config_from_object(type("Settings", (), settings), namespace="CELERY")
+    return read_settings(app.conf)
+
+
+def _settings(**settings: Any) -> Any:
+    from celery_mongolock.config import read_settings
+
+    return read_settings(settings)
+
+
+# What each shown message is given for.
+START_ERRORS: dict[str, Callable[[], Any]] = {
+    "mongolock_lease_seconds must be between 0.5 and 2.592e+06 seconds, got -1": lambda: _settings(
+        mongolock_lease_seconds=-1
+    ),
+    (
+        "unknown setting 'CELERY_MONGOLOCK_LEASE_SECOND'; did you mean 'CELERY_MONGOLOCK_LEASE_SECONDS'?"
+    ): lambda: _django_settings(CELERY_MONGOLOCK_LEASE_SECOND=60),
+    "task 'tasks.g': key template 'email-group:{gid}' names 'gid', which is not an argument of g(group_id)": (
+        _key_template_error
+    ),
+    "mongolock_task_policies['groups.tasks.upload_members'] has unknown option(s) ['lease_secs'] (did you "
+    "mean 'lease_seconds' for 'lease_secs'?); known: ['on_contention', 'lease_seconds', 'heartbeat_seconds', "
+    "'min_hold_seconds', 'limit', 'keys']": lambda: _settings(
+        mongolock_task_policies={"groups.tasks.upload_members": {"lease_secs": 60}}
+    ),
+}
+
+
+def test_the_start_up_errors_a_page_shows_are_the_ones_given() -> None:
+    from celery_mongolock import ConfigurationError
+
+    shown = {
+        line.split("celery_mongolock: cannot start: ", 1)[1].strip()
+        for page in PAGES
+        if not page.is_relative_to(ROOT / "docs" / "design")
+        for line in page.read_text().splitlines()
+        if "celery_mongolock: cannot start: " in line
+    }
+    assert shown, "no page shows a start-up error"
+    assert not shown - set(START_ERRORS), f"add these to START_ERRORS: {sorted(shown - set(START_ERRORS))}"
+    for message in shown:
+        with pytest.raises(ConfigurationError) as info:
+            START_ERRORS[message]()
+        assert str(info.value) == message
