@@ -45,6 +45,7 @@ __all__ = [
     "admit_pipeline",
     "gc_stage",
     "handoff_stages",
+    "ran",
     "ran_any",
     "run_id",
 ]
@@ -486,9 +487,24 @@ def seen_append(when: object) -> Document:
 def ran_any(run_ids: Sequence[str]) -> Document:
     """True when one of ``run_ids`` is remembered as over (``seen``: it ended with a normal release). The
     acquire of a copy of such a run (a redelivered or parked message) refuses the key with it, in the same
-    command: a run whose release lands between the copy's look and its acquire is never run again."""
+    command: a run whose release lands between the copy's look and its acquire is never run again.
+
+    An id ending with ``.`` is a prefix (``"<task id>/<retries>."``: any contention retry of that attempt,
+    see ``ran``); any other is matched whole."""
     seen = {"$ifNull": ["$seen", []]}
-    return {"$or": [{"$in": [{"$literal": rid}, seen]} for rid in run_ids]}
+    tests: list[Document] = []
+    for rid in run_ids:
+        if rid.endswith("."):
+            starts = {"$eq": [{"$indexOfCP": ["$$r", {"$literal": rid}]}, 0]}
+            tests.append({"$anyElementTrue": [{"$map": {"input": seen, "as": "r", "in": starts}}]})
+        else:
+            tests.append({"$in": [{"$literal": rid}, seen]})
+    return {"$or": tests}
+
+
+def ran(seen: Sequence[str], run_ids: Sequence[str]) -> bool:
+    """``ran_any`` in Python, on a document's ``seen``."""
+    return any(r == rid or (rid.endswith(".") and r.startswith(rid)) for rid in run_ids for r in seen)
 
 
 def entry_expr(entry: Mapping[str, Any], timeout_ms: int | None, debounce_ms: int | None = None) -> Document:

@@ -393,7 +393,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 except StoreUnavailable as exc:
                     _release_quietly(taken)
                     self._unavailable(keys[0], exc, policy, direct)
-                if not lost:
+                # ``renew_many`` leaves out leases already lost (their deadline passed while the other
+                # keys were taken): those are not confirmed either.
+                if not lost and not any(lease.lost for lease in taken):
                     return LeaseSet(taken)
                 _release_quietly(taken)
                 continue
@@ -490,7 +492,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             except StoreUnavailable:
                 _give_back_quietly(store, leases)
                 raise
-            if not lost:
+            # ``renew_many`` leaves out leases already lost (their deadline passed while the other keys
+            # were taken: the lock-set checker's seed 26): those are not confirmed either.
+            if not lost and not any(lease.lost for lease in leases):
                 return True
             _give_back_quietly(store, leases)
             log_acquire.info(
@@ -990,7 +994,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     "seen": 1,
                 },
             )
-        if doc is not None and set(ended_runs) & set(doc.get("seen") or []):
+        if doc is not None and _admission.ran(doc.get("seen") or [], ended_runs):
             return True
         parked = bool((request.headers or {}).get(DUPLICATE_HEADER))
         delivery = _delivery(request)
@@ -1094,15 +1098,19 @@ def _delivery(request: Any) -> str:
 
 
 def _copy_run_ids(request: Any) -> list[str]:
-    """The run ids (``_admission.run_id``) a copy of a message (parked duplicate, or delivered again by the
-    broker) is matched on in ``seen``; empty for any other message (a first delivery is never checked).
-    A parked copy also matches a holder recorded without its delivery (an older version, ``hold()``)."""
+    """What a copy of a message (parked duplicate, or delivered again by the broker) is matched on in
+    ``seen`` (``_admission.ran``); empty for any other message (a first delivery is never checked).
+
+    Any run of the same attempt (task id and own retries), whatever its contention retries: a parked
+    copy that MongoDB did not answer goes on as a contention retry (``<retries>.1``), and is still a copy
+    of the run ``<retries>.0`` that holds the key. A parked copy also matches a holder recorded without its
+    delivery (an older version, ``hold()``)."""
     parked = bool((getattr(request, "headers", None) or {}).get(DUPLICATE_HEADER))
     redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
     task_id = getattr(request, "id", None)
     if not (parked or redelivered) or not task_id:
         return []
-    ids = [_admission.run_id(task_id, _delivery(request))]
+    ids = [_admission.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
     return [*ids, _admission.run_id(task_id, "")] if parked else ids
 
 

@@ -97,3 +97,18 @@ def test_a_run_given_back_before_its_body_ran_is_not_remembered(store: LeaseStor
     assert lease is not None
     assert store.force_release(KEY)
     assert copy_takes_the_key(store, "forced")
+
+
+def test_a_copy_matches_every_contention_retry_of_its_attempt_not_a_later_attempt(store: LeaseStore) -> None:
+    """A copy is matched on its attempt (task id and own retries), whatever its contention retries
+    (``"<task id>/<retries>."``, as ``task.py`` sends it): a parked copy that went on as a contention
+    retry is still a copy of the run that ended. A later attempt (the body's own ``self.retry()``) is not."""
+    ended_run(store, "first")  # delivery "0.0"
+    lease, _ = store._try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "0.")])
+    assert lease is None
+    lease, _ = store._try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "1.")])
+    assert lease is not None
+    store.give_back(lease)
+    lease, _ = store._try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "")])
+    assert lease is not None  # a whole id is matched whole (an older holder's "<task id>/")
+    store.give_back(lease)
