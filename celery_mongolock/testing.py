@@ -334,6 +334,17 @@ class RabbitMQServer:
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def terminate(self, timeout: float = 30.0) -> None:
+        """Stop the node cleanly (SIGTERM), keeping its data: ``start()`` brings it back."""
+        if self.proc is not None and self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait(10)
+        self.proc = None
+
     def kill(self) -> None:
         """SIGKILL the node, as a crash would, keeping its data: ``start()`` brings it back."""
         if self.proc is not None and self.proc.poll() is None:

@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/soak.py --duration 300 --seed 7 --json soak.json
     .venv/bin/python scripts/soak.py --bounded --seeds 10 --workdir /tmp/soak   # make test's run, 10 seeds
+    .venv/bin/python scripts/soak.py --bounded --seeds 10 --broker rabbitmq     # the same on RabbitMQ
 
 Bare LeaseStore clients and real Celery prefork workers do fenced read-modify-writes on protected
 documents under their leases while holders are paused (SIGSTOP), worker children and whole nodes are
@@ -71,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="keep logs and histories here (a subdirectory per seed with --seeds)",
     )
+    parser.add_argument(
+        "--broker",
+        choices=("redis", "rabbitmq"),
+        default="redis",
+        help="the broker (default redis); rabbitmq needs rabbitmq-server installed, and excuses no loss",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     faults = tuple(f for f in args.faults.split(",") if f)
@@ -85,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         if workdir is not None and args.seeds > 1:
             workdir = workdir / f"seed-{seed}"
         if args.bounded:
-            cfg = lockcheck.Config(duration=70.0, seed=seed, workdir=workdir, faults=faults)
+            cfg = lockcheck.Config(
+                duration=70.0, seed=seed, workdir=workdir, faults=faults, broker=args.broker
+            )
         else:
             cfg = lockcheck.Config(
                 duration=args.duration,
@@ -99,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 fault_interval=args.fault_interval,
                 workdir=workdir,
                 skewed_node=args.skewed_node,
+                broker=args.broker,
             )
         report = lockcheck.run(cfg)
         if args.bounded:  # what make test's run asserts it exercised (tests/test_lockcheck.py)
@@ -132,7 +142,7 @@ def summary_line(report: dict[str, Any]) -> str:
     most = max(lm["max_clean_holds_at_once"].values(), default=0)
     lq, mq = report["queued"]["limit_queued"], report["queued"]["multi_queued"]
     return (
-        f"seed {report['seed']}: violations {report['violations']}, "
+        f"seed {report['seed']} ({report.get('broker', 'redis')}): violations {report['violations']}, "
         f"unmet coverage {report.get('unmet_coverage', 'not checked')}, unfinished {tasks['unfinished']} "
         f"(lost by the broker {tasks['lost_by_broker']}), tasks {tasks['submitted']}, "
         f"faults {sum(faults.values())}, limit holds {lm['limit_holds']} (most clean at once {most} of "

@@ -1921,6 +1921,10 @@ class Config:
     warmup: float = 4.0
     drain_timeout: float = 120.0
     workdir: Path | None = None
+    #: The broker: "redis" (also the result backend), or "rabbitmq" (durable queues, persistent messages,
+    #: publisher confirms, acks_late; results in a Redis of their own, which no fault touches). On RabbitMQ
+    #: no loss is excused: the broker has no log to prove one with, and it is not expected to lose any.
+    broker: str = "redis"
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
 
 
@@ -2048,8 +2052,10 @@ class Run:
         from celery import Celery
 
         from celery_mongolock.embedded import EmbeddedMongo
-        from celery_mongolock.testing import RedisServer
+        from celery_mongolock.testing import RabbitMQServer, RedisServer
 
+        if cfg.broker not in ("redis", "rabbitmq"):
+            raise ValueError(f"broker must be 'redis' or 'rabbitmq', got {cfg.broker!r}")
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self._own_dir = cfg.workdir is None
@@ -2071,6 +2077,7 @@ class Run:
             log_path=self.dir / "mongo.log",
         )
         self.redis = RedisServer(persistent=True)
+        self.rabbit = RabbitMQServer() if cfg.broker == "rabbitmq" else None
         # Sends the tasks. Without a result backend: with Redis's, every AsyncResult subscribes to its
         # task's channel and unsubscribes in __del__, which raises (unraisable) on a connection that a
         # broker restart broke. Results are read through ``self.results``.
@@ -2108,10 +2115,16 @@ class Run:
     def setup(self) -> None:
         self.server.start()
         self.redis.start()
+        if self.rabbit is not None:
+            self.rabbit.start()
         self._marks = threading.Thread(target=self._clock_marks, name="lockcheck-clock-marks", daemon=True)
         self._marks.start()
-        self.capp.conf.update(broker_url=self.redis.url)
-        self.results.conf.update(broker_url=self.redis.url, result_backend=self.redis.url)
+        self.capp.conf.update(broker_url=self.broker_url, broker_transport_options=self._confirms())
+        self.results.conf.update(
+            broker_url=self.broker_url,
+            broker_transport_options=self._confirms(),
+            result_backend=self.redis.url,
+        )
         self.store = LeaseStore(self.server.url, database=self.db, lease_seconds=30, operation_timeout=3.0)
         self.store.ensure_indexes()
         self.start_mono = time.monotonic()
@@ -2129,6 +2142,16 @@ class Run:
             }
             self.skewed_node = Node("skewed@lockcheck", env, self.dir, 1, SKEWED_QUEUE).start()
             self.start_times.append(self.skewed_node.start_s)
+
+    @property
+    def broker_url(self) -> str:
+        """The broker's URL: RabbitMQ's, or Redis's (then also the result backend)."""
+        return self.rabbit.url if self.rabbit is not None else self.redis.url
+
+    def _confirms(self) -> dict[str, Any]:
+        """On RabbitMQ, publisher confirms: a send returns once the broker has the message (else it raises
+        and is retried); without them a message sent just before a broker crash can vanish unseen."""
+        return {"confirm_publish": True} if self.rabbit is not None else {}
 
     def supervise(self) -> None:
         """Replace a worker node that exited without being told to, as ``systemd`` (``Restart=always``) or
@@ -2189,7 +2212,8 @@ class Run:
         return {
             **os.environ,
             "PYTHONPATH": str(ROOT),
-            "LOCKCHECK_BROKER": self.redis.url,
+            "LOCKCHECK_BROKER": self.broker_url,
+            "LOCKCHECK_BACKEND": self.redis.url,
             "LOCKCHECK_MONGODB_URL": self.server.url,
             "LOCKCHECK_DB": self.db,
             "LOCKCHECK_LEASE": str(self.cfg.lease_seconds),
@@ -2683,6 +2707,20 @@ class Run:
     def _broker_restart(self) -> bool:
         crash = sum(1 for f in self.faults if f["kind"] == "broker-restart") % 2 == 0
         t = time.monotonic()
+        if self.rabbit is not None:
+            if crash:
+                self.rabbit.kill()
+            else:
+                self.rabbit.terminate()
+            self._stop.wait(1.0)
+            self.rabbit.start()
+            self._record(
+                "broker-restart",
+                t,
+                how="SIGKILL" if crash else "SIGTERM",
+                down_s=round(time.monotonic() - t, 2),
+            )
+            return True
         if crash:
             self.redis.kill()
         else:
@@ -2956,10 +2994,12 @@ class Run:
 
     def _broker_view(self, task_ids: Iterable[str]) -> dict[str, str]:
         """Where each unfinished task's message is: a queue, ``unacked``, ``nowhere``, or ``unknown``
-        (the broker did not answer)."""
+        (the broker did not answer; on RabbitMQ, which cannot be looked into without taking messages)."""
         import redis
 
         ids = list(task_ids)
+        if self.rabbit is not None:
+            return dict.fromkeys(ids, "unknown")
         where = dict.fromkeys(ids, "nowhere")
         try:
             client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
@@ -2984,6 +3024,8 @@ class Run:
         return where
 
     def _broker_log(self) -> brokerlog.BrokerLog | None:
+        if self.rabbit is not None:
+            return None  # no log of RabbitMQ's to prove a loss with: none is excused
         try:
             return brokerlog.replay(Path(self.redis.dir) / "appendonly.aof")
         except OSError as exc:
@@ -3008,6 +3050,8 @@ class Run:
         import redis
 
         found = dict.fromkeys(task_ids, "nowhere")
+        if self.rabbit is not None:
+            return {}  # RabbitMQ cannot be looked into without taking the messages
         try:
             client = redis.Redis.from_url(self.redis.url)
             places = {q: client.lrange(q, 0, -1) for q in ("celery", SKEWED_QUEUE)}
@@ -3050,6 +3094,7 @@ class Run:
             violations = check(history)
             extra = {
                 "seed": self.cfg.seed,
+                "broker": self.cfg.broker,
                 "duration_s": round(time.monotonic() - t_start, 1),
                 "fault_phase_s": round(self.cfg.duration + self.cfg.warmup, 1),
                 "directed_s": self.directed_s,
@@ -3099,6 +3144,10 @@ class Run:
         with contextlib.suppress(OSError):
             shutil.copyfile(Path(self.redis.dir) / "appendonly.aof", self.dir / "broker-appendonly.aof")
         self.redis.stop()
+        if self.rabbit is not None:
+            with contextlib.suppress(OSError):
+                shutil.copyfile(self.rabbit.log_path, self.dir / "rabbitmq.log")
+            self.rabbit.stop()
 
 
 def _when(event: Doc) -> float:

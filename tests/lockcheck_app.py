@@ -42,7 +42,8 @@ from . import lockcheck
 app = Celery("lockcheck_app")
 app.conf.update(
     broker_url=os.environ.get("LOCKCHECK_BROKER", "memory://"),
-    result_backend=os.environ.get("LOCKCHECK_BROKER", "cache+memory://"),
+    result_backend=os.environ.get("LOCKCHECK_BACKEND")
+    or os.environ.get("LOCKCHECK_BROKER", "cache+memory://"),
     broker_connection_retry_on_startup=True,
     # Unacknowledged messages of a node killed outright come back after this many seconds (kombu sweeps
     # every interval * throttle seconds: 100 by default). kombu judges visibility by the *sweeper's* wall
@@ -60,6 +61,9 @@ app.conf.update(
         # A sweep holds a Redis mutex (5 minutes by default): a node SIGKILLed in mid-sweep would stop
         # every other node's sweeps for longer than the checker waits for the last tasks.
         "unacked_mutex_expire": 10,
+        # RabbitMQ (the Redis transport ignores it): every publish waits for the broker's confirm, so that a
+        # retry or handoff re-published just before a broker crash is not lost unseen.
+        "confirm_publish": True,
     },
     # A result stored while the broker (also the result backend here) restarts is retried, not lost; with
     # the default, a run that did its work ends FAILURE (ConnectionError) when its result cannot be stored.
