@@ -21,6 +21,7 @@ from celery.exceptions import Ignore
 
 from celery_mongolock import LeaseStore, Queue, Retry, current_lease, singleton_task
 from celery_mongolock.config import get_store
+from celery_mongolock.lease import LeaseSet
 from celery_mongolock.store import Lease
 
 
@@ -72,7 +73,7 @@ def test_a_several_keys_body_never_starts_with_a_lease_already_lost(
     @singleton_task(keys=("a:{x}", "b:{x}"), app=app, name=f"multi_confirm.{takes}", on_contention=policy)
     def pair(x: str) -> str:
         lease_set = current_lease()
-        assert lease_set is not None
+        assert isinstance(lease_set, LeaseSet)
         seen.append([lease.lost for lease in lease_set])
         return x
 
