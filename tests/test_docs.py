@@ -567,6 +567,25 @@ def test_the_per_tenant_limit_how_to_runs_as_written(
     assert "Traceback" not in project.log()
 
 
+@pytest.mark.slow
+def test_the_several_keys_how_to_runs_as_written(how_to: Callable[[dict[str, str]], HowToProject]) -> None:
+    """docs/how-to/several-keys.md on the email-group upload's proj/celery.py and proj/storage.py: its
+    "Try it" commands, a real prefork worker; the merge holds both keys and moves the members."""
+    base = {p: c for p, c in project_files(ROOT / EMAIL_GROUP_PAGE).items() if p.startswith("proj/")}
+    page = ROOT / "docs" / "how-to" / "several-keys.md"
+    start_worker, send = shell_lines(page, "Try it")
+    project = how_to({**base, **project_files(page)})
+    project.start_worker(start_worker)
+    out = project.run(send).splitlines()
+    assert out == [
+        "keys: ['email-group:7', 'email-group:8']",
+        "moved: 1",
+        "group 8: ['ann@example.com', 'bob@example.com']",
+    ], out
+    assert "acquired ['email-group:7', 'email-group:8']" in project.log(), project.log()
+    assert "Traceback" not in project.log()
+
+
 # -- every block is run, loaded or marked a fragment ----------------------------------------------------
 
 EMAIL_GROUP_PAGE = "docs/how-to/email-group-upload.md"
