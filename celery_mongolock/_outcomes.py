@@ -1,0 +1,148 @@
+"""Typed results of the lease engine's commands (private): what the Celery layer acts on.
+
+The engine's commands answer with a lease document (the reply of one ``findAndModify``); these are pure
+functions from that reply to a typed result, so that nothing above the lease core reads a document's
+fields (``lo``, ``holder``, ``hs``, ``q``...). One place knows the document's shape: here and
+``_documents``/``_admission``, which write it.
+
+* ``Admission``: a run of a ``Queue``/``Replace`` task admitted (``LeaseStore.admit``): its ``outcome``
+  (``AdmitOutcome``) and what the outcome needs: the lease when it took the key, who holds the key, the
+  run that superseded it, its place in the queue, the runs it superseded.
+* ``Contended``: an acquire that did not get the key (``LeaseStore.try_acquire`` answered no lease): who
+  holds it and until when, whether a beat tick already ran, and the hold of this very run when a
+  ``limit=N`` key has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from .lease import Lease, aware
+
+__all__ = ["Admission", "AdmitOutcome", "Contended"]
+
+
+class AdmitOutcome(str, enum.Enum):
+    """What an admit decided for the run (the values are those of the reply's ``lo``)."""
+
+    #: The run holds the key now (taken free, claimed after a handoff, or its debounced copy was due).
+    ACQUIRED = "acquired"
+    #: Parked in the key's queue: the key will be handed to it.
+    PARKED = "parked"
+    #: A copy of a run that is parked on the key or was handed it: drop the copy.
+    WAITING = "dup"
+    #: A copy of a run that ran and released the key: never run it again.
+    ALREADY_RAN = "done"
+    #: A handoff message of a run no longer parked or handed (timed out, revoked, handed again).
+    STALE = "stale"
+    #: A copy of the run that holds the key now.
+    RUNNING = "running"
+    #: ``Replace``: a newer send of the key exists; the run ends superseded (``Admission.by``).
+    SUPERSEDED = "superseded"
+    #: The queue is at its ``max_length``: the policy's ``then`` decides.
+    FULL = "full"
+
+    @classmethod
+    def of(cls, value: Any) -> AdmitOutcome:
+        """The outcome of a reply's ``lo`` (``claimed`` and ``due`` are ways of ``ACQUIRED``)."""
+        if value in ("claimed", "due"):
+            return cls.ACQUIRED
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"the lease engine answered an unknown admit outcome {value!r}") from None
+
+
+def _holder(doc: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(doc.get("holder") or {})
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """The answer of one admit."""
+
+    outcome: AdmitOutcome
+    #: The lease when the run holds the key (``ACQUIRED``), else None.
+    lease: Lease | None = None
+    #: Who holds the key (task name, id, worker...), as the key's document says.
+    holder: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: When the holder's lease expires on the server's clock, unless renewed.
+    expires_at: _dt.datetime | None = None
+    #: The key's fence after the command.
+    fence: int | None = None
+    #: ``SUPERSEDED``: the task id of the newer send.
+    by: str | None = None
+    #: Task ids of the key's parked runs, oldest first.
+    parked: tuple[str, ...] = ()
+    #: Runs superseded by a newer send whose results are still to be written (the parked entries).
+    superseded: tuple[Mapping[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, lease: Lease | None, doc: Mapping[str, Any] | None) -> Admission:
+        """The typed answer of ``LeaseStore.admit``'s ``(lease, reply)``."""
+        doc = doc or {}
+        outcome = AdmitOutcome.ACQUIRED if lease is not None else AdmitOutcome.of(doc.get("lo"))
+        return cls(
+            outcome=outcome,
+            lease=lease,
+            holder=_holder(doc),
+            expires_at=aware(doc.get("expires_at")),
+            fence=_int(doc.get("fence")),
+            by=None if doc.get("lo_by") is None else str(doc.get("lo_by")),
+            parked=tuple(str(e.get("t")) for e in doc.get("q") or [] if isinstance(e, Mapping)),
+            superseded=tuple(s for s in doc.get("sup") or [] if isinstance(s, Mapping)),
+        )
+
+    def position(self, task_id: str | None) -> int:
+        """The run's place in the key's queue (1: next), 0 when it is not parked there."""
+        return self.parked.index(task_id) + 1 if task_id in self.parked else 0
+
+    def superseded_by(self, task_id: str | None) -> list[Mapping[str, Any]]:
+        """The runs this admit's run superseded (their results are its to write)."""
+        return [s for s in self.superseded if s.get("by") == task_id]
+
+
+@dataclasses.dataclass(frozen=True)
+class Contended:
+    """An acquire that did not get the key."""
+
+    #: Who holds the key (for a ``limit=N`` key: its newest holder, or this run's own hold, see ``of``).
+    holder: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: When that lease expires on the server's clock, unless renewed.
+    expires_at: _dt.datetime | None = None
+    #: The last beat tick a run of this key was sent for (beat-sent runs run once per tick).
+    last_tick: int | None = None
+
+    @classmethod
+    def of(
+        cls, doc: Mapping[str, Any] | None, *, task_id: str | None = None, delivery: Any = None
+    ) -> Contended:
+        """The typed answer of an acquire that got no lease. With ``task_id``/``delivery``: on a
+        ``limit=N`` key, a slot held by this very run (a copy of its message) is reported as the holder,
+        so that the copy is recognised as one."""
+        doc = doc or {}
+        holder = _holder(doc)
+        for hold in doc.get("hs") or []:
+            held_by = (hold.get("h") or {}) if isinstance(hold, Mapping) else {}
+            if task_id and held_by.get("task_id") == task_id and held_by.get("delivery") == delivery:
+                holder = dict(held_by)
+                break
+        return cls(
+            holder=holder, expires_at=aware(doc.get("expires_at")), last_tick=_int(doc.get("last_tick"))
+        )
+
+    def held_by_run(self, task_id: str | None) -> bool:
+        """Whether the key is held by a run of this very task id (a copy of its message is here)."""
+        return bool(task_id) and self.holder.get("task_id") == task_id
+
+    def tick_ran(self, tick: int | None) -> bool:
+        """Whether beat tick ``tick`` of the key already ran (or is running)."""
+        return tick is not None and (self.last_tick if self.last_tick is not None else -1) >= tick
