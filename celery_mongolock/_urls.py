@@ -180,9 +180,19 @@ class _Parts:
         return self.secret_end > 0 and (at < 0 or at < self.secret_end)
 
 
+#: Schemes of Celery broker and result-backend URLs (kombu's transports), told apart in the message.
+_BROKER_SCHEMES = ("amqp://", "amqps://", "pyamqp://", "redis://", "rediss://", "sqs://", "sentinel://")
+
+
 def _split(url: str) -> _Parts:
     scheme = next((s for s in _SCHEMES if url.startswith(s)), None)
     if scheme is None:
+        if url.lower().startswith(_BROKER_SCHEMES):
+            # The broker's URL given for the leases' (broker_url copied into mongolock_url).
+            raise _Refused(
+                "it must start with mongodb:// or mongodb+srv:// (this looks like a Celery broker's URL; "
+                "the leases are kept in MongoDB)"
+            )
         raise _Refused("it must start with mongodb:// or mongodb+srv://")
     rest = url[len(scheme) :]
     before_options, _, options = rest.partition("?")
