@@ -1,7 +1,7 @@
 """A singleton run that did not get its key: what the contention policies act through.
 
 ``ContendedRun`` implements ``policies.Contention`` for a Celery run: skip it (a result that says why),
-fail it, publish it again later (``SingletonTask._contention_retry``), or wait for the key. The policy
+fail it, publish it again later (``SingletonTask.mongolock_retry_later``), or wait for the key. The policy
 decides which (``Policy.on_contended``, ``Policy.on_unavailable``); the task only hands the run over, so a
 new kind of policy needs no change here or in ``task``.
 """
@@ -9,16 +9,15 @@ new kind of policy needs no change here or in ``task``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from .exceptions import LockContended
 
 if TYPE_CHECKING:
     from .policies import Retry
     from .store import LeaseStore
-    from .task import SingletonTask
 
-__all__ = ["ContendedRun", "Outcome", "skipped_result"]
+__all__ = ["ContendedRun", "Outcome", "SingletonRun", "skipped_result"]
 
 log = logging.getLogger("celery_mongolock.acquire")
 
@@ -43,10 +42,23 @@ def skipped_result(key: str, holder: dict[str, Any], expires_at: Any, reason: st
     }
 
 
+class SingletonRun(Protocol):
+    """What a contended run needs of its task (``task.SingletonTask``): its name, its request, and a way
+    to be published again later. A protocol, so that this module does not import the task class."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def request(self) -> Any: ...
+
+    def mongolock_retry_later(self, policy: Retry, exc: Exception) -> NoReturn: ...
+
+
 class ContendedRun:
     """One run of a singleton task whose key is held (``held_by``) or whose store did not answer."""
 
-    def __init__(self, task: SingletonTask, store: LeaseStore, key: str, *, direct: bool) -> None:
+    def __init__(self, task: SingletonRun, store: LeaseStore, key: str, *, direct: bool) -> None:
         self.task = task
         self.store = store
         self.key = key
@@ -82,7 +94,7 @@ class ContendedRun:
         request = self.task.request
         if self.direct or request.is_eager or request.called_directly:
             raise exc
-        self.task._contention_retry(policy, exc)
+        self.task.mongolock_retry_later(policy, exc)
 
     def wait_free(self, timeout: float) -> bool:
         now = self.store.clock.monotonic()

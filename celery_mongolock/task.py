@@ -1021,7 +1021,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         log_acquire.error("%s[%s]: cannot take %r, body not run: %s", self.name, request.id, key, exc)
         policy.on_unavailable(ContendedRun(self, get_store(self.app), key, direct=direct), exc)
 
-    def _contention_retry(self, policy: Retry, exc: Exception) -> NoReturn:
+    def mongolock_retry_later(self, policy: Retry, exc: Exception) -> NoReturn:
         """Publish this run again after a backoff; the task's own ``retries`` budget is not used."""
         request = self.request
         headers = dict(request.headers or {})
