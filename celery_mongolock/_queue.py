@@ -547,7 +547,22 @@ class Sweeper:
                 write_superseded(
                     self.app, store, key, list(after["sup"]), ready=self._superseded_ready, fence=fence
                 )
-        return len(docs)
+        return len(docs) + self._sweep_expired_holds(store)
+
+    def _sweep_expired_holds(self, store: LeaseStore) -> int:
+        """Drop the expired holds of ``limit=N`` keys nothing waits on (not in ``waiting_keys``): a
+        holder that died leaves its hold there until a slot is taken again, its ending unrecorded (and
+        ``why`` shows no trace of it). Returns how many keys were swept."""
+        swept = 0
+        last_key: str | None = None
+        while True:
+            page = store.keys_with_expired_holds(limit=PAGE, after=last_key)
+            for doc in page:
+                store.sweep_expired_holds(doc["_id"])
+            swept += len(page)
+            if len(page) < PAGE:
+                return swept
+            last_key = page[-1]["_id"]
 
     def _superseded_ready(self, task_id: str) -> bool:
         """A superseded run's result may be written: the run wrote its state ``QUEUED`` (a later write of

@@ -9,10 +9,11 @@ single lease cannot be taken while any slot is held, nor a slot while a single l
            h: holder {host, pid, task_name, task_id, worker, delivery, ...}}, ...]
     lim: N                # the limit of the last hold taken
     fence: ...            # the key's fence: the largest given to any hold
-    sx: ...               # the latest ``x`` of the holds (``expires_at`` stays the single lease's own)
+    sx: ...               # the latest ``x`` any hold of the key has had (``expires_at`` stays the
+                          # single lease's own): the TTL index's ``gc_at`` follows it
 
 Expiry is judged per hold on the server's clock; a hold past its ``x`` is dropped by the next command
-that touches the key.
+that takes a slot of the key, or by a worker's sweeper (``keys_with_expired_holds_filter``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 from ._admission import SINGLE_HELD, gc_stage, ran_any
 
 __all__ = [
+    "any_expired",
+    "keys_with_expired_holds_filter",
     "live_tokens_pipeline",
     "renew_tokens_filter",
     "renew_tokens_pipeline",
@@ -45,8 +48,25 @@ def _live_cond(var: str) -> Document:
 
 
 def _latest_expiry(hs: object) -> Document:
-    """``sx`` of a slotted key: the latest expiry of its holds (null without holds)."""
-    return {"$max": {"$map": {"input": hs, "as": "e", "in": "$$e.x"}}}
+    """``sx`` of a slotted key: the latest expiry of its holds and of the key's earlier ones (the ``sx``
+    before), so that it never goes back. Like a single lease's ``expires_at`` after its release, it keeps
+    a key whose holds were all released or dropped collectable by the TTL index once that time is past
+    (null there: never deleted). Compared as numbers: the embedded server's ``$max`` over dates ignored
+    a date just computed from ``$$NOW`` (an ``sx`` before a live hold's expiry)."""
+    held = {"$max": {"$map": {"input": hs, "as": "e", "in": {"$toLong": "$$e.x"}}}}
+    return {"$toDate": {"$max": [{"$toLong": "$sx"}, held]}}
+
+
+def any_expired(hs: object = _HS) -> Document:
+    """A hold of ``hs`` has expired on the server's clock (handed ones included)."""
+    return {"$anyElementTrue": [{"$map": {"input": hs, "as": "e", "in": {"$not": [_live_cond("$$e")]}}}]}
+
+
+def keys_with_expired_holds_filter() -> Document:
+    """``limit=N`` keys that nothing waits on (no ``wq``: the sweeper's other list) with a hold past its
+    expiry on the server's clock: its holder died or stopped renewing, and no command has touched the
+    key since. ``hs.o`` is indexed (sparse): the candidates are the keys with holds at all."""
+    return {"hs.o": {"$exists": True}, "wq": {"$exists": False}, "$expr": any_expired()}
 
 
 def _handed(var: str) -> Document:

@@ -1300,6 +1300,37 @@ class LeaseStore:
                 self.heartbeat.copy_endings({"_id": key})
         return doc
 
+    def keys_with_expired_holds(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
+        """``limit=N`` keys that nothing waits on but that keep a hold past its expiry on the server's
+        clock (its holder died or stopped renewing, and no slot was taken since): at most ``limit`` of
+        them, by key, after ``after``, each as ``{"_id": key}``. The sweeper drops those holds
+        (``sweep_expired_holds``)."""
+        match: Document = slots_docs.keys_with_expired_holds_filter()
+        if after is not None:
+            match["_id"] = {"$gt": after}
+        with self._operation("list keys with expired slot holds"):
+            return builtins.list(self.collection.find(match, {"_id": 1}).sort("_id", 1).limit(limit))
+
+    def sweep_expired_holds(self, key: str) -> Document | None:
+        """Drop the holds of ``limit=N`` key ``key`` that expired on the server's clock, as the next
+        acquire of a slot would: their endings (``expired``) go to the document's ``ends`` and, at the
+        heartbeat's next tick, to the history. One command; a key some run waits on gets the full
+        ``sweep``. Returns the document after (None if there is none)."""
+        key = normalize_key(key)
+        token = "sweep:" + uuid.uuid4().hex
+        with self._operation(f"drop expired slot holds of {key!r}"):
+            doc = self.collection.find_one_and_update(
+                {"_id": key, "hs.o": {"$exists": True}},
+                slot_admission.slot_sweep_pipeline(token, []),
+                projection={"q.m": 0, "ends": 0, "seen": 0},
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is not None:
+            self._handed(key, doc, token)  # a run parked meanwhile may have been handed a freed slot
+            if self.history_days:
+                self.heartbeat.copy_endings({"_id": key})
+        return doc
+
     def record_run_ending(
         self,
         key: str,
