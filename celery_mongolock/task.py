@@ -1424,6 +1424,60 @@ def _check_task_policies(app: Celery) -> list[str]:
     return unknown
 
 
+def _check_broker_settings(app: Celery) -> list[str]:
+    """On RabbitMQ, warn (once each, at worker start) about every setting with which a singleton run can
+    be lost although the broker keeps what it acknowledged; return the warnings. The settings with which
+    runs survive the faults the lock-set checker injects: ``task_acks_late``, ``task_reject_on_worker_lost``,
+    publisher confirms, persistent messages, durable queues (docs/discussions/brokers.md). Only a warning:
+    the app may accept the loss. Redis loses a popped message whatever the settings."""
+    try:
+        driver = app.connection_for_write().transport.driver_type
+    except Exception:  # an unknown transport: Celery itself says so
+        return []
+    if driver != "amqp":
+        return []
+    problems: list[str] = []
+    singletons = sorted(name for name, task in app.tasks.items() if isinstance(task, SingletonTask))
+    not_late = [name for name in singletons if not app.tasks[name].acks_late]
+    if not_late:
+        problems.append(
+            f"task_acks_late is off for {', '.join(not_late[:5])}{' ...' if len(not_late) > 5 else ''}: "
+            "a message is acknowledged before its run, so a run cut short by a killed worker is lost"
+        )
+    not_rejected = [
+        name for name in singletons if app.tasks[name].acks_late and not app.tasks[name].reject_on_worker_lost
+    ]
+    if not_rejected:
+        problems.append(
+            f"task_reject_on_worker_lost is off for {', '.join(not_rejected[:5])}"
+            f"{' ...' if len(not_rejected) > 5 else ''}: the message of a run whose worker child dies is "
+            "acknowledged (the run ends FAILURE) instead of going back to the queue"
+        )
+    if not (app.conf.broker_transport_options or {}).get("confirm_publish"):
+        problems.append(
+            "broker_transport_options has no confirm_publish=True: a retry or handoff the library publishes "
+            "just before RabbitMQ goes down can be lost without anyone knowing"
+        )
+    if str(app.conf.task_default_delivery_mode) in ("1", "transient"):
+        problems.append(
+            "task_default_delivery_mode is transient: RabbitMQ keeps messages in memory only, and a broker "
+            "restart loses every queued run"
+        )
+    try:
+        queues = list(app.amqp.queues.consume_from.values())
+    except Exception:  # queues Celery cannot build: Celery itself says so
+        queues = []
+    fragile = sorted(q.name for q in queues if not q.durable or q.auto_delete or q.exclusive)
+    if fragile:
+        problems.append(
+            f"queue(s) {', '.join(fragile)} not durable (or auto-delete, or exclusive): a broker restart "
+            "or a worker leaving loses their runs"
+        )
+    for problem in problems:
+        log_acquire.warning("celery_mongolock: on RabbitMQ, %s", problem)
+    return problems
+
+
 def _install_bootstep(app: Celery) -> None:
     if getattr(app, "_mongolock_bootstep", False):
         return
@@ -1446,6 +1500,7 @@ def _install_bootstep(app: Celery) -> None:
             # while the pool forks a child, and the child would deadlock on it.
             _check_store(worker.app)
             _check_task_policies(worker.app)
+            _check_broker_settings(worker.app)
 
     def start_sweeper(sender: Any = None, **_: Any) -> None:
         # After the pool has started its children: the sweeper's thread lives in the main process only.

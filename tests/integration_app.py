@@ -32,7 +32,10 @@ def broker_transport_options(broker_url: str) -> dict[str, Any]:
 app = Celery("integration_app")
 app.conf.update(
     broker_url=os.environ.get("MONGOLOCK_IT_BROKER", "memory://"),
-    broker_transport_options=broker_transport_options(os.environ.get("MONGOLOCK_IT_BROKER", "memory://")),
+    # MONGOLOCK_IT_CONFIRM=0: without publisher confirms (the worker-start warning's test).
+    broker_transport_options=broker_transport_options(os.environ.get("MONGOLOCK_IT_BROKER", "memory://"))
+    if os.environ.get("MONGOLOCK_IT_CONFIRM", "1") == "1"
+    else {},
     result_backend=os.environ.get("MONGOLOCK_IT_BACKEND")
     or os.environ.get("MONGOLOCK_IT_BROKER", "cache+memory://"),
     broker_connection_retry_on_startup=True,
