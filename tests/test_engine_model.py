@@ -1,0 +1,977 @@
+"""A model-based test of the admission engine (issue 25, item 5).
+
+A hypothesis ``RuleBasedStateMachine`` drives the engine's real operations (``LeaseStore`` on the embedded
+server: plain acquires, queued runs' admits that take or park, releases that hand the key over, claims,
+revokes through the sweeper and ``unpark``, Replace supersession, sweeps, an operator's release, a
+holder's crash and a handed run that never claims, renewals, late releases, and leases that really lapse
+on short TTLs) against a small pure-Python reference model of every key (``KeyModel``: the holds in
+order, the parked runs in order, the newest send that ran, the superseded runs, the finished runs).
+
+Each step's outcome is predicted by the model and compared with what the store returned, and after every
+step the key's document (read with the server's time) must match the model exactly. Besides, after every
+step: never more live holds than the limit on any key; every handoff goes to the oldest parked run that
+was not handed before; nothing parked is lost or started twice; a superseded run never starts; every fence
+is larger than every fence of the key before it. At the end of each example every key is drained (holds
+released, handoffs claimed) and every run must have run exactly once, unless it was superseded or revoked.
+
+Expiry: a crash is modelled as the holder's lease running out on the server's clock (its ``expires_at``,
+or its slot's ``x``, set in the past: what the server sees when the holder stopped renewing), and
+``lapse`` takes a lease of 0.5 s and waits (bounded) until the server reports it expired. Every other
+lease is long (10 min), so the model decides every outcome.
+
+``MONGOLOCK_MODEL_EXAMPLES`` (default 20) sets the number of examples; ``scripts/soak.py --model`` runs
+many more.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as _dt
+import os
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import event as _event
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from pymongo import MongoClient, WriteConcern
+
+from celery_mongolock import Lease, LeaseLost, LeaseStore
+from celery_mongolock._admission import gc_stage
+from celery_mongolock.testing import wait_for
+
+#: Examples per run (the test's bound in ``make test``; ``scripts/soak.py --model`` raises it).
+EXAMPLES = int(os.environ.get("MONGOLOCK_MODEL_EXAMPLES", "20"))
+#: Steps per example.
+STEPS = int(os.environ.get("MONGOLOCK_MODEL_STEPS", "40"))
+#: Hypothesis phases (``MONGOLOCK_MODEL_SHRINK=0``: report the first failure as found, unshrunk).
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + (
+    [Phase.shrink] if os.environ.get("MONGOLOCK_MODEL_SHRINK", "1") != "0" else []
+)
+#: Seconds of every lease that is not meant to lapse: no example comes near it.
+LONG = 600.0
+#: The shortest lease the store accepts (``lapse``).
+SHORT = 0.5
+PAST = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
+
+#: The keys of an example: name -> (limit, replace). Each key is used by one kind of task only.
+KEYS: dict[str, tuple[int, bool]] = {
+    "queue-1": (1, False),
+    "queue-2": (2, False),
+    "replace-1": (1, True),
+    "replace-3": (3, True),
+}
+
+
+#: What the examples did (``MONGOLOCK_MODEL_STATS=1`` prints it): a check that the rules reach the states
+#: that matter (handoffs, claims, supersessions, takeovers).
+STATS: collections.Counter[str] = collections.Counter()
+
+
+def event(what: str) -> None:
+    STATS[what] += 1
+    _event(what)
+
+
+# -- the reference model -------------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class Run:
+    """One run (one delivery of one task message) of a queued task on one key."""
+
+    key: str
+    tid: str
+    s: int  # send stamp
+    tk: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)  # its handoff token
+    state: str = "new"  # parked, handed, running, done, ended, superseded, revoked
+    starts: int = 0
+    superseded_by: str | None = None
+    handed_before: bool = False
+    attempt: int = 0  # of its latest handoff published
+
+    @property
+    def rid(self) -> str:
+        return f"{self.tid}/0"
+
+    def order(self) -> tuple[int, str]:
+        return (self.s, self.rid)
+
+    def entry(self) -> dict[str, Any]:
+        return {"id": self.rid, "t": self.tid, "n": "model", "r": "0", "s": self.s, "tk": self.tk, "m": b"m"}
+
+
+@dataclasses.dataclass(eq=False)
+class Hold:
+    """A hold of a key: a lease (a run's, or a plain acquirer's) or a handoff not yet claimed."""
+
+    token: str
+    run: Run | None
+    handed: bool
+    fence: int = 0
+    lease: Lease | None = dataclasses.field(default=None, repr=False)
+    expired: bool = False
+    lost: bool = False  # its Lease saw a renewal fail: it releases nothing any more
+    # Its process is gone (``lapse``): its Lease object is never touched again (past its local deadline a
+    # Lease marks itself lost when looked at and releases its token in the background, at a time of its
+    # own).
+    dead: bool = False
+
+    def describe(self) -> str:
+        who = self.run.tid if self.run else "plain"
+        what = "handoff" if self.handed else "lease"
+        return f"{what}({who}, f={self.fence}{', expired' if self.expired else ''})"
+
+
+def before(a: Run, b: Run) -> bool:
+    return a.order() < b.order()
+
+
+def in_order(q: list[Run], run: Run) -> list[Run]:
+    """The engine's insertion of a parked run: those that sort before it, it, the rest (each in place)."""
+    return [r for r in q if before(r, run)] + [run] + [r for r in q if not before(r, run)]
+
+
+class KeyModel:
+    """What the engine should hold for one key."""
+
+    def __init__(self, name: str, limit: int, replace: bool) -> None:
+        self.name, self.limit, self.replace = name, limit, replace
+        self.holds: list[Hold] = []  # in the document's order (``hs``); a single key has at most one
+        self.q: list[Run] = []
+        self.last_s = -1  # Replace: the newest send that got the key
+        self.last_t = ""
+        self.sup: list[tuple[str, str]] = []  # Replace: (superseded, by), results not yet written
+        self.seen: list[str] = []  # runs that ended with a normal release
+        self.max_fence = 0
+
+    @property
+    def single(self) -> bool:
+        return self.limit == 1
+
+    # the state as the engine's pipelines see it
+    def vacant(self) -> bool:
+        """(Single key) nobody holds it: no owner, or the owner's lease or handoff has expired."""
+        return not self.holds or self.holds[0].expired
+
+    def handoff(self) -> Hold | None:
+        return next((h for h in self.holds if h.handed), None)
+
+    def waits(self) -> bool:
+        """Something waits on the key (``wq``): parked runs, a handoff, superseded runs' results."""
+        return bool(self.q) or any(h.handed for h in self.holds) or bool(self.sup)
+
+    def deletable(self) -> bool:
+        """The TTL index may delete the document at any time: nothing waits, no finished run to remember,
+        every hold expired."""
+        return not self.waits() and not self.seen and all(h.expired for h in self.holds)
+
+    def live(self) -> list[Hold]:
+        return [h for h in self.holds if not h.expired]
+
+    # transitions shared by several operations
+    def drop(self, hold: Hold, how: str) -> None:
+        self.holds.remove(hold)
+        if hold.run is not None and not hold.handed and hold.run.state == "running":
+            hold.run.state = how
+
+    def hand_single(self) -> list[Hold]:
+        """After a release, or for a key found vacant: the oldest parked run (a pending handoff first) is
+        handed the key."""
+        ho = self.handoff()
+        if not (self.vacant() and (ho is not None or self.q)):
+            return []
+        queue = ([ho.run] if ho is not None and ho.run is not None else []) + self.q
+        for h in list(self.holds):
+            self.drop(h, "ended")
+        head, self.q = queue[0], queue[1:]
+        return [self._hand(head)]
+
+    def _hand(self, run: Run) -> Hold:
+        hold = Hold(run.tk, run, handed=True)
+        self.holds.append(hold)
+        run.state = "handed"
+        return hold
+
+    def normalize(self, keep: Hold | None = None) -> None:
+        """(Slots) expired holds leave; a handed one's run goes back to the front of the queue."""
+        gone = [h for h in self.holds if h.expired and h is not keep]
+        for h in gone:
+            self.drop(h, "ended")
+        returned = [h.run for h in gone if h.handed and h.run is not None]
+        for r in returned:
+            r.state = "parked"
+        self.q = returned + self.q
+
+    def fill(self) -> list[Hold]:
+        """(Slots) every free slot goes to the oldest parked run, in queue order."""
+        k = min(self.limit - len(self.holds), len(self.q))
+        handed, self.q = self.q[:k], self.q[k:]
+        return [self._hand(r) for r in handed]
+
+    def superseded(self, run: Run) -> bool:
+        if not self.replace:
+            return False
+        handed_s = [h.run.s for h in self.holds if h.handed and h.run is not None]
+        return self.last_s > run.s or any(r.s > run.s for r in self.q) or any(s > run.s for s in handed_s)
+
+    def copy_outcome(self, run: Run) -> str | None:
+        """The outcome for a copy of a run the key knows (dup, done, running), else None."""
+        handed_runs = [h.run for h in self.holds if h.handed]
+        if run in self.q or run in handed_runs:
+            return "dup"
+        if run.rid in self.seen:
+            return "done"
+        running = [h.run for h in self.holds if not h.handed and (self.single or not h.expired)]
+        if self.single and self.vacant():
+            running = []
+        if run in running:
+            return "running"
+        return None
+
+    def took(self, run: Run) -> None:
+        if self.replace and run.s > self.last_s:
+            self.last_s, self.last_t = run.s, run.tid
+
+    def park(self, run: Run) -> None:
+        run.state = "parked"
+        if self.replace:
+            for old in self.q:
+                old.state, old.superseded_by = "superseded", run.tid
+                self.sup.append((old.tid, run.tid))
+            self.q = [run]
+        else:
+            self.q = in_order(self.q, run)
+
+
+# -- the machine -------------------------------------------------------------------------------------
+class Published:
+    """The handoffs the store published (``add_handoff_callback``): run, fence, attempt."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, int, int]] = []
+
+    def __call__(self, key: str, ho: dict[str, Any], doc: dict[str, Any]) -> None:
+        fence = doc.get("fence")
+        for h in doc.get("hs") or []:
+            if h.get("o") == ho.get("tk"):
+                fence = h.get("f")
+        self.seen.append((key, str(ho["t"]), int(fence or 0), int(ho.get("hn") or 0)))
+
+    def take(self) -> list[tuple[str, str, int, int]]:
+        out, self.seen = self.seen, []
+        return out
+
+
+#: The client of every example (set by the test; not a class attribute: hypothesis looks through those
+#: for rules, and a MongoClient answers any attribute name with a database).
+CLIENT: list[MongoClient[dict[str, Any]]] = []
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.client = CLIENT[0]
+        self.db_name = f"mongolock_model_{uuid.uuid4().hex[:12]}"
+        # (Acknowledged writes without waiting for the journal: the engine's commands are what is tested
+        # here, and a journal flush per command would cost most of the run.)
+        self.store = LeaseStore(
+            self.client,
+            database=self.db_name,
+            lease_seconds=LONG,
+            history_days=0,
+            write_concern=WriteConcern(w=1),
+        )
+        self.published = Published()
+        self.store.add_handoff_callback(self.published)
+        self.keys = {name: KeyModel(name, limit, replace) for name, (limit, replace) in KEYS.items()}
+        self.runs: list[Run] = []
+        self.lapses = 0
+        self.leases: list[tuple[KeyModel, Hold]] = []  # every lease taken, until released
+        self.clean = False  # set after each step's checks passed: the drain at teardown runs only then
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _limit(self, km: KeyModel) -> int | None:
+        return None if km.single else km.limit
+
+    def _new_fence(self, km: KeyModel, fence: int, what: str) -> None:
+        assert fence > km.max_fence, f"{km.name}: {what} got fence {fence}, not above {km.max_fence}"
+        km.max_fence = fence
+
+    def _handoffs(self, km: KeyModel, expected: list[Hold]) -> None:
+        """The handoffs the command published are the model's, in order, each with a larger fence."""
+        got = self.published.take()
+        # Known bug (test_a_pending_slot_handoff_is_published_once below): a command whose token became
+        # a hold's owner (a slot admit that acquired or claimed, and handed other slots too) marked those
+        # handoffs with it, so the hold's release publishes them again while they are still pending
+        # (the same attempt: a second message that the claims collapse). Tolerated here, counted.
+        pending = {h.run.tid: h.run for h in km.holds if h.handed and h.run is not None and h not in expected}
+        again = [g for g in got if g[1] in pending and g[3] == pending[g[1]].attempt]
+        for _ in again:
+            event("KNOWN BUG: a pending slot handoff published again")
+        got = [g for g in got if g not in again]
+        for _, _, _, attempt in got:
+            event(f"handoff ({'first' if attempt == 1 else 'again'}, {'single' if km.single else 'slots'})")
+        assert [(k, t) for k, t, _, _ in got] == [(km.name, h.run.tid if h.run else "") for h in expected], (
+            f"{km.name}: handed {[t for _, t, _, _ in got]}, the model expected "
+            f"{[h.run.tid if h.run else '' for h in expected]}"
+        )
+        for (_, tid, fence, attempt), hold in zip(got, expected, strict=True):
+            assert hold.run is not None
+            # Send order: a first handoff goes to a run older than every run still parked that was never
+            # handed (a run handed before keeps its place at the front).
+            if attempt == 1 and not hold.run.handed_before:
+                fresh = [r for r in km.q if not r.handed_before]
+                assert all(before(hold.run, r) for r in fresh), f"{tid} handed before older parked runs"
+            hold.run.handed_before = True
+            hold.run.attempt = attempt
+            self._new_fence(km, fence, f"the handoff to {tid}")
+            hold.fence = fence
+
+    def _took(self, km: KeyModel, hold: Hold, lease: Lease | None, claimed: bool = False) -> None:
+        assert lease is not None, f"{km.name}: the model expected {hold.describe()} to be taken"
+        hold.lease, hold.token = lease, lease.owner
+        self.leases.append((km, hold))
+        if claimed:
+            assert lease.fence == hold.fence, "a claim keeps the fence of its handoff"
+        else:
+            self._new_fence(km, lease.fence, "an acquisition")
+            hold.fence = lease.fence
+        run = hold.run
+        if run is not None:
+            assert run.superseded_by is None, f"{run.tid}, superseded by {run.superseded_by}, started"
+            run.starts += 1
+            assert run.starts == 1, f"{run.tid} started twice"
+            run.state = "running"
+
+    def _doc(self, km: KeyModel) -> dict[str, Any] | None:
+        docs = list(
+            self.store.collection.aggregate(
+                [{"$match": {"_id": km.name}}, {"$addFields": {"__now": "$$NOW"}}]
+            )
+        )
+        return docs[0] if docs else None
+
+    def _check(self, km: KeyModel) -> None:
+        """The key's document matches the model, and the invariants hold."""
+        doc = self._doc(km)
+        if doc is None:
+            # Only the TTL index deletes a document, and only one that nothing needs any more.
+            assert km.deletable(), (
+                f"{km.name}: its document is gone while the model has {[h.describe() for h in km.holds]}, "
+                f"parked {[r.tid for r in km.q]}"
+            )
+            for h in list(km.holds):
+                km.drop(h, "ended")
+            return
+        now = doc["__now"]
+        # Never more live holds than the limit, and never a single lease and slots at once.
+        live_slots = [h for h in doc.get("hs") or [] if h["x"] > now]
+        single_live = (
+            doc.get("owner") is not None and doc.get("expires_at") is not None and doc["expires_at"] > now
+        )
+        assert len(live_slots) + int(single_live) <= km.limit, f"{km.name}: more holds than {km.limit}"
+        assert not (doc.get("owner") is not None and doc.get("hs")), f"{km.name}: a single lease beside slots"
+        info = self.store.inspect(km.name)
+        assert info is not None
+        assert len(info.slots) <= km.limit
+        assert [p["task_id"] for p in info.parked] == [r.tid for r in km.q], (
+            f"{km.name}: parked {[p['task_id'] for p in info.parked]}, the model {[r.tid for r in km.q]}"
+        )
+        # The holds, in order, exactly as the model has them.
+        if km.single:
+            store_holds = []
+            if doc.get("owner") is not None:
+                ho = doc.get("ho") or {}
+                handed = ho.get("tk") == doc["owner"]
+                store_holds.append(
+                    (
+                        doc["owner"],
+                        ho.get("t") if handed else None,
+                        doc["expires_at"] <= now,
+                        doc.get("fence"),
+                    )
+                )
+            assert doc.get("ho") is None or doc.get("owner") == doc["ho"].get("tk"), (
+                "a handoff without its owner"
+            )
+        else:
+            store_holds = [
+                (h["o"], (h.get("ho") or {}).get("t"), h["x"] <= now, h.get("f")) for h in doc.get("hs") or []
+            ]
+        model_holds = [
+            (h.token, h.run.tid if h.handed and h.run else None, h.expired, h.fence) for h in km.holds
+        ]
+        assert store_holds == model_holds, (
+            f"{km.name}: the store holds {store_holds}, the model {model_holds}"
+        )
+        assert [(s["t"], s["by"]) for s in doc.get("sup") or []] == km.sup
+        assert list(doc.get("seen") or []) == km.seen
+        assert int(doc.get("fence") or 0) == km.max_fence, "a fence was given that nobody saw"
+        assert len(km.live()) <= km.limit
+
+    def _check_runs(self) -> None:
+        for run in self.runs:
+            assert run.starts <= 1, f"{run.tid} started {run.starts} times"
+            if run.superseded_by is not None:
+                assert run.starts == 0, f"the superseded {run.tid} started"
+            km = self.keys[run.key]
+            parked = run in km.q
+            handed = any(h.run is run and h.handed for h in km.holds)
+            assert (run.state == "parked") == parked and (run.state == "handed") == handed, (
+                f"{run.tid} is {run.state} in the model's bookkeeping"
+            )
+        for km in self.keys.values():
+            assert len({id(r) for r in km.q}) == len(km.q), "a run parked twice"
+
+    def _step_done(self, *kms: KeyModel) -> None:
+        for km in kms:
+            self._check(km)
+        self._check_runs()
+        assert self.published.take() == [], "a handoff the model did not expect"
+        self.clean = True
+
+    def _expire(self, km: KeyModel, hold: Hold) -> None:
+        """End ``hold`` on the server's clock, as if its holder (or the handed run) stopped renewing."""
+        # The document as the engine would have left it had the time passed: the derived fields (a
+        # slotted key's latest expiry ``sx``, the TTL index's ``gc_at``) follow.
+        if km.single:
+            match = {"_id": km.name, "owner": hold.token}
+            update = [{"$set": {"expires_at": PAST}}, gc_stage()]
+        else:
+            past = {"$cond": [{"$eq": ["$$h.o", hold.token]}, PAST, "$$h.x"]}
+            hs = {"$map": {"input": "$hs", "as": "h", "in": {"$mergeObjects": ["$$h", {"x": past}]}}}
+            latest = {"$max": {"$map": {"input": "$hs", "as": "h", "in": "$$h.x"}}}
+            match = {"_id": km.name, "hs.o": hold.token}
+            update = [{"$set": {"hs": hs}}, {"$set": {"sx": latest}}, gc_stage()]
+        result = self.store.collection.update_one(match, update)
+        assert result.matched_count == 1
+        hold.expired = True
+
+    # -- operations (each predicts with the model, runs the real operation, compares) ----------------
+    def do_send(self, km: KeyModel, run: Run) -> None:
+        """A run of the key's queued task arrives: it takes the key, parks, or is superseded."""
+        self.clean = False
+        if km.single:
+            expected, hold, handed = self._predict_send_single(km, run)
+        else:
+            expected, hold, handed = self._predict_send_slots(km, run)
+        lease, doc = self.store.admit(
+            km.name, run.entry(), ttl=LONG, limit=self._limit(km), replace=km.replace
+        )
+        assert doc.get("lo") == expected, (
+            f"{km.name}: {run.tid} was {doc.get('lo')}, the model says {expected}"
+        )
+        event(f"send: {expected}")
+        if expected == "acquired":
+            assert hold is not None
+            self._took(km, hold, lease)
+        else:
+            assert lease is None
+        if expected == "superseded":
+            assert run.superseded_by is not None and doc.get("lo_by") == run.superseded_by
+        self._handoffs(km, handed)
+        self._step_done(km)
+
+    def _predict_send_single(self, km: KeyModel, run: Run) -> tuple[str, Hold | None, list[Hold]]:
+        copy = km.copy_outcome(run)
+        if copy is not None:
+            return copy, None, []
+        if km.superseded(run):
+            run.state = "superseded"
+            run.superseded_by = self._newer_than(km, run)
+            return "superseded", None, []
+        if km.vacant() and km.handoff() is None and (not km.q or not before(km.q[0], run)):
+            for h in list(km.holds):
+                km.drop(h, "ended")
+            hold = Hold("", run, handed=False)
+            km.holds.append(hold)
+            km.took(run)
+            return "acquired", hold, []
+        km.park(run)
+        return "parked", None, km.hand_single()
+
+    def _predict_send_slots(self, km: KeyModel, run: Run) -> tuple[str, Hold | None, list[Hold]]:
+        km.normalize()
+        copy = km.copy_outcome(run)
+        outcome: str
+        hold = None
+        if copy is not None:
+            outcome = copy
+        elif km.superseded(run):
+            run.state = "superseded"
+            run.superseded_by = self._newer_than(km, run)
+            outcome = "superseded"
+        elif len(km.holds) < km.limit and (not km.q or not before(km.q[0], run)):
+            hold = Hold("", run, handed=False)
+            km.holds.append(hold)
+            km.took(run)
+            outcome = "acquired"
+        else:
+            km.park(run)
+            outcome = "parked"
+        return outcome, hold, km.fill()
+
+    def _newer_than(self, km: KeyModel, run: Run) -> str:
+        """Who supersedes ``run`` (the engine's ``lo_by``): the last send that got the key, else the
+        (last) handed run, else the last parked run. It must be a newer send."""
+        handed = [h.run for h in km.holds if h.handed and h.run is not None]
+        if km.last_s > run.s:
+            by = km.last_t
+        elif any(r.s > run.s for r in handed):
+            by = handed[-1].tid
+        else:
+            by = km.q[-1].tid
+        newer = {r.tid for r in self.runs if r.key == km.name and r.s > run.s}
+        assert by in newer, f"{km.name}: {run.tid} (sent at {run.s}) would be superseded by {by}, not newer"
+        return by
+
+    @staticmethod
+    def _plain_free(km: KeyModel) -> bool:
+        """A plain acquire would take the key: nobody holds it (slots: fewer than N live or handed
+        holds) and no run is parked or handed it."""
+        if km.single:
+            return km.vacant() and km.handoff() is None and not km.q
+        return len([h for h in km.holds if not h.expired or h.handed]) < km.limit and not km.q
+
+    def do_acquire(self, km: KeyModel) -> None:
+        """A plain acquire (a task with Retry/Skip, or code outside Celery)."""
+        self.clean = False
+        hold = Hold("", None, handed=False)
+        free = self._plain_free(km)
+        if km.single:
+            if free:
+                for h in list(km.holds):
+                    km.drop(h, "ended")
+        else:
+            for h in [h for h in km.holds if h.expired and not h.handed]:
+                km.drop(h, "ended")
+        lease = self.store.acquire(km.name, LONG, limit=self._limit(km))
+        if free:
+            km.holds.append(hold)
+            self._took(km, hold, lease)
+        else:
+            assert lease is None, f"{km.name}: a plain acquire took the key the model says is not free"
+        self._step_done(km)
+
+    def do_release(self, km: KeyModel, hold: Hold) -> None:
+        """The holder releases (also a holder whose lease expired meanwhile: a paused one)."""
+        self.clean = False
+        assert hold.lease is not None
+        gone = km.deletable() and hold in km.holds  # the TTL index may have deleted it
+        handed: list[Hold] = []
+        if hold.lost or hold not in km.holds:
+            expected = False
+        else:
+            expected = True
+            km.holds.remove(hold)
+            if hold.run is not None:
+                km.seen.append(hold.run.rid)
+                hold.run.state = "done"
+            if km.single:
+                handed = km.hand_single()
+            else:
+                km.normalize()
+                handed = km.fill()
+        released = hold.lease.release()
+        if gone and not released:
+            expected = False  # deleted by the TTL index: nothing to release, nothing was waiting
+            km.seen = [s for s in km.seen if not (hold.run and s == hold.run.rid)]
+            if hold.run is not None:
+                hold.run.state = "ended"
+        assert released == expected, f"{km.name}: release of {hold.describe()} gave {released}"
+        event(f"release: {released}{' (expired)' if hold.expired else ''}")
+        hold.lease = None
+        self._handoffs(km, handed)
+        self._step_done(km)
+
+    def do_claim(self, km: KeyModel, run: Run) -> None:
+        """The handed run's message comes back: it claims the key (or finds it is a stale copy)."""
+        self.clean = False
+        mine = next((h for h in km.holds if h.handed and h.token == run.tk), None)
+        if not km.single:
+            km.normalize(keep=mine)
+        handed: list[Hold] = []
+        if mine is not None:
+            expected = "claimed"
+            mine.handed, mine.expired = False, False
+        else:
+            expected = km.copy_outcome(run) or "stale"
+        if not km.single:
+            handed = km.fill()
+        lease, doc = self.store.admit(
+            km.name, run.entry(), ttl=LONG, claim=run.tk, limit=self._limit(km), replace=km.replace
+        )
+        assert doc.get("lo") == expected, f"{km.name}: claim of {run.tid} was {doc.get('lo')}, not {expected}"
+        event(f"claim: {expected}")
+        if mine is not None:
+            km.took(run)
+            self._took(km, mine, lease, claimed=True)
+        else:
+            assert lease is None
+        self._handoffs(km, handed)
+        self._step_done(km)
+
+    def do_renew(self, km: KeyModel, hold: Hold) -> None:
+        self.clean = False
+        assert hold.lease is not None
+        ok = hold in km.holds and not hold.expired and not hold.lost
+        try:
+            hold.lease.renew()
+            renewed = True
+        except LeaseLost:
+            renewed = False
+            hold.lost = True
+        assert renewed == ok, f"{km.name}: renewal of {hold.describe()} gave {renewed}"
+        self._step_done(km)
+
+    def do_sweep(self, km: KeyModel, revoked: set[str]) -> None:
+        """The sweeper's pass over the key, with ``revoked`` task ids (Celery's revoke of parked runs)."""
+        self.clean = False
+        handed: list[Hold] = []
+        if km.waits():
+            if not km.single:
+                km.normalize()
+            for r in [r for r in km.q if r.tid in revoked]:
+                km.q.remove(r)
+                r.state = "revoked"
+            for h in [h for h in km.holds if h.handed and h.run is not None and h.run.tid in revoked]:
+                km.holds.remove(h)
+                assert h.run is not None
+                h.run.state = "revoked"
+            handed = km.hand_single() if km.single else km.fill()
+        self.store.sweep(km.name, revoked=revoked)
+        self._handoffs(km, handed)
+        self._step_done(km)
+
+    def do_unpark(self, km: KeyModel, run: Run) -> None:
+        """``store.unpark``: a parked run (or the run the key is handed to) leaves the key (single keys)."""
+        self.clean = False
+        assert km.single
+        handed: list[Hold] = []
+        ho = km.handoff()
+        if run in km.q or (ho is not None and ho.run is run):
+            if run in km.q:
+                km.q.remove(run)
+            if ho is not None and ho.run is run:
+                km.holds.remove(ho)
+            run.state = "revoked"
+            handed = km.hand_single()
+        self.store.unpark(km.name, run.rid)
+        self._handoffs(km, handed)
+        self._step_done(km)
+
+    def do_force_release(self, km: KeyModel) -> None:
+        """An operator's release of the key, whoever holds it."""
+        self.clean = False
+        gone = km.deletable() and bool(km.holds)
+        handed: list[Hold] = []
+        if km.single:
+            expected = bool(km.holds)
+            if km.holds and not km.holds[0].handed:
+                km.drop(km.holds[0], "ended")
+            elif km.holds:
+                km.holds[0].expired = True  # owner cleared: the handoff is handed again
+            handed = km.hand_single()
+        else:
+            expected = bool(km.holds)
+            if km.holds:
+                for h in [h for h in km.holds if not h.handed]:
+                    km.drop(h, "ended")
+                km.normalize()
+                handed = km.fill()
+        released = self.store.force_release(km.name)
+        if gone and not released:
+            expected = False
+        assert released == expected, f"{km.name}: force_release gave {released}"
+        self._handoffs(km, handed)
+        self._step_done(km)
+
+    def do_crash(self, km: KeyModel, hold: Hold) -> None:
+        """The holder (or the run a key was handed to) dies: its lease runs out on the server's clock."""
+        self.clean = False
+        self._expire(km, hold)
+        self._step_done(km)
+
+    def do_lapse(self, km: KeyModel) -> None:
+        """A plain holder takes a short lease and stops renewing; wait (bounded) until it has expired."""
+        self.clean = False
+        assert self._plain_free(km)
+        hold = Hold("", None, handed=False)
+        if km.single:
+            for h in list(km.holds):
+                km.drop(h, "ended")
+        else:
+            for h in [h for h in km.holds if h.expired and not h.handed]:
+                km.drop(h, "ended")
+        km.holds.append(hold)
+        self._took(km, hold, self.store.acquire(km.name, SHORT, limit=self._limit(km)))
+        mine = {"$filter": {"input": "$hs", "as": "h", "cond": {"$eq": ["$$h.o", hold.token]}}}
+        field = "$expires_at" if km.single else {"$max": {"$map": {"input": mine, "as": "h", "in": "$$h.x"}}}
+        # (dates compared as numbers: the embedded server compares dates in expressions wrongly)
+        lapsed = {"$lte": [{"$toLong": field}, {"$toLong": "$$NOW"}]}
+
+        def expired() -> bool:
+            docs = list(
+                self.store.collection.aggregate([{"$match": {"_id": km.name}}, {"$project": {"e": lapsed}}])
+            )
+            return not docs or bool(docs[0]["e"])
+
+        wait_for(expired, timeout=30, message=f"the {SHORT} s lease of {km.name} to expire on the server")
+        hold.expired = hold.dead = True
+        self.lapses += 1
+        self._step_done(km)
+
+    # -- rules ---------------------------------------------------------------------------------------
+    @initialize(names=st.lists(st.sampled_from(sorted(KEYS)), min_size=1, max_size=2, unique=True))
+    def start(self, names: list[str]) -> None:
+        """The keys of this example (one or two: the rules then reach deep states on each)."""
+        self.keys = {name: self.keys[name] for name in names}
+        self.store.ensure_indexes()
+        self.clean = True
+
+    def _key(self, data: st.DataObject, predicate: Any = None) -> KeyModel:
+        names = [n for n, km in self.keys.items() if predicate is None or predicate(km)]
+        return self.keys[data.draw(st.sampled_from(sorted(names)), label="key")]
+
+    @staticmethod
+    def _pick(data: st.DataObject, items: list[Any], describe: Any, label: str) -> Any:
+        """One of ``items``, drawn (and reported) by its description, never by its repr (a Lease's repr
+        reads its state)."""
+        names = [f"{i}: {describe(item)}" for i, item in enumerate(items)]
+        return items[names.index(data.draw(st.sampled_from(names), label=label))]
+
+    def _send_new(self, km: KeyModel, stamp: int) -> None:
+        run = Run(km.name, f"{km.name}-t{len(self.runs)}", stamp)
+        self.runs.append(run)
+        self.do_send(km, run)
+
+    @rule(data=st.data(), stamp=st.integers(0, 30))
+    def send(self, data: st.DataObject, stamp: int) -> None:
+        self._send_new(self._key(data), stamp)
+
+    @rule(data=st.data(), stamps=st.lists(st.integers(0, 30), min_size=2, max_size=4))
+    def send_burst(self, data: st.DataObject, stamps: list[int]) -> None:
+        """Several runs of one key sent close together (their stamps in any order)."""
+        km = self._key(data)
+        for stamp in stamps:
+            self._send_new(km, stamp)
+
+    @rule(data=st.data())
+    def acquire(self, data: st.DataObject) -> None:
+        self.do_acquire(self._key(data))
+
+    def _leases(self) -> list[tuple[KeyModel, Hold]]:
+        """Leases not released yet: held, expired, lost or taken over (a paused holder wakes up)."""
+        return [(km, hold) for km, hold in self.leases if hold.lease is not None and not hold.dead]
+
+    @precondition(lambda self: bool(self._leases()))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        km, hold = self._pick(data, self._leases(), lambda kh: f"{kh[0].name} {kh[1].describe()}", "holder")
+        self.do_release(km, hold)
+
+    @precondition(lambda self: bool(self._leases()))
+    @rule(data=st.data())
+    def renew(self, data: st.DataObject) -> None:
+        km, hold = self._pick(data, self._leases(), lambda kh: f"{kh[0].name} {kh[1].describe()}", "holder")
+        self.do_renew(km, hold)
+
+    def _handed(self) -> list[Run]:
+        """Runs whose handoff message is out: handed now, or handed before and back in the queue."""
+        return [r for r in self.runs if r.state == "handed" or (r.state == "parked" and r.handed_before)]
+
+    @precondition(lambda self: bool(self._handed()))
+    @rule(data=st.data())
+    def claim(self, data: st.DataObject) -> None:
+        run = self._pick(data, self._handed(), lambda r: f"{r.tid} ({r.state})", "handed run")
+        self.do_claim(self.keys[run.key], run)
+
+    def _copies(self) -> list[tuple[str, Run]]:
+        """Messages whose run must not start again: a copy of a parked, handed or finished run's message,
+        or of a run running on a live lease (a run whose holder died may run again: at least once); a
+        handoff message again after its run started, finished or was revoked."""
+        out = []
+        for r in self.runs:
+            km = self.keys[r.key]
+            live = any(h.run is r and not h.expired and not h.handed for h in km.holds)
+            if r.state in ("parked", "handed", "done") or (r.state == "running" and live):
+                out.append(("message", r))
+            if r.handed_before and r.state in ("running", "done", "revoked"):
+                out.append(("handoff", r))
+        return out
+
+    @precondition(lambda self: bool(self._copies()))
+    @rule(data=st.data())
+    def redeliver(self, data: st.DataObject) -> None:
+        """The broker delivers a message again: a copy never runs beside or after its run."""
+        what, run = self._pick(data, self._copies(), lambda c: f"{c[0]} of {c[1].tid} ({c[1].state})", "copy")
+        if what == "message":
+            self.do_send(self.keys[run.key], run)
+        else:
+            self.do_claim(self.keys[run.key], run)
+
+    @precondition(lambda self: any(km.live() for km in self.keys.values()))
+    @rule(data=st.data())
+    def crash(self, data: st.DataObject) -> None:
+        """A holder dies (or the run a key was handed to never claims it)."""
+        holds = [(km, h) for km in self.keys.values() for h in km.live()]
+        km, hold = self._pick(data, holds, lambda kh: f"{kh[0].name} {kh[1].describe()}", "hold")
+        self.do_crash(km, hold)
+
+    @precondition(lambda self: any(km.waits() or km.holds for km in self.keys.values()))
+    @rule(data=st.data(), revoke=st.booleans())
+    def sweep(self, data: st.DataObject, revoke: bool) -> None:
+        km = self._key(data, lambda km: km.waits() or km.holds)
+        revoked: set[str] = set()
+        candidates = [r for r in self.runs if r.key == km.name and r.state in ("parked", "handed", "running")]
+        if revoke and candidates:
+            revoked.add(self._pick(data, candidates, lambda r: f"{r.tid} ({r.state})", "revoked").tid)
+        self.do_sweep(km, revoked)
+
+    def _unparkable(self) -> list[Run]:
+        return [r for r in self.runs if r.state in ("parked", "handed") and self.keys[r.key].single]
+
+    @precondition(lambda self: bool(self._unparkable()))
+    @rule(data=st.data())
+    def unpark(self, data: st.DataObject) -> None:
+        run = self._pick(data, self._unparkable(), lambda r: f"{r.tid} ({r.state})", "run")
+        self.do_unpark(self.keys[run.key], run)
+
+    @precondition(lambda self: any(km.holds for km in self.keys.values()))
+    @rule(data=st.data())
+    def force_release(self, data: st.DataObject) -> None:
+        self.do_force_release(self._key(data, lambda km: km.holds))
+
+    @precondition(lambda self: self.lapses < 1 and any(self._plain_free(km) for km in self.keys.values()))
+    @rule(data=st.data(), now=st.integers(0, 3))
+    def lapse(self, data: st.DataObject, now: int) -> None:
+        """(Rarely: it waits for a real expiry.)"""
+        if now == 0:
+            keys = [km for km in self.keys.values() if self._plain_free(km)]
+            self.do_lapse(self._pick(data, keys, lambda km: km.name, "key"))
+
+    # -- the end of an example -----------------------------------------------------------------------
+    def drain(self) -> None:
+        """Release every hold and claim every handoff until no run waits; every run then ran once."""
+        for km in self.keys.values():
+            for _ in range(200):
+                if not km.holds and not km.q:
+                    break
+                hold = km.holds[0] if km.holds else None
+                if hold is None:
+                    self.do_sweep(km, set())  # parked runs on a vacant key (a holder lapsed)
+                elif hold.handed and hold.run is not None:
+                    self.do_claim(km, hold.run)
+                elif hold.lease is not None and not hold.lost and not hold.dead:
+                    self.do_release(km, hold)
+                else:
+                    self.do_force_release(km)
+            assert not km.holds and not km.q, f"{km.name}: could not drain"
+        for run in self.runs:
+            assert run.state in ("done", "ended", "superseded", "revoked"), f"{run.tid} is left {run.state}"
+            if run.state in ("done", "ended"):
+                assert run.starts == 1, f"{run.tid} ran {run.starts} times"
+            else:
+                assert run.starts == 0
+
+    def teardown(self) -> None:
+        try:
+            if self.clean:
+                self.drain()
+        finally:
+            self.store.close()
+            self.client.drop_database(self.db_name)
+
+
+@pytest.mark.timeout(900)  # a failure is shrunk (hypothesis gives that at most 5 minutes)
+def test_the_engine_matches_its_model(mongo_url: str) -> None:
+    CLIENT[:] = [MongoClient(mongo_url, tz_aware=True)]
+    try:
+        run_machine()
+    finally:
+        CLIENT.pop().close()
+    if os.environ.get("MONGOLOCK_MODEL_STATS") == "1":
+        print("\n".join(f"{n:6d}  {what}" for what, n in sorted(STATS.items())))
+
+
+def run_machine() -> None:
+    run_state_machine_as_test(
+        EngineMachine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=STEPS,
+            deadline=None,
+            derandomize=True,
+            # (no explain phase: its tracer slows every command down many times over)
+            phases=PHASES,
+            database=None,
+            suppress_health_check=[
+                HealthCheck.too_slow,
+                HealthCheck.filter_too_much,
+                HealthCheck.data_too_large,
+            ],
+            print_blob=False,
+        ),
+    )
+
+
+# -- library bugs the model found (reproductions; strict xfails until they are fixed) ----------------------
+def _entry(stamp: int, tid: str) -> dict[str, Any]:
+    return {"id": f"{tid}/0", "t": tid, "n": "m", "r": "0", "s": stamp, "tk": f"{tid}-tk", "m": b"m"}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="store bug: a limit=N admit that acquires or claims marks the handoffs it makes with its own "
+    "token, which becomes its hold's owner; that hold's release (by=owner) then publishes those handoffs "
+    "again while they are still pending",
+)
+def test_a_pending_slot_handoff_is_published_once(store: LeaseStore) -> None:
+    published: list[tuple[str, int]] = []
+    store.add_handoff_callback(lambda key, ho, doc: published.append((ho["t"], ho["hn"])))
+    a = store.admit("k", _entry(1, "a"), ttl=600, limit=2)[0]
+    b = store.admit("k", _entry(2, "b"), ttl=600, limit=2)[0]
+    assert a is not None and b is not None
+    assert store.admit("k", _entry(5, "parked"), ttl=600, limit=2)[1]["lo"] == "parked"
+    # Both holders die: their holds run out on the server's clock.
+    store.collection.update_one({"_id": "k"}, {"$set": {"hs.$[].x": PAST}})
+    # An older send takes a slot, and the same command hands the other free slot to the parked run.
+    z, doc = store.admit("k", _entry(0, "z"), ttl=600, limit=2)
+    assert z is not None and doc["lo"] == "acquired"
+    assert published == [("parked", 1)]
+    published.clear()
+    assert z.release()
+    # Nothing was freed for anyone: the pending handoff to "parked" must not be published again.
+    assert published == [], published
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="store bug: LeaseStore.unpark runs the single-lease handoff stages on a limit=N key; when its "
+    "holds have expired it hands the key to the oldest parked run as a single lease (owner/ho), which the "
+    "slot claim cannot take (stale) and which blocks every slot for good (SINGLE_HELD)",
+)
+def test_unpark_on_a_slotted_key_hands_a_slot(store: LeaseStore) -> None:
+    published: list[str] = []
+    store.add_handoff_callback(lambda key, ho, doc: published.append(ho["t"]))
+    for stamp, tid in ((1, "a"), (2, "b")):
+        assert store.admit("k", _entry(stamp, tid), ttl=600, limit=2)[0] is not None
+    for stamp, tid in ((3, "p3"), (4, "p4")):
+        assert store.admit("k", _entry(stamp, tid), ttl=600, limit=2)[1]["lo"] == "parked"
+    store.collection.update_one({"_id": "k"}, {"$set": {"hs.$[].x": PAST}})  # both holders died
+    store.unpark("k", "p4/0")
+    doc = store.collection.find_one({"_id": "k"}) or {}
+    assert doc.get("owner") is None and doc.get("ho") is None, "a single-lease handoff on a limit=N key"
+    # p3 (handed now, or at the next admit) can claim its slot.
+    store.sweep("k")
+    assert published == ["p3"], published
+    lease, doc = store.admit("k", _entry(3, "p3"), ttl=600, limit=2, claim="p3-tk")
+    assert lease is not None and doc["lo"] == "claimed"
