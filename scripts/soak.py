@@ -4,6 +4,7 @@
     .venv/bin/python scripts/soak.py --duration 300 --seed 7 --json soak.json
     .venv/bin/python scripts/soak.py --bounded --seeds 10 --workdir /tmp/soak   # make test's run, 10 seeds
     .venv/bin/python scripts/soak.py --bounded --seeds 10 --broker rabbitmq     # the same on RabbitMQ
+    .venv/bin/python scripts/soak.py --model --model-examples 2000 --seed 3    # the engine's model test
 
 Bare LeaseStore clients and real Celery prefork workers do fenced read-modify-writes on protected
 documents under their leases while holders are paused (SIGSTOP), worker children and whole nodes are
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,7 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the broker (default redis); rabbitmq needs rabbitmq-server installed, and excuses no loss",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    parser.add_argument(
+        "--model",
+        action="store_true",
+        help="run the model-based test of the engine (tests/test_engine_model.py) from --seed instead",
+    )
+    parser.add_argument("--model-examples", type=int, default=1000, help="its examples (default 1000)")
     args = parser.parse_args(argv)
+    if args.model:
+        return run_model(args.seed, args.model_examples)
     faults = tuple(f for f in args.faults.split(",") if f)
     unknown = set(faults) - set(lockcheck.ALL_FAULTS)
     if unknown:
@@ -128,6 +139,30 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(text + "\n")
     print(text)
     return 0 if all(passed(r) for r in reports) else 1
+
+
+def run_model(seed: int, examples: int) -> int:
+    """The model-based test of the engine for ``examples`` examples explored from ``seed`` (a failure
+    prints its steps; the same seed and count run it again)."""
+    env = {
+        **os.environ,
+        "MONGOLOCK_MODEL_EXAMPLES": str(examples),
+        "MONGOLOCK_MODEL_SEED": str(seed),
+        "MONGOLOCK_MODEL_STATS": "1",
+    }
+    test = "tests/test_engine_model.py::test_the_engine_matches_its_model"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-s",
+        "-p",
+        "no:cacheprovider",
+        f"--hypothesis-seed={seed}",
+        test,
+    ]
+    return subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode
 
 
 def passed(report: dict[str, Any]) -> bool:

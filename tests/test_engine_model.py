@@ -20,7 +20,7 @@ or its slot's ``x``, set in the past: what the server sees when the holder stopp
 lease is long (10 min), so the model decides every outcome.
 
 ``MONGOLOCK_MODEL_EXAMPLES`` (default 20) sets the number of examples; ``scripts/soak.py --model`` runs
-many more.
+many more, from a seed of its own.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ from celery_mongolock.testing import wait_for
 
 #: Examples per run (the test's bound in ``make test``; ``scripts/soak.py --model`` raises it).
 EXAMPLES = int(os.environ.get("MONGOLOCK_MODEL_EXAMPLES", "20"))
+#: ``MONGOLOCK_MODEL_SEED``: explore from this seed (with pytest's ``--hypothesis-seed``, as
+#: ``scripts/soak.py --model`` runs it) instead of the fixed, reproducible examples of ``make test``.
+SEED = os.environ.get("MONGOLOCK_MODEL_SEED")
 #: Steps per example.
 STEPS = int(os.environ.get("MONGOLOCK_MODEL_STEPS", "40"))
 #: Hypothesis phases (``MONGOLOCK_MODEL_SHRINK=0``: report the first failure as found, unshrunk).
@@ -891,7 +894,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.client.drop_database(self.db_name)
 
 
-@pytest.mark.timeout(900)  # a failure is shrunk (hypothesis gives that at most 5 minutes)
+@pytest.mark.timeout(900 + 30 * EXAMPLES)  # a failure is shrunk too (hypothesis gives that 5 minutes)
 def test_the_engine_matches_its_model(mongo_url: str) -> None:
     CLIENT[:] = [MongoClient(mongo_url, tz_aware=True)]
     try:
@@ -909,7 +912,7 @@ def run_machine() -> None:
             max_examples=EXAMPLES,
             stateful_step_count=STEPS,
             deadline=None,
-            derandomize=True,
+            derandomize=SEED is None,
             # (no explain phase: its tracer slows every command down many times over)
             phases=PHASES,
             database=None,
