@@ -32,8 +32,10 @@ lock: $(STAMP)
 test-newest: $(STAMP)
 	$(PY) -m nox -s newest $(NOX_ARGS)
 
+# `make demo BROKER=rabbitmq`: the same demo on a RabbitMQ node started for it (rabbitmq-server installed).
+BROKER ?= redis
 demo: $(STAMP)
-	$(PY) example_project/demo.py
+	$(PY) example_project/demo.py --broker $(BROKER)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

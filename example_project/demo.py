@@ -2,8 +2,9 @@
 (``Queue``) on two workers, two beats, one failover.
 
 With no arguments it runs on embedded defaults: the embedded MongoDB-compatible server and a bundled
-redis-server binary, both started here (nothing to install). ``--mongo-url`` and ``--broker-url`` run it
-against real services instead.
+redis-server binary, both started here (nothing to install). ``--broker rabbitmq`` (``make demo
+BROKER=rabbitmq``) runs it on a RabbitMQ node started here instead (an installed ``rabbitmq-server``; results
+in the bundled Redis). ``--mongo-url`` and ``--broker-url`` run it against real services instead.
 
 It starts two worker nodes (prefork, concurrency 2) and two ``celery beat`` with the leader-elected
 scheduler. It sends bursts of uploads per email group (``Replace``: the upload sent last wins, the ones it
@@ -118,9 +119,10 @@ def wait_until(condition: Any, timeout: float, what: str) -> Any:
 
 
 @contextmanager
-def services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+def services(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
+    """(MongoDB URL, broker URL, result backend URL): given, or servers started here."""
     from celery_mongolock.embedded import EmbeddedMongo
-    from celery_mongolock.testing import RedisServer
+    from celery_mongolock.testing import RabbitMQServer, RedisServer, rabbitmq_server_binary
 
     with ExitStack() as stack:
         mongo_url = args.mongo_url
@@ -128,10 +130,25 @@ def services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
             print("starting the embedded MongoDB-compatible server ...", flush=True)
             mongo_url = stack.enter_context(EmbeddedMongo()).url
         broker_url = args.broker_url
-        if not broker_url:
+        backend_url = broker_url
+        if not broker_url and args.broker == "rabbitmq":
+            if rabbitmq_server_binary() is None:
+                raise SystemExit(
+                    "--broker rabbitmq: RabbitMQ is not installed (apt-get install rabbitmq-server)"
+                )
+            print(
+                "starting a RabbitMQ node as the broker, a bundled redis-server for results ...", flush=True
+            )
+            broker_url = stack.enter_context(RabbitMQServer()).url
+            backend_url = stack.enter_context(RedisServer()).url
+        elif not broker_url:
             print("starting a bundled redis-server as the broker ...", flush=True)
-            broker_url = stack.enter_context(RedisServer()).url
-        yield mongo_url, broker_url
+            broker_url = backend_url = stack.enter_context(RedisServer()).url
+        elif broker_url.startswith(("amqp", "pyamqp")):
+            backend_url = os.environ.get("MONGOLOCK_DEMO_RESULT_BACKEND", "")
+            if not backend_url:
+                raise SystemExit("a RabbitMQ --broker-url needs MONGOLOCK_DEMO_RESULT_BACKEND (redis://...)")
+        yield mongo_url, broker_url, backend_url
 
 
 def beat_leader_pid(db: Any) -> int | None:
@@ -829,6 +846,12 @@ def main() -> int:
     )
     parser.add_argument("--mongo-url", default=os.environ.get("MONGOLOCK_DEMO_MONGODB_URL"))
     parser.add_argument("--broker-url", default=os.environ.get("MONGOLOCK_DEMO_BROKER_URL"))
+    parser.add_argument(
+        "--broker",
+        choices=("redis", "rabbitmq"),
+        default=os.environ.get("MONGOLOCK_DEMO_BROKER") or "redis",
+        help="the broker to start when --broker-url is not given (default redis, bundled)",
+    )
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--uploads-per-group", type=int, default=4)
     parser.add_argument("--accounts", type=int, default=2)
@@ -870,7 +893,7 @@ def main() -> int:
     upload_dir.mkdir(parents=True, exist_ok=True)
     ok = True
     try:
-        with services(args) as (mongo_url, broker_url), ExitStack() as cleanup:
+        with services(args) as (mongo_url, broker_url, backend_url), ExitStack() as cleanup:
             # Registered first, run last within this block: workers and beats stop before the servers.
             cleanup.callback(stop_all, procs)
             env = {
@@ -878,6 +901,7 @@ def main() -> int:
                 "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                 "EMAILGROUPS_MONGO_URL": mongo_url,
                 "EMAILGROUPS_BROKER_URL": broker_url,
+                "EMAILGROUPS_RESULT_BACKEND": backend_url,
                 "EMAILGROUPS_DATABASE": database,
                 "EMAILGROUPS_READY_DIR": str(run_dir),
                 "EMAILGROUPS_LEASE_SECONDS": "10",

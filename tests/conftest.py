@@ -34,13 +34,13 @@ LONGEST_FIRST = {
     "test_benchmarks.py": 80,
     "test_queue.py": 75,
     "test_limit.py": 70,
+    "test_demo.py": 60,  # Redis and RabbitMQ
     "test_store_contract.py": 58,
     "test_security.py": 53,
     "test_cli.py": 43,
     "test_clock_skew.py": 35,
     "test_keys.py": 32,
     "test_quickstart.py": 25,
-    "test_demo.py": 24,
     "test_packaging.py": 24,
 }
 

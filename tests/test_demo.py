@@ -1,4 +1,5 @@
-"""`make demo` as a user runs it: the example project's demo, on embedded defaults, ends green."""
+"""`make demo` as a user runs it: the example project's demo, on embedded defaults, ends green; and
+`make demo BROKER=rabbitmq`, on a RabbitMQ node (when installed)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,28 @@ from pathlib import Path
 
 import pytest
 
+from .servers import NO_RABBITMQ
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_demo_runs_and_ends_with_its_summary_and_timeline(tmp_path: Path) -> None:
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_demo_runs_and_ends_with_its_summary_and_timeline(tmp_path: Path, broker: str) -> None:
+    if broker == "rabbitmq" and NO_RABBITMQ:
+        pytest.skip(NO_RABBITMQ)
     timeline = tmp_path / "timeline.html"
     out = subprocess.run(
-        [sys.executable, "example_project/demo.py", "--timeline", str(timeline), "--groups", "3"],
+        [
+            sys.executable,
+            "example_project/demo.py",
+            "--timeline",
+            str(timeline),
+            "--groups",
+            "3",
+            "--broker",
+            broker,
+        ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

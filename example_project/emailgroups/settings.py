@@ -13,7 +13,11 @@ MONGO_URL = os.environ.get("EMAILGROUPS_MONGO_URL", "mongodb://localhost:27017")
 DATABASE = os.environ.get("EMAILGROUPS_DATABASE", "emailgroups")
 
 broker_url = os.environ.get("EMAILGROUPS_BROKER_URL", "redis://localhost:6379/0")
-result_backend = broker_url
+result_backend = os.environ.get("EMAILGROUPS_RESULT_BACKEND") or broker_url
+if broker_url.startswith(("amqp", "pyamqp")):
+    # RabbitMQ: publisher confirms, so that a retry or handoff published just before the broker goes down
+    # is not lost unseen (Celery's queues are durable and its messages persistent by default).
+    broker_transport_options = {"confirm_publish": True}
 broker_connection_retry_on_startup = True
 task_acks_late = True  # a killed worker's upload is redelivered, and its lease is released at once
 task_reject_on_worker_lost = True
