@@ -40,6 +40,7 @@ from ._contention import ContendedRun, skipped_result
 from ._contention import Outcome as _Outcome
 from ._headers import BEAT_HEADER
 from ._options import check_decorator_options, check_task_class, install_start_up_error_hook
+from ._outcomes import Admission, AdmitOutcome, Contended
 from ._urls import redact
 from .config import TaskOptions, get_settings, get_store
 from .exceptions import ConfigurationError, LockContended, QueueTimeout, StoreUnavailable
@@ -57,7 +58,7 @@ from .policies import (
     check_limit,
     parse_policy,
 )
-from .store import Lease, LeaseStore, _aware
+from .store import Lease, LeaseStore
 
 __all__ = [
     "CONTENTION_HEADER",
@@ -363,7 +364,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         run = ContendedRun(self, store, keys[0], direct=direct)  # one run: Wait's timeout counts once
         while True:
             taken: list[Lease] = []
-            blocked: tuple[str, Any] | None = None
+            blocked: tuple[str, Contended] | None = None
             try:
                 for key in keys:
                     try:
@@ -379,7 +380,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                         _release_quietly(taken)
                         self._unavailable(key, exc, policy, direct)
                     if lease is None:
-                        blocked = (key, doc or {})
+                        blocked = (key, Contended.of(doc, task_id=request.id, delivery=info["delivery"]))
                         break
                     taken.append(lease)
             except BaseException:  # a time limit, a revoke: never keep the keys taken so far
@@ -400,18 +401,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 _release_quietly(taken)
                 continue
             _release_quietly(taken)
-            key, doc = blocked
-            holder = dict(doc.get("holder") or {})
-            expires_at = _aware(doc.get("expires_at"))
-            same_run = [
-                hold
-                for hold in doc.get("hs") or []
-                if (hold.get("h") or {}).get("task_id") == request.id
-                and (hold.get("h") or {}).get("delivery") == info["delivery"]
-            ]
-            if same_run:  # limit=N: a slot held by this very run
-                holder = dict(same_run[0].get("h") or {})
-            if request.id and holder.get("task_id") == request.id:
+            key, contended = blocked  # (limit=N: a slot held by this very run is the holder)
+            holder, expires_at = dict(contended.holder), contended.expires_at
+            if contended.held_by_run(request.id):
                 signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
                 self._park_duplicate(key, options, direct)
                 raise Ignore()
@@ -471,17 +463,19 @@ class SingletonTask(Task):  # type: ignore[misc]
             since = _dt.datetime.now(_dt.timezone.utc).isoformat()
             self._set_state(QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
 
-        def admit(key: str, claim: str | None) -> tuple[Lease | None, dict[str, Any]]:
-            return store.admit(
-                key,
-                entry,
-                ttl=options.lease_seconds,
-                claim=claim,
-                timeout=policy.timeout,
-                max_length=policy.max_length,
-                info=info,
-                heartbeat=True,
-                heartbeat_seconds=options.heartbeat_seconds,
+        def admit(key: str, claim: str | None) -> Admission:
+            return Admission.of(
+                *store.admit(
+                    key,
+                    entry,
+                    ttl=options.lease_seconds,
+                    claim=claim,
+                    timeout=policy.timeout,
+                    max_length=policy.max_length,
+                    info=info,
+                    heartbeat=True,
+                    heartbeat_seconds=options.heartbeat_seconds,
+                )
             )
 
         def confirmed(leases: list[Lease]) -> bool:
@@ -512,38 +506,39 @@ class SingletonTask(Task):  # type: ignore[misc]
                             continue
                         self._set_state(celery_states.STARTED, {"keys": keys})
                         return LeaseSet(claimed)
-                    if outcome == "running":  # a copy of the handoff message while the first copy runs
+                    if outcome is AdmitOutcome.RUNNING:  # a copy of the handoff while the first copy runs
                         self._park_duplicate(key, options, False)
                         raise Ignore()
-                    if outcome == "dup":  # waiting again on that key: it is published when ready
+                    if outcome is AdmitOutcome.WAITING:  # waiting again on that key: published when ready
                         self._parked_all(keys, store, entry, stamp)
                     if self._has_final_state():
                         log_acquire.info("%s[%s]: stale handoff of %s; dropped", self.name, request.id, keys)
                         raise Ignore()
                     claim = None  # claimed and died (its worker killed): admitted as any run, below
-                taken, outcome, key, doc = self._admit_each(keys, admit, store, entry, policy)
-                if outcome is None:  # every key taken in this attempt
-                    if confirmed(taken):
+                taken, blocked = self._admit_each(keys, admit, store, entry, policy)
+                if blocked is None:
+                    if not taken:  # parked or reserved on every key
+                        self._parked_all(keys, store, entry, stamp)
+                    if confirmed(taken):  # every key taken in this attempt
                         self._set_state(celery_states.STARTED, {"keys": keys})
                         return LeaseSet(taken)
                     continue
-                if outcome == "waiting":
-                    self._parked_all(keys, store, entry, stamp)
-                if outcome == "done":
+                key, admission = blocked
+                outcome = admission.outcome
+                if outcome is AdmitOutcome.ALREADY_RAN:
                     if not self._has_final_state():
                         return _Outcome(_already_ran(key, request.id))
                     raise Ignore()
-                if outcome == "running":
+                if outcome is AdmitOutcome.RUNNING:
                     self._park_duplicate(key, options, False)
                     raise Ignore()
-                assert outcome == "full", outcome
+                assert outcome is AdmitOutcome.FULL, outcome
                 reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
                 if isinstance(policy.then, Fail):
                     raise QueueTimeout(key, reason)
-                holder = dict(doc.get("holder") or {})
                 return (
                     ContendedRun(self, store, key, direct=False)
-                    .held_by(holder, _aware(doc.get("expires_at")))
+                    .held_by(dict(admission.holder), admission.expires_at)
                     .skip(reason)
                 )
             raise StoreUnavailable(f"the keys {keys} kept expiring while they were taken")
@@ -554,23 +549,23 @@ class SingletonTask(Task):  # type: ignore[misc]
         self,
         keys: list[str],
         claim: str,
-        admit: Callable[[str, str | None], tuple[Lease | None, dict[str, Any]]],
+        admit: Callable[[str, str | None], Admission],
         store: LeaseStore,
         entry: dict[str, Any],
         policy: Queue,
-    ) -> tuple[list[Lease] | None, str | None, str]:
+    ) -> tuple[list[Lease] | None, AdmitOutcome | None, str]:
         """Claim every key handed to this run. ``(leases, None, "")`` when all were claimed; else the
         keys claimed so far are reservations again, and ``(None, outcome, key)`` says why ``key``
         failed."""
         claimed: list[Lease] = []
         try:
             for key in keys:
-                lease, doc = admit(key, claim)
-                if lease is not None:
-                    claimed.append(lease)
+                admission = admit(key, claim)
+                if admission.lease is not None:
+                    claimed.append(admission.lease)
                     continue
-                outcome = str(doc.get("lo"))
-                if outcome == "running":
+                outcome = admission.outcome
+                if outcome is AdmitOutcome.RUNNING:
                     _give_back_quietly(store, claimed)
                 else:
                     # Not (or no longer) reserved for this run here: an older run was handed it, or its
@@ -586,47 +581,46 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _admit_each(
         self,
         keys: list[str],
-        admit: Callable[[str, str | None], tuple[Lease | None, dict[str, Any]]],
+        admit: Callable[[str, str | None], Admission],
         store: LeaseStore,
         entry: dict[str, Any],
         policy: Queue,
-    ) -> tuple[list[Lease], str | None, str, dict[str, Any]]:
-        """One attempt over every key: ``(leases, None, "", {})`` when all were taken; ``([], "waiting",
-        "", {})`` when the run is parked or reserved on each; otherwise the keys taken are given back,
-        this attempt's parks removed, and the outcome (``done``, ``running``, ``full``) returned with the
-        key and its document."""
+    ) -> tuple[list[Lease], tuple[str, Admission] | None]:
+        """One attempt over every key: ``(leases, None)`` when all were taken; ``([], None)`` when the
+        run is parked or reserved on each; otherwise the keys taken are given back, this attempt's parks
+        removed, and ``([], (key, admission))`` says which key did not let it wait, and why
+        (``ALREADY_RAN``, ``RUNNING``, ``FULL``)."""
         taken: list[Lease] = []
         waiting = False
         try:
             for key in keys:
-                lease, doc = admit(key, None)
-                if lease is not None:
-                    taken.append(lease)
+                admission = admit(key, None)
+                if admission.lease is not None:
+                    taken.append(admission.lease)
                     continue
-                outcome = str(doc.get("lo"))
-                if outcome in ("parked", "dup"):
+                if admission.outcome in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
                     waiting = True
                     continue
                 # done, running, full: this run does not wait. Give back what it took and leave the
                 # queues it joined in this attempt (never another copy's places: only this entry's).
                 _give_back_quietly(store, taken)
                 taken = []
-                if outcome in ("full", "done"):
+                if admission.outcome in (AdmitOutcome.FULL, AdmitOutcome.ALREADY_RAN):
                     for other in keys:
                         store.unpark(other, entry["id"])
-                return [], outcome, key, doc
+                return [], (key, admission)
         except BaseException:
             _give_back_quietly(store, taken)
             raise
         if not waiting:
-            return taken, None, "", {}
+            return taken, None
         self._reserve_all(taken, admit, store, entry, policy)
-        return [], "waiting", "", {}
+        return [], None
 
     def _reserve_all(
         self,
         leases: list[Lease],
-        admit: Callable[[str, str | None], tuple[Lease | None, dict[str, Any]]],
+        admit: Callable[[str, str | None], Admission],
         store: LeaseStore,
         entry: dict[str, Any],
         policy: Queue,
@@ -643,13 +637,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 rounds += 1
                 if rounds > 3 * len(leases):
                     raise StoreUnavailable(f"{lease.key!r} kept being lost while this run reserved it")
-                again, doc = admit(lease.key, None)
-                if again is not None:
-                    pending.append(again)
-                elif doc.get("lo") not in ("parked", "dup"):
+                again = admit(lease.key, None)
+                if again.lease is not None:
+                    pending.append(again.lease)
+                elif again.outcome not in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
                     raise StoreUnavailable(
                         f"{lease.key!r} was lost while this run reserved it, and it cannot wait there "
-                        f"({doc.get('lo')})"
+                        f"({again.outcome.value})"
                     )
         except BaseException:
             _give_back_quietly(store, pending)
@@ -731,17 +725,16 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return lease
             if contended_at is None:
                 contended_at = store.clock.monotonic()
-            doc = doc or {}
-            holder = dict(doc.get("holder") or {})
-            expires_at = _aware(doc.get("expires_at"))
-            if tick is not None and int(doc.get("last_tick") or -1) >= tick:
+            contended = Contended.of(doc)
+            holder, expires_at = dict(contended.holder), contended.expires_at
+            if contended.tick_ran(tick):
                 # Another beat sent this tick too, and its run has taken (or is taking) the key.
                 log_acquire.info(
                     "%s[%s]: tick %s of %r already ran; skipped", self.name, request.id, tick, key
                 )
                 signals.lease_contended.send(sender=self, key=key, holder=holder, policy="tick-already-ran")
                 return _Outcome(skipped_result(key, holder, expires_at, f"tick {tick} already ran"))
-            if request.id and holder.get("task_id") == request.id:
+            if contended.held_by_run(request.id):
                 # The same message delivered twice (broker visibility timeout, acks_late) while its first
                 # run still holds the lease: do not run twice, and leave the first run's state alone.
                 signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
@@ -793,61 +786,63 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._set_state(QUEUED, {"key": key, "since": since}, unless_ready=True)
         while True:
             try:
-                lease, doc = store.admit(
-                    key,
-                    entry,
-                    ttl=options.lease_seconds,
-                    claim=claim,
-                    timeout=policy.timeout,
-                    max_length=policy.max_length,
-                    replace=isinstance(policy, Replace),
-                    debounce=policy.debounce if isinstance(policy, Replace) else None,
-                    due=debounced_copy,
-                    min_hold=options.min_hold_seconds or 0.0,
-                    info=info,
-                    heartbeat=True,
-                    heartbeat_seconds=options.heartbeat_seconds,
-                    limit=options.limit,
+                admission = Admission.of(
+                    *store.admit(
+                        key,
+                        entry,
+                        ttl=options.lease_seconds,
+                        claim=claim,
+                        timeout=policy.timeout,
+                        max_length=policy.max_length,
+                        replace=isinstance(policy, Replace),
+                        debounce=policy.debounce if isinstance(policy, Replace) else None,
+                        due=debounced_copy,
+                        min_hold=options.min_hold_seconds or 0.0,
+                        info=info,
+                        heartbeat=True,
+                        heartbeat_seconds=options.heartbeat_seconds,
+                        limit=options.limit,
+                    )
                 )
             except StoreUnavailable as exc:
                 self._unavailable(key, exc, policy, direct=False)
-            if lease is None and doc.get("lo") == "stale" and not self._has_final_state():
+            if admission.outcome is AdmitOutcome.STALE and not self._has_final_state():
                 # A handoff message whose claim failed, of a run that has no result: it claimed the key
                 # and died (its worker killed), so it runs again, admitted as any run (a run timed out,
                 # revoked or superseded has its result, and is dropped).
                 claim = None
                 continue
             break
+        lease = admission.lease
         if lease is not None:
             self._set_state(celery_states.STARTED, {"key": key, "fence": lease.fence})
             return lease
-        outcome = doc.get("lo")
-        holder = dict(doc.get("holder") or {})
-        expires_at = _aware(doc.get("expires_at"))
+        outcome = admission.outcome
+        holder, expires_at = dict(admission.holder), admission.expires_at
         who = (self.name, request.id)
-        if outcome == "done" and not self._has_final_state():
+        if outcome is AdmitOutcome.ALREADY_RAN and not self._has_final_state():
             # The run ran and released its key, and its worker died before its result was stored: end
             # this copy with a result that says so (never run the body twice, never leave it waiting).
             return _Outcome(_already_ran(key, request.id))
-        if outcome in ("dup", "done", "stale"):
+        if outcome in (AdmitOutcome.WAITING, AdmitOutcome.ALREADY_RAN, AdmitOutcome.STALE):
             what = {
-                "dup": "parked or handed the key",
-                "done": "over",
-                "stale": "no longer waiting (timed out, revoked, or handed again)",
+                AdmitOutcome.WAITING: "parked or handed the key",
+                AdmitOutcome.ALREADY_RAN: "over",
+                AdmitOutcome.STALE: "no longer waiting (timed out, revoked, or handed again)",
             }[outcome]
             log_acquire.info("%s[%s]: copy of a run that is %s on %r; dropped", *who, what, key)
             _ignored_as(request.id, f"is a copy of a run that is {what} on {key!r}: this copy is dropped")
             raise Ignore()
-        if outcome == "running":
+        if outcome is AdmitOutcome.RUNNING:
             signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
             self._park_duplicate(key, options, False)
             raise Ignore()
         signals.lease_contended.send(sender=self, key=key, holder=holder, policy=policy.name)
-        if outcome == "superseded" and debounced_copy:
+        if outcome is AdmitOutcome.SUPERSEDED and debounced_copy:
             # The delayed copy of a run that a newer send replaced: its result is written already.
             raise Ignore()
-        if outcome == "superseded":
-            by = str(doc.get("lo_by"))
+        if outcome is AdmitOutcome.SUPERSEDED:
+            by = str(admission.by)
             log_acquire.info(
                 "%s[%s]: %r: a newer send (%s) supersedes this run: it ends SUCCESS with a 'superseded' "
                 "result, without running its body",
@@ -856,23 +851,22 @@ class SingletonTask(Task):  # type: ignore[misc]
                 by,
             )
             signals.run_superseded.send(sender=self, key=key, task_id=request.id, by=by)
-            store.record_run_ending(key, "superseded", entry, fence=doc.get("fence"), by=by)  # history
+            store.record_run_ending(key, "superseded", entry, fence=admission.fence, by=by)  # history
             return _Outcome(_queue.superseded_result(key, by))
-        if outcome == "full":
+        if outcome is AdmitOutcome.FULL:
             reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
             if isinstance(policy.then, Fail):
                 raise QueueTimeout(key, reason)
             return ContendedRun(self, store, key, direct=False).held_by(holder, expires_at).skip(reason)
         # Parked: its message is in the lease document; acknowledging it ends this delivery.
-        mine = [s for s in doc.get("sup") or [] if s.get("by") == request.id]
+        mine = admission.superseded_by(request.id)
         if mine:
             # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
             # its result with it (it writes QUEUED before it parks, so this is rare: the write failed).
             _queue.write_superseded(
-                self.app, store, key, mine, ready=_queue.marked_queued(self.app), fence=doc.get("fence")
+                self.app, store, key, mine, ready=_queue.marked_queued(self.app), fence=admission.fence
             )
-        parked_ids = [e.get("t") for e in doc.get("q") or []]
-        position = parked_ids.index(request.id) + 1 if request.id in parked_ids else 0
+        position = admission.position(request.id)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
             # Come back when the debounce has passed: the copy takes the key if no newer send came.
             headers = dict(request.headers or {})
