@@ -60,6 +60,8 @@ STEPS = int(os.environ.get("MONGOLOCK_MODEL_STEPS", "40"))
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + (
     [Phase.shrink] if os.environ.get("MONGOLOCK_MODEL_SHRINK", "1") != "0" else []
 )
+#: Runs sent per example at most (the queues stay short enough to drain quickly at the end).
+MAX_RUNS = int(os.environ.get("MONGOLOCK_MODEL_RUNS", "16"))
 #: Seconds of every lease that is not meant to lapse: no example comes near it.
 LONG = 600.0
 #: The shortest lease the store accepts (``lapse``).
@@ -94,7 +96,7 @@ class Run:
     tid: str
     s: int  # send stamp
     tk: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)  # its handoff token
-    state: str = "new"  # parked, handed, running, done, ended, superseded, revoked
+    state: str = "new"  # parked, handed, running, done, ended, superseded, revoked, refused (full)
     starts: int = 0
     superseded_by: str | None = None
     handed_before: bool = False
@@ -122,6 +124,7 @@ class Hold:
     lease: Lease | None = dataclasses.field(default=None, repr=False)
     expired: bool = False
     lost: bool = False  # its Lease saw a renewal fail: it releases nothing any more
+    published: bool = True  # (a handoff) its run's message is out: else the sweeper publishes it
     # Its process is gone (``lapse``): its Lease object is never touched again (past its local deadline a
     # Lease marks itself lost when looked at and releases its token in the background, at a time of its
     # own).
@@ -328,15 +331,23 @@ class EngineMachine(RuleBasedStateMachine):
         )
         for (_, tid, fence, attempt), hold in zip(got, expected, strict=True):
             assert hold.run is not None
-            # Send order: a first handoff goes to a run older than every run still parked that was never
-            # handed (a run handed before keeps its place at the front).
-            if attempt == 1 and not hold.run.handed_before:
-                fresh = [r for r in km.q if not r.handed_before]
-                assert all(before(hold.run, r) for r in fresh), f"{tid} handed before older parked runs"
+            if not hold.published:  # made by a background release, adopted by the sweeper now
+                assert fence == hold.fence and attempt == 1
+                hold.published = True
+            else:
+                self._in_send_order(km, hold.run, attempt)
+                self._new_fence(km, fence, f"the handoff to {tid}")
+                hold.fence = fence
             hold.run.handed_before = True
             hold.run.attempt = attempt
-            self._new_fence(km, fence, f"the handoff to {tid}")
-            hold.fence = fence
+
+    @staticmethod
+    def _in_send_order(km: KeyModel, run: Run, attempt: int) -> None:
+        """Send order: a first handoff goes to a run older than every run still parked that was never
+        handed (a run handed before keeps its place at the front)."""
+        if attempt == 1 and not run.handed_before:
+            fresh = [r for r in km.q if not r.handed_before]
+            assert all(before(run, r) for r in fresh), f"{run.tid} handed before older parked runs"
 
     def _took(self, km: KeyModel, hold: Hold, lease: Lease | None, claimed: bool = False) -> None:
         assert lease is not None, f"{km.name}: the model expected {hold.describe()} to be taken"
@@ -459,15 +470,16 @@ class EngineMachine(RuleBasedStateMachine):
         hold.expired = True
 
     # -- operations (each predicts with the model, runs the real operation, compares) ----------------
-    def do_send(self, km: KeyModel, run: Run) -> None:
-        """A run of the key's queued task arrives: it takes the key, parks, or is superseded."""
+    def do_send(self, km: KeyModel, run: Run, cap: int | None = None) -> None:
+        """A run of the key's queued task arrives: it takes the key, parks, or is superseded (or refused:
+        ``cap``, the task's ``max_length``)."""
         self.clean = False
         if km.single:
-            expected, hold, handed = self._predict_send_single(km, run)
+            expected, hold, handed = self._predict_send_single(km, run, cap)
         else:
-            expected, hold, handed = self._predict_send_slots(km, run)
+            expected, hold, handed = self._predict_send_slots(km, run, cap)
         lease, doc = self.store.admit(
-            km.name, run.entry(), ttl=LONG, limit=self._limit(km), replace=km.replace
+            km.name, run.entry(), ttl=LONG, limit=self._limit(km), replace=km.replace, max_length=cap
         )
         assert doc.get("lo") == expected, (
             f"{km.name}: {run.tid} was {doc.get('lo')}, the model says {expected}"
@@ -483,7 +495,9 @@ class EngineMachine(RuleBasedStateMachine):
         self._handoffs(km, handed)
         self._step_done(km)
 
-    def _predict_send_single(self, km: KeyModel, run: Run) -> tuple[str, Hold | None, list[Hold]]:
+    def _predict_send_single(
+        self, km: KeyModel, run: Run, cap: int | None
+    ) -> tuple[str, Hold | None, list[Hold]]:
         copy = km.copy_outcome(run)
         if copy is not None:
             return copy, None, []
@@ -498,10 +512,15 @@ class EngineMachine(RuleBasedStateMachine):
             km.holds.append(hold)
             km.took(run)
             return "acquired", hold, []
+        if not km.vacant() and cap is not None and len(km.q) >= cap:
+            run.state = "refused"
+            return "full", None, []
         km.park(run)
         return "parked", None, km.hand_single()
 
-    def _predict_send_slots(self, km: KeyModel, run: Run) -> tuple[str, Hold | None, list[Hold]]:
+    def _predict_send_slots(
+        self, km: KeyModel, run: Run, cap: int | None
+    ) -> tuple[str, Hold | None, list[Hold]]:
         km.normalize()
         copy = km.copy_outcome(run)
         outcome: str
@@ -517,6 +536,9 @@ class EngineMachine(RuleBasedStateMachine):
             km.holds.append(hold)
             km.took(run)
             outcome = "acquired"
+        elif len(km.holds) >= km.limit and cap is not None and len(km.q) >= cap:
+            run.state = "refused"
+            outcome = "full"
         else:
             km.park(run)
             outcome = "parked"
@@ -650,7 +672,71 @@ class EngineMachine(RuleBasedStateMachine):
                 assert h.run is not None
                 h.run.state = "revoked"
             handed = km.hand_single() if km.single else km.fill()
+            # and the handoffs nobody published (a background release made them) are adopted
+            handed = [h for h in km.holds if h in handed or (h.handed and not h.published)]
         self.store.sweep(km.name, revoked=revoked)
+        self._handoffs(km, handed)
+        self._step_done(km)
+
+    def do_release_background(self, km: KeyModel, hold: Hold) -> None:
+        """The heartbeat thread releases a lease (``release_tokens``: a release that found MongoDB
+        unreachable, retried later): the handoff it makes is left for the sweeper to publish."""
+        self.clean = False
+        gone = km.deletable() and hold in km.holds
+        handed: list[Hold] = []
+        expected = hold in km.holds
+        if expected:
+            km.holds.remove(hold)
+            if hold.run is not None:
+                km.seen.append(hold.run.rid)
+                hold.run.state = "done"
+            if km.single:
+                handed = km.hand_single()
+            else:
+                km.normalize()
+                handed = km.fill()
+        released = self.store.release_tokens([hold.token])
+        if gone and not released:
+            expected = False
+            km.seen = [s for s in km.seen if not (hold.run and s == hold.run.rid)]
+            if hold.run is not None:
+                hold.run.state = "ended"
+        assert released == int(expected), (
+            f"{km.name}: background release of {hold.describe()} gave {released}"
+        )
+        event(f"background release: {released}")
+        # Nothing is published; the fences the handoffs got are in the document.
+        self._handoffs(km, [])
+        doc = self._doc(km) or {}
+        for h in handed:
+            assert h.run is not None
+            h.published = False
+            self._in_send_order(km, h.run, 1)
+            fence = doc.get("fence") if km.single else next(x["f"] for x in doc["hs"] if x["o"] == h.token)
+            self._new_fence(km, int(fence or 0), f"the background handoff to {h.run.tid}")
+            h.fence = int(fence or 0)
+        self._step_done(km)
+
+    def do_release_held_by(self, km: KeyModel, run: Run) -> None:
+        """A worker's parent releases the lease of its child that died running ``run``
+        (``release_held_by``): not remembered as finished; parked runs are handed the key."""
+        self.clean = False
+        hold = next((h for h in km.holds if h.run is run and not h.handed), None)
+        gone = km.deletable()
+        handed: list[Hold] = []
+        if hold is not None:
+            km.drop(hold, "ended")
+            hold.dead = True
+            if km.single:
+                handed = km.hand_single()
+            else:
+                km.normalize()
+                handed = km.fill()
+        released = self.store.release_held_by(task_id=run.tid)
+        expected = int(hold is not None)
+        if gone and not released:
+            expected = 0
+        assert released == expected, f"{km.name}: release_held_by({run.tid}) gave {released}"
         self._handoffs(km, handed)
         self._step_done(km)
 
@@ -751,16 +837,19 @@ class EngineMachine(RuleBasedStateMachine):
         names = [f"{i}: {describe(item)}" for i, item in enumerate(items)]
         return items[names.index(data.draw(st.sampled_from(names), label=label))]
 
-    def _send_new(self, km: KeyModel, stamp: int) -> None:
+    def _send_new(self, km: KeyModel, stamp: int, cap: int | None = None) -> None:
         run = Run(km.name, f"{km.name}-t{len(self.runs)}", stamp)
         self.runs.append(run)
-        self.do_send(km, run)
+        self.do_send(km, run, cap)
 
-    @rule(data=st.data(), stamp=st.integers(0, 30))
-    def send(self, data: st.DataObject, stamp: int) -> None:
-        self._send_new(self._key(data), stamp)
+    @precondition(lambda self: len(self.runs) < MAX_RUNS)
+    @rule(data=st.data(), stamp=st.integers(0, 30), cap=st.one_of(st.none(), st.integers(1, 3)))
+    def send(self, data: st.DataObject, stamp: int, cap: int | None) -> None:
+        """A run sent (``cap``: its task's ``Queue(max_length=...)``)."""
+        self._send_new(self._key(data), stamp, cap)
 
-    @rule(data=st.data(), stamps=st.lists(st.integers(0, 30), min_size=2, max_size=4))
+    @precondition(lambda self: len(self.runs) < MAX_RUNS)
+    @rule(data=st.data(), stamps=st.lists(st.integers(0, 30), min_size=2, max_size=3))
     def send_burst(self, data: st.DataObject, stamps: list[int]) -> None:
         """Several runs of one key sent close together (their stamps in any order)."""
         km = self._key(data)
@@ -783,13 +872,36 @@ class EngineMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self._leases()))
     @rule(data=st.data())
+    def release_in_background(self, data: st.DataObject) -> None:
+        km, hold = self._pick(data, self._leases(), lambda kh: f"{kh[0].name} {kh[1].describe()}", "holder")
+        self.do_release_background(km, hold)
+
+    def _running(self) -> list[Run]:
+        return [
+            r for r in self.runs if r.state == "running" and any(h.run is r for h in self.keys[r.key].holds)
+        ]
+
+    @precondition(lambda self: bool(self._running()))
+    @rule(data=st.data())
+    def child_dies(self, data: st.DataObject) -> None:
+        """The worker child running a run is killed; its parent releases what it held."""
+        run = self._pick(data, self._running(), lambda r: r.tid, "run")
+        self.do_release_held_by(self.keys[run.key], run)
+
+    @precondition(lambda self: bool(self._leases()))
+    @rule(data=st.data())
     def renew(self, data: st.DataObject) -> None:
         km, hold = self._pick(data, self._leases(), lambda kh: f"{kh[0].name} {kh[1].describe()}", "holder")
         self.do_renew(km, hold)
 
     def _handed(self) -> list[Run]:
         """Runs whose handoff message is out: handed now, or handed before and back in the queue."""
-        return [r for r in self.runs if r.state == "handed" or (r.state == "parked" and r.handed_before)]
+        out = []
+        for r in self.runs:
+            published = any(h.run is r and h.handed and h.published for h in self.keys[r.key].holds)
+            if (r.state == "handed" and published) or (r.state == "parked" and r.handed_before):
+                out.append(r)
+        return out
 
     @precondition(lambda self: bool(self._handed()))
     @rule(data=st.data())
@@ -869,8 +981,8 @@ class EngineMachine(RuleBasedStateMachine):
                 if not km.holds and not km.q:
                     break
                 hold = km.holds[0] if km.holds else None
-                if hold is None:
-                    self.do_sweep(km, set())  # parked runs on a vacant key (a holder lapsed)
+                if hold is None or (hold.handed and not hold.published):
+                    self.do_sweep(km, set())  # a handoff nobody published, or runs parked on a vacant key
                 elif hold.handed and hold.run is not None:
                     self.do_claim(km, hold.run)
                 elif hold.lease is not None and not hold.lost and not hold.dead:
@@ -879,7 +991,9 @@ class EngineMachine(RuleBasedStateMachine):
                     self.do_force_release(km)
             assert not km.holds and not km.q, f"{km.name}: could not drain"
         for run in self.runs:
-            assert run.state in ("done", "ended", "superseded", "revoked"), f"{run.tid} is left {run.state}"
+            assert run.state in ("done", "ended", "superseded", "revoked", "refused"), (
+                f"{run.tid} is left {run.state}"
+            )
             if run.state in ("done", "ended"):
                 assert run.starts == 1, f"{run.tid} ran {run.starts} times"
             else:
