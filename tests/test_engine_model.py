@@ -96,11 +96,14 @@ class Run:
     tid: str
     s: int  # send stamp
     tk: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)  # its handoff token
-    state: str = "new"  # parked, handed, running, done, ended, superseded, revoked, refused (full)
+    # parked, handed, running, done, ended (its lease expired or was released for it), superseded,
+    # revoked, refused (full), timedout (parked past its deadline)
+    state: str = "new"
     starts: int = 0
     superseded_by: str | None = None
     handed_before: bool = False
     attempt: int = 0  # of its latest handoff published
+    past_deadline: bool = False  # parked past its Queue(timeout=...): it must never be handed the key
 
     @property
     def rid(self) -> str:
@@ -156,6 +159,7 @@ class KeyModel:
         self.last_t = ""
         self.sup: list[tuple[str, str]] = []  # Replace: (superseded, by), results not yet written
         self.seen: list[str] = []  # runs that ended with a normal release
+        self.dead: list[Run] = []  # runs parked past their deadline, results not yet written
         self.max_fence = 0
 
     @property
@@ -172,7 +176,7 @@ class KeyModel:
 
     def waits(self) -> bool:
         """Something waits on the key (``wq``): parked runs, a handoff, superseded runs' results."""
-        return bool(self.q) or any(h.handed for h in self.holds) or bool(self.sup)
+        return bool(self.q) or any(h.handed for h in self.holds) or bool(self.sup) or bool(self.dead)
 
     def deletable(self) -> bool:
         """The TTL index may delete the document at any time: nothing waits, no finished run to remember,
@@ -195,10 +199,23 @@ class KeyModel:
         if not (self.vacant() and (ho is not None or self.q)):
             return []
         queue = ([ho.run] if ho is not None and ho.run is not None else []) + self.q
+        live = self.time_out(queue)
+        if not live:  # only runs past their deadline: they leave, nobody is handed the key
+            assert ho is None
+            self.q = []
+            return []
         for h in list(self.holds):
             self.drop(h, "ended")
-        head, self.q = queue[0], queue[1:]
+        head, self.q = live[0], live[1:]
         return [self._hand(head)]
+
+    def time_out(self, queue: list[Run]) -> list[Run]:
+        """Runs of ``queue`` past their deadline move to ``dead``; the others are returned."""
+        for r in queue:
+            if r.past_deadline:
+                r.state = "timedout"
+                self.dead.append(r)
+        return [r for r in queue if not r.past_deadline]
 
     def _hand(self, run: Run) -> Hold:
         hold = Hold(run.tk, run, handed=True)
@@ -214,7 +231,7 @@ class KeyModel:
         returned = [h.run for h in gone if h.handed and h.run is not None]
         for r in returned:
             r.state = "parked"
-        self.q = returned + self.q
+        self.q = self.time_out(returned + self.q)
 
     def fill(self) -> list[Hold]:
         """(Slots) every free slot goes to the oldest parked run, in queue order."""
@@ -231,7 +248,7 @@ class KeyModel:
     def copy_outcome(self, run: Run) -> str | None:
         """The outcome for a copy of a run the key knows (dup, done, running), else None."""
         handed_runs = [h.run for h in self.holds if h.handed]
-        if run in self.q or run in handed_runs:
+        if run in self.q or run in handed_runs or run in self.dead:
             return "dup"
         if run.rid in self.seen:
             return "done"
@@ -346,7 +363,7 @@ class EngineMachine(RuleBasedStateMachine):
         """Send order: a first handoff goes to a run older than every run still parked that was never
         handed (a run handed before keeps its place at the front)."""
         if attempt == 1 and not run.handed_before:
-            fresh = [r for r in km.q if not r.handed_before]
+            fresh = [r for r in km.q if not r.handed_before and not r.past_deadline]
             assert all(before(run, r) for r in fresh), f"{run.tid} handed before older parked runs"
 
     def _took(self, km: KeyModel, hold: Hold, lease: Lease | None, claimed: bool = False) -> None:
@@ -428,6 +445,7 @@ class EngineMachine(RuleBasedStateMachine):
         )
         assert [(s["t"], s["by"]) for s in doc.get("sup") or []] == km.sup
         assert list(doc.get("seen") or []) == km.seen
+        assert [d["t"] for d in doc.get("dead") or []] == [r.tid for r in km.dead]
         assert int(doc.get("fence") or 0) == km.max_fence, "a fence was given that nobody saw"
         assert len(km.live()) <= km.limit
 
@@ -479,7 +497,13 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             expected, hold, handed = self._predict_send_slots(km, run, cap)
         lease, doc = self.store.admit(
-            km.name, run.entry(), ttl=LONG, limit=self._limit(km), replace=km.replace, max_length=cap
+            km.name,
+            run.entry(),
+            ttl=LONG,
+            limit=self._limit(km),
+            replace=km.replace,
+            max_length=cap,
+            timeout=LONG,  # a deadline far away, moved into the past by ``deadline_passes``
         )
         assert doc.get("lo") == expected, (
             f"{km.name}: {run.tid} was {doc.get('lo')}, the model says {expected}"
@@ -505,7 +529,8 @@ class EngineMachine(RuleBasedStateMachine):
             run.state = "superseded"
             run.superseded_by = self._newer_than(km, run)
             return "superseded", None, []
-        if km.vacant() and km.handoff() is None and (not km.q or not before(km.q[0], run)):
+        live = [r for r in km.q if not r.past_deadline]
+        if km.vacant() and km.handoff() is None and (not live or not before(live[0], run)):
             for h in list(km.holds):
                 km.drop(h, "ended")
             hold = Hold("", run, handed=False)
@@ -671,11 +696,23 @@ class EngineMachine(RuleBasedStateMachine):
                 km.holds.remove(h)
                 assert h.run is not None
                 h.run.state = "revoked"
+            if km.single:
+                km.q = km.time_out(km.q)
             handed = km.hand_single() if km.single else km.fill()
             # and the handoffs nobody published (a background release made them) are adopted
             handed = [h for h in km.holds if h in handed or (h.handed and not h.published)]
         self.store.sweep(km.name, revoked=revoked)
         self._handoffs(km, handed)
+        self._check(km)
+        # The sweeper writes the results of runs that timed out or were superseded, then forgets them
+        # (a timed-out run is remembered as over).
+        if km.dead:
+            self.store.forget_results(km.name, "dead", [r.tid for r in km.dead])
+            km.seen += [r.rid for r in km.dead]
+            km.dead = []
+        if km.sup:
+            self.store.forget_results(km.name, "sup", [t for t, _ in km.sup])
+            km.sup = []
         self._step_done(km)
 
     def do_release_background(self, km: KeyModel, hold: Hold) -> None:
@@ -917,7 +954,7 @@ class EngineMachine(RuleBasedStateMachine):
         for r in self.runs:
             km = self.keys[r.key]
             live = any(h.run is r and not h.expired and not h.handed for h in km.holds)
-            if r.state in ("parked", "handed", "done") or (r.state == "running" and live):
+            if r.state in ("parked", "handed", "done", "timedout") or (r.state == "running" and live):
                 out.append(("message", r))
             if r.handed_before and r.state in ("running", "done", "revoked"):
                 out.append(("handoff", r))
@@ -932,6 +969,24 @@ class EngineMachine(RuleBasedStateMachine):
             self.do_send(self.keys[run.key], run)
         else:
             self.do_claim(self.keys[run.key], run)
+
+    def _waiting(self) -> list[Run]:
+        return [r for km in self.keys.values() for r in km.q if not r.past_deadline]
+
+    @precondition(lambda self: bool(self._waiting()))
+    @rule(data=st.data())
+    def deadline_passes(self, data: st.DataObject) -> None:
+        """A parked run's ``Queue(timeout=...)`` runs out (on the server's clock)."""
+        run = self._pick(data, self._waiting(), lambda r: r.tid, "run")
+        self.clean = False
+        km = self.keys[run.key]
+        result = self.store.collection.update_one(
+            {"_id": km.name, "q.id": run.rid}, {"$set": {"q.$.dl": PAST}}
+        )
+        assert result.matched_count == 1
+        run.past_deadline = True
+        event("deadline passed")
+        self._step_done(km)
 
     @precondition(lambda self: any(km.live() for km in self.keys.values()))
     @rule(data=st.data())
@@ -991,7 +1046,7 @@ class EngineMachine(RuleBasedStateMachine):
                     self.do_force_release(km)
             assert not km.holds and not km.q, f"{km.name}: could not drain"
         for run in self.runs:
-            assert run.state in ("done", "ended", "superseded", "revoked", "refused"), (
+            assert run.state in ("done", "ended", "superseded", "revoked", "refused", "timedout"), (
                 f"{run.tid} is left {run.state}"
             )
             if run.state in ("done", "ended"):
