@@ -38,6 +38,7 @@ LONGEST_FIRST = {
     "test_store_contract.py": 58,
     "test_security.py": 53,
     "test_cli.py": 43,
+    "test_engine_model.py": 40,
     "test_clock_skew.py": 35,
     "test_keys.py": 32,
     "test_quickstart.py": 25,
