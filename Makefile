@@ -41,6 +41,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(wildcard celery_mongolock tests example_project benchmarks)
 	$(VENV)/bin/lint-imports  # imports flow one way, no cycles, no Celery in the lease core ([tool.importlinter])
+	$(PY) scripts/shape.py  # the largest modules and functions; fails on a call of another module's private name
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

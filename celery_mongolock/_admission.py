@@ -140,18 +140,18 @@ def gc_stage() -> Document:
     }
 
 
-def _get(field: str, doc: object) -> Document:
+def field_of(field: str, doc: object) -> Document:
     return {"$getField": {"field": field, "input": doc}}
 
 
 def _entry_expired(e: object) -> Document:
-    dl = {"$ifNull": [_get("dl", e), None]}
+    dl = {"$ifNull": [field_of("dl", e), None]}
     return {"$and": [{"$ne": [dl, None]}, {"$lte": [{"$toLong": dl}, _NOW_MS]}]}
 
 
-def _before(e: object, stamp: int, ident: str) -> Document:
+def entry_before(e: object, stamp: int, ident: str) -> Document:
     """Entry ``e`` sorts before a run with send stamp ``stamp`` and id ``ident`` ((s, id) order)."""
-    s_, id_ = _get("s", e), _get("id", e)
+    s_, id_ = field_of("s", e), field_of("id", e)
     return {
         "$or": [
             {"$lt": [s_, stamp]},
@@ -160,7 +160,7 @@ def _before(e: object, stamp: int, ident: str) -> Document:
     }
 
 
-def _dead_view(q: object) -> Document:
+def dead_entries(q: object) -> Document:
     """Entries of ``q`` past their deadline, without their messages (for ``dead``)."""
     return {
         "$map": {
@@ -179,9 +179,9 @@ def _dead_view(q: object) -> Document:
     }
 
 
-def _due(e: object) -> Document:
+def entry_due(e: object) -> Document:
     """Entry ``e`` may start now: it has no not-before time (``Replace(debounce=...)``) or it has passed."""
-    nb = {"$ifNull": [_get("nb", e), None]}
+    nb = {"$ifNull": [field_of("nb", e), None]}
     return {"$or": [{"$eq": [nb, None]}, {"$lte": [{"$toLong": nb}, _NOW_MS]}]}
 
 
@@ -223,7 +223,7 @@ SINGLE_HELD: Document = {
 }
 
 
-def _live(q: object) -> Document:
+def live_entries(q: object) -> Document:
     return {"$filter": {"input": q, "as": "e", "cond": {"$not": [_entry_expired("$$e")]}}}
 
 
@@ -289,11 +289,11 @@ def handoff_stages(
     stages.append(
         {
             "$set": {
-                "__live": {"$cond": ["$__hq", _live("$__hq"), None]},
+                "__live": {"$cond": ["$__hq", live_entries("$__hq"), None]},
                 "dead": {
                     "$cond": [
                         "$__hq",
-                        {"$concatArrays": [{"$ifNull": ["$dead", []]}, _dead_view("$__hq")]},
+                        {"$concatArrays": [{"$ifNull": ["$dead", []]}, dead_entries("$__hq")]},
                         "$dead",
                     ]
                 },
@@ -306,7 +306,7 @@ def handoff_stages(
             "$set": {
                 "__head": {
                     "$cond": [
-                        {"$and": [{"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]}, _due(head)]},
+                        {"$and": [{"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]}, entry_due(head)]},
                         head,
                         None,
                     ]
@@ -407,11 +407,11 @@ def _before_entry(e: object, other: object) -> Document:
     """Entry ``e`` sorts before entry ``other`` ((s, id) order), both expressions."""
     return {
         "$or": [
-            {"$lt": [_get("s", e), _get("s", other)]},
+            {"$lt": [field_of("s", e), field_of("s", other)]},
             {
                 "$and": [
-                    {"$eq": [_get("s", e), _get("s", other)]},
-                    {"$lt": [_get("id", e), _get("id", other)]},
+                    {"$eq": [field_of("s", e), field_of("s", other)]},
+                    {"$lt": [field_of("id", e), field_of("id", other)]},
                 ]
             },
         ]
@@ -544,9 +544,9 @@ def park_exprs(
         return [e], superseded
     in_order = {
         "$concatArrays": [
-            {"$filter": {"input": _Q, "as": "e", "cond": _before("$$e", stamp, ident)}},
+            {"$filter": {"input": _Q, "as": "e", "cond": entry_before("$$e", stamp, ident)}},
             [e],
-            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_before("$$e", stamp, ident)]}}},
+            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [entry_before("$$e", stamp, ident)]}}},
         ]
     }
     return in_order, []
@@ -589,9 +589,9 @@ def admit_pipeline(
         ]
     }
     has_ho = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
-    live = _live(_Q)
+    live = live_entries(_Q)
     live_head = {"$arrayElemAt": [live, 0]}
-    first = {"$or": [{"$eq": [{"$size": live}, 0]}, {"$not": [_before(live_head, stamp, ident)]}]}
+    first = {"$or": [{"$eq": [{"$size": live}, 0]}, {"$not": [entry_before(live_head, stamp, ident)]}]}
     running = {
         "$and": [
             {"$eq": ["$holder.task_id", {"$literal": entry["t"]}]},
@@ -618,7 +618,12 @@ def admit_pipeline(
         )
     if due:
         head = {"$arrayElemAt": [_Q, 0]}
-        due_now = [vacant, {"$not": [has_ho]}, {"$eq": [_get("id", head), {"$literal": ident}]}, _due(head)]
+        due_now = [
+            vacant,
+            {"$not": [has_ho]},
+            {"$eq": [field_of("id", head), {"$literal": ident}]},
+            entry_due(head),
+        ]
         branches.append({"case": {"$and": due_now}, "then": "due"})
     branches += [
         {
@@ -765,8 +770,8 @@ def sweep_pipeline(by: str, revoked: list[str]) -> list[Document]:
             "$set": {
                 "owner": {"$cond": [{"$and": ["$__rv", {"$eq": ["$owner", "$ho.tk"]}]}, None, "$owner"]},
                 "ho": {"$cond": ["$__rv", None, "$ho"]},
-                "dead": {"$concatArrays": [{"$ifNull": ["$dead", []]}, _dead_view(_Q)]},
-                "q": _live(_Q),
+                "dead": {"$concatArrays": [{"$ifNull": ["$dead", []]}, dead_entries(_Q)]},
+                "q": live_entries(_Q),
             }
         },
         {"$unset": ["__rv"]},

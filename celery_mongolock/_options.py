@@ -178,13 +178,14 @@ def check_task_class(cls: type) -> None:
     beat = getattr(cls, "mongolock_heartbeat_seconds", None)
     hold = getattr(cls, "mongolock_min_hold_seconds", None)
     limit = getattr(cls, "mongolock_limit", None)
-    from .store import DEFAULT_LEASE_SECONDS, _validate_seconds, validate_lease_timing
+    from ._validation import validate_seconds
+    from .store import DEFAULT_LEASE_SECONDS, validate_lease_timing
 
     try:
         if lease is not None or beat is not None:
             validate_lease_timing(lease if lease is not None else DEFAULT_LEASE_SECONDS, beat)
         if hold is not None:
-            _validate_seconds("min_hold_seconds", hold, low=0.0, high=30 * 24 * 3600.0)
+            validate_seconds("min_hold_seconds", hold, low=0.0, high=30 * 24 * 3600.0)
         check_limit(limit, policy, hold)
         multi = check_keys(getattr(cls, "mongolock_keys", None), None, policy, limit)
     except ConfigurationError as exc:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._admission import ran
 from .lease import Lease, aware
 
-__all__ = ["Admission", "AdmitOutcome", "Contended"]
+__all__ = ["RUN_ENDED_PROJECTION", "Admission", "AdmitOutcome", "Contended", "run_ended"]
 
 
 class AdmitOutcome(str, enum.Enum):
@@ -108,6 +109,46 @@ class Admission:
     def superseded_by(self, task_id: str | None) -> list[Mapping[str, Any]]:
         """The runs this admit's run superseded (their results are its to write)."""
         return [s for s in self.superseded if s.get("by") == task_id]
+
+
+#: The fields of a lease document that ``run_ended`` reads.
+RUN_ENDED_PROJECTION = {
+    "owner": 1,
+    "holder": 1,
+    "released_for": 1,
+    "forced_release": 1,
+    "hs.h": 1,
+    "ends": 1,
+    "seen": 1,
+}
+
+
+def run_ended(
+    doc: Mapping[str, Any] | None, run_ids: Sequence[str], *, task_id: str, delivery: Any, parked: bool
+) -> bool:
+    """Whether the lease document ``doc`` says that a run of ``run_ids`` (``_admission.run_id``: this
+    task id and attempt) ended and released the key itself: remembered as over (``seen``), or, on a
+    ``limit=N`` key, its own hold ended by a release, or the key's last holder, released normally (not
+    forced, not released for a dead process). ``parked``: a parked copy, which matches a holder recorded
+    before deliveries were (an older version) on its task id."""
+    if doc is None:
+        return False
+    if ran(doc.get("seen") or [], run_ids):
+        return True
+    if "hs" in doc:
+        return any(
+            e.get("t") == task_id and e.get("run") == delivery and e.get("how") == "released"
+            for e in doc.get("ends") or []
+        )
+    holder = doc.get("holder") or {}
+    same_delivery = holder.get("delivery", delivery if parked else None) == delivery
+    return bool(
+        holder.get("task_id") == task_id
+        and same_delivery
+        and doc.get("owner") is None
+        and doc.get("released_for") is None
+        and not doc.get("forced_release")
+    )
 
 
 @dataclasses.dataclass(frozen=True)

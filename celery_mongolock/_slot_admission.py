@@ -47,7 +47,7 @@ def _has_ho(e: str) -> Document:
 HANDED: Document = {"$gt": [{"$size": {"$filter": {"input": _HS, "as": "e", "cond": _has_ho("$$e")}}}, 0]}
 
 
-def _live(e: str) -> Document:
+def live_entries(e: str) -> Document:
     return {"$gt": [{"$toLong": f"{e}.x"}, _NOW_MS]}
 
 
@@ -59,7 +59,7 @@ def normalize_stages(keep_owner: str | None = None) -> list[Document]:
     """Expired holds leave ``hs``: a handed one's entry goes back to the front of ``q`` (it keeps its
     token and attempt count), any other is appended to ``ends`` as ``expired``; parked runs past their
     deadline move to ``dead``. ``keep_owner``: a hold kept even if expired (the handoff being claimed)."""
-    keep: Document = _live("$$e")
+    keep: Document = live_entries("$$e")
     if keep_owner is not None:
         keep = {"$or": [keep, {"$eq": ["$$e.o", {"$literal": keep_owner}]}]}
     gone = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [keep]}}}
@@ -91,8 +91,8 @@ def normalize_stages(keep_owner: str | None = None) -> list[Document]:
                         "$ends",
                     ]
                 },
-                "dead": {"$concatArrays": [{"$ifNull": ["$dead", []]}, adm._dead_view(_Q)]},
-                "q": adm._live(_Q),
+                "dead": {"$concatArrays": [{"$ifNull": ["$dead", []]}, adm.dead_entries(_Q)]},
+                "q": adm.live_entries(_Q),
             }
         },
         {"$unset": ["__gone", "__died"]},
@@ -141,7 +141,7 @@ def fill_stages(by: str) -> list[Document]:
         {
             "$set": {
                 "__fs": {"$cond": [single_held, [], free]},
-                "__dq": {"$filter": {"input": _Q, "as": "e", "cond": adm._due("$$e")}},
+                "__dq": {"$filter": {"input": _Q, "as": "e", "cond": adm.entry_due("$$e")}},
             }
         },
         {"$set": {"__k": {"$min": [{"$size": "$__fs"}, {"$size": "$__dq"}]}, "__base": _fence_base()}},
@@ -253,7 +253,7 @@ def slot_admit_pipeline(
     handed_ids = {"$map": {"input": handed, "as": "e", "in": "$$e.ho.id"}}
     dead_ids = {"$map": {"input": {"$ifNull": ["$dead", []]}, "as": "d", "in": "$$d.id"}}
     head = {"$arrayElemAt": [_Q, 0]}
-    first = {"$or": [{"$eq": [{"$size": _Q}, 0]}, {"$not": [adm._before(head, stamp, ident)]}]}
+    first = {"$or": [{"$eq": [{"$size": _Q}, 0]}, {"$not": [adm.entry_before(head, stamp, ident)]}]}
     owners = {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}
     running = {
         "$gt": [
@@ -299,7 +299,7 @@ def slot_admit_pipeline(
         # (never while the key is held or handed as a single lease: a key mixed with single leases)
         branches.append({"case": {"$and": [claimable, {"$not": [single_held]}]}, "then": "claimed"})
     if due:
-        due_now = [room, {"$eq": [adm._get("id", head), {"$literal": ident}]}, adm._due(head)]
+        due_now = [room, {"$eq": [adm.field_of("id", head), {"$literal": ident}]}, adm.entry_due(head)]
         branches.append({"case": {"$and": due_now}, "then": "due"})
     branches += [
         {

@@ -197,7 +197,7 @@ class Scheduler(celery_beat.Scheduler):  # type: ignore[misc]
                 return True
         info = {"role": "celery beat", "beat": self._ident}
         before = self._leader_document()
-        lease, doc = self._store._try_acquire(self._beat.key, None, info=info, heartbeat=True)
+        lease, doc = self._store.try_acquire(self._beat.key, None, info=info, heartbeat=True)
         if lease is None:
             holder = (doc or {}).get("holder") or {}
             who = str(holder.get("beat") or holder)
@@ -218,7 +218,7 @@ class Scheduler(celery_beat.Scheduler):  # type: ignore[misc]
         ended (released, force-released, or still held until it expires), for the leader-change log.
         One read per attempt; a standby attempts when the lease changes or every ``standby_wait``."""
         try:
-            with self._store._operation("read the leader lease"):
+            with self._store.operation("read the leader lease"):
                 doc: dict[str, Any] | None = self._store.collection.find_one(
                     {"_id": normalize_key(self._beat.key)},
                     {
@@ -319,7 +319,7 @@ class Scheduler(celery_beat.Scheduler):  # type: ignore[misc]
 
     def _first_due(self, entry: Any, now: _dt.datetime) -> _dt.datetime:
         """On becoming leader: the tick after the last one any beat sent (catch-up), or the next one."""
-        with self._store._operation(f"read the tick state of {entry.name!r}"):
+        with self._store.operation(f"read the tick state of {entry.name!r}"):
             state = self._store.client[self._store.database_name][self._ticks_name].find_one(
                 {"_id": entry.name}
             )
@@ -347,7 +347,7 @@ class Scheduler(celery_beat.Scheduler):  # type: ignore[misc]
             },
             {"$unset": "__new"},
         ]
-        with self._store._operation(f"claim tick {tick_ms} of {entry.name!r}"):
+        with self._store.operation(f"claim tick {tick_ms} of {entry.name!r}"):
             doc = coll.find_one_and_update(
                 {"_id": entry.name}, pipeline, upsert=True, return_document=ReturnDocument.AFTER
             )

@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._urls import validate_mongo_url
-from ._validation import DEFAULT_HISTORY_DAYS, validate_history_days
+from ._validation import DEFAULT_HISTORY_DAYS, validate_history_days, validate_seconds
 from .exceptions import ConfigurationError
 from .policies import Policy, PolicySpec, Retry, check_keys, check_limit, parse_policy
-from .store import LeaseStore, _validate_seconds, validate_lease_timing, validate_names
+from .store import LeaseStore, validate_lease_timing, validate_names
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -150,7 +150,7 @@ class Settings:
         except ConfigurationError as exc:
             raise ConfigurationError(f"task {name!r}: {exc}") from None
         hold = override.get("min_hold_seconds", min_hold_seconds) or 0.0
-        hold_s = _validate_seconds(
+        hold_s = validate_seconds(
             f"{where}['min_hold_seconds']" if "min_hold_seconds" in override else "min_hold_seconds",
             hold,
             low=0.0,
@@ -264,7 +264,7 @@ def read_settings(conf: Any) -> Settings:
         raise ConfigurationError(f"mongolock_{exc}") from None
     explicit_beat = _conf_get(conf, "mongolock_heartbeat_seconds")
     policy = parse_policy(_conf_get(conf, "mongolock_on_contention"), "mongolock_on_contention")
-    timeout = _validate_seconds(
+    timeout = validate_seconds(
         "mongolock_operation_timeout", _conf_get(conf, "mongolock_operation_timeout"), low=0.1, high=3600.0
     )
     raw_policies = _conf_get(conf, "mongolock_task_policies")
@@ -389,7 +389,7 @@ def get_store(app: Celery) -> LeaseStore:
                 )
                 from . import signals
 
-                store.add_lost_callback(signals._send_lost)
+                store.add_lost_callback(signals.send_lost)
                 for hook in STORE_HOOKS:
                     hook(app, store)
                 app._mongolock_store = store

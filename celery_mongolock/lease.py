@@ -185,7 +185,7 @@ class Lease:
         self._deadline = sent_at + local_ttl(ttl)
         self._lost_reason: str | None = None
         #: Until then a copy of an acquire attempt with this token may still land late (see the store).
-        self._ambiguous_until: float | None = None
+        self.ambiguous_until: float | None = None
         self._released = False
         self._lost_event = threading.Event()
         self._callbacks: list[LostCallback] = []
@@ -251,12 +251,23 @@ class Lease:
         if already is not None:
             _run_callbacks([callback], self, already)
 
-    def _extend(self, sent_at: float, expires_at: _dt.datetime | None = None) -> None:
+    def renewed(self, sent_at: float, expires_at: _dt.datetime | None = None) -> None:
+        """A renewal sent at ``sent_at`` (monotonic) matched: the lease is ours for a ttl from then (the
+        store calls this; ``expires_at``: the server's new expiry, when the reply carried it)."""
         with self._lock:
             if self._lost_reason is None:
                 self._deadline = max(self._deadline, sent_at + local_ttl(self.ttl))
                 if expires_at is not None:
                     self.expires_at = expires_at
+
+    def handed_over(self) -> bool:
+        """The lease is given away by a store command of its own (reserved for a parked run, given back
+        unrun): from now on not this object's to renew or release. False if it was released already."""
+        with self._lock:
+            if self._released:
+                return False
+            self._released = True
+            return True
 
     def mark_lost(self, reason: str, *, release: bool = True) -> bool:
         """Declare the lease lost (its renewals failed, or one matched nothing); False if it already was,
@@ -300,7 +311,7 @@ class Lease:
                 "renewal matched nothing: released by force, or expired and taken over", release=False
             )
             raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
-        self._extend(sent)
+        self.renewed(sent)
 
     def release(self) -> bool:
         """Give the lease back. True if it was ours to release; False if already lost or released.
@@ -322,9 +333,9 @@ class Lease:
         if was_lost:
             return False  # its release is already queued (see mark_lost)
         released = self.store.release_lease(self)
-        if self._ambiguous_until is not None and self.store.clock.monotonic() < self._ambiguous_until:
+        if self.ambiguous_until is not None and self.store.clock.monotonic() < self.ambiguous_until:
             # A delayed copy of the acquire could still land and take the key again with our token.
-            self.store.release_later(self.key, self.owner, self._ambiguous_until, quiet=True)
+            self.store.release_later(self.key, self.owner, self.ambiguous_until, quiet=True)
         return released
 
     def __enter__(self) -> Lease:

@@ -12,7 +12,7 @@ Signals (``celery.utils.dispatch.Signal``; connect with ``@lease_acquired.connec
 Hooks: when a worker process shuts down, every lease it still holds is released.
 
 This module imports nothing of the Celery glue above it (``config``, ``task``): the task registers its
-apps here (``_known_apps``), and the hooks find the leases through them.
+apps here (``known_apps``), and the hooks find the leases through them.
 """
 
 from __future__ import annotations
@@ -56,17 +56,17 @@ run_handed_off = Signal(name="run_handed_off")
 run_superseded = Signal(name="run_superseded")
 
 #: The apps whose singleton tasks this process may run (``SingletonTask`` adds its app when bound).
-_known_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
+known_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
 
 
-def _send_lost(lease: Lease, reason: str) -> None:
+def send_lost(lease: Lease, reason: str) -> None:
     lease_lost.send(sender=None, key=lease.key, lease=lease, reason=reason)
 
 
 def release_all_held(**_: Any) -> None:
     """Release every lease this process holds and write its queued lease history (graceful shutdown of a
     worker process)."""
-    for app in list(_known_apps):
+    for app in list(known_apps):
         store = getattr(app, "_mongolock_store", None)
         if store is None:
             continue

@@ -71,6 +71,7 @@ from . import _documents as documents
 from . import _slot_admission as slot_admission
 from . import _slots as slots_docs
 from ._documents import MAX_INFO_BYTES, Document
+from ._outcomes import RUN_ENDED_PROJECTION, run_ended
 from ._urls import describe_refusal, redact, validate_client_options, validate_mongo_url
 from ._validation import (
     DEFAULT_HISTORY_DAYS,
@@ -102,11 +103,8 @@ __all__ = [
     "validate_names",
 ]
 
-# Names this module had before the lease core was split into modules; kept for code that imports them.
-_validate_seconds = validate_seconds
-_aware = aware
+# A name this module had before the lease core was split into modules (the lock-set checker imports it).
 _local_ttl = local_ttl
-_NOT_EXPIRED = documents.NOT_EXPIRED
 #: What a release of a ``limit=N`` slot returns: enough to publish the handoffs it made.
 SLOT_HANDOFF_PROJECTION: Document = {"hs": 1, "fence": 1, "sup": 1, "lim": 1}
 
@@ -361,7 +359,7 @@ class LeaseStore:
         )
 
     @contextlib.contextmanager
-    def _operation(
+    def operation(
         self, action: str, timeout: float | None = None, *, retryable: bool = False
     ) -> Iterator[None]:
         """Run MongoDB calls under one deadline (pymongo CSOT); turn driver errors into ``StoreUnavailable``.
@@ -414,7 +412,7 @@ class LeaseStore:
         Called automatically before the first acquire in each process.
         """
         coll = self.collection
-        with self._operation("create lease indexes"):
+        with self.operation("create lease indexes"):
             for spec, options in (
                 ([("gc_at", pymongo.ASCENDING)], {"name": "gc_at_ttl", "expireAfterSeconds": 0}),
                 ([("owner", pymongo.ASCENDING)], {"name": "owner"}),
@@ -449,7 +447,7 @@ class LeaseStore:
         ``collMod``."""
         coll = self.history_collection
         ttl = int(self.history_days * 86400)
-        with self._operation("create lease history indexes"):
+        with self.operation("create lease history indexes"):
             for spec, options in (
                 ([("k", pymongo.ASCENDING), ("f", pymongo.DESCENDING)], {"name": "k_f"}),
                 ([("e", pymongo.ASCENDING)], {"name": "e_ttl", "expireAfterSeconds": ttl}),
@@ -517,7 +515,7 @@ class LeaseStore:
         ``hold_until_ms`` are for single leases only. Raises ``StoreUnavailable`` if MongoDB cannot be
         reached: a lease is never assumed.
         """
-        lease, _ = self._try_acquire(
+        lease, _ = self.try_acquire(
             key,
             ttl,
             info=info,
@@ -530,7 +528,7 @@ class LeaseStore:
         )
         return lease
 
-    def _try_acquire(
+    def try_acquire(
         self,
         key: str,
         ttl: float | None,
@@ -629,7 +627,7 @@ class LeaseStore:
             try:
                 coll = self._ready_collection()
                 sent_at = clock.monotonic()
-                with self._operation(f"acquire lease {key!r}", timeout=remaining, retryable=True):
+                with self.operation(f"acquire lease {key!r}", timeout=remaining, retryable=True):
                     doc = coll.find_one_and_update(
                         documents.acquire_filter(key),
                         pipeline,
@@ -715,7 +713,7 @@ class LeaseStore:
             waited_ms=doc.get("waited_ms"),
         )
         if ambiguous:
-            lease._ambiguous_until = landing_window
+            lease.ambiguous_until = landing_window
         taken_over = documents.ended_by_takeover(doc)
         if taken_over is not None:
             self._record(documents.history_record(key, taken_over))
@@ -762,7 +760,7 @@ class LeaseStore:
             slot=int(mine["s"]),
         )
         if ambiguous:
-            lease._ambiguous_until = landing_window
+            lease.ambiguous_until = landing_window
         log_acquire.info("acquired lease %r slot %s fence=%s ttl=%gs", key, lease.slot, lease.fence, ttl_s)
         if heartbeat:
             self.heartbeat.add(lease)
@@ -811,7 +809,7 @@ class LeaseStore:
         # The holder names the run, so that a copy of its message is recognised while it runs.
         run_info = {"task_id": entry["t"], "task_name": entry.get("n"), "delivery": entry.get("r")}
         run_info = {k: v for k, v in run_info.items() if v is not None}
-        lease, doc = self._try_acquire(
+        lease, doc = self.try_acquire(
             key,
             ttl,
             info={**run_info, **(info or {})},
@@ -859,7 +857,7 @@ class LeaseStore:
         clock = self.clock
         give_up_at = clock.monotonic() + max(0.0, timeout)
         try:
-            with self._operation(f"watch lease {key!r}", timeout=None):
+            with self.operation(f"watch lease {key!r}", timeout=None):
                 stream = self.collection.watch([{"$match": {"documentKey._id": key}}], max_await_time_ms=200)
         except (StoreUnavailable, OperationFailure, *_AMBIGUOUS):
             stream = None  # no change streams here (standalone server, permissions): poll instead
@@ -919,7 +917,7 @@ class LeaseStore:
         clock = self.clock
         give_up_at = clock.monotonic() + wait_s
         while True:
-            lease, doc = self._try_acquire(
+            lease, doc = self.try_acquire(
                 key, ttl, info=info, heartbeat=True, heartbeat_seconds=heartbeat_seconds
             )
             if lease is not None:
@@ -943,7 +941,7 @@ class LeaseStore:
             return not self._renew_tokens(
                 [lease], timeout=max(0.1, min(self.operation_timeout, lease.remaining))
             )
-        with self._operation(
+        with self.operation(
             f"renew lease {lease.key!r}", timeout=max(0.1, min(self.operation_timeout, lease.remaining))
         ):
             result = self.collection.update_one(
@@ -967,7 +965,7 @@ class LeaseStore:
         lost = self._renew_tokens(live, timeout=timeout)
         for lease in live:
             if lease not in lost:
-                lease._extend(sent)
+                lease.renewed(sent)
             elif lease.slot is not None:
                 lease.mark_lost(
                     "renewal found its slot gone: released by force, or expired and taken", release=False
@@ -994,7 +992,7 @@ class LeaseStore:
         slotted = any(lease.slot is not None for lease in leases)
         single = any(lease.slot is None for lease in leases)
         coll = self.collection
-        with self._operation("renew leases", timeout=timeout):
+        with self.operation("renew leases", timeout=timeout):
             if not slotted:
                 # Single leases only: the filter matches only the live ones (as before slots existed).
                 result = coll.update_many(documents.renew_tokens_filter(tokens), documents.renew_pipeline())
@@ -1027,7 +1025,7 @@ class LeaseStore:
             return self._release_slot(lease)
         by = self._handoff_by(token)
         try:
-            with self._operation(f"release lease {key!r}"):
+            with self.operation(f"release lease {key!r}"):
                 doc = self.collection.find_one_and_update(
                     documents.release_filter(key, token),
                     documents.release_pipeline(by),
@@ -1055,7 +1053,7 @@ class LeaseStore:
         key, token = lease.key, lease.owner
         by = self._handoff_by(token)
         try:
-            with self._operation(f"release lease {key!r} slot {lease.slot}"):
+            with self.operation(f"release lease {key!r} slot {lease.slot}"):
                 doc = self.collection.find_one_and_update(
                     {"_id": key, "hs.o": token},
                     slot_admission.slot_release_handoff_pipeline([token], by),
@@ -1092,8 +1090,7 @@ class LeaseStore:
             else int(validate_seconds("timeout", timeout, low=0.0, high=MAX_LEASE_SECONDS) * 1000)
         )
         by = "reserve:" + uuid.uuid4().hex
-        with lease._lock:
-            lease._released = True  # handed over to the entry: not ours to renew or release
+        lease.handed_over()  # to the entry: not ours to renew or release
         self.forget(lease)  # (before the command: a renewal racing it would report the lease lost)
         # Ours, or already reserved for the entry by an attempt of this command whose reply was lost.
         match = {
@@ -1103,7 +1100,7 @@ class LeaseStore:
         doc: Document | None = None
         for attempt in range(3):
             try:
-                with self._operation(f"reserve lease {lease.key!r}"):
+                with self.operation(f"reserve lease {lease.key!r}"):
                     doc = self.collection.find_one_and_update(
                         match,
                         admission_docs.reserve_pipeline(full_entry, timeout_ms, by),
@@ -1144,7 +1141,7 @@ class LeaseStore:
             *admission_docs.release_handoff_stages(by),
             admission_docs.gc_stage(),
         ]
-        with self._operation(f"unpark {entry_id} from {key!r}"):
+        with self.operation(f"unpark {entry_id} from {key!r}"):
             doc = self.collection.find_one_and_update(
                 {"_id": key, "$or": [{"q.id": entry_id}, {"ho.id": entry_id}]},
                 pipeline,
@@ -1157,15 +1154,13 @@ class LeaseStore:
     def give_back(self, lease: Lease) -> bool:
         """Release ``lease`` of a run that has not run (an attempt that gives its keys back): as a
         release, but the run is not remembered as over (``seen``), so a copy of it may still run."""
-        with lease._lock:
-            if lease._released:
-                return False
-            lease._released = True
+        if not lease.handed_over():
+            return False
         self.forget(lease)
         if lease.slot is not None:  # a limit=N slot: released as the background release does
             return self.release_tokens([lease.owner], unconfirmed=[lease.owner]) > 0
         by = self._handoff_by(lease.owner)
-        with self._operation(f"give back lease {lease.key!r}"):
+        with self.operation(f"give back lease {lease.key!r}"):
             doc = self.collection.find_one_and_update(
                 documents.release_filter(lease.key, lease.owner),
                 documents.release_pipeline(by, seen=False),
@@ -1208,7 +1203,7 @@ class LeaseStore:
                 }
             },
         ]
-        with self._operation(f"read the keys of {entry.get('t')}"):
+        with self.operation(f"read the keys of {entry.get('t')}"):
             docs = builtins.list(self.collection.aggregate(pipeline))
         reserved = {d["_id"] for d in docs if d.get("reserved")}
         present = reserved | {d["_id"] for d in docs if d.get("parked")}
@@ -1264,7 +1259,7 @@ class LeaseStore:
             {"$addFields": {"__now": "$$NOW"}},
             {"$project": {"q.m": 0, "ho.m": 0, "hs.ho.m": 0, "ends": 0, "seen": 0}},
         ]
-        with self._operation("list keys with parked runs"):
+        with self.operation("list keys with parked runs"):
             return builtins.list(self.collection.aggregate(pipeline))
 
     def sweep(
@@ -1277,7 +1272,7 @@ class LeaseStore:
         ``slots``: whether the key is a ``limit=N`` key (read from the document when not given)."""
         key = normalize_key(key)
         token = "sweep:" + uuid.uuid4().hex
-        with self._operation(f"sweep lease {key!r}"):
+        with self.operation(f"sweep lease {key!r}"):
             if slots is None:
                 found = self.collection.find_one({"_id": key}, {"lim": 1, "hs.s": 1})
                 slots = found is not None and ("hs" in found or "lim" in found)
@@ -1308,7 +1303,7 @@ class LeaseStore:
         match: Document = slots_docs.keys_with_expired_holds_filter()
         if after is not None:
             match["_id"] = {"$gt": after}
-        with self._operation("list keys with expired slot holds"):
+        with self.operation("list keys with expired slot holds"):
             return builtins.list(self.collection.find(match, {"_id": 1}).sort("_id", 1).limit(limit))
 
     def sweep_expired_holds(self, key: str) -> Document | None:
@@ -1318,7 +1313,7 @@ class LeaseStore:
         ``sweep``. Returns the document after (None if there is none)."""
         key = normalize_key(key)
         token = "sweep:" + uuid.uuid4().hex
-        with self._operation(f"drop expired slot holds of {key!r}"):
+        with self.operation(f"drop expired slot holds of {key!r}"):
             doc = self.collection.find_one_and_update(
                 {"_id": key, "hs.o": {"$exists": True}},
                 slot_admission.slot_sweep_pipeline(token, []),
@@ -1353,6 +1348,19 @@ class LeaseStore:
             )
         )
 
+    def run_ended(
+        self, key: str, run_ids: Sequence[str], *, task_id: str, delivery: Any, parked: bool = False
+    ) -> bool:
+        """Whether a run of ``run_ids`` (a task id and attempt, ``_admission.run_id``) ended and released
+        ``key`` itself (one read; ``_outcomes.run_ended`` says what counts). The key remembers the last
+        ``SEEN_KEPT`` runs that ended so (``seen``), whoever took it since, for 2 hours after its last
+        lease. For a copy of a run's message (a parked duplicate, a redelivery): then running it would be
+        a second run of one submission."""
+        key = normalize_key(key)
+        with self.operation(f"inspect lease {key!r}"):
+            doc = self.collection.find_one({"_id": key}, RUN_ENDED_PROJECTION)
+        return run_ended(doc, run_ids, task_id=task_id, delivery=delivery, parked=parked)
+
     def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written. The runs of ``dead``
         (parked past their deadline) are remembered as over (``seen``): a late copy of one of their
@@ -1368,7 +1376,7 @@ class LeaseStore:
             remember["seen"] = {
                 "$slice": [{"$concatArrays": [{"$ifNull": ["$seen", []]}, runs]}, -admission_docs.SEEN_KEPT]
             }
-        with self._operation(f"forget written results of {key!r}"):
+        with self.operation(f"forget written results of {key!r}"):
             self.collection.update_one(
                 {"_id": normalize_key(key)},
                 [
@@ -1401,7 +1409,7 @@ class LeaseStore:
             (builtins.list(t for t in tokens if t in maybe), False),
         ]
         released = 0
-        with self._operation("release leases in the background", timeout=timeout):
+        with self.operation("release leases in the background", timeout=timeout):
             for toks, seen in groups:
                 if not toks:
                     continue
@@ -1434,7 +1442,7 @@ class LeaseStore:
         """
         match = documents.held_by_filter(holder)
         released = 0
-        with self._operation(f"release leases held by {holder}"):
+        with self.operation(f"release leases held by {holder}"):
             keys = [d["_id"] for d in self.collection.find(match, {"_id": 1})]
             for key in keys:
                 token = self._handoff_by(uuid.uuid4().hex)
@@ -1474,7 +1482,7 @@ class LeaseStore:
         """
         key = normalize_key(key)
         token = self._handoff_by(uuid.uuid4().hex)
-        with self._operation(f"force-release lease {key!r}"):
+        with self.operation(f"force-release lease {key!r}"):
             doc = self.collection.find_one_and_update(
                 documents.force_release_filter(key),
                 documents.force_release_pipeline(token),
@@ -1551,7 +1559,7 @@ class LeaseStore:
         records = builtins.list(records)
         if not self._indexes_ready:  # the TTL index before the first record (an operator's process)
             self.ensure_indexes()
-        with self._operation("write the lease history", timeout=timeout):
+        with self.operation("write the lease history", timeout=timeout):
             if copies:
                 query = copies[0] if len(copies) == 1 else {"$or": builtins.list(copies)}
                 for doc in self.collection.find(query, {"ends": 1}):
@@ -1581,7 +1589,7 @@ class LeaseStore:
         if there is no lease document for ``key`` (never taken, or removed by the TTL index after it
         expired)."""
         key = normalize_key(key)
-        with self._operation(f"read lease {key!r}"):
+        with self.operation(f"read lease {key!r}"):
             docs = builtins.list(self.collection.aggregate(documents.story_pipeline(key)))
             stored: builtins.list[Document] = []
             if docs and self.history_days:
@@ -1601,7 +1609,7 @@ class LeaseStore:
         key = normalize_key(key)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigurationError(f"limit must be a positive int, got {limit!r}")
-        with self._operation(f"read the history of {key!r}"):
+        with self.operation(f"read the history of {key!r}"):
             doc = self.collection.find_one({"_id": key}, {"ends": 1}) or {}
             stored: builtins.list[Document] = []
             if self.history_days:
@@ -1612,7 +1620,7 @@ class LeaseStore:
 
     # -- reading -------------------------------------------------------------------------------------
     def _read(self, match: Document, action: str) -> builtins.list[LeaseInfo]:
-        with self._operation(action):
+        with self.operation(action):
             docs = builtins.list(self.collection.aggregate(documents.read_pipeline(match)))
         return [documents.lease_info(d) for d in docs]
 

@@ -96,7 +96,7 @@ REPUBLISH_RETRY_POLICY: dict[str, float] = {
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_mongolock_lease", default=None
 )
-_known_apps = signals._known_apps  # the apps the shutdown hook releases leases for
+known_apps = signals.known_apps  # the apps the shutdown hook releases leases for
 
 
 def _censor_url_in_celery_reports() -> None:
@@ -167,7 +167,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
-        _known_apps.add(app)
+        known_apps.add(app)
         _install_bootstep(app)
 
     def _renderer(self) -> KeyRenderer:
@@ -368,7 +368,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             try:
                 for key in keys:
                     try:
-                        lease, doc = store._try_acquire(
+                        lease, doc = store.try_acquire(
                             key,
                             options.lease_seconds,
                             info=info,
@@ -703,7 +703,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         while True:
             waited_ms = 0 if contended_at is None else int((store.clock.monotonic() - contended_at) * 1000)
             try:
-                lease, doc = store._try_acquire(
+                lease, doc = store.try_acquire(
                     key,
                     options.lease_seconds,
                     info=info,
@@ -975,38 +975,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         ended_runs = _copy_run_ids(request)
         if not ended_runs:
             return False
-        with store._operation(f"inspect lease {key!r}"):
-            doc = store.collection.find_one(
-                {"_id": key},
-                {
-                    "owner": 1,
-                    "holder": 1,
-                    "released_for": 1,
-                    "forced_release": 1,
-                    "hs.h": 1,
-                    "ends": 1,
-                    "seen": 1,
-                },
-            )
-        if doc is not None and _admission.ran(doc.get("seen") or [], ended_runs):
-            return True
-        parked = bool((request.headers or {}).get(DUPLICATE_HEADER))
-        delivery = _delivery(request)
-        if doc is not None and "hs" in doc:  # limit=N: did this run's own hold end by a release?
-            return any(
-                e.get("t") == request.id and e.get("run") == delivery and e.get("how") == "released"
-                for e in doc.get("ends") or []
-            )
-        holder = (doc or {}).get("holder") or {}
-        # A holder recorded before deliveries were (an older version) matches a parked copy on its id.
-        same_delivery = holder.get("delivery", delivery if parked else None) == delivery
         return bool(
-            doc is not None
-            and holder.get("task_id") == request.id
-            and same_delivery
-            and doc.get("owner") is None
-            and doc.get("released_for") is None
-            and not doc.get("forced_release")
+            store.run_ended(
+                key,
+                ended_runs,
+                task_id=request.id,
+                delivery=_delivery(request),
+                parked=bool((request.headers or {}).get(DUPLICATE_HEADER)),
+            )
         )
 
     def _unavailable(self, key: str, exc: StoreUnavailable, policy: Policy, direct: bool) -> NoReturn:
@@ -1325,9 +1301,9 @@ def singleton_task(
         # a run whose worker dies from being lost.
         task_options.setdefault("acks_late", True)
     if min_hold_seconds is not None:
-        from .store import _validate_seconds
+        from ._validation import validate_seconds
 
-        _validate_seconds("min_hold_seconds", min_hold_seconds, low=0.0, high=30 * 24 * 3600.0)
+        validate_seconds("min_hold_seconds", min_hold_seconds, low=0.0, high=30 * 24 * 3600.0)
     if lease_seconds is not None or heartbeat_seconds is not None:
         from .store import DEFAULT_LEASE_SECONDS, validate_lease_timing
 
@@ -1485,7 +1461,7 @@ def _install_bootstep(app: Celery) -> None:
 
         def __init__(self, worker: Any, **kwargs: Any) -> None:
             get_settings(worker.app)  # raises ConfigurationError naming the setting
-            _known_apps.add(worker.app)
+            known_apps.add(worker.app)
             super().__init__(worker, **kwargs)
 
         def start(self, worker: Any) -> None:

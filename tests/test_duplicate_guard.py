@@ -30,7 +30,7 @@ def ended_run(store: LeaseStore, task_id: str, limit: int | None = None) -> None
 
 def copy_takes_the_key(store: LeaseStore, task_id: str, limit: int | None = None) -> bool:
     """Whether a copy of ``task_id``'s first delivery takes the key (its acquire, as ``task.py`` sends it)."""
-    lease, _ = store._try_acquire(
+    lease, _ = store.try_acquire(
         KEY, 30, info=info(task_id), limit=limit, ended_runs=[run_id(task_id, "0.0")]
     )
     if lease is None:
@@ -104,11 +104,11 @@ def test_a_copy_matches_every_contention_retry_of_its_attempt_not_a_later_attemp
     (``"<task id>/<retries>."``, as ``task.py`` sends it): a parked copy that went on as a contention
     retry is still a copy of the run that ended. A later attempt (the body's own ``self.retry()``) is not."""
     ended_run(store, "first")  # delivery "0.0"
-    lease, _ = store._try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "0.")])
+    lease, _ = store.try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "0.")])
     assert lease is None
-    lease, _ = store._try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "1.")])
+    lease, _ = store.try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "1.")])
     assert lease is not None
     store.give_back(lease)
-    lease, _ = store._try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "")])
+    lease, _ = store.try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "")])
     assert lease is not None  # a whole id is matched whole (an older holder's "<task id>/")
     store.give_back(lease)

@@ -202,14 +202,14 @@ def test_a_lease_answered_after_its_time_ran_out_is_given_back_and_the_body_does
     store: LeaseStore = get_store(app)
     clock = Late()
     monkeypatch.setattr(store, "clock", clock)
-    original = store._try_acquire
+    original = store.try_acquire
 
     def answered_late(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         clock.offset += 3600.0  # the reply came after the whole lease (MongoDB paused)
         return result
 
-    monkeypatch.setattr(store, "_try_acquire", answered_late)
+    monkeypatch.setattr(store, "try_acquire", answered_late)
     run = f"run-{uuid.uuid4().hex}"
     slow_reply.push_request(
         id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100}, delivery_info={},

@@ -1,7 +1,7 @@
 """The worker shutdown hook and the lost-lease signal, against the real server, without a worker.
 
 ``signals`` imports nothing of the glue above it: the apps it releases leases for are the ones the task
-glue registered (``signals._known_apps``), and the lost signal is hooked to the store by ``config``.
+glue registered (``signals.known_apps``), and the lost signal is hooked to the store by ``config``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
     app = Celery("signals", set_as_current=False)
     configure(app, mongo_url, db_name)
     yield app
-    signals._known_apps.discard(app)
+    signals.known_apps.discard(app)
     configure(app, mongo_url, db_name)  # closes the store
 
 
@@ -33,7 +33,7 @@ def test_shutdown_releases_what_a_registered_app_holds(app: Celery) -> None:
     assert held is not None
     signals.release_all_held()  # the app is not registered: none of our business
     assert not held.released
-    signals._known_apps.add(app)
+    signals.known_apps.add(app)
     signals.release_all_held()
     assert held.released
     info = store.inspect("signals:held")
@@ -55,7 +55,10 @@ def test_a_lost_lease_sends_lease_lost(app: Celery) -> None:
         lease = store.acquire("signals:lost", ttl=60, heartbeat=True)
         assert lease is not None
         assert store.force_release("signals:lost")
-        assert store.renew_many([lease]) == [lease]  # the renewal matches nothing: lost
+        # The renewal matches nothing: lost (or the heartbeat's own renewal noticed first, on a busy
+        # machine: then renew_many leaves the lease out, as it is lost already).
+        assert store.renew_many([lease]) in ([lease], [])
+        assert lease.lost
         assert sent.wait(10), "lease_lost was not sent"
     finally:
         signals.lease_lost.disconnect(receiver)
