@@ -68,13 +68,17 @@ LONG = 600.0
 SHORT = 0.5
 PAST = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
 
-#: The keys of an example: name -> (limit, replace). Each key is used by one kind of task only.
-KEYS: dict[str, tuple[int, bool]] = {
-    "queue-1": (1, False),
-    "queue-2": (2, False),
-    "replace-1": (1, True),
-    "replace-3": (3, True),
+#: The keys of an example: name -> (limit, replace, debounce). Each key is used by one kind of task only.
+KEYS: dict[str, tuple[int, bool, bool]] = {
+    "queue-1": (1, False, False),
+    "queue-2": (2, False, False),
+    "replace-1": (1, True, False),
+    "replace-3": (3, True, False),
+    "debounce-1": (1, True, True),
+    "debounce-2": (2, True, True),
 }
+#: ``Replace(debounce=...)``: seconds (the model ends a debounce by moving its time into the past).
+DEBOUNCE = 3600.0
 
 
 #: What the examples did (``MONGOLOCK_MODEL_STATS=1`` prints it): a check that the rules reach the states
@@ -104,6 +108,7 @@ class Run:
     handed_before: bool = False
     attempt: int = 0  # of its latest handoff published
     past_deadline: bool = False  # parked past its Queue(timeout=...): it must never be handed the key
+    due: bool = True  # Replace(debounce=...): False until its debounce is over (then it may start)
 
     @property
     def rid(self) -> str:
@@ -151,8 +156,8 @@ def in_order(q: list[Run], run: Run) -> list[Run]:
 class KeyModel:
     """What the engine should hold for one key."""
 
-    def __init__(self, name: str, limit: int, replace: bool) -> None:
-        self.name, self.limit, self.replace = name, limit, replace
+    def __init__(self, name: str, limit: int, replace: bool, debounce: bool) -> None:
+        self.name, self.limit, self.replace, self.debounce = name, limit, replace, debounce
         self.holds: list[Hold] = []  # in the document's order (``hs``); a single key has at most one
         self.q: list[Run] = []
         self.last_s = -1  # Replace: the newest send that got the key
@@ -200,9 +205,9 @@ class KeyModel:
             return []
         queue = ([ho.run] if ho is not None and ho.run is not None else []) + self.q
         live = self.time_out(queue)
-        if not live:  # only runs past their deadline: they leave, nobody is handed the key
+        if not live or not live[0].due:  # nobody to hand the key to (yet: a debounce not over)
             assert ho is None
-            self.q = []
+            self.q = live
             return []
         for h in list(self.holds):
             self.drop(h, "ended")
@@ -234,9 +239,10 @@ class KeyModel:
         self.q = self.time_out(returned + self.q)
 
     def fill(self) -> list[Hold]:
-        """(Slots) every free slot goes to the oldest parked run, in queue order."""
-        k = min(self.limit - len(self.holds), len(self.q))
-        handed, self.q = self.q[:k], self.q[k:]
+        """(Slots) every free slot goes to the oldest due parked run, in queue order."""
+        due = [r for r in self.q if r.due]
+        handed = due[: max(0, min(self.limit - len(self.holds), len(due)))]
+        self.q = [r for r in self.q if r not in handed]
         return [self._hand(r) for r in handed]
 
     def superseded(self, run: Run) -> bool:
@@ -314,7 +320,7 @@ class EngineMachine(RuleBasedStateMachine):
         )
         self.published = Published()
         self.store.add_handoff_callback(self.published)
-        self.keys = {name: KeyModel(name, limit, replace) for name, (limit, replace) in KEYS.items()}
+        self.keys = {name: KeyModel(name, *spec) for name, spec in KEYS.items()}
         self.runs: list[Run] = []
         self.lapses = 0
         self.leases: list[tuple[KeyModel, Hold]] = []  # every lease taken, until released
@@ -504,6 +510,7 @@ class EngineMachine(RuleBasedStateMachine):
             replace=km.replace,
             max_length=cap,
             timeout=LONG,  # a deadline far away, moved into the past by ``deadline_passes``
+            debounce=DEBOUNCE if km.debounce else None,
         )
         assert doc.get("lo") == expected, (
             f"{km.name}: {run.tid} was {doc.get('lo')}, the model says {expected}"
@@ -530,7 +537,8 @@ class EngineMachine(RuleBasedStateMachine):
             run.superseded_by = self._newer_than(km, run)
             return "superseded", None, []
         live = [r for r in km.q if not r.past_deadline]
-        if km.vacant() and km.handoff() is None and (not live or not before(live[0], run)):
+        free = km.vacant() and km.handoff() is None
+        if free and not km.debounce and (not live or not before(live[0], run)):
             for h in list(km.holds):
                 km.drop(h, "ended")
             hold = Hold("", run, handed=False)
@@ -556,7 +564,7 @@ class EngineMachine(RuleBasedStateMachine):
             run.state = "superseded"
             run.superseded_by = self._newer_than(km, run)
             outcome = "superseded"
-        elif len(km.holds) < km.limit and (not km.q or not before(km.q[0], run)):
+        elif len(km.holds) < km.limit and not km.debounce and (not km.q or not before(km.q[0], run)):
             hold = Hold("", run, handed=False)
             km.holds.append(hold)
             km.took(run)
@@ -713,6 +721,62 @@ class EngineMachine(RuleBasedStateMachine):
         if km.sup:
             self.store.forget_results(km.name, "sup", [t for t, _ in km.sup])
             km.sup = []
+        self._step_done(km)
+
+    def do_due(self, km: KeyModel, run: Run) -> None:
+        """``Replace(debounce=...)``: the run's own delayed copy comes back; once its debounce is over and
+        it heads the queue of a free key, it takes the key (else it is a copy: dropped)."""
+        self.clean = False
+        hold: Hold | None = None
+        handed: list[Hold] = []
+        if not km.single:
+            km.normalize()
+        if km.single:
+            takes = km.vacant() and km.handoff() is None and bool(km.q) and km.q[0] is run and run.due
+        else:
+            takes = len(km.holds) < km.limit and bool(km.q) and km.q[0] is run and run.due
+        if takes:
+            expected = "due"
+            if km.single:
+                for h in list(km.holds):
+                    km.drop(h, "ended")
+            km.q.remove(run)
+            hold = Hold("", run, handed=False)
+            km.holds.append(hold)
+            km.took(run)
+        else:
+            expected = km.copy_outcome(run) or "?"
+        if not km.single:
+            handed = km.fill()
+        lease, doc = self.store.admit(
+            km.name,
+            run.entry(),
+            ttl=LONG,
+            limit=self._limit(km),
+            replace=True,
+            timeout=LONG,
+            debounce=DEBOUNCE,
+            due=True,
+        )
+        assert doc.get("lo") == expected, (
+            f"{km.name}: the due copy of {run.tid} was {doc.get('lo')}, not {expected}"
+        )
+        event(f"due copy: {expected}")
+        if hold is not None:
+            self._took(km, hold, lease)
+        else:
+            assert lease is None
+        self._handoffs(km, handed)
+        self._step_done(km)
+
+    def do_debounce_over(self, km: KeyModel, run: Run) -> None:
+        """A parked run's debounce ends (its not-before time passes on the server's clock)."""
+        self.clean = False
+        result = self.store.collection.update_one(
+            {"_id": km.name, "q.id": run.rid}, {"$set": {"q.$.nb": PAST}}
+        )
+        assert result.matched_count == 1
+        run.due = True
         self._step_done(km)
 
     def do_release_background(self, km: KeyModel, hold: Hold) -> None:
@@ -875,7 +939,7 @@ class EngineMachine(RuleBasedStateMachine):
         return items[names.index(data.draw(st.sampled_from(names), label=label))]
 
     def _send_new(self, km: KeyModel, stamp: int, cap: int | None = None) -> None:
-        run = Run(km.name, f"{km.name}-t{len(self.runs)}", stamp)
+        run = Run(km.name, f"{km.name}-t{len(self.runs)}", stamp, due=not km.debounce)
         self.runs.append(run)
         self.do_send(km, run, cap)
 
@@ -970,6 +1034,24 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             self.do_claim(self.keys[run.key], run)
 
+    def _debounced(self) -> list[Run]:
+        return [r for km in self.keys.values() if km.debounce for r in km.q]
+
+    @precondition(lambda self: bool(self._debounced()))
+    @rule(data=st.data())
+    def due_copy(self, data: st.DataObject) -> None:
+        run = self._pick(
+            data, self._debounced(), lambda r: f"{r.tid} ({'due' if r.due else 'not due'})", "run"
+        )
+        self.do_due(self.keys[run.key], run)
+
+    @precondition(lambda self: any(not r.due for r in self._debounced()))
+    @rule(data=st.data())
+    def debounce_over(self, data: st.DataObject) -> None:
+        runs = [r for r in self._debounced() if not r.due]
+        run = self._pick(data, runs, lambda r: r.tid, "run")
+        self.do_debounce_over(self.keys[run.key], run)
+
     def _waiting(self) -> list[Run]:
         return [r for km in self.keys.values() for r in km.q if not r.past_deadline]
 
@@ -1036,6 +1118,9 @@ class EngineMachine(RuleBasedStateMachine):
                 if not km.holds and not km.q:
                     break
                 hold = km.holds[0] if km.holds else None
+                if hold is None:
+                    for run in [r for r in km.q if not r.due]:
+                        self.do_debounce_over(km, run)
                 if hold is None or (hold.handed and not hold.published):
                     self.do_sweep(km, set())  # a handoff nobody published, or runs parked on a vacant key
                 elif hold.handed and hold.run is not None:
