@@ -222,6 +222,11 @@ class Heartbeat:
         with self._lock:
             return list(self._leases.values())
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The renewal thread (None until the first lease, record or pending release starts it)."""
+        return self._thread
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stopped.set()
         self._wake.set()

@@ -233,6 +233,9 @@ class LeaseStore:
         self._client_cache: MongoClient[Document] | None = None
         self._indexes_ready = False
         self._heartbeat: Heartbeat | None = None
+        # Heartbeat threads of this store that close() stopped but could not wait for: they get no new
+        # client (one made after close() would never be closed).
+        self._retired: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._host = socket.gethostname()
 
     # -- connections (per process) -------------------------------------------------------------------
@@ -255,6 +258,8 @@ class LeaseStore:
         self._check_pid()
         client = self._client_cache
         if client is None:
+            if threading.current_thread() in self._retired:
+                raise StoreUnavailable(f"{self!r} was closed")
             with self._state_lock:
                 client = self._client_cache
                 if client is None:
@@ -316,6 +321,8 @@ class LeaseStore:
             if hb is not None and hb.pid == os.getpid():
                 self.release_held(timeout)
                 hb.stop(timeout=max(0.0, deadline - time.monotonic()))
+                if hb.thread is not None and hb.thread.is_alive():  # still in a call MongoDB does not answer
+                    self._retired.add(hb.thread)
                 # the records of leases that ended since the last tick
                 hb.flush_history(timeout=max(0.01, deadline - time.monotonic()))
             self._heartbeat = None

@@ -67,9 +67,16 @@ def test_close_returns_promptly_when_the_server_was_killed(
 ) -> None:
     server = own_server(storage_path=tmp_path / "data")
     store, lease = held_store(server.url, db_name)
+    thread = store.heartbeat.thread
     server.kill()
     assert timed_close(store) < PROMPT
     assert lease.released  # not renewed any more
+    # The heartbeat thread close() did not wait for opened no client of its own meanwhile (nobody would
+    # close it).
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert store._client_cache is None
 
     # Fail closed: the lease could not be given back, so it is still held on the server (until it
     # expires there); nobody takes it early.
@@ -113,7 +120,14 @@ def test_release_held_gives_up_within_its_timeout(own_server: Any, db_name: str)
         assert lease.released and second.released
         assert store.held_leases() == []
     finally:
+        thread = store.heartbeat.thread
         store.close()
+    # The heartbeat thread, busy with the background releases when close() stopped it, opened no client
+    # of its own afterwards (nobody would close it).
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert store._client_cache is None
 
 
 def test_close_with_a_live_server_releases(own_server: Any, db_name: str) -> None:
