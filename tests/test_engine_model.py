@@ -680,6 +680,23 @@ class EngineMachine(RuleBasedStateMachine):
         assert renewed == ok, f"{km.name}: renewal of {hold.describe()} gave {renewed}"
         self._step_done(km)
 
+    def do_heartbeat(self, held: list[tuple[KeyModel, Hold]]) -> None:
+        """The heartbeat's tick: one ``renew_many`` for leases of single and ``limit=N`` keys together
+        (two slots of one key among them, expired and taken-over ones too); it returns the lost ones."""
+        self.clean = False
+        live = [(km, h) for km, h in held if not h.lost]
+        expected = [h for km, h in live if h not in km.holds or h.expired]
+        leases = [h.lease for _, h in held if h.lease is not None]
+        lost = self.store.renew_many(leases)
+        assert [lease.owner for lease in lost] == [h.token for h in expected], (
+            f"the heartbeat found {[lease.owner[:6] for lease in lost]} lost, the model "
+            f"{[h.describe() for h in expected]}"
+        )
+        event(f"heartbeat: {len(leases)} leases, {len(lost)} lost")
+        for h in expected:
+            h.lost = True
+        self._step_done(*{km.name: km for km, _ in held}.values())
+
     def do_sweep(self, km: KeyModel, revoked: set[str]) -> None:
         """The sweeper's pass over the key, with ``revoked`` task ids (Celery's revoke of parked runs)."""
         self.clean = False
@@ -975,6 +992,14 @@ class EngineMachine(RuleBasedStateMachine):
     def renew(self, data: st.DataObject) -> None:
         km, hold = self._pick(data, self._leases(), lambda kh: f"{kh[0].name} {kh[1].describe()}", "holder")
         self.do_renew(km, hold)
+
+    @precondition(lambda self: bool(self._leases()))
+    @rule(data=st.data())
+    def heartbeat(self, data: st.DataObject) -> None:
+        leases = self._leases()
+        names = [f"{i}: {km.name} {h.describe()}" for i, (km, h) in enumerate(leases)]
+        chosen = data.draw(st.lists(st.sampled_from(names), min_size=1, unique=True), label="leases")
+        self.do_heartbeat([leases[names.index(n)] for n in chosen])
 
     def _handed(self) -> list[Run]:
         """Runs whose handoff message is out: handed now, or handed before and back in the queue."""
