@@ -32,7 +32,7 @@ def app_with(broker: str, *, upload_rejects: bool = True, sync_late: bool = Fals
     reject-on-worker-lost of its own) and ``<app>.sync`` (``acks_late=sync_late`` of its own)."""
     app = Celery(f"brokers_{uuid.uuid4().hex[:6]}", broker=broker, set_as_current=False)
     app.conf.update(mongolock_url="mongodb://127.0.0.1:1", **conf)
-    extra = {} if upload_rejects else {"reject_on_worker_lost": False}
+    extra: dict[str, Any] = {} if upload_rejects else {"reject_on_worker_lost": False}
 
     @singleton_task(app=app, name=f"{app.main}.upload", key="group:{group_id}", **extra)
     def upload(group_id: int) -> None:
