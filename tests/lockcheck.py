@@ -189,6 +189,10 @@ ORDERED_BY_KEY = {"queue": QUEUE_TASK, "limit": LIMIT_QUEUE_TASK, "plain": MULTI
 LIMIT = 3
 LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK)
 MULTI_TASKS = ("lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK)
+#: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
+#: ends and releases its key, then its child SIGKILLs itself before Celery stores the result, and the
+#: requeued copy must end the task ``already-ran`` without running the body again (issue 32).
+DIE_TASKS = ("lockcheck.rmw", "lockcheck.rmw_skip", QUEUE_TASK, LIMIT_TASKS[0], LIMIT_QUEUE_TASK)
 #: The directed phase (``Run.directed``, before the faults): bursts of queued runs on keys of their own
 #: (index ``DIRECTED_KEY`` of each kind), parked behind holds of the controller's (a "gate": the key, or
 #: all N slots of a ``limit=N`` key) that let go only once the lease document shows every run of the
@@ -636,7 +640,8 @@ def record_set_acquired(hist: HistoryWriter, leases: Any, who: str, task_id: str
         previous = lease.acquired_mono
 
 
-def release_and_record(lease: Lease, hist: HistoryWriter, who: str) -> None:
+def release_and_record(lease: Lease, hist: HistoryWriter, who: str) -> bool:
+    """Release ``lease`` and record it; whether the release matched (the run ended holding its key)."""
     t = time.monotonic()  # sent at; a release that matched proves the hold lasted until at least here
     try:
         released = lease.release()
@@ -644,6 +649,7 @@ def release_and_record(lease: Lease, hist: HistoryWriter, who: str) -> None:
     except MongoLockError as exc:
         released, error = False, type(exc).__name__
     hist.event("rel", key=lease.key, hold=lease.owner, released=released, t=t, error=error, who=who)
+    return released
 
 
 # -- a bare LeaseStore client (a process of its own) ----------------------------------------------------
@@ -741,6 +747,69 @@ class History:
     events: list[Doc]
     docs: dict[str, Doc]
     tasks: dict[str, Doc] = dataclasses.field(default_factory=dict)
+
+
+def _died(history: History, *, released: bool = True) -> dict[str, float]:
+    """Task id -> when its run died after its body had released the key (``die`` events, the first). With
+    ``released=False``: the runs whose release matched nothing (the lease had expired, or its release got
+    no answer): the key does not know that they ran, and their copy runs again (at least once)."""
+    out: dict[str, float] = {}
+    for ev in history.events:
+        if ev.get("ev") == "die" and ev.get("task_id") and bool(ev.get("released", True)) == released:
+            out.setdefault(str(ev["task_id"]), float(ev["t"]))
+    return out
+
+
+def _already_ran(task: Doc) -> bool:
+    result = task.get("result")
+    return (
+        task.get("state") == "SUCCESS"
+        and isinstance(result, dict)
+        and result.get("mongolock") == "already-ran"
+    )
+
+
+def check_died(history: History) -> list[Violation]:
+    """Runs that died after their body released the key, before the result was stored (``die``): no body of
+    the task starts after that (its copies are copies of a run that ran), and a task that ended did so
+    ``already-ran`` (the body's own result was never stored, so any other one came from a second body).
+    One that never ended is ``task-unfinished`` (step 4)."""
+    found: list[Violation] = []
+    died = _died(history)
+    for ev in history.events:
+        task_id = str(ev.get("task_id"))
+        if ev.get("ev") == "acq" and task_id in died and float(ev["t1"]) > died[task_id]:
+            found.append(
+                Violation(
+                    "ran-after-release",
+                    f"task {task_id}: a body took {ev.get('key')} (fence {ev.get('fence')}) after its run "
+                    "had released the key and died before its result was stored",
+                )
+            )
+    for task_id in sorted(died):
+        task = history.tasks.get(task_id) or {}
+        if task.get("state") == "SUCCESS" and not _already_ran(task):
+            found.append(
+                Violation(
+                    "ran-after-release",
+                    f"task {task_id} ended {task.get('result')!r}, not already-ran: its run died before its "
+                    "result was stored, so that result is a second body's",
+                )
+            )
+    return found
+
+
+def died_figures(history: History) -> Doc:
+    """How many runs died after their body released the key (``die``), how many of their tasks ended
+    ``already-ran``, and how many were fault-gated runs (one per fault)."""
+    died = _died(history)
+    tasks = [history.tasks.get(t) or {} for t in died]
+    return {
+        "died_after_release": len(died),
+        "died_ended_already_ran": sum(1 for t in tasks if _already_ran(t)),
+        "died_fault_gated": sum(1 for t in tasks if str(t.get("op", "")).startswith("fault-gate-")),
+        "died_with_the_lease_lost": len(_died(history, released=False)),
+    }
 
 
 def check(history: History) -> list[Violation]:
@@ -932,6 +1001,9 @@ def check(history: History) -> list[Violation]:
                 Violation("lost-update", f"task {task_id} says op {result.get('op')} done, not applied")
             )
 
+    # 4b. A run whose body released its key and whose worker died before the result was stored (``die``,
+    # DIE_TASKS): its requeued copy ends the task already-ran, and no body of the task starts again.
+    found += check_died(history)
     # 5. Queue and Replace runs.
     found += check_queued(history, applied)
     # 6. Several keys per run.
@@ -1814,6 +1886,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
             "skewed_node_ended": sum(
                 1 for t in tasks.values() if t.get("queue") == SKEWED_QUEUE and t.get("state") == "SUCCESS"
             ),
+            **died_figures(history),
         },
         "queued": {**queued_figures(history, faults), "faults_hitting_queued_runs": queued_faults(faults)},
         "limit_multi": limit_figures(history, faults),
@@ -1871,6 +1944,7 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(lm["limit_task_runs"] >= LIMIT_BURST, "the limit burst ran as tasks", lm)
     claim(lm["multi_bodies"] >= MULTI_BURST, "the several-keys burst ran its bodies", lm)
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
+    claim(tasks.get("died_after_release", 0) >= 1, "a run died after its body released the key", tasks)
     if "clock-jump" not in skipped:
         claim(faults.get("clock-jump", 0) >= 2, "the clock jumped twice", faults)
         gated = sum(faults.values())
@@ -1913,6 +1987,9 @@ class Config:
     lease_seconds: float = 2.0
     task_rate: float = 1.5
     reckless: float = 0.5
+    #: Share of the single-key runs of ``DIE_TASKS`` sent with ``die`` (drawn from a generator of their
+    #: own: the rest of a seed's workload is unchanged); every fault's gated ``Queue`` run dies too.
+    die_share: float = 0.1
     faults: tuple[str, ...] = ALL_FAULTS
     #: Also run a Celery node (own queue, a quarter of the tasks) under libfaketime whose wall clock jumps
     #: forward (when libfaketime is installed). It must not sweep unacknowledged messages back into the
@@ -2062,6 +2139,7 @@ class Run:
             raise ValueError(f"broker must be 'redis' or 'rabbitmq', got {cfg.broker!r}")
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
+        self.die_rng = random.Random(cfg.seed * 7919 + 32)
         self._own_dir = cfg.workdir is None
         self.dir = Path(cfg.workdir or tempfile.mkdtemp(prefix="lockcheck-"))
         self.hist_dir = self.dir / "hist"
@@ -2284,7 +2362,8 @@ class Run:
                 names = ["lockcheck.rmw_skip" if self.rng.random() < 0.2 else "lockcheck.rmw"]
             for name in names:
                 n += 1
-                self._submit(name, key, f"task-{n}")
+                die = name in DIE_TASKS and self.die_rng.random() < self.cfg.die_share
+                self._submit(name, key, f"task-{n}", die=die)
 
     def _backlog(self) -> int:
         """Messages waiting in the broker's queues; 0 when it does not answer (a broker restart: the
@@ -2306,9 +2385,10 @@ class Run:
         *,
         queue: str | None = None,
         linger: str | None = None,
+        die: bool = False,
     ) -> str | None:
         """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time; ``linger``:
-        see ``_lingering``); its id, or None if it could not be sent."""
+        see ``_lingering``; ``die``: see ``DIE_TASKS``); its id, or None if it could not be sent."""
         if queue is None:
             queue = SKEWED_QUEUE if self.skewed_node is not None and self.rng.random() < 0.25 else "celery"
         reckless = self.rng.random() < self.cfg.reckless
@@ -2317,6 +2397,8 @@ class Run:
         stamp = send_stamp()
         t_sent = time.monotonic()  # before the message exists: every receipt of it comes later
         kwargs: Doc = {"reckless": reckless, **({"linger": linger} if linger else {})}
+        if die:
+            kwargs["die"] = True
         try:
             result = self.capp.send_task(
                 name, args=(*(keys or (key,)), op), kwargs=kwargs, queue=queue,
@@ -2329,7 +2411,7 @@ class Run:
         at_s = round(time.monotonic() - self.start_mono, 2)
         self.submitted[result.id] = {
             "op": op, "task": name, "queue": queue, "at_s": at_s, "t": t_sent, "key": key, "stamp": stamp,
-            **({"keys": list(keys)} if keys else {}),
+            **({"keys": list(keys)} if keys else {}), **({"die": True} if die else {}),
         }  # fmt: skip
         return str(result.id)
 
@@ -2482,7 +2564,9 @@ class Run:
         )
         gate = self._gate_take(key)
         queue = SKEWED_QUEUE if self.skewed_node is not None else "celery"
-        task_id = self._submit(QUEUE_TASK, key, f"fault-gate-{self._gates}", queue=queue)
+        # It dies once its body has released the key (``DIE_TASKS``): its copy comes back right after the
+        # fault, while the system recovers from it.
+        task_id = self._submit(QUEUE_TASK, key, f"fault-gate-{self._gates}", queue=queue, die=True)
         info: Doc = {"key": key, "task_id": task_id, "parked": False}
         if task_id is not None:
             with contextlib.suppress(TimeoutError):

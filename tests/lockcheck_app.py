@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -36,6 +37,7 @@ from celery.signals import before_task_publish, task_postrun, task_received, wor
 from celery_mongolock import LeaseStore, Queue, Replace, Retry, Skip, current_lease, singleton_task
 from celery_mongolock import signals as mongolock_signals
 from celery_mongolock.lease import LeaseSet
+from celery_mongolock.task import DUPLICATE_HEADER
 
 from . import lockcheck
 
@@ -233,7 +235,22 @@ def _linger(lease: Any, path: str | None) -> None:
         time.sleep(0.05)
 
 
-def _body(task: Any, key: str, op: str, reckless: bool, linger: str | None = None) -> dict[str, Any]:
+def _die_after_release(task: Any, hist: lockcheck.HistoryWriter, key: str, released: bool) -> None:
+    """``die``: the run's body has ended and released its key; its worker dies before Celery stores the
+    result (the child SIGKILLs itself). Its parent requeues the message (``task_reject_on_worker_lost``),
+    marked redelivered: that copy must end the task ``already-ran`` and never run the body again (when the
+    release matched: ``released``; a run whose lease had expired is not known to have run, and its copy
+    runs). Only a message's first delivery dies (a copy that ran the body would be a second run)."""
+    request = task.request
+    if (request.delivery_info or {}).get("redelivered") or (request.headers or {}).get(DUPLICATE_HEADER):
+        return
+    hist.event("die", task_id=request.id, key=key, released=released, t=time.monotonic())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _body(
+    task: Any, key: str, op: str, reckless: bool, linger: str | None = None, *, die: bool = False
+) -> dict[str, Any]:
     lease = current_lease()
     assert lease is not None
     hist = _history() or lockcheck.HistoryWriter.for_process(".")
@@ -252,8 +269,10 @@ def _body(task: Any, key: str, op: str, reckless: bool, linger: str | None = Non
         _linger(lease, linger)
         hold = lockcheck.run_hold if lease.slot is None else lockcheck.run_slot_hold
         outcomes = hold(lease, docs, hist, [op], _rng, reckless=reckless, who=who, task_id=task.request.id)
-        lockcheck.release_and_record(lease, hist, who)
+        released = lockcheck.release_and_record(lease, hist, who)
         outcome = outcomes[0] if outcomes else "claim-failed"
+        if die and outcome == "ack":
+            _die_after_release(task, hist, key, released)
     if outcome != "ack":
         # Fenced out, lease lost, or MongoDB unreachable: do the work again under a new lease.
         if os.environ.get("LOCKCHECK_CELERY_RETRY"):
@@ -272,26 +291,29 @@ def _body(task: Any, key: str, op: str, reckless: bool, linger: str | None = Non
     on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
     max_retries=200,
 )
-def rmw(self: Any, key: str, op: str, reckless: bool = False, linger: str | None = None) -> dict[str, Any]:
+def rmw(
+    self: Any, key: str, op: str, reckless: bool = False, linger: str | None = None, *, die: bool = False
+) -> dict[str, Any]:
     """Read-modify-write of protected[key] under the lease; busy key: retry later. With ``linger`` (a
-    path), the run holds its key until that file exists before it writes."""
-    return _body(self, key, op, reckless, linger)
+    path), the run holds its key until that file exists before it writes; ``die``: see
+    ``_die_after_release`` (the single-key tasks but ``Replace`` and ``limit=N`` ``Skip`` take it)."""
+    return _body(self, key, op, reckless, linger, die=die)
 
 
 @singleton_task(
     key="{key}", app=app, name="lockcheck.rmw_skip", bind=True, on_contention=Skip(), max_retries=200
 )
-def rmw_skip(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+def rmw_skip(self: Any, key: str, op: str, reckless: bool = False, die: bool = False) -> dict[str, Any]:
     """The same, but a run that finds the key held is skipped (its result says so)."""
-    return _body(self, key, op, reckless)
+    return _body(self, key, op, reckless, die=die)
 
 
 @singleton_task(
     key="{key}", app=app, name="lockcheck.rmw_queue", bind=True, on_contention=Queue(), max_retries=200
 )
-def rmw_queue(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+def rmw_queue(self: Any, key: str, op: str, reckless: bool = False, die: bool = False) -> dict[str, Any]:
     """The same, but a run that finds the key held is parked and handed the key in send order."""
-    return _body(self, key, op, reckless)
+    return _body(self, key, op, reckless, die=die)
 
 
 @singleton_task(
@@ -311,9 +333,9 @@ def rmw_replace(self: Any, key: str, op: str, reckless: bool = False) -> dict[st
     on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
     max_retries=200,
 )
-def rmw_limit(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+def rmw_limit(self: Any, key: str, op: str, reckless: bool = False, die: bool = False) -> dict[str, Any]:
     """Up to ``LIMIT`` at once per key, each writing its slot's part of the document; full: retry later."""
-    return _body(self, key, op, reckless)
+    return _body(self, key, op, reckless, die=die)
 
 
 @singleton_task(
@@ -329,9 +351,11 @@ def rmw_limit_skip(self: Any, key: str, op: str, reckless: bool = False) -> dict
     key="{key}", app=app, name="lockcheck.rmw_limit_queued", bind=True, limit=lockcheck.LIMIT,
     on_contention=Queue(), max_retries=200,
 )  # fmt: skip
-def rmw_limit_queued(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+def rmw_limit_queued(
+    self: Any, key: str, op: str, reckless: bool = False, die: bool = False
+) -> dict[str, Any]:
     """The same, but a run that finds every slot held is parked and handed a slot in send order."""
-    return _body(self, key, op, reckless)
+    return _body(self, key, op, reckless, die=die)
 
 
 @singleton_task(

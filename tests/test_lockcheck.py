@@ -144,6 +144,36 @@ def test_a_task_whose_redelivery_was_dropped_as_done_is_reported_as_such() -> No
     assert [v.kind for v in check(h)] == ["result-never-stored"]
 
 
+def test_a_body_after_a_run_died_after_its_release_is_reported() -> None:
+    """A run's body released the key and its worker died before the result was stored (``die``): the
+    task ends already-ran; a body of the task that starts after that, or a result of its own, is a second
+    run (issue 32)."""
+    h = _good()
+    die = {"ev": "die", "task_id": "t1", "key": "k", "released": True, "t": 1.05}  # A released at 1.0
+    h.events.insert(3, die)
+    h.tasks = {"t1": {"op": "a2", "state": "SUCCESS", "result": {"mongolock": "already-ran", "key": "k"}}}
+    assert check(h) == []
+    assert lockcheck.died_figures(h) == {
+        "died_after_release": 1,
+        "died_ended_already_ran": 1,
+        "died_fault_gated": 0,
+        "died_with_the_lease_lost": 0,
+    }
+    h.events = [
+        {**e, "task_id": "t1"} if e.get("hold") == HOLD_B and e["ev"] == "acq" else e for e in h.events
+    ]
+    assert kinds(check(h)) == {"ran-after-release"}  # B's acquisition (1.2) came after the death
+    # A run whose release matched nothing (its lease had expired) is not known to have run: its copy runs.
+    h.events = [{**e, "released": False} if e["ev"] == "die" else e for e in h.events]
+    h.tasks["t1"]["result"] = {"op": "a2", "outcome": "ack"}
+    assert check(h) == []
+    assert lockcheck.died_figures(h)["died_with_the_lease_lost"] == 1
+    h = _good()
+    h.events.append(die)
+    h.tasks = {"t1": {"op": "a2", "state": "SUCCESS", "result": {"op": "a2", "outcome": "ack"}}}
+    assert kinds(check(h)) == {"ran-after-release"}
+
+
 def test_a_task_the_broker_lost_is_counted_not_hidden() -> None:
     h = _good()
     h.tasks = {"t3": {"op": "y", "state": "PENDING", "result": None, "lost_by_broker": "node killed"}}
@@ -733,7 +763,7 @@ def _covered() -> dict[str, Any]:
         "faults": faults,
         "faults_skipped": {"clock-jump": "libfaketime is not installed"},
         "operations": {"acknowledged": 51},
-        "tasks": {"done": 20, "skewed_node_submitted": 0},
+        "tasks": {"done": 20, "skewed_node_submitted": 0, "died_after_release": 3},
         "queued": {
             "queue_submitted": 7, "parked": 7, "handoffs": 6, "replace_submitted": 6, "superseded": 5,
             "limit_queued": burst, "multi_queued": burst, "faults_hitting_queued_runs": dict(faults),
@@ -763,3 +793,7 @@ def test_the_bounded_runs_coverage_claims() -> None:
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(skewed)] == ["the skewed node's gated runs"]
     skewed["tasks"]["skewed_node_submitted"] = sum(skewed["faults"].values())  # one gated run per fault
     assert lockcheck.unmet_coverage(skewed) == []
+    undying = _covered()
+    undying["tasks"]["died_after_release"] = 0
+    unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(undying)]
+    assert unmet == ["a run died after its body released the key"]
