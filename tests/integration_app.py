@@ -53,6 +53,8 @@ app.conf.update(
     if os.environ.get("MONGOLOCK_IT_HEARTBEAT")
     else None,
     mongolock_task_policies={"integration_app.per_task_skip": {"on_contention": "skip"}},
+    # MONGOLOCK_IT_SIGNING_KEY: parked runs' stored messages signed (tests/test_trust_handoff.py).
+    mongolock_signing_key=os.environ.get("MONGOLOCK_IT_SIGNING_KEY") or None,
 )
 
 _clients: dict[int, MongoClient[dict[str, Any]]] = {}

@@ -2,7 +2,8 @@
 the MongoDB-compatible server, parked entries rewritten in the lease collection (a message of another
 task, arguments that render another key, a pickle payload) are refused at handoff: never published, never
 run, never unpickled, dropped from the queue with a failure result and a history record, and the next
-parked run gets the key."""
+parked run gets the key. Both without and with ``mongolock_signing_key`` (then the rewritten entries fail
+their signature, and the untouched one, signed by the worker that parked it, passes it)."""
 
 from __future__ import annotations
 
@@ -24,25 +25,36 @@ from .test_integration import Cluster
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
+SIGNING_KEY = "trust-handoff-test-signing-key"
+
+
+@pytest.fixture(scope="module", params=["unsigned", "signed"])
 def cluster(
-    redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    redis_server: RedisServer,
+    mongo_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     db_name = f"mongolock_trust_{uuid.uuid4().hex[:8]}"
     c = Cluster(redis_server.url, mongo_url, db_name, tmp_path_factory.mktemp("trustworkers"))
+    signing = SIGNING_KEY if request.param == "signed" else None
     it.app.conf.update(
         broker_url=redis_server.url,
         result_backend=redis_server.url,
         mongolock_url=mongo_url,
         mongolock_database=db_name,
+        mongolock_signing_key=signing,
     )
     for attr in ("_mongolock_settings", "_mongolock_store"):
         it.app.__dict__.pop(attr, None)
-    c.worker(name="trust1@localhost")
+    env = c.env(MONGOLOCK_IT_SIGNING_KEY=signing) if signing else c.env()
+    c.worker(name=f"trust-{request.param}@localhost", env=env)
     try:
         yield c
     finally:
         c.close()
+        it.app.conf.mongolock_signing_key = None
+        it.app.__dict__.pop("_mongolock_settings", None)
 
 
 def tag() -> str:
@@ -87,6 +99,9 @@ def test_rewritten_parked_entries_are_refused_and_the_queue_moves_on(
         timeout=60,
         message="the 4 runs to be parked in send order",
     )
+    parked = (collection.find_one({"_id": key}) or {}).get("q") or []
+    signed = bool(it.app.conf.mongolock_signing_key)
+    assert all(("sg" in entry) is signed for entry in parked), "the worker signs parked runs iff it has a key"
     marker = tmp_path / "unpickled"
     rewrites = {
         # a message of a task that is not a singleton task (same task id: it would overwrite its result)
