@@ -112,3 +112,24 @@ def test_a_copy_matches_every_contention_retry_of_its_attempt_not_a_later_attemp
     lease, _ = store.try_acquire(KEY, 30, info=info("first"), ended_runs=[run_id("first", "")])
     assert lease is not None  # a whole id is matched whole (an older holder's "<task id>/")
     store.give_back(lease)
+
+
+def test_a_handoff_message_past_the_memory_is_stale_never_a_new_run(store: LeaseStore) -> None:
+    """A handed run's claim: a copy of its handoff message after the run ended is "done" while the key
+    remembers the run, and "stale" past the bound (its claim token is long gone): never claimed or parked;
+    the worker then asks the result backend (a task with its result is dropped)."""
+    run = {"id": run_id("queued", "0"), "t": "queued", "n": "guarded", "r": "0", "s": 1, "m": b"m"}
+    holder = store.acquire(KEY, 30, info=info("holder"))
+    assert holder is not None
+    store.admit(KEY, run)  # parked behind the holder
+    assert holder.release()  # hands the key to the parked run
+    token = (store.collection.find_one({"_id": KEY}) or {})["ho"]["tk"]
+    lease, _ = store.admit(KEY, run, claim=token)
+    assert lease is not None
+    assert lease.release()
+    lease, doc = store.admit(KEY, run, claim=token)
+    assert lease is None and doc["lo"] == "done"
+    for n in range(SEEN_KEPT):
+        ended_run(store, f"other-{n}")
+    lease, doc = store.admit(KEY, run, claim=token)
+    assert lease is None and doc["lo"] == "stale"
