@@ -3294,6 +3294,9 @@ def format_report(report: Doc) -> str:
         f"runs {tasks['runs']}, unfinished {tasks['unfinished']} "
         f"(lost by the broker {tasks['lost_by_broker']}) "
         f"(skewed node: submitted {tasks['skewed_node_submitted']}, ended {tasks['skewed_node_ended']})",
+        f"  died after their body released the key {tasks.get('died_after_release', 0)} (ended already-ran "
+        f"{tasks.get('died_ended_already_ran', 0)}, fault-gated {tasks.get('died_fault_gated', 0)}); "
+        f"died with their lease lost first {tasks.get('died_with_the_lease_lost', 0)}",
         "  queued runs: Queue {queue_submitted}, Replace {replace_submitted}; parked {parked}, "
         "handoffs {handoffs}, superseded {superseded} ({superseded_after_a_cut_run} after a run cut "
         "short), pairs run out of send order by a late arrival {late_pairs}; admissions {admissions}".format(
