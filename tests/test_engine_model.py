@@ -25,7 +25,7 @@ deadline and a debounce end the same way (their times set in the past). Every ot
 (10 min), and the TTL index is dropped (MongoDB's monitor would delete idle documents at times of its
 own), so the model decides every outcome.
 
-``MONGOLOCK_MODEL_EXAMPLES`` (default 15) sets the number of examples; ``scripts/soak.py --model`` runs
+``MONGOLOCK_MODEL_EXAMPLES`` (default 12) sets the number of examples; ``scripts/soak.py --model`` runs
 many more, from a seed of its own.
 """
 
@@ -56,7 +56,7 @@ from celery_mongolock._admission import gc_stage
 from celery_mongolock.testing import wait_for
 
 #: Examples per run (the test's bound in ``make test``; ``scripts/soak.py --model`` raises it).
-EXAMPLES = int(os.environ.get("MONGOLOCK_MODEL_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("MONGOLOCK_MODEL_EXAMPLES", "12"))
 #: ``MONGOLOCK_MODEL_SEED``: explore from this seed (with pytest's ``--hypothesis-seed``, as
 #: ``scripts/soak.py --model`` runs it) instead of the fixed, reproducible examples of ``make test``.
 SEED = os.environ.get("MONGOLOCK_MODEL_SEED")
@@ -397,8 +397,9 @@ class EngineMachine(RuleBasedStateMachine):
         )
         return docs[0] if docs else None
 
-    def _check(self, km: KeyModel) -> None:
-        """The key's document matches the model, and the invariants hold."""
+    def _check(self, km: KeyModel, view: bool = False) -> None:
+        """The key's document matches the model, and the invariants hold; ``view``: ``inspect`` (the
+        operators' view) too (a round trip more: at sweeps and at the end of each example)."""
         doc = self._doc(km)
         if doc is None:
             # Never written (the TTL index is dropped: nothing deletes a document here).
@@ -412,12 +413,18 @@ class EngineMachine(RuleBasedStateMachine):
         )
         assert len(live_slots) + int(single_live) <= km.limit, f"{km.name}: more holds than {km.limit}"
         assert not (doc.get("owner") is not None and doc.get("hs")), f"{km.name}: a single lease beside slots"
-        info = self.store.inspect(km.name)
-        assert info is not None
-        assert len(info.slots) <= km.limit
-        assert [p["task_id"] for p in info.parked] == [r.tid for r in km.q], (
-            f"{km.name}: parked {[p['task_id'] for p in info.parked]}, the model {[r.tid for r in km.q]}"
+        parked = [e["t"] for e in doc.get("q") or []]
+        assert parked == [r.tid for r in km.q], (
+            f"{km.name}: parked {parked}, the model {[r.tid for r in km.q]}"
         )
+        if view:
+            info = self.store.inspect(km.name)
+            assert info is not None
+            assert info.held == bool(km.live())
+            assert len(info.slots) == (0 if km.single else len(km.live())) <= km.limit
+            assert [p["task_id"] for p in info.parked] == parked
+            first = km.handoff()
+            assert (info.handoff or {}).get("task_id") == (first.run.tid if first and first.run else None)
         # The holds, in order, exactly as the model has them.
         if km.single:
             store_holds = []
@@ -718,7 +725,7 @@ class EngineMachine(RuleBasedStateMachine):
             handed = [h for h in km.holds if h in handed or (h.handed and not h.published)]
         self.store.sweep(km.name, revoked=revoked)
         self._handoffs(km, handed)
-        self._check(km)
+        self._check(km, view=True)
         # The sweeper writes the results of runs that timed out or were superseded, then forgets them
         # (a timed-out run is remembered as over).
         if km.dead:
@@ -1136,6 +1143,7 @@ class EngineMachine(RuleBasedStateMachine):
                 else:
                     self.do_force_release(km)
             assert not km.holds and not km.q, f"{km.name}: could not drain"
+            self._check(km, view=True)
         for run in self.runs:
             assert run.state in ("done", "ended", "superseded", "revoked", "refused", "timedout"), (
                 f"{run.tid} is left {run.state}"
