@@ -20,13 +20,14 @@ This module is the Celery side of it:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -67,6 +68,32 @@ REPUBLISH_RETRY_POLICY: dict[str, float] = {
     "interval_step": 0.5,
     "interval_max": 2.0,
 }
+
+
+@contextlib.contextmanager
+def patient_producer(app: Celery) -> Iterator[Any]:
+    """A producer of ``app`` whose broker connection is open, opened with ``REPUBLISH_RETRY_POLICY`` (about a
+    minute) if it was not: kombu retries a publish on a connection that breaks, but a connection that
+    cannot be opened (py-amqp: RabbitMQ down while this process had no connection to it) fails after
+    ``broker_connection_timeout``, outside that retry."""
+    p = REPUBLISH_RETRY_POLICY
+    with app.producer_or_acquire() as producer:
+        producer.connection.ensure_connection(
+            max_retries=int(p["max_retries"]),
+            interval_start=p["interval_start"],
+            interval_step=p["interval_step"],
+            interval_max=p["interval_max"],
+        )
+        yield producer
+
+
+def publish_patiently(app: Celery, signature: Any, **options: Any) -> Any:
+    """``signature.apply_async`` retried for about a minute while the broker is away, the connection
+    included (``patient_producer``)."""
+    with patient_producer(app) as producer:
+        return signature.apply_async(
+            producer=producer, retry=True, retry_policy=REPUBLISH_RETRY_POLICY, **options
+        )
 
 
 # -- send stamps -----------------------------------------------------------------------------------------
@@ -189,7 +216,7 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: Leas
     if entry.get("ks"):
         headers[HANDOFF_HEADER]["ks"] = list(entry["ks"])
     # The signature carries the run's task id, routing, links and retries; only the headers change.
-    signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
+    publish_patiently(app, signature, headers=headers)
     signals.run_handed_off.send(
         sender=None,
         app=app,
@@ -217,7 +244,7 @@ def publish_again(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseS
         return
     headers = dict(signature.options.get("headers") or {})
     headers.pop(HANDOFF_HEADER, None)
-    signature.apply_async(headers=headers, retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
+    publish_patiently(app, signature, headers=headers)
 
 
 _installed: weakref.WeakSet[LeaseStore] = weakref.WeakSet()

@@ -33,6 +33,7 @@ from celery import signals as celery_signals
 from celery import states as celery_states
 from celery.exceptions import Ignore, Reject
 from celery.exceptions import Retry as RetryTask
+from kombu.exceptions import OperationalError
 
 from . import _admission, _queue, signals
 from ._childwatch import ChildWatchedRequest
@@ -248,7 +249,19 @@ class SingletonTask(Task):  # type: ignore[misc]
         options.setdefault("retry", True)
         options.setdefault("retry_policy", REPUBLISH_RETRY_POLICY)
         try:
-            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+            if "producer" in options or self.request.called_directly or self.request.is_eager:
+                return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+            with _queue.patient_producer(self.app) as producer:
+                options["producer"] = producer
+                return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        except OperationalError as unreachable:  # the connection could not be opened for about a minute
+            log_acquire.error(
+                "%s[%s]: could not publish the retry; the broker did not take it for about a minute: %s",
+                self.name,
+                self.request.id,
+                redact(str(unreachable)),
+            )
+            raise
         except Reject as rejected:
             reason = rejected.reason
             if rejected.requeue or not isinstance(reason, Exception):
@@ -1012,7 +1025,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _republish(self, signature: Any, what: str) -> None:
         try:
-            signature.apply_async(retry=True, retry_policy=REPUBLISH_RETRY_POLICY)
+            _queue.publish_patiently(self.app, signature)
         except Exception as exc:
             log_acquire.error(
                 "%s[%s]: could not publish the %s; the broker did not take it for about a minute: %s",

@@ -1,4 +1,4 @@
-"""The broker going away for a moment (a Redis restart) while a singleton run is published again.
+"""The broker going away for a moment (a Redis or RabbitMQ restart) while a singleton run is published again.
 
 A contention retry and a parked duplicate are new messages: if publishing one fails, the run ends in
 FAILURE although nothing was wrong with it. Celery's default publish policy gives up after about 0.6 s;
@@ -22,24 +22,34 @@ from kombu.exceptions import OperationalError
 from celery_mongolock import singleton_task
 from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
-from .servers import RedisServer
+from .servers import NO_RABBITMQ, RabbitMQServer, RedisServer
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def down_broker() -> Iterator[RedisServer]:
-    """A persistent Redis with a port of its own, not started yet."""
-    server = RedisServer(persistent=True)
+@pytest.fixture(params=["redis", "rabbitmq"])
+def down_broker(request: pytest.FixtureRequest) -> Iterator[RedisServer | RabbitMQServer]:
+    """A persistent Redis, or a RabbitMQ node, with a port of its own, not started yet."""
+    if request.param == "rabbitmq" and NO_RABBITMQ:
+        pytest.skip(NO_RABBITMQ)
+    server = RedisServer(persistent=True) if request.param == "redis" else RabbitMQServer()
     try:
         yield server
     finally:
         server.stop()
 
 
-def test_a_contention_retry_is_published_across_a_broker_restart(down_broker: RedisServer) -> None:
+def _options(broker: RedisServer | RabbitMQServer) -> dict[str, Any]:
+    """The app's broker settings: on RabbitMQ with publisher confirms, as docs/discussions/brokers.md says."""
+    confirms = {"confirm_publish": True} if isinstance(broker, RabbitMQServer) else {}
+    return {"broker_url": broker.url, "broker_connection_timeout": 1, "broker_transport_options": confirms}
+
+
+def test_a_contention_retry_is_published_across_a_broker_restart(
+    down_broker: RedisServer | RabbitMQServer,
+) -> None:
     app = Celery("republish", set_as_current=False)
-    app.conf.update(broker_url=down_broker.url, broker_connection_timeout=1)
+    app.conf.update(_options(down_broker))
 
     @singleton_task(key="resource:{resource}", app=app, name="republish.guarded")
     def guarded(resource: str) -> str:  # pragma: no cover - never run here
@@ -56,7 +66,7 @@ def test_a_contention_retry_is_published_across_a_broker_restart(down_broker: Re
     app.close()
 
 
-def _publish_across_restart(broker: RedisServer, publish: Callable[[], None]) -> None:
+def _publish_across_restart(broker: RedisServer | RabbitMQServer, publish: Callable[[], None]) -> None:
     """Publish while the broker is down and comes back 2 s later (the fault, not a wait); the message
     must then be on the queue."""
     starter = threading.Timer(2.0, broker.start)
@@ -65,11 +75,22 @@ def _publish_across_restart(broker: RedisServer, publish: Callable[[], None]) ->
         publish()
     finally:
         starter.join()
-    client = redis.Redis.from_url(broker.url)
-    try:
-        assert client.llen("celery") == 1, "the retry was not published"
-    finally:
-        client.close()
+    assert _queued(broker) == 1, "the retry was not published"
+
+
+def _queued(broker: RedisServer | RabbitMQServer) -> int:
+    """How many messages the ``celery`` queue holds."""
+    if isinstance(broker, RedisServer):
+        client = redis.Redis.from_url(broker.url)
+        try:
+            return int(client.llen("celery"))
+        finally:
+            client.close()
+    from kombu import connection
+
+    conn: Any = connection.Connection(broker.url)  # type: ignore[no-untyped-call]
+    with conn:
+        return int(conn.default_channel.queue_declare(queue="celery", passive=True).message_count)
 
 
 def test_the_republish_policy_outlasts_a_restart() -> None:
@@ -82,13 +103,13 @@ def test_the_republish_policy_outlasts_a_restart() -> None:
     assert 45 <= sum(waits) <= 90, sum(waits)
 
 
-def test_a_body_retry_is_published_across_a_broker_restart(down_broker: RedisServer) -> None:
+def test_a_body_retry_is_published_across_a_broker_restart(down_broker: RedisServer | RabbitMQServer) -> None:
     """``self.retry()`` in a singleton body while the broker restarts: Celery's own ``Task.retry`` gives up
     within a second and rejects the message without requeueing it (with ``acks_late`` the task is gone,
     its state PENDING or RETRY: how the lock-set checker lost tasks). A singleton task's retry rides over
     the restart."""
     app = Celery("retry_restart", set_as_current=False)
-    app.conf.update(broker_url=down_broker.url, broker_connection_timeout=1)
+    app.conf.update(_options(down_broker))
 
     @app.task(name="retry_restart.plain", bind=True)
     def plain(self: Any) -> None:  # pragma: no cover - never run here
