@@ -317,18 +317,22 @@ class LeaseStore:
         # driver's own endSessions in MongoClient.close() included: that one waited a whole
         # serverSelectionTimeoutMS for a server that was gone.
         with pymongo.timeout(timeout):
-            hb = self._heartbeat
-            if hb is not None and hb.pid == os.getpid():
-                self.release_held(timeout)
-                hb.stop(timeout=max(0.0, deadline - time.monotonic()))
-                if hb.thread is not None and hb.thread.is_alive():  # still in a call MongoDB does not answer
-                    self._retired.add(hb.thread)
-                # the records of leases that ended since the last tick
-                hb.flush_history(timeout=max(0.01, deadline - time.monotonic()))
-            self._heartbeat = None
-            if self._client_cache is not None and self._pid == os.getpid():
-                self._client_cache.close()
-            self._client_cache = None
+            try:
+                hb = self._heartbeat
+                if hb is not None and hb.pid == os.getpid():
+                    self.release_held(timeout)
+                    hb.stop(timeout=max(0.0, deadline - time.monotonic()))
+                    if hb.thread is not None and hb.thread.is_alive():  # in a call MongoDB does not answer
+                        self._retired.add(hb.thread)
+                    # the records of leases that ended since the last tick
+                    hb.flush_history(timeout=max(0.01, deadline - time.monotonic()))
+            finally:
+                # Whatever happened above (a release or flush that raised at the deadline), the client
+                # and its sockets are closed: a store that is closed holds no connection.
+                self._heartbeat = None
+                client, self._client_cache = self._client_cache, None
+                if client is not None and self._pid == os.getpid():
+                    client.close()
 
     def release_held(self, timeout: float = CLOSE_SECONDS) -> int:
         """Release every lease this process holds with a heartbeat from this store, all within
