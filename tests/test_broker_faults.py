@@ -51,7 +51,7 @@ def test_a_contention_retry_is_published_across_a_broker_restart(
     app = Celery("republish", set_as_current=False)
     app.conf.update(_options(down_broker))
 
-    @singleton_task(key="resource:{resource}", app=app, name="republish.guarded")
+    @singleton_task(key="resource:{resource}", app=app, name="republish.guarded", shared=False)
     def guarded(resource: str) -> str:  # pragma: no cover - never run here
         return resource
 
@@ -111,11 +111,11 @@ def test_a_body_retry_is_published_across_a_broker_restart(down_broker: RedisSer
     app = Celery("retry_restart", set_as_current=False)
     app.conf.update(_options(down_broker))
 
-    @app.task(name="retry_restart.plain", bind=True)
+    @app.task(name="retry_restart.plain", bind=True, shared=False)
     def plain(self: Any) -> None:  # pragma: no cover - never run here
         pass
 
-    @singleton_task(key="resource", app=app, name="retry_restart.guarded", bind=True)
+    @singleton_task(key="resource", app=app, name="retry_restart.guarded", bind=True, shared=False)
     def guarded(self: Any) -> None:  # pragma: no cover - never run here
         pass
 
