@@ -38,7 +38,7 @@ from pymongo import MongoClient
 from pymongo.monitoring import CommandFailedEvent, CommandListener, CommandStartedEvent, CommandSucceededEvent
 
 from celery_mongolock import LeaseStore
-from celery_mongolock._documents import history_record
+from celery_mongolock.core.documents.base import history_record
 
 Document = dict[str, Any]
 URL_ENV = "MONGOLOCK_TEST_MONGODB_URL"

@@ -6,9 +6,12 @@ engine underneath (``LeaseStore``, ``Lease``) works without Celery.
 
 from __future__ import annotations
 
-from . import events as _events  # noqa: F401  (lease events as Celery events under -E)
-from .__about__ import __version__
-from .exceptions import (
+from celery_mongolock.__about__ import __version__
+from celery_mongolock.admission.policies import Fail, Queue, Replace, Retry, Skip, Wait
+from celery_mongolock.core.fencing import FencedOut, fenced_update_one
+from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.store import Lease, LeaseInfo, LeaseStore
+from celery_mongolock.exceptions import (
     ConfigurationError,
     InvalidKey,
     LeaseLost,
@@ -18,11 +21,8 @@ from .exceptions import (
     StoreUnavailable,
     UntrustedMessage,
 )
-from .fencing import FencedOut, fenced_update_one
-from .lease import LeaseSet
-from .policies import Fail, Queue, Replace, Retry, Skip, Wait
-from .store import Lease, LeaseInfo, LeaseStore
-from .task import SingletonTask, current_lease, singleton_task
+from celery_mongolock.integration.task import SingletonTask, current_lease, singleton_task
+from celery_mongolock.ops import events as _events  # noqa: F401  (lease events as Celery events under -E)
 
 __all__ = [
     "ConfigurationError",

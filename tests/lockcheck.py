@@ -133,10 +133,10 @@ from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from celery_mongolock import LeaseStore
-from celery_mongolock._queue import SENT_HEADER, send_stamp
+from celery_mongolock.core.store import Lease, _local_ttl
 from celery_mongolock.exceptions import MongoLockError
 from celery_mongolock.fencing import FencedOut, fenced_update_one
-from celery_mongolock.store import Lease, _local_ttl
+from celery_mongolock.integration.handoff import SENT_HEADER, send_stamp
 from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
 from . import brokerlog

@@ -296,7 +296,7 @@ def test_a_debounced_run_parks_even_on_a_free_key_and_takes_it_once_due(store: L
 def test_the_sweeper_leaves_a_key_alone_while_its_queue_just_waits_for_a_live_holder() -> None:
     import datetime as dt
 
-    from celery_mongolock._queue import needs_sweep
+    from celery_mongolock.integration.handoff import needs_sweep
 
     now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     later, earlier = now + dt.timedelta(seconds=10), now - dt.timedelta(seconds=1)
@@ -377,7 +377,7 @@ def test_the_sweeper_pages_through_every_waiting_key(store: LeaseStore) -> None:
 
 
 def test_a_key_that_remembers_finished_runs_outlives_a_broker_redelivery(store: LeaseStore) -> None:
-    from celery_mongolock._admission import SEEN_KEEP_MS
+    from celery_mongolock.core.documents.queue import SEEN_KEEP_MS
 
     lease, _ = store.admit(KEY, entry(1))
     assert lease is not None

@@ -37,9 +37,9 @@ from celery_mongolock import (
     singleton_task,
 )
 from celery_mongolock.config import read_settings
+from celery_mongolock.integration.task import _check_task_policies
 from celery_mongolock.keys import normalize_key
 from celery_mongolock.policies import parse_policy
-from celery_mongolock.task import _check_task_policies
 
 from .workers import ROOT
 

@@ -15,7 +15,7 @@ from celery import Celery
 from kombu import entity
 
 from celery_mongolock import singleton_task
-from celery_mongolock.task import _check_broker_settings
+from celery_mongolock.integration.task import _check_broker_settings
 
 from .servers import RabbitMQServer
 from .workers import Worker, worker_env

@@ -18,7 +18,7 @@ import pytest
 from celery import Celery
 
 from celery_mongolock import LeaseStore
-from celery_mongolock._childwatch import ChildWatch
+from celery_mongolock.integration.childwatch import ChildWatch
 from celery_mongolock.testing import configure
 
 from .servers import wait_for
@@ -53,7 +53,7 @@ def watch() -> Iterator[dict[str, Any]]:
     """A ChildWatch whose "active requests" are whatever the test puts in ``running`` (pid -> list)."""
     running: dict[int, list[tuple[Any, str, str]]] = {}
     released: list[int] = []
-    from celery_mongolock import _childwatch
+    from celery_mongolock.integration import childwatch as _childwatch
 
     def release(pid: int, requests: Any) -> None:
         _childwatch._release(pid, requests)

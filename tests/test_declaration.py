@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_mongolock import ConfigurationError, InvalidKey, SingletonTask, Skip, singleton_task
-from celery_mongolock._options import _celery_names
+from celery_mongolock.integration.options import _celery_names
 
 
 def tenant_of(group_id: int) -> int:
@@ -191,7 +191,7 @@ def test_singleton_task_refuses_misspelt_and_planned_options(options: dict[str, 
 
 
 def test_no_option_is_planned_any_more() -> None:
-    from celery_mongolock._options import FUTURE_OPTIONS
+    from celery_mongolock.integration.options import FUTURE_OPTIONS
 
     assert FUTURE_OPTIONS == {}  # limit= and keys= exist now
 

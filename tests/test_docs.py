@@ -782,8 +782,11 @@ ENVIRONMENT = {"mongolock_test_mongodb_url", "mongolock_password"}
 
 
 def _known_mongolock_names() -> set[str]:
-    from celery_mongolock import SingletonTask, _headers, _queue, task
+    from celery_mongolock import SingletonTask
     from celery_mongolock.config import KNOWN_SETTINGS
+    from celery_mongolock.integration import handoff as _queue
+    from celery_mongolock.integration import headers as _headers
+    from celery_mongolock.integration import task
 
     names = {n.lower() for n in KNOWN_SETTINGS}
     names |= {n for n in dir(SingletonTask) if n.startswith("mongolock_")}
@@ -811,7 +814,7 @@ def test_every_mongolock_name_a_page_uses_exists() -> None:
 
 def _logger_names() -> set[str]:
     names = set()
-    for path in (ROOT / "celery_mongolock").glob("*.py"):
+    for path in (ROOT / "celery_mongolock").rglob("*.py"):
         names |= set(re.findall(r'getLogger\("(celery_mongolock[\w.]*)"\)', path.read_text()))
     return names
 

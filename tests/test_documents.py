@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from celery_mongolock import ConfigurationError
-from celery_mongolock import _documents as documents
+from celery_mongolock.core.documents import base as documents
 from celery_mongolock.lease import LeaseInfo
 
 UTC = _dt.timezone.utc

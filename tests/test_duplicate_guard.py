@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from celery_mongolock import LeaseStore
-from celery_mongolock._admission import SEEN_KEEP_MS, SEEN_KEPT, run_id
+from celery_mongolock.core.documents.queue import SEEN_KEEP_MS, SEEN_KEPT, run_id
 
 KEY = "resource:guard"
 

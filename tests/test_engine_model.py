@@ -52,7 +52,7 @@ from hypothesis.stateful import (
 from pymongo import MongoClient, WriteConcern
 
 from celery_mongolock import Lease, LeaseLost, LeaseStore
-from celery_mongolock._admission import gc_stage
+from celery_mongolock.core.documents.queue import gc_stage
 from celery_mongolock.testing import wait_for
 
 #: Examples per run (the test's bound in ``make test``; ``scripts/soak.py --model`` raises it).

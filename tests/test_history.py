@@ -14,8 +14,8 @@ import pytest
 from pymongo import MongoClient
 
 from celery_mongolock import ConfigurationError, LeaseStore
-from celery_mongolock._documents import HOLDER_VIEW, SERVER_VIEW, history_id, story_pipeline
 from celery_mongolock.config import read_settings
+from celery_mongolock.core.documents.base import HOLDER_VIEW, SERVER_VIEW, history_id, story_pipeline
 
 from .conftest import CommandCounter
 from .servers import wait_for

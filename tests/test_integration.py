@@ -22,7 +22,7 @@ from celery.result import AsyncResult
 from pymongo import MongoClient
 
 from celery_mongolock import LeaseStore, LockContended
-from celery_mongolock import task as task_mod
+from celery_mongolock.integration import task as task_mod
 
 from . import integration_app as it
 from .conftest import CommandCounter

@@ -58,7 +58,7 @@ def test_bad_keys_are_refused_at_declaration(options: dict[str, Any], match: str
 def test_keys_from_the_settings_replace_the_decorator_s_key(mongo_url: str) -> None:
     from celery_mongolock import current_lease
     from celery_mongolock.config import get_store
-    from celery_mongolock.task import _check_task_policies
+    from celery_mongolock.integration.task import _check_task_policies
 
     app = _app()
     database = f"keys_setting_{uuid.uuid4().hex[:8]}"
@@ -113,7 +113,7 @@ def test_bad_keys_in_the_settings_are_refused_at_start_up(
     policy: dict[str, Any], decorator: dict[str, Any], match: str
 ) -> None:
     from celery_mongolock.config import get_settings
-    from celery_mongolock.task import _check_task_policies
+    from celery_mongolock.integration.task import _check_task_policies
 
     app = _app()
     name = f"proj.merge_{uuid.uuid4().hex[:8]}"
@@ -314,7 +314,7 @@ def test_a_queued_multi_key_run_whose_worker_died_between_its_admits_still_runs(
     publishes its message as a new delivery, which completes its places and runs it."""
     from kombu.serialization import dumps
 
-    from celery_mongolock import _queue
+    from celery_mongolock.integration import handoff as _queue
 
     suffix = uuid.uuid4().hex[:8]
     a, b = f"a{suffix}", f"b{suffix}"

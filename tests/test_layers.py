@@ -10,6 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "celery_mongolock"
+#: The four layers, bottom first: each a subpackage (docs/discussions/architecture.md).
+LAYERS = ["core", "admission", "integration", "ops"]
 
 
 def _contracts() -> list[dict[str, object]]:
@@ -22,25 +24,45 @@ def _contracts() -> list[dict[str, object]]:
     return contracts
 
 
-def test_every_module_has_a_layer() -> None:
-    (layers,) = [c for c in _contracts() if c["type"] == "layers"]
-    raw = layers["layers"]
+def _listed(contract: dict[str, object]) -> set[str]:
+    raw = contract["layers"]
     assert isinstance(raw, list)
-    listed = {name.strip() for layer in raw for name in str(layer).split("|")}
-    modules = {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__")}
-    missing = sorted(modules - listed)
-    assert not missing, f"add these modules to the layers contract in pyproject.toml: {missing}"
-    assert not sorted(listed - modules), "the layers contract names modules that do not exist"
+    return {name.strip() for layer in raw for name in str(layer).split("|")}
 
 
-def test_the_core_is_the_bottom_of_the_layers() -> None:
-    """Every module below the Celery glue is in the no-Celery contract, and only those."""
-    contracts = _contracts()
-    (layers,) = [c for c in contracts if c["type"] == "layers"]
-    (forbidden,) = [c for c in contracts if c["type"] == "forbidden"]
-    raw = layers["layers"]
+def _children(package: Path) -> set[str]:
+    modules = {p.stem for p in package.glob("*.py") if not p.stem.startswith("__")}
+    return modules | {p.parent.name for p in package.glob("*/__init__.py")}
+
+
+def test_every_module_has_a_layer() -> None:
+    """Every package with modules of its own has a layers contract naming each of its children."""
+    by_container = {
+        str(c["containers"][0]): c  # type: ignore[index]
+        for c in _contracts()
+        if c["type"] == "layers"
+    }
+    packages = [PACKAGE, *(p.parent for p in PACKAGE.rglob("*/__init__.py"))]
+    for package in packages:
+        name = ".".join(package.relative_to(ROOT).parts)
+        assert name in by_container, f"add a layers contract for {name} in pyproject.toml"
+        children = _children(package) - ({"__about__"} if package == PACKAGE else set())
+        listed = _listed(by_container[name])
+        missing = sorted(children - listed)
+        assert not missing, f"add these modules of {name} to its layers contract in pyproject.toml: {missing}"
+        assert not sorted(listed - children), f"the layers contract of {name} names modules that do not exist"
+
+
+def test_the_layers_are_the_subpackages_in_order() -> None:
+    (top,) = [c for c in _contracts() if c["type"] == "layers" and c["containers"] == ["celery_mongolock"]]
+    raw = top["layers"]
+    assert isinstance(raw, list)
+    order = [str(layer).strip() for layer in raw]
+    assert order[order.index("ops") :] == ["ops", *reversed(LAYERS[:-1]), "exceptions"]
+
+
+def test_the_core_and_the_engine_are_free_of_celery() -> None:
+    (forbidden,) = [c for c in _contracts() if c["type"] == "forbidden"]
     sources = forbidden["source_modules"]
-    assert isinstance(raw, list) and isinstance(sources, list)
-    names = [str(layer) for layer in raw]
-    core = {name.strip() for layer in names[names.index("store") :] for name in layer.split("|")}
-    assert {s.removeprefix("celery_mongolock.") for s in sources} == core
+    assert isinstance(sources, list)
+    assert {s.removeprefix("celery_mongolock.") for s in sources} == {"core", "admission", "exceptions"}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from celery_mongolock import ConfigurationError, LeaseStore
-from celery_mongolock._admission import gc_stage
+from celery_mongolock.core.documents.queue import gc_stage
 from celery_mongolock.testing import wait_for
 
 from .conftest import CommandCounter

@@ -354,7 +354,7 @@ def test_a_scrape_skips_a_metrics_file_a_pool_child_is_creating(tmp_path: Path) 
 
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from celery_mongolock import metrics
+    from celery_mongolock.ops import metrics
 
     (tmp_path / "counter_4242.db").touch()
     with pytest.raises(struct.error):

@@ -6,8 +6,8 @@ import datetime as _dt
 
 import pytest
 
-from celery_mongolock._admission import ADMIT_OUTCOMES
-from celery_mongolock._outcomes import Admission, AdmitOutcome, Contended
+from celery_mongolock.core.documents.queue import ADMIT_OUTCOMES
+from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
 
 NOW = _dt.datetime(2026, 11, 25, 12, 0, 0)  # naive, as MongoDB answers without tz_aware
 

@@ -54,4 +54,9 @@ def test_the_task_request_path_resolves_to_the_singleton_request() -> None:
     from celery_mongolock.task import SingletonRequest, SingletonTask
 
     assert symbol_by_name(SingletonTask.Request) is SingletonRequest
-    assert symbol_by_name("celery_mongolock.beat:Scheduler").__module__ == "celery_mongolock.beat"
+    from celery.beat import Scheduler as CeleryScheduler
+
+    from celery_mongolock.ops.beat import Scheduler
+
+    public = symbol_by_name("celery_mongolock.beat:Scheduler")
+    assert public is Scheduler and issubclass(public, CeleryScheduler)

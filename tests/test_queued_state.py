@@ -18,8 +18,8 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from celery_mongolock import LeaseStore, LockContended, Queue, Replace, singleton_task
-from celery_mongolock._queue import Sweeper
 from celery_mongolock.config import get_settings, get_store
+from celery_mongolock.integration.handoff import Sweeper
 
 KEY = "report:7"
 
@@ -107,7 +107,7 @@ def test_the_sweeper_writes_the_result_of_a_superseded_run_that_never_wrote_its_
 
 
 def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app: Celery) -> None:
-    from celery_mongolock._contention import Outcome
+    from celery_mongolock.admission.contention import Outcome
 
     task = _task(app)
     store: LeaseStore = get_store(app)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_mongolock import signals
 from celery_mongolock.config import get_store
+from celery_mongolock.integration import signals
 from celery_mongolock.testing import configure
 
 

@@ -18,8 +18,8 @@ import pytest
 from celery import Celery
 
 from celery_mongolock import LeaseStore
-from celery_mongolock._queue import Sweeper
 from celery_mongolock.config import get_store
+from celery_mongolock.integration.handoff import Sweeper
 from celery_mongolock.testing import wait_for
 
 KEY = "tenant:24"

@@ -651,7 +651,7 @@ def test_a_child_forked_while_another_thread_holds_the_locks_does_not_deadlock(
     import signal
     import threading
 
-    from celery_mongolock import config
+    from celery_mongolock.integration import config
 
     s = LeaseStore(mongo_url, database=db_name)
     assert s.acquire("warm") is not None

@@ -12,8 +12,8 @@ from celery import Celery
 from kombu.serialization import dumps
 
 from celery_mongolock import ConfigurationError, Queue, singleton_task
-from celery_mongolock._trust import RefusedEntry, check_entry, sign_entry
 from celery_mongolock.config import read_settings
+from celery_mongolock.integration.trust import RefusedEntry, check_entry, sign_entry
 
 SECRET = b"0123456789abcdef-test-secret"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from celery_mongolock import ConfigurationError
-from celery_mongolock._urls import redact, validate_mongo_url
+from celery_mongolock.core.urls import redact, validate_mongo_url
 
 
 @pytest.mark.parametrize(

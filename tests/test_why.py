@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from celery_mongolock.cli import history_table, why_lines
-from celery_mongolock.history import KeyStory, LeaseEnding, merge_endings
+from celery_mongolock.core.history import KeyStory, LeaseEnding, merge_endings
+from celery_mongolock.ops.cli import history_table, why_lines
 
 NOW = dt.datetime(2026, 11, 23, 12, 40, 7, tzinfo=dt.timezone.utc)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from .exceptions import LockContended
+from celery_mongolock.exceptions import LockContended
 
 if TYPE_CHECKING:
-    from .policies import Retry
-    from .store import LeaseStore
+    from celery_mongolock.admission.policies import Retry
+    from celery_mongolock.core.store import LeaseStore
 
 __all__ = ["ContendedRun", "Outcome", "SingletonRun", "skipped_result"]
 

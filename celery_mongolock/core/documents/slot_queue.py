@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import _admission as adm
-from . import _slots
+from celery_mongolock.core.documents import queue as adm
+from celery_mongolock.core.documents import slots as _slots
 
 __all__ = [
     "HANDED",

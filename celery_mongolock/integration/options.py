@@ -22,9 +22,9 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .exceptions import ConfigurationError
-from .keys import KeyRenderer
-from .policies import Policy, check_keys, check_limit, parse_policy
+from celery_mongolock.admission.policies import Policy, check_keys, check_limit, parse_policy
+from celery_mongolock.core.keys import KeyRenderer
+from celery_mongolock.exceptions import ConfigurationError
 
 __all__ = [
     "DECORATOR_OPTIONS",
@@ -178,8 +178,8 @@ def check_task_class(cls: type) -> None:
     beat = getattr(cls, "mongolock_heartbeat_seconds", None)
     hold = getattr(cls, "mongolock_min_hold_seconds", None)
     limit = getattr(cls, "mongolock_limit", None)
-    from ._validation import validate_seconds
-    from .store import DEFAULT_LEASE_SECONDS, validate_lease_timing
+    from celery_mongolock.core.store import DEFAULT_LEASE_SECONDS, validate_lease_timing
+    from celery_mongolock.core.validation import validate_seconds
 
     try:
         if lease is not None or beat is not None:

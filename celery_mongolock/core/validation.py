@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .exceptions import ConfigurationError
+from celery_mongolock.exceptions import ConfigurationError
 
 __all__ = [
     "DEFAULT_HISTORY_DAYS",

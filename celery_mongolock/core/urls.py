@@ -12,7 +12,7 @@ from functools import cache
 from typing import Any
 from urllib.parse import unquote_plus
 
-from .exceptions import ConfigurationError
+from celery_mongolock.exceptions import ConfigurationError
 
 __all__ = ["describe_refusal", "redact", "validate_client_options", "validate_mongo_url"]
 

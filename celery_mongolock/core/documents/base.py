@@ -55,9 +55,9 @@ from typing import Any
 
 import bson
 
-from . import _admission as admission
-from .exceptions import ConfigurationError
-from .lease import LeaseInfo, aware
+from celery_mongolock.core.documents import queue as admission
+from celery_mongolock.core.lease import LeaseInfo, aware
+from celery_mongolock.exceptions import ConfigurationError
 
 __all__ = [
     "ACQUIRE_PROJECTION",

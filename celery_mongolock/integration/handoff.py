@@ -34,12 +34,12 @@ from celery import Celery
 from celery import signals as celery_signals
 from kombu.serialization import dumps
 
-from . import config, signals
-from ._trust import SIGNATURE_FIELD, RefusedEntry, check_entry, sign_entry
-from .exceptions import QueueTimeout, UntrustedMessage
+from celery_mongolock.exceptions import QueueTimeout, UntrustedMessage
+from celery_mongolock.integration import config, signals
+from celery_mongolock.integration.trust import SIGNATURE_FIELD, RefusedEntry, check_entry, sign_entry
 
 if TYPE_CHECKING:
-    from .store import LeaseStore
+    from celery_mongolock.core.store import LeaseStore
 
 __all__ = [
     "DEBOUNCE_HEADER",

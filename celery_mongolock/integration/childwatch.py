@@ -31,7 +31,7 @@ from typing import Any
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 
-from .config import get_store
+from celery_mongolock.integration.config import get_store
 
 log = logging.getLogger("celery_mongolock.release")
 

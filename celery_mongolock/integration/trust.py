@@ -28,7 +28,7 @@ from typing import Any
 from celery import Celery
 from kombu.serialization import dumps, loads, prepare_accept_content
 
-from .keys import normalize_key
+from celery_mongolock.core.keys import normalize_key
 
 __all__ = ["RefusedEntry", "check_entry", "sign_entry"]
 

@@ -21,8 +21,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._admission import ran
-from .lease import Lease, aware
+from celery_mongolock.core.documents.queue import ran
+from celery_mongolock.core.lease import Lease, aware
 
 __all__ = ["RUN_ENDED_PROJECTION", "Admission", "AdmitOutcome", "Contended", "run_ended"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ._admission import SINGLE_HELD, gc_stage, ran_any
+from celery_mongolock.core.documents.queue import SINGLE_HELD, gc_stage, ran_any
 
 __all__ = [
     "any_expired",

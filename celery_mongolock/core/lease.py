@@ -1,0 +1,470 @@
+"""The lease value objects: ``Lease`` (a lease this process holds) and ``LeaseInfo`` (a lease document read).
+
+No MongoDB call is made here: a ``Lease`` asks the store that issued it (``LeaseBackend``, which
+``LeaseStore`` implements) to renew or release it, and keeps its own deadline.
+
+Holder's deadline
+=================
+The holder measures its lease on the monotonic clock from the moment the acquire/renew was *sent*
+(``sent + ttl``, shrunk by ``clock.MAX_DRIFT``), which is never later than the server's ``expires_at``.
+Past that deadline ``lease.lost`` is true even if nobody told us; the heartbeat gives up a margin before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from celery_mongolock.core.clock import MAX_DRIFT, Clock
+from celery_mongolock.exceptions import LeaseLost, StoreUnavailable
+
+__all__ = ["Lease", "LeaseBackend", "LeaseInfo", "LeaseSet", "LostCallback", "local_ttl"]
+
+log_release = logging.getLogger("celery_mongolock.release")
+log_renew = logging.getLogger("celery_mongolock.renew")
+
+LostCallback = Callable[["Lease", str], None]
+
+
+class LeaseBackend(Protocol):
+    """What a ``Lease`` needs from the store that issued it (``LeaseStore`` implements it)."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def lost_callbacks(self) -> Sequence[LostCallback]:
+        """Called for every lease of the store that is lost."""
+        ...
+
+    def renew_lease(self, lease: Lease) -> bool:
+        """Extend ``lease`` once, now; True if it was still ours (matched, not expired on the server)."""
+        ...
+
+    def release_lease(self, lease: Lease) -> bool:
+        """Send the release of ``lease``; True if it was still ours. Retried in the background (until
+        ``lease.deadline``) and ``StoreUnavailable`` raised if MongoDB does not answer."""
+        ...
+
+    def release_later(
+        self, key: str, token: str, until: float, *, quiet: bool = False, maybe: bool = False
+    ) -> None:
+        """Release ``token`` on ``key`` in the background as soon as MongoDB answers, until ``until``."""
+        ...
+
+    def forget(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` (it was released or lost)."""
+        ...
+
+    def record_lost(self, lease: Lease, reason: str) -> None:
+        """Queue the holder's own view of ``lease``'s end, "lost", for the lease history (no I/O)."""
+        ...
+
+
+def aware(value: Any) -> _dt.datetime | None:
+    """A datetime read from MongoDB as a timezone-aware UTC datetime (None if it is not a datetime)."""
+    if not isinstance(value, _dt.datetime):
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseInfo:
+    """A snapshot of one lease document, as ``inspect`` and ``list`` report it."""
+
+    key: str
+    held: bool
+    owner: str | None
+    fence: int
+    expires_at: _dt.datetime | None
+    #: Seconds until ``expires_at`` on the server's clock at the time of the read (negative: expired).
+    expires_in: float | None
+    holder: dict[str, Any]
+    acquired_at: _dt.datetime | None
+    renewed_at: _dt.datetime | None
+    released_at: _dt.datetime | None
+    #: Runs parked on the key (``Queue``, ``Replace``), next first: ``position``, ``task_id``,
+    #: ``task_name``, ``stamp`` (send stamp, us), ``parked_for`` (s, server clock), ``deadline``.
+    parked: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: A handoff not yet taken up: ``task_id``, ``task_name``, ``handed_for`` (s), ``attempt``.
+    handoff: dict[str, Any] | None = None
+    #: ``limit=N`` keys: the live holds, by slot (``slot``, ``fence``, ``holder``, ``expires_in``), and N.
+    slots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    limit: int | None = None
+
+    @property
+    def full(self) -> bool:
+        """Held, and (for a ``limit=N`` key) every slot taken: a new run cannot take it now."""
+        if not self.held:
+            return False
+        return not self.slots or self.limit is None or len(self.slots) >= self.limit
+
+    def as_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for name in ("expires_at", "acquired_at", "renewed_at", "released_at"):
+            if data[name] is not None:
+                data[name] = data[name].isoformat()
+        for entry in data["parked"]:
+            if isinstance(entry.get("deadline"), _dt.datetime):
+                entry["deadline"] = entry["deadline"].isoformat()
+        return data
+
+
+def local_ttl(ttl: float) -> float:
+    """How long the holder may count on a lease of ``ttl`` s, on its own monotonic clock.
+
+    Shrunk by the drift allowance and 2 ms: the server's ``$$NOW`` has 1 ms resolution and the lease
+    length sent is whole milliseconds.
+    """
+    return int(ttl * 1000) / 1000.0 * (1.0 - MAX_DRIFT) - 0.002
+
+
+def _run_callbacks(callbacks: list[LostCallback], lease: Lease, reason: str) -> None:
+    if not callbacks:
+        return
+
+    def run() -> None:
+        for cb in callbacks:
+            try:
+                cb(lease, reason)
+            except Exception:
+                log_renew.exception("lost-lease callback %r failed", cb)
+
+    threading.Thread(target=run, name="celery_mongolock-lost-callbacks", daemon=True).start()
+
+
+class Lease:
+    """A lease this process holds (or held) on one key.
+
+    ``key``, ``owner`` (this acquisition's token), ``fence`` (fencing token), ``expires_at`` (server
+    time, as of the acquisition) and ``lost``. Use it as a context manager to release on exit.
+
+    A lease belongs to the process that took it: in a forked child, ``release`` and ``renew`` do
+    nothing to it (the parent still holds it).
+    """
+
+    def __init__(
+        self,
+        store: LeaseBackend,
+        key: str,
+        owner: str,
+        *,
+        fence: int,
+        ttl: float,
+        heartbeat_seconds: float,
+        expires_at: _dt.datetime | None,
+        sent_at: float,
+        holder: Mapping[str, Any],
+        acquired_at: _dt.datetime | None = None,
+        waited_ms: int | None = None,
+        slot: int | None = None,
+    ) -> None:
+        self.store = store
+        self.key = key
+        self.owner = owner
+        self.fence = fence
+        #: Which of the key's slots this lease holds (``limit=N``: 0 to N-1); None for a single lease.
+        self.slot = slot
+        self.ttl = ttl
+        self.heartbeat_seconds = heartbeat_seconds
+        self.expires_at = expires_at
+        self.holder = dict(holder)
+        #: Server time of the acquisition, and how long the run waited for the key (None: not known).
+        self.acquired_at = acquired_at
+        self.waited_ms = waited_ms
+        #: Monotonic time the acquisition's reply arrived: with ``acquired_at``, an estimate of the
+        #: server's time later on (for the lease history).
+        self.acquired_mono = store.clock.monotonic()
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._deadline = sent_at + local_ttl(ttl)
+        self._lost_reason: str | None = None
+        #: Until then a copy of an acquire attempt with this token may still land late (see the store).
+        self.ambiguous_until: float | None = None
+        self._released = False
+        self._lost_event = threading.Event()
+        self._callbacks: list[LostCallback] = []
+
+    # -- state ---------------------------------------------------------------------------------------
+    @property
+    def deadline(self) -> float:
+        """Monotonic time after which this process must assume the lease is gone."""
+        return self._deadline
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the local deadline (0 when lost or released)."""
+        if self._lost_reason is not None or self._released:
+            return 0.0
+        return max(0.0, self._deadline - self.store.clock.monotonic())
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known or must be assumed to be held no more (not after a release)."""
+        if self._lost_reason is not None:
+            return True
+        if self._released:
+            return False
+        if self.store.clock.monotonic() >= self._deadline:
+            self.mark_lost("its deadline passed without a successful renewal")
+            return True
+        return False
+
+    @property
+    def lost_reason(self) -> str | None:
+        _ = self.lost
+        return self._lost_reason
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def held(self) -> bool:
+        """True while the lease is neither released nor lost."""
+        return not self._released and not self.lost
+
+    def raise_if_lost(self) -> None:
+        """Raise ``LeaseLost`` if the lease is lost (or was released): call it between steps of long work
+        to stop promptly."""
+        if self.lost:
+            raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
+        if self._released:
+            raise LeaseLost(self.key, self.fence, "it was released")
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until the lease is lost (True) or ``timeout`` passes (False)."""
+        return self._lost_event.wait(timeout)
+
+    def on_lost(self, callback: LostCallback) -> None:
+        """Call ``callback(lease, reason)`` when the lease is lost, from a thread of its own (a slow
+        callback never delays the renewal of other leases)."""
+        with self._lock:
+            already = self._lost_reason
+            if already is None:
+                self._callbacks.append(callback)
+        if already is not None:
+            _run_callbacks([callback], self, already)
+
+    def renewed(self, sent_at: float, expires_at: _dt.datetime | None = None) -> None:
+        """A renewal sent at ``sent_at`` (monotonic) matched: the lease is ours for a ttl from then (the
+        store calls this; ``expires_at``: the server's new expiry, when the reply carried it)."""
+        with self._lock:
+            if self._lost_reason is None:
+                self._deadline = max(self._deadline, sent_at + local_ttl(self.ttl))
+                if expires_at is not None:
+                    self.expires_at = expires_at
+
+    def handed_over(self) -> bool:
+        """The lease is given away by a store command of its own (reserved for a parked run, given back
+        unrun): from now on not this object's to renew or release. False if it was released already."""
+        with self._lock:
+            if self._released:
+                return False
+            self._released = True
+            return True
+
+    def mark_lost(self, reason: str, *, release: bool = True) -> bool:
+        """Declare the lease lost (its renewals failed, or one matched nothing); False if it already was,
+        or was released. ``release=True`` also releases its token in the background, in case a late copy
+        of a renewal or of the acquire lands; pass False when the token was seen not to match."""
+        with self._lock:
+            if self._lost_reason is not None or self._released:
+                return False
+            self._lost_reason = reason
+            callbacks = list(self._callbacks)
+        self._lost_event.set()
+        log_renew.warning("lease %r (fence %s) lost: %s", self.key, self.fence, reason)
+        self.store.forget(self)
+        if self.pid == os.getpid():
+            self.store.record_lost(self, reason)
+        if release and self.pid == os.getpid():
+            # Make sure the token frees the key once MongoDB answers (a late copy of a renewal or of the
+            # acquire must not leave it taken for nobody). Not needed when the token was seen not to match.
+            # (``maybe``: a lost lease's run is not remembered as over; its body may not have started,
+            # and a retry of it must still run.)
+            self.store.release_later(
+                self.key, self.owner, self.store.clock.monotonic() + self.ttl, quiet=True, maybe=True
+            )
+        _run_callbacks([*self.store.lost_callbacks, *callbacks], self, reason)
+        return True
+
+    # -- operations ----------------------------------------------------------------------------------
+    def renew(self) -> None:
+        """Extend the lease by its ttl from now (server time).
+
+        Raises ``LeaseLost`` if it is no longer ours, ``StoreUnavailable`` if MongoDB did not answer
+        (the lease is then still ours until its deadline).
+        """
+        if self.pid != os.getpid():
+            raise LeaseLost(self.key, self.fence, f"it belongs to process {self.pid}, not this forked child")
+        self.raise_if_lost()
+        sent = self.store.clock.monotonic()
+        matched = self.store.renew_lease(self)
+        if not matched:
+            self.mark_lost(
+                "renewal matched nothing: released by force, or expired and taken over", release=False
+            )
+            raise LeaseLost(self.key, self.fence, self._lost_reason or "lost")
+        self.renewed(sent)
+
+    def release(self) -> bool:
+        """Give the lease back. True if it was ours to release; False if already lost or released.
+
+        If MongoDB cannot be reached, the release is retried in the background until the lease would
+        have expired anyway, and ``StoreUnavailable`` is raised.
+        """
+        if self.pid != os.getpid():
+            log_release.debug(
+                "lease %r belongs to process %s; not released from this child", self.key, self.pid
+            )
+            return False
+        with self._lock:
+            if self._released:
+                return False
+            self._released = True
+            was_lost = self._lost_reason is not None
+        self.store.forget(self)
+        if was_lost:
+            return False  # its release is already queued (see mark_lost)
+        released = self.store.release_lease(self)
+        if self.ambiguous_until is not None and self.store.clock.monotonic() < self.ambiguous_until:
+            # A delayed copy of the acquire could still land and take the key again with our token.
+            self.store.release_later(self.key, self.owner, self.ambiguous_until, quiet=True)
+        return released
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.release()
+        except StoreUnavailable as exc:  # queued for background release; do not mask the block's error
+            log_release.warning("%s", exc)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else ("lost" if self._lost_reason else "held")
+        slot = "" if self.slot is None else f" slot={self.slot}"
+        return f"<Lease {self.key!r} fence={self.fence}{slot} owner={self.owner[:8]} {state}>"
+
+
+class LeaseSet(Lease):
+    """The leases of a run that holds several keys at once (``keys=(...)``), in key order; a ``Lease``
+    itself, so code written for one lease (``raise_if_lost()``, ``lost``, ``fence``) works unchanged.
+
+    ``lease_set["email-group:7"]`` is one key's ``Lease`` (its ``fence`` is the one to write with to what
+    that key guards); ``lost`` is true when any of them is lost, and ``raise_if_lost()`` raises for the
+    first lost one. ``fence`` is the largest of the fences, ``key`` the keys joined by ``+``.
+    """
+
+    def __init__(self, leases: Sequence[Lease]) -> None:  # a view over other leases: no Lease.__init__
+        if not leases:
+            raise ValueError("a LeaseSet needs at least one lease")
+        self.leases: dict[str, Lease] = {lease.key: lease for lease in leases}
+        first = leases[0]
+        self.store = first.store
+        self.key = "+".join(self.leases)
+        self.owner = first.owner
+        self.fence = max(lease.fence for lease in leases)
+        self.ttl = min(lease.ttl for lease in leases)
+        self.heartbeat_seconds = first.heartbeat_seconds
+        self.expires_at = min((lease.expires_at for lease in leases if lease.expires_at), default=None)
+        self.holder = dict(first.holder)
+        self.acquired_at = first.acquired_at
+        self.waited_ms = first.waited_ms
+        self.acquired_mono = first.acquired_mono
+        self.slot = None
+        self.pid = first.pid
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.leases)
+
+    @property
+    def fences(self) -> dict[str, int]:
+        return {key: lease.fence for key, lease in self.leases.items()}
+
+    def __getitem__(self, key: str) -> Lease:
+        return self.leases[key]
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(self.leases.values())
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    @property
+    def deadline(self) -> float:
+        return min(lease.deadline for lease in self.leases.values())
+
+    @property
+    def remaining(self) -> float:
+        return min(lease.remaining for lease in self.leases.values())
+
+    @property
+    def lost(self) -> bool:
+        return any(lease.lost for lease in self.leases.values())
+
+    @property
+    def lost_reason(self) -> str | None:
+        for lease in self.leases.values():
+            if lease.lost:
+                return f"{lease.key!r}: {lease.lost_reason}"
+        return None
+
+    @property
+    def held(self) -> bool:
+        return all(lease.held for lease in self.leases.values())
+
+    @property
+    def released(self) -> bool:
+        return all(lease.released for lease in self.leases.values())
+
+    def raise_if_lost(self) -> None:
+        """Raise ``LeaseLost`` if any of the leases is lost (or released)."""
+        for lease in self.leases.values():
+            lease.raise_if_lost()
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until any of the leases is lost (True) or ``timeout`` passes (False)."""
+        event = threading.Event()
+        for lease in self.leases.values():
+            lease.on_lost(lambda *_: event.set())
+        return event.wait(timeout)
+
+    def on_lost(self, callback: LostCallback) -> None:
+        """Call ``callback(lease, reason)`` when any of the leases is lost (with that lease)."""
+        for lease in self.leases.values():
+            lease.on_lost(callback)
+
+    def renew(self) -> None:
+        for lease in self.leases.values():
+            lease.renew()
+
+    def mark_lost(self, reason: str, *, release: bool = True) -> bool:
+        marked = [lease.mark_lost(reason, release=release) for lease in self.leases.values()]  # all of them
+        return any(marked)
+
+    def release(self) -> bool:
+        """Release every lease (each is tried, whatever happens to the others); True if all were ours."""
+        results = []
+        error: StoreUnavailable | None = None
+        for lease in reversed(list(self.leases.values())):
+            try:
+                results.append(lease.release())
+            except StoreUnavailable as exc:  # queued for the background; go on with the others
+                error = exc
+        if error is not None:
+            raise error
+        return all(results)
+
+    def __enter__(self) -> LeaseSet:
+        return self
+
+    def __repr__(self) -> str:
+        return f"<LeaseSet {', '.join(repr(lease) for lease in self.leases.values())}>"

@@ -1,0 +1,3 @@
+"""The Celery integration: the task class and its declaration checks, send stamps and handoff
+publishing, signals, the child watch, message headers and settings.
+"""

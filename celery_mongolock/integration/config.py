@@ -1,0 +1,408 @@
+"""Settings: ``mongolock_*`` in ``app.conf`` (Django: ``CELERY_MONGOLOCK_*``), read lazily, validated.
+
+=============================  ===============================  =============================================
+setting                        default                          meaning
+=============================  ===============================  =============================================
+``mongolock_url``              ``mongodb://localhost:27017``    where the leases live
+``mongolock_database``         ``celery_mongolock``             database of the lease collection
+``mongolock_collection``       ``leases``                       the lease collection
+``mongolock_lease_seconds``    ``30``                           how long a lease outlives a dead holder
+``mongolock_heartbeat_seconds`` lease / 3                       renewal interval (at most lease / 2)
+``mongolock_on_contention``    ``"retry"``                      policy when the key is held
+``mongolock_operation_timeout`` ``10``                          deadline of one MongoDB operation
+``mongolock_task_policies``    ``{}``                           per task name: any of ``on_contention``,
+                                                                ``lease_seconds``, ``heartbeat_seconds``
+``mongolock_history_days``     ``7``                            days the lease history is kept (0: none)
+``mongolock_signing_key``      ``None``                         secret that signs parked runs' messages
+=============================  ===============================  =============================================
+
+Precedence for a task: ``mongolock_task_policies[task name]`` beats the decorator's arguments, which
+beat the global settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery_mongolock.admission.policies import (
+    Policy,
+    PolicySpec,
+    Retry,
+    check_keys,
+    check_limit,
+    parse_policy,
+)
+from celery_mongolock.core.store import LeaseStore, validate_lease_timing, validate_names
+from celery_mongolock.core.urls import validate_mongo_url
+from celery_mongolock.core.validation import DEFAULT_HISTORY_DAYS, validate_history_days, validate_seconds
+from celery_mongolock.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = [
+    "BEAT_DEFAULTS",
+    "DEFAULTS",
+    "KNOWN_SETTINGS",
+    "Settings",
+    "TaskOptions",
+    "check_setting_names",
+    "get_settings",
+    "get_store",
+    "read_settings",
+]
+
+DEFAULTS: dict[str, Any] = {
+    "mongolock_url": "mongodb://localhost:27017",
+    "mongolock_database": "celery_mongolock",
+    "mongolock_collection": "leases",
+    "mongolock_lease_seconds": 30.0,
+    "mongolock_heartbeat_seconds": None,
+    "mongolock_on_contention": "retry",
+    "mongolock_operation_timeout": 10.0,
+    "mongolock_task_policies": {},
+    "mongolock_history_days": DEFAULT_HISTORY_DAYS,
+    "mongolock_signing_key": None,
+}
+#: The beat scheduler's settings (read by ``beat.read_beat_settings``; here so that every known
+#: ``mongolock_*`` name is in one module).
+BEAT_DEFAULTS: dict[str, Any] = {
+    "mongolock_beat_key": "celery-beat:leader",
+    "mongolock_beat_lease_seconds": 10.0,
+    "mongolock_beat_heartbeat_seconds": None,
+    "mongolock_beat_collection": "beat_ticks",
+}
+#: Every setting the library reads; any other ``mongolock_*`` name in ``app.conf`` is refused.
+KNOWN_SETTINGS: tuple[str, ...] = (*DEFAULTS, *BEAT_DEFAULTS)
+TASK_OPTION_NAMES = (
+    "on_contention",
+    "lease_seconds",
+    "heartbeat_seconds",
+    "min_hold_seconds",
+    "limit",
+    "keys",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOptions:
+    """The lease options in force for one task."""
+
+    on_contention: Policy
+    lease_seconds: float
+    heartbeat_seconds: float
+    min_hold_seconds: float = 0.0
+    #: ``limit=N``: up to N runs of one key at once (None: one, a single lease).
+    limit: int | None = None
+    #: ``keys=(spec, ...)``: several keys held together (None: the task's one key).
+    keys: tuple[Any, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    url: str
+    database: str
+    collection: str
+    lease_seconds: float
+    heartbeat_seconds: float | None
+    on_contention: Policy
+    operation_timeout: float
+    task_policies: Mapping[str, Mapping[str, Any]]
+    history_days: float = DEFAULT_HISTORY_DAYS
+    #: ``mongolock_signing_key``: the HMAC secret of parked runs' stored messages (None: unsigned).
+    signing_key: bytes | None = dataclasses.field(default=None, repr=False)
+
+    def for_task(
+        self,
+        name: str,
+        *,
+        on_contention: PolicySpec | None = None,
+        lease_seconds: float | None = None,
+        heartbeat_seconds: float | None = None,
+        min_hold_seconds: float | None = None,
+        limit: int | None = None,
+        keys: Sequence[Any] | None = None,
+    ) -> TaskOptions:
+        """Options for task ``name``: per-task settings > decorator arguments > global settings.
+        ``keys`` from the settings replace the decorator's ``key=`` or ``keys=``."""
+        override = self.task_policies.get(name, {})
+        where = f"mongolock_task_policies[{name!r}]"
+        policy_spec = override.get("on_contention", on_contention)
+        policy = (
+            self.on_contention
+            if policy_spec is None
+            else parse_policy(policy_spec, f"{where}['on_contention']")
+        )
+        if "lease_seconds" in override:
+            lease = override["lease_seconds"]
+        elif lease_seconds is not None:
+            lease = lease_seconds
+        else:
+            lease = self.lease_seconds
+        if "heartbeat_seconds" in override:
+            beat = override["heartbeat_seconds"]
+        elif heartbeat_seconds is not None:
+            beat = heartbeat_seconds
+        elif "lease_seconds" in override or lease_seconds is not None:
+            beat = None  # a task-specific lease length gets its own default heartbeat
+        else:
+            beat = self.heartbeat_seconds
+        try:
+            lease_s, beat_s = validate_lease_timing(lease, beat)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"task {name!r}: {exc}") from None
+        hold = override.get("min_hold_seconds", min_hold_seconds) or 0.0
+        hold_s = validate_seconds(
+            f"{where}['min_hold_seconds']" if "min_hold_seconds" in override else "min_hold_seconds",
+            hold,
+            low=0.0,
+            high=30 * 24 * 3600.0,
+        )
+        limit_spec = override.get("limit", limit)
+        try:
+            n = check_limit(limit_spec, policy, hold_s)
+        except ConfigurationError as exc:
+            source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
+            raise ConfigurationError(f"{source}: {exc}") from None
+        try:
+            multi = check_keys(override.get("keys", keys), None, policy, n)
+        except ConfigurationError as exc:
+            source = f"{where}['keys']" if "keys" in override else f"task {name!r}"
+            raise ConfigurationError(f"{source}: {exc}") from None
+        return TaskOptions(
+            on_contention=policy,
+            lease_seconds=lease_s,
+            heartbeat_seconds=beat_s,
+            min_hold_seconds=hold_s,
+            limit=n,
+            keys=multi,
+        )
+
+
+def _conf_get(conf: Any, name: str) -> Any:
+    for candidate in (name, name.upper()):
+        try:
+            value = conf.get(candidate)
+        except Exception:  # pragma: no cover - exotic conf objects
+            value = None
+        if value is not None:
+            return value
+    return DEFAULTS[name]
+
+
+def _conf_keys(conf: Any) -> tuple[list[str], str]:
+    """The setting names in ``conf`` (an ``app.conf`` or a plain mapping) and its namespace prefix
+    (``"CELERY_"`` after ``config_from_object(..., namespace="CELERY")``, else empty)."""
+    try:
+        keys = [k for k in conf if isinstance(k, str)]  # loads a lazy app.conf first
+    except Exception:  # pragma: no cover - exotic conf objects
+        return [], ""
+    prefix = getattr(conf, "prefix", None)
+    return keys, prefix if isinstance(prefix, str) else ""
+
+
+def _unknown(key: str, meant: str, prefix: str, upper: bool) -> ConfigurationError:
+    """The error for a ``mongolock_*`` name the library does not read: the closest known name spelt as
+    the user spells settings (namespace, case), else the list of known names."""
+    close = difflib.get_close_matches(meant, KNOWN_SETTINGS, n=1, cutoff=0.75)
+    if close:
+        name = close[0].upper() if upper else close[0]
+        return ConfigurationError(f"unknown setting {key!r}; did you mean {prefix + name!r}?")
+    return ConfigurationError(f"unknown setting {key!r}; the settings are {', '.join(KNOWN_SETTINGS)}")
+
+
+def check_setting_names(conf: Any) -> None:
+    """Refuse a ``mongolock_*`` setting the library does not read (``ConfigurationError`` naming it and
+    the closest known name): a misspelt setting would otherwise be silently ignored. Any case; with or
+    without the app's namespace (Django: ``CELERY_MONGOLOCK_*``); ``CELERY_MONGOLOCK_*`` in an app that
+    has no ``CELERY`` namespace is refused too, as it is not read either."""
+    keys, prefix = _conf_keys(conf)
+    for key in keys:
+        namespaced = bool(prefix) and key.upper().startswith(prefix.upper())
+        bare = key[len(prefix) :] if namespaced else key
+        spelt = key[: len(prefix)] if namespaced else ""
+        lower = bare.lower()
+        compact = lower.replace("_", "").replace("-", "")
+        if compact.startswith("celerymongolock"):
+            # Django style, but this app strips no CELERY_ namespace: the library never reads it.
+            meant = lower[len("celery_") :] if lower.startswith("celery_") else lower
+            if meant in KNOWN_SETTINGS:
+                raise ConfigurationError(
+                    f"setting {key!r} is not read: this app has no 'CELERY' namespace; name it {meant!r} "
+                    "(or load the settings with app.config_from_object(..., namespace='CELERY'))"
+                )
+            raise _unknown(key, meant, "", bare.isupper())
+        if not compact.startswith("mongolock"):
+            continue
+        if lower not in KNOWN_SETTINGS:
+            raise _unknown(key, lower, spelt, bare.isupper())
+        if bare not in (lower, lower.upper()):
+            raise ConfigurationError(
+                f"setting {key!r} is not read: write it {lower!r} (or {lower.upper()!r})"
+            )
+
+
+def read_settings(conf: Any) -> Settings:
+    """Read and validate every ``mongolock_*`` setting; ``ConfigurationError`` names the bad one, or a
+    ``mongolock_*`` name the library does not read (a typo)."""
+    check_setting_names(conf)
+    url = validate_mongo_url(_conf_get(conf, "mongolock_url"), setting="mongolock_url")
+    names = {}
+    for setting in ("mongolock_database", "mongolock_collection"):
+        value = _conf_get(conf, setting)
+        if not isinstance(value, str) or not value.strip() or "$" in value or "\x00" in value:
+            raise ConfigurationError(f"{setting} must be a non-empty name without '$', got {value!r}")
+        names[setting] = value
+    if any(c in names["mongolock_database"] for c in '/\\. "'):
+        raise ConfigurationError(
+            f"mongolock_database {names['mongolock_database']!r} must not contain / \\ . or spaces"
+        )
+    validate_names(names["mongolock_database"], names["mongolock_collection"], prefix="mongolock_")
+    try:
+        lease, beat = validate_lease_timing(
+            _conf_get(conf, "mongolock_lease_seconds"), _conf_get(conf, "mongolock_heartbeat_seconds")
+        )
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"mongolock_{exc}") from None
+    explicit_beat = _conf_get(conf, "mongolock_heartbeat_seconds")
+    policy = parse_policy(_conf_get(conf, "mongolock_on_contention"), "mongolock_on_contention")
+    timeout = validate_seconds(
+        "mongolock_operation_timeout", _conf_get(conf, "mongolock_operation_timeout"), low=0.1, high=3600.0
+    )
+    raw_policies = _conf_get(conf, "mongolock_task_policies")
+    if not isinstance(raw_policies, Mapping):
+        raise ConfigurationError(
+            "mongolock_task_policies must be a dict of task name -> options, "
+            f"got {type(raw_policies).__name__}"
+        )
+    task_policies: dict[str, dict[str, Any]] = {}
+    for task_name, given in raw_policies.items():
+        where = f"mongolock_task_policies[{task_name!r}]"
+        if not isinstance(task_name, str) or not task_name:
+            raise ConfigurationError(f"mongolock_task_policies keys must be task names, got {task_name!r}")
+        options = {"on_contention": given} if isinstance(given, (str, Policy)) else given  # {"t": "skip"}
+        if not isinstance(options, Mapping):
+            raise ConfigurationError(f"{where} must be a dict of options, got {type(options).__name__}")
+        unknown = sorted(set(options) - set(TASK_OPTION_NAMES), key=str)
+        if unknown:
+            hints = [
+                difflib.get_close_matches(str(name), TASK_OPTION_NAMES, n=1, cutoff=0.75) for name in unknown
+            ]
+            close = [f"{h[0]!r} for {n!r}" for n, h in zip(unknown, hints, strict=True) if h]
+            suggestion = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigurationError(
+                f"{where} has unknown option(s) {unknown}{suggestion}; known: {list(TASK_OPTION_NAMES)}"
+            )
+        checked = dict(options)
+        if "on_contention" in checked:
+            checked["on_contention"] = parse_policy(checked["on_contention"], f"{where}['on_contention']")
+        if "keys" in checked:
+            # The shape now; against the task's policy, limit and signature once the task is known (a
+            # worker's start-up: ``task.check_task_policies``).
+            try:
+                checked["keys"] = check_keys(checked["keys"])
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"{where}['keys']: {exc}") from None
+        task_policies[task_name] = checked
+    history_days = validate_history_days(_conf_get(conf, "mongolock_history_days"), "mongolock_history_days")
+    settings = Settings(
+        url=url,
+        database=names["mongolock_database"],
+        collection=names["mongolock_collection"],
+        lease_seconds=lease,
+        heartbeat_seconds=None if explicit_beat is None else beat,
+        on_contention=policy,
+        operation_timeout=timeout,
+        task_policies=task_policies,
+        history_days=history_days,
+        signing_key=_signing_key(_conf_get(conf, "mongolock_signing_key")),
+    )
+    for task_name in task_policies:  # lease/heartbeat combinations are checked now, not at first run
+        settings.for_task(task_name)
+    return settings
+
+
+#: The shortest ``mongolock_signing_key``: an HMAC-SHA256 key of fewer bytes is easy to guess.
+MIN_SIGNING_KEY_BYTES = 16
+
+
+def _signing_key(value: Any) -> bytes | None:
+    """``mongolock_signing_key`` as bytes (None: not set); never echoed in an error."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes):
+        raise ConfigurationError(
+            f"mongolock_signing_key must be a str or bytes secret, got {type(value).__name__}"
+        )
+    if len(value) < MIN_SIGNING_KEY_BYTES:
+        raise ConfigurationError(
+            f"mongolock_signing_key must be at least {MIN_SIGNING_KEY_BYTES} bytes long, got {len(value)} "
+            "(e.g. secrets.token_hex(32))"
+        )
+    return value
+
+
+_lock = threading.RLock()  # get_store calls get_settings while holding it
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()  # another thread of the parent may have held it at the moment of fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def get_settings(app: Celery) -> Settings:
+    """The app's validated settings (read once per app; ``app.conf`` changes before first use count)."""
+    cached: Settings | None = getattr(app, "_mongolock_settings", None)
+    if cached is None:
+        with _lock:
+            cached = getattr(app, "_mongolock_settings", None)
+            if cached is None:
+                cached = read_settings(app.conf)
+                app._mongolock_settings = cached
+    return cached
+
+
+#: ``hook(app, store)`` for every store ``get_store`` creates (the Celery glue above adds its own, e.g. the
+#: handoff publisher of queued tasks).
+STORE_HOOKS: list[Callable[[Celery, LeaseStore], None]] = []
+
+
+def get_store(app: Celery) -> LeaseStore:
+    """The app's lease store. Created lazily; its MongoClient is per process (fork-safe)."""
+    store: LeaseStore | None = getattr(app, "_mongolock_store", None)
+    if store is None:
+        with _lock:
+            store = getattr(app, "_mongolock_store", None)
+            if store is None:
+                settings = get_settings(app)
+                store = LeaseStore(
+                    settings.url,
+                    database=settings.database,
+                    collection=settings.collection,
+                    lease_seconds=settings.lease_seconds,
+                    heartbeat_seconds=settings.heartbeat_seconds,
+                    operation_timeout=settings.operation_timeout,
+                    history_days=settings.history_days,
+                )
+                from celery_mongolock.integration import signals
+
+                store.add_lost_callback(signals.send_lost)
+                for hook in STORE_HOOKS:
+                    hook(app, store)
+                app._mongolock_store = store
+                app._mongolock_store_pid = os.getpid()
+    return store
+
+
+def default_retry() -> Retry:
+    return Retry()

@@ -1,0 +1,579 @@
+"""``celery -A proj mongolock ...``: look at leases and release them.
+
+Registered as a Celery sub-command through the ``celery.commands`` entry point group::
+
+    celery -A proj mongolock list [--prefix P] [--all] [--json]
+    celery -A proj mongolock inspect KEY [--json]
+    celery -A proj mongolock release KEY [--force]
+    celery -A proj mongolock watch [--prefix P] [--interval S] [--count N]
+    celery -A proj mongolock history KEY [--limit N] [--json]
+    celery -A proj mongolock why KEY [--json]
+
+The store is the app's (``mongolock_*`` settings). Connection passwords are never printed.
+
+Exit status: 0 done (for ``release``: the key is free now, released by us or free already); 1 an error
+(MongoDB unreachable, no such lease for ``inspect`` and ``why``); 2 a usage error, including ``release``
+of a held key without ``--force``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import difflib
+import json
+import logging
+import math
+import sys
+import time
+from typing import Any
+
+import click
+
+from celery_mongolock.core.history import KeyStory, LeaseEnding, clock
+from celery_mongolock.core.store import LeaseInfo, LeaseStore
+from celery_mongolock.core.urls import redact
+from celery_mongolock.exceptions import MongoLockError
+from celery_mongolock.integration.config import get_store
+
+__all__ = ["mongolock"]
+
+
+# -- usage errors in our words ----------------------------------------------------------------------------
+# click's own wording of usage errors ("No such option", "Missing argument") changes between its releases;
+# ours names the command, the option or argument as typed, and what it takes, from click's structured
+# fields (the option's name, the parameter) only.
+
+_ARGUMENTS = {"key": "the lease key"}
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+
+
+def _option_names(command: click.Command, ctx: click.Context) -> list[str]:
+    return sorted(o for p in command.get_params(ctx) if isinstance(p, click.Option) for o in p.opts)
+
+
+def _in_our_words(command: click.Command, ctx: click.Context, exc: click.UsageError) -> click.UsageError:
+    """The usage error ``exc`` raised by click while parsing ``command``'s arguments, said in our words."""
+    where = f"mongolock {ctx.info_name}" if ctx.info_name != "mongolock" else "mongolock"
+    if isinstance(exc, click.NoSuchOption):
+        known = _option_names(command, ctx)
+        text = f"{where} has no option {exc.option_name!r}{_did_you_mean(exc.option_name, known)}"
+        text += f"; its options are {', '.join(known)}"
+    elif isinstance(exc, click.BadOptionUsage):
+        text = f"{where}: option {exc.option_name!r} needs a value"
+    elif isinstance(exc, click.MissingParameter) and exc.param is not None:
+        name = exc.param.human_readable_name
+        what = _ARGUMENTS.get(exc.param.name or "", "an argument")
+        text = f"{where} needs {name}, {what}: celery -A proj {where} {name}"
+    elif (
+        isinstance(exc, click.BadParameter) and exc.param is not None and isinstance(exc.param.type, _Number)
+    ):
+        text = f"{where}: {exc.param.opts[0]} {exc.message}"  # _Number's message is ours
+    else:  # pragma: no cover - another of click's usage errors: its words, after ours
+        text = f"{where}: bad command line ({exc.format_message()})"
+    return click.UsageError(text, ctx)
+
+
+class _Number(click.ParamType):  # type: ignore[type-arg]  # generic in click 8.3+ only
+    """A number of at least ``low``, refused in our words (click's ranges word it their own way)."""
+
+    def __init__(self, kind: type[int] | type[float], low: float, unit: str = "") -> None:
+        self.kind, self.low, self.unit = kind, low, unit
+        self.name = kind.__name__
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number: float | None
+        try:
+            number = self.kind(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not math.isfinite(number) or number < self.low:
+            what = "an int" if self.kind is int else "a number"
+            unit = f" {self.unit}" if self.unit else ""
+            self.fail(f"must be {what} of at least {self.low:g}{unit}, got {value!r}", param, ctx)
+        return number
+
+
+class _Command(click.Command):
+    """A sub-command whose usage errors are in our words."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.allow_extra_args = True  # refused below, in our words
+        try:
+            rest = super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if exc.ctx is not None and exc.ctx is not ctx:  # pragma: no cover - not ours to word
+                raise
+            raise _in_our_words(self, ctx, exc) from None
+        if rest and not ctx.resilient_parsing:
+            raise click.UsageError(
+                f"mongolock {ctx.info_name} takes no more arguments, got {' '.join(map(repr, rest))}", ctx
+            )
+        return rest
+
+
+class _Group(click.Group):
+    """``mongolock``: an unknown command or option is refused in our words."""
+
+    command_class = _Command
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except (click.NoSuchOption, click.BadOptionUsage) as exc:
+            raise _in_our_words(self, ctx, exc) from None
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name = args[0] if args else ""
+        if (
+            name
+            and not name.startswith("-")
+            and self.get_command(ctx, name) is None
+            and not ctx.resilient_parsing
+        ):
+            known = sorted(self.commands)
+            raise click.UsageError(
+                f"mongolock has no command {name!r}{_did_you_mean(name, known)}; "
+                f"its commands are {', '.join(known)}",
+                ctx,
+            )
+        return super().resolve_command(ctx, args)
+
+
+def _store(ctx: click.Context) -> LeaseStore:
+    app = getattr(ctx.obj, "app", None)
+    if app is None:  # pragma: no cover - only when run outside the celery umbrella command
+        raise click.UsageError("run as: celery -A your.app mongolock ...")
+    try:
+        return get_store(app)
+    except MongoLockError as exc:
+        raise click.ClickException(redact(str(exc))) from None
+
+
+#: ``list`` and ``watch`` fit in this many columns for keys of up to 30 characters (``--json``: in full).
+TABLE_WIDTH = 120
+_HOLDER_WIDTH = 48
+
+
+def _short_id(task_id: Any) -> str:
+    text = str(task_id)
+    return text if len(text) <= 12 else text[:8] + "…"
+
+
+def _who(h: dict[str, Any], short: bool = False) -> str:
+    """``host:pid task[id]`` (``short``: the task id's first 8 characters)."""
+    where = ":".join(str(h[k]) for k in ("host", "pid") if h.get(k) is not None)
+    task = h.get("task_name") or h.get("role") or ""
+    if h.get("task_id"):
+        task += f"[{_short_id(h['task_id']) if short else h['task_id']}]"
+    return f"{where} {task}".strip() or "-"
+
+
+def _holder_line(h: dict[str, Any]) -> str:
+    """``task[id] on worker (host pid N), with keys a, b``: one holder, in full, for ``inspect``."""
+    task = str(h.get("task_name") or h.get("role") or "?")
+    if h.get("task_id"):
+        task += f"[{h['task_id']}]"
+    where = " ".join(str(p) for p in (h.get("host"), h.get("pid") and f"pid {h['pid']}") if p)
+    worker = h.get("worker")
+    text = f"{task} on {worker} ({where})" if worker and where else f"{task} on {worker or where or '?'}"
+    keys = h.get("keys")
+    if isinstance(keys, (list, tuple)) and len(keys) > 1:
+        text += f", with keys {', '.join(map(str, keys))}"
+    return text
+
+
+def _slots_summary(info: LeaseInfo) -> str:
+    """``3/3 slots: sync_tenant x2, report x1``: the holds of a ``limit=N`` key, by task."""
+    counts: dict[str, int] = {}
+    for hold in info.slots:
+        h = hold["holder"] or {}
+        name = str(h.get("task_name") or h.get("role") or "?")
+        counts[name] = counts.get(name, 0) + 1
+    tasks = ", ".join(f"{name} x{n}" for name, n in counts.items())
+    return f"{len(info.slots)}/{info.limit} slots: {tasks}"
+
+
+def _holder(info: LeaseInfo, short: bool = False) -> str:
+    if info.slots:
+        if short:
+            return _slots_summary(info)
+        return f"{len(info.slots)}/{info.limit} slots: " + ", ".join(
+            _who(s["holder"] or {}) for s in info.slots
+        )
+    return _who(info.holder, short)
+
+
+def _expires(info: LeaseInfo) -> str:
+    if info.slots:  # the first hold to end frees a slot
+        return f"{min(float(s['expires_in']) for s in info.slots):.1f}s"
+    if info.expires_in is None:
+        return "-"
+    if not info.held:
+        return "free"
+    return f"{info.expires_in:.1f}s"
+
+
+def _parked(info: LeaseInfo) -> str:
+    if not info.parked and not info.handoff:
+        return "-"
+    text = str(len(info.parked))
+    if info.handoff:
+        text += " (+1 handed)"
+    return text
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _table(infos: list[LeaseInfo]) -> str:
+    """The ``list``/``watch`` table: one row per key, within ``TABLE_WIDTH`` columns for usual keys (a
+    long holder is cut with "…"; ``inspect`` and ``--json`` show it in full)."""
+    rows = [("KEY", "HOLDER", "FENCE", "EXPIRES IN", "PARKED")]
+    rows += [
+        (i.key, _fit(_holder(i, short=True), _HOLDER_WIDTH), str(i.fence), _expires(i), _parked(i))
+        for i in infos
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    lines = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _json(value: Any) -> str:
+    def default(obj: Any) -> Any:
+        if isinstance(obj, _dt.datetime):
+            return obj.isoformat()
+        return str(obj)
+
+    return json.dumps(value, default=default, indent=2, sort_keys=True)
+
+
+def _run(action: Any) -> Any:
+    try:
+        return action()
+    except MongoLockError as exc:
+        raise click.ClickException(redact(str(exc))) from None
+
+
+@click.group(name="mongolock", cls=_Group)
+@click.pass_context
+def mongolock(ctx: click.Context) -> None:
+    """Inspect and manage celery_mongolock leases."""
+    # Each command says what happened on stdout; without this, the library's own log records (such as
+    # the store's "force-released ..." warning) would be printed on stderr too, by logging's last resort.
+    logging.getLogger("celery_mongolock").addHandler(logging.NullHandler())
+
+
+@mongolock.command(name="list")
+@click.option("--prefix", default=None, help="only keys starting with this text")
+@click.option("--all", "include_free", is_flag=True, help="include released and expired leases")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def list_leases(ctx: click.Context, prefix: str | None, include_free: bool, as_json: bool) -> None:
+    """List held leases (and keys with runs parked): key, holder, fence, expires in, parked runs."""
+    store = _store(ctx)
+    infos = _run(lambda: store.list(prefix, include_free=include_free))
+    if as_json:
+        click.echo(_json([i.as_dict() for i in infos]))
+    elif infos:
+        click.echo(_table(infos))
+    else:
+        click.echo("no leases held" + (f" with prefix {prefix!r}" if prefix else ""))
+
+
+@mongolock.command(name="inspect")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Show one lease in full, with the runs parked on it (next first)."""
+    store = _store(ctx)
+    info = _run(lambda: store.inspect(key))
+    if info is None:
+        if as_json:
+            click.echo("null")
+            return
+        raise click.ClickException(f"no lease {key!r}")
+    if as_json:
+        click.echo(_json(info.as_dict()))
+        return
+    data = info.as_dict()
+    data["state"] = "held" if info.held else "free"
+    data["expires_in"] = _expires(info)
+    width = max(len(k) for k in data)
+    if info.slots or info.limit:  # a limit=N key: each hold has its own holder, owner and expiry
+        held = f"{len(info.slots)} of {info.limit} slots held" if info.slots else "no slot held"
+        data.update(state=held if info.slots else "free", limit=info.limit)
+        names: tuple[str, ...] = ("key", "state", "limit", "fence", "released_at")
+    else:
+        data["holder"] = _holder_line(info.holder) if info.holder else None
+        names = (
+            "key",
+            "state",
+            "holder",
+            "fence",
+            "owner",
+            "expires_in",
+            "expires_at",
+            "acquired_at",
+            "renewed_at",
+            "released_at",
+        )
+    for name in names:
+        value = data.get(name)
+        click.echo(f"{name.ljust(width)}  {value if value is not None else '-'}")
+    for hold in info.slots:
+        click.echo(
+            f"  slot {hold['slot']}: {_holder_line(hold['holder'] or {})}, fence {hold['fence']}, "
+            f"expires in {hold['expires_in']:.1f}s"
+        )
+    if info.handoff:
+        h = info.handoff
+        click.echo(
+            f"{'handoff'.ljust(width)}  {h['task_name']}[{h['task_id']}] handed {h['handed_for']}s ago, "
+            f"not yet taken up (attempt {h['attempt']})"
+        )
+    click.echo(f"{'parked'.ljust(width)}  {len(info.parked) or '-'}")
+    for e in info.parked:
+        deadline = f", deadline {e['deadline'].isoformat()}" if e.get("deadline") else ""
+        click.echo(
+            f"  {e['position']:>3}. {e['task_name']}[{e['task_id']}] parked {e['parked_for']}s{deadline}"
+        )
+
+
+@mongolock.command(name="release")
+@click.argument("key")
+@click.option("--force", is_flag=True, help="required to release a held lease: whoever holds it")
+@click.pass_context
+def release_lease(ctx: click.Context, key: str, force: bool) -> None:
+    """Release KEY whoever holds it (the holder finds out at its next renewal).
+
+    Exit status 0 when the key is free afterwards (released, or nobody held it); 2 when it is held and
+    --force was not given.
+    """
+    store = _store(ctx)
+    overlap = "releasing someone else's lease can let two runs overlap"
+    try:
+        info = store.inspect(key)
+    except MongoLockError as exc:
+        if force:
+            raise click.ClickException(redact(str(exc))) from None
+        why = redact(str(exc)).split(" (configured timeouts")[0].split(": ServerSelection")[0][:200]
+        raise click.UsageError(
+            f"could not tell whether {key!r} is held ({why}); {overlap}: repeat with --force if you are sure"
+        ) from None
+    if info is None or not info.held:
+        click.echo(f"{key!r} is free: nobody holds it; nothing to release")
+        return
+    if not force:
+        raise click.UsageError(
+            f"{key!r} is held by {_holder(info)} (expires in {_expires(info)}); {overlap}: repeat with "
+            "--force if you are sure"
+        )
+    released = _run(lambda: store.force_release(key))
+    if released:
+        click.echo(f"released {key!r} (was held by {_holder(info)})")
+    else:  # it ended or expired between the two commands
+        click.echo(f"{key!r} is free: nobody holds it; nothing to release")
+
+
+@mongolock.command(name="watch")
+@click.option("--prefix", default=None, help="only keys starting with this text")
+@click.option("--interval", default=1.0, show_default=True, type=_Number(float, 0.1, "seconds"))
+@click.option("--count", default=0, type=_Number(int, 0), help="stop after N refreshes (0: until Ctrl-C)")
+@click.pass_context
+def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count: int) -> None:
+    """Show held leases live, refreshed every INTERVAL seconds, until Ctrl-C."""
+    store = _store(ctx)
+    tty = sys.stdout.isatty()
+    shown = 0
+    try:
+        while True:
+            infos = _run(lambda: store.list(prefix))
+            stamp = _dt.datetime.now().strftime("%H:%M:%S")
+            body = _table(infos) if infos else "no leases held"
+            if tty:
+                click.clear()
+            click.echo(f"{stamp}  {len(infos)} held on {store.url or 'the configured MongoDB'}\n{body}\n")
+            shown += 1
+            if count and shown >= count:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+
+
+# -- history and why -------------------------------------------------------------------------------------
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def _stamp(when: _dt.datetime | None) -> str:
+    """``2026-11-23 12:40:06.9`` (UTC), or ``-``."""
+    return "-" if when is None else f"{when.astimezone(_dt.timezone.utc):%Y-%m-%d} {clock(when)}"
+
+
+def _how(ending: LeaseEnding) -> str:
+    if ending.holder_saw and ending.how != ending.holder_saw:
+        return f"{ending.how} (holder saw: {ending.holder_saw})"
+    if ending.parked:
+        by = f" by {ending.by}" if ending.by else ""
+        return f"{ending.how}{by} (parked)"
+    return ending.how
+
+
+def history_table(entries: list[LeaseEnding]) -> str:
+    """``celery mongolock history``: one line per acquisition, newest first."""
+    rows = [("FENCE", "HOW", "TASK", "WHERE", "WAITED", "HELD", "ENDED (UTC)")]
+    rows += [
+        (
+            "-" if e.parked else str(e.fence),
+            _how(e),
+            e.task,
+            "-" if e.parked else e.where,
+            _seconds(None if e.waited_ms is None else e.waited_ms / 1000),
+            _seconds(e.held_seconds),
+            _stamp(e.ended_at),
+        )
+        for e in entries
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows)
+
+
+def _ago(story: KeyStory, when: _dt.datetime | None) -> str:
+    if when is None:
+        return "-"
+    seconds = (story.server_now - when).total_seconds()
+    rel = f"{seconds:.1f} s ago" if seconds >= 0 else f"in {-seconds:.1f} s"
+    return f"{clock(when)} ({rel})"
+
+
+def why_lines(story: KeyStory, endings: int = 5) -> list[str]:
+    """``celery mongolock why``: the verdict, then the details it rests on (times on the server's clock,
+    UTC)."""
+    lines = [f"{story.key}: {story.verdict}", ""]
+
+    def row(name: str, value: str) -> None:
+        lines.append(f"{name.ljust(11)} {value}")
+
+    h = story.holder
+    task = str(h.get("task_name") or h.get("role") or "?") + (f"[{h['task_id']}]" if h.get("task_id") else "")
+    where = str(h.get("worker") or h.get("host") or "?") + (
+        f" pid {h['pid']}" if h.get("pid") is not None else ""
+    )
+    keys = h.get("keys")
+    if isinstance(keys, (list, tuple)) and len(keys) > 1:
+        where += f", with keys {', '.join(map(str, keys))}"
+    if story.state == "slots":  # a limit=N key: one line per hold, no single holder
+        row("slots", f"{len(story.slots)} of {story.limit or len(story.slots)} held")
+        for hold in story.slots:
+            held = hold.get("holder") or {}
+            name = str(held.get("task_name") or held.get("role") or "?")
+            name += f"[{held['task_id']}]" if held.get("task_id") else ""
+            at = str(held.get("worker") or held.get("host") or "?")
+            at += f" pid {held['pid']}" if held.get("pid") is not None else ""
+            lines.append(
+                f"{'':12}slot {hold['slot']}: {name} on {at}, fence {hold['fence']}, "
+                f"expires in {float(hold['expires_in']):.1f} s"
+            )
+    elif story.state == "free":
+        row("holder", "none")
+        if h:
+            row("last holder", f"{task} on {where}, fence {story.fence}")
+    else:
+        row("holder", f"{task} on {where}, fence {story.fence}")
+    if story.state != "slots":
+        row("taken", _ago(story, story.acquired_at))
+    if story.state in ("held", "held-after-release") and story.expires_in is not None:
+        renewed = ""
+        if story.renewed_at is not None and story.renewed_at != story.acquired_at:
+            renewed = f"; renewed {(story.server_now - story.renewed_at).total_seconds():.1f} s ago"
+        row(
+            "expires",
+            f"in {story.expires_in:.1f} s on the server's clock (at {clock(story.expires_at)}{renewed})",
+        )
+    elif story.state == "expired" and story.expires_in is not None:
+        row("expired", f"{-story.expires_in:.1f} s ago on the server's clock (at {clock(story.expires_at)})")
+    if story.released_at is not None and story.state != "held":
+        why = " by force" if story.forced_release else ""
+        why += f" ({story.released_for})" if story.released_for else ""
+        row("released", _ago(story, story.released_at) + why)
+    if story.parked:
+        row("parked", f"{len(story.parked)}, in queue order:")
+        for n, run in enumerate(story.parked, 1):
+            parked = (story.server_now - run.parked_at).total_seconds() if run.parked_at else None
+            deadline = "none"
+            if run.deadline is not None:
+                left = (run.deadline - story.server_now).total_seconds()
+                deadline = f"in {left:.1f} s" if left >= 0 else f"passed {-left:.1f} s ago"
+            lines.append(
+                f"{'':12}{n:>2}  {run.task}  sent {clock(run.sent_at)}  "
+                f"parked {'-' if parked is None else f'{parked:.1f} s ago'}  deadline {deadline}"
+            )
+    else:
+        row("parked", "none")
+    if story.handoff is not None:
+        ho = story.handoff
+        attempt = f" (attempt {ho.attempt})" if ho.attempt else ""
+        row("handoff", f"to {ho.task}, handed {_ago(story, ho.handed_at)}{attempt}, not taken up yet")
+    if story.endings:
+        for n, e in enumerate(story.endings[:endings]):
+            held = f", held {e.held_seconds:.2f} s" if e.held_seconds is not None else ""
+            where = f" on {e.where}"
+            if e.parked:  # a run that never held the key
+                where = ""
+                held = f", parked {e.waited_ms / 1000:.2f} s" if e.waited_ms is not None else ""
+            row(
+                "last ends" if n == 0 else "",
+                f"{clock(e.ended_at)}  {_how(e).ljust(11)} {e.task}{where}{held}",
+            )
+    else:
+        row("last ends", "none recorded")
+    return [line.rstrip() for line in lines]
+
+
+@mongolock.command(name="history")
+@click.argument("key")
+@click.option("--limit", default=20, show_default=True, type=_Number(int, 1), help="at most N leases")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def lease_history(ctx: click.Context, key: str, limit: int, as_json: bool) -> None:
+    """How KEY's last leases ended, newest first: holder, task, wait, hold, end (server time, UTC)."""
+    store = _store(ctx)
+    entries = _run(lambda: store.history(key, limit))
+    if as_json:
+        click.echo(_json([e.as_dict() for e in entries]))
+    elif entries:
+        click.echo(history_table(entries))
+    else:
+        click.echo(f"no endings recorded for {key!r}")
+
+
+@mongolock.command(name="why")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Why KEY is not running: the verdict first, then holder, expiry (server's clock), parked runs, last
+    endings."""
+    store = _store(ctx)
+    story = _run(lambda: store.why(key))
+    if story is None:
+        if as_json:
+            click.echo("null")
+            return
+        raise click.ClickException(
+            f"no lease {key!r}: nothing has taken this key (or its lease document expired and was removed); "
+            "it is free. Check the spelling with: celery mongolock list --all"
+        )
+    if as_json:
+        click.echo(_json(story.as_dict()))
+        return
+    click.echo("\n".join(why_lines(story)))
