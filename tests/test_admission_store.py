@@ -3,6 +3,7 @@ inside the release, the claim, duplicates, barging, deadlines, the sweeper and R
 
 from __future__ import annotations
 
+import datetime as _dt
 import uuid
 from typing import Any
 
@@ -231,6 +232,49 @@ def test_replace_keeps_only_the_newest_send(store: LeaseStore) -> None:
     # A late older send, after the newest ran: superseded by it.
     _, doc = store.admit(KEY, entry(25), replace=True)
     assert doc["lo"] == "superseded" and doc["lo_by"] == "task-30"
+
+
+def ttl_monitor(store: LeaseStore, at: _dt.datetime) -> int:
+    """What MongoDB's TTL monitor does when it runs at ``at``: delete every lease document whose ``gc_at``
+    (the TTL index's field, ``expireAfterSeconds=0``) has passed."""
+    return store.collection.delete_many({"gc_at": {"$lte": at}}).deleted_count
+
+
+@pytest.mark.parametrize("ending", ["expired", "holder-died", "forced", "given-back"])
+def test_a_late_older_replace_send_is_superseded_though_the_newest_run_never_released(
+    store: LeaseStore, ending: str
+) -> None:
+    """Seed 20 of the lock-set checker: the newest send took the key, and its lease ended other than by
+    its own release (its node died, its child was killed, an operator released it, or it was given back
+    before its body ran), so the key remembered no finished run (``seen``). The TTL index deleted the
+    idle document a minute later, with its record of the newest send (``last``), and an older send
+    delivered 164 s late by an overloaded worker took the key. The record of the newest send is kept as
+    long as the duplicate guard's (``SEEN_KEEP_MS`` after the key's last lease); past that the key is
+    forgotten, and a send delivered so late runs (docs/reference/policies.md)."""
+    from celery_mongolock._admission import SEEN_KEEP_MS
+
+    newest, _ = store.admit(KEY, entry(20, "newest"), replace=True)
+    assert newest is not None
+    if ending == "holder-died":
+        assert store.release_held_by(task_id="newest") == 1
+    elif ending == "forced":
+        assert store.force_release(KEY)
+    elif ending == "given-back":
+        assert store.give_back(newest)
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc["last"] == {"s": 20, "t": "newest"} and not doc.get("seen")
+    late = doc["expires_at"] + _dt.timedelta(seconds=164)
+    ttl_monitor(store, late)
+    lease, doc = store.admit(KEY, entry(10, "older"), replace=True)
+    assert lease is None and doc["lo"] == "superseded" and doc["lo_by"] == "newest"
+    # At the bound: the TTL monitor deletes the key SEEN_KEEP_MS after its last lease, not before.
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    bound = doc["expires_at"] + _dt.timedelta(milliseconds=SEEN_KEEP_MS)
+    assert ttl_monitor(store, bound - _dt.timedelta(seconds=1)) == 0
+    assert ttl_monitor(store, bound) == 1
+    lease, doc = store.admit(KEY, entry(10, "older"), replace=True)
+    assert lease is not None  # forgotten: a send delivered later than that runs
+    lease.release()
 
 
 def test_a_document_with_parked_runs_is_never_left_to_the_ttl_index(store: LeaseStore) -> None:

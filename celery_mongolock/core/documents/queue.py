@@ -17,7 +17,7 @@ Fields added to the lease document (see ``_documents`` for the rest)::
     dead:  [entry, ...]     # parked runs past their deadline, whose result is not yet written
     sup:   [{t, by, at, n, r, pa}, ...] # Replace: runs superseded by a newer send (at; parked at pa),
                             # result not yet written
-    last:  {s, t}           # Replace: the newest send that got the key
+    last:  {s, t}           # Replace: the newest send that got the key (kept as long as ``seen``)
     wq:    true | absent    # something waits on this key (indexed: the sweeper's work list)
     gc_at: date | null      # the TTL index's field: expires_at when nothing waits, else null
 
@@ -57,9 +57,10 @@ _Q: Document = {"$ifNull": ["$q", []]}
 #: The most runs parked on one key (``Queue(max_length=...)`` may say fewer): a parked run's entry carries
 #: its message, and all of a key's entries share one document.
 MAX_PARKED = 5000
-#: How long after its last lease a key that remembers finished queued runs (``seen``) is kept: longer
-#: than a Redis broker's default visibility timeout (1 h), after which an unacknowledged message is
-#: delivered again.
+#: How long after its last lease a key that remembers finished queued runs (``seen``) or the newest
+#: ``Replace`` send that got it (``last``) is kept: longer than a Redis broker's default visibility
+#: timeout (1 h), after which an unacknowledged message is delivered again. Within it, a late copy is
+#: recognised and an older ``Replace`` send delivered late is superseded; past it, the key is forgotten.
 SEEN_KEEP_MS = 2 * 3600 * 1000
 #: How many normally released runs a key remembers, to drop a late copy of one of their messages.
 SEEN_KEPT = 128
@@ -78,6 +79,7 @@ ADMIT_OUTCOMES = (
     "dup",  # a copy of a run that is parked or handed: drop it
     "done",  # a copy of a run that already ran and released: drop it
     "running",  # a copy of the run that holds the key now
+    "retried",  # a copy of an attempt whose body retried: a later attempt is known on the key; drop it
     "stale",  # a handoff message of a run no longer parked or handed: drop it
     "parked",  # parked (and, when the key was found free with older runs parked, handed to the oldest)
     "full",  # the queue is at max_length: the policy's ``then``
@@ -121,7 +123,16 @@ def gc_stage() -> Document:
     The TTL index is on ``gc_at``: a document is deleted only when nothing waits on it, so parked runs
     (whose messages were acknowledged) are never deleted with it.
     """
-    remembers = {"$gt": [{"$size": {"$ifNull": ["$seen", []]}}, 0]}
+    # What a late message is judged on: the runs that ended (``seen``), and the newest Replace send that
+    # got the key (``last``: an older send delivered late is superseded, never run over it; seed 20 of
+    # the lock-set checker, where a key whose runs had all ended without a normal release was deleted
+    # 60 s after its last lease and an older send, delivered 164 s late, took it).
+    remembers = {
+        "$or": [
+            {"$gt": [{"$size": {"$ifNull": ["$seen", []]}}, 0]},
+            {"$ne": [{"$ifNull": ["$last", None]}, None]},
+        ]
+    }
     # The later of the single lease's expiry and the latest slot hold's (``limit=N``: ``sx``).
     latest = {"$ifNull": [{"$max": ["$expires_at", "$sx"]}, "$expires_at"]}
     return {
@@ -131,8 +142,9 @@ def gc_stage() -> Document:
                 "$cond": [
                     WAITS,
                     None,
-                    # A key that remembers finished queued runs keeps that memory (the duplicate guard)
-                    # longer than a broker may take to deliver a message again.
+                    # A key that remembers finished queued runs or a Replace send keeps that memory (the
+                    # duplicate guard, Replace's order) longer than a broker may take to deliver a
+                    # message again.
                     {"$cond": [remembers, {"$add": [latest, SEEN_KEEP_MS]}, latest]},
                 ]
             },
