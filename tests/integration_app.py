@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import task_postrun, worker_ready
 from pymongo import MongoClient
 
 from celery_mongolock import Fail, Queue, Replace, Retry, Skip, Wait, current_lease, singleton_task
@@ -302,6 +302,39 @@ def merge_queued(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str
 )
 def merge_queued_briefly(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
     return _merge_body(tag, seconds)
+
+
+@singleton_task(
+    keys=("resource:{src}", "resource:{dst}"),
+    app=app,
+    name="integration_app.merge_retried",
+    bind=True,
+    on_contention=Queue(),
+)
+def merge_retried(self: Any, src: str, dst: str, tag: str) -> int:
+    """``merge_queued`` whose first attempt's body waits until the test lets it go (a ``go`` record with its
+    tag), then calls ``self.retry()`` (in 1 s, as a body that backs off: the task's state is RETRY until
+    the second attempt writes QUEUED); the second attempt returns its number. Every body start is
+    recorded with its attempt (``retries``)."""
+    retries = int(self.request.retries or 0)
+    db()["runs"].insert_one(
+        {"kind": "start", "tag": tag, "retries": retries, "mono": time.monotonic(), "t": time.time()}
+    )
+    if retries == 0:
+        deadline = time.monotonic() + 60
+        while not db()["runs"].find_one({"kind": "go", "tag": tag}) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raise self.retry(countdown=1)
+    return retries
+
+
+@task_postrun.connect
+def _postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+    """How each delivery of ``merge_retried`` ended in the worker (``IGNORED``: parked or dropped)."""
+    if getattr(sender, "name", None) == "integration_app.merge_retried":
+        db()["runs"].insert_one(
+            {"kind": "postrun", "task_id": task_id, "state": str(state), "mono": time.monotonic()}
+        )
 
 
 def _merge_body(tag: str, seconds: float) -> list[str]:

@@ -190,3 +190,50 @@ def test_a_background_release_of_an_unanswered_acquire_does_not_mark_the_run_ove
         again, doc = store.admit(key, e, ttl=30, limit=limit)
         assert again is not None and doc["lo"] == "acquired", doc.get("lo")  # not "done"
         again.release()
+
+
+def attempt(retries: int, stamp: int = 5) -> dict[str, Any]:
+    """Attempt ``retries`` of the several-keys run ``merge`` (its body's ``self.retry()`` starts the next
+    one: same task id and send stamp, its own run id and handoff token)."""
+    e = multi(stamp, "merge")
+    e.update(id=f"merge/{retries}", r=str(retries), tk=f"tk-merge-{retries}")
+    return e
+
+
+def test_a_stale_copy_of_an_attempt_whose_body_retried_is_never_admitted_again(store: LeaseStore) -> None:
+    """The lock-set checker's seed 23: attempt 0 of a several-keys run was handed both keys and claimed
+    them; a MongoDB pause cut its body (its leases lost, so it is not remembered as over) and the body
+    retried (attempt 1, which parked). A stale copy of attempt 0's handoff message then failed its
+    claim, the task had no final result (attempt 1 had written QUEUED), and the copy was admitted as a
+    new run: parked beside attempt 1, handed the keys, its body ran again. A copy of an attempt is now
+    refused while a later attempt of its task is parked, handed, holding or ended on the key
+    (``retried``), with or without its claim; a run's own attempts are unaffected."""
+    first, retry = attempt(0), attempt(1)
+    lx, _ = store.admit(X, first, ttl=30)
+    ly, _ = store.admit(Y, first, ttl=30)
+    assert lx is not None and ly is not None
+    assert store.force_release(X) and store.force_release(Y)  # its leases lost: the body was cut
+    blocker = store.acquire(Y, 30)
+    assert blocker is not None
+    wait_on_y(store, retry)  # attempt 1: x reserved for it, parked on y
+    for key in (X, Y):
+        for claim in (first["tk"], None):
+            lease, doc = store.admit(key, first, ttl=30, claim=claim)
+            assert lease is None and doc["lo"] == "retried", (key, claim, doc["lo"])
+    assert parked(store, Y) == ["merge"] and doc_of(store, X)["ho"]["id"] == "merge/1"
+
+    blocker.release()  # y handed to attempt 1, which claims both and runs
+    lx, _ = store.admit(X, retry, ttl=30, claim=retry["tk"])
+    ly, _ = store.admit(Y, retry, ttl=30, claim=retry["tk"])
+    assert lx is not None and ly is not None
+    lease, doc = store.admit(X, first, ttl=30)  # while it holds the key
+    assert lease is None and doc["lo"] == "retried"
+    lx.release()
+    ly.release()
+    for key in (X, Y):  # and once it is over (seen)
+        lease, doc = store.admit(key, first, ttl=30, claim=first["tk"])
+        assert lease is None and doc["lo"] == "retried"
+    # A later attempt is never refused for an earlier one: attempt 2 takes the free keys.
+    lease, doc = store.admit(X, attempt(2), ttl=30)
+    assert lease is not None and doc["lo"] == "acquired"
+    lease.release()

@@ -17,6 +17,7 @@ from celery import chain
 from celery.result import AsyncResult
 
 from celery_mongolock import QueueTimeout
+from celery_mongolock._queue import HANDOFF_HEADER, SENT_HEADER
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
@@ -104,6 +105,72 @@ def test_parked_runs_hold_no_worker_slot(cluster: Cluster) -> None:
     r0.get(timeout=60)
     for r in waiting:
         r.get(timeout=60)
+
+
+def test_a_stale_handoff_copy_of_an_attempt_whose_body_retried_never_runs_again(cluster: Cluster) -> None:
+    """The lock-set checker's seed 23, with real workers: attempt 0 of a several-keys run is handed both
+    keys and its body runs; its leases are lost meanwhile (a MongoDB pause cut it; here an operator's
+    release), so it is not remembered as over, and the body retries. Attempt 1 parks. A stale copy of
+    attempt 0's handoff message (redelivered by the broker, or a handoff re-published meanwhile) then
+    fails its claim while the task has no final result (attempt 1 wrote QUEUED): it was admitted as a new
+    run, parked beside attempt 1 and ahead of it (same send stamp), and ran attempt 0's body again. It is
+    dropped now: the body runs once per attempt."""
+    src, dst, t = tag(), tag(), tag()
+    x, y = f"resource:{src}", f"resource:{dst}"
+    store = cluster.store
+    task_id = str(uuid.uuid4())
+
+    def doc(key: str) -> dict[str, Any]:
+        return store.collection.find_one({"_id": key}) or {}
+
+    def reserved_for(key: str, attempt: int) -> dict[str, Any]:
+        """The key's pending handoff (here: a reservation) when it is for ``attempt``, else {}."""
+        ho = doc(key).get("ho") or {}
+        return ho if ho.get("id") == f"{task_id}/{attempt}" else {}
+
+    def attempts() -> list[int]:
+        runs = cluster.db["runs"].find({"kind": "start", "tag": t}).sort("mono", 1)
+        return [r["retries"] for r in runs]
+
+    def deliveries() -> int:
+        return cluster.db["runs"].count_documents({"kind": "postrun", "task_id": task_id})
+
+    blocker = store.acquire(y, 60)
+    assert blocker is not None
+    result = it.merge_retried.apply_async((src, dst, t), task_id=task_id)
+    handed = wait_for(lambda: reserved_for(x, 0), timeout=60, message="x reserved for attempt 0")
+    # The handoff message the library publishes for it, as a stale copy will carry it.
+    copy = {
+        HANDOFF_HEADER: {"k": x, "tk": handed["tk"], "id": handed["id"], "ks": handed["ks"]},
+        SENT_HEADER: handed["s"],
+    }
+    blocker.release()  # y handed to attempt 0: it claims both keys, and its body runs
+    wait_for(lambda: attempts() == [0], timeout=60, message="attempt 0's body to start")
+    assert store.force_release(x) and store.force_release(y)  # its leases lost: the body is cut
+    blocker = store.acquire(y, 60)
+    assert blocker is not None
+    cluster.db["runs"].insert_one({"kind": "go", "tag": t})  # the cut body retries
+    wait_for(
+        lambda: (
+            reserved_for(x, 1)
+            and parked(cluster, y) == [task_id]
+            and deliveries() == 3
+            and AsyncResult(task_id, app=it.app).state == "QUEUED"
+        ),
+        timeout=60,
+        message="attempt 1 to wait (x reserved for it, parked on y), its state QUEUED",
+    )
+    it.merge_retried.apply_async((src, dst, t), task_id=task_id, headers=copy)  # the stale copy
+    wait_for(lambda: deliveries() == 4, timeout=60, message="the stale copy to be delivered")
+    blocker.release()
+    assert result.get(timeout=60) == 1
+
+    def settled(key: str) -> bool:
+        d = doc(key)
+        return not d.get("wq") and d.get("owner") is None
+
+    wait_for(lambda: settled(x) and settled(y), timeout=60, message="nothing left waiting on the keys")
+    assert attempts() == [0, 1]
 
 
 def test_a_copy_of_a_parked_message_never_runs_twice(cluster: Cluster) -> None:

@@ -42,6 +42,9 @@ class AdmitOutcome(str, enum.Enum):
     STALE = "stale"
     #: A copy of the run that holds the key now.
     RUNNING = "running"
+    #: A copy of an attempt whose body retried (``self.retry()``): a later attempt of the task is parked,
+    #: handed, running or ended on the key, and carries the task on. Drop the copy.
+    RETRIED = "retried"
     #: ``Replace``: a newer send of the key exists; the run ends superseded (``Admission.by``).
     SUPERSEDED = "superseded"
     #: The queue is at its ``max_length``: the policy's ``then`` decides.

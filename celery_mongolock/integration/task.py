@@ -532,6 +532,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                         raise Ignore()
                     if outcome is AdmitOutcome.WAITING:  # waiting again on that key: published when ready
                         self._parked_all(keys, store, entry, stamp)
+                    if outcome is AdmitOutcome.RETRIED:
+                        self._copy_of_a_retried_attempt(key, entry)
                     if self._has_final_state():
                         log_acquire.info("%s[%s]: stale handoff of %s; dropped", self.name, request.id, keys)
                         raise Ignore()
@@ -553,6 +555,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if outcome is AdmitOutcome.RUNNING:
                     self._park_duplicate(key, options, False)
                     raise Ignore()
+                if outcome is AdmitOutcome.RETRIED:
+                    self._copy_of_a_retried_attempt(key, entry)
                 assert outcome is AdmitOutcome.FULL, outcome
                 reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
                 if isinstance(policy.then, Fail):
@@ -586,7 +590,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                     claimed.append(admission.lease)
                     continue
                 outcome = admission.outcome
-                if outcome is AdmitOutcome.RUNNING:
+                if outcome in (AdmitOutcome.RUNNING, AdmitOutcome.RETRIED):
+                    # (RETRIED: a later attempt carries the task on; this one keeps no key.)
                     _give_back_quietly(store, claimed)
                 else:
                     # Not (or no longer) reserved for this run here: an older run was handed it, or its
@@ -622,11 +627,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if admission.outcome in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
                     waiting = True
                     continue
-                # done, running, full: this run does not wait. Give back what it took and leave the
-                # queues it joined in this attempt (never another copy's places: only this entry's).
+                # done, running, retried, full: this run does not wait. Give back what it took and leave
+                # the queues it joined in this attempt (never another copy's places: only this entry's).
                 _give_back_quietly(store, taken)
                 taken = []
-                if admission.outcome in (AdmitOutcome.FULL, AdmitOutcome.ALREADY_RAN):
+                if admission.outcome in (AdmitOutcome.FULL, AdmitOutcome.ALREADY_RAN, AdmitOutcome.RETRIED):
                     for other in keys:
                         store.unpark(other, entry["id"])
                 return [], (key, admission)
@@ -854,6 +859,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             log_acquire.info("%s[%s]: copy of a run that is %s on %r; dropped", *who, what, key)
             _ignored_as(request.id, f"is a copy of a run that is {what} on {key!r}: this copy is dropped")
             raise Ignore()
+        if outcome is AdmitOutcome.RETRIED:
+            self._copy_of_a_retried_attempt(key, entry)
         if outcome is AdmitOutcome.RUNNING:
             signals.lease_contended.send(sender=self, key=key, holder=holder, policy="duplicate")
             self._park_duplicate(key, options, False)
@@ -982,6 +989,25 @@ class SingletonTask(Task):  # type: ignore[misc]
             request.id,
             "parked duplicate" if (request.headers or {}).get(DUPLICATE_HEADER) else "redelivery",
             key,
+        )
+        raise Ignore()
+
+    def _copy_of_a_retried_attempt(self, key: str, entry: dict[str, Any]) -> NoReturn:
+        """A copy of an attempt whose body called ``self.retry()`` (a stale handoff message, a redelivery):
+        a later attempt of the task is parked, handed, running or over on ``key`` and carries the task
+        on (its result is that attempt's to store). Never run, parked, or ended here."""
+        request = self.request
+        log_acquire.info(
+            "%s[%s]: copy of attempt %s on %r, whose body retried: a later attempt of the task is parked, "
+            "running or over; dropped",
+            self.name,
+            request.id,
+            entry["r"],
+            key,
+        )
+        _ignored_as(
+            request.id,
+            f"is a copy of attempt {entry['r']} on {key!r}, whose body retried: this copy is dropped",
         )
         raise Ignore()
 

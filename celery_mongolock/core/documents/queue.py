@@ -45,6 +45,7 @@ __all__ = [
     "admit_pipeline",
     "gc_stage",
     "handoff_stages",
+    "later_attempt",
     "ran",
     "ran_any",
     "run_id",
@@ -514,6 +515,61 @@ def ran_any(run_ids: Sequence[str]) -> Document:
     return {"$or": tests}
 
 
+def _attempt_of(delivery: object) -> Document:
+    """The task's own retries of a delivery (``"2"``, or ``"2.1"`` with contention retries); -1 when it
+    has none (a holder recorded without its delivery)."""
+    first = {"$arrayElemAt": [{"$split": [{"$toString": {"$ifNull": [delivery, ""]}}, "."]}, 0]}
+    return {"$convert": {"input": first, "to": "int", "onError": -1, "onNull": -1}}
+
+
+def later_attempt(task_id: str, retries: int) -> Document:
+    """True when the key knows an attempt of ``task_id`` later than ``retries`` (its body called
+    ``self.retry()``, which starts attempt ``retries + 1``): parked, handed, holding the key, or ended
+    (``seen``). A message of attempt ``retries`` is then a stale copy: that attempt's body ran, and the
+    later one carries the task on (the lock-set checker's seed 23: a stale handoff message of a cut
+    several-keys run was admitted as a new run beside its retry, and its body ran again)."""
+    tid = {"$literal": task_id}
+    prefix = f"{task_id}/"
+
+    def later(task: object, delivery: object) -> Document:
+        return {"$and": [{"$eq": [task, tid]}, {"$gt": [_attempt_of(delivery), retries]}]}
+
+    parked = {"$anyElementTrue": [{"$map": {"input": _Q, "as": "e", "in": later("$$e.t", "$$e.r")}}]}
+    handed = {"$and": [{"$ne": [{"$ifNull": ["$ho", None]}, None]}, later("$ho.t", "$ho.r")]}
+    holding = {
+        "$and": [
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            later("$holder.task_id", "$holder.delivery"),
+        ]
+    }
+    rest = {"$substrCP": ["$$r", len(prefix), _BIG]}
+    ended = {
+        "$anyElementTrue": [
+            {
+                "$map": {
+                    "input": {"$ifNull": ["$seen", []]},
+                    "as": "r",
+                    "in": {
+                        "$and": [
+                            {"$eq": [{"$indexOfCP": ["$$r", {"$literal": prefix}]}, 0]},
+                            {"$gt": [_attempt_of(rest), retries]},
+                        ]
+                    },
+                }
+            }
+        ]
+    }
+    return {"$or": [parked, handed, holding, ended]}
+
+
+def _retries_of(delivery: object) -> int | None:
+    """``_attempt_of`` in Python, for an entry's ``r``; None when it has none."""
+    try:
+        return int(str(delivery).split(".")[0])
+    except ValueError:
+        return None
+
+
 def ran(seen: Sequence[str], run_ids: Sequence[str]) -> bool:
     """``ran_any`` in Python, on a document's ``seen``."""
     return any(r == rid or (rid.endswith(".") and r.startswith(rid)) for rid in run_ids for r in seen)
@@ -654,6 +710,12 @@ def admit_pipeline(
             },
             "then": "dup",
         },
+    ]
+    retries = _retries_of(entry.get("r"))
+    if retries is not None:
+        # A copy of an attempt whose body retried (a later attempt is known here): never run again.
+        branches.append({"case": later_attempt(str(entry["t"]), retries), "then": "retried"})
+    branches += [
         {"case": {"$in": [{"$literal": ident}, {"$ifNull": ["$seen", []]}]}, "then": "done"},
         {"case": running, "then": "running"},
     ]
