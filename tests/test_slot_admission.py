@@ -207,3 +207,33 @@ def test_replace_with_debounce_and_a_limit_starts_the_last_send_once_due(store: 
     assert parked(store) == []
     _, doc = admit(store, 10, replace=True, debounce=30, due=True)
     assert doc["lo"] == "superseded"
+
+
+def test_a_stale_copy_of_an_attempt_whose_body_retried_takes_no_slot(store: LeaseStore) -> None:
+    """Seed 23's window on a ``limit=N`` key: a copy of attempt 0 (a stale handoff message, with its
+    claim, or re-admitted without it) while attempt 1 of its task is parked, handed a slot, holding one
+    or over is ``retried``, never parked or given a slot (it would run attempt 0's body again)."""
+    first = entry(5, "run")
+    retry = {**first, "id": "run/1.0", "r": "1.0"}
+    held = fill(store)
+    _, doc = store.admit(KEY, retry, ttl=30, limit=N)
+    assert doc["lo"] == "parked"
+
+    def copy_outcomes() -> set[str]:
+        return {
+            str(store.admit(KEY, first, ttl=30, limit=N, claim=c)[1]["lo"]) for c in ("an-old-token", None)
+        }
+
+    assert copy_outcomes() == {"retried"}  # parked
+    handoffs = Handoffs(store)
+    held[0].release()
+    assert handoffs.tasks == ["run"]
+    assert copy_outcomes() == {"retried"}  # handed a slot
+    lease, _ = store.admit(KEY, retry, ttl=30, limit=N, claim=handoffs.seen[0][1]["tk"])
+    assert lease is not None
+    assert copy_outcomes() == {"retried"}  # holding it
+    lease.release()
+    assert copy_outcomes() == {"retried"}  # over
+    assert parked(store) == []
+    for other in held[1:]:
+        other.release()

@@ -48,6 +48,7 @@ __all__ = [
     "later_attempt",
     "ran",
     "ran_any",
+    "retries_of",
     "run_id",
 ]
 
@@ -525,9 +526,10 @@ def _attempt_of(delivery: object) -> Document:
 def later_attempt(task_id: str, retries: int) -> Document:
     """True when the key knows an attempt of ``task_id`` later than ``retries`` (its body called
     ``self.retry()``, which starts attempt ``retries + 1``): parked, handed, holding the key, or ended
-    (``seen``). A message of attempt ``retries`` is then a stale copy: that attempt's body ran, and the
-    later one carries the task on (the lock-set checker's seed 23: a stale handoff message of a cut
-    several-keys run was admitted as a new run beside its retry, and its body ran again)."""
+    (``seen``), on a single-lease key or a ``limit=N`` key (its holds and handed slots, ``hs``). A
+    message of attempt ``retries`` is then a stale copy: that attempt's body ran, and the later one
+    carries the task on (the lock-set checker's seed 23: a stale handoff message of a cut several-keys
+    run was admitted as a new run beside its retry, and its body ran again)."""
     tid = {"$literal": task_id}
     prefix = f"{task_id}/"
 
@@ -540,6 +542,22 @@ def later_attempt(task_id: str, retries: int) -> Document:
         "$and": [
             {"$ne": [{"$ifNull": ["$owner", None]}, None]},
             later("$holder.task_id", "$holder.delivery"),
+        ]
+    }
+    in_slots = {
+        "$anyElementTrue": [
+            {
+                "$map": {
+                    "input": {"$ifNull": ["$hs", []]},
+                    "as": "h",
+                    "in": {
+                        "$or": [
+                            later("$$h.h.task_id", "$$h.h.delivery"),
+                            later("$$h.ho.t", "$$h.ho.r"),
+                        ]
+                    },
+                }
+            }
         ]
     }
     rest = {"$substrCP": ["$$r", len(prefix), _BIG]}
@@ -559,10 +577,10 @@ def later_attempt(task_id: str, retries: int) -> Document:
             }
         ]
     }
-    return {"$or": [parked, handed, holding, ended]}
+    return {"$or": [parked, handed, holding, in_slots, ended]}
 
 
-def _retries_of(delivery: object) -> int | None:
+def retries_of(delivery: object) -> int | None:
     """``_attempt_of`` in Python, for an entry's ``r``; None when it has none."""
     try:
         return int(str(delivery).split(".")[0])
@@ -711,7 +729,7 @@ def admit_pipeline(
             "then": "dup",
         },
     ]
-    retries = _retries_of(entry.get("r"))
+    retries = retries_of(entry.get("r"))
     if retries is not None:
         # A copy of an attempt whose body retried (a later attempt is known here): never run again.
         branches.append({"case": later_attempt(str(entry["t"]), retries), "then": "retried"})

@@ -312,6 +312,12 @@ def slot_admit_pipeline(
             },
             "then": "dup",
         },
+    ]
+    retries = adm.retries_of(entry.get("r"))
+    if retries is not None:
+        # A copy of an attempt whose body retried (a later attempt is known here): never run again.
+        branches.append({"case": adm.later_attempt(str(entry["t"]), retries), "then": "retried"})
+    branches += [
         {"case": {"$in": [{"$literal": ident}, {"$ifNull": ["$seen", []]}]}, "then": "done"},
         {"case": running, "then": "running"},
     ]
