@@ -251,7 +251,7 @@ def test_a_late_older_replace_send_is_superseded_though_the_newest_run_never_rel
     delivered 164 s late by an overloaded worker took the key. The record of the newest send is kept as
     long as the duplicate guard's (``SEEN_KEEP_MS`` after the key's last lease); past that the key is
     forgotten, and a send delivered so late runs (docs/reference/policies.md)."""
-    from celery_mongolock._admission import SEEN_KEEP_MS
+    from celery_mongolock.core.documents.queue import SEEN_KEEP_MS
 
     newest, _ = store.admit(KEY, entry(20, "newest"), replace=True)
     assert newest is not None

@@ -1,4 +1,4 @@
-"""The lease document shapes (``celery_mongolock._documents``): pure functions, tested without a server.
+"""The lease document shapes (``celery_mongolock.core.documents``): pure functions, tested without a server.
 
 The update pipelines are run here by a small evaluator of the few aggregation operators they use, on
 plain dicts, so each rule of the lease contract the shapes carry (who may take a key, what a release

@@ -17,7 +17,7 @@ from celery import chain
 from celery.result import AsyncResult
 
 from celery_mongolock import QueueTimeout
-from celery_mongolock._queue import HANDOFF_HEADER, SENT_HEADER
+from celery_mongolock.integration.handoff import HANDOFF_HEADER, SENT_HEADER
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
