@@ -99,7 +99,9 @@ def _on_acquired(sender: Any = None, key: str = "", lease: Any = None, **_: Any)
 
 
 def _on_released(sender: Any = None, key: str = "", lease: Any = None, **_: Any) -> None:
-    if lease is not None:
+    # A lost lease's entry stays for ``_on_lost``, which pops it: the body may notice the loss and end
+    # (and release) before the lost-lease callbacks' thread has run, and the event must still be sent.
+    if lease is not None and not getattr(lease, "lost", False):
         with _held_lock:
             _held.pop(lease.owner, None)
 
