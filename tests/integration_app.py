@@ -362,6 +362,28 @@ def _merge_body(tag: str, seconds: float) -> list[str]:
     return keys
 
 
+@singleton_task(
+    keys=("tenant:{tenant}", "group:{group}"),
+    limit={"tenant:{tenant}": 3},
+    app=app,
+    name="integration_app.tenant_upload",
+    on_contention=Retry(countdown=0.1, backoff=1.5, max_countdown=0.5),
+)
+def tenant_upload(tenant: str, group: str, tag: str, seconds: float = 0.5) -> list[str]:
+    """The multi-tenant upload: at most 3 uploads of one tenant at once, one of one group."""
+    lease = current_lease()
+    assert lease is not None
+    db()["runs"].insert_one(
+        {
+            "kind": "slots",
+            "tag": tag,
+            "slots": {k: held.slot for k, held in getattr(lease, "leases", {lease.key: lease}).items()},
+            "fences": getattr(lease, "fences", {}),
+        }
+    )
+    return _merge_body(tag, seconds)
+
+
 @app.task(name="integration_app.plain")
 def plain(tag: str) -> str:
     return tag

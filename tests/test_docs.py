@@ -305,7 +305,9 @@ def _declare(**options: Any) -> Any:
 
     def sync(src: int, dst: int) -> None: ...
 
-    return singleton_task(app=app, name=f"docs.claims.{len(options)}", **options)(sync)
+    import uuid
+
+    return singleton_task(app=app, name=f"docs.claims.{uuid.uuid4().hex[:8]}", **options)(sync)
 
 
 def _task_policy(**options: Any) -> Any:
@@ -323,18 +325,30 @@ REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/how-to/several-keys.md", "`Replace` with `keys=(...)` is not supported yet"): lambda: _declare(
         keys=KEYS, on_contention="replace"
     ),
-    ("docs/how-to/several-keys.md", "`limit=N` with several keys"): lambda: _declare(keys=KEYS, limit=3),
+    ("docs/how-to/several-keys.md", "with `Queue` it is refused at declaration"): lambda: _declare(
+        keys=KEYS, limit={"g:{src}": 3}, on_contention="queue"
+    ),
     ("docs/reference/policies.md", "`Replace` with `keys=` is not supported yet"): lambda: _declare(
         keys=KEYS, on_contention="replace"
     ),
-    ("docs/reference/settings.md", "Not with `limit` or `Replace`"): lambda: _task_policy(keys=KEYS, limit=3),
-    ("docs/reference/settings.md", "Not with `limit` or `Replace` (refused"): lambda: _task_policy(
+    ("docs/reference/settings.md", "Not with `Replace`, nor with a limit and `Queue`"): lambda: _task_policy(
+        keys=KEYS, limit=3, on_contention="queue"
+    ),
+    ("docs/reference/settings.md", "Not with `Replace`"): lambda: _task_policy(
         keys=KEYS, on_contention="replace"
     ),
-    ("docs/reference/keys.md", "`keys=`\n  with `limit=` or `Replace`"): lambda: _declare(keys=KEYS, limit=2),
+    ("docs/reference/keys.md", "`keys=`\n  with `Replace`, or with a limit and `Queue`"): lambda: _declare(
+        keys=KEYS, limit=2, on_contention="queue"
+    ),
 }
 # What pages say works (issue 27: pages said these were refused).
 ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
+    ("docs/how-to/per-tenant-limit.md", "A limit per key, with several keys"): lambda: _declare(
+        keys=("t:{src}", "g:{dst}"), limit={"t:{src}": 3}, on_contention="retry"
+    ),
+    ("docs/reference/settings.md", "a dict from key specs to limits"): lambda: _task_policy(
+        keys=("t:{src}", "g:{dst}"), limit={"t:{src}": 3}
+    ),
     ("docs/how-to/per-tenant-limit.md", "`Queue()` is the one to use"): lambda: _declare(
         key="t:{src}", limit=3, on_contention="queue"
     ),

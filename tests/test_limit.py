@@ -205,3 +205,41 @@ def test_replace_with_a_limit_runs_only_the_newest_of_the_runs_that_waited(clust
     for i, outcome in enumerate(outcomes[:-1]):
         assert outcome == {"mongolock": "superseded", "key": key, "by": results[i + 1].id}
         assert not cluster.runs(burst[i], "start")
+
+
+def overlap_peak(spans: list[tuple[float, float]]) -> int:
+    """The most of these (start, end) spans that overlapped at one moment."""
+    running = peak = 0
+    for _, step in sorted(
+        [(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda e: (e[0], e[1])
+    ):
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def test_per_key_limits_with_several_keys(cluster: Cluster) -> None:
+    """``keys=("tenant:{tenant}", "group:{group}"), limit={"tenant:{tenant}": 3}``: at most 3 uploads of
+    one tenant at once (slots of ``tenant:T``), at most one of one group (a single lease each)."""
+    tenant = tag()
+    groups = [tag() for _ in range(4)]
+    # Three uploads to the first group, one to each of the others: 6 uploads of one tenant.
+    sends = [(groups[0], tag()) for _ in range(3)] + [(g, tag()) for g in groups[1:]]
+    results = [it.tenant_upload.delay(tenant, g, t, 0.6) for g, t in sends]
+    for result in results:
+        result.get(timeout=180)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for group, t in sends:
+        start, end = cluster.runs(t, "start"), cluster.runs(t, "end")
+        assert len(start) == 1 and len(end) == 1, t
+        assert start[0]["keys"] == sorted([f"tenant:{tenant}", f"group:{group}"])
+        (slots,) = cluster.runs(t, "slots")
+        assert slots["slots"][f"group:{group}"] is None, "a key without a limit entry is a single lease"
+        assert slots["slots"][f"tenant:{tenant}"] in (0, 1, 2)
+        spans.setdefault(group, []).append((start[0]["mono"], end[0]["mono"]))
+    everything = [span for group_spans in spans.values() for span in group_spans]
+    assert overlap_peak(everything) <= 3, "more than 3 uploads of one tenant at once, limit 3"
+    for group, group_spans in spans.items():
+        assert overlap_peak(group_spans) == 1, f"uploads of group {group} overlapped"
+    info = cluster.store.inspect(f"tenant:{tenant}")
+    assert info is not None and not info.slots, "every slot of the tenant is free again"

@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, Protocol
 
+from celery_mongolock.admission.limits import check_key_limits
 from celery_mongolock.core.validation import validate_limit
 from celery_mongolock.exceptions import ConfigurationError
 
@@ -335,6 +336,11 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
 def check_limit(limit: object, policy: object = None, min_hold: object = None) -> int | None:
     """``limit=N``: an int from 1 to 1000; with N > 1, every policy (a ``Queue``/``Replace`` run parks
     until any of the N slots is free), not (yet) a minimum hold. Returns N (None for a single lease)."""
+    if isinstance(limit, Mapping):
+        # A limit per key spec of keys=: checked against the specs by ``limits.check_key_limits``.
+        if min_hold and any(v not in (None, 1) for v in limit.values()):
+            raise ConfigurationError("limit= with min_hold_seconds is not supported yet")
+        return None
     n = validate_limit(limit)
     if n is not None:
         if policy is not None and not isinstance(policy, Policy):
@@ -347,9 +353,11 @@ def check_limit(limit: object, policy: object = None, min_hold: object = None) -
 def check_keys(
     keys: object, key: object = None, policy: object = None, limit: object = None
 ) -> tuple[Any, ...] | None:
-    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=``, ``limit=N`` or
-    ``Replace`` (yet). Returns them as a tuple (None when not given)."""
+    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=`` or ``Replace``
+    (yet); ``limit`` as ``limits.check_key_limits`` takes it. Returns them as a tuple (None when not
+    given)."""
     if keys is None:
+        check_key_limits(limit, None)  # a limit per key spec needs keys=
         return None
     if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)) or not keys:
         raise ConfigurationError(
@@ -358,10 +366,9 @@ def check_keys(
         )
     if key is not None:
         raise ConfigurationError("give key= or keys=, not both")
-    if validate_limit(limit) is not None:
-        raise ConfigurationError("keys= with limit=N is not supported yet")
     if policy is not None and not isinstance(policy, Policy):
         policy = parse_policy(policy)
+    check_key_limits(limit, keys, policy)
     if isinstance(policy, Policy) and policy.name == "replace":
         raise ConfigurationError(
             "keys= with on_contention='replace' is not supported yet: which send is the newest is decided "

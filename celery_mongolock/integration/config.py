@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from celery_mongolock.admission.limits import check_key_limits
 from celery_mongolock.admission.policies import (
     Policy,
     PolicySpec,
@@ -101,6 +102,8 @@ class TaskOptions:
     limit: int | None = None
     #: ``keys=(spec, ...)``: several keys held together (None: the task's one key).
     keys: tuple[Any, ...] | None = None
+    #: With ``keys=``: the limit of each spec, in the order of ``keys`` (None: every key a single lease).
+    key_limits: tuple[int | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +128,7 @@ class Settings:
         lease_seconds: float | None = None,
         heartbeat_seconds: float | None = None,
         min_hold_seconds: float | None = None,
-        limit: int | None = None,
+        limit: int | Mapping[Any, int] | None = None,
         keys: Sequence[Any] | None = None,
     ) -> TaskOptions:
         """Options for task ``name``: per-task settings > decorator arguments > global settings.
@@ -170,7 +173,8 @@ class Settings:
             source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
             raise ConfigurationError(f"{source}: {exc}") from None
         try:
-            multi = check_keys(override.get("keys", keys), None, policy, n)
+            multi = check_keys(override.get("keys", keys), None, policy, limit_spec)
+            per_key = check_key_limits(limit_spec, multi, policy)
         except ConfigurationError as exc:
             source = f"{where}['keys']" if "keys" in override else f"task {name!r}"
             raise ConfigurationError(f"{source}: {exc}") from None
@@ -181,6 +185,7 @@ class Settings:
             min_hold_seconds=hold_s,
             limit=n,
             keys=multi,
+            key_limits=per_key,
         )
 
 

@@ -25,7 +25,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
 from celery import Celery, Task, shared_task
@@ -37,6 +37,7 @@ from kombu.exceptions import OperationalError
 
 from celery_mongolock.admission.contention import ContendedRun, skipped_result
 from celery_mongolock.admission.contention import Outcome as _Outcome
+from celery_mongolock.admission.limits import limits_by_key
 from celery_mongolock.admission.policies import (
     TRY_AGAIN,
     Fail,
@@ -159,7 +160,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     #: Keep the key taken at least this long after the run starts (ShedLock's lock-at-least-for).
     mongolock_min_hold_seconds: ClassVar[float | None] = None
     #: At most this many runs of one key at once (``limit=N``); None or 1: one.
-    mongolock_limit: ClassVar[int | None] = None
+    mongolock_limit: ClassVar[int | Mapping[Any, int] | None] = None
     #: Several keys held together (``keys=(spec, ...)``), instead of ``mongolock_key``.
     mongolock_keys: ClassVar[Sequence[KeySpec] | None] = None
     #: Expected errors: logged at INFO without a traceback.
@@ -228,6 +229,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         if self._key_specs():
             return sorted({r.render(args, kwargs) for r in self._renderers()})
         return [self.mongolock_key_for(*args, **kwargs)]
+
+    def mongolock_limits_for(self, *args: Any, **kwargs: Any) -> dict[str, int | None]:
+        """Each key a call with these arguments holds (``mongolock_keys_for``) -> its limit: None for a
+        single lease, N for N slots (``limit=N``, or ``limit=`` per key spec with ``keys=``)."""
+        options = self._options()
+        if options.key_limits is None:
+            return dict.fromkeys(self.mongolock_keys_for(*args, **kwargs), options.limit)
+        rendered = [
+            (renderer.render(args, kwargs), n)
+            for renderer, n in zip(self._renderers(), options.key_limits, strict=True)
+        ]
+        return limits_by_key(rendered)
 
     def mongolock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """The lease key a call with these arguments uses."""
@@ -346,7 +359,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         options = self._options()
         request = self.request
         queued = options.on_contention.queued and not (direct or request.is_eager or request.called_directly)
-        taken = self._admit_all(keys, options) if queued else self._take_all(keys, options, direct)
+        if queued:
+            taken = self._admit_all(keys, options)
+        else:
+            taken = self._take_all(keys, options, direct, self.mongolock_limits_for(*args, **kwargs))
         if not isinstance(taken, LeaseSet):
             return taken.value
         request = self.request
@@ -365,7 +381,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             for lease in taken:
                 signals.lease_released.send(sender=self, key=lease.key, lease=lease)
 
-    def _take_all(self, keys: list[str], options: TaskOptions, direct: bool) -> LeaseSet | _Outcome:
+    def _take_all(
+        self, keys: list[str], options: TaskOptions, direct: bool, limits: Mapping[str, int | None]
+    ) -> LeaseSet | _Outcome:
         """Take every key, in sorted order, within one attempt: all of them, or none (the ones taken are
         released at once when one is held, so a run never holds some keys while it waits for others, and
         two runs that need overlapping keys cannot deadlock). Then the policy decides, as for one key."""
@@ -395,7 +413,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                             info=info,
                             heartbeat=True,
                             heartbeat_seconds=options.heartbeat_seconds,
-                            limit=options.limit,
+                            limit=limits.get(key),
                         )
                     except StoreUnavailable as exc:
                         _release_quietly(taken)
@@ -1306,7 +1324,7 @@ def singleton_task(
     lease_seconds: float | None = ...,
     heartbeat_seconds: float | None = ...,
     min_hold_seconds: float | None = ...,
-    limit: int | None = ...,
+    limit: int | Mapping[Any, int] | None = ...,
     keys: Sequence[KeySpec] | None = ...,
     app: Celery | None = ...,
     base: type[SingletonTask] = ...,
@@ -1322,7 +1340,7 @@ def singleton_task(
     lease_seconds: float | None = None,
     heartbeat_seconds: float | None = None,
     min_hold_seconds: float | None = None,
-    limit: int | None = None,
+    limit: int | Mapping[Any, int] | None = None,
     keys: Sequence[KeySpec] | None = None,
     app: Celery | None = None,
     base: type[SingletonTask] = SingletonTask,
