@@ -33,7 +33,9 @@ def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
 
 
 def _task(app: Celery) -> Any:
-    @singleton_task(key="{key}", app=app, name="queued_state.latest", bind=True, on_contention=Replace())
+    @singleton_task(
+        key="{key}", app=app, name="queued_state.latest", bind=True, on_contention=Replace(), shared=False
+    )
     def latest(self: Any, key: str) -> str:
         return key
 
