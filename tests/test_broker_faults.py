@@ -20,6 +20,7 @@ from celery.exceptions import Retry as CeleryRetry
 from kombu.exceptions import OperationalError
 
 from celery_mongolock import singleton_task
+from celery_mongolock.integration.runs import republish
 from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
 from .servers import NO_RABBITMQ, RabbitMQServer, RedisServer
@@ -62,7 +63,7 @@ def test_a_contention_retry_is_published_across_a_broker_restart(
         signature.apply_async()
 
     # Ours: the broker comes back while the publish is being retried, and the message gets through.
-    _publish_across_restart(down_broker, lambda: guarded._republish(signature, "contention retry"))
+    _publish_across_restart(down_broker, lambda: republish(guarded, signature, "contention retry"))
     app.close()
 
 

@@ -20,6 +20,7 @@ from celery.exceptions import Ignore
 from celery_mongolock import LeaseStore, LockContended, Queue, Replace, singleton_task
 from celery_mongolock.config import get_settings, get_store
 from celery_mongolock.integration.handoff import Sweeper
+from celery_mongolock.integration.one_key import OneKey
 
 KEY = "report:7"
 
@@ -33,7 +34,9 @@ def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
 
 
 def _task(app: Celery) -> Any:
-    @singleton_task(key="{key}", app=app, name="queued_state.latest", bind=True, on_contention=Replace())
+    @singleton_task(
+        key="{key}", app=app, name="queued_state.latest", bind=True, on_contention=Replace(), shared=False
+    )
     def latest(self: Any, key: str) -> str:
         return key
 
@@ -48,9 +51,8 @@ def _admit(task: Any, task_id: str, stamp: int) -> None:
     )  # fmt: skip
     try:
         info = {"task_name": task.name, "task_id": task_id, "worker": "w1", "delivery": "0.0"}
-        policy = task._options().on_contention
         with pytest.raises(Ignore):
-            task._admit(KEY, task._options(), policy, info, get_store(task.app))
+            OneKey(task, KEY, task._options(), direct=False).admit(info)
     finally:
         task.pop_request()
 
@@ -110,7 +112,6 @@ def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app
     from celery_mongolock.admission.contention import Outcome
 
     task = _task(app)
-    store: LeaseStore = get_store(app)
     run = f"run-{uuid.uuid4().hex}"
 
     def admit(redelivered: bool = False) -> Any:
@@ -120,7 +121,7 @@ def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app
         )  # fmt: skip
         try:
             info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
-            return task._admit(KEY, task._options(), task._options().on_contention, info, store)
+            return OneKey(task, KEY, task._options(), direct=False).admit(info)
         finally:
             task.pop_request()
 
@@ -160,7 +161,7 @@ def test_a_handed_run_that_died_after_its_claim_runs_again(app: Celery) -> None:
         )  # fmt: skip
         try:
             info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
-            return task._admit(KEY, task._options(), task._options().on_contention, info, store)
+            return OneKey(task, KEY, task._options(), direct=False).admit(info)
         finally:
             task.pop_request()
 

@@ -1,0 +1,153 @@
+"""Copies of a run: a message delivered again while (or after) its first run held the key.
+
+A duplicate delivery of a run that still holds its key is parked (published again, marked with
+``DUPLICATE_HEADER``, looked at after one lease); a copy of a run that ended and released its key is
+dropped, or ends the task saying the body already ran when its result was never stored. The body never
+runs twice for one delivery.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery.exceptions import Ignore
+
+from celery_mongolock.admission.contention import Outcome
+from celery_mongolock.core.documents import queue as _admission
+from celery_mongolock.integration.runs import (
+    GuardedRun,
+    delivery,
+    has_final_state,
+    ignored_as,
+    log_acquire,
+    republish,
+)
+
+if TYPE_CHECKING:
+    from celery_mongolock.integration.config import TaskOptions
+
+__all__ = [
+    "DUPLICATE_HEADER",
+    "already_ran",
+    "copy_of_a_retried_attempt",
+    "copy_of_an_ended_run",
+    "copy_run_ids",
+    "first_run_done",
+    "park_duplicate",
+]
+
+#: Set on the copy of a message delivered again while its first run still held the key (see
+#: ``park_duplicate``).
+DUPLICATE_HEADER = "mongolock_parked_duplicate"
+
+
+def park_duplicate(task: GuardedRun, key: str, options: TaskOptions, direct: bool) -> None:
+    """Keep a copy of a duplicate delivery until the first run's fate is known.
+
+    Acknowledging the duplicate also acknowledges the first delivery (they share one broker message:
+    kombu's Redis transport keeps one unacknowledged entry per message), so if the first run's worker
+    then died nothing would bring the task back. The copy is published again, marked, to be looked
+    at after one lease length: dropped if the first run has released the key, run if the first run
+    died (its lease released for it or expired), parked again if it is still running.
+    """
+    request = task.request
+    if direct or request.is_eager or request.called_directly:
+        return
+    countdown = max(1.0, min(options.lease_seconds, 300.0))
+    headers = dict(request.headers or {})
+    headers[DUPLICATE_HEADER] = int(headers.get(DUPLICATE_HEADER) or 0) + 1
+    republish(
+        task, task.signature_from_request(request, countdown=countdown, headers=headers), "parked duplicate"
+    )
+    log_acquire.warning(
+        "%s[%s]: duplicate delivery while the first run holds %r; parked, looked at again in %gs",
+        task.name,
+        request.id,
+        key,
+        countdown,
+    )
+
+
+def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any]) -> NoReturn:
+    """A copy of an attempt whose body called ``self.retry()`` (a stale handoff message, a redelivery):
+    a later attempt of the task is parked, handed, running or over on ``key`` and carries the task on
+    (its result is that attempt's to store). Never run, parked, or ended here."""
+    request = task.request
+    log_acquire.info(
+        "%s[%s]: copy of attempt %s on %r, whose body retried: a later attempt of the task is parked, "
+        "running or over; dropped",
+        task.name,
+        request.id,
+        entry["r"],
+        key,
+    )
+    ignored_as(
+        request.id,
+        f"is a copy of attempt {entry['r']} on {key!r}, whose body retried: this copy is dropped",
+    )
+    raise Ignore()
+
+
+def copy_of_an_ended_run(task: GuardedRun, key: str) -> Outcome:
+    """A copy of a run that ended and released ``key`` itself: end the task saying so when its result
+    was never stored (the run's worker died in between), else drop the copy. Never runs the body."""
+    request = task.request
+    if not has_final_state(task):
+        return Outcome(already_ran(key, request.id))
+    log_acquire.info(
+        "%s[%s]: %s of a run that has ended and released %r; dropped",
+        task.name,
+        request.id,
+        "parked duplicate" if (request.headers or {}).get(DUPLICATE_HEADER) else "redelivery",
+        key,
+    )
+    raise Ignore()
+
+
+def first_run_done(task: GuardedRun, store: Any, key: str) -> bool:
+    """For a parked duplicate, or a message the broker delivered again (a worker died before it
+    acknowledged, a visibility timeout): did a run of this very delivery (same task id, same retry
+    and contention-retry count) end and release the key itself? Then running it again would be a
+    second run of one submission. One read, only for such messages. The key remembers the last
+    ``SEEN_KEPT`` runs that ended so (``seen``), whoever took it since, for 2 hours after its last
+    lease (``SEEN_KEEP_MS``); the holder fields cover a holder recorded without its delivery."""
+    request = task.request
+    ended_runs = copy_run_ids(request)
+    if not ended_runs:
+        return False
+    return bool(
+        store.run_ended(
+            key,
+            ended_runs,
+            task_id=request.id,
+            delivery=delivery(request),
+            parked=bool((request.headers or {}).get(DUPLICATE_HEADER)),
+        )
+    )
+
+
+def already_ran(key: str, task_id: str) -> dict[str, Any]:
+    """The result of a copy of a run whose body ran and ended, but whose result was never stored."""
+    return {
+        "mongolock": "already-ran",
+        "key": key,
+        "reason": f"the body of {task_id} ran and released {key!r}; its worker died before it stored "
+        "the result, which is lost (the body is never run twice)",
+    }
+
+
+def copy_run_ids(request: Any) -> list[str]:
+    """What a copy of a message (parked duplicate, or delivered again by the broker) is matched on in
+    ``seen`` (``_admission.ran``); empty for any other message (a first delivery is never checked).
+
+    Any run of the same attempt (task id and own retries), whatever its contention retries: a parked
+    copy that MongoDB did not answer goes on as a contention retry (``<retries>.1``), and is still a copy
+    of the run ``<retries>.0`` that holds the key. A parked copy also matches a holder recorded without its
+    delivery (an older version, ``hold()``)."""
+    parked = bool((getattr(request, "headers", None) or {}).get(DUPLICATE_HEADER))
+    redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
+    task_id = getattr(request, "id", None)
+    if not (parked or redelivered) or not task_id:
+        return []
+    ids = [_admission.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
+    return [*ids, _admission.run_id(task_id, "")] if parked else ids

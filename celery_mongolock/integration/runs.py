@@ -1,0 +1,198 @@
+"""One run of a singleton task, whatever its keys: its state, its republishing, a store that does not
+answer, and Celery's "ignored" line in our words.
+
+What the admission of one key (``one_key``) and of several keys (``several_keys``) share. They take the
+task as a narrow protocol (``GuardedRun``: the public attributes of a Celery task), so that nothing here
+imports the task class.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+from celery import states as celery_states
+
+from celery_mongolock.admission.contention import ContendedRun, SingletonRun
+from celery_mongolock.core.urls import redact
+from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.integration import handoff as _queue
+from celery_mongolock.integration.config import get_store
+
+if TYPE_CHECKING:
+    from celery_mongolock.admission.policies import Policy
+    from celery_mongolock.core.store import Lease, LeaseStore
+
+__all__ = [
+    "CONTENDED_SINCE_HEADER",
+    "CONTENTION_HEADER",
+    "GuardedRun",
+    "contended_since",
+    "contention_retry_meta",
+    "delivery",
+    "give_back_quietly",
+    "has_final_state",
+    "ignored_as",
+    "release_quietly",
+    "republish",
+    "set_state",
+    "unavailable",
+]
+
+log_acquire = logging.getLogger("celery_mongolock.acquire")
+log_release = logging.getLogger("celery_mongolock.release")
+
+#: Message header counting contention retries, kept apart from the task's own ``retries``.
+CONTENTION_HEADER = "mongolock_contention_retries"
+#: Epoch ms (the sender's clock) of a run's first contention, carried by its contention retries: the lease
+#: history counts the run's wait for its key from it (``waited_ms``).
+CONTENDED_SINCE_HEADER = "mongolock_contended_since"
+
+
+class GuardedRun(SingletonRun, Protocol):
+    """What admission needs of its task (``task.SingletonTask``): a Celery task's public attributes, and a
+    way to be published again later (``SingletonRun``). A protocol, so that admission does not import the
+    task class."""
+
+    @property
+    def app(self) -> Any: ...
+
+    @property
+    def backend(self) -> Any: ...
+
+    @property
+    def ignore_result(self) -> bool: ...
+
+    @property
+    def serializer(self) -> Any: ...
+
+    def signature_from_request(
+        self, request: Any = None, args: Any = None, kwargs: Any = None, **extra: Any
+    ) -> Any: ...
+
+
+def has_final_state(task: GuardedRun) -> bool:
+    """Whether this task id has a final state in the result backend, or a retry of it is on its way
+    (``RETRY``: the body called ``self.retry()``, and that newer run will store the result): then a
+    copy of an earlier run has nothing to do. True when there is no backend to ask (nothing would
+    wait for a result)."""
+    if task.ignore_result or task.request.ignore_result or not _queue.has_backend(task.app):
+        return True
+    try:
+        meta = task.backend.get_task_meta(task.request.id)
+    except Exception:
+        return True  # cannot tell: drop the copy, as before
+    status = meta.get("status")
+    return status in celery_states.READY_STATES or (
+        status == celery_states.RETRY and not contention_retry_meta(meta.get("result"))
+    )
+
+
+def set_state(task: GuardedRun, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
+    """Write this run's state (only for humans and ``AsyncResult.state``: failures are logged)."""
+    if task.ignore_result or task.request.ignore_result or not _queue.has_backend(task.app):
+        return
+    task_id = task.request.id
+    try:
+        if unless_ready and task.backend.get_task_meta(task_id).get("status") in celery_states.READY_STATES:
+            return  # an earlier run of this task id ended: leave its result alone
+        task.backend.store_result(task_id, meta, state)
+    except Exception as exc:
+        log_acquire.warning("%s[%s]: could not set state %s: %s", task.name, task_id, state, exc)
+
+
+def republish(task: GuardedRun, signature: Any, what: str) -> None:
+    """Publish ``signature`` patiently (``REPUBLISH_RETRY_POLICY``); log an error if even that fails."""
+    try:
+        _queue.publish_patiently(task.app, signature)
+    except Exception as exc:
+        log_acquire.error(
+            "%s[%s]: could not publish the %s; the broker did not take it for about a minute: %s",
+            task.name,
+            task.request.id,
+            what,
+            redact(str(exc)),
+        )
+        raise
+
+
+def unavailable(task: GuardedRun, key: str, exc: StoreUnavailable, policy: Policy, direct: bool) -> NoReturn:
+    """MongoDB could not be reached: never run the body. Retry later (or fail, under Fail)."""
+    request = task.request
+    log_acquire.error("%s[%s]: cannot take %r, body not run: %s", task.name, request.id, key, exc)
+    policy.on_unavailable(ContendedRun(task, get_store(task.app), key, direct=direct), exc)
+
+
+def contention_retry_meta(result: Any) -> bool:
+    """Whether a ``RETRY`` state's stored reason is one of this library's contention retries (the key was
+    held, or MongoDB did not answer), not the body's own ``self.retry()``."""
+    name = result.get("exc_type") if isinstance(result, dict) else type(result).__name__
+    return name in ("LockContended", "StoreUnavailable")
+
+
+def give_back_quietly(store: LeaseStore, leases: list[Lease]) -> None:
+    """Give back keys taken by an attempt that does not run the body (in reverse order), without
+    marking the run as over; one that cannot be given back now expires (its run never used it)."""
+    for lease in reversed(leases):
+        try:
+            store.give_back(lease)
+        except StoreUnavailable as exc:
+            log_release.warning("%s (it expires on its own)", exc)
+
+
+def release_quietly(leases: list[Lease]) -> None:
+    """Give back the keys a multi-key run took before it found one held (in reverse order)."""
+    for lease in reversed(leases):
+        try:
+            lease.release()
+        except StoreUnavailable as exc:  # queued for the background release
+            log_release.warning("%s", exc)
+
+
+def delivery(request: Any) -> str:
+    """Which run of a task id a message is: its own retries and its contention retries. A copy of the
+    same message (redelivered, parked) has the same; ``Task.retry()`` and a contention retry do not."""
+    headers = getattr(request, "headers", None) or {}
+    return f"{int(getattr(request, 'retries', 0) or 0)}.{int(headers.get(CONTENTION_HEADER) or 0)}"
+
+
+def contended_since(request: Any) -> int | None:
+    """Epoch ms of the run's first contention, from the header its contention retries carry."""
+    value = (getattr(request, "headers", None) or {}).get(CONTENDED_SINCE_HEADER)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+# -- Celery's "ignored" line, in our words ----------------------------------------------------------------
+# A run that is parked, or a copy that is dropped, ends its delivery with ``Ignore``: Celery then logs
+# "Task proj.upload[id] ignored", which reads as if the run were lost. For our runs the line says what
+# became of it instead ("Task proj.upload[id] parked at position 1 on 'email-group:42', not dropped: ...").
+
+_IGNORED_AS: collections.OrderedDict[str, str] = collections.OrderedDict()
+_IGNORED_AS_MAX = 1000  # entries of runs whose line was never logged (INFO disabled) are forgotten
+
+
+def ignored_as(task_id: Any, words: str) -> None:
+    """Have Celery's "ignored" line for ``task_id`` say ``words`` instead."""
+    if task_id is None:
+        return
+    _IGNORED_AS[str(task_id)] = words
+    while len(_IGNORED_AS) > _IGNORED_AS_MAX:
+        _IGNORED_AS.popitem(last=False)
+
+
+class _IgnoredInOurWords(logging.Filter):
+    """On ``celery.app.trace``: the "ignored" line of a run we parked or dropped says what became of it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, dict) and args.get("description") == "ignored":
+            words = _IGNORED_AS.pop(str(args.get("id")), None)
+            if words is not None:
+                record.args = {**args, "description": words}
+        return True
+
+
+_trace_logger = logging.getLogger("celery.app.trace")
+if not any(isinstance(f, _IgnoredInOurWords) for f in _trace_logger.filters):
+    _trace_logger.addFilter(_IgnoredInOurWords())

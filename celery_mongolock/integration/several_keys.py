@@ -1,0 +1,424 @@
+"""Admission of a run that needs several keys (``keys=(...)``): the body runs only while the run holds all
+of them.
+
+A plain run takes every key within one attempt, in sorted order, or none (``take_all``); a ``Queue`` run is
+admitted on each key by the engine, and parked on every key it did not get, with the keys it got turned
+into reservations for it (``admit_all``). ``SeveralKeys`` takes its task as a narrow protocol
+(``runs.GuardedRun``); ``SingletonTask`` hands each run of a several-keys task to it and runs the body
+with the ``LeaseSet`` it returns.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery import states as celery_states
+from celery.exceptions import Ignore
+
+from celery_mongolock.admission.contention import ContendedRun, Outcome
+from celery_mongolock.admission.policies import TRY_AGAIN, Fail, Queue
+from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
+from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable
+from celery_mongolock.integration import handoff as _queue
+from celery_mongolock.integration import signals
+from celery_mongolock.integration.config import get_store
+from celery_mongolock.integration.duplicates import (
+    DUPLICATE_HEADER,
+    already_ran,
+    copy_of_a_retried_attempt,
+    park_duplicate,
+)
+from celery_mongolock.integration.runs import (
+    GuardedRun,
+    delivery,
+    give_back_quietly,
+    has_final_state,
+    ignored_as,
+    log_acquire,
+    release_quietly,
+    set_state,
+    unavailable,
+)
+
+if TYPE_CHECKING:
+    from celery_mongolock.core.store import Lease
+    from celery_mongolock.integration.config import TaskOptions
+
+__all__ = ["SeveralKeys"]
+
+
+class SeveralKeys:
+    """One run of a task that needs ``keys`` (sorted, without repeats): ``take()`` returns a ``LeaseSet``
+    of all of them, or the policy's outcome (or raises: ``Ignore`` for a run parked or dropped, the
+    policy's error, a contention retry)."""
+
+    def __init__(
+        self,
+        task: GuardedRun,
+        keys: list[str],
+        options: TaskOptions,
+        *,
+        direct: bool,
+        limits: Mapping[str, int | None] | None = None,
+    ) -> None:
+        self.task = task
+        self.keys = keys
+        self.options = options
+        #: Each key's limit (None: a single lease); ``options.limit`` for a key not in it.
+        self.limits: Mapping[str, int | None] = limits or {}
+        self.policy = options.on_contention
+        #: Called directly (``task(...)``), not by a worker.
+        self.direct = direct
+        self.request = task.request
+        self.store = get_store(task.app)
+        #: A queued run's entry on each key, and the holder fields of its admits (set by ``admit_all``).
+        self.entry: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+
+    def take(self) -> LeaseSet | Outcome:
+        request = self.request
+        queued = self.policy.queued and not (self.direct or request.is_eager or request.called_directly)
+        return self.admit_all() if queued else self.take_all()
+
+    def _queue_policy(self) -> Queue:
+        policy = self.policy
+        assert isinstance(policy, Queue)
+        return policy
+
+    # -- a plain run (Retry, Skip, Wait, Fail) -------------------------------------------------------------
+
+    def take_all(self) -> LeaseSet | Outcome:
+        """Take every key, in sorted order, within one attempt: all of them, or none (the ones taken are
+        released at once when one is held, so a run never holds some keys while it waits for others, and
+        two runs that need overlapping keys cannot deadlock). Then the policy decides, as for one key."""
+        task, request, keys, policy = self.task, self.request, self.keys, self.policy
+        info: dict[str, Any] = {
+            "task_name": task.name,
+            "task_id": request.id,
+            "worker": request.hostname,
+            "delivery": delivery(request),
+            "keys": keys,
+        }
+        # (No "first run done" check here: the keys a run gives back within an attempt look like a
+        # finished run's, and a redelivered copy dropped for that would be lost. At least once, as any
+        # acks_late task.)
+        run = ContendedRun(
+            task, self.store, keys[0], direct=self.direct
+        )  # one run: Wait's timeout counts once
+        while True:
+            taken, blocked = self._try_all(info)
+            if blocked is None:
+                if self._renewed(taken):
+                    return LeaseSet(taken)
+                continue
+            release_quietly(taken)
+            key, contended = blocked  # (limit=N: a slot held by this very run is the holder)
+            holder, expires_at = dict(contended.holder), contended.expires_at
+            if contended.held_by_run(request.id):
+                signals.lease_contended.send(sender=task, key=key, holder=holder, policy="duplicate")
+                park_duplicate(task, key, self.options, self.direct)
+                raise Ignore()
+            signals.lease_contended.send(sender=task, key=key, holder=holder, policy=policy.name)
+            run.key = key  # the key it waits for now
+            outcome = policy.on_contended(run.held_by(holder, expires_at))
+            if outcome is TRY_AGAIN:
+                continue
+            assert isinstance(outcome, Outcome), f"{policy!r}.on_contended returned {outcome!r}"
+            return outcome
+
+    def _try_all(self, info: dict[str, Any]) -> tuple[list[Lease], tuple[str, Contended] | None]:
+        """One attempt: the keys taken, in order, up to the first one held (``(key, contended)``)."""
+        store, options, request = self.store, self.options, self.request
+        taken: list[Lease] = []
+        blocked: tuple[str, Contended] | None = None
+        try:
+            for key in self.keys:
+                try:
+                    lease, doc = store.try_acquire(
+                        key,
+                        options.lease_seconds,
+                        info=info,
+                        heartbeat=True,
+                        heartbeat_seconds=options.heartbeat_seconds,
+                        limit=self.limits.get(key, options.limit),
+                    )
+                except StoreUnavailable as exc:
+                    release_quietly(taken)
+                    unavailable(self.task, key, exc, self.policy, self.direct)
+                if lease is None:
+                    blocked = (key, Contended.of(doc, task_id=request.id, delivery=info["delivery"]))
+                    break
+                taken.append(lease)
+        except BaseException:  # a time limit, a revoke: never keep the keys taken so far
+            release_quietly(taken)
+            raise
+        return taken, blocked
+
+    def _renewed(self, taken: list[Lease]) -> bool:
+        """One renewal confirms every lease before the body starts: an acquire slower than a lease must
+        not let it run with a key that expired and was taken meanwhile. Else they are all released."""
+        try:
+            lost = self.store.renew_many(taken)
+        except StoreUnavailable as exc:
+            release_quietly(taken)
+            unavailable(self.task, self.keys[0], exc, self.policy, self.direct)
+        # ``renew_many`` leaves out leases already lost (their deadline passed while the other
+        # keys were taken): those are not confirmed either.
+        if not lost and not any(lease.lost for lease in taken):
+            return True
+        release_quietly(taken)
+        return False
+
+    # -- a queued run (Queue) ------------------------------------------------------------------------------
+
+    def admit_all(self) -> LeaseSet | Outcome:
+        """A run of a ``Queue`` task that needs several keys: take them all (in sorted order, one admit
+        each), claim them all when they were handed to it, or park it on every key it did not get and
+        turn the keys it got into reservations for it (``LeaseStore.reserve``): it keeps its place on
+        each key, holds none while its body is not running, and is published once all are reserved.
+
+        Keys taken or claimed by an attempt that does not run the body are given back without marking
+        the run as over (``LeaseStore.give_back``), so that a retry or copy of it still runs; the body
+        starts only after one renewal has confirmed every lease (an admit slower than a lease must not
+        let it run with a key another worker took meanwhile)."""
+        policy = self._queue_policy()
+        task, request, keys = self.task, self.request, self.keys
+        stamp, src = _queue.stamp_of(request)
+        run_delivery = str(int(getattr(request, "retries", 0) or 0))
+        ident = f"{request.id}/{run_delivery}"
+        self.entry = {
+            "id": ident,
+            "t": request.id,
+            "n": task.name,
+            "r": run_delivery,
+            "s": stamp,
+            "src": src,
+            "th": policy.then.name,
+            "ks": keys,
+            # One handoff token for all the keys (the same on every admit of this run).
+            "tk": _queue.keys_token(ident, keys),
+            **_queue.message_of(task, request, stamp, ident),
+        }
+        self.info = {
+            "task_name": task.name,
+            "task_id": request.id,
+            "worker": request.hostname,
+            "delivery": run_delivery,
+            "keys": keys,
+        }
+        _queue.install_publisher(task.app, self.store)
+        claim = _queue.handoff_of_keys(request, keys, ident)
+        fresh = not (
+            claim
+            or (request.headers or {}).get(DUPLICATE_HEADER)
+            or (request.delivery_info or {}).get("redelivered")
+        )
+        if fresh:
+            since = _dt.datetime.now(_dt.timezone.utc).isoformat()
+            set_state(task, _queue.QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
+        try:
+            return self._admit_attempts(claim, stamp)
+        except StoreUnavailable as exc:
+            unavailable(task, keys[0], exc, policy, direct=False)
+
+    def _admit_attempts(self, claim: str | None, stamp: int) -> LeaseSet | Outcome:
+        """Up to five attempts (a key may expire while the others are taken): claim the keys handed to
+        this run, else admit it on each."""
+        task, request, keys = self.task, self.request, self.keys
+        for _attempt in range(5):
+            if claim is not None:
+                claimed, outcome, key = self._claim_all(claim)
+                if claimed is not None:
+                    if not self._confirmed(claimed):
+                        claim = None
+                        continue
+                    set_state(task, celery_states.STARTED, {"keys": keys})
+                    return LeaseSet(claimed)
+                if outcome is AdmitOutcome.RUNNING:  # a copy of the handoff while the first copy runs
+                    park_duplicate(task, key, self.options, False)
+                    raise Ignore()
+                if outcome is AdmitOutcome.WAITING:  # waiting again on that key: published when ready
+                    self._parked_all(stamp)
+                if outcome is AdmitOutcome.RETRIED:
+                    copy_of_a_retried_attempt(task, key, self.entry)
+                if has_final_state(task):
+                    log_acquire.info("%s[%s]: stale handoff of %s; dropped", task.name, request.id, keys)
+                    raise Ignore()
+                claim = None  # claimed and died (its worker killed): admitted as any run, below
+            taken, blocked = self._admit_each()
+            if blocked is None:
+                if not taken:  # parked or reserved on every key
+                    self._parked_all(stamp)
+                if self._confirmed(taken):  # every key taken in this attempt
+                    set_state(task, celery_states.STARTED, {"keys": keys})
+                    return LeaseSet(taken)
+                continue
+            return self._not_admitted(*blocked)
+        raise StoreUnavailable(f"the keys {keys} kept expiring while they were taken")
+
+    def _not_admitted(self, key: str, admission: Admission) -> Outcome:
+        """A key that did not let the run wait: a copy of a run that ran, or that runs now, or a full
+        queue."""
+        policy = self._queue_policy()
+        outcome = admission.outcome
+        if outcome is AdmitOutcome.ALREADY_RAN:
+            if not has_final_state(self.task):
+                return Outcome(already_ran(key, self.request.id))
+            raise Ignore()
+        if outcome is AdmitOutcome.RUNNING:
+            park_duplicate(self.task, key, self.options, False)
+            raise Ignore()
+        if outcome is AdmitOutcome.RETRIED:
+            copy_of_a_retried_attempt(self.task, key, self.entry)
+        assert outcome is AdmitOutcome.FULL, outcome
+        reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
+        if isinstance(policy.then, Fail):
+            raise QueueTimeout(key, reason)
+        return (
+            ContendedRun(self.task, self.store, key, direct=False)
+            .held_by(dict(admission.holder), admission.expires_at)
+            .skip(reason)
+        )
+
+    def _admit(self, key: str, claim: str | None) -> Admission:
+        """One admit of this run's entry on ``key`` (one ``findAndModify``)."""
+        policy, options = self._queue_policy(), self.options
+        return Admission.of(
+            *self.store.admit(
+                key,
+                self.entry,
+                ttl=options.lease_seconds,
+                claim=claim,
+                timeout=policy.timeout,
+                max_length=policy.max_length,
+                info=self.info,
+                heartbeat=True,
+                heartbeat_seconds=options.heartbeat_seconds,
+            )
+        )
+
+    def _confirmed(self, leases: list[Lease]) -> bool:
+        """All still ours on the server (one round trip); else all given back (also when MongoDB
+        does not answer: the run retries later, and its keys must not stay held by no body)."""
+        store = self.store
+        try:
+            lost = store.renew_many(leases)
+        except StoreUnavailable:
+            give_back_quietly(store, leases)
+            raise
+        # ``renew_many`` leaves out leases already lost (their deadline passed while the other keys
+        # were taken: the lock-set checker's seed 26): those are not confirmed either.
+        if not lost and not any(lease.lost for lease in leases):
+            return True
+        give_back_quietly(store, leases)
+        log_acquire.info(
+            "%s[%s]: a key expired while the others were taken; again", self.task.name, self.request.id
+        )
+        return False
+
+    def _claim_all(self, claim: str) -> tuple[list[Lease] | None, AdmitOutcome | None, str]:
+        """Claim every key handed to this run. ``(leases, None, "")`` when all were claimed; else the
+        keys claimed so far are reservations again, and ``(None, outcome, key)`` says why ``key``
+        failed."""
+        claimed: list[Lease] = []
+        try:
+            for key in self.keys:
+                admission = self._admit(key, claim)
+                if admission.lease is not None:
+                    claimed.append(admission.lease)
+                    continue
+                outcome = admission.outcome
+                if outcome in (AdmitOutcome.RUNNING, AdmitOutcome.RETRIED):
+                    # (RETRIED: a later attempt carries the task on; this one keeps no key.)
+                    give_back_quietly(self.store, claimed)
+                else:
+                    # Not (or no longer) reserved for this run here: an older run was handed it, or its
+                    # reservation expired and it waits again. Keep the keys claimed as reservations.
+                    self._reserve_all(claimed)
+                claimed = []
+                return None, outcome, key
+        except BaseException:
+            give_back_quietly(self.store, claimed)
+            raise
+        return claimed, None, ""
+
+    def _admit_each(self) -> tuple[list[Lease], tuple[str, Admission] | None]:
+        """One attempt over every key: ``(leases, None)`` when all were taken; ``([], None)`` when the
+        run is parked or reserved on each; otherwise the keys taken are given back, this attempt's parks
+        removed, and ``([], (key, admission))`` says which key did not let it wait, and why
+        (``ALREADY_RAN``, ``RUNNING``, ``FULL``)."""
+        store = self.store
+        taken: list[Lease] = []
+        waiting = False
+        try:
+            for key in self.keys:
+                admission = self._admit(key, None)
+                if admission.lease is not None:
+                    taken.append(admission.lease)
+                    continue
+                if admission.outcome in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
+                    waiting = True
+                    continue
+                # done, running, retried, full: this run does not wait. Give back what it took and leave
+                # the queues it joined in this attempt (never another copy's places: only this entry's).
+                give_back_quietly(store, taken)
+                taken = []
+                if admission.outcome in (AdmitOutcome.FULL, AdmitOutcome.ALREADY_RAN, AdmitOutcome.RETRIED):
+                    for other in self.keys:
+                        store.unpark(other, self.entry["id"])
+                return [], (key, admission)
+        except BaseException:
+            give_back_quietly(store, taken)
+            raise
+        if not waiting:
+            return taken, None
+        self._reserve_all(taken)
+        return [], None
+
+    def _reserve_all(self, leases: list[Lease]) -> None:
+        """Keys taken by an attempt that must wait: each becomes a reservation for the run's entry. A key
+        lost meanwhile (expired, forced) is admitted again: taken (and reserved) or parked on."""
+        store, policy = self.store, self._queue_policy()
+        pending = list(leases)
+        rounds = 0
+        try:
+            while pending:
+                lease = pending.pop(0)
+                if store.reserve(lease, self.entry, timeout=policy.timeout):
+                    continue
+                rounds += 1
+                if rounds > 3 * len(leases):
+                    raise StoreUnavailable(f"{lease.key!r} kept being lost while this run reserved it")
+                again = self._admit(lease.key, None)
+                if again.lease is not None:
+                    pending.append(again.lease)
+                elif again.outcome not in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
+                    raise StoreUnavailable(
+                        f"{lease.key!r} was lost while this run reserved it, and it cannot wait there "
+                        f"({again.outcome.value})"
+                    )
+        except BaseException:
+            give_back_quietly(store, pending)
+            raise
+
+    def _parked_all(self, stamp: int) -> NoReturn:
+        """Parked or reserved on every key: published when all are reserved for it (by whoever makes
+        the last reservation; here if that was this attempt)."""
+        task, keys, entry, store = self.task, self.keys, self.entry, self.store
+        if store.reserved_for_all(entry):
+            _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
+        signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)
+        log_acquire.info(
+            "%s[%s]: waits for %s (parked or reserved on each, no worker slot held): it starts once every "
+            "key is handed to it",
+            task.name,
+            entry["t"],
+            keys,
+        )
+        ignored_as(
+            entry["t"], f"waits for {', '.join(map(repr, keys))}, not dropped: it starts once it has them all"
+        )
+        raise Ignore()
