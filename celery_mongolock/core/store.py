@@ -691,7 +691,7 @@ class LeaseStore:
             raise self._unavailable(f"acquire lease {key!r}", last_error) from None
 
         if admission is not None and doc is not None:
-            doc["_admit_token"] = token  # a handoff this admit made is marked with it (ho.by)
+            doc["_admit_token"] = token  # a handoff this admit made is marked with admit_marker(token)
             outcome = doc.get("lo")
             if outcome == "dup" and ambiguous:
                 doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
@@ -843,11 +843,13 @@ class LeaseStore:
             doc.setdefault("lo", "acquired")
         key = normalize_key(key)
         handed = None
+        admit_token = str(doc.get("_admit_token") or "")
+        marker = admission_docs.admit_marker(admit_token) if admit_token else ""
         if limit is not None:
             # Any admit on a slotted key may hand free slots to parked runs (the command's last stages).
-            handed = self._handed(key, doc, str(doc.get("_admit_token") or ""))
+            handed = self._handed(key, doc, marker)
         elif lease is None and doc.get("lo") == "parked":
-            handed = self._handed(key, doc, str(doc.get("_admit_token") or ""))
+            handed = self._handed(key, doc, marker)
         if handed is not None and self.history_days:
             # The key was found vacant: an expired lease's ending may be in ``ends`` (same command).
             self.heartbeat.copy_endings({"_id": key})

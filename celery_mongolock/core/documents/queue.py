@@ -42,6 +42,7 @@ __all__ = [
     "MAX_PARKED",
     "SEEN_KEPT",
     "WAITS",
+    "admit_marker",
     "admit_pipeline",
     "gc_stage",
     "handoff_stages",
@@ -117,6 +118,14 @@ WAITS: Document = {
 def run_id(task_id: str, delivery: str) -> str:
     """One run of a task id (its own retries and contention retries): what duplicates are matched on."""
     return f"{task_id}/{delivery}"
+
+
+def admit_marker(token: str) -> str:
+    """How an admit marks the handoffs it makes (``ho.by``), so that its author publishes them: derived
+    from the run's token but never equal to it, since the token becomes the owner of the hold the admit
+    takes, and that hold's release (marked with the owner's token) must not take pending handoffs made
+    by the admit for its own and publish them a second time."""
+    return f"admit:{token}"
 
 
 def gc_stage() -> Document:
@@ -834,7 +843,7 @@ def admit_pipeline(
     # Found free with runs parked (or an unclaimed handoff): this run parked, and the key goes to the
     # oldest, in this same command.
     hand_when = {"$and": ["$__park", "$__vac"]}
-    stages += handoff_stages(hand_when, requeue_handoff(), token)
+    stages += handoff_stages(hand_when, requeue_handoff(), admit_marker(token))
     stages.append({"$unset": ["__o", "__free", "__park", "__vac"]})
     stages.append(gc_stage())
     return stages

@@ -462,7 +462,7 @@ def slot_admit_pipeline(
         {"$set": {"__new": {"$in": ["$__o", ["acquired", "due"]]}}},
         {"$set": fields},
         {"$unset": ["__o", "__new", "__base"]},
-        *fill_stages(token),
+        *fill_stages(adm.admit_marker(token)),
         adm.gc_stage(),
     ]
 
