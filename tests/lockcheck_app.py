@@ -10,8 +10,9 @@ recognised and never applies its update twice.
 The queued tasks (``rmw_queue``: ``Queue()``, ``rmw_replace``: ``Replace()``) also leave what the order
 checks need: every admission's outcome with the fence in the lease document at that moment (``admit``,
 recorded around ``LeaseStore.admit``), every handoff with the fence it gave (``handoff``, around
-``LeaseStore._handed``), and the library's ``run_parked``, ``run_handed_off`` and ``run_superseded``
-signals. These wrappers only record; they call the library's own methods unchanged.
+``Handoffs.publish``, the store's part that publishes handoffs), and the library's ``run_parked``,
+``run_handed_off`` and ``run_superseded`` signals. These wrappers only record; they call the library's own
+methods unchanged.
 
 The ``limit=N`` tasks (``rmw_limit``: ``Retry``, ``rmw_limit_skip``: ``Skip``, ``rmw_limit_queued``:
 ``Queue()``; N = ``lockcheck.LIMIT``) write their slot's part of the key's protected document
@@ -36,6 +37,7 @@ from celery.signals import before_task_publish, task_postrun, task_received, wor
 
 from celery_mongolock import LeaseStore, Queue, Replace, Retry, Skip, current_lease, singleton_task
 from celery_mongolock import signals as mongolock_signals
+from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.lease import LeaseSet
 from celery_mongolock.task import DUPLICATE_HEADER
 
@@ -126,7 +128,7 @@ def _ended(task_id: Any = None, state: Any = None, retval: Any = None, **_: Any)
 
 # -- what the queued tasks' checks need (lockcheck.check_queued) ------------------------------------------
 _library_admit = LeaseStore.admit
-_library_handed = LeaseStore._handed
+_library_handed = Handoffs.publish
 
 
 def _admit(self: LeaseStore, key: str, entry: Any, **kwargs: Any) -> Any:
@@ -169,8 +171,8 @@ def _record_admit(
     )  # fmt: skip
 
 
-def _handed(self: LeaseStore, key: str, doc: Any, by: str) -> Any:
-    """``LeaseStore._handed`` (the command whose reply is ``doc`` handed ``key``), recording the handoff
+def _handed(self: Handoffs, key: str, doc: Any, by: str) -> Any:
+    """``Handoffs.publish`` (the command whose reply is ``doc`` handed ``key``), recording the handoff
     and the fence it gave before the run is published. A ``limit=N`` key hands slots: each is a hold in
     ``hs`` with the run's entry in its ``ho`` and its own fence and slot."""
     hist = _history()
@@ -197,7 +199,7 @@ def _record_handed(hist: lockcheck.HistoryWriter, key: str, doc: Any, by: str) -
 
 
 LeaseStore.admit = _admit  # type: ignore[method-assign]
-LeaseStore._handed = _handed  # type: ignore[method-assign]
+Handoffs.publish = _handed  # type: ignore[method-assign]
 
 
 @mongolock_signals.run_parked.connect

@@ -76,7 +76,7 @@ def test_close_returns_promptly_when_the_server_was_killed(
     assert thread is not None
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert store._client_cache is None
+    assert store.connection.client_cache is None
 
     # Fail closed: the lease could not be given back, so it is still held on the server (until it
     # expires there); nobody takes it early.
@@ -127,7 +127,7 @@ def test_release_held_gives_up_within_its_timeout(own_server: Any, db_name: str)
     assert thread is not None
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert store._client_cache is None
+    assert store.connection.client_cache is None
 
 
 def test_close_with_a_live_server_releases(own_server: Any, db_name: str) -> None:

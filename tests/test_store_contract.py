@@ -658,7 +658,7 @@ def test_a_child_forked_while_another_thread_holds_the_locks_does_not_deadlock(
     inside, leave = threading.Event(), threading.Event()
 
     def busy() -> None:
-        with s._state_lock, config._lock:
+        with s.connection.state_lock, config._lock:
             inside.set()
             leave.wait(30)
 
@@ -669,7 +669,8 @@ def test_a_child_forked_while_another_thread_holds_the_locks_does_not_deadlock(
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         try:
-            s._pid = -1  # as if the store had been made before an earlier fork: _check_pid takes its lock
+            # as if the store had been made before an earlier fork: check_pid takes its lock
+            s.connection.pid = -1
             with config._lock:
                 ok = s.acquire("forked") is not None
             os.write(write, b"1" if ok else b"0")

@@ -1,0 +1,601 @@
+"""The lease store's acquisitions (a part of ``LeaseStore``): ``try_acquire`` (one command, retried with
+the same token on an ambiguous outcome), ``acquire``, ``admit`` (a queued run's acquire), ``wait_free``
+and ``hold``. What is sent is built in ``documents``.
+
+The acquire algorithm (one round trip)
+======================================
+1. A fresh owner token is drawn for every acquisition.
+2. One ``findAndModify`` with ``{_id: key}``, ``upsert: true`` and an *update pipeline*
+   (``documents.acquire_pipeline``) that, on the server, computes
+   ``free = owner is null OR expires_at <= $$NOW OR owner == token`` and, only when free, sets owner,
+   ttl, holder, ``expires_at = $$NOW + ttl`` and ``fence = max(fence + 1, $$NOW in ms * 1000)``; when
+   not free every field is left as it was. Expiry is therefore judged on the server clock, inside the
+   same atomic write; no client clock is involved.
+3. The document after the update says who holds the key: our token means acquired, anything else is
+   contention (the holder's details are reported), not an error.
+4. If the reply is lost (network error, timeout, primary step-down) the *same* command with the *same*
+   token is sent again: the ``owner == token`` clause makes the retry take over our own half-finished
+   acquisition instead of seeing it as contention. If no retry gets through, the token is handed to the
+   heartbeat thread, which releases it as soon as the server answers, so an ambiguous acquire never
+   blocks the key until expiry for nothing.
+5. Concurrent upserts of a missing key may collide on ``_id`` (``DuplicateKeyError``): the loser
+   simply repeats step 2, which now sees the winner's document.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pymongo import ReadPreference, ReturnDocument
+from pymongo.collection import Collection
+from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
+
+from celery_mongolock.core.documents import base as documents
+from celery_mongolock.core.documents import queue as admission_docs
+from celery_mongolock.core.documents import slot_queue as slot_admission
+from celery_mongolock.core.documents import slots as slots_docs
+from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.keys import normalize_key
+from celery_mongolock.core.lease import Lease, LeaseBackend, aware
+from celery_mongolock.core.store_connection import AMBIGUOUS
+from celery_mongolock.core.validation import (
+    MAX_LEASE_SECONDS,
+    validate_lease_timing,
+    validate_limit,
+    validate_seconds,
+)
+from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended, StoreUnavailable
+
+if TYPE_CHECKING:
+    from celery_mongolock.core.heartbeat import Heartbeat
+    from celery_mongolock.core.store_connection import Connection
+    from celery_mongolock.core.store_handoffs import Handoffs
+    from celery_mongolock.core.store_history import Records
+
+__all__ = ["Acquisition", "AcquisitionOwner", "Attempt", "acquire_command"]
+
+log_acquire = logging.getLogger("celery_mongolock.acquire")
+
+
+class AcquisitionOwner(LeaseBackend, Protocol):
+    """What acquisitions need from the store that owns them (``LeaseStore`` implements it); the store is
+    also the backend of the leases they issue."""
+
+    @property
+    def lease_seconds(self) -> float: ...
+
+    @property
+    def heartbeat_seconds(self) -> float: ...
+
+    @property
+    def operation_timeout(self) -> float: ...
+
+    @property
+    def history_days(self) -> float: ...
+
+    @property
+    def connection(self) -> Connection: ...
+
+    @property
+    def collection(self) -> Collection[Document]: ...
+
+    @property
+    def handoffs(self) -> Handoffs: ...
+
+    @property
+    def records(self) -> Records: ...
+
+    @property
+    def heartbeat(self) -> Heartbeat: ...
+
+    def try_acquire(
+        self,
+        key: str,
+        ttl: float | None,
+        *,
+        info: Mapping[str, Any] | None = None,
+        heartbeat: bool = False,
+        heartbeat_seconds: float | None = None,
+        min_hold: float = 0.0,
+        tick: int | None = None,
+        hold_until_ms: int | None = None,
+        admission: Mapping[str, Any] | None = None,
+        waited_ms: int | None = None,
+        waited_since_ms: int | None = None,
+        limit: int | None = None,
+        ended_runs: Sequence[str] = (),
+    ) -> tuple[Lease | None, Document | None]: ...
+
+
+@dataclass
+class Attempt:
+    """One acquisition: what is sent, and once sent, what came back."""
+
+    key: str
+    token: str
+    ttl_s: float
+    beat: float
+    holder: Document
+    limit: int | None
+    admitting: bool
+    heartbeat: bool
+    pipeline: list[Document]
+    projection: Document | None
+    doc: Document | None = None
+    sent_at: float = 0.0
+    #: Some attempt may have reached the server with no answer back.
+    ambiguous: bool = False
+    #: Until when (monotonic) a copy of an unanswered attempt may still land on the server.
+    landing_window: float = 0.0
+
+
+def acquire_command(
+    token: str,
+    ttl_ms: int,
+    holder: Document,
+    *,
+    limit: int | None,
+    admission: Mapping[str, Any] | None,
+    hold_ms: int,
+    tick: int | None,
+    hold_until_ms: int | None,
+    waited_ms: int | None,
+    waited_since_ms: int | None,
+    ended_runs: Sequence[str],
+) -> tuple[list[Document], Document | None]:
+    """The update pipeline and projection of one acquire: single lease or ``limit=N`` slot, plain or
+    a queued run's admission."""
+    if limit is not None and admission is not None:
+        pipeline = slot_admission.slot_admit_pipeline(
+            token, ttl_ms, holder, limit, waited_ms=waited_ms, **admission
+        )
+        return pipeline, admission_docs.ADMIT_PROJECTION
+    if limit is not None:
+        if waited_since_ms is not None and waited_ms is None:
+            waited_ms = max(0, int(time.time() * 1000) - waited_since_ms)
+        # (A beat tick's hold_until_ms, the end of its window, is for single leases: a slot is held
+        # while its run runs.)
+        pipeline = slots_docs.slot_acquire_pipeline(
+            token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick, ended_runs=ended_runs
+        )
+        # With ``ends`` (at most 8): the endings of holds this acquire found expired go to the history.
+        return pipeline, {"q.m": 0, "seen": 0}
+    if admission is None:
+        pipeline = documents.acquire_pipeline(
+            token,
+            ttl_ms,
+            holder=holder,
+            tick=tick,
+            min_hold_ms=hold_ms,
+            hold_until_ms=hold_until_ms,
+            waited_ms=waited_ms,
+            waited_since_ms=waited_since_ms,
+            ended_runs=ended_runs,
+        )
+        return pipeline, documents.ACQUIRE_PROJECTION
+    fields = documents.acquire_fields(
+        token,
+        ttl_ms,
+        holder,
+        min_hold_ms=hold_ms,
+        hold_until_ms=hold_until_ms,
+        waited_ms=waited_ms,
+        waited_since_ms=waited_since_ms,
+    )
+    return admission_docs.admit_pipeline(fields, token=token, **admission), admission_docs.ADMIT_PROJECTION
+
+
+def _check_ticks(tick: int | None, hold_until_ms: int | None) -> None:
+    if tick is not None and (isinstance(tick, bool) or not isinstance(tick, int)):
+        raise ConfigurationError(f"tick must be an int, got {type(tick).__name__}")
+    if hold_until_ms is not None and (isinstance(hold_until_ms, bool) or not isinstance(hold_until_ms, int)):
+        raise ConfigurationError(
+            f"hold_until_ms must be an int (epoch ms), got {type(hold_until_ms).__name__}"
+        )
+
+
+def _mark_admit(doc: Document, token: str, ambiguous: bool) -> None:
+    """A queued run's admit reply, made plain: its outcome (``lo``) as this very admit caused it."""
+    doc["_admit_token"] = token  # a handoff this admit made is marked with admit_marker(token)
+    outcome = doc.get("lo")
+    if outcome == "dup" and ambiguous:
+        doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
+    mine = doc.get("owner") == token or any(
+        h.get("o") == token for h in doc.get("hs") or [] if isinstance(h, dict)
+    )
+    if mine and outcome not in ("acquired", "claimed", "due"):
+        doc["lo"] = "acquired"
+
+
+class Acquisition:
+    """Taking the leases of one store."""
+
+    def __init__(self, store: AcquisitionOwner) -> None:
+        self.store = store
+
+    def try_acquire(
+        self,
+        key: str,
+        ttl: float | None,
+        *,
+        info: Mapping[str, Any] | None = None,
+        heartbeat: bool = False,
+        heartbeat_seconds: float | None = None,
+        min_hold: float = 0.0,
+        tick: int | None = None,
+        hold_until_ms: int | None = None,
+        admission: Mapping[str, Any] | None = None,
+        waited_ms: int | None = None,
+        waited_since_ms: int | None = None,
+        limit: int | None = None,
+        ended_runs: Sequence[str] = (),
+    ) -> tuple[Lease | None, Document | None]:
+        """One acquire (with its retries on an ambiguous outcome): ``(lease, None)`` when taken, else
+        ``(None, the document)``. ``admission``: the keyword arguments of ``queue.admit_pipeline``
+        (a queued run's admit: the outcome is in the returned document's ``lo``). ``ended_runs``: a
+        copy's run ids (not for an admission, which judges its copies itself): refused, even when free,
+        when one of them is remembered as over (the duplicate guard, in the acquire itself).
+
+        The command is built (``acquire_command``), sent (``send``) and its reply read (``reply``)."""
+        store = self.store
+        key = normalize_key(key)
+        hold_s = validate_seconds("min_hold", min_hold, low=0.0, high=MAX_LEASE_SECONDS)
+        _check_ticks(tick, hold_until_ms)
+        ttl_s, beat = validate_lease_timing(
+            store.lease_seconds if ttl is None else ttl,
+            heartbeat_seconds
+            if heartbeat_seconds is not None
+            else (store.heartbeat_seconds if ttl is None else None),
+        )
+        holder = documents.holder_info(store.connection.host, os.getpid(), info)
+        token = uuid.uuid4().hex
+        limit = validate_limit(limit)
+        if limit is not None and hold_s:
+            raise ConfigurationError("limit=N (N > 1) takes no minimum hold yet")
+        pipeline, projection = acquire_command(
+            token,
+            int(ttl_s * 1000),
+            holder,
+            limit=limit,
+            admission=admission,
+            hold_ms=int(hold_s * 1000),
+            tick=tick,
+            hold_until_ms=hold_until_ms,
+            waited_ms=waited_ms,
+            waited_since_ms=waited_since_ms,
+            ended_runs=ended_runs,
+        )
+        attempt = Attempt(
+            key, token, ttl_s, beat, holder, limit, admission is not None, heartbeat, pipeline, projection
+        )
+        self.send(attempt)
+        return self.reply(attempt)
+
+    def send(self, attempt: Attempt) -> None:
+        """Send ``attempt``'s command until it is answered (the reply in ``attempt.doc``), retrying with
+        the same token on an ambiguous outcome until ``operation_timeout``. ``StoreUnavailable`` if no
+        answer came: then a copy that may still land is released in the background."""
+        store = self.store
+        clock = store.clock
+        give_up_at = clock.monotonic() + store.operation_timeout
+        tries = 0
+        last_error: BaseException | None = None
+        attempt.sent_at = clock.monotonic()
+        while True:
+            tries += 1
+            remaining = give_up_at - clock.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                attempt.doc = self._send_once(attempt, remaining)
+                last_error = None
+                break
+            except DuplicateKeyError:
+                # Two upserts of a missing key raced; the other insert won. Run again: now it matches.
+                if tries >= 5:
+                    raise StoreUnavailable(f"acquire of {attempt.key!r} kept colliding on insert") from None
+                continue
+            except AMBIGUOUS as exc:
+                last_error = exc
+                attempt.ambiguous = True
+                log_acquire.info(
+                    "acquire %r: ambiguous outcome (%s), retrying with the same token",
+                    attempt.key,
+                    type(exc).__name__,
+                )
+            except OperationFailure as exc:  # RetryableWriteError-labelled failures
+                last_error = exc
+                attempt.ambiguous = True
+            except StoreUnavailable as exc:
+                last_error = exc
+                break
+            backoff = 0.05 * (2 ** min(tries, 6)) * (0.5 + random.random())
+            clock.sleep(min(backoff, max(0.0, give_up_at - clock.monotonic())))
+        # A copy of an attempt that got no answer may still be queued on the server and land later
+        # (until the server gives up on it, a little after our deadline). Our token must not be left
+        # holding the key for nobody: release it in the background during that window.
+        attempt.landing_window = clock.monotonic() + store.operation_timeout + 5.0
+        if last_error is not None:
+            if attempt.ambiguous:
+                store.release_later(attempt.key, attempt.token, attempt.landing_window, maybe=True)
+            if isinstance(last_error, StoreUnavailable):
+                raise last_error
+            raise store.connection.unavailable(f"acquire lease {attempt.key!r}", last_error) from None
+
+    def _send_once(self, attempt: Attempt, remaining: float) -> Document | None:
+        """One ``findAndModify`` of ``attempt`` (errors after which the outcome is unknown passed through)."""
+        connection = self.store.connection
+        coll = connection.ready_collection()
+        attempt.sent_at = self.store.clock.monotonic()
+        with connection.operation(f"acquire lease {attempt.key!r}", timeout=remaining, retryable=True):
+            doc: Document | None = coll.find_one_and_update(
+                documents.acquire_filter(attempt.key),
+                attempt.pipeline,
+                projection=attempt.projection,
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+            )
+            if doc is None:
+                # Seen on the embedded server under contention: the update was applied but no
+                # document returned. Read it back; our token tells whether we got it.
+                primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
+                doc = primary.find_one(documents.acquire_filter(attempt.key), attempt.projection)
+        return doc
+
+    def reply(self, attempt: Attempt) -> tuple[Lease | None, Document | None]:
+        """The outcome of an answered ``attempt``: the lease, or None and the document (contention)."""
+        doc, key, token = attempt.doc, attempt.key, attempt.token
+        if attempt.admitting and doc is not None:
+            _mark_admit(doc, token, attempt.ambiguous)
+        if attempt.limit is not None:
+            return self.slot_lease(attempt)
+        if doc is None or doc.get("owner") != token:
+            if doc is not None:
+                log_acquire.debug("lease %r is held by %s", key, doc.get("holder"))
+            if attempt.ambiguous:
+                self.store.release_later(key, token, attempt.landing_window, quiet=True, maybe=True)
+            return None, doc
+        lease = self._lease(
+            attempt,
+            fence=doc["fence"],
+            expires=doc.get("expires_at"),
+            acquired=doc.get("acquired_at"),
+            waited=doc.get("waited_ms"),
+        )
+        taken_over = documents.ended_by_takeover(doc)
+        if taken_over is not None:
+            self.store.records.record(documents.history_record(key, taken_over))
+        log_acquire.info("acquired lease %r fence=%s ttl=%gs", key, lease.fence, attempt.ttl_s)
+        if attempt.heartbeat:
+            self.store.heartbeat.add(lease)
+        return lease, doc
+
+    def slot_lease(self, attempt: Attempt) -> tuple[Lease | None, Document | None]:
+        """The outcome of a ``limit=N`` acquire, from its reply: our hold is in ``hs``, or the key is full."""
+        doc, key, token = attempt.doc, attempt.key, attempt.token
+        for ending in documents.slots_expired_by(doc):
+            self.store.records.record(documents.history_record(key, ending))
+        if doc is not None:
+            doc.pop("ends", None)
+        mine = next((h for h in (doc or {}).get("hs") or [] if h.get("o") == token), None)
+        if mine is None:
+            if attempt.ambiguous:
+                self.store.release_later(key, token, attempt.landing_window, quiet=True, maybe=True)
+            return None, doc
+        lease = self._lease(
+            attempt,
+            fence=mine["f"],
+            expires=mine.get("x"),
+            acquired=mine.get("a"),
+            waited=mine.get("w"),
+            slot=int(mine["s"]),
+        )
+        log_acquire.info(
+            "acquired lease %r slot %s fence=%s ttl=%gs", key, lease.slot, lease.fence, attempt.ttl_s
+        )
+        if attempt.heartbeat:
+            self.store.heartbeat.add(lease)
+        return lease, doc
+
+    def _lease(
+        self,
+        attempt: Attempt,
+        *,
+        fence: Any,
+        expires: Any,
+        acquired: Any,
+        waited: Any,
+        slot: int | None = None,
+    ) -> Lease:
+        lease = Lease(
+            self.store,
+            attempt.key,
+            attempt.token,
+            fence=int(fence),
+            ttl=attempt.ttl_s,
+            heartbeat_seconds=attempt.beat,
+            expires_at=aware(expires),
+            sent_at=attempt.sent_at,
+            holder=attempt.holder,
+            acquired_at=aware(acquired),
+            waited_ms=waited,
+            slot=slot,
+        )
+        if attempt.ambiguous:
+            lease.ambiguous_until = attempt.landing_window
+        return lease
+
+    # -- on top of try_acquire -----------------------------------------------------------------------
+    def admit(
+        self,
+        key: str,
+        entry: Mapping[str, Any],
+        *,
+        ttl: float | None = None,
+        claim: str | None = None,
+        timeout: float | None = None,
+        max_length: int | None = None,
+        replace: bool = False,
+        debounce: float | None = None,
+        due: bool = False,
+        min_hold: float = 0.0,
+        info: Mapping[str, Any] | None = None,
+        heartbeat: bool = False,
+        heartbeat_seconds: float | None = None,
+        limit: int | None = None,
+    ) -> tuple[Lease | None, Document]:
+        """Admit a run of a queued task (one ``findAndModify``): take ``key``, claim the handoff
+        ``claim``, or park the run (``entry``: ``id``, ``t``, ``s`` and the fields listed in
+        ``documents.queue``; ``tk`` and ``ttl`` are filled in). Returns ``(lease, document)``; the outcome
+        is the document's ``lo`` (``queue.ADMIT_OUTCOMES``). ``timeout``: seconds the run may stay
+        parked; ``max_length``: the longest queue (``full`` beyond); ``replace``: at most one parked
+        run, a newer send supersedes it; ``debounce``: every run parks and may start only when no newer
+        send came for that many seconds; ``due``: the run's own delayed copy, which takes the key for its
+        entry once due; ``limit``: the key has N slots (``limit=N``), a parked run is handed any one. A
+        handoff this admit made (the key was found free with older runs parked) is published
+        (``add_handoff_callback``). One ``store.try_acquire`` with ``admission``."""
+        store = self.store
+        for field in ("id", "t", "s"):
+            if field not in entry:
+                raise ConfigurationError(f"a parked entry needs {field!r}, got {sorted(entry)}")
+        ttl_s = store.lease_seconds if ttl is None else ttl
+        full_entry = dict(entry)
+        full_entry.setdefault("tk", uuid.uuid4().hex)
+        full_entry["ttl"] = int(ttl_s * 1000)
+        timeout_ms = (
+            None
+            if timeout is None
+            else int(validate_seconds("timeout", timeout, low=0.0, high=MAX_LEASE_SECONDS) * 1000)
+        )
+        # The holder names the run, so that a copy of its message is recognised while it runs.
+        run_info = {"task_id": entry["t"], "task_name": entry.get("n"), "delivery": entry.get("r")}
+        run_info = {k: v for k, v in run_info.items() if v is not None}
+        lease, doc = store.try_acquire(  # (through the store: a test's stand-in for it takes effect)
+            key,
+            ttl,
+            info={**run_info, **(info or {})},
+            heartbeat=heartbeat,
+            heartbeat_seconds=heartbeat_seconds,
+            min_hold=min_hold,
+            admission={
+                "entry": full_entry,
+                "timeout_ms": timeout_ms,
+                "claim": claim,
+                "max_length": max_length,
+                "replace": replace,
+                "debounce_ms": int(debounce * 1000) if debounce else None,
+                "due": due,
+            },
+            limit=limit,
+        )
+        doc = dict(doc or {})
+        if lease is not None:
+            doc.setdefault("lo", "acquired")
+        self._admitted(normalize_key(key), lease, doc, limit)
+        return lease, doc
+
+    def _admitted(self, key: str, lease: Lease | None, doc: Document, limit: int | None) -> None:
+        """Publish the handoffs an admit made (the key was found free with older runs parked)."""
+        handed = None
+        admit_token = str(doc.get("_admit_token") or "")
+        marker = admission_docs.admit_marker(admit_token) if admit_token else ""
+        if limit is not None:
+            # Any admit on a slotted key may hand free slots to parked runs (the command's last stages).
+            handed = self.store.handoffs.publish(key, doc, marker)
+        elif lease is None and doc.get("lo") == "parked":
+            handed = self.store.handoffs.publish(key, doc, marker)
+        if handed is not None and self.store.history_days:
+            # The key was found vacant: an expired lease's ending may be in ``ends`` (same command).
+            self.store.heartbeat.copy_endings({"_id": key})
+
+    def wait_free(
+        self, key: str, timeout: float, *, poll_interval: float = 0.05, max_poll_interval: float = 1.0
+    ) -> bool:
+        """``LeaseStore.wait_free``: a change stream where the server has them, else polling."""
+        key = normalize_key(key)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout):
+            raise ConfigurationError(f"timeout must be a number of seconds, got {timeout!r}")
+        store = self.store
+        clock = store.clock
+        give_up_at = clock.monotonic() + max(0.0, timeout)
+        try:
+            with store.connection.operation(f"watch lease {key!r}", timeout=None):
+                # (the store's collection: a store may stand in one without change streams, as a test's does)
+                stream = store.collection.watch([{"$match": {"documentKey._id": key}}], max_await_time_ms=200)
+        except (StoreUnavailable, OperationFailure, *AMBIGUOUS):
+            stream = None  # no change streams here (standalone server, permissions): poll instead
+        interval = poll_interval
+        try:
+            while True:
+                info = store.records.inspect(key)
+                queued = info is not None and bool(info.parked or info.handoff)
+                if info is None or not (info.full or queued):
+                    return True
+                remaining = give_up_at - clock.monotonic()
+                if remaining <= 0:
+                    return False
+                # Sleep until a change, the holder's expiry, or the deadline, whichever is first. A key
+                # with runs parked is theirs first, even when nobody holds it: look again later.
+                nap = min(remaining, max(0.01, (info.expires_in or 0.0) + 0.005))
+                if queued and not info.full:
+                    nap = min(remaining, max_poll_interval)
+                if stream is not None:
+                    wake_at = clock.monotonic() + nap
+                    try:
+                        # Each try_next waits on the server up to max_await_time_ms for a change.
+                        while stream.try_next() is None and clock.monotonic() < wake_at:
+                            pass
+                    except (PyMongoError, *AMBIGUOUS):
+                        stream = None
+                else:
+                    # Jittered, but never past max_poll_interval: that bounds how late a release is seen.
+                    clock.sleep(min(nap, max_poll_interval, interval * (0.5 + random.random())))
+                    interval = min(max_poll_interval, interval * 2)
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.close()
+
+    @contextlib.contextmanager
+    def hold(
+        self,
+        key: str,
+        ttl: float | None = None,
+        *,
+        wait: float = 0.0,
+        info: Mapping[str, Any] | None = None,
+        heartbeat_seconds: float | None = None,
+        poll_interval: float = 0.05,
+        max_poll_interval: float = 1.0,
+    ) -> Iterator[Lease]:
+        """``LeaseStore.hold``: ``store.try_acquire`` with a heartbeat, waiting with ``wait_free``."""
+        wait_s = validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
+        store = self.store
+        clock = store.clock
+        give_up_at = clock.monotonic() + wait_s
+        while True:
+            lease, doc = store.try_acquire(
+                key, ttl, info=info, heartbeat=True, heartbeat_seconds=heartbeat_seconds
+            )
+            if lease is not None:
+                break
+            remaining = give_up_at - clock.monotonic()
+            if remaining <= 0 or not self.wait_free(
+                key, remaining, poll_interval=poll_interval, max_poll_interval=max_poll_interval
+            ):
+                holder = (doc or {}).get("holder") or {}
+                raise LockContended(normalize_key(key), holder, aware((doc or {}).get("expires_at")))
+        with lease:
+            yield lease
+            if lease.lost:
+                # The block ran (at least in part) without the lease: do not let it pass as protected.
+                raise LeaseLost(lease.key, lease.fence, lease.lost_reason or "lost")

@@ -1,0 +1,185 @@
+"""The lease store's history and reads: the records of ended leases (queued for the heartbeat, written
+in batches), ``why`` and ``history`` of a key, and ``inspect``/``list`` of lease documents.
+
+A part of ``LeaseStore`` (``store``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as _dt
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pymongo
+from pymongo.errors import BulkWriteError
+
+from celery_mongolock.core.documents import base as documents
+from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.history import KeyStory, LeaseEnding, merge_endings
+from celery_mongolock.core.keys import normalize_key
+from celery_mongolock.core.lease import LeaseInfo
+from celery_mongolock.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from celery_mongolock.core.clock import Clock
+    from celery_mongolock.core.heartbeat import Heartbeat
+    from celery_mongolock.core.lease import Lease
+    from celery_mongolock.core.store_connection import Connection
+
+__all__ = ["ENDING_FIELDS", "Records", "RecordsOwner"]
+
+#: Holder info fields and the ending fields they are recorded as (``documents.ending_expr``).
+ENDING_FIELDS = {
+    "task_id": "t",
+    "task_name": "n",
+    "delivery": "run",
+    "host": "host",
+    "pid": "pid",
+    "worker": "worker",
+}
+
+
+class RecordsOwner(Protocol):
+    """What the history part needs from the store that owns it (``LeaseStore`` implements it)."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def history_days(self) -> float: ...
+
+    @property
+    def connection(self) -> Connection: ...
+
+    @property
+    def heartbeat(self) -> Heartbeat: ...
+
+
+class Records:
+    """The history records of one store's leases, and its reads of lease documents."""
+
+    def __init__(self, store: RecordsOwner) -> None:
+        self.store = store
+
+    # -- records of this process's leases (no I/O: the heartbeat writes them) --------------------------
+    def server_now(self, lease: Lease) -> _dt.datetime:
+        """The server's time now, estimated from the lease's acquisition (server time) carried forward on
+        the monotonic clock: no round trip. Off by at most the acquire's round trip and the drift."""
+        if lease.acquired_at is None:
+            return _dt.datetime.now(_dt.timezone.utc)
+        elapsed = max(0.0, self.store.clock.monotonic() - lease.acquired_mono)
+        now = lease.acquired_at + _dt.timedelta(seconds=elapsed)
+        return now.replace(microsecond=now.microsecond // 1000 * 1000)  # BSON dates are milliseconds
+
+    def local_ending(
+        self, lease: Lease, how: str, view: str = documents.SERVER_VIEW, **extra: Any
+    ) -> Document:
+        """The history record of ``lease``'s end as this process saw it (no I/O)."""
+        holder = lease.holder
+        ending: Document = {
+            field: holder[name] for name, field in ENDING_FIELDS.items() if holder.get(name) is not None
+        }
+        if "n" not in ending and holder.get("role") is not None:
+            ending["n"] = holder["role"]
+        ending.update(
+            f=lease.fence, a=lease.acquired_at, e=self.server_now(lease), w=lease.waited_ms, how=how, **extra
+        )
+        return documents.history_record(lease.key, ending, view)
+
+    def record(self, record: Document) -> None:
+        """Queue a history record; the heartbeat thread inserts it at its next tick."""
+        if self.store.history_days:
+            self.store.heartbeat.record(record)
+
+    def record_lost(self, lease: Lease, reason: str) -> None:
+        """``LeaseStore.record_lost``."""
+        if lease.acquired_at is not None:  # a lease this store issued (not a made-up Lease object)
+            self.record(self.local_ending(lease, "lost", documents.HOLDER_VIEW, why=reason))
+
+    # -- the history collection ------------------------------------------------------------------------
+    def write_history(
+        self, records: builtins.list[Document], copies: Sequence[Document] = (), timeout: float | None = None
+    ) -> int:
+        """Insert history records (``insert_many``, unordered; a record already there is skipped: its
+        ``_id`` is key + fence + view). ``copies``: lease documents (filters) whose endings are copied in
+        as well, read in one ``find``. Returns how many were new. ``StoreUnavailable`` if MongoDB does not
+        answer."""
+        if not self.store.history_days:
+            return 0
+        records = builtins.list(records)
+        connection = self.store.connection
+        if not connection.indexes_ready:  # the TTL index before the first record (an operator's process)
+            connection.ensure_indexes()
+        with connection.operation("write the lease history", timeout=timeout):
+            if copies:
+                query = copies[0] if len(copies) == 1 else {"$or": list(copies)}
+                for doc in connection.collection.find(query, {"ends": 1}):
+                    records += [documents.history_record(doc["_id"], e) for e in doc.get("ends") or []]
+            if not records:
+                return 0
+            try:
+                return len(connection.history_collection.insert_many(records, ordered=False).inserted_ids)
+            except BulkWriteError as exc:
+                errors = exc.details.get("writeErrors") or []
+                if any(e.get("code") != 11000 for e in errors):
+                    raise
+                return int(exc.details.get("nInserted") or 0)
+
+    def flush_history(self, timeout: float | None = None) -> bool:
+        """``LeaseStore.flush_history``."""
+        hb = self.store.connection.started_heartbeat
+        if hb is None or hb.pid != os.getpid():
+            return True
+        return hb.flush_history(timeout=timeout)
+
+    def why(self, key: str) -> KeyStory | None:
+        """``LeaseStore.why``: the document in one command, the newest history records in a second."""
+        key = normalize_key(key)
+        connection = self.store.connection
+        with connection.operation(f"read lease {key!r}"):
+            docs = list(connection.collection.aggregate(documents.story_pipeline(key)))
+            stored: builtins.list[Document] = []
+            if docs and self.store.history_days:
+                # Endings ``ends`` does not keep: runs that ended while parked, and older ones.
+                stored = list(
+                    connection.history_collection.find({"k": key}).sort("f", pymongo.DESCENDING).limit(16)
+                )
+        return KeyStory.from_document(docs[0], stored, documents.HOLDER_VIEW) if docs else None
+
+    def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:
+        """``LeaseStore.history``: the history collection merged with the document's ``ends``."""
+        key = normalize_key(key)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigurationError(f"limit must be a positive int, got {limit!r}")
+        connection = self.store.connection
+        with connection.operation(f"read the history of {key!r}"):
+            doc = connection.collection.find_one({"_id": key}, {"ends": 1}) or {}
+            stored: builtins.list[Document] = []
+            if self.store.history_days:
+                stored = list(
+                    connection.history_collection.find({"k": key})
+                    .sort("f", pymongo.DESCENDING)
+                    .limit(limit * 2)
+                )
+        return merge_endings(key, doc.get("ends") or [], stored, limit, documents.HOLDER_VIEW)
+
+    # -- reading lease documents -----------------------------------------------------------------------
+    def read(self, match: Document, action: str) -> builtins.list[LeaseInfo]:
+        """The lease documents ``match`` finds, as ``LeaseInfo`` (one command)."""
+        connection = self.store.connection
+        with connection.operation(action):
+            docs = list(connection.collection.aggregate(documents.read_pipeline(match)))
+        return [documents.lease_info(d) for d in docs]
+
+    def inspect(self, key: str) -> LeaseInfo | None:
+        """``LeaseStore.inspect``."""
+        key = normalize_key(key)
+        found = self.read({"_id": key}, f"inspect lease {key!r}")
+        return found[0] if found else None
+
+    def list(self, prefix: str | None = None, *, include_free: bool = False) -> builtins.list[LeaseInfo]:
+        """``LeaseStore.list``."""
+        infos = self.read(documents.prefix_filter(prefix), "list leases")
+        return infos if include_free else [i for i in infos if i.held or i.parked or i.handoff]

@@ -1,0 +1,351 @@
+"""The lease store's upkeep of parked runs: reservations of a multi-key run's keys, unparking and giving
+back, the sweeper's commands (keys with parked runs or expired slot holds), the duplicate guard's read
+(``run_ended``), the records of runs that ended while parked and the cleanup of written results.
+
+A part of ``LeaseStore`` (``store``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as _dt
+import logging
+import uuid
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pymongo import ReturnDocument
+
+from celery_mongolock.core.documents import base as documents
+from celery_mongolock.core.documents import queue as admission_docs
+from celery_mongolock.core.documents import slot_queue as slot_admission
+from celery_mongolock.core.documents import slots as slots_docs
+from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.keys import normalize_key
+from celery_mongolock.core.outcomes import RUN_ENDED_PROJECTION, run_ended
+from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_seconds
+from celery_mongolock.exceptions import StoreUnavailable
+
+if TYPE_CHECKING:
+    from celery_mongolock.core.heartbeat import Heartbeat
+    from celery_mongolock.core.lease import Lease
+    from celery_mongolock.core.store_connection import Connection
+    from celery_mongolock.core.store_handoffs import Handoffs
+    from celery_mongolock.core.store_history import Records
+
+__all__ = ["QueueOwner", "QueueUpkeep"]
+
+log_acquire = logging.getLogger("celery_mongolock.acquire")
+
+
+class QueueOwner(Protocol):
+    """What the queue's upkeep needs from the store that owns it (``LeaseStore`` implements it)."""
+
+    @property
+    def history_days(self) -> float: ...
+
+    @property
+    def connection(self) -> Connection: ...
+
+    @property
+    def handoffs(self) -> Handoffs: ...
+
+    @property
+    def records(self) -> Records: ...
+
+    @property
+    def heartbeat(self) -> Heartbeat: ...
+
+    def forget(self, lease: Lease) -> None: ...
+
+    def release_tokens(
+        self, tokens: Collection[str], timeout: float | None = None, *, unconfirmed: Collection[str] = ()
+    ) -> int: ...
+
+
+def _timeout_ms(timeout: float | None) -> int | None:
+    if timeout is None:
+        return None
+    return int(validate_seconds("timeout", timeout, low=0.0, high=MAX_LEASE_SECONDS) * 1000)
+
+
+class QueueUpkeep:
+    """The commands on one store's parked runs other than admitting them (``Acquisition.admit``)."""
+
+    def __init__(self, store: QueueOwner) -> None:
+        self.store = store
+
+    # -- several keys per run under Queue (keys=) ----------------------------------------------------
+    def reserve(self, lease: Lease, entry: Mapping[str, Any], *, timeout: float | None = None) -> bool:
+        """Turn ``lease`` (taken by a run that needs several keys, in an attempt that found another of
+        them held) into a reservation of its key for the run's parked ``entry`` (``id``, ``t``, ``s``,
+        ``tk``, ``ks`` ...), in one command: the key is handed to the entry without being released, so
+        the run keeps its place (``queue.reserve_pipeline``). False if the lease was no longer ours
+        (the run must admit that key again)."""
+        full_entry = dict(entry)
+        full_entry["ttl"] = int(lease.ttl * 1000)
+        timeout_ms = _timeout_ms(timeout)
+        by = "reserve:" + uuid.uuid4().hex
+        lease.handed_over()  # to the entry: not ours to renew or release
+        self.store.forget(lease)  # (before the command: a renewal racing it would report the lease lost)
+        # Ours, or already reserved for the entry by an attempt of this command whose reply was lost.
+        match = {
+            "_id": lease.key,
+            "$or": [{"owner": lease.owner}, {"owner": entry["tk"], "ho.id": entry["id"]}],
+        }
+        connection = self.store.connection
+        doc: Document | None = None
+        for attempt in range(3):
+            try:
+                with connection.operation(f"reserve lease {lease.key!r}"):
+                    doc = connection.collection.find_one_and_update(
+                        match,
+                        admission_docs.reserve_pipeline(full_entry, timeout_ms, by),
+                        projection={"_id": 1},
+                    )
+                break
+            except StoreUnavailable:
+                if attempt == 2:
+                    raise
+        log_acquire.info(
+            "lease %r reserved for %s (%s)", lease.key, entry.get("t"), "kept" if doc else "lost"
+        )
+        return doc is not None
+
+    def unpark(self, key: str, entry_id: str) -> None:
+        """Remove the run ``entry_id`` from ``key``: its parked entry, or the handoff or reservation made
+        to it (the key then goes to the next parked run, published by this process)."""
+        key = normalize_key(key)
+        by = self.store.handoffs.by(uuid.uuid4().hex)
+        ident = {"$literal": entry_id}
+        mine = {"$and": [{"$eq": [{"$ifNull": ["$ho.id", None]}, ident]}, {"$eq": ["$owner", "$ho.tk"]}]}
+        pipeline: builtins.list[Document] = [
+            {"$set": {"__mine": mine}},
+            {
+                "$set": {
+                    "q": {
+                        "$filter": {
+                            "input": {"$ifNull": ["$q", []]},
+                            "as": "e",
+                            "cond": {"$ne": ["$$e.id", ident]},
+                        }
+                    },
+                    "owner": {"$cond": ["$__mine", None, "$owner"]},
+                    "ho": {"$cond": ["$__mine", None, "$ho"]},
+                }
+            },
+            {"$unset": ["__mine"]},
+            *admission_docs.release_handoff_stages(by),
+            admission_docs.gc_stage(),
+        ]
+        connection = self.store.connection
+        with connection.operation(f"unpark {entry_id} from {key!r}"):
+            doc = connection.collection.find_one_and_update(
+                {"_id": key, "$or": [{"q.id": entry_id}, {"ho.id": entry_id}]},
+                pipeline,
+                projection=admission_docs.HANDOFF_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is not None:
+            self.store.handoffs.publish(key, doc, by)
+
+    def give_back(self, lease: Lease) -> bool:
+        """Release ``lease`` of a run that has not run (an attempt that gives its keys back): as a
+        release, but the run is not remembered as over (``seen``), so a copy of it may still run."""
+        if not lease.handed_over():
+            return False
+        store = self.store
+        store.forget(lease)
+        if lease.slot is not None:  # a limit=N slot: released as the background release does
+            return store.release_tokens([lease.owner], unconfirmed=[lease.owner]) > 0
+        by = store.handoffs.by(lease.owner)
+        with store.connection.operation(f"give back lease {lease.key!r}"):
+            doc = store.connection.collection.find_one_and_update(
+                documents.release_filter(lease.key, lease.owner),
+                documents.release_pipeline(by, seen=False),
+                projection=admission_docs.HANDOFF_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is not None:
+            store.handoffs.publish(lease.key, doc, by)
+        return doc is not None
+
+    def keys_state(self, entry: Mapping[str, Any]) -> str:
+        """Where the multi-key run ``entry`` stands on its keys (one read): ``ready`` (every key reserved
+        for it), ``waiting`` (parked or reserved on each), or ``missing`` (absent from some key: its
+        worker died between its admits and nothing brought its message back)."""
+        keys = [normalize_key(k) for k in entry.get("ks") or []]
+        if not keys:
+            return "missing"
+        ident = {"$literal": entry.get("id")}
+        pipeline: builtins.list[Document] = [
+            {"$match": {"_id": {"$in": keys}}},
+            {
+                "$project": {
+                    "reserved": {
+                        "$and": [
+                            {"$eq": ["$ho.id", ident]},
+                            {"$eq": ["$owner", {"$literal": entry.get("tk")}]},
+                        ]
+                    },
+                    "parked": {
+                        "$in": [
+                            ident,
+                            {"$map": {"input": {"$ifNull": ["$q", []]}, "as": "e", "in": "$$e.id"}},
+                        ]
+                    },
+                }
+            },
+        ]
+        connection = self.store.connection
+        with connection.operation(f"read the keys of {entry.get('t')}"):
+            docs = builtins.list(connection.collection.aggregate(pipeline))
+        reserved = {d["_id"] for d in docs if d.get("reserved")}
+        present = reserved | {d["_id"] for d in docs if d.get("parked")}
+        if reserved == set(keys):
+            return "ready"
+        return "waiting" if present == set(keys) else "missing"
+
+    # -- the sweeper ---------------------------------------------------------------------------------
+    def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
+        """Lease documents with parked runs, a pending handoff or results to write (the sweeper's list),
+        without the parked runs' messages, each with the server's time of the read (``__now``): at most
+        ``limit`` of them, by key, after ``after`` (page through with the last key returned)."""
+        match: Document = {"wq": True}
+        if after is not None:
+            match["_id"] = {"$gt": after}
+        pipeline: builtins.list[Document] = [
+            {"$match": match},
+            {"$sort": {"_id": 1}},
+            {"$limit": limit},
+            {"$addFields": {"__now": "$$NOW"}},
+            {"$project": {"q.m": 0, "ho.m": 0, "hs.ho.m": 0, "ends": 0, "seen": 0}},
+        ]
+        connection = self.store.connection
+        with connection.operation("list keys with parked runs"):
+            return builtins.list(connection.collection.aggregate(pipeline))
+
+    def sweep(self, key: str, *, revoked: Collection[str] = (), slots: bool | None = None) -> Document | None:
+        """One sweep of ``key`` (in one command): drop parked runs whose task ids are ``revoked``, move
+        runs past their deadline to ``dead``, hand a free or expired key to the oldest parked run
+        (re-handing a handoff nobody took up), and adopt a handoff nobody published. The handoff this
+        command made or adopted is published (``add_handoff_callback``). Returns the document after.
+        ``slots``: whether the key is a ``limit=N`` key (read from the document when not given)."""
+        key = normalize_key(key)
+        token = "sweep:" + uuid.uuid4().hex
+        coll = self.store.connection.collection
+        with self.store.connection.operation(f"sweep lease {key!r}"):
+            if slots is None:
+                found = coll.find_one({"_id": key}, {"lim": 1, "hs.s": 1})
+                slots = found is not None and ("hs" in found or "lim" in found)
+            pipeline = (
+                slot_admission.slot_sweep_pipeline(token, builtins.list(revoked))
+                if slots
+                else admission_docs.sweep_pipeline(token, builtins.list(revoked))
+            )
+            doc = coll.find_one_and_update(
+                {"_id": key, "wq": True},
+                pipeline,
+                projection={"q.m": 0, "ends": 0, "seen": 0},
+                return_document=ReturnDocument.AFTER,
+            )
+        # The sweep may have ended an expired lease or handoff (its ending is in ``ends``): the
+        # heartbeat copies it at its next tick, with whatever else this process ended.
+        return self._swept(key, doc, token)
+
+    def _swept(self, key: str, doc: Document | None, token: str) -> Document | None:
+        if doc is not None:
+            self.store.handoffs.publish(key, doc, token)
+            if self.store.history_days:
+                self.store.heartbeat.copy_endings({"_id": key})
+        return doc
+
+    def keys_with_expired_holds(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
+        """``limit=N`` keys that nothing waits on but that keep a hold past its expiry on the server's
+        clock (its holder died or stopped renewing, and no slot was taken since): at most ``limit`` of
+        them, by key, after ``after``, each as ``{"_id": key}``. The sweeper drops those holds
+        (``sweep_expired_holds``)."""
+        match: Document = slots_docs.keys_with_expired_holds_filter()
+        if after is not None:
+            match["_id"] = {"$gt": after}
+        connection = self.store.connection
+        with connection.operation("list keys with expired slot holds"):
+            return builtins.list(connection.collection.find(match, {"_id": 1}).sort("_id", 1).limit(limit))
+
+    def sweep_expired_holds(self, key: str) -> Document | None:
+        """Drop the holds of ``limit=N`` key ``key`` that expired on the server's clock, as the next
+        acquire of a slot would: their endings (``expired``) go to the document's ``ends`` and, at the
+        heartbeat's next tick, to the history. One command; a key some run waits on gets the full
+        ``sweep``. Returns the document after (None if there is none)."""
+        key = normalize_key(key)
+        token = "sweep:" + uuid.uuid4().hex
+        connection = self.store.connection
+        with connection.operation(f"drop expired slot holds of {key!r}"):
+            doc = connection.collection.find_one_and_update(
+                {"_id": key, "hs.o": {"$exists": True}},
+                slot_admission.slot_sweep_pipeline(token, []),
+                projection={"q.m": 0, "ends": 0, "seen": 0},
+                return_document=ReturnDocument.AFTER,
+            )
+        # a run parked meanwhile may have been handed a freed slot
+        return self._swept(key, doc, token)
+
+    # -- runs that ended -----------------------------------------------------------------------------
+    def record_run_ending(
+        self,
+        key: str,
+        how: str,
+        run: Mapping[str, Any],
+        *,
+        fence: int | None,
+        ended_at: _dt.datetime | None = None,
+        parked_at: _dt.datetime | None = None,
+        by: str | None = None,
+    ) -> None:
+        """Queue the history record of a run that ended while parked, never holding ``key``
+        (``superseded``, ``timeout``, ``revoked``); the heartbeat thread writes it at its next tick.
+        ``run``: its parked entry (``t``, ``n``, ``r``/``id``); ``fence``: the key's when it ended."""
+        if not self.store.history_days:
+            return
+        self.store.records.record(
+            documents.run_record(
+                normalize_key(key), how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by
+            )
+        )
+
+    def run_ended(
+        self, key: str, run_ids: Sequence[str], *, task_id: str, delivery: Any, parked: bool = False
+    ) -> bool:
+        """Whether a run of ``run_ids`` (a task id and attempt, ``queue.run_id``) ended and released
+        ``key`` itself (one read; ``outcomes.run_ended`` says what counts). The key remembers the last
+        ``SEEN_KEPT`` runs that ended so (``seen``), whoever took it since, for 2 hours after its last
+        lease. For a copy of a run's message (a parked duplicate, a redelivery): then running it would be
+        a second run of one submission."""
+        key = normalize_key(key)
+        connection = self.store.connection
+        with connection.operation(f"inspect lease {key!r}"):
+            doc = connection.collection.find_one({"_id": key}, RUN_ENDED_PROJECTION)
+        return run_ended(doc, run_ids, task_id=task_id, delivery=delivery, parked=parked)
+
+    def forget_results(self, key: str, field: str, task_ids: Collection[str]) -> None:
+        """Remove entries of ``dead`` or ``sup`` whose results have been written. The runs of ``dead``
+        (parked past their deadline) are remembered as over (``seen``): a late copy of one of their
+        messages is dropped, as a copy of a run that ran is, not admitted as a new run."""
+        if field not in ("dead", "sup"):
+            raise ValueError(field)
+        ids = builtins.list(task_ids)
+        entries = {"$ifNull": [f"${field}", []]}
+        written = {"$filter": {"input": entries, "as": "e", "cond": {"$in": ["$$e.t", ids]}}}
+        remember: Document = {}
+        if field == "dead":
+            runs = {"$map": {"input": written, "as": "e", "in": "$$e.id"}}
+            remember["seen"] = {
+                "$slice": [{"$concatArrays": [{"$ifNull": ["$seen", []]}, runs]}, -admission_docs.SEEN_KEPT]
+            }
+        keep = {"$filter": {"input": entries, "as": "e", "cond": {"$not": [{"$in": ["$$e.t", ids]}]}}}
+        connection = self.store.connection
+        with connection.operation(f"forget written results of {key!r}"):
+            connection.collection.update_one(
+                {"_id": normalize_key(key)},
+                [{"$set": {field: keep, **remember}}, admission_docs.gc_stage()],
+            )
