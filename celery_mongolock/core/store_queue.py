@@ -140,12 +140,25 @@ class QueueUpkeep:
         ]
         connection = self.store.connection
         with connection.operation(f"unpark {entry_id} from {key!r}"):
+            # A key with holds (limit=N) hands slots, never the key as a single lease: its own pipeline,
+            # chosen by the filter (the shape is the document's, in the same command).
             doc = connection.collection.find_one_and_update(
-                {"_id": key, "$or": [{"q.id": entry_id}, {"ho.id": entry_id}]},
-                pipeline,
-                projection=admission_docs.HANDOFF_PROJECTION,
+                {"_id": key, "hs.0": {"$exists": True}, "$or": [{"q.id": entry_id}, {"hs.ho.id": entry_id}]},
+                slot_admission.slot_unpark_pipeline(entry_id, by),
+                projection={"hs": 1, "fence": 1, "sup": 1, "lim": 1},  # as a slot release's
                 return_document=ReturnDocument.AFTER,
             )
+            if doc is None:
+                doc = connection.collection.find_one_and_update(
+                    {
+                        "_id": key,
+                        "hs.0": {"$exists": False},
+                        "$or": [{"q.id": entry_id}, {"ho.id": entry_id}],
+                    },
+                    pipeline,
+                    projection=admission_docs.HANDOFF_PROJECTION,
+                    return_document=ReturnDocument.AFTER,
+                )
         if doc is not None:
             self.store.handoffs.publish(key, doc, by)
 

@@ -30,6 +30,7 @@ __all__ = [
     "slot_release_dead_handoff_pipeline",
     "slot_release_handoff_pipeline",
     "slot_sweep_pipeline",
+    "slot_unpark_pipeline",
 ]
 
 Document = dict[str, Any]
@@ -463,6 +464,27 @@ def slot_admit_pipeline(
         {"$set": fields},
         {"$unset": ["__o", "__new", "__base"]},
         *fill_stages(adm.admit_marker(token)),
+        adm.gc_stage(),
+    ]
+
+
+def slot_unpark_pipeline(entry_id: str, by: str) -> list[Document]:
+    """Remove the run ``entry_id`` from a ``limit=N`` key: its parked entry, and the slot handed to it
+    and not yet claimed (a hold whose owner is its handoff token); the freed slots go to the oldest
+    parked runs (``by``), as a release hands them."""
+    ident = {"$literal": entry_id}
+    handed_to_it = {
+        "$and": [{"$eq": [{"$ifNull": ["$$e.ho.id", None]}, ident]}, {"$eq": ["$$e.o", "$$e.ho.tk"]}]
+    }
+    return [
+        {
+            "$set": {
+                "q": {"$filter": {"input": _Q, "as": "e", "cond": {"$ne": ["$$e.id", ident]}}},
+                "hs": {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [handed_to_it]}}},
+            }
+        },
+        *normalize_stages(),
+        *fill_stages(by),
         adm.gc_stage(),
     ]
 
