@@ -4,14 +4,17 @@ inside the release, the claim, duplicates, barging, deadlines, the sweeper and R
 from __future__ import annotations
 
 import datetime as _dt
+import threading
 import uuid
 from typing import Any
 
 import pytest
+from pymongo import MongoClient
 
 from celery_mongolock import LeaseStore
 
 from .conftest import CommandCounter
+from .servers import wait_for
 
 KEY = "email-group:42"
 
@@ -435,3 +438,132 @@ def test_a_key_that_remembers_finished_runs_outlives_a_broker_redelivery(store: 
     plain.release()
     other = store.collection.find_one({"_id": "plain-key"}) or {}
     assert other["gc_at"] == other["expires_at"]
+
+
+def _lost_replies(server_url: str, app_name: str, *, block_ms: int) -> None:
+    """The next two ``findAndModify`` commands of the client named ``app_name`` are held ``block_ms`` by the
+    server, then applied, and answered with a write concern error: applied, but the client cannot know
+    it (as when the server is killed before it replies), so it tries again with the same owner token."""
+    client: MongoClient[dict[str, Any]] = MongoClient(server_url)
+    try:
+        client.admin.command(
+            "configureFailPoint",
+            "failCommand",
+            mode={"times": 2},
+            data={
+                "failCommands": ["findAndModify"],
+                "appName": app_name,
+                "blockConnection": True,
+                "blockTimeMS": block_ms,
+                "writeConcernError": {"code": 64, "errmsg": "waiting for replication timed out"},
+            },
+        )
+    finally:
+        client.close()
+
+
+def _owner(store: LeaseStore) -> Any:
+    return (store.collection.find_one({"_id": KEY}) or {}).get("owner")
+
+
+def test_an_acquire_retried_after_its_reply_was_lost_keeps_its_fence_ahead_of_a_run_parked_meanwhile(
+    own_server: Any,
+) -> None:
+    """A bare acquire's first attempt takes the key, its reply is lost, and a Queue run parks behind that
+    holder before the retry lands. The retry is the same acquisition: it keeps the fence it got, so no
+    grant after the park carries a larger fence than the park's (the lock-set checker's ``barged``,
+    RabbitMQ seed 4, after a MongoDB restart: the retry took a new fence above the parked run's)."""
+    server = own_server(enable_test_commands=True)
+    bare = LeaseStore(server.url, lease_seconds=30, operation_timeout=60, client_options={"appname": "bare"})
+    worker = LeaseStore(server.url, lease_seconds=30)
+    got: dict[str, Any] = {}
+    try:
+        bare.ensure_indexes()
+        worker.ensure_indexes()
+        _lost_replies(server.url, "bare", block_ms=3000)
+        acquiring = threading.Thread(target=lambda: got.update(lease=bare.acquire(KEY)))
+        acquiring.start()
+        # The first attempt has landed (the key is held by a token the client does not know it has yet);
+        # the retry is held by the server for 3 s more.
+        wait_for(lambda: _owner(worker), timeout=30, message="the first attempt to land")
+        lease, doc = worker.admit(KEY, entry(10))
+        assert lease is None and doc["lo"] == "parked"
+        parked_at = int(doc["fence"])
+        acquiring.join(timeout=60)
+        assert not acquiring.is_alive()
+        held = got["lease"]
+        assert held is not None  # it took the key before the run parked: still its holder
+        assert held.fence == parked_at, (held.fence, parked_at)
+        final = worker.collection.find_one({"_id": KEY}) or {}
+        assert final["owner"] == held.owner and int(final["fence"]) == parked_at
+        assert parked(worker) == ["task-10"]
+        assert held.release()
+        assert (worker.collection.find_one({"_id": KEY}) or {})["ho"]["t"] == "task-10"
+    finally:
+        bare.close()
+        worker.close()
+
+
+def test_an_acquire_retried_after_its_own_lease_expired_leaves_the_key_to_the_parked_run(
+    own_server: Any,
+) -> None:
+    """The same, but the lease the first attempt took runs out before the retry lands, with a run parked
+    behind it. The retry does not take the key again (that would pass the parked run): it gives the lease
+    up, recording its ending, the client gets no lease, and the sweep hands the key to the run."""
+    server = own_server(enable_test_commands=True)
+    bare = LeaseStore(server.url, lease_seconds=1, operation_timeout=60, client_options={"appname": "bare"})
+    worker = LeaseStore(server.url, lease_seconds=30)
+    got: dict[str, Any] = {}
+    try:
+        bare.ensure_indexes()
+        worker.ensure_indexes()
+        _lost_replies(server.url, "bare", block_ms=3000)
+        acquiring = threading.Thread(target=lambda: got.update(lease=bare.acquire(KEY)))
+        acquiring.start()
+        token = wait_for(lambda: _owner(worker), timeout=30, message="the first attempt to land")
+        lease, doc = worker.admit(KEY, entry(10))
+        assert lease is None and doc["lo"] == "parked"
+        acquiring.join(timeout=60)
+        assert not acquiring.is_alive()
+        assert got["lease"] is None
+        after = worker.collection.find_one({"_id": KEY}) or {}
+        assert after["owner"] is None and after["ends"][-1]["how"] == "expired"
+        assert int(after["fence"]) == int(doc["fence"])
+        assert worker.acquire(KEY) is None  # nobody else barges in either
+        swept = worker.sweep(KEY) or {}
+        assert swept["ho"]["t"] == "task-10" and swept["owner"] != token
+    finally:
+        bare.close()
+        worker.close()
+
+
+def test_an_admit_retried_after_its_reply_was_lost_keeps_its_fence_ahead_of_a_run_parked_meanwhile(
+    own_server: Any,
+) -> None:
+    """The same for a queued run's own admit: its first attempt took the free key, a newer run parked
+    behind it, and the retry finds the key held by its own token: ``acquired``, with the fence it got
+    (a new fence would have made it a grant after the newer run had parked: the checker's inversion)."""
+    server = own_server(enable_test_commands=True)
+    first = LeaseStore(
+        server.url, lease_seconds=30, operation_timeout=60, client_options={"appname": "first"}
+    )
+    other = LeaseStore(server.url, lease_seconds=30)
+    got: dict[str, Any] = {}
+    try:
+        first.ensure_indexes()
+        other.ensure_indexes()
+        _lost_replies(server.url, "first", block_ms=3000)
+        admitting = threading.Thread(target=lambda: got.update(admitted=first.admit(KEY, entry(10))))
+        admitting.start()
+        wait_for(lambda: _owner(other), timeout=30, message="the first attempt to land")
+        lease, doc = other.admit(KEY, entry(20))
+        assert lease is None and doc["lo"] == "parked"
+        admitting.join(timeout=60)
+        assert not admitting.is_alive()
+        held, reply = got["admitted"]
+        assert held is not None and reply["lo"] == "acquired"
+        assert held.fence == int(doc["fence"]), (held.fence, doc["fence"])
+        assert parked(other) == ["task-20"]
+    finally:
+        first.close()
+        other.close()

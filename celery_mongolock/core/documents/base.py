@@ -195,6 +195,9 @@ def acquire_fields(
     def when_free(new: object, field: str) -> Document:
         return {"$cond": ["$__free", new, f"${field}"]}
 
+    # Our own lease (``_admission.own_lease``): the same acquisition, with its fence and its start.
+    ours = admission.own_lease(token)
+
     waited: object = {"$literal": None}
     if waited_since_ms is not None:
         waited = {"$max": [0, {"$subtract": [_NOW_MS, waited_since_ms]}]}
@@ -213,11 +216,17 @@ def acquire_fields(
         "ttl_ms": when_free(ttl_ms, "ttl_ms"),
         "holder": when_free({"$literal": holder}, "holder"),
         "fence": when_free(
-            {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]},
+            {
+                "$cond": [
+                    ours,
+                    "$fence",
+                    {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]},
+                ]
+            },
             "fence",
         ),
         "expires_at": when_free({"$add": ["$$NOW", ttl_ms]}, "expires_at"),
-        "acquired_at": when_free("$$NOW", "acquired_at"),
+        "acquired_at": when_free({"$cond": [ours, "$acquired_at", "$$NOW"]}, "acquired_at"),
         "renewed_at": when_free("$$NOW", "renewed_at"),
         "hold_until": when_free(hold_until, "hold_until"),
         "released_at": when_free({"$literal": None}, "released_at"),
@@ -247,7 +256,10 @@ def acquire_pipeline(
     free, take the key for ``token`` (new fence, ``expires_at = $$NOW + ttl_ms``); else change nothing.
 
     ``owner == token`` lets a retry of an acquire whose reply was lost take over its own half-finished
-    acquisition. ``tick``: refuse a tick at or before the last tick that took the key, even when free.
+    acquisition, with the fence it got then (``_admission.own_lease``); if that lease has expired
+    meanwhile and runs are parked on the key, the retry gives it up instead (owner cleared, its ending
+    recorded): the key goes to the oldest of them. ``tick``: refuse a tick at or before the last tick
+    that took the key, even when free.
     ``min_hold_ms``/``hold_until_ms`` (epoch ms): a release before then keeps the key taken until then.
     ``waited_ms``: how long the run waited for the key, when the caller knows; ``waited_since_ms`` (epoch
     ms, the caller's clock): when the run first found the key held, the wait is counted from then to the
@@ -283,7 +295,10 @@ def acquire_pipeline(
     if ended_runs:
         # A copy of a run that ended: never a new run, whenever the release landed (issue 32).
         vacant = {"$and": [vacant, {"$not": [admission.ran_any(ended_runs)]}]}
-    free = {"$or": [{"$eq": ["$owner", {"$literal": token}]}, vacant]}
+    # Our own lease, taken by an earlier attempt whose reply was lost: ours while it lives; once expired,
+    # only if nobody waits for the key (else it is given up below, and goes to the oldest parked run).
+    ours = admission.own_lease(token)
+    free = {"$or": [admission.own_live_lease(token), {"$and": [ours, nobody_waits]}, vacant]}
     fields = acquire_fields(
         token,
         ttl_ms,
@@ -294,7 +309,20 @@ def acquire_pipeline(
         waited_ms=waited_ms,
         waited_since_ms=waited_since_ms,
     )
-    return [{"$set": {"__free": free}}, {"$set": fields}, {"$unset": "__free"}, admission.gc_stage()]
+    given_up = {"$and": [{"$not": ["$__free"]}, ours]}
+    give_up = {
+        "$set": {
+            "owner": {"$cond": [given_up, None, "$owner"]},
+            "ends": _append_ending(given_up, ending_expr("expired", "$expires_at", seen="$$NOW")),
+        }
+    }
+    return [
+        {"$set": {"__free": free}},
+        {"$set": fields},
+        give_up,
+        {"$unset": "__free"},
+        admission.gc_stage(),
+    ]
 
 
 #: What the acquire's reply carries: the document with only its newest ending (the one a takeover of an

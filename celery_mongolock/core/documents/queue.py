@@ -128,6 +128,21 @@ def admit_marker(token: str) -> str:
     return f"admit:{token}"
 
 
+def own_lease(token: str) -> Document:
+    """The key is held by ``token``: an earlier attempt of this very acquire (or admit) landed and its
+    reply was lost (a dropped connection, a server killed before replying). Taking it again is the same
+    acquisition, not a new one: it keeps its fence, so a run parked meanwhile, behind it, has a fence
+    no smaller than the holder's."""
+    return {"$eq": [{"$ifNull": ["$owner", None]}, {"$literal": token}]}
+
+
+def own_live_lease(token: str) -> Document:
+    """``own_lease`` and not expired: ours again whoever waits. One that expired meanwhile is free like
+    any expired lease, and goes to the runs parked on the key first (no barging), as an expired
+    ``limit=N`` slot of ours does (``_slots``)."""
+    return {"$and": [own_lease(token), {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]}]}
+
+
 def gc_stage() -> Document:
     """The last stage of every pipeline that writes a lease document: ``wq`` and ``gc_at``.
 
@@ -696,7 +711,8 @@ def admit_pipeline(
         ]
     }
     branches: list[Document] = [
-        {"case": {"$eq": ["$owner", {"$literal": token}]}, "then": "acquired"},
+        # A retry of this admit whose first attempt took the key (its reply lost): the same acquisition.
+        {"case": own_live_lease(token), "then": "acquired"},
     ]
     if claim is not None:
         branches.append(
