@@ -783,7 +783,8 @@ def check_died(history: History) -> list[Violation]:
                 Violation(
                     "ran-after-release",
                     f"task {task_id}: a body took {ev.get('key')} (fence {ev.get('fence')}) after its run "
-                    "had released the key and died before its result was stored",
+                    "had released the key and died before its result was stored"
+                    + _deliveries(history, task_id),
                 )
             )
     for task_id in sorted(died):
@@ -793,10 +794,27 @@ def check_died(history: History) -> list[Violation]:
                 Violation(
                     "ran-after-release",
                     f"task {task_id} ended {task.get('result')!r}, not already-ran: its run died before its "
-                    "result was stored, so that result is a second body's",
+                    "result was stored, so that result is a second body's" + _deliveries(history, task_id),
                 )
             )
     return found
+
+
+def _deliveries(history: History, task_id: str) -> str:
+    """The deliveries of ``task_id`` and its body starts, in time order, for a violation's detail: which
+    message ran (a first delivery, a broker's redelivery, a parked duplicate, a handoff)."""
+    seen: list[tuple[float, str]] = []
+    for ev in history.events:
+        if ev.get("task_id") != task_id:
+            continue
+        if ev.get("ev") == "recv":
+            kinds = [k for k in ("redelivered", "dup", "handoff") if ev.get(k)] or ["first"]
+            seen.append((float(ev["t"]), f"recv {ev.get('node')} {'+'.join(kinds)} r{ev.get('retries')}"))
+        elif ev.get("ev") in ("acq", "die", "rel"):
+            at = ev.get("t1") if ev.get("t1") is not None else ev.get("t", 0.0)
+            seen.append((float(at or 0.0), f"{ev['ev']} {ev.get('who', '')}".strip()))
+    seen.sort()
+    return " [" + "; ".join(f"{t:.2f} {what}" for t, what in seen[:20]) + "]" if seen else ""
 
 
 def died_figures(history: History) -> Doc:

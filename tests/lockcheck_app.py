@@ -38,6 +38,7 @@ from celery.signals import before_task_publish, task_postrun, task_received, wor
 from celery_mongolock import LeaseStore, Queue, Replace, Retry, Skip, current_lease, singleton_task
 from celery_mongolock import signals as mongolock_signals
 from celery_mongolock.core.store_handoffs import Handoffs
+from celery_mongolock.integration.handoff import HANDOFF_HEADER
 from celery_mongolock.lease import LeaseSet
 from celery_mongolock.task import DUPLICATE_HEADER
 
@@ -107,7 +108,15 @@ def _history() -> lockcheck.HistoryWriter | None:
 def _received(request: Any = None, **_: Any) -> None:
     hist = _history()
     if hist is not None and request is not None:
-        hist.event("recv", task_id=request.id, node=request.hostname, t=time.monotonic())
+        # Which delivery this is (``ran-after-release`` names the deliveries received after a death):
+        # the broker's redelivery flag, a parked duplicate, a handoff, and the run's own retries.
+        headers = getattr(request, "request_dict", None) or {}
+        hist.event(
+            "recv", task_id=request.id, node=request.hostname, t=time.monotonic(),
+            redelivered=bool((request.delivery_info or {}).get("redelivered")),
+            dup=bool(headers.get(DUPLICATE_HEADER)), handoff=bool(headers.get(HANDOFF_HEADER)),
+            retries=headers.get("retries"),
+        )  # fmt: skip
 
 
 @before_task_publish.connect
