@@ -340,6 +340,51 @@ def test_a_contention_retry_of_a_parked_copy_is_still_a_copy(cluster: Cluster) -
     assert cluster.runs(t) == []
 
 
+def test_a_contention_retry_of_an_attempt_that_ran_never_runs_the_body(cluster: Cluster) -> None:
+    """A message the broker delivered again (its run's acknowledgement lost with the connection: a broker
+    restart) while the first delivery had found the key held and published its contention retry: two
+    lines of contention retries of one attempt ("0.1", "0.2" ...), neither marked as a copy (the
+    redelivery is a flag of the delivery, not a header the retry carries). Once one of them ran and
+    released the key, a retry of the other is a copy of that run: it ends the task already-ran (or is
+    dropped) and never runs the body (it ran it: the lock-set checker's ran-after-release, RabbitMQ)."""
+    resource, t = tag(), tag()
+    task_id = str(uuid.uuid4())
+    key = f"resource:{resource}"
+    # One line's run ("0.1": a contention retry of the first delivery) ran and released the key.
+    info = {"task_id": task_id, "task_name": it.retrier.name, "delivery": "0.1"}
+    first = cluster.store.acquire(key, ttl=60, info=info)
+    assert first is not None
+    assert first.release()
+    # The other line's contention retry, as the library publishes it for a contended run.
+    headers = {task_mod.CONTENTION_HEADER: 2}
+    it.retrier.apply_async((resource, t), task_id=task_id, headers=headers)
+    result = AsyncResult(task_id, app=it.app).get(timeout=60)
+    assert isinstance(result, dict), f"the body ran again: {result!r}"
+    assert result["mongolock"] == "already-ran" and result["key"] == key
+    assert cluster.runs(t) == []
+
+
+def test_a_contention_retry_of_an_attempt_that_ran_is_not_retried_while_the_key_is_held(
+    cluster: Cluster,
+) -> None:
+    """The same, with the key held by another run when that retry arrives: it is a copy of a run that
+    ended, not a run waiting for the key (it waited, and ran the body once the key was free)."""
+    resource, t = tag(), tag()
+    task_id = str(uuid.uuid4())
+    key = f"resource:{resource}"
+    info = {"task_id": task_id, "task_name": it.retrier.name, "delivery": "0.1"}
+    first = cluster.store.acquire(key, ttl=60, info=info)
+    assert first is not None
+    assert first.release()
+    with cluster.store.hold(key):
+        headers = {task_mod.CONTENTION_HEADER: 2}
+        it.retrier.apply_async((resource, t), task_id=task_id, headers=headers)
+        result = AsyncResult(task_id, app=it.app).get(timeout=60)
+    assert isinstance(result, dict), f"the body ran again: {result!r}"
+    assert result["mongolock"] == "already-ran" and result["key"] == key
+    assert cluster.runs(t) == []
+
+
 def test_a_parked_duplicate_runs_when_the_first_run_died(cluster: Cluster) -> None:
     """Acknowledging a duplicate delivery also acknowledges the first one; if the first run then dies,
     the parked copy is what brings the task back."""

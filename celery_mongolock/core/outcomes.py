@@ -164,15 +164,25 @@ class Contended:
     expires_at: _dt.datetime | None = None
     #: The last beat tick a run of this key was sent for (beat-sent runs run once per tick).
     last_tick: int | None = None
+    #: The runs the key remembers as over (``seen``), when the reply says (a single lease's acquire
+    #: answers with the whole document); None when it does not (a ``limit=N`` key's reply).
+    seen: tuple[str, ...] | None = None
 
     @classmethod
     def of(
-        cls, doc: Mapping[str, Any] | None, *, task_id: str | None = None, delivery: Any = None
+        cls,
+        doc: Mapping[str, Any] | None,
+        *,
+        task_id: str | None = None,
+        delivery: Any = None,
+        whole: bool = False,
     ) -> Contended:
         """The typed answer of an acquire that got no lease. With ``task_id``/``delivery``: on a
         ``limit=N`` key, a slot held by this very run (a copy of its message) is reported as the holder,
-        so that the copy is recognised as one."""
+        so that the copy is recognised as one. ``whole``: the reply is the whole document (a single
+        lease's acquire), so a missing ``seen`` means none."""
         doc = doc or {}
+        seen = doc.get("seen") if "seen" in doc or whole else None
         holder = _holder(doc)
         for hold in doc.get("hs") or []:
             held_by = (hold.get("h") or {}) if isinstance(hold, Mapping) else {}
@@ -180,8 +190,15 @@ class Contended:
                 holder = dict(held_by)
                 break
         return cls(
-            holder=holder, expires_at=aware(doc.get("expires_at")), last_tick=_int(doc.get("last_tick"))
+            holder=holder,
+            expires_at=aware(doc.get("expires_at")),
+            last_tick=_int(doc.get("last_tick")),
+            seen=None if seen is None and not whole else tuple(str(s) for s in seen or ()),
         )
+
+    def attempt_ran(self, run_ids: Sequence[str]) -> bool | None:
+        """Whether one of ``run_ids`` is remembered as over on the key; None when the reply did not say."""
+        return None if self.seen is None else ran(self.seen, run_ids)
 
     def held_by_run(self, task_id: str | None) -> bool:
         """Whether the key is held by a run of this very task id (a copy of its message is here)."""

@@ -15,6 +15,7 @@ from celery.exceptions import Ignore
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.core.documents import queue as _admission
 from celery_mongolock.integration.runs import (
+    CONTENTION_HEADER,
     GuardedRun,
     delivery,
     has_final_state,
@@ -33,6 +34,7 @@ __all__ = [
     "copy_of_an_ended_run",
     "copy_run_ids",
     "first_run_done",
+    "guard_run_ids",
     "park_duplicate",
 ]
 
@@ -98,7 +100,11 @@ def copy_of_an_ended_run(task: GuardedRun, key: str) -> Outcome:
         "%s[%s]: %s of a run that has ended and released %r; dropped",
         task.name,
         request.id,
-        "parked duplicate" if (request.headers or {}).get(DUPLICATE_HEADER) else "redelivery",
+        "parked duplicate"
+        if (request.headers or {}).get(DUPLICATE_HEADER)
+        else "redelivery"
+        if (request.delivery_info or {}).get("redelivered")
+        else "contention retry",
         key,
     )
     raise Ignore()
@@ -151,3 +157,22 @@ def copy_run_ids(request: Any) -> list[str]:
         return []
     ids = [_admission.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
     return [*ids, _admission.run_id(task_id, "")] if parked else ids
+
+
+def guard_run_ids(request: Any) -> list[str]:
+    """What the acquire of ``request`` is refused on when remembered as over (``ran_any``): a copy's run
+    ids (``copy_run_ids``), and a contention retry's attempt (task id and own retries).
+
+    A contention retry continues an attempt that had not run, but it may not be the only line of it: a
+    message the broker delivered again after its run had published its contention retry (the run's
+    acknowledgement lost with the connection, a broker restart) goes on as a second line, with no mark of
+    the redelivery (a delivery flag, not a header the retry carries). Once a run of either line ended
+    and released the key, the other line's retries are copies of that run, never a second run."""
+    ids = copy_run_ids(request)
+    if ids:
+        return ids
+    headers = getattr(request, "headers", None) or {}
+    task_id = getattr(request, "id", None)
+    if task_id and int(headers.get(CONTENTION_HEADER) or 0) > 0:
+        return [_admission.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
+    return []

@@ -28,6 +28,7 @@ from celery_mongolock.integration.duplicates import (
     copy_of_an_ended_run,
     copy_run_ids,
     first_run_done,
+    guard_run_ids,
     park_duplicate,
 )
 from celery_mongolock.integration.runs import (
@@ -97,8 +98,9 @@ class OneKey:
         task, request, key, store, options = self.task, self.request, self.key, self.store, self.options
         run = ContendedRun(task, store, key, direct=self.direct)
         # A copy's acquire refuses the key when its run is remembered as over, in the same command: the
-        # first run's release may land between the look above and this acquire (issue 32).
-        ended_runs = copy_run_ids(request)
+        # first run's release may land between the look above and this acquire (issue 32). So does a
+        # contention retry's, whose attempt may have run in another line of retries (``guard_run_ids``).
+        ended_runs = guard_run_ids(request)
         # How long this run has waited for its key (the lease history's ``waited_ms``): from its first
         # contention, carried across contention retries by a header; counted here while it waits.
         since = contended_since(request)
@@ -120,7 +122,7 @@ class OneKey:
                     limit=options.limit,
                     ended_runs=ended_runs,
                 )
-                if lease is None and ended_runs and first_run_done(task, store, key):
+                if lease is None and ended_runs and self._attempt_ran(doc, ended_runs):
                     return copy_of_an_ended_run(task, key)
             except StoreUnavailable as exc:
                 return unavailable(task, key, exc, self.policy, self.direct)
@@ -133,6 +135,19 @@ class OneKey:
                 continue
             assert isinstance(outcome, Outcome), f"{self.policy!r}.on_contended returned {outcome!r}"
             return outcome
+
+    def _attempt_ran(self, doc: Any, run_ids: list[str]) -> bool:
+        """After an acquire that did not get the key: is this message a copy of a run that ended
+        (``first_run_done``), or a contention retry of an attempt that ran in another line of retries?
+        The latter is read from a single lease's acquire reply, which carries the whole document (no
+        round trip added to a contended retry), else from the key (a ``limit=N`` reply has no ``seen``)."""
+        task, request, key = self.task, self.request, self.key
+        if copy_run_ids(request):
+            return first_run_done(task, self.store, key)
+        known = Contended.of(doc, whole=self.options.limit is None).attempt_ran(run_ids)
+        if known is not None:
+            return known
+        return bool(self.store.run_ended(key, run_ids, task_id=request.id, delivery=delivery(request)))
 
     def _contended(self, run: ContendedRun, contended: Contended, tick: int | None) -> object:
         """The key is held: a tick that already ran is skipped, a duplicate delivery parked, and otherwise
