@@ -2675,9 +2675,7 @@ class Run:
         except TimeoutError as exc:
             self.log(f"directed phase: {exc} ({len(everyone) - len(self._ended(everyone))} unfinished)")
         self.directed_s = round(time.monotonic() - t0, 1)
-        self.log(
-            f"directed phase: {len(everyone)} queued runs parked behind gates and ended in {self.directed_s}s"
-        )
+        self.log(f"directed phase: {len(everyone)} runs waited behind gates and ended in {self.directed_s}s")
 
     def _multi_limit_burst(self) -> tuple[str, str, list[Lease], list[str]]:
         """``MULTI_LIMIT_BURST`` runs of ``MULTI_LIMIT_TASK`` on a ``l`` key and a ``k`` key of their own,
@@ -3487,7 +3485,7 @@ def format_report(report: Doc) -> str:
         "  faults that found queued runs parked or hit a queued key's holder: "
         + ", ".join(f"{k} {v}" for k, v in report["queued"]["faults_hitting_queued_runs"].items()),
         "  limit={limit} keys: holds {limit_holds} ({limit_clean_holds} released cleanly, {limit_task_runs} "
-        "by Celery runs; tasks {limit_submitted}), most clean holds at once per key "
+        "by the limit=N tasks; tasks {limit_submitted}), most clean holds at once per key "
         "{max_clean_holds_at_once}, "
         "slots used {slots_used}; several-keys tasks {multi_submitted} (key pairs named in both orders "
         "{multi_key_pairs_both_orders}, skipped {multi_skipped}), bodies {multi_bodies} (all keys written "
