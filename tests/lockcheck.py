@@ -40,6 +40,13 @@ key, then does the plain claim + read-modify-write on each key's document with t
 fence (op ``<op>@<key>``), and releases each key (``run_multi_hold``). A run cut short on one key
 (fenced out, loss detected) is retried; its retry recognises the ops already applied.
 
+Several-keys runs with a limit per key (``MULTI_LIMIT_TASK``: ``keys=("{a}", "{b}")``, ``limit={"{a}":
+N}``, ``Retry``; bursts of 2 to N + 1 on one ``l`` key, each with a ``k`` key drawn at random) take a slot
+of the ``l`` key and the single lease of the ``k`` key, both or neither; the body writes the ``l`` key's
+document in its slot's part (``run_slot_hold``) and the ``k`` key's as a plain key's. Their holds go
+through the checks of each kind of key below with every other hold of the key: a slot counts against
+the ``l`` key's N with the ``limit=N`` runs' and bare clients' slots, the ``k`` key is one holder's.
+
 Every process appends its view to a JSON-lines history file (acquisitions with monotonic send/reply
 times, every write's outcome: ack / fenced / lost-detected / ambiguous / error, releases). Reckless
 clients write even after their lease is lost: only the fence stands between them and the data.
@@ -188,7 +195,10 @@ ORDERED_BY_KEY = {"queue": QUEUE_TASK, "limit": LIMIT_QUEUE_TASK, "plain": MULTI
 #: The ``limit=N`` tasks (keys ``l<i>``, N = ``LIMIT``) and the several-keys tasks (two ``k`` keys each).
 LIMIT = 3
 LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK)
-MULTI_TASKS = ("lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK)
+#: The several-keys task with a limit per key (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``, ``Retry``):
+#: a slot of an ``l`` key and the single lease of a ``k`` key, both or neither. A several-keys task.
+MULTI_LIMIT_TASK = "lockcheck.rmw_multi_limit"
+MULTI_TASKS = ("lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK, MULTI_LIMIT_TASK)
 #: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
 #: ends and releases its key, then its child SIGKILLs itself before Celery stores the result, and the
 #: requeued copy must end the task ``already-ran`` without running the body again (issue 32).
@@ -202,6 +212,9 @@ QUEUE_BURST = 7
 REPLACE_BURST = 6
 LIMIT_BURST = LIMIT + 3
 MULTI_BURST = 6
+#: The directed burst of ``MULTI_LIMIT_TASK`` runs (``Run._multi_limit_burst``): one ``l`` key and one ``k``
+#: key of their own, contended on each by construction.
+MULTI_LIMIT_BURST = LIMIT + 1
 #: Each fault begins with a ``Queue`` run parked behind a gate on a key of its own (index
 #: ``FAULT_GATE_KEYS`` + n), released when the fault is over.
 FAULT_GATE_KEYS = 100
@@ -575,9 +588,10 @@ def run_multi_hold(
 ) -> list[str]:
     """Under a ``LeaseSet``: for each of its keys, in the order the task names them, the plain claim +
     read-modify-write of that key's protected document (``run_hold``) with that key's own lease and
-    fence, op ``<op>@<key>`` (idempotent per key: a retry skips what an earlier run applied). Stops at the
+    fence, op ``<op>@<key>`` (idempotent per key: a retry skips what an earlier run applied); a key held
+    as a slot (a limit per key: ``lease.slot``) writes its slot's part (``run_slot_hold``). Stops at the
     first key whose write is refused or fails (the task is retried). The body's start is recorded first
-    (``mbody``: keys, holds and fences, and whether each lease was still within its deadline)."""
+    (``mbody``: keys, holds, fences and slots, and whether each lease was still within its deadline)."""
     now = time.monotonic()
     hist.event(
         "mbody", task_id=task_id, who=who, t=now, keys=list(leases.keys),
@@ -586,10 +600,12 @@ def run_multi_hold(
         acquired={k: leases[k].acquired_mono for k in leases.keys},
         deadlines={k: leases[k].deadline for k in leases.keys},
         lost={k: leases[k].lost_reason for k in leases.keys if leases[k].lost_reason},
+        slots={k: leases[k].slot for k in leases.keys if leases[k].slot is not None},
     )  # fmt: skip
     outcomes: list[str] = []
     for key in leases.keys:
-        got = run_hold(
+        hold = run_hold if leases[key].slot is None else run_slot_hold
+        got = hold(
             leases[key], docs, hist, [multi_op(op, key)], rng, reckless=reckless, who=who, task_id=task_id,
             work=(0.05, 0.3),
         )  # fmt: skip
@@ -658,8 +674,9 @@ def release_and_record(lease: Lease, hist: HistoryWriter, who: str) -> bool:
 def key_for(i: int, epoch: int, kind: str = "k") -> str:
     """Key ``i`` of an epoch: ``k`` keys take plain runs (``Retry``, ``Skip``) and the several-keys runs
     (two ``k`` keys each), ``q`` keys ``Queue`` runs, ``r`` keys ``Replace`` runs, ``l`` keys ``limit=N``
-    runs. The bare clients take all of them (plain acquires beside parked runs, ``limit=N`` acquires on
-    ``l`` keys)."""
+    runs; a several-keys run with a limit per key (``MULTI_LIMIT_TASK``) takes a slot of an ``l`` key and
+    a ``k`` key as a single lease (a key is a limited or a single one, never both). The bare clients take
+    all of them (plain acquires beside parked runs, ``limit=N`` acquires on ``l`` keys)."""
     return f"{PREFIX}{kind}{i}.e{epoch}"
 
 
@@ -1732,7 +1749,13 @@ def limit_figures(history: History, faults: list[Doc]) -> Doc:
         "limit": LIMIT,
         "limit_holds": sum(len(v) for v in limit_acqs.values()),
         "limit_clean_holds": sum(len(clean_spans(v, releases)) for v in limit_acqs.values()),
-        "limit_task_runs": sum(1 for e in ev if e.get("ev") == "acq" and e.get("task_id") and "slot" in e),
+        "limit_task_runs": sum(
+            1
+            for e in ev
+            if e.get("ev") == "acq"
+            and "slot" in e
+            and tasks.get(str(e.get("task_id")), {}).get("task") in LIMIT_TASKS
+        ),
         "limit_submitted": len(limit_tasks),
         "max_clean_holds_at_once": most,
         "slots_used": sorted({int(e["slot"]) for v in limit_acqs.values() for e in v if "slot" in e}),
@@ -1760,6 +1783,68 @@ def limit_figures(history: History, faults: list[Doc]) -> Doc:
         ),
         "faults_hitting_multi_bodies": dict(
             sorted(Counter(str(f["kind"]) for f in faults if set(f.get("holds") or []) & body_holds).items())
+        ),
+        "multi_limit": multi_limit_figures(history, faults),
+    }
+
+
+def multi_limit_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
+    """What the several-keys runs with a limit per key (``MULTI_LIMIT_TASK``) did (figures, not verdicts):
+    bodies that held a slot of an ``l`` key and the single lease of a ``k`` key, runs that found each kind
+    of key held or full (``tcont``), and the most clean holds of an ``l`` key at one instant while one of
+    these runs held a slot there (its slot counted with the others')."""
+    ev = history.events
+    tids = {tid for tid, t in history.tasks.items() if t.get("task") == MULTI_LIMIT_TASK}
+    bodies = [e for e in ev if e.get("ev") == "mbody" and e.get("task_id") in tids]
+    both = [
+        b
+        for b in bodies
+        if any(key_policy(k) == "limit" and s is not None for k, s in (b.get("slots") or {}).items())
+        and any(key_policy(k) == "plain" and k not in (b.get("slots") or {}) for k in b.get("keys") or [])
+    ]
+    contended: dict[str, set[str]] = {"limit": set(), "plain": set()}
+    contentions = 0
+    for e in ev:
+        if e.get("ev") == "tcont" and e.get("task_id") in tids:
+            contentions += 1
+            contended.setdefault(key_policy(str(e.get("key"))), set()).add(str(e["task_id"]))
+    releases = {str(e["hold"]): e for e in ev if e.get("ev") == "rel"}
+    acqs: dict[str, list[Doc]] = defaultdict(list)
+    for e in ev:
+        if e.get("ev") == "acq" and key_policy(str(e["key"])) == "limit":
+            acqs[str(e["key"])].append(e)
+    most = 0
+    for items in acqs.values():
+        spans = clean_spans(items, releases)
+        for s0, e0, a in spans:
+            if a.get("task_id") not in tids:
+                continue
+            inside = [(max(s, s0), min(e, e0), b) for s, e, b in spans if s < e0 and e > s0]
+            most = max(most, max_overlap(inside)[0])
+    ends = hold_ends(ev)
+    body_spans = [
+        (float(b["t"]), max(ends.get(str(h), float(b["t"]) + 5.0) for h in (b.get("holds") or {}).values()))
+        for b in bodies
+        if b.get("holds")
+    ]
+    holds = {str(h) for b in bodies for h in (b.get("holds") or {}).values()}
+    done = [
+        t
+        for tid, t in history.tasks.items()
+        if tid in tids and t.get("state") == "SUCCESS" and isinstance(t.get("result"), dict)
+    ]
+    return {
+        "submitted": len(tids),
+        "done": sum(1 for t in done if not t["result"].get("mongolock")),
+        "bodies": len(bodies),
+        "bodies_with_a_slot_and_a_single_lease": len(both),
+        "slot_holds": sum(1 for e in ev if e.get("ev") == "acq" and e.get("task_id") in tids and "slot" in e),
+        "contentions": contentions,
+        "contended_runs": {kind: len(v) for kind, v in sorted(contended.items())},
+        "most_clean_holds_at_once_with_a_slot_of_theirs": most,
+        "faults_during_bodies": faults_during(faults, body_spans),
+        "faults_hitting_bodies": dict(
+            sorted(Counter(str(f["kind"]) for f in faults if set(f.get("holds") or []) & holds).items())
         ),
     }
 
@@ -1927,6 +2012,10 @@ def unmet_coverage(report: Doc) -> list[str]:
       key one after another (each release hands it to the next: ``QUEUE_BURST - 1`` handoffs at least),
       ``Replace`` runs superseded, ``Queue`` runs of the ``limit=N`` key parked and handed slots,
       several-keys ``Queue`` runs parked on a key and handed both; the gate held all N slots at once;
+    - the per-key-limit burst (``Run._multi_limit_stages``): a gate holds its ``k`` key until every run of
+      the burst has found it held (the workers' ``tcont`` events), then its ``l`` key's N slots until
+      every run has found them full, then N - 1 slots until every run has ended: each run held a slot and
+      the ``k`` key (a body with both), and did so beside N - 1 holds of the gate (N clean holds at once);
     - every fault began with a ``Queue`` run parked behind a gate on a key of its own (confirmed in its
       lease document), handed the key when the fault was over;
     - the node whose wall clock jumps (when libfaketime is installed) took every fault's gated run (a
@@ -1961,6 +2050,23 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(max(lm["max_clean_holds_at_once"].values(), default=0) == LIMIT, f"{LIMIT} clean holds at once", lm)
     claim(lm["limit_task_runs"] >= LIMIT_BURST, "the limit burst ran as tasks", lm)
     claim(lm["multi_bodies"] >= MULTI_BURST, "the several-keys burst ran its bodies", lm)
+    mlf = lm["multi_limit"]
+    claim(
+        mlf["bodies_with_a_slot_and_a_single_lease"] >= MULTI_LIMIT_BURST,
+        "a per-key-limit run held a slot of an l key together with a k key",
+        mlf,
+    )
+    for kind in ("plain", "limit"):
+        claim(
+            mlf["contended_runs"].get(kind, 0) >= MULTI_LIMIT_BURST,
+            f"the per-key-limit burst contended on its {'k key' if kind == 'plain' else 'l key'}",
+            mlf,
+        )
+    claim(
+        mlf["most_clean_holds_at_once_with_a_slot_of_theirs"] == LIMIT,
+        f"a per-key-limit run's slot among {LIMIT} clean holds at once",
+        mlf,
+    )
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
     claim(tasks.get("died_after_release", 0) >= 1, "a run died after its body released the key", tasks)
     if "clock-jump" not in skipped:
@@ -2001,6 +2107,10 @@ class Config:
     #: key (some park and are handed slots), or 2 to 3 several-keys runs on one pair named in either order.
     limit_queue_share: float = 0.5
     multi_queue_share: float = 0.4
+    #: Of the several-keys sends, the share that are a burst of 2 to N + 1 runs with a limit per key
+    #: (``MULTI_LIMIT_TASK``) on one ``l`` key, each with a ``k`` key drawn at random: they contend on the
+    #: slots (with the ``limit=N`` runs and bare clients there) and on the ``k`` keys.
+    multi_limit_share: float = 0.3
     epoch_seconds: float = 40.0
     lease_seconds: float = 2.0
     task_rate: float = 1.5
@@ -2198,6 +2308,9 @@ class Run:
         self._gates = 0
         self._lingers = 0
         self._gate_hist: HistoryWriter | None = None
+        #: The ``tcont`` events read so far (``_contended_runs``): task ids by key; where each file was left.
+        self._tcont: dict[str, set[str]] = defaultdict(set)
+        self._tcont_read: dict[Path, int] = {}
         self.directed_s = 0.0
         self.store: LeaseStore | None = None
         #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
@@ -2362,6 +2475,14 @@ class Run:
                 and self.cfg.keys > 1
             ):
                 a, b = self.rng.sample(range(self.cfg.keys), 2)  # both orders over the run
+                if self.cfg.limit_keys and self.rng.random() < self.cfg.multi_limit_share:
+                    # A slot of one l key and a k key each: more runs than slots, some on one k key.
+                    slotted = key_for(self.rng.randrange(self.cfg.limit_keys), epoch, "l")
+                    for _ in range(self.rng.randint(2, LIMIT + 1)):
+                        n += 1
+                        single = key_for(self.rng.randrange(self.cfg.keys), epoch)
+                        self._submit(MULTI_LIMIT_TASK, "", f"task-{n}", keys=(slotted, single))
+                    continue
                 if self.rng.random() < self.cfg.multi_queue_share:
                     # A burst of Queue runs on one pair, each naming it in either order: they park on
                     # each other's keys and keep their places.
@@ -2549,6 +2670,7 @@ class Run:
         if self.cfg.keys > 1:
             plan.append(("multi", MULTI_BURST))
         bursts = [self._burst(kind, n) for kind, n in plan]
+        staged = self._multi_limit_burst() if self.cfg.limit_keys else None
         for key, gate, ids in bursts:
 
             def waiting(key: str = key, ids: list[str] = ids) -> bool:
@@ -2560,6 +2682,9 @@ class Run:
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
             self._gate_release(gate)
+        if staged is not None:
+            self._multi_limit_stages(*staged)
+            bursts.append(("", [], staged[3]))
         everyone = [t for _k, _g, ids in bursts for t in ids]
         try:
             _wait(
@@ -2568,9 +2693,64 @@ class Run:
         except TimeoutError as exc:
             self.log(f"directed phase: {exc} ({len(everyone) - len(self._ended(everyone))} unfinished)")
         self.directed_s = round(time.monotonic() - t0, 1)
-        self.log(
-            f"directed phase: {len(everyone)} queued runs parked behind gates and ended in {self.directed_s}s"
-        )
+        self.log(f"directed phase: {len(everyone)} runs waited behind gates and ended in {self.directed_s}s")
+
+    def _multi_limit_burst(self) -> tuple[str, str, list[Lease], list[str]]:
+        """``MULTI_LIMIT_BURST`` runs of ``MULTI_LIMIT_TASK`` on a ``l`` key and a ``k`` key of their own,
+        sent behind a gate holding the ``k`` key and all N slots of the ``l`` key (the ``k`` key's one
+        lease first, then the slots); (the ``l`` key, the ``k`` key, the gate, task ids). See
+        ``_multi_limit_stages``."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        slotted, single = key_for(DIRECTED_KEY + 1, epoch, "l"), key_for(DIRECTED_KEY + 2, epoch)
+        gate = self._gate_take(single) + self._gate_take(slotted, slots=LIMIT)
+        ids = [
+            self._submit(MULTI_LIMIT_TASK, "", f"directed-multi-limit-{i}", keys=(slotted, single))
+            for i in range(MULTI_LIMIT_BURST)
+        ]
+        return slotted, single, gate, [t for t in ids if t]
+
+    def _multi_limit_stages(self, slotted: str, single: str, gate: list[Lease], ids: list[str]) -> None:
+        """The runs take their keys in sorted order (``k`` before ``l``), so, by construction: while the
+        gate holds the ``k`` key, each run finds it held (``tcont`` in the workers' histories, recorded
+        before the policy decides); the gate lets it go, and each run takes it and finds the ``l`` key's
+        slots full; the gate lets one slot go, and each run in turn holds the last slot and the ``k`` key
+        while the gate holds the other N - 1 slots (N clean holds at once, one a several-keys run's); the
+        gate lets the rest go once every run has ended."""
+        single_gate, slot_gates = gate[:1], gate[1:]
+        for key, release in ((single, single_gate), (slotted, slot_gates[:1])):
+
+            def contended(key: str = key) -> bool:
+                return set(ids) <= self._contended_runs(key)
+
+            try:
+                _wait(contended, START_GUARD_S, f"the per-key-limit burst to find {key} held", interval=0.2)
+            except TimeoutError as exc:
+                self.log(f"directed phase: {exc}")
+            self._gate_release(release)
+        try:
+            _wait(lambda: set(ids) <= self._ended(ids), START_GUARD_S, "the per-key-limit burst to end", 0.2)
+        except TimeoutError as exc:
+            self.log(f"directed phase: {exc}")
+        self._gate_release(slot_gates[1:])
+
+    def _contended_runs(self, key: str) -> set[str]:
+        """The task ids that found ``key`` held or full so far (``tcont`` events of the workers' histories,
+        read on from where the last call stopped)."""
+        for path in sorted(self.hist_dir.glob("hist-*.jsonl")):
+            offset = self._tcont_read.get(path, 0)
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+                complete = chunk[: chunk.rfind(b"\n") + 1]
+                self._tcont_read[path] = offset + len(complete)
+                for line in complete.splitlines():
+                    if b'"tcont"' not in line:
+                        continue
+                    with contextlib.suppress(ValueError):
+                        e = json.loads(line)
+                        if e.get("ev") == "tcont" and e.get("task_id"):
+                            self._tcont[str(e.get("key"))].add(str(e["task_id"]))
+        return set(self._tcont.get(key, set()))
 
     def _fault_gate(self) -> tuple[list[Lease], Doc] | None:
         """A ``Queue`` run parked behind a gate on a key of its own, for the fault about to begin."""
@@ -3323,7 +3503,7 @@ def format_report(report: Doc) -> str:
         "  faults that found queued runs parked or hit a queued key's holder: "
         + ", ".join(f"{k} {v}" for k, v in report["queued"]["faults_hitting_queued_runs"].items()),
         "  limit={limit} keys: holds {limit_holds} ({limit_clean_holds} released cleanly, {limit_task_runs} "
-        "by Celery runs; tasks {limit_submitted}), most clean holds at once per key "
+        "by the limit=N tasks; tasks {limit_submitted}), most clean holds at once per key "
         "{max_clean_holds_at_once}, "
         "slots used {slots_used}; several-keys tasks {multi_submitted} (key pairs named in both orders "
         "{multi_key_pairs_both_orders}, skipped {multi_skipped}), bodies {multi_bodies} (all keys written "
@@ -3333,6 +3513,13 @@ def format_report(report: Doc) -> str:
         "{faults_hitting_limit_keys}, a several-keys body's {faults_hitting_multi_bodies}; faults that began "
         "while limit holds ran {faults_during_limit_holds}, while several-keys bodies ran "
         "{faults_during_multi_bodies}".format(**report["limit_multi"]),
+        "  several keys with a limit per key: tasks {submitted}, done {done}, bodies {bodies} (a slot and a "
+        "single lease {bodies_with_a_slot_and_a_single_lease}), slot holds {slot_holds}, contentions "
+        "{contentions} (runs that found each kind of key held or full {contended_runs}), most clean holds "
+        "of an l key at once with a slot of theirs {most_clean_holds_at_once_with_a_slot_of_theirs}; faults "
+        "hitting a body {faults_hitting_bodies}, that began while a body ran {faults_during_bodies}".format(
+            **report["limit_multi"]["multi_limit"]
+        ),
         *(
             f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "
             f"{f['handed']} (handoff records {f['handoffs']}, handed again {f['rehandoffs']}), done "

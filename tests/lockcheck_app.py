@@ -19,7 +19,12 @@ The ``limit=N`` tasks (``rmw_limit``: ``Retry``, ``rmw_limit_skip``: ``Skip``, `
 (``lockcheck.run_slot_hold``); a slot handed to a parked run is recorded as a ``handoff`` with its slot
 and fence. The several-keys tasks (``rmw_multi``: ``Retry``, ``rmw_multi_skip``: ``Skip``,
 ``rmw_multi_queued``: ``Queue()``; ``keys=("{a}", "{b}")``) write each key's protected document with that
-key's lease and fence (``lockcheck.run_multi_hold``).
+key's lease and fence (``lockcheck.run_multi_hold``). The several-keys task with a limit per key
+(``rmw_multi_limit``: ``Retry``; ``keys=("{a}", "{b}")``, ``limit={"{a}": N}``) takes ``a`` (an ``l`` key)
+as one of its N slots and ``b`` (a ``k`` key) as the single lease, and writes ``a``'s document in its
+slot's part and ``b``'s as a plain key's. Every contention of a singleton run (``lease_contended``) is
+recorded as ``tcont`` (task id, key, policy): the controller waits for it to drive contention by
+construction.
 """
 
 from __future__ import annotations
@@ -211,6 +216,18 @@ LeaseStore.admit = _admit  # type: ignore[method-assign]
 Handoffs.publish = _handed  # type: ignore[method-assign]
 
 
+@mongolock_signals.lease_contended.connect
+def _contended(sender: Any = None, key: Any = None, policy: Any = None, **_: Any) -> None:
+    """A run found ``key`` held (full) and its policy decides (``policy``): sent before it does."""
+    hist = _history()
+    if hist is not None:
+        request = getattr(sender, "request", None)
+        hist.event(
+            "tcont", key=key, task_id=getattr(request, "id", None), task=getattr(sender, "name", None),
+            policy=policy, t=time.monotonic(),
+        )  # fmt: skip
+
+
 @mongolock_signals.run_parked.connect
 def _parked(key: Any = None, task_id: Any = None, position: Any = None, stamp: Any = None, **_: Any) -> None:
     hist = _history()
@@ -398,4 +415,19 @@ def rmw_multi_skip(self: Any, a: str, b: str, op: str, reckless: bool = False) -
 def rmw_multi_queued(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """The same, but a run that finds either key held parks on it and keeps its place on each key
     (the keys it got become reservations for it); it runs once both are reserved for it."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"),
+    limit={"{a}": lockcheck.LIMIT},
+    app=app,
+    name=lockcheck.MULTI_LIMIT_TASK,
+    bind=True,
+    on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
+    max_retries=200,
+)
+def rmw_multi_limit(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """Holds a slot of ``a`` (a ``limit=N`` key: ``l<i>``) and the single lease of ``b`` (a plain key:
+    ``k<i>``), and writes each key's document with that key's lease and fence (``a``: its slot's part)."""
     return _body(self, f"{a}+{b}", op, reckless)

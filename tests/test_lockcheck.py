@@ -604,6 +604,44 @@ def test_a_single_key_run_inside_a_several_keys_hold_is_an_overlap() -> None:
     assert "overlap" in kinds(check(h))
 
 
+def _multi_limit_good() -> History:
+    """``_limit_good``, then task P (several keys with a limit per key) holds slot 0 of the limit=3 key
+    (after D let it go) and K1 as a single lease, and writes both: its slot's part and K1's document."""
+    h = _limit_good()
+    p1, p2 = "p1" * 16, "p2" * 16
+    doc = h.docs[LKEY]
+    doc["log"] += [_slot_claim(p1, 14, 0), _slot_write("P@" + LKEY, p1, 14, 0, 2)]
+    doc.update(counter=5, sc={**doc["sc"], "0": 3}, sf={**doc["sf"], "0": 14})
+    h.docs[K1] = {"_id": K1, "counter": 1, "fence": 30, "log": [_claim(p2, 30), _write("P@" + K1, p2, 30, 0)]}
+    h.events += [
+        {"ev": "tcont", "key": LKEY, "task_id": "P", "t": 1.5},
+        {**_acq(p2, 30, 1.7, 1.75, key=K1), "task_id": "P"},
+        {**_slot_acq(p1, 14, 0, 1.75, 1.8), "task_id": "P"},
+        {**_mbody("P", {K1: (p2, 30), LKEY: (p1, 14)}, 1.8), "slots": {LKEY: 0}},
+        _ack("P@" + K1, p2, 30, key=K1), _ack("P@" + LKEY, p1, 14, key=LKEY),
+        _rel(p1, 2.5, key=LKEY), _rel(p2, 2.5, key=K1),
+    ]  # fmt: skip
+    h.tasks = {"P": {**_multi_task("P", [K1, LKEY]), "task": lockcheck.MULTI_LIMIT_TASK}}
+    return h
+
+
+def test_a_several_keys_run_with_a_limit_per_key_is_checked_with_the_keys_other_holds() -> None:
+    h = _multi_limit_good()
+    assert check(h) == []
+    fig = lockcheck.limit_figures(h, [])
+    assert fig["limit_task_runs"] == 0, fig  # P's slot hold is not a limit=N task's
+    mlf = fig["multi_limit"]
+    assert mlf["bodies_with_a_slot_and_a_single_lease"] == 1 and mlf["slot_holds"] == 1, mlf
+    assert mlf["contended_runs"] == {"limit": 1, "plain": 0}, mlf
+    assert mlf["most_clean_holds_at_once_with_a_slot_of_theirs"] == 1, mlf
+    # P's slot taken while A, B and C held the three slots: four clean holds at once.
+    h.events[-7] = {**_slot_acq("p1" * 16, 14, 0, 0.55, 0.6), "task_id": "P"}
+    h.events[-6] = {**_acq("p2" * 16, 30, 0.5, 0.55, key=K1), "task_id": "P"}
+    assert "over-limit" in kinds(check(h))
+    mlf = lockcheck.limit_figures(h, [])["multi_limit"]
+    assert mlf["most_clean_holds_at_once_with_a_slot_of_theirs"] == 4, mlf
+
+
 def test_a_several_keys_body_started_after_one_lease_lapsed_is_reported() -> None:
     h = _multi_good()
     m = {K2: ("m2" * 16, 20), K1: ("m1" * 16, 10)}
@@ -768,7 +806,13 @@ def _covered() -> dict[str, Any]:
             "queue_submitted": 7, "parked": 7, "handoffs": 6, "replace_submitted": 6, "superseded": 5,
             "limit_queued": burst, "multi_queued": burst, "faults_hitting_queued_runs": dict(faults),
         },
-        "limit_multi": {"max_clean_holds_at_once": {LKEY: 3}, "limit_task_runs": 6, "multi_bodies": 6},
+        "limit_multi": {
+            "max_clean_holds_at_once": {LKEY: 3}, "limit_task_runs": 6, "multi_bodies": 6,
+            "multi_limit": {
+                "bodies_with_a_slot_and_a_single_lease": 4, "contended_runs": {"limit": 4, "plain": 4},
+                "most_clean_holds_at_once_with_a_slot_of_theirs": 3,
+            },
+        },
     }  # fmt: skip
 
 
