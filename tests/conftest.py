@@ -57,6 +57,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))
 
 
+@pytest.fixture(autouse=True)
+def _shared_tasks_stay_in_their_test() -> Iterator[None]:
+    """A shared task a test declares (``@singleton_task`` without ``app=``, ``shared_task``) is offered to
+    every app finalized later in the same process (Celery's ``_on_app_finalizers``), and two tests that
+    each declare one under the same name (``tests.test_keys.merge``, or a how-to's ``proj.tasks.x``)
+    then make every later app's finalize raise ``DuplicateTaskNameWarning`` (Celery 5.7; an error here):
+    which tests fail depended on how xdist spread the files. Each test's shared tasks end with it."""
+    from celery import _state
+
+    before = set(_state._on_app_finalizers)
+    yield
+    _state._on_app_finalizers.intersection_update(before)
+
+
 @pytest.fixture(scope="session")
 def mongo() -> Iterator[tuple[str, str]]:
     """(url, kind) of the MongoDB server the tests use."""

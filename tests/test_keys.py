@@ -43,7 +43,11 @@ def test_the_keys_of_a_call_are_sorted_without_repeats() -> None:
             {"keys": ("group:{src}",), "on_contention": "replace"},
             "keys= with on_contention='replace' is not supported",
         ),
-        ({"keys": ("group:{src}",), "limit": 3}, "keys= with limit=N is not supported yet"),
+        (
+            {"keys": ("group:{src}",), "limit": 3, "on_contention": "queue"},
+            "keys= with a limit and on_contention='queue' is not supported yet",
+        ),
+        ({"keys": ("group:{src}",), "limit": {"group:{sr}": 3}}, "did you mean 'group:{src}'"),
         ({"keys": ("group:{source}",)}, "'source'"),
     ],
 )
@@ -102,10 +106,18 @@ def test_keys_from_the_settings_replace_the_decorator_s_key(mongo_url: str) -> N
     [
         ({"keys": "group:{src}"}, {}, r"\['keys'\]: keys= must be a non-empty list or tuple"),
         ({"keys": []}, {}, r"\['keys'\]: keys= must be a non-empty list or tuple"),
-        ({"keys": ["group:{src}"], "limit": 3}, {}, r"\['keys'\]: keys= with limit=N is not supported"),
+        (
+            {"keys": ["group:{src}"], "limit": 3, "on_contention": "queue"},
+            {},
+            r"\['keys'\]: keys= with a limit and on_contention='queue' is not supported",
+        ),
         ({"keys": ["group:{src}"], "on_contention": "replace"}, {}, r"\['keys'\]: keys= with on_contention"),
         ({"keys": ["group:{src}"]}, {"on_contention": "replace"}, r"\['keys'\]: keys= with on_contention"),
-        ({"keys": ["group:{src}"]}, {"limit": 3}, r"\['keys'\]: keys= with limit=N"),
+        (
+            {"keys": ["group:{src}"]},
+            {"limit": 3, "on_contention": "queue"},
+            r"\['keys'\]: keys= with a limit",
+        ),
         ({"keys": ["group:{source}"]}, {}, "'source'"),
     ],
 )
