@@ -145,7 +145,7 @@ class QueueUpkeep:
             doc = connection.collection.find_one_and_update(
                 {"_id": key, "hs.0": {"$exists": True}, "$or": [{"q.id": entry_id}, {"hs.ho.id": entry_id}]},
                 slot_admission.slot_unpark_pipeline(entry_id, by),
-                projection={"hs": 1, "fence": 1, "sup": 1, "lim": 1},  # as a slot release's
+                projection=slot_admission.SLOT_HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )
             if doc is None:

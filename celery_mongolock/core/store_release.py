@@ -42,8 +42,7 @@ __all__ = ["SLOT_HANDOFF_PROJECTION", "Releases", "ReleasesOwner"]
 log_release = logging.getLogger("celery_mongolock.release")
 log_renew = logging.getLogger("celery_mongolock.renew")
 
-#: What a release of a ``limit=N`` slot returns: enough to publish the handoffs it made.
-SLOT_HANDOFF_PROJECTION: Document = {"hs": 1, "fence": 1, "sup": 1, "lim": 1}
+SLOT_HANDOFF_PROJECTION = slot_admission.SLOT_HANDOFF_PROJECTION
 
 
 def ended_for(holder: Mapping[str, Any]) -> Document:

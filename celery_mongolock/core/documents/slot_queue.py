@@ -24,6 +24,7 @@ from celery_mongolock.core.documents import slots as _slots
 
 __all__ = [
     "HANDED",
+    "SLOT_HANDOFF_PROJECTION",
     "fill_stages",
     "slot_admit_pipeline",
     "slot_force_release_handoff_pipeline",
@@ -35,6 +36,9 @@ __all__ = [
 
 Document = dict[str, Any]
 
+#: What a command that may hand slots over returns: the holds (with their handoffs), the fence, the
+#: supersessions and the limit.
+SLOT_HANDOFF_PROJECTION: Document = {"hs": 1, "fence": 1, "sup": 1, "lim": 1}
 _NOW_MS: Document = {"$toLong": "$$NOW"}
 _HS: Document = {"$ifNull": ["$hs", []]}
 _Q: Document = {"$ifNull": ["$q", []]}
