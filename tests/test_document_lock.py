@@ -9,6 +9,7 @@ and every bad input.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import signal
 import subprocess
@@ -310,3 +311,49 @@ def test_updates_that_would_touch_the_lock_are_refused(
         with pytest.raises(ConfigurationError, match=match):
             locked.update_one(update)
         assert not locked.lost and _lock_of(coll, "inv-5")["owner"] == locked.owner
+
+
+# -- the CLI, run as a user runs it ------------------------------------------------------------------------
+def test_cli_inspects_and_force_releases_a_document_lock(
+    make_store: Any, mongo_url: str, db_name: str
+) -> None:
+    from .test_cli import run
+
+    store = make_store()
+    coll = store.client[db_name]["invoices"]
+    oid = ObjectId()
+    coll.insert_many([{"_id": oid, "state": "open"}, {"_id": "never-locked"}])
+    where = ["--collection", f"{db_name}.invoices", "--id-json", f'{{"$oid": "{oid}"}}']
+    lock = DocumentLock(coll, oid, store=store, ttl=30, info={"role": "billing"})
+    locked = lock.__enter__()
+
+    out = run(mongo_url, db_name, "inspect", *where)
+    assert out.returncode == 0, out.stderr
+    rows = dict(line.split(None, 1) for line in out.stdout.splitlines())
+    assert rows["document"] == f"{db_name}.invoices[ObjectId('{oid}')]"
+    assert rows["state"] == "held" and rows["fence"] == str(locked.fence) and rows["owner"] == locked.owner
+    assert "role=billing" in rows["holder"] and 0 < float(rows["expires_in"].rstrip("s")) <= 30
+    data = json.loads(run(mongo_url, db_name, "inspect", *where, "--json").stdout)
+    assert data["held"] and data["holder"]["role"] == "billing" and data["fence"] == locked.fence
+
+    never = run(mongo_url, db_name, "inspect", "--collection", "invoices", "--id", "never-locked")
+    assert never.returncode == 0 and "never locked" in never.stdout
+    missing = run(mongo_url, db_name, "inspect", "--collection", "invoices", "--id", "nope")
+    assert missing.returncode == 1 and "no document" in missing.stderr
+
+    refused = run(mongo_url, db_name, "release", *where)
+    assert refused.returncode == 2 and "repeat with --force" in refused.stderr
+    assert locked.update_one({"$set": {"state": "still mine"}}).modified  # not released
+
+    out = run(mongo_url, db_name, "release", *where, "--force")
+    assert out.returncode == 0 and "released the lock of" in out.stdout, out.stderr
+    with pytest.raises(DocumentLockLost):
+        locked.update_one({"$set": {"state": "stale"}})
+    doc = coll.find_one({"_id": oid})
+    assert doc["state"] == "still mine" and doc["mongolock"]["owner"] is None
+    again = run(mongo_url, db_name, "release", *where, "--force")
+    assert again.returncode == 0 and "is free" in again.stdout
+    after = json.loads(run(mongo_url, db_name, "inspect", *where, "--json").stdout)
+    assert not after["held"] and after["forced_release"]
+    with pytest.raises(DocumentLockLost):
+        lock.__exit__(None, None, None)
