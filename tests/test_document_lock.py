@@ -357,3 +357,36 @@ def test_cli_inspects_and_force_releases_a_document_lock(
     assert not after["held"] and after["forced_release"]
     with pytest.raises(DocumentLockLost):
         lock.__exit__(None, None, None)
+
+
+def test_an_uncontended_block_with_one_write_is_three_commands(
+    store: LeaseStore, coll: Any, counter: Any
+) -> None:
+    coll.insert_one({"_id": "c", "n": 0})
+    counter.clear()
+    with DocumentLock(coll, "c", store=store, ttl=5) as locked:
+        locked.update_one({"$inc": {"n": 1}})
+    assert counter.names() == ["findAndModify", "update", "update"]  # take, write, release
+
+
+def test_the_how_to_runs_as_written(mongo_url: str, client: Any) -> None:
+    """docs/how-to/document-lock.md's program, run as a user would (it uses the database ``shop``)."""
+    from .test_docs import blocks
+
+    [block] = [
+        b for b in blocks(ROOT / "docs" / "how-to" / "document-lock.md") if b.body.startswith("# billing.py")
+    ]
+    client.drop_database("shop")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", block.body],
+            env={**os.environ, "MONGO_URL": mongo_url},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines() == ["paid", "already paid", "{'state': 'paid', 'paid': 120}"]
+    finally:
+        client.drop_database("shop")
