@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from celery_mongolock.__about__ import __version__
 from celery_mongolock.admission.policies import Fail, Queue, Replace, Retry, Skip, Wait
+from celery_mongolock.core.document_lock import DocumentLease, DocumentLock, DocumentWrite
 from celery_mongolock.core.fencing import FencedOut, fenced_update_one
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.store import Lease, LeaseInfo, LeaseStore
 from celery_mongolock.exceptions import (
     ConfigurationError,
+    DocumentLockLost,
+    DocumentMissing,
     InvalidKey,
     LeaseLost,
     LockContended,
@@ -26,6 +29,11 @@ from celery_mongolock.ops import events as _events  # noqa: F401  (lease events 
 
 __all__ = [
     "ConfigurationError",
+    "DocumentLease",
+    "DocumentLock",
+    "DocumentLockLost",
+    "DocumentMissing",
+    "DocumentWrite",
     "Fail",
     "FencedOut",
     "InvalidKey",

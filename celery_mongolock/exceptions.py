@@ -11,6 +11,8 @@ import datetime as _dt
 
 __all__ = [
     "ConfigurationError",
+    "DocumentLockLost",
+    "DocumentMissing",
     "InvalidKey",
     "LeaseLost",
     "LockContended",
@@ -81,6 +83,16 @@ class LeaseLost(MongoLockError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class DocumentLockLost(LeaseLost):
+    """A ``DocumentLock``'s write was refused, or its lock found gone: the lock fields of the document no
+    longer name this holder (released by force, expired and taken, or removed)."""
+
+
+class DocumentMissing(MongoLockError, LookupError):
+    """A ``DocumentLock`` was asked for a document that does not exist (a lock lives inside its document:
+    nothing is created)."""
 
 
 def _describe_holder(holder: dict[str, object]) -> str:

@@ -32,6 +32,13 @@ writes ``sc.<s> = p + 1``, ``$inc counter`` and pushes ``{k: "w", o, h, f, s, p}
 op is applied once per key even when its retry gets another slot). Within a slot the log is then a
 single-holder history, checked as a plain key's log is.
 
+Keys ``d<i>`` are document-lock keys: the bare clients (and the controller, around every fault and in a
+directed takeover) lock the protected document itself with a ``DocumentLock`` (its fields inside the
+document) and do the same claim and read-modify-writes through ``locked.update_one``, whose filter is
+the lock itself, made idempotent by a pipeline that leaves a document holding ``op`` unchanged
+(``run_document_hold``). Their events are a plain key's (the lock's token as the hold, its fence), and
+their documents' logs are checked as a plain key's.
+
 Several-keys runs (``keys=("{a}", "{b}")``: ``Retry`` and ``Skip``, and ``Queue`` in bursts of 2 or 3 on
 one pair, each naming it in either order) take two of the plain ``k`` keys, beside single-key runs and
 bare clients on the same keys. The body records its
@@ -139,9 +146,9 @@ from pymongo import MongoClient, WriteConcern
 from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
-from celery_mongolock import LeaseStore
+from celery_mongolock import DocumentLease, DocumentLock, DocumentLockLost, LeaseStore
 from celery_mongolock.core.store import Lease, _local_ttl
-from celery_mongolock.exceptions import MongoLockError
+from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
 from celery_mongolock.fencing import FencedOut, fenced_update_one
 from celery_mongolock.integration.handoff import SENT_HEADER, send_stamp
 from celery_mongolock.task import REPUBLISH_RETRY_POLICY
@@ -222,6 +229,12 @@ FAULT_GATE_KEYS = 100
 MIN_ACKNOWLEDGED = 50
 #: Who the controller's gate holds are, in the histories.
 GATE = "gate"
+#: The controller's document locks (``d`` keys): the one each fault begins with, held through the fault
+#: (index ``FAULT_GATE_KEYS`` + n) and written once after it; and the directed takeover's two holders
+#: (index ``DIRECTED_KEY``): one whose renewals stop, and its successor once the lock expired on the server.
+DOC_GATE = "doc-gate"
+DOC_PAUSED = "doc-paused"
+DOC_SUCCESSOR = "doc-successor"
 #: The submitter sends nothing more while this many messages wait in the broker's queues: on a machine
 #: too loaded to keep up, the random workload shrinks instead of piling up (unthrottled, a backlog of
 #: 3,000 messages under load average 40 turned one bounded seed into a run of more than 20 minutes).
@@ -449,6 +462,156 @@ def run_hold(
         if outcome not in {"ack", "ack-earlier"}:
             break
     return outcomes
+
+
+# -- d keys: the lock inside the protected document itself (``DocumentLock``) -----------------------------
+
+
+def document_lock(store: LeaseStore, key: str, who: str, ttl: float | None = None) -> DocumentLock:
+    """The ``DocumentLock`` of ``key``'s protected document (through the store's client)."""
+    coll = store.client[store.database_name]["protected"]
+    return DocumentLock(coll, key, store=store, ttl=ttl, info={"who": who})
+
+
+def ensure_document(docs: Collection[Doc], key: str) -> bool:
+    """A document lock lives in its document: make the protected document exist (no lock, no write)."""
+    try:
+        docs.update_one({"_id": key}, {"$setOnInsert": {"counter": 0, "log": []}}, upsert=True)
+    except DuplicateKeyError:
+        return True
+    except PyMongoError:
+        return False
+    return True
+
+
+def _document_write(locked: DocumentLease, op: str, p: int) -> tuple[str, bool]:
+    """``_write`` through ``locked.update_one``: one command whose filter is the lock itself, idempotent
+    (a pipeline that leaves a document already holding ``op`` unchanged: an ambiguous attempt retried)."""
+    entry = {"k": "w", "o": op, "h": locked.owner, "f": locked.fence, "p": p}
+    done = {"$in": [op, {"$ifNull": ["$log.o", []]}]}
+    update = [
+        {
+            "$set": {
+                "counter": {"$cond": [done, "$counter", p + 1]},
+                "log": {"$cond": [done, "$log", {"$concatArrays": [{"$ifNull": ["$log", []]}, [entry]]}]},
+            }
+        }
+    ]
+    give_up = time.monotonic() + 8.0
+    retried = False
+    while True:
+        try:
+            result = locked.update_one(update)
+            return ("ack" if result.modified else "ack-earlier"), retried
+        except DocumentLockLost:
+            return "fenced", retried
+        except (StoreUnavailable, PyMongoError):
+            retried = True
+            if time.monotonic() > give_up:
+                return "ambiguous", retried
+            time.sleep(0.1 + random.random() * 0.2)
+
+
+def run_document_hold(
+    locked: DocumentLease,
+    docs: Collection[Doc],
+    hist: HistoryWriter,
+    ops: Sequence[str],
+    rng: random.Random,
+    *,
+    reckless: bool,
+    who: str,
+    work: tuple[float, float] = (0.05, 0.4),
+    claim: bool = True,
+) -> list[str]:
+    """``run_hold`` for a document lock: claim (a log entry written through the lock), then one
+    read-modify-write per op, each write one ``locked.update_one``."""
+    if claim and not _document_claim(locked, hist, who):
+        return []
+    return _document_ops(locked, docs, hist, ops, rng, reckless=reckless, who=who, work=work)
+
+
+def _document_claim(locked: DocumentLease, hist: HistoryWriter, who: str) -> bool:
+    key, hold, fence = str(locked.document.id), locked.owner, locked.fence
+    try:
+        locked.update_one({"$push": {"log": {"k": "c", "h": hold, "f": fence}}})
+    except DocumentLockLost:
+        hist.event("claim", key=key, hold=hold, fence=fence, outcome="fenced", who=who)
+        return False
+    except (StoreUnavailable, PyMongoError) as exc:
+        hist.event(
+            "claim", key=key, hold=hold, fence=fence, outcome="error", error=type(exc).__name__, who=who
+        )
+        return False
+    hist.event("claim", key=key, hold=hold, fence=fence, outcome="ok", who=who)
+    return True
+
+
+def _document_ops(
+    locked: DocumentLease,
+    docs: Collection[Doc],
+    hist: HistoryWriter,
+    ops: Sequence[str],
+    rng: random.Random,
+    *,
+    reckless: bool,
+    who: str,
+    work: tuple[float, float],
+) -> list[str]:
+    key, hold, fence = str(locked.document.id), locked.owner, locked.fence
+    outcomes: list[str] = []
+    for op in ops:
+        try:
+            doc = docs.find_one({"_id": key}, {"counter": 1})
+        except PyMongoError as exc:
+            hist.event("read", key=key, hold=hold, op=op, outcome="error", error=type(exc).__name__)
+            outcomes.append("error")
+            break
+        p = int((doc or {}).get("counter", 0))
+        end = time.monotonic() + rng.uniform(*work)
+        while time.monotonic() < end:
+            time.sleep(min(0.02, max(0.0, end - time.monotonic())))
+        base = {"key": key, "hold": hold, "fence": fence, "op": op, "p": p, "who": who, "document": True}
+        if not reckless and locked.lost:
+            hist.event("write", **base, outcome="lost-detected", t=time.monotonic())
+            outcomes.append("lost-detected")
+            break
+        outcome, retried = _document_write(locked, op, p)
+        hist.event("write", **base, outcome=outcome, retried=retried, reckless=reckless, t=time.monotonic())
+        outcomes.append("ack" if outcome.startswith("ack") else outcome)
+        if outcome not in {"ack", "ack-earlier"}:
+            break
+    return outcomes
+
+
+def take_document(
+    store: LeaseStore,
+    docs: Collection[Doc],
+    hist: HistoryWriter,
+    key: str,
+    who: str,
+    *,
+    ttl: float | None = None,
+) -> DocumentLease | None:
+    """One attempt at ``key``'s document lock, recorded as a bare client's acquisition (``acq`` with the
+    lock's token and fence: the checks of the plain keys apply as they are); None when it is held."""
+    if not ensure_document(docs, key):
+        hist.event("err", who=who, key=key, what="ensure-document")
+        return None
+    t0 = time.monotonic()
+    try:
+        locked, _ = document_lock(store, key, who, ttl).try_acquire()
+    except MongoLockError as exc:
+        hist.event("err", who=who, key=key, what="acquire", error=type(exc).__name__)
+        return None
+    if locked is None:
+        hist.event("contended", who=who, key=key)
+        return None
+    hist.event(
+        "acq", key=key, hold=locked.owner, fence=locked.fence, t0=t0, t1=time.monotonic(), who=who,
+        document=True, wall=time.time(),
+    )  # fmt: skip
+    return locked
 
 
 # -- limit=N keys: N holds at once, one protected document per key with a fence and a counter per slot ----
@@ -681,15 +844,16 @@ def key_for(i: int, epoch: int, kind: str = "k") -> str:
 
 
 def key_policy(key: str) -> str:
-    """Which runs a key takes: ``plain``, ``queue``, ``replace`` or ``limit`` (see ``key_for``)."""
+    """Which runs a key takes: ``plain``, ``queue``, ``replace``, ``limit`` or ``document`` (``d`` keys:
+    the protected document's own ``DocumentLock``, taken by the bare clients and the controller)."""
     kind = key[len(PREFIX) : len(PREFIX) + 1] if key.startswith(PREFIX) else "k"
-    return {"q": "queue", "r": "replace", "l": "limit"}.get(kind, "plain")
+    return {"q": "queue", "r": "replace", "l": "limit", "d": "document"}.get(kind, "plain")
 
 
 def any_key(rng: random.Random, cfg: Doc, epoch: int) -> str:
     """A bare client's next key: mostly a plain one, sometimes a queued one (where runs park)."""
     kinds = [("k", cfg["keys"])] * 3 + [("q", cfg.get("queue_keys", 0)), ("r", cfg.get("replace_keys", 0))]
-    kinds += [("l", cfg.get("limit_keys", 0))]
+    kinds += [("l", cfg.get("limit_keys", 0)), ("d", cfg.get("doc_keys", 0))]
     kind, n = rng.choice([k for k in kinds if k[1] > 0])
     return key_for(rng.randrange(n), epoch, kind)
 
@@ -711,6 +875,9 @@ def client_main(cfg: Doc) -> None:
     hist.event("start", who=name, wall=time.time())
     while not stop_file.exists() and os.getppid() == parent:
         key = any_key(rng, cfg, current_epoch(cfg["start"], cfg["epoch_seconds"]))
+        if key_policy(key) == "document":
+            seq = _document_round(store, docs, hist, key, name, rng=rng, cfg=cfg, seq=seq)
+            continue
         limit = LIMIT if key_policy(key) == "limit" else None
         t0 = time.monotonic()
         try:
@@ -742,6 +909,49 @@ def client_main(cfg: Doc) -> None:
     hist.event("stop", who=name)
     with contextlib.suppress(Exception):
         store.close()
+
+
+def _document_round(
+    store: LeaseStore,
+    docs: Collection[Doc],
+    hist: HistoryWriter,
+    key: str,
+    name: str,
+    *,
+    rng: random.Random,
+    cfg: Doc,
+    seq: int,
+) -> int:
+    """A bare client's turn on a ``d`` key: its document lock, a claim and 1 to 3 read-modify-writes
+    through ``locked.update_one``, the release; returns the client's op sequence number."""
+    locked = take_document(store, docs, hist, key, name)
+    if locked is None:
+        time.sleep(rng.uniform(0.02, 0.15))
+        return seq
+    ops = []
+    for _ in range(rng.randint(1, 3)):
+        seq += 1
+        ops.append(f"{name}-{seq}")
+    try:
+        run_document_hold(locked, docs, hist, ops, rng, reckless=rng.random() < cfg["reckless"], who=name)
+    except Exception:
+        hist.event("unexpected", who=name, error=traceback.format_exc()[-2000:])
+    release_document(locked, hist, name)
+    time.sleep(rng.uniform(0.0, 0.1))
+    return seq
+
+
+def release_document(locked: DocumentLease, hist: HistoryWriter, who: str) -> bool:
+    """``release_and_record`` for a document lock (its history key is the document's ``_id``)."""
+    t = time.monotonic()
+    try:
+        released = locked.release()
+        error = None
+    except MongoLockError as exc:
+        released, error = False, type(exc).__name__
+    key = str(locked.document.id)
+    hist.event("rel", key=key, hold=locked.owner, released=released, t=t, error=error, who=who)
+    return released
 
 
 # -- the history checker ---------------------------------------------------------------------------------
@@ -1852,6 +2062,50 @@ def multi_limit_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
 # -- figures ---------------------------------------------------------------------------------------------
 
 
+def document_figures(history: History) -> Doc:
+    """The document locks (``d`` keys): holds, their writes by outcome, the holds taken over (the previous
+    hold of the document did not end with a clean release), the controller's holds through the faults
+    and the directed takeover (``Run._document_takeover``)."""
+    ev = [
+        e for e in history.events
+        if e.get("ev") in ("acq", "write", "rel") and key_policy(str(e.get("key", ""))) == "document"
+    ]  # fmt: skip
+    acqs = sorted((e for e in ev if e["ev"] == "acq"), key=lambda e: float(e["t1"]))
+    releases = {str(e["hold"]): e for e in ev if e["ev"] == "rel"}
+    writes = [e for e in ev if e["ev"] == "write"]
+    taken_over = 0
+    last: dict[str, Doc] = {}
+    for a in acqs:
+        before = last.get(str(a["key"]))
+        if before is not None and not (releases.get(str(before["hold"])) or {}).get("released"):
+            taken_over += 1
+        last[str(a["key"])] = a
+
+    def by(who: str) -> list[Doc]:
+        return [e for e in writes if e.get("who") == who]
+
+    fences = {str(a.get("who")): int(a["fence"]) for a in acqs if a.get("who") in (DOC_PAUSED, DOC_SUCCESSOR)}
+    return {
+        "holds": len(acqs),
+        "client_holds": sum(1 for a in acqs if str(a.get("who", "")).startswith("client")),
+        "released_cleanly": sum(1 for e in releases.values() if e.get("released")),
+        "taken_over": taken_over,
+        "writes": dict(sorted(Counter(str(e["outcome"]) for e in writes).items())),
+        "client_writes_acknowledged": sum(
+            1
+            for e in writes
+            if str(e.get("who", "")).startswith("client") and str(e["outcome"]).startswith("ack")
+        ),
+        "gate_holds": sum(1 for a in acqs if a.get("who") == DOC_GATE),
+        "gate_writes": dict(sorted(Counter(str(e["outcome"]) for e in by(DOC_GATE)).items())),
+        "takeover": {
+            "successor_fence_larger": fences.get(DOC_SUCCESSOR, 0) > fences.get(DOC_PAUSED, 2**63),
+            "successor_acknowledged": any(str(e["outcome"]).startswith("ack") for e in by(DOC_SUCCESSOR)),
+            "late_write_refused": any(e["outcome"] == "fenced" for e in by(DOC_PAUSED)),
+        },
+    }
+
+
 def _stats(values: Iterable[float]) -> Doc:
     vals = sorted(values)
     if not vals:
@@ -1993,6 +2247,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         },
         "queued": {**queued_figures(history, faults), "faults_hitting_queued_runs": queued_faults(faults)},
         "limit_multi": limit_figures(history, faults),
+        "document": document_figures(history),
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
         "violations": len(violations),
@@ -2018,6 +2273,12 @@ def unmet_coverage(report: Doc) -> list[str]:
       the ``k`` key (a body with both), and did so beside N - 1 holds of the gate (N clean holds at once);
     - every fault began with a ``Queue`` run parked behind a gate on a key of its own (confirmed in its
       lease document), handed the key when the fault was over;
+    - every fault began with a document lock (``DocumentLock``, a ``d`` key of its own) held by the
+      controller, written through the lock once the fault was over (``Run._document_gate``);
+    - the directed document-lock takeover (``Run._document_takeover``): a holder whose renewals stop is
+      followed by a successor with a larger fence once the lock expired on the server, the successor's
+      write is acknowledged and the stopped holder's late write, sent as if it still held the lock, is
+      refused by the document;
     - the node whose wall clock jumps (when libfaketime is installed) took every fault's gated run (a
       ``Queue`` run parked, then handed the key), and the plan jumps its clock twice.
     """
@@ -2069,6 +2330,14 @@ def unmet_coverage(report: Doc) -> list[str]:
     )
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
     claim(tasks.get("died_after_release", 0) >= 1, "a run died after its body released the key", tasks)
+    doc = report.get("document")
+    if doc is not None and report.get("doc_keys"):
+        claim(doc["gate_holds"] >= sum(faults.values()), "every fault with a document lock held", doc)
+        claim(
+            all(doc["takeover"].values()),
+            "a document lock taken over, the stopped holder's write refused",
+            doc,
+        )
     if "clock-jump" not in skipped:
         claim(faults.get("clock-jump", 0) >= 2, "the clock jumped twice", faults)
         gated = sum(faults.values())
@@ -2102,6 +2371,8 @@ class Config:
     #: that are a several-keys run on two of the plain keys (in either order, beside single-key runs).
     limit_keys: int = 1
     limit_share: float = 0.12
+    #: Keys whose protected document the bare clients lock with a ``DocumentLock`` (``d`` keys).
+    doc_keys: int = 2
     multi_share: float = 0.2
     #: Of those, the share that are a burst of ``Queue`` runs instead: N to N + 2 ``limit=N`` runs on one
     #: key (some park and are handed slots), or 2 to 3 several-keys runs on one pair named in either order.
@@ -2306,6 +2577,7 @@ class Run:
         self._parked_before = 0
         self._gate_info: Doc | None = None
         self._gates = 0
+        self._doc_gates = 0
         self._lingers = 0
         self._gate_hist: HistoryWriter | None = None
         #: The ``tcont`` events read so far (``_contended_runs``): task ids by key; where each file was left.
@@ -2406,6 +2678,7 @@ class Run:
             "start": self.start_mono, "stop_file": str(self.stop_file), "hist_dir": str(self.hist_dir),
             "reckless": self.cfg.reckless, "queue_keys": self.cfg.queue_keys,
             "replace_keys": self.cfg.replace_keys, "limit_keys": self.cfg.limit_keys,
+            "doc_keys": self.cfg.doc_keys,
         }  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if skewed:
@@ -2669,6 +2942,8 @@ class Run:
             plan.append(("limit", LIMIT_BURST))
         if self.cfg.keys > 1:
             plan.append(("multi", MULTI_BURST))
+        if self.cfg.doc_keys:
+            self._document_takeover()
         bursts = [self._burst(kind, n) for kind, n in plan]
         staged = self._multi_limit_burst() if self.cfg.limit_keys else None
         for key, gate, ids in bursts:
@@ -2694,6 +2969,36 @@ class Run:
             self.log(f"directed phase: {exc} ({len(everyone) - len(self._ended(everyone))} unfinished)")
         self.directed_s = round(time.monotonic() - t0, 1)
         self.log(f"directed phase: {len(everyone)} runs waited behind gates and ended in {self.directed_s}s")
+
+    def _document_takeover(self) -> None:
+        """A document lock whose holder stops renewing (a process paused past its lock) is taken by the
+        next holder once it expired on the server's clock, and the stopped holder's late write, sent as
+        if it still held the lock, is refused by the document itself: by construction, not by timing."""
+        assert self.store is not None
+        store, hist = self.store, self._gate_history()
+        docs = docs_collection(self.server.url, self.db)
+        key = key_for(DIRECTED_KEY, current_epoch(self.start_mono, self.cfg.epoch_seconds), "d")
+        paused = _wait(
+            lambda: take_document(store, docs, hist, key, DOC_PAUSED, ttl=self.cfg.lease_seconds),
+            START_GUARD_S, f"the document lock of {key}", interval=0.1,
+        )  # fmt: skip
+        run_document_hold(paused, docs, hist, [], self.rng, reckless=False, who=DOC_PAUSED)
+        store.forget(paused)  # its renewals stop
+        successor = _wait(
+            lambda: take_document(store, docs, hist, key, DOC_SUCCESSOR),
+            START_GUARD_S, f"the takeover of {key}", interval=0.1,
+        )  # fmt: skip
+        run_document_hold(
+            successor, docs, hist, [f"{DOC_SUCCESSOR}-1"], self.rng, reckless=False, who=DOC_SUCCESSOR
+        )
+        # Woken up, the paused holder believes its lock is still good (its clock had not moved, say):
+        paused.renewed(time.monotonic() + 3600.0)
+        ops = [f"{DOC_PAUSED}-late"]
+        run_document_hold(
+            paused, docs, hist, ops, self.rng, reckless=True, who=DOC_PAUSED, work=(0, 0), claim=False
+        )
+        release_document(paused, hist, DOC_PAUSED)
+        release_document(successor, hist, DOC_SUCCESSOR)
 
     def _multi_limit_burst(self) -> tuple[str, str, list[Lease], list[str]]:
         """``MULTI_LIMIT_BURST`` runs of ``MULTI_LIMIT_TASK`` on a ``l`` key and a ``k`` key of their own,
@@ -3059,6 +3364,8 @@ class Run:
         # confirmed in its lease document before the fault begins, handed the key when the fault is over.
         gated = self._fault_gate()
         self._gate_info = gated[1] if gated else None
+        # ... and while a document lock is held (``DocumentLock``), written once when the fault is over.
+        document = self._document_gate()
         parked = self._parked_now()
         self._parked_before = max(parked, 1) if gated and gated[1]["parked"] else parked
         try:
@@ -3066,7 +3373,39 @@ class Run:
         finally:
             if gated:
                 self._gate_release(gated[0])
+            if document is not None:
+                self._document_gate_end(document)
             self._gate_info = None
+
+    def _document_gate(self) -> DocumentLease | None:
+        """A document lock of the controller's on a ``d`` key of its own, claimed, for the fault about
+        to begin (heartbeat on, a 30 s lock: a fault that outlasts it is seen by its write)."""
+        if not self.cfg.doc_keys:
+            return None
+        assert self.store is not None
+        store, hist = self.store, self._gate_history()
+        docs = docs_collection(self.server.url, self.db)
+        self._doc_gates += 1
+        key = key_for(
+            FAULT_GATE_KEYS + self._doc_gates, current_epoch(self.start_mono, self.cfg.epoch_seconds), "d"
+        )
+        locked: DocumentLease = _wait(
+            lambda: take_document(store, docs, hist, key, DOC_GATE, ttl=30.0),
+            START_GUARD_S, f"the document gate on {key}", interval=0.1,
+        )  # fmt: skip
+        run_document_hold(locked, docs, hist, [], self.rng, reckless=False, who=DOC_GATE)
+        return locked
+
+    def _document_gate_end(self, locked: DocumentLease) -> None:
+        """After the fault: one read-modify-write through the lock (acknowledged, or refused if the fault
+        cost the lock), then its release."""
+        docs = docs_collection(self.server.url, self.db)
+        hist = self._gate_history()
+        ops = [f"{DOC_GATE}-{self._doc_gates}"]
+        run_document_hold(
+            locked, docs, hist, ops, self.rng, reckless=False, who=DOC_GATE, work=(0, 0), claim=False
+        )
+        release_document(locked, hist, DOC_GATE)
 
     def _lingering(self) -> Path:
         """A Celery run (``rmw``) that holds a key of its own until the returned path exists (the caller
@@ -3398,6 +3737,7 @@ class Run:
                 "clients": self.cfg.clients,
                 "worker_nodes": self.cfg.nodes + (1 if self.skewed_node else 0),
                 "keys": len(docs),
+                "doc_keys": self.cfg.doc_keys,
                 "lease_seconds": self.cfg.lease_seconds,
                 "faults_skipped": self.skipped_faults,
                 "node_exits": self.node_exits,
@@ -3474,6 +3814,12 @@ def run(cfg: Config) -> Doc:
     return Run(cfg).run()
 
 
+_NO_DOCUMENTS: Doc = {
+    "holds": 0, "client_holds": 0, "released_cleanly": 0, "taken_over": 0, "writes": {}, "gate_holds": 0,
+    "gate_writes": {}, "takeover": {},
+}  # fmt: skip
+
+
 def format_report(report: Doc) -> str:
     ops, tasks = report["operations"], report["tasks"]
     lines = [
@@ -3487,6 +3833,9 @@ def format_report(report: Doc) -> str:
         f"loss detected {ops['lease_loss_detected']}, "
         f"ambiguous {ops['ambiguous']}, claims fenced {ops['claims_fenced']}, "
         f"store errors {ops['store_errors']}",
+        "  document locks: holds {holds} ({client_holds} by bare clients, {released_cleanly} released "
+        "cleanly, {taken_over} taken over), writes {writes}, held through faults {gate_holds} (their writes "
+        "{gate_writes}), directed takeover {takeover}".format(**report.get("document") or _NO_DOCUMENTS),
         f"  tasks submitted {tasks['submitted']}, done {tasks['done']}, skipped {tasks['skipped']}, "
         f"superseded {tasks['superseded']}, "
         f"runs {tasks['runs']}, unfinished {tasks['unfinished']} "

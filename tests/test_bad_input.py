@@ -23,9 +23,11 @@ from typing import Any
 
 import pytest
 from celery import Celery, Task
+from pymongo import MongoClient
 
 from celery_mongolock import (
     ConfigurationError,
+    DocumentLock,
     InvalidKey,
     LeaseStore,
     LockContended,
@@ -37,6 +39,7 @@ from celery_mongolock import (
     singleton_task,
 )
 from celery_mongolock.config import read_settings
+from celery_mongolock.core.documents.locked import guarded_update
 from celery_mongolock.integration.task import _check_task_policies
 from celery_mongolock.keys import normalize_key
 from celery_mongolock.policies import parse_policy
@@ -527,6 +530,44 @@ def test_bad_acquire_arguments(unreachable: LeaseStore, call: Any, error: Any, n
     check(lambda: call(unreachable), error, names, why)
 
 
+# -- 9b. DocumentLock (a lock inside the document it protects) ------------------------------------------------
+# A client that never connects (no I/O, nothing to close): every case is refused before a command is sent.
+DOC_CLIENT: MongoClient[dict[str, Any]] = MongoClient("mongodb://127.0.0.1:1", connect=False)
+DOC_STORE = LeaseStore(DOC_CLIENT, database="shop")
+INVOICES = DOC_CLIENT["shop"]["invoices"]
+
+
+def doc_lock(target: Any = 1, collection: Any = INVOICES, **kwargs: Any) -> Any:
+    return DocumentLock(collection, target, store=DOC_STORE, **kwargs)
+
+
+def other_deployment() -> Any:
+    return doc_lock(collection=MongoClient("mongodb://192.0.2.1:27999", connect=False)["shop"]["invoices"])
+
+
+DOCUMENT_LOCK_CASES = [
+    case(lambda: doc_lock({"state": "open"}), ConfigurationError, "the document given has no _id", "insert it first", "document-without-id"),
+    case(lambda: doc_lock(None), ConfigurationError, "DocumentLock needs the document's _id", "got None", "id-none"),
+    case(lambda: doc_lock(object()), ConfigurationError, "the _id <object object", "cannot be sent to MongoDB", "id-unencodable"),
+    case(lambda: doc_lock(collection=DOC_CLIENT["elsewhere"]["invoices"]), ConfigurationError, "elsewhere.invoices is in database 'elsewhere'", "a document lock lives in its store's database", "another-database"),
+    case(other_deployment, ConfigurationError, "the collection shop.invoices", "is on another MongoDB deployment than the store", "another-deployment"),
+    case(lambda: doc_lock(collection="invoices"), ConfigurationError, "DocumentLock", "needs a pymongo Collection, got str", "not-a-collection"),
+    case(lambda: doc_lock(field="lock.owner"), ConfigurationError, "the document lock's field", "plain top-level field name other than _id, got 'lock.owner'", "field-dotted"),
+    case(lambda: doc_lock(field="_id"), ConfigurationError, "the document lock's field", "other than _id, got '_id'", "field-id"),
+    case(lambda: doc_lock(ttl=0), ConfigurationError, "lease_seconds", "between 0.5 and", "ttl-zero"),
+    case(lambda: doc_lock(wait=-1), ConfigurationError, "wait", "between 0 and", "wait-negative"),
+    case(lambda: guarded_update("mongolock", {"state": "paid"}), ConfigurationError, "DocumentLock.update_one", "with operators ($set, $inc, ...), not a document", "update-a-document"),
+    case(lambda: guarded_update("mongolock", {"$set": {"mongolock.owner": "me"}}), ConfigurationError, "the lock's own field 'mongolock'", "may not write", "update-the-lock-field"),
+    case(lambda: guarded_update("mongolock", {"$rename": {"state": "mongolock"}}), ConfigurationError, "the lock's own field 'mongolock' ($rename)", "may not write", "update-rename-onto-the-lock"),
+    case(lambda: guarded_update("mongolock", [{"$replaceWith": {"a": 1}}]), ConfigurationError, "pipelines of $set, $addFields and $unset stages only", "others could drop the lock's field", "update-replace-pipeline"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, DOCUMENT_LOCK_CASES)
+def test_bad_document_lock_arguments(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
 # -- 10. the command line ----------------------------------------------------------------------------------------
 
 CLI_CASES = [
@@ -540,6 +581,12 @@ CLI_CASES = [
     pytest.param(["list", "--prefx", "x"], "'--prefx'", "(did you mean '--prefix'?)", id="misspelt-option"),
     pytest.param(["unlock", "k"], "'unlock'", "mongolock has no command", id="unknown-command"),
     pytest.param(["inspect", "a", "b"], "'b'", "mongolock inspect takes no more arguments", id="extra-argument"),
+    pytest.param(["inspect", "k", "--collection", "invoices", "--id", "1"], "KEY or --collection/--id", "not both", id="key-and-document"),
+    pytest.param(["release", "--collection", "invoices"], "--collection and one of --id, --id-json", "a document lock needs", id="document-without-id"),
+    pytest.param(["inspect", "--collection", "invoices", "--id", "1", "--id-json", "1"], "one of --id, --id-json", "a document lock needs", id="document-two-ids"),
+    pytest.param(["inspect", "--collection", "other.invoices", "--id", "1"], "--collection 'other.invoices'", "lives in the store's database", id="document-other-database"),
+    pytest.param(["inspect", "--collection", "invoices", "--id-json", "{oops"], "--id-json '{oops'", "is not MongoDB Extended JSON", id="document-bad-id-json"),
+    pytest.param(["inspect", "--collection", "invoices", "--id", "1", "--field", "a.b"], "the document lock's field", "plain top-level field name", id="document-bad-field"),
 ]  # fmt: skip
 
 
@@ -627,6 +674,7 @@ FAMILIES: dict[str, list[Any]] = {
     "test_bad_policies": POLICY_CASES,
     "test_bad_store_arguments": STORE_CASES,
     "test_bad_acquire_arguments": ACQUIRE_CASES,
+    "test_bad_document_lock_arguments": DOCUMENT_LOCK_CASES,
     "test_bad_command_line_arguments": CLI_CASES,
 }
 

@@ -620,6 +620,10 @@ RUN_ELSEWHERE = {
     ("docs/how-to/testing.md", "import pytest"): "tests/test_quickstart.py::test_the_testing_example_runs...",
     ("docs/how-to/testing.md", "def test_a_second_upload_is_skipped(mongo_url):"): "the same test",
     ("docs/how-to/testing.md", "def test_uploads_of_one_group_share_a_key():"): "the same test",
+    (
+        "docs/how-to/document-lock.md",
+        "# billing.py",
+    ): "tests/test_document_lock.py::test_the_how_to_runs_as_written",
 }
 
 

@@ -841,3 +841,55 @@ def test_the_bounded_runs_coverage_claims() -> None:
     undying["tasks"]["died_after_release"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(undying)]
     assert unmet == ["a run died after its body released the key"]
+
+
+# -- document locks (d keys) ------------------------------------------------------------------------------
+
+DKEY = "lockcheck:d90.e0"
+
+
+def _doc_takeover() -> History:
+    """The directed document-lock takeover as the histories record it: the stopped holder (fence 10), its
+    successor (fence 11) after the lock expired, the stopped holder's late write refused."""
+    paused, successor = lockcheck.DOC_PAUSED, lockcheck.DOC_SUCCESSOR
+    events = [
+        {**_acq(HOLD_A, 10, 0.0, 0.1, key=DKEY), "who": paused},
+        {**_acq(HOLD_B, 11, 2.0, 2.1, key=DKEY), "who": successor},
+        {**_ack("s1", HOLD_B, 11, key=DKEY), "who": successor},
+        {**_ack("late", HOLD_A, 10, outcome="fenced", key=DKEY), "who": paused, "reckless": True},
+        {**_rel(HOLD_A, 2.5, released=False, key=DKEY), "who": paused},
+        {**_rel(HOLD_B, 2.6, key=DKEY), "who": successor},
+    ]  # fmt: skip
+    log = [_claim(HOLD_A, 10), _claim(HOLD_B, 11), _write("s1", HOLD_B, 11, 0)]
+    doc = {"_id": DKEY, "counter": 1, "log": log, "mongolock": {"owner": None, "fence": 11}}
+    return History(events, {DKEY: doc})
+
+
+def test_document_locks_are_checked_as_plain_keys_and_counted() -> None:
+    h = _doc_takeover()
+    assert lockcheck.key_policy(DKEY) == "document"
+    assert check(h) == []
+    fig = lockcheck.document_figures(h)
+    assert fig["holds"] == 2 and fig["taken_over"] == 1 and fig["released_cleanly"] == 1
+    assert fig["writes"] == {"ack": 1, "fenced": 1}
+    assert fig["takeover"] == {
+        "successor_fence_larger": True, "successor_acknowledged": True, "late_write_refused": True,
+    }  # fmt: skip
+    # Had the stopped holder's late write been applied, the document's log says so.
+    h.docs[DKEY]["log"].append(_write("late", HOLD_A, 10, 1))
+    h.docs[DKEY]["counter"] = 2
+    assert "fenced-but-applied" in kinds(check(h)) and "fence-backwards" in kinds(check(h))
+
+
+def test_the_document_lock_coverage_claims() -> None:
+    report = _covered()
+    report["doc_keys"] = 2
+    report["document"] = lockcheck.document_figures(_doc_takeover())
+    report["document"]["gate_holds"] = sum(report["faults"].values())
+    assert lockcheck.unmet_coverage(report) == []
+    report["document"]["gate_holds"] -= 1
+    report["document"]["takeover"]["late_write_refused"] = False
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(report)] == [
+        "every fault with a document lock held",
+        "a document lock taken over, the stopped holder's write refused",
+    ]

@@ -34,6 +34,9 @@ PATHS = [
     "celery_mongolock.config:get_store",
     "celery_mongolock.policies:parse_policy",
     "celery_mongolock.cli:mongolock",
+    "celery_mongolock:DocumentLock",
+    "celery_mongolock:DocumentLockLost",
+    "celery_mongolock:DocumentMissing",
 ]
 
 

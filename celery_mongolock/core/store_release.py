@@ -18,6 +18,7 @@ import pymongo
 from pymongo import ReadPreference, ReturnDocument
 from pymongo.errors import OperationFailure
 
+from celery_mongolock.core.document_lock import DocumentLease, renew_documents
 from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents import queue as admission_docs
 from celery_mongolock.core.documents import slot_queue as slot_admission
@@ -112,10 +113,21 @@ class Releases:
         if not live:
             return []
         sent = self.store.clock.monotonic()
-        lost = self.renew_tokens(live, timeout=timeout)
+        # Document locks (``DocumentLock``) live in the documents they protect: one update per collection.
+        in_documents = [lease for lease in live if isinstance(lease, DocumentLease)]
+        leases_here = [lease for lease in live if not isinstance(lease, DocumentLease)]
+        lost = self.renew_tokens(leases_here, timeout=timeout) if leases_here else []
+        if in_documents:
+            lost += renew_documents(in_documents, timeout=timeout)
         for lease in live:
             if lease not in lost:
                 lease.renewed(sent)
+            elif isinstance(lease, DocumentLease):
+                lease.mark_lost(
+                    "renewal found the document's lock fields no longer ours: released by force, "
+                    "expired and taken, or removed",
+                    release=False,
+                )
             elif lease.slot is not None:
                 lease.mark_lost(
                     "renewal found its slot gone: released by force, or expired and taken", release=False

@@ -4,7 +4,9 @@ Registered as a Celery sub-command through the ``celery.commands`` entry point g
 
     celery -A proj mongolock list [--prefix P] [--all] [--json]
     celery -A proj mongolock inspect KEY [--json]
+    celery -A proj mongolock inspect --collection DB.COLL --id ID [--json]     (a DocumentLock)
     celery -A proj mongolock release KEY [--force]
+    celery -A proj mongolock release --collection DB.COLL --id ID [--force]    (a DocumentLock)
     celery -A proj mongolock watch [--prefix P] [--interval S] [--count N]
     celery -A proj mongolock history KEY [--limit N] [--json]
     celery -A proj mongolock why KEY [--json]
@@ -34,6 +36,7 @@ from celery_mongolock.core.store import LeaseInfo, LeaseStore
 from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import MongoLockError
 from celery_mongolock.integration.config import get_store
+from celery_mongolock.ops import cli_documents
 
 __all__ = ["mongolock"]
 
@@ -288,12 +291,17 @@ def list_leases(ctx: click.Context, prefix: str | None, include_free: bool, as_j
 
 
 @mongolock.command(name="inspect")
-@click.argument("key")
+@click.argument("key", required=False)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@cli_documents.document_options
 @click.pass_context
-def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
-    """Show one lease in full, with the runs parked on it (next first)."""
+def inspect_lease(ctx: click.Context, /, key: str | None, as_json: bool, **document: Any) -> None:
+    """Show one lease in full, with the runs parked on it (next first), or a document's lock."""
     store = _store(ctx)
+    if cli_documents.wants_document(key, document["collection"], document["id_text"], document["id_json"]):
+        where = cli_documents.target(store, **document)
+        return cli_documents.inspect_document_lock(store, where, as_json)
+    assert key is not None
     info = _run(lambda: store.inspect(key))
     if info is None:
         if as_json:
@@ -348,16 +356,20 @@ def inspect_lease(ctx: click.Context, key: str, as_json: bool) -> None:
 
 
 @mongolock.command(name="release")
-@click.argument("key")
+@click.argument("key", required=False)
 @click.option("--force", is_flag=True, help="required to release a held lease: whoever holds it")
+@cli_documents.document_options
 @click.pass_context
-def release_lease(ctx: click.Context, key: str, force: bool) -> None:
-    """Release KEY whoever holds it (the holder finds out at its next renewal).
+def release_lease(ctx: click.Context, /, key: str | None, force: bool, **document: Any) -> None:
+    """Release KEY (or a document's lock) whoever holds it (the holder finds out at its next renewal).
 
     Exit status 0 when the key is free afterwards (released, or nobody held it); 2 when it is held and
     --force was not given.
     """
     store = _store(ctx)
+    if cli_documents.wants_document(key, document["collection"], document["id_text"], document["id_json"]):
+        return cli_documents.release_document_lock(store, cli_documents.target(store, **document), force)
+    assert key is not None
     overlap = "releasing someone else's lease can let two runs overlap"
     try:
         info = store.inspect(key)
