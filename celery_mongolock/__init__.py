@@ -10,6 +10,7 @@ from celery_mongolock.__about__ import __version__
 from celery_mongolock.admission.policies import Fail, Queue, Replace, Retry, Skip, Wait
 from celery_mongolock.core.fencing import FencedOut, fenced_update_one
 from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, LeaseInfo, LeaseStore
 from celery_mongolock.exceptions import (
     ConfigurationError,
@@ -38,6 +39,7 @@ __all__ = [
     "MongoLockError",
     "Queue",
     "QueueTimeout",
+    "ReentrantHold",
     "Replace",
     "Retry",
     "SingletonTask",
