@@ -185,3 +185,28 @@ def test_a_nested_hold_asking_for_another_lease_is_refused(
         assert outer.held and store.hold_count("k") == 1
         with store.hold("k", ttl=30, heartbeat_seconds=5) as same:  # the same lease asked: fine
             assert isinstance(same, ReentrantHold)
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_another_process_never_shares(mongo_url: str, db_name: str) -> None:
+    """A forked child of the holder has the parent's holds in memory, not its leases: its asks contend."""
+    import os
+
+    s = LeaseStore(mongo_url, database=db_name)
+    try:
+        with s.hold("k") as outer:
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                try:
+                    shared = s.acquire("k", reentrant=True) is not None or s.hold_count("k") != 0
+                    os.write(write, b"0" if shared else b"1")
+                finally:
+                    os._exit(0)
+            os.close(write)
+            os.waitpid(pid, 0)
+            assert os.read(read, 1) == b"1"
+            os.close(read)
+            assert outer.held and s.hold_count("k") == 1
+    finally:
+        s.close()
