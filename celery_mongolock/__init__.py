@@ -11,6 +11,7 @@ from celery_mongolock.admission.policies import Fail, Queue, Replace, Retry, Ski
 from celery_mongolock.core.document_lock import DocumentLease, DocumentLock, DocumentWrite
 from celery_mongolock.core.fencing import FencedOut, fenced_update_one
 from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, LeaseInfo, LeaseStore
 from celery_mongolock.exceptions import (
     ConfigurationError,
@@ -46,6 +47,7 @@ __all__ = [
     "MongoLockError",
     "Queue",
     "QueueTimeout",
+    "ReentrantHold",
     "Replace",
     "Retry",
     "SingletonTask",

@@ -18,7 +18,17 @@ from celery import Celery
 from celery.signals import task_postrun, worker_ready
 from pymongo import MongoClient
 
-from celery_mongolock import Fail, Queue, Replace, Retry, Skip, Wait, current_lease, singleton_task
+from celery_mongolock import (
+    Fail,
+    LeaseSet,
+    Queue,
+    Replace,
+    Retry,
+    Skip,
+    Wait,
+    current_lease,
+    singleton_task,
+)
 from celery_mongolock.signals import lease_contended, lease_lost
 
 
@@ -390,6 +400,80 @@ def plain(tag: str) -> str:
 
 
 # -- beat -------------------------------------------------------------------------------------------------
+
+
+# -- reentrant runs: a body that holds its own key again, a singleton function called in-process ------
+# Fail on contention: without reentrance each of these would wait for itself and fail.
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.self_holder", on_contention=Fail())
+def self_holder(resource: str, tag: str) -> str:
+    """Holds its own key again through the app's store, and records both fences and the holds."""
+    return _hold_own_key(f"resource:{resource}", tag, None)
+
+
+@singleton_task(
+    key="tenant:{tenant}", app=app, name="integration_app.slot_self_holder", limit=2, on_contention=Fail()
+)
+def slot_self_holder(tenant: str, tag: str) -> str:
+    """``self_holder`` on a ``limit=2`` key: the reentrant hold is the run's own slot."""
+    return _hold_own_key(f"tenant:{tenant}", tag, 2)
+
+
+def _hold_own_key(key: str, tag: str, limit: int | None) -> str:
+    from celery_mongolock.config import get_store
+
+    outer = current_lease()
+    assert outer is not None
+    store = get_store(app)
+    with store.hold(key, wait=5, limit=limit) as inner:
+        info = store.inspect(key)
+        record(
+            "reentered",
+            tag,
+            outer_fence=outer.fence,
+            inner_fence=inner.fence,
+            outer_slot=outer.slot,
+            inner_slot=inner.slot,
+            depth=getattr(inner, "depth", None),
+            holds=store.hold_count(key),
+            slots_taken=len(info.slots) if info else None,
+        )
+    record("after-inner", tag, held=outer.held, holds=store.hold_count(key))
+    return tag
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.one_of_them", on_contention=Fail())
+def one_of_them(resource: str, tag: str) -> int:
+    """Called in-process by ``pair_caller`` for one of its keys: records the lease it runs with."""
+    record("inner-one", tag)
+    lease = current_lease()
+    assert lease is not None
+    return lease.fence
+
+
+@singleton_task(
+    keys=("resource:{a}", "resource:{b}"), app=app, name="integration_app.pair_of_them", on_contention=Fail()
+)
+def pair_of_them(a: str, b: str, tag: str) -> dict[str, int]:
+    """Called in-process by ``pair_caller`` for one of its keys and a key of its own."""
+    lease = current_lease()
+    assert isinstance(lease, LeaseSet)
+    record("inner-pair", tag, fences=lease.fences)
+    return dict(lease.fences)
+
+
+@singleton_task(
+    keys=("resource:{a}", "resource:{b}"), app=app, name="integration_app.pair_caller", on_contention=Fail()
+)
+def pair_caller(a: str, b: str, c: str, tag: str) -> dict[str, Any]:
+    """A ``keys=`` task that calls other singleton functions in-process for overlapping keys."""
+    lease = current_lease()
+    assert isinstance(lease, LeaseSet)
+    fences = dict(lease.fences)
+    one = one_of_them(a, tag)
+    pair = pair_of_them(b, c, tag)
+    return {"outer": fences, "one": one, "pair": pair, "held": lease.held}
 
 
 @singleton_task(key="beat-job", app=app, name="integration_app.beat_job", on_contention=Skip())

@@ -54,6 +54,19 @@ document in its slot's part (``run_slot_hold``) and the ``k`` key's as a plain k
 through the checks of each kind of key below with every other hold of the key: a slot counts against
 the ``l`` key's N with the ``limit=N`` runs' and bare clients' slots, the ``k`` key is one holder's.
 
+Reentrant runs (``REENTRANT_TASK``: ``keys=("{a}", "{b}")``, ``limit={"{a}": N}``, ``Retry``; an ``l`` key
+and a ``k`` key, as the per-key-limit runs, sent instead of one of them now and then, and in a directed
+burst) write nothing with the leases their run took: the body calls a singleton function in-process for
+the ``l`` key (``REENTRANT_INNER_TASK``, ``limit=N``, ``Fail``: without reentrance it would find the slots
+held by its own run and fail), which writes that key's document in its slot's part with the lease it runs
+with, and then holds its own ``k`` key again through the app's store (``store.hold(b, wait=0)``) and
+writes that key's document inside. Each records ``reenter`` (which way, whether it was a reentrant hold,
+its hold token, fence and slot, and the run's other live slots of the key). Their writes go through the
+several-keys checks (the body's own hold token and fence on each key, every key written by a done run)
+and ``check_reentrant``: a reentrant hold is the body's own lease (hold token and fence), and takes no
+second slot. A run whose reentrance is refused (its outer lease was lost first) writes nothing and is
+retried.
+
 Every process appends its view to a JSON-lines history file (acquisitions with monotonic send/reply
 times, every write's outcome: ack / fenced / lost-detected / ambiguous / error, releases). Reckless
 clients write even after their lease is lost: only the fence stands between them and the data.
@@ -147,6 +160,7 @@ from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from celery_mongolock import DocumentLease, DocumentLock, DocumentLockLost, LeaseStore
+from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, _local_ttl
 from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
 from celery_mongolock.fencing import FencedOut, fenced_update_one
@@ -205,7 +219,14 @@ LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TA
 #: The several-keys task with a limit per key (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``, ``Retry``):
 #: a slot of an ``l`` key and the single lease of a ``k`` key, both or neither. A several-keys task.
 MULTI_LIMIT_TASK = "lockcheck.rmw_multi_limit"
-MULTI_TASKS = ("lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK, MULTI_LIMIT_TASK)
+#: The reentrant task (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``, ``Retry``): its body writes each
+#: key through a reentrant hold of its run's lease (an in-process call of ``REENTRANT_INNER_TASK`` for the
+#: ``l`` key, ``store.hold`` of the ``k`` key). A several-keys task.
+REENTRANT_TASK = "lockcheck.rmw_reentrant"
+REENTRANT_INNER_TASK = "lockcheck.rmw_reentrant_inner"
+MULTI_TASKS = (
+    "lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK, MULTI_LIMIT_TASK, REENTRANT_TASK,
+)  # fmt: skip
 #: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
 #: ends and releases its key, then its child SIGKILLs itself before Celery stores the result, and the
 #: requeued copy must end the task ``already-ran`` without running the body again (issue 32).
@@ -222,6 +243,9 @@ MULTI_BURST = 6
 #: The directed burst of ``MULTI_LIMIT_TASK`` runs (``Run._multi_limit_burst``): one ``l`` key and one ``k``
 #: key of their own, contended on each by construction.
 MULTI_LIMIT_BURST = LIMIT + 1
+#: The directed burst of ``REENTRANT_TASK`` runs (``Run._reentrant_burst``): one ``l`` key and one ``k`` key
+#: of their own; every run ends done, and a done run wrote both keys through reentrant holds.
+REENTRANT_BURST = LIMIT + 1
 #: Each fault begins with a ``Queue`` run parked behind a gate on a key of its own (index
 #: ``FAULT_GATE_KEYS`` + n), released when the fault is over.
 FAULT_GATE_KEYS = 100
@@ -755,16 +779,7 @@ def run_multi_hold(
     as a slot (a limit per key: ``lease.slot``) writes its slot's part (``run_slot_hold``). Stops at the
     first key whose write is refused or fails (the task is retried). The body's start is recorded first
     (``mbody``: keys, holds, fences and slots, and whether each lease was still within its deadline)."""
-    now = time.monotonic()
-    hist.event(
-        "mbody", task_id=task_id, who=who, t=now, keys=list(leases.keys),
-        holds={k: leases[k].owner for k in leases.keys}, fences={k: leases[k].fence for k in leases.keys},
-        expired=[k for k in leases.keys if leases[k].deadline <= now or leases[k].lost],
-        acquired={k: leases[k].acquired_mono for k in leases.keys},
-        deadlines={k: leases[k].deadline for k in leases.keys},
-        lost={k: leases[k].lost_reason for k in leases.keys if leases[k].lost_reason},
-        slots={k: leases[k].slot for k in leases.keys if leases[k].slot is not None},
-    )  # fmt: skip
+    record_body(leases, hist, who, task_id)
     outcomes: list[str] = []
     for key in leases.keys:
         hold = run_hold if leases[key].slot is None else run_slot_hold
@@ -777,6 +792,65 @@ def run_multi_hold(
         if outcome != "ack":
             break
     return outcomes
+
+
+def record_body(leases: Any, hist: HistoryWriter, who: str, task_id: str | None) -> None:
+    """A several-keys body's start (``mbody``): its keys, each one's hold token, fence and slot, and
+    whether each lease was still within its deadline."""
+    now = time.monotonic()
+    hist.event(
+        "mbody", task_id=task_id, who=who, t=now, keys=list(leases.keys),
+        holds={k: leases[k].owner for k in leases.keys}, fences={k: leases[k].fence for k in leases.keys},
+        expired=[k for k in leases.keys if leases[k].deadline <= now or leases[k].lost],
+        acquired={k: leases[k].acquired_mono for k in leases.keys},
+        deadlines={k: leases[k].deadline for k in leases.keys},
+        lost={k: leases[k].lost_reason for k in leases.keys if leases[k].lost_reason},
+        slots={k: leases[k].slot for k in leases.keys if leases[k].slot is not None},
+    )  # fmt: skip
+
+
+def run_reentered(
+    inner: Lease,
+    via: str,
+    *,
+    store: LeaseStore,
+    docs: Collection[Doc],
+    hist: HistoryWriter,
+    op: str,
+    rng: random.Random,
+    reckless: bool,
+    who: str,
+    task_id: str | None,
+) -> str:
+    """A reentrant run's write to one of its keys under ``inner``, the lease it got asking again for the
+    key (``via``: ``call``, an in-process singleton function; ``hold``, ``store.hold``): records
+    ``reenter`` (and, for a slot, the run's other live slots of the key, read from the lease document),
+    then, if ``inner`` is a reentrant hold, the claim + read-modify-write of ``<op>@<key>``. Its outcome;
+    ``not-reentered`` when the ask got a lease of its own (the run's lease was lost first): nothing is
+    written then, and the run is retried."""
+    reentered = isinstance(inner, ReentrantHold)
+    others: list[Doc] = []
+    if inner.slot is not None:
+        with contextlib.suppress(MongoLockError):
+            info = store.inspect(inner.key)
+            others = [
+                {"slot": s.get("slot"), "fence": s.get("fence")}
+                for s in (info.slots if info else [])
+                if (s.get("holder") or {}).get("task_id") == task_id and s.get("fence") != inner.fence
+            ]
+    hist.event(
+        "reenter", task_id=task_id, who=who, t=time.monotonic(), key=inner.key, via=via, reentered=reentered,
+        hold=inner.owner, fence=inner.fence, slot=inner.slot, depth=getattr(inner, "depth", None),
+        other_slots=others,
+    )  # fmt: skip
+    if not reentered:
+        return "not-reentered"
+    hold = run_hold if inner.slot is None else run_slot_hold
+    got = hold(
+        inner, docs, hist, [multi_op(op, inner.key)], rng, reckless=reckless, who=who, task_id=task_id,
+        work=(0.05, 0.3),
+    )  # fmt: skip
+    return got[0] if got else "claim-failed"
 
 
 def multi_op(op: str, key: str) -> str:
@@ -1253,7 +1327,83 @@ def check(history: History) -> list[Violation]:
     found += check_queued(history, applied)
     # 6. Several keys per run.
     found += check_multi(history, applied)
+    # 7. Reentrant holds.
+    found += check_reentrant(history)
     return found
+
+
+def check_reentrant(history: History) -> list[Violation]:
+    """The reentrant runs' asks (``reenter`` events of ``REENTRANT_TASK`` bodies).
+
+    * ``reentrant-not-the-outer-lease``: a reentrant hold whose hold token or fence is not the one the
+      run's body holds the key with (``mbody`` of the same task with that hold token), or a reentrant hold
+      of a key the body does not hold.
+    * ``reentrant-second-slot``: while a reentrant hold of a slot was held, the lease document showed
+      another live slot of the same run with a larger fence than the run's own (a slot taken twice; a
+      slot of an earlier attempt of the run, left to expire, has a smaller fence).
+    """
+    found: list[Violation] = []
+    bodies: dict[tuple[str, str, str], Doc] = {}  # (task id, key, hold) -> body
+    for started in history.events:
+        if started.get("ev") == "mbody":
+            for k, h in (started.get("holds") or {}).items():
+                bodies[str(started.get("task_id")), str(k), str(h)] = started
+    for ev in history.events:
+        if ev.get("ev") != "reenter" or not ev.get("reentered"):
+            continue
+        tid, key, hold = str(ev.get("task_id")), str(ev.get("key")), str(ev.get("hold"))
+        body = bodies.get((tid, key, hold))
+        if body is None or int((body.get("fences") or {}).get(key, -1)) != int(ev["fence"]):
+            found.append(
+                Violation(
+                    "reentrant-not-the-outer-lease",
+                    f"task {tid}: a reentrant hold of {key} ({ev.get('via')}) has hold {hold} fence "
+                    f"{ev['fence']}; its body holds it with "
+                    + (f"fence {(body.get('fences') or {}).get(key)}" if body else "no such hold"),
+                )
+            )
+        newer = [s for s in ev.get("other_slots") or [] if int(s.get("fence") or 0) > int(ev["fence"])]
+        if newer:
+            found.append(
+                Violation(
+                    "reentrant-second-slot",
+                    f"task {tid}: while its reentrant hold of {key} (slot {ev.get('slot')}, fence "
+                    f"{ev['fence']}) was held, the run held slots {newer} too",
+                )
+            )
+    return found
+
+
+def reentrant_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
+    """What the reentrant runs (``REENTRANT_TASK``) did (figures, not verdicts)."""
+    ev = history.events
+    tids = {tid for tid, t in history.tasks.items() if t.get("task") == REENTRANT_TASK}
+    asks = [e for e in ev if e.get("ev") == "reenter" and e.get("task_id") in tids]
+    reentered: dict[str, set[str]] = defaultdict(set)  # task id -> the ways it reentered
+    for e in asks:
+        if e.get("reentered"):
+            reentered[str(e["task_id"])].add(str(e.get("via")))
+    done = {
+        tid
+        for tid in tids
+        if history.tasks[tid].get("state") == "SUCCESS"
+        and isinstance(history.tasks[tid].get("result"), dict)
+        and not history.tasks[tid]["result"].get("mongolock")
+    }
+    bodies = [e for e in ev if e.get("ev") == "mbody" and e.get("task_id") in tids]
+    holds = {str(h) for b in bodies for h in (b.get("holds") or {}).values()}
+    return {
+        "submitted": len(tids),
+        "done": len(done),
+        "bodies": len(bodies),
+        "reentered": dict(sorted(Counter(str(e.get("via")) for e in asks if e.get("reentered")).items())),
+        "reentered_slots": sum(1 for e in asks if e.get("reentered") and e.get("slot") is not None),
+        "not_reentered": sum(1 for e in asks if not e.get("reentered")),
+        "done_runs_that_reentered_both_ways": sum(1 for t in done if reentered[t] >= {"call", "hold"}),
+        "faults_hitting_bodies": dict(
+            sorted(Counter(str(f["kind"]) for f in faults if set(f.get("holds") or []) & holds).items())
+        ),
+    }
 
 
 def handed_grant_starts(events: Iterable[Doc], key: str) -> dict[tuple[str, int], float]:
@@ -2248,6 +2398,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "queued": {**queued_figures(history, faults), "faults_hitting_queued_runs": queued_faults(faults)},
         "limit_multi": limit_figures(history, faults),
         "document": document_figures(history),
+        "reentrant": reentrant_figures(history, faults),
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
         "violations": len(violations),
@@ -2271,6 +2422,10 @@ def unmet_coverage(report: Doc) -> list[str]:
       the burst has found it held (the workers' ``tcont`` events), then its ``l`` key's N slots until
       every run has found them full, then N - 1 slots until every run has ended: each run held a slot and
       the ``k`` key (a body with both), and did so beside N - 1 holds of the gate (N clean holds at once);
+    - the reentrant burst (``Run._reentrant_burst``): every run ends (the directed phase waits for it),
+      and a run ends done only once its body wrote its ``l`` key's slot through an in-process call and its
+      ``k`` key through ``store.hold``, each a reentrant hold (without one it writes nothing and is
+      retried): so ``REENTRANT_BURST`` done runs reentered both ways, a slot among them;
     - every fault began with a ``Queue`` run parked behind a gate on a key of its own (confirmed in its
       lease document), handed the key when the fault was over;
     - every fault began with a document lock (``DocumentLock``, a ``d`` key of its own) held by the
@@ -2328,6 +2483,13 @@ def unmet_coverage(report: Doc) -> list[str]:
         f"a per-key-limit run's slot among {LIMIT} clean holds at once",
         mlf,
     )
+    re = report["reentrant"]
+    claim(
+        re["done_runs_that_reentered_both_ways"] >= REENTRANT_BURST,
+        "reentrant runs wrote a slot through an in-process call and a key through store.hold",
+        re,
+    )
+    claim(re["reentered_slots"] >= REENTRANT_BURST, "a reentrant hold of a slot", re)
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
     claim(tasks.get("died_after_release", 0) >= 1, "a run died after its body released the key", tasks)
     doc = report.get("document")
@@ -2382,6 +2544,9 @@ class Config:
     #: (``MULTI_LIMIT_TASK``) on one ``l`` key, each with a ``k`` key drawn at random: they contend on the
     #: slots (with the ``limit=N`` runs and bare clients there) and on the ``k`` keys.
     multi_limit_share: float = 0.3
+    #: Of those, the share sent as a reentrant run (``REENTRANT_TASK``) instead (drawn from a generator of
+    #: its own, so that a seed's other sends are the ones it made before reentrant runs existed).
+    reentrant_share: float = 0.3
     epoch_seconds: float = 40.0
     lease_seconds: float = 2.0
     task_rate: float = 1.5
@@ -2539,6 +2704,7 @@ class Run:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.die_rng = random.Random(cfg.seed * 7919 + 32)
+        self.reentrant_rng = random.Random(cfg.seed * 7919 + 29)
         self._own_dir = cfg.workdir is None
         self.dir = Path(cfg.workdir or tempfile.mkdtemp(prefix="lockcheck-"))
         self.hist_dir = self.dir / "hist"
@@ -2754,7 +2920,9 @@ class Run:
                     for _ in range(self.rng.randint(2, LIMIT + 1)):
                         n += 1
                         single = key_for(self.rng.randrange(self.cfg.keys), epoch)
-                        self._submit(MULTI_LIMIT_TASK, "", f"task-{n}", keys=(slotted, single))
+                        reentrant = self.reentrant_rng.random() < self.cfg.reentrant_share
+                        name = REENTRANT_TASK if reentrant else MULTI_LIMIT_TASK
+                        self._submit(name, "", f"task-{n}", keys=(slotted, single))
                     continue
                 if self.rng.random() < self.cfg.multi_queue_share:
                     # A burst of Queue runs on one pair, each naming it in either order: they park on
@@ -2946,6 +3114,7 @@ class Run:
             self._document_takeover()
         bursts = [self._burst(kind, n) for kind, n in plan]
         staged = self._multi_limit_burst() if self.cfg.limit_keys else None
+        reentrant = self._reentrant_burst() if self.cfg.limit_keys else []
         for key, gate, ids in bursts:
 
             def waiting(key: str = key, ids: list[str] = ids) -> bool:
@@ -2960,6 +3129,7 @@ class Run:
         if staged is not None:
             self._multi_limit_stages(*staged)
             bursts.append(("", [], staged[3]))
+        bursts.append(("", [], reentrant))
         everyone = [t for _k, _g, ids in bursts for t in ids]
         try:
             _wait(
@@ -2999,6 +3169,17 @@ class Run:
         )
         release_document(paused, hist, DOC_PAUSED)
         release_document(successor, hist, DOC_SUCCESSOR)
+
+    def _reentrant_burst(self) -> list[str]:
+        """``REENTRANT_BURST`` runs of ``REENTRANT_TASK`` on an ``l`` key and a ``k`` key of their own (no
+        gate: each run reenters its own leases, whoever else waits); their task ids."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        slotted, single = key_for(DIRECTED_KEY + 3, epoch, "l"), key_for(DIRECTED_KEY + 4, epoch)
+        ids = [
+            self._submit(REENTRANT_TASK, "", f"directed-reentrant-{i}", keys=(slotted, single))
+            for i in range(REENTRANT_BURST)
+        ]
+        return [t for t in ids if t]
 
     def _multi_limit_burst(self) -> tuple[str, str, list[Lease], list[str]]:
         """``MULTI_LIMIT_BURST`` runs of ``MULTI_LIMIT_TASK`` on a ``l`` key and a ``k`` key of their own,
@@ -3869,6 +4050,10 @@ def format_report(report: Doc) -> str:
         "hitting a body {faults_hitting_bodies}, that began while a body ran {faults_during_bodies}".format(
             **report["limit_multi"]["multi_limit"]
         ),
+        "  reentrant runs: tasks {submitted}, done {done}, bodies {bodies}; reentrant holds {reentered} "
+        "(of a slot {reentered_slots}), asks that got a lease of their own {not_reentered}, done runs that "
+        "reentered both ways {done_runs_that_reentered_both_ways}; faults hitting a body "
+        "{faults_hitting_bodies}".format(**report["reentrant"]),
         *(
             f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "
             f"{f['handed']} (handoff records {f['handoffs']}, handed again {f['rehandoffs']}), done "

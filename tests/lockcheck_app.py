@@ -22,7 +22,10 @@ and fence. The several-keys tasks (``rmw_multi``: ``Retry``, ``rmw_multi_skip``:
 key's lease and fence (``lockcheck.run_multi_hold``). The several-keys task with a limit per key
 (``rmw_multi_limit``: ``Retry``; ``keys=("{a}", "{b}")``, ``limit={"{a}": N}``) takes ``a`` (an ``l`` key)
 as one of its N slots and ``b`` (a ``k`` key) as the single lease, and writes ``a``'s document in its
-slot's part and ``b``'s as a plain key's. Every contention of a singleton run (``lease_contended``) is
+slot's part and ``b``'s as a plain key's. The reentrant task (``rmw_reentrant``, the same keys and limit)
+writes ``a`` through an in-process call of ``rmw_reentrant_inner`` (``limit=N``, ``Fail``) and ``b`` inside
+``store.hold(b)``: both reentrant holds of its run's leases (``lockcheck.run_reentered``). Every
+contention of a singleton run (``lease_contended``) is
 recorded as ``tcont`` (task id, key, policy): the controller waits for it to drive contention by
 construction.
 """
@@ -40,8 +43,20 @@ from typing import Any
 from celery import Celery, Task
 from celery.signals import before_task_publish, task_postrun, task_received, worker_ready
 
-from celery_mongolock import LeaseStore, Queue, Replace, Retry, Skip, current_lease, singleton_task
+from celery_mongolock import (
+    Fail,
+    LeaseLost,
+    LeaseStore,
+    LockContended,
+    Queue,
+    Replace,
+    Retry,
+    Skip,
+    current_lease,
+    singleton_task,
+)
 from celery_mongolock import signals as mongolock_signals
+from celery_mongolock.config import get_store
 from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.integration.handoff import HANDOFF_HEADER
 from celery_mongolock.lease import LeaseSet
@@ -431,3 +446,65 @@ def rmw_multi_limit(self: Any, a: str, b: str, op: str, reckless: bool = False) 
     """Holds a slot of ``a`` (a ``limit=N`` key: ``l<i>``) and the single lease of ``b`` (a plain key:
     ``k<i>``), and writes each key's document with that key's lease and fence (``a``: its slot's part)."""
     return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"),
+    limit={"{a}": lockcheck.LIMIT},
+    app=app,
+    name=lockcheck.REENTRANT_TASK,
+    bind=True,
+    on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
+    max_retries=200,
+)
+def rmw_reentrant(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """Holds a slot of ``a`` (an ``l`` key) and the lease of ``b`` (a ``k`` key), and writes each through a
+    reentrant hold of them: ``a`` in an in-process call of ``rmw_reentrant_inner``, ``b`` inside
+    ``store.hold(b)`` (``lockcheck.run_reentered``). A run whose ask is not reentered (its lease was lost
+    first) or refused writes nothing more and is retried."""
+    lease = current_lease()
+    assert isinstance(lease, LeaseSet)
+    hist = _history() or lockcheck.HistoryWriter.for_process(".")
+    who = f"task:{self.request.hostname}:{os.getpid()}"
+    tid = self.request.id
+    lockcheck.record_set_acquired(hist, lease, who, tid)
+    lockcheck.record_body(lease, hist, who, tid)
+    outcomes: list[str] = []
+    try:
+        outcomes.append(rmw_reentrant_inner(a, op, reckless, tid, who))
+        if outcomes[-1] == "ack":
+            store = get_store(app)
+            with store.hold(b, wait=0) as inner:
+                outcomes.append(_reentered(inner, "hold", op=op, reckless=reckless, task_id=tid, who=who))
+    except (LockContended, LeaseLost) as exc:  # the run's lease lost before or while it asked again
+        hist.event("reenter-refused", task_id=tid, who=who, t=time.monotonic(), error=type(exc).__name__)
+        outcomes.append("refused")
+    for one in reversed(list(lease)):
+        lockcheck.release_and_record(one, hist, who)
+    if outcomes != ["ack", "ack"]:
+        raise self.retry(countdown=0.2 + _rng.random() * 0.3)
+    return {"op": op, "outcome": "ack"}
+
+
+@singleton_task(
+    key="{key}",
+    limit=lockcheck.LIMIT,
+    app=app,
+    name=lockcheck.REENTRANT_INNER_TASK,
+    on_contention=Fail(),
+)
+def rmw_reentrant_inner(key: str, op: str, reckless: bool, task_id: str, who: str) -> str:
+    """Called in-process by ``rmw_reentrant`` for its ``l`` key: runs with its run's own slot, reentered
+    (``Fail``: without reentrance it would find the key held by its own run, or full, and fail)."""
+    lease = current_lease()
+    assert lease is not None
+    return _reentered(lease, "call", op=op, reckless=reckless, task_id=task_id, who=who)
+
+
+def _reentered(lease: Any, via: str, *, op: str, reckless: bool, task_id: str, who: str) -> str:
+    hist = _history() or lockcheck.HistoryWriter.for_process(".")
+    docs = lockcheck.docs_collection(app.conf.mongolock_url, app.conf.mongolock_database)
+    return lockcheck.run_reentered(
+        lease, via, store=get_store(app), docs=docs, hist=hist, op=op, rng=_rng, reckless=reckless, who=who,
+        task_id=task_id,
+    )  # fmt: skip

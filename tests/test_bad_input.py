@@ -29,6 +29,7 @@ from celery_mongolock import (
     ConfigurationError,
     DocumentLock,
     InvalidKey,
+    Lease,
     LeaseStore,
     LockContended,
     Queue,
@@ -492,6 +493,27 @@ def hold(s: LeaseStore, **kwargs: Any) -> None:
         pass
 
 
+def nested(s: LeaseStore, **kwargs: Any) -> None:
+    """A hold of "k" inside one this thread holds already (ttl 30 s, heartbeat 5 s, a single lease): the
+    outer lease is noted as held without a server (reentry is decided before any command)."""
+    outer = Lease(
+        s,
+        "k",
+        "outer",
+        fence=1,
+        ttl=30.0,
+        heartbeat_seconds=5.0,
+        expires_at=None,
+        sent_at=s.clock.monotonic(),
+        holder={},
+    )
+    s.holds.add(outer, None)
+    try:
+        hold(s, **kwargs)
+    finally:
+        s.holds.forget(outer)
+
+
 ACQUIRE_CASES = [
     case(lambda s: s.acquire("k", ttl=0), ConfigurationError, "lease_seconds", "between 0.5 and", "ttl-zero"),
     case(lambda s: s.acquire("k", ttl=-1), ConfigurationError, "lease_seconds", "between 0.5 and", "ttl-negative"),
@@ -518,6 +540,13 @@ ACQUIRE_CASES = [
     case(lambda s: hold(s, wait=NAN), ConfigurationError, "wait", "got nan", "hold-wait-nan"),
     case(lambda s: hold(s, wait=INF), ConfigurationError, "wait", "got inf", "hold-wait-inf"),
     case(lambda s: hold(s, wait=None), ConfigurationError, "wait", "got NoneType", "hold-wait-none"),
+    case(lambda s: hold(s, reentrant="yes"), ConfigurationError, "reentrant", "True or False, got str", "hold-reentrant-str"),
+    case(lambda s: s.acquire("k", reentrant=1), ConfigurationError, "reentrant", "True or False, got int", "acquire-reentrant-int"),
+    case(lambda s: s.acquire("k", reentrant=True, tick=5), ConfigurationError, "reentrant=True", "never reentered", "acquire-reentrant-tick"),
+    case(lambda s: s.acquire("k", reentrant=True, min_hold=1), ConfigurationError, "reentrant=True", "never reentered", "acquire-reentrant-min-hold"),
+    case(lambda s: nested(s, ttl=60), ConfigurationError, "ttl=60", "outer hold has ttl=30", "reentrant-other-ttl"),
+    case(lambda s: nested(s, heartbeat_seconds=1), ConfigurationError, "heartbeat_seconds=1", "outer hold has heartbeat_seconds=5", "reentrant-other-heartbeat"),
+    case(lambda s: nested(s, limit=3), ConfigurationError, "limit=3", "outer hold is a single lease", "reentrant-other-limit"),
     case(lambda s: s.list(5), ConfigurationError, "prefix", "must be a str, got int", "list-prefix-int"),
     case(lambda s: s.wait_free("k", "1"), ConfigurationError, "timeout", "got '1'", "wait-free-str-timeout"),
     case(lambda s: s.wait_free("k", NAN), ConfigurationError, "timeout", "got nan", "wait-free-nan-timeout"),

@@ -4,6 +4,7 @@ the MongoDB-compatible server. Runs record their start and end in MongoDB; the t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import socket
@@ -743,3 +744,45 @@ def test_history_says_holder_died_for_a_killed_child(cluster: Cluster) -> None:
     [died] = [e for e in cluster.store.history(key) if e.fence == start["fence"]]
     assert (died.how, died.task_id, died.pid) == ("holder-died", res.id, start["pid"])
     w.kill()
+
+
+# -- reentrant runs ------------------------------------------------------------------------------------
+
+
+def _free(cluster: Cluster, key: str) -> bool:
+    info = cluster.store.inspect(key)
+    return info is None or not info.held
+
+
+def test_a_body_that_holds_its_own_key_reenters_its_lease(cluster: Cluster) -> None:
+    """The body's ``store.hold`` of its own key is its own lease (the same fence, no second slot), at once:
+    the task's policy is Fail, so waiting for itself would have failed the run."""
+    resource, t = tag(), tag()
+    assert it.self_holder.delay(resource, t).get(timeout=90) == t
+    [seen] = cluster.runs(t, "reentered")
+    assert seen["inner_fence"] == seen["outer_fence"] == seen["fence"]
+    assert (seen["depth"], seen["holds"]) == (1, 2)
+    [after] = cluster.runs(t, "after-inner")
+    assert after["held"] and after["holds"] == 1  # the run's lease outlives the inner hold
+    wait_for(lambda: _free(cluster, f"resource:{resource}"), timeout=30, message="the key freed")
+    # limit=2: the reentrant hold is the run's own slot; no second slot taken.
+    tenant, t = tag(), tag()
+    assert it.slot_self_holder.delay(tenant, t).get(timeout=90) == t
+    [seen] = cluster.runs(t, "reentered")
+    assert seen["inner_slot"] == seen["outer_slot"] is not None
+    assert seen["inner_fence"] == seen["outer_fence"] and seen["slots_taken"] == 1
+
+
+def test_a_keys_task_calls_singleton_functions_for_overlapping_keys_in_process(cluster: Cluster) -> None:
+    """A run holding ``a`` and ``b`` calls ``one_of_them(a)`` and ``pair_of_them(b, c)`` in-process: each
+    reenters the keys the run holds (the same fences) and takes only ``c``; the run still holds its own
+    keys afterwards, and every key is free once it ends."""
+    a, b, c, t = tag(), tag(), tag(), tag()
+    out = it.pair_caller.delay(a, b, c, t).get(timeout=90)
+    outer = out["outer"]
+    assert out["one"] == outer[f"resource:{a}"]
+    assert out["pair"][f"resource:{b}"] == outer[f"resource:{b}"]
+    assert out["pair"][f"resource:{c}"] > 0 and f"resource:{c}" not in outer
+    assert out["held"]
+    for key in (a, b, c):
+        wait_for(functools.partial(_free, cluster, f"resource:{key}"), timeout=30, message=f"{key} freed")

@@ -893,3 +893,44 @@ def test_the_document_lock_coverage_claims() -> None:
         "every fault with a document lock held",
         "a document lock taken over, the stopped holder's write refused",
     ]
+
+
+# -- reentrant runs ------------------------------------------------------------------------------------------
+
+
+def _reentrant_good() -> History:
+    """``_multi_good`` with M a reentrant run: it wrote K1 and K2 through reentrant holds of its own leases
+    (``reenter``: the same hold tokens and fences; K1 a slot, with no other slot of M's)."""
+    h = _multi_good()
+    h.tasks["M"]["task"] = lockcheck.REENTRANT_TASK
+    m1, m2 = "m1" * 16, "m2" * 16
+    h.events[3:3] = [
+        {"ev": "reenter", "task_id": "M", "t": 0.3, "key": K1, "via": "call", "reentered": True, "hold": m1,
+         "fence": 10, "slot": 0, "depth": 1, "other_slots": [{"slot": 1, "fence": 4}]},
+        {"ev": "reenter", "task_id": "M", "t": 0.4, "key": K2, "via": "hold", "reentered": True, "hold": m2,
+         "fence": 20, "slot": None, "depth": 1, "other_slots": []},
+    ]  # fmt: skip
+    return h
+
+
+def test_a_good_reentrant_history_passes() -> None:
+    h = _reentrant_good()
+    assert check(h) == []
+    fig = lockcheck.reentrant_figures(h)
+    assert fig["done_runs_that_reentered_both_ways"] == 1 and fig["reentered"] == {"call": 1, "hold": 1}
+    assert fig["reentered_slots"] == 1 and fig["not_reentered"] == 0
+
+
+def test_a_reentrant_hold_that_is_not_the_bodys_lease_is_reported() -> None:
+    h = _reentrant_good()
+    h.events[3] = {**h.events[3], "fence": 11}  # another fence than the body's hold of K1
+    assert kinds(check(h)) == {"reentrant-not-the-outer-lease"}
+    h = _reentrant_good()
+    h.events[4] = {**h.events[4], "hold": "x" * 32}  # a lease of its own, called reentrant
+    assert kinds(check(h)) == {"reentrant-not-the-outer-lease"}
+
+
+def test_a_reentrant_hold_beside_a_second_slot_of_the_run_is_reported() -> None:
+    h = _reentrant_good()
+    h.events[3] = {**h.events[3], "other_slots": [{"slot": 2, "fence": 15}]}  # newer than the run's own
+    assert kinds(check(h)) == {"reentrant-second-slot"}

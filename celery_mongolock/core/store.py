@@ -4,7 +4,7 @@ server's clock), a façade over the parts that each own one concern:
 * ``store_connection``: the client per process (fork safety), the collections and their indexes,
   MongoDB's errors in our words (``operation``), ``close``;
 * ``store_acquire``: ``try_acquire`` (the acquire algorithm, one round trip: see that module), ``acquire``,
-  ``admit``, ``wait_free``, ``hold``;
+  ``admit``, ``wait_free``; ``store_hold``: ``hold``; ``reentry``: the holds of each owner (reentrant holds);
 * ``store_release``: renewals and releases, the heartbeat's background releases, ``release_held_by``,
   ``force_release``;
 * ``store_handoffs``: the callbacks that publish the runs a command of this process handed a key to;
@@ -41,11 +41,15 @@ from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents.base import MAX_INFO_BYTES, Document
 from celery_mongolock.core.heartbeat import Heartbeat
 from celery_mongolock.core.history import KeyStory, LeaseEnding
+from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease, LeaseInfo, LostCallback, local_ttl
+from celery_mongolock.core.reentry import Holds
 from celery_mongolock.core.store_acquire import Acquisition
-from celery_mongolock.core.store_connection import CLOSE_SECONDS, Connection
+from celery_mongolock.core.store_connection import CLOSE_SECONDS, Connection, checked_settings
 from celery_mongolock.core.store_handoffs import HandoffCallback, Handoffs
 from celery_mongolock.core.store_history import Records
+from celery_mongolock.core.store_hold import acquire_reentrant
+from celery_mongolock.core.store_hold import hold as _hold
 from celery_mongolock.core.store_queue import QueueUpkeep
 from celery_mongolock.core.store_release import Releases
 from celery_mongolock.core.urls import validate_client_options, validate_mongo_url
@@ -77,25 +81,6 @@ __all__ = [
 _local_ttl = local_ttl
 
 
-def _checked_settings(
-    write_concern: WriteConcern | None,
-    read_preference: _ServerMode | None,
-    client_options: Mapping[str, Any] | None,
-) -> None:
-    if write_concern is not None and not isinstance(write_concern, WriteConcern):
-        raise ConfigurationError(
-            f"write_concern must be a pymongo WriteConcern, got {type(write_concern).__name__}"
-        )
-    if read_preference is not None and not isinstance(read_preference, _ServerMode):
-        raise ConfigurationError(
-            f"read_preference must be a pymongo read preference, got {type(read_preference).__name__}"
-        )
-    if client_options is not None and not isinstance(client_options, Mapping):
-        raise ConfigurationError(
-            f"client_options must be a dict of MongoClient options, got {type(client_options).__name__}"
-        )
-
-
 class LeaseStore:
     """Leases in one MongoDB collection.
 
@@ -104,7 +89,8 @@ class LeaseStore:
 
     The store holds the settings and is a façade over its parts, each owning one concern (its methods
     delegate to them): ``connection`` (``Connection``: client, collections, indexes, errors, ``close``),
-    ``acquisition`` (``Acquisition``: ``try_acquire``, ``acquire``, ``admit``, ``wait_free``, ``hold``),
+    ``acquisition`` (``Acquisition``: ``try_acquire``, ``acquire``, ``admit``, ``wait_free``), ``holds``
+    (``Holds``: what each owner holds, for reentrant holds),
     ``releases`` (``Releases``: renew, release, ``release_tokens``, ``release_later``,
     ``release_held_by``, ``force_release``), ``handoffs`` (``Handoffs``: ``add_handoff_callback`` and the
     publishing of handoffs), ``queue`` (``QueueUpkeep``: ``reserve``, ``unpark``, ``give_back``,
@@ -139,7 +125,7 @@ class LeaseStore:
                 f"LeaseStore needs a MongoDB URL or a pymongo.MongoClient, got {type(client_or_url).__name__}"
             )
         validate_names(database, collection)
-        _checked_settings(write_concern, read_preference, client_options)
+        checked_settings(write_concern, read_preference, client_options)
         self.database_name = database
         self.collection_name = collection
         self.lease_seconds, self.heartbeat_seconds = validate_lease_timing(lease_seconds, heartbeat_seconds)
@@ -162,6 +148,7 @@ class LeaseStore:
         self.releases = Releases(self)
         self.queue = QueueUpkeep(self)
         self.acquisition = Acquisition(self)
+        self.holds = Holds()
 
     # -- connections (per process): ``connection`` -----------------------------------------------------
     @property
@@ -255,6 +242,7 @@ class LeaseStore:
         tick: int | None = None,
         hold_until_ms: int | None = None,
         limit: int | None = None,
+        reentrant: bool = False,
     ) -> Lease | None:
         """Try once to take ``key`` for ``ttl`` seconds (default: the store's ``lease_seconds``).
 
@@ -269,7 +257,23 @@ class LeaseStore:
         (``lease.slot``), with fences that strictly increase over all of them; ``min_hold``, ``tick`` and
         ``hold_until_ms`` are for single leases only. Raises ``StoreUnavailable`` if MongoDB cannot be
         reached: a lease is never assumed.
+
+        ``reentrant=True``: a ``celery_mongolock.ReentrantHold`` at once when the caller holds ``key``
+        through this store already (see ``hold``). The default, False, is one try like anyone else's (a
+        second acquire of a held key returns None): a lease from ``acquire`` has no scope.
         """
+        if reentrant is not False:
+            return acquire_reentrant(
+                self,
+                key,
+                ttl,
+                info=info,
+                heartbeat=heartbeat,
+                heartbeat_seconds=heartbeat_seconds,
+                plain=not min_hold and tick is None and hold_until_ms is None,
+                limit=limit,
+                reentrant=reentrant,
+            )
         lease, _ = self.try_acquire(
             key,
             ttl,
@@ -378,16 +382,24 @@ class LeaseStore:
         heartbeat_seconds: float | None = None,
         poll_interval: float = 0.05,
         max_poll_interval: float = 1.0,
+        limit: int | None = None,
+        reentrant: bool = True,
     ) -> contextlib.AbstractContextManager[Lease]:
         """Hold ``key`` while the ``with`` block runs, renewed by the heartbeat thread.
 
         Waits up to ``wait`` seconds for the key (woken by its release, see ``wait_free``), then raises
-        ``LockContended``
-        naming the holder. The lease is released when the block exits, however it exits. Inside the
-        block, ``lease.lost`` (or ``lease.raise_if_lost()``) tells whether the lease was lost; a block that
-        ends normally after its lease was lost raises ``LeaseLost`` on exit.
+        ``LockContended`` naming the holder. The lease is released when the block exits, however it
+        exits. Inside the block, ``lease.lost`` (or ``lease.raise_if_lost()``) tells whether the lease
+        was lost; a block that ends normally after its lease was lost raises ``LeaseLost`` on exit.
+        ``limit=N``: hold one of the key's N slots (as ``acquire``).
+
+        Reentrant (the default): an owner (this store, and this thread or the running singleton run)
+        that holds ``key`` already gets a ``celery_mongolock.ReentrantHold`` of its lease at once, with no
+        command; ``reentrant=False``: an acquisition like anyone else's, ``LockContended`` at once (not
+        waiting for itself) when the key is held.
         """
-        return self.acquisition.hold(
+        return _hold(
+            self,
             key,
             ttl,
             wait=wait,
@@ -395,7 +407,14 @@ class LeaseStore:
             heartbeat_seconds=heartbeat_seconds,
             poll_interval=poll_interval,
             max_poll_interval=max_poll_interval,
+            limit=limit,
+            reentrant=reentrant,
         )
+
+    def hold_count(self, key: str) -> int:
+        """How many holds of ``key`` the caller (this thread, or the running singleton run) has open
+        through this store: its lease and the reentrant holds of it (0: none). No MongoDB command."""
+        return self.holds.count(normalize_key(key))
 
     # -- renew / release: ``releases`` -----------------------------------------------------------------
     def renew_lease(self, lease: Lease) -> bool:
@@ -585,7 +604,9 @@ class LeaseStore:
         return hb.leases
 
     def forget(self, lease: Lease) -> None:
-        """Stop renewing ``lease`` (it was released or lost)."""
+        """Stop renewing ``lease`` (it was released or lost); a released one is nobody's hold any more."""
+        if lease.released:
+            self.holds.forget(lease)
         hb = self.connection.started_heartbeat
         if hb is not None and lease.pid == os.getpid():
             hb.discard(lease)

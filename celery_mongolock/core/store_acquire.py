@@ -1,6 +1,6 @@
 """The lease store's acquisitions (a part of ``LeaseStore``): ``try_acquire`` (one command, retried with
-the same token on an ambiguous outcome), ``acquire``, ``admit`` (a queued run's acquire), ``wait_free``
-and ``hold``. What is sent is built in ``documents``.
+the same token on an ambiguous outcome), ``acquire``, ``admit`` (a queued run's acquire) and ``wait_free``
+(``hold`` is in ``store_hold``). What is sent is built in ``documents``.
 
 The acquire algorithm (one round trip)
 ======================================
@@ -31,7 +31,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -53,7 +53,7 @@ from celery_mongolock.core.validation import (
     validate_limit,
     validate_seconds,
 )
-from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended, StoreUnavailable
+from celery_mongolock.exceptions import ConfigurationError, StoreUnavailable
 
 if TYPE_CHECKING:
     from celery_mongolock.core.heartbeat import Heartbeat
@@ -564,38 +564,3 @@ class Acquisition:
             if stream is not None:
                 with contextlib.suppress(Exception):
                     stream.close()
-
-    @contextlib.contextmanager
-    def hold(
-        self,
-        key: str,
-        ttl: float | None = None,
-        *,
-        wait: float = 0.0,
-        info: Mapping[str, Any] | None = None,
-        heartbeat_seconds: float | None = None,
-        poll_interval: float = 0.05,
-        max_poll_interval: float = 1.0,
-    ) -> Iterator[Lease]:
-        """``LeaseStore.hold``: ``store.try_acquire`` with a heartbeat, waiting with ``wait_free``."""
-        wait_s = validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
-        store = self.store
-        clock = store.clock
-        give_up_at = clock.monotonic() + wait_s
-        while True:
-            lease, doc = store.try_acquire(
-                key, ttl, info=info, heartbeat=True, heartbeat_seconds=heartbeat_seconds
-            )
-            if lease is not None:
-                break
-            remaining = give_up_at - clock.monotonic()
-            if remaining <= 0 or not self.wait_free(
-                key, remaining, poll_interval=poll_interval, max_poll_interval=max_poll_interval
-            ):
-                holder = (doc or {}).get("holder") or {}
-                raise LockContended(normalize_key(key), holder, aware((doc or {}).get("expires_at")))
-        with lease:
-            yield lease
-            if lease.lost:
-                # The block ran (at least in part) without the lease: do not let it pass as protected.
-                raise LeaseLost(lease.key, lease.fence, lease.lost_reason or "lost")

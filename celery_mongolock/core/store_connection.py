@@ -41,7 +41,7 @@ from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockConte
 if TYPE_CHECKING:
     from celery_mongolock.core.heartbeat import Heartbeat
 
-__all__ = ["AMBIGUOUS", "CLOSE_SECONDS", "Connection", "ConnectionSettings"]
+__all__ = ["AMBIGUOUS", "CLOSE_SECONDS", "Connection", "ConnectionSettings", "checked_settings"]
 
 log_history = logging.getLogger("celery_mongolock.history")
 
@@ -87,6 +87,26 @@ class ConnectionSettings(Protocol):
 # Every connection of the process, so that a forked child gets fresh locks: a lock another thread of the
 # parent (a heartbeat, a release) held at the moment of fork would otherwise stay locked in the child.
 _CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def checked_settings(
+    write_concern: WriteConcern | None,
+    read_preference: _ServerMode | None,
+    client_options: Mapping[str, Any] | None,
+) -> None:
+    """``LeaseStore``'s pymongo settings are of the types it uses (a clear error otherwise)."""
+    if write_concern is not None and not isinstance(write_concern, WriteConcern):
+        raise ConfigurationError(
+            f"write_concern must be a pymongo WriteConcern, got {type(write_concern).__name__}"
+        )
+    if read_preference is not None and not isinstance(read_preference, _ServerMode):
+        raise ConfigurationError(
+            f"read_preference must be a pymongo read preference, got {type(read_preference).__name__}"
+        )
+    if client_options is not None and not isinstance(client_options, Mapping):
+        raise ConfigurationError(
+            f"client_options must be a dict of MongoClient options, got {type(client_options).__name__}"
+        )
 
 
 def _after_fork_in_child() -> None:

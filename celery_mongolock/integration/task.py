@@ -46,6 +46,7 @@ from celery_mongolock.admission.policies import (
 )
 from celery_mongolock.core.keys import KeyRenderer, KeySpec
 from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.reentry import run_scope
 from celery_mongolock.core.store import Lease
 from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable
@@ -64,6 +65,7 @@ from celery_mongolock.integration.options import (
     check_task_class,
     install_start_up_error_hook,
 )
+from celery_mongolock.integration.reentrant import end_holds, joined, note_taken, reentered
 from celery_mongolock.integration.runs import (
     CONTENDED_SINCE_HEADER,
     CONTENTION_HEADER,
@@ -318,9 +320,19 @@ class SingletonTask(Task):  # type: ignore[misc]
         return self._guarded(args, kwargs, direct=False)
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
-        if self._key_specs():
-            return self._guarded_many(args, kwargs, direct=direct)
+        # The run is one owner of its leases (a singleton function it calls in-process is the same run).
+        with run_scope(self.name):
+            if self._key_specs():
+                return self._guarded_many(args, kwargs, direct=direct)
+            return self._guarded_one(args, kwargs, direct=direct)
+
+    def _guarded_one(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
         key = self._renderer().render(args, kwargs)
+        limits = self.mongolock_limits_for(*args, **kwargs)
+        store = get_store(self.app)
+        inner = reentered(store, limits)
+        if inner:  # the run holds the key already: its own lease, reentered (no command)
+            return self._run_reentered(inner[key], args, kwargs)
         taken = OneKey(self, key, self._options(), direct=direct).take()
         if not isinstance(taken, Lease):
             return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
@@ -337,6 +349,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self._options().on_contention,
                 direct,
             )
+        note_taken(store, lease, limits)
         log_acquire.info("%s[%s] acquired %r (fence %s)", self.name, request.id, key, lease.fence)
         signals.lease_acquired.send(sender=self, key=key, lease=lease)
         token = _current.set(lease)
@@ -354,24 +367,50 @@ class SingletonTask(Task):  # type: ignore[misc]
         """A run that needs several keys: the body runs only while it holds all of them."""
         keys = self.mongolock_keys_for(*args, **kwargs)
         limits = self.mongolock_limits_for(*args, **kwargs)
-        taken = SeveralKeys(self, keys, self._options(), direct=direct, limits=limits).take()
-        if not isinstance(taken, LeaseSet):
-            return taken.value
+        store = get_store(self.app)
+        inner = reentered(store, limits)  # the keys this run holds already (a call in-process)
+        rest = [key for key in keys if key not in inner]
+        fresh: LeaseSet | None = None
+        if rest:
+            some = {key: limits[key] for key in rest}
+            try:
+                taken = SeveralKeys(self, rest, self._options(), direct=direct, limits=some).take()
+            except BaseException:
+                end_holds(inner)
+                raise
+            if not isinstance(taken, LeaseSet):
+                end_holds(inner)
+                return taken.value
+            fresh = taken
+            note_taken(store, fresh, limits)
+        if fresh is None:
+            return self._run_reentered(joined(inner, None), args, kwargs)
+        held = joined(inner, fresh)
         request = self.request
-        log_acquire.info("%s[%s] acquired %s (fences %s)", self.name, request.id, keys, taken.fences)
-        for lease in taken:
+        log_acquire.info("%s[%s] acquired %s (fences %s)", self.name, request.id, rest, fresh.fences)
+        for lease in fresh:
             signals.lease_acquired.send(sender=self, key=lease.key, lease=lease)
-        token = _current.set(taken)
+        token = _current.set(held)
         try:
             return self.run(*args, **kwargs)
         finally:
             _current.reset(token)
             try:
-                taken.release()
+                held.release()
             except StoreUnavailable as exc:
                 log_release.warning("%s[%s]: %s (retrying in the background)", self.name, request.id, exc)
-            for lease in taken:
+            for lease in fresh:
                 signals.lease_released.send(sender=self, key=lease.key, lease=lease)
+
+    def _run_reentered(self, held: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the body with reentrant holds of leases the running run holds (no command sent)."""
+        log_acquire.info("%s[%s] reentered %s (fence %s)", self.name, self.request.id, held.key, held.fence)
+        token = _current.set(held)
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            _current.reset(token)
+            held.release()
 
     def mongolock_retry_later(self, policy: Retry, exc: Exception) -> NoReturn:
         """Publish this run again after a backoff; the task's own ``retries`` budget is not used."""

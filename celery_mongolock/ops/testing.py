@@ -82,9 +82,11 @@ def configure(app: Any, mongo_url: str, database: str = "celery_mongolock_test",
 
 @contextlib.contextmanager
 def holding(app: Any, key: str, ttl: float = 60.0, **info: Any) -> Iterator[Lease]:
-    """Hold ``key`` in ``app``'s lease store while the block runs (as another run would)."""
+    """Hold ``key`` in ``app``'s lease store while the block runs (as another run would: the hold is not
+    reentrant, so no code of the test's own thread shares it, and a nested hold of the key there fails at
+    once instead of waiting)."""
     with get_store(app).hold(
-        key, ttl, info={"task_name": "celery_mongolock.testing.holding", **info}
+        key, ttl, info={"task_name": "celery_mongolock.testing.holding", **info}, reentrant=False
     ) as lease:
         yield lease
 
