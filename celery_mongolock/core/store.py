@@ -42,6 +42,7 @@ from celery_mongolock.core.documents.base import MAX_INFO_BYTES, Document
 from celery_mongolock.core.heartbeat import Heartbeat
 from celery_mongolock.core.history import KeyStory, LeaseEnding
 from celery_mongolock.core.lease import Lease, LeaseInfo, LostCallback, local_ttl
+from celery_mongolock.core.lease_watch import LeaseWatch
 from celery_mongolock.core.store_acquire import Acquisition
 from celery_mongolock.core.store_connection import CLOSE_SECONDS, Connection
 from celery_mongolock.core.store_handoffs import HandoffCallback, Handoffs
@@ -128,6 +129,7 @@ class LeaseStore:
         clock: Clock | None = None,
         on_lost: LostCallback | None = None,
         history_days: float = DEFAULT_HISTORY_DAYS,
+        watch_leases: bool = True,
     ) -> None:
         if isinstance(client_or_url, str):
             url: str | None = validate_mongo_url(client_or_url)
@@ -140,6 +142,10 @@ class LeaseStore:
             )
         validate_names(database, collection)
         _checked_settings(write_concern, read_preference, client_options)
+        if not isinstance(watch_leases, bool):
+            raise ConfigurationError(f"watch_leases must be True or False, got {watch_leases!r}")
+        #: Watch the leases held with one change stream per process, so that a loss is noticed at once.
+        self.watch_leases = watch_leases
         self.database_name = database
         self.collection_name = collection
         self.lease_seconds, self.heartbeat_seconds = validate_lease_timing(lease_seconds, heartbeat_seconds)
@@ -576,6 +582,10 @@ class LeaseStore:
     def heartbeat(self) -> Heartbeat:
         """This process's heartbeat (renewal) thread for this store, created on first use."""
         return self.connection.heartbeat(lambda: Heartbeat(self))
+
+    def lease_watch(self, heartbeat: Heartbeat) -> LeaseWatch | None:
+        """The change stream that tells ``heartbeat`` of a loss at once (None with ``watch_leases=False``)."""
+        return LeaseWatch(self, lambda: heartbeat.leases, heartbeat.check_now) if self.watch_leases else None
 
     def held_leases(self) -> builtins.list[Lease]:
         """The leases this process holds with a heartbeat from this store (none if it never started one)."""

@@ -1,0 +1,105 @@
+"""The change stream a holder's process watches its leases with (``core.lease_watch``): pure functions.
+
+One stream per process watches the whole lease collection, with a server-side ``$match`` that does not
+depend on which leases the process holds (so it never changes, and never has to be reopened, per lease).
+It lets through only the changes that can end a lease:
+
+* a deletion or a replacement of a lease document (by hand, or a ``limit=N`` key's holds rewritten:
+  the embedded server reports a pipeline update that rewrites the ``hs`` array as a ``replace``);
+* an update that changes ``owner`` (a release, a force release, a takeover, a handoff) or ``fence``
+  (an acquisition), or anything under ``hs`` (the holds of a ``limit=N`` key);
+* the end of the stream itself (the collection dropped or renamed, the database dropped, invalidate).
+
+A renewal sets only ``expires_at``, ``renewed_at`` and the collection's ``gc_at``: it is not let through,
+so the renewals of every worker's leases cost no watcher anything (``limit=N`` renewals rewrite ``hs`` and
+do pass: the watcher drops them by comparing token and fence, below).
+
+Whether an event ends one of our leases is decided from the document as it is *now*
+(``fullDocument: "updateLookup"``), compared with the lease's owner token and fence (``holds``), never
+from the event alone: the image may be older than our acquisition (an event from just before it), and a
+renewal of the same document must never read as a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["STREAM_END_TYPES", "Verdict", "holds", "loss_events_pipeline", "loss_reason"]
+
+Document = dict[str, Any]
+
+#: Events after which the stream is closed (``invalidate``) or watches nothing of ours any more.
+STREAM_END_TYPES = frozenset({"drop", "rename", "dropDatabase", "invalidate"})
+
+#: The fields whose change can end a single lease (``owner``) or mark a new acquisition (``fence``).
+_ENDING_FIELDS = ("owner", "fence")
+
+
+def loss_events_pipeline() -> list[Document]:
+    """The ``$match`` of the watcher's stream: the changes that can end a lease (module docstring)."""
+    updated_names = {
+        "$map": {
+            "input": {"$objectToArray": {"$ifNull": ["$updateDescription.updatedFields", {}]}},
+            "in": "$$this.k",
+        }
+    }
+    touches_holds = {
+        "$anyElementTrue": [
+            {"$map": {"input": updated_names, "as": "k", "in": {"$eq": [{"$substrCP": ["$$k", 0, 2]}, "hs"]}}}
+        ]
+    }
+    return [
+        {
+            "$match": {
+                "$or": [
+                    {"operationType": {"$in": ["delete", "replace", *sorted(STREAM_END_TYPES)]}},
+                    *(
+                        {f"updateDescription.updatedFields.{name}": {"$exists": True}}
+                        for name in _ENDING_FIELDS
+                    ),
+                    {"updateDescription.removedFields": {"$in": ["owner", "fence", "hs"]}},
+                    {"operationType": "update", "$expr": touches_holds},
+                ]
+            }
+        }
+    ]
+
+
+class Verdict:
+    """What a lease document says of one held lease (``holds``)."""
+
+    HELD = "held"  # the document still has our token: a renewal, a park on our key, nothing of ours
+    GONE = "gone"  # our token is gone from a document at least as new as our acquisition: lost
+    STALE = "stale"  # the image is older than our acquisition (a smaller fence): it says nothing of ours
+
+
+def holds(doc: Mapping[str, Any] | None, owner: str, fence: int, slot: int | None) -> str:
+    """``Verdict`` of the lease (``owner`` token, ``fence``, ``slot`` for ``limit=N``) in ``doc`` (None:
+    no document, read after the lease was taken: it was deleted).
+
+    A fence is never reused (``documents.base``: it strictly increases per key, across deletions), so a
+    document whose fence is smaller than ours was read before our acquisition and proves nothing."""
+    if doc is None:
+        return Verdict.GONE
+    if slot is None:
+        if doc.get("owner") == owner:
+            return Verdict.HELD
+    elif any(isinstance(h, Mapping) and h.get("o") == owner for h in doc.get("hs") or ()):
+        return Verdict.HELD
+    doc_fence = doc.get("fence")
+    if isinstance(doc_fence, int) and doc_fence < fence:
+        return Verdict.STALE
+    return Verdict.GONE
+
+
+def loss_reason(doc: Mapping[str, Any] | None, fence: int) -> str:
+    """Why a lease whose verdict is ``GONE`` in ``doc`` is lost, in the words of ``Lease.lost_reason``."""
+    if doc is None:
+        return "a change stream saw its lease document deleted"
+    doc_fence = doc.get("fence")
+    if isinstance(doc_fence, int) and doc_fence > fence:
+        return f"a change stream saw it taken by another holder (fence {doc_fence})"
+    if doc.get("forced_release"):
+        return "a change stream saw it released by force"
+    return "a change stream saw it released or taken over"
