@@ -53,6 +53,9 @@ log = logging.getLogger("celery_mongolock.heartbeat")
 #: Server error codes that say change streams are not available here (not a passing fault): a standalone
 #: server (40573 IllegalOperation), change streams disabled (136), no permission (13 Unauthorized).
 NO_CHANGE_STREAMS = frozenset({40573, 136, 13})
+#: Server error codes that say a resume token cannot be resumed from: the history it points into is gone
+#: (286 ChangeStreamHistoryLost, 280 ChangeStreamFatalError), or the token is not one (260, 9).
+RESUME_LOST = frozenset({286, 280, 260, 9})
 #: How long the server holds each ``getMore`` open waiting for a change (the stream's wake-up interval
 #: when nothing happens; an event is returned as soon as it is written).
 AWAIT_MS = 1000
@@ -190,20 +193,18 @@ class LeaseWatch:
             elif held:
                 after_failure = True  # a lease of unknown acquisition time: the heartbeat looks at once
         try:
-            with store.operation("watch the leases held", timeout=None):
-                try:
-                    stream = store.collection.watch(changes.loss_events_pipeline(), **options)
-                except OperationFailure as exc:
-                    if exc.code in NO_CHANGE_STREAMS:
-                        raise
-                    if "resume_after" not in options:
-                        raise
-                    # The resume point is gone from the server's history: start afresh, and let the
-                    # heartbeat look at every lease at once for what the gap may have hidden.
-                    self._token = None
-                    options.pop("resume_after")
-                    stream = store.collection.watch(changes.loss_events_pipeline(), **options)
-                    after_failure = True
+            collection = store.collection
+            try:
+                stream = collection.watch(changes.loss_events_pipeline(), **options)
+            except OperationFailure as exc:
+                if exc.code not in RESUME_LOST or "resume_after" not in options:
+                    raise
+                # The resume point is gone from the server's history: start afresh, and let the heartbeat
+                # look at every lease at once for what the gap may have hidden.
+                self._token = None
+                options.pop("resume_after")
+                stream = collection.watch(changes.loss_events_pipeline(), **options)
+                after_failure = True
         except OperationFailure as exc:
             if exc.code in NO_CHANGE_STREAMS:
                 self.available = False
@@ -214,7 +215,7 @@ class LeaseWatch:
                 )
                 return None
             return self._failed("opening the lease watch failed", exc)
-        except Exception as exc:  # StoreUnavailable, a network error
+        except Exception as exc:  # a network error, no primary (the store's client errors included)
             return self._failed("opening the lease watch failed", exc)
         self.available = True
         self._stream = stream
