@@ -10,6 +10,8 @@ that breaks.
 from __future__ import annotations
 
 import datetime as dt
+import os
+import socket
 import threading
 from typing import Any
 
@@ -75,12 +77,17 @@ def test_verdicts_compare_token_and_fence() -> None:
 
 def test_the_stream_passes_what_can_end_a_lease_and_no_renewal(make_store: Any) -> None:
     """The server-side filter, against the store's own commands: an acquisition, a renewal (filtered
-    out), a release, slot holds (passed: the watcher decides by token), a deletion."""
+    out), a release, slot holds (passed: the watcher decides by token), a deletion; and the release of a
+    lease stored with another holder (filtered out)."""
     store = make_store(watch_leases=False)
     store.ensure_indexes()
-    with store.collection.watch(loss_events_pipeline(), max_await_time_ms=200) as stream:
+    ours = (socket.gethostname(), os.getpid())  # the holder fields of this process's leases
+    pipeline = loss_events_pipeline(*ours)
+    with store.collection.watch(pipeline, full_document="updateLookup", max_await_time_ms=200) as stream:
+        theirs = store.acquire("theirs", ttl=30, info={"host": "elsewhere"})  # another process's, as stored
+        assert theirs is not None and theirs.release()
         lease = store.acquire("k", ttl=30)
-        assert lease is not None
+        assert lease is not None and (lease.holder["host"], lease.holder["pid"]) == ours
         lease.renew()
         lease.renew()
         assert lease.release()
@@ -95,6 +102,7 @@ def test_the_stream_passes_what_can_end_a_lease_and_no_renewal(make_store: Any) 
     # the deletion: passed. The slot's hold and release rewrite ``hs``: passed.
     assert [kind for kind, key in seen if key == "k"] == ["update", "delete"], seen
     assert any(key == "s" for _, key in seen), seen
+    assert not any(key == "theirs" for _, key in seen), seen  # another holder's release: not ours to see
 
 
 def _drain(stream: Any, seen: list[tuple[str, str]]) -> bool:
@@ -189,6 +197,15 @@ def test_one_stream_per_process_however_many_leases(
         store.renew_many(leases)
         watch = store.heartbeat.watch
         assert watch is not None
+        # Other holders' leases come and go: none of it reaches this process's stream. (A deletion passes
+        # whoever held the document: the sentinel that says the stream has read past the churn.)
+        seen = watch.events
+        for i in range(30):
+            other = operator.acquire(f"theirs{i % 3}", ttl=30, info={"host": "elsewhere"})
+            assert other is not None and other.release()
+        operator.collection.delete_one({"_id": "theirs0"})
+        wait_for(lambda: watch.events > seen, timeout=DEADLINE, message="the sentinel deletion")
+        assert watch.events == seen + 1
         streams = [
             c for name, c in counter.watch_commands if name == "aggregate" and "$changeStream" in str(c)
         ]

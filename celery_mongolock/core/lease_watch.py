@@ -3,8 +3,8 @@
 The heartbeat learns that a lease is gone only at its next renewal, up to a heartbeat interval later.
 Where the server has change streams (replica sets, the embedded server), the heartbeat starts this
 watcher with its first lease: a daemon thread with one stream on the lease collection, whatever the
-number of leases held, filtered on the server to the changes that can end a lease
-(``documents.changes.loss_events_pipeline``: no renewal passes). For each event on a key this process
+number of leases held, filtered on the server to the changes that can end a lease of this process
+(``documents.changes.loss_events_pipeline``: no renewal passes, nor another process's release). For each event on a key this process
 holds, the document as it is now (``updateLookup``; one read when the event has none, e.g. a deletion)
 is compared with the lease's token and fence (``documents.changes.holds``); a lease whose token is gone
 from a document at least as new as its acquisition is marked lost, on the same path a renewal that
@@ -194,8 +194,9 @@ class LeaseWatch:
                 after_failure = True  # a lease of unknown acquisition time: the heartbeat looks at once
         try:
             collection = store.collection
+            pipeline = changes.loss_events_pipeline(*_holder_of(held))
             try:
-                stream = collection.watch(changes.loss_events_pipeline(), **options)
+                stream = collection.watch(pipeline, **options)
             except OperationFailure as exc:
                 if exc.code not in RESUME_LOST or "resume_after" not in options:
                     raise
@@ -203,7 +204,7 @@ class LeaseWatch:
                 # look at every lease at once for what the gap may have hidden.
                 self._token = None
                 options.pop("resume_after")
-                stream = collection.watch(changes.loss_events_pipeline(), **options)
+                stream = collection.watch(pipeline, **options)
                 after_failure = True
         except OperationFailure as exc:
             if exc.code in NO_CHANGE_STREAMS:
@@ -283,6 +284,19 @@ class LeaseWatch:
             gone = changes.holds(doc, lease.owner, lease.fence, lease.slot) == changes.Verdict.GONE
             if gone and lease.mark_lost(changes.loss_reason(doc, lease.fence), release=False):
                 self.losses += 1
+
+
+def _holder_of(leases: list[Lease]) -> tuple[str | None, int | None]:
+    """The ``host`` and ``pid`` every one of ``leases`` is stored with (this process's, unless a holder's
+    info overrode them); (None, None) when they differ: the stream then passes every change that can end a
+    lease."""
+    pairs = {(lease.holder.get("host"), lease.holder.get("pid")) for lease in leases}
+    if len(pairs) != 1:
+        return None, None
+    [(host, pid)] = pairs
+    if not isinstance(host, str) or not isinstance(pid, int):
+        return None, None
+    return host, pid
 
 
 def _earliest_acquisition(leases: list[Lease]) -> Timestamp | None:

@@ -1,23 +1,28 @@
 """The change stream a holder's process watches its leases with (``core.lease_watch``): pure functions.
 
-One stream per process watches the whole lease collection, with a server-side ``$match`` that does not
-depend on which leases the process holds (so it never changes, and never has to be reopened, per lease).
-It lets through only the changes that can end a lease:
+One stream per process watches the lease collection, with a server-side ``$match`` that does not depend on
+which leases the process holds (so it never changes, and never has to be reopened, per lease). An event
+passes when both hold:
 
-* a deletion or a replacement of a lease document (by hand, or a ``limit=N`` key's holds rewritten:
-  the embedded server reports a pipeline update that rewrites the ``hs`` array as a ``replace``);
-* an update that changes ``owner`` (a release, a force release, a takeover, a handoff) or ``fence``
-  (an acquisition), or anything under ``hs`` (the holds of a ``limit=N`` key);
-* the end of the stream itself (the collection dropped or renamed, the database dropped, invalidate).
+1. **It can end a lease**: a deletion or a replacement of a lease document, an update that changes
+   ``owner`` (a release, a force release, a takeover, a handoff) or ``fence`` (an acquisition), or anything
+   under ``hs`` (the holds of a ``limit=N`` key), or the end of the stream itself (the collection dropped
+   or renamed, the database dropped, invalidate). A renewal sets only ``expires_at``, ``renewed_at`` and
+   ``gc_at``: no renewal of any worker's leases passes.
+2. **It can concern this process** (its holder's ``host`` and ``pid``, the fields ``documents.base``
+   writes into every lease and every ending): the document as it is now (``updateLookup``) has an ending
+   of ours among its last ``ENDS_KEPT`` (every command that ends a lease appends one: release, force
+   release, a takeover after expiry, a dead holder's release), or a ``limit=N`` hold of ours; or it is
+   gone (a deletion, an update of a document deleted since). The ownership changes of other processes'
+   leases do not reach us.
 
-A renewal sets only ``expires_at``, ``renewed_at`` and the collection's ``gc_at``: it is not let through,
-so the renewals of every worker's leases cost no watcher anything (``limit=N`` renewals rewrite ``hs`` and
-do pass: the watcher drops them by comparing token and fence, below).
+Whether an event ends one of our leases is then decided from that document compared with the lease's
+owner token and fence (``holds``), never from the event alone: the image may be older than our acquisition
+(an event from just before it), and our own renewal of a ``limit=N`` hold rewrites ``hs`` too.
 
-Whether an event ends one of our leases is decided from the document as it is *now*
-(``fullDocument: "updateLookup"``), compared with the lease's owner token and fence (``holds``), never
-from the event alone: the image may be older than our acquisition (an event from just before it), and a
-renewal of the same document must never read as a loss.
+What the filter can miss is left to the heartbeat, which renews as before: a lease ended and followed by
+more than ``ENDS_KEPT`` endings before the server looked the document up, or a hold removed by hand from a
+document that keeps no other hold or ending of ours.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ STREAM_END_TYPES = frozenset({"drop", "rename", "dropDatabase", "invalidate"})
 _ENDING_FIELDS = ("owner", "fence")
 
 
-def loss_events_pipeline() -> list[Document]:
-    """The ``$match`` of the watcher's stream: the changes that can end a lease (module docstring)."""
+def loss_events_pipeline(host: str | None = None, pid: int | None = None) -> list[Document]:
+    """The ``$match`` of the watcher's stream (module docstring); ``host`` and ``pid``: the holder fields
+    of this process's leases (None: every change that can end a lease, whoever held it)."""
     updated_names = {
         "$map": {
             "input": {"$objectToArray": {"$ifNull": ["$updateDescription.updatedFields", {}]}},
@@ -49,21 +55,25 @@ def loss_events_pipeline() -> list[Document]:
             {"$map": {"input": updated_names, "as": "k", "in": {"$eq": [{"$substrCP": ["$$k", 0, 2]}, "hs"]}}}
         ]
     }
-    return [
-        {
-            "$match": {
-                "$or": [
-                    {"operationType": {"$in": ["delete", "replace", *sorted(STREAM_END_TYPES)]}},
-                    *(
-                        {f"updateDescription.updatedFields.{name}": {"$exists": True}}
-                        for name in _ENDING_FIELDS
-                    ),
-                    {"updateDescription.removedFields": {"$in": ["owner", "fence", "hs"]}},
-                    {"operationType": "update", "$expr": touches_holds},
-                ]
-            }
-        }
-    ]
+    can_end: Document = {
+        "$or": [
+            {"operationType": {"$in": ["delete", "replace", *sorted(STREAM_END_TYPES)]}},
+            *({f"updateDescription.updatedFields.{name}": {"$exists": True}} for name in _ENDING_FIELDS),
+            {"updateDescription.removedFields": {"$in": ["owner", "fence", "hs"]}},
+            {"operationType": "update", "$expr": touches_holds},
+        ]
+    }
+    if host is None or pid is None:
+        return [{"$match": can_end}]
+    ours: Document = {
+        "$or": [
+            {"operationType": {"$nin": ["update", "replace"]}},
+            {"fullDocument": None},
+            {"fullDocument.ends": {"$elemMatch": {"host": host, "pid": pid}}},
+            {"fullDocument.hs": {"$elemMatch": {"h.host": host, "h.pid": pid}}},
+        ]
+    }
+    return [{"$match": {"$and": [can_end, ours]}}]
 
 
 class Verdict:
