@@ -4,12 +4,12 @@ The heartbeat learns that a lease is gone only at its next renewal, up to a hear
 Where the server has change streams (replica sets, the embedded server), the heartbeat starts this
 watcher with its first lease: a daemon thread with one stream on the lease collection, whatever the
 number of leases held, filtered on the server to the changes that can end a lease of this process
-(``documents.changes.loss_events_pipeline``: no renewal passes, nor another process's release). For each event on a key this process
-holds, the document as it is now (``updateLookup``; one read when the event has none, e.g. a deletion)
-is compared with the lease's token and fence (``documents.changes.holds``); a lease whose token is gone
-from a document at least as new as its acquisition is marked lost, on the same path a renewal that
-matched nothing takes (``Lease.mark_lost``: ``lease.lost``, the lost callbacks and the ``lease_lost``
-signal, a fenced write refused).
+(``documents.changes.loss_events_pipeline``: no renewal passes, nor another process's release). For
+each event on a key this process holds, the document as it is now (``updateLookup``; one read when the
+event has none, e.g. a deletion) is compared with the lease's token and fence
+(``documents.changes.holds``); a lease whose token is gone from a document at least as new as its
+acquisition is marked lost, on the same path a renewal that matched nothing takes (``Lease.mark_lost``:
+``lease.lost``, ``raise_if_lost``, the lost callbacks and the ``lease_lost`` signal).
 
 Polling stays the safety net: the heartbeat renews as before, so nothing depends on the stream. When the
 server has no change streams (a standalone mongod: ``IllegalOperation``), the watcher says so once and
