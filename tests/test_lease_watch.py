@@ -76,32 +76,53 @@ def test_verdicts_compare_token_and_fence() -> None:
 
 
 def test_the_stream_passes_what_can_end_a_lease_and_no_renewal(make_store: Any) -> None:
-    """The server-side filter, against the store's own commands: an acquisition, a renewal (filtered
-    out), a release, slot holds (passed: the watcher decides by token), a deletion; and the release of a
-    lease stored with another holder (filtered out)."""
+    """The server-side filter, against the store's own commands: acquisitions, renewals and our own
+    release (filtered out), a force release, slot holds (passed: the watcher decides by token), a
+    deletion; and the release of a lease stored with another holder (filtered out). The stream is read
+    after each step (up to a sentinel deletion), as the watcher reads it: ``updateLookup`` shows the
+    document as it is when the event is read."""
     store = make_store(watch_leases=False)
     store.ensure_indexes()
     ours = (socket.gethostname(), os.getpid())  # the holder fields of this process's leases
     pipeline = loss_events_pipeline(*ours)
+    seen: list[tuple[str, str]] = []
     with store.collection.watch(pipeline, full_document="updateLookup", max_await_time_ms=200) as stream:
+
+        def step(n: int) -> None:  # a deletion always passes: read up to it
+            store.collection.insert_one({"_id": f"sentinel{n}"})
+            store.collection.delete_one({"_id": f"sentinel{n}"})
+            wait_for(lambda: _drain(stream, seen) and ("delete", f"sentinel{n}") in seen, timeout=DEADLINE)
+
         theirs = store.acquire("theirs", ttl=30, info={"host": "elsewhere"})  # another process's, as stored
         assert theirs is not None and theirs.release()
+        step(1)
         lease = store.acquire("k", ttl=30)
         assert lease is not None and (lease.holder["host"], lease.holder["pid"]) == ours
         lease.renew()
         lease.renew()
-        assert lease.release()
-        slot = store.acquire("s", ttl=30, limit=2)
-        assert slot is not None and slot.release()
+        assert lease.release()  # our own release: not passed
+        step(2)
+        lease = store.acquire("k", ttl=30)
+        step(3)
+        assert lease is not None and make_store(watch_leases=False).force_release("k")  # passed
+        step(4)
+        one, two = store.acquire("s", ttl=30, limit=2), store.acquire("s", ttl=30, limit=2)
+        assert one is not None and two is not None
+        step(5)
+        assert store.renew_many([one, two]) == []  # renewals of holds: not passed
+        step(6)
+        assert one.release()  # passed: the document keeps a hold of ours
+        step(7)
+        assert two.release()  # not passed: our own release, and no hold of ours left
         store.collection.delete_one({"_id": "k"})
-        seen: list[tuple[str, str]] = []
-        wait_for(
-            lambda: _drain(stream, seen) and ("delete", "k") in seen, timeout=DEADLINE, message="the delete"
-        )
-    # The acquisition (an insert: it cannot end a lease), the two renewals: not passed. The release and
-    # the deletion: passed. The slot's hold and release rewrite ``hs``: passed.
+        step(8)
+    seen = [(kind, key) for kind, key in seen if not key.startswith("sentinel")]
+    # The acquisitions (an insert, then an update whose ends hold only our own release), the renewals and
+    # our own release: not passed. The force release and the deletion: passed.
     assert [kind for kind, key in seen if key == "k"] == ["update", "delete"], seen
-    assert any(key == "s" for _, key in seen), seen
+    # The slotted key: its first hold is an insert; the second hold and the release of the first change
+    # ``hs`` of a document that keeps a hold of ours; the last release leaves none.
+    assert [kind for kind, key in seen if key == "s"] == ["update", "update"], seen
     assert not any(key == "theirs" for _, key in seen), seen  # another holder's release: not ours to see
 
 

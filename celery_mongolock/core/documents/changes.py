@@ -8,13 +8,15 @@ passes when both hold:
    ``owner`` (a release, a force release, a takeover, a handoff) or ``fence`` (an acquisition), or anything
    under ``hs`` (the holds of a ``limit=N`` key), or the end of the stream itself (the collection dropped
    or renamed, the database dropped, invalidate). A renewal sets only ``expires_at``, ``renewed_at`` and
-   ``gc_at``: no renewal of any worker's leases passes.
+   ``gc_at`` (a ``limit=N`` hold's renewal: its ``hs.<i>.x`` and ``sx``): no renewal of any worker's
+   leases passes.
 2. **It can concern this process** (its holder's ``host`` and ``pid``, the fields ``documents.base``
    writes into every lease and every ending): the document as it is now (``updateLookup``) has an ending
-   of ours among its last ``ENDS_KEPT`` (every command that ends a lease appends one: release, force
-   release, a takeover after expiry, a dead holder's release), or a ``limit=N`` hold of ours; or it is
-   gone (a deletion, an update of a document deleted since). The ownership changes of other processes'
-   leases do not reach us.
+   of ours among its last ``ENDS_KEPT`` that is not our own release (every command that ends a lease
+   appends one, with the holder it ended: ``forced``, ``expired`` for a takeover after expiry,
+   ``holder-died``), or a ``limit=N`` hold of ours; or it is gone (a deletion, an update of a document
+   deleted since). Neither this process's own releases nor other processes' acquisitions and releases
+   reach it.
 
 Whether an event ends one of our leases is then decided from that document compared with the lease's
 owner token and fence (``holds``), never from the event alone: the image may be older than our acquisition
@@ -50,11 +52,14 @@ def loss_events_pipeline(host: str | None = None, pid: int | None = None) -> lis
             "in": "$$this.k",
         }
     }
-    touches_holds = {
-        "$anyElementTrue": [
-            {"$map": {"input": updated_names, "as": "k", "in": {"$eq": [{"$substrCP": ["$$k", 0, 2]}, "hs"]}}}
+    # A change under ``hs`` other than a hold's expiry (``hs.<i>.x``: a renewal of a limit=N hold).
+    holds_changed = {
+        "$and": [
+            {"$eq": [{"$substrCP": ["$$k", 0, 2]}, "hs"]},
+            {"$not": [{"$regexMatch": {"input": "$$k", "regex": r"^hs\.[0-9]+\.x$"}}]},
         ]
     }
+    touches_holds = {"$anyElementTrue": [{"$map": {"input": updated_names, "as": "k", "in": holds_changed}}]}
     can_end: Document = {
         "$or": [
             {"operationType": {"$in": ["delete", "replace", *sorted(STREAM_END_TYPES)]}},
@@ -69,7 +74,7 @@ def loss_events_pipeline(host: str | None = None, pid: int | None = None) -> lis
         "$or": [
             {"operationType": {"$nin": ["update", "replace"]}},
             {"fullDocument": None},
-            {"fullDocument.ends": {"$elemMatch": {"host": host, "pid": pid}}},
+            {"fullDocument.ends": {"$elemMatch": {"host": host, "pid": pid, "how": {"$ne": "released"}}}},
             {"fullDocument.hs": {"$elemMatch": {"h.host": host, "h.pid": pid}}},
         ]
     }
