@@ -360,6 +360,8 @@ def store_notice(url: str, database: str, reps: int, seed: int, heartbeat: float
     operator = LeaseStore(url, database=database, collection="notice", watch_leases=False)
     rng = random.Random(seed)
     samples: dict[str, dict[str, list[float]]] = {m: {k: [] for k in NOTICE_KINDS} for m in holders}
+    after_reply: dict[str, list[float]] = {m: [] for m in holders}
+    load_before = os.getloadavg()
     beside: list[Any] = []
     try:
         for mode, store in holders.items():
@@ -368,9 +370,9 @@ def store_notice(url: str, database: str, reps: int, seed: int, heartbeat: float
             order = [(mode, kind) for mode in holders for kind in NOTICE_KINDS]
             rng.shuffle(order)
             for mode, kind in order:
-                samples[mode][kind].append(
-                    _one_notice(holders[mode], operator, kind, rng.uniform(0, heartbeat))
-                )
+                from_send, from_reply = _one_notice(holders[mode], operator, kind, rng.uniform(0, heartbeat))
+                samples[mode][kind].append(from_send)
+                after_reply[mode].append(from_reply)
         watch = holders["change_stream"].heartbeat.watch
         streams = {"streams_opened": watch.streams_opened, "leases_held_beside": HELD_BESIDE} if watch else {}
         assert all(lease is not None and lease.held for lease in beside), "a lease held beside was lost"
@@ -378,9 +380,11 @@ def store_notice(url: str, database: str, reps: int, seed: int, heartbeat: float
         for s in (*holders.values(), operator):
             s.close()
     out: dict[str, Any] = {"heartbeat_seconds": heartbeat, "lease_seconds": lease_s, **streams}
+    out["loadavg_before_after"] = [round(x, 2) for x in (*load_before, *os.getloadavg())]
     for mode, by_kind in samples.items():
         every = [x for xs in by_kind.values() for x in xs]
         out[mode] = {"all": stats(every), **{kind: stats(xs) for kind, xs in by_kind.items()}}
+        out[mode]["all_from_reply"] = stats(after_reply[mode])
     return out
 
 
@@ -388,12 +392,17 @@ def store_notice(url: str, database: str, reps: int, seed: int, heartbeat: float
 HELD_BESIDE = 20
 
 
-def _one_notice(store: Any, operator: Any, kind: str, after: float) -> float:
+def _one_notice(store: Any, operator: Any, kind: str, after: float) -> tuple[float, float]:
     key = f"notice-{kind}-{uuid.uuid4().hex[:8]}"
     lease = store.acquire(key, heartbeat=True)
     assert lease is not None
     noticed: list[float] = []
-    waiter = threading.Thread(target=lambda: lease.wait_lost(120) and noticed.append(time.monotonic()))
+
+    def wait() -> None:
+        if lease.wait_lost(120):
+            noticed.append(time.monotonic())
+
+    waiter = threading.Thread(target=wait)
     waiter.start()
     time.sleep(after)  # a random moment of the heartbeat's interval
     if kind == "taken-over":  # the lease expires on the server; the acquire that takes it ends it
@@ -406,9 +415,12 @@ def _one_notice(store: Any, operator: Any, kind: str, after: float) -> float:
         assert operator.collection.delete_one({"_id": key}).deleted_count == 1
     else:
         assert operator.acquire(key, ttl=30) is not None
+    replied = time.monotonic()
     waiter.join(120)
     assert noticed, f"{key}: the loss was never noticed"
-    return max(0.0, noticed[0] - sent)  # 0: the heartbeat found the expired lease before the takeover
+    # 0: noticed before the command was sent (the heartbeat found the expired lease before the takeover)
+    # or before its reply reached the operator.
+    return max(0.0, noticed[0] - sent), max(0.0, noticed[0] - replied)
 
 
 def stats(xs: list[float]) -> dict[str, Any]:
@@ -643,9 +655,13 @@ def notice_lines(notice: dict[str, Any]) -> list[str]:
         "| loss | change stream | heartbeat only |",
         "| --- | ---: | ---: |",
     ]
-    for kind in ("all", *NOTICE_KINDS):
+    for kind in ("all", *NOTICE_KINDS, "all_from_reply"):
         cs, hb = notice["change_stream"][kind], notice["heartbeat"][kind]
-        lines.append(f"| {kind} | {fmt_p95(cs)} | {fmt_p95(hb)} |")
+        label = "all, from the command's reply" if kind == "all_from_reply" else kind
+        lines.append(f"| {label} | {fmt_p95(cs)} | {fmt_p95(hb)} |")
+    load = notice.get("loadavg_before_after")
+    if load:
+        lines += ["", f"Load average (1/5/15 min) before and after: {load[:3]}, {load[3:]}."]
     return lines
 
 
