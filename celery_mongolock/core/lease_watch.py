@@ -135,6 +135,12 @@ class LeaseWatch:
     def stop(self, timeout: float = 2.0) -> None:
         self._stopped.set()
         self._wake.set()
+        stream = self._stream
+        if stream is not None:  # cut a getMore the server holds open short (the server kills the cursor)
+            try:
+                stream.close()
+            except Exception as exc:  # pragma: no cover - a dead connection: the thread ends by itself
+                log.debug("closing the lease watch: %s", exc)
         t = self._thread
         if t is not None and t is not threading.current_thread() and t.is_alive():
             t.join(timeout)
@@ -227,9 +233,11 @@ class LeaseWatch:
         return True
 
     def _failed(self, what: str, exc: BaseException) -> bool:
+        self._close()
+        if self._stopped.is_set():  # the store is closing: its stream was closed under the getMore
+            return False
         self.failures += 1
         log.warning("%s, retrying (the heartbeat polls meanwhile): %s: %s", what, type(exc).__name__, exc)
-        self._close()
         return False
 
     def _close(self) -> None:
