@@ -103,6 +103,10 @@ class LeaseStore:
     ``client_or_url`` is a ``pymongo.MongoClient`` (used as is) or a MongoDB URL, from which a client is
     created lazily *per process*, so a store made before ``fork()`` is safe to use in the children.
 
+    ``watch_leases=True``: where the server has change streams, each process watches the leases its
+    heartbeat renews with one change stream and marks a lease lost as soon as it is force-released, taken
+    over or deleted (``False``: at the heartbeat's next renewal only).
+
     The store holds the settings and is a façade over its parts, each owning one concern (its methods
     delegate to them): ``connection`` (``Connection``: client, collections, indexes, errors, ``close``),
     ``acquisition`` (``Acquisition``: ``try_acquire``, ``acquire``, ``admit``, ``wait_free``, ``hold``),
