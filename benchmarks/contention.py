@@ -344,10 +344,12 @@ def analyse(  # noqa: PLR0917 - the figures of one batch, named as the caller ha
     contended = {e["id"] for e in evs if e["ev"] == "contended"}
     executions = sum(1 for e in evs if e["ev"] == "pre")
     commands: dict[str, dict[str, int]] = {}
+    watch: dict[str, dict[str, int]] = {}  # the lease watch's commands (``watch:``): not the runs' cost
     for role in ("child", "main"):
         diff = Counter(after.get(role, Counter()))
         diff.subtract(before.get(role, Counter()))
-        commands[role] = {k: v for k, v in sorted(diff.items()) if v}
+        commands[role] = {k: v for k, v in sorted(diff.items()) if v and not k.startswith("watch:")}
+        watch[role] = {k: v for k, v in sorted(diff.items()) if v and k.startswith("watch:")}
     total = sum(commands["child"].values()) + sum(commands["main"].values())
     uncontended = n - len(contended)
     # An uncontended run costs what any singleton task costs (acquire + release: 2); the rest is the
@@ -382,6 +384,7 @@ def analyse(  # noqa: PLR0917 - the figures of one batch, named as the caller ha
         "slot_seconds_outside_body_per_run": round(outside / n, 4),
         "contended_runs": len(contended),
         "mongodb_commands": commands,
+        "lease_watch_commands": watch,
         "mongodb_commands_total": total,
         "mongodb_commands_per_run": round(total / n, 3),
         "mongodb_commands_per_contended_run": None if per_contended is None else round(per_contended, 3),

@@ -82,8 +82,10 @@ class _MongoCommands:
 
         class Listener(monitoring.CommandListener):
             def started(self, event: monitoring.CommandStartedEvent) -> None:
+                # The lease watch's commands (one change stream per process) are counted apart.
+                watch = threading.current_thread().name == "celery_mongolock-lease-watch"
                 with outer.lock:
-                    outer.counts[event.command_name] += 1
+                    outer.counts[("watch:" if watch else "") + event.command_name] += 1
 
             def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
                 pass

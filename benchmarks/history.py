@@ -58,6 +58,8 @@ class ThreadCounter(CommandListener):
     def started(self, event: CommandStartedEvent) -> None:
         if event.command_name in IGNORED:
             return
+        if threading.current_thread().name == "celery_mongolock-lease-watch":
+            return  # the lease watch's change stream: not the history's cost
         with self._lock:
             side = self.task if threading.get_ident() == self.task_thread else self.background
             side[event.command_name] += 1

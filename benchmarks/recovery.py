@@ -35,6 +35,7 @@ import contextlib
 import datetime as _dt
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import random
@@ -64,6 +65,7 @@ TARGET_PROMPT = 1.0  # child killed, graceful shutdown: the key is released, not
 TARGET_NODE_SLACK = 1.0  # node killed: within the lease length plus this
 TARGET_WAKE = 0.1  # a waiter woken by a change stream starts within this of the release (median)
 TARGET_POLL = 1.1  # a polling waiter: within its largest poll interval (1 s by default) + 0.1 s to look
+TARGET_NOTICE = 0.1  # a holder learns of a force release, deletion or takeover (median, lease watch)
 
 
 # -- processes -----------------------------------------------------------------------------------------
@@ -336,12 +338,99 @@ def store_wake(url: str, database: str, reps: int, seed: int) -> dict[str, Any]:
     return {mode: stats(xs) for mode, xs in samples.items()}
 
 
+NOTICE_KINDS = ("forced", "deleted", "taken-over")
+
+
+def store_notice(url: str, database: str, reps: int, seed: int, heartbeat: float) -> dict[str, Any]:
+    """How soon a holder learns that its lease is gone (issue 29 item 3), on the lease store alone: from
+    sending the command that ends it (a force release, a deletion by hand, a takeover after expiry: its
+    expiry moved into the past by hand, then the real acquire of another store), to ``lease.lost``
+    (``wait_lost`` waking), with the lease watch (one change stream per process) and without it (the
+    heartbeat's renewal every ``heartbeat`` s finds it; each loss at a random moment of that interval).
+    Both holders hold ``HELD_BESIDE`` other leases all along: one stream serves them all."""
+    from celery_mongolock.store import LeaseStore
+
+    lease_s = heartbeat * 3
+    holders = {
+        "change_stream": LeaseStore(url, database=database, collection="notice", lease_seconds=lease_s),
+        "heartbeat": LeaseStore(
+            url, database=database, collection="notice", lease_seconds=lease_s, watch_leases=False
+        ),
+    }
+    operator = LeaseStore(url, database=database, collection="notice", watch_leases=False)
+    rng = random.Random(seed)
+    samples: dict[str, dict[str, list[float]]] = {m: {k: [] for k in NOTICE_KINDS} for m in holders}
+    after_reply: dict[str, list[float]] = {m: [] for m in holders}
+    load_before = os.getloadavg()
+    beside: list[Any] = []
+    try:
+        for mode, store in holders.items():
+            beside += [store.acquire(f"beside-{mode}-{i}", heartbeat=True) for i in range(HELD_BESIDE)]
+        for _ in range(reps):
+            order = [(mode, kind) for mode in holders for kind in NOTICE_KINDS]
+            rng.shuffle(order)
+            for mode, kind in order:
+                from_send, from_reply = _one_notice(holders[mode], operator, kind, rng.uniform(0, heartbeat))
+                samples[mode][kind].append(from_send)
+                after_reply[mode].append(from_reply)
+        watch = holders["change_stream"].heartbeat.watch
+        streams = {"streams_opened": watch.streams_opened, "leases_held_beside": HELD_BESIDE} if watch else {}
+        assert all(lease is not None and lease.held for lease in beside), "a lease held beside was lost"
+    finally:
+        for s in (*holders.values(), operator):
+            s.close()
+    out: dict[str, Any] = {"heartbeat_seconds": heartbeat, "lease_seconds": lease_s, **streams}
+    out["loadavg_before_after"] = [round(x, 2) for x in (*load_before, *os.getloadavg())]
+    for mode, by_kind in samples.items():
+        every = [x for xs in by_kind.values() for x in xs]
+        out[mode] = {"all": stats(every), **{kind: stats(xs) for kind, xs in by_kind.items()}}
+        out[mode]["all_from_reply"] = stats(after_reply[mode])
+    return out
+
+
+#: Leases each holder keeps all along besides the ones it loses (the stream serves all of them).
+HELD_BESIDE = 20
+
+
+def _one_notice(store: Any, operator: Any, kind: str, after: float) -> tuple[float, float]:
+    key = f"notice-{kind}-{uuid.uuid4().hex[:8]}"
+    lease = store.acquire(key, heartbeat=True)
+    assert lease is not None
+    noticed: list[float] = []
+
+    def wait() -> None:
+        if lease.wait_lost(120):
+            noticed.append(time.monotonic())
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(after)  # a random moment of the heartbeat's interval
+    if kind == "taken-over":  # the lease expires on the server; the acquire that takes it ends it
+        past = _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=5)
+        operator.collection.update_one({"_id": key}, {"$set": {"expires_at": past}})
+    sent = time.monotonic()  # the command that ends the lease is sent (the holder may know before it returns)
+    if kind == "forced":
+        assert operator.force_release(key)
+    elif kind == "deleted":
+        assert operator.collection.delete_one({"_id": key}).deleted_count == 1
+    else:
+        assert operator.acquire(key, ttl=30) is not None
+    replied = time.monotonic()
+    waiter.join(120)
+    assert noticed, f"{key}: the loss was never noticed"
+    # 0: noticed before the command was sent (the heartbeat found the expired lease before the takeover)
+    # or before its reply reached the operator.
+    return max(0.0, noticed[0] - sent), max(0.0, noticed[0] - replied)
+
+
 def stats(xs: list[float]) -> dict[str, Any]:
     if not xs:
         return {"n": 0}
+    ordered = sorted(xs)
     return {
         "n": len(xs),
         "median_s": round(statistics.median(xs), 4),
+        "p95_s": round(ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)], 4),
         "min_s": round(min(xs), 4),
         "max_s": round(max(xs), 4),
         "samples_s": [round(x, 4) for x in xs],
@@ -410,6 +499,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--peer-cap", type=float, default=None, help="seconds to wait for a peer's lock (30; 10 quick)"
     )
     parser.add_argument("--no-peers", action="store_true", help="leave celery-singleton and celery-once out")
+    parser.add_argument(
+        "--notice-reps", type=int, default=None, help="losses per kind and mode (20; 8 quick)"
+    )
+    parser.add_argument(
+        "--notice-heartbeat",
+        type=float,
+        default=1.0,
+        help="the holders' renewal interval for the losses (1 s)",
+    )
+    parser.add_argument(
+        "--only-notice",
+        action="store_true",
+        help="measure only how soon a holder notices a loss (no workers)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, shorter peer cap")
     parser.add_argument("--seed", type=int, default=12345, help="seed of the release moments")
@@ -418,6 +521,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.reps = 2 if args.quick else 5
     if args.wake_reps is None:
         args.wake_reps = 8 if args.quick else 20
+    if args.notice_reps is None:
+        args.notice_reps = 8 if args.quick else 20
     if args.peer_cap is None:
         args.peer_cap = 10.0 if args.quick else 30.0
     return args
@@ -465,11 +570,40 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         (wake.get("change_stream") or {}).get("median_s"), TARGET_WAKE, "woken by the change")  # fmt: skip
     add("Wait starts after a release, polling (max, lease store)", f"<= {TARGET_POLL:g} s",
         (wake.get("polling") or {}).get("max_s"), TARGET_POLL, "largest poll interval + a look")  # fmt: skip
+    return out + targets_notice(result)
+
+
+def targets_notice(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of the loss-notice figures (issue 29 item 3)."""
+    notice = result.get("store_notice") or {}
+    if not notice:
+        return []
+    beat = notice["heartbeat_seconds"]
+    out = []
+    for name, wanted, measured, limit, what in (
+        ("Loss noticed by the holder, change stream (median, lease store)", f"<= {TARGET_NOTICE:g} s",
+         notice["change_stream"]["all"].get("median_s"), TARGET_NOTICE,
+         f"the lease watch; heartbeat only: {notice['heartbeat']['all'].get('median_s')} s with a {beat:g} s "
+         "renewal interval"),
+    ):  # fmt: skip
+        out.append(
+            {
+                "name": name,
+                "target": wanted,
+                "measured": "n/a" if measured is None else round(measured, 3),
+                "met": None if measured is None else measured <= limit,
+                "by": "not measured"
+                if measured is None
+                else f"{measured - limit:+.2f} s against the limit ({what})",
+            }
+        )
     return out
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """The Markdown section ``run.py`` puts in the report."""
+    if result.get("only_notice"):
+        return notice_lines(result["store_notice"])
     p = result["parameters"]
     lines = [
         "Three prefork nodes (concurrency 1), Redis broker, "
@@ -493,6 +627,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"| holder ends normally, waiter polling (no change streams) | {fmt_stats(poll)} |"
         + " |" * len(result.get("peers_run") or [])
     )
+    notice = result.get("store_notice") or {}
+    if notice:
+        lines += ["", *notice_lines(notice)]
     wake = result.get("store_wake") or {}
     if wake:
         lines += [
@@ -502,6 +639,36 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
             f"{fmt_stats(wake['change_stream'])} s, polling {fmt_stats(wake['polling'])} s.",
         ]
     return lines
+
+
+def notice_lines(notice: dict[str, Any]) -> list[str]:
+    """The table of how soon a holder notices a loss, with and without the lease watch."""
+    beat = notice["heartbeat_seconds"]
+    lines = [
+        f"How soon a holder notices that its lease is gone (lease store, renewal every {beat:g} s, "
+        f"{notice['change_stream']['all']['n'] // len(NOTICE_KINDS)} losses per kind and mode, each at a "
+        "random moment of the renewal interval; from sending the command that ended it to `lease.lost`; "
+        "seconds, "
+        f"median / p95 / max). The watching holder kept {notice.get('leases_held_beside', 0)} other leases "
+        f"all along and opened {notice.get('streams_opened', 'n/a')} change stream(s).",
+        "",
+        "| loss | change stream | heartbeat only |",
+        "| --- | ---: | ---: |",
+    ]
+    for kind in ("all", *NOTICE_KINDS, "all_from_reply"):
+        cs, hb = notice["change_stream"][kind], notice["heartbeat"][kind]
+        label = "all, from the command's reply" if kind == "all_from_reply" else kind
+        lines.append(f"| {label} | {fmt_p95(cs)} | {fmt_p95(hb)} |")
+    load = notice.get("loadavg_before_after")
+    if load:
+        lines += ["", f"Load average (1/5/15 min) before and after: {load[:3]}, {load[3:]}."]
+    return lines
+
+
+def fmt_p95(s: dict[str, Any]) -> str:
+    if not s.get("n"):
+        return "n/a"
+    return f"{s['median_s']:.3f} / {s['p95_s']:.3f} / {s['max_s']:.3f}"
 
 
 def fmt_stats(s: dict[str, Any]) -> str:
@@ -520,7 +687,37 @@ def fmt_peer(peer: str, r: dict[str, Any] | None) -> str:
     return fmt_stats(r)
 
 
+def run_notice_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--only-notice``: the loss-notice figures alone (an embedded server, no workers, no broker)."""
+    started = time.perf_counter()
+    with servers(args.mongo_url) as srv:
+        server = {"kind": srv["mongo_kind"], **server_info(srv["mongo_url"])}
+        print(f"server: {server}; {args.notice_reps} losses per kind and mode ...", flush=True)
+        notice = store_notice(
+            srv["mongo_url"], srv["database"], args.notice_reps, args.seed, args.notice_heartbeat
+        )
+    result: dict[str, Any] = {
+        "benchmark": "recovery",
+        "only_notice": True,
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "server": server,
+        "parameters": {
+            "notice_reps": args.notice_reps,
+            "notice_heartbeat": args.notice_heartbeat,
+            "seed": args.seed,
+        },
+        "store_notice": notice,
+        "duration_seconds": round(time.perf_counter() - started, 1),
+    }
+    result["targets"] = targets_notice(result)
+    result["summary"] = summary_lines(result)
+    return result
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.only_notice:
+        return run_notice_only(args)
     started = time.perf_counter()
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="mongolock-bench-rec-"))
@@ -579,6 +776,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"  {peer} {kind}: {peers[peer][kind]}", flush=True)
             print(f"store-level wake-up, {args.wake_reps} releases per mode ...", flush=True)
             wake = store_wake(srv["mongo_url"], srv["database"], args.wake_reps, args.seed)
+            print(f"loss noticed by the holder, {args.notice_reps} losses per kind and mode ...", flush=True)
+            notice = store_notice(
+                srv["mongo_url"], srv["database"], args.notice_reps, args.seed, args.notice_heartbeat
+            )
         finally:
             bench.close()
     result: dict[str, Any] = {
@@ -593,6 +794,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lease_seconds": args.lease_seconds,
             "peer_cap": args.peer_cap,
             "seed": args.seed,
+            "notice_reps": args.notice_reps,
+            "notice_heartbeat": args.notice_heartbeat,
         },
         "ours": {k: stats(v) for k, v in ours.items()},
         "peers_run": peers_run,
@@ -600,6 +803,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peers": peers,
         "peer_expiry": PEER_EXPIRY,
         "store_wake": wake,
+        "store_notice": notice,
         "duration_seconds": round(time.perf_counter() - started, 1),
     }
     result["targets"] = targets(result)

@@ -129,9 +129,15 @@ class _MongoCommands:
         os.replace(tmp, path)
 
 
+#: The lease watch's thread (one change stream per process): its commands are counted apart (``watch:``).
+WATCH_THREAD = "celery_mongolock-lease-watch"
+
+
 def _kind(name: str, command: Any) -> str:
     """``findAndModify`` = acquire, or release (its filter names the owner); ``update`` split into
-    release and renew (heartbeat) by its pipeline."""
+    release and renew (heartbeat) by its pipeline; the lease watch's commands as ``watch:<name>``."""
+    if threading.current_thread().name == WATCH_THREAD:
+        return f"watch:{name}"
     if name == "findAndModify" and "owner" in (command.get("query") or {}):
         return "findAndModify:release"  # a release matches its owner token; an acquire, the key alone
     if name == "update":

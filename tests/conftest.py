@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -96,12 +97,19 @@ class CommandCounter(monitoring.CommandListener):
         {"hello", "isMaster", "ismaster", "endSessions", "ping", "buildInfo", "saslStart", "saslContinue"}
     )
 
+    #: The lease watch's thread (one change stream per process, ``core.lease_watch``): its commands are
+    #: kept apart in ``watch_commands`` (pymongo calls listeners in the thread that sends the command).
+    WATCH_THREAD = "celery_mongolock-lease-watch"
+
     def __init__(self) -> None:
         self.commands: list[tuple[str, dict[str, Any]]] = []
+        self.watch_commands: list[tuple[str, dict[str, Any]]] = []
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         if event.command_name not in self.IGNORED:
-            self.commands.append((event.command_name, dict(event.command)))
+            watch = threading.current_thread().name == self.WATCH_THREAD
+            into = self.watch_commands if watch else self.commands
+            into.append((event.command_name, dict(event.command)))
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
         pass

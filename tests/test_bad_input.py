@@ -378,6 +378,8 @@ SETTING_CASES = [
     setting("mongolock_task_policies", {"t": {"lease_seconds": -1}}, "lease_seconds must be between", "task-policies-bad-lease", names="task 't'"),
     setting("mongolock_task_policies", {"t": {"heartbeat_seconds": 100}}, "at most half", "task-policies-heartbeat-over-half", names="task 't'"),
     setting("mongolock_task_policies", {"t": {"min_hold_seconds": -1}}, "between 0 and", "task-policies-bad-min-hold", names="mongolock_task_policies['t']['min_hold_seconds']"),
+    setting("mongolock_watch_leases", "no", "must be True or False, got 'no'", "watch-leases-str"),
+    setting("mongolock_watch_leases", 0, "must be True or False, got 0", "watch-leases-int"),
 ]  # fmt: skip
 
 
@@ -477,6 +479,7 @@ STORE_CASES = [
     case(store(client_options={"tls": "maybe"}), ConfigurationError, "client_options", "option 'tls' has a bad value 'maybe'", "client-option-bad-value"),
     case(store(client_options={"bogus": 1}), ConfigurationError, "client_options", "unknown option 'bogus'", "client-option-unknown"),
     case(store(client_options={"retryWrits": True}), ConfigurationError, "client_options", "unknown option 'retryWrits' (did you mean 'retryWrites'?)", "client-option-misspelt"),
+    case(store(watch_leases="yes"), ConfigurationError, "watch_leases", "must be True or False, got 'yes'", "watch-leases-str"),
 ]  # fmt: skip
 
 

@@ -75,6 +75,8 @@ def test_a_singleton_task_sends_two_mongodb_commands_plus_heartbeats(throughput:
     history = per_task.pop("insert", 0.0)
     assert per_task == {"findAndModify": 1.0, "findAndModify:release": 1.0}
     assert commands["distinct"]["acquire_release_per_task"] == 2
+    # The lease watch's commands (one stream per worker process) are counted apart, none on a task's path.
+    assert all(k.startswith("watch:") for k in commands["distinct"]["watch_per_task"])
     assert history <= 1.0
     slow = commands["slow"]  # held 1.5 s with a renewal every second: one renewal each
     assert slow["acquire_release_per_task"] == 2
@@ -96,7 +98,14 @@ def test_the_report_is_built_from_the_results(throughput: dict[str, Any], tmp_pa
 @pytest.fixture(scope="module")
 def recovery(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "recovery.json"
-    cmd = [sys.executable, str(BENCHMARKS / "recovery.py"), "--quick", "--reps=1", "--wake-reps=2"]
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "recovery.py"),
+        "--quick",
+        "--reps=1",
+        "--wake-reps=2",
+        "--notice-reps=2",
+    ]
     cmd += ["--lease-seconds=2", "--no-peers", f"--out={out}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -114,6 +123,15 @@ def test_recovery_measures_every_fault(recovery: dict[str, Any]) -> None:
         "polling": 2,
     }
     assert [t["name"].split(":")[0] for t in recovery["targets"]].count("recovery") == 3
+    # How soon a holder notices a loss (issue 29 item 3): each kind twice with the lease watch and without,
+    # the watching holder on one change stream for all its leases.
+    notice = recovery["store_notice"]
+    for mode in ("change_stream", "heartbeat"):
+        assert {k: notice[mode][k]["n"] for k in ("forced", "deleted", "taken-over")} == dict.fromkeys(
+            ("forced", "deleted", "taken-over"), 2
+        ), mode
+    assert notice["streams_opened"] == 1
+    assert any(t["name"].startswith("Loss noticed by the holder, change stream") for t in recovery["targets"])
 
 
 @pytest.fixture(scope="module")

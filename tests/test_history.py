@@ -96,14 +96,14 @@ def test_each_ending_kind_is_recorded_once_with_its_how(make_store: Any) -> None
     [exp] = stored(worker, "expired")
     assert exp["f"] == expired.fence and exp["t"] == "t-exp" and exp["seen"] >= exp["e"]
     [lost] = [r for r in stored(worker, "forced") if r["v"] == HOLDER_VIEW]
-    assert "matched nothing" in lost["why"] and lost["f"] == forced.fence
+    assert "released by force" in lost["why"] and lost["f"] == forced.fence
     # history(): one entry per acquisition; the holder's view beside the server's.
     assert [(e.how, e.fence) for e in worker.history("released")] == [("released", released.fence)]
     assert [(e.how, e.fence) for e in worker.history("expired")] == [("expired", expired.fence)]
     assert [(e.how, e.task_id) for e in worker.history("died")] == [("holder-died", "t-died")]
     [f] = worker.history("forced")
     assert (f.how, f.holder_saw, f.fence) == ("forced", "lost", forced.fence)
-    assert f.holder_saw_why is not None and "matched nothing" in f.holder_saw_why
+    assert f.holder_saw_why is not None and "released by force" in f.holder_saw_why
     taker.release()
 
 

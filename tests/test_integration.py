@@ -624,13 +624,35 @@ def test_a_running_task_learns_its_lease_was_lost(cluster: Cluster) -> None:
     it.guarded.delay(resource, t, 30)
     wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")
     assert cluster.store.force_release(f"resource:{resource}")
-    # The heartbeat's next renewal matches nothing: lease_lost fires and current_lease().lost turns true.
+    # The worker's lease watch (a change stream) sees the force release, or else the heartbeat's next renewal
+    # matches nothing: lease_lost fires and current_lease().lost turns true.
     noticed = wait_for(
         lambda: cluster.runs(t, "noticed-lost"), timeout=LEASE * 3, message="the body to notice"
     )
     assert noticed
     lost = cluster.db["runs"].find_one({"kind": "lost", "key": f"resource:{resource}"})
-    assert lost is not None and "matched nothing" in lost["reason"]
+    assert lost is not None and "released by force" in lost["reason"]
+
+
+def test_a_force_release_from_the_cli_is_noticed_by_the_running_task_at_once(cluster: Cluster) -> None:
+    """Issue 29 item 3, in a real prefork worker: the body of a run learns of an operator's force release
+    (the real ``celery mongolock release --force``, another process) from its process's lease watch. Its
+    renewal interval is 300 s: within this test's deadline, only the change stream can have told it."""
+    from .test_cli import run as run_cli
+
+    env = cluster.env(MONGOLOCK_IT_LEASE=900, MONGOLOCK_IT_HEARTBEAT=300)
+    w = cluster.worker(name=f"n{tag()}@localhost", env=env, extra_args=["-Q", "nq"])
+    resource, t = tag(), tag()
+    key = f"resource:{resource}"
+    it.guarded.apply_async((resource, t, 120), queue="nq")
+    wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")
+    out = run_cli(cluster.mongo_url, cluster.db_name, "release", key, "--force")
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: cluster.runs(t, "noticed-lost"), timeout=60, message="the body to notice")
+    lost = cluster.db["runs"].find_one({"kind": "lost", "key": key})
+    assert lost is not None and "a change stream saw it released by force" in lost["reason"]
+    assert cluster.runs(t, "end") == []  # the body stopped: it did not run on without its lease
+    w.kill()
 
 
 def test_worker_refuses_to_start_with_an_invalid_setting(cluster: Cluster) -> None:

@@ -224,7 +224,7 @@ def _plain_conf(**settings: Any) -> Any:
             _plain_conf(MONGOLOCK_BEAT_LEASE_SECOND=5),
             "unknown setting 'MONGOLOCK_BEAT_LEASE_SECOND'; did you mean 'MONGOLOCK_BEAT_LEASE_SECONDS'?",
         ),
-        ({"mongolock_whatever": 1}, "unknown setting 'mongolock_whatever'; the settings are mongolock_url, "),
+        ({"mongolock_qwfpgjy": 1}, "unknown setting 'mongolock_qwfpgjy'; the settings are mongolock_url, "),
         (
             _plain_conf(CELERY_MONGOLOCK_LEASE_SECONDS=60),
             "setting 'CELERY_MONGOLOCK_LEASE_SECONDS' is not read: this app has no 'CELERY' namespace; "

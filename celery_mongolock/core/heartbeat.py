@@ -15,6 +15,12 @@ each tick:
 
 A failed tick is retried sooner than the normal interval, so a blip costs little of the lease.
 
+Where the server has change streams, the heartbeat also starts one watcher (``lease_watch``) with its
+first lease: one stream for all the leases it renews, which marks a lease lost as soon as its document
+shows it gone (a force release, a takeover, a deletion), without waiting for the next tick. The renewals
+stay as they are: the watcher only brings the news sooner, and asks for a tick at once (``check_now``)
+when its stream failed and may have missed something.
+
 The heartbeat sees its store only through ``RenewalStore`` (renew many leases, release tokens, is a
 primary known) and holds it by a weak reference, so a store that is dropped stops its heartbeat.
 """
@@ -31,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from celery_mongolock.core.clock import Clock
     from celery_mongolock.core.lease import Lease
+    from celery_mongolock.core.lease_watch import LeaseWatch
 
 __all__ = ["Heartbeat", "RenewalStore", "give_up_margin"]
 
@@ -64,6 +71,10 @@ class RenewalStore(Protocol):
     @property
     def heartbeat_seconds(self) -> float:
         """The store's default renewal interval: queued history records wait at most this long."""
+        ...
+
+    def lease_watch(self, heartbeat: Heartbeat) -> LeaseWatch | None:
+        """The change-stream watcher for ``heartbeat``'s leases (None: turned off, or not possible)."""
         ...
 
     def has_writable_server(self) -> bool:
@@ -114,6 +125,8 @@ class Heartbeat:
         self._next_tick: float | None = None
         self.ticks = 0
         self.failures = 0
+        #: The change-stream watcher of this heartbeat's leases (None: turned off for the store).
+        self.watch = store.lease_watch(self)
 
     # -- registry ------------------------------------------------------------------------------------
     def add(self, lease: Lease) -> None:
@@ -132,6 +145,17 @@ class Heartbeat:
         # lease is a thread switch on each task's path (the thread re-reads a later schedule by itself).
         if planned is None or due < planned:
             self._wake.set()
+        if self.watch is not None:
+            self.watch.notify()
+
+    def check_now(self) -> None:
+        """Renew every lease at once (one tick now, not at its time): the watcher may have missed a loss."""
+        with self._lock:
+            if not self._leases:
+                return
+            self._next_tick = self._clock.monotonic()
+        self._ensure_thread()
+        self._wake.set()
 
     def discard(self, lease: Lease) -> None:
         with self._lock:
@@ -230,6 +254,8 @@ class Heartbeat:
     def stop(self, timeout: float = 5.0) -> None:
         self._stopped.set()
         self._wake.set()
+        if self.watch is not None:
+            self.watch.stop(min(timeout, 2.0))
         t = self._thread
         if t is not None and t is not threading.current_thread() and t.is_alive():
             t.join(timeout)

@@ -43,6 +43,7 @@ from celery_mongolock.core.heartbeat import Heartbeat
 from celery_mongolock.core.history import KeyStory, LeaseEnding
 from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease, LeaseInfo, LostCallback, local_ttl
+from celery_mongolock.core.lease_watch import LeaseWatch
 from celery_mongolock.core.reentry import Holds
 from celery_mongolock.core.store_acquire import Acquisition
 from celery_mongolock.core.store_connection import CLOSE_SECONDS, Connection, checked_settings
@@ -87,6 +88,10 @@ class LeaseStore:
     ``client_or_url`` is a ``pymongo.MongoClient`` (used as is) or a MongoDB URL, from which a client is
     created lazily *per process*, so a store made before ``fork()`` is safe to use in the children.
 
+    ``watch_leases=True``: where the server has change streams, each process watches the leases its
+    heartbeat renews with one change stream and marks a lease lost as soon as it is force-released, taken
+    over or deleted (``False``: at the heartbeat's next renewal only).
+
     The store holds the settings and is a façade over its parts, each owning one concern (its methods
     delegate to them): ``connection`` (``Connection``: client, collections, indexes, errors, ``close``),
     ``acquisition`` (``Acquisition``: ``try_acquire``, ``acquire``, ``admit``, ``wait_free``), ``holds``
@@ -114,6 +119,7 @@ class LeaseStore:
         clock: Clock | None = None,
         on_lost: LostCallback | None = None,
         history_days: float = DEFAULT_HISTORY_DAYS,
+        watch_leases: bool = True,
     ) -> None:
         if isinstance(client_or_url, str):
             url: str | None = validate_mongo_url(client_or_url)
@@ -126,6 +132,10 @@ class LeaseStore:
             )
         validate_names(database, collection)
         checked_settings(write_concern, read_preference, client_options)
+        if not isinstance(watch_leases, bool):
+            raise ConfigurationError(f"watch_leases must be True or False, got {watch_leases!r}")
+        #: Watch the leases held with one change stream per process, so that a loss is noticed at once.
+        self.watch_leases = watch_leases
         self.database_name = database
         self.collection_name = collection
         self.lease_seconds, self.heartbeat_seconds = validate_lease_timing(lease_seconds, heartbeat_seconds)
@@ -595,6 +605,10 @@ class LeaseStore:
     def heartbeat(self) -> Heartbeat:
         """This process's heartbeat (renewal) thread for this store, created on first use."""
         return self.connection.heartbeat(lambda: Heartbeat(self))
+
+    def lease_watch(self, heartbeat: Heartbeat) -> LeaseWatch | None:
+        """The change stream that tells ``heartbeat`` of a loss at once (None with ``watch_leases=False``)."""
+        return LeaseWatch(self, lambda: heartbeat.leases, heartbeat.check_now) if self.watch_leases else None
 
     def held_leases(self) -> builtins.list[Lease]:
         """The leases this process holds with a heartbeat from this store (none if it never started one)."""

@@ -14,6 +14,8 @@ setting                        default                          meaning
                                                                 ``lease_seconds``, ``heartbeat_seconds``
 ``mongolock_history_days``     ``7``                            days the lease history is kept (0: none)
 ``mongolock_signing_key``      ``None``                         secret that signs parked runs' messages
+``mongolock_watch_leases``     ``True``                         a change stream per process notices a
+                                                                lost lease at once (False: at the tick)
 =============================  ===============================  =============================================
 
 Precedence for a task: ``mongolock_task_policies[task name]`` beats the decorator's arguments, which
@@ -69,6 +71,7 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_task_policies": {},
     "mongolock_history_days": DEFAULT_HISTORY_DAYS,
     "mongolock_signing_key": None,
+    "mongolock_watch_leases": True,
 }
 #: The beat scheduler's settings (read by ``beat.read_beat_settings``; here so that every known
 #: ``mongolock_*`` name is in one module).
@@ -119,6 +122,8 @@ class Settings:
     history_days: float = DEFAULT_HISTORY_DAYS
     #: ``mongolock_signing_key``: the HMAC secret of parked runs' stored messages (None: unsigned).
     signing_key: bytes | None = dataclasses.field(default=None, repr=False)
+    #: ``mongolock_watch_leases``: watch the leases held with a change stream (loss noticed at once).
+    watch_leases: bool = True
 
     def for_task(
         self,
@@ -326,10 +331,18 @@ def read_settings(conf: Any) -> Settings:
         task_policies=task_policies,
         history_days=history_days,
         signing_key=_signing_key(_conf_get(conf, "mongolock_signing_key")),
+        watch_leases=_flag(conf, "mongolock_watch_leases"),
     )
     for task_name in task_policies:  # lease/heartbeat combinations are checked now, not at first run
         settings.for_task(task_name)
     return settings
+
+
+def _flag(conf: Any, setting: str) -> bool:
+    value = _conf_get(conf, setting)
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{setting} must be True or False, got {value!r}")
+    return value
 
 
 #: The shortest ``mongolock_signing_key``: an HMAC-SHA256 key of fewer bytes is easy to guess.
@@ -398,6 +411,7 @@ def get_store(app: Celery) -> LeaseStore:
                     heartbeat_seconds=settings.heartbeat_seconds,
                     operation_timeout=settings.operation_timeout,
                     history_days=settings.history_days,
+                    watch_leases=settings.watch_leases,
                 )
                 from celery_mongolock.integration import signals
 
