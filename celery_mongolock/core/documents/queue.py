@@ -803,6 +803,8 @@ def admit_pipeline(
             }
         },
     ]
+    parked_q: object
+    superseded_new: object
     if by_set:
         assert group is not None
         # Parked: an older run of its set loses the key's reservation or handoff made to it.
