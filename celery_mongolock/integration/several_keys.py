@@ -428,12 +428,17 @@ class SeveralKeys:
             raise
         if not waiting:
             return taken, None
-        self._reserve_all(taken)
-        return [], None
+        superseded = self._reserve_all(taken)
+        if superseded is not None:
+            for other in self.keys:
+                store.unpark(other, self.entry["id"])
+        return [], superseded
 
-    def _reserve_all(self, leases: list[Lease]) -> None:
+    def _reserve_all(self, leases: list[Lease]) -> tuple[str, Admission] | None:
         """Keys taken by an attempt that must wait: each becomes a reservation for the run's entry. A key
-        lost meanwhile (expired, forced) is admitted again: taken (and reserved) or parked on."""
+        lost meanwhile (expired, forced) is admitted again: taken (and reserved) or parked on; or, when a
+        newer send of its set came meanwhile (``Replace``), ``(key, admission)`` says so (the keys not yet
+        reserved are given back; the caller leaves the others)."""
         store, policy = self.store, self._queue_policy()
         pending = list(leases)
         rounds = 0
@@ -448,6 +453,9 @@ class SeveralKeys:
                 again = self._admit(lease.key, None)
                 if again.lease is not None:
                     pending.append(again.lease)
+                elif again.outcome is AdmitOutcome.SUPERSEDED:
+                    give_back_quietly(store, pending)
+                    return lease.key, again
                 elif again.outcome not in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
                     raise StoreUnavailable(
                         f"{lease.key!r} was lost while this run reserved it, and it cannot wait there "
@@ -456,6 +464,7 @@ class SeveralKeys:
         except BaseException:
             give_back_quietly(store, pending)
             raise
+        return None
 
     def _parked_all(self, stamp: int) -> NoReturn:
         """Parked or reserved on every key: published when all are reserved for it (by whoever makes
