@@ -307,6 +307,17 @@ def merge_queued(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str
 @singleton_task(
     keys=("resource:{src}", "resource:{dst}"),
     app=app,
+    name="integration_app.merge_latest",
+    on_contention=Replace(),
+)
+def merge_latest(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    """``merge`` under Replace: the newest send of a set of keys wins."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
+    keys=("resource:{src}", "resource:{dst}"),
+    app=app,
     name="integration_app.merge_queued_briefly",
     on_contention=Queue(timeout=1.0, then=Fail()),
 )

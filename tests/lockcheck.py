@@ -224,9 +224,18 @@ MULTI_LIMIT_TASK = "lockcheck.rmw_multi_limit"
 #: ``l`` key, ``store.hold`` of the ``k`` key). A several-keys task.
 REENTRANT_TASK = "lockcheck.rmw_reentrant"
 REENTRANT_INNER_TASK = "lockcheck.rmw_reentrant_inner"
+#: The several-keys ``Replace`` task (``keys=("{a}", "{b}")``, ``Replace()``), on ``m`` keys of its own
+#: (its runs park on them, and runs of other tasks would be judged against them): the newest send of a set
+#: of keys wins; runs of other sets that share a key keep their place. A several-keys task.
+MULTI_REPLACE_TASK = "lockcheck.rmw_multi_replace"
 MULTI_TASKS = (
-    "lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK, MULTI_LIMIT_TASK, REENTRANT_TASK,
-)  # fmt: skip
+    "lockcheck.rmw_multi",
+    "lockcheck.rmw_multi_skip",
+    MULTI_QUEUE_TASK,
+    MULTI_LIMIT_TASK,
+    MULTI_REPLACE_TASK,
+    REENTRANT_TASK,
+)
 #: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
 #: ends and releases its key, then its child SIGKILLs itself before Celery stores the result, and the
 #: requeued copy must end the task ``already-ran`` without running the body again (issue 32).
@@ -246,6 +255,9 @@ MULTI_LIMIT_BURST = LIMIT + 1
 #: The directed burst of ``REENTRANT_TASK`` runs (``Run._reentrant_burst``): one ``l`` key and one ``k`` key
 #: of their own; every run ends done, and a done run wrote both keys through reentrant holds.
 REENTRANT_BURST = LIMIT + 1
+#: The directed burst of ``MULTI_REPLACE_TASK`` runs (``Run._multi_replace_directed``): one set of two
+#: ``m`` keys, sent one at a time behind a gate on the first, then a run of an overlapping set.
+MULTI_REPLACE_BURST = 4
 #: Each fault begins with a ``Queue`` run parked behind a gate on a key of its own (index
 #: ``FAULT_GATE_KEYS`` + n), released when the fault is over.
 FAULT_GATE_KEYS = 100
@@ -921,13 +933,16 @@ def key_policy(key: str) -> str:
     """Which runs a key takes: ``plain``, ``queue``, ``replace``, ``limit`` or ``document`` (``d`` keys:
     the protected document's own ``DocumentLock``, taken by the bare clients and the controller)."""
     kind = key[len(PREFIX) : len(PREFIX) + 1] if key.startswith(PREFIX) else "k"
-    return {"q": "queue", "r": "replace", "l": "limit", "d": "document"}.get(kind, "plain")
+    return {"q": "queue", "r": "replace", "l": "limit", "d": "document", "m": "multi_replace"}.get(
+        kind, "plain"
+    )
 
 
 def any_key(rng: random.Random, cfg: Doc, epoch: int) -> str:
     """A bare client's next key: mostly a plain one, sometimes a queued one (where runs park)."""
     kinds = [("k", cfg["keys"])] * 3 + [("q", cfg.get("queue_keys", 0)), ("r", cfg.get("replace_keys", 0))]
     kinds += [("l", cfg.get("limit_keys", 0)), ("d", cfg.get("doc_keys", 0))]
+    kinds += [("m", cfg.get("multi_replace_keys", 0))]
     kind, n = rng.choice([k for k in kinds if k[1] > 0])
     return key_for(rng.randrange(n), epoch, kind)
 
@@ -1329,6 +1344,7 @@ def check(history: History) -> list[Violation]:
     found += check_multi(history, applied)
     # 7. Reentrant holds.
     found += check_reentrant(history)
+    found += check_multi_replace(history)
     return found
 
 
@@ -1671,6 +1687,148 @@ def check_multi(history: History, applied: dict[str, list[tuple[str, str]]]) -> 
                     )
                 )
     return found
+
+
+def _set_of(task: Doc) -> tuple[str, ...]:
+    """The set of keys a several-keys task names (sorted, without repeats)."""
+    return tuple(sorted({str(k) for k in task.get("keys") or []}))
+
+
+def check_multi_replace(history: History) -> list[Violation]:
+    """The several-keys ``Replace`` runs (``MULTI_REPLACE_TASK``, on ``m`` keys), judged per set of keys.
+
+    * ``superseded-ran``: a run that ended superseded has a body start (``mbody``): a superseded run
+      never starts.
+    * ``superseded-by-older``: a superseded run does not name a newer send (larger stamp) of the same set
+      of keys.
+    * ``newest-not-run``: the newest send of a set ended SUCCESS without a body start (the newest send of
+      a set runs; one that ended superseded is ``superseded-by-older``).
+    * ``replace-order``: on one of its keys, a run got the key (a grant: acquired, handed, reserved,
+      claimed) after a newer send of its set had got it.
+    * ``queued-run-skipped``: it ended with another word of ours (skipped, timed out).
+
+    No two holders of a key: its holds go through the plain per-key checks with every other hold of the
+    key (the bare clients take ``m`` keys too)."""
+    found: list[Violation] = []
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == MULTI_REPLACE_TASK}
+    if not tasks:
+        return found
+    started = {str(e.get("task_id")) for e in history.events if e.get("ev") == "mbody"}
+    sets: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for tid, task in sorted(tasks.items()):
+        sets[_set_of(task)].append(tid)
+        result = task.get("result")
+        if task.get("state") != "SUCCESS" or not isinstance(result, dict):
+            continue  # task-unfinished (or lost by the broker), above
+        word = result.get("mongolock")
+        if word == "superseded":
+            if tid in started:
+                found.append(
+                    Violation("superseded-ran", f"{tid} on {_set_of(task)} ended {result}; a body ran")
+                )
+            by = tasks.get(str(result.get("by")))
+            if by is None or _set_of(by) != _set_of(task) or int(by["stamp"]) <= int(task["stamp"]):
+                found.append(
+                    Violation(
+                        "superseded-by-older",
+                        f"several-keys Replace run {tid} (stamp {task.get('stamp')}) on {_set_of(task)} "
+                        f"superseded by {result.get('by')} "
+                        + (f"(stamp {by.get('stamp')}, keys {_set_of(by)})" if by else "(no send of ours)"),
+                    )
+                )
+        elif word:
+            found.append(Violation("queued-run-skipped", f"several-keys Replace run {tid} ended {result}"))
+    for keys, ids in sorted(sets.items()):
+        newest = max(ids, key=lambda x: (int(tasks[x]["stamp"]), x))
+        task = tasks[newest]
+        result = task.get("result")
+        ran = task.get("state") == "SUCCESS" and isinstance(result, dict) and not result.get("mongolock")
+        if ran and newest not in started:
+            found.append(
+                Violation("newest-not-run", f"{newest}, the newest send of {keys}, ended with no body")
+            )
+    by_key = grants(history.events)
+    for key, items in sorted(by_key.items()):
+        if key_policy(key) != "multi_replace":
+            continue
+        first: dict[str, int] = {}
+        for g in items:
+            if g.task_id in tasks:
+                first[str(g.task_id)] = min(first.get(str(g.task_id), g.fence), g.fence)
+        for keys, ids in sets.items():
+            if key not in keys:
+                continue
+            newer_first: int | None = None  # the smallest first grant among the set's runs sent later
+            for tid in sorted(ids, key=lambda x: (int(tasks[x]["stamp"]), x), reverse=True):
+                late = [
+                    g.fence
+                    for g in items
+                    if g.task_id == tid and newer_first is not None and g.fence > newer_first
+                ]
+                if late:
+                    found.append(
+                        Violation(
+                            "replace-order",
+                            f"{key}: {tid} (stamp {tasks[tid]['stamp']}, keys {keys}) got the key (fence "
+                            f"{late[0]}) after a newer send of its set had (fence {newer_first})",
+                        )
+                    )
+                if tid in first:
+                    newer_first = min(first[tid], newer_first if newer_first is not None else first[tid])
+    return found
+
+
+def multi_replace_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
+    """What the several-keys ``Replace`` runs did (figures, not verdicts): sets of keys, runs done and
+    superseded, the newest send of each set done, runs of a set that shares a key with another set
+    (overlapping) done, the directed burst's, and the faults that hit or began during their bodies."""
+    ev = history.events
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == MULTI_REPLACE_TASK}
+    bodies = [e for e in ev if e.get("ev") == "mbody" and e.get("task_id") in tasks]
+    ran = {str(b["task_id"]) for b in bodies}
+
+    def word(t: Doc) -> Any:
+        result = t.get("result")
+        return result.get("mongolock") if isinstance(result, dict) else "unfinished"
+
+    superseded = {tid for tid, t in tasks.items() if t.get("state") == "SUCCESS" and word(t) == "superseded"}
+    done = {tid for tid, t in tasks.items() if t.get("state") == "SUCCESS" and not word(t)}
+    sets: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for tid, t in tasks.items():
+        sets[_set_of(t)].append(tid)
+    newest = {max(ids, key=lambda x: (int(tasks[x]["stamp"]), x)) for ids in sets.values()}
+    sets_of_key: dict[str, set[tuple[str, ...]]] = defaultdict(set)
+    for keys in sets:
+        for k in keys:
+            sets_of_key[k].add(keys)
+    overlapping = {
+        tid for keys, ids in sets.items() if any(len(sets_of_key[k]) > 1 for k in keys) for tid in ids
+    }
+    directed = {tid for tid, t in tasks.items() if str(t.get("op", "")).startswith("directed-multi-replace-")}
+    ends = hold_ends(ev)
+    body_spans = [
+        (float(b["t"]), max(ends.get(str(h), float(b["t"]) + 5.0) for h in (b.get("holds") or {}).values()))
+        for b in bodies
+        if b.get("holds")
+    ]
+    holds = {str(h) for b in bodies for h in (b.get("holds") or {}).values()}
+    return {
+        "submitted": len(tasks),
+        "sets": len(sets),
+        "sets_with_a_superseded_run": sum(1 for ids in sets.values() if set(ids) & superseded),
+        "done": len(done),
+        "superseded": len(superseded),
+        "bodies": len(bodies),
+        "newest_of_a_set_done_with_a_body": len(newest & done & ran),
+        "overlapping_runs": len(overlapping),
+        "overlapping_runs_done": len(overlapping & done),
+        "directed_superseded": len(directed & superseded),
+        "directed_done_with_a_body": len(directed & done & ran),
+        "faults_during_bodies": faults_during(faults, body_spans),
+        "faults_hitting_bodies": dict(
+            sorted(Counter(str(f["kind"]) for f in faults if set(f.get("holds") or []) & holds).items())
+        ),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2399,6 +2557,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "limit_multi": limit_figures(history, faults),
         "document": document_figures(history),
         "reentrant": reentrant_figures(history, faults),
+        "multi_replace": multi_replace_figures(history, faults),
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
         "violations": len(violations),
@@ -2426,6 +2585,11 @@ def unmet_coverage(report: Doc) -> list[str]:
       and a run ends done only once its body wrote its ``l`` key's slot through an in-process call and its
       ``k`` key through ``store.hold``, each a reentrant hold (without one it writes nothing and is
       retried): so ``REENTRANT_BURST`` done runs reentered both ways, a slot among them;
+    - the several-keys ``Replace`` burst (``Run._multi_replace_directed``): its runs are sent one at a time
+      while a gate holds their first key, each once the second key is reserved for the one before, so
+      every newer send takes its set's reservation back from the older run (``MULTI_REPLACE_BURST - 1``
+      times, seen in the lease document), and all but the newest end superseded; a run of an
+      overlapping set parks behind the newest one's reservation, and both run once the gate lets go;
     - every fault began with a ``Queue`` run parked behind a gate on a key of its own (confirmed in its
       lease document), handed the key when the fault was over;
     - every fault began with a document lock (``DocumentLock``, a ``d`` key of its own) held by the
@@ -2490,6 +2654,26 @@ def unmet_coverage(report: Doc) -> list[str]:
         re,
     )
     claim(re["reentered_slots"] >= REENTRANT_BURST, "a reentrant hold of a slot", re)
+    mr, mrd = report.get("multi_replace") or {}, report.get("multi_replace_directed") or {}
+    if mrd:
+        directed = {**mr, **mrd}
+        claim(
+            mr.get("directed_superseded", 0) == MULTI_REPLACE_BURST - 1
+            and mr.get("directed_done_with_a_body", 0) == 2,
+            "the several-keys Replace burst: all but its newest send superseded, the newest and the "
+            "overlapping set's run ran",
+            directed,
+        )
+        claim(
+            mrd.get("taken_back", 0) == MULTI_REPLACE_BURST - 1,
+            "each newer send of the several-keys Replace burst took its set's reservation back",
+            directed,
+        )
+        claim(
+            bool(mrd.get("other_parked_behind")),
+            "a run of an overlapping set parked behind the set's reservation",
+            directed,
+        )
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
     claim(tasks.get("died_after_release", 0) >= 1, "a run died after its body released the key", tasks)
     doc = report.get("document")
@@ -2547,6 +2731,12 @@ class Config:
     #: Of those, the share sent as a reentrant run (``REENTRANT_TASK``) instead (drawn from a generator of
     #: its own, so that a seed's other sends are the ones it made before reentrant runs existed).
     reentrant_share: float = 0.3
+    #: ``m`` keys, whose runs are several-keys ``Replace`` runs (``MULTI_REPLACE_TASK``), and the share of
+    #: the several-keys sends that are a burst of 2 to 4 of them on one pair of ``m`` keys (named in either
+    #: order), half of the time with a run of an overlapping pair among them. The bare clients take these
+    #: keys too.
+    multi_replace_keys: int = 3
+    multi_replace_share: float = 0.3
     epoch_seconds: float = 40.0
     lease_seconds: float = 2.0
     task_rate: float = 1.5
@@ -2749,6 +2939,8 @@ class Run:
         #: The ``tcont`` events read so far (``_contended_runs``): task ids by key; where each file was left.
         self._tcont: dict[str, set[str]] = defaultdict(set)
         self._tcont_read: dict[Path, int] = {}
+        #: What the several-keys Replace burst of the directed phase showed (``_multi_replace_directed``).
+        self.multi_replace_directed: Doc = {}
         self.directed_s = 0.0
         self.store: LeaseStore | None = None
         #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
@@ -2914,6 +3106,9 @@ class Run:
                 and self.cfg.keys > 1
             ):
                 a, b = self.rng.sample(range(self.cfg.keys), 2)  # both orders over the run
+                if self.cfg.multi_replace_keys > 2 and self.rng.random() < self.cfg.multi_replace_share:
+                    n = self._multi_replace_sends(n, epoch)
+                    continue
                 if self.cfg.limit_keys and self.rng.random() < self.cfg.multi_limit_share:
                     # A slot of one l key and a k key each: more runs than slots, some on one k key.
                     slotted = key_for(self.rng.randrange(self.cfg.limit_keys), epoch, "l")
@@ -3130,6 +3325,8 @@ class Run:
             self._multi_limit_stages(*staged)
             bursts.append(("", [], staged[3]))
         bursts.append(("", [], reentrant))
+        if self.cfg.multi_replace_keys > 2:
+            bursts.append(("", [], self._multi_replace_directed()))
         everyone = [t for _k, _g, ids in bursts for t in ids]
         try:
             _wait(
@@ -3180,6 +3377,80 @@ class Run:
             for i in range(REENTRANT_BURST)
         ]
         return [t for t in ids if t]
+
+    def _multi_replace_sends(self, n: int, epoch: int) -> int:
+        """A burst of 2 to 4 ``MULTI_REPLACE_TASK`` runs on one pair of ``m`` keys, each naming it in either
+        order, half of the time with a run of an overlapping pair (one key shared) among them."""
+        i, j, k = self.rng.sample(range(self.cfg.multi_replace_keys), 3)
+        a, b, c = (key_for(x, epoch, "m") for x in (i, j, k))
+        sends = [(a, b) if self.rng.random() < 0.5 else (b, a) for _ in range(self.rng.randint(2, 4))]
+        if self.rng.random() < 0.5:
+            sends.insert(self.rng.randrange(len(sends) + 1), (b, c))
+        for keys in sends:
+            n += 1
+            self._submit(MULTI_REPLACE_TASK, "", f"task-{n}", keys=keys)
+        return n
+
+    def _reserved_for(self, key: str) -> str | None:
+        """The task id ``key`` is handed or reserved to and not yet claimed (``ho``), if any."""
+        assert self.store is not None
+        with contextlib.suppress(PyMongoError):
+            doc = self.store.collection.find_one({"_id": key}, {"ho.t": 1, "owner": 1, "ho.tk": 1}) or {}
+            ho = doc.get("ho") or {}
+            if ho and doc.get("owner") == ho.get("tk"):
+                return str(ho.get("t"))
+        return None
+
+    def _multi_replace_directed(self) -> list[str]:
+        """``MULTI_REPLACE_BURST`` runs of ``MULTI_REPLACE_TASK`` on one set of two ``m`` keys (d0, d1),
+        naming it in both orders, sent one at a time while a gate holds d0: each parks on d0 and, d1 being
+        free, the first takes d1 and reserves it; the controller sends the next one only once d1 is
+        reserved for the last one sent, so each newer send finds its set's older run reserved on d1 and
+        takes that reservation back (``taken_back``: seen in the lease document). Then a run of the
+        overlapping set (d1, d2) parks on d1 behind the newest run's reservation, and the gate lets d0 go:
+        by construction the older runs of the set end superseded, the newest runs, then the other set's.
+        Returns the task ids."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        d0, d1, d2 = (key_for(DIRECTED_KEY + i, epoch, "m") for i in range(3))
+        gate = self._gate_take(d0)
+        ids: list[str] = []
+        taken_back = 0
+        for i in range(MULTI_REPLACE_BURST):
+            keys = (d0, d1) if i % 2 else (d1, d0)
+            tid = self._submit(
+                MULTI_REPLACE_TASK, "", f"directed-multi-replace-{i}", keys=keys, queue="celery"
+            )
+            if tid is None:
+                continue
+            older = ids[-1] if ids else None
+            ids.append(tid)
+            try:
+                _wait(
+                    lambda tid=tid: self._reserved_for(d1) == tid,  # type: ignore[misc]
+                    START_GUARD_S, f"{d1} to be reserved for the newest send", 0.1,
+                )  # fmt: skip
+            except TimeoutError as exc:
+                self.log(f"directed phase: {exc}")
+                continue
+            if older is not None and older in self._waiting_on(d1) | self._ended([older]):
+                taken_back += 1  # in sup there (its result not yet written), or ended superseded
+        other = self._submit(
+            MULTI_REPLACE_TASK, "", "directed-multi-replace-other", keys=(d2, d1), queue="celery"
+        )
+        parked_behind = False
+        if other is not None:
+            with contextlib.suppress(TimeoutError):
+                parked_behind = bool(
+                    _wait(lambda: other in self._waiting_on(d1), START_GUARD_S, f"a run parked on {d1}", 0.1)
+                )
+        self._gate_release(gate)
+        self.multi_replace_directed = {
+            "burst": ids,
+            "taken_back": taken_back,
+            "other": other,
+            "other_parked_behind": parked_behind,
+        }
+        return ids + ([other] if other else [])
 
     def _multi_limit_burst(self) -> tuple[str, str, list[Lease], list[str]]:
         """``MULTI_LIMIT_BURST`` runs of ``MULTI_LIMIT_TASK`` on a ``l`` key and a ``k`` key of their own,
@@ -3924,6 +4195,7 @@ class Run:
                 "node_exits": self.node_exits,
                 "drain_s": self.drain_s,
                 "node_start_s": _stats(self.start_times),
+                "multi_replace_directed": self.multi_replace_directed,
             }
             report = figures(history, self.faults, violations, extra)
             report["fault_log"] = self.faults
@@ -4054,6 +4326,19 @@ def format_report(report: Doc) -> str:
         "(of a slot {reentered_slots}), asks that got a lease of their own {not_reentered}, done runs that "
         "reentered both ways {done_runs_that_reentered_both_ways}; faults hitting a body "
         "{faults_hitting_bodies}".format(**report["reentrant"]),
+        "  several keys under Replace: tasks {submitted} in {sets} sets of keys "
+        "({sets_with_a_superseded_run} with a run superseded), done {done}, superseded {superseded}, "
+        "bodies {bodies}, newest send of a set done with a body {newest_of_a_set_done_with_a_body}, runs "
+        "of a set sharing a key with another {overlapping_runs} (done {overlapping_runs_done}); directed "
+        "burst: superseded {directed_superseded}, done with a body {directed_done_with_a_body}; faults "
+        "hitting a body {faults_hitting_bodies}, that began while a body ran {faults_during_bodies}".format(
+            **(report.get("multi_replace") or {})
+        )
+        + " (directed burst: reservations taken back by a newer send {}, the overlapping run parked "
+        "behind them {})".format(
+            (report.get("multi_replace_directed") or {}).get("taken_back"),
+            (report.get("multi_replace_directed") or {}).get("other_parked_behind"),
+        ),
         *(
             f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "
             f"{f['handed']} (handoff records {f['handoffs']}, handed again {f['rehandoffs']}), done "

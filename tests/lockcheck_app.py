@@ -18,8 +18,9 @@ The ``limit=N`` tasks (``rmw_limit``: ``Retry``, ``rmw_limit_skip``: ``Skip``, `
 ``Queue()``; N = ``lockcheck.LIMIT``) write their slot's part of the key's protected document
 (``lockcheck.run_slot_hold``); a slot handed to a parked run is recorded as a ``handoff`` with its slot
 and fence. The several-keys tasks (``rmw_multi``: ``Retry``, ``rmw_multi_skip``: ``Skip``,
-``rmw_multi_queued``: ``Queue()``; ``keys=("{a}", "{b}")``) write each key's protected document with that
-key's lease and fence (``lockcheck.run_multi_hold``). The several-keys task with a limit per key
+``rmw_multi_queued``: ``Queue()``, ``rmw_multi_replace``: ``Replace()``, on ``m`` keys of its own;
+``keys=("{a}", "{b}")``) write each key's protected document with that key's lease and fence
+(``lockcheck.run_multi_hold``). The several-keys task with a limit per key
 (``rmw_multi_limit``: ``Retry``; ``keys=("{a}", "{b}")``, ``limit={"{a}": N}``) takes ``a`` (an ``l`` key)
 as one of its N slots and ``b`` (a ``k`` key) as the single lease, and writes ``a``'s document in its
 slot's part and ``b``'s as a plain key's. The reentrant task (``rmw_reentrant``, the same keys and limit)
@@ -430,6 +431,17 @@ def rmw_multi_skip(self: Any, a: str, b: str, op: str, reckless: bool = False) -
 def rmw_multi_queued(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """The same, but a run that finds either key held parks on it and keeps its place on each key
     (the keys it got become reservations for it); it runs once both are reserved for it."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"), app=app, name=lockcheck.MULTI_REPLACE_TASK, bind=True, on_contention=Replace(),
+    max_retries=200,
+)  # fmt: skip
+def rmw_multi_replace(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, but latest wins per set of keys: a newer send of the same pair (in either order)
+    supersedes the older runs of that pair on both keys; runs of other pairs sharing a key keep their
+    place in send order."""
     return _body(self, f"{a}+{b}", op, reckless)
 
 

@@ -322,22 +322,28 @@ REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` is refused with a limit"): lambda: _declare(
         key="t:{src}", limit=3, min_hold_seconds=5
     ),
-    ("docs/how-to/several-keys.md", "`Replace` with `keys=(...)` is not supported yet"): lambda: _declare(
-        keys=KEYS, on_contention="replace"
+    ("docs/how-to/several-keys.md", "`Replace(debounce=...)` with `keys=(...)` is refused"): lambda: _declare(
+        keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
     ),
     ("docs/how-to/several-keys.md", "with `Queue` it is refused at declaration"): lambda: _declare(
         keys=KEYS, limit={"g:{src}": 3}, on_contention="queue"
     ),
-    ("docs/reference/policies.md", "`Replace` with `keys=` is not supported yet"): lambda: _declare(
-        keys=KEYS, on_contention="replace"
+    ("docs/reference/policies.md", "`Replace(debounce=...)` with `keys=` is not supported yet"): lambda: (
+        _declare(keys=KEYS, on_contention={"policy": "replace", "debounce": 2})
     ),
-    ("docs/reference/settings.md", "Not with `Replace`, nor with a limit and `Queue`"): lambda: _task_policy(
-        keys=KEYS, limit=3, on_contention="queue"
+    ("docs/reference/policies.md", "nor a limit with `Queue` or `Replace`"): lambda: _declare(
+        keys=KEYS, limit=2, on_contention="replace"
     ),
-    ("docs/reference/settings.md", "Not with `Replace`"): lambda: _task_policy(
-        keys=KEYS, on_contention="replace"
+    ("docs/reference/settings.md", "nor with a limit and `Queue` or `Replace`"): lambda: _task_policy(
+        keys=KEYS, limit=3, on_contention="replace"
     ),
-    ("docs/reference/keys.md", "`keys=`\n  with `Replace`, or with a limit and `Queue`"): lambda: _declare(
+    ("docs/reference/settings.md", "Not with `Replace(debounce=...)`"): lambda: _task_policy(
+        keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
+    ),
+    ("docs/reference/keys.md", "`keys=`\n  with `Replace(debounce=...)`"): lambda: _declare(
+        keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
+    ),
+    ("docs/reference/keys.md", "or with a limit and `Queue`"): lambda: _declare(
         keys=KEYS, limit=2, on_contention="queue"
     ),
 }
@@ -357,6 +363,15 @@ ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ),
     ("docs/reference/settings.md", "with `Queue`, a run parks until it can have every key"): lambda: (
         _task_policy(keys=KEYS, on_contention="queue")
+    ),
+    ("docs/reference/policies.md", "`Replace` with `keys=` does the same"): lambda: _declare(
+        keys=KEYS, on_contention="replace"
+    ),
+    ("docs/how-to/several-keys.md", "`Replace()` with `keys=(...)` is latest-wins"): lambda: _declare(
+        keys=KEYS, on_contention="replace"
+    ),
+    ("docs/reference/settings.md", "with `Replace` too"): lambda: _task_policy(
+        keys=KEYS, on_contention="replace"
     ),
 }
 

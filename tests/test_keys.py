@@ -12,7 +12,7 @@ import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
-from celery_mongolock import ConfigurationError, LeaseSet, singleton_task
+from celery_mongolock import ConfigurationError, LeaseSet, Replace, singleton_task
 
 from . import integration_app as it
 from .servers import RedisServer
@@ -40,8 +40,12 @@ def test_the_keys_of_a_call_are_sorted_without_repeats() -> None:
         ({"keys": ()}, "keys= must be a non-empty list or tuple"),
         ({"keys": ("group:{src}",), "key": "g"}, "give key= or keys=, not both"),
         (
-            {"keys": ("group:{src}",), "on_contention": "replace"},
-            "keys= with on_contention='replace' is not supported",
+            {"keys": ("group:{src}",), "on_contention": Replace(debounce=2)},
+            r"keys= with Replace\(debounce=2\) is not supported yet",
+        ),
+        (
+            {"keys": ("group:{src}",), "limit": 3, "on_contention": "replace"},
+            "keys= with a limit and on_contention='replace' is not supported yet",
         ),
         (
             {"keys": ("group:{src}",), "limit": 3, "on_contention": "queue"},
@@ -111,8 +115,16 @@ def test_keys_from_the_settings_replace_the_decorator_s_key(mongo_url: str) -> N
             {},
             r"\['keys'\]: keys= with a limit and on_contention='queue' is not supported",
         ),
-        ({"keys": ["group:{src}"], "on_contention": "replace"}, {}, r"\['keys'\]: keys= with on_contention"),
-        ({"keys": ["group:{src}"]}, {"on_contention": "replace"}, r"\['keys'\]: keys= with on_contention"),
+        (
+            {"keys": ["group:{src}"], "on_contention": {"policy": "replace", "debounce": 1}},
+            {},
+            r"\['keys'\]: keys= with Replace\(debounce=1\)",
+        ),
+        (
+            {"keys": ["group:{src}"]},
+            {"on_contention": Replace(debounce=1)},
+            r"\['keys'\]: keys= with Replace\(debounce=1\)",
+        ),
         (
             {"keys": ["group:{src}"]},
             {"limit": 3, "on_contention": "queue"},
@@ -359,3 +371,26 @@ def test_a_queued_multi_key_run_whose_worker_died_between_its_admits_still_runs(
     assert AsyncResult(task_id, app=it.app).get(timeout=90) == keys
     [start] = cluster.runs(tag, "start")
     assert sorted(start["fences"]) == keys
+
+
+def test_replace_with_keys_is_accepted_from_the_decorator_and_the_settings() -> None:
+    from celery_mongolock.config import get_settings
+    from celery_mongolock.integration.task import _check_task_policies
+
+    @singleton_task(app=_app(), keys=("group:{src}", "group:{dst}"), on_contention="replace")
+    def merge(src: int, dst: int) -> None: ...
+
+    assert merge.mongolock_keys_for(2, 1) == ["group:1", "group:2"]
+    app = _app()
+    name = f"proj.merge_{uuid.uuid4().hex[:8]}"
+    app.conf.mongolock_task_policies = {
+        name: {"keys": ["group:{src}", "group:{dst}"], "on_contention": {"policy": "replace", "timeout": 60}}
+    }
+    get_settings(app)
+
+    @singleton_task(app=app, key="group:{src}", name=name)
+    def merge2(src: int, dst: int) -> None: ...
+
+    app.finalize()
+    _check_task_policies(app)
+    assert merge2.mongolock_keys_for(3, 1) == ["group:1", "group:3"]

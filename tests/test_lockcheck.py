@@ -934,3 +934,48 @@ def test_a_reentrant_hold_beside_a_second_slot_of_the_run_is_reported() -> None:
     h = _reentrant_good()
     h.events[3] = {**h.events[3], "other_slots": [{"slot": 2, "fence": 15}]}  # newer than the run's own
     assert kinds(check(h)) == {"reentrant-second-slot"}
+
+
+# -- several keys under Replace ------------------------------------------------------------------------------
+
+M1, M2, M3 = "lockcheck:m0.e0", "lockcheck:m1.e0", "lockcheck:m2.e0"
+
+
+def _multi_replace(task_id: str, stamp: int, keys: tuple[str, ...], result: Any = None) -> dict[str, Any]:
+    return {
+        "op": f"op-{task_id}", "task": lockcheck.MULTI_REPLACE_TASK, "keys": list(keys), "stamp": stamp,
+        "state": "SUCCESS", "result": {"op": f"op-{task_id}", "outcome": "ack"} if result is None else result,
+    }  # fmt: skip
+
+
+def _rk_body(task_id: str, t: float) -> dict[str, Any]:
+    return {"ev": "mbody", "task_id": task_id, "t": t, "keys": [M1, M2], "holds": {}, "fences": {}}
+
+
+def test_several_keys_replace_runs_judged_per_set_of_keys() -> None:
+    sup = {"mongolock": "superseded", "key": M1, "keys": [M1, M2]}
+    # A and B of the set {m0, m1}: B supersedes A; C of the overlapping set {m1, m2} runs, not superseded.
+    good = _queued_history(
+        _run("B", 11, M1), _run("B", 11, M2), _rk_body("B", 11.0), _run("C", 12, M2), _rk_body("C", 12.0),
+        A=_multi_replace("A", 1, (M1, M2), {**sup, "by": "B"}), B=_multi_replace("B", 3, (M2, M1)),
+        C=_multi_replace("C", 2, (M2, M3)),
+    )  # fmt: skip
+    assert lockcheck.check_multi_replace(good) == []
+    figures = lockcheck.multi_replace_figures(good)
+    assert figures["sets"] == 2 and figures["superseded"] == 1 and figures["overlapping_runs_done"] == 2
+    # Superseded by a run of another set (C shares only m1), or by an older send: reported.
+    good.tasks["A"]["result"] = {**sup, "by": "C"}
+    assert kinds(lockcheck.check_multi_replace(good)) == {"superseded-by-older"}
+    good.tasks["A"]["result"] = {**sup, "by": "B"}
+    # A superseded run whose body started.
+    good.events.append(_rk_body("A", 9.0))
+    assert kinds(lockcheck.check_multi_replace(good)) == {"superseded-ran"}
+    good.events.pop()
+    # The newest send of a set ended done with no body start.
+    good.events.remove(_rk_body("B", 11.0))
+    assert kinds(lockcheck.check_multi_replace(good)) == {"newest-not-run"}
+    good.events.append(_rk_body("B", 11.0))
+    # An older send of the set got a key after a newer one had.
+    good.tasks["A"]["result"] = {"op": "op-A", "outcome": "ack"}
+    good.events.append(_run("A", 13, M2))
+    assert kinds(lockcheck.check_multi_replace(good)) == {"replace-order"}

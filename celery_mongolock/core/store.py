@@ -349,6 +349,7 @@ class LeaseStore:
         heartbeat: bool = False,
         heartbeat_seconds: float | None = None,
         limit: int | None = None,
+        group: str | None = None,
     ) -> tuple[Lease | None, Document]:
         """Admit a run of a queued task (one ``findAndModify``): take ``key``, claim the handoff
         ``claim``, or park the run; ``(lease, document)``, the outcome in ``lo`` (``Acquisition.admit``)."""
@@ -367,6 +368,7 @@ class LeaseStore:
             heartbeat=heartbeat,
             heartbeat_seconds=heartbeat_seconds,
             limit=limit,
+            group=group,
         )
 
     def wait_free(

@@ -452,6 +452,7 @@ class Acquisition:
         heartbeat: bool = False,
         heartbeat_seconds: float | None = None,
         limit: int | None = None,
+        group: str | None = None,
     ) -> tuple[Lease | None, Document]:
         """Admit a run of a queued task (one ``findAndModify``): take ``key``, claim the handoff
         ``claim``, or park the run (``entry``: ``id``, ``t``, ``s`` and the fields listed in
@@ -460,7 +461,8 @@ class Acquisition:
         parked; ``max_length``: the longest queue (``full`` beyond); ``replace``: at most one parked
         run, a newer send supersedes it; ``debounce``: every run parks and may start only when no newer
         send came for that many seconds; ``due``: the run's own delayed copy, which takes the key for its
-        entry once due; ``limit``: the key has N slots (``limit=N``), a parked run is handed any one. A
+        entry once due; ``limit``: the key has N slots (``limit=N``), a parked run is handed any one;
+        ``group`` (with ``replace``): the run's key-set signature (``documents.sets``). A
         handoff this admit made (the key was found free with older runs parked) is published
         (``add_handoff_callback``). One ``store.try_acquire`` with ``admission``."""
         store = self.store
@@ -494,6 +496,7 @@ class Acquisition:
                 "replace": replace,
                 "debounce_ms": int(debounce * 1000) if debounce else None,
                 "due": due,
+                **({} if group is None else {"group": group}),
             },
             limit=limit,
         )

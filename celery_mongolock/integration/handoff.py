@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -328,8 +328,11 @@ def has_backend(app: Celery) -> bool:
     return not isinstance(app.backend, DisabledBackend)
 
 
-def superseded_result(key: str, by: str) -> dict[str, Any]:
-    """The result of a run replaced by a newer send (``Replace``)."""
+def superseded_result(key: str, by: str, keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """The result of a run replaced by a newer send (``Replace``); with ``keys=``, ``key`` is its first
+    key and ``keys`` all of them (the same result whichever key it was superseded on)."""
+    if keys:
+        return {"mongolock": "superseded", "key": keys[0], "keys": list(keys), "by": by}
     return {"mongolock": "superseded", "key": key, "by": by}
 
 
@@ -369,7 +372,8 @@ def write_superseded(
             left.append(entry)
             continue
         if has_backend(app):
-            app.backend.store_result(entry["t"], superseded_result(key, str(entry.get("by"))), "SUCCESS")
+            result = superseded_result(key, str(entry.get("by")), entry.get("ks") or None)
+            app.backend.store_result(entry["t"], result, "SUCCESS")
         signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
         store.record_run_ending(
             key,

@@ -1,11 +1,13 @@
 """Admission of a run that needs several keys (``keys=(...)``): the body runs only while the run holds all
 of them.
 
-A plain run takes every key within one attempt, in sorted order, or none (``take_all``); a ``Queue`` run is
-admitted on each key by the engine, and parked on every key it did not get, with the keys it got turned
-into reservations for it (``admit_all``). ``SeveralKeys`` takes its task as a narrow protocol
-(``runs.GuardedRun``); ``SingletonTask`` hands each run of a several-keys task to it and runs the body
-with the ``LeaseSet`` it returns.
+A plain run takes every key within one attempt, in sorted order, or none (``take_all``); a ``Queue`` or
+``Replace`` run is admitted on each key by the engine, and parked on every key it did not get, with the
+keys it got turned into reservations for it (``admit_all``). A ``Replace`` run carries its key set's
+signature: on each key, a newer send of the same set supersedes it (``core.documents.sets``); told so on
+any key, it gives back what it holds there and leaves the others. ``SeveralKeys`` takes its task as a
+narrow protocol (``runs.GuardedRun``); ``SingletonTask`` hands each run of a several-keys task to it and
+runs the body with the ``LeaseSet`` it returns.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from celery import states as celery_states
 from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import ContendedRun, Outcome
-from celery_mongolock.admission.policies import TRY_AGAIN, Fail, Queue
+from celery_mongolock.admission.policies import TRY_AGAIN, Fail, Queue, Replace
+from celery_mongolock.core.documents.sets import set_signature
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
 from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable
@@ -202,6 +205,11 @@ class SeveralKeys:
             "tk": _queue.keys_token(ident, keys),
             **_queue.message_of(task, request, stamp, ident),
         }
+        if isinstance(policy, Replace):
+            # Its set of keys: only runs of the same set supersede each other (``documents.sets``).
+            self.entry["g"] = set_signature(keys)
+        #: Runs this run superseded on each key (their results are written once it is parked).
+        self.superseded: dict[str, tuple[Admission, list[Any]]] = {}
         self.info = {
             "task_name": task.name,
             "task_id": request.id,
@@ -230,7 +238,8 @@ class SeveralKeys:
         task, request, keys = self.task, self.request, self.keys
         for _attempt in range(5):
             if claim is not None:
-                claimed, outcome, key = self._claim_all(claim)
+                claimed, refused, key = self._claim_all(claim)
+                outcome = None if refused is None else refused.outcome
                 if claimed is not None:
                     if not self._confirmed(claimed):
                         claim = None
@@ -240,6 +249,9 @@ class SeveralKeys:
                 if outcome is AdmitOutcome.RUNNING:  # a copy of the handoff while the first copy runs
                     park_duplicate(task, key, self.options, False)
                     raise Ignore()
+                if refused is not None and outcome is AdmitOutcome.SUPERSEDED:
+                    self._leave_all()
+                    return self._superseded(key, refused)
                 if outcome is AdmitOutcome.WAITING:  # waiting again on that key: published when ready
                     self._parked_all(stamp)
                 if outcome is AdmitOutcome.RETRIED:
@@ -260,10 +272,12 @@ class SeveralKeys:
         raise StoreUnavailable(f"the keys {keys} kept expiring while they were taken")
 
     def _not_admitted(self, key: str, admission: Admission) -> Outcome:
-        """A key that did not let the run wait: a copy of a run that ran, or that runs now, or a full
-        queue."""
+        """A key that did not let the run wait: a copy of a run that ran, or that runs now, a full
+        queue, or (``Replace``) a newer send of its set."""
         policy = self._queue_policy()
         outcome = admission.outcome
+        if outcome is AdmitOutcome.SUPERSEDED:
+            return self._superseded(key, admission)
         if outcome is AdmitOutcome.ALREADY_RAN:
             if not has_final_state(self.task):
                 return Outcome(already_ran(key, self.request.id))
@@ -283,10 +297,35 @@ class SeveralKeys:
             .skip(reason)
         )
 
+    def _superseded(self, key: str, admission: Admission) -> Outcome:
+        """A newer send of this run's set of keys is known on ``key``: the run ends ``SUCCESS`` with a
+        ``superseded`` result, without its body (what it held is given back, it is parked nowhere)."""
+        task, request, keys = self.task, self.request, self.keys
+        by = str(admission.by)
+        log_acquire.info(
+            "%s[%s]: %r: a newer send (%s) of the same keys %s supersedes this run: it ends SUCCESS with a "
+            "'superseded' result, without running its body",
+            task.name,
+            request.id,
+            key,
+            by,
+            keys,
+        )
+        signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
+        self.store.record_run_ending(key, "superseded", self.entry, fence=admission.fence, by=by)  # history
+        return Outcome(_queue.superseded_result(keys[0], by, keys))
+
+    def _leave_all(self) -> None:
+        """Leave every key: this run's parked entry, reservation or handoff (each key goes on to the next
+        run, published by this process)."""
+        for key in self.keys:
+            self.store.unpark(key, self.entry["id"])
+
     def _admit(self, key: str, claim: str | None) -> Admission:
         """One admit of this run's entry on ``key`` (one ``findAndModify``)."""
         policy, options = self._queue_policy(), self.options
-        return Admission.of(
+        replace = isinstance(policy, Replace)
+        admission = Admission.of(
             *self.store.admit(
                 key,
                 self.entry,
@@ -297,8 +336,14 @@ class SeveralKeys:
                 info=self.info,
                 heartbeat=True,
                 heartbeat_seconds=options.heartbeat_seconds,
+                replace=replace,
+                group=self.entry.get("g") if replace else None,
             )
         )
+        mine = admission.superseded_by(self.request.id)
+        if mine:  # older runs of its set it superseded here: their results are written once it is parked
+            self.superseded[key] = (admission, list(mine))
+        return admission
 
     def _confirmed(self, leases: list[Lease]) -> bool:
         """All still ours on the server (one round trip); else all given back (also when MongoDB
@@ -319,10 +364,10 @@ class SeveralKeys:
         )
         return False
 
-    def _claim_all(self, claim: str) -> tuple[list[Lease] | None, AdmitOutcome | None, str]:
+    def _claim_all(self, claim: str) -> tuple[list[Lease] | None, Admission | None, str]:
         """Claim every key handed to this run. ``(leases, None, "")`` when all were claimed; else the
-        keys claimed so far are reservations again, and ``(None, outcome, key)`` says why ``key``
-        failed."""
+        keys claimed so far are reservations again (given back when the run is superseded), and
+        ``(None, admission, key)`` says why ``key`` failed."""
         claimed: list[Lease] = []
         try:
             for key in self.keys:
@@ -331,15 +376,16 @@ class SeveralKeys:
                     claimed.append(admission.lease)
                     continue
                 outcome = admission.outcome
-                if outcome in (AdmitOutcome.RUNNING, AdmitOutcome.RETRIED):
-                    # (RETRIED: a later attempt carries the task on; this one keeps no key.)
+                if outcome in (AdmitOutcome.RUNNING, AdmitOutcome.RETRIED, AdmitOutcome.SUPERSEDED):
+                    # (RETRIED: a later attempt carries the task on; SUPERSEDED: a newer send of its set
+                    # does: this one keeps no key.)
                     give_back_quietly(self.store, claimed)
                 else:
                     # Not (or no longer) reserved for this run here: an older run was handed it, or its
                     # reservation expired and it waits again. Keep the keys claimed as reservations.
                     self._reserve_all(claimed)
                 claimed = []
-                return None, outcome, key
+                return None, admission, key
         except BaseException:
             give_back_quietly(self.store, claimed)
             raise
@@ -362,11 +408,18 @@ class SeveralKeys:
                 if admission.outcome in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
                     waiting = True
                     continue
-                # done, running, retried, full: this run does not wait. Give back what it took and leave
-                # the queues it joined in this attempt (never another copy's places: only this entry's).
+                # done, running, retried, full, superseded: this run does not wait. Give back what it took
+                # and leave the queues it joined in this attempt (never another copy's places: only this
+                # entry's).
                 give_back_quietly(store, taken)
                 taken = []
-                if admission.outcome in (AdmitOutcome.FULL, AdmitOutcome.ALREADY_RAN, AdmitOutcome.RETRIED):
+                leaves = (
+                    AdmitOutcome.FULL,
+                    AdmitOutcome.ALREADY_RAN,
+                    AdmitOutcome.RETRIED,
+                    AdmitOutcome.SUPERSEDED,
+                )
+                if admission.outcome in leaves:
                     for other in self.keys:
                         store.unpark(other, self.entry["id"])
                 return [], (key, admission)
@@ -375,12 +428,17 @@ class SeveralKeys:
             raise
         if not waiting:
             return taken, None
-        self._reserve_all(taken)
-        return [], None
+        superseded = self._reserve_all(taken)
+        if superseded is not None:
+            for other in self.keys:
+                store.unpark(other, self.entry["id"])
+        return [], superseded
 
-    def _reserve_all(self, leases: list[Lease]) -> None:
+    def _reserve_all(self, leases: list[Lease]) -> tuple[str, Admission] | None:
         """Keys taken by an attempt that must wait: each becomes a reservation for the run's entry. A key
-        lost meanwhile (expired, forced) is admitted again: taken (and reserved) or parked on."""
+        lost meanwhile (expired, forced) is admitted again: taken (and reserved) or parked on; or, when a
+        newer send of its set came meanwhile (``Replace``), ``(key, admission)`` says so (the keys not yet
+        reserved are given back; the caller leaves the others)."""
         store, policy = self.store, self._queue_policy()
         pending = list(leases)
         rounds = 0
@@ -395,6 +453,9 @@ class SeveralKeys:
                 again = self._admit(lease.key, None)
                 if again.lease is not None:
                     pending.append(again.lease)
+                elif again.outcome is AdmitOutcome.SUPERSEDED:
+                    give_back_quietly(store, pending)
+                    return lease.key, again
                 elif again.outcome not in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
                     raise StoreUnavailable(
                         f"{lease.key!r} was lost while this run reserved it, and it cannot wait there "
@@ -403,11 +464,17 @@ class SeveralKeys:
         except BaseException:
             give_back_quietly(store, pending)
             raise
+        return None
 
     def _parked_all(self, stamp: int) -> NoReturn:
         """Parked or reserved on every key: published when all are reserved for it (by whoever makes
         the last reservation; here if that was this attempt)."""
         task, keys, entry, store = self.task, self.keys, self.entry, self.store
+        for key, (admission, runs) in self.superseded.items():
+            # Only runs that wrote their state QUEUED (see ``OneKey._parked``); the sweeper writes the rest.
+            _queue.write_superseded(
+                task.app, store, key, runs, ready=_queue.marked_queued(task.app), fence=admission.fence
+            )
         if store.reserved_for_all(entry):
             _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
         signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)

@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from celery_mongolock.core.documents import sets
+
 __all__ = [
     "ADMIT_OUTCOMES",
     "ADMIT_PROJECTION",
@@ -157,6 +159,7 @@ def gc_stage() -> Document:
         "$or": [
             {"$gt": [{"$size": {"$ifNull": ["$seen", []]}}, 0]},
             {"$ne": [{"$ifNull": ["$last", None]}, None]},
+            {"$gt": [{"$size": {"$ifNull": ["$lg", []]}}, 0]},
         ]
     }
     # The later of the single lease's expiry and the latest slot hold's (``limit=N``: ``sx``).
@@ -673,6 +676,7 @@ def admit_pipeline(
     replace: bool = False,
     debounce_ms: int | None = None,
     due: bool = False,
+    group: str | None = None,
 ) -> list[Document]:
     """The admit: one command that acquires the key, claims a handoff, or parks the run.
 
@@ -681,8 +685,10 @@ def admit_pipeline(
     ``entry`` is this run (``id``, ``t``, ``s`` ... without ``at``/``dl``); ``claim`` the handoff token of
     a handed run's message; ``max_length`` the longest queue. ``debounce_ms``: every run parks, to start
     only once no newer send came for that long; ``due``: this is the run's own delayed copy, which takes
-    the key if its entry is at the head, due and the key free. The outcome is left in ``lo`` (the reply
-    carries it); fields starting with ``__`` are removed.
+    the key if its entry is at the head, due and the key free. ``group`` (with ``replace``): the
+    signature of the run's set of keys (``Replace`` with ``keys=``): supersession is decided among the
+    runs of that set only (``sets``). The outcome is left in ``lo`` (the reply carries it); fields
+    starting with ``__`` are removed.
     """
     ident = str(entry["id"])
     stamp = int(entry["s"])
@@ -762,11 +768,16 @@ def admit_pipeline(
         {"case": {"$in": [{"$literal": ident}, {"$ifNull": ["$seen", []]}]}, "then": "done"},
         {"case": running, "then": "running"},
     ]
+    by_set = replace and group is not None
+    if by_set:
+        assert group is not None
+        # (before ``stale``: a claim of a run whose reservation a newer send of its set took back)
+        branches += sets.superseded_cases(group, stamp)
     if claim is not None:
         # A handoff message whose claim failed, of a run no longer parked or handed (timed out, revoked,
         # handed again with another token): never a new run.
         branches.append({"case": {"$literal": True}, "then": "stale"})
-    if replace:
+    if replace and not by_set:
         last_s = {"$ifNull": ["$last.s", -1]}
         parked_s = {"$max": {"$map": {"input": _Q, "as": "e", "in": "$$e.s"}}}
         branches += [
@@ -788,10 +799,22 @@ def admit_pipeline(
                 "__free": {"$in": ["$__o", ["acquired", "claimed", "due"]]},
                 "__park": {"$eq": ["$__o", "parked"]},
                 "__vac": vacant,
+                **({} if by_set else {"__tb": {"$literal": False}}),
             }
         },
     ]
-    parked_q, superseded_new = park_exprs(entry, timeout_ms, debounce_ms, replace=replace)
+    parked_q: object
+    superseded_new: object
+    if by_set:
+        assert group is not None
+        # Parked: an older run of its set loses the key's reservation or handoff made to it.
+        take_back = {"$and": ["$__park", sets.older_handoff(group, stamp, ident)]}
+        stages.append({"$set": {"__tb": take_back}})
+        parked_q, superseded_new = sets.park_queue(
+            entry_expr(entry, timeout_ms), group, stamp, ident, by=str(entry["t"]), take_back="$__tb"
+        )
+    else:
+        parked_q, superseded_new = park_exprs(entry, timeout_ms, debounce_ms, replace=replace)
     fields = dict(acquire_fields)
     fields.update(
         {
@@ -815,11 +838,17 @@ def admit_pipeline(
                     "$sup",
                 ]
             },
-            "ho": {"$cond": [{"$eq": ["$__o", "claimed"]}, None, "$ho"]},
+            "ho": {"$cond": [{"$or": [{"$eq": ["$__o", "claimed"]}, "$__tb"]}, None, "$ho"]},
             "lo": "$__o",
         }
     )
-    if replace:
+    if by_set:
+        assert group is not None
+        taken_back = {"$and": ["$__tb", {"$eq": ["$owner", "$ho.tk"]}]}
+        fields["owner"] = {"$cond": [taken_back, None, fields["owner"]]}
+        fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, sets.newer_by(group, stamp), None]}
+        fields["lg"] = sets.lg_update(group, stamp, str(entry["t"]), "$__free")
+    elif replace:
         # Who superseded this run: the newest of the last send that got the key, a pending handoff and
         # the parked run.
         newer_by = {
@@ -858,9 +887,9 @@ def admit_pipeline(
     stages.append({"$set": fields})
     # Found free with runs parked (or an unclaimed handoff): this run parked, and the key goes to the
     # oldest, in this same command.
-    hand_when = {"$and": ["$__park", "$__vac"]}
+    hand_when = {"$and": ["$__park", {"$or": ["$__vac", "$__tb"]}]}
     stages += handoff_stages(hand_when, requeue_handoff(), admit_marker(token))
-    stages.append({"$unset": ["__o", "__free", "__park", "__vac"]})
+    stages.append({"$unset": ["__o", "__free", "__park", "__vac", "__tb"]})
     stages.append(gc_stage())
     return stages
 

@@ -1,0 +1,175 @@
+"""``Replace`` with ``keys=``: supersession decided per **set of rendered keys**, as pure expressions for
+``queue.admit_pipeline`` (no I/O).
+
+A run of a ``Replace`` task that needs several keys carries its key set's signature in its parked entry
+(``g``: ``set_signature`` of its sorted rendered keys). On a key, only runs of the same set supersede each
+other; runs of other sets (and single-key runs, and ``Queue`` runs) keep their place in send order, as
+under ``Queue``. Fields added to the lease document::
+
+    lg:  [{g, s, t}, ...]   # per key set: the newest send of that set that got this key (the last
+                            # LG_KEPT sets that did, newest update last; kept as long as ``last``)
+
+and to a parked entry, its reservation or handoff (``ho``) and its record in ``sup``: ``g``.
+
+On each key, the admit of run R (set ``g``, send stamp ``s``):
+
+1. **superseded** when the key knows a newer send of ``g``: a record in ``lg``, a parked entry, or a
+   pending handoff or reservation (``ho``) of ``g`` with a larger stamp;
+2. else, when R parks, the older runs of ``g`` on the key leave it for ``sup`` (their results are written
+   with ``superseded``): their parked entries, and a reservation or handoff of the key made to one of
+   them and not yet claimed, which is taken back (the key is then handed to the oldest run parked on it,
+   in the same command). R visits every key of its set, so an older run of the same set loses its place
+   on each; one that learns it on any key (its own admit or claim answers ``superseded``) gives back what
+   it holds and leaves the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "LG_KEPT",
+    "lg_update",
+    "newer_by",
+    "older_handoff",
+    "park_queue",
+    "set_signature",
+    "superseded_cases",
+]
+
+Document = dict[str, Any]
+
+_Q: Document = {"$ifNull": ["$q", []]}
+_LG: Document = {"$ifNull": ["$lg", []]}
+#: How many key sets a key remembers the newest send of (``lg``): a key shared by more sets forgets the
+#: set updated longest ago (a late copy of an older send of that set is then admitted as ``Queue`` would).
+LG_KEPT = 64
+
+
+def set_signature(keys: Sequence[str]) -> str:
+    """The signature of a set of rendered keys (order and repeats do not matter): ``g`` in entries."""
+    joined = "\x00".join(sorted(set(keys)))
+    return "ks:" + hashlib.sha256(joined.encode()).hexdigest()[:24]
+
+
+def _field(name: str, doc: object) -> Document:
+    return {"$getField": {"field": name, "input": doc}}
+
+
+def _same_set(e: object, group: str) -> Document:
+    return {"$eq": [{"$ifNull": [_field("g", e), None]}, {"$literal": group}]}
+
+
+def _newer(e: object, stamp: int) -> Document:
+    return {"$gt": [{"$ifNull": [_field("s", e), -1]}, stamp]}
+
+
+def _before(e: object, stamp: int, ident: str) -> Document:
+    s_, id_ = _field("s", e), _field("id", e)
+    return {
+        "$or": [
+            {"$lt": [s_, stamp]},
+            {"$and": [{"$eq": [s_, stamp]}, {"$lt": [id_, {"$literal": ident}]}]},
+        ]
+    }
+
+
+def _has_ho() -> Document:
+    return {"$ne": [{"$ifNull": ["$ho", None]}, None]}
+
+
+def _newer_sends(group: str, stamp: int) -> Document:
+    """``[{s, t}, ...]``: the sends of ``group`` newer than ``stamp`` the key knows (``lg``, ``q``,
+    ``ho``)."""
+    of_set = {"$and": [_same_set("$$e", group), _newer("$$e", stamp)]}
+
+    def pick(source: object) -> Document:
+        return {
+            "$map": {
+                "input": {"$filter": {"input": source, "as": "e", "cond": of_set}},
+                "as": "e",
+                "in": {"s": "$$e.s", "t": "$$e.t"},
+            }
+        }
+
+    ho = {
+        "$cond": [
+            {"$and": [_has_ho(), _same_set("$ho", group), _newer("$ho", stamp)]},
+            [{"s": "$ho.s", "t": "$ho.t"}],
+            [],
+        ]
+    }
+    return {"$concatArrays": [pick(_LG), pick(_Q), ho]}
+
+
+def superseded_cases(group: str, stamp: int) -> list[Document]:
+    """The ``$switch`` branch of the admit: a newer send of this run's set is known here."""
+    return [{"case": {"$gt": [{"$size": _newer_sends(group, stamp)}, 0]}, "then": "superseded"}]
+
+
+def newer_by(group: str, stamp: int) -> Document:
+    """The task id of the newest send of ``group`` newer than ``stamp`` (for ``lo_by``)."""
+    newest = {
+        "$reduce": {
+            "input": _newer_sends(group, stamp),
+            "initialValue": {"s": -1, "t": None},
+            "in": {"$cond": [{"$gt": ["$$this.s", "$$value.s"]}, "$$this", "$$value"]},
+        }
+    }
+    return _field("t", newest)
+
+
+def older_handoff(group: str, stamp: int, ident: str) -> Document:
+    """The key is reserved or handed (not yet claimed) to an older run of ``group``: taken back when
+    this run parks."""
+    return {"$and": [_has_ho(), _same_set("$ho", group), _before("$ho", stamp, ident)]}
+
+
+def _sup_record(e: str, by: str) -> Document:
+    return {
+        "t": f"{e}.t",
+        "by": {"$literal": by},
+        "at": "$$NOW",
+        "n": f"{e}.n",
+        "r": f"{e}.r",
+        "pa": f"{e}.at",
+        "ks": f"{e}.ks",
+        "g": f"{e}.g",
+    }
+
+
+def park_queue(
+    entry_expr: Document, group: str, stamp: int, ident: str, *, by: str, take_back: object
+) -> tuple[Document, Document]:
+    """``(q, superseded)`` when run ``ident`` of ``group`` parks: the queue in send order with its entry
+    and without the older runs of its set; and those runs (plus the run whose reservation or handoff
+    ``take_back`` says is taken back), in the shape of ``sup``."""
+    others = {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_same_set("$$e", group)]}}}
+    in_order = {
+        "$concatArrays": [
+            {"$filter": {"input": others, "as": "e", "cond": _before("$$e", stamp, ident)}},
+            [entry_expr],
+            {"$filter": {"input": others, "as": "e", "cond": {"$not": [_before("$$e", stamp, ident)]}}},
+        ]
+    }
+    older = {"$filter": {"input": _Q, "as": "e", "cond": _same_set("$$e", group)}}
+    superseded = {
+        "$concatArrays": [
+            {"$map": {"input": older, "as": "p", "in": _sup_record("$$p", by)}},
+            {"$cond": [take_back, [_sup_record("$ho", by)], []]},
+        ]
+    }
+    return in_order, superseded
+
+
+def lg_update(group: str, stamp: int, task_id: str, free: object) -> Document:
+    """``lg`` after an admit: when this run got the key (``free``) and is the newest of its set that did,
+    its record replaces its set's (the last ``LG_KEPT`` sets kept)."""
+    mine = {"$filter": {"input": _LG, "as": "e", "cond": _same_set("$$e", group)}}
+    known = {"$ifNull": [{"$max": {"$map": {"input": mine, "as": "e", "in": "$$e.s"}}}, -1]}
+    rest = {"$filter": {"input": _LG, "as": "e", "cond": {"$not": [_same_set("$$e", group)]}}}
+    record = {"g": {"$literal": group}, "s": stamp, "t": {"$literal": task_id}}
+    updated = {"$slice": [{"$concatArrays": [rest, [record]]}, -LG_KEPT]}
+    return {"$cond": [{"$and": [free, {"$gt": [stamp, known]}]}, updated, "$lg"]}
