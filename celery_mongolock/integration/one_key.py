@@ -90,7 +90,7 @@ class OneKey:
         except StoreUnavailable as exc:
             unavailable(task, key, exc, policy, self.direct)
         if done:
-            return copy_of_an_ended_run(task, key)
+            return copy_of_an_ended_run(task, self.store, key)
         return self._acquire(info, tick, hold_until_ms)
 
     def _acquire(self, info: dict[str, Any], tick: int | None, hold_until_ms: int | None) -> Lease | Outcome:
@@ -123,7 +123,7 @@ class OneKey:
                     ended_runs=ended_runs,
                 )
                 if lease is None and ended_runs and self._attempt_ran(doc, ended_runs):
-                    return copy_of_an_ended_run(task, key)
+                    return copy_of_an_ended_run(task, self.store, key)
             except StoreUnavailable as exc:
                 return unavailable(task, key, exc, self.policy, self.direct)
             if lease is not None:
@@ -260,7 +260,8 @@ class OneKey:
         outcome = admission.outcome
         holder, expires_at = dict(admission.holder), admission.expires_at
         who = (task.name, request.id)
-        if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task):
+        # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
+        if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
             # The run ran and released its key, and its worker died before its result was stored: end
             # this copy with a result that says so (never run the body twice, never leave it waiting).
             return Outcome(already_ran(key, request.id))

@@ -265,7 +265,8 @@ class SeveralKeys:
         policy = self._queue_policy()
         outcome = admission.outcome
         if outcome is AdmitOutcome.ALREADY_RAN:
-            if not has_final_state(self.task):
+            # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
+            if not has_final_state(self.task, carried_on=lambda: False):
                 return Outcome(already_ran(key, self.request.id))
             raise Ignore()
         if outcome is AdmitOutcome.RUNNING:
