@@ -139,15 +139,12 @@ class OneKey:
     def _attempt_ran(self, doc: Any, run_ids: list[str]) -> bool:
         """After an acquire that did not get the key: is this message a copy of a run that ended
         (``first_run_done``), or a contention retry of an attempt that ran in another line of retries?
-        The latter is read from a single lease's acquire reply, which carries the whole document (no
-        round trip added to a contended retry), else from the key (a ``limit=N`` reply has no ``seen``)."""
+        The latter is read from the acquire's reply, which carries the key's ``seen`` when the acquire is
+        guarded (a single lease's whole document; a ``limit=N`` key's too then): no round trip added."""
         task, request, key = self.task, self.request, self.key
         if copy_run_ids(request):
             return first_run_done(task, self.store, key)
-        known = Contended.of(doc, whole=self.options.limit is None).attempt_ran(run_ids)
-        if known is not None:
-            return known
-        return bool(self.store.run_ended(key, run_ids, task_id=request.id, delivery=delivery(request)))
+        return bool(Contended.of(doc, whole=True).attempt_ran(run_ids))
 
     def _contended(self, run: ContendedRun, contended: Contended, tick: int | None) -> object:
         """The key is held: a tick that already ran is skipped, a duplicate delivery parked, and otherwise

@@ -35,7 +35,6 @@ __all__ = [
     "give_back_quietly",
     "has_final_state",
     "ignored_as",
-    "release_quietly",
     "republish",
     "set_state",
     "unavailable",
@@ -148,15 +147,6 @@ def give_back_quietly(store: LeaseStore, leases: list[Lease]) -> None:
             store.give_back(lease)
         except StoreUnavailable as exc:
             log_release.warning("%s (it expires on its own)", exc)
-
-
-def release_quietly(leases: list[Lease]) -> None:
-    """Give back the keys a multi-key run took before it found one held (in reverse order)."""
-    for lease in reversed(leases):
-        try:
-            lease.release()
-        except StoreUnavailable as exc:  # queued for the background release
-            log_release.warning("%s", exc)
 
 
 def delivery(request: Any) -> str:
