@@ -82,7 +82,9 @@ def has_final_state(task: GuardedRun, carried_on: Callable[[], bool] | None = No
     A body's ``RETRY`` says only that *some* attempt retried: for a copy of attempt 0 it was this very
     attempt, but a copy of attempt ``n > 0`` may be of the run that attempt's retry started, whose body
     ended and whose worker died before it stored the result (the lock-set checker's seed 86: the copy was
-    dropped and the task stayed ``RETRY``). Then the ``RETRY`` counts only when ``carried_on()``."""
+    dropped and the task stayed ``RETRY``). Then the ``RETRY`` counts only when ``carried_on()``, or, when
+    the backend stored the attempt that retried (``result_extended``), when that attempt is this one or a
+    later one."""
     if task.ignore_result or task.request.ignore_result or not _queue.has_backend(task.app):
         return True
     try:
@@ -94,7 +96,13 @@ def has_final_state(task: GuardedRun, carried_on: Callable[[], bool] | None = No
         return True
     if status != celery_states.RETRY or contention_retry_meta(meta.get("result")):
         return False
-    return carried_on is None or not int(getattr(task.request, "retries", 0) or 0) or carried_on()
+    if carried_on is None:
+        return True
+    retries = int(getattr(task.request, "retries", 0) or 0)
+    written_by = meta.get("retries")  # the attempt that retried, stored only with ``result_extended``
+    if isinstance(written_by, int) and not isinstance(written_by, bool):
+        return written_by >= retries
+    return not retries or carried_on()
 
 
 def set_state(task: GuardedRun, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
