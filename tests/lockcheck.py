@@ -1668,10 +1668,15 @@ def check_multi(history: History, applied: dict[str, list[tuple[str, str]]]) -> 
                         f"{body['fences'][k]}) wrote here with fence {entry['f']}",
                     )
                 )
+    # A body run twice for one task (two lines of contention retries of one attempt; Queue runs are
+    # judged in check_queued).
+    found += multi_run_twice(history, {tid for tid, t in tasks.items() if t.get("task") not in QUEUED_TASKS})
     for tid, task in sorted(tasks.items()):
         result = task.get("result")
-        if task.get("state") != "SUCCESS" or not isinstance(result, dict) or result.get("mongolock"):
-            continue  # unfinished (task-unfinished above), or skipped by policy (nothing written)
+        if task.get("state") != "SUCCESS" or not isinstance(result, dict):
+            continue  # unfinished (task-unfinished above)
+        if result.get("mongolock") and result.get("mongolock") != "already-ran":
+            continue  # skipped by policy (nothing written); already-ran: its body wrote every key
         for k in task.get("keys") or []:
             op = multi_op(str(task["op"]), k)
             where = applied.get(op, [])
@@ -1829,6 +1834,47 @@ def multi_replace_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
             sorted(Counter(str(f["kind"]) for f in faults if set(f.get("holds") or []) & holds).items())
         ),
     }
+
+
+def multi_run_twice(history: History, task_ids: set[str]) -> list[Violation]:
+    """``run-twice`` for the several-keys runs of ``task_ids``: a body of the task started after one of
+    its bodies finished (wrote its op on every key and released every key cleanly). Whatever the policy:
+    a ``Queue`` run (``check_queued``), and a ``Retry`` run whose message was delivered again after it
+    had published a contention retry (two lines of retries for one attempt, ``check_multi``)."""
+    found: list[Violation] = []
+    releases = {str(ev["hold"]): ev for ev in history.events if ev.get("ev") == "rel"}
+    wrote = {
+        str(ev["hold"])
+        for ev in history.events
+        if ev.get("ev") == "write" and str(ev.get("outcome", "")).startswith("ack")
+    }
+    bodies: dict[str, list[Doc]] = defaultdict(list)
+    for ev in history.events:
+        if ev.get("ev") == "mbody" and ev.get("task_id") in task_ids:
+            bodies[str(ev["task_id"])].append(ev)
+    for task_id, runs in sorted(bodies.items()):
+        # A body finished when it wrote its op on every key and released every key cleanly.
+        finished = [
+            (max(float(releases[h]["t"]) for h in holds), i)
+            for i, holds in enumerate([str(h) for h in (b.get("holds") or {}).values()] for b in runs)
+            if holds and all(h in wrote and releases.get(h, {}).get("released") for h in holds)
+        ]
+        if not finished:
+            continue
+        done_at, first = min(finished)
+        again = [b for i, b in enumerate(runs) if i != first and float(b["t"]) > done_at]
+        if again:
+            found.append(
+                Violation(
+                    "run-twice",
+                    f"{task_id} on {again[0].get('keys')}: a body finished (ops written on every key, keys "
+                    f"released cleanly) and a body started again {len(again)} time(s) (fences "
+                    f"{again[0].get('fences')}, {again[0].get('who')}, "
+                    f"{float(again[0]['t']) - done_at:.1f}s after the releases)"
+                    + _deliveries(history, task_id),
+                )
+            )
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1997,31 +2043,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
         for ev in history.events
         if ev.get("ev") == "write" and str(ev.get("outcome", "")).startswith("ack")
     }
-    bodies: dict[str, list[Doc]] = defaultdict(list)
-    for ev in history.events:
-        if ev.get("ev") == "mbody" and ev.get("task_id") in queued:
-            bodies[str(ev["task_id"])].append(ev)
-    for task_id, runs in sorted(bodies.items()):
-        # A body finished when it wrote its op on every key and released every key cleanly.
-        finished = [
-            max(float(releases[h]["t"]) for h in holds)
-            for holds in ([str(h) for h in (b.get("holds") or {}).values()] for b in runs)
-            if holds and all(h in wrote and releases.get(h, {}).get("released") for h in holds)
-        ]
-        if not finished:
-            continue
-        done_at = min(finished)
-        again = [b for b in runs if float(b["t"]) > done_at]
-        if again:
-            found.append(
-                Violation(
-                    "run-twice",
-                    f"{task_id} on {again[0].get('keys')}: a body finished (ops written on every key, keys "
-                    f"released cleanly) and a body started again {len(again)} time(s) (fences "
-                    f"{again[0].get('fences')}, {again[0].get('who')}, "
-                    f"{float(again[0]['t']) - done_at:.1f}s after the releases)",
-                )
-            )
+    found += multi_run_twice(history, set(queued))
     for task_id, runs in sorted(acqs.items()):
         finished = [
             float(releases[str(a["hold"])]["t"])

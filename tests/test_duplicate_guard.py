@@ -13,6 +13,7 @@ import pytest
 
 from celery_mongolock import LeaseStore
 from celery_mongolock.core.documents.queue import SEEN_KEEP_MS, SEEN_KEPT, run_id
+from celery_mongolock.core.outcomes import Contended
 
 KEY = "resource:guard"
 
@@ -133,3 +134,23 @@ def test_a_handoff_message_past_the_memory_is_stale_never_a_new_run(store: Lease
         ended_run(store, f"other-{n}")
     lease, doc = store.admit(KEY, run, claim=token)
     assert lease is None and doc["lo"] == "stale"
+
+
+@pytest.mark.parametrize("limit", [None, 3], ids=["single", "limit3"])
+def test_a_refused_guarded_acquire_says_why_in_its_own_reply(store: LeaseStore, limit: int | None) -> None:
+    """A contention retry or copy refused by the guard is told so by its acquire's reply, with no read
+    added (several keys judge every key this way): a ``limit=N`` key's reply carries ``seen`` when the
+    acquire is guarded, and stays without it otherwise (the reply of every plain acquire stays small)."""
+    ended_run(store, "first", limit)
+    ids = [run_id("first", "0.")]
+    lease, doc = store.try_acquire(KEY, 30, info=info("first"), limit=limit, ended_runs=ids)
+    assert lease is None and Contended.of(doc, whole=True).attempt_ran(ids) is True
+    lease, doc = store.try_acquire(
+        KEY, 30, info=info("second"), limit=limit, ended_runs=[run_id("second", "0.")]
+    )
+    assert lease is not None and Contended.of(doc, whole=True).attempt_ran([run_id("second", "0.")]) is False
+    store.give_back(lease)
+    if limit is not None:
+        lease, doc = store.try_acquire(KEY, 30, info=info("third"), limit=limit)
+        assert lease is not None and "seen" not in (doc or {})
+        store.give_back(lease)

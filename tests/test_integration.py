@@ -467,6 +467,48 @@ def test_a_redelivered_message_whose_run_ended_does_not_run_again(cluster: Clust
     w.stop()
 
 
+def test_a_redelivered_copy_of_a_retry_that_ran_ends_the_task_already_ran(cluster: Cluster) -> None:
+    """The lock-set checker's seed 86: attempt 0 of a ``limit=3`` ``Retry`` task called ``self.retry()``
+    (the task's state RETRY); attempt 1 took a slot, ran its body and released the slot, and its child was
+    killed before the result was stored; the broker delivered attempt 1's message again. That copy ends
+    the task ``already-ran`` (it was dropped as if attempt 1's own retry were on its way, and the task stayed
+    RETRY). A copy of an attempt whose retry is known on the key (holding a slot) is still dropped."""
+    queue = f"redeliver{tag()}"
+    tenant, t = tag(), tag()
+    key = f"tenant:{tenant}"
+    ended_id, carried_id = str(uuid.uuid4()), str(uuid.uuid4())
+    for task_id in (ended_id, carried_id):
+        with warnings.catch_warnings():  # redis-py deprecates the setex Celery's backend calls
+            warnings.simplefilter("ignore", DeprecationWarning)
+            it.app.backend.mark_as_retry(task_id, None)  # attempt 0's body retried
+        info = {"task_id": task_id, "task_name": it.per_tenant.name, "delivery": "1.0"}
+        first = cluster.store.acquire(key, 30, info=info, limit=3)  # attempt 1 ran and released its slot
+        assert first is not None and first.release()
+        it.per_tenant.apply_async((tenant, t), task_id=task_id, queue=queue, retries=1)
+    # carried_id's attempt 1 retried too: its attempt 2 holds a slot now.
+    later = cluster.store.acquire(
+        key, 30, info={"task_id": carried_id, "task_name": it.per_tenant.name, "delivery": "2.0"}, limit=3
+    )
+    assert later is not None
+    _deliver_again(queue, {ended_id, carried_id})
+    w = cluster.worker(name=f"r{tag()}@localhost", extra_args=["-Q", queue])
+    ended = AsyncResult(ended_id, app=it.app)
+    wait_for(
+        lambda: (
+            logged([w], "redelivery of a run that has ended", carried_id)
+            and (ended.ready() or logged([w], "redelivery of a run that has ended", ended_id))
+        ),
+        timeout=30,
+        message="both copies to be judged",
+    )
+    assert ended.state == "SUCCESS", f"the copy was dropped and the task left {ended.state}"
+    assert ended.result["mongolock"] == "already-ran" and ended.result["key"] == key
+    assert AsyncResult(carried_id, app=it.app).state == "RETRY"  # its attempt 2 stores the result
+    assert cluster.runs(t) == []  # no body ran again
+    later.release()
+    w.stop()
+
+
 # -- exit paths ----------------------------------------------------------------------------------------
 
 

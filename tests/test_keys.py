@@ -394,3 +394,48 @@ def test_replace_with_keys_is_accepted_from_the_decorator_and_the_settings() -> 
     app.finalize()
     _check_task_policies(app)
     assert merge2.mongolock_keys_for(3, 1) == ["group:1", "group:3"]
+
+
+@pytest.mark.slow
+def test_a_contention_retry_of_a_multi_key_attempt_that_ran_in_another_line_never_runs_again(
+    cluster: Cluster,
+) -> None:
+    """Issue 32: a message the broker delivered again after its several-keys run had published a
+    contention retry starts a second line of retries for one attempt. Once a run of either line has run
+    its body and released the keys, the other line's retries (and copies) are copies of that run: the
+    acquire refuses the key in the same command, and the task ends ``already-ran``, never a second body.
+    An attempt that only took a key and gave it back (it found the other held) is not remembered as over:
+    its contention retry runs."""
+    from celery_mongolock.integration import task as task_mod
+
+    suffix = uuid.uuid4().hex[:8]
+    a, b = f"a{suffix}", f"b{suffix}"
+    keys = [f"resource:{a}", f"resource:{b}"]
+    ran_id, copy_id, unrun_id = (str(uuid.uuid4()) for _ in range(3))
+
+    def info(task_id: str) -> dict[str, Any]:
+        return {"task_id": task_id, "task_name": it.merge.name, "delivery": "0.0", "keys": keys}
+
+    for task_id in (ran_id, copy_id):  # attempt 0 ran its body in the other line and released both keys
+        leases = [cluster.store.acquire(k, 30, info=info(task_id)) for k in keys]
+        assert all(lease is not None and lease.release() for lease in leases)
+    # unrun_id's attempt took a, found b held and gave a back: it never ran.
+    taken = cluster.store.acquire(keys[0], 30, info=info(unrun_id))
+    assert taken is not None and cluster.store.give_back(taken)
+    tags = {tid: uuid.uuid4().hex[:10] for tid in (ran_id, copy_id, unrun_id)}
+    retry = {task_mod.CONTENTION_HEADER: 1}
+    results = {
+        ran_id: it.merge.apply_async((a, b, tags[ran_id], 0.05), task_id=ran_id, headers=retry),
+        # a parked copy of the other line's run (the redelivered line, looked at again)
+        copy_id: it.merge.apply_async(
+            (a, b, tags[copy_id], 0.05), task_id=copy_id, headers={task_mod.DUPLICATE_HEADER: 1}
+        ),
+        unrun_id: it.merge.apply_async((a, b, tags[unrun_id], 0.05), task_id=unrun_id, headers=retry),
+    }
+    for task_id in (ran_id, copy_id):
+        result = results[task_id].get(timeout=60)
+        assert isinstance(result, dict), f"the body ran a second time: {result!r}"
+        assert result["mongolock"] == "already-ran" and result["key"] == keys[0]
+        assert cluster.runs(tags[task_id]) == []
+    assert results[unrun_id].get(timeout=60) == keys
+    assert len(cluster.runs(tags[unrun_id], "start")) == 1

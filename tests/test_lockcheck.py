@@ -979,3 +979,29 @@ def test_several_keys_replace_runs_judged_per_set_of_keys() -> None:
     good.tasks["A"]["result"] = {"op": "op-A", "outcome": "ack"}
     good.events.append(_run("A", 13, M2))
     assert kinds(lockcheck.check_multi_replace(good)) == {"replace-order"}
+
+
+def test_a_several_keys_retry_run_whose_body_ran_again_after_finishing_is_reported() -> None:
+    """Two lines of contention retries of one attempt (its message delivered again after it published a
+    retry): a body of M started after M's body had written both keys and released them cleanly."""
+    h = _multi_good()
+    m3, m4 = "m3" * 16, "m4" * 16
+    h.events += [
+        _acq(m3, 15, 6.0, 6.1, key=K1), _acq(m4, 24, 6.05, 6.1, key=K2),
+        _mbody("M", {K1: (m3, 15), K2: (m4, 24)}, 6.1),
+        _rel(m3, 6.5, key=K1), _rel(m4, 6.5, key=K2),
+    ]  # fmt: skip
+    assert "run-twice" in kinds(check(h))
+    # N's body cut short (fenced out on K2) ran again: that is not twice.
+    assert check(_multi_good()) == []
+
+
+def test_a_several_keys_run_that_ended_already_ran_needs_its_ops_applied() -> None:
+    h = _multi_good()
+    h.tasks["M"]["result"] = {"mongolock": "already-ran", "key": K1}
+    assert check(h) == []  # M's body wrote both keys: its copy says so
+    del h.docs[K2]["log"][:2]  # ... unless a key was never written
+    h.docs[K2]["log"] = [_claim(HOLD_D, 22), _claim("n4" * 16, 23), _write("N@" + K2, "n4" * 16, 23, 0)]
+    h.docs[K2]["counter"] = 1
+    h.events = [e for e in h.events if not (e["ev"] == "write" and e["hold"] == "m2" * 16)]
+    assert "multi-partial" in kinds(check(h))

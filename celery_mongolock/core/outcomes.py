@@ -21,10 +21,18 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery_mongolock.core.documents.queue import ran
+from celery_mongolock.core.documents.queue import ran, retries_of
 from celery_mongolock.core.lease import Lease, aware
 
-__all__ = ["RUN_ENDED_PROJECTION", "Admission", "AdmitOutcome", "Contended", "run_ended"]
+__all__ = [
+    "LATER_ATTEMPT_PROJECTION",
+    "RUN_ENDED_PROJECTION",
+    "Admission",
+    "AdmitOutcome",
+    "Contended",
+    "later_attempt_known",
+    "run_ended",
+]
 
 
 class AdmitOutcome(str, enum.Enum):
@@ -151,6 +159,50 @@ def run_ended(
         and doc.get("owner") is None
         and doc.get("released_for") is None
         and not doc.get("forced_release")
+    )
+
+
+#: The fields of a lease document that ``later_attempt_known`` reads.
+LATER_ATTEMPT_PROJECTION = {
+    "owner": 1,
+    "holder": 1,
+    "ho.t": 1,
+    "ho.r": 1,
+    "hs.h": 1,
+    "hs.ho": 1,
+    "q.t": 1,
+    "q.r": 1,
+    "seen": 1,
+}
+
+
+def later_attempt_known(doc: Mapping[str, Any] | None, task_id: str, retries: int) -> bool:
+    """Whether the lease document ``doc`` knows an attempt of ``task_id`` later than ``retries`` (a body
+    of it called ``self.retry()``): parked, handed, holding the key or a slot, or ended (``seen``). The
+    Python twin of ``queue.later_attempt``, which an admit judges in its own command."""
+    if doc is None:
+        return False
+
+    def later(task: Any, delivery: Any) -> bool:
+        attempt = retries_of(delivery)
+        return task == task_id and attempt is not None and attempt > retries
+
+    holder = doc.get("holder") or {}
+    handed = doc.get("ho") or {}
+    prefix = f"{task_id}/"
+    return (
+        (doc.get("owner") is not None and later(holder.get("task_id"), holder.get("delivery")))
+        or later(handed.get("t"), handed.get("r"))
+        or any(later(e.get("t"), e.get("r")) for e in doc.get("q") or [] if isinstance(e, Mapping))
+        or any(
+            later((h.get("h") or {}).get("task_id"), (h.get("h") or {}).get("delivery"))
+            or later((h.get("ho") or {}).get("t"), (h.get("ho") or {}).get("r"))
+            for h in doc.get("hs") or []
+            if isinstance(h, Mapping)
+        )
+        or any(
+            later(task_id, str(r)[len(prefix) :]) for r in doc.get("seen") or [] if str(r).startswith(prefix)
+        )
     )
 
 

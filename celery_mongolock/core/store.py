@@ -551,6 +551,10 @@ class LeaseStore:
         """Whether a run of ``run_ids`` ended and released ``key`` itself (``QueueUpkeep.run_ended``)."""
         return self.queue.run_ended(key, run_ids, task_id=task_id, delivery=delivery, parked=parked)
 
+    def later_attempt(self, key: str, task_id: str, retries: int) -> bool:
+        """Whether ``key`` knows an attempt of ``task_id`` after ``retries`` (``QueueUpkeep``)."""
+        return self.queue.later_attempt(key, task_id, retries)
+
     def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written
         (``QueueUpkeep.forget_results``)."""

@@ -168,7 +168,9 @@ def acquire_command(
             token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick, ended_runs=ended_runs
         )
         # With ``ends`` (at most 8): the endings of holds this acquire found expired go to the history.
-        return pipeline, {"q.m": 0, "seen": 0}
+        # A guarded acquire's reply also carries ``seen`` (``outcomes.Contended.attempt_ran``): a refused
+        # copy or contention retry is judged on it, with no read added.
+        return pipeline, ({"q.m": 0} if ended_runs else {"q.m": 0, "seen": 0})
     if admission is None:
         pipeline = documents.acquire_pipeline(
             token,

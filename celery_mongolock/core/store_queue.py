@@ -22,7 +22,12 @@ from celery_mongolock.core.documents import slot_queue as slot_admission
 from celery_mongolock.core.documents import slots as slots_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
-from celery_mongolock.core.outcomes import RUN_ENDED_PROJECTION, run_ended
+from celery_mongolock.core.outcomes import (
+    LATER_ATTEMPT_PROJECTION,
+    RUN_ENDED_PROJECTION,
+    later_attempt_known,
+    run_ended,
+)
 from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_seconds
 from celery_mongolock.exceptions import StoreUnavailable
 
@@ -339,6 +344,16 @@ class QueueUpkeep:
         with connection.operation(f"inspect lease {key!r}"):
             doc = connection.collection.find_one({"_id": key}, RUN_ENDED_PROJECTION)
         return run_ended(doc, run_ids, task_id=task_id, delivery=delivery, parked=parked)
+
+    def later_attempt(self, key: str, task_id: str, retries: int) -> bool:
+        """Whether ``key`` knows an attempt of ``task_id`` later than ``retries`` (one read;
+        ``outcomes.later_attempt_known``): a body of attempt ``retries`` called ``self.retry()``, and the
+        attempt it started has reached the key (parked, handed, holding it, or ended)."""
+        key = normalize_key(key)
+        connection = self.store.connection
+        with connection.operation(f"inspect lease {key!r}"):
+            doc = connection.collection.find_one({"_id": key}, LATER_ATTEMPT_PROJECTION)
+        return later_attempt_known(doc, task_id, retries)
 
     def forget_results(self, key: str, field: str, task_ids: Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written. The runs of ``dead``

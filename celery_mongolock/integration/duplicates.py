@@ -14,6 +14,7 @@ from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.core.documents import queue as _admission
+from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration.runs import (
     CONTENTION_HEADER,
     GuardedRun,
@@ -35,6 +36,7 @@ __all__ = [
     "copy_run_ids",
     "first_run_done",
     "guard_run_ids",
+    "later_attempt_known",
     "park_duplicate",
 ]
 
@@ -90,11 +92,14 @@ def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any])
     raise Ignore()
 
 
-def copy_of_an_ended_run(task: GuardedRun, key: str) -> Outcome:
+def copy_of_an_ended_run(task: GuardedRun, store: Any, key: str) -> Outcome:
     """A copy of a run that ended and released ``key`` itself: end the task saying so when its result
-    was never stored (the run's worker died in between), else drop the copy. Never runs the body."""
+    was never stored (the run's worker died in between), else drop the copy. Never runs the body.
+
+    A body's ``RETRY`` left by an earlier attempt is no result of this run: it counts only when a later
+    attempt than this copy's is known on ``key`` (``has_final_state``; one more read, only then)."""
     request = task.request
-    if not has_final_state(task):
+    if not has_final_state(task, carried_on=lambda: later_attempt_known(task, store, key)):
         return Outcome(already_ran(key, request.id))
     log_acquire.info(
         "%s[%s]: %s of a run that has ended and released %r; dropped",
@@ -108,6 +113,23 @@ def copy_of_an_ended_run(task: GuardedRun, key: str) -> Outcome:
         key,
     )
     raise Ignore()
+
+
+def later_attempt_known(task: GuardedRun, store: Any, key: str) -> bool:
+    """Whether ``key`` knows an attempt of this task later than this message's (its body retried). When
+    MongoDB does not answer, True: the copy is dropped, as it was before this look existed."""
+    request = task.request
+    try:
+        return bool(store.later_attempt(key, request.id, int(getattr(request, "retries", 0) or 0)))
+    except StoreUnavailable as exc:
+        log_acquire.warning(
+            "%s[%s]: cannot tell whether a later attempt carries the task on %r (%s); the copy is dropped",
+            task.name,
+            request.id,
+            key,
+            exc,
+        )
+        return True
 
 
 def first_run_done(task: GuardedRun, store: Any, key: str) -> bool:

@@ -90,7 +90,7 @@ class OneKey:
         except StoreUnavailable as exc:
             unavailable(task, key, exc, policy, self.direct)
         if done:
-            return copy_of_an_ended_run(task, key)
+            return copy_of_an_ended_run(task, self.store, key)
         return self._acquire(info, tick, hold_until_ms)
 
     def _acquire(self, info: dict[str, Any], tick: int | None, hold_until_ms: int | None) -> Lease | Outcome:
@@ -123,7 +123,7 @@ class OneKey:
                     ended_runs=ended_runs,
                 )
                 if lease is None and ended_runs and self._attempt_ran(doc, ended_runs):
-                    return copy_of_an_ended_run(task, key)
+                    return copy_of_an_ended_run(task, self.store, key)
             except StoreUnavailable as exc:
                 return unavailable(task, key, exc, self.policy, self.direct)
             if lease is not None:
@@ -139,15 +139,12 @@ class OneKey:
     def _attempt_ran(self, doc: Any, run_ids: list[str]) -> bool:
         """After an acquire that did not get the key: is this message a copy of a run that ended
         (``first_run_done``), or a contention retry of an attempt that ran in another line of retries?
-        The latter is read from a single lease's acquire reply, which carries the whole document (no
-        round trip added to a contended retry), else from the key (a ``limit=N`` reply has no ``seen``)."""
+        The latter is read from the acquire's reply, which carries the key's ``seen`` when the acquire is
+        guarded (a single lease's whole document; a ``limit=N`` key's too then): no round trip added."""
         task, request, key = self.task, self.request, self.key
         if copy_run_ids(request):
             return first_run_done(task, self.store, key)
-        known = Contended.of(doc, whole=self.options.limit is None).attempt_ran(run_ids)
-        if known is not None:
-            return known
-        return bool(self.store.run_ended(key, run_ids, task_id=request.id, delivery=delivery(request)))
+        return bool(Contended.of(doc, whole=True).attempt_ran(run_ids))
 
     def _contended(self, run: ContendedRun, contended: Contended, tick: int | None) -> object:
         """The key is held: a tick that already ran is skipped, a duplicate delivery parked, and otherwise
@@ -260,7 +257,8 @@ class OneKey:
         outcome = admission.outcome
         holder, expires_at = dict(admission.holder), admission.expires_at
         who = (task.name, request.id)
-        if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task):
+        # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
+        if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
             # The run ran and released its key, and its worker died before its result was stored: end
             # this copy with a result that says so (never run the body twice, never leave it waiting).
             return Outcome(already_ran(key, request.id))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from celery import states as celery_states
@@ -34,7 +35,6 @@ __all__ = [
     "give_back_quietly",
     "has_final_state",
     "ignored_as",
-    "release_quietly",
     "republish",
     "set_state",
     "unavailable",
@@ -72,11 +72,19 @@ class GuardedRun(SingletonRun, Protocol):
     ) -> Any: ...
 
 
-def has_final_state(task: GuardedRun) -> bool:
+def has_final_state(task: GuardedRun, carried_on: Callable[[], bool] | None = None) -> bool:
     """Whether this task id has a final state in the result backend, or a retry of it is on its way
     (``RETRY``: the body called ``self.retry()``, and that newer run will store the result): then a
     copy of an earlier run has nothing to do. True when there is no backend to ask (nothing would
-    wait for a result)."""
+    wait for a result).
+
+    ``carried_on``, for a copy of a run whose body ran: whether a later attempt of the task is known.
+    A body's ``RETRY`` says only that *some* attempt retried: for a copy of attempt 0 it was this very
+    attempt, but a copy of attempt ``n > 0`` may be of the run that attempt's retry started, whose body
+    ended and whose worker died before it stored the result (the lock-set checker's seed 86: the copy was
+    dropped and the task stayed ``RETRY``). Then the ``RETRY`` counts only when ``carried_on()``, or, when
+    the backend stored the attempt that retried (``result_extended``), when that attempt is this one or a
+    later one."""
     if task.ignore_result or task.request.ignore_result or not _queue.has_backend(task.app):
         return True
     try:
@@ -84,9 +92,17 @@ def has_final_state(task: GuardedRun) -> bool:
     except Exception:
         return True  # cannot tell: drop the copy, as before
     status = meta.get("status")
-    return status in celery_states.READY_STATES or (
-        status == celery_states.RETRY and not contention_retry_meta(meta.get("result"))
-    )
+    if status in celery_states.READY_STATES:
+        return True
+    if status != celery_states.RETRY or contention_retry_meta(meta.get("result")):
+        return False
+    if carried_on is None:
+        return True
+    retries = int(getattr(task.request, "retries", 0) or 0)
+    written_by = meta.get("retries")  # the attempt that retried, stored only with ``result_extended``
+    if isinstance(written_by, int) and not isinstance(written_by, bool):
+        return written_by >= retries
+    return not retries or carried_on()
 
 
 def set_state(task: GuardedRun, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
@@ -139,15 +155,6 @@ def give_back_quietly(store: LeaseStore, leases: list[Lease]) -> None:
             store.give_back(lease)
         except StoreUnavailable as exc:
             log_release.warning("%s (it expires on its own)", exc)
-
-
-def release_quietly(leases: list[Lease]) -> None:
-    """Give back the keys a multi-key run took before it found one held (in reverse order)."""
-    for lease in reversed(leases):
-        try:
-            lease.release()
-        except StoreUnavailable as exc:  # queued for the background release
-            log_release.warning("%s", exc)
 
 
 def delivery(request: Any) -> str:

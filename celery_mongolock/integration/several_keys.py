@@ -32,6 +32,8 @@ from celery_mongolock.integration.duplicates import (
     DUPLICATE_HEADER,
     already_ran,
     copy_of_a_retried_attempt,
+    copy_of_an_ended_run,
+    guard_run_ids,
     park_duplicate,
 )
 from celery_mongolock.integration.runs import (
@@ -41,7 +43,6 @@ from celery_mongolock.integration.runs import (
     has_final_state,
     ignored_as,
     log_acquire,
-    release_quietly,
     set_state,
     unavailable,
 )
@@ -105,20 +106,25 @@ class SeveralKeys:
             "delivery": delivery(request),
             "keys": keys,
         }
-        # (No "first run done" check here: the keys a run gives back within an attempt look like a
-        # finished run's, and a redelivered copy dropped for that would be lost. At least once, as any
-        # acks_late task.)
+        # The duplicate guard, in each key's acquire (``guard_run_ids``): a copy of a run (redelivered,
+        # parked), or a contention retry of an attempt that may have run in another line of retries, is
+        # refused a key that remembers that attempt as over (``seen``). Only a body's release writes
+        # ``seen``: the keys an attempt takes and gives back unrun are given back (``give_back``), never
+        # released, so that they do not look like a finished run's (a copy dropped for that would be lost).
+        ended_runs = guard_run_ids(request)
         run = ContendedRun(
             task, self.store, keys[0], direct=self.direct
         )  # one run: Wait's timeout counts once
         while True:
-            taken, blocked = self._try_all(info)
+            taken, blocked = self._try_all(info, ended_runs)
             if blocked is None:
                 if self._renewed(taken):
                     return LeaseSet(taken)
                 continue
-            release_quietly(taken)
+            give_back_quietly(self.store, taken)
             key, contended = blocked  # (limit=N: a slot held by this very run is the holder)
+            if ended_runs and self._attempt_ran(key, contended, ended_runs):
+                return copy_of_an_ended_run(task, self.store, key)
             holder, expires_at = dict(contended.holder), contended.expires_at
             if contended.held_by_run(request.id):
                 signals.lease_contended.send(sender=task, key=key, holder=holder, policy="duplicate")
@@ -132,8 +138,12 @@ class SeveralKeys:
             assert isinstance(outcome, Outcome), f"{policy!r}.on_contended returned {outcome!r}"
             return outcome
 
-    def _try_all(self, info: dict[str, Any]) -> tuple[list[Lease], tuple[str, Contended] | None]:
-        """One attempt: the keys taken, in order, up to the first one held (``(key, contended)``)."""
+    def _try_all(
+        self, info: dict[str, Any], ended_runs: list[str]
+    ) -> tuple[list[Lease], tuple[str, Contended] | None]:
+        """One attempt: the keys taken, in order, up to the first one held or refused (``(key,
+        contended)``). ``ended_runs``: the duplicate guard's run ids, judged in each acquire (a refused
+        acquire's reply then carries the key's ``seen``, also for a ``limit=N`` key)."""
         store, options, request = self.store, self.options, self.request
         taken: list[Lease] = []
         blocked: tuple[str, Contended] | None = None
@@ -147,18 +157,27 @@ class SeveralKeys:
                         heartbeat=True,
                         heartbeat_seconds=options.heartbeat_seconds,
                         limit=self.limits.get(key, options.limit),
+                        ended_runs=ended_runs,
                     )
                 except StoreUnavailable as exc:
-                    release_quietly(taken)
+                    give_back_quietly(store, taken)
                     unavailable(self.task, key, exc, self.policy, self.direct)
                 if lease is None:
-                    blocked = (key, Contended.of(doc, task_id=request.id, delivery=info["delivery"]))
+                    contended = Contended.of(
+                        doc, task_id=request.id, delivery=info["delivery"], whole=bool(ended_runs)
+                    )
+                    blocked = (key, contended)
                     break
                 taken.append(lease)
         except BaseException:  # a time limit, a revoke: never keep the keys taken so far
-            release_quietly(taken)
+            give_back_quietly(store, taken)
             raise
         return taken, blocked
+
+    def _attempt_ran(self, key: str, contended: Contended, run_ids: list[str]) -> bool:
+        """After an acquire refused or contended: is this attempt remembered as over on ``key``? Judged on
+        the acquire's own reply (``seen``), no round trip added."""
+        return bool(contended.attempt_ran(run_ids))
 
     def _renewed(self, taken: list[Lease]) -> bool:
         """One renewal confirms every lease before the body starts: an acquire slower than a lease must
@@ -166,13 +185,13 @@ class SeveralKeys:
         try:
             lost = self.store.renew_many(taken)
         except StoreUnavailable as exc:
-            release_quietly(taken)
+            give_back_quietly(self.store, taken)
             unavailable(self.task, self.keys[0], exc, self.policy, self.direct)
         # ``renew_many`` leaves out leases already lost (their deadline passed while the other
         # keys were taken): those are not confirmed either.
         if not lost and not any(lease.lost for lease in taken):
             return True
-        release_quietly(taken)
+        give_back_quietly(self.store, taken)
         return False
 
     # -- a queued run (Queue) ------------------------------------------------------------------------------
@@ -279,7 +298,8 @@ class SeveralKeys:
         if outcome is AdmitOutcome.SUPERSEDED:
             return self._superseded(key, admission)
         if outcome is AdmitOutcome.ALREADY_RAN:
-            if not has_final_state(self.task):
+            # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
+            if not has_final_state(self.task, carried_on=lambda: False):
                 return Outcome(already_ran(key, self.request.id))
             raise Ignore()
         if outcome is AdmitOutcome.RUNNING:
