@@ -813,6 +813,10 @@ def _covered() -> dict[str, Any]:
                 "most_clean_holds_at_once_with_a_slot_of_theirs": 3,
             },
         },
+        "reentrant": {
+            "done_runs_that_reentered_both_ways": lockcheck.REENTRANT_BURST,
+            "reentered_slots": lockcheck.REENTRANT_BURST,
+        },
     }  # fmt: skip
 
 
