@@ -1702,8 +1702,10 @@ def _set_of(task: Doc) -> tuple[str, ...]:
 def check_multi_replace(history: History) -> list[Violation]:
     """The several-keys ``Replace`` runs (``MULTI_REPLACE_TASK``, on ``m`` keys), judged per set of keys.
 
-    * ``superseded-ran``: a run that ended superseded has a body start (``mbody``): a superseded run
-      never starts.
+    * ``superseded-ran``: a run that ended superseded has a body start (``mbody``) at or after the first
+      record of its supersession (``superseded``; with none, any body start): a superseded run never
+      starts. (A body of an earlier attempt that then retried itself, its lease lost mid-body, may have
+      run before: the retry is admitted again, and a newer send of its set supersedes it.)
     * ``superseded-by-older``: a superseded run does not name a newer send (larger stamp) of the same set
       of keys.
     * ``newest-not-run``: the newest send of a set ended SUCCESS without a body start (the newest send of
@@ -1719,6 +1721,17 @@ def check_multi_replace(history: History) -> list[Violation]:
     if not tasks:
         return found
     started = {str(e.get("task_id")) for e in history.events if e.get("ev") == "mbody"}
+    body_starts: dict[str, list[float]] = defaultdict(list)
+    for e in history.events:
+        if e.get("ev") == "mbody":
+            body_starts[str(e.get("task_id"))].append(float(e.get("t") or 0.0))
+    # When each run was first told (or recorded as) superseded: a body of an earlier attempt (which then
+    # retried itself: its lease lost mid-body) may have started before; none may start after.
+    superseded_at: dict[str, float] = {}
+    for e in history.events:
+        if e.get("ev") == "superseded" and e.get("task_id"):
+            tid, t = str(e["task_id"]), float(e.get("t") or 0.0)
+            superseded_at[tid] = min(superseded_at.get(tid, t), t)
     sets: dict[tuple[str, ...], list[str]] = defaultdict(list)
     for tid, task in sorted(tasks.items()):
         sets[_set_of(task)].append(tid)
@@ -1727,9 +1740,15 @@ def check_multi_replace(history: History) -> list[Violation]:
             continue  # task-unfinished (or lost by the broker), above
         word = result.get("mongolock")
         if word == "superseded":
-            if tid in started:
+            since = superseded_at.get(tid, float("-inf"))
+            late = [t for t in body_starts.get(tid, []) if t >= since]
+            if late:
                 found.append(
-                    Violation("superseded-ran", f"{tid} on {_set_of(task)} ended {result}; a body ran")
+                    Violation(
+                        "superseded-ran",
+                        f"{tid} on {_set_of(task)} ended {result}; a body started at {late[0]:.2f}, after it "
+                        f"was superseded ({since:.2f})",
+                    )
                 )
             by = tasks.get(str(result.get("by")))
             if by is None or _set_of(by) != _set_of(task) or int(by["stamp"]) <= int(task["stamp"]):

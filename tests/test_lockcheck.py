@@ -971,10 +971,15 @@ def test_several_keys_replace_runs_judged_per_set_of_keys() -> None:
     good.tasks["A"]["result"] = {**sup, "by": "C"}
     assert kinds(lockcheck.check_multi_replace(good)) == {"superseded-by-older"}
     good.tasks["A"]["result"] = {**sup, "by": "B"}
-    # A superseded run whose body started.
+    # A superseded run whose body started (no record of when it was superseded: any body start).
     good.events.append(_rk_body("A", 9.0))
     assert kinds(lockcheck.check_multi_replace(good)) == {"superseded-ran"}
-    good.events.pop()
+    # A body of an earlier attempt before its retry was superseded: allowed; one after it: reported.
+    good.events.append({"ev": "superseded", "task_id": "A", "key": M1, "by": "B", "t": 10.0})
+    assert lockcheck.check_multi_replace(good) == []
+    good.events.append(_rk_body("A", 10.5))
+    assert kinds(lockcheck.check_multi_replace(good)) == {"superseded-ran"}
+    del good.events[-3:]
     # The newest send of a set ended done with no body start.
     good.events.remove(_rk_body("B", 11.0))
     assert kinds(lockcheck.check_multi_replace(good)) == {"newest-not-run"}
