@@ -171,7 +171,6 @@ SPEC_CASES = [
     case(lambda: declare(mongolock_key="g"), ConfigurationError, "mongolock_key=", "without the mongolock_ prefix", "prefixed-option"),
     case(lambda: declare(limit=0), ConfigurationError, "limit", "an int from 1 to 1000, got 0", "limit-zero"),
     case(lambda: declare(limit=2.5), ConfigurationError, "limit", "got 2.5", "limit-float"),
-    case(lambda: declare(limit=3, min_hold_seconds=5), ConfigurationError, "limit=3 with min_hold_seconds", "not supported yet", "limit-with-min-hold"),
     case(lambda: declare("g:{group_id}", keys=("g:{group_id}", "p:{path}")), ConfigurationError, "key= or keys=", "not both", "key-and-keys"),
     case(lambda: declare("g:{group_id}", limit={"g:{group_id}": 3}), ConfigurationError, "limit={...}", "a task with one key= takes limit=N", "limit-dict-with-key"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"g:{grup_id}": 3}), ConfigurationError, "'g:{grup_id}'", "did you mean 'g:{group_id}'", "limit-dict-unknown-spec"),

@@ -319,9 +319,6 @@ def _task_policy(**options: Any) -> Any:
 KEYS = ("g:{src}", "g:{dst}")
 # (page, the words of the claim): a call that the claim says is refused.
 REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
-    ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` is refused with a limit"): lambda: _declare(
-        key="t:{src}", limit=3, min_hold_seconds=5
-    ),
     ("docs/how-to/several-keys.md", "`Replace` with `keys=(...)` is not supported yet"): lambda: _declare(
         keys=KEYS, on_contention="replace"
     ),
@@ -343,6 +340,20 @@ REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
 }
 # What pages say works (issue 27: pages said these were refused).
 ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
+    ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` works per slot"): lambda: _declare(
+        key="t:{src}", limit=3, min_hold_seconds=60, on_contention="queue"
+    ),
+    ("docs/how-to/per-tenant-limit.md", "With every policy: `Retry`, `Skip`, `Wait` and `Fail`"): lambda: [
+        _declare(key="t:{src}", limit=3, min_hold_seconds=5, on_contention=p)
+        for p in ("retry", "skip", "wait", "fail", "queue", "replace")
+    ],
+    ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` applies to every key of such a run"): lambda: [
+        _declare(keys=KEYS, limit={"g:{src}": 3}, min_hold_seconds=5, on_contention=p)
+        for p in ("retry", "skip", "wait", "fail")
+    ],
+    ("docs/how-to/per-tenant-limit.md", "min_hold_seconds"): lambda: _task_policy(
+        limit=3, min_hold_seconds=60, on_contention="replace"
+    ),
     ("docs/how-to/per-tenant-limit.md", "A limit per key, with several keys"): lambda: _declare(
         keys=("t:{src}", "g:{dst}"), limit={"t:{src}": 3}, on_contention="retry"
     ),

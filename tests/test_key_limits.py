@@ -67,9 +67,10 @@ def test_every_taking_policy_accepts_slots_on_several_keys(policy: object) -> No
     assert check_keys(KEYS, None, policy, {"tenant:{tenant}": 3}) == KEYS
 
 
-def test_a_limit_per_key_with_min_hold_is_refused() -> None:
-    with pytest.raises(ConfigurationError, match="min_hold_seconds"):
-        check_limit({"tenant:{tenant}": 3}, Retry(), 5.0)
+@pytest.mark.parametrize("policy", [Retry(), Wait(timeout=5), Skip(), Fail()])
+def test_a_limit_per_key_takes_a_minimum_hold(policy: object) -> None:
+    assert check_limit({"tenant:{tenant}": 3}, policy, 5.0) is None
+    assert check_keys(KEYS, None, policy, {"tenant:{tenant}": 3}) == KEYS
 
 
 def test_two_specs_rendering_one_key_hold_it_with_the_smaller_limit() -> None:

@@ -38,7 +38,6 @@ from celery_mongolock.integration.runs import (
     has_final_state,
     ignored_as,
     log_acquire,
-    release_quietly,
     set_state,
     unavailable,
 )
@@ -114,7 +113,9 @@ class SeveralKeys:
                 if self._renewed(taken):
                     return LeaseSet(taken)
                 continue
-            release_quietly(taken)
+            # Given back, not released: this run did not run with them, so a minimum hold
+            # (``min_hold_seconds``) does not keep them taken for nobody.
+            give_back_quietly(self.store, taken)
             key, contended = blocked  # (limit=N: a slot held by this very run is the holder)
             holder, expires_at = dict(contended.holder), contended.expires_at
             if contended.held_by_run(request.id):
@@ -143,17 +144,18 @@ class SeveralKeys:
                         info=info,
                         heartbeat=True,
                         heartbeat_seconds=options.heartbeat_seconds,
+                        min_hold=options.min_hold_seconds or 0.0,
                         limit=self.limits.get(key, options.limit),
                     )
                 except StoreUnavailable as exc:
-                    release_quietly(taken)
+                    give_back_quietly(store, taken)
                     unavailable(self.task, key, exc, self.policy, self.direct)
                 if lease is None:
                     blocked = (key, Contended.of(doc, task_id=request.id, delivery=info["delivery"]))
                     break
                 taken.append(lease)
         except BaseException:  # a time limit, a revoke: never keep the keys taken so far
-            release_quietly(taken)
+            give_back_quietly(store, taken)
             raise
         return taken, blocked
 
@@ -163,13 +165,13 @@ class SeveralKeys:
         try:
             lost = self.store.renew_many(taken)
         except StoreUnavailable as exc:
-            release_quietly(taken)
+            give_back_quietly(self.store, taken)
             unavailable(self.task, self.keys[0], exc, self.policy, self.direct)
         # ``renew_many`` leaves out leases already lost (their deadline passed while the other
         # keys were taken): those are not confirmed either.
         if not lost and not any(lease.lost for lease in taken):
             return True
-        release_quietly(taken)
+        give_back_quietly(self.store, taken)
         return False
 
     # -- a queued run (Queue) ------------------------------------------------------------------------------

@@ -84,7 +84,14 @@ def normalize_stages(keep_owner: str | None = None) -> list[Document]:
                         _Q,
                     ]
                 },
-                "__died": {"$filter": {"input": "$__gone", "as": "e", "cond": {"$not": [_has_ho("$$e")]}}},
+                # (a hold released inside its minimum hold got its ending at its release)
+                "__died": {
+                    "$filter": {
+                        "input": "$__gone",
+                        "as": "e",
+                        "cond": {"$not": [{"$or": [_has_ho("$$e"), _slots.released("$$e")]}]},
+                    }
+                },
             }
         },
         {
@@ -214,9 +221,11 @@ def slot_release_handoff_pipeline(
     """Release the holds of ``tokens``; the freed slots go to the oldest parked runs (``by``). ``seen``:
     their runs are remembered as over (not for holds whose run never got them)."""
     toks = list(tokens)
-    mine = {"$filter": {"input": _HS, "as": "e", "cond": {"$in": ["$$e.o", {"$literal": toks}]}}}
+    ours = {"$and": [{"$in": ["$$e.o", {"$literal": toks}]}, {"$not": [_slots.released("$$e")]}]}
+    mine = {"$filter": {"input": _HS, "as": "e", "cond": ours}}
     remember = [{"$set": {"seen": _seen_of(mine)}}] if seen else []
-    return [*remember, *_then_hand(_slots.slot_release_pipeline(toks), by)]
+    # (a hold whose run never ran, ``seen=False``, keeps no minimum hold: it held nothing for anyone)
+    return [*remember, *_then_hand(_slots.slot_release_pipeline(toks, keep_min_hold=seen), by)]
 
 
 def slot_release_dead_handoff_pipeline(holder: Mapping[str, Any], by: str = "") -> list[Document]:
@@ -244,10 +253,12 @@ def slot_admit_pipeline(
     debounce_ms: int | None = None,
     due: bool = False,
     waited_ms: int | None = None,
+    min_hold_ms: int = 0,
 ) -> list[Document]:
     """The admit of a queued run on a ``limit=N`` key (one command): take a free slot when no older run
     is parked, claim the slot handed to this run, or park the run; then hand every free slot to the
-    oldest parked runs. The outcomes are those of ``_admission.admit_pipeline`` (in ``lo``)."""
+    oldest parked runs. The outcomes are those of ``_admission.admit_pipeline`` (in ``lo``).
+    ``min_hold_ms``: the slot taken or claimed stays taken at least that long (``slots`` module doc)."""
     ident = str(entry["id"])
     stamp = int(entry["s"])
     n = int(limit)
@@ -270,6 +281,7 @@ def slot_admit_pipeline(
                         "cond": {
                             "$and": [
                                 {"$not": [_has_ho("$$e")]},
+                                {"$not": [_slots.released("$$e")]},  # (over: kept for its min hold)
                                 {"$eq": ["$$e.h.task_id", {"$literal": entry["t"]}]},
                                 {"$eq": ["$$e.h.delivery", {"$literal": entry.get("r")}]},
                             ]
@@ -354,6 +366,7 @@ def slot_admit_pipeline(
         "a": "$$NOW",
         "h": {"$literal": dict(holder)},
         "w": None if waited_ms is None else int(waited_ms),
+        **_slots.min_hold_fields(min_hold_ms),
     }
     claimed_hold = {
         "$mergeObjects": [
@@ -367,6 +380,7 @@ def slot_admit_pipeline(
                     "$max": [0, {"$subtract": [_NOW_MS, {"$toLong": {"$ifNull": ["$$e.ho.at", "$$NOW"]}}]}]
                 },
                 "ho": None,
+                **_slots.min_hold_fields(min_hold_ms),  # from the claim: when the run takes the slot
             },
         ]
     }
