@@ -184,17 +184,22 @@ QUEUE_TASK = "lockcheck.rmw_queue"
 REPLACE_TASK = "lockcheck.rmw_replace"
 LIMIT_QUEUE_TASK = "lockcheck.rmw_limit_queued"
 MULTI_QUEUE_TASK = "lockcheck.rmw_multi_queued"
+#: ``Queue`` runs on ``limit=N`` keys with a minimum hold (``min_hold_seconds=MIN_HOLD``): a slot released
+#: before its hold ends stays taken until then; a parked run is handed it when the hold ends.
+MIN_HOLD_TASK = "lockcheck.rmw_limit_held"
+MIN_HOLD = 1.0
 QUEUED_TASKS = {
     QUEUE_TASK: "queue",
     REPLACE_TASK: "replace",
     LIMIT_QUEUE_TASK: "queue",
     MULTI_QUEUE_TASK: "queue",
+    MIN_HOLD_TASK: "queue",
 }
 #: Per kind of key (``key_policy``), the Queue task whose runs on it are checked for send order.
 ORDERED_BY_KEY = {"queue": QUEUE_TASK, "limit": LIMIT_QUEUE_TASK, "plain": MULTI_QUEUE_TASK}
 #: The ``limit=N`` tasks (keys ``l<i>``, N = ``LIMIT``) and the several-keys tasks (two ``k`` keys each).
 LIMIT = 3
-LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK)
+LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK, MIN_HOLD_TASK)
 #: The several-keys task with a limit per key (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``, ``Retry``):
 #: a slot of an ``l`` key and the single lease of a ``k`` key, both or neither. A several-keys task.
 MULTI_LIMIT_TASK = "lockcheck.rmw_multi_limit"
@@ -215,6 +220,10 @@ MULTI_BURST = 6
 #: The directed burst of ``MULTI_LIMIT_TASK`` runs (``Run._multi_limit_burst``): one ``l`` key and one ``k``
 #: key of their own, contended on each by construction.
 MULTI_LIMIT_BURST = LIMIT + 1
+#: The directed burst of ``MIN_HOLD_TASK`` runs, on an ``l`` key of its own (index ``DIRECTED_KEY`` + 2):
+#: the gate's N slots go to the first N; the others are handed a slot only once one of those runs' minimum
+#: holds has ended, so at least ``MIN_HOLD_BURST - LIMIT`` acquisitions follow a clean minimum hold.
+MIN_HOLD_BURST = LIMIT + 3
 #: Each fault begins with a ``Queue`` run parked behind a gate on a key of its own (index
 #: ``FAULT_GATE_KEYS`` + n), released when the fault is over.
 FAULT_GATE_KEYS = 100
@@ -629,6 +638,7 @@ def record_task_acquired(
     stamp: int | None = None,
     *,
     sent_after: float | None = None,
+    min_hold: float | None = None,
 ) -> None:
     t1 = time.monotonic()
     # When the acquire was sent: the lease's first deadline is sent + local ttl (no renewal yet); or,
@@ -639,6 +649,8 @@ def record_task_acquired(
     extra: Doc = {}
     if lease.slot is not None:
         extra["slot"] = lease.slot
+    if min_hold:
+        extra["mh"] = float(min_hold)  # the slot stays taken at least this long after ``t0``
     if lease.acquired_mono >= lease.deadline:  # answered after its own deadline: lost from the start
         extra["late_reply"] = True
     hist.event(
@@ -1188,6 +1200,42 @@ def check_limit_holds(
                         f"and {a2.get('who')} (fence {a2['fence']}) from {s2:.3f}, both released cleanly",
                     )
                 )
+    return found + check_min_holds(key, items, releases)
+
+
+def min_hold_pairs(items: list[Doc], releases: dict[str, Doc]) -> list[tuple[Doc, Doc]]:
+    """On one ``limit=N`` key: each hold taken with a minimum hold (``mh``) and released cleanly by its run,
+    with the next acquisition of its slot (the smallest larger fence there), if any."""
+    by_slot: dict[Any, list[Doc]] = defaultdict(list)
+    for a in items:
+        by_slot[a.get("slot")].append(a)
+    pairs = []
+    for slot_items in by_slot.values():
+        ordered = sorted(slot_items, key=lambda a: int(a["fence"]))
+        for a, b in itertools.pairwise(ordered):
+            rel = releases.get(str(a["hold"]))
+            if a.get("mh") and rel is not None and rel.get("released"):
+                pairs.append((a, b))
+    return pairs
+
+
+def check_min_holds(key: str, items: list[Doc], releases: dict[str, Doc]) -> list[Violation]:
+    """``min_hold_seconds`` on a ``limit=N`` key: a slot whose run released it cleanly is taken again no
+    sooner than its minimum hold after that run's acquire was sent (``t0``; the server set the hold's end
+    at or after it), whoever takes it next. A slot freed otherwise (its holder died, or its hold expired)
+    is not bound by the hold, as for a single lease."""
+    found = []
+    for a, b in min_hold_pairs(items, releases):
+        earliest = float(a["t0"]) + float(a["mh"])
+        if float(b["t1"]) < earliest - 0.005:
+            found.append(
+                Violation(
+                    "min-hold-cut",
+                    f"{key} slot {a.get('slot')}: {a.get('who')} (fence {a['fence']}) took it with a minimum "
+                    f"hold of {a['mh']} s from {float(a['t0']):.3f} and released it cleanly, but "
+                    f"{b.get('who')} (fence {b['fence']}) had it by {float(b['t1']):.3f}",
+                )
+            )
     return found
 
 
@@ -1637,6 +1685,7 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         "superseded_after_a_cut_run": sum(1 for t in superseded if t.get("op") in applied_ops),
         "late_pairs": late,
         "limit_queued": queued_kind_figures(history, LIMIT_QUEUE_TASK, faults),
+        "limit_held": queued_kind_figures(history, MIN_HOLD_TASK, faults),
         "multi_queued": queued_kind_figures(history, MULTI_QUEUE_TASK, faults),
     }
 
@@ -1757,6 +1806,7 @@ def limit_figures(history: History, faults: list[Doc]) -> Doc:
             and tasks.get(str(e.get("task_id")), {}).get("task") in LIMIT_TASKS
         ),
         "limit_submitted": len(limit_tasks),
+        "min_hold": min_hold_figures(history, limit_acqs, releases),
         "max_clean_holds_at_once": most,
         "slots_used": sorted({int(e["slot"]) for v in limit_acqs.values() for e in v if "slot" in e}),
         "multi_submitted": len(multi_tasks),
@@ -1785,6 +1835,30 @@ def limit_figures(history: History, faults: list[Doc]) -> Doc:
             sorted(Counter(str(f["kind"]) for f in faults if set(f.get("holds") or []) & body_holds).items())
         ),
         "multi_limit": multi_limit_figures(history, faults),
+    }
+
+
+def min_hold_figures(history: History, limit_acqs: dict[str, list[Doc]], releases: dict[str, Doc]) -> Doc:
+    """What the ``MIN_HOLD_TASK`` runs did: their holds, those released cleanly, the slots taken again
+    after such a hold (each checked by ``check_min_holds``), how long after the hold's start, and the
+    slots handed by a worker's sweeper (a hold that ended with nothing released then)."""
+    tids = {tid for tid, t in history.tasks.items() if t.get("task") == MIN_HOLD_TASK}
+    holds = [a for v in limit_acqs.values() for a in v if a.get("mh")]
+    pairs = [p for v in limit_acqs.values() for p in min_hold_pairs(v, releases)]
+    swept = [
+        e
+        for e in history.events
+        if e.get("ev") == "handoff"
+        and e.get("task_id") in tids
+        and str(e.get("by") or "").startswith("sweep:")
+    ]
+    return {
+        "submitted": len(tids),
+        "holds": len(holds),
+        "clean_holds": sum(1 for a in holds if (releases.get(str(a["hold"])) or {}).get("released")),
+        "slots_taken_again_after_a_clean_hold": len(pairs),
+        "gap_after_hold_start_s": _stats(float(b["t1"]) - float(a["t0"]) for a, b in pairs),
+        "handed_by_a_sweep": len(swept),
     }
 
 
@@ -2041,7 +2115,9 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(queued["replace_submitted"] >= REPLACE_BURST, "the Replace burst sent", queued)
     claim(queued["superseded"] >= REPLACE_BURST - 1, "the Replace burst superseded", queued)
     claim(
-        tasks["done"] >= QUEUE_BURST + LIMIT_BURST + MULTI_BURST + 1, "the directed bursts ended done", tasks
+        tasks["done"] >= QUEUE_BURST + LIMIT_BURST + MULTI_BURST + MIN_HOLD_BURST + 1,
+        "the directed bursts ended done",
+        tasks,
     )
     for kind, burst in (("limit_queued", LIMIT_BURST), ("multi_queued", MULTI_BURST)):
         qk = queued[kind]
@@ -2049,6 +2125,14 @@ def unmet_coverage(report: Doc) -> list[str]:
         claim(qk["handed"] >= 1, f"the {kind} burst handed", qk)
     claim(max(lm["max_clean_holds_at_once"].values(), default=0) == LIMIT, f"{LIMIT} clean holds at once", lm)
     claim(lm["limit_task_runs"] >= LIMIT_BURST, "the limit burst ran as tasks", lm)
+    mh = lm["min_hold"]
+    claim(mh["submitted"] >= MIN_HOLD_BURST, "the min-hold burst sent", mh)
+    claim(
+        mh["slots_taken_again_after_a_clean_hold"] >= MIN_HOLD_BURST - LIMIT,
+        "slots taken again after a clean minimum hold",
+        mh,
+    )
+    claim(queued["limit_held"]["parked"] >= MIN_HOLD_BURST, "the min-hold burst parked", queued["limit_held"])
     claim(lm["multi_bodies"] >= MULTI_BURST, "the several-keys burst ran its bodies", lm)
     mlf = lm["multi_limit"]
     claim(
@@ -2463,7 +2547,9 @@ class Run:
                 key = key_for(self.rng.randrange(self.cfg.limit_keys), epoch, "l")
                 if self.rng.random() < self.cfg.limit_queue_share:
                     # A burst of Queue runs: N take the slots, the rest park and are handed slots.
-                    names = [LIMIT_QUEUE_TASK] * self.rng.randint(LIMIT, LIMIT + 2)
+                    # (half of them with a minimum hold: a slot released early stays taken until then)
+                    name = MIN_HOLD_TASK if self.rng.random() < 0.5 else LIMIT_QUEUE_TASK
+                    names = [name] * self.rng.randint(LIMIT, LIMIT + 2)
                 else:
                     names = [
                         LIMIT_TASKS[1] if self.rng.random() < 0.2 else LIMIT_TASKS[0]
@@ -2647,10 +2733,12 @@ class Run:
                 for i in range(n)
             ]
             return a, gate, [t for t in ids if t]
-        letter, name = {"queue": ("q", QUEUE_TASK), "replace": ("r", REPLACE_TASK)}.get(
-            kind, ("l", LIMIT_QUEUE_TASK)
-        )
-        key = key_for(DIRECTED_KEY, epoch, letter)
+        letter, name = {
+            "queue": ("q", QUEUE_TASK),
+            "replace": ("r", REPLACE_TASK),
+            "limit-held": ("l", MIN_HOLD_TASK),
+        }.get(kind, ("l", LIMIT_QUEUE_TASK))
+        key = key_for(DIRECTED_KEY + (2 if kind == "limit-held" else 0), epoch, letter)
         gate = self._gate_take(key, slots=LIMIT if letter == "l" else 1)
         ids = [self._submit(name, key, f"directed-{kind}-{i}", queue="celery") for i in range(n)]
         return key, gate, [t for t in ids if t]
@@ -2667,6 +2755,7 @@ class Run:
             plan.append(("replace", REPLACE_BURST))
         if self.cfg.limit_keys:
             plan.append(("limit", LIMIT_BURST))
+            plan.append(("limit-held", MIN_HOLD_BURST))
         if self.cfg.keys > 1:
             plan.append(("multi", MULTI_BURST))
         bursts = [self._burst(kind, n) for kind, n in plan]
