@@ -88,10 +88,11 @@ def check_key_limits(
     name = getattr(policy, "name", policy)
     if name in ("queue", "replace"):
         raise ConfigurationError(
-            f"keys= with a limit and on_contention={name!r} is not supported yet: a run "
-            "parked on several keys keeps a place on each, and a place on a key with slots is not "
-            "implemented; use Retry, Wait, Skip or Fail (each takes every key within one attempt, or "
-            "none), or limit only one key= per task"
+            f"keys= with a limit and on_contention={name!r} is not supported yet: a run parked on "
+            "several keys keeps its place on each by holding the keys it got as reservations until it "
+            "has them all, and a slot of a key with a limit cannot be held as such a reservation, nor "
+            "handed to a run that still waits for other keys; use Retry, Wait, Skip or Fail (each takes "
+            "every key within one attempt, or none), or limit only one key= per task"
         )
     return tuple(per)
 
