@@ -403,6 +403,7 @@ def _held(tag: str) -> str:
         }
     )
     time.sleep(0.05)  # the work (short: the minimum hold, not the body, keeps the slot)
+    db()["runs"].insert_one({"kind": "held-end", "tag": tag, "mono": time.monotonic()})
     return tag
 
 
@@ -442,6 +443,18 @@ def per_tenant_window_queued(tenant: str, tag: str) -> str:
 )
 def tenant_upload_window(tenant: str, group: str, tag: str) -> str:
     """Several keys, a limit on one, and a minimum hold on every key."""
+    return _held(tag)
+
+
+@singleton_task(
+    keys=("tenant:{tenant}", "group:{group}"),
+    limit={"tenant:{tenant}": 2},
+    app=app,
+    name="integration_app.tenant_upload_queued",
+    on_contention=Queue(),
+)
+def tenant_upload_queued(tenant: str, group: str, tag: str) -> str:
+    """Several keys, 2 slots of the tenant key, under Queue: parked and reserved on each key."""
     return _held(tag)
 
 

@@ -112,3 +112,57 @@ def test_several_keys_with_a_limit_per_key_hold_every_key_for_the_window(cluster
     for group in groups:
         mine = [t for g, t in sends if g == group]
         assert_at_most_n_per_window(taken_at(cluster, mine, f"group:{group}"), 1)
+
+
+def test_queue_with_a_limit_per_key_on_several_keys_parks_reserves_and_runs_in_send_order(
+    cluster: Cluster,
+) -> None:
+    """``keys=("tenant:{tenant}", "group:{group}"), limit={"tenant:{tenant}": 2}, Queue()``: runs park on
+    the full tenant key and on a held group key, keep the group keys they got as reservations, and run
+    once they have both: at most 2 of the tenant at once, one of a group at once, in send order."""
+    tenant, groups = tag(), [tag() for _ in range(3)]
+    tkey = f"tenant:{tenant}"
+    gate = [cluster.store.acquire(tkey, 60, limit=2) for _ in range(2)]
+    gate.append(cluster.store.acquire(f"group:{groups[0]}", 60))
+    assert all(lease is not None for lease in gate)
+    sends = [(groups[0], tag()), (groups[1], tag()), (groups[0], tag()), (groups[2], tag())]
+    results = []
+    for group, t in sends:  # each parked on the tenant before the next is sent: the send order is known
+        results.append(it.tenant_upload_queued.delay(tenant, group, t))
+        n = len(results)
+
+        def all_parked(n: int = n) -> bool:
+            return len(parked(cluster, tkey)) == n
+
+        wait_for(all_parked, timeout=60, message=f"{n} parked on the tenant")
+
+    def reserved(group: str) -> list[str]:
+        doc = cluster.store.collection.find_one({"_id": f"group:{group}"}) or {}
+        return [str((doc.get("ho") or {}).get("t"))]
+
+    wait_for(
+        lambda: reserved(groups[1]) == [results[1].id] and reserved(groups[2]) == [results[3].id],
+        timeout=60,
+        message="the free group keys reserved for their runs",
+    )
+    assert parked(cluster, f"group:{groups[0]}") == [results[0].id, results[2].id]
+    for lease in gate:
+        assert lease is not None and lease.release()
+    assert [r.get(timeout=180) for r in results] == [t for _, t in sends]
+    spans = {}
+    for group, t in sends:
+        (start,), (end,) = cluster.runs(t, "held"), cluster.runs(t, "held-end")
+        spans[t] = (start["mono"], end["mono"], group, start)
+    events = sorted([(s, 1) for s, _, _, _ in spans.values()] + [(e, -1) for _, e, _, _ in spans.values()])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    assert peak <= 2, f"{peak} runs of one tenant at once, limit 2"
+    g0 = [spans[t] for g, t in sends if g == groups[0]]
+    assert g0[0][1] <= g0[1][0], "two runs of one group overlapped"
+    taken = [spans[t][3]["acquired"][tkey].timestamp() for _, t in sends]
+    assert taken == sorted(taken), "the tenant's slots were not handed in send order"
+    for key in [tkey] + [f"group:{g}" for g in groups]:
+        info = cluster.store.inspect(key)
+        assert info is None or not (info.held or info.parked or info.handoff), key

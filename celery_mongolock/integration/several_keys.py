@@ -296,9 +296,11 @@ class SeveralKeys:
                 claim=claim,
                 timeout=policy.timeout,
                 max_length=policy.max_length,
+                min_hold=options.min_hold_seconds or 0.0,
                 info=self.info,
                 heartbeat=True,
                 heartbeat_seconds=options.heartbeat_seconds,
+                limit=self.limits.get(key, options.limit),
             )
         )
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from celery_mongolock.core.documents import queue as adm
 from celery_mongolock.core.documents import slots as _slots
+from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
 __all__ = [
     "HANDED",
@@ -60,9 +61,19 @@ def _fence_base() -> Document:
     return {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]}
 
 
+def _handed_back(gone: str, *, several: bool) -> Document:
+    """The entries of the handed holds among ``gone``: of runs that need several keys (``ks``), or not."""
+    multi = {"$isArray": "$$e.ho.ks"}
+    cond = {"$and": [_has_ho("$$e"), multi if several else {"$not": [multi]}]}
+    return {
+        "$map": {"input": {"$filter": {"input": gone, "as": "e", "cond": cond}}, "as": "e", "in": "$$e.ho"}
+    }
+
+
 def normalize_stages(keep_owner: str | None = None) -> list[Document]:
     """Expired holds leave ``hs``: a handed one's entry goes back to the front of ``q`` (it keeps its
-    token and attempt count), any other is appended to ``ends`` as ``expired``; parked runs past their
+    token and attempt count), or, for a run that needs several keys (a reservation, ``slot_reserve``),
+    to its place in send order; any other is appended to ``ends`` as ``expired``; parked runs past their
     deadline move to ``dead``. ``keep_owner``: a hold kept even if expired (the handoff being claimed)."""
     keep: Document = live_entries("$$e")
     if keep_owner is not None:
@@ -72,18 +83,10 @@ def normalize_stages(keep_owner: str | None = None) -> list[Document]:
         {"$set": {"__gone": gone, "hs": {"$filter": {"input": _HS, "as": "e", "cond": keep}}}},
         {
             "$set": {
-                "q": {
-                    "$concatArrays": [
-                        {
-                            "$map": {
-                                "input": {"$filter": {"input": "$__gone", "as": "e", "cond": _has_ho("$$e")}},
-                                "as": "e",
-                                "in": "$$e.ho",
-                            }
-                        },
-                        _Q,
-                    ]
-                },
+                "q": requeue_in_send_order(
+                    {"$concatArrays": [_handed_back("$__gone", several=False), _Q]},
+                    _handed_back("$__gone", several=True),
+                ),
                 # (a hold released inside its minimum hold got its ending at its release)
                 "__died": {
                     "$filter": {
