@@ -188,22 +188,37 @@ MULTI_QUEUE_TASK = "lockcheck.rmw_multi_queued"
 #: before its hold ends stays taken until then; a parked run is handed it when the hold ends.
 MIN_HOLD_TASK = "lockcheck.rmw_limit_held"
 MIN_HOLD = 1.0
+#: ``Queue`` runs that need several keys with a limit on one (``keys=("{a}", "{b}")``, ``limit={"{a}": N}``):
+#: parked on the ``l`` key like a ``limit=N`` run, a slot they got while they wait for the ``k`` key kept
+#: as a reservation (and the ``k`` key too, as ``MULTI_QUEUE_TASK`` runs keep theirs).
+MULTI_LIMIT_QUEUE_TASK = "lockcheck.rmw_multi_limit_queued"
 QUEUED_TASKS = {
     QUEUE_TASK: "queue",
     REPLACE_TASK: "replace",
     LIMIT_QUEUE_TASK: "queue",
     MULTI_QUEUE_TASK: "queue",
     MIN_HOLD_TASK: "queue",
+    MULTI_LIMIT_QUEUE_TASK: "queue",
 }
 #: Per kind of key (``key_policy``), the Queue task whose runs on it are checked for send order.
-ORDERED_BY_KEY = {"queue": QUEUE_TASK, "limit": LIMIT_QUEUE_TASK, "plain": MULTI_QUEUE_TASK}
+ORDERED_BY_KEY = {
+    "queue": (QUEUE_TASK,),
+    "limit": (LIMIT_QUEUE_TASK, MIN_HOLD_TASK, MULTI_LIMIT_QUEUE_TASK),
+    "plain": (MULTI_QUEUE_TASK, MULTI_LIMIT_QUEUE_TASK),
+}
 #: The ``limit=N`` tasks (keys ``l<i>``, N = ``LIMIT``) and the several-keys tasks (two ``k`` keys each).
 LIMIT = 3
 LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK, MIN_HOLD_TASK)
 #: The several-keys task with a limit per key (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``, ``Retry``):
 #: a slot of an ``l`` key and the single lease of a ``k`` key, both or neither. A several-keys task.
 MULTI_LIMIT_TASK = "lockcheck.rmw_multi_limit"
-MULTI_TASKS = ("lockcheck.rmw_multi", "lockcheck.rmw_multi_skip", MULTI_QUEUE_TASK, MULTI_LIMIT_TASK)
+MULTI_TASKS = (
+    "lockcheck.rmw_multi",
+    "lockcheck.rmw_multi_skip",
+    MULTI_QUEUE_TASK,
+    MULTI_LIMIT_TASK,
+    MULTI_LIMIT_QUEUE_TASK,
+)
 #: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
 #: ends and releases its key, then its child SIGKILLs itself before Celery stores the result, and the
 #: requeued copy must end the task ``already-ran`` without running the body again (issue 32).
@@ -224,6 +239,11 @@ MULTI_LIMIT_BURST = LIMIT + 1
 #: the gate's N slots go to the first N; the others are handed a slot only once one of those runs' minimum
 #: holds has ended, so at least ``MIN_HOLD_BURST - LIMIT`` acquisitions follow a clean minimum hold.
 MIN_HOLD_BURST = LIMIT + 3
+#: The directed burst of ``MULTI_LIMIT_QUEUE_TASK`` runs, on an ``l`` key and a ``k`` key of their own (index
+#: ``DIRECTED_KEY`` + 3), behind a gate holding the ``l`` key's N slots: every run parks on the ``l`` key
+#: (the first reserves the ``k`` key, the others park on it); the gate's slots go to the N oldest, of which
+#: all but the first wait for the ``k`` key with the slot reserved for them.
+MULTI_LIMIT_QUEUE_BURST = LIMIT + 2
 #: Each fault begins with a ``Queue`` run parked behind a gate on a key of its own (index
 #: ``FAULT_GATE_KEYS`` + n), released when the fault is over.
 FAULT_GATE_KEYS = 100
@@ -1582,7 +1602,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
         if ordered is not None:
             for task_id, task in sorted(queued.items()):
                 if (
-                    task.get("task") != ordered
+                    task.get("task") not in ordered
                     or key not in task_keys(task)
                     or (task_id, key) not in first_park
                 ):
@@ -1595,7 +1615,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                     if (key, g.fence, str(g.task_id)) in rehands and first <= parked:
                         continue  # a handoff made before A was parked, handed again: the same turn
                     other = queued.get(g.task_id or "")
-                    if other is not None and other.get("task") == ordered:
+                    if other is not None and other.get("task") in ordered:
                         if int(other["stamp"]) < int(task["stamp"]):
                             continue  # an older run goes first
                         kind = "inversion"
@@ -1686,6 +1706,7 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         "late_pairs": late,
         "limit_queued": queued_kind_figures(history, LIMIT_QUEUE_TASK, faults),
         "limit_held": queued_kind_figures(history, MIN_HOLD_TASK, faults),
+        "multi_limit_queued": queued_kind_figures(history, MULTI_LIMIT_QUEUE_TASK, faults),
         "multi_queued": queued_kind_figures(history, MULTI_QUEUE_TASK, faults),
     }
 
@@ -2115,7 +2136,8 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(queued["replace_submitted"] >= REPLACE_BURST, "the Replace burst sent", queued)
     claim(queued["superseded"] >= REPLACE_BURST - 1, "the Replace burst superseded", queued)
     claim(
-        tasks["done"] >= QUEUE_BURST + LIMIT_BURST + MULTI_BURST + MIN_HOLD_BURST + 1,
+        tasks["done"]
+        >= QUEUE_BURST + LIMIT_BURST + MULTI_BURST + MIN_HOLD_BURST + MULTI_LIMIT_QUEUE_BURST + 1,
         "the directed bursts ended done",
         tasks,
     )
@@ -2133,6 +2155,9 @@ def unmet_coverage(report: Doc) -> list[str]:
         mh,
     )
     claim(queued["limit_held"]["parked"] >= MIN_HOLD_BURST, "the min-hold burst parked", queued["limit_held"])
+    mlq = queued["multi_limit_queued"]
+    claim(mlq["parked"] >= MULTI_LIMIT_QUEUE_BURST, "the several-keys Queue burst with a limit parked", mlq)
+    claim(mlq["handed"] >= 1, "the several-keys Queue burst with a limit handed", mlq)
     claim(lm["multi_bodies"] >= MULTI_BURST, "the several-keys burst ran its bodies", lm)
     mlf = lm["multi_limit"]
     claim(
@@ -2564,10 +2589,12 @@ class Run:
                 if self.cfg.limit_keys and self.rng.random() < self.cfg.multi_limit_share:
                     # A slot of one l key and a k key each: more runs than slots, some on one k key.
                     slotted = key_for(self.rng.randrange(self.cfg.limit_keys), epoch, "l")
+                    # (half the bursts under Queue: parked on each key, the slot or key got kept reserved)
+                    name = MULTI_LIMIT_QUEUE_TASK if self.rng.random() < 0.5 else MULTI_LIMIT_TASK
                     for _ in range(self.rng.randint(2, LIMIT + 1)):
                         n += 1
                         single = key_for(self.rng.randrange(self.cfg.keys), epoch)
-                        self._submit(MULTI_LIMIT_TASK, "", f"task-{n}", keys=(slotted, single))
+                        self._submit(name, "", f"task-{n}", keys=(slotted, single))
                     continue
                 if self.rng.random() < self.cfg.multi_queue_share:
                     # A burst of Queue runs on one pair, each naming it in either order: they park on
@@ -2725,6 +2752,14 @@ class Run:
     def _burst(self, kind: str, n: int) -> tuple[str, list[Lease], list[str]]:
         """A gate on the directed key of ``kind`` and ``n`` runs sent behind it; (a key, gate, task ids)."""
         epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        if kind == "multi-limit-queued":
+            slotted, single = key_for(DIRECTED_KEY + 3, epoch, "l"), key_for(DIRECTED_KEY + 3, epoch)
+            gate = self._gate_take(slotted, slots=LIMIT)
+            ids = [
+                self._submit(MULTI_LIMIT_QUEUE_TASK, "", f"directed-mlq-{i}", keys=(slotted, single))
+                for i in range(n)
+            ]
+            return slotted, gate, [t for t in ids if t]
         if kind == "multi":
             a, b = key_for(DIRECTED_KEY, epoch), key_for(DIRECTED_KEY + 1, epoch)
             gate = self._gate_take(a)
@@ -2756,6 +2791,8 @@ class Run:
         if self.cfg.limit_keys:
             plan.append(("limit", LIMIT_BURST))
             plan.append(("limit-held", MIN_HOLD_BURST))
+            if self.cfg.keys > 1:
+                plan.append(("multi-limit-queued", MULTI_LIMIT_QUEUE_BURST))
         if self.cfg.keys > 1:
             plan.append(("multi", MULTI_BURST))
         bursts = [self._burst(kind, n) for kind, n in plan]

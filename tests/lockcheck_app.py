@@ -447,3 +447,18 @@ def rmw_multi_limit(self: Any, a: str, b: str, op: str, reckless: bool = False) 
     """Holds a slot of ``a`` (a ``limit=N`` key: ``l<i>``) and the single lease of ``b`` (a plain key:
     ``k<i>``), and writes each key's document with that key's lease and fence (``a``: its slot's part)."""
     return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"),
+    limit={"{a}": lockcheck.LIMIT},
+    app=app,
+    name=lockcheck.MULTI_LIMIT_QUEUE_TASK,
+    bind=True,
+    on_contention=Queue(),
+    max_retries=200,
+)
+def rmw_multi_limit_queued(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """``rmw_multi_limit`` under Queue: parked on each key it did not get (a slot of ``a``, the lease of
+    ``b``), keeping the ones it got as reservations (a slot of ``a`` reserved counts against its limit)."""
+    return _body(self, f"{a}+{b}", op, reckless)

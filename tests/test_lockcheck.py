@@ -824,10 +824,10 @@ def _covered() -> dict[str, Any]:
         "faults": faults,
         "faults_skipped": {"clock-jump": "libfaketime is not installed"},
         "operations": {"acknowledged": 51},
-        "tasks": {"done": 26, "skewed_node_submitted": 0, "died_after_release": 3},
+        "tasks": {"done": 31, "skewed_node_submitted": 0, "died_after_release": 3},
         "queued": {
             "queue_submitted": 7, "parked": 7, "handoffs": 6, "replace_submitted": 6, "superseded": 5,
-            "limit_queued": burst, "multi_queued": burst, "limit_held": burst,
+            "limit_queued": burst, "multi_queued": burst, "limit_held": burst, "multi_limit_queued": burst,
             "faults_hitting_queued_runs": dict(faults),
         },
         "limit_multi": {
