@@ -42,6 +42,7 @@ __all__ = [
     "slot_acquire_pipeline",
     "slot_held_by_filter",
     "slot_release_dead_pipeline",
+    "slot_release_filter",
     "slot_release_pipeline",
     "slot_tokens_filter",
 ]
@@ -257,6 +258,12 @@ def slot_acquire_pipeline(
 def slot_tokens_filter(tokens: Iterable[str]) -> Document:
     """The keys holding a slot for any of ``tokens``."""
     return {"hs.o": {"$in": list(tokens)}}
+
+
+def slot_release_filter(tokens: Iterable[str]) -> Document:
+    """The keys holding a slot for any of ``tokens`` that is not released yet (a hold released inside its
+    minimum hold stays, ``rl``, and is not released twice)."""
+    return {"hs": {"$elemMatch": {"o": {"$in": list(tokens)}, "rl": {"$ne": True}}}}
 
 
 def _single_live(toks: Document) -> Document:
