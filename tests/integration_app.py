@@ -405,6 +405,80 @@ def tenant_upload(tenant: str, group: str, tag: str, seconds: float = 0.5) -> li
     return _merge_body(tag, seconds)
 
 
+#: The minimum hold of the ``*_window`` tasks: at most ``limit`` starts of a key in any window this long.
+WINDOW = 2.0
+
+
+def _held(tag: str) -> str:
+    """A short body that records when each of its leases was taken (server clock) and its slots."""
+    lease = current_lease()
+    assert lease is not None
+    leases = getattr(lease, "leases", {lease.key: lease})
+    db()["runs"].insert_one(
+        {
+            "kind": "held",
+            "tag": tag,
+            "mono": time.monotonic(),
+            "acquired": {k.replace(".", "_"): held.acquired_at for k, held in leases.items()},
+            "slots": {k.replace(".", "_"): held.slot for k, held in leases.items()},
+        }
+    )
+    time.sleep(0.05)  # the work (short: the minimum hold, not the body, keeps the slot)
+    db()["runs"].insert_one({"kind": "held-end", "tag": tag, "mono": time.monotonic()})
+    return tag
+
+
+@singleton_task(
+    key="tenant:{tenant}",
+    app=app,
+    name="integration_app.per_tenant_window",
+    limit=2,
+    min_hold_seconds=WINDOW,
+    on_contention=Retry(countdown=0.1, backoff=1.5, max_countdown=0.5),
+)
+def per_tenant_window(tenant: str, tag: str) -> str:
+    """At most 2 starts of one tenant in any ``WINDOW`` seconds, contended runs retried."""
+    return _held(tag)
+
+
+@singleton_task(
+    key="tenant:{tenant}",
+    app=app,
+    name="integration_app.per_tenant_window_queued",
+    limit=2,
+    min_hold_seconds=WINDOW,
+    on_contention=Queue(),
+)
+def per_tenant_window_queued(tenant: str, tag: str) -> str:
+    """``per_tenant_window`` under Queue: a parked run is handed a slot when a hold ends."""
+    return _held(tag)
+
+
+@singleton_task(
+    keys=("tenant:{tenant}", "group:{group}"),
+    limit={"tenant:{tenant}": 2},
+    min_hold_seconds=WINDOW,
+    app=app,
+    name="integration_app.tenant_upload_window",
+    on_contention=Retry(countdown=0.1, backoff=1.5, max_countdown=0.5),
+)
+def tenant_upload_window(tenant: str, group: str, tag: str) -> str:
+    """Several keys, a limit on one, and a minimum hold on every key."""
+    return _held(tag)
+
+
+@singleton_task(
+    keys=("tenant:{tenant}", "group:{group}"),
+    limit={"tenant:{tenant}": 2},
+    app=app,
+    name="integration_app.tenant_upload_queued",
+    on_contention=Queue(),
+)
+def tenant_upload_queued(tenant: str, group: str, tag: str) -> str:
+    """Several keys, 2 slots of the tenant key, under Queue: parked and reserved on each key."""
+    return _held(tag)
+
+
 @app.task(name="integration_app.plain")
 def plain(tag: str) -> str:
     return tag

@@ -205,17 +205,31 @@ QUEUE_TASK = "lockcheck.rmw_queue"
 REPLACE_TASK = "lockcheck.rmw_replace"
 LIMIT_QUEUE_TASK = "lockcheck.rmw_limit_queued"
 MULTI_QUEUE_TASK = "lockcheck.rmw_multi_queued"
+#: ``Queue`` runs on ``limit=N`` keys with a minimum hold (``min_hold_seconds=MIN_HOLD``): a slot released
+#: before its hold ends stays taken until then; a parked run is handed it when the hold ends.
+MIN_HOLD_TASK = "lockcheck.rmw_limit_held"
+MIN_HOLD = 1.0
+#: ``Queue`` runs that need several keys with a limit on one (``keys=("{a}", "{b}")``, ``limit={"{a}": N}``):
+#: parked on the ``l`` key like a ``limit=N`` run, a slot they got while they wait for the ``k`` key kept
+#: as a reservation (and the ``k`` key too, as ``MULTI_QUEUE_TASK`` runs keep theirs).
+MULTI_LIMIT_QUEUE_TASK = "lockcheck.rmw_multi_limit_queued"
 QUEUED_TASKS = {
     QUEUE_TASK: "queue",
     REPLACE_TASK: "replace",
     LIMIT_QUEUE_TASK: "queue",
     MULTI_QUEUE_TASK: "queue",
+    MIN_HOLD_TASK: "queue",
+    MULTI_LIMIT_QUEUE_TASK: "queue",
 }
 #: Per kind of key (``key_policy``), the Queue task whose runs on it are checked for send order.
-ORDERED_BY_KEY = {"queue": QUEUE_TASK, "limit": LIMIT_QUEUE_TASK, "plain": MULTI_QUEUE_TASK}
+ORDERED_BY_KEY = {
+    "queue": (QUEUE_TASK,),
+    "limit": (LIMIT_QUEUE_TASK, MIN_HOLD_TASK, MULTI_LIMIT_QUEUE_TASK),
+    "plain": (MULTI_QUEUE_TASK, MULTI_LIMIT_QUEUE_TASK),
+}
 #: The ``limit=N`` tasks (keys ``l<i>``, N = ``LIMIT``) and the several-keys tasks (two ``k`` keys each).
 LIMIT = 3
-LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK)
+LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK, MIN_HOLD_TASK)
 #: The several-keys task with a limit per key (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``, ``Retry``):
 #: a slot of an ``l`` key and the single lease of a ``k`` key, both or neither. A several-keys task.
 MULTI_LIMIT_TASK = "lockcheck.rmw_multi_limit"
@@ -235,6 +249,7 @@ MULTI_TASKS = (
     MULTI_LIMIT_TASK,
     MULTI_REPLACE_TASK,
     REENTRANT_TASK,
+    MULTI_LIMIT_QUEUE_TASK,
 )
 #: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
 #: ends and releases its key, then its child SIGKILLs itself before Celery stores the result, and the
@@ -258,6 +273,15 @@ REENTRANT_BURST = LIMIT + 1
 #: The directed burst of ``MULTI_REPLACE_TASK`` runs (``Run._multi_replace_directed``): one set of two
 #: ``m`` keys, sent one at a time behind a gate on the first, then a run of an overlapping set.
 MULTI_REPLACE_BURST = 4
+#: The directed burst of ``MIN_HOLD_TASK`` runs, on an ``l`` key of its own (index ``DIRECTED_KEY`` + 2):
+#: the gate's N slots go to the first N; the others are handed a slot only once one of those runs' minimum
+#: holds has ended, so at least ``MIN_HOLD_BURST - LIMIT`` acquisitions follow a clean minimum hold.
+MIN_HOLD_BURST = LIMIT + 3
+#: The directed burst of ``MULTI_LIMIT_QUEUE_TASK`` runs, on an ``l`` key and a ``k`` key of their own (index
+#: ``DIRECTED_KEY`` + 3), behind a gate holding the ``l`` key's N slots: every run parks on the ``l`` key
+#: (the first reserves the ``k`` key, the others park on it); the gate's slots go to the N oldest, of which
+#: all but the first wait for the ``k`` key with the slot reserved for them.
+MULTI_LIMIT_QUEUE_BURST = LIMIT + 2
 #: Each fault begins with a ``Queue`` run parked behind a gate on a key of its own (index
 #: ``FAULT_GATE_KEYS`` + n), released when the fault is over.
 FAULT_GATE_KEYS = 100
@@ -878,6 +902,7 @@ def record_task_acquired(
     stamp: int | None = None,
     *,
     sent_after: float | None = None,
+    min_hold: float | None = None,
 ) -> None:
     t1 = time.monotonic()
     # When the acquire was sent: the lease's first deadline is sent + local ttl (no renewal yet); or,
@@ -888,6 +913,8 @@ def record_task_acquired(
     extra: Doc = {}
     if lease.slot is not None:
         extra["slot"] = lease.slot
+    if min_hold:
+        extra["mh"] = float(min_hold)  # the slot stays taken at least this long after ``t0``
     if lease.acquired_mono >= lease.deadline:  # answered after its own deadline: lost from the start
         extra["late_reply"] = True
     hist.event(
@@ -1564,6 +1591,42 @@ def check_limit_holds(
                         f"and {a2.get('who')} (fence {a2['fence']}) from {s2:.3f}, both released cleanly",
                     )
                 )
+    return found + check_min_holds(key, items, releases)
+
+
+def min_hold_pairs(items: list[Doc], releases: dict[str, Doc]) -> list[tuple[Doc, Doc]]:
+    """On one ``limit=N`` key: each hold taken with a minimum hold (``mh``) and released cleanly by its run,
+    with the next acquisition of its slot (the smallest larger fence there), if any."""
+    by_slot: dict[Any, list[Doc]] = defaultdict(list)
+    for a in items:
+        by_slot[a.get("slot")].append(a)
+    pairs = []
+    for slot_items in by_slot.values():
+        ordered = sorted(slot_items, key=lambda a: int(a["fence"]))
+        for a, b in itertools.pairwise(ordered):
+            rel = releases.get(str(a["hold"]))
+            if a.get("mh") and rel is not None and rel.get("released"):
+                pairs.append((a, b))
+    return pairs
+
+
+def check_min_holds(key: str, items: list[Doc], releases: dict[str, Doc]) -> list[Violation]:
+    """``min_hold_seconds`` on a ``limit=N`` key: a slot whose run released it cleanly is taken again no
+    sooner than its minimum hold after that run's acquire was sent (``t0``; the server set the hold's end
+    at or after it), whoever takes it next. A slot freed otherwise (its holder died, or its hold expired)
+    is not bound by the hold, as for a single lease."""
+    found = []
+    for a, b in min_hold_pairs(items, releases):
+        earliest = float(a["t0"]) + float(a["mh"])
+        if float(b["t1"]) < earliest - 0.005:
+            found.append(
+                Violation(
+                    "min-hold-cut",
+                    f"{key} slot {a.get('slot')}: {a.get('who')} (fence {a['fence']}) took it with a minimum "
+                    f"hold of {a['mh']} s from {float(a['t0']):.3f} and released it cleanly, but "
+                    f"{b.get('who')} (fence {b['fence']}) had it by {float(b['t1']):.3f}",
+                )
+            )
     return found
 
 
@@ -2093,7 +2156,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
         if ordered is not None:
             for task_id, task in sorted(queued.items()):
                 if (
-                    task.get("task") != ordered
+                    task.get("task") not in ordered
                     or key not in task_keys(task)
                     or (task_id, key) not in first_park
                 ):
@@ -2106,7 +2169,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                     if (key, g.fence, str(g.task_id)) in rehands and first <= parked:
                         continue  # a handoff made before A was parked, handed again: the same turn
                     other = queued.get(g.task_id or "")
-                    if other is not None and other.get("task") == ordered:
+                    if other is not None and other.get("task") in ordered:
                         if int(other["stamp"]) < int(task["stamp"]):
                             continue  # an older run goes first
                         kind = "inversion"
@@ -2196,6 +2259,8 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         "superseded_after_a_cut_run": sum(1 for t in superseded if t.get("op") in applied_ops),
         "late_pairs": late,
         "limit_queued": queued_kind_figures(history, LIMIT_QUEUE_TASK, faults),
+        "limit_held": queued_kind_figures(history, MIN_HOLD_TASK, faults),
+        "multi_limit_queued": queued_kind_figures(history, MULTI_LIMIT_QUEUE_TASK, faults),
         "multi_queued": queued_kind_figures(history, MULTI_QUEUE_TASK, faults),
     }
 
@@ -2316,6 +2381,7 @@ def limit_figures(history: History, faults: list[Doc]) -> Doc:
             and tasks.get(str(e.get("task_id")), {}).get("task") in LIMIT_TASKS
         ),
         "limit_submitted": len(limit_tasks),
+        "min_hold": min_hold_figures(history, limit_acqs, releases),
         "max_clean_holds_at_once": most,
         "slots_used": sorted({int(e["slot"]) for v in limit_acqs.values() for e in v if "slot" in e}),
         "multi_submitted": len(multi_tasks),
@@ -2344,6 +2410,30 @@ def limit_figures(history: History, faults: list[Doc]) -> Doc:
             sorted(Counter(str(f["kind"]) for f in faults if set(f.get("holds") or []) & body_holds).items())
         ),
         "multi_limit": multi_limit_figures(history, faults),
+    }
+
+
+def min_hold_figures(history: History, limit_acqs: dict[str, list[Doc]], releases: dict[str, Doc]) -> Doc:
+    """What the ``MIN_HOLD_TASK`` runs did: their holds, those released cleanly, the slots taken again
+    after such a hold (each checked by ``check_min_holds``), how long after the hold's start, and the
+    slots handed by a worker's sweeper (a hold that ended with nothing released then)."""
+    tids = {tid for tid, t in history.tasks.items() if t.get("task") == MIN_HOLD_TASK}
+    holds = [a for v in limit_acqs.values() for a in v if a.get("mh")]
+    pairs = [p for v in limit_acqs.values() for p in min_hold_pairs(v, releases)]
+    swept = [
+        e
+        for e in history.events
+        if e.get("ev") == "handoff"
+        and e.get("task_id") in tids
+        and str(e.get("by") or "").startswith("sweep:")
+    ]
+    return {
+        "submitted": len(tids),
+        "holds": len(holds),
+        "clean_holds": sum(1 for a in holds if (releases.get(str(a["hold"])) or {}).get("released")),
+        "slots_taken_again_after_a_clean_hold": len(pairs),
+        "gap_after_hold_start_s": _stats(float(b["t1"]) - float(a["t0"]) for a, b in pairs),
+        "handed_by_a_sweep": len(swept),
     }
 
 
@@ -2662,7 +2752,10 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(queued["replace_submitted"] >= REPLACE_BURST, "the Replace burst sent", queued)
     claim(queued["superseded"] >= REPLACE_BURST - 1, "the Replace burst superseded", queued)
     claim(
-        tasks["done"] >= QUEUE_BURST + LIMIT_BURST + MULTI_BURST + 1, "the directed bursts ended done", tasks
+        tasks["done"]
+        >= QUEUE_BURST + LIMIT_BURST + MULTI_BURST + MIN_HOLD_BURST + MULTI_LIMIT_QUEUE_BURST + 1,
+        "the directed bursts ended done",
+        tasks,
     )
     for kind, burst in (("limit_queued", LIMIT_BURST), ("multi_queued", MULTI_BURST)):
         qk = queued[kind]
@@ -2670,6 +2763,17 @@ def unmet_coverage(report: Doc) -> list[str]:
         claim(qk["handed"] >= 1, f"the {kind} burst handed", qk)
     claim(max(lm["max_clean_holds_at_once"].values(), default=0) == LIMIT, f"{LIMIT} clean holds at once", lm)
     claim(lm["limit_task_runs"] >= LIMIT_BURST, "the limit burst ran as tasks", lm)
+    mh = lm["min_hold"]
+    claim(mh["submitted"] >= MIN_HOLD_BURST, "the min-hold burst sent", mh)
+    claim(
+        mh["slots_taken_again_after_a_clean_hold"] >= MIN_HOLD_BURST - LIMIT,
+        "slots taken again after a clean minimum hold",
+        mh,
+    )
+    claim(queued["limit_held"]["parked"] >= MIN_HOLD_BURST, "the min-hold burst parked", queued["limit_held"])
+    mlq = queued["multi_limit_queued"]
+    claim(mlq["parked"] >= MULTI_LIMIT_QUEUE_BURST, "the several-keys Queue burst with a limit parked", mlq)
+    claim(mlq["handed"] >= 1, "the several-keys Queue burst with a limit handed", mlq)
     claim(lm["multi_bodies"] >= MULTI_BURST, "the several-keys burst ran its bodies", lm)
     mlf = lm["multi_limit"]
     claim(
@@ -3135,7 +3239,9 @@ class Run:
                 key = key_for(self.rng.randrange(self.cfg.limit_keys), epoch, "l")
                 if self.rng.random() < self.cfg.limit_queue_share:
                     # A burst of Queue runs: N take the slots, the rest park and are handed slots.
-                    names = [LIMIT_QUEUE_TASK] * self.rng.randint(LIMIT, LIMIT + 2)
+                    # (half of them with a minimum hold: a slot released early stays taken until then)
+                    name = MIN_HOLD_TASK if self.rng.random() < 0.5 else LIMIT_QUEUE_TASK
+                    names = [name] * self.rng.randint(LIMIT, LIMIT + 2)
                 else:
                     names = [
                         LIMIT_TASKS[1] if self.rng.random() < 0.2 else LIMIT_TASKS[0]
@@ -3153,12 +3259,14 @@ class Run:
                 if self.cfg.limit_keys and self.rng.random() < self.cfg.multi_limit_share:
                     # A slot of one l key and a k key each: more runs than slots, some on one k key.
                     slotted = key_for(self.rng.randrange(self.cfg.limit_keys), epoch, "l")
+                    # (half the bursts under Queue: parked on each key, the slot or key got kept reserved)
+                    name = MULTI_LIMIT_QUEUE_TASK if self.rng.random() < 0.5 else MULTI_LIMIT_TASK
                     for _ in range(self.rng.randint(2, LIMIT + 1)):
                         n += 1
                         single = key_for(self.rng.randrange(self.cfg.keys), epoch)
                         reentrant = self.reentrant_rng.random() < self.cfg.reentrant_share
-                        name = REENTRANT_TASK if reentrant else MULTI_LIMIT_TASK
-                        self._submit(name, "", f"task-{n}", keys=(slotted, single))
+                        task = REENTRANT_TASK if reentrant and name == MULTI_LIMIT_TASK else name
+                        self._submit(task, "", f"task-{n}", keys=(slotted, single))
                     continue
                 if self.rng.random() < self.cfg.multi_queue_share:
                     # A burst of Queue runs on one pair, each naming it in either order: they park on
@@ -3316,6 +3424,14 @@ class Run:
     def _burst(self, kind: str, n: int) -> tuple[str, list[Lease], list[str]]:
         """A gate on the directed key of ``kind`` and ``n`` runs sent behind it; (a key, gate, task ids)."""
         epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        if kind == "multi-limit-queued":
+            slotted, single = key_for(DIRECTED_KEY + 3, epoch, "l"), key_for(DIRECTED_KEY + 3, epoch)
+            gate = self._gate_take(slotted, slots=LIMIT)
+            ids = [
+                self._submit(MULTI_LIMIT_QUEUE_TASK, "", f"directed-mlq-{i}", keys=(slotted, single))
+                for i in range(n)
+            ]
+            return slotted, gate, [t for t in ids if t]
         if kind == "multi":
             a, b = key_for(DIRECTED_KEY, epoch), key_for(DIRECTED_KEY + 1, epoch)
             gate = self._gate_take(a)
@@ -3324,10 +3440,12 @@ class Run:
                 for i in range(n)
             ]
             return a, gate, [t for t in ids if t]
-        letter, name = {"queue": ("q", QUEUE_TASK), "replace": ("r", REPLACE_TASK)}.get(
-            kind, ("l", LIMIT_QUEUE_TASK)
-        )
-        key = key_for(DIRECTED_KEY, epoch, letter)
+        letter, name = {
+            "queue": ("q", QUEUE_TASK),
+            "replace": ("r", REPLACE_TASK),
+            "limit-held": ("l", MIN_HOLD_TASK),
+        }.get(kind, ("l", LIMIT_QUEUE_TASK))
+        key = key_for(DIRECTED_KEY + (2 if kind == "limit-held" else 0), epoch, letter)
         gate = self._gate_take(key, slots=LIMIT if letter == "l" else 1)
         ids = [self._submit(name, key, f"directed-{kind}-{i}", queue="celery") for i in range(n)]
         return key, gate, [t for t in ids if t]
@@ -3344,6 +3462,9 @@ class Run:
             plan.append(("replace", REPLACE_BURST))
         if self.cfg.limit_keys:
             plan.append(("limit", LIMIT_BURST))
+            plan.append(("limit-held", MIN_HOLD_BURST))
+            if self.cfg.keys > 1:
+                plan.append(("multi-limit-queued", MULTI_LIMIT_QUEUE_BURST))
         if self.cfg.keys > 1:
             plan.append(("multi", MULTI_BURST))
         if self.cfg.doc_keys:
@@ -3412,7 +3533,7 @@ class Run:
         """``REENTRANT_BURST`` runs of ``REENTRANT_TASK`` on an ``l`` key and a ``k`` key of their own (no
         gate: each run reenters its own leases, whoever else waits); their task ids."""
         epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
-        slotted, single = key_for(DIRECTED_KEY + 3, epoch, "l"), key_for(DIRECTED_KEY + 4, epoch)
+        slotted, single = key_for(DIRECTED_KEY + 4, epoch, "l"), key_for(DIRECTED_KEY + 4, epoch)
         ids = [
             self._submit(REENTRANT_TASK, "", f"directed-reentrant-{i}", keys=(slotted, single))
             for i in range(REENTRANT_BURST)

@@ -17,10 +17,12 @@ methods unchanged.
 The ``limit=N`` tasks (``rmw_limit``: ``Retry``, ``rmw_limit_skip``: ``Skip``, ``rmw_limit_queued``:
 ``Queue()``; N = ``lockcheck.LIMIT``) write their slot's part of the key's protected document
 (``lockcheck.run_slot_hold``); a slot handed to a parked run is recorded as a ``handoff`` with its slot
-and fence. The several-keys tasks (``rmw_multi``: ``Retry``, ``rmw_multi_skip``: ``Skip``,
-``rmw_multi_queued``: ``Queue()``, ``rmw_multi_replace``: ``Replace()``, on ``m`` keys of its own;
-``keys=("{a}", "{b}")``) write each key's protected document with that key's lease and fence
-(``lockcheck.run_multi_hold``). The several-keys task with a limit per key
+and fence. ``rmw_limit_held`` is ``rmw_limit_queued`` with ``min_hold_seconds=lockcheck.MIN_HOLD``: its
+acquisitions carry the hold (``mh``), and ``lockcheck.check_min_holds`` checks that a slot it released
+cleanly is not taken again before the hold ended. The several-keys tasks (``rmw_multi``: ``Retry``,
+``rmw_multi_skip``: ``Skip``, ``rmw_multi_queued``: ``Queue()``, ``rmw_multi_replace``: ``Replace()``, on
+``m`` keys of its own; ``keys=("{a}", "{b}")``) write each key's protected document with that key's lease
+and fence (``lockcheck.run_multi_hold``). The several-keys task with a limit per key
 (``rmw_multi_limit``: ``Retry``; ``keys=("{a}", "{b}")``, ``limit={"{a}": N}``) takes ``a`` (an ``l`` key)
 as one of its N slots and ``b`` (a ``k`` key) as the single lease, and writes ``a``'s document in its
 slot's part and ``b``'s as a plain key's. The reentrant task (``rmw_reentrant``, the same keys and limit)
@@ -223,7 +225,7 @@ def _record_handed(hist: lockcheck.HistoryWriter, key: str, doc: Any, by: str) -
         if isinstance(ho, dict) and ho.get("by") == by and by:
             hist.event(
                 "handoff", key=key, task_id=ho.get("t"), run=ho.get("id"), stamp=ho.get("s"),
-                fence=fence, attempt=ho.get("hn"), t=time.monotonic(),
+                fence=fence, attempt=ho.get("hn"), t=time.monotonic(), by=by,
                 **({} if slot is None else {"slot": slot}),
             )  # fmt: skip
 
@@ -309,7 +311,10 @@ def _body(
             lockcheck.release_and_record(one, hist, who)
         outcome = "ack" if len(outcomes) == len(lease) and set(outcomes) == {"ack"} else "cut"
     else:
-        lockcheck.record_task_acquired(hist, lease, who, task.request.id, stamp=_stamp(task.request))
+        lockcheck.record_task_acquired(
+            hist, lease, who, task.request.id, stamp=_stamp(task.request),
+            min_hold=getattr(task, "mongolock_min_hold_seconds", None),
+        )  # fmt: skip
         _linger(lease, linger)
         hold = lockcheck.run_hold if lease.slot is None else lockcheck.run_slot_hold
         outcomes = hold(lease, docs, hist, [op], _rng, reckless=reckless, who=who, task_id=task.request.id)
@@ -400,6 +405,16 @@ def rmw_limit_queued(
 ) -> dict[str, Any]:
     """The same, but a run that finds every slot held is parked and handed a slot in send order."""
     return _body(self, key, op, reckless, die=die)
+
+
+@singleton_task(
+    key="{key}", app=app, name=lockcheck.MIN_HOLD_TASK, bind=True, limit=lockcheck.LIMIT,
+    min_hold_seconds=lockcheck.MIN_HOLD, on_contention=Queue(), max_retries=200,
+)  # fmt: skip
+def rmw_limit_held(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """``rmw_limit_queued`` with a minimum hold: a slot released before it ends stays taken until then,
+    and a run parked on the key is handed it when the hold ends (by a sweep, or the next admit)."""
+    return _body(self, key, op, reckless)
 
 
 @singleton_task(
@@ -520,3 +535,18 @@ def _reentered(lease: Any, via: str, *, op: str, reckless: bool, task_id: str, w
         lease, via, store=get_store(app), docs=docs, hist=hist, op=op, rng=_rng, reckless=reckless, who=who,
         task_id=task_id,
     )  # fmt: skip
+
+
+@singleton_task(
+    keys=("{a}", "{b}"),
+    limit={"{a}": lockcheck.LIMIT},
+    app=app,
+    name=lockcheck.MULTI_LIMIT_QUEUE_TASK,
+    bind=True,
+    on_contention=Queue(),
+    max_retries=200,
+)
+def rmw_multi_limit_queued(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """``rmw_multi_limit`` under Queue: parked on each key it did not get (a slot of ``a``, the lease of
+    ``b``), keeping the ones it got as reservations (a slot of ``a`` reserved counts against its limit)."""
+    return _body(self, f"{a}+{b}", op, reckless)

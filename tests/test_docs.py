@@ -319,22 +319,19 @@ def _task_policy(**options: Any) -> Any:
 KEYS = ("g:{src}", "g:{dst}")
 # (page, the words of the claim): a call that the claim says is refused.
 REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
-    ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` is refused with a limit"): lambda: _declare(
-        key="t:{src}", limit=3, min_hold_seconds=5
-    ),
     ("docs/how-to/several-keys.md", "`Replace(debounce=...)` with `keys=(...)` is refused"): lambda: _declare(
         keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
     ),
-    ("docs/how-to/several-keys.md", "with `Queue` it is refused at declaration"): lambda: _declare(
-        keys=KEYS, limit={"g:{src}": 3}, on_contention="queue"
+    ("docs/how-to/several-keys.md", "With `Replace` it is refused at declaration"): lambda: _declare(
+        keys=KEYS, limit={"g:{src}": 3}, on_contention="replace"
     ),
     ("docs/reference/policies.md", "`Replace(debounce=...)` with `keys=` is not supported yet"): lambda: (
         _declare(keys=KEYS, on_contention={"policy": "replace", "debounce": 2})
     ),
-    ("docs/reference/policies.md", "nor a limit with `Queue` or `Replace`"): lambda: _declare(
+    ("docs/reference/policies.md", "nor a limit with `Replace` and `keys=`"): lambda: _declare(
         keys=KEYS, limit=2, on_contention="replace"
     ),
-    ("docs/reference/settings.md", "nor with a limit and `Queue` or `Replace`"): lambda: _task_policy(
+    ("docs/reference/settings.md", "nor with a limit and `Replace`"): lambda: _task_policy(
         keys=KEYS, limit=3, on_contention="replace"
     ),
     ("docs/reference/settings.md", "Not with `Replace(debounce=...)`"): lambda: _task_policy(
@@ -343,12 +340,32 @@ REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/reference/keys.md", "`keys=`\n  with `Replace(debounce=...)`"): lambda: _declare(
         keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
     ),
-    ("docs/reference/keys.md", "or with a limit and `Queue`"): lambda: _declare(
-        keys=KEYS, limit=2, on_contention="queue"
+    ("docs/reference/keys.md", "or with a limit and `Replace`"): lambda: _declare(
+        keys=KEYS, limit=2, on_contention="replace"
     ),
 }
 # What pages say works (issue 27: pages said these were refused).
 ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
+    ("docs/how-to/several-keys.md", "and with `Queue`: on a key with slots the run parks"): lambda: _declare(
+        keys=KEYS, limit={"g:{src}": 3}, on_contention="queue"
+    ),
+    ("docs/how-to/per-tenant-limit.md", "With `Queue`, a run parks on every key it did not get"): lambda: (
+        _task_policy(keys=KEYS, limit=3, on_contention="queue")
+    ),
+    ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` works per slot"): lambda: _declare(
+        key="t:{src}", limit=3, min_hold_seconds=60, on_contention="queue"
+    ),
+    ("docs/how-to/per-tenant-limit.md", "With every policy: `Retry`, `Skip`, `Wait` and `Fail`"): lambda: [
+        _declare(key="t:{src}", limit=3, min_hold_seconds=5, on_contention=p)
+        for p in ("retry", "skip", "wait", "fail", "queue", "replace")
+    ],
+    ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` applies to every key of such a run"): lambda: [
+        _declare(keys=KEYS, limit={"g:{src}": 3}, min_hold_seconds=5, on_contention=p)
+        for p in ("retry", "skip", "wait", "fail")
+    ],
+    ("docs/how-to/per-tenant-limit.md", "min_hold_seconds"): lambda: _task_policy(
+        limit=3, min_hold_seconds=60, on_contention="replace"
+    ),
     ("docs/how-to/per-tenant-limit.md", "A limit per key, with several keys"): lambda: _declare(
         keys=("t:{src}", "g:{dst}"), limit={"t:{src}": 3}, on_contention="retry"
     ),

@@ -6,7 +6,8 @@ hand the key over (also from the heartbeat thread, whose handoffs the sweeper ad
 messages, revokes through the sweeper and ``unpark``, Replace supersession and debounce, deadlines,
 sweeps, an operator's release, a dead child's release by its parent, a holder's crash and a handed run
 that never claims, renewals, late releases, and leases that really lapse on a short TTL; ``limit=N``
-keys beside single ones) against a small pure-Python reference model of every key (``KeyModel``: the
+keys beside single ones, one of them with a minimum hold: a slot released inside it stays taken until
+``crash`` ends the hold) against a small pure-Python reference model of every key (``KeyModel``: the
 holds in order, the parked runs in order, the newest send that ran, the superseded, timed-out and
 finished runs).
 
@@ -82,7 +83,11 @@ KEYS: dict[str, tuple[int, bool, bool]] = {
     "replace-3": (3, True, False),
     "debounce-1": (1, True, True),
     "debounce-2": (2, True, True),
+    "held-2": (2, False, False),
 }
+#: Keys whose runs and plain acquirers take their slots with a minimum hold (``min_hold_seconds``) of
+#: ``LONG``: a slot released before it stays taken until the rule ``crash`` ends the hold.
+MIN_HOLD_KEYS = {"held-2"}
 #: ``Replace(debounce=...)``: seconds (the model ends a debounce by moving its time into the past).
 DEBOUNCE = 3600.0
 
@@ -138,6 +143,7 @@ class Hold:
     lease: Lease | None = dataclasses.field(default=None, repr=False)
     expired: bool = False
     lost: bool = False  # its Lease saw a renewal fail: it releases nothing any more
+    released: bool = False  # released inside its minimum hold: kept (not renewed) until the hold ends
     published: bool = True  # (a handoff) its run's message is out: else the sweeper publishes it
     # Its process is gone (``lapse``): its Lease object is never touched again (past its local deadline a
     # Lease marks itself lost when looked at and releases its token in the background, at a time of its
@@ -147,7 +153,8 @@ class Hold:
     def describe(self) -> str:
         who = self.run.tid if self.run else "plain"
         what = "handoff" if self.handed else "lease"
-        return f"{what}({who}, f={self.fence}{', expired' if self.expired else ''})"
+        state = ", released" if self.released else ""
+        return f"{what}({who}, f={self.fence}{', expired' if self.expired else ''}{state})"
 
 
 def before(a: Run, b: Run) -> bool:
@@ -164,6 +171,7 @@ class KeyModel:
 
     def __init__(self, name: str, limit: int, replace: bool, debounce: bool) -> None:
         self.name, self.limit, self.replace, self.debounce = name, limit, replace, debounce
+        self.min_hold = name in MIN_HOLD_KEYS
         self.holds: list[Hold] = []  # in the document's order (``hs``); a single key has at most one
         self.q: list[Run] = []
         self.last_s = -1  # Replace: the newest send that got the key
@@ -331,6 +339,19 @@ class EngineMachine(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------------------------
     def _limit(self, km: KeyModel) -> int | None:
         return None if km.single else km.limit
+
+    @staticmethod
+    def _hold_s(km: KeyModel) -> float:
+        return LONG if km.min_hold else 0.0
+
+    @staticmethod
+    def _released(km: KeyModel, hold: Hold) -> None:
+        """``hold``'s run released it: it leaves, or, inside its minimum hold, stays (released) until the
+        hold ends (a release of an expired hold keeps it too: the hold ends later than the lease)."""
+        if km.min_hold:
+            hold.released, hold.expired = True, False
+        else:
+            km.holds.remove(hold)
 
     def _new_fence(self, km: KeyModel, fence: int, what: str) -> None:
         assert fence > km.max_fence, f"{km.name}: {what} got fence {fence}, not above {km.max_fence}"
@@ -510,6 +531,7 @@ class EngineMachine(RuleBasedStateMachine):
             max_length=cap,
             timeout=LONG,  # a deadline far away, moved into the past by ``deadline_passes``
             debounce=DEBOUNCE if km.debounce else None,
+            min_hold=self._hold_s(km),
         )
         assert doc.get("lo") == expected, (
             f"{km.name}: {run.tid} was {doc.get('lo')}, the model says {expected}"
@@ -610,7 +632,7 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             for h in [h for h in km.holds if h.expired and not h.handed]:
                 km.drop(h, "ended")
-        lease = self.store.acquire(km.name, LONG, limit=self._limit(km))
+        lease = self.store.acquire(km.name, LONG, limit=self._limit(km), min_hold=self._hold_s(km))
         if free:
             km.holds.append(hold)
             self._took(km, hold, lease)
@@ -623,11 +645,11 @@ class EngineMachine(RuleBasedStateMachine):
         self.clean = False
         assert hold.lease is not None
         handed: list[Hold] = []
-        if hold.lost or hold not in km.holds:
+        if hold.lost or hold not in km.holds or hold.released:
             expected = False
         else:
             expected = True
-            km.holds.remove(hold)
+            self._released(km, hold)
             if hold.run is not None:
                 km.seen.append(hold.run.rid)
                 hold.run.state = "done"
@@ -658,7 +680,13 @@ class EngineMachine(RuleBasedStateMachine):
         if not km.single:
             handed = km.fill()
         lease, doc = self.store.admit(
-            km.name, run.entry(), ttl=LONG, claim=run.tk, limit=self._limit(km), replace=km.replace
+            km.name,
+            run.entry(),
+            ttl=LONG,
+            claim=run.tk,
+            limit=self._limit(km),
+            replace=km.replace,
+            min_hold=self._hold_s(km),
         )
         assert doc.get("lo") == expected, f"{km.name}: claim of {run.tid} was {doc.get('lo')}, not {expected}"
         event(f"claim: {expected}")
@@ -673,7 +701,7 @@ class EngineMachine(RuleBasedStateMachine):
     def do_renew(self, km: KeyModel, hold: Hold) -> None:
         self.clean = False
         assert hold.lease is not None
-        ok = hold in km.holds and not hold.expired and not hold.lost
+        ok = hold in km.holds and not hold.expired and not hold.lost and not hold.released
         try:
             hold.lease.renew()
             renewed = True
@@ -688,7 +716,7 @@ class EngineMachine(RuleBasedStateMachine):
         (two slots of one key among them, expired and taken-over ones too); it returns the lost ones."""
         self.clean = False
         live = [(km, h) for km, h in held if not h.lost]
-        expected = [h for km, h in live if h not in km.holds or h.expired]
+        expected = [h for km, h in live if h not in km.holds or h.expired or h.released]
         leases = [h.lease for _, h in held if h.lease is not None]
         lost = self.store.renew_many(leases)
         assert [lease.owner for lease in lost] == [h.token for h in expected], (
@@ -794,9 +822,9 @@ class EngineMachine(RuleBasedStateMachine):
         unreachable, retried later): the handoff it makes is left for the sweeper to publish."""
         self.clean = False
         handed: list[Hold] = []
-        expected = hold in km.holds
+        expected = hold in km.holds and not hold.released
         if expected:
-            km.holds.remove(hold)
+            self._released(km, hold)
             if hold.run is not None:
                 km.seen.append(hold.run.rid)
                 hold.run.state = "done"
@@ -826,7 +854,7 @@ class EngineMachine(RuleBasedStateMachine):
         """A worker's parent releases the lease of its child that died running ``run``
         (``release_held_by``): not remembered as finished; parked runs are handed the key."""
         self.clean = False
-        hold = next((h for h in km.holds if h.run is run and not h.handed), None)
+        hold = next((h for h in km.holds if h.run is run and not h.handed and not h.released), None)
         handed: list[Hold] = []
         if hold is not None:
             km.drop(hold, "ended")
@@ -908,8 +936,11 @@ class EngineMachine(RuleBasedStateMachine):
         self._step_done(km)
 
     def do_crash(self, km: KeyModel, hold: Hold) -> None:
-        """The holder (or the run a key was handed to) dies: its lease runs out on the server's clock."""
+        """The holder (or the run a key was handed to) dies: its lease runs out on the server's clock. (A
+        hold released inside its minimum hold: the hold ends.)"""
         self.clean = False
+        if hold.released:
+            event("min hold ends")
         self._expire(km, hold)
         self._step_done(km)
 

@@ -54,22 +54,22 @@ def test_a_limit_per_key_needs_keys() -> None:
         check_keys(None, "tenant:{tenant}", Retry(), {"tenant:{tenant}": 3})
 
 
-@pytest.mark.parametrize("policy", [Queue(), Replace()])
-def test_slots_on_several_keys_with_a_parking_policy_are_refused_with_the_reason(policy: object) -> None:
+def test_slots_on_several_keys_with_replace_are_refused_with_the_reason() -> None:
     with pytest.raises(ConfigurationError) as info:
-        check_key_limits({"tenant:{tenant}": 3}, KEYS, policy)
+        check_key_limits({"tenant:{tenant}": 3}, KEYS, Replace())
     assert "is not supported yet" in str(info.value)
-    assert "use Retry, Wait, Skip or Fail" in str(info.value)
+    assert "superseding a run parked for a slot is not implemented" in str(info.value)
 
 
-@pytest.mark.parametrize("policy", [Retry(), Wait(timeout=5), Skip(), Fail()])
+@pytest.mark.parametrize("policy", [Retry(), Wait(timeout=5), Skip(), Fail(), Queue()])
 def test_every_taking_policy_accepts_slots_on_several_keys(policy: object) -> None:
     assert check_keys(KEYS, None, policy, {"tenant:{tenant}": 3}) == KEYS
 
 
-def test_a_limit_per_key_with_min_hold_is_refused() -> None:
-    with pytest.raises(ConfigurationError, match="min_hold_seconds"):
-        check_limit({"tenant:{tenant}": 3}, Retry(), 5.0)
+@pytest.mark.parametrize("policy", [Retry(), Wait(timeout=5), Skip(), Fail()])
+def test_a_limit_per_key_takes_a_minimum_hold(policy: object) -> None:
+    assert check_limit({"tenant:{tenant}": 3}, policy, 5.0) is None
+    assert check_keys(KEYS, None, policy, {"tenant:{tenant}": 3}) == KEYS
 
 
 def test_two_specs_rendering_one_key_hold_it_with_the_smaller_limit() -> None:

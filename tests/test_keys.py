@@ -47,10 +47,6 @@ def test_the_keys_of_a_call_are_sorted_without_repeats() -> None:
             {"keys": ("group:{src}",), "limit": 3, "on_contention": "replace"},
             "keys= with a limit and on_contention='replace' is not supported yet",
         ),
-        (
-            {"keys": ("group:{src}",), "limit": 3, "on_contention": "queue"},
-            "keys= with a limit and on_contention='queue' is not supported yet",
-        ),
         ({"keys": ("group:{src}",), "limit": {"group:{sr}": 3}}, "did you mean 'group:{src}'"),
         ({"keys": ("group:{source}",)}, "'source'"),
     ],
@@ -111,9 +107,9 @@ def test_keys_from_the_settings_replace_the_decorator_s_key(mongo_url: str) -> N
         ({"keys": "group:{src}"}, {}, r"\['keys'\]: keys= must be a non-empty list or tuple"),
         ({"keys": []}, {}, r"\['keys'\]: keys= must be a non-empty list or tuple"),
         (
-            {"keys": ["group:{src}"], "limit": 3, "on_contention": "queue"},
+            {"keys": ["group:{src}"], "limit": 3, "on_contention": "replace"},
             {},
-            r"\['keys'\]: keys= with a limit and on_contention='queue' is not supported",
+            r"\['keys'\]: keys= with a limit and on_contention='replace' is not supported",
         ),
         (
             {"keys": ["group:{src}"], "on_contention": {"policy": "replace", "debounce": 1}},
@@ -127,7 +123,7 @@ def test_keys_from_the_settings_replace_the_decorator_s_key(mongo_url: str) -> N
         ),
         (
             {"keys": ["group:{src}"]},
-            {"limit": 3, "on_contention": "queue"},
+            {"limit": 3, "on_contention": "replace"},
             r"\['keys'\]: keys= with a limit",
         ),
         ({"keys": ["group:{source}"]}, {}, "'source'"),

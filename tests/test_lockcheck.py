@@ -475,6 +475,29 @@ def test_more_than_n_clean_holds_at_once_is_reported() -> None:
     assert check(h) == []
 
 
+def _with_min_hold(h: History, hold: float) -> History:
+    """``_limit_good`` with A's acquisition taken with a minimum hold of ``hold`` seconds."""
+    h.events = [{**e, "mh": hold} if e["ev"] == "acq" and e["hold"] == HOLD_A else e for e in h.events]
+    return h
+
+
+def test_a_slot_taken_again_inside_a_clean_minimum_hold_is_reported() -> None:
+    # A took slot 0 at 0.0 and released it cleanly at 1.0; D had slot 0 by 1.2.
+    assert check(_with_min_hold(_limit_good(), 1.0)) == []  # a 1 s hold: ended at 1.0 at the latest
+    found = check(_with_min_hold(_limit_good(), 2.0))  # a 2 s hold: slot 0 was not free before 2.0
+    assert kinds(found) == {"min-hold-cut"}, found
+    assert "minimum hold of 2.0 s" in str(found[0])
+    # A's release did not match (its hold expired or its holder died): the slot is not bound by the hold.
+    h = _with_min_hold(_limit_good(), 2.0)
+    h.events = [
+        e if not (e["ev"] == "rel" and e["hold"] == HOLD_A) else _rel(HOLD_A, 1.0, False, LKEY)
+        for e in h.events
+    ]
+    assert check(h) == []
+    fig = lockcheck.limit_figures(_with_min_hold(_limit_good(), 1.0), [])["min_hold"]
+    assert fig["holds"] == 1 and fig["clean_holds"] == 1 and fig["slots_taken_again_after_a_clean_hold"] == 1
+
+
 def test_two_holders_of_one_slot_in_the_log_are_reported() -> None:
     h = _limit_good()
     log = h.docs[LKEY]["log"]
@@ -801,13 +824,15 @@ def _covered() -> dict[str, Any]:
         "faults": faults,
         "faults_skipped": {"clock-jump": "libfaketime is not installed"},
         "operations": {"acknowledged": 51},
-        "tasks": {"done": 20, "skewed_node_submitted": 0, "died_after_release": 3},
+        "tasks": {"done": 31, "skewed_node_submitted": 0, "died_after_release": 3},
         "queued": {
             "queue_submitted": 7, "parked": 7, "handoffs": 6, "replace_submitted": 6, "superseded": 5,
-            "limit_queued": burst, "multi_queued": burst, "faults_hitting_queued_runs": dict(faults),
+            "limit_queued": burst, "multi_queued": burst, "limit_held": burst, "multi_limit_queued": burst,
+            "faults_hitting_queued_runs": dict(faults),
         },
         "limit_multi": {
             "max_clean_holds_at_once": {LKEY: 3}, "limit_task_runs": 6, "multi_bodies": 6,
+            "min_hold": {"submitted": 6, "slots_taken_again_after_a_clean_hold": 3},
             "multi_limit": {
                 "bodies_with_a_slot_and_a_single_lease": 4, "contended_runs": {"limit": 4, "plain": 4},
                 "most_clean_holds_at_once_with_a_slot_of_theirs": 3,
@@ -841,6 +866,12 @@ def test_the_bounded_runs_coverage_claims() -> None:
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(skewed)] == ["the skewed node's gated runs"]
     skewed["tasks"]["skewed_node_submitted"] = sum(skewed["faults"].values())  # one gated run per fault
     assert lockcheck.unmet_coverage(skewed) == []
+    unheld = _covered()  # the min-hold burst's later runs never followed a clean minimum hold
+    unheld["limit_multi"]["min_hold"]["slots_taken_again_after_a_clean_hold"] = 2
+    unheld["queued"]["limit_held"] = {"submitted": 6, "parked": 5, "handed": 5}
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unheld)] == [
+        "slots taken again after a clean minimum hold", "the min-hold burst parked",
+    ]  # fmt: skip
     undying = _covered()
     undying["tasks"]["died_after_release"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(undying)]

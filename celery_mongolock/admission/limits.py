@@ -53,8 +53,9 @@ def check_key_limits(
 
     ``limit`` is None, an int (every key), or a dict from key specs of ``keys=`` to ints. Refused, with
     what is wrong: a dict without ``keys=``, a dict naming a spec that is not in ``keys=``, a value
-    that is not an int from 1 to 1000, and slots on several keys with a parking policy (``Queue`` or
-    ``Replace``), which this version does not admit."""
+    that is not an int from 1 to 1000, and slots on several keys with ``Replace``, which this version
+    does not admit (with ``Queue`` a run parks on a key with slots and reserves a slot as it reserves a
+    single lease: ``core.documents.slot_reserve``)."""
     if keys is None:
         if isinstance(limit, Mapping):
             raise ConfigurationError(
@@ -86,12 +87,12 @@ def check_key_limits(
     if all(n is None for n in per):
         return None
     name = getattr(policy, "name", policy)
-    if name in ("queue", "replace"):
+    if name == "replace":
         raise ConfigurationError(
-            f"keys= with a limit and on_contention={name!r} is not supported yet: a run "
-            "parked on several keys keeps a place on each, and a place on a key with slots is not "
-            "implemented; use Retry, Wait, Skip or Fail (each takes every key within one attempt, or "
-            "none), or limit only one key= per task"
+            "keys= with a limit and on_contention='replace' is not supported yet: a newer send of a set "
+            "of keys supersedes the older runs of that set on keys without a limit only, and superseding a "
+            "run parked for a slot is not implemented; use Replace with keys= and no limit, or Queue (every "
+            "run, in send order, keeping its place on each key), Retry, Wait, Skip or Fail with the limit"
         )
     return tuple(per)
 

@@ -335,18 +335,14 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
 
 def check_limit(limit: object, policy: object = None, min_hold: object = None) -> int | None:
     """``limit=N``: an int from 1 to 1000; with N > 1, every policy (a ``Queue``/``Replace`` run parks
-    until any of the N slots is free), not (yet) a minimum hold. Returns N (None for a single lease)."""
+    until any of the N slots is free) and a minimum hold (``min_hold``: each slot stays taken at least
+    that long after a run takes it). Returns N (None for a single lease)."""
     if isinstance(limit, Mapping):
         # A limit per key spec of keys=: checked against the specs by ``limits.check_key_limits``.
-        if min_hold and any(v not in (None, 1) for v in limit.values()):
-            raise ConfigurationError("limit= with min_hold_seconds is not supported yet")
         return None
     n = validate_limit(limit)
-    if n is not None:
-        if policy is not None and not isinstance(policy, Policy):
-            parse_policy(policy)
-        if min_hold:
-            raise ConfigurationError(f"limit={n} with min_hold_seconds is not supported yet")
+    if n is not None and policy is not None and not isinstance(policy, Policy):
+        parse_policy(policy)
     return n
 
 

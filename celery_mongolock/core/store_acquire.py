@@ -156,16 +156,23 @@ def acquire_command(
     a queued run's admission."""
     if limit is not None and admission is not None:
         pipeline = slot_admission.slot_admit_pipeline(
-            token, ttl_ms, holder, limit, waited_ms=waited_ms, **admission
+            token, ttl_ms, holder, limit, waited_ms=waited_ms, min_hold_ms=hold_ms, **admission
         )
         return pipeline, admission_docs.ADMIT_PROJECTION
     if limit is not None:
         if waited_since_ms is not None and waited_ms is None:
             waited_ms = max(0, int(time.time() * 1000) - waited_since_ms)
         # (A beat tick's hold_until_ms, the end of its window, is for single leases: a slot is held
-        # while its run runs.)
+        # while its run runs, and at least ``hold_ms`` from when it is taken.)
         pipeline = slots_docs.slot_acquire_pipeline(
-            token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick, ended_runs=ended_runs
+            token,
+            ttl_ms,
+            holder,
+            limit,
+            waited_ms=waited_ms,
+            tick=tick,
+            ended_runs=ended_runs,
+            min_hold_ms=hold_ms,
         )
         # With ``ends`` (at most 8): the endings of holds this acquire found expired go to the history.
         # A guarded acquire's reply also carries ``seen`` (``outcomes.Contended.attempt_ran``): a refused
@@ -261,8 +268,6 @@ class Acquisition:
         holder = documents.holder_info(store.connection.host, os.getpid(), info)
         token = uuid.uuid4().hex
         limit = validate_limit(limit)
-        if limit is not None and hold_s:
-            raise ConfigurationError("limit=N (N > 1) takes no minimum hold yet")
         pipeline, projection = acquire_command(
             token,
             int(ttl_s * 1000),

@@ -19,6 +19,7 @@ from pymongo import ReturnDocument
 from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents import queue as admission_docs
 from celery_mongolock.core.documents import slot_queue as slot_admission
+from celery_mongolock.core.documents import slot_reserve
 from celery_mongolock.core.documents import slots as slots_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
@@ -94,20 +95,26 @@ class QueueUpkeep:
         lease.handed_over()  # to the entry: not ours to renew or release
         self.store.forget(lease)  # (before the command: a renewal racing it would report the lease lost)
         # Ours, or already reserved for the entry by an attempt of this command whose reply was lost.
-        match = {
+        match: Document = {
             "_id": lease.key,
             "$or": [{"owner": lease.owner}, {"owner": entry["tk"], "ho.id": entry["id"]}],
         }
+        pipeline = admission_docs.reserve_pipeline(full_entry, timeout_ms, by)
+        if lease.slot is not None:  # a slot of a limit=N key: the slot is reserved (``slot_reserve``)
+            match = {
+                "_id": lease.key,
+                "$or": [
+                    {"hs.o": lease.owner},
+                    {"hs": {"$elemMatch": {"o": entry["tk"], "ho.id": entry["id"]}}},
+                ],
+            }
+            pipeline = slot_reserve.slot_reserve_pipeline(lease.owner, full_entry, timeout_ms, by)
         connection = self.store.connection
         doc: Document | None = None
         for attempt in range(3):
             try:
                 with connection.operation(f"reserve lease {lease.key!r}"):
-                    doc = connection.collection.find_one_and_update(
-                        match,
-                        admission_docs.reserve_pipeline(full_entry, timeout_ms, by),
-                        projection={"_id": 1},
-                    )
+                    doc = connection.collection.find_one_and_update(match, pipeline, projection={"_id": 1})
                 break
             except StoreUnavailable:
                 if attempt == 2:
@@ -201,9 +208,30 @@ class QueueUpkeep:
             {
                 "$project": {
                     "reserved": {
-                        "$and": [
-                            {"$eq": ["$ho.id", ident]},
-                            {"$eq": ["$owner", {"$literal": entry.get("tk")}]},
+                        "$or": [
+                            {
+                                "$and": [
+                                    {"$eq": ["$ho.id", ident]},
+                                    {"$eq": ["$owner", {"$literal": entry.get("tk")}]},
+                                ]
+                            },
+                            # a slot of a limit=N key reserved for it (``slot_reserve``)
+                            {
+                                "$anyElementTrue": [
+                                    {
+                                        "$map": {
+                                            "input": {"$ifNull": ["$hs", []]},
+                                            "as": "h",
+                                            "in": {
+                                                "$and": [
+                                                    {"$eq": ["$$h.ho.id", ident]},
+                                                    {"$eq": ["$$h.o", {"$literal": entry.get("tk")}]},
+                                                ]
+                                            },
+                                        }
+                                    }
+                                ]
+                            },
                         ]
                     },
                     "parked": {

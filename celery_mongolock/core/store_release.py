@@ -209,7 +209,7 @@ class Releases:
         doc = self._send_release(
             lease,
             f"release lease {key!r} slot {lease.slot}",
-            {"_id": key, "hs.o": token},
+            {"_id": key, **slots_docs.slot_release_filter([token])},
             slot_admission.slot_release_handoff_pipeline([token], by),
             SLOT_HANDOFF_PROJECTION,
         )
@@ -278,7 +278,7 @@ class Releases:
                 )
                 # (a freed slot handed to a parked run is unmarked: a worker's sweeper publishes it)
                 slotted = connection.collection.update_many(
-                    slots_docs.slot_tokens_filter(toks),
+                    slots_docs.slot_release_filter(toks),
                     slot_admission.slot_release_handoff_pipeline(toks, seen=seen),
                 )
                 released += result.modified_count + slotted.modified_count

@@ -121,6 +121,8 @@ class SeveralKeys:
                 if self._renewed(taken):
                     return LeaseSet(taken)
                 continue
+            # Given back, not released: this run did not run with them, so a minimum hold
+            # (``min_hold_seconds``) does not keep them taken for nobody.
             give_back_quietly(self.store, taken)
             key, contended = blocked  # (limit=N: a slot held by this very run is the holder)
             if ended_runs and self._attempt_ran(key, contended, ended_runs):
@@ -156,6 +158,7 @@ class SeveralKeys:
                         info=info,
                         heartbeat=True,
                         heartbeat_seconds=options.heartbeat_seconds,
+                        min_hold=options.min_hold_seconds or 0.0,
                         limit=self.limits.get(key, options.limit),
                         ended_runs=ended_runs,
                     )
@@ -353,11 +356,13 @@ class SeveralKeys:
                 claim=claim,
                 timeout=policy.timeout,
                 max_length=policy.max_length,
+                min_hold=options.min_hold_seconds or 0.0,
                 info=self.info,
                 heartbeat=True,
                 heartbeat_seconds=options.heartbeat_seconds,
                 replace=replace,
                 group=self.entry.get("g") if replace else None,
+                limit=self.limits.get(key, options.limit),
             )
         )
         mine = admission.superseded_by(self.request.id)

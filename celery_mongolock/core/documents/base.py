@@ -382,8 +382,9 @@ def release_pipeline(by: str = "", *, seen: bool = True) -> list[Document]:
     passed stays taken (owner kept) and simply expires then.
 
     With runs parked on the key, the same command hands it to the oldest (``_admission``), marked with
-    ``by`` (the releaser's token: it publishes the handoff; empty: the sweeper does)."""
-    holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, _NOW_MS]}
+    ``by`` (the releaser's token: it publishes the handoff; empty: the sweeper does). ``seen=False`` (a
+    key given back by a run that never ran) keeps no minimum hold either: it held the key for nobody."""
+    holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, _NOW_MS]} if seen else False
     return [
         {"$set": {"__hold": holding}},
         {

@@ -21,6 +21,7 @@ from typing import Any
 
 from celery_mongolock.core.documents import queue as adm
 from celery_mongolock.core.documents import slots as _slots
+from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
 __all__ = [
     "HANDED",
@@ -60,9 +61,19 @@ def _fence_base() -> Document:
     return {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]}
 
 
+def _handed_back(gone: str, *, several: bool) -> Document:
+    """The entries of the handed holds among ``gone``: of runs that need several keys (``ks``), or not."""
+    multi = {"$isArray": "$$e.ho.ks"}
+    cond = {"$and": [_has_ho("$$e"), multi if several else {"$not": [multi]}]}
+    return {
+        "$map": {"input": {"$filter": {"input": gone, "as": "e", "cond": cond}}, "as": "e", "in": "$$e.ho"}
+    }
+
+
 def normalize_stages(keep_owner: str | None = None) -> list[Document]:
     """Expired holds leave ``hs``: a handed one's entry goes back to the front of ``q`` (it keeps its
-    token and attempt count), any other is appended to ``ends`` as ``expired``; parked runs past their
+    token and attempt count), or, for a run that needs several keys (a reservation, ``slot_reserve``),
+    to its place in send order; any other is appended to ``ends`` as ``expired``; parked runs past their
     deadline move to ``dead``. ``keep_owner``: a hold kept even if expired (the handoff being claimed)."""
     keep: Document = live_entries("$$e")
     if keep_owner is not None:
@@ -72,19 +83,18 @@ def normalize_stages(keep_owner: str | None = None) -> list[Document]:
         {"$set": {"__gone": gone, "hs": {"$filter": {"input": _HS, "as": "e", "cond": keep}}}},
         {
             "$set": {
-                "q": {
-                    "$concatArrays": [
-                        {
-                            "$map": {
-                                "input": {"$filter": {"input": "$__gone", "as": "e", "cond": _has_ho("$$e")}},
-                                "as": "e",
-                                "in": "$$e.ho",
-                            }
-                        },
-                        _Q,
-                    ]
+                "q": requeue_in_send_order(
+                    {"$concatArrays": [_handed_back("$__gone", several=False), _Q]},
+                    _handed_back("$__gone", several=True),
+                ),
+                # (a hold released inside its minimum hold got its ending at its release)
+                "__died": {
+                    "$filter": {
+                        "input": "$__gone",
+                        "as": "e",
+                        "cond": {"$not": [{"$or": [_has_ho("$$e"), _slots.released("$$e")]}]},
+                    }
                 },
-                "__died": {"$filter": {"input": "$__gone", "as": "e", "cond": {"$not": [_has_ho("$$e")]}}},
             }
         },
         {
@@ -214,9 +224,11 @@ def slot_release_handoff_pipeline(
     """Release the holds of ``tokens``; the freed slots go to the oldest parked runs (``by``). ``seen``:
     their runs are remembered as over (not for holds whose run never got them)."""
     toks = list(tokens)
-    mine = {"$filter": {"input": _HS, "as": "e", "cond": {"$in": ["$$e.o", {"$literal": toks}]}}}
+    ours = {"$and": [{"$in": ["$$e.o", {"$literal": toks}]}, {"$not": [_slots.released("$$e")]}]}
+    mine = {"$filter": {"input": _HS, "as": "e", "cond": ours}}
     remember = [{"$set": {"seen": _seen_of(mine)}}] if seen else []
-    return [*remember, *_then_hand(_slots.slot_release_pipeline(toks), by)]
+    # (a hold whose run never ran, ``seen=False``, keeps no minimum hold: it held nothing for anyone)
+    return [*remember, *_then_hand(_slots.slot_release_pipeline(toks, keep_min_hold=seen), by)]
 
 
 def slot_release_dead_handoff_pipeline(holder: Mapping[str, Any], by: str = "") -> list[Document]:
@@ -244,10 +256,12 @@ def slot_admit_pipeline(
     debounce_ms: int | None = None,
     due: bool = False,
     waited_ms: int | None = None,
+    min_hold_ms: int = 0,
 ) -> list[Document]:
     """The admit of a queued run on a ``limit=N`` key (one command): take a free slot when no older run
     is parked, claim the slot handed to this run, or park the run; then hand every free slot to the
-    oldest parked runs. The outcomes are those of ``_admission.admit_pipeline`` (in ``lo``)."""
+    oldest parked runs. The outcomes are those of ``_admission.admit_pipeline`` (in ``lo``).
+    ``min_hold_ms``: the slot taken or claimed stays taken at least that long (``slots`` module doc)."""
     ident = str(entry["id"])
     stamp = int(entry["s"])
     n = int(limit)
@@ -270,6 +284,7 @@ def slot_admit_pipeline(
                         "cond": {
                             "$and": [
                                 {"$not": [_has_ho("$$e")]},
+                                {"$not": [_slots.released("$$e")]},  # (over: kept for its min hold)
                                 {"$eq": ["$$e.h.task_id", {"$literal": entry["t"]}]},
                                 {"$eq": ["$$e.h.delivery", {"$literal": entry.get("r")}]},
                             ]
@@ -354,6 +369,7 @@ def slot_admit_pipeline(
         "a": "$$NOW",
         "h": {"$literal": dict(holder)},
         "w": None if waited_ms is None else int(waited_ms),
+        **_slots.min_hold_fields(min_hold_ms),
     }
     claimed_hold = {
         "$mergeObjects": [
@@ -367,6 +383,7 @@ def slot_admit_pipeline(
                     "$max": [0, {"$subtract": [_NOW_MS, {"$toLong": {"$ifNull": ["$$e.ho.at", "$$NOW"]}}]}]
                 },
                 "ho": None,
+                **_slots.min_hold_fields(min_hold_ms),  # from the claim: when the run takes the slot
             },
         ]
     }

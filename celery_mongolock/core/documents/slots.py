@@ -6,7 +6,8 @@ key: it strictly increases over every hold of every slot. ``owner`` stays null o
 single lease cannot be taken while any slot is held, nor a slot while a single lease is)::
 
     hs:  [{o: token, f: fence, s: slot (0..N-1), x: expires at, t: ttl ms, a: acquired at,
-           h: holder {host, pid, task_name, task_id, worker, delivery, ...}}, ...]
+           h: holder {host, pid, task_name, task_id, worker, delivery, ...},
+           m: held until (min_hold_seconds; absent without one), rl: true (released, kept until m)}, ...]
     lim: N                # the limit of the last hold taken
     fence: ...            # the key's fence: the largest given to any hold
     sx: ...               # the latest ``x`` any hold of the key has had (``expires_at`` stays the
@@ -14,6 +15,13 @@ single lease cannot be taken while any slot is held, nor a slot while a single l
 
 Expiry is judged per hold on the server's clock; a hold past its ``x`` is dropped by the next command
 that takes a slot of the key, or by a worker's sweeper (``keys_with_expired_holds_filter``).
+
+A minimum hold (``min_hold_seconds``) works per slot as it does for a single lease: a hold taken with one
+carries ``m`` (its acquisition plus the minimum, server clock), and a release before ``m`` keeps the slot
+taken until then (the hold stays in ``hs`` as released: ``rl``, ``x = m``, never renewed again, its ending
+recorded at the release). At ``m`` it expires like any hold: the next command on the key, or the sweeper,
+drops it and hands the slot to the oldest parked run. So ``limit=3, min_hold_seconds=60`` starts at most
+3 runs of a key in any 60 s. A hold given back by a run that never ran (``seen=False``) keeps no minimum.
 """
 
 from __future__ import annotations
@@ -27,11 +35,14 @@ __all__ = [
     "any_expired",
     "keys_with_expired_holds_filter",
     "live_tokens_pipeline",
+    "min_hold_fields",
+    "released",
     "renew_tokens_filter",
     "renew_tokens_pipeline",
     "slot_acquire_pipeline",
     "slot_held_by_filter",
     "slot_release_dead_pipeline",
+    "slot_release_filter",
     "slot_release_pipeline",
     "slot_tokens_filter",
 ]
@@ -45,6 +56,21 @@ _ENDS_KEPT = 8
 
 def _live_cond(var: str) -> Document:
     return {"$gt": [{"$toLong": f"{var}.x"}, _NOW_MS]}
+
+
+def released(var: str) -> Document:
+    """The hold ``var`` was released inside its minimum hold, and is kept until ``m`` (then ``x``)."""
+    return {"$eq": [{"$ifNull": [f"{var}.rl", False]}, True]}
+
+
+def _renewable(var: str) -> Document:
+    """The hold ``var`` is live and not released (a released hold is never renewed: it ends at ``m``)."""
+    return {"$and": [_live_cond(var), {"$not": [released(var)]}]}
+
+
+def min_hold_fields(min_hold_ms: int) -> Document:
+    """The fields of a new hold for a minimum hold: ``m``, the server's now plus the minimum."""
+    return {"m": {"$add": ["$$NOW", int(min_hold_ms)]}} if min_hold_ms > 0 else {}
 
 
 def _latest_expiry(hs: object) -> Document:
@@ -118,12 +144,14 @@ def slot_acquire_pipeline(
     waited_ms: int | None = None,
     tick: int | None = None,
     ended_runs: Sequence[str] = (),
+    min_hold_ms: int = 0,
 ) -> list[Document]:
     """Take a slot of the key for ``token`` if fewer than ``limit`` holds are live, nobody holds it as a
     single lease and no run is parked on it; ``token``'s own hold (a retry of an acquire whose reply was
     lost) counts as taken. The new hold gets the lowest free slot number and the key's next fence.
     ``tick``: once per tick (a beat-sent run): refused for a tick at or before the last that took a slot.
-    ``ended_runs``: a copy's run ids; refused when one of them is remembered as over (``ran_any``)."""
+    ``ended_runs``: a copy's run ids; refused when one of them is remembered as over (``ran_any``).
+    ``min_hold_ms``: a release before then keeps the slot taken until then (``m``, module doc)."""
     live_tokens = {
         "$map": {
             "input": {"$filter": {"input": _HS, "as": "e", "cond": _live_cond("$$e")}},
@@ -141,7 +169,7 @@ def slot_acquire_pipeline(
                         "as": "e",
                         "cond": {
                             "$and": [
-                                _live_cond("$$e"),
+                                _renewable("$$e"),  # (a released hold's run is over: ``ended_runs``)
                                 {"$ne": ["$$e.o", {"$literal": token}]},
                                 {"$eq": ["$$e.h.task_id", {"$literal": holder.get("task_id")}]},
                                 {"$eq": ["$$e.h.delivery", {"$literal": holder.get("delivery")}]},
@@ -177,7 +205,10 @@ def slot_acquire_pipeline(
         "a": "$$NOW",
         "h": {"$literal": dict(holder)},
         "w": None if waited_ms is None else int(waited_ms),
+        **min_hold_fields(min_hold_ms),
     }
+    # A released hold that reached its ``m`` leaves without a second ending (it got one at its release).
+    died = {"$filter": {"input": "$__expired", "as": "e", "cond": {"$not": [released("$$e")]}}}
     return [
         {
             "$set": {
@@ -211,8 +242,8 @@ def slot_acquire_pipeline(
                 **({} if tick is None else {"last_tick": {"$cond": ["$__take", int(tick), "$last_tick"]}}),
                 "ends": {
                     "$cond": [
-                        {"$gt": [{"$size": "$__expired"}, 0]},
-                        _append_endings("$__expired", "expired"),
+                        {"$gt": [{"$size": died}, 0]},
+                        _append_endings(died, "expired"),
                         "$ends",
                     ]
                 },
@@ -227,6 +258,12 @@ def slot_acquire_pipeline(
 def slot_tokens_filter(tokens: Iterable[str]) -> Document:
     """The keys holding a slot for any of ``tokens``."""
     return {"hs.o": {"$in": list(tokens)}}
+
+
+def slot_release_filter(tokens: Iterable[str]) -> Document:
+    """The keys holding a slot for any of ``tokens`` that is not released yet (a hold released inside its
+    minimum hold stays, ``rl``, and is not released twice)."""
+    return {"hs": {"$elemMatch": {"o": {"$in": list(tokens)}, "rl": {"$ne": True}}}}
 
 
 def _single_live(toks: Document) -> Document:
@@ -244,7 +281,7 @@ def _my_live_holds(toks: Document) -> Document:
         "$filter": {
             "input": _HS,
             "as": "e",
-            "cond": {"$and": [{"$in": ["$$e.o", toks]}, _live_cond("$$e")]},
+            "cond": {"$and": [{"$in": ["$$e.o", toks]}, _renewable("$$e")]},
         }
     }
 
@@ -276,7 +313,7 @@ def renew_tokens_pipeline(tokens: Iterable[str], *, single: bool = True) -> list
             "as": "e",
             "in": {
                 "$cond": [
-                    {"$and": [{"$in": ["$$e.o", toks]}, _live_cond("$$e")]},
+                    {"$and": [{"$in": ["$$e.o", toks]}, _renewable("$$e")]},
                     {"$mergeObjects": ["$$e", {"x": {"$add": ["$$NOW", "$$e.t"]}}]},
                     "$$e",
                 ]
@@ -335,9 +372,38 @@ def _drop(cond_on_e: Document, how: str) -> list[Document]:
     ]
 
 
-def slot_release_pipeline(tokens: Iterable[str]) -> list[Document]:
-    """Release the holds of ``tokens`` (the slot is free at once)."""
-    return _drop({"$in": ["$$e.o", {"$literal": list(tokens)}]}, "released")
+def slot_release_pipeline(tokens: Iterable[str], *, keep_min_hold: bool = True) -> list[Document]:
+    """Release the holds of ``tokens``: the slot is free at once, unless its minimum hold (``m``) has
+    not passed: then the hold stays, released (``rl``), until ``m`` (``keep_min_hold=False``: a hold
+    given back by a run that never ran keeps no minimum). Either way the ending is recorded now, once:
+    a hold already released is left as it is."""
+    toks = {"$literal": list(tokens)}
+    ours = {"$and": [{"$in": ["$$e.o", toks]}, {"$not": [released("$$e")]}]}
+    if not keep_min_hold:
+        return _drop(ours, "released")
+    holding = {"$gt": [{"$toLong": {"$ifNull": ["$$e.m", 0]}}, _NOW_MS]}
+    kept = {
+        "$map": {
+            "input": _HS,
+            "as": "e",
+            "in": {
+                "$cond": [
+                    {"$and": [ours, holding]},
+                    {"$mergeObjects": ["$$e", {"x": "$$e.m", "rl": True}]},
+                    "$$e",
+                ]
+            },
+        }
+    }
+    gone = {"$and": [ours, {"$not": [holding]}]}
+    return [
+        {"$set": {"__rel": {"$filter": {"input": _HS, "as": "e", "cond": ours}}}},
+        {"$set": {"ends": _append_endings("$__rel", "released"), "hs": kept}},
+        {"$set": {"hs": {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [gone]}}}}},
+        {"$set": {"sx": _latest_expiry("$hs")}},
+        {"$unset": ["__rel"]},
+        _gc(),
+    ]
 
 
 def slot_held_by_filter(holder: Mapping[str, Any]) -> Document:
@@ -348,7 +414,8 @@ def slot_held_by_filter(holder: Mapping[str, Any]) -> Document:
 def slot_release_dead_pipeline(holder: Mapping[str, Any]) -> list[Document]:
     """Release the holds of a holder that died (the worker's parent, for a killed child)."""
     cond = {"$and": [{"$eq": [f"$$e.h.{k}", {"$literal": v}]} for k, v in holder.items()]}
-    return _drop(cond, "holder-died")
+    # (a hold its run released inside its minimum hold is over already, and stays until its ``m``)
+    return _drop({"$and": [cond, {"$not": [released("$$e")]}]}, "holder-died")
 
 
 def slot_force_release_pipeline() -> list[Document]:

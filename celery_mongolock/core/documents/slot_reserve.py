@@ -1,0 +1,100 @@
+"""A slot of a ``limit=N`` key reserved for a ``Queue`` run that needs several keys, as pure pipeline
+builders (no I/O).
+
+A run that needs several keys (``keys=``) holds none of them while it waits for any: a key it took in an
+attempt that found another held becomes a *reservation* for its parked entry (``queue.reserve_pipeline``
+for a single lease). On a key with a limit, the reservation is a slot: the run's hold becomes a slot
+handed to its entry (``o`` the entry's token ``tk``, ``ho`` the entry with ``ks``), exactly the shape of a
+slot handed to a parked run (``slot_queue``), so that it counts against the limit, expires after a lease
+when nobody claims it, and is claimed by the run once every one of its keys is reserved for it.
+
+What keeps two runs that need overlapping keys from waiting on each other: an expired handed slot of a
+several-keys entry goes back to the key's queue in send order (``requeue_in_send_order``), not at its
+front as a single-key run's does, so the oldest run waiting for the key is handed it next; every
+reservation of a younger run ends within a lease, and the oldest run gets all its keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery_mongolock.core.documents import queue as adm
+from celery_mongolock.core.documents import slots as _slots
+
+__all__ = ["requeue_in_send_order", "slot_reserve_pipeline"]
+
+Document = dict[str, Any]
+
+_HS: Document = {"$ifNull": ["$hs", []]}
+
+
+def _before(e: object, other: object) -> Document:
+    """Entry ``e`` sorts before entry ``other`` ((s, id) order), both expressions."""
+    s_e, s_o = adm.field_of("s", e), adm.field_of("s", other)
+    return {
+        "$or": [
+            {"$lt": [s_e, s_o]},
+            {"$and": [{"$eq": [s_e, s_o]}, {"$lt": [adm.field_of("id", e), adm.field_of("id", other)]}]},
+        ]
+    }
+
+
+def requeue_in_send_order(q: object, entries: object) -> Document:
+    """``q`` with ``entries`` (an array expression of parked entries) each put back at its place in send
+    order."""
+    return {
+        "$reduce": {
+            "input": entries,
+            "initialValue": q,
+            "in": {
+                "$concatArrays": [
+                    {"$filter": {"input": "$$value", "as": "e", "cond": _before("$$e", "$$this")}},
+                    ["$$this"],
+                    {
+                        "$filter": {
+                            "input": "$$value",
+                            "as": "e",
+                            "cond": {"$not": [_before("$$e", "$$this")]},
+                        }
+                    },
+                ]
+            },
+        }
+    }
+
+
+def slot_reserve_pipeline(
+    owner: str, entry: Mapping[str, Any], timeout_ms: int | None, by: str
+) -> list[Document]:
+    """Turn the hold of ``owner`` (a slot taken by a several-keys run in an attempt that must wait) into
+    a slot handed to the run's ``entry`` (``tk``, ``ks``, ``ttl`` ...), in one command: it keeps its slot
+    number and fence, expires a lease from now unless claimed, and carries no minimum hold (its run has
+    not run; the claim starts one). A hold already turned into this reservation is left as it is."""
+    e = adm.entry_expr(entry, timeout_ms)
+    ho = {"$mergeObjects": [e, {"hat": "$$NOW", "hn": 1, "by": {"$literal": by}}]}
+    ttl = int(entry["ttl"])
+    reserved = {
+        "o": {"$literal": entry["tk"]},
+        "f": "$$e.f",
+        "s": "$$e.s",
+        "x": {"$add": ["$$NOW", ttl]},
+        "t": ttl,
+        "a": "$$e.a",
+        "h": {
+            "task_id": {"$literal": entry["t"]},
+            "task_name": {"$literal": entry.get("n")},
+            "delivery": {"$literal": entry.get("r")},
+            "handed": True,
+        },
+        "w": "$$e.w",
+        "ho": ho,
+    }
+    hs = {
+        "$map": {
+            "input": _HS,
+            "as": "e",
+            "in": {"$cond": [{"$eq": ["$$e.o", {"$literal": owner}]}, reserved, "$$e"]},
+        }
+    }
+    return [{"$set": {"hs": hs}}, {"$set": {"sx": _slots._latest_expiry("$hs")}}, adm.gc_stage()]
