@@ -69,6 +69,7 @@ from celery_mongolock.integration.reentrant import end_holds, joined, note_taken
 from celery_mongolock.integration.runs import (
     CONTENDED_SINCE_HEADER,
     CONTENTION_HEADER,
+    give_back_quietly,
     republish,
     unavailable,
 )
@@ -341,7 +342,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if lease.remaining <= 0:  # (not ``lease.lost``: that would queue a release marking the run over)
             # Its acquire was answered after the lease's whole time had passed (MongoDB paused or slow):
             # the key may be someone else's by now. Fail closed: give it back, and try again later.
-            get_store(self.app).give_back(lease)
+            give_back_quietly(store, [lease])  # (a store that does not answer: it expires on its own)
             unavailable(
                 self,
                 key,
