@@ -1993,8 +1993,10 @@ def grants(events: Iterable[Doc]) -> dict[str, list[Grant]]:
         if ev.get("ev") == "admit" and ev.get("handed") and ev.get("fence") is not None:
             handed = str(ev["handed"])
             seen.add((str(ev["key"]), int(ev["fence"]), handed, handed))
-        # A ``limit=N`` key's reply: each slot handed to a parked run and not yet claimed, with its fence.
-        for handed_slot in ev.get("handed_slots") or [] if ev.get("ev") == "admit" else []:
+        # A ``limit=N`` key's reply (an admission's, or a published handoff's: ``handed-seen``): each slot
+        # handed to a parked run and not yet claimed, with its fence. This covers handoffs nobody published
+        # (a bare client's release, a lost lease's background release).
+        for handed_slot in ev.get("handed_slots") or [] if ev.get("ev") in ("admit", "handed-seen") else []:
             task_id, fence = handed_slot[0], handed_slot[1]
             if task_id and fence is not None:
                 seen.add((str(ev["key"]), int(fence), str(task_id), str(task_id)))
@@ -2040,7 +2042,9 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
       otherwise), and never gets the key after a newer Replace run got it (``replace-order``).
     * **Queue on ``limit=N`` keys and on several keys** (``LIMIT_QUEUE_TASK``, ``MULTI_QUEUE_TASK``): the
       same rules per (run, key). A slot handed to a parked run is a grant with that slot's fence
-      (``handoff`` with ``slot``; ``handed_slots`` in an admission's reply); the key's fence rises with
+      (``handoff`` with ``slot``; ``handed_slots`` in an admission's reply or, ``handed-seen``, in a
+      published handoff's reply: a handoff nobody published, e.g. a bare client's release or a lost
+      lease's background release, shows there until claimed or handed again); the key's fence rises with
       every grant over all slots, and the library admits a run only with a slot free and nobody older
       parked, so any slot given past a parked run is barging or an inversion. A several-keys run is
       ``run-twice`` when a body starts after one of its bodies wrote every key and released them all
@@ -2067,7 +2071,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
     rehands |= {
         (str(ev["key"]), int(hs[1]), str(hs[0]))
         for ev in history.events
-        if ev.get("ev") == "admit"
+        if ev.get("ev") in ("admit", "handed-seen")
         for hs in ev.get("handed_slots") or []
         if len(hs) > 3 and int(hs[3] or 1) > 1 and hs[1] is not None
     }
@@ -2277,7 +2281,7 @@ def queued_kind_figures(history: History, name: str, faults: Sequence[Doc] = ())
     handed |= {
         str(hs[0])
         for e in ev
-        if e.get("ev") == "admit"
+        if e.get("ev") in ("admit", "handed-seen")
         for hs in e.get("handed_slots") or []
         if hs[0] in tids
     }

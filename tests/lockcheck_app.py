@@ -228,6 +228,16 @@ def _record_handed(hist: lockcheck.HistoryWriter, key: str, doc: Any, by: str) -
                 fence=fence, attempt=ho.get("hn"), t=time.monotonic(), by=by,
                 **({} if slot is None else {"slot": slot}),
             )  # fmt: skip
+    # The slots this reply shows handed by another command, not yet claimed: a handoff nobody published
+    # (a bare client's release, a lost lease's background release, a command whose reply was lost) is a
+    # grant all the same, recorded by nobody else (``lockcheck.grants``).
+    others = [
+        [h["ho"].get("t"), h.get("f"), h.get("s"), h["ho"].get("hn")]
+        for h in (doc or {}).get("hs") or []
+        if isinstance(h, dict) and isinstance(h.get("ho"), dict) and not (by and h["ho"].get("by") == by)
+    ]
+    if others:
+        hist.event("handed-seen", key=key, handed_slots=others, t=time.monotonic())
 
 
 LeaseStore.admit = _admit  # type: ignore[method-assign]

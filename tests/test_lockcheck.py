@@ -255,6 +255,25 @@ def test_a_handoff_seen_only_in_a_reply_counts_as_a_grant() -> None:
     assert kinds(lockcheck.check_queued(h, {})) == {"inversion"}
 
 
+def test_a_slot_handed_unpublished_and_seen_in_another_reply_counts_as_a_grant() -> None:
+    # Two soaks' ``barged`` (Redis, bounded): A parked on a full limit=3 key (fence 10); a release nobody
+    # published (a lost lease's background release, a bare client's) handed A slot 1 (11, attempt 1); a
+    # worker's release then published another run's handoff, its reply showing A's slot (``handed-seen``);
+    # a newcomer took the slot freed after that (13); A's unclaimed slot expired and A was handed again
+    # (14, attempt 2). A had its slot before the newcomer: no barging.
+    key = "lockcheck:l0.e1"
+    newcomer = {"ev": "acq", "key": key, "hold": "x", "fence": 13, "t0": 1.0, "t1": 1.1, "who": "client2"}
+    h = _queued_history(
+        _admit("A", "parked", 10, key), {"ev": "handed-seen", "key": key, "handed_slots": [["A", 11, 1, 1]]},
+        newcomer, {"ev": "handoff", "key": key, "task_id": "A", "fence": 14, "attempt": 2, "slot": 0},
+        _admit("A", "claimed", 14, key),
+        A={**_queued("A", 2, key), "task": lockcheck.LIMIT_QUEUE_TASK},
+    )  # fmt: skip
+    assert lockcheck.check_queued(h, {}) == []
+    del h.events[1]  # without that reply, the newcomer's slot came while A waited for all we know
+    assert kinds(lockcheck.check_queued(h, {})) == {"barged"}
+
+
 def test_a_plain_acquire_past_a_parked_run_is_barging() -> None:
     bare = {"ev": "acq", "key": QKEY, "hold": "x", "fence": 11, "t0": 1.0, "t1": 1.1, "who": "client0"}
     h = _queued_history(_run("h", 10), _admit("A", "parked", 10), bare, _run("A", 12), A=_queued("A", 2))

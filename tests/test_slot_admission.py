@@ -237,3 +237,35 @@ def test_a_stale_copy_of_an_attempt_whose_body_retried_takes_no_slot(store: Leas
     assert parked(store) == []
     for other in held[1:]:
         other.release()
+
+
+def test_a_bare_clients_release_hands_its_slot_unpublished_and_a_newcomer_takes_another(
+    store: LeaseStore, make_store: Any
+) -> None:
+    """The shape of two soaks' ``barged`` reports (Redis, bounded, loaded): a run parks on a full key; a
+    release with nobody publishing (a bare client's process: no handoff callback) hands its slot to the
+    run, unmarked and unpublished; a newcomer then takes a slot freed later; the run's first *published*
+    handoff is attempt 2, after its unpublished one expired. The run was handed its slot first (a smaller
+    fence): nobody took a slot while it waited in the queue."""
+    worker = store  # publishes handoffs
+    handoffs = Handoffs(worker)
+    client, newcomer = make_store(), make_store()  # bare clients: no handoff callback
+    bare = client.acquire(KEY, 30, limit=N)
+    assert bare is not None
+    others = [admit(worker, s)[0] for s in (1, 2)]
+    assert all(lease is not None for lease in others)
+    lease, doc = admit(worker, 10)
+    assert lease is None and doc["lo"] == "parked"
+
+    assert bare.release()  # hands its slot to task-10, unmarked: nobody published it
+    assert handoffs.tasks == [] and parked(worker) == []
+    first = next(h for h in doc_of(worker)["hs"] if h.get("ho"))
+    assert first["ho"]["t"] == "task-10" and first["ho"]["hn"] == 1 and first["ho"]["by"] == ""
+
+    assert others[0] is not None and others[0].release()  # nobody parked: the slot stays free
+    taken = newcomer.acquire(KEY, 30, limit=N)
+    assert taken is not None and taken.fence > first["f"]  # the run got its slot before the newcomer
+
+    expire(worker, first["o"])  # nobody claimed it (no sweeper passed before it expired)
+    worker.sweep(KEY)
+    assert handoffs.tasks == ["task-10"] and handoffs.seen[0][1]["hn"] == 2
