@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from celery import states as celery_states
@@ -32,6 +33,7 @@ __all__ = [
     "contention_retry_meta",
     "delivery",
     "give_back_quietly",
+    "handoff_of_an_attempt_that_ran",
     "has_final_state",
     "ignored_as",
     "release_quietly",
@@ -83,10 +85,39 @@ def has_final_state(task: GuardedRun) -> bool:
         meta = task.backend.get_task_meta(task.request.id)
     except Exception:
         return True  # cannot tell: drop the copy, as before
+    return _final(meta)
+
+
+def _final(meta: dict[str, Any]) -> bool:
+    """A stored state that is final, or a body's own retry (``RETRY`` not from a contention retry)."""
     status = meta.get("status")
     return status in celery_states.READY_STATES or (
         status == celery_states.RETRY and not contention_retry_meta(meta.get("result"))
     )
+
+
+def handoff_of_an_attempt_that_ran(task: GuardedRun) -> bool:
+    """Whether this message is a handoff message of its own attempt (task id and own retries) while the
+    task's stored state says that attempt's body ran already: a result, or the body's own ``RETRY``.
+
+    Such a copy must not write a state: a contention retry's ``RETRY`` (MongoDB did not answer) would
+    hide the body's, and a later copy of the handoff, its claim stale, would then read "no result" and
+    run the attempt's body again (the lock-set checker's run-twice on a fault-gate key). An attempt
+    writes ``QUEUED`` before it parks, so a final or body-``RETRY`` state seen by its handoff message
+    was written after its park, by its own body or a later attempt's. False when it cannot tell."""
+    request = task.request
+    headers = getattr(request, "headers", None) or {}
+    handoff = headers.get(_queue.HANDOFF_HEADER) or getattr(request, _queue.HANDOFF_HEADER, None)
+    run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
+    if not isinstance(handoff, Mapping) or handoff.get("id", run) != run:
+        return False
+    if task.ignore_result or request.ignore_result or not _queue.has_backend(task.app):
+        return False
+    try:
+        meta = task.backend.get_task_meta(request.id)
+    except Exception:
+        return False  # cannot tell: retry as before
+    return _final(meta)
 
 
 def set_state(task: GuardedRun, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
