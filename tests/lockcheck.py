@@ -2147,8 +2147,9 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                     f"{task_id} on {runs[0]['key']}: a run finished (op written, key released cleanly) and "
                     f"its body started again {len(again)} time(s) (fence {again[0]['fence']}, "
                     f"{again[0].get('who')}, {float(again[0]['t0']) - done_at:.1f}s after the release; "
-                    "a known cause: the key's document, with its guard against copies, deleted by the TTL "
-                    "index meanwhile)",
+                    "causes seen before: the key's document, with its guard against copies, deleted by the "
+                    "TTL index meanwhile; a stale handoff copy re-running an attempt whose body had run and "
+                    "retried, its RETRY state hidden by a copy's contention retry; look at the admits)",
                 )
             )
 

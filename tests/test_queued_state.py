@@ -264,3 +264,69 @@ def test_a_multi_key_run_whose_confirming_renewal_fails_gives_its_keys_back(
         doc = store.collection.find_one({"_id": key}) or {}
         assert doc.get("owner") is None, key
         assert f"{run}/0" not in (doc.get("seen") or []), key
+
+
+def test_a_stale_handoff_copy_mongodb_did_not_answer_keeps_the_body_s_retry_and_never_runs_again(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock-set checker's run-twice on a fault-gate key (seed 0 of the reentrant soak): attempt 0 of a
+    Queue run is handed the key, claims it, and its lease is lost while its body runs, so it is not
+    remembered as over; the body retries (state RETRY; attempt 1 still in the broker). A stale copy of
+    attempt 0's handoff message then finds MongoDB not answering: its contention retry wrote RETRY
+    (StoreUnavailable) over the body's, and the next copy, its claim stale and the task with "no result",
+    ran attempt 0's body again. The copy writes nothing now, and the next copy is dropped."""
+    from celery.app.trace import build_tracer
+
+    from celery_mongolock.exceptions import StoreUnavailable
+    from celery_mongolock.integration.runs import contention_retry_meta
+
+    @singleton_task(key="{key}", app=app, name="queued_state.cut", on_contention=Queue(), shared=False)
+    def cut(key: str) -> str:
+        return key
+
+    store: LeaseStore = get_store(app)
+    holder = store.acquire(KEY, ttl=30)
+    assert holder is not None
+    run = f"run-{uuid.uuid4().hex}"
+    handed: list[dict[str, Any]] = []
+    store.add_handoff_callback(lambda key, ho, doc: handed.append(ho))
+
+    def request(headers: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": run, "headers": {"mongolock_sent": 100, **headers}, "delivery_info": {},
+            "hostname": "w1", "retries": 0, "is_eager": False, **headers,
+        }  # fmt: skip
+
+    def admit(headers: dict[str, Any]) -> Any:
+        cut.push_request(args=(KEY,), kwargs={}, **request(headers))
+        try:
+            info = {"task_name": cut.name, "task_id": run, "worker": "w1", "delivery": "0"}
+            return OneKey(cut, KEY, cut._options(), direct=False).admit(info)
+        finally:
+            cut.pop_request()
+
+    with pytest.raises(Ignore):
+        admit({})  # parked
+    holder.release()  # handed to it
+    [ho] = [h for h in handed if h["t"] == run]
+    handoff = {"mongolock_handoff": {"k": KEY, "tk": ho["tk"], "id": ho["id"]}}
+    claimed = admit(handoff)
+    store.forget(claimed)
+    assert store.force_release(KEY)  # its lease lost while its body ran: not remembered as over
+    app.backend.mark_as_retry(run, RuntimeError("the body's own retry"))  # attempt 1 still in the broker
+
+    def not_answering(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("admit: no answer (the test)")
+
+    # A stale copy of the handoff message, MongoDB not answering, through Celery's tracer (which writes a
+    # retry's state).
+    with monkeypatch.context() as m:
+        m.setattr(store, "admit", not_answering)
+        traced = build_tracer(cut.name, cut, app=app, eager=False, propagate=False)
+        traced(run, (KEY,), {}, request(handoff))
+    meta = app.backend.get_task_meta(run)
+    assert meta["status"] == "RETRY" and not contention_retry_meta(meta["result"])
+    # The next copy, MongoDB answering: its claim is stale and its attempt's body ran, so it is dropped.
+    with pytest.raises(Ignore):
+        admit(handoff)
+    assert (store.collection.find_one({"_id": KEY}) or {}).get("owner") is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from celery import states as celery_states
@@ -33,6 +33,7 @@ __all__ = [
     "contention_retry_meta",
     "delivery",
     "give_back_quietly",
+    "handoff_of_an_attempt_that_ran",
     "has_final_state",
     "ignored_as",
     "republish",
@@ -91,6 +92,12 @@ def has_final_state(task: GuardedRun, carried_on: Callable[[], bool] | None = No
         meta = task.backend.get_task_meta(task.request.id)
     except Exception:
         return True  # cannot tell: drop the copy, as before
+    return _final(task, meta, carried_on)
+
+
+def _final(task: GuardedRun, meta: dict[str, Any], carried_on: Callable[[], bool] | None) -> bool:
+    """A stored state that is final, or a body's own retry (``RETRY`` not from a contention retry; see
+    ``has_final_state`` for ``carried_on``)."""
     status = meta.get("status")
     if status in celery_states.READY_STATES:
         return True
@@ -103,6 +110,31 @@ def has_final_state(task: GuardedRun, carried_on: Callable[[], bool] | None = No
     if isinstance(written_by, int) and not isinstance(written_by, bool):
         return written_by >= retries
     return not retries or carried_on()
+
+
+def handoff_of_an_attempt_that_ran(task: GuardedRun) -> bool:
+    """Whether this message is a handoff message of its own attempt (task id and own retries) while the
+    task's stored state says that attempt's body ran already: a result, or the body's own ``RETRY``.
+
+    Such a copy must not write a state: a contention retry's ``RETRY`` (MongoDB did not answer) would
+    hide the body's, and a later copy of the handoff, its claim stale, would then read "no result" and
+    run the attempt's body again (the lock-set checker's run-twice on a fault-gate key). An attempt
+    writes ``QUEUED`` before it parks, so a final or body-``RETRY`` state seen by its handoff message
+    was written after its park, by its own body or a later attempt's. False when it cannot tell."""
+    request = task.request
+    headers = getattr(request, "headers", None) or {}
+    handoff = headers.get(_queue.HANDOFF_HEADER) or getattr(request, _queue.HANDOFF_HEADER, None)
+    run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
+    if not isinstance(handoff, Mapping) or handoff.get("id", run) != run:
+        return False
+    if task.ignore_result or request.ignore_result or not _queue.has_backend(task.app):
+        return False
+    try:
+        meta = task.backend.get_task_meta(request.id)
+    except Exception:
+        return False  # cannot tell: retry as before
+    # (An attempt writes QUEUED before it parks: a body's RETRY seen now is this attempt's or a later one's.)
+    return _final(task, meta, None)
 
 
 def set_state(task: GuardedRun, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:

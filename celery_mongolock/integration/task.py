@@ -31,7 +31,7 @@ from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
 from celery import Celery, Task, shared_task
 from celery import signals as celery_signals
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 from celery.exceptions import Retry as RetryTask
 from kombu.exceptions import OperationalError
 
@@ -70,6 +70,8 @@ from celery_mongolock.integration.runs import (
     CONTENDED_SINCE_HEADER,
     CONTENTION_HEADER,
     give_back_quietly,
+    handoff_of_an_attempt_that_ran,
+    ignored_as,
     republish,
     unavailable,
 )
@@ -416,6 +418,11 @@ class SingletonTask(Task):  # type: ignore[misc]
     def mongolock_retry_later(self, policy: Retry, exc: Exception) -> NoReturn:
         """Publish this run again after a backoff; the task's own ``retries`` budget is not used."""
         request = self.request
+        if handoff_of_an_attempt_that_ran(self):
+            # A stale handoff copy of an attempt whose body ran: its RETRY would hide that (see there).
+            log_acquire.info("%s[%s]: %s; a stale handoff copy, dropped", self.name, request.id, exc)
+            ignored_as(request.id, "is a stale handoff copy of an attempt that ran: this copy is dropped")
+            raise Ignore()
         headers = dict(request.headers or {})
         attempt = int(headers.get(CONTENTION_HEADER) or 0)
         if policy.exhausted(attempt):
