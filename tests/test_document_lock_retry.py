@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 from pymongo import MongoClient, monitoring
 
-from celery_mongolock import DocumentLock, LeaseStore
+from celery_mongolock import DocumentLock, DocumentLockLost, LeaseStore
+from celery_mongolock.core.document_lock import force_release_document
 from celery_mongolock.core.documents import locked as docs
 
+from . import lockcheck
 from .servers import wait_for
 
 HERE = Path(__file__).resolve().parent
@@ -129,3 +131,56 @@ def _paid(coll: Any) -> int:
     doc = coll.find_one({"_id": "inv"})
     assert doc is not None
     return int(doc["paid"])
+
+
+class _ReleaseAfterFirstWrite(monitoring.CommandListener):
+    """Force-releases the lock once the first write to ``protected`` is answered (before the caller sees
+    the answer): the write's retry finds the lock gone."""
+
+    def __init__(self) -> None:
+        self.release: Any = None
+        self.writes = 0
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        pass
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        if event.command_name == "update" and self.release is not None:
+            self.writes += 1
+            if self.writes == 1:
+                self.release()
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def test_the_checker_records_a_refusal_after_an_unknown_write_as_ambiguous(own_server: Any) -> None:
+    """``lockcheck._document_write``: the first attempt lands with an unknown outcome (a write-concern
+    error), the lock is then released by force, the idempotent retry is refused: ``ambiguous`` (the
+    write is in the document), never ``fenced``."""
+    server = own_server(enable_test_commands=True)
+    listener = _ReleaseAfterFirstWrite()
+    client: MongoClient[dict[str, Any]] = MongoClient(server.url, tz_aware=True, event_listeners=[listener])
+    store = LeaseStore(client, database="doclock", lease_seconds=60)
+    coll = client["doclock"]["protected"]
+    try:
+        coll.insert_one({"_id": "d", "counter": 0, "log": []})
+        lock = DocumentLock(coll, "d", store=store, ttl=120, heartbeat_seconds=60)
+        locked = lock.__enter__()
+        listener.release = lambda: force_release_document(store, locked.document)
+        admin: MongoClient[dict[str, Any]] = MongoClient(server.url)
+        admin.admin.command(
+            "configureFailPoint", "failCommand", mode={"times": 1},
+            data={"failCommands": ["update"], "writeConcernError": {"code": 91, "errmsg": "injected"}},
+        )  # fmt: skip
+        admin.close()
+        assert lockcheck._document_write(locked, "op-1", 0) == ("ambiguous", True)
+        doc = coll.find_one({"_id": "d"})
+        assert doc is not None and [e["o"] for e in doc["log"]] == ["op-1"] and doc["counter"] == 1
+        listener.release = None
+        assert locked.lost
+        with pytest.raises(DocumentLockLost):  # the block's end: it did not run protected to the end
+            lock.__exit__(None, None, None)
+    finally:
+        store.close()
+        client.close()
