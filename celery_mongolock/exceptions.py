@@ -13,6 +13,7 @@ __all__ = [
     "ConfigurationError",
     "DocumentLockLost",
     "DocumentMissing",
+    "DocumentWriteUnknown",
     "InvalidKey",
     "LeaseLost",
     "LockContended",
@@ -41,6 +42,20 @@ class StoreUnavailable(MongoLockError):
     Raised instead of guessing: a lease whose state is unknown is treated as *not held* (fail closed).
     The message never contains credentials.
     """
+
+
+class DocumentWriteUnknown(StoreUnavailable):
+    """A ``DocumentLock``'s ``update_one`` got no answer (a network error or timeout) or an answer whose
+    write concern failed: the update may or may not be in the document. Sent once, never retried by us or
+    the driver, so nothing is applied twice; read the document to learn which, or make the update
+    idempotent and send it again (while the lock is held it is applied at most once more)."""
+
+    def __init__(self, key: str, fence: int, why: str) -> None:
+        self.key = key
+        self.fence = fence
+        super().__init__(
+            f"document lock {key!r} (fence {fence}): the update may or may not have been applied ({why})"
+        )
 
 
 class LockContended(MongoLockError):

@@ -159,7 +159,7 @@ from pymongo import MongoClient, WriteConcern
 from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
-from celery_mongolock import DocumentLease, DocumentLock, DocumentLockLost, LeaseStore
+from celery_mongolock import DocumentLease, DocumentLock, DocumentLockLost, DocumentWriteUnknown, LeaseStore
 from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, _local_ttl
 from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
@@ -558,13 +558,20 @@ def _document_write(locked: DocumentLease, op: str, p: int) -> tuple[str, bool]:
         }
     ]
     give_up = time.monotonic() + 8.0
-    retried = False
+    retried = unknown = False
     while True:
         try:
             result = locked.update_one(update)
             return ("ack" if result.modified else "ack-earlier"), retried
         except DocumentLockLost:
-            return "fenced", retried
+            # A refusal after an attempt whose outcome is unknown (``DocumentWriteUnknown``) says nothing
+            # of that attempt: it may be in the document, so the write's outcome is unknown, not fenced.
+            return ("ambiguous" if unknown else "fenced"), retried
+        except DocumentWriteUnknown:
+            retried = unknown = True
+            if time.monotonic() > give_up:
+                return "ambiguous", retried
+            time.sleep(0.1 + random.random() * 0.2)
         except (StoreUnavailable, PyMongoError):
             retried = True
             if time.monotonic() > give_up:

@@ -23,7 +23,7 @@ import pytest
 from bson import ObjectId
 from bson.binary import UuidRepresentation
 from bson.codec_options import CodecOptions
-from pymongo import MongoClient
+from pymongo import MongoClient, monitoring
 
 from celery_mongolock import (
     ConfigurationError,
@@ -31,8 +31,10 @@ from celery_mongolock import (
     DocumentLockLost,
     DocumentMissing,
     DocumentWrite,
+    DocumentWriteUnknown,
     LeaseStore,
     LockContended,
+    StoreUnavailable,
 )
 from celery_mongolock.core.document_lock import (
     LockedDocument,
@@ -390,3 +392,115 @@ def test_the_how_to_runs_as_written(mongo_url: str, client: Any) -> None:
         assert out.stdout.splitlines() == ["paid", "already paid", "{'state': 'paid', 'paid': 120}"]
     finally:
         client.drop_database("shop")
+
+
+# -- the holder's write is sent once: "not applied" is never said of an applied write -----------------------
+
+
+class _Updates(monitoring.CommandListener):
+    """The ``update`` commands a client sends to one collection, as sent."""
+
+    def __init__(self, collection: str) -> None:
+        self.collection = collection
+        self.sent: list[dict[str, Any]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "update" and event.command.get("update") == self.collection:
+            self.sent.append(dict(event.command))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def _field(coll: Any, _id: Any, name: str) -> Any:
+    doc = coll.find_one({"_id": _id})
+    assert doc is not None
+    return doc[name]
+
+
+def _arm(url: str, **data: Any) -> None:
+    c: MongoClient[dict[str, Any]] = MongoClient(url)
+    try:
+        c.admin.command("configureFailPoint", "failCommand", mode={"times": 1}, data=data)
+    finally:
+        c.close()
+
+
+def test_a_write_whose_answer_is_lost_is_unknown_and_never_sent_twice(own_server: Any) -> None:
+    """The seed-2 ``fenced-but-applied``: a retryable write whose first attempt landed, retried by pymongo
+    with the same ``txnNumber`` and judged again by the embedded server (its record of the first attempt
+    is written after the write, so a retry that arrives meanwhile runs again) after the lock's expiry:
+    "no match", said of an applied write. Here the first attempt lands and its answer says it may not
+    have (a write-concern error labelled retryable, which pymongo retries): the write is sent once, and
+    its outcome is ``DocumentWriteUnknown``, never ``DocumentLockLost``."""
+    server = own_server(enable_test_commands=True)
+    updates = _Updates("invoices")
+    client: MongoClient[dict[str, Any]] = MongoClient(server.url, tz_aware=True, event_listeners=[updates])
+    store = LeaseStore(client, database="doclock", lease_seconds=60)
+    coll = client["doclock"]["invoices"]
+    try:
+        coll.insert_one({"_id": "inv", "paid": 0})
+        lock = DocumentLock(coll, "inv", store=store, ttl=120, heartbeat_seconds=60)  # no renewal meanwhile
+        locked = lock.__enter__()
+        # 1. Applied, and its answer says its write concern failed (pymongo would retry it).
+        _arm(
+            server.url,
+            failCommands=["update"],
+            writeConcernError={"code": 91, "errmsg": "injected"},
+            errorLabels=["RetryableWriteError"],
+        )
+        updates.sent.clear()
+        with pytest.raises(DocumentWriteUnknown, match="may or may not") as exc:
+            locked.update_one({"$inc": {"paid": 1}})
+        assert isinstance(exc.value, StoreUnavailable) and exc.value.fence == locked.fence
+        assert len(updates.sent) == 1 and "txnNumber" not in updates.sent[0]
+        assert _field(coll, "inv", "paid") == 1 and not locked.lost
+        # 2. The connection dropped with the command in flight: unknown, sent once.
+        _arm(server.url, failCommands=["update"], closeConnection=True)
+        updates.sent.clear()
+        with pytest.raises(DocumentWriteUnknown, match="no answer"):
+            locked.update_one({"$inc": {"paid": 1}})
+        assert len(updates.sent) == 1 and _field(coll, "inv", "paid") in (1, 2)
+        paid = _field(coll, "inv", "paid")
+        # 3. Answered: applied once.
+        updates.sent.clear()
+        assert locked.update_one({"$inc": {"paid": 1}}).modified
+        assert len(updates.sent) == 1 and _field(coll, "inv", "paid") == paid + 1
+        # 4. A refusal is one command judged once: definite, nothing written.
+        assert force_release_document(store, locked.document)
+        updates.sent.clear()
+        with pytest.raises(DocumentLockLost):
+            locked.update_one({"$inc": {"paid": 1}})
+        assert len(updates.sent) == 1 and _field(coll, "inv", "paid") == paid + 1
+        with pytest.raises(DocumentLockLost):  # the block's end: it was not protected to the end
+            lock.__exit__(None, None, None)
+    finally:
+        store.close()
+        client.close()
+
+
+def test_a_retryable_write_is_retried_by_pymongo_with_the_same_txn_number(own_server: Any) -> None:
+    """The fact the fix rests on: a plain ``update_one`` (a retryable write) whose answer says "retry" is
+    sent again by pymongo with the same ``lsid`` and ``txnNumber``, so its reply may be a second
+    judgement; ``locked.update_one`` sends its command once, without a ``txnNumber``."""
+    server = own_server(enable_test_commands=True)
+    updates = _Updates("plain")
+    client: MongoClient[dict[str, Any]] = MongoClient(server.url, event_listeners=[updates])
+    try:
+        coll = client["doclock"]["plain"]
+        coll.insert_one({"_id": 1, "n": 0})
+        _arm(
+            server.url,
+            failCommands=["update"],
+            writeConcernError={"code": 91, "errmsg": "injected"},
+            errorLabels=["RetryableWriteError"],
+        )
+        assert coll.update_one({"_id": 1}, {"$inc": {"n": 1}}).matched_count == 1
+        first, second = updates.sent
+        assert (first["lsid"], first["txnNumber"]) == (second["lsid"], second["txnNumber"])
+        assert _field(coll, 1, "n") == 1  # the embedded server replayed the first answer
+    finally:
+        client.close()

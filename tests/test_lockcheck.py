@@ -935,6 +935,23 @@ def test_document_locks_are_checked_as_plain_keys_and_counted() -> None:
     assert "fenced-but-applied" in kinds(check(h)) and "fence-backwards" in kinds(check(h))
 
 
+def test_an_unknown_document_write_is_no_violation_applied_or_not() -> None:
+    """A write whose attempt ended ``DocumentWriteUnknown`` and whose retry was refused is ``ambiguous``
+    (``_document_write``): not a violation whether its first attempt landed or not; ``fenced`` for a write
+    that landed still is."""
+    events = [
+        _acq(HOLD_A, 10, 0.0, 0.1, key=DKEY),
+        _ack("u1", HOLD_A, 10, outcome="ambiguous", key=DKEY),
+        _ack("u2", HOLD_A, 10, outcome="ambiguous", key=DKEY),
+        _rel(HOLD_A, 1.0, released=False, key=DKEY),
+    ]
+    log = [_claim(HOLD_A, 10), _write("u1", HOLD_A, 10, 0)]  # u1 landed, u2 did not
+    h = History(events, {DKEY: {"_id": DKEY, "counter": 1, "log": log, "mongolock": {"owner": None}}})
+    assert check(h) == []
+    h.events[1]["outcome"] = "fenced"
+    assert kinds(check(h)) == {"fenced-but-applied"}
+
+
 def test_the_document_lock_coverage_claims() -> None:
     report = _covered()
     report["doc_keys"] = 2

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import bson
 from pymongo import MongoClient, ReadPreference, ReturnDocument
 from pymongo.collection import Collection
+from pymongo.errors import OperationFailure
 
 from celery_mongolock.core.documents import locked as docs
 from celery_mongolock.core.documents.base import holder_info
@@ -40,6 +41,7 @@ from celery_mongolock.exceptions import (
     ConfigurationError,
     DocumentLockLost,
     DocumentMissing,
+    DocumentWriteUnknown,
     LockContended,
     StoreUnavailable,
 )
@@ -267,17 +269,38 @@ class DocumentLease(Lease):
         """Apply ``update`` (operators, or a pipeline of ``$set``/``$addFields``/``$unset``) to the
         document in one command, only while this lock holds it: the filter names the holder, the fence
         and an expiry later than the server's now. Raises ``DocumentLockLost`` (and marks the lock lost)
-        when it is not held; an update that writes the lock's own field is refused."""
+        when it is not held, ``DocumentWriteUnknown`` when the answer did not come (the update may have
+        been applied); an update that writes the lock's own field is refused.
+
+        The command is sent once (a plain ``update`` command, not a retryable write): a retry, by the
+        driver or by a server that runs it again, would be judged at a later time than the attempt that
+        may have landed, and its "no match" would say "not applied" of an applied update."""
         t = self.document
         checked = docs.guarded_update(t.field, update)
         self.raise_if_lost_as(DocumentLockLost)
         lock_store = self.store.lock_store
-        with lock_store.connection.operation(f"update locked document {self.key!r}"):
-            result = t.on(lock_store).update_one(
-                docs.held_filter(t.field, [t.id], [self.owner], self.fence), checked
-            )
-        if result.matched_count == 1:
-            return DocumentWrite(modified=result.modified_count == 1, fence=self.fence)
+        coll = t.on(lock_store)
+        command = docs.update_command(
+            t.collection,
+            docs.held_filter(t.field, [t.id], [self.owner], self.fence),
+            checked,
+            lock_store.write_concern.document,
+        )
+        try:
+            with lock_store.connection.operation(f"update locked document {self.key!r}", retryable=True):
+                reply = coll.database.command(command, codec_options=coll.codec_options)
+        except AMBIGUOUS as exc:
+            raise DocumentWriteUnknown(self.key, self.fence, f"no answer: {type(exc).__name__}") from None
+        except OperationFailure as exc:  # a refusal labelled retryable: it may have run before failing
+            raise DocumentWriteUnknown(self.key, self.fence, f"error code {exc.code}") from None
+        applied = docs.update_reply(reply)
+        if applied.error is not None:
+            with lock_store.connection.operation(f"update locked document {self.key!r}"):
+                raise applied.error
+        if applied.matched and applied.write_concern_failed:
+            raise DocumentWriteUnknown(self.key, self.fence, "applied, but its write concern failed")
+        if applied.matched:
+            return DocumentWrite(modified=applied.modified, fence=self.fence)
         reason = "the document no longer names this holder: released by force, expired and taken, or removed"
         self.mark_lost(reason, release=False)
         raise DocumentLockLost(self.key, self.fence, reason)

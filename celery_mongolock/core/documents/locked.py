@@ -31,8 +31,11 @@ Expiry is judged on the server's clock (``$$NOW``) inside each write, compared t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from pymongo.errors import WriteError
 
 from celery_mongolock.exceptions import ConfigurationError
 
@@ -47,6 +50,8 @@ __all__ = [
     "release_pipeline",
     "renew_pipeline",
     "state_of",
+    "update_command",
+    "update_reply",
     "validate_field",
 ]
 
@@ -252,3 +257,44 @@ def guarded_update(
             raise ConfigurationError(f"DocumentLock.update_one may not write the lock's own field {field!r}")
         stages.append(dict(stage))
     return stages
+
+
+def update_command(
+    collection: str, match: Mapping[str, Any], update: Mapping[str, Any] | Sequence[Any], concern: Document
+) -> Document:
+    """The holder's write as a plain ``update`` command: sent without a ``txnNumber`` (through
+    ``Database.command``, which pymongo does not retry), so that it is run at most once."""
+    command: Document = {
+        "update": collection,
+        "updates": [{"q": dict(match), "u": update, "multi": False, "upsert": False}],
+        "ordered": True,
+    }
+    if concern:
+        command["writeConcern"] = dict(concern)
+    return command
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateReply:
+    """What an ``update`` command's reply says of its one statement."""
+
+    matched: bool
+    modified: bool
+    write_concern_failed: bool
+    #: The statement's write error (the update itself failed on the document; nothing was written).
+    error: WriteError | None
+
+
+def update_reply(reply: Mapping[str, Any]) -> UpdateReply:
+    """Read an ``update`` command's reply (``n``, ``nModified``, ``writeErrors``, ``writeConcernError``)."""
+    errors = reply.get("writeErrors") or []
+    error = None
+    if errors:
+        first = dict(errors[0])
+        error = WriteError(str(first.get("errmsg", "write error")), first.get("code"), first)
+    return UpdateReply(
+        matched=int(reply.get("n", 0)) >= 1,
+        modified=int(reply.get("nModified", 0)) >= 1,
+        write_concern_failed=bool(reply.get("writeConcernError")),
+        error=error,
+    )
