@@ -303,7 +303,7 @@ class SeveralKeys:
         policy = self._queue_policy()
         outcome = admission.outcome
         if outcome is AdmitOutcome.SUPERSEDED:
-            if self.copy and has_final_state(self.task, carried_on=lambda: False):
+            if self._copy_of_a_run_that_ended():
                 # A copy of a run whose body ran and stored its result: ``seen`` remembers the run only on
                 # the keys it still held at its release, and a key it lost mid-body (taken by a newer
                 # send of its set) answers superseded first. Its result stands; the copy is dropped.
@@ -334,6 +334,14 @@ class SeveralKeys:
             .held_by(dict(admission.holder), admission.expires_at)
             .skip(reason)
         )
+
+    def _copy_of_a_run_that_ended(self) -> bool:
+        """This message is a copy, and its task's stored state is final (or its body's own retry): the run
+        has a result of its own. False without a stored result to ask (nothing to overwrite then)."""
+        task = self.task
+        if not self.copy or task.ignore_result or self.request.ignore_result:
+            return False
+        return _queue.has_backend(task.app) and has_final_state(task, carried_on=lambda: False)
 
     def _superseded(self, key: str, admission: Admission) -> Outcome:
         """A newer send of this run's set of keys is known on ``key``: the run ends ``SUCCESS`` with a
