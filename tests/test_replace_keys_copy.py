@@ -11,6 +11,7 @@ lock-set checker's ``superseded-ran`` investigation; the store-level paths are i
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -73,4 +74,63 @@ def test_a_copy_of_a_run_that_ended_keeps_its_result(app: Celery) -> None:
     with pytest.raises(Ignore):
         _deliver(pair, task_id, redelivered=True)
     assert app.backend.get_task_meta(task_id)["result"] == "ran"
+    taken[0].release()
+
+
+def test_a_copy_told_superseded_before_a_paused_run_starts_its_body(app: Celery) -> None:
+    """The one shape found that puts a supersession record before a body start of the same task (the
+    checker's ``superseded-ran``): the run's leases were confirmed, then it stalled before its body (a
+    stopped worker, a slow backend write of ``STARTED``) past its lease on the first key; a newer send of
+    its set took that key, and a copy of its message was told superseded (its task has no final state:
+    the copy stores ``superseded``). The stalled run's body then starts with a lease that is no longer its
+    own there (its write is fenced out; in the checker's app it retries, and the retry is superseded)."""
+    from celery_mongolock.integration import signals
+
+    store: LeaseStore = get_store(app)
+    ks = sorted([A, B])
+    newer: dict[str, Any] = {
+        "id": "newer/0", "t": "newer", "n": "pair", "r": "0", "s": 20, "m": b"msg", "ks": ks,
+        "g": set_signature(ks), "tk": "tk-newer",
+    }  # fmt: skip
+    order: list[str] = []
+    taken: list[Any] = []
+    task_id = f"run-{uuid.uuid4().hex}"
+
+    @singleton_task(keys=("a:{x}", "b:{x}"), app=app, name="replace_keys_copy.stall", on_contention=Replace())
+    def stall(x: str) -> str:
+        from celery_mongolock import current_lease
+
+        lease_set = current_lease()
+        own = (store.collection.find_one({"_id": A}) or {}).get("owner") == lease_set[A].owner  # type: ignore[index]
+        order.append(f"body (own lease on {A}: {own})")
+        return "ran"
+
+    def stalled(sender: Any = None, key: str = "", **_: Any) -> None:
+        if key != A or taken:
+            return
+        store.collection.update_one({"_id": A}, [{"$set": {"expires_at": "$$NOW"}}])
+        info = {"task_id": "newer", "delivery": "0", "keys": ks}
+        lease, _doc = store.admit(A, newer, ttl=30, replace=True, group=newer["g"], info=info)
+        assert lease is not None
+        taken.append(lease)
+        got: list[Any] = []
+
+        def copy() -> None:  # another thread: not inside the stalled run's holds (no reentry)
+            try:
+                got.append(_deliver(stall, task_id, redelivered=True))
+            except BaseException as exc:
+                got.append(repr(exc))
+
+        thread = threading.Thread(target=copy)
+        thread.start()
+        thread.join(60)
+        result = got[0] if got else "no answer"
+        order.append(f"copy: {result.get('mongolock') if isinstance(result, dict) else result}")
+
+    signals.lease_acquired.connect(stalled, weak=False)
+    try:
+        assert _deliver(stall, task_id, redelivered=False) == "ran"
+    finally:
+        signals.lease_acquired.disconnect(stalled)
+    assert order == ["copy: superseded", f"body (own lease on {A}: False)"]
     taken[0].release()
