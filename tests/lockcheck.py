@@ -1792,9 +1792,13 @@ def check_multi_replace(history: History) -> list[Violation]:
         return found
     started = {str(e.get("task_id")) for e in history.events if e.get("ev") == "mbody"}
     body_starts: dict[str, list[float]] = defaultdict(list)
+    # Each body start's keys already past their deadline or lost (a run stalled between the renewal that
+    # confirmed its leases and its body: a copy may be told superseded meanwhile), for the report.
+    body_expired: dict[tuple[str, float], list[str]] = {}
     for e in history.events:
         if e.get("ev") == "mbody":
             body_starts[str(e.get("task_id"))].append(float(e.get("t") or 0.0))
+            body_expired[(str(e.get("task_id")), float(e.get("t") or 0.0))] = list(e.get("expired") or [])
     # When each run was first told (or recorded as) superseded: a body of an earlier attempt (which then
     # retried itself: its lease lost mid-body) may have started before; none may start after.
     superseded_at: dict[str, float] = {}
@@ -1817,7 +1821,8 @@ def check_multi_replace(history: History) -> list[Violation]:
                     Violation(
                         "superseded-ran",
                         f"{tid} on {_set_of(task)} ended {result}; a body started at {late[0]:.2f}, after it "
-                        f"was superseded ({since:.2f})",
+                        f"was superseded ({since:.2f}), its leases past their deadline or lost at its start: "
+                        f"{body_expired.get((tid, late[0])) or 'none'}",
                     )
                 )
             by = tasks.get(str(result.get("by")))

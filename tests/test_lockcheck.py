@@ -1046,6 +1046,12 @@ def test_several_keys_replace_runs_judged_per_set_of_keys() -> None:
     assert lockcheck.check_multi_replace(good) == []
     good.events.append(_rk_body("A", 10.5))
     assert kinds(lockcheck.check_multi_replace(good)) == {"superseded-ran"}
+    # The report says whether that body started with a lease already past its deadline (a stalled run).
+    (found,) = lockcheck.check_multi_replace(good)
+    assert found.detail.endswith("at its start: none")
+    good.events[-1] = {**_rk_body("A", 10.5), "expired": [M1]}
+    (found,) = lockcheck.check_multi_replace(good)
+    assert found.detail.endswith(f"at its start: {[M1]}")
     del good.events[-3:]
     # The newest send of a set ended done with no body start.
     good.events.remove(_rk_body("B", 11.0))

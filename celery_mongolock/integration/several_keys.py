@@ -81,6 +81,8 @@ class SeveralKeys:
         #: A queued run's entry on each key, and the holder fields of its admits (set by ``admit_all``).
         self.entry: dict[str, Any] = {}
         self.info: dict[str, Any] = {}
+        #: A copy of a queued run's message (set by ``admit_all``).
+        self.copy = False
 
     def take(self) -> LeaseSet | Outcome:
         request = self.request
@@ -246,6 +248,8 @@ class SeveralKeys:
             or (request.headers or {}).get(DUPLICATE_HEADER)
             or (request.delivery_info or {}).get("redelivered")
         )
+        #: A copy of a message (redelivered, a parked duplicate, a handoff): its run may have run already.
+        self.copy = not fresh
         if fresh:
             since = _dt.datetime.now(_dt.timezone.utc).isoformat()
             set_state(task, _queue.QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
@@ -299,6 +303,17 @@ class SeveralKeys:
         policy = self._queue_policy()
         outcome = admission.outcome
         if outcome is AdmitOutcome.SUPERSEDED:
+            if self._copy_of_a_run_that_ended():
+                # A copy of a run whose body ran and stored its result: ``seen`` remembers the run only on
+                # the keys it still held at its release, and a key it lost mid-body (taken by a newer
+                # send of its set) answers superseded first. Its result stands; the copy is dropped.
+                log_acquire.info(
+                    "%s[%s]: a copy of a run that ended, superseded on %r; dropped (its result stands)",
+                    self.task.name,
+                    self.request.id,
+                    key,
+                )
+                raise Ignore()
             return self._superseded(key, admission)
         if outcome is AdmitOutcome.ALREADY_RAN:
             # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
@@ -319,6 +334,14 @@ class SeveralKeys:
             .held_by(dict(admission.holder), admission.expires_at)
             .skip(reason)
         )
+
+    def _copy_of_a_run_that_ended(self) -> bool:
+        """This message is a copy, and its task's stored state is final (or its body's own retry): the run
+        has a result of its own. False without a stored result to ask (nothing to overwrite then)."""
+        task = self.task
+        if not self.copy or task.ignore_result or self.request.ignore_result:
+            return False
+        return _queue.has_backend(task.app) and has_final_state(task, carried_on=lambda: False)
 
     def _superseded(self, key: str, admission: Admission) -> Outcome:
         """A newer send of this run's set of keys is known on ``key``: the run ends ``SUCCESS`` with a
