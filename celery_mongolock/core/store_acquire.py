@@ -460,6 +460,7 @@ class Acquisition:
         heartbeat_seconds: float | None = None,
         limit: int | None = None,
         group: str | None = None,
+        cancel: bool = False,
     ) -> tuple[Lease | None, Document]:
         """Admit a run of a queued task (one ``findAndModify``): take ``key``, claim the handoff
         ``claim``, or park the run (``entry``: ``id``, ``t``, ``s`` and the fields listed in
@@ -469,7 +470,8 @@ class Acquisition:
         run, a newer send supersedes it; ``debounce``: every run parks and may start only when no newer
         send came for that many seconds; ``due``: the run's own delayed copy, which takes the key for its
         entry once due; ``limit``: the key has N slots (``limit=N``), a parked run is handed any one;
-        ``group`` (with ``replace``): the run's key-set signature (``documents.sets``). A
+        ``group`` (with ``replace``): the run's key-set signature (``documents.sets``); ``cancel`` (with
+        ``replace``): a run parked behind a running holder supersedes it too (``queue.cancel_mark``). A
         handoff this admit made (the key was found free with older runs parked) is published
         (``add_handoff_callback``). One ``store.try_acquire`` with ``admission``."""
         store = self.store
@@ -504,12 +506,14 @@ class Acquisition:
                 "debounce_ms": int(debounce * 1000) if debounce else None,
                 "due": due,
                 **({} if group is None else {"group": group}),
+                **({"cancel": True} if cancel else {}),
             },
             limit=limit,
         )
         doc = dict(doc or {})
         if lease is not None:
             doc.setdefault("lo", "acquired")
+            lease.notice_supersession = cancel
         self._admitted(normalize_key(key), lease, doc, limit)
         return lease, doc
 
