@@ -63,7 +63,10 @@ def test_the_policy_takes_cancel_running_and_grace() -> None:
     ("make", "words"),
     [
         (lambda: Replace(cancel_running=True, grace=-1), "Replace(grace=...) must be a number"),
-        (lambda: Replace(cancel_running="yes"), "Replace(cancel_running=...) must be True or False"),
+        (
+            lambda: Replace(cancel_running="yes"),  # type: ignore[arg-type]
+            "Replace(cancel_running=...) must be True or False",
+        ),
         (lambda: Replace(cancel_running=True, debounce=1.0), "cancel_running=True, debounce=1.0) is not"),
         (
             lambda: parse_policy({"policy": "queue", "cancel_running": True}, "on_contention"),

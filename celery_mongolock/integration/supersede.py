@@ -97,10 +97,14 @@ class _Terminator:
         self.done = threading.Event()  # the body returned or raised: nothing to terminate
 
     def notice(self, lease: Lease, by: str) -> None:
-        """The holder was superseded: wait ``grace`` (woken early when the body ends), then terminate."""
-        if self.done.wait(self.grace):
-            return
-        self.terminate(by)
+        """The holder was superseded: in a thread of its own (the other callbacks of the notice run on),
+        wait ``grace`` (woken early when the body ends), then terminate."""
+
+        def wait_then_terminate() -> None:
+            if not self.done.wait(self.grace):
+                self.terminate(by)
+
+        threading.Thread(target=wait_then_terminate, name="celery_mongolock-grace", daemon=True).start()
 
     def terminate(self, by: str) -> None:
         task, key = self.task, self.key
