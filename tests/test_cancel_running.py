@@ -19,7 +19,7 @@ import pytest
 from . import integration_app as it
 from .servers import RedisServer, wait_for
 from .test_integration import Cluster
-from .workers import pointed_at
+from .workers import Worker, pointed_at
 
 pytestmark = pytest.mark.slow
 
@@ -169,3 +169,41 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def test_a_pool_that_cannot_terminate_a_body_is_refused_and_grace_none_is_cooperative(
+    cluster: Cluster, broker_kind: str
+) -> None:
+    """``--pool=threads`` with a task whose grace is finite: the worker does not start, and says why in our
+    words; with ``grace=None`` (the app's default without the setting) it starts, and a body that polls is
+    told and ends superseded there too."""
+    if broker_kind != "redis":
+        pytest.skip("the pool check does not depend on the broker: run once, on Redis")
+    queue = f"cx-threads-{uuid.uuid4().hex[:6]}"
+    args = ["--pool=threads", "-Q", queue]
+    refusing = Worker(
+        cluster.env(MONGOLOCK_IT_CANCEL_GRACE=GRACE),
+        cluster.ready_dir,
+        name=f"cxt{uuid.uuid4().hex[:4]}@localhost",
+        extra_args=args,
+    )
+    try:
+        with pytest.raises(AssertionError) as refused:
+            refusing.start()
+    finally:
+        refusing.stop()  # (exited: closes its log)
+    said = str(refused.value)
+    assert "exited with" in said and "Replace(cancel_running=True, grace=...)" in said
+    assert "'integration_app.cancel_deaf'" in said and "grace=None" in said
+
+    worker = cluster.worker(name=f"cxt{uuid.uuid4().hex[:4]}@localhost", concurrency=2, extra_args=args)
+    resource = tag()
+    old, new = tag(), tag()
+    r0 = it.cancel_polite.apply_async((resource, old, LONG), queue=queue)
+    wait_for(lambda: cluster.runs(old, "start"), timeout=60, message="the holder to start")
+    r1 = it.cancel_polite.apply_async((resource, new, 0.2), queue=queue)
+    assert r0.get(timeout=60)["by"] == r1.id
+    assert r1.get(timeout=60) == new
+    assert worker.proc is not None and one(cluster, "start", old)["pid"] == worker.proc.pid  # no child
+    worker.stop()
+    cluster.workers.remove(worker)
