@@ -72,7 +72,7 @@ def reached_at(cluster: Cluster, task_id: str) -> float:
 def superseded_in_history(cluster: Cluster, key: str, task_id: str, by: str) -> None:
     def found() -> bool:
         return any(
-            e.how == "superseded" and e.task_id == task_id and e.by == by
+            e.how == "superseded" and e.task_id == task_id and e.by == by and not e.parked
             for e in cluster.store.history(key, limit=50)
         )
 

@@ -118,7 +118,7 @@ class LeaseEnding:
             seen_at=aware(record.get("seen")),
             holder_saw_why=_str(record.get("why")) if record.get("how") == "lost" else None,
             source=source,
-            parked=record.get("v") == RUN_VIEW,
+            parked=record.get("v") == RUN_VIEW and not record.get("rn"),
             by=_str(record.get("by")),
         )
 

@@ -548,10 +548,12 @@ class LeaseStore:
         ended_at: _dt.datetime | None = None,
         parked_at: _dt.datetime | None = None,
         by: str | None = None,
+        running: bool = False,
     ) -> None:
-        """Queue the history record of a run that ended while parked (``QueueUpkeep.record_run_ending``)."""
+        """Queue the history record of a run that ended while parked, or of a running holder superseded
+        (``running``) (``QueueUpkeep.record_run_ending``)."""
         self.queue.record_run_ending(
-            key, how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by
+            key, how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by, running=running
         )
 
     def run_ended(

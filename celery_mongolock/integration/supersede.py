@@ -83,7 +83,7 @@ def ended_superseded(task: GuardedRun, store: LeaseStore, key: str, lease: Lease
         by,
     )
     signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
-    store.record_run_ending(key, "superseded", _run_info(task), fence=lease.fence, by=by)
+    store.record_run_ending(key, "superseded", _run_info(task), fence=lease.fence, by=by, running=True)
     return _queue.superseded_result(key, by)
 
 
@@ -123,7 +123,9 @@ class _Terminator:
         try:
             task.app.backend.store_result(self.request_id, _queue.superseded_result(key, by), "SUCCESS")
             signals.run_superseded.send(sender=task, key=key, task_id=self.request_id, by=by)
-            self.store.record_run_ending(key, "superseded", self.info, fence=self.lease.fence, by=by)
+            self.store.record_run_ending(
+                key, "superseded", self.info, fence=self.lease.fence, by=by, running=True
+            )
             self.store.flush_history(timeout=2.0)
         except Exception as exc:  # the termination goes ahead: the key must go to the newest run
             log.warning(
