@@ -111,6 +111,7 @@ def test_a_newer_send_marks_the_running_holder_and_the_stream_tells_it_at_once(s
     noticed = time.monotonic() - sent
     assert store.heartbeat.ticks == 0, "the heartbeat ticked: the notice may be its own"
     assert holder.superseded and holder.superseded_by == "task-20" and not holder.lost
+    assert holder.superseded_at is not None and sent <= holder.superseded_at <= time.monotonic()
     wait_for(lambda: told == ["task-20"], timeout=DEADLINE, message="the superseded callback")
     with pytest.raises(Superseded) as raised:
         holder.raise_if_superseded()

@@ -203,6 +203,7 @@ class Lease:
         #: (the lease watch, or the heartbeat's read where there is no change stream).
         self.notice_supersession = False
         self._superseded_by: str | None = None
+        self._superseded_at: float | None = None
         self._superseded_event = threading.Event()
         self._superseded_callbacks: list[SupersededCallback] = []
 
@@ -269,6 +270,11 @@ class Lease:
         """The task id of the newer send that superseded this holder (None: not superseded)."""
         return self._superseded_by
 
+    @property
+    def superseded_at(self) -> float | None:
+        """When this process learnt of the supersession (its clock's monotonic time; None: not yet)."""
+        return self._superseded_at
+
     def raise_if_superseded(self) -> None:
         """Raise ``Superseded`` if a newer send superseded this holder: call it between steps of long
         work. Raised out of a singleton task's body, it ends the run as superseded, not as a failure."""
@@ -296,6 +302,7 @@ class Lease:
             if self._superseded_event.is_set() or self._released or self._lost_reason is not None:
                 return False
             self._superseded_by = by
+            self._superseded_at = self.store.clock.monotonic()
             self._superseded_event.set()
             callbacks = list(self._superseded_callbacks)
         log_renew.info("lease %r (fence %s): superseded by a newer send (%s)", self.key, self.fence, by)
