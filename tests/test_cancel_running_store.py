@@ -195,3 +195,21 @@ def test_the_superseded_holders_fenced_writes_are_refused_and_the_newest_run_wri
     assert (reports.find_one({"_id": 7}) or {})["rows"] == 3
     assert not newest.superseded  # the old mark names the old token only
     newest.release()
+
+
+def test_a_run_handed_the_key_before_a_newer_send_parked_claims_it_superseded(store: LeaseStore) -> None:
+    """The key is handed to B (the holder's release); C is sent before B claims: C parks behind the pending
+    handoff. B's claim marks B superseded by C in the same command, and B learns it with its claim."""
+    handoffs = Handoffs(store)
+    holder = held(store, 10)
+    store.admit(KEY, entry(20), replace=True, cancel=True)
+    assert holder.wait_superseded(DEADLINE)
+    holder.release()
+    [(_, ho)] = handoffs.seen
+    _, doc = store.admit(KEY, entry(30), replace=True, cancel=True)
+    assert doc["lo"] == "parked" and (store.collection.find_one({"_id": KEY}) or {})["ho"]["t"] == "task-20"
+    claimed, doc = store.admit(KEY, entry(20), claim=ho["tk"], replace=True, cancel=True, ttl=LEASE)
+    assert claimed is not None and doc["lo"] == "claimed"
+    assert claimed.superseded and claimed.superseded_by == "task-30"
+    claimed.release()
+    assert [t for t in handoffs.tasks] == ["task-20", "task-30"]

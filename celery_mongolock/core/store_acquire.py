@@ -97,6 +97,8 @@ class AcquisitionOwner(LeaseBackend, Protocol):
     @property
     def heartbeat(self) -> Heartbeat: ...
 
+    def mark_superseded(self, leases: list[Lease], timeout: float | None = None) -> int: ...
+
     def try_acquire(
         self,
         key: str,
@@ -514,6 +516,13 @@ class Acquisition:
         if lease is not None:
             doc.setdefault("lo", "acquired")
             lease.notice_supersession = cancel
+            if cancel and claim is not None:
+                # Handed the key before a newer send parked: the claim marked it superseded (one read,
+                # only for such claims: the reply of an acquisition carries no document).
+                try:
+                    self.store.mark_superseded([lease])
+                except StoreUnavailable as exc:  # the lease watch or the heartbeat reads the mark later
+                    log_acquire.warning("reading the supersession of %r after its claim failed: %s", key, exc)
         self._admitted(normalize_key(key), lease, doc, limit)
         return lease, doc
 

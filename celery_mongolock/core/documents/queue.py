@@ -668,12 +668,15 @@ def park_exprs(
     return in_order, []
 
 
-def cancel_mark(entry: Mapping[str, Any]) -> Document:
+def cancel_mark(entry: Mapping[str, Any], token: str) -> Document:
     """``Replace(cancel_running=True)``: the ``cx`` field of an admit that parks ``entry`` behind a
     running holder (the key held, no handoff pending): the holder's token ``o`` and fence ``f``, the
     newer run ``t`` (its send stamp ``s``, its run id ``id``) and when (``at``). The holder's process
-    reads it (the lease watch at once, or its heartbeat) and marks its lease superseded. A mark whose
-    ``o`` is not the owner any more is stale and harmless: every reader matches it on the token::
+    reads it (the lease watch at once, or its heartbeat) and marks its lease superseded. A run that
+    **claims** the key handed to it while a newer send is parked (it parked after the handoff was made)
+    is marked in its claim, with its own ``token`` and the newest parked run: it starts superseded (the
+    claimer reads the mark at once, ``Acquisition.admit``). A mark whose ``o`` is not the owner any more is
+    stale and harmless: every reader matches it on the token::
 
         cx: {o: holder's token, f: holder's fence, t: newer task id, s: its stamp, id: its run id, at}
     """
@@ -694,7 +697,28 @@ def cancel_mark(entry: Mapping[str, Any]) -> Document:
         "id": {"$literal": str(entry["id"])},
         "at": "$$NOW",
     }
-    return {"$cond": [running, mark, {"$ifNull": ["$cx", None]}]}
+    newest = {"$arrayElemAt": [_Q, -1]}
+    claimed_behind_a_newer_send = {
+        "$and": [
+            {"$eq": ["$__o", "claimed"]},
+            {"$gt": [{"$ifNull": [field_of("s", newest), -1]}, int(entry["s"])]},
+        ]
+    }
+    claim_mark = {
+        "o": {"$literal": token},
+        "f": "$fence",
+        "t": field_of("t", newest),
+        "s": field_of("s", newest),
+        "id": field_of("id", newest),
+        "at": "$$NOW",
+    }
+    return {
+        "$cond": [
+            running,
+            mark,
+            {"$cond": [claimed_behind_a_newer_send, claim_mark, {"$ifNull": ["$cx", None]}]},
+        ]
+    }
 
 
 def admit_pipeline(
@@ -900,7 +924,7 @@ def admit_pipeline(
         }
         fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer_by, None]}
         if cancel:
-            fields["cx"] = cancel_mark(entry)
+            fields["cx"] = cancel_mark(entry, token)
         fields["last"] = {
             "$cond": [
                 {"$and": ["$__free", {"$gt": [stamp, {"$ifNull": ["$last.s", -1]}]}]},
