@@ -212,4 +212,4 @@ def test_a_run_handed_the_key_before_a_newer_send_parked_claims_it_superseded(st
     assert claimed is not None and doc["lo"] == "claimed"
     assert claimed.superseded and claimed.superseded_by == "task-30"
     claimed.release()
-    assert [t for t in handoffs.tasks] == ["task-20", "task-30"]
+    assert handoffs.tasks == ["task-20", "task-30"]
