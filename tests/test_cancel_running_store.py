@@ -213,3 +213,16 @@ def test_a_run_handed_the_key_before_a_newer_send_parked_claims_it_superseded(st
     assert claimed.superseded and claimed.superseded_by == "task-30"
     claimed.release()
     assert handoffs.tasks == ["task-20", "task-30"]
+
+
+def test_a_superseded_running_holder_is_in_the_history_beside_its_lease(store: LeaseStore) -> None:
+    holder = held(store, 10)
+    store.admit(KEY, entry(20), replace=True, cancel=True)
+    assert holder.wait_superseded(DEADLINE)
+    store.record_run_ending(KEY, "superseded", entry(10), fence=holder.fence, by="task-20", running=True)
+    holder.release()
+    assert store.flush_history(timeout=30)
+    endings = store.history(KEY)
+    [superseded] = [e for e in endings if e.how == "superseded"]
+    assert superseded.task_id == "task-10" and superseded.by == "task-20" and not superseded.parked
+    assert [e.how for e in endings if e.fence == holder.fence] == ["released", "superseded"]  # newest first
