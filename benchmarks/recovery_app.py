@@ -25,7 +25,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_ready
 
-from celery_mongolock import Wait, singleton_task
+from celery_mongolock import Replace, Wait, current_lease, singleton_task
 from celery_mongolock.signals import lease_contended, lease_released
 
 app = Celery("recovery_app")
@@ -126,6 +126,39 @@ def _body(impl: str, run: str, key: str, role: str, seconds: float) -> None:
 def ours(run: str, key: str, role: str, seconds: float) -> None:
     """``@singleton_task`` with the Wait policy: a second run waits for the key, then runs."""
     _body("ours", run, key, role, seconds)
+
+
+#: ``benchmarks/cancel_running.py``: the grace of ``rec.cancel_deaf`` (``REC_CANCEL_GRACE``, seconds).
+CANCEL_GRACE = float(os.environ.get("REC_CANCEL_GRACE", "2.0"))
+
+
+@singleton_task(
+    key="rec:{key}",
+    app=app,
+    name="rec.cancel_deaf",
+    on_contention=Replace(cancel_running=True, grace=CANCEL_GRACE),
+)
+def cancel_deaf(run: str, key: str, role: str, seconds: float) -> None:
+    """``Replace(cancel_running=True, grace=...)`` whose body never looks: a newer send has its child
+    terminated after the grace, then runs."""
+    _body("cancel", run, key, role, seconds)
+
+
+@singleton_task(
+    key="rec:{key}", app=app, name="rec.cancel_polite", on_contention=Replace(cancel_running=True, grace=None)
+)
+def cancel_polite(run: str, key: str, role: str, seconds: float) -> None:
+    """The same, cooperative: polls ``raise_if_superseded()`` every 10 ms and records when it noticed."""
+    lease = current_lease()
+    assert lease is not None
+    emit("start", impl="cancel", run=run, key=key, role=role)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if lease.superseded:
+            emit("noticed", run=run, key=key, role=role)
+            lease.raise_if_superseded()
+        time.sleep(0.01)
+    emit("end", impl="cancel", run=run, key=key, role=role)
 
 
 try:

@@ -29,7 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
-BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits")
+BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits", "cancel_running")
 # Generous per-benchmark limits: a stuck benchmark is stopped, reported, and the others still run.
 TIME_LIMIT = {
     "store": 1800.0,
@@ -38,6 +38,7 @@ TIME_LIMIT = {
     "history": 600.0,
     "contention": 900.0,
     "limits": 900.0,
+    "cancel_running": 600.0,
 }
 QUICK_TIME_LIMIT = {
     "store": 300.0,
@@ -46,6 +47,7 @@ QUICK_TIME_LIMIT = {
     "history": 180.0,
     "contention": 300.0,
     "limits": 180.0,
+    "cancel_running": 300.0,
 }
 STORE_TARGET = 1.2  # issue 7: acquire + release under 1.2x the bare two commands
 
@@ -523,6 +525,8 @@ def report(
         targets += embedded_targets(results["recovery"], "recovery")
     if "contention" in results:
         targets += embedded_targets(results["contention"], "contention")
+    if "cancel_running" in results:
+        targets += embedded_targets(results["cancel_running"], "cancel_running")
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     lines = [
         "# Benchmark report",
@@ -569,6 +573,12 @@ def report(
     if "limits" in results:
         section = generic_section("limits", results["limits"])
         section[0] = "## `limit=N` and several keys against a single key (`limits.json`)"
+        lines += ["", *section]
+    if "cancel_running" in results:
+        section = generic_section("cancel_running", results["cancel_running"])
+        section[0] = (
+            "## `Replace(cancel_running=True)`: a newer send stops the holder (`cancel_running.json`)"
+        )
         lines += ["", *section]
     return "\n".join(lines) + "\n", targets
 

@@ -24,6 +24,7 @@ from celery_mongolock.exceptions import (
     MongoLockError,
     QueueTimeout,
     StoreUnavailable,
+    Superseded,
     UntrustedMessage,
 )
 from celery_mongolock.integration.task import SingletonTask, current_lease, singleton_task
@@ -55,6 +56,7 @@ __all__ = [
     "SingletonTask",
     "Skip",
     "StoreUnavailable",
+    "Superseded",
     "UntrustedMessage",
     "Wait",
     "__version__",

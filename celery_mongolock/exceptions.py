@@ -20,6 +20,7 @@ __all__ = [
     "MongoLockError",
     "QueueTimeout",
     "StoreUnavailable",
+    "Superseded",
     "UntrustedMessage",
 ]
 
@@ -95,6 +96,25 @@ class LeaseLost(MongoLockError):
         self.reason = reason
         self.message = f"lease {key!r} (fence {fence}) is no longer held: {reason}"
         super().__init__(key, fence, reason)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Superseded(MongoLockError):
+    """A newer send of the key superseded the running holder (``Replace(cancel_running=True)``): raised by
+    ``current_lease().raise_if_superseded()``. Raised out of a singleton task's body, it ends the run as
+    superseded (``SUCCESS`` with the superseded result), not as a failure, and the run is not retried."""
+
+    def __init__(self, key: str, fence: int | None = None, by: str | None = None) -> None:
+        self.key = key
+        self.fence = fence
+        self.by = by
+        self.message = (
+            f"the run holding {key!r} (fence {fence}) was superseded by a newer send"
+            f"{f' ({by})' if by else ''}: stop, the newest run takes the key"
+        )
+        super().__init__(key, fence, by)
 
     def __str__(self) -> str:
         return self.message

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.signals import task_postrun, worker_ready
+from celery.signals import task_postrun, task_prerun, worker_ready
 from pymongo import MongoClient
 
 from celery_mongolock import (
@@ -29,6 +29,7 @@ from celery_mongolock import (
     current_lease,
     singleton_task,
 )
+from celery_mongolock.core.fencing import FencedOut, fenced_update_one
 from celery_mongolock.signals import lease_contended, lease_lost
 
 
@@ -62,7 +63,22 @@ app.conf.update(
     mongolock_heartbeat_seconds=float(os.environ["MONGOLOCK_IT_HEARTBEAT"])
     if os.environ.get("MONGOLOCK_IT_HEARTBEAT")
     else None,
-    mongolock_task_policies={"integration_app.per_task_skip": {"on_contention": "skip"}},
+    mongolock_task_policies={
+        "integration_app.per_task_skip": {"on_contention": "skip"},
+        # MONGOLOCK_IT_CANCEL_GRACE: the grace of the cancel_running tasks, from settings (without it they
+        # are cooperative only, grace=None, so that workers of other pools accept this app).
+        **{
+            name: {
+                "on_contention": {
+                    "policy": "replace",
+                    "cancel_running": True,
+                    "grace": float(os.environ["MONGOLOCK_IT_CANCEL_GRACE"]),
+                }
+            }
+            for name in ("integration_app.cancel_polite", "integration_app.cancel_deaf")
+            if os.environ.get("MONGOLOCK_IT_CANCEL_GRACE")
+        },
+    },
     # MONGOLOCK_IT_SIGNING_KEY: parked runs' stored messages signed (tests/test_trust_handoff.py).
     mongolock_signing_key=os.environ.get("MONGOLOCK_IT_SIGNING_KEY") or None,
 )
@@ -477,6 +493,60 @@ def tenant_upload_window(tenant: str, group: str, tag: str) -> str:
 def tenant_upload_queued(tenant: str, group: str, tag: str) -> str:
     """Several keys, 2 slots of the tenant key, under Queue: parked and reserved on each key."""
     return _held(tag)
+
+
+@task_prerun.connect
+def _reached(sender: Any = None, task_id: str = "", **_: Any) -> None:
+    """When a run of a cancel_running task reached a worker (before its admission)."""
+    if getattr(sender, "name", "").startswith("integration_app.cancel_"):
+        db()["runs"].insert_one({"kind": "reached", "task_id": task_id, "t": time.time()})
+
+
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.cancel_polite",
+    on_contention=Replace(cancel_running=True, grace=None),
+)
+def cancel_polite(resource: str, tag: str, seconds: float = 0.3, report: int | None = None) -> str:
+    """``Replace(cancel_running=True)``, cooperative: polls ``raise_if_superseded()`` while it works; with
+    ``report``, writes a fenced report document at every step and records the writes refused."""
+    lease = current_lease()
+    assert lease is not None
+    record("start", tag)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        superseded = lease.superseded  # (before the write: once told, the write must be refused)
+        if report is not None:
+            try:
+                fenced_update_one(db()["reports"], {"_id": report}, {"$set": {"by": tag}}, lease, upsert=True)
+            except FencedOut as exc:
+                record("refused", tag, by=exc.superseded_by, superseded=superseded)
+        if superseded:
+            record("noticed", tag, by=lease.superseded_by)
+            lease.raise_if_superseded()
+        time.sleep(0.01)
+    record("end", tag)
+    return tag
+
+
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.cancel_deaf",
+    on_contention=Replace(cancel_running=True, grace=None),
+)
+def cancel_deaf(resource: str, tag: str, seconds: float = 0.3) -> str:
+    """``Replace(cancel_running=True)`` whose body never looks: it is ended by its grace."""
+    lease = current_lease()
+    assert lease is not None
+    lease.on_superseded(lambda _lease, by: record("told", tag, by=by))
+    record("start", tag)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    record("end", tag)
+    return tag
 
 
 @app.task(name="integration_app.plain")

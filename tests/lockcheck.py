@@ -213,9 +213,16 @@ MIN_HOLD = 1.0
 #: parked on the ``l`` key like a ``limit=N`` run, a slot they got while they wait for the ``k`` key kept
 #: as a reservation (and the ``k`` key too, as ``MULTI_QUEUE_TASK`` runs keep theirs).
 MULTI_LIMIT_QUEUE_TASK = "lockcheck.rmw_multi_limit_queued"
+#: ``Replace(cancel_running=True, grace=CANCEL_GRACE)`` runs, on the ``r`` keys beside ``Replace()`` runs
+#: (half the ``r`` bursts): a newer send supersedes the running holder too, which stops (its fenced writes
+#: refused) or is terminated after the grace. ``check_cancel`` and ``cancel_figures``.
+REPLACE_CANCEL_TASK = "lockcheck.rmw_replace_cancel"
+CANCEL_GRACE = 0.5
+REPLACE_TASKS = (REPLACE_TASK, REPLACE_CANCEL_TASK)
 QUEUED_TASKS = {
     QUEUE_TASK: "queue",
     REPLACE_TASK: "replace",
+    REPLACE_CANCEL_TASK: "replace",
     LIMIT_QUEUE_TASK: "queue",
     MULTI_QUEUE_TASK: "queue",
     MIN_HOLD_TASK: "queue",
@@ -482,6 +489,7 @@ def run_hold(
     """Under ``lease``: claim the protected document, then one read-modify-write per op. Returns the
     outcome of each op attempted (fewer than ``ops`` if the hold ended early)."""
     key, hold, fence = lease.key, lease.owner, lease.fence
+    t0 = time.monotonic()  # (``t0``: sent at; check_cancel compares it with a supersession notice)
     try:
         fenced_update_one(
             docs,
@@ -491,14 +499,14 @@ def run_hold(
             upsert=True,
         )
     except FencedOut:
-        hist.event("claim", key=key, hold=hold, fence=fence, outcome="fenced", who=who)
+        hist.event("claim", key=key, hold=hold, fence=fence, outcome="fenced", who=who, t0=t0)
         return []
     except PyMongoError as exc:
         hist.event(
             "claim", key=key, hold=hold, fence=fence, outcome="error", error=type(exc).__name__, who=who
         )
         return []
-    hist.event("claim", key=key, hold=hold, fence=fence, outcome="ok", who=who)
+    hist.event("claim", key=key, hold=hold, fence=fence, outcome="ok", who=who, t0=t0)
     outcomes: list[str] = []
     for op in ops:
         try:
@@ -516,8 +524,11 @@ def run_hold(
             hist.event("write", **base, outcome="lost-detected", t=time.monotonic())
             outcomes.append("lost-detected")
             break
+        t0 = time.monotonic()
         outcome, retried = _write(docs, lease, op, p)
-        hist.event("write", **base, outcome=outcome, retried=retried, reckless=reckless, t=time.monotonic())
+        hist.event(
+            "write", **base, outcome=outcome, retried=retried, reckless=reckless, t0=t0, t=time.monotonic()
+        )
         outcomes.append("ack" if outcome.startswith("ack") else outcome)
         if outcome not in {"ack", "ack-earlier"}:
             break
@@ -1379,6 +1390,8 @@ def check(history: History) -> list[Violation]:
     # 7. Reentrant holds.
     found += check_reentrant(history)
     found += check_multi_replace(history)
+    # 8. Replace(cancel_running=True): superseded holders.
+    found += check_cancel(history)
     return found
 
 
@@ -2106,7 +2119,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
             elif (
                 by is None
                 or by.get("key") != task.get("key")
-                or by.get("task") != REPLACE_TASK
+                or by.get("task") not in REPLACE_TASKS
                 or int(by["stamp"]) <= int(task["stamp"])
             ):
                 found.append(
@@ -2205,7 +2218,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
             replace_runs = sorted(
                 (int(t["stamp"]), tid)
                 for tid, t in queued.items()
-                if t.get("key") == key and t.get("task") == REPLACE_TASK
+                if t.get("key") == key and t.get("task") in REPLACE_TASKS
             )
             newer_first: int | None = None  # the smallest first grant among runs sent later
             for stamp, tid in reversed(replace_runs):
@@ -2221,6 +2234,99 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                 if (tid, key) in first_grant:
                     newer_first = min(first_grant[tid, key], newer_first or first_grant[tid, key])
     return found
+
+
+def check_cancel(history: History) -> list[Violation]:
+    """``REPLACE_CANCEL_TASK`` runs (``Replace(cancel_running=True)``), from the holders' own notices
+    (``superseded-notice``: the hold token, when its body was told) and their claims and writes (``t0``:
+    when each was sent):
+
+    * ``write-after-supersession``: a claim or write of a superseded holder sent after it was told, and
+      accepted (``fenced_update_one`` with the lease must refuse it);
+    * ``superseded-holder-by-older``: a holder told superseded by a run that is not a newer send of its key.
+    (No two bodies at once, and the newest send of a key running, are the checks of every key and of
+    ``check_queued``: a newest send is never superseded, so it ends done.)"""
+    found: list[Violation] = []
+    tasks = history.tasks
+    told: dict[str, Doc] = {}
+    for ev in history.events:
+        if ev.get("ev") == "superseded-notice":
+            told.setdefault(str(ev["hold"]), ev)
+    for _hold, notice in sorted(told.items()):
+        holder, by = tasks.get(str(notice.get("task_id"))) or {}, tasks.get(str(notice.get("by"))) or {}
+        if by.get("key") != notice.get("key") or int(by.get("stamp") or -1) <= int(holder.get("stamp") or 0):
+            found.append(
+                Violation(
+                    "superseded-holder-by-older",
+                    f"{notice.get('key')}: holder {notice.get('task_id')} (stamp {holder.get('stamp')}) told "
+                    f"superseded by {notice.get('by')} (stamp {by.get('stamp')}, key {by.get('key')})",
+                )
+            )
+    for ev in history.events:
+        found_notice = told.get(str(ev.get("hold"))) if ev.get("ev") in ("claim", "write") else None
+        if found_notice is None:
+            continue
+        notice = found_notice
+        if ev.get("t0") is None or float(ev["t0"]) <= float(notice["t"]):
+            continue
+        if str(ev.get("outcome")) in ("ok", "ack", "ack-earlier"):
+            found.append(
+                Violation(
+                    "write-after-supersession",
+                    f"{ev.get('key')}: holder {notice.get('task_id')} (fence {ev.get('fence')}) had its "
+                    f"{ev['ev']} accepted {float(ev['t0']) - float(notice['t']):.3f}s after it was told "
+                    f"superseded by {notice.get('by')}",
+                )
+            )
+    return found
+
+
+def cancel_figures(history: History) -> Doc:
+    """What the ``REPLACE_CANCEL_TASK`` runs did (figures, not verdicts); ``directed_*``: the directed
+    burst (``Run._cancel_directed``: a deaf holder terminated after its grace, a lingering holder told and
+    its claim refused, the newest send run)."""
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == REPLACE_CANCEL_TASK}
+    ev = history.events
+    told = {str(e["hold"]): e for e in ev if e.get("ev") == "superseded-notice"}
+    released = {str(e["hold"]) for e in ev if e.get("ev") == "rel"}
+    refused = {
+        str(e["hold"])
+        for e in ev
+        if e.get("ev") in ("claim", "write")
+        and str(e.get("hold")) in told
+        and e.get("outcome") == "fenced"
+        and float(e.get("t0") or 0) > float(told[str(e["hold"])]["t"])
+    }
+    terminated = {h for h in told if h not in released}
+    directed = {tid: t for tid, t in tasks.items() if str(t.get("op", "")).startswith("directed-cancel-")}
+    by_op = {str(t["op"]): tid for tid, t in directed.items()}
+
+    def result(op: str) -> Doc:
+        r = (directed.get(by_op.get(op, "")) or {}).get("result")
+        return r if isinstance(r, dict) else {}
+
+    def holds_of(op: str) -> set[str]:
+        tid = by_op.get(op)
+        return {str(e["hold"]) for e in ev if e.get("ev") == "acq" and e.get("task_id") == tid and tid}
+
+    return {
+        "submitted": len(tasks),
+        "holders_told": len(told),
+        "holders_terminated": len(terminated),
+        "holders_refused_after_notice": len(refused),
+        "superseded": sum(
+            1 for t in tasks.values() if (t.get("result") or {}).get("mongolock") == "superseded"
+        ),
+        "directed_terminated": int(
+            result("directed-cancel-0").get("mongolock") == "superseded"
+            and bool(holds_of("directed-cancel-0") & terminated)
+        ),
+        "directed_refused_after_notice": int(
+            result("directed-cancel-1").get("mongolock") == "superseded"
+            and bool(holds_of("directed-cancel-1") & refused)
+        ),
+        "directed_newest_ran": int(result("directed-cancel-2").get("outcome") == "ack"),
+    }
 
 
 def queued_faults(faults: list[Doc]) -> dict[str, int]:
@@ -2706,6 +2812,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "document": document_figures(history),
         "reentrant": reentrant_figures(history, faults),
         "multi_replace": multi_replace_figures(history, faults),
+        "cancel": cancel_figures(history),
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
         "violations": len(violations),
@@ -2836,6 +2943,19 @@ def unmet_coverage(report: Doc) -> list[str]:
             "a run of an overlapping set parked behind the set's reservation",
             directed,
         )
+    cx = report.get("cancel")
+    if cx is not None and cx.get("submitted"):
+        claim(
+            cx["directed_terminated"] == 1,
+            "a cancel_running holder that never looks terminated after its grace",
+            cx,
+        )
+        claim(
+            cx["directed_refused_after_notice"] == 1,
+            "a cancel_running holder told, its claim refused, ended superseded",
+            cx,
+        )
+        claim(cx["directed_newest_ran"] == 1, "the newest send of the cancel_running burst ran", cx)
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
     claim(tasks.get("died_after_release", 0) >= 1, "a run died after its body released the key", tasks)
     doc = report.get("document")
@@ -3249,7 +3369,9 @@ class Run:
                 names = [QUEUE_TASK] * self.rng.randint(1, self.cfg.burst)
             elif pick < self.cfg.queue_share + self.cfg.replace_share and self.cfg.replace_keys:
                 key = key_for(self.rng.randrange(self.cfg.replace_keys), epoch, "r")
-                names = [REPLACE_TASK] * self.rng.randint(1, self.cfg.burst)
+                # (half the bursts with cancel_running: a newer send also stops the running holder)
+                name = REPLACE_CANCEL_TASK if self.rng.random() < 0.5 else REPLACE_TASK
+                names = [name] * self.rng.randint(1, self.cfg.burst)
             elif pick < self.cfg.queue_share + self.cfg.replace_share + self.cfg.limit_share and (
                 self.cfg.limit_keys
             ):
@@ -3327,6 +3449,7 @@ class Run:
         queue: str | None = None,
         linger: str | None = None,
         die: bool = False,
+        deaf: bool = False,
     ) -> str | None:
         """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time; ``linger``:
         see ``_lingering``; ``die``: see ``DIE_TASKS``); its id, or None if it could not be sent."""
@@ -3340,6 +3463,8 @@ class Run:
         kwargs: Doc = {"reckless": reckless, **({"linger": linger} if linger else {})}
         if die:
             kwargs["die"] = True
+        if deaf:
+            kwargs["deaf"] = True
         try:
             result = self.capp.send_task(
                 name, args=(*(keys or (key,)), op), kwargs=kwargs, queue=queue,
@@ -3506,6 +3631,8 @@ class Run:
         bursts.append(("", [], reentrant))
         if self.cfg.multi_replace_keys > 2:
             bursts.append(("", [], self._multi_replace_directed()))
+        if self.cfg.replace_keys:
+            bursts.append(("", [], self._cancel_directed()))
         everyone = [t for _k, _g, ids in bursts for t in ids]
         try:
             _wait(
@@ -3545,6 +3672,47 @@ class Run:
         )
         release_document(paused, hist, DOC_PAUSED)
         release_document(successor, hist, DOC_SUCCESSOR)
+
+    def _cancel_directed(self) -> list[str]:
+        """``REPLACE_CANCEL_TASK`` on an ``r`` key of its own (index ``DIRECTED_KEY`` + 1), one send at a
+        time, each once the previous one holds the key (the lease document's holder): a deaf holder (never
+        looks) is superseded by a lingering one and terminated after its grace; the lingering holder is
+        told by the newest send, stops lingering, has its claim refused and ends superseded; the newest runs.
+        By construction: every send waits for its predecessor to hold the key."""
+        assert self.store is not None
+        store = self.store
+        key = key_for(DIRECTED_KEY + 1, current_epoch(self.start_mono, self.cfg.epoch_seconds), "r")
+        never = str(self.dir / "cancel-never")  # the lingering holder stops because it is told, not this
+        ids: list[str] = []
+        for i in range(3):
+            op = f"directed-cancel-{i}"
+            tid = self._submit(
+                REPLACE_CANCEL_TASK, key, op, queue="celery", deaf=i == 0, linger=never if i == 1 else None
+            )
+            if tid is None:
+                return ids
+            ids.append(tid)
+            if i == 2:
+                break
+
+            def holds(tid: str = tid) -> bool:
+                try:
+                    info = store.inspect(key)
+                except MongoLockError:
+                    return False
+                # (claimed: a key handed to the run and not yet claimed shows its holder too)
+                return (
+                    info is not None
+                    and info.held
+                    and info.handoff is None
+                    and info.holder.get("task_id") == tid
+                )
+
+            try:
+                _wait(holds, START_GUARD_S, f"directed-cancel-{i} to hold {key}", interval=0.1)
+            except TimeoutError as exc:
+                self.log(f"directed phase: {exc}")
+        return ids
 
     def _reentrant_burst(self) -> list[str]:
         """``REENTRANT_BURST`` runs of ``REENTRANT_TASK`` on an ``l`` key and a ``k`` key of their own (no

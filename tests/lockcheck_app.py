@@ -287,7 +287,13 @@ def _linger(lease: Any, path: str | None) -> None:
     """Keep the key (the heartbeat renews it) until the controller creates ``path``: a Celery child that
     holds a lease for the fault about to begin (``lockcheck.Run._lingering``). A lost lease ends it."""
     give_up = time.monotonic() + lockcheck.LINGER_GUARD_S
-    while path and not os.path.exists(path) and not lease.lost and time.monotonic() < give_up:
+    while (
+        path
+        and not os.path.exists(path)
+        and not lease.lost
+        and not lease.superseded  # (Replace(cancel_running=True): a newer send took over)
+        and time.monotonic() < give_up
+    ):
         time.sleep(0.05)
 
 
@@ -332,6 +338,10 @@ def _body(
         outcome = outcomes[0] if outcomes else "claim-failed"
         if die and outcome == "ack":
             _die_after_release(task, hist, key, released)
+    if outcome != "ack" and lease.superseded:
+        # Replace(cancel_running=True): a newer send superseded this holder (its writes were refused from
+        # then on): the run ends superseded, not retried.
+        lease.raise_if_superseded()
     if outcome != "ack":
         # Fenced out, lease lost, or MongoDB unreachable: do the work again under a new lease.
         if os.environ.get("LOCKCHECK_CELERY_RETRY"):
@@ -381,6 +391,45 @@ def rmw_queue(self: Any, key: str, op: str, reckless: bool = False, die: bool = 
 def rmw_replace(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """The same, but latest wins: a newer send replaces the parked run (which ends superseded)."""
     return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    key="{key}", app=app, name=lockcheck.REPLACE_CANCEL_TASK, bind=True, max_retries=200,
+    on_contention=Replace(cancel_running=True, grace=lockcheck.CANCEL_GRACE),
+)  # fmt: skip
+def rmw_replace_cancel(
+    self: Any, key: str, op: str, reckless: bool = False, linger: str | None = None, *, deaf: bool = False
+) -> dict[str, Any]:
+    """``rmw_replace`` with ``cancel_running=True``: a newer send supersedes the running holder too, which
+    is told (``superseded-notice``), has its fenced writes refused and ends superseded. ``deaf``: the body
+    never looks and never writes (it holds the key until its child is terminated after the grace, or
+    ``lockcheck.LINGER_GUARD_S``); ``linger``: as for ``rmw`` (a superseded holder stops lingering)."""
+    lease = current_lease()
+    assert lease is not None
+    hist = _history() or lockcheck.HistoryWriter.for_process(".")
+    tid = self.request.id
+
+    def told(held: Any, by: str) -> None:
+        hist.event(
+            "superseded-notice",
+            key=key,
+            task_id=tid,
+            hold=held.owner,
+            fence=held.fence,
+            by=by,
+            t=held.superseded_at,  # (when the lease was marked: the body may act on it before this runs)
+        )
+
+    lease.on_superseded(told)
+    if not deaf:
+        return _body(self, key, op, reckless, linger)
+    who = f"task:{self.request.hostname}:{os.getpid()}"
+    lockcheck.record_task_acquired(hist, lease, who, tid, stamp=_stamp(self.request))
+    give_up = time.monotonic() + lockcheck.LINGER_GUARD_S
+    while time.monotonic() < give_up and not lease.lost:
+        time.sleep(0.05)  # deaf: never looks at lease.superseded
+    lockcheck.release_and_record(lease, hist, who)
+    raise self.retry(countdown=0.2)  # never terminated: run again (the checker reports the burst)
 
 
 @singleton_task(

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, Task
+from celery.concurrency.thread import TaskPool as ThreadPool
 from pymongo import MongoClient
 
 from celery_mongolock import (
@@ -41,6 +42,7 @@ from celery_mongolock import (
 )
 from celery_mongolock.config import read_settings
 from celery_mongolock.core.documents.locked import guarded_update
+from celery_mongolock.integration.supersede import check_pool
 from celery_mongolock.integration.task import _check_task_policies
 from celery_mongolock.keys import normalize_key
 from celery_mongolock.policies import parse_policy
@@ -182,6 +184,8 @@ SPEC_CASES = [
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit=3, on_contention="replace"), ConfigurationError, "on_contention='replace'", "not supported yet", "limit-with-replace-and-keys"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), on_contention=Replace(debounce=5)), ConfigurationError, "Replace(debounce=5)", "not supported yet", "keys-with-debounced-replace"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"g:{group_id}": 3}, on_contention="replace"), ConfigurationError, "on_contention='replace'", "not supported yet", "limit-dict-with-replace"),
+    case(lambda: declare(keys=("g:{group_id}", "p:{path}"), on_contention=Replace(cancel_running=True)), ConfigurationError, "Replace(cancel_running=True) with keys=", "not supported yet", "keys-with-cancel-running"),
+    case(lambda: declare("g:{group_id}", limit=3, on_contention=Replace(cancel_running=True)), ConfigurationError, "Replace(cancel_running=True) with limit=3", "no one running holder", "limit-with-cancel-running"),
     case(lambda: app_task(mongolock_key="email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "app-task-template-missing-arg"),
     case(lambda: app_task(mongolock_on_contention="skipp"), ConfigurationError, "mongolock_on_contention", "got 'skipp'", "app-task-misspelt-policy"),
     case(lambda: app_task(mongolock_lease_second=60), ConfigurationError, "mongolock_lease_second", "did you mean mongolock_lease_seconds?", "app-task-misspelt-option"),
@@ -432,6 +436,11 @@ POLICY_CASES = [
     case(lambda: Queue(then=Wait()), ConfigurationError, "Queue(then=...)", "Skip() or Fail()", "queue-then-wait"),
     case(lambda: Replace(max_length=3), ConfigurationError, "Replace()", "at most one run per key", "replace-max-length"),
     case(lambda: Replace(timeout=NAN), ConfigurationError, "Replace(timeout=...)", "got nan", "replace-nan-timeout"),
+    case(lambda: Replace(cancel_running=True, grace=-1), ConfigurationError, "Replace(grace=...)", "from 0 to", "replace-negative-grace"),
+    case(lambda: Replace(cancel_running="yes"), ConfigurationError, "Replace(cancel_running=...)", "True or False, got 'yes'", "replace-cancel-running-not-bool"),  # type: ignore[arg-type]
+    case(lambda: Replace(cancel_running=True, debounce=5), ConfigurationError, "Replace(cancel_running=True, debounce=5)", "cannot cancel the running holder", "replace-cancel-running-with-debounce"),
+    case(lambda: parse_policy({"policy": "queue", "cancel_running": True}, "on_contention"), ConfigurationError, "'cancel_running'", "an option of 'replace' only", "policy-dict-cancel-running-on-queue"),
+    case(lambda: check_pool(ThreadPool, [("proj.upload", Replace(cancel_running=True))]), ConfigurationError, "'proj.upload'", "the 'thread' pool runs bodies in the worker's own process", "cancel-running-on-threads-pool"),
     case(lambda: parse_policy({"policy": "queue", "then": "retry"}, "on_contention"), ConfigurationError, "on_contention", "Skip() or Fail()", "policy-dict-queue-then-retry"),
     case(lambda: parse_policy({"policy": "queue", "timout": 5}, "on_contention"), ConfigurationError, "on_contention", "timeout", "policy-dict-queue-misspelt"),
     case(lambda: parse_policy(Retry, "on_contention"), ConfigurationError, "on_contention", "got type", "policy-class-not-instance"),

@@ -297,3 +297,18 @@ def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
     assert "## `limit=N` and several keys against a single key (`limits.json`)" in text
     assert "| `limit=10`, full: acquire refused |" in text and "| `keys=` 4 keys |" in text
     assert targets == []
+
+
+def test_the_report_has_the_cancel_running_benchmark(tmp_path: Path) -> None:
+    """The cancel_running figures (the committed quick run's) make its targets and its section."""
+    run = load_script("run")
+    bench = load_script("cancel_running")
+    measured = json.loads((BENCHMARKS / "results" / "cancel_running.json").read_text())
+    assert measured["targets"] == bench.targets(measured)
+    args = run.parse_args(["--quick", "--only", "cancel_running", "--results", str(tmp_path)])
+    statuses = [{"benchmark": "cancel_running", "status": "ok", "seconds": 1.0}]
+    text, targets = run.report({"cancel_running": measured}, statuses, args, 60.0, (0.0, 0.0, 0.0))
+    assert "a newer send stops the holder (`cancel_running.json`)" in text
+    names = [t["name"] for t in targets]
+    assert any(n.startswith("cancel_running: newest run starts") for n in names)
+    assert any(n.startswith("cancel_running: a cooperative holder notices") for n in names)

@@ -861,6 +861,10 @@ def _covered() -> dict[str, Any]:
             "done_runs_that_reentered_both_ways": lockcheck.REENTRANT_BURST,
             "reentered_slots": lockcheck.REENTRANT_BURST,
         },
+        "cancel": {
+            "submitted": 3, "directed_terminated": 1, "directed_refused_after_notice": 1,
+            "directed_newest_ran": 1,
+        },
     }  # fmt: skip
 
 
@@ -891,6 +895,10 @@ def test_the_bounded_runs_coverage_claims() -> None:
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unheld)] == [
         "slots taken again after a clean minimum hold", "the min-hold burst parked",
     ]  # fmt: skip
+    uncancelled = _covered()  # the cancel_running burst's deaf holder was never terminated
+    uncancelled["cancel"]["directed_terminated"] = 0
+    unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(uncancelled)]
+    assert unmet == ["a cancel_running holder that never looks terminated after its grace"]
     undying = _covered()
     undying["tasks"]["died_after_release"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(undying)]

@@ -32,6 +32,7 @@ __all__ = [
     "Retry",
     "Skip",
     "Wait",
+    "check_cancel_running",
     "check_keys",
     "check_limit",
     "parse_policy",
@@ -265,9 +266,18 @@ class Replace(Queue):
     before one that already got the key is superseded too. "Newer" is by send stamp, never by delivery
     order. ``debounce`` (seconds): every run waits that long after it reached a worker and starts only if
     no newer run of its key came meanwhile (trailing-edge debounce: a burst runs once, after its last
-    send). ``timeout`` and ``then`` as for ``Queue``."""
+    send). ``timeout`` and ``then`` as for ``Queue``.
+
+    ``cancel_running=True``: a newer send also supersedes the run that **holds** the key. The holder is
+    told at once (``current_lease().superseded``; ``current_lease().raise_if_superseded()`` raises
+    ``Superseded``, which ends the run ``SUCCESS`` with the superseded result), its fenced writes are
+    refused from then on, and if its body still runs ``grace`` seconds later its prefork child is
+    terminated and the key goes to the newest run. ``grace=None``: cooperative only, never terminated
+    (the only mode on pools that cannot terminate a body: threads, solo, eventlet, gevent)."""
 
     debounce: float = 0.0
+    cancel_running: bool = False
+    grace: float | None = 10.0
     name = "replace"
 
     def __post_init__(self) -> None:
@@ -276,6 +286,22 @@ class Replace(Queue):
         if self.max_length is not None:
             raise ConfigurationError("Replace() parks at most one run per key; it takes no max_length")
         _then("Replace", self.then)
+        if not isinstance(self.cancel_running, bool):
+            raise ConfigurationError(
+                f"Replace(cancel_running=...) must be True or False, got {self.cancel_running!r}"
+            )
+        _number("Replace", "grace", self.grace, high=24 * 3600.0, allow_none=True)
+        if self.cancel_running and self.debounce:
+            raise ConfigurationError(
+                f"Replace(cancel_running=True, debounce={self.debounce!r}) is not supported: a debounced "
+                "send is not known to be the newest until its debounce has passed, so it cannot cancel the "
+                "running holder when it arrives; use one or the other"
+            )
+
+    @property
+    def terminates(self) -> bool:
+        """A superseded holder still running after ``grace`` seconds is terminated."""
+        return self.cancel_running and self.grace is not None
 
 
 PolicySpec = Policy | str | Mapping[str, Any]
@@ -318,6 +344,8 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
                 f"{setting} as a dict needs 'policy': one of 'retry', 'skip', 'wait', 'fail', 'queue', "
                 f"'replace'; got {kind!r}{hint}"
             )
+        if cls is not Replace:
+            _refuse_replace_only(setting, cls, options)
         if "then" in options:
             options["then"] = parse_policy(options["then"], f"{setting}['then']")
         try:
@@ -333,6 +361,33 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
     )
 
 
+def _refuse_replace_only(setting: str, cls: type[Policy], options: Mapping[str, Any]) -> None:
+    """``cancel_running`` and ``grace`` belong to ``Replace``: say so, not "unexpected keyword"."""
+    for name in ("cancel_running", "grace"):
+        if name in options:
+            raise ConfigurationError(
+                f"{setting}: {name!r} is an option of 'replace' only (a newer send supersedes the running "
+                f"holder), not of {cls.name!r}"
+            )
+
+
+def check_cancel_running(policy: object, *, limit: int | None = None, several_keys: bool = False) -> None:
+    """``Replace(cancel_running=True)`` works with one key and one holder: refuse it with ``limit=N``
+    (N > 1) and with ``keys=``, in our words."""
+    if not (isinstance(policy, Replace) and policy.cancel_running):
+        return
+    if limit is not None and limit > 1:
+        raise ConfigurationError(
+            f"Replace(cancel_running=True) with limit={limit} is not supported: with N holders of one key "
+            "there is no one running holder for a newer send to supersede; use limit=1 (or no limit)"
+        )
+    if several_keys:
+        raise ConfigurationError(
+            "Replace(cancel_running=True) with keys= is not supported yet: superseding the holder of a set "
+            "of keys is not implemented; use key= (one key per run)"
+        )
+
+
 def check_limit(limit: object, policy: object = None, min_hold: object = None) -> int | None:
     """``limit=N``: an int from 1 to 1000; with N > 1, every policy (a ``Queue``/``Replace`` run parks
     until any of the N slots is free) and a minimum hold (``min_hold``: each slot stays taken at least
@@ -342,7 +397,8 @@ def check_limit(limit: object, policy: object = None, min_hold: object = None) -
         return None
     n = validate_limit(limit)
     if n is not None and policy is not None and not isinstance(policy, Policy):
-        parse_policy(policy)
+        policy = parse_policy(policy)
+    check_cancel_running(policy, limit=n)
     return n
 
 
@@ -365,6 +421,7 @@ def check_keys(
     if policy is not None and not isinstance(policy, Policy):
         policy = parse_policy(policy)
     check_key_limits(limit, keys, policy)
+    check_cancel_running(policy, several_keys=True)
     if isinstance(policy, Replace) and policy.debounce:
         raise ConfigurationError(
             f"keys= with Replace(debounce={policy.debounce!r}) is not supported yet: a debounced run's "

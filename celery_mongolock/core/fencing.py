@@ -9,7 +9,9 @@ smaller one. ``fenced_update_one`` does both in one atomic update::
     fenced_update_one(db.groups, {"_id": group_id}, {"$set": {"state": "uploading"}}, lease)
     # -> raises FencedOut if a newer holder (larger fence) has already written the group
 
-Writes with the same fence are accepted (one holder may write many times).
+Writes with the same fence are accepted (one holder may write many times). A holder that a newer send
+superseded (``Replace(cancel_running=True)``, ``lease.superseded``) is refused at once, before the newer
+run has written anything: passed the lease (not its fence as an int), the write is checked against it.
 """
 
 from __future__ import annotations
@@ -27,14 +29,22 @@ __all__ = ["FencedOut", "fenced_update_one"]
 
 
 class FencedOut(LeaseLost):
-    """A write was refused because a newer lease holder (with a larger fence) has written already."""
+    """A write was refused because a newer lease holder (with a larger fence) has written already, or
+    because a newer send superseded this holder (``superseded_by``: ``Replace(cancel_running=True)``)."""
 
-    def __init__(self, key: str, fence: int | None = None, newer: int | None = None) -> None:
+    def __init__(
+        self, key: str, fence: int | None = None, newer: int | None = None, superseded_by: str | None = None
+    ) -> None:
         self.newer = newer
-        super().__init__(key, fence, f"a newer holder (fence {newer}) has written; this write was refused")
+        self.superseded_by = superseded_by
+        if superseded_by is not None:
+            reason = f"a newer send ({superseded_by}) superseded this holder; this write was refused"
+        else:
+            reason = f"a newer holder (fence {newer}) has written; this write was refused"
+        super().__init__(key, fence, reason)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key, self.fence, self.newer))
+        return (type(self), (self.key, self.fence, self.newer, self.superseded_by))
 
 
 def _fence_of(lease_or_fence: Any) -> tuple[int, str]:
@@ -64,6 +74,10 @@ def fenced_update_one(
     second copy). Returns the ``UpdateResult`` (``matched_count`` 0 only if no such document exists).
     """
     fence, key = _fence_of(lease_or_fence)
+    if getattr(lease_or_fence, "superseded", False) is True:
+        # Replace(cancel_running=True): the newest run takes the key next, with a larger fence; from the
+        # moment this holder is told, its writes are refused here, before the newer run has written.
+        raise FencedOut(key, fence, superseded_by=str(getattr(lease_or_fence, "superseded_by", None)))
     if not fence_field or fence_field.startswith("$") or "." in fence_field:
         raise ConfigurationError(f"fence_field must be a plain field name, got {fence_field!r}")
     if upsert and "_id" not in filter:

@@ -8,7 +8,9 @@ each tick:
 2. renews all the others with a single ``update`` matched on their owner tokens;
 3. retries background releases (of ambiguous acquires and of releases that failed) until they succeed
    or the lease they were for has expired anyway;
-4. inserts the lease history records queued since the last tick (the endings of leases this process
+4. (only without a lease watch streaming) reads whether a newer send superseded a holder of
+   ``Replace(cancel_running=True)`` (one read, only when such a lease is held);
+5. inserts the lease history records queued since the last tick (the endings of leases this process
    ended, and its own view of leases it lost) in one ``insert_many``: writing the history never adds a
    round trip to a task's path. Queued records have a schedule of their own besides: they wait at most
    the store's heartbeat interval, even while short runs keep putting the renewal tick off.
@@ -83,6 +85,10 @@ class RenewalStore(Protocol):
 
     def renew_many(self, leases: list[Lease], timeout: float | None = None) -> list[Lease]:
         """Renew ``leases`` in one round trip; mark lost and return those that no longer matched."""
+        ...
+
+    def mark_superseded(self, leases: list[Lease], timeout: float | None = None) -> int:
+        """Read which of ``leases`` a newer send superseded, and mark them; return how many."""
         ...
 
     def release_tokens(
@@ -361,6 +367,7 @@ class Heartbeat:
                     if budget < 0.05:
                         raise TimeoutError("no reachable primary, and too little time left to wait for one")
                 store.renew_many(renew, timeout=max(0.05, min(store.operation_timeout, budget)))
+                self._read_supersessions(store, renew, budget)
             except Exception as exc:  # StoreUnavailable, or anything unexpected: retry soon
                 ok = False
                 self.failures += 1
@@ -376,6 +383,20 @@ class Heartbeat:
         if self._history or self._copies:
             ok = self._flush_history_budget() and ok
         return ok
+
+    def _read_supersessions(self, store: RenewalStore, renewed: list[Lease], budget: float) -> None:
+        """Without a lease watch streaming (a server without change streams, or a stream that failed), a
+        holder that a newer send may supersede (``Replace(cancel_running=True)``) learns of it here, at
+        the tick: one read, only for such leases."""
+        if self.watch is not None and self.watch.watching:
+            return
+        asking = [lease for lease in renewed if lease.notice_supersession and not lease.superseded]
+        if not asking:
+            return
+        try:
+            store.mark_superseded(asking, timeout=max(0.05, min(store.operation_timeout, budget)))
+        except Exception as exc:  # the renewal went through; the next tick reads again
+            log.warning("reading supersessions failed, will retry: %s: %s", type(exc).__name__, exc)
 
     def _flush_pending(self, store: RenewalStore, now: float) -> bool:
         """Send every pending release in one update; never for longer than the leases can spare."""

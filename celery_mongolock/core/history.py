@@ -118,7 +118,7 @@ class LeaseEnding:
             seen_at=aware(record.get("seen")),
             holder_saw_why=_str(record.get("why")) if record.get("how") == "lost" else None,
             source=source,
-            parked=record.get("v") == RUN_VIEW,
+            parked=record.get("v") == RUN_VIEW and not record.get("rn"),
             by=_str(record.get("by")),
         )
 
@@ -162,10 +162,10 @@ def merge_endings(
     ``holder_saw``, or stands alone (``how="lost"``) when nothing else is known of that fence."""
     merged: dict[int, LeaseEnding] = {}
     seen_by_holder: dict[int, LeaseEnding] = {}
-    runs: dict[str, LeaseEnding] = {}  # runs that ended while parked, by record
+    runs: dict[str, LeaseEnding] = {}  # runs that ended while parked (or superseded running), by record
     for record in stored:
         ending = LeaseEnding.from_record(key, record, "history")
-        if ending.parked:
+        if record.get("v") == RUN_VIEW:  # (parked, or a running holder superseded: ``rn``)
             runs.setdefault(str(record.get("_id")), ending)
         elif record.get("v") == holder_view:
             seen_by_holder.setdefault(ending.fence, ending)

@@ -21,14 +21,24 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_mongolock.core.clock import MAX_DRIFT, Clock
-from celery_mongolock.exceptions import LeaseLost, StoreUnavailable
+from celery_mongolock.exceptions import LeaseLost, StoreUnavailable, Superseded
 
-__all__ = ["Lease", "LeaseBackend", "LeaseInfo", "LeaseSet", "LostCallback", "local_ttl"]
+__all__ = [
+    "Lease",
+    "LeaseBackend",
+    "LeaseInfo",
+    "LeaseSet",
+    "LostCallback",
+    "SupersededCallback",
+    "local_ttl",
+]
 
 log_release = logging.getLogger("celery_mongolock.release")
 log_renew = logging.getLogger("celery_mongolock.renew")
 
 LostCallback = Callable[["Lease", str], None]
+#: ``callback(lease, by)``: a newer send superseded the holder of ``lease`` (``by``: its task id).
+SupersededCallback = Callable[["Lease", str], None]
 
 
 class LeaseBackend(Protocol):
@@ -189,6 +199,13 @@ class Lease:
         self._released = False
         self._lost_event = threading.Event()
         self._callbacks: list[LostCallback] = []
+        #: ``Replace(cancel_running=True)``: the lease's holder is told when a newer send supersedes it
+        #: (the lease watch, or the heartbeat's read where there is no change stream).
+        self.notice_supersession = False
+        self._superseded_by: str | None = None
+        self._superseded_at: float | None = None
+        self._superseded_event = threading.Event()
+        self._superseded_callbacks: list[SupersededCallback] = []
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -240,6 +257,57 @@ class Lease:
     def wait_lost(self, timeout: float | None = None) -> bool:
         """Block until the lease is lost (True) or ``timeout`` passes (False)."""
         return self._lost_event.wait(timeout)
+
+    # -- supersession (Replace(cancel_running=True)) -------------------------------------------------------
+    @property
+    def superseded(self) -> bool:
+        """True once a newer send of the key superseded this holder (``Replace(cancel_running=True)``): the
+        body should stop (``raise_if_superseded``); its fenced writes are refused from now on."""
+        return self._superseded_event.is_set()
+
+    @property
+    def superseded_by(self) -> str | None:
+        """The task id of the newer send that superseded this holder (None: not superseded)."""
+        return self._superseded_by
+
+    @property
+    def superseded_at(self) -> float | None:
+        """When this process learnt of the supersession (its clock's monotonic time; None: not yet)."""
+        return self._superseded_at
+
+    def raise_if_superseded(self) -> None:
+        """Raise ``Superseded`` if a newer send superseded this holder: call it between steps of long
+        work. Raised out of a singleton task's body, it ends the run as superseded, not as a failure."""
+        if self._superseded_event.is_set():
+            raise Superseded(self.key, self.fence, self._superseded_by)
+
+    def wait_superseded(self, timeout: float | None = None) -> bool:
+        """Block until a newer send supersedes this holder (True) or ``timeout`` passes (False)."""
+        return self._superseded_event.wait(timeout)
+
+    def on_superseded(self, callback: SupersededCallback) -> None:
+        """Call ``callback(lease, by)`` when a newer send supersedes this holder, from a thread of its
+        own."""
+        with self._lock:
+            by = self._superseded_by if self._superseded_event.is_set() else None
+            if by is None:
+                self._superseded_callbacks.append(callback)
+        if by is not None:
+            _run_callbacks([callback], self, by)
+
+    def mark_superseded(self, by: str) -> bool:
+        """A newer send (task id ``by``) superseded this holder (the store calls this when the lease
+        document says so); False if it already was, or the lease is released or lost."""
+        with self._lock:
+            if self._superseded_event.is_set() or self._released or self._lost_reason is not None:
+                return False
+            self._superseded_by = by
+            self._superseded_at = self.store.clock.monotonic()
+            self._superseded_event.set()
+            callbacks = list(self._superseded_callbacks)
+        log_renew.info("lease %r (fence %s): superseded by a newer send (%s)", self.key, self.fence, by)
+        _run_callbacks(callbacks, self, by)
+        return True
 
     def on_lost(self, callback: LostCallback) -> None:
         """Call ``callback(lease, reason)`` when the lease is lost, from a thread of its own (a slow
@@ -441,6 +509,18 @@ class LeaseSet(Lease):
         """Call ``callback(lease, reason)`` when any of the leases is lost (with that lease)."""
         for lease in self.leases.values():
             lease.on_lost(callback)
+
+    @property
+    def superseded(self) -> bool:
+        return any(lease.superseded for lease in self.leases.values())
+
+    @property
+    def superseded_by(self) -> str | None:
+        return next((lease.superseded_by for lease in self.leases.values() if lease.superseded), None)
+
+    def raise_if_superseded(self) -> None:
+        for lease in self.leases.values():
+            lease.raise_if_superseded()
 
     def renew(self) -> None:
         for lease in self.leases.values():

@@ -9,7 +9,9 @@ each event on a key this process holds, the document as it is now (``updateLooku
 event has none, e.g. a deletion) is compared with the lease's token and fence
 (``documents.changes.holds``); a lease whose token is gone from a document at least as new as its
 acquisition is marked lost, on the same path a renewal that matched nothing takes (``Lease.mark_lost``:
-``lease.lost``, ``raise_if_lost``, the lost callbacks and the ``lease_lost`` signal).
+``lease.lost``, ``raise_if_lost``, the lost callbacks and the ``lease_lost`` signal). A lease still held
+whose document marks its holder superseded by a newer send (``Replace(cancel_running=True)``: ``cx``) is
+marked superseded (``Lease.mark_superseded``).
 
 Polling stays the safety net: the heartbeat renews as before, so nothing depends on the stream. When the
 server has no change streams (a standalone mongod: ``IllegalOperation``), the watcher says so once and
@@ -63,7 +65,7 @@ AWAIT_MS = 1000
 IDLE_CLOSE_SECONDS = 30.0
 #: Backoff between attempts to reopen a failed stream.
 RETRY_MIN_SECONDS, RETRY_MAX_SECONDS = 0.2, 5.0
-_READ_FIELDS = {"owner": 1, "fence": 1, "hs.o": 1, "forced_release": 1}
+_READ_FIELDS = {"owner": 1, "fence": 1, "hs.o": 1, "forced_release": 1, "cx": 1}
 
 
 class WatchedStore(Protocol):
@@ -100,6 +102,7 @@ class LeaseWatch:
         self.streams_opened = 0
         self.events = 0  # events that passed the server's filter
         self.losses = 0  # leases this watcher marked lost
+        self.supersessions = 0  # holders this watcher told that a newer send superseded them
         self.failures = 0  # streams that failed (to open, or later)
         self._token: Mapping[str, Any] | None = None
         self._stream: CollectionChangeStream[dict[str, Any]] | None = None
@@ -289,9 +292,14 @@ class LeaseWatch:
             with store.operation(f"read lease {key!r}", timeout=store.operation_timeout):
                 doc = store.collection.find_one({"_id": key}, _READ_FIELDS)
         for lease in mine:
-            gone = changes.holds(doc, lease.owner, lease.fence, lease.slot) == changes.Verdict.GONE
-            if gone and lease.mark_lost(changes.loss_reason(doc, lease.fence), release=False):
-                self.losses += 1
+            verdict = changes.holds(doc, lease.owner, lease.fence, lease.slot)
+            if verdict == changes.Verdict.GONE:
+                if lease.mark_lost(changes.loss_reason(doc, lease.fence), release=False):
+                    self.losses += 1
+                continue
+            by = changes.superseded_by(doc, lease.owner) if lease.notice_supersession else None
+            if by is not None and lease.mark_superseded(by):
+                self.supersessions += 1
 
 
 def _holder_of(leases: list[Lease]) -> tuple[str | None, int | None]:

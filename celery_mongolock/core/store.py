@@ -350,9 +350,12 @@ class LeaseStore:
         heartbeat_seconds: float | None = None,
         limit: int | None = None,
         group: str | None = None,
+        cancel: bool = False,
     ) -> tuple[Lease | None, Document]:
         """Admit a run of a queued task (one ``findAndModify``): take ``key``, claim the handoff
-        ``claim``, or park the run; ``(lease, document)``, the outcome in ``lo`` (``Acquisition.admit``)."""
+        ``claim``, or park the run; ``(lease, document)``, the outcome in ``lo`` (``Acquisition.admit``).
+        ``cancel`` (``Replace(cancel_running=True)``): a run parked behind a running holder supersedes
+        it too."""
         return self.acquisition.admit(
             key,
             entry,
@@ -369,6 +372,7 @@ class LeaseStore:
             heartbeat_seconds=heartbeat_seconds,
             limit=limit,
             group=group,
+            cancel=cancel,
         )
 
     def wait_free(
@@ -437,6 +441,11 @@ class LeaseStore:
         """Renew all ``leases`` in one round trip; return those found lost, marked lost
         (``Releases.renew_many``)."""
         return self.releases.renew_many(leases, timeout)
+
+    def mark_superseded(self, leases: builtins.list[Lease], timeout: float | None = None) -> int:
+        """Read which of ``leases`` a newer send superseded, and mark them; how many were marked (the
+        heartbeat's fallback for the lease watch, ``Releases.mark_superseded``)."""
+        return self.releases.mark_superseded(leases, timeout)
 
     def release_lease(self, lease: Lease) -> bool:
         """Send the release of ``lease`` (``Lease.release`` calls this); True if it was still ours.
@@ -539,10 +548,12 @@ class LeaseStore:
         ended_at: _dt.datetime | None = None,
         parked_at: _dt.datetime | None = None,
         by: str | None = None,
+        running: bool = False,
     ) -> None:
-        """Queue the history record of a run that ended while parked (``QueueUpkeep.record_run_ending``)."""
+        """Queue the history record of a run that ended while parked, or of a running holder superseded
+        (``running``) (``QueueUpkeep.record_run_ending``)."""
         self.queue.record_run_ending(
-            key, how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by
+            key, how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by, running=running
         )
 
     def run_ended(

@@ -97,6 +97,8 @@ class AcquisitionOwner(LeaseBackend, Protocol):
     @property
     def heartbeat(self) -> Heartbeat: ...
 
+    def mark_superseded(self, leases: list[Lease], timeout: float | None = None) -> int: ...
+
     def try_acquire(
         self,
         key: str,
@@ -460,6 +462,7 @@ class Acquisition:
         heartbeat_seconds: float | None = None,
         limit: int | None = None,
         group: str | None = None,
+        cancel: bool = False,
     ) -> tuple[Lease | None, Document]:
         """Admit a run of a queued task (one ``findAndModify``): take ``key``, claim the handoff
         ``claim``, or park the run (``entry``: ``id``, ``t``, ``s`` and the fields listed in
@@ -469,7 +472,8 @@ class Acquisition:
         run, a newer send supersedes it; ``debounce``: every run parks and may start only when no newer
         send came for that many seconds; ``due``: the run's own delayed copy, which takes the key for its
         entry once due; ``limit``: the key has N slots (``limit=N``), a parked run is handed any one;
-        ``group`` (with ``replace``): the run's key-set signature (``documents.sets``). A
+        ``group`` (with ``replace``): the run's key-set signature (``documents.sets``); ``cancel`` (with
+        ``replace``): a run parked behind a running holder supersedes it too (``queue.cancel_mark``). A
         handoff this admit made (the key was found free with older runs parked) is published
         (``add_handoff_callback``). One ``store.try_acquire`` with ``admission``."""
         store = self.store
@@ -504,12 +508,21 @@ class Acquisition:
                 "debounce_ms": int(debounce * 1000) if debounce else None,
                 "due": due,
                 **({} if group is None else {"group": group}),
+                **({"cancel": True} if cancel else {}),
             },
             limit=limit,
         )
         doc = dict(doc or {})
         if lease is not None:
             doc.setdefault("lo", "acquired")
+            lease.notice_supersession = cancel
+            if cancel and claim is not None:
+                # Handed the key before a newer send parked: the claim marked it superseded (one read,
+                # only for such claims: the reply of an acquisition carries no document).
+                try:
+                    self.store.mark_superseded([lease])
+                except StoreUnavailable as exc:  # the lease watch or the heartbeat reads the mark later
+                    log_acquire.warning("reading the supersession of %r after its claim failed: %s", key, exc)
         self._admitted(normalize_key(key), lease, doc, limit)
         return lease, doc
 

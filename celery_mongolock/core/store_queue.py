@@ -347,15 +347,24 @@ class QueueUpkeep:
         ended_at: _dt.datetime | None = None,
         parked_at: _dt.datetime | None = None,
         by: str | None = None,
+        running: bool = False,
     ) -> None:
         """Queue the history record of a run that ended while parked, never holding ``key``
-        (``superseded``, ``timeout``, ``revoked``); the heartbeat thread writes it at its next tick.
-        ``run``: its parked entry (``t``, ``n``, ``r``/``id``); ``fence``: the key's when it ended."""
+        (``superseded``, ``timeout``, ``revoked``), or (``running``) a holder a newer send superseded; the
+        heartbeat thread writes it at its next tick. ``run``: its parked entry (``t``, ``n``,
+        ``r``/``id``); ``fence``: the key's when it ended."""
         if not self.store.history_days:
             return
         self.store.records.record(
             documents.run_record(
-                normalize_key(key), how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by
+                normalize_key(key),
+                how,
+                run,
+                fence=fence,
+                ended_at=ended_at,
+                parked_at=parked_at,
+                by=by,
+                running=running,
             )
         )
 

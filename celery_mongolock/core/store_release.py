@@ -138,6 +138,36 @@ class Releases:
                 )
         return lost
 
+    def mark_superseded(self, leases: list[Lease], timeout: float | None = None) -> int:
+        """One read of the lease documents of ``leases`` whose holder a newer send superseded
+        (``Replace(cancel_running=True)``: ``cx`` names the holder's token, ``queue.cancel_mark``); mark
+        those leases superseded and return how many were."""
+        by_owner = {lease.owner: lease for lease in leases}
+        if not by_owner:
+            return 0
+        connection = self.store.connection
+        with connection.operation("read supersessions", timeout=timeout):
+            found = list(
+                connection.collection.find(
+                    {
+                        "_id": {"$in": sorted({lease.key for lease in leases})},
+                        "cx.o": {"$in": list(by_owner)},
+                    },
+                    {"cx": 1},
+                )
+            )
+        marked = 0
+        for doc in found:
+            mark = doc.get("cx") or {}
+            lease = by_owner.get(str(mark.get("o")))
+            if (
+                lease is not None
+                and lease.key == doc.get("_id")
+                and lease.mark_superseded(str(mark.get("t")))
+            ):
+                marked += 1
+        return marked
+
     def renew_tokens(self, leases: list[Lease], timeout: float | None = None) -> list[Lease]:
         """One update renewing ``leases`` (both document shapes); return those no longer live.
 

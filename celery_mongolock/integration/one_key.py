@@ -234,6 +234,7 @@ class OneKey:
                         heartbeat=True,
                         heartbeat_seconds=options.heartbeat_seconds,
                         limit=options.limit,
+                        cancel=isinstance(policy, Replace) and policy.cancel_running,
                     )
                 )
             except StoreUnavailable as exc:

@@ -133,9 +133,10 @@ def check_broker_settings(app: Celery, is_singleton: Callable[[Any], bool]) -> l
     return problems
 
 
-def install_bootstep(app: Celery, check_tasks: Callable[[Celery], object]) -> None:
+def install_bootstep(app: Celery, check_tasks: Callable[[Celery, Any], object]) -> None:
     """Once per app: validate the settings when a worker starts (``check_store``, then ``check_tasks``, the
-    checks of its singleton tasks), and start the handoff sweeper when it is ready."""
+    checks of its singleton tasks, given the worker's pool class), and start the handoff sweeper when it is
+    ready."""
     if getattr(app, "_mongolock_bootstep", False):
         return
     app._mongolock_bootstep = True
@@ -156,7 +157,7 @@ def install_bootstep(app: Celery, check_tasks: Callable[[Celery], object]) -> No
             # answer. Synchronous, on a short-lived client of its own: a thread here could hold a lock
             # while the pool forks a child, and the child would deadlock on it.
             check_store(worker.app)
-            check_tasks(worker.app)
+            check_tasks(worker.app, getattr(worker, "pool_cls", None))
 
     def start_sweeper(sender: Any = None, **_: Any) -> None:
         # After the pool has started its children: the sweeper's thread lives in the main process only.

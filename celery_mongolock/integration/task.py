@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
+from billiard.exceptions import WorkerLostError
 from celery import Celery, Task, shared_task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject
@@ -39,6 +40,7 @@ from celery_mongolock.admission.limits import limits_by_key
 from celery_mongolock.admission.policies import (
     Policy,
     PolicySpec,
+    Replace,
     Retry,
     check_keys,
     check_limit,
@@ -49,7 +51,7 @@ from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import run_scope
 from celery_mongolock.core.store import Lease
 from celery_mongolock.core.urls import redact
-from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable
+from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable, Superseded
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import signals, startup
 from celery_mongolock.integration.beatcheck import (
@@ -76,6 +78,7 @@ from celery_mongolock.integration.runs import (
     unavailable,
 )
 from celery_mongolock.integration.several_keys import SeveralKeys
+from celery_mongolock.integration.supersede import check_pool, run_body, was_terminated_superseded
 
 __all__ = [
     "CONTENTION_HEADER",
@@ -336,7 +339,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         inner = reentered(store, limits)
         if inner:  # the run holds the key already: its own lease, reentered (no command)
             return self._run_reentered(inner[key], args, kwargs)
-        taken = OneKey(self, key, self._options(), direct=direct).take()
+        options = self._options()
+        taken = OneKey(self, key, options, direct=direct).take()
         if not isinstance(taken, Lease):
             return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
         lease = taken
@@ -349,7 +353,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self,
                 key,
                 StoreUnavailable(f"the acquire of {key!r} was answered after its lease had run out"),
-                self._options().on_contention,
+                options.on_contention,
                 direct,
             )
         note_taken(store, lease, limits)
@@ -357,7 +361,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         signals.lease_acquired.send(sender=self, key=key, lease=lease)
         token = _current.set(lease)
         try:
-            return self.run(*args, **kwargs)
+            # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
+            return run_body(self, store, lease, options.on_contention, lambda: self.run(*args, **kwargs))
         finally:
             _current.reset(token)
             try:
@@ -445,8 +450,23 @@ class SingletonRequest(ChildWatchedRequest):
 
     When the child running the task dies (hard time limit, OOM killer, SIGKILL, revoke with terminate),
     the child's leases are released from there (``_childwatch.ChildWatchedRequest``), before the message
-    is acknowledged or requeued.
+    is acknowledged or requeued. A child that terminated itself because a newer send superseded its run
+    (``Replace(cancel_running=True, grace=...)``, ``supersede``) wrote the run's result first: that run is
+    neither failed nor requeued.
     """
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # billiard wraps pool errors in ExceptionWithTraceback
+        if isinstance(exc, WorkerLostError) and was_terminated_superseded(self.task.app, self.id):
+            from celery.worker.state import task_ready
+
+            self._release_dead_child("terminated: a newer send superseded its run")
+            task_ready(self)
+            if self.task.acks_late:
+                self.acknowledge()
+            return
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
 # -- the decorator ---------------------------------------------------------------------------------------
@@ -529,6 +549,10 @@ def singleton_task(
             raise ConfigurationError(f"singleton_task decorates a function, got {func!r}")
         name = task_options.get("name") or f"{func.__module__}.{func.__qualname__}"
         check_decorator_options(f"task {name!r}", task_options)  # limit=3, lease_second=60, ...
+        if task_options.get("autoretry_for") and isinstance(on_contention, Replace):
+            # A superseded body's Superseded ends its run; Celery's autoretry must not retry it instead.
+            given = tuple(task_options.get("dont_autoretry_for", ()))
+            task_options["dont_autoretry_for"] = (*given, Superseded)
         for spec in keys or [key]:  # fail now, not at the first run
             KeyRenderer(spec, func, name, skip_first=bool(task_options.get("bind")))
         options = {
@@ -572,10 +596,13 @@ def _check_broker_settings(app: Celery) -> list[str]:
     return startup.check_broker_settings(app, _is_singleton)
 
 
-def _check_tasks(app: Celery) -> None:
+def _check_tasks(app: Celery, pool_cls: Any = None) -> None:
     """What the ``celery_mongolock`` bootstep checks of a starting worker's tasks, after the store."""
     _check_task_policies(app)
     _check_broker_settings(app)
+    if pool_cls is not None:
+        singletons = [(name, t) for name, t in app.tasks.items() if _is_singleton(t)]
+        check_pool(pool_cls, [(name, t._options().on_contention) for name, t in singletons])
 
 
 def _check_beat_scheduler(sender: Any = None, **_: Any) -> None:

@@ -437,6 +437,8 @@ def _how(ending: LeaseEnding) -> str:
     if ending.parked:
         by = f" by {ending.by}" if ending.by else ""
         return f"{ending.how}{by} (parked)"
+    if ending.by:  # a running holder that a newer send superseded (Replace(cancel_running=True))
+        return f"{ending.how} by {ending.by} (running)"
     return ending.how
 
 

@@ -544,10 +544,12 @@ def run_record(
     ended_at: _dt.datetime | None = None,
     parked_at: _dt.datetime | None = None,
     by: str | None = None,
+    running: bool = False,
 ) -> Document:
     """The history record of a run that ended while parked (``how``: ``superseded``, ``timeout``,
     ``revoked``): ``f`` is the key's fence when it ended, ``w`` how long it was parked (ms), ``e`` when it
-    ended (the server's time when known, else this process's clock)."""
+    ended (the server's time when known, else this process's clock). ``running``: the run held the key
+    and a newer send superseded it (``Replace(cancel_running=True)``): ``rn``."""
     ended = aware(ended_at)
     if ended is None:
         now = _dt.datetime.now(_dt.timezone.utc)
@@ -568,6 +570,7 @@ def run_record(
         "e": ended,
         "w": waited,
         "by": by,
+        "rn": True if running else None,
     }
     return {k: v for k, v in record.items() if v is not None}
 

@@ -7,7 +7,8 @@ passes when both hold:
 1. **It can end a lease**: a deletion or a replacement of a lease document, an update that changes
    ``owner`` (a release, a force release, a takeover, a handoff) or ``fence`` (an acquisition), or anything
    under ``hs`` (the holds of a ``limit=N`` key), or the end of the stream itself (the collection dropped
-   or renamed, the database dropped, invalidate). A renewal sets only ``expires_at``, ``renewed_at`` and
+   or renamed, the database dropped, invalidate). A ``cx`` change supersedes a holder
+   (``Replace(cancel_running=True)``). A renewal sets only ``expires_at``, ``renewed_at`` and
    ``gc_at`` (a ``limit=N`` hold's renewal: its ``hs.<i>.x`` and ``sx``): no renewal of any worker's
    leases passes.
 2. **It can concern this process** (its holder's ``host`` and ``pid``, the fields ``documents.base``
@@ -32,15 +33,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["STREAM_END_TYPES", "Verdict", "holds", "loss_events_pipeline", "loss_reason"]
+__all__ = ["STREAM_END_TYPES", "Verdict", "holds", "loss_events_pipeline", "loss_reason", "superseded_by"]
 
 Document = dict[str, Any]
 
 #: Events after which the stream is closed (``invalidate``) or watches nothing of ours any more.
 STREAM_END_TYPES = frozenset({"drop", "rename", "dropDatabase", "invalidate"})
 
-#: The fields whose change can end a single lease (``owner``) or mark a new acquisition (``fence``).
-_ENDING_FIELDS = ("owner", "fence")
+#: The fields whose change can end a single lease (``owner``) or mark a new acquisition (``fence``), or
+#: supersede its holder (``cx``: ``Replace(cancel_running=True)``, ``queue.cancel_mark``).
+_ENDING_FIELDS = ("owner", "fence", "cx")
 
 
 def loss_events_pipeline(host: str | None = None, pid: int | None = None) -> list[Document]:
@@ -76,6 +78,12 @@ def loss_events_pipeline(host: str | None = None, pid: int | None = None) -> lis
             {"fullDocument": None},
             {"fullDocument.ends": {"$elemMatch": {"host": host, "pid": pid, "how": {"$ne": "released"}}}},
             {"fullDocument.hs": {"$elemMatch": {"h.host": host, "h.pid": pid}}},
+            # a holder of ours superseded by a newer send (the mark names its token; ``superseded_by``)
+            {
+                "fullDocument.cx": {"$ne": None},
+                "fullDocument.holder.host": host,
+                "fullDocument.holder.pid": pid,
+            },
         ]
     }
     return [{"$match": {"$and": [can_end, ours]}}]
@@ -106,6 +114,15 @@ def holds(doc: Mapping[str, Any] | None, owner: str, fence: int, slot: int | Non
     if isinstance(doc_fence, int) and doc_fence < fence:
         return Verdict.STALE
     return Verdict.GONE
+
+
+def superseded_by(doc: Mapping[str, Any] | None, owner: str) -> str | None:
+    """The task id of the newer send that superseded the holder ``owner`` (``queue.cancel_mark``), when
+    ``doc`` says so; None otherwise (no mark, or a mark for another holder)."""
+    mark = (doc or {}).get("cx")
+    if not isinstance(mark, Mapping) or mark.get("o") != owner:
+        return None
+    return str(mark.get("t"))
 
 
 def loss_reason(doc: Mapping[str, Any] | None, fence: int) -> str:

@@ -18,6 +18,8 @@ Fields added to the lease document (see ``_documents`` for the rest)::
     sup:   [{t, by, at, n, r, pa}, ...] # Replace: runs superseded by a newer send (at; parked at pa),
                             # result not yet written
     last:  {s, t}           # Replace: the newest send that got the key (kept as long as ``seen``)
+    cx:    {o, f, t, s, id, at} | null  # Replace(cancel_running=True): the running holder (token o)
+                            # superseded by the newer run t (``cancel_mark``)
     wq:    true | absent    # something waits on this key (indexed: the sweeper's work list)
     gc_at: date | null      # the TTL index's field: expires_at when nothing waits, else null
 
@@ -46,6 +48,7 @@ __all__ = [
     "WAITS",
     "admit_marker",
     "admit_pipeline",
+    "cancel_mark",
     "gc_stage",
     "handoff_stages",
     "later_attempt",
@@ -665,6 +668,59 @@ def park_exprs(
     return in_order, []
 
 
+def cancel_mark(entry: Mapping[str, Any], token: str) -> Document:
+    """``Replace(cancel_running=True)``: the ``cx`` field of an admit that parks ``entry`` behind a
+    running holder (the key held, no handoff pending): the holder's token ``o`` and fence ``f``, the
+    newer run ``t`` (its send stamp ``s``, its run id ``id``) and when (``at``). The holder's process
+    reads it (the lease watch at once, or its heartbeat) and marks its lease superseded. A run that
+    **claims** the key handed to it while a newer send is parked (it parked after the handoff was made)
+    is marked in its claim, with its own ``token`` and the newest parked run: it starts superseded (the
+    claimer reads the mark at once, ``Acquisition.admit``). A mark whose ``o`` is not the owner any more is
+    stale and harmless: every reader matches it on the token::
+
+        cx: {o: holder's token, f: holder's fence, t: newer task id, s: its stamp, id: its run id, at}
+    """
+    running = {
+        "$and": [
+            "$__park",
+            {"$not": ["$__vac"]},
+            {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+            {"$eq": [{"$ifNull": ["$ho", None]}, None]},
+            {"$ne": [{"$ifNull": ["$cx.o", None]}, "$owner"]},  # the first newer send tells it
+        ]
+    }
+    mark = {
+        "o": "$owner",
+        "f": "$fence",
+        "t": {"$literal": entry["t"]},
+        "s": {"$literal": int(entry["s"])},
+        "id": {"$literal": str(entry["id"])},
+        "at": "$$NOW",
+    }
+    newest = {"$arrayElemAt": [_Q, -1]}
+    claimed_behind_a_newer_send = {
+        "$and": [
+            {"$eq": ["$__o", "claimed"]},
+            {"$gt": [{"$ifNull": [field_of("s", newest), -1]}, int(entry["s"])]},
+        ]
+    }
+    claim_mark = {
+        "o": {"$literal": token},
+        "f": "$fence",
+        "t": field_of("t", newest),
+        "s": field_of("s", newest),
+        "id": field_of("id", newest),
+        "at": "$$NOW",
+    }
+    return {
+        "$cond": [
+            running,
+            mark,
+            {"$cond": [claimed_behind_a_newer_send, claim_mark, {"$ifNull": ["$cx", None]}]},
+        ]
+    }
+
+
 def admit_pipeline(
     acquire_fields: Document,
     *,
@@ -677,6 +733,7 @@ def admit_pipeline(
     debounce_ms: int | None = None,
     due: bool = False,
     group: str | None = None,
+    cancel: bool = False,
 ) -> list[Document]:
     """The admit: one command that acquires the key, claims a handoff, or parks the run.
 
@@ -687,8 +744,9 @@ def admit_pipeline(
     only once no newer send came for that long; ``due``: this is the run's own delayed copy, which takes
     the key if its entry is at the head, due and the key free. ``group`` (with ``replace``): the
     signature of the run's set of keys (``Replace`` with ``keys=``): supersession is decided among the
-    runs of that set only (``sets``). The outcome is left in ``lo`` (the reply carries it); fields
-    starting with ``__`` are removed.
+    runs of that set only (``sets``). ``cancel`` (with ``replace``, one key): a run that parks behind a
+    running holder supersedes that holder too (``cx``, ``cancel_mark``). The outcome is left in ``lo``
+    (the reply carries it); fields starting with ``__`` are removed.
     """
     ident = str(entry["id"])
     stamp = int(entry["s"])
@@ -865,6 +923,8 @@ def admit_pipeline(
             ]
         }
         fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer_by, None]}
+        if cancel:
+            fields["cx"] = cancel_mark(entry, token)
         fields["last"] = {
             "$cond": [
                 {"$and": ["$__free", {"$gt": [stamp, {"$ifNull": ["$last.s", -1]}]}]},

@@ -1,0 +1,196 @@
+"""``Replace(cancel_running=True, grace=...)``: a newer send supersedes the run that holds the key.
+
+The newer run parks as any ``Replace`` run does, and its admit marks the running holder superseded in the
+same command (``core.documents.queue.cancel_mark``). The holder's process learns of it from its lease
+watch (one change stream per process, ~0.1 s) or, without change streams, at its heartbeat's tick, and
+marks the lease superseded (``Lease.mark_superseded``). From then on:
+
+1. ``current_lease().superseded`` is True and ``current_lease().raise_if_superseded()`` raises
+   ``Superseded``; raised out of the body, it ends the run ``SUCCESS`` with the superseded result
+   (``ended_superseded``: not a failure, not retried), and the release hands the key to the newest run;
+2. ``fenced_update_one`` with the lease refuses the holder's writes (``FencedOut``);
+3. if the body still runs ``grace`` seconds later, the pool child terminates itself (``_Terminator``):
+   it writes the run's superseded result and its history record first, then kills itself with
+   ``SIGKILL``. The worker's parent releases the dead child's lease at once (``childwatch``), which hands
+   the key to the newest run; ``SingletonRequest`` sees the run's result and neither fails it nor
+   requeues its message.
+
+Only a prefork pool child can be terminated without taking the worker down with it: a worker with
+another pool (threads, solo, eventlet, gevent) and a task with a finite ``grace`` is refused at start
+(``check_pool``); ``grace=None`` is the cooperative-only mode, accepted everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from celery import signals as celery_signals
+
+from celery_mongolock.admission.policies import Policy, Replace
+from celery_mongolock.exceptions import ConfigurationError, Superseded
+from celery_mongolock.integration import handoff as _queue
+from celery_mongolock.integration import signals
+
+if TYPE_CHECKING:
+    from celery_mongolock.core.lease import Lease
+    from celery_mongolock.core.store import LeaseStore
+    from celery_mongolock.integration.runs import GuardedRun
+
+__all__ = ["check_pool", "ended_superseded", "in_pool_child", "run_body", "was_terminated_superseded"]
+
+log = logging.getLogger("celery_mongolock.acquire")
+
+_pool_child_pid: int | None = None
+
+
+def _note_pool_child(**_: Any) -> None:
+    global _pool_child_pid
+    _pool_child_pid = os.getpid()
+
+
+celery_signals.worker_process_init.connect(
+    _note_pool_child, weak=False, dispatch_uid="celery_mongolock.child"
+)
+
+
+def in_pool_child() -> bool:
+    """True in a prefork pool child (where a terminated body takes only its own process down)."""
+    return _pool_child_pid is not None and _pool_child_pid == os.getpid()
+
+
+def _run_info(task: GuardedRun) -> dict[str, Any]:
+    request = task.request
+    delivery = str(int(getattr(request, "retries", 0) or 0))
+    return {"t": request.id, "n": task.name, "r": delivery, "id": f"{request.id}/{delivery}"}
+
+
+def ended_superseded(task: GuardedRun, store: LeaseStore, key: str, lease: Lease) -> dict[str, Any]:
+    """The run's body stopped because a newer send superseded it: its result (``SUCCESS``, the superseded
+    result naming the newer run), its history record and the ``run_superseded`` signal."""
+    by = str(lease.superseded_by)
+    request = task.request
+    log.info(
+        "%s[%s]: %r: a newer send (%s) superseded this running holder; it stopped and ends SUCCESS with a "
+        "'superseded' result",
+        task.name,
+        request.id,
+        key,
+        by,
+    )
+    signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
+    store.record_run_ending(key, "superseded", _run_info(task), fence=lease.fence, by=by, running=True)
+    return _queue.superseded_result(key, by)
+
+
+class _Terminator:
+    """After ``grace`` seconds from the notice, a body still running is ended with its process."""
+
+    def __init__(self, task: GuardedRun, store: LeaseStore, key: str, lease: Lease, grace: float) -> None:
+        self.task, self.store, self.key, self.lease, self.grace = task, store, key, lease, grace
+        self.request_id = task.request.id
+        self.info = _run_info(task)
+        self.done = threading.Event()  # the body returned or raised: nothing to terminate
+
+    def notice(self, lease: Lease, by: str) -> None:
+        """The holder was superseded: in a thread of its own (the other callbacks of the notice run on),
+        wait ``grace`` (woken early when the body ends), then terminate."""
+
+        def wait_then_terminate() -> None:
+            if not self.done.wait(self.grace):
+                self.terminate(by)
+
+        threading.Thread(target=wait_then_terminate, name="celery_mongolock-grace", daemon=True).start()
+
+    def terminate(self, by: str) -> None:
+        task, key = self.task, self.key
+        if self.lease.released or self.lease.lost:
+            return
+        log.warning(
+            "%s[%s]: %r: still running %gs after a newer send (%s) superseded it; terminating its pool "
+            "child (pid %s): the key goes to the newest run",
+            task.name,
+            self.request_id,
+            key,
+            self.grace,
+            by,
+            os.getpid(),
+        )
+        try:
+            task.app.backend.store_result(self.request_id, _queue.superseded_result(key, by), "SUCCESS")
+            signals.run_superseded.send(sender=task, key=key, task_id=self.request_id, by=by)
+            self.store.record_run_ending(
+                key, "superseded", self.info, fence=self.lease.fence, by=by, running=True
+            )
+            self.store.flush_history(timeout=2.0)
+        except Exception as exc:  # the termination goes ahead: the key must go to the newest run
+            log.warning(
+                "%s[%s]: writing the superseded run's result failed: %s", task.name, self.request_id, exc
+            )
+        if self.done.is_set():  # the body ended meanwhile: its own release hands the key over
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_body(
+    task: GuardedRun, store: LeaseStore, lease: Lease, policy: Policy, body: Callable[[], Any]
+) -> Any:
+    """Run ``body`` holding ``lease``; a ``Replace(cancel_running=True)`` run is told when a newer send
+    supersedes it, ends superseded when its body raises ``Superseded``, and is terminated after ``grace``
+    (in a prefork pool child)."""
+    key = lease.key
+    if not (isinstance(policy, Replace) and policy.cancel_running):
+        return body()
+    terminator: _Terminator | None = None
+    if policy.grace is not None and in_pool_child():
+        terminator = _Terminator(task, store, key, lease, policy.grace)
+        lease.on_superseded(terminator.notice)
+    try:
+        return body()
+    except Superseded as exc:
+        if exc.key != lease.key or not lease.superseded:
+            raise  # another lease's (a singleton run called in-process): not this run's supersession
+        return ended_superseded(task, store, key, lease)
+    finally:
+        if terminator is not None:
+            terminator.done.set()
+
+
+def was_terminated_superseded(app: Any, task_id: str) -> bool:
+    """In the worker's parent, for a pool child that died: did it end its run as superseded (its result
+    written before it terminated itself, ``_Terminator``)?"""
+    try:
+        meta = app.backend.get_task_meta(task_id)
+    except Exception:  # the backend does not answer: Celery's own failure handling goes on
+        return False
+    result = meta.get("result")
+    return (
+        meta.get("status") == "SUCCESS"
+        and isinstance(result, dict)
+        and result.get("mongolock") == "superseded"
+    )
+
+
+def check_pool(pool_cls: Any, tasks: Iterable[tuple[str, Policy]]) -> None:
+    """Refuse to start a worker whose pool cannot terminate a body (threads, solo, eventlet, gevent) with a
+    task of ``Replace(cancel_running=True)`` and a finite ``grace``: its grace would never be enforced.
+    ``grace=None`` (cooperative only) is accepted on every pool."""
+    try:
+        from celery.concurrency.prefork import TaskPool
+    except ImportError:  # pragma: no cover - Celery always ships it
+        return
+    if isinstance(pool_cls, type) and issubclass(pool_cls, TaskPool):
+        return
+    pool = getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1]
+    terminating = sorted(name for name, policy in tasks if isinstance(policy, Replace) and policy.terminates)
+    if terminating:
+        raise ConfigurationError(
+            f"task(s) {', '.join(map(repr, terminating))} use Replace(cancel_running=True, grace=...), which "
+            f"terminates a superseded body's pool child after its grace; the {pool!r} pool runs bodies in "
+            "the worker's own process, where that is impossible. Run them on a prefork worker (-P prefork), "
+            "or use grace=None (cooperative only: the body stops when it calls raise_if_superseded())"
+        )

@@ -1,0 +1,211 @@
+"""``Replace(cancel_running=True, grace=...)`` with real ``celery worker`` processes (prefork) on each broker
+(Redis, then RabbitMQ) and the MongoDB-compatible server: a newer send tells the running holder at once; a
+cooperative body ends superseded and the newest run then holds the key; a body that ignores it is
+terminated after its grace and the newest run starts; the old holder's fenced writes are refused from
+its notice on; every superseded run is in the key's history with the run that superseded it.
+
+The grace comes from ``mongolock_task_policies`` (``MONGOLOCK_IT_CANCEL_GRACE``): settable in settings."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from . import integration_app as it
+from .servers import RedisServer, wait_for
+from .test_integration import Cluster
+from .workers import Worker, pointed_at
+
+pytestmark = pytest.mark.slow
+
+LEASE = 3.0
+GRACE = 1.5
+#: How long the old holder's body would run if nobody stopped it (the tests never wait for it).
+LONG = 120.0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    db_name = f"mongolock_cx_{uuid.uuid4().hex[:8]}"
+    c = Cluster(
+        broker_url, mongo_url, db_name, tmp_path_factory.mktemp("cxworkers"), backend=redis_server.url
+    )
+    with pointed_at(
+        it.app,
+        broker_url,
+        redis_server.url,
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=LEASE,
+    ):
+        env = c.env(MONGOLOCK_IT_CANCEL_GRACE=GRACE)
+        c.worker(name=f"cx1{uuid.uuid4().hex[:4]}@localhost", env=env)
+        c.worker(name=f"cx2{uuid.uuid4().hex[:4]}@localhost", env=env)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def one(cluster: Cluster, kind: str, tag_: str) -> dict[str, Any]:
+    [found] = cluster.runs(tag_, kind)
+    return found
+
+
+def reached_at(cluster: Cluster, task_id: str) -> float:
+    """When the newer run reached a worker (``task_prerun`` there, before its admission)."""
+    doc = cluster.db["runs"].find_one({"kind": "reached", "task_id": task_id}) or {}
+    return float(doc["t"])
+
+
+def superseded_in_history(cluster: Cluster, key: str, task_id: str, by: str) -> None:
+    def found() -> bool:
+        return any(
+            e.how == "superseded" and e.task_id == task_id and e.by == by and not e.parked
+            for e in cluster.store.history(key, limit=50)
+        )
+
+    wait_for(found, timeout=60, message=f"the superseded record of {task_id} in the history")
+    story = cluster.store.why(key)
+    assert story is not None
+    assert any(e.how == "superseded" and e.task_id == task_id and e.by == by for e in story.endings)
+
+
+def test_a_cooperative_body_ends_superseded_at_once_and_the_newest_run_holds_the_key(
+    cluster: Cluster,
+) -> None:
+    resource = tag()
+    key = f"resource:{resource}"
+    old, new = tag(), tag()
+    r0 = it.cancel_polite.delay(resource, old, LONG)
+    wait_for(lambda: cluster.runs(old, "start"), timeout=60, message="the holder to start")
+    r1 = it.cancel_polite.delay(resource, new, 0.3)
+
+    assert r0.get(timeout=60) == {"mongolock": "superseded", "key": key, "by": r1.id}
+    assert r0.state == "SUCCESS"
+    assert r1.get(timeout=60) == new
+    noticed = one(cluster, "noticed", old)
+    assert noticed["by"] == r1.id
+    delay = noticed["t"] - reached_at(cluster, r1.id)
+    print(f"\nthe holder noticed {delay * 1000:.0f} ms after the newer run reached a worker")
+    # (The figure, well under a second, is the benchmark's; here only a bound a loaded machine keeps: the
+    # shared 2-core machine at load average 60 measured 0.2 to 0.9 s.)
+    assert delay < 5.0, f"the holder noticed {delay:.2f}s after the newer run reached a worker"
+    assert not cluster.runs(old, "end")  # it stopped: never ran to its end
+    # The newest run then started, holding the key with a larger fence.
+    start = one(cluster, "start", new)
+    assert start["t"] >= noticed["t"] and start["key"] == key
+    assert start["fence"] > one(cluster, "start", old)["fence"]
+    superseded_in_history(cluster, key, r0.id, r1.id)
+
+
+def test_a_body_that_ignores_it_is_terminated_after_grace_and_the_newest_run_starts(cluster: Cluster) -> None:
+    resource = tag()
+    key = f"resource:{resource}"
+    old, new = tag(), tag()
+    r0 = it.cancel_deaf.delay(resource, old, LONG)
+    wait_for(lambda: cluster.runs(old, "start"), timeout=60, message="the holder to start")
+    child = one(cluster, "start", old)["pid"]
+    sent = time.time()
+    r1 = it.cancel_deaf.delay(resource, new, 0.2)
+
+    assert r1.get(timeout=60) == new
+    started = one(cluster, "start", new)["t"] - sent
+    told = one(cluster, "told", old)
+    print(f"\nnewest run started {started:.2f}s after its send (grace {GRACE}s)")
+    # Told at once, then terminated after its grace: never ran to its end, its pool child gone.
+    assert told["by"] == r1.id and told["t"] - sent < GRACE
+    assert started >= GRACE * 0.9  # (not before the grace: it was ended by it)
+    assert started < GRACE + 10.0  # the figure, grace + 1 s, is the benchmark's (benchmarks/)
+    assert not cluster.runs(old, "end")
+    wait_for(lambda: not _alive(child), timeout=60, message="the old holder's child to be gone")
+    # Its run ends SUCCESS with the superseded result (written before the child went), not a failure,
+    # and its message is not run again.
+    assert r0.get(timeout=60) == {"mongolock": "superseded", "key": key, "by": r1.id}
+    assert r0.state == "SUCCESS"
+    superseded_in_history(cluster, key, r0.id, r1.id)
+    assert len(cluster.runs(old, "start")) == 1
+
+
+def test_the_old_holders_fenced_writes_are_refused_from_its_notice_on(cluster: Cluster) -> None:
+    resource = tag()
+    report = int(uuid.uuid4().int % 1_000_000_000)
+    old, new = tag(), tag()
+    r0 = it.cancel_polite.delay(resource, old, LONG, report)
+    wait_for(
+        lambda: (cluster.db["reports"].find_one({"_id": report}) or {}).get("by") == old,
+        timeout=60,
+        message="the holder to write its report",
+    )
+    r1 = it.cancel_polite.delay(resource, new, 0.3, report)
+    assert r0.get(timeout=60)["mongolock"] == "superseded"
+    assert r1.get(timeout=60) == new
+    refused = cluster.runs(old, "refused")
+    assert refused and all(r["by"] == r1.id for r in refused)
+    noticed = one(cluster, "noticed", old)
+    # Every write it tried once told was refused, and the report is the newest run's.
+    assert [r for r in refused if r["t"] <= noticed["t"]], "no write after the notice was refused"
+    doc = cluster.db["reports"].find_one({"_id": report}) or {}
+    assert doc["by"] == new and doc["fence"] == one(cluster, "start", new)["fence"]
+    assert not cluster.runs(new, "refused")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_a_pool_that_cannot_terminate_a_body_is_refused_and_grace_none_is_cooperative(
+    cluster: Cluster, broker_kind: str
+) -> None:
+    """``--pool=threads`` with a task whose grace is finite: the worker does not start, and says why in our
+    words; with ``grace=None`` (the app's default without the setting) it starts, and a body that polls is
+    told and ends superseded there too."""
+    if broker_kind != "redis":
+        pytest.skip("the pool check does not depend on the broker: run once, on Redis")
+    queue = f"cx-threads-{uuid.uuid4().hex[:6]}"
+    args = ["--pool=threads", "-Q", queue]
+    refusing = Worker(
+        cluster.env(MONGOLOCK_IT_CANCEL_GRACE=GRACE),
+        cluster.ready_dir,
+        name=f"cxt{uuid.uuid4().hex[:4]}@localhost",
+        extra_args=args,
+    )
+    try:
+        with pytest.raises(AssertionError) as refused:
+            refusing.start()
+    finally:
+        refusing.stop()  # (exited: closes its log)
+    said = str(refused.value)
+    assert "exited with" in said and "Replace(cancel_running=True, grace=...)" in said
+    assert "'integration_app.cancel_deaf'" in said and "grace=None" in said
+
+    worker = cluster.worker(name=f"cxt{uuid.uuid4().hex[:4]}@localhost", concurrency=2, extra_args=args)
+    resource = tag()
+    old, new = tag(), tag()
+    r0 = it.cancel_polite.apply_async((resource, old, LONG), queue=queue)
+    wait_for(lambda: cluster.runs(old, "start"), timeout=60, message="the holder to start")
+    r1 = it.cancel_polite.apply_async((resource, new, 0.2), queue=queue)
+    assert r0.get(timeout=60)["by"] == r1.id
+    assert r1.get(timeout=60) == new
+    assert worker.proc is not None and one(cluster, "start", old)["pid"] == worker.proc.pid  # no child
+    worker.stop()
+    cluster.workers.remove(worker)
