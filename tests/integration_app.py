@@ -65,6 +65,7 @@ app.conf.update(
     mongolock_task_policies={"integration_app.per_task_skip": {"on_contention": "skip"}},
     # MONGOLOCK_IT_SIGNING_KEY: parked runs' stored messages signed (tests/test_trust_handoff.py).
     mongolock_signing_key=os.environ.get("MONGOLOCK_IT_SIGNING_KEY") or None,
+    imports=("tests.rate_tasks",),  # the rate-limited tasks (RateLimit, Throttle)
 )
 
 _clients: dict[int, MongoClient[dict[str, Any]]] = {}

@@ -95,7 +95,7 @@ def test_values() -> None:
     [
         (lambda: RateLimit(0, 1), "RateLimit(n=...) must be an int from 1 to 1000, got 0"),
         (lambda: RateLimit(True, 1), "RateLimit(n=...) must be an int"),
-        (lambda: RateLimit(2.5, 1), "RateLimit(n=...) must be an int"),
+        (lambda: RateLimit(2.5, 1), "RateLimit(n=...) must be an int"),  # type: ignore[arg-type]
         (lambda: RateLimit(1, 0), "RateLimit(period=...) must be a number of seconds above 0"),
         (lambda: RateLimit(1, -2), "RateLimit(period=...) must be a number of seconds above 0"),
         (lambda: RateLimit(1, float("nan")), "RateLimit(period=...)"),
@@ -124,7 +124,14 @@ def test_a_rate_combines_with_the_plain_policies() -> None:
 
 
 def _take(
-    store: LeaseStore, keys: list[str], run: str, stamp: int, n: int = 2, period_ms: int = 60_000, **kw: Any
+    store: LeaseStore,
+    keys: list[str],
+    run: str,
+    stamp: int,
+    *,
+    n: int = 2,
+    period_ms: int = 60_000,
+    **kw: Any,
 ) -> Any:
     return rate_windows(store).take(
         keys, run=run, stamp=stamp, n=n, period_ms=period_ms, park=kw.get("park", True)
