@@ -207,3 +207,27 @@ def test_racing_stores_never_take_more_than_n_starts(make_store: Any) -> None:
     assert sum(results) == n
     window = rate_windows(stores[0]).look(key)
     assert window is not None and len(window.starts_ms) == n and len(window.waiters) == racers - n
+
+
+# -- why KEY ---------------------------------------------------------------------------------------------
+
+
+def test_why_shows_the_rate_of_a_key(mongo_url: str, db_name: str) -> None:
+    """``celery mongolock why KEY`` as a user runs it: the window's use and the next start, then the runs
+    the rate parked; for a key with no lease document too (its last run released it long ago)."""
+    from .test_cli import run
+
+    store = LeaseStore(mongo_url, database=db_name)
+    try:
+        for i, run_id in enumerate(["a/0", "b/0", "c/0", "d/0"]):
+            rate_windows(store).take(["api:7"], run=run_id, stamp=i, n=2, period_ms=60_000, park=True)
+        why = run(mongo_url, db_name, "why", "api:7").stdout
+        assert "api:7: free (no lease document); a rate limits its starts" in why, why
+        assert "rate        2/2 in the last 60 s, next start in 5" in why, why
+        assert "2 run(s) parked by the rate, oldest send first:" in why and " 1  c/0" in why, why
+        lease = store.acquire("api:7", 30)
+        assert lease is not None
+        why = run(mongo_url, db_name, "why", "api:7").stdout
+        assert why.startswith("api:7: held") and "rate        2/2 in the last 60 s" in why, why
+    finally:
+        store.close()

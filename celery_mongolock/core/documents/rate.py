@@ -7,6 +7,7 @@ lease (a lease document is deleted by the TTL index when free; the window must n
     s:    [{t: date, id: start id}, ...]     # the starts inside the window, oldest first
     w:    [{id: run, st: send stamp, x: date}, ...]   # runs parked by the rate (until x: stale after)
     seen: date                               # the server's clock at the last command (``$$NOW``)
+    n, p: int                                # the rate of the last run that took a start (``why`` shows it)
     exp:  date                               # the TTL index's field: nothing in it matters after it
 
 **Taking a start** is one ``findAndModify`` (``take_update``), judged on the server's clock: the starts
@@ -96,6 +97,8 @@ def take_update(
                 "s": {"$cond": ["$__ok", {"$concatArrays": ["$s", [{"t": "$$NOW", "id": start_id}]]}, "$s"]},
                 "w": {"$cond": ["$__ok", "$w", waiters]},
                 "seen": "$$NOW",
+                "n": n,
+                "p": period_ms,
                 "exp": {"$max": [{"$ifNull": ["$exp", "$$NOW"]}, expires]},
             }
         },
@@ -127,6 +130,9 @@ class RateWindow:
     start_ids: tuple[str, ...]
     waiters: tuple[Waiter, ...]
     now_ms: int
+    #: The rate of the last run that took a start here (0 when unknown).
+    n: int = 0
+    period_ms: int = 0
 
     @classmethod
     def of(cls, key: str, doc: Mapping[str, Any] | None) -> RateWindow:
@@ -139,7 +145,15 @@ class RateWindow:
             key=lambda w: (w.stamp, w.run),
         )
         now = _ms(doc["seen"]) if doc.get("seen") is not None else 0
-        return cls(key, tuple(t for t, _ in starts), tuple(i for _, i in starts), tuple(waiters), now)
+        return cls(
+            key,
+            tuple(t for t, _ in starts),
+            tuple(i for _, i in starts),
+            tuple(waiters),
+            now,
+            int(doc.get("n") or 0),
+            int(doc.get("p") or 0),
+        )
 
     def granted(self, start_id: str) -> bool:
         """Whether the command that left this window gave ``start_id`` its start."""
@@ -151,6 +165,14 @@ class RateWindow:
             if waiter.run == run:
                 return i
         return len(self.waiters)
+
+    def next_start_in(self) -> float:
+        """Seconds until the next run parked here (or a new one) may start, on the server's clock."""
+        if not self.n or not self.period_ms:
+            return 0.0
+        return max(
+            0.0, (next_start_ms(self.starts_ms, self.n, self.period_ms, self.now_ms) - self.now_ms) / 1000
+        )
 
     def in_window(self, period_ms: int, at_ms: int | None = None) -> int:
         """How many starts fall in ``(at - period, at]`` (``at``: the last command's clock)."""
