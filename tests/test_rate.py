@@ -4,6 +4,7 @@ the rate windows on a real server (the embedded one, or MongoDB), raced by sever
 from __future__ import annotations
 
 import datetime as _dt
+import re
 import threading
 import uuid
 from typing import Any
@@ -102,8 +103,8 @@ def test_values() -> None:
         (lambda: Throttle(0), "Throttle(period=...) must be a number of seconds above 0"),
         (lambda: RateLimit(1, 1, then=Retry()), "RateLimit(then=...) must be None"),
         (lambda: parse_rate({"n": 1}, "rate"), "rate: needs 'n' and 'period'"),
-        (lambda: parse_rate({"n": 1, "period": 2, "burst": 3}, "rate"), "rate: needs 'n' and 'period'"),
-        (lambda: parse_rate({"throttle": 1, "n": 2}, "rate"), "rate: takes 'throttle' and 'then' only"),
+        (lambda: parse_rate({"n": 1, "period": 2, "burst": 3}, "rate"), "rate: unknown key(s) ['burst']"),
+        (lambda: parse_rate({"throttle": 1, "n": 2}, "rate"), "rate: give 'throttle' (one start per period) or 'n'"),
         (lambda: parse_rate("5/min", "rate"), "rate must be RateLimit(n, period), Throttle(period)"),
         (lambda: checked_rate(RateLimit(1, 1), Queue()), "cannot be combined with on_contention=Queue()"),
         (lambda: checked_rate(Throttle(1), Replace()), "cannot be combined with on_contention=Replace()"),
@@ -223,7 +224,7 @@ def test_why_shows_the_rate_of_a_key(mongo_url: str, db_name: str) -> None:
             rate_windows(store).take(["api:7"], run=run_id, stamp=i, n=2, period_ms=60_000, park=True)
         why = run(mongo_url, db_name, "why", "api:7").stdout
         assert "api:7: free (no lease document); a rate limits its starts" in why, why
-        assert "rate        2/2 in the last 60 s, next start in 5" in why, why
+        assert re.search(r"rate        2/2 in the last 60 s, next start in \d+\.\d s", why), why
         assert "2 run(s) parked by the rate, oldest send first:" in why and " 1  c/0" in why, why
         lease = store.acquire("api:7", 30)
         assert lease is not None

@@ -119,16 +119,19 @@ def parse_rate(value: object, setting: str = "rate") -> RateLimit | None:
     if then is not None:
         then = parse_policy(then, f"{setting}['then']")
     try:
-        if "throttle" in options:
-            period = options.pop("throttle")
-            if options:
-                raise ConfigurationError(f"takes 'throttle' and 'then' only, not {sorted(options, key=str)}")
-            return Throttle(period, then)
-        unknown = sorted(set(options) - {"n", "period"}, key=str)
-        if unknown or "n" not in options or "period" not in options:
+        unknown = sorted(set(options) - {"n", "period", "throttle"}, key=str)
+        if unknown:
             raise ConfigurationError(
-                f"needs 'n' and 'period' (or 'throttle'), and optionally 'then'; got {sorted(value, key=str)}"
+                f"unknown key(s) {unknown}; a rate takes 'n' and 'period', or 'throttle', and 'then'"
             )
+        if "throttle" in options:
+            if len(options) > 1:
+                raise ConfigurationError(
+                    "give 'throttle' (one start per period) or 'n' and 'period', not both"
+                )
+            return Throttle(options["throttle"], then)
+        if "n" not in options or "period" not in options:
+            raise ConfigurationError(f"needs 'n' and 'period' (or 'throttle'); got {sorted(value, key=str)}")
         return RateLimit(options["n"], options["period"], then)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{setting}: {exc}") from None
