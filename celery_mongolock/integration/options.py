@@ -163,7 +163,7 @@ def check_task_class(cls: type) -> None:
         ):
             continue
         # Unprefixed: only our own options' names (and near misses) are refused; any other attribute
-        # (``limit``, ``keys``, ``rate`` included: a task class may have one of its own) is the task's business.
+        # (``limit``, ``keys``, ``rate`` included: a task class may have its own) is the task's business.
         if attr in DECORATOR_OPTIONS and attr not in ("limit", "keys", "rate"):
             raise ConfigurationError(
                 f"{where}: {attr} is not read on a SingletonTask; did you mean mongolock_{attr}? "
