@@ -12,8 +12,10 @@ lease (a lease document is deleted by the TTL index when free; the window must n
 
 **Taking a start** is one ``findAndModify`` (``take_update``), judged on the server's clock: the starts
 at or before ``NOW - period`` leave the window, stale parked runs leave ``w``, and the run gets the start
-if the window has fewer than ``n`` starts *and* no parked run sent before it is waiting (send order). Then
-its start is appended in the same command, so two workers can never both take the n+1-th start. A run
+if the window's starts plus the parked runs sent before it are fewer than ``n`` (send order: a window's
+free starts go to the earliest-sent runs waiting, and a later send never takes the place of an earlier
+one). Then its start is appended in the same command, so two workers can never both take the n+1-th
+start. A run
 that does not get it is recorded in ``w`` (unless it is to be dropped) and told, by ``next_start_ms`` on
 the reply, when its turn comes.
 
@@ -80,12 +82,10 @@ def take_update(
             "cond": {"$and": [{"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]}, {"$ne": ["$$e.id", run]}]},
         }
     }
-    ok = {
-        "$and": [
-            {"$lt": [{"$size": "$s"}, n]},
-            {"$eq": [{"$size": {"$filter": {"input": "$w", "as": "e", "cond": earlier}}}, 0]},
-        ]
-    }
+    # Room for this run *and* for every run parked before it: those keep their place in this window
+    # whether or not their copies are back yet (a late copy costs its own start, not the key's rate).
+    ahead = {"$size": {"$filter": {"input": "$w", "as": "e", "cond": earlier}}}
+    ok = {"$lt": [{"$add": [{"$size": "$s"}, ahead]}, n]}
     me = {"id": run, "st": stamp, "x": {"$add": ["$$NOW", stale_ms]}}
     waiters: Any = {"$concatArrays": ["$w", [me]]} if park else "$w"
     expires = {"$add": ["$$NOW", period_ms + stale_ms]}
