@@ -99,8 +99,12 @@ def measure(args: argparse.Namespace, url: str, database: str) -> dict[str, Any]
             rate_app.app.close()
     if not times:
         raise RuntimeError(f"no run started:\n{worker.log_tail()}")
-    measured = [t for t in times if t0 <= t < t0 + args.duration]
-    achieved = len(measured) / args.duration
+    # From the first start of the steady state, over whole windows: a key kept busy starts n per window.
+    first = next((t for t in times if t >= t0), t0)
+    windows = max(1, int(args.duration // args.period))
+    span = windows * args.period
+    measured = [t for t in times if first <= t < first + span]
+    achieved = len(measured) / span
     return {
         "n": args.n,
         "period": args.period,
@@ -110,7 +114,14 @@ def measure(args: argparse.Namespace, url: str, database: str) -> dict[str, Any]
         "starts_in_duration": len(measured),
         "achieved_per_second": round(achieved, 4),
         "achieved_over_expected": round(achieved / expected, 4),
+        "measured_seconds": span,
+        # On the bodies' own records: a body records its start a moment after the command that granted
+        # it (one reply, a log line, one more round trip), so these can show n + 1 in a window when that
+        # moment varies; on windows shorter by 0.25 s they hold what the grants hold.
         "most_in_any_window": starts_in_any_window([round(t * 1000) for t in times], args.period * 1000),
+        "most_in_any_window_less_250ms": starts_in_any_window(
+            [round(t * 1000) for t in times], (args.period - 0.25) * 1000
+        ),
         "started_by_the_end": len(times),
         "started_before_the_measure": sum(1 for t in times if t < t0),
     }
@@ -127,10 +138,13 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     met = abs(r["achieved_over_expected"] - 1) <= 0.05
     return [
         f"`RateLimit({r['n']}, {r['period']:g})` on one key kept busy ({r['sent']} runs sent at once): "
-        f"{r['starts_in_duration']} starts in {r['duration']:g} s, **{r['achieved_per_second']:.3f}/s** "
+        f"{r['starts_in_duration']} starts in {r['measured_seconds']:g} s, "
+        f"**{r['achieved_per_second']:.3f}/s** "
         f"against {r['expected_per_second']:.3f}/s (n / period): {r['achieved_over_expected']:.1%} "
-        f"({'within' if met else 'outside'} 5 %); at most {r['most_in_any_window']} starts in any "
-        f"{r['period']:g} s window (the rate allows {r['n']}).",
+        f"({'within' if met else 'outside'} 5 %); the bodies' own start records: at most "
+        f"{r['most_in_any_window']} in any {r['period']:g} s window, {r['most_in_any_window_less_250ms']} "
+        f"in any window 0.25 s shorter (the rate allows {r['n']}; a body records its start a moment "
+        "after its grant).",
     ]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
-BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits")
+BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits", "rate")
 # Generous per-benchmark limits: a stuck benchmark is stopped, reported, and the others still run.
 TIME_LIMIT = {
     "store": 1800.0,
@@ -38,6 +38,7 @@ TIME_LIMIT = {
     "history": 600.0,
     "contention": 900.0,
     "limits": 900.0,
+    "rate": 900.0,
 }
 QUICK_TIME_LIMIT = {
     "store": 300.0,
@@ -46,6 +47,7 @@ QUICK_TIME_LIMIT = {
     "history": 180.0,
     "contention": 300.0,
     "limits": 180.0,
+    "rate": 400.0,
 }
 STORE_TARGET = 1.2  # issue 7: acquire + release under 1.2x the bare two commands
 
@@ -569,6 +571,10 @@ def report(
     if "limits" in results:
         section = generic_section("limits", results["limits"])
         section[0] = "## `limit=N` and several keys against a single key (`limits.json`)"
+        lines += ["", *section]
+    if "rate" in results:
+        section = generic_section("rate", results["rate"])
+        section[0] = "## `RateLimit(n, period)`: the rate achieved on a busy key (`rate.json`)"
         lines += ["", *section]
     return "\n".join(lines) + "\n", targets
 
