@@ -57,13 +57,20 @@ class RateWindows:
         self._indexed_pid: int | None = None
 
     @property
-    def collection(self) -> Collection[Document]:
+    def plain_collection(self) -> Collection[Document]:
+        """The windows' collection, as is (reads: no index made)."""
         store = self.store
-        collection = store.connection.client[store.database_name].get_collection(
+        return store.connection.client[store.database_name].get_collection(
             f"{store.collection_name}.rates",
             write_concern=store.write_concern,
             read_preference=store.read_preference,
         )
+
+    @property
+    def collection(self) -> Collection[Document]:
+        """The windows' collection, its TTL index made first in this process."""
+        collection = self.plain_collection
+        store = self.store
         if self._indexed_pid != os.getpid():
             with store.connection.operation("create the rate windows' index"):
                 try:
@@ -143,13 +150,14 @@ class RateWindows:
 
     def look(self, key: str) -> RateWindow | None:
         """The key's window as the last command left it, its clock brought to the server's now (None when
-        the key has no window)."""
-        collection = self.collection
-        with self.store.connection.operation(f"read the rate window of {key!r}"):
-            doc = collection.find_one_and_update(
-                {"_id": key}, [{"$set": {"seen": "$$NOW"}}], return_document=ReturnDocument.AFTER
-            )
-        return None if doc is None else RateWindow.of(key, doc)
+        the key has no window). Reads only (an operator's read-only role will do)."""
+        store = self.store
+        with store.connection.operation(f"read the rate window of {key!r}"):
+            doc = self.plain_collection.find_one({"_id": key})
+            if doc is None:
+                return None
+            doc["seen"] = store.connection.client.admin.command("hello")["localTime"]
+        return RateWindow.of(key, doc)
 
 
 _windows: weakref.WeakKeyDictionary[LeaseStore, RateWindows] = weakref.WeakKeyDictionary()

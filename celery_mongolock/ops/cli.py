@@ -578,7 +578,7 @@ def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
     endings."""
     store = _store(ctx)
     story = _run(lambda: store.why(key))
-    rate = rate_lines(_run(lambda: read_window(store, key)))
+    rate = rate_lines(read_window(store, key))
     if story is None and rate and not as_json:
         click.echo("\n".join([f"{key}: free (no lease document); a rate limits its starts", "", *rate]))
         return

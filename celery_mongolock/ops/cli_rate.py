@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from celery_mongolock.core.store_rate import rate_windows
+from celery_mongolock.exceptions import MongoLockError
 
 if TYPE_CHECKING:
     from celery_mongolock.core.documents.rate import RateWindow
@@ -12,10 +14,17 @@ if TYPE_CHECKING:
 
 __all__ = ["rate_lines", "read_window"]
 
+log = logging.getLogger("celery_mongolock.cli")
+
 
 def read_window(store: LeaseStore, key: str) -> RateWindow | None:
-    """The key's start window, if a rate-limited task ever started on it (None: no rate here)."""
-    return rate_windows(store).look(key)
+    """The key's start window, if a rate-limited task ever started on it (None: no rate here, or the
+    window could not be read: ``why`` then shows the lease alone, as before rates existed)."""
+    try:
+        return rate_windows(store).look(key)
+    except MongoLockError as exc:
+        log.warning("the rate window of %r could not be read: %s", key, exc)
+        return None
 
 
 def rate_lines(window: RateWindow | None) -> list[str]:
