@@ -349,17 +349,20 @@ def measure_heartbeat(
 
 # -- part 2: through real workers ----------------------------------------------------------------------------
 class Worker:
-    """One ``celery -A limits_app worker`` (prefork), in its own process group."""
+    """One ``celery -A limits_app worker`` (prefork; or another app of this folder), in its own process
+    group."""
 
-    def __init__(self, env: dict[str, str], work_dir: Path, concurrency: int) -> None:
-        self.env, self.work_dir, self.concurrency = env, work_dir, concurrency
-        self.name = "limits@localhost"
+    def __init__(
+        self, env: dict[str, str], work_dir: Path, concurrency: int, app: str = "limits_app"
+    ) -> None:
+        self.env, self.work_dir, self.concurrency, self.app = env, work_dir, concurrency, app
+        self.name = f"{app.split('_', 1)[0]}@localhost"
         self.log_path = work_dir / "worker.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 120.0) -> Worker:
         marker = Path(self.env["BENCH_READY_DIR"]) / f"{self.name}.ready"
-        cmd = [sys.executable, "-m", "celery", "-A", "limits_app", "worker", "--pool=prefork"]
+        cmd = [sys.executable, "-m", "celery", "-A", self.app, "worker", "--pool=prefork"]
         cmd += [f"--concurrency={self.concurrency}", "-n", self.name, "--loglevel=WARNING"]
         cmd += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
         with open(self.log_path, "ab") as log:

@@ -29,7 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
-BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits", "cancel_running")
+BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits", "cancel_running", "rate")
 # Generous per-benchmark limits: a stuck benchmark is stopped, reported, and the others still run.
 TIME_LIMIT = {
     "store": 1800.0,
@@ -39,6 +39,7 @@ TIME_LIMIT = {
     "contention": 900.0,
     "limits": 900.0,
     "cancel_running": 600.0,
+    "rate": 900.0,
 }
 QUICK_TIME_LIMIT = {
     "store": 300.0,
@@ -48,6 +49,7 @@ QUICK_TIME_LIMIT = {
     "contention": 300.0,
     "limits": 180.0,
     "cancel_running": 300.0,
+    "rate": 400.0,
 }
 STORE_TARGET = 1.2  # issue 7: acquire + release under 1.2x the bare two commands
 
@@ -579,6 +581,10 @@ def report(
         section[0] = (
             "## `Replace(cancel_running=True)`: a newer send stops the holder (`cancel_running.json`)"
         )
+        lines += ["", *section]
+    if "rate" in results:
+        section = generic_section("rate", results["rate"])
+        section[0] = "## `RateLimit(n, period)`: the rate achieved on a busy key (`rate.json`)"
         lines += ["", *section]
     return "\n".join(lines) + "\n", targets
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from celery_mongolock.__about__ import __version__
 from celery_mongolock.admission.policies import Fail, Queue, Replace, Retry, Skip, Wait
+from celery_mongolock.admission.rate import RateLimit, Throttle
 from celery_mongolock.core.document_lock import DocumentLease, DocumentLock, DocumentWrite
 from celery_mongolock.core.fencing import FencedOut, fenced_update_one
 from celery_mongolock.core.lease import LeaseSet
@@ -50,6 +51,7 @@ __all__ = [
     "MongoLockError",
     "Queue",
     "QueueTimeout",
+    "RateLimit",
     "ReentrantHold",
     "Replace",
     "Retry",
@@ -57,6 +59,7 @@ __all__ = [
     "Skip",
     "StoreUnavailable",
     "Superseded",
+    "Throttle",
     "UntrustedMessage",
     "Wait",
     "__version__",

@@ -81,6 +81,7 @@ app.conf.update(
     },
     # MONGOLOCK_IT_SIGNING_KEY: parked runs' stored messages signed (tests/test_trust_handoff.py).
     mongolock_signing_key=os.environ.get("MONGOLOCK_IT_SIGNING_KEY") or None,
+    imports=("tests.rate_tasks",),  # the rate-limited tasks (RateLimit, Throttle)
 )
 
 _clients: dict[int, MongoClient[dict[str, Any]]] = {}

@@ -29,14 +29,17 @@ from pymongo import MongoClient
 from celery_mongolock import (
     ConfigurationError,
     DocumentLock,
+    Fail,
     InvalidKey,
     Lease,
     LeaseStore,
     LockContended,
     Queue,
+    RateLimit,
     Replace,
     Retry,
     SingletonTask,
+    Throttle,
     Wait,
     singleton_task,
 )
@@ -453,6 +456,29 @@ def test_bad_policies(call: Any, error: Any, names: str, why: str) -> None:
     check(call, error, names, why)
 
 
+# -- 7b. rates of starts (RateLimit, Throttle, rate=) -------------------------------------------------------
+
+RATE_CASES = [
+    case(lambda: RateLimit(0, 60), ConfigurationError, "RateLimit(n=...)", "an int from 1 to 1000, got 0", "rate-zero-n"),
+    case(lambda: RateLimit(2.5, 60), ConfigurationError, "RateLimit(n=...)", "got 2.5", "rate-float-n"),  # type: ignore[arg-type]
+    case(lambda: RateLimit(5, 0), ConfigurationError, "RateLimit(period=...)", "above 0", "rate-zero-period"),
+    case(lambda: RateLimit(5, -1), ConfigurationError, "RateLimit(period=...)", "got -1", "rate-negative-period"),
+    case(lambda: RateLimit(5, INF), ConfigurationError, "RateLimit(period=...)", "got inf", "rate-inf-period"),
+    case(lambda: Throttle(0), ConfigurationError, "Throttle(period=...)", "above 0", "throttle-zero-period"),
+    case(lambda: RateLimit(5, 60, then=Fail()), ConfigurationError, "RateLimit(then=...)", "None (park the run", "rate-then-fail"),
+    case(lambda: singleton_task(app=APP, rate=RateLimit(5, 60), on_contention=Queue())(upload), ConfigurationError, "rate=RateLimit(5 per 60 s)", "cannot be combined with on_contention=Queue()", "rate-with-queue"),
+    case(lambda: singleton_task(app=APP, rate={"n": 5, "period": 60, "burst": 2})(upload), ConfigurationError, "rate: unknown key(s) ['burst']", "a rate takes 'n' and 'period'", "rate-dict-unknown-key"),
+    case(lambda: singleton_task(app=APP, rate="5/min")(upload), ConfigurationError, "rate must be", "got str", "rate-str"),  # type: ignore[call-overload]
+    setting("mongolock_task_policies", {"t": {"rate": {"n": 0, "period": 60}}}, "an int from 1 to 1000, got 0", "task-policies-bad-rate", names="mongolock_task_policies['t']['rate']"),
+    setting("mongolock_task_policies", {"t": {"rate": {"throttle": 10}, "on_contention": "replace"}}, "cannot be combined with on_contention=Replace()", "task-policies-rate-with-replace", names="mongolock_task_policies['t']['rate']"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, RATE_CASES)
+def test_bad_rates(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
 # -- 8. LeaseStore(...) arguments --------------------------------------------------------------------------------
 
 URL = "mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=300"
@@ -714,6 +740,7 @@ FAMILIES: dict[str, list[Any]] = {
     "test_bad_urls": URL_CASES,
     "test_bad_settings": SETTING_CASES,
     "test_bad_policies": POLICY_CASES,
+    "test_bad_rates": RATE_CASES,
     "test_bad_store_arguments": STORE_CASES,
     "test_bad_acquire_arguments": ACQUIRE_CASES,
     "test_bad_document_lock_arguments": DOCUMENT_LOCK_CASES,

@@ -643,6 +643,7 @@ PROJECT_PAGES = {
     "docs/how-to/beat.md": ["proj.tasks.send_digest"],
     "docs/how-to/per-tenant-limit.md": ["proj.tasks.sync_tenant"],
     "docs/how-to/several-keys.md": ["proj.merge.merge_groups"],
+    "docs/how-to/rate-limits.md": ["proj.tasks.call_partner_api", "proj.tasks.rebuild_search_index"],
 }
 DJANGO_SITE_PAGE = "docs/how-to/django.md"
 # Blocks run by tests elsewhere: (page, first line of the block) -> the test that runs it.
@@ -945,7 +946,7 @@ START_ERRORS: dict[str, Callable[[], Any]] = {
     ),
     "mongolock_task_policies['groups.tasks.upload_members'] has unknown option(s) ['lease_secs'] (did you "
     "mean 'lease_seconds' for 'lease_secs'?); known: ['on_contention', 'lease_seconds', 'heartbeat_seconds', "
-    "'min_hold_seconds', 'limit', 'keys']": lambda: _settings(
+    "'min_hold_seconds', 'limit', 'keys', 'rate']": lambda: _settings(
         mongolock_task_policies={"groups.tasks.upload_members": {"lease_secs": 60}}
     ),
 }

@@ -11,7 +11,9 @@ setting                        default                          meaning
 ``mongolock_on_contention``    ``"retry"``                      policy when the key is held
 ``mongolock_operation_timeout`` ``10``                          deadline of one MongoDB operation
 ``mongolock_task_policies``    ``{}``                           per task name: any of ``on_contention``,
-                                                                ``lease_seconds``, ``heartbeat_seconds``
+                                                                ``lease_seconds``, ``heartbeat_seconds``,
+                                                                ``min_hold_seconds``, ``limit``, ``keys``,
+                                                                ``rate``
 ``mongolock_history_days``     ``7``                            days the lease history is kept (0: none)
 ``mongolock_signing_key``      ``None``                         secret that signs parked runs' messages
 ``mongolock_watch_leases``     ``True``                         a change stream per process notices a
@@ -40,6 +42,7 @@ from celery_mongolock.admission.policies import (
     check_limit,
     parse_policy,
 )
+from celery_mongolock.admission.rate import RateLimit, check_rate, parse_rate
 from celery_mongolock.core.store import LeaseStore, validate_lease_timing, validate_names
 from celery_mongolock.core.urls import validate_mongo_url
 from celery_mongolock.core.validation import DEFAULT_HISTORY_DAYS, validate_history_days, validate_seconds
@@ -90,6 +93,7 @@ TASK_OPTION_NAMES = (
     "min_hold_seconds",
     "limit",
     "keys",
+    "rate",
 )
 
 
@@ -107,6 +111,8 @@ class TaskOptions:
     keys: tuple[Any, ...] | None = None
     #: With ``keys=``: the limit of each spec, in the order of ``keys`` (None: every key a single lease).
     key_limits: tuple[int | None, ...] | None = None
+    #: ``rate=RateLimit(n, period)`` or ``Throttle(period)``: starts per key over time (None: no rate).
+    rate: RateLimit | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +141,7 @@ class Settings:
         min_hold_seconds: float | None = None,
         limit: int | Mapping[Any, int] | None = None,
         keys: Sequence[Any] | None = None,
+        rate: RateLimit | Mapping[str, Any] | None = None,
     ) -> TaskOptions:
         """Options for task ``name``: per-task settings > decorator arguments > global settings.
         ``keys`` from the settings replace the decorator's ``key=`` or ``keys=``."""
@@ -183,6 +190,7 @@ class Settings:
         except ConfigurationError as exc:
             source = f"{where}['keys']" if "keys" in override else f"task {name!r}"
             raise ConfigurationError(f"{source}: {exc}") from None
+        starts = _rate_for(name, override, rate, policy)
         return TaskOptions(
             on_contention=policy,
             lease_seconds=lease_s,
@@ -191,7 +199,24 @@ class Settings:
             limit=n,
             keys=multi,
             key_limits=per_key,
+            rate=starts,
         )
+
+
+def _rate_for(
+    name: str, override: Mapping[str, Any], rate: RateLimit | Mapping[str, Any] | None, policy: Policy
+) -> RateLimit | None:
+    """The task's rate (``mongolock_task_policies``' ``"rate"`` beats the decorator's), checked with its
+    policy (``admission.rate.check_rate``)."""
+    source = f"mongolock_task_policies[{name!r}]['rate']" if "rate" in override else f"task {name!r} rate"
+    try:
+        starts = parse_rate(override.get("rate", rate), source)
+        check_rate(starts, policy)
+    except ConfigurationError as exc:
+        if str(exc).startswith(source):
+            raise
+        raise ConfigurationError(f"{source}: {exc}") from None
+    return starts
 
 
 def _conf_get(conf: Any, name: str) -> Any:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from celery_mongolock.admission.policies import Policy, check_keys, check_limit, parse_policy
+from celery_mongolock.admission.rate import check_rate, parse_rate
 from celery_mongolock.core.keys import KeyRenderer
 from celery_mongolock.exceptions import ConfigurationError
 
@@ -44,6 +45,7 @@ DECORATOR_OPTIONS = (
     "min_hold_seconds",
     "limit",
     "keys",
+    "rate",
 )
 #: The class attributes of ``SingletonTask`` that carry them (``mongolock_`` + the option's name).
 TASK_ATTRIBUTES = tuple(f"mongolock_{name}" for name in DECORATOR_OPTIONS)
@@ -148,24 +150,26 @@ def check_task_class(cls: type) -> None:
             plain = attr[len("mongolock_") :]
             if plain in FUTURE_OPTIONS:
                 raise _future(where, attr, plain)
-            hint = _close(attr, TASK_ATTRIBUTES)
-            suggestion = f"did you mean {hint[0]}?" if hint else f"known: {', '.join(TASK_ATTRIBUTES)}"
+            hint = _close(plain, DECORATOR_OPTIONS)  # (the names without the prefix they all share)
+            suggestion = (
+                f"did you mean mongolock_{hint[0]}?" if hint else f"known: {', '.join(TASK_ATTRIBUTES)}"
+            )
             raise ConfigurationError(f"{where}: unknown option {attr}; {suggestion}")
         if (
             attr.startswith("_")
             or attr in celery_names
             or attr in FUTURE_OPTIONS
-            or attr in ("limit", "keys")
+            or attr in ("limit", "keys", "rate")
         ):
             continue
         # Unprefixed: only our own options' names (and near misses) are refused; any other attribute
-        # (``limit`` included: a task class may have one of its own) is the task's business.
-        if attr in DECORATOR_OPTIONS and attr not in ("limit", "keys"):
+        # (``limit``, ``keys``, ``rate`` included: a task class may have its own) is the task's business.
+        if attr in DECORATOR_OPTIONS and attr not in ("limit", "keys", "rate"):
             raise ConfigurationError(
                 f"{where}: {attr} is not read on a SingletonTask; did you mean mongolock_{attr}? "
                 "(or declare it with @singleton_task(..., " + attr + "=...))"
             )
-        hint = _close(attr, [o for o in DECORATOR_OPTIONS if o not in ("limit", "keys")])
+        hint = _close(attr, [o for o in DECORATOR_OPTIONS if o not in ("limit", "keys", "rate")])
         if hint and not callable(cls.__dict__[attr]):
             raise ConfigurationError(
                 f"{where}: unknown option {attr}; did you mean mongolock_{hint[0]}? (SingletonTask "
@@ -188,6 +192,7 @@ def check_task_class(cls: type) -> None:
             validate_seconds("min_hold_seconds", hold, low=0.0, high=30 * 24 * 3600.0)
         check_limit(limit, policy, hold)
         multi = check_keys(getattr(cls, "mongolock_keys", None), None, policy, limit)
+        check_rate(parse_rate(getattr(cls, "mongolock_rate", None), "mongolock_rate"), policy)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
     body = _task_function(cls)

@@ -46,6 +46,7 @@ from celery_mongolock.admission.policies import (
     check_limit,
     parse_policy,
 )
+from celery_mongolock.admission.rate import RateLimit, checked_rate
 from celery_mongolock.core.keys import KeyRenderer, KeySpec
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import run_scope
@@ -67,6 +68,7 @@ from celery_mongolock.integration.options import (
     check_task_class,
     install_start_up_error_hook,
 )
+from celery_mongolock.integration.rate_gate import pass_rate, rate_parks_of
 from celery_mongolock.integration.reentrant import end_holds, joined, note_taken, reentered
 from celery_mongolock.integration.runs import (
     CONTENDED_SINCE_HEADER,
@@ -167,6 +169,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     mongolock_limit: ClassVar[int | Mapping[Any, int] | None] = None
     #: Several keys held together (``keys=(spec, ...)``), instead of ``mongolock_key``.
     mongolock_keys: ClassVar[Sequence[KeySpec] | None] = None
+    mongolock_rate: ClassVar[RateLimit | None] = None  # rate=RateLimit(n, period) or Throttle(period)
     #: Expected errors: logged at INFO without a traceback.
     throws = (LockContended,)
     Request = "celery_mongolock.task:SingletonRequest"
@@ -311,6 +314,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             min_hold_seconds=self.mongolock_min_hold_seconds,
             limit=self.mongolock_limit,
             keys=self.mongolock_keys,
+            rate=self.mongolock_rate,
         )
 
     # -- the guarded call ------------------------------------------------------------------------------
@@ -341,6 +345,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             return self._run_reentered(inner[key], args, kwargs)
         options = self._options()
         taken = OneKey(self, key, options, direct=direct).take()
+        if isinstance(taken, Lease):  # then a start in its rate's window (None: it starts)
+            taken = pass_rate(self, [key], [taken], options, direct=direct) or taken
         if not isinstance(taken, Lease):
             return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
         lease = taken
@@ -390,6 +396,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 end_holds(inner)
                 return taken.value
             fresh = taken
+            over_rate = pass_rate(self, rest, list(fresh), self._options(), direct=direct)
+            if over_rate is not None:
+                end_holds(inner)
+                return over_rate.value
             note_taken(store, fresh, limits)
         if fresh is None:
             return self._run_reentered(joined(inner, None), args, kwargs)
@@ -430,7 +440,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise Ignore()
         headers = dict(request.headers or {})
         attempt = int(headers.get(CONTENTION_HEADER) or 0)
-        if policy.exhausted(attempt):
+        if policy.exhausted(attempt - rate_parks_of(request)):  # (waits for a rate are not contention)
             log_acquire.info("%s[%s]: giving up after %d contention retries", self.name, request.id, attempt)
             raise exc
         countdown = policy.delay(attempt)
@@ -488,6 +498,7 @@ def singleton_task(
     min_hold_seconds: float | None = ...,
     limit: int | Mapping[Any, int] | None = ...,
     keys: Sequence[KeySpec] | None = ...,
+    rate: RateLimit | Mapping[str, Any] | None = ...,
     app: Celery | None = ...,
     base: type[SingletonTask] = ...,
     **task_options: Any,
@@ -504,6 +515,7 @@ def singleton_task(
     min_hold_seconds: float | None = None,
     limit: int | Mapping[Any, int] | None = None,
     keys: Sequence[KeySpec] | None = None,
+    rate: RateLimit | Mapping[str, Any] | None = None,
     app: Celery | None = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -516,10 +528,10 @@ def singleton_task(
     ``Fail()`` or their names. ``min_hold_seconds`` keeps the key taken at least that long after a run
     starts, even if it ends sooner (ShedLock's lock-at-least-for). ``limit=N``: up to N runs of one key
     at once (per-tenant concurrency), each holding a slot (``current_lease().slot``) with its own fence;
-    ``Retry``, ``Skip``, ``Wait`` and ``Fail`` work with it. Other keyword arguments go to Celery
-    (``bind``, ``name``, ``acks_late``,
-    ...). Like ``shared_task`` unless ``app=`` binds it to one app. Mistakes in the key spec or the
-    policy raise ``ConfigurationError`` here, at declaration time.
+    ``Retry``, ``Skip``, ``Wait`` and ``Fail`` work with it. ``rate=RateLimit(n, period)``: at most n
+    starts per key in any ``period`` s, the rest parked till their turn (``Throttle(period)``: one).
+    Other keyword arguments go to Celery (``bind``, ``name``, ``acks_late``, ...). Like ``shared_task``
+    unless ``app=`` binds it to one app. Mistakes raise ``ConfigurationError`` here, at declaration.
     """
     if not (base is SingletonTask or (isinstance(base, type) and issubclass(base, SingletonTask))):
         raise ConfigurationError(
@@ -529,6 +541,7 @@ def singleton_task(
         on_contention = parse_policy(on_contention, "on_contention")
     check_limit(limit, on_contention, min_hold_seconds)
     keys = check_keys(keys, key, on_contention, limit)
+    rate = checked_rate(rate, on_contention)
     if on_contention is not None and on_contention.queued:
         # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
         # a run whose worker dies from being lost.
@@ -564,6 +577,7 @@ def singleton_task(
             "mongolock_min_hold_seconds": min_hold_seconds,
             "mongolock_limit": limit,
             "mongolock_keys": keys,
+            "mongolock_rate": rate,
             **task_options,
         }
         if app is not None:

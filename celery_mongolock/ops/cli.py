@@ -37,6 +37,7 @@ from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import MongoLockError
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops import cli_documents
+from celery_mongolock.ops.cli_rate import rate_lines, read_window
 
 __all__ = ["mongolock"]
 
@@ -579,6 +580,10 @@ def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
     endings."""
     store = _store(ctx)
     story = _run(lambda: store.why(key))
+    rate = rate_lines(read_window(store, key))
+    if story is None and rate and not as_json:
+        click.echo("\n".join([f"{key}: free (no lease document); a rate limits its starts", "", *rate]))
+        return
     if story is None:
         if as_json:
             click.echo("null")
@@ -590,4 +595,4 @@ def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
     if as_json:
         click.echo(_json(story.as_dict()))
         return
-    click.echo("\n".join(why_lines(story)))
+    click.echo("\n".join([*why_lines(story), *rate]))

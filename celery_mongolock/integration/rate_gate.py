@@ -1,0 +1,153 @@
+"""The rate of a run that holds its key(s): start now, wait for its turn, or be dropped.
+
+A run of a task with ``rate=RateLimit(n, period)`` (or ``Throttle(period)``) takes its key(s) as always,
+then one start in each key's window (``core.store_rate``: one ``findAndModify`` per key, on the server's
+clock, recorded with the grant). Over the rate:
+
+* ``then=None`` (the default): the run gives its key(s) back and is **parked**: recorded among the key's
+  waiting runs (which keeps send order), its message published again with a countdown to its turn and
+  the delivery acknowledged (``Ignore``), so no worker slot is held while it waits and nothing is
+  dropped. Its state is ``QUEUED`` meanwhile. The copy is a contention retry of the run (same task id),
+  so the guards against a second run of one delivery cover it. A direct call (``task(...)``,
+  ``apply()``) has no message: it keeps its key(s) and sleeps until its turn.
+* ``then=Skip()``: the run gives its key(s) back and ends ``SUCCESS`` with a skipped result naming the
+  rate (``"mongolock": "skipped"``, ``"rate": "RateLimit(2 per 2 s)"``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Ignore
+
+from celery_mongolock.admission.contention import Outcome, skipped_result
+from celery_mongolock.core.store_rate import RateTake, rate_windows
+from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.integration import handoff as _queue
+from celery_mongolock.integration import signals
+from celery_mongolock.integration.config import get_store
+from celery_mongolock.integration.runs import (
+    CONTENDED_SINCE_HEADER,
+    CONTENTION_HEADER,
+    GuardedRun,
+    give_back_quietly,
+    ignored_as,
+    republish,
+    set_state,
+    unavailable,
+)
+
+if TYPE_CHECKING:
+    from celery_mongolock.admission.rate import RateLimit
+    from celery_mongolock.core.lease import Lease
+    from celery_mongolock.integration.config import TaskOptions
+
+__all__ = ["RATE_HEADER", "pass_rate", "rate_parks_of", "rate_skipped_result"]
+
+log = logging.getLogger("celery_mongolock.acquire")
+
+#: How many times a run was parked by its rate (its copies carry it; also counted as contention retries).
+RATE_HEADER = "mongolock_rate_parks"
+
+
+def rate_parks_of(request: Any) -> int:
+    """How many of a run's contention retries were waits for its rate (not for a held key)."""
+    value = (getattr(request, "headers", None) or {}).get(RATE_HEADER)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def rate_skipped_result(key: str, rate: RateLimit, took: RateTake) -> dict[str, Any]:
+    """The result of a run dropped by ``then=Skip()``: which key, which rate, and when the next start is."""
+    result = skipped_result(key, {}, None, _over(rate, took))
+    result["rate"] = rate.describe()
+    return result
+
+
+def _over(rate: RateLimit, took: RateTake) -> str:
+    return (
+        f"over the rate {rate.describe()} of {took.key!r}: {took.in_window} starts in the last "
+        f"{rate.period:g} s, {took.position} run(s) waiting before this one; its turn in "
+        f"{took.wait_seconds:.1f} s"
+    )
+
+
+def pass_rate(
+    task: GuardedRun, keys: Sequence[str], leases: Sequence[Lease], options: TaskOptions, *, direct: bool
+) -> Outcome | None:
+    """None when the run may start its body now (a start recorded in every key's window); an outcome
+    (``then=Skip()``) when it is dropped; raises ``Ignore`` when it is parked until its turn."""
+    rate = options.rate
+    if rate is None:
+        return None
+    request = task.request
+    store = get_store(task.app)
+    stamp, _src = _queue.stamp_of(request)
+    run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
+    in_process = direct or bool(request.is_eager or request.called_directly)
+    ordered = sorted(keys)
+    while True:
+        try:
+            took = rate_windows(store).take(
+                ordered, run=run, stamp=stamp, n=rate.n, period_ms=rate.period_ms, park=rate.parks
+            )
+        except StoreUnavailable as exc:
+            give_back_quietly(store, list(leases))
+            unavailable(task, ordered[0], exc, options.on_contention, direct)
+        if took.started:
+            return None
+        key = str(took.key)
+        signals.lease_contended.send(sender=task, key=key, holder={}, policy=rate.name)
+        if not rate.parks:
+            give_back_quietly(store, list(leases))
+            log.info("%s[%s]: %s; skipped", task.name, request.id, _over(rate, took))
+            return Outcome(rate_skipped_result(key, rate, took))
+        if not in_process:
+            give_back_quietly(store, list(leases))
+            _park(task, key, rate, took, stamp)
+        # A direct call keeps its key(s) and waits for its turn in this thread.
+        time.sleep(_countdown(rate, took))
+
+
+def _countdown(rate: RateLimit, took: RateTake) -> float:
+    """Seconds until a parked run looks again: its turn (plus a little, so it arrives after the window
+    opened on the server's clock), and never less than a short recheck when runs before it are late."""
+    recheck = min(1.0, max(0.05, rate.period / 10))
+    return max(took.wait_seconds + 0.01, recheck if took.position else 0.01)
+
+
+def _park(task: GuardedRun, key: str, rate: RateLimit, took: RateTake, stamp: int) -> None:
+    """Publish the run again for its turn (same task id, its send stamp kept), and end this delivery."""
+    request = task.request
+    countdown = _countdown(rate, took)
+    headers = dict(request.headers or {})
+    headers[CONTENTION_HEADER] = int(headers.get(CONTENTION_HEADER) or 0) + 1
+    headers[RATE_HEADER] = rate_parks_of(request) + 1
+    headers.setdefault(CONTENDED_SINCE_HEADER, int(time.time() * 1000))
+    headers[_queue.SENT_HEADER] = stamp
+    if not headers.get(RATE_HEADER + "_since"):
+        headers[RATE_HEADER + "_since"] = _dt.datetime.now(_dt.timezone.utc).isoformat()
+    set_state(
+        task,
+        _queue.QUEUED,
+        {
+            "key": key,
+            "since": headers[RATE_HEADER + "_since"],
+            "position": took.position,
+            "rate": rate.describe(),
+        },
+        unless_ready=True,
+    )
+    republish(task, task.signature_from_request(request, countdown=countdown, headers=headers), "rate wait")
+    log.info(
+        "%s[%s]: %s; parked (state QUEUED, no worker slot held), looks again in %.2f s",
+        task.name,
+        request.id,
+        _over(rate, took),
+        countdown,
+    )
+    ignored_as(request.id, f"parked by the rate of {key!r}, not dropped: it starts at its turn")
+    raise Ignore()

@@ -1,0 +1,87 @@
+"""Rate-limited tasks of the integration app (``RateLimit``, ``Throttle``), imported by its workers
+(``app.conf.imports``). Each body records its start on the **server's** clock (``$$NOW``), so that a test
+judges the rate on the clock the windows are kept on."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery_mongolock import RateLimit, Skip, Throttle, Wait, singleton_task
+
+from .integration_app import app, db
+
+#: The rate of the tests: 2 starts per 2 s.
+N, PERIOD = 2, 2.0
+#: The window of the tasks that drop runs over the rate: long enough that a burst always meets it full.
+SKIP_PERIOD = 60.0
+
+
+def _started(tag: str, key: str) -> str:
+    db()["rate_starts"].update_one(
+        {"_id": tag},
+        [{"$set": {"at": "$$NOW", "key": key, "pid": os.getpid()}}],
+        upsert=True,
+    )
+    return tag
+
+
+# Wait(): a run that finds the key held for a moment (another run's short body, or a copy checking its
+# turn) waits for it rather than going round the broker; the rate decides the order.
+@singleton_task(
+    key="rated:{name}", rate=RateLimit(N, PERIOD), on_contention=Wait(), app=app, name="rate.limited"
+)
+def limited(name: str, tag: str) -> str:
+    return _started(tag, f"rated:{name}")
+
+
+@singleton_task(
+    key="rated:{name}",
+    rate=RateLimit(N, SKIP_PERIOD, then=Skip()),
+    on_contention=Wait(),
+    app=app,
+    name="rate.skipping",
+)
+def skipping(name: str, tag: str) -> str:
+    return _started(tag, f"rated:{name}")
+
+
+@singleton_task(
+    key="throttled:{name}", rate=Throttle(PERIOD), on_contention=Wait(), app=app, name="rate.throttled"
+)
+def throttled(name: str, tag: str) -> str:
+    return _started(tag, f"throttled:{name}")
+
+
+@singleton_task(
+    key="throttled:{name}",
+    rate=Throttle(SKIP_PERIOD, then=Skip()),
+    on_contention=Wait(),
+    app=app,
+    name="rate.throttled_skip",
+)
+def throttled_skip(name: str, tag: str) -> str:
+    return _started(tag, f"throttled:{name}")
+
+
+@singleton_task(
+    keys=("tenant:{tenant}", "group:{group}"),
+    rate=RateLimit(N, PERIOD),
+    on_contention=Wait(),
+    app=app,
+    name="rate.pair",
+)
+def pair(tenant: str, group: str, tag: str) -> str:
+    return _started(tag, f"tenant:{tenant}")
+
+
+@singleton_task(
+    key="slots:{name}", limit=2, rate=RateLimit(N, PERIOD), on_contention=Wait(), app=app, name="rate.slots"
+)
+def slots(name: str, tag: str) -> str:
+    return _started(tag, f"slots:{name}")
+
+
+def starts(tags: list[str]) -> dict[str, Any]:
+    """tag -> its recorded start (server clock)."""
+    return {doc["_id"]: doc for doc in db()["rate_starts"].find({"_id": {"$in": tags}})}

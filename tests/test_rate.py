@@ -1,0 +1,234 @@
+"""``RateLimit(n, period)`` and ``Throttle(period)``: the window arithmetic (pure), the declarations, and
+the rate windows on a real server (the embedded one, or MongoDB), raced by several stores and threads."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import threading
+import uuid
+from typing import Any
+
+import pytest
+
+from celery_mongolock import LeaseStore, RateLimit, Skip, Throttle
+from celery_mongolock.admission.rate import checked_rate, parse_rate
+from celery_mongolock.core.documents.rate import RateWindow, next_start_ms, starts_in_any_window
+from celery_mongolock.core.store_rate import rate_windows
+from celery_mongolock.exceptions import ConfigurationError
+from celery_mongolock.policies import Queue, Replace, Retry, Wait
+
+# -- the window arithmetic (no server) -------------------------------------------------------------------
+
+
+def test_next_start_with_room_is_now() -> None:
+    assert next_start_ms([], 2, 2000, 10_000) == 10_000
+    assert next_start_ms([9_000], 2, 2000, 10_000) == 10_000
+
+
+def test_next_start_waits_for_the_oldest_start_that_counts() -> None:
+    # n=2 per 2 s, starts at 9.0 and 9.5: the next start when 9.0 leaves the window (11.0).
+    assert next_start_ms([9_000, 9_500], 2, 2000, 10_000) == 11_000
+    # The run after it: when 9.5 leaves (11.5); the one after that: 13.0 (the start at 11.0 leaves).
+    assert next_start_ms([9_500, 9_000], 2, 2000, 10_000, position=1) == 11_500
+    assert next_start_ms([9_000, 9_500], 2, 2000, 10_000, position=2) == 13_000
+
+
+def test_next_start_ignores_starts_out_of_the_window() -> None:
+    assert next_start_ms([1_000, 2_000, 7_999], 1, 2000, 10_000) == 10_000
+    assert next_start_ms([8_000], 1, 2000, 10_000) == 10_000  # half-open: 8.0 counts on [8.0, 10.0)
+    assert next_start_ms([8_001], 1, 2000, 10_000) == 10_001
+
+
+def test_throttle_spaces_parked_runs_one_period_apart() -> None:
+    assert [next_start_ms([10_000], 1, 5000, 10_000, position=p) for p in range(3)] == [
+        15_000,
+        20_000,
+        25_000,
+    ]
+
+
+def test_starts_in_any_window() -> None:
+    assert starts_in_any_window([], 1000) == 0
+    assert starts_in_any_window([0, 500, 999], 1000) == 3
+    assert starts_in_any_window([0, 500, 1000, 1500], 1000) == 2  # [a, a + period): 0 and 1000 apart
+    assert starts_in_any_window([1500, 0, 1000, 500, 1001], 1000) == 3
+
+
+def test_window_of_a_document() -> None:
+    t0 = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
+    ms = int(t0.timestamp() * 1000)
+    doc = {
+        "s": [{"t": t0 + _dt.timedelta(seconds=1), "id": "b"}, {"t": t0, "id": "a"}],
+        "w": [{"id": "late/0", "st": 9, "x": t0}, {"id": "early/0", "st": 3, "x": t0}],
+        "seen": t0 + _dt.timedelta(seconds=1.5),
+    }
+    window = RateWindow.of("k", doc)
+    assert window.starts_ms == (ms, ms + 1000)
+    assert window.start_ids == ("a", "b")
+    assert window.granted("b") and not window.granted("c")
+    assert [w.run for w in window.waiters] == ["early/0", "late/0"]
+    assert window.position("late/0") == 1 and window.position("new/0") == 2
+    assert window.now_ms == ms + 1500
+    assert window.in_window(1000) == 1 and window.in_window(2000) == 2
+    assert RateWindow.of("k", None).starts_ms == ()
+
+
+# -- declarations ------------------------------------------------------------------------------------------
+
+
+def test_values() -> None:
+    assert RateLimit(5, 60).describe() == "RateLimit(5 per 60 s)"
+    assert (
+        Throttle(10).n == 1
+        and Throttle(10).period == 10.0
+        and Throttle(10).describe() == "Throttle(1 per 10 s)"
+    )
+    assert RateLimit(2, 0.5).period_ms == 500
+    assert RateLimit(2, 1, then=Skip()).parks is False and RateLimit(2, 1).parks is True
+    assert parse_rate({"n": 3, "period": 1.5}) == RateLimit(3, 1.5)
+    assert parse_rate({"throttle": 4, "then": "skip"}) == Throttle(4, then=Skip())
+    assert parse_rate(None) is None
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: RateLimit(0, 1), "RateLimit(n=...) must be an int from 1 to 1000, got 0"),
+        (lambda: RateLimit(True, 1), "RateLimit(n=...) must be an int"),
+        (lambda: RateLimit(2.5, 1), "RateLimit(n=...) must be an int"),  # type: ignore[arg-type]
+        (lambda: RateLimit(1, 0), "RateLimit(period=...) must be a number of seconds above 0"),
+        (lambda: RateLimit(1, -2), "RateLimit(period=...) must be a number of seconds above 0"),
+        (lambda: RateLimit(1, float("nan")), "RateLimit(period=...)"),
+        (lambda: Throttle(0), "Throttle(period=...) must be a number of seconds above 0"),
+        (lambda: RateLimit(1, 1, then=Retry()), "RateLimit(then=...) must be None"),
+        (lambda: parse_rate({"n": 1}, "rate"), "rate: needs 'n' and 'period'"),
+        (lambda: parse_rate({"n": 1, "period": 2, "burst": 3}, "rate"), "rate: unknown key(s) ['burst']"),
+        (lambda: parse_rate({"throttle": 1, "n": 2}, "rate"), "rate: give 'throttle' (one start per"),
+        (lambda: parse_rate("5/min", "rate"), "rate must be RateLimit(n, period), Throttle(period)"),
+        (lambda: checked_rate(RateLimit(1, 1), Queue()), "cannot be combined with on_contention=Queue()"),
+        (lambda: checked_rate(Throttle(1), Replace()), "cannot be combined with on_contention=Replace()"),
+    ],
+)
+def test_bad_rates_are_refused_in_our_words(make: Any, words: str) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        make()
+    assert words in str(err.value)
+
+
+def test_a_rate_combines_with_the_plain_policies() -> None:
+    for policy in (Retry(), Wait(), Skip(), None):
+        assert checked_rate(RateLimit(2, 1), policy) == RateLimit(2, 1)
+
+
+# -- the windows on a real server -----------------------------------------------------------------------
+
+
+def _take(
+    store: LeaseStore,
+    keys: list[str],
+    run: str,
+    stamp: int,
+    *,
+    n: int = 2,
+    period_ms: int = 60_000,
+    **kw: Any,
+) -> Any:
+    return rate_windows(store).take(
+        keys, run=run, stamp=stamp, n=n, period_ms=period_ms, park=kw.get("park", True)
+    )
+
+
+def test_n_starts_then_the_rest_wait_in_send_order(store: LeaseStore) -> None:
+    assert _take(store, ["k"], "a/0", 1).started
+    assert _take(store, ["k"], "b/0", 2).started
+    third = _take(store, ["k"], "c/0", 3)
+    fourth = _take(store, ["k"], "d/0", 4)
+    assert not third.started and not fourth.started
+    assert (third.key, third.in_window, third.position) == ("k", 2, 0)
+    assert fourth.position == 1
+    assert 59 < third.wait_seconds <= 60
+    # A run sent before the parked ones, delivered late, is placed before them.
+    assert _take(store, ["k"], "early/0", 0).position == 0
+    window = rate_windows(store).look("k")
+    assert window is not None and [w.run for w in window.waiters] == ["early/0", "c/0", "d/0"]
+
+
+def test_a_parked_run_goes_first_when_the_window_opens(store: LeaseStore) -> None:
+    assert _take(store, ["k"], "a/0", 1, n=1, period_ms=300).started
+    parked = _take(store, ["k"], "b/0", 2, n=1, period_ms=300)
+    assert not parked.started and parked.wait_seconds <= 0.3
+    # A newer send never overtakes it, even once the window has room.
+    store.clock.sleep(0.35)
+    assert not _take(store, ["k"], "c/0", 3, n=1, period_ms=300).started
+    assert _take(store, ["k"], "b/0", 2, n=1, period_ms=300).started
+    window = rate_windows(store).look("k")
+    assert window is not None and [w.run for w in window.waiters] == ["c/0"]
+
+
+def test_skip_records_no_waiter(store: LeaseStore) -> None:
+    assert _take(store, ["k"], "a/0", 1, n=1).started
+    assert not _take(store, ["k"], "b/0", 2, n=1, park=False).started
+    window = rate_windows(store).look("k")
+    assert window is not None and window.waiters == ()
+
+
+def test_several_keys_start_on_all_or_none(store: LeaseStore) -> None:
+    assert _take(store, ["b"], "x/0", 1, n=1).started  # b's window is full
+    took = _take(store, ["a", "b"], "y/0", 2, n=1)
+    assert not took.started and took.key == "b"
+    a = rate_windows(store).look("a")
+    assert a is not None and a.starts_ms == ()  # its start on a was given back
+    assert _take(store, ["a", "c"], "z/0", 3, n=1).started
+
+
+def test_racing_stores_never_take_more_than_n_starts(make_store: Any) -> None:
+    """Stores with clients of their own (other processes' views), several threads each, race for the
+    starts of one key: exactly n of them start, whatever the interleaving, and every one of the rest is
+    told it waits."""
+    stores = [make_store() for _ in range(3)]
+    n, racers = 3, 24
+    barrier = threading.Barrier(racers)
+    results: list[bool] = []
+    lock = threading.Lock()
+    key = f"race-{uuid.uuid4().hex[:6]}"
+
+    def racer(i: int) -> None:
+        barrier.wait(timeout=30)
+        took = _take(stores[i % len(stores)], [key], f"r{i}/0", i, n=n)
+        with lock:
+            results.append(took.started)
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(racers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == racers
+    assert sum(results) == n
+    window = rate_windows(stores[0]).look(key)
+    assert window is not None and len(window.starts_ms) == n and len(window.waiters) == racers - n
+
+
+# -- why KEY ---------------------------------------------------------------------------------------------
+
+
+def test_why_shows_the_rate_of_a_key(mongo_url: str, db_name: str) -> None:
+    """``celery mongolock why KEY`` as a user runs it: the window's use and the next start, then the runs
+    the rate parked; for a key with no lease document too (its last run released it long ago)."""
+    from .test_cli import run
+
+    store = LeaseStore(mongo_url, database=db_name)
+    try:
+        for i, run_id in enumerate(["a/0", "b/0", "c/0", "d/0"]):
+            rate_windows(store).take(["api:7"], run=run_id, stamp=i, n=2, period_ms=60_000, park=True)
+        why = run(mongo_url, db_name, "why", "api:7").stdout
+        assert "api:7: free (no lease document); a rate limits its starts" in why, why
+        assert re.search(r"rate        2/2 in the last 60 s, next start in \d+\.\d s", why), why
+        assert "2 run(s) parked by the rate, oldest send first:" in why and " 1  c/0" in why, why
+        lease = store.acquire("api:7", 30)
+        assert lease is not None
+        why = run(mongo_url, db_name, "why", "api:7").stdout
+        assert why.startswith("api:7: held") and "rate        2/2 in the last 60 s" in why, why
+    finally:
+        store.close()

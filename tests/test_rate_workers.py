@@ -1,0 +1,177 @@
+"""``RateLimit`` and ``Throttle`` on real prefork workers, on both brokers: a burst runs whole, never more
+than n starts in any window (judged on the start times each body recorded on the server's clock), runs
+parked by the rate start in send order, and ``then=Skip()`` drops the rest visibly. With ``keys=`` and
+with ``limit=``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_mongolock.core.documents.rate import starts_in_any_window
+from celery_mongolock.core.store_rate import rate_windows
+
+from . import integration_app as it
+from . import rate_tasks as rt
+from .servers import RedisServer, wait_for
+from .test_integration import Cluster
+from .workers import pointed_at
+
+pytestmark = pytest.mark.slow
+
+LEASE = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    db_name = f"mongolock_rate_{uuid.uuid4().hex[:8]}"
+    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp("rworkers"), backend=redis_server.url)
+    with pointed_at(
+        it.app,
+        broker_url,
+        redis_server.url,
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=LEASE,
+    ):
+        c.worker(name="r1@localhost", concurrency=2)
+        c.worker(name="r2@localhost", concurrency=2)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def start_times(cluster: Cluster, tags: list[str]) -> list[float]:
+    """Each tag's start (server clock, seconds), in the order of ``tags``; each ran exactly once."""
+    found = {d["_id"]: d["at"].timestamp() for d in cluster.db["rate_starts"].find({"_id": {"$in": tags}})}
+    assert set(found) == set(tags), f"not run: {set(tags) - set(found)}"
+    return [found[t] for t in tags]
+
+
+#: The rate holds on the starts the library records (on the server's clock, in the command that grants
+#: them); a body records its own start one reply, a signal and one more round trip later, and how much
+#: later varies on a busy machine (tens of ms seen). The bodies' records are judged on windows that much
+#: shorter.
+GRANT_TO_BODY = 0.25
+
+
+def assert_rate(times: list[float], n: int, period: float) -> None:
+    # Whole milliseconds, as the server's dates; windows are half-open.
+    most = starts_in_any_window([round(t * 1000) for t in times], (period - GRANT_TO_BODY) * 1000)
+    assert most <= n, f"{most} starts in one window of {period} s (at most {n}): {sorted(times)}"
+
+
+def assert_window_by_window_send_order(times: list[float], n: int) -> None:
+    """``times`` in send order: the runs that start in one window are the earliest-sent of those waiting,
+    so taken n at a time in the order they started, every group was sent before the next one (within a
+    group, the order they reached a worker)."""
+    by_start = sorted(range(len(times)), key=lambda i: times[i])
+    groups = [by_start[i : i + n] for i in range(0, len(by_start), n)]
+    for earlier, later in itertools.pairwise(groups):
+        assert max(earlier) < min(later), f"a later send started in an earlier window: {groups}"
+
+
+def fill_then_burst(cluster: Cluster, task: Any, args: tuple[Any, ...], burst: int) -> list[str]:
+    """Start n runs (the window is then full), then send ``burst`` more at once: all of those meet a full
+    window and are parked by the rate. Returns every tag in send order."""
+    first = [tag() for _ in range(rt.N)]
+    for t in first:
+        assert task.delay(*args, t).get(timeout=120) == t
+    rest = [tag() for _ in range(burst)]
+    results = [task.delay(*args, t) for t in rest]
+    assert [r.get(timeout=240) for r in results] == rest
+    return first + rest
+
+
+def test_a_burst_runs_whole_within_the_rate_in_send_order(cluster: Cluster) -> None:
+    name = tag()
+    tags = fill_then_burst(cluster, rt.limited, (name,), 6)
+    times = start_times(cluster, tags)
+    assert_rate(times, rt.N, rt.PERIOD)
+    assert_window_by_window_send_order(times, rt.N)
+    # It took the windows it needed: 8 starts at 2 per 2 s span at least 3 periods.
+    assert times[-1] - times[0] >= 3 * rt.PERIOD - 0.01
+    window = rate_windows(cluster.store).look(f"rated:{name}")
+    assert window is not None and window.waiters == ()
+
+
+def test_parked_runs_hold_no_worker_slot(cluster: Cluster) -> None:
+    """While runs wait for their turn, the workers are free: a plain task runs at once meanwhile."""
+    name = tag()
+    first = [tag() for _ in range(rt.N)]
+    for t in first:
+        rt.limited.delay(name, t).get(timeout=120)
+    parked = [rt.limited.delay(name, tag()) for _ in range(6)]
+    wait_for(lambda: all(r.state == "QUEUED" for r in parked[-2:]), timeout=60, message="runs parked")
+    begun = time.monotonic()
+    assert it.plain.delay("free").get(timeout=60) == "free"
+    assert time.monotonic() - begun < rt.PERIOD * 2, "a plain task waited for the parked runs"
+    for r in parked:
+        r.get(timeout=240)
+
+
+def test_then_skip_drops_runs_over_the_rate_visibly(cluster: Cluster) -> None:
+    name = tag()
+    tags = [tag() for _ in range(5)]
+    results = [rt.skipping.delay(name, t).get(timeout=120) for t in tags]
+    ran = [r for r in results if isinstance(r, str)]
+    skipped = [r for r in results if isinstance(r, dict)]
+    assert ran == tags[: rt.N]
+    assert len(skipped) == 3
+    for result in skipped:
+        assert result["mongolock"] == "skipped"
+        assert result["key"] == f"rated:{name}"
+        assert result["rate"] == f"RateLimit({rt.N} per {rt.SKIP_PERIOD:g} s)"
+        assert "over the rate" in result["reason"]
+
+
+def test_throttle_one_start_per_period_in_send_order(cluster: Cluster) -> None:
+    name = tag()
+    first = tag()
+    assert rt.throttled.delay(name, first).get(timeout=120) == first
+    rest = [tag() for _ in range(3)]
+    results = [rt.throttled.delay(name, t) for t in rest]
+    assert [r.get(timeout=240) for r in results] == rest
+    times = start_times(cluster, [first, *rest])
+    assert_rate(times, 1, rt.PERIOD)
+    assert times == sorted(times)
+
+
+def test_throttle_skip_runs_once_per_period(cluster: Cluster) -> None:
+    name = tag()
+    results = [rt.throttled_skip.delay(name, tag()).get(timeout=120) for _ in range(3)]
+    assert isinstance(results[0], str)
+    assert [r["rate"] for r in results[1:]] == [f"Throttle(1 per {rt.SKIP_PERIOD:g} s)"] * 2
+
+
+def test_several_keys_each_key_has_its_window(cluster: Cluster) -> None:
+    """``keys=("tenant:{tenant}", "group:{group}")``: a run starts only when both windows allow it. Two
+    groups of one tenant share the tenant's window; each group's own window is never exceeded either."""
+    tenant = tag()
+    groups = [tag(), tag()]
+    sends = [(groups[i % 2], tag()) for i in range(6)]
+    results = [rt.pair.delay(tenant, g, t) for g, t in sends]
+    assert [r.get(timeout=240) for r in results] == [t for _, t in sends]
+    assert_rate(start_times(cluster, [t for _, t in sends]), rt.N, rt.PERIOD)
+    for group in groups:
+        assert_rate(start_times(cluster, [t for g, t in sends if g == group]), rt.N, rt.PERIOD)
+
+
+def test_limit_bounds_concurrency_and_the_rate_bounds_starts(cluster: Cluster) -> None:
+    name = tag()
+    tags = fill_then_burst(cluster, rt.slots, (name,), 4)
+    times = start_times(cluster, tags)
+    assert_rate(times, rt.N, rt.PERIOD)
+    assert_window_by_window_send_order(times, rt.N)
