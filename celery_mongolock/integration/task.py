@@ -44,6 +44,7 @@ from celery_mongolock.admission.policies import (
     check_limit,
     parse_policy,
 )
+from celery_mongolock.core.documents.sends import check_unique_send, check_unique_send_seconds
 from celery_mongolock.core.keys import KeyRenderer, KeySpec
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import run_scope
@@ -57,7 +58,12 @@ from celery_mongolock.integration.beatcheck import (
     check_beat_scheduler,
 )
 from celery_mongolock.integration.childwatch import ChildWatchedRequest
-from celery_mongolock.integration.config import TaskOptions, get_settings, get_store
+from celery_mongolock.integration.config import (
+    TaskOptions,
+    censor_url_in_celery_reports,
+    get_settings,
+    get_store,
+)
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
 from celery_mongolock.integration.one_key import OneKey
 from celery_mongolock.integration.options import (
@@ -76,6 +82,7 @@ from celery_mongolock.integration.runs import (
     unavailable,
 )
 from celery_mongolock.integration.several_keys import SeveralKeys
+from celery_mongolock.integration.unique_send import send_unique
 
 __all__ = [
     "CONTENTION_HEADER",
@@ -110,22 +117,7 @@ _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
 known_apps = signals.known_apps  # the apps the shutdown hook releases leases for
 
 
-def _censor_url_in_celery_reports() -> None:
-    """Have Celery mask ``mongolock_url`` where it prints settings (``celery report``, ``inspect conf``).
-
-    Celery masks only settings whose names look secret (``...PASS...``, ``...KEY...``); the lease store's
-    URL may carry a password.
-    """
-    import re
-
-    from celery.app import utils
-
-    hidden = utils.HIDDEN_SETTINGS
-    if not hidden.search("mongolock_url"):
-        utils.HIDDEN_SETTINGS = re.compile(f"{hidden.pattern}|MONGOLOCK_URL", hidden.flags | re.IGNORECASE)
-
-
-_censor_url_in_celery_reports()
+censor_url_in_celery_reports()
 
 # Worker and beat send import_modules before they create the tasks and read the settings: from then on a
 # ConfigurationError that stops them is shown as one line, not as a traceback through Celery's start-up.
@@ -164,6 +156,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     mongolock_limit: ClassVar[int | Mapping[Any, int] | None] = None
     #: Several keys held together (``keys=(spec, ...)``), instead of ``mongolock_key``.
     mongolock_keys: ClassVar[Sequence[KeySpec] | None] = None
+    mongolock_unique_send: ClassVar[bool | str | None] = None  # True, "best_effort": unique_send
+    mongolock_unique_send_seconds: ClassVar[float | None] = None
     #: Expected errors: logged at INFO without a traceback.
     throws = (LockContended,)
     Request = "celery_mongolock.task:SingletonRequest"
@@ -308,7 +302,18 @@ class SingletonTask(Task):  # type: ignore[misc]
             min_hold_seconds=self.mongolock_min_hold_seconds,
             limit=self.mongolock_limit,
             keys=self.mongolock_keys,
+            unique_send=self.mongolock_unique_send,
+            unique_send_seconds=self.mongolock_unique_send_seconds,
         )
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Celery's ``apply_async``; with ``unique_send``, see ``integration.unique_send``."""
+        in_force = self._options()
+        if not in_force.unique_send:
+            return super().apply_async(args, kwargs, **options)
+        given, named = tuple(args or ()), dict(kwargs or {})
+        call = (args, kwargs, self.mongolock_keys_for(*given, **named), self._renderer().bind(given, named))
+        return send_unique(self, in_force, call, options, super().apply_async)
 
     # -- the guarded call ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -468,6 +473,8 @@ def singleton_task(
     min_hold_seconds: float | None = ...,
     limit: int | Mapping[Any, int] | None = ...,
     keys: Sequence[KeySpec] | None = ...,
+    unique_send: bool | str = ...,
+    unique_send_seconds: float | None = ...,
     app: Celery | None = ...,
     base: type[SingletonTask] = ...,
     **task_options: Any,
@@ -484,6 +491,8 @@ def singleton_task(
     min_hold_seconds: float | None = None,
     limit: int | Mapping[Any, int] | None = None,
     keys: Sequence[KeySpec] | None = None,
+    unique_send: bool | str = False,
+    unique_send_seconds: float | None = None,
     app: Celery | None = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -496,10 +505,10 @@ def singleton_task(
     ``Fail()`` or their names. ``min_hold_seconds`` keeps the key taken at least that long after a run
     starts, even if it ends sooner (ShedLock's lock-at-least-for). ``limit=N``: up to N runs of one key
     at once (per-tenant concurrency), each holding a slot (``current_lease().slot``) with its own fence;
-    ``Retry``, ``Skip``, ``Wait`` and ``Fail`` work with it. Other keyword arguments go to Celery
-    (``bind``, ``name``, ``acks_late``,
-    ...). Like ``shared_task`` unless ``app=`` binds it to one app. Mistakes in the key spec or the
-    policy raise ``ConfigurationError`` here, at declaration time.
+    ``Retry``, ``Skip``, ``Wait`` and ``Fail`` work with it. ``unique_send``: see ``integration.unique_send``.
+    Other keyword arguments go to Celery (``bind``, ``name``, ``acks_late``, ...). Like ``shared_task``
+    unless ``app=`` binds it to one app. Mistakes in the key spec or the policy raise
+    ``ConfigurationError`` here, at declaration time.
     """
     if not (base is SingletonTask or (isinstance(base, type) and issubclass(base, SingletonTask))):
         raise ConfigurationError(
@@ -509,6 +518,7 @@ def singleton_task(
         on_contention = parse_policy(on_contention, "on_contention")
     check_limit(limit, on_contention, min_hold_seconds)
     keys = check_keys(keys, key, on_contention, limit)
+    check_unique_send_seconds(unique_send_seconds)
     if on_contention is not None and on_contention.queued:
         # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
         # a run whose worker dies from being lost.
@@ -540,6 +550,8 @@ def singleton_task(
             "mongolock_min_hold_seconds": min_hold_seconds,
             "mongolock_limit": limit,
             "mongolock_keys": keys,
+            "mongolock_unique_send": check_unique_send(unique_send) or None,
+            "mongolock_unique_send_seconds": unique_send_seconds,
             **task_options,
         }
         if app is not None:
