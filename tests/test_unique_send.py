@@ -106,7 +106,7 @@ def test_unique_send_values_and_their_errors() -> None:
     with pytest.raises(ConfigurationError, match=r"unique_send_seconds must be above 0"):
         singleton_task(unique_send=True, unique_send_seconds=0)(_body)
     with pytest.raises(ConfigurationError, match=r"unique_send_seconds must be a number of seconds"):
-        singleton_task(unique_send=True, unique_send_seconds="1h")(_body)
+        singleton_task(unique_send=True, unique_send_seconds="1h")(_body)  # type: ignore[call-overload]
     with pytest.raises(ConfigurationError, match=r"\['t'\]\['unique_send'\] must be True"):
         read_settings({"mongolock_task_policies": {"t": {"unique_send": 1}}})
     with pytest.raises(ConfigurationError, match=r"\['t'\]\['unique_send_seconds'\] must be above 0"):
