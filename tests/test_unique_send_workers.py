@@ -153,3 +153,17 @@ def test_a_revoked_pending_run_does_not_turn_equal_sends_away(cluster: Cluster) 
     )
     fresh = it.unique.delay(resource, t, 0.1)
     assert fresh.id != pending.id and fresh.get(timeout=60) == t
+
+
+def test_a_parked_run_is_pending_until_its_body_starts(cluster: Cluster) -> None:
+    resource, t, holder = tag(), tag(), tag()
+    it.guarded.delay(resource, holder, 15)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
+    parked = it.unique_queued.delay(resource, t, 0.5)
+    wait_for(lambda: parked.state == "QUEUED", timeout=60, message="the run to park")
+    assert it.unique_queued.delay(resource, t, 0.5).id == parked.id  # parked: not started
+    wait_for(lambda: cluster.runs(t, "start"), timeout=120, message="the parked run to start")
+    again = it.unique_queued.delay(resource, t, 0.5)
+    assert again.id != parked.id
+    assert parked.get(timeout=60) == t and again.get(timeout=60) == t
+    assert len(cluster.runs(t, "start")) == 2

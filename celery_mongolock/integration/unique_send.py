@@ -14,7 +14,8 @@ the same thing at once publish exactly one message. MongoDB unreachable at send:
 and nothing published; with ``unique_send="best_effort"`` the send is published undeduplicated (logged).
 
 Never deduplicated (published as they are): a re-send of a run (its ``retry()``, a contention retry, a
-parked run's handoff: they carry the record's header or the running run's id), a send with callbacks
+parked run's handoff: they carry our headers or the running run's id; a beat tick, which has its own
+once-per-tick), a send with callbacks
 (``link``, ``link_error``, a chain or chord after it: returning another run would drop them), and sends
 under ``task_always_eager``.
 """
@@ -81,8 +82,10 @@ def bound_ms(options: Mapping[str, Any], seconds: float, now: _dt.datetime | Non
 
 def _resend(task: Task, options: Mapping[str, Any]) -> str | None:
     """Why this send is not deduplicated (None: it is a new send to check)."""
-    if UNIQUE_SEND_HEADER in (options.get("headers") or {}):
-        return "a re-send of a recorded run"
+    if any(str(name).startswith("mongolock_") for name in options.get("headers") or {}):
+        # Every message carries our send stamp, and a re-send copies its run's headers: a retry, a
+        # contention retry, a handoff, a parked duplicate. (And a beat tick: beat has its ticks.)
+        return "a re-send of a run"
     request = task.request
     if options.get("task_id") and options.get("task_id") == getattr(request, "id", None):
         return "a re-send of the running run"
