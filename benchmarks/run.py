@@ -29,7 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
-BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits")
+BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits", "unique_send")
 # Generous per-benchmark limits: a stuck benchmark is stopped, reported, and the others still run.
 TIME_LIMIT = {
     "store": 1800.0,
@@ -38,6 +38,7 @@ TIME_LIMIT = {
     "history": 600.0,
     "contention": 900.0,
     "limits": 900.0,
+    "unique_send": 600.0,
 }
 QUICK_TIME_LIMIT = {
     "store": 300.0,
@@ -46,6 +47,7 @@ QUICK_TIME_LIMIT = {
     "history": 180.0,
     "contention": 300.0,
     "limits": 180.0,
+    "unique_send": 180.0,
 }
 STORE_TARGET = 1.2  # issue 7: acquire + release under 1.2x the bare two commands
 
@@ -562,6 +564,10 @@ def report(
         lines += ["", *generic_section("recovery", results["recovery"])]
     if "history" in results:
         lines += ["", *generic_section("history", results["history"])]
+    if "unique_send" in results:
+        section = generic_section("unique_send", results["unique_send"])
+        section[0] = "## Dedupe at send: `unique_send` off and on (`unique_send.json`)"
+        lines += ["", *section]
     if "contention" in results:
         section = generic_section("contention", results["contention"])
         section[0] = "## Contended runs on one hot key: Queue, Wait, Retry (`contention.json`)"

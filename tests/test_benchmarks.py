@@ -297,3 +297,16 @@ def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
     assert "## `limit=N` and several keys against a single key (`limits.json`)" in text
     assert "| `limit=10`, full: acquire refused |" in text and "| `keys=` 4 keys |" in text
     assert targets == []
+
+
+def test_unique_send_benchmark_counts_one_round_trip_on_and_none_off(tmp_path: Path) -> None:
+    out = tmp_path / "unique_send.json"
+    cmd = [sys.executable, str(BENCHMARKS / "unique_send.py"), "--sends=5", "--rounds=2", f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    off, new, equal = (data["variants"][v] for v in ("off", "on_new", "on_equal"))
+    assert off["commands_per_send"] == {} and off["published_per_send"] == 1.0
+    assert new["commands_per_send"] == {"findAndModify": 1.0} and new["published_per_send"] == 1.0
+    assert equal["commands_per_send"] == {"findAndModify": 1.0} and equal["published_per_send"] == 0.0
+    assert data["summary"]
