@@ -23,7 +23,6 @@ that ``run.py`` puts in its report.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -32,12 +31,12 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
 from celery.signals import after_task_publish
+from history import mongo_url  # the same choice of server as history.py (benchmarks/ is on the path)
 from pymongo import MongoClient
 from pymongo.monitoring import CommandFailedEvent, CommandListener, CommandStartedEvent, CommandSucceededEvent
 
@@ -63,17 +62,6 @@ class Counting(CommandListener):
 
     def failed(self, event: CommandFailedEvent) -> None:
         pass
-
-
-@contextlib.contextmanager
-def mongo_url(given: str | None) -> Iterator[tuple[str, str]]:
-    if given:
-        yield given, "url"
-        return
-    from celery_mongolock.embedded import EmbeddedMongo
-
-    with EmbeddedMongo() as server:
-        yield server.url, "embedded"
 
 
 def _app(url: str, database: str, counter: Counting) -> tuple[Celery, dict[str, Any], MongoClient[Document]]:

@@ -9,42 +9,21 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from celery_mongolock.core.store_sends import sends_of
 
 from . import integration_app as it
-from .servers import RedisServer, wait_for
+from . import test_integration
+from .servers import wait_for
 from .test_integration import Cluster
-from .workers import ROOT, pointed_at
+from .workers import ROOT
 
 pytestmark = pytest.mark.slow
 
-LEASE = 3.0
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
-    db_name = f"mongolock_unique_{uuid.uuid4().hex[:8]}"
-    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp("uworkers"), backend=redis_server.url)
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        c.worker(name="w1@localhost", concurrency=2)
-        c.worker(name="w2@localhost", concurrency=2)
-        try:
-            yield c
-        finally:
-            c.close()
+#: The integration suite's fixture: two worker nodes (concurrency 2) on each broker in turn.
+cluster = test_integration.cluster
 
 
 def tag() -> str:
