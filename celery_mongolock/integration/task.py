@@ -82,7 +82,7 @@ from celery_mongolock.integration.runs import (
     unavailable,
 )
 from celery_mongolock.integration.several_keys import SeveralKeys
-from celery_mongolock.integration.unique_send import send_unique
+from celery_mongolock.integration.unique_send import send_unique, wants_unique_send
 
 __all__ = [
     "CONTENTION_HEADER",
@@ -308,10 +308,9 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Celery's ``apply_async``; with ``unique_send``, see ``integration.unique_send``."""
-        in_force = self._options()
-        if not in_force.unique_send:
+        if not wants_unique_send(self.app, self.name, self.mongolock_unique_send):  # no option parsed
             return super().apply_async(args, kwargs, **options)
-        given, named = tuple(args or ()), dict(kwargs or {})
+        in_force, given, named = self._options(), tuple(args or ()), dict(kwargs or {})
         call = (args, kwargs, self.mongolock_keys_for(*given, **named), self._renderer().bind(given, named))
         return send_unique(self, in_force, call, options, super().apply_async)
 

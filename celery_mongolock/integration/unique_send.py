@@ -41,7 +41,7 @@ from celery_mongolock.integration.handoff import header
 if TYPE_CHECKING:
     from celery import Celery, Task
 
-__all__ = ["UNIQUE_SEND_HEADER", "bound_ms", "send_unique"]
+__all__ = ["UNIQUE_SEND_HEADER", "bound_ms", "send_unique", "wants_unique_send"]
 
 log = logging.getLogger("celery_mongolock.send")
 
@@ -57,7 +57,10 @@ def _seconds_until(when: Any, now: _dt.datetime) -> float | None:
     if isinstance(when, (int, float)):
         return float(when)
     if isinstance(when, str):
-        when = _dt.datetime.fromisoformat(when)
+        try:
+            when = _dt.datetime.fromisoformat(when.replace("Z", "+00:00"))
+        except ValueError:
+            return None  # not ours to judge: Celery refuses it when it publishes
     if isinstance(when, _dt.datetime):
         if when.tzinfo is None:
             when = when.replace(tzinfo=_dt.timezone.utc)
@@ -78,6 +81,13 @@ def bound_ms(options: Mapping[str, Any], seconds: float, now: _dt.datetime | Non
     if expires is not None:
         bound = min(bound, expires)
     return max(1, int(bound * 1000))
+
+
+def wants_unique_send(app: Celery, name: str, declared: bool | str | None) -> bool:
+    """Whether task ``name`` has ``unique_send`` (its ``mongolock_task_policies`` entry, else its
+    declaration), read without parsing its other options: the cost of a send with it off."""
+    override = get_settings(app).task_policies.get(name) or {}
+    return bool(override.get("unique_send", declared))
 
 
 def _resend(task: Task, options: Mapping[str, Any]) -> str | None:
