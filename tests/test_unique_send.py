@@ -267,3 +267,12 @@ def test_a_send_whose_publish_fails_leaves_no_record(app: Celery, sent: Sent) ->
     assert sent.ids == []
     assert sends_of(app._mongolock_store).pending("group:7") == []
     assert unique.delay(7).id == sent.ids[0]
+
+
+def test_a_setting_turns_a_declared_unique_send_off(app: Celery, sent: Sent, counter: CommandCounter) -> None:
+    unique, _, _ = _tasks(app)
+    app.conf.mongolock_task_policies = {"t.unique": {"unique_send": False}}
+    app.__dict__.pop("_mongolock_settings", None)
+    counter.clear()
+    assert unique.delay(7).id != unique.delay(7).id
+    assert counter.names() == [] and len(sent.ids) == 2
