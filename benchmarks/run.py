@@ -29,7 +29,17 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
-BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits", "cancel_running", "rate")
+BENCHMARKS = (
+    "store",
+    "throughput",
+    "recovery",
+    "history",
+    "contention",
+    "limits",
+    "cancel_running",
+    "rate",
+    "unique_send",
+)
 # Generous per-benchmark limits: a stuck benchmark is stopped, reported, and the others still run.
 TIME_LIMIT = {
     "store": 1800.0,
@@ -40,6 +50,7 @@ TIME_LIMIT = {
     "limits": 900.0,
     "cancel_running": 600.0,
     "rate": 900.0,
+    "unique_send": 600.0,
 }
 QUICK_TIME_LIMIT = {
     "store": 300.0,
@@ -50,6 +61,7 @@ QUICK_TIME_LIMIT = {
     "limits": 180.0,
     "cancel_running": 300.0,
     "rate": 400.0,
+    "unique_send": 180.0,
 }
 STORE_TARGET = 1.2  # issue 7: acquire + release under 1.2x the bare two commands
 
@@ -568,6 +580,10 @@ def report(
         lines += ["", *generic_section("recovery", results["recovery"])]
     if "history" in results:
         lines += ["", *generic_section("history", results["history"])]
+    if "unique_send" in results:
+        section = generic_section("unique_send", results["unique_send"])
+        section[0] = "## Dedupe at send: `unique_send` off and on (`unique_send.json`)"
+        lines += ["", *section]
     if "contention" in results:
         section = generic_section("contention", results["contention"])
         section[0] = "## Contended runs on one hot key: Queue, Wait, Retry (`contention.json`)"

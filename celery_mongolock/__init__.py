@@ -15,6 +15,7 @@ from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, LeaseInfo, LeaseStore
 from celery_mongolock.exceptions import (
+    ArgumentsNotComparable,
     ConfigurationError,
     DocumentLockLost,
     DocumentMissing,
@@ -32,6 +33,7 @@ from celery_mongolock.integration.task import SingletonTask, current_lease, sing
 from celery_mongolock.ops import events as _events  # noqa: F401  (lease events as Celery events under -E)
 
 __all__ = [
+    "ArgumentsNotComparable",
     "ConfigurationError",
     "DocumentLease",
     "DocumentLock",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 
 __all__ = [
+    "ArgumentsNotComparable",
     "ConfigurationError",
     "DocumentLockLost",
     "DocumentMissing",
@@ -43,6 +44,11 @@ class StoreUnavailable(MongoLockError):
     Raised instead of guessing: a lease whose state is unknown is treated as *not held* (fail closed).
     The message never contains credentials.
     """
+
+
+class ArgumentsNotComparable(MongoLockError, TypeError):
+    """A ``unique_send`` task was sent arguments that are not JSON data, so the send cannot be compared
+    with the sends pending (the message names the argument); nothing was published."""
 
 
 class DocumentWriteUnknown(StoreUnavailable):

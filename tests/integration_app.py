@@ -212,6 +212,26 @@ def per_task_skip(resource: str, tag: str, seconds: float = 0.3) -> str:
     return tag
 
 
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.unique", unique_send=True)
+def unique(resource: str, tag: str, seconds: float = 0.3) -> str:
+    """``unique_send``: an equal send while this run has not started returns this run."""
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.unique_queued",
+    unique_send=True,
+    on_contention=Queue(),
+)
+def unique_queued(resource: str, tag: str, seconds: float = 0.3) -> str:
+    """``unique_send`` with ``Queue``: a parked run has not started, so an equal send gets it."""
+    _work(tag, seconds)
+    return tag
+
+
 @singleton_task(key="email-group:{group_id}", app=app, name="integration_app.upload_members")
 def upload_members(group_id: int, upload: str, members: list[str], batch: int = 3) -> int:
     """Replace a group's members: clear it, then add the members in batches (slowly)."""

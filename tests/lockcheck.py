@@ -159,7 +159,14 @@ from pymongo import MongoClient, WriteConcern
 from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
-from celery_mongolock import DocumentLease, DocumentLock, DocumentLockLost, DocumentWriteUnknown, LeaseStore
+from celery_mongolock import (
+    DocumentLease,
+    DocumentLock,
+    DocumentLockLost,
+    DocumentWriteUnknown,
+    LeaseStore,
+    singleton_task,
+)
 from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, _local_ttl
 from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
@@ -292,6 +299,13 @@ MULTI_LIMIT_QUEUE_BURST = LIMIT + 2
 #: Each fault begins with a ``Queue`` run parked behind a gate on a key of its own (index
 #: ``FAULT_GATE_KEYS`` + n), released when the fault is over.
 FAULT_GATE_KEYS = 100
+#: ``unique_send``: the task (``lockcheck_app.rmw_unique``, ``Retry``, on plain keys), the equal sends of
+#: its directed burst and of each fault's gated pair, and its bound: longer than any run, so that a pending
+#: send's record ends when its body starts (or never, if the run is lost), never at the bound here.
+UNIQUE_TASK = "lockcheck.rmw_unique"
+UNIQUE_BURST = 5
+UNIQUE_GATE_SENDS = 2
+UNIQUE_SEND_SECONDS = 3600.0
 #: The fault phase ends only once the bare clients' and the tasks' writes acknowledged exceed this.
 MIN_ACKNOWLEDGED = 50
 #: Who the controller's gate holds are, in the histories.
@@ -1108,6 +1122,9 @@ class History:
     events: list[Doc]
     docs: dict[str, Doc]
     tasks: dict[str, Doc] = dataclasses.field(default_factory=dict)
+    #: Every send of the ``unique_send`` task (``Run._submit_unique``): key, op, task id or ``refused``,
+    #: when it began and returned (``t0``, ``t1``: the controller's monotonic clock, the workers' too).
+    sends: list[Doc] = dataclasses.field(default_factory=list)
 
 
 def _died(history: History, *, released: bool = True) -> dict[str, float]:
@@ -1389,10 +1406,105 @@ def check(history: History) -> list[Violation]:
     found += check_multi(history, applied)
     # 7. Reentrant holds.
     found += check_reentrant(history)
+    found += check_unique(history)
     found += check_multi_replace(history)
     # 8. Replace(cancel_running=True): superseded holders.
     found += check_cancel(history)
     return found
+
+
+def _unique_bodies(history: History, ids: set[str]) -> dict[str, Doc]:
+    """The first acquisition (``acq``) of each task id in ``ids``: where and when its body began."""
+    body: dict[str, Doc] = {}
+    for e in history.events:
+        if e.get("ev") == "acq" and e.get("task_id") in ids:
+            first = body.get(str(e["task_id"]))
+            if first is None or float(e["t1"]) < float(first["t1"]):
+                body[str(e["task_id"])] = e
+    return body
+
+
+def check_unique(history: History) -> list[Violation]:
+    """``unique_send`` (``UNIQUE_TASK``): never two bodies of one unique send in its window; no send
+    answered with a run that never ran.
+
+    - ``unique-twice``: two task ids answered equal sends (one key, one op) and both ran a body, though the
+      later one's first send began after the earlier one's first send returned (its record was there) and
+      returned before the delivery that ran the earlier one's body began (its ``upre``, in the process that
+      took the lease: the library forgets a pending send only when its body is about to start, after
+      that). The later send found the earlier run pending and still got a run of its own.
+    - ``unique-unrun``: a send got a task id that ended SUCCESS without a body.
+
+    A send refused because MongoDB did not answer (``refused``) got no run: its producer was told."""
+    found: list[Violation] = []
+    sends = sorted((s for s in history.sends if s.get("id")), key=lambda s: float(s["t0"]))
+    ids = {str(s["id"]) for s in sends}
+    body = _unique_bodies(history, ids)
+    began: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for e in history.events:
+        if e.get("ev") == "upre" and e.get("task_id") in ids:
+            began[(str(e["task_id"]), str(e.get("who")))].append(float(e["t"]))
+    groups: dict[tuple[str, str], dict[str, Doc]] = defaultdict(dict)
+    for send in sends:
+        groups[(str(send["key"]), str(send["op"]))].setdefault(str(send["id"]), send)
+    for (key, op), first in sorted(groups.items()):
+        started: dict[str, float] = {}
+        for tid in first:
+            acq = body.get(tid)
+            before = [t for t in began[(tid, str((acq or {}).get("who")))] if acq and t <= float(acq["t1"])]
+            if before:
+                started[tid] = max(before)
+        for a, start in started.items():
+            for b in started:
+                if b != a and first[a]["t1"] <= first[b]["t0"] and first[b]["t1"] < start:
+                    found.append(
+                        Violation(
+                            "unique-twice",
+                            f"{key} op {op}: run {b} was sent (returned at {first[b]['t1']:.3f}) while "
+                            f"run {a} was pending (sent by {first[a]['t1']:.3f}, its body's delivery began "
+                            f"at {start:.3f}), and both ran a body",
+                        )
+                    )
+    for tid in sorted(ids):
+        if (history.tasks.get(tid) or {}).get("state") == "SUCCESS" and tid not in body:
+            found.append(
+                Violation("unique-unrun", f"run {tid} answered a unique send and ended without a body")
+            )
+    return found
+
+
+def unique_figures(history: History, faults: Sequence[Doc] = (), directed: Doc | None = None) -> Doc:
+    """What the ``unique_send`` workload did: sends, refused ones, runs, sends that got a pending run,
+    runs with a body; the directed burst; the faults that began while a unique run was pending."""
+    got = sorted((s for s in history.sends if s.get("id")), key=lambda s: float(s["t0"]))
+    seen: set[str] = set()
+    answered_by_pending = 0
+    for send in got:
+        answered_by_pending += str(send["id"]) in seen
+        seen.add(str(send["id"]))
+    body = _unique_bodies(history, seen)
+    directed = directed or {}
+    runs = [str(t) for t in directed.get("runs") or []]
+    hit = Counter(
+        str(f["kind"])
+        for f in faults
+        if (f.get("unique") or {}).get("contended") and len(f["unique"].get("runs") or []) == 1
+    )
+    return {
+        "sends": len(history.sends),
+        "refused": sum(1 for s in history.sends if s.get("refused")),
+        "runs": len(seen),
+        "sends_that_got_a_pending_run": answered_by_pending,
+        "runs_with_a_body": len(body),
+        "done": sum(1 for t in seen if (history.tasks.get(t) or {}).get("state") == "SUCCESS"),
+        "directed": {
+            "sends": directed.get("sends", 0),
+            "runs": len(runs),
+            "contended": bool(directed.get("contended")),
+            "ran_a_body": bool(runs) and all(t in body for t in runs),
+        },
+        "faults_with_a_pending_unique_run": dict(sorted(hit.items())),
+    }
 
 
 def check_reentrant(history: History) -> list[Violation]:
@@ -2813,6 +2925,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "reentrant": reentrant_figures(history, faults),
         "multi_replace": multi_replace_figures(history, faults),
         "cancel": cancel_figures(history),
+        "unique": unique_figures(history, faults, extra.get("unique_directed")),
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
         "violations": len(violations),
@@ -2957,6 +3070,24 @@ def unmet_coverage(report: Doc) -> list[str]:
         )
         claim(cx["directed_newest_ran"] == 1, "the newest send of the cancel_running burst ran", cx)
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
+    u = report["unique"]
+    ud = u["directed"]
+    claim(
+        ud["sends"] == UNIQUE_BURST and ud["runs"] == 1 and ud["contended"] and ud["ran_a_body"],
+        "the unique-send burst: equal sends behind a gate got one run, which found its key held and ran",
+        u,
+    )
+    claim(
+        u["faults_with_a_pending_unique_run"] == faults,
+        "every fault with a unique send's run pending (its equal sends answered with it)",
+        u,
+    )
+    claim(
+        u["sends_that_got_a_pending_run"]
+        >= UNIQUE_BURST - 1 + (UNIQUE_GATE_SENDS - 1) * sum(faults.values()),
+        "sends answered with a pending run",
+        u,
+    )
     claim(tasks.get("died_after_release", 0) >= 1, "a run died after its body released the key", tasks)
     doc = report.get("document")
     if doc is not None and report.get("doc_keys"):
@@ -2974,6 +3105,18 @@ def unmet_coverage(report: Doc) -> list[str]:
 
 
 # -- the run: servers, clients, workers, faults ----------------------------------------------------------
+
+
+def _declare_unique_task(app: Any) -> None:
+    """The controller's own declaration of ``UNIQUE_TASK`` (the same key, arguments and options as the
+    workers' ``lockcheck_app.rmw_unique``), so that its sends go through ``unique_send``."""
+
+    @singleton_task(
+        key="{key}", app=app, name=UNIQUE_TASK, bind=True, unique_send=True,
+        unique_send_seconds=UNIQUE_SEND_SECONDS,
+    )  # fmt: skip
+    def rmw_unique(self: Any, key: str, op: str, reckless: bool = False) -> None:
+        raise AssertionError("runs in the workers (lockcheck_app.rmw_unique)")
 
 
 @dataclasses.dataclass
@@ -3019,6 +3162,9 @@ class Config:
     #: keys too.
     multi_replace_keys: int = 3
     multi_replace_share: float = 0.3
+    #: Share of the plain single-key sends that are 2 to 4 equal sends of the ``unique_send`` task instead
+    #: (drawn from a generator of its own, so that a seed's other sends are unchanged).
+    unique_share: float = 0.15
     epoch_seconds: float = 40.0
     lease_seconds: float = 2.0
     task_rate: float = 1.5
@@ -3177,6 +3323,10 @@ class Run:
         self.rng = random.Random(cfg.seed)
         self.die_rng = random.Random(cfg.seed * 7919 + 32)
         self.reentrant_rng = random.Random(cfg.seed * 7919 + 29)
+        self.unique_rng = random.Random(cfg.seed * 7919 + 30)
+        #: Every send of the ``unique_send`` task: key, op, the task id it got (or ``refused``), when.
+        self.unique_sends: list[Doc] = []
+        self._unique_gates = 0
         self._own_dir = cfg.workdir is None
         self.dir = Path(cfg.workdir or tempfile.mkdtemp(prefix="lockcheck-"))
         self.hist_dir = self.dir / "hist"
@@ -3214,6 +3364,8 @@ class Run:
         self._clock_offsets = {"client": 0, "node": 0}
         self._parked_before = 0
         self._gate_info: Doc | None = None
+        self._unique_info: Doc | None = None
+        self.unique_directed: Doc = {}
         self._gates = 0
         self._doc_gates = 0
         self._lingers = 0
@@ -3244,7 +3396,14 @@ class Run:
             self.rabbit.start()
         self._marks = threading.Thread(target=self._clock_marks, name="lockcheck-clock-marks", daemon=True)
         self._marks.start()
-        self.capp.conf.update(broker_url=self.broker_url, broker_transport_options=self._confirms())
+        self.capp.conf.update(
+            broker_url=self.broker_url,
+            broker_transport_options=self._confirms(),
+            mongolock_url=self.server.url,
+            mongolock_database=self.db,
+            mongolock_operation_timeout=5.0,
+        )
+        _declare_unique_task(self.capp)
         self.results.conf.update(
             broker_url=self.broker_url,
             broker_transport_options=self._confirms(),
@@ -3423,6 +3582,10 @@ class Run:
             else:
                 key = key_for(self.rng.randrange(self.cfg.keys), epoch)
                 names = ["lockcheck.rmw_skip" if self.rng.random() < 0.2 else "lockcheck.rmw"]
+                if self.unique_rng.random() < self.cfg.unique_share:
+                    n += 1
+                    self._submit_unique(key, f"task-{n}", self.unique_rng.randint(2, 4))
+                    continue
             for name in names:
                 n += 1
                 die = name in DIE_TASKS and self.die_rng.random() < self.cfg.die_share
@@ -3480,6 +3643,54 @@ class Run:
             **({"keys": list(keys)} if keys else {}), **({"die": True} if die else {}),
         }  # fmt: skip
         return str(result.id)
+
+    def _submit_unique(self, key: str, op: str, count: int) -> list[str]:
+        """``count`` equal sends of the ``unique_send`` task through its ``apply_async`` (to the plain
+        queue: the skewed node's clock is not comparable); the task ids they got. A send MongoDB could not
+        check is refused (``StoreUnavailable``): recorded, not retried (the producer knows)."""
+        task = self.capp.tasks[UNIQUE_TASK]
+        reckless = self.unique_rng.random() < self.cfg.reckless
+        ids = []
+        for _ in range(count):
+            t0 = time.monotonic()
+            try:
+                result = task.apply_async(
+                    (key, op), {"reckless": reckless}, queue="celery",
+                    retry=True, retry_policy=REPUBLISH_RETRY_POLICY,
+                )  # fmt: skip
+            except StoreUnavailable as exc:
+                self.unique_sends.append(
+                    {"key": key, "op": op, "t0": t0, "t1": time.monotonic(), "refused": 1}
+                )
+                self.log(f"unique send refused: {exc}")
+                continue
+            except Exception as exc:  # never let the submitter die silently
+                self.log(f"unique send failed: {exc!r}")
+                continue
+            t1, task_id = time.monotonic(), str(result.id)
+            self.unique_sends.append({"key": key, "op": op, "id": task_id, "t0": t0, "t1": t1})
+            if task_id not in self.submitted:
+                self.submitted[task_id] = {
+                    "op": op, "task": UNIQUE_TASK, "queue": "celery", "at_s": round(t0 - self.start_mono, 2),
+                    "t": t0, "key": key, "stamp": send_stamp(),
+                }  # fmt: skip
+            ids.append(task_id)
+        return ids
+
+    def _unique_pending(self, n: int, sends: int) -> tuple[list[Lease], Doc]:
+        """A gate on a plain key of its own (``FAULT_GATE_KEYS + n`` past the directed keys) and ``sends``
+        equal unique sends behind it: they get one run, which the controller waits to see contend (so it is
+        pending, in contention retries, until the gate lets go)."""
+        key = key_for(n, current_epoch(self.start_mono, self.cfg.epoch_seconds))
+        gate = self._gate_take(key)
+        ids = self._submit_unique(key, f"unique-{n}", sends)
+        info: Doc = {"key": key, "sends": sends, "runs": sorted(set(ids)), "contended": False}
+        if ids:
+            with contextlib.suppress(TimeoutError):
+                info["contended"] = bool(
+                    _wait(lambda: set(ids) <= self._contended_runs(key), START_GUARD_S, f"{key} held", 0.1)
+                )
+        return gate, info
 
     # -- contention by construction: the controller's gates ----------------------------------------------
     def _gate_take(self, key: str, slots: int = 1) -> list[Lease]:
@@ -3612,6 +3823,8 @@ class Run:
         if self.cfg.doc_keys:
             self._document_takeover()
         bursts = [self._burst(kind, n) for kind, n in plan]
+        # Equal unique sends behind a gate: one run, seen contending (pending) before the gate lets go.
+        unique_gate, self.unique_directed = self._unique_pending(DIRECTED_KEY + 5, UNIQUE_BURST)
         staged = self._multi_limit_burst() if self.cfg.limit_keys else None
         reentrant = self._reentrant_burst() if self.cfg.limit_keys else []
         for key, gate, ids in bursts:
@@ -3625,10 +3838,12 @@ class Run:
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
             self._gate_release(gate)
+        self._gate_release(unique_gate)
         if staged is not None:
             self._multi_limit_stages(*staged)
             bursts.append(("", [], staged[3]))
         bursts.append(("", [], reentrant))
+        bursts.append(("", [], self.unique_directed["runs"]))
         if self.cfg.multi_replace_keys > 2:
             bursts.append(("", [], self._multi_replace_directed()))
         if self.cfg.replace_keys:
@@ -3949,6 +4164,8 @@ class Run:
         fault["parked_before"] = self._parked_before
         if self._gate_info is not None:
             fault["gate"] = self._gate_info
+        if self._unique_info is not None:
+            fault["unique"] = self._unique_info
         self.faults.append(fault)
         self.log(f"[{fault['at_s']:7.2f}s] fault {kind} {json.dumps(fields, default=str)}")
 
@@ -4163,6 +4380,11 @@ class Run:
         # confirmed in its lease document before the fault begins, handed the key when the fault is over.
         gated = self._fault_gate()
         self._gate_info = gated[1] if gated else None
+        # ... and while a unique send's run is pending (its equal sends got it), run when it is over.
+        self._unique_gates += 1
+        unique_gate, self._unique_info = self._unique_pending(
+            FAULT_GATE_KEYS + self._unique_gates, UNIQUE_GATE_SENDS
+        )
         # ... and while a document lock is held (``DocumentLock``), written once when the fault is over.
         document = self._document_gate()
         parked = self._parked_now()
@@ -4170,6 +4392,8 @@ class Run:
         try:
             return self._inject(kind)
         finally:
+            self._gate_release(unique_gate)
+            self._unique_info = None
             if gated:
                 self._gate_release(gated[0])
             if document is not None:
@@ -4524,7 +4748,8 @@ class Run:
             docs = self._final_docs()
             # Kept with the histories, so that a run can be checked again (``check``) from its workdir.
             (self.dir / "tasks.json").write_text(json.dumps(tasks, indent=1, default=str))
-            history = History(read_histories(self.hist_dir), docs, tasks)
+            (self.dir / "unique_sends.json").write_text(json.dumps(self.unique_sends, indent=1))
+            history = History(read_histories(self.hist_dir), docs, tasks, self.unique_sends)
             violations = check(history)
             extra = {
                 "seed": self.cfg.seed,
@@ -4543,6 +4768,7 @@ class Run:
                 "drain_s": self.drain_s,
                 "node_start_s": _stats(self.start_times),
                 "multi_replace_directed": self.multi_replace_directed,
+                "unique_directed": self.unique_directed,
             }
             report = figures(history, self.faults, violations, extra)
             report["fault_log"] = self.faults
@@ -4620,6 +4846,12 @@ _NO_DOCUMENTS: Doc = {
 }  # fmt: skip
 
 
+_NO_UNIQUE: Doc = {
+    "sends": 0, "refused": 0, "runs": 0, "sends_that_got_a_pending_run": 0, "runs_with_a_body": 0, "done": 0,
+    "directed": {}, "faults_with_a_pending_unique_run": {},
+}  # fmt: skip
+
+
 def format_report(report: Doc) -> str:
     ops, tasks = report["operations"], report["tasks"]
     lines = [
@@ -4686,6 +4918,10 @@ def format_report(report: Doc) -> str:
             (report.get("multi_replace_directed") or {}).get("taken_back"),
             (report.get("multi_replace_directed") or {}).get("other_parked_behind"),
         ),
+        "  unique sends: {sends} (refused: MongoDB did not answer {refused}), runs {runs}, sends answered "
+        "with a pending run {sends_that_got_a_pending_run}, runs with a body {runs_with_a_body}, "
+        "done {done}; directed burst {directed}; faults while a unique run was pending "
+        "{faults_with_a_pending_unique_run}".format(**(report.get("unique") or _NO_UNIQUE)),
         *(
             f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "
             f"{f['handed']} (handoff records {f['handoffs']}, handed again {f['rehandoffs']}), done "

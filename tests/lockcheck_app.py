@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import before_task_publish, task_postrun, task_received, worker_ready
+from celery.signals import before_task_publish, task_postrun, task_prerun, task_received, worker_ready
 
 from celery_mongolock import (
     Fail,
@@ -367,6 +367,33 @@ def rmw(
     path), the run holds its key until that file exists before it writes; ``die``: see
     ``_die_after_release`` (the single-key tasks but ``Replace`` and ``limit=N`` ``Skip`` take it)."""
     return _body(self, key, op, reckless, linger, die=die)
+
+
+@singleton_task(
+    key="{key}",
+    app=app,
+    name=lockcheck.UNIQUE_TASK,
+    bind=True,
+    on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
+    max_retries=200,
+    unique_send=True,
+    unique_send_seconds=lockcheck.UNIQUE_SEND_SECONDS,
+)
+def rmw_unique(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """``rmw`` with ``unique_send``: the controller sends it several times with equal arguments
+    (``lockcheck.Run._submit_unique``); a send while an equal one is pending gets that run."""
+    return _body(self, key, op, reckless)
+
+
+@task_prerun.connect
+def _unique_delivery(sender: Any = None, task_id: Any = None, **_: Any) -> None:
+    """Each delivery of a ``unique_send`` run, before its admission (and so before the library forgets
+    its pending send, when its body is about to start): ``lockcheck.check_unique`` bounds when the
+    delivery that ran the body began."""
+    hist = _history()
+    if hist is not None and getattr(sender, "name", None) == lockcheck.UNIQUE_TASK:
+        who = f"task:{sender.request.hostname}:{os.getpid()}"
+        hist.event("upre", task_id=task_id, who=who, t=time.monotonic())
 
 
 @singleton_task(

@@ -27,6 +27,7 @@ from celery.concurrency.thread import TaskPool as ThreadPool
 from pymongo import MongoClient
 
 from celery_mongolock import (
+    ArgumentsNotComparable,
     ConfigurationError,
     DocumentLock,
     Fail,
@@ -40,6 +41,7 @@ from celery_mongolock import (
     Retry,
     SingletonTask,
     Throttle,
+    StoreUnavailable,
     Wait,
     singleton_task,
 )
@@ -192,6 +194,9 @@ SPEC_CASES = [
     case(lambda: app_task(mongolock_key="email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "app-task-template-missing-arg"),
     case(lambda: app_task(mongolock_on_contention="skipp"), ConfigurationError, "mongolock_on_contention", "got 'skipp'", "app-task-misspelt-policy"),
     case(lambda: app_task(mongolock_lease_second=60), ConfigurationError, "mongolock_lease_second", "did you mean mongolock_lease_seconds?", "app-task-misspelt-option"),
+    case(lambda: declare(unique_send="always"), ConfigurationError, "unique_send", "must be True, False or 'best_effort'", "unique-send-bad-value"),
+    case(lambda: declare(unique_send=True, unique_send_seconds=0), ConfigurationError, "unique_send_seconds", "must be above 0", "unique-send-seconds-zero"),
+    case(lambda: declare(unique_send=True, unique_send_seconds="1h"), ConfigurationError, "unique_send_seconds", "must be a number of seconds", "unique-send-seconds-str"),
 ]  # fmt: skip
 
 
@@ -386,6 +391,8 @@ SETTING_CASES = [
     setting("mongolock_task_policies", {"t": {"lease_seconds": -1}}, "lease_seconds must be between", "task-policies-bad-lease", names="task 't'"),
     setting("mongolock_task_policies", {"t": {"heartbeat_seconds": 100}}, "at most half", "task-policies-heartbeat-over-half", names="task 't'"),
     setting("mongolock_task_policies", {"t": {"min_hold_seconds": -1}}, "between 0 and", "task-policies-bad-min-hold", names="mongolock_task_policies['t']['min_hold_seconds']"),
+    setting("mongolock_task_policies", {"t": {"unique_send": "always"}}, "must be True, False or 'best_effort'", "task-policies-bad-unique-send", names="mongolock_task_policies['t']['unique_send']"),
+    setting("mongolock_task_policies", {"t": {"unique_send_seconds": -1}}, "must be above 0", "task-policies-bad-unique-send-seconds", names="mongolock_task_policies['t']['unique_send_seconds']"),
     setting("mongolock_watch_leases", "no", "must be True or False, got 'no'", "watch-leases-str"),
     setting("mongolock_watch_leases", 0, "must be True or False, got 0", "watch-leases-int"),
 ]  # fmt: skip
@@ -732,6 +739,31 @@ def test_odd_but_encodable_arguments(value: Any, key: str) -> None:
 # -- the table --------------------------------------------------------------------------------------------
 
 
+# -- sends of a unique_send task ----------------------------------------------------------------------------
+
+UNIQUE_APP = Celery("bad_input_unique", set_as_current=False)
+UNIQUE_APP.conf.update(
+    broker_url="memory://",
+    mongolock_url="mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=300",
+    mongolock_operation_timeout=0.5,
+)
+UNIQUE_TASK = singleton_task(
+    key="email-group:{group_id}", app=UNIQUE_APP, name="bad_input.unique", unique_send=True
+)(upload)
+
+UNIQUE_SEND_CASES = [
+    case(lambda: UNIQUE_TASK.delay(7, {"a.csv"}), ArgumentsNotComparable, "argument 'path'", "is a set", "set-argument"),
+    case(lambda: UNIQUE_TASK.delay(7, dt.datetime(2026, 1, 1)), ArgumentsNotComparable, "argument 'path'", "is a datetime", "datetime-argument"),
+    case(lambda: UNIQUE_TASK.delay(7, {"rows": [NAN]}), ArgumentsNotComparable, "argument 'path'['rows'][0]", "is nan", "nan-argument"),
+    case(lambda: UNIQUE_TASK.delay(7), StoreUnavailable, "has unique_send: the send was not published", "unique_send='best_effort'", "mongodb-unreachable"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, UNIQUE_SEND_CASES)
+def test_bad_unique_sends(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
 FAMILIES: dict[str, list[Any]] = {
     "test_bad_lease_keys": KEY_CASES,
     "test_bad_key_specs_are_refused_at_declaration": SPEC_CASES,
@@ -745,6 +777,7 @@ FAMILIES: dict[str, list[Any]] = {
     "test_bad_acquire_arguments": ACQUIRE_CASES,
     "test_bad_document_lock_arguments": DOCUMENT_LOCK_CASES,
     "test_bad_command_line_arguments": CLI_CASES,
+    "test_bad_unique_sends": UNIQUE_SEND_CASES,
 }
 
 

@@ -312,3 +312,16 @@ def test_the_report_has_the_cancel_running_benchmark(tmp_path: Path) -> None:
     names = [t["name"] for t in targets]
     assert any(n.startswith("cancel_running: newest run starts") for n in names)
     assert any(n.startswith("cancel_running: a cooperative holder notices") for n in names)
+
+
+def test_unique_send_benchmark_counts_one_round_trip_on_and_none_off(tmp_path: Path) -> None:
+    out = tmp_path / "unique_send.json"
+    cmd = [sys.executable, str(BENCHMARKS / "unique_send.py"), "--sends=5", "--rounds=2", f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    off, new, equal = (data["variants"][v] for v in ("off", "on_new", "on_equal"))
+    assert off["commands_per_send"] == {} and off["published_per_send"] == 1.0
+    assert new["commands_per_send"] == {"findAndModify": 1.0} and new["published_per_send"] == 1.0
+    assert equal["commands_per_send"] == {"findAndModify": 1.0} and equal["published_per_send"] == 0.0
+    assert data["summary"]

@@ -237,3 +237,32 @@ def test_history_and_why_on_real_data(mongo_url: str, db_name: str) -> None:
     finally:
         store.client.drop_database(db_name)
         store.close()
+
+
+def test_why_shows_the_pending_unique_sends_of_a_key(mongo_url: str, db_name: str) -> None:
+    from celery_mongolock.core.documents.sends import send_digest
+    from celery_mongolock.core.store_sends import sends_of
+
+    store = LeaseStore(mongo_url, database=db_name, lease_seconds=60)
+    try:
+        records = sends_of(store)
+        digest = send_digest("proj.upload", ["email-group:7"], {"group_id": 7})
+        assert records.claim(digest, "t-9", "proj.upload", ["email-group:7"], 3_600_000) == "t-9"
+        out = run(mongo_url, db_name, "why", "email-group:7")  # no lease yet: the send waits in the broker
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("email-group:7: free; not taken yet, with sends pending")
+        [row] = [line for line in out.stdout.splitlines() if "proj.upload[t-9]" in line]
+        assert " sent " in row and "window ends in 359" in row and "at the latest" in row
+        assert "sends       1 unique send(s) pending (an equal send gets the run instead):" in out.stdout
+        data = json.loads(run(mongo_url, db_name, "why", "email-group:7", "--json").stdout)
+        assert [s["task_id"] for s in data["unique_sends"]] == ["t-9"]
+        lease = store.acquire("email-group:7", info={"task_name": "proj.other", "task_id": "t-1"})
+        assert lease is not None
+        out = run(mongo_url, db_name, "why", "email-group:7")
+        assert out.stdout.startswith("email-group:7: held by ") and "proj.upload[t-9]" in out.stdout
+        assert records.forget("t-9")
+        out = run(mongo_url, db_name, "why", "email-group:7")
+        assert "sends       no unique send pending" in out.stdout
+    finally:
+        store.client.drop_database(db_name)
+        store.close()

@@ -644,6 +644,7 @@ PROJECT_PAGES = {
     "docs/how-to/per-tenant-limit.md": ["proj.tasks.sync_tenant"],
     "docs/how-to/several-keys.md": ["proj.merge.merge_groups"],
     "docs/how-to/rate-limits.md": ["proj.tasks.call_partner_api", "proj.tasks.rebuild_search_index"],
+    "docs/how-to/dedupe-sends.md": ["proj.tasks.rebuild_index", "proj.reports.daily_report"],
 }
 DJANGO_SITE_PAGE = "docs/how-to/django.md"
 # Blocks run by tests elsewhere: (page, first line of the block) -> the test that runs it.

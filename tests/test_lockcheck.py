@@ -865,6 +865,12 @@ def _covered() -> dict[str, Any]:
             "submitted": 3, "directed_terminated": 1, "directed_refused_after_notice": 1,
             "directed_newest_ran": 1,
         },
+        "unique": {
+            "sends": 40, "refused": 2, "runs": 20, "sends_that_got_a_pending_run": 18, "runs_with_a_body": 20,
+            "done": 20, "directed": {"sends": lockcheck.UNIQUE_BURST, "runs": 1, "contended": True,
+                                     "ran_a_body": True},
+            "faults_with_a_pending_unique_run": dict(faults),
+        },
     }  # fmt: skip
 
 
@@ -886,6 +892,7 @@ def test_the_bounded_runs_coverage_claims() -> None:
     skewed = _covered()
     del skewed["faults_skipped"]["clock-jump"]
     skewed["faults"]["clock-jump"] = skewed["queued"]["faults_hitting_queued_runs"]["clock-jump"] = 2
+    skewed["unique"]["faults_with_a_pending_unique_run"]["clock-jump"] = 2
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(skewed)] == ["the skewed node's gated runs"]
     skewed["tasks"]["skewed_node_submitted"] = sum(skewed["faults"].values())  # one gated run per fault
     assert lockcheck.unmet_coverage(skewed) == []
@@ -903,6 +910,67 @@ def test_the_bounded_runs_coverage_claims() -> None:
     undying["tasks"]["died_after_release"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(undying)]
     assert unmet == ["a run died after its body released the key"]
+    ununique = _covered()  # the unique burst's sends got two runs; a fault found no unique run pending
+    ununique["unique"]["directed"]["runs"] = 2
+    ununique["unique"]["faults_with_a_pending_unique_run"].pop("kill-node")
+    ununique["unique"]["sends_that_got_a_pending_run"] = 3
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(ununique)] == [
+        "the unique-send burst", "every fault with a unique send's run pending (its equal sends answered "
+        "with it)", "sends answered with a pending run",
+    ]  # fmt: skip
+
+
+# -- unique_send ---------------------------------------------------------------------------------------
+
+
+def _unique_history(b_sent: tuple[float, float], *, b_body: bool = True) -> History:
+    """Run A sent at 0.0-0.1, its body's delivery began at 2.0 (acquired 2.1); run B's first send at
+    ``b_sent``, its body at 5.0 (or none)."""
+    sends = [
+        {"key": "k", "op": "o1", "id": "A", "t0": 0.0, "t1": 0.1},
+        {"key": "k", "op": "o1", "id": "A", "t0": 0.5, "t1": 0.6},  # answered with the pending run
+        {"key": "k", "op": "o1", "id": "B", "t0": b_sent[0], "t1": b_sent[1]},
+        {"key": "k", "op": "o1", "t0": 0.7, "t1": 0.8, "refused": 1},
+    ]
+    events: list[dict[str, Any]] = [
+        {"ev": "upre", "task_id": "A", "who": "w1", "t": 1.0},  # a delivery in contention retries
+        {"ev": "upre", "task_id": "A", "who": "w1", "t": 2.0},
+        {"ev": "acq", "key": "k", "hold": HOLD_A, "fence": 1, "t0": 2.05, "t1": 2.1, "who": "w1",
+         "task_id": "A"},
+        {"ev": "upre", "task_id": "A", "who": "w2", "t": 2.5},  # a copy elsewhere, later
+    ]  # fmt: skip
+    if b_body:
+        events += [
+            {"ev": "upre", "task_id": "B", "who": "w2", "t": 4.9},
+            {"ev": "acq", "key": "k", "hold": HOLD_B, "fence": 2, "t0": 5.0, "t1": 5.1, "who": "w2",
+             "task_id": "B"},
+        ]  # fmt: skip
+    tasks = {"A": {"state": "SUCCESS"}, "B": {"state": "SUCCESS"}}
+    return History(events, {}, tasks, sends)
+
+
+def test_check_unique_two_bodies_of_one_unique_send_in_its_window() -> None:
+    # B was sent after A's body's delivery began: a new send, legitimately a run of its own.
+    assert lockcheck.check_unique(_unique_history((2.2, 2.3))) == []
+    # B's send began before A's body's delivery, but may have reached MongoDB after A's record went.
+    assert lockcheck.check_unique(_unique_history((1.9, 2.05))) == []
+    # B's send returned before the delivery that ran A's body began: it found A pending and got a run.
+    [found] = lockcheck.check_unique(_unique_history((1.2, 1.3)))
+    assert (
+        found.kind == "unique-twice"
+        and "run B was sent" in found.detail
+        and "both ran a body" in found.detail
+    )
+    # A run answered to a send that ended SUCCESS without a body.
+    [unrun] = lockcheck.check_unique(_unique_history((2.2, 2.3), b_body=False))
+    assert unrun.kind == "unique-unrun" and "run B" in unrun.detail
+    figures = lockcheck.unique_figures(_unique_history((2.2, 2.3)))
+    assert (
+        figures["sends"],
+        figures["refused"],
+        figures["runs"],
+        figures["sends_that_got_a_pending_run"],
+    ) == (4, 1, 2, 1)
 
 
 # -- document locks (d keys) ------------------------------------------------------------------------------

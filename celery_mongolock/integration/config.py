@@ -13,7 +13,7 @@ setting                        default                          meaning
 ``mongolock_task_policies``    ``{}``                           per task name: any of ``on_contention``,
                                                                 ``lease_seconds``, ``heartbeat_seconds``,
                                                                 ``min_hold_seconds``, ``limit``, ``keys``,
-                                                                ``rate``
+                                                                ``rate``, ``unique_send``, ...
 ``mongolock_history_days``     ``7``                            days the lease history is kept (0: none)
 ``mongolock_signing_key``      ``None``                         secret that signs parked runs' messages
 ``mongolock_watch_leases``     ``True``                         a change stream per process notices a
@@ -43,6 +43,11 @@ from celery_mongolock.admission.policies import (
     parse_policy,
 )
 from celery_mongolock.admission.rate import RateLimit, check_rate, parse_rate
+from celery_mongolock.core.documents.sends import (
+    DEFAULT_UNIQUE_SEND_SECONDS,
+    check_unique_send,
+    check_unique_send_seconds,
+)
 from celery_mongolock.core.store import LeaseStore, validate_lease_timing, validate_names
 from celery_mongolock.core.urls import validate_mongo_url
 from celery_mongolock.core.validation import DEFAULT_HISTORY_DAYS, validate_history_days, validate_seconds
@@ -57,6 +62,7 @@ __all__ = [
     "KNOWN_SETTINGS",
     "Settings",
     "TaskOptions",
+    "censor_url_in_celery_reports",
     "check_setting_names",
     "get_settings",
     "get_store",
@@ -94,6 +100,8 @@ TASK_OPTION_NAMES = (
     "limit",
     "keys",
     "rate",
+    "unique_send",
+    "unique_send_seconds",
 )
 
 
@@ -113,6 +121,10 @@ class TaskOptions:
     key_limits: tuple[int | None, ...] | None = None
     #: ``rate=RateLimit(n, period)`` or ``Throttle(period)``: starts per key over time (None: no rate).
     rate: RateLimit | None = None
+    #: ``unique_send``: False, True or ``"best_effort"`` (``integration.unique_send``).
+    unique_send: bool | str = False
+    #: ``unique_send_seconds``: how long after its run is due a send's record deduplicates at most.
+    unique_send_seconds: float = DEFAULT_UNIQUE_SEND_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +154,8 @@ class Settings:
         limit: int | Mapping[Any, int] | None = None,
         keys: Sequence[Any] | None = None,
         rate: RateLimit | Mapping[str, Any] | None = None,
+        unique_send: bool | str | None = None,
+        unique_send_seconds: float | None = None,
     ) -> TaskOptions:
         """Options for task ``name``: per-task settings > decorator arguments > global settings.
         ``keys`` from the settings replace the decorator's ``key=`` or ``keys=``."""
@@ -191,7 +205,13 @@ class Settings:
             source = f"{where}['keys']" if "keys" in override else f"task {name!r}"
             raise ConfigurationError(f"{source}: {exc}") from None
         starts = _rate_for(name, override, rate, policy)
+        unique = override.get("unique_send", unique_send)
+        unique_s = override.get("unique_send_seconds", unique_send_seconds)
         return TaskOptions(
+            unique_send=check_unique_send(unique, _source(name, "unique_send", override)),
+            unique_send_seconds=check_unique_send_seconds(
+                unique_s, _source(name, "unique_send_seconds", override)
+            ),
             on_contention=policy,
             lease_seconds=lease_s,
             heartbeat_seconds=beat_s,
@@ -217,6 +237,11 @@ def _rate_for(
             raise
         raise ConfigurationError(f"{source}: {exc}") from None
     return starts
+def _source(name: str, option: str, override: Mapping[str, Any]) -> str:
+    """Where an option of task ``name`` comes from, for an error: its setting, else the task."""
+    if option in override:
+        return f"mongolock_task_policies[{name!r}][{option!r}]"
+    return f"task {name!r}: {option}"
 
 
 def _conf_get(conf: Any, name: str) -> Any:
@@ -282,6 +307,27 @@ def check_setting_names(conf: Any) -> None:
             )
 
 
+def _checked_task_options(where: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """One task's ``mongolock_task_policies`` options, each checked as far as it can be without the task."""
+    checked = dict(options)
+    if "on_contention" in checked:
+        checked["on_contention"] = parse_policy(checked["on_contention"], f"{where}['on_contention']")
+    if "keys" in checked:
+        # The shape now; against the task's policy, limit and signature once the task is known (a
+        # worker's start-up: ``task.check_task_policies``).
+        try:
+            checked["keys"] = check_keys(checked["keys"])
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{where}['keys']: {exc}") from None
+    if "unique_send" in checked:
+        checked["unique_send"] = check_unique_send(checked["unique_send"], f"{where}['unique_send']")
+    if "unique_send_seconds" in checked:
+        checked["unique_send_seconds"] = check_unique_send_seconds(
+            checked["unique_send_seconds"], f"{where}['unique_send_seconds']"
+        )
+    return checked
+
+
 def read_settings(conf: Any) -> Settings:
     """Read and validate every ``mongolock_*`` setting; ``ConfigurationError`` names the bad one, or a
     ``mongolock_*`` name the library does not read (a typo)."""
@@ -333,17 +379,7 @@ def read_settings(conf: Any) -> Settings:
             raise ConfigurationError(
                 f"{where} has unknown option(s) {unknown}{suggestion}; known: {list(TASK_OPTION_NAMES)}"
             )
-        checked = dict(options)
-        if "on_contention" in checked:
-            checked["on_contention"] = parse_policy(checked["on_contention"], f"{where}['on_contention']")
-        if "keys" in checked:
-            # The shape now; against the task's policy, limit and signature once the task is known (a
-            # worker's start-up: ``task.check_task_policies``).
-            try:
-                checked["keys"] = check_keys(checked["keys"])
-            except ConfigurationError as exc:
-                raise ConfigurationError(f"{where}['keys']: {exc}") from None
-        task_policies[task_name] = checked
+        task_policies[task_name] = _checked_task_options(where, options)
     history_days = validate_history_days(_conf_get(conf, "mongolock_history_days"), "mongolock_history_days")
     settings = Settings(
         url=url,
@@ -446,6 +482,21 @@ def get_store(app: Celery) -> LeaseStore:
                 app._mongolock_store = store
                 app._mongolock_store_pid = os.getpid()
     return store
+
+
+def censor_url_in_celery_reports() -> None:
+    """Have Celery mask ``mongolock_url`` where it prints settings (``celery report``, ``inspect conf``).
+
+    Celery masks only settings whose names look secret (``...PASS...``, ``...KEY...``); the lease store's
+    URL may carry a password.
+    """
+    import re
+
+    from celery.app import utils
+
+    hidden = utils.HIDDEN_SETTINGS
+    if not hidden.search("mongolock_url"):
+        utils.HIDDEN_SETTINGS = re.compile(f"{hidden.pattern}|MONGOLOCK_URL", hidden.flags | re.IGNORECASE)
 
 
 def default_retry() -> Retry:

@@ -24,6 +24,7 @@ from typing import Any
 
 from celery_mongolock.admission.policies import Policy, check_keys, check_limit, parse_policy
 from celery_mongolock.admission.rate import check_rate, parse_rate
+from celery_mongolock.core.documents.sends import check_unique_send, check_unique_send_seconds
 from celery_mongolock.core.keys import KeyRenderer
 from celery_mongolock.exceptions import ConfigurationError
 
@@ -46,6 +47,8 @@ DECORATOR_OPTIONS = (
     "limit",
     "keys",
     "rate",
+    "unique_send",
+    "unique_send_seconds",
 )
 #: The class attributes of ``SingletonTask`` that carry them (``mongolock_`` + the option's name).
 TASK_ATTRIBUTES = tuple(f"mongolock_{name}" for name in DECORATOR_OPTIONS)
@@ -193,6 +196,8 @@ def check_task_class(cls: type) -> None:
         check_limit(limit, policy, hold)
         multi = check_keys(getattr(cls, "mongolock_keys", None), None, policy, limit)
         check_rate(parse_rate(getattr(cls, "mongolock_rate", None), "mongolock_rate"), policy)
+        check_unique_send(getattr(cls, "mongolock_unique_send", None))
+        check_unique_send_seconds(getattr(cls, "mongolock_unique_send_seconds", None))
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
     body = _task_function(cls)

@@ -47,6 +47,7 @@ from celery_mongolock.admission.policies import (
     parse_policy,
 )
 from celery_mongolock.admission.rate import RateLimit, checked_rate
+from celery_mongolock.core.documents.sends import check_unique_send, check_unique_send_seconds
 from celery_mongolock.core.keys import KeyRenderer, KeySpec
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import run_scope
@@ -60,7 +61,12 @@ from celery_mongolock.integration.beatcheck import (
     check_beat_scheduler,
 )
 from celery_mongolock.integration.childwatch import ChildWatchedRequest
-from celery_mongolock.integration.config import TaskOptions, get_settings, get_store
+from celery_mongolock.integration.config import (
+    TaskOptions,
+    censor_url_in_celery_reports,
+    get_settings,
+    get_store,
+)
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
 from celery_mongolock.integration.one_key import OneKey
 from celery_mongolock.integration.options import (
@@ -81,6 +87,7 @@ from celery_mongolock.integration.runs import (
 )
 from celery_mongolock.integration.several_keys import SeveralKeys
 from celery_mongolock.integration.supersede import check_pool, run_body, was_terminated_superseded
+from celery_mongolock.integration.unique_send import send_unique, wants_unique_send
 
 __all__ = [
     "CONTENTION_HEADER",
@@ -115,22 +122,7 @@ _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
 known_apps = signals.known_apps  # the apps the shutdown hook releases leases for
 
 
-def _censor_url_in_celery_reports() -> None:
-    """Have Celery mask ``mongolock_url`` where it prints settings (``celery report``, ``inspect conf``).
-
-    Celery masks only settings whose names look secret (``...PASS...``, ``...KEY...``); the lease store's
-    URL may carry a password.
-    """
-    import re
-
-    from celery.app import utils
-
-    hidden = utils.HIDDEN_SETTINGS
-    if not hidden.search("mongolock_url"):
-        utils.HIDDEN_SETTINGS = re.compile(f"{hidden.pattern}|MONGOLOCK_URL", hidden.flags | re.IGNORECASE)
-
-
-_censor_url_in_celery_reports()
+censor_url_in_celery_reports()
 
 # Worker and beat send import_modules before they create the tasks and read the settings: from then on a
 # ConfigurationError that stops them is shown as one line, not as a traceback through Celery's start-up.
@@ -170,6 +162,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     #: Several keys held together (``keys=(spec, ...)``), instead of ``mongolock_key``.
     mongolock_keys: ClassVar[Sequence[KeySpec] | None] = None
     mongolock_rate: ClassVar[RateLimit | None] = None  # rate=RateLimit(n, period) or Throttle(period)
+    mongolock_unique_send: ClassVar[bool | str | None] = None  # True, "best_effort": unique_send
+    mongolock_unique_send_seconds: ClassVar[float | None] = None
     #: Expected errors: logged at INFO without a traceback.
     throws = (LockContended,)
     Request = "celery_mongolock.task:SingletonRequest"
@@ -315,7 +309,17 @@ class SingletonTask(Task):  # type: ignore[misc]
             limit=self.mongolock_limit,
             keys=self.mongolock_keys,
             rate=self.mongolock_rate,
+            unique_send=self.mongolock_unique_send,
+            unique_send_seconds=self.mongolock_unique_send_seconds,
         )
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Celery's ``apply_async``; with ``unique_send``, see ``integration.unique_send``."""
+        if not wants_unique_send(self.app, self.name, self.mongolock_unique_send):  # no option parsed
+            return super().apply_async(args, kwargs, **options)
+        in_force, given, named = self._options(), tuple(args or ()), dict(kwargs or {})
+        call = (args, kwargs, self.mongolock_keys_for(*given, **named), self._renderer().bind(given, named))
+        return send_unique(self, in_force, call, options, super().apply_async)
 
     # -- the guarded call ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -499,6 +503,8 @@ def singleton_task(
     limit: int | Mapping[Any, int] | None = ...,
     keys: Sequence[KeySpec] | None = ...,
     rate: RateLimit | Mapping[str, Any] | None = ...,
+    unique_send: bool | str = ...,
+    unique_send_seconds: float | None = ...,
     app: Celery | None = ...,
     base: type[SingletonTask] = ...,
     **task_options: Any,
@@ -516,6 +522,8 @@ def singleton_task(
     limit: int | Mapping[Any, int] | None = None,
     keys: Sequence[KeySpec] | None = None,
     rate: RateLimit | Mapping[str, Any] | None = None,
+    unique_send: bool | str = False,
+    unique_send_seconds: float | None = None,
     app: Celery | None = None,
     base: type[SingletonTask] = SingletonTask,
     **task_options: Any,
@@ -530,6 +538,7 @@ def singleton_task(
     at once (per-tenant concurrency), each holding a slot (``current_lease().slot``) with its own fence;
     ``Retry``, ``Skip``, ``Wait`` and ``Fail`` work with it. ``rate=RateLimit(n, period)``: at most n
     starts per key in any ``period`` s, the rest parked till their turn (``Throttle(period)``: one).
+    ``unique_send``: see ``integration.unique_send``.
     Other keyword arguments go to Celery (``bind``, ``name``, ``acks_late``, ...). Like ``shared_task``
     unless ``app=`` binds it to one app. Mistakes raise ``ConfigurationError`` here, at declaration.
     """
@@ -542,6 +551,7 @@ def singleton_task(
     check_limit(limit, on_contention, min_hold_seconds)
     keys = check_keys(keys, key, on_contention, limit)
     rate = checked_rate(rate, on_contention)
+    check_unique_send_seconds(unique_send_seconds)
     if on_contention is not None and on_contention.queued:
         # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
         # a run whose worker dies from being lost.
@@ -578,6 +588,8 @@ def singleton_task(
             "mongolock_limit": limit,
             "mongolock_keys": keys,
             "mongolock_rate": rate,
+            "mongolock_unique_send": check_unique_send(unique_send) or None,
+            "mongolock_unique_send_seconds": unique_send_seconds,
             **task_options,
         }
         if app is not None:

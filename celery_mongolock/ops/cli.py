@@ -33,11 +33,13 @@ import click
 
 from celery_mongolock.core.history import KeyStory, LeaseEnding, clock
 from celery_mongolock.core.store import LeaseInfo, LeaseStore
+from celery_mongolock.core.store_sends import sends_of
 from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import MongoLockError
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops import cli_documents
 from celery_mongolock.ops.cli_rate import rate_lines, read_window
+from celery_mongolock.ops.cli_sends import pending_send_lines, pending_sends_json
 
 __all__ = ["mongolock"]
 
@@ -581,18 +583,27 @@ def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
     store = _store(ctx)
     story = _run(lambda: store.why(key))
     rate = rate_lines(read_window(store, key))
-    if story is None and rate and not as_json:
-        click.echo("\n".join([f"{key}: free (no lease document); a rate limits its starts", "", *rate]))
+    pending = _run(lambda: sends_of(store).pending(key))
+    if as_json:
+        found = {"key": key} if story is None else story.as_dict()
+        click.echo(
+            _json(
+                None
+                if story is None and not pending
+                else {**found, "unique_sends": pending_sends_json(pending)}
+            )
+        )
         return
-    if story is None:
-        if as_json:
-            click.echo("null")
-            return
+    if story is None and not pending and not rate:
         raise click.ClickException(
             f"no lease {key!r}: nothing has taken this key (or its lease document expired and was removed); "
             "it is free. Check the spelling with: celery mongolock list --all"
         )
-    if as_json:
-        click.echo(_json(story.as_dict()))
-        return
-    click.echo("\n".join([*why_lines(story), *rate]))
+    now = story.server_now if story is not None else _dt.datetime.now(_dt.timezone.utc)
+    if story is not None:
+        lines = why_lines(story)
+    elif rate:
+        lines = [f"{key}: free (no lease document); a rate limits its starts", ""]
+    else:
+        lines = [f"{key}: free; not taken yet, with sends pending", ""]
+    click.echo("\n".join([*lines, *rate, *pending_send_lines(pending, now)]))
