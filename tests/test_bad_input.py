@@ -381,6 +381,7 @@ SETTING_CASES = [
     setting("mongolock_task_policies", {"t": {"min_hold_seconds": -1}}, "between 0 and", "task-policies-bad-min-hold", names="mongolock_task_policies['t']['min_hold_seconds']"),
     setting("mongolock_watch_leases", "no", "must be True or False, got 'no'", "watch-leases-str"),
     setting("mongolock_watch_leases", 0, "must be True or False, got 0", "watch-leases-int"),
+    setting("mongolock_handoff_lane", "yes", "must be True or False, got 'yes'", "handoff-lane-str"),
 ]  # fmt: skip
 
 
