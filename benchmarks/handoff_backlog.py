@@ -176,7 +176,10 @@ def run_broker(kind: str, args: argparse.Namespace, mongo_url: str, work_dir: Pa
                         rounds[lane].append(figures)
             finally:
                 node.stop()
-            app.app.close()  # its broker connections: the next broker is another server
+            # Forget the broker connections (not closed: kombu would hand a closed pool out again): the
+            # next broker is another server.
+            app.app._pool = None
+            app.app.amqp._producer_pool = None
     return {lane: summarize(rs, args.backlogs) for lane, rs in rounds.items()} | {"rounds": rounds}
 
 

@@ -5,10 +5,11 @@
     .venv/bin/python benchmarks/run.py --only throughput --quick
 
 Each benchmark (``store.py``, ``throughput.py``, ``recovery.py``, ``history.py``, ``contention.py``,
-``limits.py``, when present) runs in a process of its own and writes ``benchmarks/results/<name>.json``;
-this script then writes ``benchmarks/results/REPORT.md``: the machine, the medians and ratios, and every
-target of issues 7 and 16 with whether it was met and by how much. A benchmark that is missing or fails is
-reported as such; the others still run. See ``benchmarks/README.md``.
+``limits.py``, ``handoff_backlog.py``, when present) runs in a process of its own and writes
+``benchmarks/results/<name>.json``; this script then writes ``benchmarks/results/REPORT.md``: the
+machine, the medians and ratios, and every target of issues 7 and 16 with whether it was met and by how
+much. A benchmark that is missing or fails is reported as such; the others still run. See
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
-BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits")
+BENCHMARKS = ("store", "throughput", "recovery", "history", "contention", "limits", "handoff_backlog")
 # Generous per-benchmark limits: a stuck benchmark is stopped, reported, and the others still run.
 TIME_LIMIT = {
     "store": 1800.0,
@@ -38,6 +39,7 @@ TIME_LIMIT = {
     "history": 600.0,
     "contention": 900.0,
     "limits": 900.0,
+    "handoff_backlog": 900.0,
 }
 QUICK_TIME_LIMIT = {
     "store": 300.0,
@@ -46,6 +48,7 @@ QUICK_TIME_LIMIT = {
     "history": 180.0,
     "contention": 300.0,
     "limits": 180.0,
+    "handoff_backlog": 400.0,
 }
 STORE_TARGET = 1.2  # issue 7: acquire + release under 1.2x the bare two commands
 
@@ -523,6 +526,8 @@ def report(
         targets += embedded_targets(results["recovery"], "recovery")
     if "contention" in results:
         targets += embedded_targets(results["contention"], "contention")
+    if "handoff_backlog" in results:
+        targets += embedded_targets(results["handoff_backlog"], "handoff_backlog")
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     lines = [
         "# Benchmark report",
@@ -569,6 +574,10 @@ def report(
     if "limits" in results:
         section = generic_section("limits", results["limits"])
         section[0] = "## `limit=N` and several keys against a single key (`limits.json`)"
+        lines += ["", *section]
+    if "handoff_backlog" in results:
+        section = generic_section("handoff_backlog", results["handoff_backlog"])
+        section[0] = "## A handoff behind the broker's backlog (`handoff_backlog.json`)"
         lines += ["", *section]
     return "\n".join(lines) + "\n", targets
 

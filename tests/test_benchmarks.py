@@ -297,3 +297,25 @@ def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
     assert "## `limit=N` and several keys against a single key (`limits.json`)" in text
     assert "| `limit=10`, full: acquire refused |" in text and "| `keys=` 4 keys |" in text
     assert targets == []
+
+
+def test_handoff_backlog_measures_a_handoff_behind_the_backlog(tmp_path: Path) -> None:
+    out = tmp_path / "handoff_backlog.json"
+    cmd = [sys.executable, str(BENCHMARKS / "handoff_backlog.py"), "--brokers=redis", "--backlogs=0,100"]
+    cmd += ["--rounds=1", f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data: dict[str, Any] = json.loads(out.read_text())
+    redis = data["brokers"]["redis"]
+    # Lanes off: the handed run starts after the whole backlog; on: before most of it (an order).
+    assert redis["off"]["100"]["plain_started_first_max"] == 100
+    assert redis["on"]["100"]["plain_started_first_max"] < 50
+    assert redis["off"]["0"]["plain_started_first_max"] == redis["on"]["0"]["plain_started_first_max"] == 0
+    run = load_script("run")
+    args = run.parse_args(["--quick", "--only", "handoff_backlog", "--results", str(tmp_path)])
+    statuses = [{"benchmark": "handoff_backlog", "status": "ok", "seconds": 1.0}]
+    text, targets = run.report({"handoff_backlog": data}, statuses, args, 60.0, (0.0, 0.0, 0.0))
+    assert "## A handoff behind the broker's backlog (`handoff_backlog.json`)" in text
+    assert [t["name"] for t in targets] == [
+        "handoff idle with 100 messages queued ahead, redis (max of the rounds)"
+    ]
