@@ -216,8 +216,9 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: Leas
     if entry.get("ks"):
         headers[HANDOFF_HEADER]["ks"] = list(entry["ks"])
     # The signature carries the run's task id, routing, links and retries; only the headers change, and
-    # the first handoff goes to the run's queue's lane (``lanes``): it does not wait behind the backlog.
-    lane = lanes.lane_of(app, signature.options) if int(entry.get("hn") or 1) <= 1 else None
+    # the handoff goes to the run's queue's lane (``lanes``): it does not wait behind the backlog. When
+    # handed again, every other attempt goes to the queue itself (a lane nobody consumes).
+    lane = lanes.lane_of(app, signature.options) if int(entry.get("hn") or 1) % 2 == 1 else None
     if lane is None or not lanes.publish_to_lane(
         signature,
         headers,

@@ -24,9 +24,10 @@ start first: the bound on the idle time is the prefetch window, not the backlog.
 The published copy carries the handoff header as before (exactly once, crash-safe: a copy nobody claims
 is handed again by the sweeper); the run's own routing (``rt`` in the header) is put back in its
 ``delivery_info`` when it starts, so that its ``Task.retry()`` or a later park goes to its task queue,
-never to the lane. A handoff handed again (``hn`` > 1: the lane's copy was not claimed in time, e.g. no
-worker consumes the lane) goes to the task queue itself, as before lanes. ``mongolock_handoff_lane =
-False`` turns lanes off.
+never to the lane. A handoff handed again (its copy was not claimed within a lease: a busy machine, or
+no worker consumes the lane) goes to the task queue itself on its even attempts (``hn``) and to the lane
+on its odd ones: a lane nobody consumes delays a run, never strands it, and a busy one still skips the
+backlog every other attempt. ``mongolock_handoff_lane = False`` turns lanes off.
 """
 
 from __future__ import annotations
