@@ -3,8 +3,8 @@ tasks are queued ahead of its handed-over run (issue 28, items 3 and 6: at most 
 
 Run it from the repository root (after ``make venv``)::
 
-    .venv/bin/python benchmarks/handoff_backlog.py            # both brokers, about 5 minutes
-    .venv/bin/python benchmarks/handoff_backlog.py --quick    # about 2 minutes
+    .venv/bin/python benchmarks/handoff_backlog.py            # both brokers, 3 rounds: about 15 minutes
+    .venv/bin/python benchmarks/handoff_backlog.py --quick    # about 3 minutes
     .venv/bin/python benchmarks/handoff_backlog.py --brokers redis --backlogs 0,1000,5000
 
 One real ``celery worker`` (prefork, concurrency 2, Celery's default prefetch multiplier 4: 8 messages
