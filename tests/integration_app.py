@@ -82,6 +82,8 @@ app.conf.update(
     # MONGOLOCK_IT_SIGNING_KEY: parked runs' stored messages signed (tests/test_trust_handoff.py).
     mongolock_signing_key=os.environ.get("MONGOLOCK_IT_SIGNING_KEY") or None,
     imports=("tests.rate_tasks",),  # the rate-limited tasks (RateLimit, Throttle)
+    # MONGOLOCK_IT_HANDOFF_LANE=0: handoffs published to the end of their queue (tests/test_handoff_lanes.py).
+    mongolock_handoff_lane=os.environ.get("MONGOLOCK_IT_HANDOFF_LANE", "1") != "0",
 )
 
 _clients: dict[int, MongoClient[dict[str, Any]]] = {}
@@ -265,6 +267,25 @@ def queued_briefly(resource: str, tag: str, seconds: float = 0.3) -> str:
 @singleton_task(key="resource:{resource}", app=app, name="integration_app.latest", on_contention="replace")
 def latest(resource: str, tag: str, seconds: float = 0.3) -> str:
     _work(tag, seconds)
+    return tag
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.gated", on_contention=Queue())
+def gated(resource: str, tag: str) -> str:
+    """A queued task whose body runs until the test opens its gate (a document ``gates/<tag>``)."""
+    record("start", tag)
+    deadline = time.monotonic() + 120
+    while db()["gates"].find_one({"_id": tag}) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    record("end", tag)
+    return tag
+
+
+@app.task(name="integration_app.plain_recorded")
+def plain_recorded(tag: str, seconds: float = 0.02) -> str:
+    """A plain task (no lease) that records its start: the broker's backlog of tests/test_handoff_lanes.py."""
+    db()["runs"].insert_one({"kind": "plain", "tag": tag, "t": time.time(), "mono": time.monotonic()})
+    time.sleep(seconds)
     return tag
 
 

@@ -2490,6 +2490,8 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         "admissions": dict(sorted(admits.items())),
         "parked": len(parked & set(tasks)),
         "handoffs": sum(1 for e in ev if e.get("ev") == "handoff"),
+        # Handoff messages received through their queue's handoff lane (``lanes``).
+        "lane_handoffs": sum(1 for e in ev if e.get("ev") == "recv" and e.get("lane")),
         "superseded": len(superseded),
         "superseded_after_a_cut_run": sum(1 for t in superseded if t.get("op") in applied_ops),
         "late_pairs": late,
@@ -2942,7 +2944,8 @@ def unmet_coverage(report: Doc) -> list[str]:
     - the directed phase (``Run.directed``, before the faults): a gate of the controller's holds each
       directed key (all N slots of the ``limit=N`` key) until the lease document shows the whole burst
       waiting there, then lets go, and every run of the bursts ends: ``Queue`` runs parked and handed the
-      key one after another (each release hands it to the next: ``QUEUE_BURST - 1`` handoffs at least),
+      key one after another (each release hands it to the next: ``QUEUE_BURST - 1`` handoffs at least,
+      their first messages published to the queue's handoff lane),
       ``Replace`` runs superseded, ``Queue`` runs of the ``limit=N`` key parked and handed slots,
       several-keys ``Queue`` runs parked on a key and handed both; the gate held all N slots at once;
     - the per-key-limit burst (``Run._multi_limit_stages``): a gate holds its ``k`` key until every run of
@@ -2986,6 +2989,9 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(queued["queue_submitted"] >= QUEUE_BURST, "the Queue burst sent", queued)
     claim(queued["parked"] >= QUEUE_BURST, "the Queue burst parked", queued)
     claim(queued["handoffs"] >= QUEUE_BURST - 1, "the Queue burst handed the key on", queued)
+    claim(
+        queued["lane_handoffs"] >= 1, "a handed run's message came through its queue's handoff lane", queued
+    )
     claim(queued["replace_submitted"] >= REPLACE_BURST, "the Replace burst sent", queued)
     claim(queued["superseded"] >= REPLACE_BURST - 1, "the Replace burst superseded", queued)
     claim(
@@ -4877,7 +4883,8 @@ def format_report(report: Doc) -> str:
         f"{tasks.get('died_ended_already_ran', 0)}, fault-gated {tasks.get('died_fault_gated', 0)}); "
         f"died with their lease lost first {tasks.get('died_with_the_lease_lost', 0)}",
         "  queued runs: Queue {queue_submitted}, Replace {replace_submitted}; parked {parked}, "
-        "handoffs {handoffs}, superseded {superseded} ({superseded_after_a_cut_run} after a run cut "
+        "handoffs {handoffs} ({lane_handoffs} received through a lane), superseded {superseded} "
+        "({superseded_after_a_cut_run} after a run cut "
         "short), pairs run out of send order by a late arrival {late_pairs}; admissions {admissions}".format(
             **report["queued"]
         ),

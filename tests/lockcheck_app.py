@@ -132,12 +132,14 @@ def _received(request: Any = None, **_: Any) -> None:
     hist = _history()
     if hist is not None and request is not None:
         # Which delivery this is (``ran-after-release`` names the deliveries received after a death):
-        # the broker's redelivery flag, a parked duplicate, a handoff, and the run's own retries.
+        # the broker's redelivery flag, a parked duplicate, a handoff (through its queue's handoff lane or
+        # not), and the run's own retries.
         headers = getattr(request, "request_dict", None) or {}
         hist.event(
             "recv", task_id=request.id, node=request.hostname, t=time.monotonic(),
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
             dup=bool(headers.get(DUPLICATE_HEADER)), handoff=bool(headers.get(HANDOFF_HEADER)),
+            lane=isinstance(headers.get(HANDOFF_HEADER), dict) and bool(headers[HANDOFF_HEADER].get("rt")),
             retries=headers.get("retries"),
         )  # fmt: skip
 

@@ -395,6 +395,7 @@ SETTING_CASES = [
     setting("mongolock_task_policies", {"t": {"unique_send_seconds": -1}}, "must be above 0", "task-policies-bad-unique-send-seconds", names="mongolock_task_policies['t']['unique_send_seconds']"),
     setting("mongolock_watch_leases", "no", "must be True or False, got 'no'", "watch-leases-str"),
     setting("mongolock_watch_leases", 0, "must be True or False, got 0", "watch-leases-int"),
+    setting("mongolock_handoff_lane", "yes", "must be True or False, got 'yes'", "handoff-lane-str"),
 ]  # fmt: skip
 
 

@@ -325,3 +325,25 @@ def test_unique_send_benchmark_counts_one_round_trip_on_and_none_off(tmp_path: P
     assert new["commands_per_send"] == {"findAndModify": 1.0} and new["published_per_send"] == 1.0
     assert equal["commands_per_send"] == {"findAndModify": 1.0} and equal["published_per_send"] == 0.0
     assert data["summary"]
+
+
+def test_handoff_backlog_measures_a_handoff_behind_the_backlog(tmp_path: Path) -> None:
+    out = tmp_path / "handoff_backlog.json"
+    cmd = [sys.executable, str(BENCHMARKS / "handoff_backlog.py"), "--brokers=redis", "--backlogs=0,100"]
+    cmd += ["--rounds=1", f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data: dict[str, Any] = json.loads(out.read_text())
+    redis = data["brokers"]["redis"]
+    # Lanes off: the handed run starts after the whole backlog; on: before most of it (an order).
+    assert redis["off"]["100"]["plain_started_first_max"] == 100
+    assert redis["on"]["100"]["plain_started_first_max"] < 50
+    assert redis["off"]["0"]["plain_started_first_max"] == redis["on"]["0"]["plain_started_first_max"] == 0
+    run = load_script("run")
+    args = run.parse_args(["--quick", "--only", "handoff_backlog", "--results", str(tmp_path)])
+    statuses = [{"benchmark": "handoff_backlog", "status": "ok", "seconds": 1.0}]
+    text, targets = run.report({"handoff_backlog": data}, statuses, args, 60.0, (0.0, 0.0, 0.0))
+    assert "## A handoff behind the broker's backlog (`handoff_backlog.json`)" in text
+    assert [t["name"] for t in targets] == [
+        "handoff idle with 100 messages queued ahead, redis (max of the rounds)"
+    ]

@@ -845,7 +845,8 @@ def _covered() -> dict[str, Any]:
         "operations": {"acknowledged": 51},
         "tasks": {"done": 31, "skewed_node_submitted": 0, "died_after_release": 3},
         "queued": {
-            "queue_submitted": 7, "parked": 7, "handoffs": 6, "replace_submitted": 6, "superseded": 5,
+            "queue_submitted": 7, "parked": 7, "handoffs": 6, "lane_handoffs": 6, "replace_submitted": 6,
+            "superseded": 5,
             "limit_queued": burst, "multi_queued": burst, "limit_held": burst, "multi_limit_queued": burst,
             "faults_hitting_queued_runs": dict(faults),
         },
@@ -906,6 +907,10 @@ def test_the_bounded_runs_coverage_claims() -> None:
     uncancelled["cancel"]["directed_terminated"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(uncancelled)]
     assert unmet == ["a cancel_running holder that never looks terminated after its grace"]
+    laneless = _covered()  # no handoff came through a handoff lane (lanes off, or every first copy lost)
+    laneless["queued"]["lane_handoffs"] = 0
+    unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(laneless)]
+    assert unmet == ["a handed run's message came through its queue's handoff lane"]
     undying = _covered()
     undying["tasks"]["died_after_release"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(undying)]

@@ -159,22 +159,25 @@ def pointed_at(app: Any, broker: str, backend: str, **settings: Any) -> Iterator
 
 def purge_after_kill(broker: str, queue: str = "celery", timeout: float = 30) -> None:
     """On RabbitMQ, the messages of a SIGKILLed node go back to their queue at once (on Redis only after the
-    visibility timeout): once ``queue`` has no consumer left, empty it, so that the next module's workers
-    on the same broker do not run this module's leftovers."""
+    visibility timeout): once ``queue`` (and its handoff lane) has no consumer left, empty it, so that the
+    next module's workers on the same broker do not run this module's leftovers."""
     if not broker.startswith(("amqp", "pyamqp")):
         return
     from kombu.connection import Connection
 
+    from celery_mongolock.integration.lanes import lane_name
+
     connection: Any = Connection  # untyped
-    with connection(broker) as conn:
-        channel = conn.default_channel
+    for name in (queue, lane_name(queue)):
+        with connection(broker) as conn:  # a channel each: a passive declare of no queue closes it
+            channel = conn.default_channel
 
-        def no_consumer() -> bool:
-            try:
-                return int(channel.queue_declare(queue=queue, passive=True).consumer_count) == 0
-            except Exception:  # no such queue: nothing to purge
-                return True
+            def no_consumer(name: str = name, channel: Any = channel) -> bool:
+                try:
+                    return int(channel.queue_declare(queue=name, passive=True).consumer_count) == 0
+                except Exception:  # no such queue: nothing to purge
+                    return True
 
-        wait_for(no_consumer, timeout=timeout, message=f"{queue} to have no consumer")
-        with suppress(Exception):  # no such queue
-            channel.queue_purge(queue)
+            wait_for(no_consumer, timeout=timeout, message=f"{name} to have no consumer")
+            with suppress(Exception):  # no such queue
+                channel.queue_purge(name)

@@ -18,6 +18,8 @@ setting                        default                          meaning
 ``mongolock_signing_key``      ``None``                         secret that signs parked runs' messages
 ``mongolock_watch_leases``     ``True``                         a change stream per process notices a
                                                                 lost lease at once (False: at the tick)
+``mongolock_handoff_lane``     ``True``                         a handed-over run's message goes to its
+                                                                queue's handoff lane, ahead of the backlog
 =============================  ===============================  =============================================
 
 Precedence for a task: ``mongolock_task_policies[task name]`` beats the decorator's arguments, which
@@ -81,6 +83,7 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_history_days": DEFAULT_HISTORY_DAYS,
     "mongolock_signing_key": None,
     "mongolock_watch_leases": True,
+    "mongolock_handoff_lane": True,
 }
 #: The beat scheduler's settings (read by ``beat.read_beat_settings``; here so that every known
 #: ``mongolock_*`` name is in one module).
@@ -142,6 +145,8 @@ class Settings:
     signing_key: bytes | None = dataclasses.field(default=None, repr=False)
     #: ``mongolock_watch_leases``: watch the leases held with a change stream (loss noticed at once).
     watch_leases: bool = True
+    #: ``mongolock_handoff_lane``: publish a handed-over run to its queue's handoff lane (``lanes``).
+    handoff_lane: bool = True
 
     def for_task(
         self,
@@ -393,6 +398,7 @@ def read_settings(conf: Any) -> Settings:
         history_days=history_days,
         signing_key=_signing_key(_conf_get(conf, "mongolock_signing_key")),
         watch_leases=_flag(conf, "mongolock_watch_leases"),
+        handoff_lane=_flag(conf, "mongolock_handoff_lane"),
     )
     for task_name in task_policies:  # lease/heartbeat combinations are checked now, not at first run
         settings.for_task(task_name)

@@ -35,7 +35,7 @@ from celery import signals as celery_signals
 from kombu.serialization import dumps
 
 from celery_mongolock.exceptions import QueueTimeout, UntrustedMessage
-from celery_mongolock.integration import config, signals
+from celery_mongolock.integration import config, lanes, signals
 from celery_mongolock.integration.trust import SIGNATURE_FIELD, RefusedEntry, check_entry, sign_entry
 
 if TYPE_CHECKING:
@@ -215,8 +215,18 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: Leas
     headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"], "id": entry.get("id")}
     if entry.get("ks"):
         headers[HANDOFF_HEADER]["ks"] = list(entry["ks"])
-    # The signature carries the run's task id, routing, links and retries; only the headers change.
-    publish_patiently(app, signature, headers=headers)
+    # The signature carries the run's task id, routing, links and retries; only the headers change, and
+    # the handoff goes to the run's queue's lane (``lanes``): it does not wait behind the backlog. When
+    # handed again, every other attempt goes to the queue itself (a lane nobody consumes).
+    lane = lanes.lane_of(app, signature.options) if int(entry.get("hn") or 1) % 2 == 1 else None
+    if lane is None or not lanes.publish_to_lane(
+        signature,
+        headers,
+        HANDOFF_HEADER,
+        lane,
+        lambda **options: publish_patiently(app, signature, **options),
+    ):
+        publish_patiently(app, signature, headers=headers)
     signals.run_handed_off.send(
         sender=None,
         app=app,
@@ -645,3 +655,8 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 celery_signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_mongolock.revoked")
+celery_signals.task_prerun.connect(
+    lambda sender=None, task=None, **_: lanes.restore_route(task or sender, HANDOFF_HEADER),
+    weak=False,
+    dispatch_uid="celery_mongolock.lane-route",
+)

@@ -16,7 +16,7 @@ from celery import signals as celery_signals
 
 from celery_mongolock.core.urls import redact
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import signals
+from celery_mongolock.integration import lanes, signals
 from celery_mongolock.integration.config import get_settings
 
 __all__ = ["check_broker_settings", "check_store", "check_task_policies", "install_bootstep"]
@@ -148,8 +148,11 @@ def install_bootstep(app: Celery, check_tasks: Callable[[Celery, Any], object]) 
         label = "celery_mongolock"
 
         def __init__(self, worker: Any, **kwargs: Any) -> None:
-            get_settings(worker.app)  # raises ConfigurationError naming the setting
+            settings = get_settings(worker.app)  # raises ConfigurationError naming the setting
             signals.known_apps.add(worker.app)
+            if settings.handoff_lane:
+                # Before the consumer starts: it consumes each task queue's handoff lane too.
+                lanes.add_lanes(worker.app)
             super().__init__(worker, **kwargs)
 
         def start(self, worker: Any) -> None:
