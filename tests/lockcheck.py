@@ -167,7 +167,8 @@ from celery_mongolock.fencing import FencedOut, fenced_update_one
 from celery_mongolock.integration.handoff import SENT_HEADER, send_stamp
 from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
-from . import brokerlog
+from . import brokerlog, nodewatch
+from .nodewatch import broker_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lockcheck:"
@@ -183,6 +184,9 @@ SKEWED_QUEUE = "lockcheck.skewed"
 SKEWED_VISIBILITY_TIMEOUT = 10 * 365 * 86400
 #: How often the nodes' kombu sweeps look for unacknowledged messages to restore (lockcheck_app).
 RESTORE_INTERVAL = 2
+#: How often the supervisor looks for a stalled node (tests/nodewatch.py): a sampling interval of the
+#: look, not a wait for anything (the verdict is measured progress against ``Run._stall_allowance``).
+STALL_LOOK_S = 2.0
 #: Guards against a hang, never a pass/fail deadline: waits end on their conditions (a node ready or
 #: exited; a task finished; a message restored) and on measured progress. These only stop a run that
 #: makes no progress at all for this long.
@@ -3110,6 +3114,10 @@ class Run:
         self._supervisor_stop = threading.Event()
         #: Worker nodes that exited on their own and were replaced, as systemd would (not faults).
         self.node_exits: list[Doc] = []
+        #: Worker nodes that consumed nothing while their queue had messages ready, killed and replaced.
+        self.node_stalls: list[Doc] = []
+        self.stall_watch = nodewatch.StallWatch(self.hist_dir, self._stall_allowance)
+        self._stall_look = 0.0
         #: Measured start-up times of every node started (seconds): the drain's patience scales with them.
         self.start_times: list[float] = []
         self._marks_stop = threading.Event()
@@ -3180,15 +3188,70 @@ class Run:
                     self.node_exits.append(exit_info)
                     self.log(f"[{exit_info['at_s']:7.2f}s] node {node.name} exited on its own: {exit_info}")
                     node.stop()
-                    try:
-                        if node is self.skewed_node:
-                            self.skewed_node = Node(node.name, node.env, self.dir, 1, SKEWED_QUEUE).start()
-                            self.start_times.append(self.skewed_node.start_s)
-                        else:
-                            self.nodes.remove(node)
-                            self._start_node()
-                    except Exception as exc:  # e.g. the broker is still down: try again next round
-                        self.log(f"could not replace node {node.name}: {exc!r}")
+                    self._replace_node(node)
+                self._watch_stalls()
+
+    def _replace_node(self, node: Node) -> None:
+        """Start a node in place of ``node`` (stopped): the skewed node on its own queue, else a new one."""
+        try:
+            if node is self.skewed_node:
+                self.skewed_node = Node(node.name, node.env, self.dir, 1, SKEWED_QUEUE).start()
+                self.start_times.append(self.skewed_node.start_s)
+            else:
+                self.nodes.remove(node)
+                self._start_node()
+        except Exception as exc:  # e.g. the broker is still down: try again next round
+            self.log(f"could not replace node {node.name}: {exc!r}")
+
+    def _watch_stalls(self) -> None:
+        """Replace a node that consumes nothing while its queue has messages ready, and record it as a
+        finding (``node_stalls``; tests/nodewatch.py says how progress is judged)."""
+        now = time.monotonic()
+        if now - self._stall_look < STALL_LOOK_S:
+            return
+        self._stall_look = now
+        ready = self._ready_counts()
+        for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:
+            if not node.alive or node.proc is None:
+                continue
+            queue = node.queue or "celery"
+            finding = self.stall_watch.observe(
+                node.name, [node.proc.pid, *node.child_pids()], queue, ready.get(queue)
+            )
+            if finding is not None:
+                self._stalled(node, finding)
+
+    def _ready_counts(self) -> dict[str, int | None]:
+        """The messages ready (not delivered) in each worker queue now (None: the broker did not answer)."""
+        counts: dict[str, int | None] = dict.fromkeys(("celery", SKEWED_QUEUE))
+        for queue in counts:
+            with contextlib.suppress(Exception):
+                counts[queue] = broker_ready(self.broker_url, queue)
+        return counts
+
+    def _stalled(self, node: Node, finding: Doc) -> None:
+        """Record a stalled node (its processes' states and its own thread dump: Celery logs every thread's
+        stack on SIGUSR1), kill it (its unacknowledged messages go back to the queue) and replace it."""
+        assert node.proc is not None
+        t = time.monotonic()
+        finding.update(t=t, at_s=round(t - self.start_mono, 2), states=nodewatch.process_states(
+            [node.proc.pid, *finding["children"]]))  # fmt: skip
+        size = node.log_path.stat().st_size if node.log_path.exists() else 0
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGUSR1)
+        with contextlib.suppress(TimeoutError):  # the dump is evidence, not a condition of the kill
+            _wait(lambda: "MainThread" in node.log_tail() and node.log_path.stat().st_size > size, 10, "dump")
+        with contextlib.suppress(OSError), open(node.log_path, errors="replace") as log:
+            log.seek(size)
+            finding["dump"] = log.read()[-6000:]
+        self.node_stalls.append(finding)
+        brief = {k: v for k, v in finding.items() if k != "dump"}
+        self.log(f"[{finding['at_s']:7.2f}s] node {node.name} stalled: {brief}")
+        with self._nodes_lock:
+            node.kill()
+            node.stop()
+            self.stall_watch.forget(finding["pid"])
+            self._replace_node(node)
 
     def _start_client(self, i: int, *, skewed: bool) -> None:
         name = f"client{i}" + ("-skewed" if skewed else "")
@@ -4372,6 +4435,7 @@ class Run:
                 "lease_seconds": self.cfg.lease_seconds,
                 "faults_skipped": self.skipped_faults,
                 "node_exits": self.node_exits,
+                "node_stalls": self.node_stalls,
                 "drain_s": self.drain_s,
                 "node_start_s": _stats(self.start_times),
                 "multi_replace_directed": self.multi_replace_directed,
@@ -4545,6 +4609,12 @@ def format_report(report: Doc) -> str:
         lines.append(
             f"  worker nodes that exited on their own and were replaced: {len(report['node_exits'])} "
             f"(last error: {report['node_exits'][-1].get('last_error')})"
+        )
+    for stall in report.get("node_stalls") or []:
+        lines.append(
+            f"  FINDING: worker node {stall['node']} stalled at {stall['at_s']}s: nothing consumed for "
+            f"{stall['quiet_s']}s (allowance {stall['allowance_s']}s) with {stall['ready']} message(s) ready "
+            f"in {stall['queue']}; killed and replaced (processes: {stall.get('states')})"
         )
     if "drain_s" in report:
         lines.append(
