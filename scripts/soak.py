@@ -183,7 +183,9 @@ def summary_line(report: dict[str, Any]) -> str:
         f"faults {sum(faults.values())}, limit holds {lm['limit_holds']} (most clean at once {most} of "
         f"{lm['limit']}), several-keys bodies {lm['multi_bodies']}, Queue limit runs {lq['submitted']} "
         f"(parked {lq['parked']}, handed {lq['handed']}), Queue several-keys runs {mq['submitted']} "
-        f"(parked {mq['parked']}, handed {mq['handed']}), {report['duration_s']} s "
+        f"(parked {mq['parked']}, handed {mq['handed']}), nodes that exited "
+        f"{len(report.get('node_exits') or [])} or stalled {len(report.get('node_stalls') or [])} "
+        f"(replaced), {report['duration_s']} s "
         f"(drain {report.get('drain_s')} s), workdir {report.get('workdir')}"
     )
 

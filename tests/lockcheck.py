@@ -174,7 +174,8 @@ from celery_mongolock.fencing import FencedOut, fenced_update_one
 from celery_mongolock.integration.handoff import SENT_HEADER, send_stamp
 from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
-from . import brokerlog
+from . import brokerlog, nodewatch
+from .nodewatch import broker_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lockcheck:"
@@ -190,6 +191,9 @@ SKEWED_QUEUE = "lockcheck.skewed"
 SKEWED_VISIBILITY_TIMEOUT = 10 * 365 * 86400
 #: How often the nodes' kombu sweeps look for unacknowledged messages to restore (lockcheck_app).
 RESTORE_INTERVAL = 2
+#: How often the supervisor looks for a stalled node (tests/nodewatch.py): a sampling interval of the
+#: look, not a wait for anything (the verdict is measured progress against ``Run._stall_allowance``).
+STALL_LOOK_S = 2.0
 #: Guards against a hang, never a pass/fail deadline: waits end on their conditions (a node ready or
 #: exited; a task finished; a message restored) and on measured progress. These only stop a run that
 #: makes no progress at all for this long.
@@ -1195,6 +1199,125 @@ def _deliveries(history: History, task_id: str) -> str:
     return " [" + "; ".join(f"{t:.2f} {what}" for t, what in seen[:20]) + "]" if seen else ""
 
 
+def record_receipt(
+    hist: HistoryWriter,
+    leases: Any,
+    who: str,
+    task_id: str | None,
+    *,
+    attempt: Any,
+    redelivered: bool,
+    dup: bool,
+    handoff: bool,
+) -> None:
+    """A Celery body's start (``body``): which delivery of which attempt runs it (the run's ``retries``, the
+    broker's redelivery flag, a parked duplicate, a handoff) and the hold token of each of its keys, so that
+    a second body of a task is told apart: the same attempt run again, or a later attempt."""
+    holds = {one.key: one.owner for one in leases} if hasattr(leases, "keys") else {leases.key: leases.owner}
+    hist.event(
+        "body", task_id=task_id, who=who, t=time.monotonic(), attempt=attempt, redelivered=redelivered,
+        dup=dup, handoff=handoff, holds=holds,
+    )  # fmt: skip
+
+
+def _receipt_kind(receipt: Doc) -> str:
+    """``first`` (a message's first delivery), or how the copy came: ``redelivered``, ``dup``, ``handoff``."""
+    return "+".join(k for k in ("redelivered", "dup", "handoff") if receipt.get(k)) or "first"
+
+
+def _receipt_text(receipt: Doc) -> str:
+    return f"attempt r{receipt.get('attempt')} {_receipt_kind(receipt)} delivery ({receipt.get('who')})"
+
+
+def receipts_by_hold(history: History) -> dict[str, Doc]:
+    """Each body receipt (``body``) by the hold token of each of its keys."""
+    return {
+        str(hold): ev
+        for ev in history.events
+        if ev.get("ev") == "body"
+        for hold in (ev.get("holds") or {}).values()
+    }
+
+
+def twice_kind(first: Doc | None, again: Doc | None) -> tuple[str, str]:
+    """A body that started after a body of the same task finished: ``first-after-redelivered`` (a message's
+    first delivery whose body starts only after its own redelivered copy's body finished),
+    ``same-attempt-twice`` (one attempt's body ran twice), or ``run-twice`` (a later attempt, or receipts
+    missing); with words naming both deliveries."""
+    if first is None or again is None:
+        return "run-twice", "(no receipt of which delivery ran: attempts unknown)"
+    what = f"(finished: {_receipt_text(first)}; again: {_receipt_text(again)})"
+    if first.get("attempt") != again.get("attempt"):
+        return "run-twice", f"a later attempt {what}"
+    if _receipt_kind(again) == "first" and _receipt_kind(first) != "first":
+        return (
+            "first-after-redelivered",
+            f"the first delivery started after its redelivered copy finished {what}",
+        )
+    return "same-attempt-twice", f"the same attempt ran twice {what}"
+
+
+def body_finished(receipt: Doc, releases: dict[str, Doc], wrote: set[str]) -> float | None:
+    """When the body of ``receipt`` finished (wrote its op through every key's hold and released each
+    cleanly: the latest release), or None."""
+    holds = [str(h) for h in (receipt.get("holds") or {}).values()]
+    if not holds or not all(h in wrote and releases.get(h, {}).get("released") for h in holds):
+        return None
+    return max(float(releases[h]["t"]) for h in holds)
+
+
+def _twice_of_holds(history: History, first: Any, again: Any) -> tuple[str, str]:
+    """``twice_kind`` for two bodies named by their holds (``{key: hold token}``): the receipts of each."""
+    by_hold = receipts_by_hold(history)
+
+    def receipt(holds: Any) -> Doc | None:
+        return next((by_hold[str(h)] for h in (holds or {}).values() if str(h) in by_hold), None)
+
+    return twice_kind(receipt(first), receipt(again))
+
+
+def check_receipts(history: History) -> list[Violation]:
+    """Per task, from the body receipts: no body starts after a body of the same attempt finished (its op
+    written through every key, every key released cleanly), whichever delivery it came from. A first
+    delivery that starts only after its own redelivered copy finished is ``first-after-redelivered``;
+    another second body of one attempt is ``same-attempt-twice``. ``Queue`` runs are judged by their
+    ``run-twice`` checks (``check_queued``, ``multi_run_twice``), which name the same kinds."""
+    releases = {str(ev["hold"]): ev for ev in history.events if ev.get("ev") == "rel"}
+    wrote = {
+        str(ev["hold"])
+        for ev in history.events
+        if ev.get("ev") == "write" and str(ev.get("outcome", "")).startswith("ack")
+    }
+    queued = {tid for tid, t in history.tasks.items() if t.get("task") in QUEUED_TASKS}
+    bodies: dict[str, list[Doc]] = defaultdict(list)
+    for ev in history.events:
+        if ev.get("ev") == "body" and ev.get("task_id") and ev["task_id"] not in queued:
+            bodies[str(ev["task_id"])].append(ev)
+    found: list[Violation] = []
+    for task_id, runs in sorted(bodies.items()):
+        done = sorted(
+            (end, i) for i, b in enumerate(runs) if (end := body_finished(b, releases, wrote)) is not None
+        )
+        for end, i in done[:1]:
+            for again in runs:
+                if (
+                    again is runs[i]
+                    or float(again["t"]) <= end
+                    or again.get("attempt") != runs[i].get("attempt")
+                ):
+                    continue
+                kind, words = twice_kind(runs[i], again)
+                found.append(
+                    Violation(
+                        kind,
+                        f"{task_id} on {list(again.get('holds') or {})}: a body started "
+                        f"{float(again['t']) - end:.1f}s after a body of the task finished: {words}"
+                        + _deliveries(history, task_id),
+                    )
+                )
+    return found
+
+
 def died_figures(history: History) -> Doc:
     """How many runs died after their body released the key (``die``), how many of their tasks ended
     ``already-ran``, and how many were fault-gated runs (one per fault)."""
@@ -1400,6 +1523,8 @@ def check(history: History) -> list[Violation]:
     # 4b. A run whose body released its key and whose worker died before the result was stored (``die``,
     # DIE_TASKS): its requeued copy ends the task already-ran, and no body of the task starts again.
     found += check_died(history)
+    # 4c. No body of one attempt runs again after it finished, whichever delivery it came from.
+    found += check_receipts(history)
     # 5. Queue and Replace runs.
     found += check_queued(history, applied)
     # 6. Several keys per run.
@@ -2083,13 +2208,14 @@ def multi_run_twice(history: History, task_ids: set[str]) -> list[Violation]:
         done_at, first = min(finished)
         again = [b for i, b in enumerate(runs) if i != first and float(b["t"]) > done_at]
         if again:
+            kind, words = _twice_of_holds(history, runs[first].get("holds"), again[0].get("holds"))
             found.append(
                 Violation(
-                    "run-twice",
+                    kind,
                     f"{task_id} on {again[0].get('keys')}: a body finished (ops written on every key, keys "
                     f"released cleanly) and a body started again {len(again)} time(s) (fences "
                     f"{again[0].get('fences')}, {again[0].get('who')}, "
-                    f"{float(again[0]['t']) - done_at:.1f}s after the releases)"
+                    f"{float(again[0]['t']) - done_at:.1f}s after the releases): {words}"
                     + _deliveries(history, task_id),
                 )
             )
@@ -2278,12 +2404,19 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
         done_at = min(finished)
         again = [a for a in runs if float(a["t0"]) > done_at]
         if again:
+            done_hold = next(
+                str(a["hold"])
+                for a in runs
+                if float(releases.get(str(a["hold"]), {}).get("t", -1)) == done_at
+            )
+            kind, words = _twice_of_holds(history, {"k": done_hold}, {"k": again[0]["hold"]})
             found.append(
                 Violation(
-                    "run-twice",
+                    kind,
                     f"{task_id} on {runs[0]['key']}: a run finished (op written, key released cleanly) and "
                     f"its body started again {len(again)} time(s) (fence {again[0]['fence']}, "
                     f"{again[0].get('who')}, {float(again[0]['t0']) - done_at:.1f}s after the release; "
+                    f"{words}; "
                     "causes seen before: the key's document, with its guard against copies, deleted by the "
                     "TTL index meanwhile; a stale handoff copy re-running an attempt whose body had run and "
                     "retried, its RETRY state hidden by a copy's contention retry; look at the admits)",
@@ -3388,6 +3521,10 @@ class Run:
         self._supervisor_stop = threading.Event()
         #: Worker nodes that exited on their own and were replaced, as systemd would (not faults).
         self.node_exits: list[Doc] = []
+        #: Worker nodes that consumed nothing while their queue had messages ready, killed and replaced.
+        self.node_stalls: list[Doc] = []
+        self.stall_watch = nodewatch.StallWatch(self.hist_dir, self._stall_allowance)
+        self._stall_look = 0.0
         #: Measured start-up times of every node started (seconds): the drain's patience scales with them.
         self.start_times: list[float] = []
         self._marks_stop = threading.Event()
@@ -3465,15 +3602,70 @@ class Run:
                     self.node_exits.append(exit_info)
                     self.log(f"[{exit_info['at_s']:7.2f}s] node {node.name} exited on its own: {exit_info}")
                     node.stop()
-                    try:
-                        if node is self.skewed_node:
-                            self.skewed_node = Node(node.name, node.env, self.dir, 1, SKEWED_QUEUE).start()
-                            self.start_times.append(self.skewed_node.start_s)
-                        else:
-                            self.nodes.remove(node)
-                            self._start_node()
-                    except Exception as exc:  # e.g. the broker is still down: try again next round
-                        self.log(f"could not replace node {node.name}: {exc!r}")
+                    self._replace_node(node)
+                self._watch_stalls()
+
+    def _replace_node(self, node: Node) -> None:
+        """Start a node in place of ``node`` (stopped): the skewed node on its own queue, else a new one."""
+        try:
+            if node is self.skewed_node:
+                self.skewed_node = Node(node.name, node.env, self.dir, 1, SKEWED_QUEUE).start()
+                self.start_times.append(self.skewed_node.start_s)
+            else:
+                self.nodes.remove(node)
+                self._start_node()
+        except Exception as exc:  # e.g. the broker is still down: try again next round
+            self.log(f"could not replace node {node.name}: {exc!r}")
+
+    def _watch_stalls(self) -> None:
+        """Replace a node that consumes nothing while its queue has messages ready, and record it as a
+        finding (``node_stalls``; tests/nodewatch.py says how progress is judged)."""
+        now = time.monotonic()
+        if now - self._stall_look < STALL_LOOK_S:
+            return
+        self._stall_look = now
+        ready = self._ready_counts()
+        for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:
+            if not node.alive or node.proc is None:
+                continue
+            queue = node.queue or "celery"
+            finding = self.stall_watch.observe(
+                node.name, [node.proc.pid, *node.child_pids()], queue, ready.get(queue)
+            )
+            if finding is not None:
+                self._stalled(node, finding)
+
+    def _ready_counts(self) -> dict[str, int | None]:
+        """The messages ready (not delivered) in each worker queue now (None: the broker did not answer)."""
+        counts: dict[str, int | None] = dict.fromkeys(("celery", SKEWED_QUEUE))
+        for queue in counts:
+            with contextlib.suppress(Exception):
+                counts[queue] = broker_ready(self.broker_url, queue)
+        return counts
+
+    def _stalled(self, node: Node, finding: Doc) -> None:
+        """Record a stalled node (its processes' states and its own thread dump: Celery logs every thread's
+        stack on SIGUSR1), kill it (its unacknowledged messages go back to the queue) and replace it."""
+        assert node.proc is not None
+        t = time.monotonic()
+        finding.update(t=t, at_s=round(t - self.start_mono, 2), states=nodewatch.process_states(
+            [node.proc.pid, *finding["children"]]))  # fmt: skip
+        size = node.log_path.stat().st_size if node.log_path.exists() else 0
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGUSR1)
+        with contextlib.suppress(TimeoutError):  # the dump is evidence, not a condition of the kill
+            _wait(lambda: "MainThread" in node.log_tail() and node.log_path.stat().st_size > size, 10, "dump")
+        with contextlib.suppress(OSError), open(node.log_path, errors="replace") as log:
+            log.seek(size)
+            finding["dump"] = log.read()[-6000:]
+        self.node_stalls.append(finding)
+        brief = {k: v for k, v in finding.items() if k != "dump"}
+        self.log(f"[{finding['at_s']:7.2f}s] node {node.name} stalled: {brief}")
+        with self._nodes_lock:
+            node.kill()
+            node.stop()
+            self.stall_watch.forget(finding["pid"])
+            self._replace_node(node)
 
     def _start_client(self, i: int, *, skewed: bool) -> None:
         name = f"client{i}" + ("-skewed" if skewed else "")
@@ -4771,6 +4963,7 @@ class Run:
                 "lease_seconds": self.cfg.lease_seconds,
                 "faults_skipped": self.skipped_faults,
                 "node_exits": self.node_exits,
+                "node_stalls": self.node_stalls,
                 "drain_s": self.drain_s,
                 "node_start_s": _stats(self.start_times),
                 "multi_replace_directed": self.multi_replace_directed,
@@ -4956,6 +5149,12 @@ def format_report(report: Doc) -> str:
         lines.append(
             f"  worker nodes that exited on their own and were replaced: {len(report['node_exits'])} "
             f"(last error: {report['node_exits'][-1].get('last_error')})"
+        )
+    for stall in report.get("node_stalls") or []:
+        lines.append(
+            f"  FINDING: worker node {stall['node']} stalled at {stall['at_s']}s: nothing consumed for "
+            f"{stall['quiet_s']}s (allowance {stall['allowance_s']}s) with {stall['ready']} message(s) ready "
+            f"in {stall['queue']}; killed and replaced (processes: {stall.get('states')})"
         )
     if "drain_s" in report:
         lines.append(

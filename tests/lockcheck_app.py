@@ -320,6 +320,12 @@ def _body(
     hist = _history() or lockcheck.HistoryWriter.for_process(".")
     who = f"task:{task.request.hostname}:{os.getpid()}"
     docs = lockcheck.docs_collection(app.conf.mongolock_url, app.conf.mongolock_database)
+    headers = task.request.headers or {}
+    lockcheck.record_receipt(
+        hist, lease, who, task.request.id, attempt=task.request.retries,
+        redelivered=bool((task.request.delivery_info or {}).get("redelivered")),
+        dup=bool(headers.get(DUPLICATE_HEADER)), handoff=bool(headers.get(HANDOFF_HEADER)),
+    )  # fmt: skip
     if isinstance(lease, LeaseSet):  # keys=(...): every key's lease, then each key's document
         lockcheck.record_set_acquired(hist, lease, who, task.request.id)
         outcomes = lockcheck.run_multi_hold(

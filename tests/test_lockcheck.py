@@ -1168,3 +1168,93 @@ def test_a_several_keys_run_that_ended_already_ran_needs_its_ops_applied() -> No
     h.docs[K2]["counter"] = 1
     h.events = [e for e in h.events if not (e["ev"] == "write" and e["hold"] == "m2" * 16)]
     assert "multi-partial" in kinds(check(h))
+
+
+def _receipt(task_id: str, holds: dict[str, str], t: float, attempt: int = 0, **how: bool) -> dict[str, Any]:
+    return {"ev": "body", "task_id": task_id, "who": f"task:{task_id}", "t": t, "attempt": attempt,
+            "redelivered": how.get("redelivered", False), "dup": how.get("dup", False),
+            "handoff": how.get("handoff", False), "holds": holds}  # fmt: skip
+
+
+def _two_bodies(
+    first: dict[str, bool], again: dict[str, bool], attempts: tuple[int, int] = (0, 0)
+) -> History:
+    """A Retry run's body (hold A) finished: it wrote its op and released cleanly at 1.0; a second body of
+    the same task (hold B) starts at 1.1 and writes nothing (``t1`` is the task id)."""
+    h = _good()
+    h.events += [_receipt("t1", {"k": HOLD_A}, 0.1, attempts[0], **first)]
+    h.events += [_receipt("t1", {"k": HOLD_B}, 1.15, attempts[1], **again)]
+    h.tasks = {"t1": {"task": "lockcheck.rmw", "op": "a2", "state": "SUCCESS",
+                      "result": {"op": "a2", "outcome": "ack"}}}  # fmt: skip
+    return h
+
+
+def test_a_first_delivery_that_starts_after_its_redelivered_copy_finished_is_reported() -> None:
+    """Issue 32: the redelivered copy of a message ran the body and finished; the first delivery of the
+    same attempt starts only then (a node that held it paused, say): its body must not run."""
+    h = _two_bodies({"redelivered": True}, {})
+    found = check(h)
+    assert kinds(found) == {"first-after-redelivered"}
+    assert "attempt r0 redelivered delivery" in found[0].detail and "again: attempt r0 first delivery" in (
+        found[0].detail
+    )
+
+
+def test_the_same_attempt_run_twice_is_reported_as_such() -> None:
+    for first, again in (({}, {"redelivered": True}), ({}, {"dup": True}), ({"dup": True}, {"dup": True})):
+        found = check(_two_bodies(first, again))
+        assert kinds(found) == {"same-attempt-twice"}, (first, again, found)
+        assert "the same attempt ran twice" in found[0].detail
+
+
+def test_a_later_attempt_or_a_body_cut_short_is_not_the_same_attempt_twice() -> None:
+    # Attempt 1 after attempt 0 finished is not judged here (a Retry run retries only a body cut short).
+    assert check(_two_bodies({}, {"redelivered": True}, attempts=(0, 1))) == []
+    # The first body did not release cleanly (its lease was lost): a copy of the same attempt may run.
+    h = _two_bodies({}, {"redelivered": True})
+    h.events = [{**e, "released": False} if e["ev"] == "rel" and e["hold"] == HOLD_A else e for e in h.events]
+    assert check(h) == []
+    # A body that started before the other one finished is no second run (the lock judges the overlap).
+    h = _two_bodies({}, {"redelivered": True})
+    h.events[-1]["t"] = 0.9
+    assert check(h) == []
+
+
+def test_a_queued_run_twice_names_the_attempts() -> None:
+    """``run-twice`` of a Queue run names a later attempt as such, and the same attempt run twice as
+    ``same-attempt-twice`` (or ``first-after-redelivered``), from the body receipts."""
+    first, again = _run("A", 10), _run("A", 12)
+    wrote = {"ev": "write", "key": QKEY, "op": "op-A", "hold": first["hold"], "fence": 10, "outcome": "ack"}
+    released = {"ev": "rel", "key": QKEY, "hold": first["hold"], "released": True, "t": 10.5}
+    for attempts, how, kind, words in (
+        ((0, 1), ({}, {}), "run-twice", "a later attempt"),
+        ((1, 1), ({}, {"handoff": True}), "same-attempt-twice", "the same attempt ran twice"),
+        (
+            (1, 1),
+            ({"redelivered": True}, {}),
+            "first-after-redelivered",
+            "after its redelivered copy finished",
+        ),
+    ):
+        h = _queued_history(
+            _receipt("A", {QKEY: first["hold"]}, 10.0, attempts[0], **how[0]), first, wrote, released,
+            _receipt("A", {QKEY: again["hold"]}, 12.0, attempts[1], **how[1]), again, A=_queued("A", 2),
+        )  # fmt: skip
+        found = lockcheck.check_queued(h, {})
+        assert kinds(found) == {kind} and words in found[0].detail, found
+    # Without receipts (a history from before them): run-twice, attempts unknown.
+    h = _queued_history(first, wrote, released, again, A=_queued("A", 2))
+    assert kinds(lockcheck.check_queued(h, {})) == {"run-twice"}
+
+
+def test_a_several_keys_run_twice_names_the_attempts() -> None:
+    m1, m2, n1, n2 = "m1" * 16, "m2" * 16, "n1" * 16, "n2" * 16
+    events = [
+        _receipt("M", {K1: m1, K2: m2}, 1.0, 2), _mbody("M", {K1: (m1, 10), K2: (m2, 20)}, 1.0),
+        _ack("op-M@" + K1, m1, 10, key=K1), _ack("op-M@" + K2, m2, 20, key=K2),
+        _rel(m1, 1.5, key=K1), _rel(m2, 1.5, key=K2),
+        _receipt("M", {K1: n1, K2: n2}, 3.0, 2, redelivered=True),
+        _mbody("M", {K1: (n1, 11), K2: (n2, 21)}, 3.0),
+    ]  # fmt: skip
+    found = lockcheck.check_queued(_queued_history(*events, M=_mq("M", 1, [K1, K2])), {})
+    assert kinds(found) == {"same-attempt-twice"} and "attempt r2 redelivered" in found[0].detail
