@@ -40,8 +40,8 @@ from celery_mongolock import (
     Replace,
     Retry,
     SingletonTask,
-    Throttle,
     StoreUnavailable,
+    Throttle,
     Wait,
     singleton_task,
 )

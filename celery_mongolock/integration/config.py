@@ -242,6 +242,8 @@ def _rate_for(
             raise
         raise ConfigurationError(f"{source}: {exc}") from None
     return starts
+
+
 def _source(name: str, option: str, override: Mapping[str, Any]) -> str:
     """Where an option of task ``name`` comes from, for an error: its setting, else the task."""
     if option in override:
