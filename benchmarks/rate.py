@@ -165,7 +165,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "parameters": {k: getattr(args, k) for k in ("n", "period", "duration", "concurrency")},
         "rate": figures,
         "summary": summary_lines(figures),
-        "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "load_average_1m_at_end": round(os.getloadavg()[0], 1),
+        },
         "duration_seconds": round(time.perf_counter() - started, 1),
     }
 
