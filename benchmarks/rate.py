@@ -52,7 +52,7 @@ def measure(args: argparse.Namespace, url: str, database: str) -> dict[str, Any]
     from celery_mongolock.testing import RedisServer
 
     expected = args.n / args.period
-    sends = int(expected * args.duration * 1.5) + 4 * args.n  # never short of waiting runs
+    sends = 0
     with tempfile.TemporaryDirectory(prefix="bench-rate-") as tmp, RedisServer() as broker:
         work_dir = Path(tmp)
         ready_dir = work_dir / "ready"
@@ -77,17 +77,26 @@ def measure(args: argparse.Namespace, url: str, database: str) -> dict[str, Any]
         tenant = uuid.uuid4().hex[:8]
         windows = client[database]["leases.rates"]
         key = f"api:{tenant}"
+        needed = int(expected * args.duration) + 2 * args.n  # runs waiting when the measure begins
         try:
-            for i in range(sends):
-                rate_app.rated.delay(tenant, i)
             # The steady state: from the moment every run sent has reached the worker once (started, or
-            # parked by the rate), so that the broker's backlog of first deliveries is not measured.
+            # parked by the rate), so that the broker's backlog of first deliveries is not measured, with
+            # enough runs still waiting to keep the key busy (topped up while the backlog drained).
             deadline = time.monotonic() + 600
+            waiting = 0
             while time.monotonic() < deadline:
-                doc = windows.find_one({"_id": key}) or {}
-                if len(doc.get("w") or ()) + starts.count_documents({"t": tenant}) >= sends:
+                more = needed + 2 * args.n if sends == 0 else needed - waiting
+                for i in range(sends, sends + max(0, more)):
+                    rate_app.rated.delay(tenant, i)
+                sends += max(0, more)
+                while time.monotonic() < deadline:
+                    doc = windows.find_one({"_id": key}) or {}
+                    waiting = len(doc.get("w") or ())
+                    if waiting + starts.count_documents({"t": tenant}) >= sends:
+                        break
+                    time.sleep(0.2)
+                if waiting >= needed:
                     break
-                time.sleep(0.2)
             since = client.admin.command("hello")["localTime"]
             while time.monotonic() < deadline and _elapsed(client, since) < args.duration + 1:
                 time.sleep(0.5)
@@ -165,7 +174,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "parameters": {k: getattr(args, k) for k in ("n", "period", "duration", "concurrency")},
         "rate": figures,
         "summary": summary_lines(figures),
-        "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "load_average_1m_at_end": round(os.getloadavg()[0], 1),
+        },
         "duration_seconds": round(time.perf_counter() - started, 1),
     }
 

@@ -18,9 +18,13 @@ SKIP_PERIOD = 60.0
 
 
 def _started(tag: str, key: str) -> str:
+    from celery import current_task
+
+    # Whether the rate parked this run before it started (its copies carry the count of its waits).
+    parked = bool(((current_task.request.headers or {}) if current_task else {}).get("mongolock_rate_parks"))
     db()["rate_starts"].update_one(
         {"_id": tag},
-        [{"$set": {"at": "$$NOW", "key": key, "pid": os.getpid()}}],
+        [{"$set": {"at": "$$NOW", "key": key, "pid": os.getpid(), "parked": parked}}],
         upsert=True,
     )
     return tag

@@ -4,8 +4,10 @@ the rate windows on a real server (the embedded one, or MongoDB), raced by sever
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import re
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -232,3 +234,39 @@ def test_why_shows_the_rate_of_a_key(mongo_url: str, db_name: str) -> None:
         assert why.startswith("api:7: held") and "rate        2/2 in the last 60 s" in why, why
     finally:
         store.close()
+
+
+# -- in-process calls ----------------------------------------------------------------------------------------
+
+
+def test_a_direct_call_over_the_rate_waits_in_its_thread(mongo_url: str, db_name: str) -> None:
+    """``task(...)`` and ``task.apply()`` have no message to publish again: over the rate they keep their key
+    and wait for their turn in the caller's thread; ``then=Skip()`` returns the skipped result at once."""
+    from celery import Celery
+
+    from celery_mongolock import singleton_task
+    from celery_mongolock.testing import configure
+
+    app = Celery("rate_direct", set_as_current=False)
+    started: list[float] = []
+
+    @singleton_task(key="direct:{n}", rate=Throttle(0.6), app=app)
+    def paced(n: int) -> int:
+        started.append(time.monotonic())
+        return n
+
+    @singleton_task(key="direct-skip:{n}", rate=Throttle(60, then=Skip()), app=app)
+    def dropped(n: int) -> int:
+        return n
+
+    configure(app, mongo_url, database=db_name)
+    try:
+        assert [paced(1), paced(1), paced.apply(args=(1,)).get()] == [1, 1, 1]
+        gaps = [b - a for a, b in itertools.pairwise(started)]
+        assert all(gap >= 0.5 for gap in gaps), gaps  # (the window is on the server's clock)
+        assert dropped(2) == 2
+        second = dropped(2)
+        assert second["mongolock"] == "skipped" and second["rate"] == "Throttle(1 per 60 s)"
+    finally:
+        app._mongolock_store.client.drop_database(db_name)
+        configure(app, mongo_url)
