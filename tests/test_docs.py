@@ -947,7 +947,7 @@ START_ERRORS: dict[str, Callable[[], Any]] = {
     ),
     "mongolock_task_policies['groups.tasks.upload_members'] has unknown option(s) ['lease_secs'] (did you "
     "mean 'lease_seconds' for 'lease_secs'?); known: ['on_contention', 'lease_seconds', 'heartbeat_seconds', "
-    "'min_hold_seconds', 'limit', 'keys', 'rate']": lambda: _settings(
+    "'min_hold_seconds', 'limit', 'keys', 'rate', 'unique_send', 'unique_send_seconds']": lambda: _settings(
         mongolock_task_policies={"groups.tasks.upload_members": {"lease_secs": 60}}
     ),
 }
