@@ -302,6 +302,30 @@ def test_superseded_only_by_a_newer_send_under_replace() -> None:
     assert "superseded-under-queue" in kinds(lockcheck.check_queued(good, {}))
 
 
+def test_a_superseded_holders_write_after_its_notice_is_reported() -> None:
+    """``Replace(cancel_running=True)``: A holds (fence 10) and is told at t=20 that B superseded it; its
+    claim sent before the notice was accepted, its write sent after was refused: fine. A write sent after
+    the notice and accepted, or a notice naming an older send, is reported."""
+    sup = {"mongolock": "superseded", "key": RKEY, "by": "B"}
+    notice = {"ev": "superseded-notice", "key": RKEY, "task_id": "A", "hold": "A-10", "by": "B", "t": 20.0}
+    claim = {"ev": "claim", "key": RKEY, "hold": "A-10", "fence": 10, "outcome": "ok", "t0": 15.0}
+    refused = {"ev": "write", "key": RKEY, "hold": "A-10", "fence": 10, "outcome": "fenced", "t0": 21.0}
+    h = _queued_history(
+        _run("A", 10, RKEY), notice, claim, refused, _run("B", 11, RKEY),
+        A={**_queued("A", 1, RKEY, result=sup), "task": lockcheck.REPLACE_CANCEL_TASK},
+        B={**_queued("B", 2, RKEY), "task": lockcheck.REPLACE_CANCEL_TASK},
+    )  # fmt: skip
+    assert lockcheck.check_cancel(h) == [] and lockcheck.check_queued(h, {}) == []
+    refused["outcome"] = "ack"
+    assert kinds(lockcheck.check_cancel(h)) == {"write-after-supersession"}
+    refused["outcome"] = "fenced"
+    notice["by"] = "A0"  # not a send of ours
+    assert kinds(lockcheck.check_cancel(h)) == {"superseded-holder-by-older"}
+    figures = lockcheck.cancel_figures(h)
+    assert figures["holders_told"] == 1 and figures["holders_refused_after_notice"] == 1
+    assert figures["holders_terminated"] == 1  # (no release of A's hold recorded)
+
+
 def test_an_older_replace_run_after_a_newer_one_is_reported() -> None:
     h = _queued_history(
         _run("B", 10, RKEY), _run("A", 11, RKEY), A=_queued("A", 1, RKEY), B=_queued("B", 2, RKEY)
