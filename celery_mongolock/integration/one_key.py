@@ -27,6 +27,7 @@ from celery_mongolock.integration.duplicates import (
     copy_of_a_retried_attempt,
     copy_of_an_ended_run,
     copy_run_ids,
+    copy_with_a_result,
     first_run_done,
     guard_run_ids,
     park_duplicate,
@@ -63,6 +64,8 @@ class OneKey:
         self.direct = direct
         self.store = get_store(task.app)
         self.request = task.request
+        #: A copy of a queued run's message (set by ``admit``).
+        self.copy = False
 
     def take(self) -> Lease | Outcome:
         """Take the lease, or carry out the contention policy (which raises, or returns an outcome)."""
@@ -198,6 +201,8 @@ class OneKey:
             or (request.headers or {}).get(DUPLICATE_HEADER)
             or (request.delivery_info or {}).get("redelivered")
         )
+        # A copy of a message (redelivered, a parked duplicate, a handoff): its run may have run already.
+        self.copy = not (fresh or debounced_copy)
         if fresh:
             # QUEUED before the admit, never after it: once parked, the run may be handed the key and end
             # at any moment, and a state written later would hide its result.
@@ -280,6 +285,12 @@ class OneKey:
         signals.lease_contended.send(sender=task, key=key, holder=holder, policy=policy.name)
         if outcome is AdmitOutcome.SUPERSEDED and debounced_copy:
             # The delayed copy of a run that a newer send replaced: its result is written already.
+            raise Ignore()
+        if outcome is AdmitOutcome.SUPERSEDED and copy_with_a_result(task, self.copy):
+            # A copy of a run whose body ran and stored its result (its lease was lost mid-body and a
+            # newer send took the key: the key does not remember the run as over). Its result stands.
+            log_acquire.info("%s[%s]: a copy of a run that ended, superseded on %r; dropped", *who, key)
+            ignored_as(request.id, f"is a copy of a run that ended, superseded on {key!r}: dropped")
             raise Ignore()
         if outcome is AdmitOutcome.SUPERSEDED:
             by = str(admission.by)

@@ -33,6 +33,7 @@ from celery_mongolock.integration.duplicates import (
     already_ran,
     copy_of_a_retried_attempt,
     copy_of_an_ended_run,
+    copy_with_a_result,
     guard_run_ids,
     park_duplicate,
 )
@@ -303,7 +304,7 @@ class SeveralKeys:
         policy = self._queue_policy()
         outcome = admission.outcome
         if outcome is AdmitOutcome.SUPERSEDED:
-            if self._copy_of_a_run_that_ended():
+            if copy_with_a_result(self.task, self.copy):
                 # A copy of a run whose body ran and stored its result: ``seen`` remembers the run only on
                 # the keys it still held at its release, and a key it lost mid-body (taken by a newer
                 # send of its set) answers superseded first. Its result stands; the copy is dropped.
@@ -334,14 +335,6 @@ class SeveralKeys:
             .held_by(dict(admission.holder), admission.expires_at)
             .skip(reason)
         )
-
-    def _copy_of_a_run_that_ended(self) -> bool:
-        """This message is a copy, and its task's stored state is final (or its body's own retry): the run
-        has a result of its own. False without a stored result to ask (nothing to overwrite then)."""
-        task = self.task
-        if not self.copy or task.ignore_result or self.request.ignore_result:
-            return False
-        return _queue.has_backend(task.app) and has_final_state(task, carried_on=lambda: False)
 
     def _superseded(self, key: str, admission: Admission) -> Outcome:
         """A newer send of this run's set of keys is known on ``key``: the run ends ``SUCCESS`` with a
@@ -430,8 +423,11 @@ class SeveralKeys:
                     give_back_quietly(self.store, claimed)
                 else:
                     # Not (or no longer) reserved for this run here: an older run was handed it, or its
-                    # reservation expired and it waits again. Keep the keys claimed as reservations.
-                    self._reserve_all(claimed)
+                    # reservation expired and it waits again. Keep the keys claimed as reservations,
+                    # unless a newer send of its set parked on one of them meanwhile (``Replace``).
+                    newer = self._reserve_all(claimed)
+                    if newer is not None:
+                        return None, newer[1], newer[0]
                 claimed = []
                 return None, admission, key
         except BaseException:
