@@ -180,7 +180,6 @@ SPEC_CASES = [
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"g:{grup_id}": 3}), ConfigurationError, "'g:{grup_id}'", "did you mean 'g:{group_id}'", "limit-dict-unknown-spec"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"p:{path}": 0}), ConfigurationError, "limit['p:{path}']", "an int from 1 to 1000, got 0", "limit-dict-bad-value"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit=3, on_contention="replace"), ConfigurationError, "on_contention='replace'", "not supported yet", "limit-with-replace-and-keys"),
-    case(lambda: declare(keys=("g:{group_id}", "p:{path}"), on_contention=Replace(debounce=5)), ConfigurationError, "Replace(debounce=5)", "not supported yet", "keys-with-debounced-replace"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"g:{group_id}": 3}, on_contention="replace"), ConfigurationError, "on_contention='replace'", "not supported yet", "limit-dict-with-replace"),
     case(lambda: app_task(mongolock_key="email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "app-task-template-missing-arg"),
     case(lambda: app_task(mongolock_on_contention="skipp"), ConfigurationError, "mongolock_on_contention", "got 'skipp'", "app-task-misspelt-policy"),

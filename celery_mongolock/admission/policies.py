@@ -349,8 +349,8 @@ def check_limit(limit: object, policy: object = None, min_hold: object = None) -
 def check_keys(
     keys: object, key: object = None, policy: object = None, limit: object = None
 ) -> tuple[Any, ...] | None:
-    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=`` nor (yet) with
-    ``Replace(debounce=...)``; ``limit`` as ``limits.check_key_limits`` takes it. Returns them as a tuple
+    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=``; ``limit`` as
+    ``limits.check_key_limits`` takes it. Returns them as a tuple
     (None when not given)."""
     if keys is None:
         check_key_limits(limit, None)  # a limit per key spec needs keys=
@@ -365,11 +365,4 @@ def check_keys(
     if policy is not None and not isinstance(policy, Policy):
         policy = parse_policy(policy)
     check_key_limits(limit, keys, policy)
-    if isinstance(policy, Replace) and policy.debounce:
-        raise ConfigurationError(
-            f"keys= with Replace(debounce={policy.debounce!r}) is not supported yet: a debounced run's "
-            "delayed copy takes its one key once its parked entry is due at the head of that key's queue, "
-            "and taking several keys that way is not implemented; use Replace() without debounce with "
-            "keys= (the newest send of each set of keys wins), or debounce with one key="
-        )
     return tuple(keys)

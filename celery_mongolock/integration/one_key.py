@@ -39,7 +39,7 @@ from celery_mongolock.integration.runs import (
     has_final_state,
     ignored_as,
     log_acquire,
-    republish,
+    publish_debounced_copy,
     set_state,
     unavailable,
 )
@@ -325,14 +325,7 @@ class OneKey:
         position = admission.position(request.id)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
             # Come back when the debounce has passed: the copy takes the key if no newer send came.
-            headers = dict(request.headers or {})
-            headers[_queue.DEBOUNCE_HEADER] = 1
-            headers[_queue.SENT_HEADER] = stamp
-            republish(
-                task,
-                task.signature_from_request(request, countdown=policy.debounce, headers=headers),
-                "debounce",
-            )
+            publish_debounced_copy(task, stamp, policy.debounce)
         signals.run_parked.send(sender=task, key=key, task_id=request.id, position=position, stamp=stamp)
         log_acquire.info(
             "%s[%s]: %s; policy %s: parked at position %d (state QUEUED, no worker slot held): it starts "

@@ -44,6 +44,7 @@ from celery_mongolock.integration.runs import (
     has_final_state,
     ignored_as,
     log_acquire,
+    publish_debounced_copy,
     set_state,
     unavailable,
 )
@@ -84,6 +85,8 @@ class SeveralKeys:
         self.info: dict[str, Any] = {}
         #: A copy of a queued run's message (set by ``admit_all``).
         self.copy = False
+        #: ``Replace(debounce=...)``: this message is a parked run's delayed copy (set by ``admit_all``).
+        self.debounced_copy = False
 
     def take(self) -> LeaseSet | Outcome:
         request = self.request
@@ -244,13 +247,15 @@ class SeveralKeys:
         }
         _queue.install_publisher(task.app, self.store)
         claim = _queue.handoff_of_keys(request, keys, ident)
+        self.debounced_copy = bool(_queue.header(request, _queue.DEBOUNCE_HEADER))
         fresh = not (
             claim
+            or self.debounced_copy
             or (request.headers or {}).get(DUPLICATE_HEADER)
             or (request.delivery_info or {}).get("redelivered")
         )
-        #: A copy of a message (redelivered, a parked duplicate, a handoff): its run may have run already.
-        self.copy = not fresh
+        # A copy of a message (redelivered, a parked duplicate, a handoff): its run may have run already.
+        self.copy = not (fresh or self.debounced_copy)
         if fresh:
             since = _dt.datetime.now(_dt.timezone.utc).isoformat()
             set_state(task, _queue.QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
@@ -303,6 +308,9 @@ class SeveralKeys:
         queue, or (``Replace``) a newer send of its set."""
         policy = self._queue_policy()
         outcome = admission.outcome
+        if outcome is AdmitOutcome.SUPERSEDED and self.debounced_copy:
+            # The delayed copy of a run that a newer send of its set replaced: its result is written.
+            raise Ignore()
         if outcome is AdmitOutcome.SUPERSEDED:
             if copy_with_a_result(self.task, self.copy):
                 # A copy of a run whose body ran and stored its result: ``seen`` remembers the run only on
@@ -378,6 +386,9 @@ class SeveralKeys:
                 heartbeat_seconds=options.heartbeat_seconds,
                 replace=replace,
                 group=self.entry.get("g") if replace else None,
+                # Replace(debounce=...): every run parks; its delayed copy takes a key once due there.
+                debounce=policy.debounce if isinstance(policy, Replace) else None,
+                due=self.debounced_copy and claim is None,
                 limit=self.limits.get(key, options.limit),
             )
         )
@@ -521,6 +532,12 @@ class SeveralKeys:
             )
         if store.reserved_for_all(entry):
             _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
+        policy = self.policy
+        debounce = policy.debounce if isinstance(policy, Replace) else 0.0
+        if debounce and not (self.debounced_copy or _queue.handoff_of_keys(self.request, keys, entry["id"])):
+            # Come back when the debounce has passed: the copy takes the keys unless a newer send of the set
+            # came.
+            publish_debounced_copy(task, stamp, debounce)
         signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)
         log_acquire.info(
             "%s[%s]: waits for %s (parked or reserved on each, no worker slot held): it starts once every "

@@ -811,7 +811,12 @@ def admit_pipeline(
         take_back = {"$and": ["$__park", sets.older_handoff(group, stamp, ident)]}
         stages.append({"$set": {"__tb": take_back}})
         parked_q, superseded_new = sets.park_queue(
-            entry_expr(entry, timeout_ms), group, stamp, ident, by=str(entry["t"]), take_back="$__tb"
+            entry_expr(entry, timeout_ms, debounce_ms),
+            group,
+            stamp,
+            ident,
+            by=str(entry["t"]),
+            take_back="$__tb",
         )
     else:
         parked_q, superseded_new = park_exprs(entry, timeout_ms, debounce_ms, replace=replace)

@@ -1,0 +1,83 @@
+"""``Replace(debounce=...)`` with ``keys=``, with real ``celery worker`` processes (prefork) on each broker:
+a burst of sends of one set of keys runs once, with the newest send's arguments, the others end
+superseded; a run of another set that shares a key is no competitor and runs too."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from . import integration_app as it
+from .servers import RedisServer, wait_for
+from .test_integration import Cluster
+from .test_replace_keys import no_overlap, settled, started, superseded_in_history, tag
+from .workers import pointed_at
+
+pytestmark = pytest.mark.slow
+
+LEASE = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """Two worker nodes on each broker in turn (Redis, then RabbitMQ), results in Redis."""
+    db_name = f"mongolock_rkd_{uuid.uuid4().hex[:8]}"
+    c = Cluster(
+        broker_url, mongo_url, db_name, tmp_path_factory.mktemp("rkdworkers"), backend=redis_server.url
+    )
+    with pointed_at(
+        it.app,
+        broker_url,
+        redis_server.url,
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=LEASE,
+    ):
+        c.worker(name="rkd1@localhost", concurrency=2)
+        c.worker(name="rkd2@localhost", concurrency=2)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+def test_a_burst_of_one_key_set_runs_once_with_the_newest_arguments(cluster: Cluster) -> None:
+    a, b = tag(), tag()
+    keys = sorted([f"resource:{a}", f"resource:{b}"])
+    tags = [tag() for _ in range(5)]
+    # Both argument orders: one set of keys.
+    results = [it.merge_debounced.delay(*((a, b) if i % 2 else (b, a)), t, 0.1) for i, t in enumerate(tags)]
+    assert results[-1].get(timeout=90) == keys
+    for i, r in enumerate(results[:-1]):
+        value = r.get(timeout=90)
+        assert value["mongolock"] == "superseded", value
+        assert value["key"] == keys[0] and value["keys"] == keys
+        assert value["by"] in [x.id for x in results[i + 1 :]], "superseded only by a newer send"
+        assert r.state == "SUCCESS"
+    assert started(cluster, tags) == [tags[-1]]  # exactly one body: the newest send's
+    ids = {r.id for r in results[:-1]}
+    wait_for(
+        lambda: set(superseded_in_history(cluster, keys)) >= ids,
+        timeout=60,
+        message="a history record of every superseded run",
+    )
+    settled(cluster, keys)
+
+
+def test_a_run_of_an_overlapping_set_is_no_competitor(cluster: Cluster) -> None:
+    a, b, c = tag(), tag(), tag()
+    old, other, new = tag(), tag(), tag()
+    r_old = it.merge_debounced.delay(a, b, old, 0.1)
+    r_other = it.merge_debounced.delay(b, c, other, 0.1)  # the set {b, c}: shares b
+    r_new = it.merge_debounced.delay(b, a, new, 0.1)
+    assert r_new.get(timeout=90) == sorted([f"resource:{a}", f"resource:{b}"])
+    assert r_other.get(timeout=90) == sorted([f"resource:{b}", f"resource:{c}"])
+    value = r_old.get(timeout=90)
+    assert value["mongolock"] == "superseded" and value["by"] == r_new.id
+    assert sorted(started(cluster, [old, other, new])) == sorted([other, new])
+    no_overlap(cluster, [other, new])
+    settled(cluster, [f"resource:{k}" for k in (a, b, c)])
