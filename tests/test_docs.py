@@ -332,6 +332,9 @@ REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
         keys=KEYS, limit=2, on_contention="replace"
     ),
 }
+REFUSED[("docs/how-to/several-keys.md", "with `keys=` it is refused at declaration")] = lambda: _declare(
+    keys=KEYS, on_contention={"policy": "replace", "debounce": 2, "max_wait": 10}
+)
 # What pages say works (issue 27: pages said these were refused).
 ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/how-to/several-keys.md", "and with `Queue`: on a key with slots the run parks"): lambda: _declare(
@@ -368,6 +371,9 @@ ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ),
     ("docs/how-to/several-keys.md", "`Replace(debounce=5)` with `keys=(...)` is the trailing-edge"): lambda: (
         _declare(keys=KEYS, on_contention={"policy": "replace", "debounce": 5})
+    ),
+    ("docs/reference/policies.md", "With `max_wait=m` too (`m >= d`)"): lambda: _declare(
+        key="g:{src}", on_contention={"policy": "replace", "debounce": 2, "max_wait": 10}
     ),
     ("docs/reference/policies.md", "`Replace(debounce=d)` with `keys=` debounces per set"): lambda: (
         _task_policy(keys=KEYS, on_contention={"policy": "replace", "debounce": 2})

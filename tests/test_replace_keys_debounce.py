@@ -1,11 +1,16 @@
 """``Replace(debounce=...)`` with ``keys=``, with real ``celery worker`` processes (prefork) on each broker:
 a burst of sends of one set of keys runs once, with the newest send's arguments, the others end
-superseded; a run of another set that shares a key is no competitor and runs too."""
+superseded; a run of another set that shares a key is no competitor and runs too. And
+``Replace(debounce=d, max_wait=m)`` on one key (with ``keys=`` it is refused, not yet seen to work with
+real workers): a key that keeps receiving sends still runs (by ``m``, while sends come more often than
+``d``)."""
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -81,3 +86,39 @@ def test_a_run_of_an_overlapping_set_is_no_competitor(cluster: Cluster) -> None:
     assert sorted(started(cluster, [old, other, new])) == sorted([other, new])
     no_overlap(cluster, [other, new])
     settled(cluster, [f"resource:{k}" for k in (a, b, c)])
+
+
+def _keep_sending(send: Callable[[str], Any], cluster: Cluster) -> tuple[list[str], list[Any]]:
+    """Send every 0.25 s until a body of one of the sends has started (pacing the sends, not waiting for
+    anything): with ``debounce=1`` and no ``max_wait``, none would start while the sends go on (unless
+    the machine stalled them for a second: then this passes without ``max_wait`` too, never fails)."""
+    tags: list[str] = []
+    results: list[Any] = []
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        t = tag()
+        tags.append(t)
+        results.append(send(t))
+        if started(cluster, tags):
+            break
+        time.sleep(0.25)
+    return tags, results
+
+
+def test_a_key_that_keeps_receiving_sends_still_runs_by_max_wait(cluster: Cluster) -> None:
+    a = tag()
+    keys = [f"resource:{a}"]
+    tags, results = _keep_sending(lambda t: it.debounced_capped.delay(a, t, 0.1), cluster)
+    ran_while_sending = started(cluster, tags)
+    assert ran_while_sending, "no run started while the sends went on: max_wait did not cap the debounce"
+    # The newest send at the end runs too; every other send ran or was superseded by a newer one.
+    for i, r in enumerate(results):
+        value = r.get(timeout=90)
+        if isinstance(value, dict):
+            assert value["mongolock"] == "superseded", value
+            assert value["by"] in [x.id for x in results[i + 1 :]], "superseded only by a newer send"
+    assert results[-1].get(timeout=90) == tags[-1]
+    ran = started(cluster, tags)
+    assert ran == sorted(ran, key=tags.index), "runs start in send order"
+    no_overlap(cluster, ran)
+    settled(cluster, keys)

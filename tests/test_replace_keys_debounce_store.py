@@ -15,7 +15,7 @@ from celery_mongolock import LeaseStore
 from .test_replace_keys_store import doc_of, parked, run, superseded
 
 X, Y, Z = "rkd:x", "rkd:y", "rkd:z"
-DEBOUNCE = 0.3
+DEBOUNCE = 2.0
 
 
 def admit(

@@ -234,6 +234,7 @@ class OneKey:
                         replace=isinstance(policy, Replace),
                         debounce=policy.debounce if isinstance(policy, Replace) else None,
                         due=debounced_copy,
+                        max_wait=policy.max_wait if isinstance(policy, Replace) else None,
                         min_hold=options.min_hold_seconds or 0.0,
                         info=info,
                         heartbeat=True,
@@ -263,6 +264,11 @@ class OneKey:
         holder, expires_at = dict(admission.holder), admission.expires_at
         who = (task.name, request.id)
         # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
+        if debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
+            # The run was handed the key (due) before its delayed copy came, and ran or runs under its
+            # own message (which reports a result lost with its worker): this copy has nothing to do.
+            log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)
+            raise Ignore()
         if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
             # The run ran and released its key, and its worker died before its result was stored: end
             # this copy with a result that says so (never run the body twice, never leave it waiting).
@@ -325,7 +331,11 @@ class OneKey:
         position = admission.position(request.id)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
             # Come back when the debounce has passed: the copy takes the key if no newer send came.
-            publish_debounced_copy(task, stamp, policy.debounce)
+            # (Sooner when the burst it continues reaches max_wait first: its not-before time says.)
+            due_in = admission.due_in(request.id)
+            publish_debounced_copy(
+                task, stamp, policy.debounce if due_in is None else min(due_in, policy.debounce)
+            )
         signals.run_parked.send(sender=task, key=key, task_id=request.id, position=position, stamp=stamp)
         log_acquire.info(
             "%s[%s]: %s; policy %s: parked at position %d (state QUEUED, no worker slot held): it starts "

@@ -85,8 +85,10 @@ class SeveralKeys:
         self.info: dict[str, Any] = {}
         #: A copy of a queued run's message (set by ``admit_all``).
         self.copy = False
-        #: ``Replace(debounce=...)``: this message is a parked run's delayed copy (set by ``admit_all``).
+        #: ``Replace(debounce=...)``: this message is a parked run's delayed copy (set by ``admit_all``), and
+        #: the longest wait until its entry is due on a key it parked on (``max_wait`` may shorten it).
         self.debounced_copy = False
+        self.due_in: float | None = None
 
     def take(self) -> LeaseSet | Outcome:
         request = self.request
@@ -324,6 +326,9 @@ class SeveralKeys:
                 )
                 raise Ignore()
             return self._superseded(key, admission)
+        if self.debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
+            # Handed its keys (due) before its delayed copy came: it ran or runs under its own message.
+            raise Ignore()
         if outcome is AdmitOutcome.ALREADY_RAN:
             # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
             if not has_final_state(self.task, carried_on=lambda: False):
@@ -389,9 +394,13 @@ class SeveralKeys:
                 # Replace(debounce=...): every run parks; its delayed copy takes a key once due there.
                 debounce=policy.debounce if isinstance(policy, Replace) else None,
                 due=self.debounced_copy and claim is None,
+                max_wait=policy.max_wait if isinstance(policy, Replace) else None,
                 limit=self.limits.get(key, options.limit),
             )
         )
+        due_in = admission.due_in(self.request.id)
+        if due_in is not None:
+            self.due_in = max(due_in, self.due_in or 0.0)
         mine = admission.superseded_by(self.request.id)
         if mine:  # older runs of its set it superseded here: their results are written once it is parked
             self.superseded[key] = (admission, list(mine))
@@ -537,7 +546,8 @@ class SeveralKeys:
         if debounce and not (self.debounced_copy or _queue.handoff_of_keys(self.request, keys, entry["id"])):
             # Come back when the debounce has passed: the copy takes the keys unless a newer send of the set
             # came.
-            publish_debounced_copy(task, stamp, debounce)
+            wait = debounce if self.due_in is None else min(self.due_in, debounce)
+            publish_debounced_copy(task, stamp, wait)
         signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)
         log_acquire.info(
             "%s[%s]: waits for %s (parked or reserved on each, no worker slot held): it starts once every "

@@ -36,6 +36,7 @@ from typing import Any
 
 __all__ = [
     "LG_KEPT",
+    "entries_of",
     "lg_update",
     "newer_by",
     "no_newer_send",
@@ -155,6 +156,11 @@ def _sup_record(e: str, by: str) -> Document:
     }
 
 
+def entries_of(group: str) -> Document:
+    """The entries of ``group`` parked on the key (the older runs of its set a newer send supersedes)."""
+    return {"$filter": {"input": _Q, "as": "e", "cond": _same_set("$$e", group)}}
+
+
 def park_queue(
     entry_expr: Document, group: str, stamp: int, ident: str, *, by: str, take_back: object
 ) -> tuple[Document, Document]:
@@ -169,7 +175,7 @@ def park_queue(
             {"$filter": {"input": others, "as": "e", "cond": {"$not": [_before("$$e", stamp, ident)]}}},
         ]
     }
-    older = {"$filter": {"input": _Q, "as": "e", "cond": _same_set("$$e", group)}}
+    older = entries_of(group)
     superseded = {
         "$concatArrays": [
             {"$map": {"input": older, "as": "p", "in": _sup_record("$$p", by)}},
