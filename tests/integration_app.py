@@ -376,6 +376,30 @@ def merge_latest(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str
 @singleton_task(
     keys=("resource:{src}", "resource:{dst}"),
     app=app,
+    name="integration_app.merge_debounced",
+    on_contention=Replace(debounce=1.0),
+)
+def merge_debounced(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    """``merge`` under ``Replace(debounce=1.0)``: a burst of sends of one set of keys runs once, the
+    newest, a second after the last send reached a worker."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.debounced_capped",
+    on_contention=Replace(debounce=1.0, max_wait=3.0),
+)
+def debounced_capped(resource: str, tag: str, seconds: float = 0.1) -> str:
+    """A key that keeps receiving sends (more often than the debounce) runs by the ceiling."""
+    _work(tag, seconds)
+    return tag
+
+
+@singleton_task(
+    keys=("resource:{src}", "resource:{dst}"),
+    app=app,
     name="integration_app.merge_queued_briefly",
     on_contention=Queue(timeout=1.0, then=Fail()),
 )

@@ -260,12 +260,20 @@ REENTRANT_INNER_TASK = "lockcheck.rmw_reentrant_inner"
 #: (its runs park on them, and runs of other tasks would be judged against them): the newest send of a set
 #: of keys wins; runs of other sets that share a key keep their place. A several-keys task.
 MULTI_REPLACE_TASK = "lockcheck.rmw_multi_replace"
+#: The same, debounced (``Replace(debounce=MULTI_REPLACE_DEBOUNCE)``): every run parks on both keys, and its
+#: delayed copy takes them once due, unless a newer send of its set came. Its runs and the undebounced
+#: task's are judged together per set of keys (a set's signature is its keys: either task's newer send
+#: supersedes the other's older runs of that set).
+MULTI_REPLACE_DEBOUNCED_TASK = "lockcheck.rmw_multi_replace_debounced"
+MULTI_REPLACE_DEBOUNCE = 0.3
+MULTI_REPLACE_TASKS = (MULTI_REPLACE_TASK, MULTI_REPLACE_DEBOUNCED_TASK)
 MULTI_TASKS = (
     "lockcheck.rmw_multi",
     "lockcheck.rmw_multi_skip",
     MULTI_QUEUE_TASK,
     MULTI_LIMIT_TASK,
     MULTI_REPLACE_TASK,
+    MULTI_REPLACE_DEBOUNCED_TASK,
     REENTRANT_TASK,
     MULTI_LIMIT_QUEUE_TASK,
 )
@@ -291,6 +299,15 @@ REENTRANT_BURST = LIMIT + 1
 #: The directed burst of ``MULTI_REPLACE_TASK`` runs (``Run._multi_replace_directed``): one set of two
 #: ``m`` keys, sent one at a time behind a gate on the first, then a run of an overlapping set.
 MULTI_REPLACE_BURST = 4
+#: The directed reservation window (``Run._reservation_window``): an older run of a set (``m`` keys of index
+#: ``WINDOW_KEY`` and ``WINDOW_KEY + 1``) holds the first key and parks on the second (a gate's); the app
+#: makes it wait there (``lockcheck_app._reservation_window``, at most ``WINDOW_WAIT_S``) until a newer send
+#: of its set has parked on the first key, before it turns that key into its reservation.
+WINDOW_KEY = DIRECTED_KEY + 3
+WINDOW_WAIT_S = 120.0
+#: The directed burst of ``MULTI_REPLACE_DEBOUNCED_TASK`` runs (``Run._debounced_directed``): one set of two
+#: ``m`` keys (index ``DIRECTED_KEY + 5`` and ``+ 6``), sent one at a time behind a gate on the first.
+DEBOUNCED_BURST = 4
 #: The directed burst of ``MIN_HOLD_TASK`` runs, on an ``l`` key of its own (index ``DIRECTED_KEY`` + 2):
 #: the gate's N slots go to the first N; the others are handed a slot only once one of those runs' minimum
 #: holds has ended, so at least ``MIN_HOLD_BURST - LIMIT`` acquisitions follow a clean minimum hold.
@@ -990,6 +1007,12 @@ def key_for(i: int, epoch: int, kind: str = "k") -> str:
     a ``k`` key as a single lease (a key is a limited or a single one, never both). The bare clients take
     all of them (plain acquires beside parked runs, ``limit=N`` acquires on ``l`` keys)."""
     return f"{PREFIX}{kind}{i}.e{epoch}"
+
+
+def window_first_key(key: str) -> str | None:
+    """The reservation window's first key when ``key`` is its second (``WINDOW_KEY + 1``), else None."""
+    prefix = f"{PREFIX}m{WINDOW_KEY + 1}.e"
+    return f"{PREFIX}m{WINDOW_KEY}.e{key[len(prefix) :]}" if key.startswith(prefix) else None
 
 
 def key_policy(key: str) -> str:
@@ -2037,7 +2060,7 @@ def check_multi_replace(history: History) -> list[Violation]:
     No two holders of a key: its holds go through the plain per-key checks with every other hold of the
     key (the bare clients take ``m`` keys too)."""
     found: list[Violation] = []
-    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == MULTI_REPLACE_TASK}
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in MULTI_REPLACE_TASKS}
     if not tasks:
         return found
     started = {str(e.get("task_id")) for e in history.events if e.get("ev") == "mbody"}
@@ -2132,7 +2155,7 @@ def multi_replace_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
     superseded, the newest send of each set done, runs of a set that shares a key with another set
     (overlapping) done, the directed burst's, and the faults that hit or began during their bodies."""
     ev = history.events
-    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == MULTI_REPLACE_TASK}
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in MULTI_REPLACE_TASKS}
     bodies = [e for e in ev if e.get("ev") == "mbody" and e.get("task_id") in tasks]
     ran = {str(b["task_id"]) for b in bodies}
 
@@ -2153,7 +2176,13 @@ def multi_replace_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
     overlapping = {
         tid for keys, ids in sets.items() if any(len(sets_of_key[k]) > 1 for k in keys) for tid in ids
     }
-    directed = {tid for tid, t in tasks.items() if str(t.get("op", "")).startswith("directed-multi-replace-")}
+
+    def with_op(prefix: str) -> set[str]:
+        return {tid for tid, t in tasks.items() if str(t.get("op", "")).startswith(prefix)}
+
+    directed = with_op("directed-multi-replace-")
+    window, debounced_directed = with_op("directed-window-"), with_op("directed-debounced-")
+    debounced = {tid for tid, t in tasks.items() if t.get("task") == MULTI_REPLACE_DEBOUNCED_TASK}
     ends = hold_ends(ev)
     body_spans = [
         (float(b["t"]), max(ends.get(str(h), float(b["t"]) + 5.0) for h in (b.get("holds") or {}).values()))
@@ -2173,6 +2202,16 @@ def multi_replace_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         "overlapping_runs_done": len(overlapping & done),
         "directed_superseded": len(directed & superseded),
         "directed_done_with_a_body": len(directed & done & ran),
+        "debounced_submitted": len(debounced),
+        "debounced_superseded": len(debounced & superseded),
+        "debounced_done_with_a_body": len(debounced & done & ran),
+        "window_paused_until_the_newer_send_parked": sum(
+            1 for e in ev if e.get("ev") == "window" and e.get("seen") and e.get("task_id") in window
+        ),
+        "window_superseded": len(window & superseded),
+        "window_done_with_a_body": len(window & done & ran),
+        "debounced_directed_superseded": len(debounced_directed & superseded),
+        "debounced_directed_done_with_a_body": len(debounced_directed & done & ran),
         "faults_during_bodies": faults_during(faults, body_spans),
         "faults_hitting_bodies": dict(
             sorted(Counter(str(f["kind"]) for f in faults if set(f.get("holds") or []) & holds).items())
@@ -3208,6 +3247,25 @@ def unmet_coverage(report: Doc) -> list[str]:
             cx,
         )
         claim(cx["directed_newest_ran"] == 1, "the newest send of the cancel_running burst ran", cx)
+    mrw = report.get("multi_replace_window") or {}
+    if mrw:
+        window = {**mrw, **{k: v for k, v in mr.items() if k.startswith("window_")}}
+        claim(
+            bool(mrw.get("handed_on"))
+            and mr.get("window_paused_until_the_newer_send_parked", 0) >= 1
+            and mr.get("window_superseded", 0) == 1
+            and mr.get("window_done_with_a_body", 0) == 1,
+            "the reservation window: an older run held a key when a newer send of its set parked on it; "
+            "the key went on to the newer send, which ran, and the older run ended superseded",
+            window,
+        )
+    if mrd:
+        claim(
+            mr.get("debounced_directed_superseded", 0) == DEBOUNCED_BURST - 1
+            and mr.get("debounced_directed_done_with_a_body", 0) == 1,
+            "the debounced several-keys Replace burst: all but its newest send superseded, the newest ran",
+            {k: v for k, v in mr.items() if k.startswith("debounced")},
+        )
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
     u = report["unique"]
     ud = u["directed"]
@@ -3514,6 +3572,8 @@ class Run:
         self._tcont_read: dict[Path, int] = {}
         #: What the several-keys Replace burst of the directed phase showed (``_multi_replace_directed``).
         self.multi_replace_directed: Doc = {}
+        #: What the directed reservation window showed (``_reservation_window``).
+        self.multi_replace_window: Doc = {}
         self.directed_s = 0.0
         self.store: LeaseStore | None = None
         #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
@@ -4044,6 +4104,8 @@ class Run:
         bursts.append(("", [], self.unique_directed["runs"]))
         if self.cfg.multi_replace_keys > 2:
             bursts.append(("", [], self._multi_replace_directed()))
+            bursts.append(("", [], self._reservation_window()))
+            bursts.append(("", [], self._debounced_directed()))
         if self.cfg.replace_keys:
             bursts.append(("", [], self._cancel_directed()))
         everyone = [t for _k, _g, ids in bursts for t in ids]
@@ -4139,16 +4201,17 @@ class Run:
         return [t for t in ids if t]
 
     def _multi_replace_sends(self, n: int, epoch: int) -> int:
-        """A burst of 2 to 4 ``MULTI_REPLACE_TASK`` runs on one pair of ``m`` keys, each naming it in either
-        order, half of the time with a run of an overlapping pair (one key shared) among them."""
+        """A burst of 2 to 4 runs of one of ``MULTI_REPLACE_TASKS`` on one pair of ``m`` keys, each naming it
+        in either order, half of the time with a run of an overlapping pair (one key shared) among them."""
         i, j, k = self.rng.sample(range(self.cfg.multi_replace_keys), 3)
         a, b, c = (key_for(x, epoch, "m") for x in (i, j, k))
+        task = self.rng.choice(MULTI_REPLACE_TASKS)  # half of the bursts debounced
         sends = [(a, b) if self.rng.random() < 0.5 else (b, a) for _ in range(self.rng.randint(2, 4))]
         if self.rng.random() < 0.5:
             sends.insert(self.rng.randrange(len(sends) + 1), (b, c))
         for keys in sends:
             n += 1
-            self._submit(MULTI_REPLACE_TASK, "", f"task-{n}", keys=keys)
+            self._submit(task, "", f"task-{n}", keys=keys)
         return n
 
     def _reserved_for(self, key: str) -> str | None:
@@ -4211,6 +4274,94 @@ class Run:
             "other_parked_behind": parked_behind,
         }
         return ids + ([other] if other else [])
+
+    def _holds(self, key: str, task_id: str) -> bool:
+        """``key`` is held by a run of ``task_id`` (its lease, not a reservation or handoff)."""
+        assert self.store is not None
+        with contextlib.suppress(PyMongoError):
+            doc = self.store.collection.find_one({"_id": key}, {"owner": 1, "holder.task_id": 1, "ho.tk": 1})
+            doc = doc or {}
+            ho = doc.get("ho") or {}
+            return (
+                bool(doc.get("owner"))
+                and doc.get("owner") != ho.get("tk")
+                and ((doc.get("holder") or {}).get("task_id") == task_id)
+            )
+        return False
+
+    def _parked_on(self, key: str, task_id: str) -> bool:
+        return task_id in self._waiting_on(key)
+
+    def _reservation_window(self) -> list[str]:
+        """An older run of a set holds one of its keys (w0, free) while it parks on the other (w1, a gate's),
+        and a newer send of the set parks on w0 *before* the older run turns its lease of w0 into a
+        reservation (the app holds the older run in that window until it sees the newer send parked on w0:
+        ``lockcheck_app._reservation_window``). The older run's reservation is refused, w0 is given back to
+        the newer send (``handed_on``: seen reserved for it in the lease document) and the older run ends
+        superseded; the gate lets w1 go and the newer send runs. Returns the task ids."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        w0, w1 = key_for(WINDOW_KEY, epoch, "m"), key_for(WINDOW_KEY + 1, epoch, "m")
+        gate = self._gate_take(w1)
+        ids: list[str] = []
+        handed_on = False
+        old = self._submit(MULTI_REPLACE_TASK, "", "directed-window-old", keys=(w0, w1), queue="celery")
+        new: str | None = None
+        if old is not None:
+            ids.append(old)
+            try:
+                _wait(
+                    lambda: self._holds(w0, old) and old in self._waiting_on(w1),
+                    START_GUARD_S,
+                    f"the older run to hold {w0} and park on {w1}",
+                    0.1,
+                )
+                new = self._submit(
+                    MULTI_REPLACE_TASK, "", "directed-window-new", keys=(w1, w0), queue="celery"
+                )
+                if new is not None:
+                    ids.append(new)
+                    handed_on = bool(
+                        _wait(
+                            lambda: self._reserved_for(w0) == new,
+                            WINDOW_WAIT_S + 60.0,
+                            f"{w0} to be handed on to the newer send",
+                            0.1,
+                        )
+                    )
+            except TimeoutError as exc:
+                self.log(f"directed phase: {exc}")
+        self._gate_release(gate)
+        self.multi_replace_window = {"old": old, "new": new, "handed_on": handed_on}
+        return ids
+
+    def _debounced_directed(self) -> list[str]:
+        """``DEBOUNCED_BURST`` runs of ``MULTI_REPLACE_DEBOUNCED_TASK`` on one set of two ``m`` keys (e0, e1),
+        naming it in both orders, sent one at a time while a gate holds e0: each parks on both keys (a
+        debounced run parks even on a free key), and the controller sends the next only once the last one
+        sent is parked on e0, so each newer send supersedes the one before on both keys. The newest's
+        delayed copy finds e0 held: it waits parked there (e1 taken or reserved for it) until the gate lets
+        go and e0 is handed to it. By construction all but the newest end superseded, and the newest runs.
+        Returns the task ids."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        e0, e1 = key_for(DIRECTED_KEY + 5, epoch, "m"), key_for(DIRECTED_KEY + 6, epoch, "m")
+        gate = self._gate_take(e0)
+        ids: list[str] = []
+        for i in range(DEBOUNCED_BURST):
+            keys = (e0, e1) if i % 2 else (e1, e0)
+            tid = self._submit(
+                MULTI_REPLACE_DEBOUNCED_TASK, "", f"directed-debounced-{i}", keys=keys, queue="celery"
+            )
+            if tid is None:
+                continue
+            ids.append(tid)
+            try:
+                _wait(
+                    functools.partial(self._parked_on, e0, tid), START_GUARD_S, f"a run parked on {e0}", 0.1
+                )
+            except TimeoutError as exc:
+                self.log(f"directed phase: {exc}")
+        self._gate_release(gate)
+        return ids
 
     def _multi_limit_burst(self) -> tuple[str, str, list[Lease], list[str]]:
         """``MULTI_LIMIT_BURST`` runs of ``MULTI_LIMIT_TASK`` on a ``l`` key and a ``k`` key of their own,
@@ -4968,6 +5119,7 @@ class Run:
                 "node_start_s": _stats(self.start_times),
                 "multi_replace_directed": self.multi_replace_directed,
                 "unique_directed": self.unique_directed,
+                "multi_replace_window": self.multi_replace_window,
             }
             report = figures(history, self.faults, violations, extra)
             report["fault_log"] = self.faults

@@ -20,7 +20,8 @@ The ``limit=N`` tasks (``rmw_limit``: ``Retry``, ``rmw_limit_skip``: ``Skip``, `
 and fence. ``rmw_limit_held`` is ``rmw_limit_queued`` with ``min_hold_seconds=lockcheck.MIN_HOLD``: its
 acquisitions carry the hold (``mh``), and ``lockcheck.check_min_holds`` checks that a slot it released
 cleanly is not taken again before the hold ended. The several-keys tasks (``rmw_multi``: ``Retry``,
-``rmw_multi_skip``: ``Skip``, ``rmw_multi_queued``: ``Queue()``, ``rmw_multi_replace``: ``Replace()``, on
+``rmw_multi_skip``: ``Skip``, ``rmw_multi_queued``: ``Queue()``, ``rmw_multi_replace``: ``Replace()``
+(``rmw_multi_replace_debounced``: ``Replace(debounce=...)``), on
 ``m`` keys of its own; ``keys=("{a}", "{b}")``) write each key's protected document with that key's lease
 and fence (``lockcheck.run_multi_hold``). The several-keys task with a limit per key
 (``rmw_multi_limit``: ``Retry``; ``keys=("{a}", "{b}")``, ``limit={"{a}": N}``) takes ``a`` (an ``l`` key)
@@ -178,7 +179,34 @@ def _admit(self: LeaseStore, key: str, entry: Any, **kwargs: Any) -> Any:
             _record_admit(hist, key, entry, lease, doc, kwargs=kwargs, t0=t0)
         except Exception:
             hist.event("unexpected", who="admit-recorder", error=traceback.format_exc()[-2000:])
+    _reservation_window(self, key, entry, doc, hist)
     return lease, doc
+
+
+def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: Any) -> None:
+    """The directed reservation window (``lockcheck.Run._reservation_window``): a several-keys ``Replace``
+    run that holds the window's first key and has just parked on its second (held by the controller's
+    gate) waits here, between its admits and the reservation of the key it holds, until a newer send of
+    its set has parked on that key (the controller sends it meanwhile): the window in which the newer send
+    finds a held lease, not a reservation, to take back. Waits on the lease document, with a deadline."""
+    first = lockcheck.window_first_key(key)
+    if first is None or doc.get("lo") != "parked" or not entry.get("g"):
+        return
+    held = self.collection.find_one({"_id": first}, {"owner": 1, "holder.task_id": 1, "q": 1}) or {}
+    if not held.get("owner") or (held.get("holder") or {}).get("task_id") != entry.get("t"):
+        return
+
+    def newer_parked() -> bool:
+        d = self.collection.find_one({"_id": first}, {"q.g": 1, "q.s": 1}) or {}
+        return any(
+            e.get("g") == entry["g"] and int(e.get("s") or 0) > int(entry["s"]) for e in d.get("q") or []
+        )
+
+    deadline = time.monotonic() + lockcheck.WINDOW_WAIT_S
+    while not newer_parked() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if hist is not None:
+        hist.event("window", key=first, task_id=entry.get("t"), seen=newer_parked(), t=time.monotonic())
 
 
 def _record_admit(
@@ -551,6 +579,16 @@ def rmw_multi_replace(self: Any, a: str, b: str, op: str, reckless: bool = False
     """The same, but latest wins per set of keys: a newer send of the same pair (in either order)
     supersedes the older runs of that pair on both keys; runs of other pairs sharing a key keep their
     place in send order."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"), app=app, name=lockcheck.MULTI_REPLACE_DEBOUNCED_TASK, bind=True,
+    on_contention=Replace(debounce=lockcheck.MULTI_REPLACE_DEBOUNCE), max_retries=200,
+)  # fmt: skip
+def rmw_multi_replace_debounced(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same, debounced per set of keys: every run waits ``MULTI_REPLACE_DEBOUNCE`` seconds (parked on
+    both keys, no worker slot held) and runs only if no newer send of its set came meanwhile."""
     return _body(self, f"{a}+{b}", op, reckless)
 
 

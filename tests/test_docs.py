@@ -319,31 +319,22 @@ def _task_policy(**options: Any) -> Any:
 KEYS = ("g:{src}", "g:{dst}")
 # (page, the words of the claim): a call that the claim says is refused.
 REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
-    ("docs/how-to/several-keys.md", "`Replace(debounce=...)` with `keys=(...)` is refused"): lambda: _declare(
-        keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
-    ),
     ("docs/how-to/several-keys.md", "With `Replace` it is refused at declaration"): lambda: _declare(
         keys=KEYS, limit={"g:{src}": 3}, on_contention="replace"
     ),
-    ("docs/reference/policies.md", "`Replace(debounce=...)` with `keys=` is not supported yet"): lambda: (
-        _declare(keys=KEYS, on_contention={"policy": "replace", "debounce": 2})
+    ("docs/reference/policies.md", "A limit with `Replace` and `keys=` is not supported yet"): lambda: (
+        _declare(keys=KEYS, limit=2, on_contention="replace")
     ),
-    ("docs/reference/policies.md", "nor a limit with `Replace` and `keys=`"): lambda: _declare(
-        keys=KEYS, limit=2, on_contention="replace"
-    ),
-    ("docs/reference/settings.md", "nor with a limit and `Replace`"): lambda: _task_policy(
+    ("docs/reference/settings.md", "Not with a limit and `Replace`"): lambda: _task_policy(
         keys=KEYS, limit=3, on_contention="replace"
     ),
-    ("docs/reference/settings.md", "Not with `Replace(debounce=...)`"): lambda: _task_policy(
-        keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
-    ),
-    ("docs/reference/keys.md", "`keys=`\n  with `Replace(debounce=...)`"): lambda: _declare(
-        keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
-    ),
-    ("docs/reference/keys.md", "or with a limit and `Replace`"): lambda: _declare(
+    ("docs/reference/keys.md", "`keys=`\n  with a limit and `Replace`"): lambda: _declare(
         keys=KEYS, limit=2, on_contention="replace"
     ),
 }
+REFUSED[("docs/how-to/several-keys.md", "with `keys=` it is refused at declaration")] = lambda: _declare(
+    keys=KEYS, on_contention={"policy": "replace", "debounce": 2, "max_wait": 10}
+)
 # What pages say works (issue 27: pages said these were refused).
 ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/how-to/several-keys.md", "and with `Queue`: on a key with slots the run parks"): lambda: _declare(
@@ -377,6 +368,15 @@ ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ),
     ("docs/reference/policies.md", "With `keys=(...)`, `Queue` parks the run"): lambda: _declare(
         keys=KEYS, on_contention="queue"
+    ),
+    ("docs/how-to/several-keys.md", "`Replace(debounce=5)` with `keys=(...)` is the trailing-edge"): lambda: (
+        _declare(keys=KEYS, on_contention={"policy": "replace", "debounce": 5})
+    ),
+    ("docs/reference/policies.md", "With `max_wait=m` too (`m >= d`)"): lambda: _declare(
+        key="g:{src}", on_contention={"policy": "replace", "debounce": 2, "max_wait": 10}
+    ),
+    ("docs/reference/policies.md", "`Replace(debounce=d)` with `keys=` debounces per set"): lambda: (
+        _task_policy(keys=KEYS, on_contention={"policy": "replace", "debounce": 2})
     ),
     ("docs/reference/settings.md", "with `Queue`, a run parks until it can have every key"): lambda: (
         _task_policy(keys=KEYS, on_contention="queue")

@@ -33,16 +33,21 @@ def test_the_keys_of_a_call_are_sorted_without_repeats() -> None:
     assert merge.mongolock_keys_for(3, 3) == ["group:3"]
 
 
+def test_keys_with_a_debounced_replace_are_accepted() -> None:
+    """``Replace(debounce=...)`` with ``keys=``: the debounce per set of keys (it was refused before)."""
+
+    @singleton_task(app=_app(), keys=("group:{src}", "group:{dst}"), on_contention=Replace(debounce=2))
+    def merge(src: int, dst: int) -> None: ...
+
+    assert merge.mongolock_keys_for(1, 2) == ["group:1", "group:2"]
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
         ({"keys": "group:{src}"}, "keys= must be a non-empty list or tuple"),
         ({"keys": ()}, "keys= must be a non-empty list or tuple"),
         ({"keys": ("group:{src}",), "key": "g"}, "give key= or keys=, not both"),
-        (
-            {"keys": ("group:{src}",), "on_contention": Replace(debounce=2)},
-            r"keys= with Replace\(debounce=2\) is not supported yet",
-        ),
         (
             {"keys": ("group:{src}",), "limit": 3, "on_contention": "replace"},
             "keys= with a limit and on_contention='replace' is not supported yet",
@@ -110,16 +115,6 @@ def test_keys_from_the_settings_replace_the_decorator_s_key(mongo_url: str) -> N
             {"keys": ["group:{src}"], "limit": 3, "on_contention": "replace"},
             {},
             r"\['keys'\]: keys= with a limit and on_contention='replace' is not supported",
-        ),
-        (
-            {"keys": ["group:{src}"], "on_contention": {"policy": "replace", "debounce": 1}},
-            {},
-            r"\['keys'\]: keys= with Replace\(debounce=1\)",
-        ),
-        (
-            {"keys": ["group:{src}"]},
-            {"on_contention": Replace(debounce=1)},
-            r"\['keys'\]: keys= with Replace\(debounce=1\)",
         ),
         (
             {"keys": ["group:{src}"]},

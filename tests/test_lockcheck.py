@@ -1168,6 +1168,51 @@ def test_several_keys_replace_runs_judged_per_set_of_keys() -> None:
     assert kinds(lockcheck.check_multi_replace(good)) == {"replace-order"}
 
 
+def test_debounced_several_keys_replace_runs_are_judged_with_their_set() -> None:
+    """A debounced run (``MULTI_REPLACE_DEBOUNCED_TASK``) superseded by a newer send of its set of the
+    undebounced task is judged as one set; its figures are counted apart."""
+    sup = {"mongolock": "superseded", "key": M1, "keys": [M1, M2], "by": "B"}
+    h = _queued_history(
+        _run("B", 11, M1), _run("B", 11, M2), _rk_body("B", 11.0),
+        A={**_multi_replace("A", 1, (M1, M2), sup), "task": lockcheck.MULTI_REPLACE_DEBOUNCED_TASK},
+        B=_multi_replace("B", 3, (M2, M1)),
+    )  # fmt: skip
+    assert lockcheck.check_multi_replace(h) == []
+    figures = lockcheck.multi_replace_figures(h)
+    assert figures["debounced_submitted"] == 1 and figures["debounced_superseded"] == 1
+    h.tasks["A"]["result"] = {**sup, "by": "A"}  # superseded by itself: not a newer send
+    assert kinds(lockcheck.check_multi_replace(h)) == {"superseded-by-older"}
+
+
+def test_the_reservation_window_and_debounced_burst_claims() -> None:
+    """The directed reservation window and debounced burst each have a coverage claim that holds only when
+    the lease document showed the key handed on and the runs ended as constructed."""
+    mr = {
+        "directed_superseded": lockcheck.MULTI_REPLACE_BURST - 1, "directed_done_with_a_body": 2,
+        "window_paused_until_the_newer_send_parked": 1, "window_superseded": 1, "window_done_with_a_body": 1,
+        "debounced_directed_superseded": lockcheck.DEBOUNCED_BURST - 1,
+        "debounced_directed_done_with_a_body": 1,
+    }  # fmt: skip
+    mrd = {"taken_back": lockcheck.MULTI_REPLACE_BURST - 1, "other_parked_behind": True}
+    report = _covered()
+    report.update(
+        multi_replace=mr, multi_replace_directed=mrd, multi_replace_window={"handed_on": True, "old": "o"}
+    )
+    assert lockcheck.unmet_coverage(report) == []
+    report["multi_replace_window"] = {"handed_on": False, "old": "o"}  # the older run kept the key
+    report["multi_replace"] = {**mr, "debounced_directed_done_with_a_body": 0}
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(report)] == [
+        "the reservation window", "the debounced several-keys Replace burst",
+    ]  # fmt: skip
+
+
+def test_the_window_key_names_its_first_key() -> None:
+    w = lockcheck.WINDOW_KEY
+    assert lockcheck.window_first_key(lockcheck.key_for(w + 1, 7, "m")) == lockcheck.key_for(w, 7, "m")
+    assert lockcheck.window_first_key(lockcheck.key_for(w, 7, "m")) is None
+    assert lockcheck.window_first_key(lockcheck.key_for(w + 1, 7, "k")) is None
+
+
 def test_a_several_keys_retry_run_whose_body_ran_again_after_finishing_is_reported() -> None:
     """Two lines of contention retries of one attempt (its message delivered again after it published a
     retry): a body of M started after M's body had written both keys and released them cleanly."""

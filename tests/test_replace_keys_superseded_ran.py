@@ -18,10 +18,7 @@ key by key in sorted order.
 
 from __future__ import annotations
 
-import time
 from typing import Any
-
-import pytest
 
 from celery_mongolock import LeaseStore
 
@@ -153,42 +150,48 @@ def test_a_newer_send_never_supersedes_a_run_that_holds_its_keys(store: LeaseSto
         lease.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left alone (found here, not the superseded-ran path): a reservation an older run of the set "
-    "makes after the newer send parked on that key is never taken back; it is handed again to the "
-    "superseded run at each expiry, and the newest send waits on the key for good",
-)
 def test_a_reservation_made_after_the_newer_send_parked_is_taken_back(store: LeaseStore) -> None:
     """The older run acquired M0 and parked on M2 (held); the newer send parks on M2 (the older run is
     recorded superseded there) and on M0 (held by the older run's lease: nothing to take back); then the
-    older run's ``_reserve_all`` turns its M0 lease into a reservation. The older run is never published
-    (not reserved on M2), but M0 stays reserved for it: each expiry hands it again to the oldest run
-    parked, the superseded one, never to the newer send."""
+    older run's ``_reserve_all`` would turn its M0 lease into a reservation. It is refused (the key knows
+    the newer send of the set): M0 is given back unrun and handed to the newer send in the same command,
+    and the older run's admit of M0 answers superseded. (Before the fix the reservation was kept, handed
+    again to the superseded run at each expiry, and the newest send waited on M0 for good.)"""
     old, new = run(10, [M0, M2]), run(20, [M0, M2])
     blocker = store.acquire(M2, 30)
     assert blocker is not None
 
-    def admit_short(key: str, e: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        info = {"task_id": e["t"], "delivery": e["r"], "keys": e["ks"]}
-        return store.admit(key, e, ttl=1, replace=True, group=e["g"], info=info)
-
-    l0, _ = admit_short(M0, old)
+    l0, _ = admit_run(store, M0, old)
     assert l0 is not None
-    assert admit_short(M2, old)[1]["lo"] == "parked"
-    assert admit_short(M2, new)[1]["lo"] == "parked"
+    assert admit_run(store, M2, old)[1]["lo"] == "parked"
+    assert admit_run(store, M2, new)[1]["lo"] == "parked"
     assert superseded(store, M2) == [("r10", "r20")]
-    assert admit_short(M0, new)[1]["lo"] == "parked"
-    assert store.reserve(l0, old)  # the older run's attempt had to wait: its M0 lease becomes a reservation
-    blocker.release()  # M2 goes to the newer send
-    assert (doc_of(store, M2).get("ho") or {}).get("t") == "r20"
-    # Three expiries of M0's reservation (each sweep hands it again): it must reach the newer send.
-    deadline = time.monotonic() + 60
-    handed = int((doc_of(store, M0).get("ho") or {}).get("hn") or 0)
-    while time.monotonic() < deadline:
-        store.sweep(M0)
-        ho = doc_of(store, M0).get("ho") or {}
-        if ho.get("t") == "r20" or int(ho.get("hn") or 0) >= handed + 3:
-            break
-        time.sleep(0.1)
-    assert (doc_of(store, M0).get("ho") or {}).get("t") == "r20"
+    assert admit_run(store, M0, new)[1]["lo"] == "parked"
+    assert superseded(store, M0) == []  # held by the older run: nothing to take back there
+    assert not store.reserve(l0, old)  # refused: the key goes on, unrun
+    d0 = doc_of(store, M0)
+    assert (d0.get("ho") or {}).get("t") == "r20" and d0["owner"] == new["tk"]
+    assert old["id"] not in (d0.get("seen") or [])  # given back, not remembered as a run that ended
+    _, doc = admit_run(store, M0, old)  # what ``_reserve_all`` does next
+    assert doc["lo"] == "superseded" and doc["lo_by"] == "r20"
+    blocker.release()  # M2 goes to the newer send too: it is reserved on both, and claims them
+    assert store.reserved_for_all(new)
+    held = [admit_run(store, key, new, claim=new["tk"])[0] for key in (M0, M2)]
+    assert all(lease is not None for lease in held)
+    for lease in held:
+        assert lease is not None
+        lease.release()
+
+
+def test_a_reservation_of_an_older_run_is_kept_when_no_newer_send_came(store: LeaseStore) -> None:
+    """The same start without the newer send: the older run's reservation of M0 is made as before."""
+    old = run(10, [M0, M2])
+    blocker = store.acquire(M2, 30)
+    assert blocker is not None
+    l0, _ = admit_run(store, M0, old)
+    assert l0 is not None
+    assert admit_run(store, M2, old)[1]["lo"] == "parked"
+    assert store.reserve(l0, old)
+    assert (doc_of(store, M0).get("ho") or {}).get("t") == "r10"
+    blocker.release()
+    assert store.reserved_for_all(old)

@@ -266,7 +266,9 @@ class Replace(Queue):
     before one that already got the key is superseded too. "Newer" is by send stamp, never by delivery
     order. ``debounce`` (seconds): every run waits that long after it reached a worker and starts only if
     no newer run of its key came meanwhile (trailing-edge debounce: a burst runs once, after its last
-    send). ``timeout`` and ``then`` as for ``Queue``.
+    send). ``max_wait`` (seconds, with ``debounce``): a key that keeps receiving sends still runs at least
+    that long after its burst began waiting, with the newest send's arguments (the debounce's ceiling).
+    ``timeout`` and ``then`` as for ``Queue``.
 
     ``cancel_running=True``: a newer send also supersedes the run that **holds** the key. The holder is
     told at once (``current_lease().superseded``; ``current_lease().raise_if_superseded()`` raises
@@ -276,6 +278,7 @@ class Replace(Queue):
     (the only mode on pools that cannot terminate a body: threads, solo, eventlet, gevent)."""
 
     debounce: float = 0.0
+    max_wait: float | None = None
     cancel_running: bool = False
     grace: float | None = 10.0
     name = "replace"
@@ -283,6 +286,17 @@ class Replace(Queue):
     def __post_init__(self) -> None:
         _number("Replace", "timeout", self.timeout, allow_none=True)
         _number("Replace", "debounce", self.debounce, high=24 * 3600.0)
+        _number("Replace", "max_wait", self.max_wait, high=24 * 3600.0, allow_none=True)
+        if self.max_wait is not None and not self.debounce:
+            raise ConfigurationError(
+                f"Replace(max_wait={self.max_wait!r}) needs debounce=: max_wait is the ceiling of a "
+                "debounce (how long a burst of sends may keep its run waiting)"
+            )
+        if self.max_wait is not None and self.max_wait < self.debounce:
+            raise ConfigurationError(
+                f"Replace(max_wait={self.max_wait!r}) must be at least debounce={self.debounce!r}: a run "
+                "waits its debounce at least, and max_wait caps how long a burst keeps it waiting"
+            )
         if self.max_length is not None:
             raise ConfigurationError("Replace() parks at most one run per key; it takes no max_length")
         _then("Replace", self.then)
@@ -405,8 +419,8 @@ def check_limit(limit: object, policy: object = None, min_hold: object = None) -
 def check_keys(
     keys: object, key: object = None, policy: object = None, limit: object = None
 ) -> tuple[Any, ...] | None:
-    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=`` nor (yet) with
-    ``Replace(debounce=...)``; ``limit`` as ``limits.check_key_limits`` takes it. Returns them as a tuple
+    """``keys=(spec, ...)``: a non-empty list or tuple of key specs, not with ``key=``; ``limit`` as
+    ``limits.check_key_limits`` takes it. Returns them as a tuple
     (None when not given)."""
     if keys is None:
         check_key_limits(limit, None)  # a limit per key spec needs keys=
@@ -422,11 +436,10 @@ def check_keys(
         policy = parse_policy(policy)
     check_key_limits(limit, keys, policy)
     check_cancel_running(policy, several_keys=True)
-    if isinstance(policy, Replace) and policy.debounce:
+    if isinstance(policy, Replace) and policy.max_wait is not None:
         raise ConfigurationError(
-            f"keys= with Replace(debounce={policy.debounce!r}) is not supported yet: a debounced run's "
-            "delayed copy takes its one key once its parked entry is due at the head of that key's queue, "
-            "and taking several keys that way is not implemented; use Replace() without debounce with "
-            "keys= (the newest send of each set of keys wins), or debounce with one key="
+            f"keys= with Replace(debounce={policy.debounce!r}, max_wait={policy.max_wait!r}) is not "
+            "supported yet: a set of keys that keeps receiving sends was not seen to run by max_wait with "
+            "real workers; use Replace(debounce=...) without max_wait with keys=, or max_wait with one key="
         )
     return tuple(keys)

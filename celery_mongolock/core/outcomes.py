@@ -96,6 +96,8 @@ class Admission:
     parked: tuple[str, ...] = ()
     #: Runs superseded by a newer send whose results are still to be written (the parked entries).
     superseded: tuple[Mapping[str, Any], ...] = ()
+    #: ``Replace(debounce=...)``: per parked task id, seconds from its parking to its not-before time.
+    not_before: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, lease: Lease | None, doc: Mapping[str, Any] | None) -> Admission:
@@ -111,15 +113,32 @@ class Admission:
             by=None if doc.get("lo_by") is None else str(doc.get("lo_by")),
             parked=tuple(str(e.get("t")) for e in doc.get("q") or [] if isinstance(e, Mapping)),
             superseded=tuple(s for s in doc.get("sup") or [] if isinstance(s, Mapping)),
+            not_before=_not_before(doc.get("q") or []),
         )
 
     def position(self, task_id: str | None) -> int:
         """The run's place in the key's queue (1: next), 0 when it is not parked there."""
         return self.parked.index(task_id) + 1 if task_id in self.parked else 0
 
+    def due_in(self, task_id: str | None) -> float | None:
+        """Seconds from the run's parking until it may start (``Replace(debounce=...)``), or None."""
+        return self.not_before.get(str(task_id))
+
     def superseded_by(self, task_id: str | None) -> list[Mapping[str, Any]]:
         """The runs this admit's run superseded (their results are its to write)."""
         return [s for s in self.superseded if s.get("by") == task_id]
+
+
+def _not_before(q: Sequence[Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for e in q:
+        if (
+            isinstance(e, Mapping)
+            and isinstance(e.get("nb"), _dt.datetime)
+            and isinstance(e.get("at"), _dt.datetime)
+        ):
+            out[str(e.get("t"))] = max(0.0, (e["nb"] - e["at"]).total_seconds())
+    return out
 
 
 #: The fields of a lease document that ``run_ended`` reads.

@@ -456,6 +456,7 @@ class Acquisition:
         replace: bool = False,
         debounce: float | None = None,
         due: bool = False,
+        max_wait: float | None = None,
         min_hold: float = 0.0,
         info: Mapping[str, Any] | None = None,
         heartbeat: bool = False,
@@ -471,11 +472,13 @@ class Acquisition:
         parked; ``max_length``: the longest queue (``full`` beyond); ``replace``: at most one parked
         run, a newer send supersedes it; ``debounce``: every run parks and may start only when no newer
         send came for that many seconds; ``due``: the run's own delayed copy, which takes the key for its
-        entry once due; ``limit``: the key has N slots (``limit=N``), a parked run is handed any one;
-        ``group`` (with ``replace``): the run's key-set signature (``documents.sets``); ``cancel`` (with
-        ``replace``): a run parked behind a running holder supersedes it too (``queue.cancel_mark``). A
-        handoff this admit made (the key was found free with older runs parked) is published
-        (``add_handoff_callback``). One ``store.try_acquire`` with ``admission``."""
+        entry once due; ``max_wait`` (with ``debounce``): a run that supersedes others is due no later
+        than that many seconds after the first of them began waiting; ``limit``: the key has N slots
+        (``limit=N``), a parked run is handed any one; ``group`` (with ``replace``): the run's key-set
+        signature (``documents.sets``); ``cancel`` (with ``replace``): a run parked behind a running holder
+        supersedes it too (``queue.cancel_mark``). A handoff this admit made (the key was found free with
+        older runs parked) is published (``add_handoff_callback``). One ``store.try_acquire`` with
+        ``admission``."""
         store = self.store
         for field in ("id", "t", "s"):
             if field not in entry:
@@ -509,6 +512,7 @@ class Acquisition:
                 "due": due,
                 **({} if group is None else {"group": group}),
                 **({"cancel": True} if cancel else {}),
+                **({"max_wait_ms": int(max_wait * 1000)} if max_wait and debounce else {}),
             },
             limit=limit,
         )

@@ -18,8 +18,8 @@ from pymongo import ReturnDocument
 
 from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents import queue as admission_docs
+from celery_mongolock.core.documents import sets, slot_reserve
 from celery_mongolock.core.documents import slot_queue as slot_admission
-from celery_mongolock.core.documents import slot_reserve
 from celery_mongolock.core.documents import slots as slots_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
@@ -87,7 +87,9 @@ class QueueUpkeep:
         them held) into a reservation of its key for the run's parked ``entry`` (``id``, ``t``, ``s``,
         ``tk``, ``ks`` ...), in one command: the key is handed to the entry without being released, so
         the run keeps its place (``queue.reserve_pipeline``). False if the lease was no longer ours
-        (the run must admit that key again)."""
+        (the run must admit that key again); also when the key knows a newer send of the entry's set of
+        keys (``Replace``, ``sets.no_newer_send``): the key is then given back unrun, to the oldest run
+        parked on it, and the run's admit of it answers ``superseded``."""
         full_entry = dict(entry)
         full_entry["ttl"] = int(lease.ttl * 1000)
         timeout_ms = _timeout_ms(timeout)
@@ -109,6 +111,8 @@ class QueueUpkeep:
                 ],
             }
             pipeline = slot_reserve.slot_reserve_pipeline(lease.owner, full_entry, timeout_ms, by)
+        elif entry.get("g") is not None:
+            match.update(sets.no_newer_send(str(entry["g"]), int(entry["s"])))
         connection = self.store.connection
         doc: Document | None = None
         for attempt in range(3):
@@ -119,8 +123,11 @@ class QueueUpkeep:
             except StoreUnavailable:
                 if attempt == 2:
                     raise
+        if doc is None and lease.slot is None and entry.get("g") is not None:
+            # Still ours: a newer send of its set parked here meanwhile. The key goes on, unrun.
+            self._give_back_key(lease.key, lease.owner)
         log_acquire.info(
-            "lease %r reserved for %s (%s)", lease.key, entry.get("t"), "kept" if doc else "lost"
+            "lease %r reserved for %s (%s)", lease.key, entry.get("t"), "kept" if doc else "not kept"
         )
         return doc is not None
 
@@ -183,16 +190,22 @@ class QueueUpkeep:
         store.forget(lease)
         if lease.slot is not None:  # a limit=N slot: released as the background release does
             return store.release_tokens([lease.owner], unconfirmed=[lease.owner]) > 0
-        by = store.handoffs.by(lease.owner)
-        with store.connection.operation(f"give back lease {lease.key!r}"):
+        return self._give_back_key(lease.key, lease.owner)
+
+    def _give_back_key(self, key: str, owner: str) -> bool:
+        """Release ``key`` held by ``owner`` without remembering a run as over (``seen``); a run parked
+        on it is handed the key in the same command (published here)."""
+        store = self.store
+        by = store.handoffs.by(owner)
+        with store.connection.operation(f"give back lease {key!r}"):
             doc = store.connection.collection.find_one_and_update(
-                documents.release_filter(lease.key, lease.owner),
+                documents.release_filter(key, owner),
                 documents.release_pipeline(by, seen=False),
                 projection=admission_docs.HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )
         if doc is not None:
-            store.handoffs.publish(lease.key, doc, by)
+            store.handoffs.publish(key, doc, by)
         return doc is not None
 
     def keys_state(self, entry: Mapping[str, Any]) -> str:

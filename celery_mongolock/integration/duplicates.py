@@ -15,6 +15,7 @@ from celery.exceptions import Ignore
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.core.documents import queue as _admission
 from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.integration.handoff import has_backend
 from celery_mongolock.integration.runs import (
     CONTENTION_HEADER,
     GuardedRun,
@@ -34,6 +35,7 @@ __all__ = [
     "copy_of_a_retried_attempt",
     "copy_of_an_ended_run",
     "copy_run_ids",
+    "copy_with_a_result",
     "first_run_done",
     "guard_run_ids",
     "later_attempt_known",
@@ -198,3 +200,13 @@ def guard_run_ids(request: Any) -> list[str]:
     if task_id and int(headers.get(CONTENTION_HEADER) or 0) > 0:
         return [_admission.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
     return []
+
+
+def copy_with_a_result(task: GuardedRun, copy: bool) -> bool:
+    """This message is a ``copy`` (redelivered, a parked duplicate, a handoff) and its task's stored state
+    is final (or its body's own retry): the run has a result of its own, which a ``superseded`` answer to
+    the copy must not overwrite (a run whose lease was lost mid-body is not remembered as over, ``seen``,
+    on the key a newer send took). False without a stored result to ask (nothing to overwrite then)."""
+    if not copy or task.ignore_result or task.request.ignore_result:
+        return False
+    return has_backend(task.app) and has_final_state(task, carried_on=lambda: False)

@@ -27,6 +27,7 @@ from celery_mongolock.integration.duplicates import (
     copy_of_a_retried_attempt,
     copy_of_an_ended_run,
     copy_run_ids,
+    copy_with_a_result,
     first_run_done,
     guard_run_ids,
     park_duplicate,
@@ -38,7 +39,7 @@ from celery_mongolock.integration.runs import (
     has_final_state,
     ignored_as,
     log_acquire,
-    republish,
+    publish_debounced_copy,
     set_state,
     unavailable,
 )
@@ -63,6 +64,8 @@ class OneKey:
         self.direct = direct
         self.store = get_store(task.app)
         self.request = task.request
+        #: A copy of a queued run's message (set by ``admit``).
+        self.copy = False
 
     def take(self) -> Lease | Outcome:
         """Take the lease, or carry out the contention policy (which raises, or returns an outcome)."""
@@ -198,6 +201,8 @@ class OneKey:
             or (request.headers or {}).get(DUPLICATE_HEADER)
             or (request.delivery_info or {}).get("redelivered")
         )
+        # A copy of a message (redelivered, a parked duplicate, a handoff): its run may have run already.
+        self.copy = not (fresh or debounced_copy)
         if fresh:
             # QUEUED before the admit, never after it: once parked, the run may be handed the key and end
             # at any moment, and a state written later would hide its result.
@@ -229,6 +234,7 @@ class OneKey:
                         replace=isinstance(policy, Replace),
                         debounce=policy.debounce if isinstance(policy, Replace) else None,
                         due=debounced_copy,
+                        max_wait=policy.max_wait if isinstance(policy, Replace) else None,
                         min_hold=options.min_hold_seconds or 0.0,
                         info=info,
                         heartbeat=True,
@@ -259,6 +265,11 @@ class OneKey:
         holder, expires_at = dict(admission.holder), admission.expires_at
         who = (task.name, request.id)
         # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
+        if debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
+            # The run was handed the key (due) before its delayed copy came, and ran or runs under its
+            # own message (which reports a result lost with its worker): this copy has nothing to do.
+            log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)
+            raise Ignore()
         if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
             # The run ran and released its key, and its worker died before its result was stored: end
             # this copy with a result that says so (never run the body twice, never leave it waiting).
@@ -281,6 +292,12 @@ class OneKey:
         signals.lease_contended.send(sender=task, key=key, holder=holder, policy=policy.name)
         if outcome is AdmitOutcome.SUPERSEDED and debounced_copy:
             # The delayed copy of a run that a newer send replaced: its result is written already.
+            raise Ignore()
+        if outcome is AdmitOutcome.SUPERSEDED and copy_with_a_result(task, self.copy):
+            # A copy of a run whose body ran and stored its result (its lease was lost mid-body and a
+            # newer send took the key: the key does not remember the run as over). Its result stands.
+            log_acquire.info("%s[%s]: a copy of a run that ended, superseded on %r; dropped", *who, key)
+            ignored_as(request.id, f"is a copy of a run that ended, superseded on {key!r}: dropped")
             raise Ignore()
         if outcome is AdmitOutcome.SUPERSEDED:
             by = str(admission.by)
@@ -315,13 +332,10 @@ class OneKey:
         position = admission.position(request.id)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
             # Come back when the debounce has passed: the copy takes the key if no newer send came.
-            headers = dict(request.headers or {})
-            headers[_queue.DEBOUNCE_HEADER] = 1
-            headers[_queue.SENT_HEADER] = stamp
-            republish(
-                task,
-                task.signature_from_request(request, countdown=policy.debounce, headers=headers),
-                "debounce",
+            # (Sooner when the burst it continues reaches max_wait first: its not-before time says.)
+            due_in = admission.due_in(request.id)
+            publish_debounced_copy(
+                task, stamp, policy.debounce if due_in is None else min(due_in, policy.debounce)
             )
         signals.run_parked.send(sender=task, key=key, task_id=request.id, position=position, stamp=stamp)
         log_acquire.info(

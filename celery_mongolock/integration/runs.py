@@ -36,6 +36,7 @@ __all__ = [
     "handoff_of_an_attempt_that_ran",
     "has_final_state",
     "ignored_as",
+    "publish_debounced_copy",
     "republish",
     "set_state",
     "unavailable",
@@ -163,6 +164,16 @@ def republish(task: GuardedRun, signature: Any, what: str) -> None:
             redact(str(exc)),
         )
         raise
+
+
+def publish_debounced_copy(task: GuardedRun, stamp: int, seconds: float) -> None:
+    """``Replace(debounce=seconds)``: publish the parked run's delayed copy (``DEBOUNCE_HEADER``, its send
+    stamp kept), which comes back after ``seconds`` and takes the key (or its keys) if no newer send came."""
+    request = task.request
+    headers = dict(request.headers or {})
+    headers[_queue.DEBOUNCE_HEADER] = 1
+    headers[_queue.SENT_HEADER] = stamp
+    republish(task, task.signature_from_request(request, countdown=seconds, headers=headers), "debounce")
 
 
 def unavailable(task: GuardedRun, key: str, exc: StoreUnavailable, policy: Policy, direct: bool) -> NoReturn:

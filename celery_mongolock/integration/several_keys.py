@@ -33,6 +33,7 @@ from celery_mongolock.integration.duplicates import (
     already_ran,
     copy_of_a_retried_attempt,
     copy_of_an_ended_run,
+    copy_with_a_result,
     guard_run_ids,
     park_duplicate,
 )
@@ -43,6 +44,7 @@ from celery_mongolock.integration.runs import (
     has_final_state,
     ignored_as,
     log_acquire,
+    publish_debounced_copy,
     set_state,
     unavailable,
 )
@@ -83,6 +85,10 @@ class SeveralKeys:
         self.info: dict[str, Any] = {}
         #: A copy of a queued run's message (set by ``admit_all``).
         self.copy = False
+        #: ``Replace(debounce=...)``: this message is a parked run's delayed copy (set by ``admit_all``), and
+        #: the longest wait until its entry is due on a key it parked on (``max_wait`` may shorten it).
+        self.debounced_copy = False
+        self.due_in: float | None = None
 
     def take(self) -> LeaseSet | Outcome:
         request = self.request
@@ -243,13 +249,15 @@ class SeveralKeys:
         }
         _queue.install_publisher(task.app, self.store)
         claim = _queue.handoff_of_keys(request, keys, ident)
+        self.debounced_copy = bool(_queue.header(request, _queue.DEBOUNCE_HEADER))
         fresh = not (
             claim
+            or self.debounced_copy
             or (request.headers or {}).get(DUPLICATE_HEADER)
             or (request.delivery_info or {}).get("redelivered")
         )
-        #: A copy of a message (redelivered, a parked duplicate, a handoff): its run may have run already.
-        self.copy = not fresh
+        # A copy of a message (redelivered, a parked duplicate, a handoff): its run may have run already.
+        self.copy = not (fresh or self.debounced_copy)
         if fresh:
             since = _dt.datetime.now(_dt.timezone.utc).isoformat()
             set_state(task, _queue.QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
@@ -302,8 +310,11 @@ class SeveralKeys:
         queue, or (``Replace``) a newer send of its set."""
         policy = self._queue_policy()
         outcome = admission.outcome
+        if outcome is AdmitOutcome.SUPERSEDED and self.debounced_copy:
+            # The delayed copy of a run that a newer send of its set replaced: its result is written.
+            raise Ignore()
         if outcome is AdmitOutcome.SUPERSEDED:
-            if self._copy_of_a_run_that_ended():
+            if copy_with_a_result(self.task, self.copy):
                 # A copy of a run whose body ran and stored its result: ``seen`` remembers the run only on
                 # the keys it still held at its release, and a key it lost mid-body (taken by a newer
                 # send of its set) answers superseded first. Its result stands; the copy is dropped.
@@ -315,6 +326,9 @@ class SeveralKeys:
                 )
                 raise Ignore()
             return self._superseded(key, admission)
+        if self.debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
+            # Handed its keys (due) before its delayed copy came: it ran or runs under its own message.
+            raise Ignore()
         if outcome is AdmitOutcome.ALREADY_RAN:
             # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
             if not has_final_state(self.task, carried_on=lambda: False):
@@ -334,14 +348,6 @@ class SeveralKeys:
             .held_by(dict(admission.holder), admission.expires_at)
             .skip(reason)
         )
-
-    def _copy_of_a_run_that_ended(self) -> bool:
-        """This message is a copy, and its task's stored state is final (or its body's own retry): the run
-        has a result of its own. False without a stored result to ask (nothing to overwrite then)."""
-        task = self.task
-        if not self.copy or task.ignore_result or self.request.ignore_result:
-            return False
-        return _queue.has_backend(task.app) and has_final_state(task, carried_on=lambda: False)
 
     def _superseded(self, key: str, admission: Admission) -> Outcome:
         """A newer send of this run's set of keys is known on ``key``: the run ends ``SUCCESS`` with a
@@ -385,9 +391,16 @@ class SeveralKeys:
                 heartbeat_seconds=options.heartbeat_seconds,
                 replace=replace,
                 group=self.entry.get("g") if replace else None,
+                # Replace(debounce=...): every run parks; its delayed copy takes a key once due there.
+                debounce=policy.debounce if isinstance(policy, Replace) else None,
+                due=self.debounced_copy and claim is None,
+                max_wait=policy.max_wait if isinstance(policy, Replace) else None,
                 limit=self.limits.get(key, options.limit),
             )
         )
+        due_in = admission.due_in(self.request.id)
+        if due_in is not None:
+            self.due_in = max(due_in, self.due_in or 0.0)
         mine = admission.superseded_by(self.request.id)
         if mine:  # older runs of its set it superseded here: their results are written once it is parked
             self.superseded[key] = (admission, list(mine))
@@ -430,8 +443,11 @@ class SeveralKeys:
                     give_back_quietly(self.store, claimed)
                 else:
                     # Not (or no longer) reserved for this run here: an older run was handed it, or its
-                    # reservation expired and it waits again. Keep the keys claimed as reservations.
-                    self._reserve_all(claimed)
+                    # reservation expired and it waits again. Keep the keys claimed as reservations,
+                    # unless a newer send of its set parked on one of them meanwhile (``Replace``).
+                    newer = self._reserve_all(claimed)
+                    if newer is not None:
+                        return None, newer[1], newer[0]
                 claimed = []
                 return None, admission, key
         except BaseException:
@@ -525,6 +541,13 @@ class SeveralKeys:
             )
         if store.reserved_for_all(entry):
             _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
+        policy = self.policy
+        debounce = policy.debounce if isinstance(policy, Replace) else 0.0
+        if debounce and not (self.debounced_copy or _queue.handoff_of_keys(self.request, keys, entry["id"])):
+            # Come back when the debounce has passed: the copy takes the keys unless a newer send of the set
+            # came.
+            wait = debounce if self.due_in is None else min(self.due_in, debounce)
+            publish_debounced_copy(task, stamp, wait)
         signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)
         log_acquire.info(
             "%s[%s]: waits for %s (parked or reserved on each, no worker slot held): it starts once every "

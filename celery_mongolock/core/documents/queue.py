@@ -623,24 +623,63 @@ def ran(seen: Sequence[str], run_ids: Sequence[str]) -> bool:
     return any(r == rid or (rid.endswith(".") and r.startswith(rid)) for rid in run_ids for r in seen)
 
 
-def entry_expr(entry: Mapping[str, Any], timeout_ms: int | None, debounce_ms: int | None = None) -> Document:
+def burst_since(older: object) -> Document:
+    """When the burst of sends began waiting that a run superseding the parked entries ``older`` (an array
+    expression) continues: the earliest of their ``fw`` (first wait; ``at`` for an entry without one)
+    and now."""
+    # (Compared as milliseconds: the embedded server compares dates in ``$reduce`` wrongly.)
+    began = {"$map": {"input": older, "as": "e", "in": {"$toLong": {"$ifNull": ["$$e.fw", "$$e.at"]}}}}
+    earlier = {"$cond": [{"$lt": ["$$this", "$$value"]}, "$$this", "$$value"]}
+    return {"$toDate": {"$reduce": {"input": began, "initialValue": _NOW_MS, "in": earlier}}}
+
+
+def _past_ceiling(e: object, max_wait_ms: int) -> Document:
+    """Entry ``e`` (a handoff) began waiting ``max_wait_ms`` ago or more (``fw``)."""
+    fw = {"$toLong": {"$ifNull": [field_of("fw", e), "$$NOW"]}}
+    return {"$lte": [{"$add": [fw, int(max_wait_ms)]}, _NOW_MS]}
+
+
+def entry_expr(
+    entry: Mapping[str, Any],
+    timeout_ms: int | None,
+    debounce_ms: int | None = None,
+    *,
+    max_wait_ms: int | None = None,
+    since: object = None,
+) -> Document:
     """A parked entry as an aggregation expression: literal fields; ``at`` (parked at), ``dl`` (deadline)
-    and ``nb`` (not before: ``Replace(debounce=...)``) on the server's clock."""
-    expr: Document = {k: {"$literal": v} for k, v in entry.items() if k not in ("at", "dl", "nb")}
+    and ``nb`` (not before: ``Replace(debounce=...)``) on the server's clock. With ``max_wait_ms`` (and
+    ``since``, the ``burst_since`` of the runs it supersedes): ``fw``, when its burst began waiting, and
+    ``nb`` no later than ``fw`` + ``max_wait_ms`` (``Replace(debounce=..., max_wait=...)``)."""
+    expr: Document = {k: {"$literal": v} for k, v in entry.items() if k not in ("at", "dl", "nb", "fw")}
     expr["at"] = "$$NOW"
     expr["dl"] = None if timeout_ms is None else {"$add": ["$$NOW", int(timeout_ms)]}
     if debounce_ms:
-        expr["nb"] = {"$add": ["$$NOW", int(debounce_ms)]}
+        nb: object = {"$add": ["$$NOW", int(debounce_ms)]}
+        if max_wait_ms and since is not None:
+            # (In milliseconds: the embedded server compares computed dates wrongly.)
+            ceiling = {"$add": [{"$toLong": since}, int(max_wait_ms)]}
+            debounced = {"$add": [_NOW_MS, int(debounce_ms)]}
+            expr["fw"] = since
+            nb = {"$toDate": {"$cond": [{"$lt": [ceiling, debounced]}, ceiling, debounced]}}
+        expr["nb"] = nb
     return expr
 
 
 def park_exprs(
-    entry: Mapping[str, Any], timeout_ms: int | None, debounce_ms: int | None, *, replace: bool
+    entry: Mapping[str, Any],
+    timeout_ms: int | None,
+    debounce_ms: int | None,
+    *,
+    replace: bool,
+    max_wait_ms: int | None = None,
 ) -> tuple[object, object]:
     """``(q, superseded)`` when the run ``entry`` parks: the queue with its entry in send order, and the
-    runs it supersedes (``Replace``: at most one parked run, a newer send replaces it)."""
+    runs it supersedes (``Replace``: at most one parked run, a newer send replaces it, and carries on the
+    time its burst began waiting: ``max_wait_ms``)."""
     ident, stamp = str(entry["id"]), int(entry["s"])
-    e = entry_expr(entry, timeout_ms, debounce_ms)
+    since = burst_since(_Q) if replace and max_wait_ms else None
+    e = entry_expr(entry, timeout_ms, debounce_ms, max_wait_ms=max_wait_ms, since=since)
     if replace:
         superseded: object = {
             "$map": {
@@ -734,6 +773,7 @@ def admit_pipeline(
     due: bool = False,
     group: str | None = None,
     cancel: bool = False,
+    max_wait_ms: int | None = None,
 ) -> list[Document]:
     """The admit: one command that acquires the key, claims a handoff, or parks the run.
 
@@ -745,8 +785,10 @@ def admit_pipeline(
     the key if its entry is at the head, due and the key free. ``group`` (with ``replace``): the
     signature of the run's set of keys (``Replace`` with ``keys=``): supersession is decided among the
     runs of that set only (``sets``). ``cancel`` (with ``replace``, one key): a run that parks behind a
-    running holder supersedes that holder too (``cx``, ``cancel_mark``). The outcome is left in ``lo``
-    (the reply carries it); fields starting with ``__`` are removed.
+    running holder supersedes that holder too (``cx``, ``cancel_mark``). ``max_wait_ms`` (with
+    ``debounce_ms``): a run that supersedes others is due no later than that long after the first of them
+    began waiting. The outcome is left in ``lo`` (the reply carries it); fields starting with ``__`` are
+    removed.
     """
     ident = str(entry["id"])
     stamp = int(entry["s"])
@@ -865,14 +907,29 @@ def admit_pipeline(
     superseded_new: object
     if by_set:
         assert group is not None
-        # Parked: an older run of its set loses the key's reservation or handoff made to it.
-        take_back = {"$and": ["$__park", sets.older_handoff(group, stamp, ident)]}
+        # Parked: an older run of its set loses the key's reservation or handoff made to it (unless
+        # max_wait: it was handed the key by its burst's ceiling, and runs; this run waits behind it).
+        older_ho = sets.older_handoff(group, stamp, ident)
+        if max_wait_ms:
+            older_ho = {"$and": [older_ho, {"$not": [_past_ceiling("$ho", max_wait_ms)]}]}
+        take_back = {"$and": ["$__park", older_ho]}
         stages.append({"$set": {"__tb": take_back}})
+        # (A burst goes on through the older runs it supersedes: parked, or the handoff taken back.)
+        taken_back = {"$cond": [older_ho, ["$ho"], []]}
+        older = {"$concatArrays": [sets.entries_of(group), taken_back]}
+        since = burst_since(older) if max_wait_ms else None
         parked_q, superseded_new = sets.park_queue(
-            entry_expr(entry, timeout_ms), group, stamp, ident, by=str(entry["t"]), take_back="$__tb"
+            entry_expr(entry, timeout_ms, debounce_ms, max_wait_ms=max_wait_ms, since=since),
+            group,
+            stamp,
+            ident,
+            by=str(entry["t"]),
+            take_back="$__tb",
         )
     else:
-        parked_q, superseded_new = park_exprs(entry, timeout_ms, debounce_ms, replace=replace)
+        parked_q, superseded_new = park_exprs(
+            entry, timeout_ms, debounce_ms, replace=replace, max_wait_ms=max_wait_ms
+        )
     fields = dict(acquire_fields)
     fields.update(
         {

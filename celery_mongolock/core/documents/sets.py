@@ -21,6 +21,11 @@ On each key, the admit of run R (set ``g``, send stamp ``s``):
    in the same command). R visits every key of its set, so an older run of the same set loses its place
    on each; one that learns it on any key (its own admit or claim answers ``superseded``) gives back what
    it holds and leaves the others.
+3. A key R *holds* (took in an attempt that must wait for another key) is no reservation: a newer send
+   that parks on it finds nothing to take back there. So R's reservation of it (``reserve``) is made only
+   while the key knows no newer send of ``g`` (``no_newer_send``); else R gives the key back unrun (it
+   goes to the oldest run parked on it, the newer send or another set's run), and R's admit of it
+   answers ``superseded``.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from typing import Any
 
 __all__ = [
     "LG_KEPT",
+    "entries_of",
     "lg_update",
     "newer_by",
+    "no_newer_send",
     "older_handoff",
     "park_queue",
     "set_signature",
@@ -109,6 +116,15 @@ def superseded_cases(group: str, stamp: int) -> list[Document]:
     return [{"case": {"$gt": [{"$size": _newer_sends(group, stamp)}, 0]}, "then": "superseded"}]
 
 
+def no_newer_send(group: str, stamp: int) -> Document:
+    """A query filter: the key knows no send of ``group`` newer than ``stamp``. A run's reservation of a
+    key it took (``LeaseStore.reserve``) is made only then: a newer send of its set that parked on the key
+    while the run held it found nothing to take back (a held lease is not a reservation), so a
+    reservation made after it would be handed again to the superseded run at each expiry, never to the
+    newer send."""
+    return {"$expr": {"$eq": [{"$size": _newer_sends(group, stamp)}, 0]}}
+
+
 def newer_by(group: str, stamp: int) -> Document:
     """The task id of the newest send of ``group`` newer than ``stamp`` (for ``lo_by``)."""
     newest = {
@@ -140,6 +156,11 @@ def _sup_record(e: str, by: str) -> Document:
     }
 
 
+def entries_of(group: str) -> Document:
+    """The entries of ``group`` parked on the key (the older runs of its set a newer send supersedes)."""
+    return {"$filter": {"input": _Q, "as": "e", "cond": _same_set("$$e", group)}}
+
+
 def park_queue(
     entry_expr: Document, group: str, stamp: int, ident: str, *, by: str, take_back: object
 ) -> tuple[Document, Document]:
@@ -154,7 +175,7 @@ def park_queue(
             {"$filter": {"input": others, "as": "e", "cond": {"$not": [_before("$$e", stamp, ident)]}}},
         ]
     }
-    older = {"$filter": {"input": _Q, "as": "e", "cond": _same_set("$$e", group)}}
+    older = entries_of(group)
     superseded = {
         "$concatArrays": [
             {"$map": {"input": older, "as": "p", "in": _sup_record("$$p", by)}},

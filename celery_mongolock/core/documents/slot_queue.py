@@ -255,6 +255,7 @@ def slot_admit_pipeline(
     replace: bool = False,
     debounce_ms: int | None = None,
     due: bool = False,
+    max_wait_ms: int | None = None,
     waited_ms: int | None = None,
     min_hold_ms: int = 0,
 ) -> list[Document]:
@@ -358,7 +359,9 @@ def slot_admit_pipeline(
     cap = adm.MAX_PARKED if max_length is None else min(int(max_length), adm.MAX_PARKED)
     branches.append({"case": {"$gte": [{"$size": _Q}, cap]}, "then": "full"})
 
-    parked_q, superseded_new = adm.park_exprs(entry, timeout_ms, debounce_ms, replace=replace)
+    parked_q, superseded_new = adm.park_exprs(
+        entry, timeout_ms, debounce_ms, replace=replace, max_wait_ms=max_wait_ms
+    )
     used = {"$map": {"input": _HS, "as": "e", "in": "$$e.s"}}
     new_hold = {
         "o": {"$literal": token},

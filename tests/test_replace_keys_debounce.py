@@ -1,0 +1,124 @@
+"""``Replace(debounce=...)`` with ``keys=``, with real ``celery worker`` processes (prefork) on each broker:
+a burst of sends of one set of keys runs once, with the newest send's arguments, the others end
+superseded; a run of another set that shares a key is no competitor and runs too. And
+``Replace(debounce=d, max_wait=m)`` on one key (with ``keys=`` it is refused, not yet seen to work with
+real workers): a key that keeps receiving sends still runs (by ``m``, while sends come more often than
+``d``)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from . import integration_app as it
+from .servers import RedisServer, wait_for
+from .test_integration import Cluster
+from .test_replace_keys import no_overlap, settled, started, superseded_in_history, tag
+from .workers import pointed_at
+
+pytestmark = pytest.mark.slow
+
+LEASE = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """Two worker nodes on each broker in turn (Redis, then RabbitMQ), results in Redis."""
+    db_name = f"mongolock_rkd_{uuid.uuid4().hex[:8]}"
+    c = Cluster(
+        broker_url, mongo_url, db_name, tmp_path_factory.mktemp("rkdworkers"), backend=redis_server.url
+    )
+    with pointed_at(
+        it.app,
+        broker_url,
+        redis_server.url,
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=LEASE,
+    ):
+        c.worker(name="rkd1@localhost", concurrency=2)
+        c.worker(name="rkd2@localhost", concurrency=2)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+def test_a_burst_of_one_key_set_runs_once_with_the_newest_arguments(cluster: Cluster) -> None:
+    a, b = tag(), tag()
+    keys = sorted([f"resource:{a}", f"resource:{b}"])
+    tags = [tag() for _ in range(5)]
+    # Both argument orders: one set of keys.
+    results = [it.merge_debounced.delay(*((a, b) if i % 2 else (b, a)), t, 0.1) for i, t in enumerate(tags)]
+    assert results[-1].get(timeout=90) == keys
+    for i, r in enumerate(results[:-1]):
+        value = r.get(timeout=90)
+        assert value["mongolock"] == "superseded", value
+        assert value["key"] == keys[0] and value["keys"] == keys
+        assert value["by"] in [x.id for x in results[i + 1 :]], "superseded only by a newer send"
+        assert r.state == "SUCCESS"
+    assert started(cluster, tags) == [tags[-1]]  # exactly one body: the newest send's
+    ids = {r.id for r in results[:-1]}
+    wait_for(
+        lambda: set(superseded_in_history(cluster, keys)) >= ids,
+        timeout=60,
+        message="a history record of every superseded run",
+    )
+    settled(cluster, keys)
+
+
+def test_a_run_of_an_overlapping_set_is_no_competitor(cluster: Cluster) -> None:
+    a, b, c = tag(), tag(), tag()
+    old, other, new = tag(), tag(), tag()
+    r_old = it.merge_debounced.delay(a, b, old, 0.1)
+    r_other = it.merge_debounced.delay(b, c, other, 0.1)  # the set {b, c}: shares b
+    r_new = it.merge_debounced.delay(b, a, new, 0.1)
+    assert r_new.get(timeout=90) == sorted([f"resource:{a}", f"resource:{b}"])
+    assert r_other.get(timeout=90) == sorted([f"resource:{b}", f"resource:{c}"])
+    value = r_old.get(timeout=90)
+    assert value["mongolock"] == "superseded" and value["by"] == r_new.id
+    assert sorted(started(cluster, [old, other, new])) == sorted([other, new])
+    no_overlap(cluster, [other, new])
+    settled(cluster, [f"resource:{k}" for k in (a, b, c)])
+
+
+def _keep_sending(send: Callable[[str], Any], cluster: Cluster) -> tuple[list[str], list[Any]]:
+    """Send every 0.25 s until a body of one of the sends has started (pacing the sends, not waiting for
+    anything): with ``debounce=1`` and no ``max_wait``, none would start while the sends go on (unless
+    the machine stalled them for a second: then this passes without ``max_wait`` too, never fails)."""
+    tags: list[str] = []
+    results: list[Any] = []
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        t = tag()
+        tags.append(t)
+        results.append(send(t))
+        if started(cluster, tags):
+            break
+        time.sleep(0.25)
+    return tags, results
+
+
+def test_a_key_that_keeps_receiving_sends_still_runs_by_max_wait(cluster: Cluster) -> None:
+    a = tag()
+    keys = [f"resource:{a}"]
+    tags, results = _keep_sending(lambda t: it.debounced_capped.delay(a, t, 0.1), cluster)
+    ran_while_sending = started(cluster, tags)
+    assert ran_while_sending, "no run started while the sends went on: max_wait did not cap the debounce"
+    # The newest send at the end runs too; every other send ran or was superseded by a newer one.
+    for i, r in enumerate(results):
+        value = r.get(timeout=90)
+        if isinstance(value, dict):
+            assert value["mongolock"] == "superseded", value
+            assert value["by"] in [x.id for x in results[i + 1 :]], "superseded only by a newer send"
+    assert results[-1].get(timeout=90) == tags[-1]
+    ran = started(cluster, tags)
+    assert ran == sorted(ran, key=tags.index), "runs start in send order"
+    no_overlap(cluster, ran)
+    settled(cluster, keys)

@@ -1,0 +1,99 @@
+"""``Replace(debounce=d, max_wait=m)``: the debounce's ceiling. A key (or set of keys) that keeps
+receiving sends still runs at least ``m`` seconds after its burst began waiting, with the newest send's
+arguments. In the lease store, on the embedded server (no Celery): each parked entry carries when its
+burst began waiting (``fw``, carried on from the runs it supersedes) and a not-before time no later than
+``fw + m``; and the policy's checks (no server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from celery_mongolock import ConfigurationError, LeaseStore, Replace
+from celery_mongolock.core.outcomes import Admission
+
+from .test_admission_store import entry
+from .test_replace_keys_store import run
+
+KEY = "mw:one"
+X, Y = "mw:x", "mw:y"
+
+
+def parked_entry(store: LeaseStore, key: str) -> dict[str, Any]:
+    (e,) = (store.collection.find_one({"_id": key}) or {})["q"]
+    return dict(e)
+
+
+def test_a_newer_send_keeps_the_bursts_first_wait_and_is_due_by_max_wait(store: LeaseStore) -> None:
+    lease, doc = store.admit(KEY, entry(1), replace=True, debounce=30, max_wait=2)
+    assert lease is None and doc["lo"] == "parked"
+    first = parked_entry(store, KEY)
+    assert first["fw"] == first["at"]
+    assert (first["nb"] - first["at"]).total_seconds() == pytest.approx(2, abs=0.01)
+    lease, doc = store.admit(KEY, entry(2), replace=True, debounce=30, max_wait=2)
+    assert lease is None and doc["lo"] == "parked"
+    newer = parked_entry(store, KEY)
+    assert newer["t"] == "task-2" and newer["fw"] == first["fw"]  # the burst began with the first send
+    assert (newer["nb"] - newer["fw"]).total_seconds() == pytest.approx(2, abs=0.01)
+    # What the worker's delayed copy waits: until that ceiling, not the 30 s debounce.
+    due_in = Admission.of(lease, doc).due_in("task-2")
+    assert due_in is not None and due_in <= 2.0
+
+
+def test_without_max_wait_each_send_waits_the_whole_debounce(store: LeaseStore) -> None:
+    store.admit(KEY, entry(1), replace=True, debounce=30)
+    _, doc = store.admit(KEY, entry(2), replace=True, debounce=30)
+    newer = parked_entry(store, KEY)
+    assert "fw" not in newer
+    assert (newer["nb"] - newer["at"]).total_seconds() == pytest.approx(30, abs=0.01)
+    assert Admission.of(None, doc).due_in("task-2") == pytest.approx(30, abs=0.01)
+
+
+def test_a_set_of_keys_keeps_its_bursts_first_wait_on_each_key(store: LeaseStore) -> None:
+    old, new = run(10, [X, Y]), run(20, [X, Y])
+    for r in (old, new):
+        for key in (X, Y):
+            _, doc = store.admit(key, r, ttl=30, replace=True, group=r["g"], debounce=30, max_wait=2)
+            assert doc["lo"] == "parked"
+    for key in (X, Y):
+        e = parked_entry(store, key)
+        assert e["t"] == "r20"
+        assert (e["nb"] - e["fw"]).total_seconds() == pytest.approx(2, abs=0.01)
+        assert e["fw"] < e["at"]  # the older send's
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"max_wait": 10}, "needs debounce="),
+        ({"debounce": 5, "max_wait": 2}, "must be at least debounce=5"),
+        ({"debounce": 5, "max_wait": -1}, "max_wait=...) must be a number"),
+        ({"debounce": 5, "max_wait": "10"}, "max_wait=...) must be a number"),
+    ],
+)
+def test_bad_max_wait_is_refused(options: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigurationError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Replace(**options)
+
+
+def test_max_wait_with_keys_is_refused_for_now() -> None:
+    from celery import Celery
+
+    from celery_mongolock import singleton_task
+
+    with pytest.raises(
+        ConfigurationError, match=r"keys= with Replace\(debounce=1, max_wait=3\) is not supported yet"
+    ):
+
+        @singleton_task(
+            app=Celery("mw", set_as_current=False),
+            keys=("a:{x}", "b:{x}"),
+            on_contention=Replace(debounce=1, max_wait=3),
+        )
+        def pair(x: str) -> None: ...
+
+
+def test_max_wait_is_accepted_with_a_debounce_it_is_not_shorter_than() -> None:
+    assert Replace(debounce=5, max_wait=5).max_wait == 5
+    assert Replace(debounce=5, max_wait=60).max_wait == 60
