@@ -322,17 +322,8 @@ REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/how-to/several-keys.md", "`Replace(debounce=...)` with `keys=(...)` is refused"): lambda: _declare(
         keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
     ),
-    ("docs/how-to/several-keys.md", "With `Replace` it is refused at declaration"): lambda: _declare(
-        keys=KEYS, limit={"g:{src}": 3}, on_contention="replace"
-    ),
     ("docs/reference/policies.md", "`Replace(debounce=...)` with `keys=` is not supported yet"): lambda: (
         _declare(keys=KEYS, on_contention={"policy": "replace", "debounce": 2})
-    ),
-    ("docs/reference/policies.md", "nor a limit with `Replace` and `keys=`"): lambda: _declare(
-        keys=KEYS, limit=2, on_contention="replace"
-    ),
-    ("docs/reference/settings.md", "nor with a limit and `Replace`"): lambda: _task_policy(
-        keys=KEYS, limit=3, on_contention="replace"
     ),
     ("docs/reference/settings.md", "Not with `Replace(debounce=...)`"): lambda: _task_policy(
         keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
@@ -340,12 +331,26 @@ REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/reference/keys.md", "`keys=`\n  with `Replace(debounce=...)`"): lambda: _declare(
         keys=KEYS, on_contention={"policy": "replace", "debounce": 2}
     ),
-    ("docs/reference/keys.md", "or with a limit and `Replace`"): lambda: _declare(
-        keys=KEYS, limit=2, on_contention="replace"
-    ),
 }
 # What pages say works (issue 27: pages said these were refused).
 ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
+    ("docs/how-to/several-keys.md", "`Replace()` takes a limit per key too"): lambda: _declare(
+        keys=KEYS, limit={"g:{src}": 3}, on_contention="replace"
+    ),
+    (
+        "docs/how-to/several-keys.md",
+        "`limit=N` (an int) gives every key N slots and works the same way",
+    ): lambda: _declare(keys=KEYS, limit=2, on_contention="replace"),
+    ("docs/how-to/per-tenant-limit.md", "Every policy takes it. With `Replace`"): lambda: [
+        _declare(keys=("t:{src}", "g:{dst}"), limit={"t:{src}": 3}, on_contention=p)
+        for p in ("retry", "skip", "wait", "fail", "queue", "replace")
+    ],
+    ("docs/reference/policies.md", "A limit per key with `Replace` and `keys=` works"): lambda: _declare(
+        keys=KEYS, limit=2, on_contention="replace"
+    ),
+    ("docs/reference/settings.md", "(with a limit per key too)"): lambda: _task_policy(
+        keys=KEYS, limit=3, on_contention="replace"
+    ),
     ("docs/how-to/several-keys.md", "and with `Queue`: on a key with slots the run parks"): lambda: _declare(
         keys=KEYS, limit={"g:{src}": 3}, on_contention="queue"
     ),
