@@ -2736,6 +2736,20 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
     }
 
 
+def _multi_replace_line(title: str, fig: Doc, directed: str, directed_fig: Doc) -> str:
+    """The report's line for a several-keys ``Replace`` section (``multi_replace_figures``) and what its
+    directed burst showed (``directed``, formatted with ``directed_fig``)."""
+    line = (
+        "  {title}: tasks {submitted} in {sets} sets of keys ({sets_with_a_superseded_run} with a run "
+        "superseded), done {done}, superseded {superseded}, bodies {bodies}, newest send of a set done with "
+        "a body {newest_of_a_set_done_with_a_body}, runs of a set sharing a key with another "
+        "{overlapping_runs} (done {overlapping_runs_done}); directed: superseded {directed_superseded}, "
+        "done with a body {directed_done_with_a_body}; faults hitting a body {faults_hitting_bodies}, that "
+        "began while a body ran {faults_during_bodies} "
+    ).format(title=title, **fig)
+    return line + directed.format_map(defaultdict(lambda: None, directed_fig))
+
+
 def unmet_coverage(report: Doc) -> list[str]:
     """What a bounded run (``Config`` defaults, every fault) claims to have exercised and did not; empty:
     all of it. Each claim holds by how the run is driven, not by timing or load:
@@ -4666,31 +4680,19 @@ def format_report(report: Doc) -> str:
         "(of a slot {reentered_slots}), asks that got a lease of their own {not_reentered}, done runs that "
         "reentered both ways {done_runs_that_reentered_both_ways}; faults hitting a body "
         "{faults_hitting_bodies}".format(**report["reentrant"]),
-        "  several keys under Replace: tasks {submitted} in {sets} sets of keys "
-        "({sets_with_a_superseded_run} with a run superseded), done {done}, superseded {superseded}, "
-        "bodies {bodies}, newest send of a set done with a body {newest_of_a_set_done_with_a_body}, runs "
-        "of a set sharing a key with another {overlapping_runs} (done {overlapping_runs_done}); directed "
-        "burst: superseded {directed_superseded}, done with a body {directed_done_with_a_body}; faults "
-        "hitting a body {faults_hitting_bodies}, that began while a body ran {faults_during_bodies}".format(
-            **(report.get("multi_replace") or {})
-        )
-        + " (directed burst: reservations taken back by a newer send {}, the overlapping run parked "
-        "behind them {})".format(
-            (report.get("multi_replace_directed") or {}).get("taken_back"),
-            (report.get("multi_replace_directed") or {}).get("other_parked_behind"),
+        _multi_replace_line(
+            "several keys under Replace",
+            report.get("multi_replace") or {},
+            "(directed burst: reservations taken back by a newer send {taken_back}, the overlapping run "
+            "parked behind them {other_parked_behind})",
+            report.get("multi_replace_directed") or {},
         ),
-        "  several keys with a limit per key under Replace: tasks {submitted} in {sets} sets of keys "
-        "({sets_with_a_superseded_run} with a run superseded), done {done}, superseded {superseded}, "
-        "bodies {bodies}, newest send of a set done with a body {newest_of_a_set_done_with_a_body}, runs "
-        "of a set sharing a key with another {overlapping_runs} (done {overlapping_runs_done}); directed "
-        "bursts: superseded {directed_superseded}, done with a body {directed_done_with_a_body}; faults "
-        "hitting a body {faults_hitting_bodies}, that began while a body ran {faults_during_bodies}".format(
-            **(report.get("multi_limit_replace") or {})
-        )
-        + " (directed bursts: slot reservations taken back by a newer send {}, runs parked for a slot "
-        "superseded by a newer send {})".format(
-            (report.get("multi_limit_replace_directed") or {}).get("slot_reservations_taken_back"),
-            (report.get("multi_limit_replace_directed") or {}).get("parked_for_a_slot_superseded"),
+        _multi_replace_line(
+            "several keys with a limit per key under Replace",
+            report.get("multi_limit_replace") or {},
+            "(directed bursts: slot reservations taken back by a newer send {slot_reservations_taken_back}, "
+            "runs parked for a slot superseded by a newer send {parked_for_a_slot_superseded})",
+            report.get("multi_limit_replace_directed") or {},
         ),
         *(
             f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "

@@ -9,50 +9,19 @@ reserved or to write."""
 from __future__ import annotations
 
 import itertools
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from . import integration_app as it
-from .servers import RedisServer, wait_for
+from .servers import wait_for
 from .test_integration import Cluster
 from .test_limit import overlap_peak
-from .test_replace_keys import settled, started
-from .workers import pointed_at
+from .test_replace_keys import cluster, settled, started, tag
+
+# (``cluster``: two worker nodes of 3 children each, more than the limit, on each broker in turn)
+__all__ = ["cluster"]
 
 pytestmark = pytest.mark.slow
-
-LEASE = 3.0
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
-    """Two worker nodes of 3 children each (more than the limit), on each broker in turn."""
-    db_name = f"mongolock_rkl_{uuid.uuid4().hex[:8]}"
-    c = Cluster(
-        broker_url, mongo_url, db_name, tmp_path_factory.mktemp("rklworkers"), backend=redis_server.url
-    )
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        c.worker(name="rkl1@localhost", concurrency=3)
-        c.worker(name="rkl2@localhost", concurrency=3)
-        try:
-            yield c
-        finally:
-            c.close()
-
-
-def tag() -> str:
-    return uuid.uuid4().hex[:10]
 
 
 def keys_of(tenant: str, group: str) -> list[str]:
