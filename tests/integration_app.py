@@ -613,6 +613,17 @@ def cancel_deaf(resource: str, tag: str, seconds: float = 0.3) -> str:
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
     record("end", tag)
     return tag
+@singleton_task(
+    keys=("tenant:{tenant}", "group:{group}"),
+    limit={"tenant:{tenant}": 2},
+    app=app,
+    name="integration_app.tenant_upload_latest",
+    on_contention=Replace(),
+)
+def tenant_upload_latest(tenant: str, group: str, tag: str, seconds: float = 0.3) -> list[str]:
+    """The multi-tenant upload, latest-wins: at most 2 uploads of one tenant at once, one of one group,
+    and of the sends for one group that waited, the newest runs (the older end superseded)."""
+    return _merge_body(tag, seconds)
 
 
 @app.task(name="integration_app.plain")

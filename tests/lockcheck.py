@@ -267,6 +267,11 @@ MULTI_REPLACE_TASK = "lockcheck.rmw_multi_replace"
 MULTI_REPLACE_DEBOUNCED_TASK = "lockcheck.rmw_multi_replace_debounced"
 MULTI_REPLACE_DEBOUNCE = 0.3
 MULTI_REPLACE_TASKS = (MULTI_REPLACE_TASK, MULTI_REPLACE_DEBOUNCED_TASK)
+#: The several-keys ``Replace`` task with a limit per key (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``,
+#: ``Replace()``): a slot of an ``l`` key and the lease of a ``k`` key; the newest send of a pair wins, on
+#: the slotted key too (a run parked for a slot, or keeping one reserved, is superseded there). Judged as
+#: ``MULTI_REPLACE_TASK`` runs are (``check_multi_replace``). A several-keys task.
+MULTI_LIMIT_REPLACE_TASK = "lockcheck.rmw_multi_limit_replace"
 MULTI_TASKS = (
     "lockcheck.rmw_multi",
     "lockcheck.rmw_multi_skip",
@@ -276,6 +281,7 @@ MULTI_TASKS = (
     MULTI_REPLACE_DEBOUNCED_TASK,
     REENTRANT_TASK,
     MULTI_LIMIT_QUEUE_TASK,
+    MULTI_LIMIT_REPLACE_TASK,
 )
 #: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
 #: ends and releases its key, then its child SIGKILLs itself before Celery stores the result, and the
@@ -308,6 +314,12 @@ WINDOW_WAIT_S = 120.0
 #: The directed burst of ``MULTI_REPLACE_DEBOUNCED_TASK`` runs (``Run._debounced_directed``): one set of two
 #: ``m`` keys (index ``DIRECTED_KEY + 5`` and ``+ 6``), sent one at a time behind a gate on the first.
 DEBOUNCED_BURST = 4
+#: The directed bursts of ``MULTI_LIMIT_REPLACE_TASK`` runs (``Run._multi_limit_replace_directed``): each
+#: one pair (an ``l`` key, a ``k`` key) of its own, sent one at a time behind a gate. In the first, the
+#: gate holds the ``k`` key and N - 1 slots: each run reserves the last slot, and each newer send takes
+#: that slot reservation back. In the second, the gate holds all N slots: each run parks for a slot
+#: (keeping the ``k`` key reserved), and each newer send supersedes the older one parked for the slot.
+MULTI_LIMIT_REPLACE_BURST = 3
 #: The directed burst of ``MIN_HOLD_TASK`` runs, on an ``l`` key of its own (index ``DIRECTED_KEY`` + 2):
 #: the gate's N slots go to the first N; the others are handed a slot only once one of those runs' minimum
 #: holds has ended, so at least ``MIN_HOLD_BURST - LIMIT`` acquisitions follow a clean minimum hold.
@@ -1558,6 +1570,7 @@ def check(history: History) -> list[Violation]:
     found += check_multi_replace(history)
     # 8. Replace(cancel_running=True): superseded holders.
     found += check_cancel(history)
+    found += check_multi_replace(history, MULTI_LIMIT_REPLACE_TASK)
     return found
 
 
@@ -2042,8 +2055,9 @@ def _set_of(task: Doc) -> tuple[str, ...]:
     return tuple(sorted({str(k) for k in task.get("keys") or []}))
 
 
-def check_multi_replace(history: History) -> list[Violation]:
-    """The several-keys ``Replace`` runs (``MULTI_REPLACE_TASK``, on ``m`` keys), judged per set of keys.
+def check_multi_replace(history: History, task_name: str = MULTI_REPLACE_TASK) -> list[Violation]:
+    """The several-keys ``Replace`` runs (``MULTI_REPLACE_TASK``, on ``m`` keys; or ``task_name``:
+    ``MULTI_LIMIT_REPLACE_TASK``, a slot of an ``l`` key and a ``k`` key), judged per set of keys.
 
     * ``superseded-ran``: a run that ended superseded has a body start (``mbody``) at or after the first
       record of its supersession (``superseded``; with none, any body start): a superseded run never
@@ -2060,7 +2074,8 @@ def check_multi_replace(history: History) -> list[Violation]:
     No two holders of a key: its holds go through the plain per-key checks with every other hold of the
     key (the bare clients take ``m`` keys too)."""
     found: list[Violation] = []
-    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in MULTI_REPLACE_TASKS}
+    names = MULTI_REPLACE_TASKS if task_name == MULTI_REPLACE_TASK else (task_name,)
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in names}
     if not tasks:
         return found
     started = {str(e.get("task_id")) for e in history.events if e.get("ev") == "mbody"}
@@ -2121,7 +2136,7 @@ def check_multi_replace(history: History) -> list[Violation]:
             )
     by_key = grants(history.events)
     for key, items in sorted(by_key.items()):
-        if key_policy(key) != "multi_replace":
+        if task_name == MULTI_REPLACE_TASK and key_policy(key) != "multi_replace":
             continue
         first: dict[str, int] = {}
         for g in items:
@@ -2150,12 +2165,19 @@ def check_multi_replace(history: History) -> list[Violation]:
     return found
 
 
-def multi_replace_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
-    """What the several-keys ``Replace`` runs did (figures, not verdicts): sets of keys, runs done and
-    superseded, the newest send of each set done, runs of a set that shares a key with another set
-    (overlapping) done, the directed burst's, and the faults that hit or began during their bodies."""
+def multi_replace_figures(
+    history: History,
+    faults: Sequence[Doc] = (),
+    task_name: str = MULTI_REPLACE_TASK,
+    directed_op: str = "directed-multi-replace-",
+) -> Doc:
+    """What the several-keys ``Replace`` runs (of ``task_name``) did (figures, not verdicts): sets of
+    keys, runs done and superseded, the newest send of each set done, runs of a set that shares a key
+    with another set (overlapping) done, the directed burst's (ops starting with ``directed_op``), and
+    the faults that hit or began during their bodies."""
     ev = history.events
-    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in MULTI_REPLACE_TASKS}
+    names = MULTI_REPLACE_TASKS if task_name == MULTI_REPLACE_TASK else (task_name,)
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in names}
     bodies = [e for e in ev if e.get("ev") == "mbody" and e.get("task_id") in tasks]
     ran = {str(b["task_id"]) for b in bodies}
 
@@ -2180,7 +2202,7 @@ def multi_replace_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
     def with_op(prefix: str) -> set[str]:
         return {tid for tid, t in tasks.items() if str(t.get("op", "")).startswith(prefix)}
 
-    directed = with_op("directed-multi-replace-")
+    directed = with_op(directed_op)
     window, debounced_directed = with_op("directed-window-"), with_op("directed-debounced-")
     debounced = {tid for tid, t in tasks.items() if t.get("task") == MULTI_REPLACE_DEBOUNCED_TASK}
     ends = hold_ends(ev)
@@ -3100,11 +3122,28 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "multi_replace": multi_replace_figures(history, faults),
         "cancel": cancel_figures(history),
         "unique": unique_figures(history, faults, extra.get("unique_directed")),
+        "multi_limit_replace": multi_replace_figures(
+            history, faults, MULTI_LIMIT_REPLACE_TASK, "directed-multi-limit-replace-"
+        ),
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
         "violations": len(violations),
         "violation_list": [str(v) for v in violations[:50]],
     }
+
+
+def _multi_replace_line(title: str, fig: Doc, directed: str, directed_fig: Doc) -> str:
+    """The report's line for a several-keys ``Replace`` section (``multi_replace_figures``) and what its
+    directed burst showed (``directed``, formatted with ``directed_fig``)."""
+    line = (
+        "  {title}: tasks {submitted} in {sets} sets of keys ({sets_with_a_superseded_run} with a run "
+        "superseded), done {done}, superseded {superseded}, bodies {bodies}, newest send of a set done with "
+        "a body {newest_of_a_set_done_with_a_body}, runs of a set sharing a key with another "
+        "{overlapping_runs} (done {overlapping_runs_done}); directed: superseded {directed_superseded}, "
+        "done with a body {directed_done_with_a_body}; faults hitting a body {faults_hitting_bodies}, that "
+        "began while a body ran {faults_during_bodies} "
+    ).format(title=title, **fig)
+    return line + directed.format_map(defaultdict(lambda: None, directed_fig))
 
 
 def unmet_coverage(report: Doc) -> list[str]:
@@ -3133,6 +3172,13 @@ def unmet_coverage(report: Doc) -> list[str]:
       every newer send takes its set's reservation back from the older run (``MULTI_REPLACE_BURST - 1``
       times, seen in the lease document), and all but the newest end superseded; a run of an
       overlapping set parks behind the newest one's reservation, and both run once the gate lets go;
+    - the several-keys ``Replace`` bursts with a limit per key (``Run._multi_limit_replace_directed``):
+      each on a pair (an ``l`` key, a ``k`` key) of its own, its runs sent one at a time behind a gate,
+      each once the lease documents show the one before waiting as planned. Gate on the ``k`` key and
+      N - 1 slots: each run reserves the last slot, so every newer send takes its set's slot reservation
+      back (``MULTI_LIMIT_REPLACE_BURST - 1`` times, seen in the lease document). Gate on all N slots:
+      each run parks for a slot, so every newer send supersedes its set's run parked there. In each,
+      all but the newest end superseded and the newest runs once the gate lets go;
     - every fault began with a ``Queue`` run parked behind a gate on a key of its own (confirmed in its
       lease document), handed the key when the fault was over;
     - every fault began with a document lock (``DocumentLock``, a ``d`` key of its own) held by the
@@ -3266,6 +3312,26 @@ def unmet_coverage(report: Doc) -> list[str]:
             "the debounced several-keys Replace burst: all but its newest send superseded, the newest ran",
             {k: v for k, v in mr.items() if k.startswith("debounced")},
         )
+    mlr, mlrd = report.get("multi_limit_replace") or {}, report.get("multi_limit_replace_directed") or {}
+    if mlrd:
+        directed = {**mlr, **mlrd}
+        claim(
+            mlr.get("directed_superseded", 0) == 2 * (MULTI_LIMIT_REPLACE_BURST - 1)
+            and mlr.get("directed_done_with_a_body", 0) == 2,
+            "the several-keys Replace bursts with a limit: all but each burst's newest send superseded, "
+            "the newest ran",
+            directed,
+        )
+        claim(
+            mlrd.get("slot_reservations_taken_back", 0) == MULTI_LIMIT_REPLACE_BURST - 1,
+            "each newer send took its set's slot reservation back",
+            directed,
+        )
+        claim(
+            mlrd.get("parked_for_a_slot_superseded", 0) == MULTI_LIMIT_REPLACE_BURST - 1,
+            "each newer send superseded its set's run parked for a slot",
+            directed,
+        )
     claim(queued["faults_hitting_queued_runs"] == faults, "every fault with a queued run parked", queued)
     u = report["unique"]
     ud = u["directed"]
@@ -3353,6 +3419,9 @@ class Config:
     #: Of those, the share sent as a reentrant run (``REENTRANT_TASK``) instead (drawn from a generator of
     #: its own, so that a seed's other sends are the ones it made before reentrant runs existed).
     reentrant_share: float = 0.3
+    #: Of those bursts, the share sent as several-keys ``Replace`` runs with a limit per key instead
+    #: (``MULTI_LIMIT_REPLACE_TASK``; a generator of its own, as for reentrant runs).
+    multi_limit_replace_share: float = 0.3
     #: ``m`` keys, whose runs are several-keys ``Replace`` runs (``MULTI_REPLACE_TASK``), and the share of
     #: the several-keys sends that are a burst of 2 to 4 of them on one pair of ``m`` keys (named in either
     #: order), half of the time with a run of an overlapping pair among them. The bare clients take these
@@ -3524,6 +3593,8 @@ class Run:
         #: Every send of the ``unique_send`` task: key, op, the task id it got (or ``refused``), when.
         self.unique_sends: list[Doc] = []
         self._unique_gates = 0
+        #: ... and for the several-keys Replace runs with a limit per key (``_multi_limit_replace_sends``).
+        self.replace_rng = random.Random(cfg.seed * 7919 + 31)
         self._own_dir = cfg.workdir is None
         self.dir = Path(cfg.workdir or tempfile.mkdtemp(prefix="lockcheck-"))
         self.hist_dir = self.dir / "hist"
@@ -3574,6 +3645,8 @@ class Run:
         self.multi_replace_directed: Doc = {}
         #: What the directed reservation window showed (``_reservation_window``).
         self.multi_replace_window: Doc = {}
+        #: ... and its bursts with a limit per key (``_multi_limit_replace_directed``).
+        self.multi_limit_replace_directed: Doc = {}
         self.directed_s = 0.0
         self.store: LeaseStore | None = None
         #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
@@ -3815,6 +3888,9 @@ class Run:
                 if self.cfg.limit_keys and self.rng.random() < self.cfg.multi_limit_share:
                     # A slot of one l key and a k key each: more runs than slots, some on one k key.
                     slotted = key_for(self.rng.randrange(self.cfg.limit_keys), epoch, "l")
+                    if self.replace_rng.random() < self.cfg.multi_limit_replace_share:
+                        n = self._multi_limit_replace_sends(n, epoch, slotted)
+                        continue
                     # (half the bursts under Queue: parked on each key, the slot or key got kept reserved)
                     name = MULTI_LIMIT_QUEUE_TASK if self.rng.random() < 0.5 else MULTI_LIMIT_TASK
                     for _ in range(self.rng.randint(2, LIMIT + 1)):
@@ -4108,6 +4184,8 @@ class Run:
             bursts.append(("", [], self._debounced_directed()))
         if self.cfg.replace_keys:
             bursts.append(("", [], self._cancel_directed()))
+        if self.cfg.limit_keys and self.cfg.keys > 1:
+            bursts.append(("", [], self._multi_limit_replace_directed()))
         everyone = [t for _k, _g, ids in bursts for t in ids]
         try:
             _wait(
@@ -4214,6 +4292,19 @@ class Run:
             self._submit(task, "", f"task-{n}", keys=keys)
         return n
 
+    def _multi_limit_replace_sends(self, n: int, epoch: int, slotted: str) -> int:
+        """A burst of 2 to 4 ``MULTI_LIMIT_REPLACE_TASK`` runs on one pair (``slotted``, a ``k`` key), half
+        of the time with a run of another pair sharing the ``l`` key among them (another set: it keeps its
+        place and its slot)."""
+        single, other = self.replace_rng.sample(range(self.cfg.keys), 2)
+        sends = [(slotted, key_for(single, epoch))] * self.replace_rng.randint(2, 4)
+        if self.replace_rng.random() < 0.5:
+            sends.insert(self.replace_rng.randrange(len(sends) + 1), (slotted, key_for(other, epoch)))
+        for keys in sends:
+            n += 1
+            self._submit(MULTI_LIMIT_REPLACE_TASK, "", f"task-{n}", keys=keys)
+        return n
+
     def _reserved_for(self, key: str) -> str | None:
         """The task id ``key`` is handed or reserved to and not yet claimed (``ho``), if any."""
         assert self.store is not None
@@ -4289,7 +4380,7 @@ class Run:
             )
         return False
 
-    def _parked_on(self, key: str, task_id: str) -> bool:
+    def _is_parked_on(self, key: str, task_id: str) -> bool:
         return task_id in self._waiting_on(key)
 
     def _reservation_window(self) -> list[str]:
@@ -4356,12 +4447,96 @@ class Run:
             ids.append(tid)
             try:
                 _wait(
-                    functools.partial(self._parked_on, e0, tid), START_GUARD_S, f"a run parked on {e0}", 0.1
+                    functools.partial(self._is_parked_on, e0, tid), START_GUARD_S, f"a run parked on {e0}", 0.1
                 )
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
         self._gate_release(gate)
         return ids
+    def _slots_handed_to(self, key: str) -> set[str]:
+        """The task ids the slots of ``key`` are reserved or handed to and not yet claimed (``hs.ho``)."""
+        assert self.store is not None
+        with contextlib.suppress(PyMongoError):
+            doc = self.store.collection.find_one({"_id": key}, {"hs.ho.t": 1, "hs.o": 1, "hs.ho.tk": 1}) or {}
+            return {
+                str(h["ho"].get("t"))
+                for h in doc.get("hs") or []
+                if h.get("ho") and h.get("o") == h["ho"].get("tk")
+            }
+        return set()
+
+    def _parked_on(self, key: str) -> set[str]:
+        """The task ids parked on ``key`` (``q``)."""
+        assert self.store is not None
+        with contextlib.suppress(PyMongoError):
+            doc = self.store.collection.find_one({"_id": key}, {"q.t": 1}) or {}
+            return {str(e.get("t")) for e in doc.get("q") or []}
+        return set()
+
+    def _multi_limit_replace_directed(self) -> list[str]:
+        """Two bursts of ``MULTI_LIMIT_REPLACE_BURST`` runs of ``MULTI_LIMIT_REPLACE_TASK``, each on a pair
+        (an ``l`` key, a ``k`` key) of its own, sent one at a time behind a gate; the next run is sent only
+        once the lease documents show the last one waiting as planned, so each newer send finds its set's
+        older run there, by construction:
+
+        1. the gate holds the ``k`` key and N - 1 slots: each run parks on the ``k`` key (it is taken in
+           sorted order, first) and reserves the last slot; a newer send finds the ``l`` key full, parks,
+           and takes the older run's slot reservation back, which is handed to it in the same command
+           (``slot_reservations_taken_back``: the slot reserved for the newest, the older one superseded);
+        2. the gate holds all N slots: each run takes the ``k`` key, parks for a slot and keeps the ``k``
+           key reserved; a newer send takes that reservation back and supersedes the older run parked for
+           the slot (``parked_for_a_slot_superseded``: the older run gone from the ``l`` key's queue).
+
+        Then the gates let go: the newest of each burst runs. Returns the task ids."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        s1, k1 = key_for(DIRECTED_KEY + 6, epoch, "l"), key_for(DIRECTED_KEY + 6, epoch)
+        s2, k2 = key_for(DIRECTED_KEY + 7, epoch, "l"), key_for(DIRECTED_KEY + 7, epoch)
+        gate1 = self._gate_take(k1) + self._gate_take(s1, slots=LIMIT - 1)
+        ids1, taken_back = self._limit_replace_sends(
+            "reserved", s1, k1, lambda tid: tid in self._slots_handed_to(s1)
+        )
+        gate2 = self._gate_take(s2, slots=LIMIT)
+        ids2, parked_superseded = self._limit_replace_sends(
+            "parked", s2, k2, lambda tid: tid in self._parked_on(s2) and self._reserved_for(k2) == tid
+        )
+        self._gate_release(gate1)
+        self._gate_release(gate2)
+        self.multi_limit_replace_directed = {
+            "reserved_burst": ids1,
+            "parked_burst": ids2,
+            "slot_reservations_taken_back": taken_back,
+            "parked_for_a_slot_superseded": parked_superseded,
+        }
+        return ids1 + ids2
+
+    def _limit_replace_sends(
+        self, what: str, slotted: str, single: str, waits: Callable[[str], bool]
+    ) -> tuple[list[str], int]:
+        """``MULTI_LIMIT_REPLACE_BURST`` sends of the pair, one at a time, each once ``waits(tid)`` says
+        the one before waits as planned; (task ids, how many older runs were gone from the ``l`` key, in
+        ``sup`` there or ended, once the newer one waited)."""
+        ids: list[str] = []
+        gone = 0
+        for i in range(MULTI_LIMIT_REPLACE_BURST):
+            op = f"directed-multi-limit-replace-{what}-{i}"
+            tid = self._submit(MULTI_LIMIT_REPLACE_TASK, "", op, keys=(slotted, single), queue="celery")
+            if tid is None:
+                continue
+            older = ids[-1] if ids else None
+            ids.append(tid)
+            try:
+                _wait(
+                    functools.partial(waits, tid), START_GUARD_S, f"{tid} to wait on {slotted} ({what})", 0.1
+                )
+            except TimeoutError as exc:
+                self.log(f"directed phase: {exc}")
+                continue
+            if older is None:
+                continue
+            on_slotted = self._slots_handed_to(slotted) | self._parked_on(slotted)
+            if older not in on_slotted and older in self._waiting_on(slotted) | self._ended([older]):
+                gone += 1  # in sup there (its result not yet written), or ended superseded
+        return ids, gone
 
     def _multi_limit_burst(self) -> tuple[str, str, list[Lease], list[str]]:
         """``MULTI_LIMIT_BURST`` runs of ``MULTI_LIMIT_TASK`` on a ``l`` key and a ``k`` key of their own,
@@ -5120,6 +5295,7 @@ class Run:
                 "multi_replace_directed": self.multi_replace_directed,
                 "unique_directed": self.unique_directed,
                 "multi_replace_window": self.multi_replace_window,
+                "multi_limit_replace_directed": self.multi_limit_replace_directed,
             }
             report = figures(history, self.faults, violations, extra)
             report["fault_log"] = self.faults
@@ -5257,18 +5433,19 @@ def format_report(report: Doc) -> str:
         "(of a slot {reentered_slots}), asks that got a lease of their own {not_reentered}, done runs that "
         "reentered both ways {done_runs_that_reentered_both_ways}; faults hitting a body "
         "{faults_hitting_bodies}".format(**report["reentrant"]),
-        "  several keys under Replace: tasks {submitted} in {sets} sets of keys "
-        "({sets_with_a_superseded_run} with a run superseded), done {done}, superseded {superseded}, "
-        "bodies {bodies}, newest send of a set done with a body {newest_of_a_set_done_with_a_body}, runs "
-        "of a set sharing a key with another {overlapping_runs} (done {overlapping_runs_done}); directed "
-        "burst: superseded {directed_superseded}, done with a body {directed_done_with_a_body}; faults "
-        "hitting a body {faults_hitting_bodies}, that began while a body ran {faults_during_bodies}".format(
-            **(report.get("multi_replace") or {})
-        )
-        + " (directed burst: reservations taken back by a newer send {}, the overlapping run parked "
-        "behind them {})".format(
-            (report.get("multi_replace_directed") or {}).get("taken_back"),
-            (report.get("multi_replace_directed") or {}).get("other_parked_behind"),
+        _multi_replace_line(
+            "several keys under Replace",
+            report.get("multi_replace") or {},
+            "(directed burst: reservations taken back by a newer send {taken_back}, the overlapping run "
+            "parked behind them {other_parked_behind})",
+            report.get("multi_replace_directed") or {},
+        ),
+        _multi_replace_line(
+            "several keys with a limit per key under Replace",
+            report.get("multi_limit_replace") or {},
+            "(directed bursts: slot reservations taken back by a newer send {slot_reservations_taken_back}, "
+            "runs parked for a slot superseded by a newer send {parked_for_a_slot_superseded})",
+            report.get("multi_limit_replace_directed") or {},
         ),
         "  unique sends: {sends} (refused: MongoDB did not answer {refused}), runs {runs}, sends answered "
         "with a pending run {sends_that_got_a_pending_run}, runs with a body {runs_with_a_body}, "

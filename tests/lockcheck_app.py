@@ -26,12 +26,13 @@ cleanly is not taken again before the hold ended. The several-keys tasks (``rmw_
 and fence (``lockcheck.run_multi_hold``). The several-keys task with a limit per key
 (``rmw_multi_limit``: ``Retry``; ``keys=("{a}", "{b}")``, ``limit={"{a}": N}``) takes ``a`` (an ``l`` key)
 as one of its N slots and ``b`` (a ``k`` key) as the single lease, and writes ``a``'s document in its
-slot's part and ``b``'s as a plain key's. The reentrant task (``rmw_reentrant``, the same keys and limit)
-writes ``a`` through an in-process call of ``rmw_reentrant_inner`` (``limit=N``, ``Fail``) and ``b`` inside
-``store.hold(b)``: both reentrant holds of its run's leases (``lockcheck.run_reentered``). Every
-contention of a singleton run (``lease_contended``) is
-recorded as ``tcont`` (task id, key, policy): the controller waits for it to drive contention by
-construction.
+slot's part and ``b``'s as a plain key's (``rmw_multi_limit_queued``: the same under ``Queue()``,
+``rmw_multi_limit_replace``: under ``Replace()``, latest wins per pair). The reentrant task
+(``rmw_reentrant``, the same keys and limit) writes ``a`` through an in-process call of
+``rmw_reentrant_inner`` (``limit=N``, ``Fail``) and ``b`` inside ``store.hold(b)``: both reentrant holds
+of its run's leases (``lockcheck.run_reentered``). Every contention of a singleton run
+(``lease_contended``) is recorded as ``tcont`` (task id, key, policy): the controller waits for it to
+drive contention by construction.
 """
 
 from __future__ import annotations
@@ -681,4 +682,20 @@ def _reentered(lease: Any, via: str, *, op: str, reckless: bool, task_id: str, w
 def rmw_multi_limit_queued(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """``rmw_multi_limit`` under Queue: parked on each key it did not get (a slot of ``a``, the lease of
     ``b``), keeping the ones it got as reservations (a slot of ``a`` reserved counts against its limit)."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"),
+    limit={"{a}": lockcheck.LIMIT},
+    app=app,
+    name=lockcheck.MULTI_LIMIT_REPLACE_TASK,
+    bind=True,
+    on_contention=Replace(),
+    max_retries=200,
+)
+def rmw_multi_limit_replace(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """``rmw_multi_limit`` under Replace: latest wins per set of keys, a slot of ``a`` and the lease of
+    ``b``; a newer send of the same pair supersedes the older runs of that pair on both keys (parked for
+    a slot, or keeping a slot or the lease as a reservation); runs of other pairs keep their place."""
     return _body(self, f"{a}+{b}", op, reckless)

@@ -318,25 +318,29 @@ def _task_policy(**options: Any) -> Any:
 
 KEYS = ("g:{src}", "g:{dst}")
 # (page, the words of the claim): a call that the claim says is refused.
-REFUSED: dict[tuple[str, str], Callable[[], Any]] = {
-    ("docs/how-to/several-keys.md", "With `Replace` it is refused at declaration"): lambda: _declare(
-        keys=KEYS, limit={"g:{src}": 3}, on_contention="replace"
-    ),
-    ("docs/reference/policies.md", "A limit with `Replace` and `keys=` is not supported yet"): lambda: (
-        _declare(keys=KEYS, limit=2, on_contention="replace")
-    ),
-    ("docs/reference/settings.md", "Not with a limit and `Replace`"): lambda: _task_policy(
-        keys=KEYS, limit=3, on_contention="replace"
-    ),
-    ("docs/reference/keys.md", "`keys=`\n  with a limit and `Replace`"): lambda: _declare(
-        keys=KEYS, limit=2, on_contention="replace"
-    ),
-}
+REFUSED: dict[tuple[str, str], Callable[[], Any]] = {}
 REFUSED[("docs/how-to/several-keys.md", "with `keys=` it is refused at declaration")] = lambda: _declare(
     keys=KEYS, on_contention={"policy": "replace", "debounce": 2, "max_wait": 10}
 )
 # What pages say works (issue 27: pages said these were refused).
 ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
+    ("docs/how-to/several-keys.md", "`Replace()` takes a limit per key too"): lambda: _declare(
+        keys=KEYS, limit={"g:{src}": 3}, on_contention="replace"
+    ),
+    (
+        "docs/how-to/several-keys.md",
+        "`limit=N` (an int) gives every key N slots and works the same way",
+    ): lambda: _declare(keys=KEYS, limit=2, on_contention="replace"),
+    ("docs/how-to/per-tenant-limit.md", "Every policy takes it. With `Replace`"): lambda: [
+        _declare(keys=("t:{src}", "g:{dst}"), limit={"t:{src}": 3}, on_contention=p)
+        for p in ("retry", "skip", "wait", "fail", "queue", "replace")
+    ],
+    ("docs/reference/policies.md", "A limit per key with `Replace` and `keys=` works"): lambda: _declare(
+        keys=KEYS, limit=2, on_contention="replace"
+    ),
+    ("docs/reference/settings.md", "(with a limit per key too)"): lambda: _task_policy(
+        keys=KEYS, limit=3, on_contention="replace"
+    ),
     ("docs/how-to/several-keys.md", "and with `Queue`: on a key with slots the run parks"): lambda: _declare(
         keys=KEYS, limit={"g:{src}": 3}, on_contention="queue"
     ),

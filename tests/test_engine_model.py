@@ -84,7 +84,12 @@ KEYS: dict[str, tuple[int, bool, bool]] = {
     "debounce-1": (1, True, True),
     "debounce-2": (2, True, True),
     "held-2": (2, False, False),
+    "set-2": (2, True, False),
 }
+#: Keys whose runs are several-keys ``Replace`` runs with a limit on this key (``keys=`` with a limit per
+#: key): each run carries its set of keys (``g``, one of two sets, by its stamp's parity; ``ks``), a newer
+#: send supersedes only the older runs of its own set (``core.documents.slot_sets``).
+SET_KEYS = {"set-2"}
 #: Keys whose runs and plain acquirers take their slots with a minimum hold (``min_hold_seconds``) of
 #: ``LONG``: a slot released before it stays taken until the rule ``crash`` ends the hold.
 MIN_HOLD_KEYS = {"held-2"}
@@ -120,6 +125,7 @@ class Run:
     hands: int = 0  # times it was handed the key (the handoff's attempt ``hn`` counts them)
     past_deadline: bool = False  # parked past its Queue(timeout=...): it must never be handed the key
     due: bool = True  # Replace(debounce=...): False until its debounce is over (then it may start)
+    g: str | None = None  # its set of keys (``SET_KEYS``)
 
     @property
     def rid(self) -> str:
@@ -129,7 +135,10 @@ class Run:
         return (self.s, self.rid)
 
     def entry(self) -> dict[str, Any]:
-        return {"id": self.rid, "t": self.tid, "n": "model", "r": "0", "s": self.s, "tk": self.tk, "m": b"m"}
+        e = {"id": self.rid, "t": self.tid, "n": "model", "r": "0", "s": self.s, "tk": self.tk, "m": b"m"}
+        if self.g is not None:  # a several-keys run: its set's signature and its keys
+            e.update(g=self.g, ks=[self.key, f"other:{self.g}"])
+        return e
 
 
 @dataclasses.dataclass(eq=False)
@@ -180,6 +189,8 @@ class KeyModel:
         self.seen: list[str] = []  # runs that ended with a normal release
         self.dead: list[Run] = []  # runs parked past their deadline, results not yet written
         self.max_fence = 0
+        self.sets = name in SET_KEYS
+        self.lg: dict[str, tuple[int, str]] = {}  # (sets) per set: the newest send that got the key
 
     @property
     def single(self) -> bool:
@@ -246,7 +257,11 @@ class KeyModel:
         returned = [h.run for h in gone if h.handed and h.run is not None]
         for r in returned:
             r.state = "parked"
-        self.q = self.time_out(returned + self.q)
+        q = [r for r in returned if r.g is None] + self.q
+        for r in returned:  # a several-keys run's reservation goes back in send order
+            if r.g is not None:
+                q = in_order(q, r)
+        self.q = self.time_out(q)
 
     def fill(self) -> list[Hold]:
         """(Slots) every free slot goes to the oldest due parked run, in queue order."""
@@ -255,7 +270,39 @@ class KeyModel:
         self.q = [r for r in self.q if r not in handed]
         return [self._hand(r) for r in handed]
 
+    def newer_of_set(self, run: Run) -> list[tuple[int, str]]:
+        """(sets) The sends of ``run``'s set newer than it the key knows: ``lg``, parked, handed."""
+        lg = [self.lg[run.g]] if run.g in self.lg else []
+        handed = [
+            (h.run.s, h.run.tid) for h in self.holds if h.handed and h.run is not None and h.run.g == run.g
+        ]
+        parked = [(r.s, r.tid) for r in self.q if r.g == run.g]
+        return [(s, t) for s, t in lg + parked + handed if s > run.s]
+
+    def take_back(self, run: Run) -> None:
+        """(sets) ``run`` parks, takes, claims or is due a slot: the older runs of its set leave the key
+        (parked, or handed a slot not yet claimed: the slot is freed)."""
+        if not self.sets:
+            return
+        parked = [r for r in self.q if r.g == run.g and before(r, run)]
+        holds = [
+            h
+            for h in self.holds
+            if h.handed and h.run is not None and h.run.g == run.g and before(h.run, run)
+        ]
+        for old in parked + [h.run for h in holds if h.run is not None]:
+            old.state, old.superseded_by = "superseded", run.tid
+            self.sup.append((old.tid, run.tid))
+        self.q = [r for r in self.q if r not in parked]
+        self.holds = [h for h in self.holds if h not in holds]
+        if parked:
+            event("sets: parked runs of the set superseded")
+        if holds:
+            event("sets: slots handed to older runs of the set taken back")
+
     def superseded(self, run: Run) -> bool:
+        if self.sets:
+            return bool(self.newer_of_set(run))
         if not self.replace:
             return False
         handed_s = [h.run.s for h in self.holds if h.handed and h.run is not None]
@@ -276,12 +323,16 @@ class KeyModel:
         return None
 
     def took(self, run: Run) -> None:
+        if self.sets:
+            if run.g is not None and run.s > self.lg.get(run.g, (-1, ""))[0]:
+                self.lg[run.g] = (run.s, run.tid)
+            return
         if self.replace and run.s > self.last_s:
             self.last_s, self.last_t = run.s, run.tid
 
     def park(self, run: Run) -> None:
         run.state = "parked"
-        if self.replace:
+        if self.replace and not self.sets:
             for old in self.q:
                 old.state, old.superseded_by = "superseded", run.tid
                 self.sup.append((old.tid, run.tid))
@@ -532,6 +583,7 @@ class EngineMachine(RuleBasedStateMachine):
             timeout=LONG,  # a deadline far away, moved into the past by ``deadline_passes``
             debounce=DEBOUNCE if km.debounce else None,
             min_hold=self._hold_s(km),
+            group=run.g,
         )
         assert doc.get("lo") == expected, (
             f"{km.name}: {run.tid} was {doc.get('lo')}, the model says {expected}"
@@ -586,6 +638,7 @@ class EngineMachine(RuleBasedStateMachine):
             run.superseded_by = self._newer_than(km, run)
             outcome = "superseded"
         elif len(km.holds) < km.limit and not km.debounce and (not km.q or not before(km.q[0], run)):
+            km.take_back(run)
             hold = Hold("", run, handed=False)
             km.holds.append(hold)
             km.took(run)
@@ -594,15 +647,23 @@ class EngineMachine(RuleBasedStateMachine):
             run.state = "refused"
             outcome = "full"
         else:
+            km.take_back(run)
             km.park(run)
             outcome = "parked"
         return outcome, hold, km.fill()
 
     def _newer_than(self, km: KeyModel, run: Run) -> str:
         """Who supersedes ``run`` (the engine's ``lo_by``): the last send that got the key, else the
-        (last) handed run, else the last parked run. It must be a newer send."""
+        (last) handed run, else the last parked run. It must be a newer send. (Sets: the newest newer send
+        of its set, the first of equals in the order ``lg``, parked, handed.)"""
         handed = [h.run for h in km.holds if h.handed and h.run is not None]
-        if km.last_s > run.s:
+        if km.sets:
+            best: tuple[int, str] = (-1, "")
+            for s_, t in km.newer_of_set(run):
+                if s_ > best[0]:
+                    best = (s_, t)
+            by = best[1]
+        elif km.last_s > run.s:
             by = km.last_t
         elif any(r.s > run.s for r in handed):
             by = handed[-1].tid
@@ -675,8 +736,9 @@ class EngineMachine(RuleBasedStateMachine):
         if mine is not None:
             expected = "claimed"
             mine.handed, mine.expired = False, False
+            km.take_back(run)
         else:
-            expected = km.copy_outcome(run) or "stale"
+            expected = km.copy_outcome(run) or ("superseded" if km.sets and km.superseded(run) else "stale")
         if not km.single:
             handed = km.fill()
         lease, doc = self.store.admit(
@@ -687,6 +749,7 @@ class EngineMachine(RuleBasedStateMachine):
             limit=self._limit(km),
             replace=km.replace,
             min_hold=self._hold_s(km),
+            group=run.g,
         )
         assert doc.get("lo") == expected, f"{km.name}: claim of {run.tid} was {doc.get('lo')}, not {expected}"
         event(f"claim: {expected}")
@@ -997,6 +1060,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _send_new(self, km: KeyModel, stamp: int, cap: int | None = None) -> None:
         run = Run(km.name, f"{km.name}-t{len(self.runs)}", stamp, due=not km.debounce)
+        if km.sets:
+            run.g = f"g{stamp % 2}"
         self.runs.append(run)
         self.do_send(km, run, cap)
 
@@ -1013,6 +1078,15 @@ class EngineMachine(RuleBasedStateMachine):
         km = self._key(data)
         for stamp in stamps:
             self._send_new(km, stamp)
+
+    @precondition(lambda self: len(self.runs) < MAX_RUNS and bool(SET_KEYS & set(self.keys)))
+    @rule(stamps=st.lists(st.integers(0, 30), min_size=3, max_size=5))
+    def send_set_burst(self, stamps: list[int]) -> None:
+        """Several-keys ``Replace`` runs of two sets sent close together on a key with slots: more runs than
+        slots, so some park (and newer sends of a set supersede older ones)."""
+        event("sets: a burst sent")
+        for stamp in stamps:
+            self._send_new(self.keys["set-2"], stamp)
 
     @rule(data=st.data())
     def acquire(self, data: st.DataObject) -> None:

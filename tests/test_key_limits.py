@@ -54,15 +54,8 @@ def test_a_limit_per_key_needs_keys() -> None:
         check_keys(None, "tenant:{tenant}", Retry(), {"tenant:{tenant}": 3})
 
 
-def test_slots_on_several_keys_with_replace_are_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigurationError) as info:
-        check_key_limits({"tenant:{tenant}": 3}, KEYS, Replace())
-    assert "is not supported yet" in str(info.value)
-    assert "superseding a run parked for a slot is not implemented" in str(info.value)
-
-
-@pytest.mark.parametrize("policy", [Retry(), Wait(timeout=5), Skip(), Fail(), Queue()])
-def test_every_taking_policy_accepts_slots_on_several_keys(policy: object) -> None:
+@pytest.mark.parametrize("policy", [Retry(), Wait(timeout=5), Skip(), Fail(), Queue(), Replace()])
+def test_every_policy_accepts_slots_on_several_keys(policy: object) -> None:
     assert check_keys(KEYS, None, policy, {"tenant:{tenant}": 3}) == KEYS
 
 

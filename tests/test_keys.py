@@ -48,10 +48,6 @@ def test_keys_with_a_debounced_replace_are_accepted() -> None:
         ({"keys": "group:{src}"}, "keys= must be a non-empty list or tuple"),
         ({"keys": ()}, "keys= must be a non-empty list or tuple"),
         ({"keys": ("group:{src}",), "key": "g"}, "give key= or keys=, not both"),
-        (
-            {"keys": ("group:{src}",), "limit": 3, "on_contention": "replace"},
-            "keys= with a limit and on_contention='replace' is not supported yet",
-        ),
         ({"keys": ("group:{src}",), "limit": {"group:{sr}": 3}}, "did you mean 'group:{src}'"),
         ({"keys": ("group:{source}",)}, "'source'"),
     ],
@@ -111,16 +107,6 @@ def test_keys_from_the_settings_replace_the_decorator_s_key(mongo_url: str) -> N
     [
         ({"keys": "group:{src}"}, {}, r"\['keys'\]: keys= must be a non-empty list or tuple"),
         ({"keys": []}, {}, r"\['keys'\]: keys= must be a non-empty list or tuple"),
-        (
-            {"keys": ["group:{src}"], "limit": 3, "on_contention": "replace"},
-            {},
-            r"\['keys'\]: keys= with a limit and on_contention='replace' is not supported",
-        ),
-        (
-            {"keys": ["group:{src}"]},
-            {"limit": 3, "on_contention": "replace"},
-            r"\['keys'\]: keys= with a limit",
-        ),
         ({"keys": ["group:{source}"]}, {}, "'source'"),
     ],
 )
@@ -145,6 +131,34 @@ def test_bad_keys_in_the_settings_are_refused_at_start_up(
 
     with pytest.raises(ConfigurationError, match=match):
         start_up()
+
+
+@pytest.mark.parametrize(
+    ("policy", "decorator"),
+    [
+        ({"keys": ["group:{src}", "tenant:{dst}"], "limit": 3, "on_contention": "replace"}, {}),
+        (
+            {"keys": ["group:{src}", "tenant:{dst}"], "limit": {"tenant:{dst}": 3}},
+            {"on_contention": "replace"},
+        ),
+    ],
+)
+def test_a_limit_with_replace_and_keys_in_the_settings_is_accepted_at_start_up(
+    policy: dict[str, Any], decorator: dict[str, Any]
+) -> None:
+    from celery_mongolock.config import get_settings
+    from celery_mongolock.integration.task import _check_task_policies
+
+    app = _app()
+    name = f"proj.merge_{uuid.uuid4().hex[:8]}"
+    app.conf.mongolock_task_policies = {name: policy}
+    get_settings(app)
+
+    @singleton_task(app=app, key="group:{src}", name=name, **decorator)
+    def merge(src: int, dst: int) -> None: ...
+
+    app.finalize()
+    _check_task_policies(app)
 
 
 @pytest.fixture(scope="module")

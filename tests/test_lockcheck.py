@@ -896,6 +896,14 @@ def _covered() -> dict[str, Any]:
                                      "ran_a_body": True},
             "faults_with_a_pending_unique_run": dict(faults),
         },
+        "multi_limit_replace": {
+            "directed_superseded": 2 * (lockcheck.MULTI_LIMIT_REPLACE_BURST - 1),
+            "directed_done_with_a_body": 2,
+        },
+        "multi_limit_replace_directed": {
+            "slot_reservations_taken_back": lockcheck.MULTI_LIMIT_REPLACE_BURST - 1,
+            "parked_for_a_slot_superseded": lockcheck.MULTI_LIMIT_REPLACE_BURST - 1,
+        },
     }  # fmt: skip
 
 
@@ -935,6 +943,13 @@ def test_the_bounded_runs_coverage_claims() -> None:
     laneless["queued"]["lane_handoffs"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(laneless)]
     assert unmet == ["a handed run's message came through its queue's handoff lane"]
+    unreplaced = _covered()  # the several-keys Replace bursts with a limit: a newer send found nothing
+    unreplaced["multi_limit_replace_directed"]["parked_for_a_slot_superseded"] = 1
+    unreplaced["multi_limit_replace"]["directed_superseded"] = 3
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unreplaced)] == [
+        "the several-keys Replace bursts with a limit",
+        "each newer send superseded its set's run parked for a slot",
+    ]  # fmt: skip
     undying = _covered()
     undying["tasks"]["died_after_release"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(undying)]
@@ -1211,6 +1226,36 @@ def test_the_window_key_names_its_first_key() -> None:
     assert lockcheck.window_first_key(lockcheck.key_for(w + 1, 7, "m")) == lockcheck.key_for(w, 7, "m")
     assert lockcheck.window_first_key(lockcheck.key_for(w, 7, "m")) is None
     assert lockcheck.window_first_key(lockcheck.key_for(w + 1, 7, "k")) is None
+
+
+def test_several_keys_replace_runs_with_a_limit_judged_per_set_on_the_slotted_key_too() -> None:
+    """``MULTI_LIMIT_REPLACE_TASK`` runs (a slot of an ``l`` key, a ``k`` key) are judged as the ``m`` key
+    runs are, by their own task name; the send order of a set is judged on the ``l`` key as well."""
+    name = lockcheck.MULTI_LIMIT_REPLACE_TASK
+    sup = {"mongolock": "superseded", "key": K1, "keys": [K1, LKEY]}
+
+    def task(task_id: str, stamp: int, keys: tuple[str, ...], result: Any = None) -> dict[str, Any]:
+        return {**_multi_replace(task_id, stamp, keys, result), "task": name}
+
+    good = _queued_history(
+        _run("B", 11, K1), _run("B", 11, LKEY), _rk_body("B", 11.0), _run("C", 12, K2), _run("C", 12, LKEY),
+        _rk_body("C", 12.0),
+        A=task("A", 1, (LKEY, K1), {**sup, "by": "B"}), B=task("B", 3, (LKEY, K1)),
+        C=task("C", 2, (LKEY, K2)),
+    )  # fmt: skip
+    assert lockcheck.check_multi_replace(good, name) == []
+    assert lockcheck.check_multi_replace(good) == []  # (no run of the m key task)
+    figures = lockcheck.multi_replace_figures(good, (), name, "directed-multi-limit-replace-")
+    assert figures["sets"] == 2 and figures["superseded"] == 1 and figures["overlapping_runs_done"] == 2
+    # An older send of the set got a slot of the l key after a newer one had.
+    good.tasks["A"]["result"] = {"op": "op-A", "outcome": "ack"}
+    good.events.append(_run("A", 13, LKEY))
+    assert kinds(lockcheck.check_multi_replace(good, name)) == {"replace-order"}
+    # A superseded run whose body started.
+    good.tasks["A"]["result"] = {**sup, "by": "B"}
+    good.events[-1] = _rk_body("A", 9.0)
+    assert kinds(lockcheck.check_multi_replace(good, name)) == {"superseded-ran"}
+    assert "superseded-ran" in kinds(check(good))
 
 
 def test_a_several_keys_retry_run_whose_body_ran_again_after_finishing_is_reported() -> None:

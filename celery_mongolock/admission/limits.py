@@ -53,9 +53,10 @@ def check_key_limits(
 
     ``limit`` is None, an int (every key), or a dict from key specs of ``keys=`` to ints. Refused, with
     what is wrong: a dict without ``keys=``, a dict naming a spec that is not in ``keys=``, a value
-    that is not an int from 1 to 1000, and slots on several keys with ``Replace``, which this version
-    does not admit (with ``Queue`` a run parks on a key with slots and reserves a slot as it reserves a
-    single lease: ``core.documents.slot_reserve``)."""
+    that is not an int from 1 to 1000. Every policy takes it: with ``Queue`` or ``Replace`` a run parks
+    on a key with slots and reserves a slot as it reserves a single lease (``core.documents.slot_reserve``),
+    and with ``Replace`` a newer send of its set of keys supersedes it there too
+    (``core.documents.slot_sets``). ``policy`` is accepted for the callers' sake and not read."""
     if keys is None:
         if isinstance(limit, Mapping):
             raise ConfigurationError(
@@ -86,14 +87,6 @@ def check_key_limits(
         per = [n for _ in keys]
     if all(n is None for n in per):
         return None
-    name = getattr(policy, "name", policy)
-    if name == "replace":
-        raise ConfigurationError(
-            "keys= with a limit and on_contention='replace' is not supported yet: a newer send of a set "
-            "of keys supersedes the older runs of that set on keys without a limit only, and superseding a "
-            "run parked for a slot is not implemented; use Replace with keys= and no limit, or Queue (every "
-            "run, in send order, keeping its place on each key), Retry, Wait, Skip or Fail with the limit"
-        )
     return tuple(per)
 
 

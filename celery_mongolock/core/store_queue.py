@@ -18,7 +18,7 @@ from pymongo import ReturnDocument
 
 from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents import queue as admission_docs
-from celery_mongolock.core.documents import sets, slot_reserve
+from celery_mongolock.core.documents import sets, slot_reserve, slot_sets
 from celery_mongolock.core.documents import slot_queue as slot_admission
 from celery_mongolock.core.documents import slots as slots_docs
 from celery_mongolock.core.documents.base import Document
@@ -111,6 +111,8 @@ class QueueUpkeep:
                 ],
             }
             pipeline = slot_reserve.slot_reserve_pipeline(lease.owner, full_entry, timeout_ms, by)
+            if entry.get("g") is not None:  # Replace: never for a run a newer send of its set replaced
+                match.update(slot_sets.no_newer_send(str(entry["g"]), int(entry["s"])))
         elif entry.get("g") is not None:
             match.update(sets.no_newer_send(str(entry["g"]), int(entry["s"])))
         connection = self.store.connection
@@ -123,13 +125,31 @@ class QueueUpkeep:
             except StoreUnavailable:
                 if attempt == 2:
                     raise
-        if doc is None and lease.slot is None and entry.get("g") is not None:
+        if doc is None and entry.get("g") is not None and lease.slot is None:
             # Still ours: a newer send of its set parked here meanwhile. The key goes on, unrun.
             self._give_back_key(lease.key, lease.owner)
+        elif doc is None and entry.get("g") is not None:
+            # Still ours, maybe: a newer send of its set is known here. The slot goes on, unrun.
+            self._give_back_slot(lease.key, lease.owner)
         log_acquire.info(
             "lease %r reserved for %s (%s)", lease.key, entry.get("t"), "kept" if doc else "not kept"
         )
         return doc is not None
+
+    def _give_back_slot(self, key: str, owner: str) -> None:
+        """Release the slot of ``key`` held by ``owner`` without remembering a run as over (``seen``):
+        a run parked on the key is handed it in the same command (published here)."""
+        store = self.store
+        by = store.handoffs.by(owner)
+        with store.connection.operation(f"give back lease {key!r}"):
+            doc = store.connection.collection.find_one_and_update(
+                {"_id": key, **slots_docs.slot_release_filter([owner])},
+                slot_admission.slot_release_handoff_pipeline([owner], by, seen=False),
+                projection=slot_admission.SLOT_HANDOFF_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is not None:
+            store.handoffs.publish(key, doc, by)
 
     def unpark(self, key: str, entry_id: str) -> None:
         """Remove the run ``entry_id`` from ``key``: its parked entry, or the handoff or reservation made

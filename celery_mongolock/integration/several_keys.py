@@ -278,6 +278,7 @@ class SeveralKeys:
                     if not self._confirmed(claimed):
                         claim = None
                         continue
+                    self._write_superseded()
                     set_state(task, celery_states.STARTED, {"keys": keys})
                     return LeaseSet(claimed)
                 if outcome is AdmitOutcome.RUNNING:  # a copy of the handoff while the first copy runs
@@ -299,6 +300,7 @@ class SeveralKeys:
                 if not taken:  # parked or reserved on every key
                     self._parked_all(stamp)
                 if self._confirmed(taken):  # every key taken in this attempt
+                    self._write_superseded()  # (a slot taken back from an older run of its set)
                     set_state(task, celery_states.STARTED, {"keys": keys})
                     return LeaseSet(taken)
                 continue
@@ -530,15 +532,21 @@ class SeveralKeys:
             raise
         return None
 
-    def _parked_all(self, stamp: int) -> NoReturn:
-        """Parked or reserved on every key: published when all are reserved for it (by whoever makes
-        the last reservation; here if that was this attempt)."""
-        task, keys, entry, store = self.task, self.keys, self.entry, self.store
+    def _write_superseded(self) -> None:
+        """The results of the runs this run superseded on its keys (its admits' ``sup``)."""
+        task, store = self.task, self.store
         for key, (admission, runs) in self.superseded.items():
             # Only runs that wrote their state QUEUED (see ``OneKey._parked``); the sweeper writes the rest.
             _queue.write_superseded(
                 task.app, store, key, runs, ready=_queue.marked_queued(task.app), fence=admission.fence
             )
+        self.superseded = {}
+
+    def _parked_all(self, stamp: int) -> NoReturn:
+        """Parked or reserved on every key: published when all are reserved for it (by whoever makes
+        the last reservation; here if that was this attempt)."""
+        task, keys, entry, store = self.task, self.keys, self.entry, self.store
+        self._write_superseded()
         if store.reserved_for_all(entry):
             _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
         policy = self.policy

@@ -43,6 +43,7 @@ __all__ = [
     "older_handoff",
     "park_queue",
     "set_signature",
+    "sup_record",
     "superseded_cases",
 ]
 
@@ -87,9 +88,10 @@ def _has_ho() -> Document:
     return {"$ne": [{"$ifNull": ["$ho", None]}, None]}
 
 
-def _newer_sends(group: str, stamp: int) -> Document:
+def _newer_sends(group: str, stamp: int, handed: object = None) -> Document:
     """``[{s, t}, ...]``: the sends of ``group`` newer than ``stamp`` the key knows (``lg``, ``q``,
-    ``ho``)."""
+    ``ho``). ``handed``: an array expression of the entries the key is handed or reserved to and not yet
+    claimed, for a key with a limit (``slot_sets``); None: the key's one ``ho``."""
     of_set = {"$and": [_same_set("$$e", group), _newer("$$e", stamp)]}
 
     def pick(source: object) -> Document:
@@ -108,12 +110,13 @@ def _newer_sends(group: str, stamp: int) -> Document:
             [],
         ]
     }
-    return {"$concatArrays": [pick(_LG), pick(_Q), ho]}
+    return {"$concatArrays": [pick(_LG), pick(_Q), ho if handed is None else pick(handed)]}
 
 
-def superseded_cases(group: str, stamp: int) -> list[Document]:
-    """The ``$switch`` branch of the admit: a newer send of this run's set is known here."""
-    return [{"case": {"$gt": [{"$size": _newer_sends(group, stamp)}, 0]}, "then": "superseded"}]
+def superseded_cases(group: str, stamp: int, handed: object = None) -> list[Document]:
+    """The ``$switch`` branch of the admit: a newer send of this run's set is known here (``handed``:
+    as ``_newer_sends`` takes it)."""
+    return [{"case": {"$gt": [{"$size": _newer_sends(group, stamp, handed)}, 0]}, "then": "superseded"}]
 
 
 def no_newer_send(group: str, stamp: int) -> Document:
@@ -125,11 +128,11 @@ def no_newer_send(group: str, stamp: int) -> Document:
     return {"$expr": {"$eq": [{"$size": _newer_sends(group, stamp)}, 0]}}
 
 
-def newer_by(group: str, stamp: int) -> Document:
+def newer_by(group: str, stamp: int, handed: object = None) -> Document:
     """The task id of the newest send of ``group`` newer than ``stamp`` (for ``lo_by``)."""
     newest = {
         "$reduce": {
-            "input": _newer_sends(group, stamp),
+            "input": _newer_sends(group, stamp, handed),
             "initialValue": {"s": -1, "t": None},
             "in": {"$cond": [{"$gt": ["$$this.s", "$$value.s"]}, "$$this", "$$value"]},
         }
@@ -141,6 +144,11 @@ def older_handoff(group: str, stamp: int, ident: str) -> Document:
     """The key is reserved or handed (not yet claimed) to an older run of ``group``: taken back when
     this run parks."""
     return {"$and": [_has_ho(), _same_set("$ho", group), _before("$ho", stamp, ident)]}
+
+
+def sup_record(e: str, by: str) -> Document:
+    """The record in ``sup`` of the run whose entry is the expression ``e``, superseded by ``by``."""
+    return _sup_record(e, by)
 
 
 def _sup_record(e: str, by: str) -> Document:

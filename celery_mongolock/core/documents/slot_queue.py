@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery_mongolock.core.documents import queue as adm
+from celery_mongolock.core.documents import sets, slot_sets
 from celery_mongolock.core.documents import slots as _slots
 from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
@@ -258,11 +259,15 @@ def slot_admit_pipeline(
     max_wait_ms: int | None = None,
     waited_ms: int | None = None,
     min_hold_ms: int = 0,
+    group: str | None = None,
 ) -> list[Document]:
     """The admit of a queued run on a ``limit=N`` key (one command): take a free slot when no older run
     is parked, claim the slot handed to this run, or park the run; then hand every free slot to the
     oldest parked runs. The outcomes are those of ``_admission.admit_pipeline`` (in ``lo``).
-    ``min_hold_ms``: the slot taken or claimed stays taken at least that long (``slots`` module doc)."""
+    ``min_hold_ms``: the slot taken or claimed stays taken at least that long (``slots`` module doc).
+    ``group`` (with ``replace``): the signature of the run's set of keys (``Replace`` with ``keys=`` and a
+    limit): supersession among the runs of that set only (``slot_sets``)."""
+    by_set = replace and group is not None
     ident = str(entry["id"])
     stamp = int(entry["s"])
     n = int(limit)
@@ -342,9 +347,13 @@ def slot_admit_pipeline(
         {"case": {"$in": [{"$literal": ident}, {"$ifNull": ["$seen", []]}]}, "then": "done"},
         {"case": running, "then": "running"},
     ]
+    if by_set:
+        assert group is not None
+        # (before ``stale``: a claim of a run whose reservation a newer send of its set took back)
+        branches += slot_sets.superseded_cases(group, stamp)
     if claim is not None:
         branches.append({"case": {"$literal": True}, "then": "stale"})
-    if replace:
+    if replace and not by_set:
         last_s = {"$ifNull": ["$last.s", -1]}
         parked_s = {"$max": {"$map": {"input": _Q, "as": "e", "in": "$$e.s"}}}
         handed_s = {"$max": {"$map": {"input": handed, "as": "e", "in": "$$e.ho.s"}}}
@@ -362,6 +371,14 @@ def slot_admit_pipeline(
     parked_q, superseded_new = adm.park_exprs(
         entry, timeout_ms, debounce_ms, replace=replace, max_wait_ms=max_wait_ms
     )
+    take_back: list[Document] = []
+    if by_set:
+        assert group is not None
+        # The newest send of its set the key knows (parked, taking, claiming or due a slot): the older
+        # runs of its set leave the key, their reserved or handed slots freed (``slot_sets``).
+        newest = {"$in": ["$__o", ["parked", "acquired", "claimed", "due"]]}
+        take_back = [slot_sets.take_back_stage(entry, group, newest)]
+        parked_q, superseded_new = slot_sets.parked_queue(entry, timeout_ms, group), []
     used = {"$map": {"input": _HS, "as": "e", "in": "$$e.s"}}
     new_hold = {
         "o": {"$literal": token},
@@ -444,7 +461,13 @@ def slot_admit_pipeline(
         },
         "lo": {"$cond": [{"$eq": ["$__o", "mine"]}, "acquired", "$__o"]},
     }
-    if replace:
+    if by_set:
+        assert group is not None
+        fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, slot_sets.newer_by(group, stamp), None]}
+        fields["lg"] = sets.lg_update(
+            group, stamp, str(entry["t"]), {"$in": ["$__o", ["acquired", "claimed", "due"]]}
+        )
+    elif replace:
         newer_by = {
             "$cond": [
                 {"$gt": [{"$ifNull": ["$last.s", -1]}, stamp]},
@@ -485,6 +508,7 @@ def slot_admit_pipeline(
         *normalize_stages(keep_owner=claim),
         {"$set": {"__o": {"$switch": {"branches": branches, "default": "parked"}}, "__base": _fence_base()}},
         {"$set": {"__new": {"$in": ["$__o", ["acquired", "due"]]}}},
+        *take_back,
         {"$set": fields},
         {"$unset": ["__o", "__new", "__base"]},
         *fill_stages(adm.admit_marker(token)),

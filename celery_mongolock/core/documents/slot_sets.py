@@ -1,0 +1,138 @@
+"""``Replace`` with ``keys=`` on a key with a limit (``limit={"tenant:{tenant}": 3}``): supersession per
+set of rendered keys (``sets``) where the key keeps N holds (``slots``, ``slot_queue``), as pure
+expressions for ``slot_queue.slot_admit_pipeline`` (no I/O).
+
+The rule is the one of ``sets``, with the key's one ``ho`` replaced by its holds handed or reserved to a
+parked run and not yet claimed (``hs[].ho``). On such a key, the admit of run R (set ``g``, send stamp
+``s``):
+
+1. **superseded** when the key knows a newer send of ``g``: a record in ``lg`` (the newest send per set
+   that got a slot of the key), a parked entry, or a slot handed or reserved to a run of ``g`` with a
+   larger stamp;
+2. else, when R parks, the older runs of ``g`` leave the key for ``sup``: their parked entries, and every
+   slot handed or reserved to one of them (not yet claimed), which is freed and handed, in the same
+   command, to the oldest runs parked on the key (R among them);
+3. a slot R *holds* (took in an attempt that must wait for another key) becomes R's reservation only
+   while the key knows no newer send of ``g`` (``no_newer_send``): else R gives the slot back unrun, and
+   its admit of the key answers ``superseded``. So a newer send that parked while R held the slot is
+   never left waiting behind a reservation of a superseded run.
+
+Runs of other sets, single-key runs and ``Queue`` runs that share the key keep their place in send order
+and their slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery_mongolock.core.documents import queue as adm
+from celery_mongolock.core.documents import sets
+
+__all__ = [
+    "HANDED_ENTRIES",
+    "newer_by",
+    "no_newer_send",
+    "parked_queue",
+    "superseded_cases",
+    "take_back_stage",
+]
+
+Document = dict[str, Any]
+
+_HS: Document = {"$ifNull": ["$hs", []]}
+_Q: Document = {"$ifNull": ["$q", []]}
+
+
+def _handed(e: str) -> Document:
+    """Hold ``e`` is a slot handed or reserved to a parked run, not yet claimed."""
+    return {"$ne": [{"$ifNull": [f"{e}.ho", None]}, None]}
+
+
+#: The entries of the runs the key's slots are handed or reserved to (not yet claimed).
+HANDED_ENTRIES: Document = {
+    "$map": {
+        "input": {"$filter": {"input": _HS, "as": "h", "cond": _handed("$$h")}},
+        "as": "h",
+        "in": "$$h.ho",
+    }
+}
+
+
+def superseded_cases(group: str, stamp: int) -> list[Document]:
+    """The admit's ``$switch`` branch: a newer send of this run's set is known on the key."""
+    return sets.superseded_cases(group, stamp, HANDED_ENTRIES)
+
+
+def newer_by(group: str, stamp: int) -> Document:
+    """The task id of the newest send of ``group`` newer than ``stamp`` known on the key (``lo_by``)."""
+    return sets.newer_by(group, stamp, HANDED_ENTRIES)
+
+
+def no_newer_send(group: str, stamp: int) -> Document:
+    """A query filter: the key knows no send of ``group`` newer than ``stamp`` (rule 3: a slot is
+    reserved for a run of ``group`` only then)."""
+    return {"$expr": {"$not": superseded_cases(group, stamp)[0]["case"]}}
+
+
+def _older_of_set(group: str, stamp: int, ident: str) -> Document:
+    """Hold ``$$h`` is handed or reserved to a run of ``group`` sent before this run."""
+    ho = "$$h.ho"
+    before = adm.entry_before(ho, stamp, ident)
+    same = {"$eq": [{"$ifNull": [adm.field_of("g", ho), None]}, {"$literal": group}]}
+    return {"$and": [_handed("$$h"), same, before]}
+
+
+def parked_queue(entry: Mapping[str, Any], timeout_ms: int | None, group: str) -> Document:
+    """The queue when the run ``entry`` of ``group`` parks: its entry in send order (the older runs of
+    its set are gone already: ``take_back_stage``)."""
+    ident, stamp = str(entry["id"]), int(entry["s"])
+    q, _ = sets.park_queue(
+        adm.entry_expr(entry, timeout_ms), group, stamp, ident, by=str(entry["t"]), take_back=False
+    )
+    return q
+
+
+def take_back_stage(entry: Mapping[str, Any], group: str, when: object) -> Document:
+    """When ``when`` (the run parks, takes, claims or is due a slot: it is the newest send of its set the
+    key knows), the older runs of ``group`` leave the key for ``sup``: their parked entries, and the slots
+    handed or reserved to them and not yet claimed (freed: the command's last stages hand them on). A run
+    of ``group`` that holds a slot (claimed or acquired) keeps it: only a run that has not started is
+    superseded."""
+    ident, stamp, by = str(entry["id"]), int(entry["s"]), str(entry["t"])
+    older_hold = _older_of_set(group, stamp, ident)
+    older_parked = {
+        "$and": [
+            {"$eq": [{"$ifNull": [adm.field_of("g", "$$p"), None]}, {"$literal": group}]},
+            adm.entry_before("$$p", stamp, ident),
+        ]
+    }
+    records = {
+        "$concatArrays": [
+            {
+                "$map": {
+                    "input": {"$filter": {"input": _Q, "as": "p", "cond": older_parked}},
+                    "as": "p",
+                    "in": sets.sup_record("$$p", by),
+                }
+            },
+            {
+                "$map": {
+                    "input": {"$filter": {"input": _HS, "as": "h", "cond": older_hold}},
+                    "as": "h",
+                    "in": sets.sup_record("$$h.ho", by),
+                }
+            },
+        ]
+    }
+    return {
+        "$set": {
+            "sup": {"$cond": [when, {"$concatArrays": [{"$ifNull": ["$sup", []]}, records]}, "$sup"]},
+            "q": {
+                "$cond": [when, {"$filter": {"input": _Q, "as": "p", "cond": {"$not": [older_parked]}}}, "$q"]
+            },
+            "hs": {
+                "$cond": [when, {"$filter": {"input": _HS, "as": "h", "cond": {"$not": [older_hold]}}}, "$hs"]
+            },
+        }
+    }
