@@ -613,6 +613,8 @@ def cancel_deaf(resource: str, tag: str, seconds: float = 0.3) -> str:
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
     record("end", tag)
     return tag
+
+
 @singleton_task(
     keys=("tenant:{tenant}", "group:{group}"),
     limit={"tenant:{tenant}": 2},

@@ -4447,12 +4447,16 @@ class Run:
             ids.append(tid)
             try:
                 _wait(
-                    functools.partial(self._is_parked_on, e0, tid), START_GUARD_S, f"a run parked on {e0}", 0.1
+                    functools.partial(self._is_parked_on, e0, tid),
+                    START_GUARD_S,
+                    f"a run parked on {e0}",
+                    0.1,
                 )
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
         self._gate_release(gate)
         return ids
+
     def _slots_handed_to(self, key: str) -> set[str]:
         """The task ids the slots of ``key`` are reserved or handed to and not yet claimed (``hs.ho``)."""
         assert self.store is not None
