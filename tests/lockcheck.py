@@ -245,6 +245,10 @@ ORDERED_BY_KEY = {
     "limit": (LIMIT_QUEUE_TASK, MIN_HOLD_TASK, MULTI_LIMIT_QUEUE_TASK),
     "plain": (MULTI_QUEUE_TASK, MULTI_LIMIT_QUEUE_TASK),
 }
+#: Runs that are not judged for send order themselves but keep their place in it on the keys they share
+#: with the tasks above: a several-keys ``Replace`` run parked on an ``l`` or ``k`` key is ahead of the
+#: ``Queue`` runs sent after it (``MULTI_LIMIT_REPLACE_TASK``; defined below).
+SEND_ORDER_PEERS = ("lockcheck.rmw_multi_limit_replace",)
 #: The ``limit=N`` tasks (keys ``l<i>``, N = ``LIMIT``) and the several-keys tasks (two ``k`` keys each).
 LIMIT = 3
 LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK, MIN_HOLD_TASK)
@@ -2505,7 +2509,10 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                     if (key, g.fence, str(g.task_id)) in rehands and first <= parked:
                         continue  # a handoff made before A was parked, handed again: the same turn
                     other = queued.get(g.task_id or "")
-                    if other is not None and other.get("task") in ordered:
+                    peer = history.tasks.get(g.task_id or "") or {}
+                    if other is None and peer.get("task") in SEND_ORDER_PEERS:
+                        other = peer  # a several-keys Replace run of another set: it keeps its place
+                    if other is not None and (other.get("task") in ordered or other is peer):
                         if int(other["stamp"]) < int(task["stamp"]):
                             continue  # an older run goes first
                         kind = "inversion"

@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
-
 from celery_mongolock import LeaseStore
 from celery_mongolock.core.documents.sets import set_signature
 
@@ -205,12 +203,6 @@ def test_a_newer_send_that_takes_a_free_slot_takes_back_the_older_runs_reservati
     blocker.release()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the open liveness bug of Replace with keys= on a single-lease key (the group key here; "
-    "tests/test_replace_keys_superseded_ran.py, fixed on its own branch): the older run's reservation of "
-    "the group, made after the newer send parked there, is not refused",
-)
 def test_the_group_key_held_by_the_older_run_is_not_reserved_for_it_after_a_newer_send_parked(
     store: LeaseStore,
 ) -> None:
