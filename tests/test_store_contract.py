@@ -99,8 +99,9 @@ def test_force_release_is_explicit_and_the_holder_learns_of_it(store: LeaseStore
     operator = make_store()
     assert operator.force_release("k") is True
     assert operator.force_release("k") is False  # already free
-    wait_for(lambda: lease.lost, timeout=5, message="the holder to notice the forced release")
-    assert lost and "released by force" in lost[0]
+    # The lost flag is set before the callbacks run (they run on a thread of their own): wait for both.
+    wait_for(lambda: lease.lost and lost, timeout=5, message="the holder to notice the forced release")
+    assert "released by force" in lost[0]
     with pytest.raises(LeaseLost):
         lease.raise_if_lost()
 
