@@ -12,6 +12,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,27 +82,41 @@ class Cluster:
         self.client.close()
 
 
+@contextmanager
+def running_cluster(
+    name: str,
+    broker_url: str,
+    backend: str,
+    mongo_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    *,
+    nodes: int = 2,
+    concurrency: int | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Cluster]:
+    """A module's worker nodes (``name1@localhost``, ...) on ``broker_url``, results in ``backend``, in a
+    database of their own; the test process's app pointed at them for the block. The fixtures of the
+    real-worker files are this, with their own name, node count and concurrency."""
+    db_name = f"mongolock_{name}_{uuid.uuid4().hex[:8]}"
+    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp(f"{name}workers"), backend=backend)
+    settings = {"mongolock_url": mongo_url, "mongolock_database": db_name, "mongolock_lease_seconds": LEASE}
+    with pointed_at(it.app, broker_url, backend, **settings):
+        try:
+            options: dict[str, Any] = {} if concurrency is None else {"concurrency": concurrency}
+            for n in range(1, nodes + 1):
+                c.worker(name=f"{name}{n}@localhost", env=env and c.env(**env), **options)
+            yield c
+        finally:
+            c.close()
+
+
 @pytest.fixture(scope="module")
 def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """Two worker nodes on each broker in turn (``broker_url``: Redis, then RabbitMQ), results in Redis."""
-    db_name = f"mongolock_it_{uuid.uuid4().hex[:8]}"
-    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp("workers"), backend=redis_server.url)
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        c.worker(name="w1@localhost")
-        c.worker(name="w2@localhost")
-        try:
-            yield c
-        finally:
-            c.close()
+    with running_cluster("w", broker_url, redis_server.url, mongo_url, tmp_path_factory) as c:
+        yield c
 
 
 def tag() -> str:

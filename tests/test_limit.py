@@ -14,8 +14,7 @@ from celery.result import AsyncResult
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
-from .test_integration import Cluster
-from .workers import pointed_at
+from .test_integration import Cluster, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -27,23 +26,9 @@ def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """Worker nodes on each broker in turn (Redis, then RabbitMQ), results in Redis."""
-    db_name = f"mongolock_limit_{uuid.uuid4().hex[:8]}"
-    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp("lworkers"), backend=redis_server.url)
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        # 2 nodes x 3 children = 6 slots: more than the limit, so the limit is what holds runs back.
-        c.worker(name="l1@localhost", concurrency=3)
-        c.worker(name="l2@localhost", concurrency=3)
-        try:
-            yield c
-        finally:
-            c.close()
+    # 2 nodes x 3 children = 6 slots: more than the limit, so the limit is what holds runs back.
+    with running_cluster("l", broker_url, redis_server.url, mongo_url, tmp_path_factory, concurrency=3) as c:
+        yield c
 
 
 def stop(cluster: Cluster, runs: list[AsyncResult], key: str) -> None:

@@ -12,8 +12,7 @@ import pytest
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
-from .test_integration import Cluster
-from .workers import pointed_at
+from .test_integration import Cluster, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -24,23 +23,9 @@ LEASE = 3.0
 def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    db_name = f"mongolock_window_{uuid.uuid4().hex[:8]}"
-    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp("wworkers"), backend=redis_server.url)
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        # 2 nodes x 2 children: more worker slots than the limit.
-        c.worker(name="w1@localhost", concurrency=2)
-        c.worker(name="w2@localhost", concurrency=2)
-        try:
-            yield c
-        finally:
-            c.close()
+    # 2 nodes x 2 children: more worker slots than the limit.
+    with running_cluster("w", broker_url, redis_server.url, mongo_url, tmp_path_factory, concurrency=2) as c:
+        yield c
 
 
 def tag() -> str:

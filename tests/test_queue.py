@@ -21,8 +21,7 @@ from celery_mongolock.integration.handoff import HANDOFF_HEADER, SENT_HEADER
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
-from .test_integration import Cluster
-from .workers import pointed_at
+from .test_integration import Cluster, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -34,22 +33,8 @@ def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """Worker nodes on each broker in turn (Redis, then RabbitMQ), results in Redis."""
-    db_name = f"mongolock_q_{uuid.uuid4().hex[:8]}"
-    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp("qworkers"), backend=redis_server.url)
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        c.worker(name="q1@localhost")
-        c.worker(name="q2@localhost")
-        try:
-            yield c
-        finally:
-            c.close()
+    with running_cluster("q", broker_url, redis_server.url, mongo_url, tmp_path_factory) as c:
+        yield c
 
 
 def tag() -> str:

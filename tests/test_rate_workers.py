@@ -19,8 +19,7 @@ from celery_mongolock.core.store_rate import rate_windows
 from . import integration_app as it
 from . import rate_tasks as rt
 from .servers import RedisServer, wait_for
-from .test_integration import Cluster
-from .workers import pointed_at
+from .test_integration import Cluster, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +30,8 @@ LEASE = 3.0
 def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    db_name = f"mongolock_rate_{uuid.uuid4().hex[:8]}"
-    c = Cluster(broker_url, mongo_url, db_name, tmp_path_factory.mktemp("rworkers"), backend=redis_server.url)
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        c.worker(name="r1@localhost", concurrency=2)
-        c.worker(name="r2@localhost", concurrency=2)
-        try:
-            yield c
-        finally:
-            c.close()
+    with running_cluster("r", broker_url, redis_server.url, mongo_url, tmp_path_factory, concurrency=2) as c:
+        yield c
 
 
 def tag() -> str:

@@ -14,8 +14,7 @@ import pytest
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
-from .test_integration import Cluster
-from .workers import pointed_at
+from .test_integration import Cluster, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -27,24 +26,8 @@ def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """Two worker nodes on each broker in turn (Redis, then RabbitMQ), results in Redis."""
-    db_name = f"mongolock_rk_{uuid.uuid4().hex[:8]}"
-    c = Cluster(
-        broker_url, mongo_url, db_name, tmp_path_factory.mktemp("rkworkers"), backend=redis_server.url
-    )
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        c.worker(name="rk1@localhost", concurrency=3)
-        c.worker(name="rk2@localhost", concurrency=3)
-        try:
-            yield c
-        finally:
-            c.close()
+    with running_cluster("rk", broker_url, redis_server.url, mongo_url, tmp_path_factory, concurrency=3) as c:
+        yield c
 
 
 def tag() -> str:

@@ -8,7 +8,6 @@ real workers): a key that keeps receiving sends still runs (by ``m``, while send
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,9 +15,8 @@ import pytest
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
-from .test_integration import Cluster
+from .test_integration import Cluster, running_cluster
 from .test_replace_keys import no_overlap, settled, started, superseded_in_history, tag
-from .workers import pointed_at
 
 pytestmark = pytest.mark.slow
 
@@ -30,24 +28,10 @@ def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """Two worker nodes on each broker in turn (Redis, then RabbitMQ), results in Redis."""
-    db_name = f"mongolock_rkd_{uuid.uuid4().hex[:8]}"
-    c = Cluster(
-        broker_url, mongo_url, db_name, tmp_path_factory.mktemp("rkdworkers"), backend=redis_server.url
-    )
-    with pointed_at(
-        it.app,
-        broker_url,
-        redis_server.url,
-        mongolock_url=mongo_url,
-        mongolock_database=db_name,
-        mongolock_lease_seconds=LEASE,
-    ):
-        c.worker(name="rkd1@localhost", concurrency=2)
-        c.worker(name="rkd2@localhost", concurrency=2)
-        try:
-            yield c
-        finally:
-            c.close()
+    with running_cluster(
+        "rkd", broker_url, redis_server.url, mongo_url, tmp_path_factory, concurrency=2
+    ) as c:
+        yield c
 
 
 def test_a_burst_of_one_key_set_runs_once_with_the_newest_arguments(cluster: Cluster) -> None:
