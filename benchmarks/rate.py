@@ -145,6 +145,7 @@ def _elapsed(client: MongoClient[dict[str, Any]], since: Any) -> float:
 def summary_lines(result: dict[str, Any]) -> list[str]:
     r = result
     met = abs(r["achieved_over_expected"] - 1) <= 0.05
+    kept = r["most_in_any_window_less_250ms"] <= r["n"]
     return [
         f"`RateLimit({r['n']}, {r['period']:g})` on one key kept busy ({r['sent']} runs sent at once): "
         f"{r['starts_in_duration']} starts in {r['measured_seconds']:g} s, "
@@ -153,7 +154,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"({'within' if met else 'outside'} 5 %); the bodies' own start records: at most "
         f"{r['most_in_any_window']} in any {r['period']:g} s window, {r['most_in_any_window_less_250ms']} "
         f"in any window 0.25 s shorter (the rate allows {r['n']}; a body records its start a moment "
-        "after its grant).",
+        "after its grant): the rate " + ("held" if kept else "**was exceeded**") + ".",
     ]
 
 

@@ -168,6 +168,19 @@ def test_a_parked_run_goes_first_when_the_window_opens(store: LeaseStore) -> Non
     assert window is not None and [w.run for w in window.waiters] == ["c/0"]
 
 
+def test_a_window_in_use_is_kept_from_its_last_start_not_its_first(store: LeaseStore) -> None:
+    """The TTL index's ``exp`` moves with every start: a window kept busy is never deleted (its starts
+    forgotten, n more let through at once). On the embedded server ``exp`` stayed at the first start's
+    (its ``$max`` of a stored date and ``$$NOW + x`` returned the first argument): the benchmark saw 6
+    starts of ``RateLimit(3, 6)`` in 5.3 s when the window was deleted 27 s + the TTL monitor's pass in."""
+    assert _take(store, ["k"], "a/0", 1, n=5).started
+    first = (rate_windows(store).collection.find_one({"_id": "k"}) or {})["exp"]
+    store.clock.sleep(0.05)
+    assert _take(store, ["k"], "b/0", 2, n=5).started
+    doc = rate_windows(store).collection.find_one({"_id": "k"}) or {}
+    assert doc["exp"] > first and doc["exp"] >= doc["s"][-1]["t"] + _dt.timedelta(milliseconds=60_000)
+
+
 def test_skip_records_no_waiter(store: LeaseStore) -> None:
     assert _take(store, ["k"], "a/0", 1, n=1).started
     assert not _take(store, ["k"], "b/0", 2, n=1, park=False).started

@@ -165,8 +165,11 @@ def gc_stage() -> Document:
             {"$gt": [{"$size": {"$ifNull": ["$lg", []]}}, 0]},
         ]
     }
-    # The later of the single lease's expiry and the latest slot hold's (``limit=N``: ``sx``).
-    latest = {"$ifNull": [{"$max": ["$expires_at", "$sx"]}, "$expires_at"]}
+    # The later of the single lease's expiry and the latest slot hold's (``limit=N``: ``sx``). Compared as
+    # milliseconds: the embedded server's ``$max`` of a date stored and a date computed from ``$$NOW`` in
+    # this pipeline returns its first argument, whichever is later.
+    latest_ms = {"$max": [{"$toLong": "$expires_at"}, {"$toLong": "$sx"}]}
+    latest = {"$ifNull": [{"$toDate": latest_ms}, "$expires_at"]}
     return {
         "$set": {
             "wq": {"$cond": [WAITS, True, "$$REMOVE"]},

@@ -88,7 +88,11 @@ def take_update(
     ok = {"$lt": [{"$add": [{"$size": "$s"}, ahead]}, n]}
     me = {"id": run, "st": stamp, "x": {"$add": ["$$NOW", stale_ms]}}
     waiters: Any = {"$concatArrays": ["$w", [me]]} if park else "$w"
-    expires = {"$add": ["$$NOW", period_ms + stale_ms]}
+    expires_ms = {"$add": [_NOW_MS, period_ms + stale_ms]}
+    # The TTL index's field only ever moves later. Compared as milliseconds: the embedded server's ``$max``
+    # of a stored date and ``$$NOW + x`` returns its first argument, which kept ``exp`` at the window's
+    # first start and let the TTL monitor delete a window in use (its starts forgotten: n more at once).
+    exp = {"$toDate": {"$max": [{"$toLong": {"$ifNull": ["$exp", "$$NOW"]}}, expires_ms]}}
     return [
         {"$set": {"s": fresh_starts, "w": live_waiters}},
         {"$set": {"__ok": ok}},
@@ -99,7 +103,7 @@ def take_update(
                 "seen": "$$NOW",
                 "n": n,
                 "p": period_ms,
-                "exp": {"$max": [{"$ifNull": ["$exp", "$$NOW"]}, expires]},
+                "exp": exp,
             }
         },
         {"$unset": "__ok"},
