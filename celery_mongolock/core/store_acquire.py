@@ -41,7 +41,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
 
 from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents import queue as admission_docs
-from celery_mongolock.core.documents import slot_queue as slot_admission
+from celery_mongolock.core.documents import slot_admit
 from celery_mongolock.core.documents import slots as slots_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
@@ -157,7 +157,7 @@ def acquire_command(
     """The update pipeline and projection of one acquire: single lease or ``limit=N`` slot, plain or
     a queued run's admission."""
     if limit is not None and admission is not None:
-        pipeline = slot_admission.slot_admit_pipeline(
+        pipeline = slot_admit.slot_admit_pipeline(
             token, ttl_ms, holder, limit, waited_ms=waited_ms, min_hold_ms=hold_ms, **admission
         )
         return pipeline, admission_docs.ADMIT_PROJECTION

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from celery_mongolock.core.documents import queue as adm
 from celery_mongolock.core.documents import slots as _slots
+from celery_mongolock.core.documents.entries import entry_expr, field_of
+from celery_mongolock.core.documents.key_state import gc_stage
 
 __all__ = ["requeue_in_send_order", "slot_reserve_pipeline"]
 
@@ -31,11 +32,11 @@ _HS: Document = {"$ifNull": ["$hs", []]}
 
 def _before(e: object, other: object) -> Document:
     """Entry ``e`` sorts before entry ``other`` ((s, id) order), both expressions."""
-    s_e, s_o = adm.field_of("s", e), adm.field_of("s", other)
+    s_e, s_o = field_of("s", e), field_of("s", other)
     return {
         "$or": [
             {"$lt": [s_e, s_o]},
-            {"$and": [{"$eq": [s_e, s_o]}, {"$lt": [adm.field_of("id", e), adm.field_of("id", other)]}]},
+            {"$and": [{"$eq": [s_e, s_o]}, {"$lt": [field_of("id", e), field_of("id", other)]}]},
         ]
     }
 
@@ -71,7 +72,7 @@ def slot_reserve_pipeline(
     a slot handed to the run's ``entry`` (``tk``, ``ks``, ``ttl`` ...), in one command: it keeps its slot
     number and fence, expires a lease from now unless claimed, and carries no minimum hold (its run has
     not run; the claim starts one). A hold already turned into this reservation is left as it is."""
-    e = adm.entry_expr(entry, timeout_ms)
+    e = entry_expr(entry, timeout_ms)
     ho = {"$mergeObjects": [e, {"hat": "$$NOW", "hn": 1, "by": {"$literal": by}}]}
     ttl = int(entry["ttl"])
     reserved = {
@@ -97,4 +98,4 @@ def slot_reserve_pipeline(
             "in": {"$cond": [{"$eq": ["$$e.o", {"$literal": owner}]}, reserved, "$$e"]},
         }
     }
-    return [{"$set": {"hs": hs}}, {"$set": {"sx": _slots._latest_expiry("$hs")}}, adm.gc_stage()]
+    return [{"$set": {"hs": hs}}, {"$set": {"sx": _slots.latest_expiry("$hs")}}, gc_stage()]

@@ -29,11 +29,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from celery_mongolock.core.documents.queue import SINGLE_HELD, gc_stage, ran_any
+from celery_mongolock.core.documents.copies import ran_any
+from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
 
 __all__ = [
     "any_expired",
+    "append_endings",
+    "effective_limit",
     "keys_with_expired_holds_filter",
+    "latest_expiry",
     "live_tokens_pipeline",
     "min_hold_fields",
     "released",
@@ -73,7 +77,7 @@ def min_hold_fields(min_hold_ms: int) -> Document:
     return {"m": {"$add": ["$$NOW", int(min_hold_ms)]}} if min_hold_ms > 0 else {}
 
 
-def _latest_expiry(hs: object) -> Document:
+def latest_expiry(hs: object) -> Document:
     """``sx`` of a slotted key: the latest expiry of its holds and of the key's earlier ones (the ``sx``
     before), so that it never goes back. Like a single lease's ``expires_at`` after its release, it keeps
     a key whose holds were all released or dropped collectable by the TTL index once that time is past
@@ -129,7 +133,7 @@ def _ending(entry: str, how: str) -> Document:
     }
 
 
-def _append_endings(ended: object, how: str) -> Document:
+def append_endings(ended: object, how: str) -> Document:
     """``ends`` with the endings of the holds in ``ended`` appended (the last few kept)."""
     new = {"$map": {"input": ended, "as": "g", "in": _ending("$$g", how)}}
     return {"$slice": [{"$concatArrays": [{"$ifNull": ["$ends", []]}, new]}, -_ENDS_KEPT]}
@@ -243,13 +247,13 @@ def slot_acquire_pipeline(
                 "ends": {
                     "$cond": [
                         {"$gt": [{"$size": died}, 0]},
-                        _append_endings(died, "expired"),
+                        append_endings(died, "expired"),
                         "$ends",
                     ]
                 },
             }
         },
-        {"$set": {"sx": _latest_expiry("$hs")}},
+        {"$set": {"sx": latest_expiry("$hs")}},
         {"$unset": ["__mine", "__live", "__expired", "__fence", "__take", "__dup"]},
         _gc(),
     ]
@@ -329,7 +333,7 @@ def renew_tokens_pipeline(tokens: Iterable[str], *, single: bool = True) -> list
         renew["renewed_at"] = {"$cond": ["$__s", "$$NOW", "$renewed_at"]}
     stages += [
         {"$set": renew},
-        {"$set": {"sx": {"$cond": [slotted, _latest_expiry("$hs"), "$$REMOVE"]}}},
+        {"$set": {"sx": {"$cond": [slotted, latest_expiry("$hs"), "$$REMOVE"]}}},
     ]
     if single:
         stages.append({"$unset": ["__s"]})
@@ -363,8 +367,8 @@ def _drop(cond_on_e: Document, how: str) -> list[Document]:
         {"$set": {"__gone": gone, "hs": kept}},
         {
             "$set": {
-                "ends": _append_endings("$__gone", how),
-                "sx": _latest_expiry("$hs"),
+                "ends": append_endings("$__gone", how),
+                "sx": latest_expiry("$hs"),
             }
         },
         {"$unset": ["__gone"]},
@@ -398,9 +402,9 @@ def slot_release_pipeline(tokens: Iterable[str], *, keep_min_hold: bool = True) 
     gone = {"$and": [ours, {"$not": [holding]}]}
     return [
         {"$set": {"__rel": {"$filter": {"input": _HS, "as": "e", "cond": ours}}}},
-        {"$set": {"ends": _append_endings("$__rel", "released"), "hs": kept}},
+        {"$set": {"ends": append_endings("$__rel", "released"), "hs": kept}},
         {"$set": {"hs": {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [gone]}}}}},
-        {"$set": {"sx": _latest_expiry("$hs")}},
+        {"$set": {"sx": latest_expiry("$hs")}},
         {"$unset": ["__rel"]},
         _gc(),
     ]

@@ -1,0 +1,186 @@
+"""The admit of a queued run, one engine for both key shapes: the stages that judge the run and record
+what it did, written once for a key held as one lease (``queue``) and a key of N slots (``slot_admit``).
+
+An admit is one command of five stages, in this order:
+
+1. **expire the holders** (slots only: expired holds leave, handed ones go back to the queue);
+2. **judge the run** (``judge``): one outcome of ``queue.ADMIT_OUTCOMES`` in ``__o``, decided in the
+   same order for both shapes: its own hold again, a claim, its delayed copy due, a copy of a run the
+   key knows (parked, handed, timed out, retried, over, running), a newer send (``Replace``), then take,
+   park or full;
+3. **take or park** (each shape's own fields: the lease, or a slot; the queue and the supersessions);
+4. **hand over** (the key, or every free slot, to the oldest due parked run);
+5. **record** (``gc_stage``).
+
+A shape answers the questions of stage 2 as expressions (``Shape``); the order of the answers, the
+copies' cases and the fields of ``Replace`` are the engine's (here), the same for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_mongolock.core.documents.copies import later_attempt, retries_of
+from celery_mongolock.core.documents.entries import MAX_PARKED
+
+__all__ = ["TOOK", "AdmitRun", "Shape", "judge", "replace_fields", "sup_update", "without_entry"]
+
+Document = dict[str, Any]
+
+_Q: Document = {"$ifNull": ["$q", []]}
+#: The outcomes by which the run took the key (or a slot of it).
+TOOK = ["acquired", "claimed", "due"]
+
+
+@dataclass(frozen=True)
+class AdmitRun:
+    """The run an admit is for, and what its task's policy asks (the admit builders' arguments)."""
+
+    entry: Mapping[str, Any]
+    timeout_ms: int | None
+    claim: str | None
+    max_length: int | None
+    replace: bool = False
+    debounce_ms: int | None = None
+    due: bool = False
+    group: str | None = None
+    max_wait_ms: int | None = None
+
+    @property
+    def ident(self) -> str:
+        return str(self.entry["id"])
+
+    @property
+    def stamp(self) -> int:
+        return int(self.entry["s"])
+
+    @property
+    def by_set(self) -> bool:
+        """``Replace`` with ``keys=``: supersession among the runs of one set of keys (``group``)."""
+        return self.replace and self.group is not None
+
+    @property
+    def cap(self) -> int:
+        """The longest queue: every parked run lives in the key's one document (16 MiB), so MAX_PARKED
+        bounds it whatever the task says."""
+        return MAX_PARKED if self.max_length is None else min(int(self.max_length), MAX_PARKED)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A key shape's answers to the judge's questions, each an expression on the document."""
+
+    #: this admit's own hold, taken by an earlier attempt whose reply was lost; and its outcome's name
+    ours: Document
+    ours_outcome: str
+    #: the key (or a slot) is handed to this run and may be claimed with its token (``claim`` runs only)
+    claimable: Document | None
+    #: this run's delayed copy may take its entry's turn now (``due`` runs only)
+    due_now: Document | None
+    #: this run is handed the key or a slot and has not claimed it
+    handed_here: Document
+    #: this run holds the key or a slot now
+    running: Document
+    #: ``Replace`` with ``keys=``: the cases of a newer send of the run's set
+    superseded_in_set: list[Document] = field(default_factory=list)
+    #: the newest send stamp among the handoffs not yet claimed (``Replace``)
+    handed_stamp: object = None
+    #: the run may take the key now (nobody older waits); and it may park and be handed the key at once
+    free: Document = field(default_factory=dict)
+    room: Document = field(default_factory=dict)
+
+
+def copy_cases(run: AdmitRun, shape: Shape) -> list[Document]:
+    """A copy of a run the key knows: parked, handed or timed out (``dup``), an attempt whose body
+    retried (``retried``), over (``done``), holding the key now (``running``)."""
+    lit = {"$literal": run.ident}
+    ids = {"$map": {"input": _Q, "as": "e", "in": "$$e.id"}}
+    dead_ids = {"$map": {"input": {"$ifNull": ["$dead", []]}, "as": "d", "in": "$$d.id"}}
+    # (timed out while parked: its result is being written, never run it after that)
+    cases = [
+        {"case": {"$or": [{"$in": [lit, ids]}, shape.handed_here, {"$in": [lit, dead_ids]}]}, "then": "dup"}
+    ]
+    retries = retries_of(run.entry.get("r"))
+    if retries is not None:
+        # A copy of an attempt whose body retried (a later attempt is known here): never run again.
+        cases.append({"case": later_attempt(str(run.entry["t"]), retries), "then": "retried"})
+    cases += [
+        {"case": {"$in": [lit, {"$ifNull": ["$seen", []]}]}, "then": "done"},
+        {"case": shape.running, "then": "running"},
+    ]
+    return cases
+
+
+def newer_send_cases(run: AdmitRun, shape: Shape) -> list[Document]:
+    """``Replace`` (one set of keys per key): a newer send got the key, is parked, or is handed it."""
+    stamp = run.stamp
+    last_s = {"$ifNull": ["$last.s", -1]}
+    parked_s = {"$max": {"$map": {"input": _Q, "as": "e", "in": "$$e.s"}}}
+    return [
+        {"case": {"$gt": [last_s, stamp]}, "then": "superseded"},
+        {"case": {"$gt": [{"$ifNull": [parked_s, -1]}, stamp]}, "then": "superseded"},
+        {"case": {"$gt": [{"$ifNull": [shape.handed_stamp, -1]}, stamp]}, "then": "superseded"},
+    ]
+
+
+def judge(run: AdmitRun, shape: Shape) -> Document:
+    """Stage 2, judge the run: the outcome, an expression (``__o``), the first case that holds."""
+    branches: list[Document] = [{"case": shape.ours, "then": shape.ours_outcome}]
+    if shape.claimable is not None:
+        branches.append({"case": shape.claimable, "then": "claimed"})
+    if shape.due_now is not None:
+        branches.append({"case": shape.due_now, "then": "due"})
+    branches += copy_cases(run, shape)
+    # (before ``stale``: a claim of a run whose reservation a newer send of its set took back)
+    branches += shape.superseded_in_set
+    if run.claim is not None:
+        # A handoff message whose claim failed, of a run no longer parked or handed (timed out, revoked,
+        # handed again with another token): never a new run.
+        branches.append({"case": {"$literal": True}, "then": "stale"})
+    if run.replace and not run.by_set:
+        branches += newer_send_cases(run, shape)
+    if not run.debounce_ms:
+        branches.append({"case": shape.free, "then": "acquired"})
+    branches.append({"case": shape.room, "then": "parked"})  # and handed to the oldest (when due)
+    branches.append({"case": {"$gte": [{"$size": _Q}, run.cap]}, "then": "full"})
+    return {"$switch": {"branches": branches, "default": "parked"}}
+
+
+def without_entry(ident: str) -> Document:
+    """The queue without the run ``ident`` (its delayed copy took its turn: ``due``)."""
+    return {"$filter": {"input": _Q, "as": "e", "cond": {"$ne": ["$$e.id", ident]}}}
+
+
+def sup_update(parked: object, superseded: object) -> Document:
+    """``sup`` with the runs ``superseded`` by this run appended, when it parks (``parked``)."""
+    return {"$cond": [parked, {"$concatArrays": [{"$ifNull": ["$sup", []]}, superseded]}, "$sup"]}
+
+
+def replace_fields(run: AdmitRun, took: object, handed_stamp: object, handed_task: object) -> Document:
+    """``Replace`` (one set of keys per key), stage 3: who superseded this run (``lo_by``: the newest of
+    the last send that got the key, a pending handoff and the parked run), and the newest send that got
+    the key (``last``) when this run took it (``took``)."""
+    stamp = run.stamp
+    newer_by = {
+        "$cond": [
+            {"$gt": [{"$ifNull": ["$last.s", -1]}, stamp]},
+            "$last.t",
+            {
+                "$cond": [
+                    {"$gt": [{"$ifNull": [handed_stamp, -1]}, stamp]},
+                    handed_task,
+                    {"$arrayElemAt": [{"$map": {"input": _Q, "as": "e", "in": "$$e.t"}}, -1]},
+                ]
+            },
+        ]
+    }
+    last = {
+        "$cond": [
+            {"$and": [took, {"$gt": [stamp, {"$ifNull": ["$last.s", -1]}]}]},
+            {"s": stamp, "t": {"$literal": run.entry["t"]}},
+            "$last",
+        ]
+    }
+    return {"lo_by": {"$cond": [{"$eq": ["$__o", "superseded"]}, newer_by, None]}, "last": last}

@@ -1,0 +1,163 @@
+"""A parked run's entry in a key's queue (``q``), as aggregation expressions (no I/O): its fields read
+from the document, its order (send stamp, then id), its deadline and not-before time, and the entry a
+run parks as (``entry_expr``, ``park_exprs``). The entry's fields are listed in ``queue``'s module doc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "MAX_PARKED",
+    "burst_since",
+    "dead_entries",
+    "entry_before",
+    "entry_due",
+    "entry_expr",
+    "field_of",
+    "live_entries",
+    "park_exprs",
+    "past_ceiling",
+]
+
+Document = dict[str, Any]
+
+_NOW_MS: Document = {"$toLong": "$$NOW"}
+_Q: Document = {"$ifNull": ["$q", []]}
+#: The most runs parked on one key (``Queue(max_length=...)`` may say fewer): a parked run's entry carries
+#: its message, and all of a key's entries share one document.
+MAX_PARKED = 5000
+
+
+def field_of(field: str, doc: object) -> Document:
+    return {"$getField": {"field": field, "input": doc}}
+
+
+def _entry_expired(e: object) -> Document:
+    dl = {"$ifNull": [field_of("dl", e), None]}
+    return {"$and": [{"$ne": [dl, None]}, {"$lte": [{"$toLong": dl}, _NOW_MS]}]}
+
+
+def entry_before(e: object, stamp: int, ident: str) -> Document:
+    """Entry ``e`` sorts before a run with send stamp ``stamp`` and id ``ident`` ((s, id) order)."""
+    s_, id_ = field_of("s", e), field_of("id", e)
+    return {
+        "$or": [
+            {"$lt": [s_, stamp]},
+            {"$and": [{"$eq": [s_, stamp]}, {"$lt": [id_, {"$literal": ident}]}]},
+        ]
+    }
+
+
+def dead_entries(q: object) -> Document:
+    """Entries of ``q`` past their deadline, without their messages (for ``dead``)."""
+    return {
+        "$map": {
+            "input": {"$filter": {"input": q, "as": "e", "cond": _entry_expired("$$e")}},
+            "as": "e",
+            "in": {
+                "id": "$$e.id",
+                "t": "$$e.t",
+                "n": "$$e.n",
+                "s": "$$e.s",
+                "at": "$$e.at",
+                "dl": "$$e.dl",
+                "th": "$$e.th",
+            },
+        }
+    }
+
+
+def entry_due(e: object) -> Document:
+    """Entry ``e`` may start now: it has no not-before time (``Replace(debounce=...)``) or it has passed."""
+    nb = {"$ifNull": [field_of("nb", e), None]}
+    return {"$or": [{"$eq": [nb, None]}, {"$lte": [{"$toLong": nb}, _NOW_MS]}]}
+
+
+def live_entries(q: object) -> Document:
+    return {"$filter": {"input": q, "as": "e", "cond": {"$not": [_entry_expired("$$e")]}}}
+
+
+def burst_since(older: object) -> Document:
+    """When the burst of sends began waiting that a run superseding the parked entries ``older`` (an array
+    expression) continues: the earliest of their ``fw`` (first wait; ``at`` for an entry without one)
+    and now."""
+    # (Compared as milliseconds: the embedded server compares dates in ``$reduce`` wrongly.)
+    began = {"$map": {"input": older, "as": "e", "in": {"$toLong": {"$ifNull": ["$$e.fw", "$$e.at"]}}}}
+    earlier = {"$cond": [{"$lt": ["$$this", "$$value"]}, "$$this", "$$value"]}
+    return {"$toDate": {"$reduce": {"input": began, "initialValue": _NOW_MS, "in": earlier}}}
+
+
+def past_ceiling(e: object, max_wait_ms: int) -> Document:
+    """Entry ``e`` (a handoff) began waiting ``max_wait_ms`` ago or more (``fw``)."""
+    fw = {"$toLong": {"$ifNull": [field_of("fw", e), "$$NOW"]}}
+    return {"$lte": [{"$add": [fw, int(max_wait_ms)]}, _NOW_MS]}
+
+
+def entry_expr(
+    entry: Mapping[str, Any],
+    timeout_ms: int | None,
+    debounce_ms: int | None = None,
+    *,
+    max_wait_ms: int | None = None,
+    since: object = None,
+) -> Document:
+    """A parked entry as an aggregation expression: literal fields; ``at`` (parked at), ``dl`` (deadline)
+    and ``nb`` (not before: ``Replace(debounce=...)``) on the server's clock. With ``max_wait_ms`` (and
+    ``since``, the ``burst_since`` of the runs it supersedes): ``fw``, when its burst began waiting, and
+    ``nb`` no later than ``fw`` + ``max_wait_ms`` (``Replace(debounce=..., max_wait=...)``)."""
+    expr: Document = {k: {"$literal": v} for k, v in entry.items() if k not in ("at", "dl", "nb", "fw")}
+    expr["at"] = "$$NOW"
+    expr["dl"] = None if timeout_ms is None else {"$add": ["$$NOW", int(timeout_ms)]}
+    if debounce_ms:
+        nb: object = {"$add": ["$$NOW", int(debounce_ms)]}
+        if max_wait_ms and since is not None:
+            # (In milliseconds: the embedded server compares computed dates wrongly.)
+            ceiling = {"$add": [{"$toLong": since}, int(max_wait_ms)]}
+            debounced = {"$add": [_NOW_MS, int(debounce_ms)]}
+            expr["fw"] = since
+            nb = {"$toDate": {"$cond": [{"$lt": [ceiling, debounced]}, ceiling, debounced]}}
+        expr["nb"] = nb
+    return expr
+
+
+def park_exprs(
+    entry: Mapping[str, Any],
+    timeout_ms: int | None,
+    debounce_ms: int | None,
+    *,
+    replace: bool,
+    max_wait_ms: int | None = None,
+) -> tuple[object, object]:
+    """``(q, superseded)`` when the run ``entry`` parks: the queue with its entry in send order, and the
+    runs it supersedes (``Replace``: at most one parked run, a newer send replaces it, and carries on the
+    time its burst began waiting: ``max_wait_ms``)."""
+    ident, stamp = str(entry["id"]), int(entry["s"])
+    since = burst_since(_Q) if replace and max_wait_ms else None
+    e = entry_expr(entry, timeout_ms, debounce_ms, max_wait_ms=max_wait_ms, since=since)
+    if replace:
+        superseded: object = {
+            "$map": {
+                "input": _Q,
+                "as": "p",
+                "in": {
+                    "t": "$$p.t",
+                    "by": {"$literal": entry["t"]},
+                    "at": "$$NOW",
+                    # for the history: the run, and when it was parked
+                    "n": "$$p.n",
+                    "r": "$$p.r",
+                    "pa": "$$p.at",
+                },
+            }
+        }
+        return [e], superseded
+    in_order = {
+        "$concatArrays": [
+            {"$filter": {"input": _Q, "as": "e", "cond": entry_before("$$e", stamp, ident)}},
+            [e],
+            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [entry_before("$$e", stamp, ident)]}}},
+        ]
+    }
+    return in_order, []
