@@ -21,7 +21,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery_mongolock.core.documents.queue import ran, retries_of
+from celery_mongolock.core.documents.copies import ran, retries_of
 from celery_mongolock.core.lease import Lease, aware
 
 __all__ = [

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import Outcome
-from celery_mongolock.core.documents import queue as _admission
+from celery_mongolock.core.documents import copies
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration.handoff import has_backend
 from celery_mongolock.integration.runs import (
@@ -168,7 +168,7 @@ def already_ran(key: str, task_id: str) -> dict[str, Any]:
 
 def copy_run_ids(request: Any) -> list[str]:
     """What a copy of a message (parked duplicate, or delivered again by the broker) is matched on in
-    ``seen`` (``_admission.ran``); empty for any other message (a first delivery is never checked).
+    ``seen`` (``copies.ran``); empty for any other message (a first delivery is never checked).
 
     Any run of the same attempt (task id and own retries), whatever its contention retries: a parked
     copy that MongoDB did not answer goes on as a contention retry (``<retries>.1``), and is still a copy
@@ -179,8 +179,8 @@ def copy_run_ids(request: Any) -> list[str]:
     task_id = getattr(request, "id", None)
     if not (parked or redelivered) or not task_id:
         return []
-    ids = [_admission.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
-    return [*ids, _admission.run_id(task_id, "")] if parked else ids
+    ids = [copies.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
+    return [*ids, copies.run_id(task_id, "")] if parked else ids
 
 
 def guard_run_ids(request: Any) -> list[str]:
@@ -198,7 +198,7 @@ def guard_run_ids(request: Any) -> list[str]:
     headers = getattr(request, "headers", None) or {}
     task_id = getattr(request, "id", None)
     if task_id and int(headers.get(CONTENTION_HEADER) or 0) > 0:
-        return [_admission.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
+        return [copies.run_id(task_id, f"{int(getattr(request, 'retries', 0) or 0)}.")]
     return []
 
 

@@ -1,4 +1,6 @@
 """The lease document and every filter and update pipeline that touches it: pure functions, no I/O.
+The document as read (``reading``) and the history's records (``records``) live apart; their names are
+re-exported here for the callers that use them through this module.
 
 ``LeaseStore`` sends what these build; nothing else writes the lease collection. Keeping the shapes here
 lets them be read in one place and tested without a server (``tests/test_documents.py``).
@@ -48,15 +50,25 @@ one every lease makes: the server's clock does not step backwards.
 
 from __future__ import annotations
 
-import datetime as _dt
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import bson
 
-from celery_mongolock.core.documents import queue as admission
-from celery_mongolock.core.lease import LeaseInfo, aware
+from celery_mongolock.core.documents.copies import ran_any, seen_append
+from celery_mongolock.core.documents.handoff import release_handoff_stages
+from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage, own_lease, own_live_lease
+from celery_mongolock.core.documents.reading import lease_info, prefix_filter, read_pipeline, story_pipeline
+from celery_mongolock.core.documents.records import (
+    HOLDER_VIEW,
+    RUN_VIEW,
+    SERVER_VIEW,
+    history_id,
+    history_record,
+    run_history_id,
+    run_record,
+    slots_expired_by,
+)
 from celery_mongolock.exceptions import ConfigurationError
 
 __all__ = [
@@ -195,8 +207,8 @@ def acquire_fields(
     def when_free(new: object, field: str) -> Document:
         return {"$cond": ["$__free", new, f"${field}"]}
 
-    # Our own lease (``_admission.own_lease``): the same acquisition, with its fence and its start.
-    ours = admission.own_lease(token)
+    # Our own lease (``_own_lease``): the same acquisition, with its fence and its start.
+    ours = own_lease(token)
 
     waited: object = {"$literal": None}
     if waited_since_ms is not None:
@@ -256,7 +268,7 @@ def acquire_pipeline(
     free, take the key for ``token`` (new fence, ``expires_at = $$NOW + ttl_ms``); else change nothing.
 
     ``owner == token`` lets a retry of an acquire whose reply was lost take over its own half-finished
-    acquisition, with the fence it got then (``_admission.own_lease``); if that lease has expired
+    acquisition, with the fence it got then (``_own_lease``); if that lease has expired
     meanwhile and runs are parked on the key, the retry gives it up instead (owner cleared, its ending
     recorded): the key goes to the oldest of them. ``tick``: refuse a tick at or before the last tick
     that took the key, even when free.
@@ -272,15 +284,44 @@ def acquire_pipeline(
     ended at its ``expires_at``, ``seen`` at ``$$NOW``) in ``ends``, in this same update.
 
     ``ended_runs``: the run ids of a copy (a redelivered or parked message, ``task.py``); the key is not
-    free for it when one of them is remembered as over (``_admission.ran_any``).
+    free for it when one of them is remembered as over (``_ran_any``).
     """
+    fields = acquire_fields(
+        token,
+        ttl_ms,
+        holder,
+        tick=tick,
+        min_hold_ms=min_hold_ms,
+        hold_until_ms=hold_until_ms,
+        waited_ms=waited_ms,
+        waited_since_ms=waited_since_ms,
+    )
+    ours = own_lease(token)
+    given_up = {"$and": [{"$not": ["$__free"]}, ours]}
+    give_up = {
+        "$set": {
+            "owner": {"$cond": [given_up, None, "$owner"]},
+            "ends": _append_ending(given_up, ending_expr("expired", "$expires_at", seen="$$NOW")),
+        }
+    }
+    return [
+        {"$set": {"__free": _free_for(token, tick=tick, ended_runs=ended_runs)}},
+        {"$set": fields},
+        give_up,
+        {"$unset": "__free"},
+        gc_stage(),
+    ]
+
+
+def _free_for(token: str, *, tick: int | None, ended_runs: Sequence[str]) -> Document:
+    """The key is free for the acquire of ``token`` (``acquire_pipeline``)."""
     vacant: Document = {
         "$or": [
             {"$eq": [{"$ifNull": ["$owner", None]}, None]},
             {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
         ]
     }
-    no_slot_held = admission.NO_SLOT_HELD
+    no_slot_held = NO_SLOT_HELD
     nobody_waits: Document = {
         "$and": [
             {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
@@ -294,35 +335,12 @@ def acquire_pipeline(
         vacant = {"$and": [vacant, {"$lt": [{"$ifNull": ["$last_tick", -1]}, tick]}]}
     if ended_runs:
         # A copy of a run that ended: never a new run, whenever the release landed (issue 32).
-        vacant = {"$and": [vacant, {"$not": [admission.ran_any(ended_runs)]}]}
+        vacant = {"$and": [vacant, {"$not": [ran_any(ended_runs)]}]}
     # Our own lease, taken by an earlier attempt whose reply was lost: ours while it lives; once expired,
-    # only if nobody waits for the key (else it is given up below, and goes to the oldest parked run).
-    ours = admission.own_lease(token)
-    free = {"$or": [admission.own_live_lease(token), {"$and": [ours, nobody_waits]}, vacant]}
-    fields = acquire_fields(
-        token,
-        ttl_ms,
-        holder,
-        tick=tick,
-        min_hold_ms=min_hold_ms,
-        hold_until_ms=hold_until_ms,
-        waited_ms=waited_ms,
-        waited_since_ms=waited_since_ms,
-    )
-    given_up = {"$and": [{"$not": ["$__free"]}, ours]}
-    give_up = {
-        "$set": {
-            "owner": {"$cond": [given_up, None, "$owner"]},
-            "ends": _append_ending(given_up, ending_expr("expired", "$expires_at", seen="$$NOW")),
-        }
-    }
-    return [
-        {"$set": {"__free": free}},
-        {"$set": fields},
-        give_up,
-        {"$unset": "__free"},
-        admission.gc_stage(),
-    ]
+    # only if nobody waits for the key (else ``acquire_pipeline`` gives it up: it goes to the oldest
+    # parked run).
+    ours = own_lease(token)
+    return {"$or": [own_live_lease(token), {"$and": [ours, nobody_waits]}, vacant]}
 
 
 #: What the acquire's reply carries: the document with only its newest ending (the one a takeover of an
@@ -362,7 +380,7 @@ def renew_pipeline() -> list[Document]:
     """Extend by the lease's own ``ttl_ms`` from now, on the server's clock."""
     return [
         {"$set": {"expires_at": {"$add": ["$$NOW", "$ttl_ms"]}, "renewed_at": "$$NOW"}},
-        admission.gc_stage(),
+        gc_stage(),
     ]
 
 
@@ -395,12 +413,12 @@ def release_pipeline(by: str = "", *, seen: bool = True) -> list[Document]:
                 "ends": _append_ending(True, ending_expr("released")),
                 # the run is over, even if the key stays taken (``seen=False``: a key given back by a
                 # run that has not run yet, see ``LeaseStore.give_back``)
-                "seen": admission.seen_append(seen),
+                "seen": seen_append(seen),
             }
         },
-        *admission.release_handoff_stages(by, keep_when="$__hold"),
+        *release_handoff_stages(by, keep_when="$__hold"),
         {"$unset": "__hold"},
-        admission.gc_stage(),
+        gc_stage(),
     ]
 
 
@@ -425,8 +443,8 @@ def release_dead_holder_pipeline(by: str = "") -> list[Document]:
                 "ends": _append_ending(True, ending_expr("holder-died")),
             }
         },
-        *admission.release_handoff_stages(by),
-        admission.gc_stage(),
+        *release_handoff_stages(by),
+        gc_stage(),
     ]
 
 
@@ -447,214 +465,6 @@ def force_release_pipeline(by: str = "") -> list[Document]:
                 "ends": _append_ending(True, ending_expr("forced")),
             }
         },
-        *admission.release_handoff_stages(by),
-        admission.gc_stage(),
+        *release_handoff_stages(by),
+        gc_stage(),
     ]
-
-
-# -- reading ---------------------------------------------------------------------------------------------
-def prefix_filter(prefix: str | None) -> Document:
-    """Keys starting with ``prefix`` (all keys when None)."""
-    if prefix is None:
-        return {}
-    if not isinstance(prefix, str):
-        raise ConfigurationError(f"prefix must be a str, got {type(prefix).__name__}")
-    return {"_id": {"$regex": "^" + re.escape(prefix)}}
-
-
-def read_pipeline(match: Document) -> list[Document]:
-    """The lease documents matching ``match``, by key, each with the server's ``expires_at - $$NOW``."""
-    stage = {
-        "$addFields": {
-            "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
-            "__now_ms": _NOW_MS,
-        }
-    }
-    hidden = {"ends": 0, "seen": 0, "q.m": 0, "ho.m": 0}
-    return [{"$match": match}, {"$sort": {"_id": 1}}, stage, {"$project": hidden}]
-
-
-def story_pipeline(key: str) -> list[Document]:
-    """One key's whole document, ``ends`` included, with the server's ``$$NOW`` and
-    ``expires_at - $$NOW`` (``celery mongolock why``); not the parked runs' messages (``m``) nor the
-    queue's duplicate guard (``seen``), which can be large."""
-    stage = {
-        "$addFields": {
-            "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
-            "__now": "$$NOW",
-            # The key is handed to a parked run (or reserved for a multi-key run), not yet claimed.
-            "__handed": {
-                "$and": [{"$ne": [{"$ifNull": ["$ho", None]}, None]}, {"$eq": ["$owner", "$ho.tk"]}]
-            },
-        }
-    }
-    # Rebuilt field by field: the embedded test server does not take a dotted exclusion inside an array.
-    fields = ("id", "t", "n", "r", "s", "at", "dl", "hat", "hn", "ks")
-    runs = {
-        "q": {"$map": {"input": {"$ifNull": ["$q", []]}, "as": "e", "in": {f: f"$$e.{f}" for f in fields}}},
-        "ho": {
-            "$cond": [
-                {"$eq": [{"$ifNull": ["$ho", None]}, None]},
-                None,
-                {f: f"$ho.{f}" for f in fields},
-            ]
-        },
-    }
-    return [{"$match": {"_id": key}}, stage, {"$addFields": runs}, {"$project": {"seen": 0}}]
-
-
-# -- history ---------------------------------------------------------------------------------------------
-#: The two views of one acquisition's end: the server's (the ending in ``ends``) and the holder's own (it
-#: saw its lease lost).
-SERVER_VIEW = "s"
-HOLDER_VIEW = "h"
-#: The view of a run that ended while parked, never holding the key (superseded, timed out, revoked).
-RUN_VIEW = "q"
-
-
-def history_id(key: str, fence: int, view: str) -> str:
-    """``_id`` of a history record: one per key, acquisition (fence) and view, so a record written twice
-    is stored once."""
-    return f"{key}\x00{int(fence):020d}\x00{view}"
-
-
-def history_record(key: str, ending: Mapping[str, Any], view: str = SERVER_VIEW) -> Document:
-    """A record for the history collection: the ending's fields plus ``_id``, ``k`` and ``v``.
-
-    ``e`` (the end, server time) is what the collection's TTL index counts from.
-    """
-    record: Document = {k: v for k, v in ending.items() if v is not None}
-    record.update(_id=history_id(key, int(ending["f"]), view), k=key, v=view)
-    return record
-
-
-def run_history_id(key: str, task_id: str) -> str:
-    """``_id`` of the record of a run that ended while parked: one per key and task id (a run ends once;
-    two workers that both see it end, e.g. the sweeper and the revoke of its handoff message, store one
-    record)."""
-    return f"{key}\x00{RUN_VIEW}\x00{task_id}"
-
-
-def run_record(
-    key: str,
-    how: str,
-    run: Mapping[str, Any],
-    *,
-    fence: int | None,
-    ended_at: _dt.datetime | None = None,
-    parked_at: _dt.datetime | None = None,
-    by: str | None = None,
-    running: bool = False,
-) -> Document:
-    """The history record of a run that ended while parked (``how``: ``superseded``, ``timeout``,
-    ``revoked``): ``f`` is the key's fence when it ended, ``w`` how long it was parked (ms), ``e`` when it
-    ended (the server's time when known, else this process's clock). ``running``: the run held the key
-    and a newer send superseded it (``Replace(cancel_running=True)``): ``rn``."""
-    ended = aware(ended_at)
-    if ended is None:
-        now = _dt.datetime.now(_dt.timezone.utc)
-        ended = now.replace(microsecond=now.microsecond // 1000 * 1000)
-    parked = aware(parked_at)
-    waited = None if parked is None else max(0, int((ended - parked).total_seconds() * 1000))
-    task_id = str(run.get("t"))
-    record: Document = {
-        "_id": run_history_id(key, task_id),
-        "k": key,
-        "v": RUN_VIEW,
-        "f": int(fence or 0),
-        "t": task_id,
-        "n": run.get("n"),
-        "run": run.get("id") or run.get("r"),
-        "how": how,
-        "pa": parked,
-        "e": ended,
-        "w": waited,
-        "by": by,
-        "rn": True if running else None,
-    }
-    return {k: v for k, v in record.items() if v is not None}
-
-
-def slots_expired_by(doc: Mapping[str, Any] | None) -> list[Document]:
-    """The endings of ``limit=N`` holds that a slot acquire found expired (and dropped), from its reply
-    (the document with its ``ends``): those written at this command's time, which is at or after every
-    live hold's acquisition. An ending recorded earlier may be among them: writing it again is harmless
-    (a history record's ``_id`` is per key, fence and view)."""
-    if not doc:
-        return []
-    taken = [h["a"] for h in doc.get("hs") or [] if isinstance(h, Mapping) and h.get("a") is not None]
-    newest = aware(max(taken)) if taken else None
-    found = []
-    for ending in doc.get("ends") or []:
-        if not isinstance(ending, Mapping) or ending.get("how") != "expired" or ending.get("slot") is None:
-            continue
-        ended = aware(ending.get("e"))
-        if ended is not None and (newest is None or ended >= newest):
-            found.append(dict(ending))
-    return found
-
-
-def lease_info(doc: Document) -> LeaseInfo:
-    """A document read through ``read_pipeline`` as a ``LeaseInfo``: held means owned and not expired."""
-    expires_in_ms = doc.get("__expires_in_ms")
-    owner = doc.get("owner")
-    expires_in = None if expires_in_ms is None else expires_in_ms / 1000.0
-    now_ms = doc.get("__now_ms")
-    slots = []
-    for hold in doc.get("hs") or []:
-        x = aware(hold.get("x"))
-        left = None if x is None or not isinstance(now_ms, int) else x.timestamp() - now_ms / 1000.0
-        if left is not None and left > 0:
-            slots.append(
-                {"slot": hold.get("s"), "fence": hold.get("f"), "holder": hold.get("h"), "expires_in": left}
-            )
-    slots.sort(key=lambda h: int(h["slot"] or 0))
-    return LeaseInfo(
-        key=doc["_id"],
-        held=bool(slots) or (owner is not None and expires_in is not None and expires_in > 0),
-        owner=owner,
-        fence=int(doc.get("fence", 0)),
-        expires_at=aware(doc.get("expires_at")),
-        expires_in=expires_in,
-        holder=dict((slots[0]["holder"] if slots else doc.get("holder")) or {}),
-        acquired_at=aware(doc.get("acquired_at")),
-        renewed_at=aware(doc.get("renewed_at")),
-        released_at=aware(doc.get("released_at")),
-        parked=[_parked_view(i + 1, e, doc.get("__now_ms")) for i, e in enumerate(doc.get("q") or [])],
-        handoff=_handoff_view(
-            doc.get("ho") or next((h.get("ho") for h in doc.get("hs") or [] if h.get("ho")), None),
-            doc.get("__now_ms"),
-        ),
-        slots=slots,
-        limit=doc.get("lim") if slots or doc.get("hs") else None,
-    )
-
-
-def _since(when: Any, now_ms: Any) -> float | None:
-    if not isinstance(now_ms, int) or aware(when) is None:
-        return None
-    stamp = aware(when)
-    assert stamp is not None
-    return round(max(0.0, now_ms / 1000.0 - stamp.timestamp()), 3)
-
-
-def _parked_view(position: int, entry: Mapping[str, Any], now_ms: Any) -> Document:
-    return {
-        "position": position,
-        "task_id": entry.get("t"),
-        "task_name": entry.get("n"),
-        "stamp": entry.get("s"),
-        "parked_for": _since(entry.get("at"), now_ms),
-        "deadline": aware(entry.get("dl")),
-    }
-
-
-def _handoff_view(ho: Any, now_ms: Any) -> Document | None:
-    if not isinstance(ho, Mapping):
-        return None
-    return {
-        "task_id": ho.get("t"),
-        "task_name": ho.get("n"),
-        "handed_for": _since(ho.get("hat"), now_ms),
-        "attempt": ho.get("hn"),
-    }

@@ -156,6 +156,19 @@ def slot_acquire_pipeline(
     ``tick``: once per tick (a beat-sent run): refused for a tick at or before the last that took a slot.
     ``ended_runs``: a copy's run ids; refused when one of them is remembered as over (``ran_any``).
     ``min_hold_ms``: a release before then keeps the slot taken until then (``m``, module doc)."""
+    return [
+        _look_stage(token, holder),
+        _take_stage(limit, tick=tick, ended_runs=ended_runs),
+        _write_stage(token, ttl_ms, holder, limit, waited_ms=waited_ms, tick=tick, min_hold_ms=min_hold_ms),
+        {"$set": {"sx": latest_expiry("$hs")}},
+        {"$unset": ["__mine", "__live", "__expired", "__fence", "__take", "__dup"]},
+        _gc(),
+    ]
+
+
+def _look_stage(token: str, holder: Mapping[str, Any]) -> Document:
+    """The slot acquire's look: ``__mine`` (our own live hold: an acquire's retry), ``__dup`` (a hold of
+    the same run), the holds kept (``__live``) and expired (``__expired``), and the next fence."""
     live_tokens = {
         "$map": {
             "input": {"$filter": {"input": _HS, "as": "e", "cond": _live_cond("$$e")}},
@@ -163,43 +176,69 @@ def slot_acquire_pipeline(
             "in": "$$e.o",
         }
     }
-    mine = {"$in": [{"$literal": token}, live_tokens]}  # our own live hold: an acquire's retry
-    same_run = {
-        "$gt": [
-            {
-                "$size": {
-                    "$filter": {
-                        "input": _HS,
-                        "as": "e",
-                        "cond": {
-                            "$and": [
-                                _renewable("$$e"),  # (a released hold's run is over: ``ended_runs``)
-                                {"$ne": ["$$e.o", {"$literal": token}]},
-                                {"$eq": ["$$e.h.task_id", {"$literal": holder.get("task_id")}]},
-                                {"$eq": ["$$e.h.delivery", {"$literal": holder.get("delivery")}]},
-                            ]
-                        },
-                    }
-                }
-            },
-            0,
+    same_run_hold = {
+        "$and": [
+            _renewable("$$e"),  # (a released hold's run is over: ``ended_runs``)
+            {"$ne": ["$$e.o", {"$literal": token}]},
+            {"$eq": ["$$e.h.task_id", {"$literal": holder.get("task_id")}]},
+            {"$eq": ["$$e.h.delivery", {"$literal": holder.get("delivery")}]},
         ]
     }
-    single_held = SINGLE_HELD
-    has_task = holder.get("task_id") is not None
+    same_run = {"$gt": [{"$size": {"$filter": {"input": _HS, "as": "e", "cond": same_run_hold}}}, 0]}
+    # A slot handed to a parked run stays taken until the sweeper hands it again, even past its expiry
+    # (dropping it would lose the run: its message lives in the handoff).
+    kept = {"$or": [_live_cond("$$e"), _handed("$$e")]}
+    fence = {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]}
+    return {
+        "$set": {
+            "__mine": {"$in": [{"$literal": token}, live_tokens]},
+            "__dup": same_run if holder.get("task_id") is not None else False,
+            "__live": {"$filter": {"input": _HS, "as": "e", "cond": kept}},
+            "__expired": {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [kept]}}},
+            "__fence": fence,
+        }
+    }
+
+
+def _take_stage(limit: int, *, tick: int | None, ended_runs: Sequence[str]) -> Document:
+    """``__take``: a slot is free for this acquire, nobody holds the key as a single lease, no run is
+    parked on it, and the run is neither a copy of one holding a slot nor of one over."""
     nobody_parked = {
         "$and": [
             {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
             {"$eq": [{"$ifNull": ["$ho", None]}, None]},
         ]
     }
-    # A slot handed to a parked run stays taken until the sweeper hands it again, even past its expiry
-    # (dropping it would lose the run: its message lives in the handoff).
-    kept = {"$or": [_live_cond("$$e"), _handed("$$e")]}
-    live = {"$filter": {"input": _HS, "as": "e", "cond": kept}}
-    expired = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [kept]}}}
+    return {
+        "$set": {
+            "__take": {
+                "$and": [
+                    {"$not": ["$__mine"]},
+                    {"$not": ["$__dup"]},  # a copy of a run that holds a slot now takes none
+                    {"$lt": [{"$size": "$__live"}, effective_limit("$__live", limit)]},
+                    {"$not": [SINGLE_HELD]},
+                    nobody_parked,
+                    True if tick is None else {"$lt": [{"$ifNull": ["$last_tick", -1]}, int(tick)]},
+                    {"$not": [ran_any(ended_runs)]} if ended_runs else True,
+                ]
+            }
+        }
+    }
+
+
+def _write_stage(
+    token: str,
+    ttl_ms: int,
+    holder: Mapping[str, Any],
+    limit: int,
+    *,
+    waited_ms: int | None,
+    tick: int | None,
+    min_hold_ms: int,
+) -> Document:
+    """The holds kept, with the new hold (the lowest free slot, the next fence) when ``__take``; the
+    endings of the expired holds recorded."""
     used = {"$map": {"input": "$__live", "as": "e", "in": "$$e.s"}}
-    fence = {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$multiply": [_NOW_MS, 1000]}]}
     hold = {
         "o": {"$literal": token},
         "f": "$__fence",
@@ -213,50 +252,21 @@ def slot_acquire_pipeline(
     }
     # A released hold that reached its ``m`` leaves without a second ending (it got one at its release).
     died = {"$filter": {"input": "$__expired", "as": "e", "cond": {"$not": [released("$$e")]}}}
-    return [
-        {
-            "$set": {
-                "__mine": mine,
-                "__dup": same_run if has_task else False,
-                "__live": live,
-                "__expired": expired,
-                "__fence": fence,
-            }
-        },
-        {
-            "$set": {
-                "__take": {
-                    "$and": [
-                        {"$not": ["$__mine"]},
-                        {"$not": ["$__dup"]},  # a copy of a run that holds a slot now takes none
-                        {"$lt": [{"$size": "$__live"}, effective_limit("$__live", limit)]},
-                        {"$not": [single_held]},
-                        nobody_parked,
-                        True if tick is None else {"$lt": [{"$ifNull": ["$last_tick", -1]}, int(tick)]},
-                        {"$not": [ran_any(ended_runs)]} if ended_runs else True,
-                    ]
-                }
-            }
-        },
-        {
-            "$set": {
-                "hs": {"$cond": ["$__take", {"$concatArrays": ["$__live", [hold]]}, "$__live"]},
-                "fence": {"$cond": ["$__take", "$__fence", "$fence"]},
-                "lim": {"$cond": ["$__take", effective_limit("$__live", limit), "$lim"]},
-                **({} if tick is None else {"last_tick": {"$cond": ["$__take", int(tick), "$last_tick"]}}),
-                "ends": {
-                    "$cond": [
-                        {"$gt": [{"$size": died}, 0]},
-                        append_endings(died, "expired"),
-                        "$ends",
-                    ]
-                },
-            }
-        },
-        {"$set": {"sx": latest_expiry("$hs")}},
-        {"$unset": ["__mine", "__live", "__expired", "__fence", "__take", "__dup"]},
-        _gc(),
-    ]
+    return {
+        "$set": {
+            "hs": {"$cond": ["$__take", {"$concatArrays": ["$__live", [hold]]}, "$__live"]},
+            "fence": {"$cond": ["$__take", "$__fence", "$fence"]},
+            "lim": {"$cond": ["$__take", effective_limit("$__live", limit), "$lim"]},
+            **({} if tick is None else {"last_tick": {"$cond": ["$__take", int(tick), "$last_tick"]}}),
+            "ends": {
+                "$cond": [
+                    {"$gt": [{"$size": died}, 0]},
+                    append_endings(died, "expired"),
+                    "$ends",
+                ]
+            },
+        }
+    }
 
 
 def slot_tokens_filter(tokens: Iterable[str]) -> Document:
