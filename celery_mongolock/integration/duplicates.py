@@ -15,7 +15,7 @@ from celery.exceptions import Ignore
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.core.documents import copies
 from celery_mongolock.exceptions import StoreUnavailable
-from celery_mongolock.integration.handoff import has_backend
+from celery_mongolock.integration.results import has_backend
 from celery_mongolock.integration.runs import (
     CONTENTION_HEADER,
     GuardedRun,

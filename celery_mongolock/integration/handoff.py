@@ -12,6 +12,8 @@ This module is the Celery side of it:
   entry, so that the run can be published again, with its task id, when the key is handed to it.
 * **Handoff publisher.** Every store of an app publishes the handoffs its own commands make
   (``LeaseStore.add_handoff_callback``), with a ``mongolock_handoff`` header that lets that run claim.
+* **Results.** Runs that end without running (superseded, timed out while parked) get their results
+  from ``results``.
 * **Sweeper.** A thread in each worker's main process looks at the keys with parked runs every
   ``min(lease / 2, 15 s)``: it hands over keys whose holder died without a parent to release them, re-hands
   handoffs nobody took up, drops revoked runs, and writes the results of runs that timed out while parked
@@ -27,15 +29,22 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery import signals as celery_signals
 from kombu.serialization import dumps
 
-from celery_mongolock.exceptions import QueueTimeout, UntrustedMessage
+from celery_mongolock.exceptions import UntrustedMessage
 from celery_mongolock.integration import config, lanes, signals
+from celery_mongolock.integration.results import (
+    QUEUED,
+    has_backend,
+    state_of,
+    write_superseded,
+    write_timed_out,
+)
 from celery_mongolock.integration.trust import SIGNATURE_FIELD, RefusedEntry, check_entry, sign_entry
 
 if TYPE_CHECKING:
@@ -328,126 +337,6 @@ def refuse(app: Celery, store: LeaseStore, key: str, entry: Mapping[str, Any], r
                 store.sweep(drop_key, revoked={drop_id})
     finally:
         _dropping.pending = None
-
-
-# -- results the sweeper (or the admitting run) writes -----------------------------------------------------
-def has_backend(app: Celery) -> bool:
-    """Whether the app stores results (a superseded or timed-out run's result has somewhere to go)."""
-    from celery.backends.base import DisabledBackend
-
-    return not isinstance(app.backend, DisabledBackend)
-
-
-def superseded_result(key: str, by: str, keys: Sequence[str] | None = None) -> dict[str, Any]:
-    """The result of a run replaced by a newer send (``Replace``); with ``keys=``, ``key`` is its first
-    key and ``keys`` all of them (the same result whichever key it was superseded on)."""
-    if keys:
-        return {"mongolock": "superseded", "key": keys[0], "keys": list(keys), "by": by}
-    return {"mongolock": "superseded", "key": key, "by": by}
-
-
-#: The state a parked run writes for itself (``task.QUEUED``).
-QUEUED = "QUEUED"
-
-
-def state_of(app: Celery, task_id: str) -> str | None:
-    """A run's state in the result backend (None if it cannot be read)."""
-    try:
-        return str(app.backend.get_task_meta(task_id).get("status"))
-    except Exception:
-        return None
-
-
-def write_superseded(
-    app: Celery,
-    store: LeaseStore,
-    key: str,
-    entries: list[Mapping[str, Any]],
-    *,
-    ready: Callable[[str], bool] | None = None,
-    fence: int | None = None,
-) -> list[Mapping[str, Any]]:
-    """Write SUCCESS ``superseded`` for runs that a newer send replaced, then forget them; return the
-    entries left for later. Each gets a history record (queued: written at the heartbeat's next tick);
-    ``fence``: the key's fence.
-
-    A parked run writes its own state ``QUEUED`` after its park, so a result written before that could be
-    overwritten by it (the backend's read and write are not one step): with ``ready``, only the runs it
-    accepts are written now (the others stay in ``sup``: the run itself, after writing ``QUEUED``, or the
-    sweeper writes them)."""
-    done = []
-    left = []
-    for entry in entries:
-        if ready is not None and not ready(str(entry["t"])):
-            left.append(entry)
-            continue
-        if has_backend(app):
-            result = superseded_result(key, str(entry.get("by")), entry.get("ks") or None)
-            app.backend.store_result(entry["t"], result, "SUCCESS")
-        signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
-        store.record_run_ending(
-            key,
-            "superseded",
-            entry,
-            fence=fence,
-            ended_at=entry.get("at"),
-            parked_at=entry.get("pa"),
-            by=_str(entry.get("by")),
-        )
-        log.info(
-            "%s[%s], parked on %r, superseded by a newer send (%s): it ends SUCCESS with a 'superseded' "
-            "result, without running its body",
-            entry.get("n"),
-            entry["t"],
-            key,
-            entry.get("by"),
-        )
-        done.append(entry["t"])
-    if done:
-        store.forget_results(key, "sup", done)
-    return left
-
-
-def marked_queued(app: Celery) -> Callable[[str], bool]:
-    """``ready`` for ``write_superseded``: the run has written its state ``QUEUED`` already."""
-    return lambda task_id: state_of(app, task_id) == QUEUED
-
-
-def _str(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-def write_timed_out(
-    app: Celery,
-    store: LeaseStore,
-    key: str,
-    entries: list[Mapping[str, Any]],
-    *,
-    fence: int | None = None,
-) -> None:
-    """Write the results of runs that stayed parked past their deadline (``then``), then forget them;
-    each gets a history record (``timeout``; ``fence``: the key's)."""
-    done = []
-    for entry in entries:
-        at = entry.get("at")
-        reason = "parked past its Queue(timeout=...)"
-        if isinstance(at, _dt.datetime):
-            reason = f"parked since {at.isoformat()}, past its Queue(timeout=...)"
-        if not has_backend(app):
-            pass
-        elif entry.get("th") == "fail":
-            app.backend.mark_as_failure(entry["t"], QueueTimeout(key, reason))
-        else:
-            app.backend.store_result(
-                entry["t"],
-                {"mongolock": "skipped", "key": key, "reason": reason, "holder": {}, "expires_at": None},
-                "SUCCESS",
-            )
-        store.record_run_ending(key, "timeout", entry, fence=fence, ended_at=entry.get("dl"), parked_at=at)
-        log.info("%s on %r: %s", entry["t"], key, reason)
-        done.append(entry["t"])
-    if done:
-        store.forget_results(key, "dead", done)
 
 
 # -- the sweeper -----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from celery_mongolock.admission.policies import TRY_AGAIN, Fail, Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
 from celery_mongolock.exceptions import LockContended, QueueTimeout, StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import signals
+from celery_mongolock.integration import results, signals
 from celery_mongolock.integration.beatcheck import beat_tick, warn_if_sent_by_another_beat
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.duplicates import (
@@ -207,7 +207,7 @@ class OneKey:
             # QUEUED before the admit, never after it: once parked, the run may be handed the key and end
             # at any moment, and a state written later would hide its result.
             since = _dt.datetime.now(_dt.timezone.utc).isoformat()
-            set_state(task, _queue.QUEUED, {"key": key, "since": since}, unless_ready=True)
+            set_state(task, results.QUEUED, {"key": key, "since": since}, unless_ready=True)
         admission = self._admission(entry, claim, debounced_copy, info)
         lease = admission.lease
         if lease is not None:
@@ -310,7 +310,7 @@ class OneKey:
             )
             signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
             self.store.record_run_ending(key, "superseded", entry, fence=admission.fence, by=by)  # history
-            return Outcome(_queue.superseded_result(key, by))
+            return Outcome(results.superseded_result(key, by))
         if outcome is AdmitOutcome.FULL:
             reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
             if isinstance(policy.then, Fail):
@@ -326,8 +326,8 @@ class OneKey:
         if mine:
             # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
             # its result with it (it writes QUEUED before it parks, so this is rare: the write failed).
-            _queue.write_superseded(
-                task.app, self.store, key, mine, ready=_queue.marked_queued(task.app), fence=admission.fence
+            results.write_superseded(
+                task.app, self.store, key, mine, ready=results.marked_queued(task.app), fence=admission.fence
             )
         position = admission.position(request.id)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:

@@ -28,7 +28,7 @@ from celery_mongolock.admission.contention import Outcome, skipped_result
 from celery_mongolock.core.store_rate import RateTake, rate_windows
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import signals
+from celery_mongolock.integration import results, signals
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.runs import (
     CONTENDED_SINCE_HEADER,
@@ -132,7 +132,7 @@ def _park(task: GuardedRun, key: str, rate: RateLimit, took: RateTake, stamp: in
         headers[RATE_HEADER + "_since"] = _dt.datetime.now(_dt.timezone.utc).isoformat()
     set_state(
         task,
-        _queue.QUEUED,
+        results.QUEUED,
         {
             "key": key,
             "since": headers[RATE_HEADER + "_since"],

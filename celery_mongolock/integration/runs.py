@@ -19,6 +19,7 @@ from celery_mongolock.admission.contention import ContendedRun, SingletonRun
 from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
+from celery_mongolock.integration import results
 from celery_mongolock.integration.config import get_store
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def has_final_state(task: GuardedRun, carried_on: Callable[[], bool] | None = No
     dropped and the task stayed ``RETRY``). Then the ``RETRY`` counts only when ``carried_on()``, or, when
     the backend stored the attempt that retried (``result_extended``), when that attempt is this one or a
     later one."""
-    if task.ignore_result or task.request.ignore_result or not _queue.has_backend(task.app):
+    if task.ignore_result or task.request.ignore_result or not results.has_backend(task.app):
         return True
     try:
         meta = task.backend.get_task_meta(task.request.id)
@@ -128,7 +129,7 @@ def handoff_of_an_attempt_that_ran(task: GuardedRun) -> bool:
     run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
     if not isinstance(handoff, Mapping) or handoff.get("id", run) != run:
         return False
-    if task.ignore_result or request.ignore_result or not _queue.has_backend(task.app):
+    if task.ignore_result or request.ignore_result or not results.has_backend(task.app):
         return False
     try:
         meta = task.backend.get_task_meta(request.id)
@@ -140,7 +141,7 @@ def handoff_of_an_attempt_that_ran(task: GuardedRun) -> bool:
 
 def set_state(task: GuardedRun, state: str, meta: dict[str, Any], *, unless_ready: bool = False) -> None:
     """Write this run's state (only for humans and ``AsyncResult.state``: failures are logged)."""
-    if task.ignore_result or task.request.ignore_result or not _queue.has_backend(task.app):
+    if task.ignore_result or task.request.ignore_result or not results.has_backend(task.app):
         return
     task_id = task.request.id
     try:

@@ -26,7 +26,7 @@ from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
 from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import signals
+from celery_mongolock.integration import results, signals
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.duplicates import (
     DUPLICATE_HEADER,
@@ -260,7 +260,7 @@ class SeveralKeys:
         self.copy = not (fresh or self.debounced_copy)
         if fresh:
             since = _dt.datetime.now(_dt.timezone.utc).isoformat()
-            set_state(task, _queue.QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
+            set_state(task, results.QUEUED, {"key": keys[0], "keys": keys, "since": since}, unless_ready=True)
         try:
             return self._admit_attempts(claim, stamp)
         except StoreUnavailable as exc:
@@ -367,7 +367,7 @@ class SeveralKeys:
         )
         signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
         self.store.record_run_ending(key, "superseded", self.entry, fence=admission.fence, by=by)  # history
-        return Outcome(_queue.superseded_result(keys[0], by, keys))
+        return Outcome(results.superseded_result(keys[0], by, keys))
 
     def _leave_all(self) -> None:
         """Leave every key: this run's parked entry, reservation or handoff (each key goes on to the next
@@ -537,8 +537,8 @@ class SeveralKeys:
         task, store = self.task, self.store
         for key, (admission, runs) in self.superseded.items():
             # Only runs that wrote their state QUEUED (see ``OneKey._parked``); the sweeper writes the rest.
-            _queue.write_superseded(
-                task.app, store, key, runs, ready=_queue.marked_queued(task.app), fence=admission.fence
+            results.write_superseded(
+                task.app, store, key, runs, ready=results.marked_queued(task.app), fence=admission.fence
             )
         self.superseded = {}
 

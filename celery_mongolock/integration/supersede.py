@@ -33,8 +33,7 @@ from celery import signals as celery_signals
 
 from celery_mongolock.admission.policies import Policy, Replace
 from celery_mongolock.exceptions import ConfigurationError, Superseded
-from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import signals
+from celery_mongolock.integration import results, signals
 
 if TYPE_CHECKING:
     from celery_mongolock.core.lease import Lease
@@ -84,7 +83,7 @@ def ended_superseded(task: GuardedRun, store: LeaseStore, key: str, lease: Lease
     )
     signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
     store.record_run_ending(key, "superseded", _run_info(task), fence=lease.fence, by=by, running=True)
-    return _queue.superseded_result(key, by)
+    return results.superseded_result(key, by)
 
 
 class _Terminator:
@@ -121,7 +120,7 @@ class _Terminator:
             os.getpid(),
         )
         try:
-            task.app.backend.store_result(self.request_id, _queue.superseded_result(key, by), "SUCCESS")
+            task.app.backend.store_result(self.request_id, results.superseded_result(key, by), "SUCCESS")
             signals.run_superseded.send(sender=task, key=key, task_id=self.request_id, by=by)
             self.store.record_run_ending(
                 key, "superseded", self.info, fence=self.lease.fence, by=by, running=True

@@ -55,7 +55,7 @@ from celery_mongolock.core.store import Lease
 from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable, Superseded
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import signals, startup
+from celery_mongolock.integration import results, signals, startup
 from celery_mongolock.integration.beatcheck import (
     OUR_SCHEDULER,  # noqa: F401  (re-exported)
     check_beat_scheduler,
@@ -104,7 +104,7 @@ log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
 
 #: The state of a parked run (``Queue``, ``Replace``): its meta says ``key``, ``position``, ``since``.
-QUEUED = _queue.QUEUED
+QUEUED = results.QUEUED
 #: How a run is published again (a contention retry, a parked duplicate): kombu retries the publish for
 #: about a minute, so that a broker restart does not fail the run (Celery's default policy gives up
 #: after 0.6 s). The run holds no lease meanwhile, and a worker cut off from its broker has nothing else
