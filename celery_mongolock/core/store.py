@@ -9,7 +9,7 @@ server's clock), a façade over the parts that each own one concern:
   ``force_release``;
 * ``store_handoffs``: the callbacks that publish the runs a command of this process handed a key to;
 * ``store_queue``: the upkeep of parked runs (reservations, unparking, the sweeper's commands,
-  ``run_ended``, written results);
+  ``run_ended``, written results), whose verbs ``LeaseStore`` has from ``store_parked.ParkedRuns``;
 * ``store_history``: the lease history (records, ``why``, ``history``) and reads (``inspect``, ``list``).
 
 This module imports pymongo only (no Celery): the Celery glue sits on top of it. The lease document, its
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import datetime as _dt
 import os
 from collections.abc import Collection as _Collection
 from collections.abc import Mapping, Sequence
@@ -51,6 +50,7 @@ from celery_mongolock.core.store_handoffs import HandoffCallback, Handoffs
 from celery_mongolock.core.store_history import Records
 from celery_mongolock.core.store_hold import acquire_reentrant
 from celery_mongolock.core.store_hold import hold as _hold
+from celery_mongolock.core.store_parked import ParkedRuns
 from celery_mongolock.core.store_queue import QueueUpkeep
 from celery_mongolock.core.store_release import Releases
 from celery_mongolock.core.urls import validate_client_options, validate_mongo_url
@@ -82,7 +82,7 @@ __all__ = [
 _local_ttl = local_ttl
 
 
-class LeaseStore:
+class LeaseStore(ParkedRuns):
     """Leases in one MongoDB collection.
 
     ``client_or_url`` is a ``pymongo.MongoClient`` (used as is) or a MongoDB URL, from which a client is
@@ -494,84 +494,6 @@ class LeaseStore:
         publish (the Celery glue publishes the handed run's message). Without one, the sweeper of a
         worker publishes it."""
         self.handoffs.add_callback(callback)
-
-    # -- parked runs: ``queue`` ------------------------------------------------------------------------
-    def reserve(self, lease: Lease, entry: Mapping[str, Any], *, timeout: float | None = None) -> bool:
-        """Turn ``lease`` of a run that needs several keys into a reservation of its key for the run's
-        parked ``entry`` (``QueueUpkeep.reserve``); False if the lease was no longer ours."""
-        return self.queue.reserve(lease, entry, timeout=timeout)
-
-    def unpark(self, key: str, entry_id: str) -> None:
-        """Remove the run ``entry_id`` from ``key`` (``QueueUpkeep.unpark``)."""
-        self.queue.unpark(key, entry_id)
-
-    def give_back(self, lease: Lease) -> bool:
-        """Release ``lease`` of a run that has not run, not remembering it as over
-        (``QueueUpkeep.give_back``)."""
-        return self.queue.give_back(lease)
-
-    def reserved_for_all(self, entry: Mapping[str, Any]) -> bool:
-        """Whether every key of the run ``entry`` (``ks``) is handed or reserved to it, not yet claimed:
-        then its message is published (once per completion; copies collapse at the claims)."""
-        return self.keys_state(entry) == "ready"
-
-    def keys_state(self, entry: Mapping[str, Any]) -> str:
-        """``ready``, ``waiting`` or ``missing``: where the multi-key run ``entry`` stands on its keys
-        (``QueueUpkeep.keys_state``)."""
-        return self.queue.keys_state(entry)
-
-    def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
-        """Lease documents with parked runs, a pending handoff or results to write: the sweeper's list
-        (``QueueUpkeep.waiting_keys``)."""
-        return self.queue.waiting_keys(limit, after)
-
-    def sweep(
-        self, key: str, *, revoked: _Collection[str] = (), slots: bool | None = None
-    ) -> Document | None:
-        """One sweep of ``key`` in one command (``QueueUpkeep.sweep``); returns the document after."""
-        return self.queue.sweep(key, revoked=revoked, slots=slots)
-
-    def keys_with_expired_holds(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
-        """``limit=N`` keys nothing waits on that keep an expired hold
-        (``QueueUpkeep.keys_with_expired_holds``)."""
-        return self.queue.keys_with_expired_holds(limit, after)
-
-    def sweep_expired_holds(self, key: str) -> Document | None:
-        """Drop the expired holds of ``limit=N`` key ``key`` (``QueueUpkeep.sweep_expired_holds``)."""
-        return self.queue.sweep_expired_holds(key)
-
-    def record_run_ending(
-        self,
-        key: str,
-        how: str,
-        run: Mapping[str, Any],
-        *,
-        fence: int | None,
-        ended_at: _dt.datetime | None = None,
-        parked_at: _dt.datetime | None = None,
-        by: str | None = None,
-        running: bool = False,
-    ) -> None:
-        """Queue the history record of a run that ended while parked, or of a running holder superseded
-        (``running``) (``QueueUpkeep.record_run_ending``)."""
-        self.queue.record_run_ending(
-            key, how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by, running=running
-        )
-
-    def run_ended(
-        self, key: str, run_ids: Sequence[str], *, task_id: str, delivery: Any, parked: bool = False
-    ) -> bool:
-        """Whether a run of ``run_ids`` ended and released ``key`` itself (``QueueUpkeep.run_ended``)."""
-        return self.queue.run_ended(key, run_ids, task_id=task_id, delivery=delivery, parked=parked)
-
-    def later_attempt(self, key: str, task_id: str, retries: int) -> bool:
-        """Whether ``key`` knows an attempt of ``task_id`` after ``retries`` (``QueueUpkeep``)."""
-        return self.queue.later_attempt(key, task_id, retries)
-
-    def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
-        """Remove entries of ``dead`` or ``sup`` whose results have been written
-        (``QueueUpkeep.forget_results``)."""
-        self.queue.forget_results(key, field, task_ids)
 
     # -- history and reading: ``records`` --------------------------------------------------------------
     def record_lost(self, lease: Lease, reason: str) -> None:

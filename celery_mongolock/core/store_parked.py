@@ -1,0 +1,104 @@
+"""``LeaseStore``'s verbs for parked runs (``ParkedRuns``, a base of ``LeaseStore``): each delegates to
+the store's ``queue`` (``store_queue.QueueUpkeep``), which owns them. Apart from ``store`` so that the
+façade reads in one screen per concern.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as _dt
+from collections.abc import Collection as _Collection
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.lease import Lease
+
+if TYPE_CHECKING:
+    from celery_mongolock.core.store_queue import QueueUpkeep
+
+__all__ = ["ParkedRuns"]
+
+
+class ParkedRuns:
+    """The parked-runs verbs of ``LeaseStore``: reservations of several-keys runs, unparking, giving a
+    key back, the sweeper's list and commands, and the results and endings of parked runs."""
+
+    queue: QueueUpkeep
+
+    def reserve(self, lease: Lease, entry: Mapping[str, Any], *, timeout: float | None = None) -> bool:
+        """Turn ``lease`` of a run that needs several keys into a reservation of its key for the run's
+        parked ``entry`` (``QueueUpkeep.reserve``); False if the lease was no longer ours."""
+        return self.queue.reserve(lease, entry, timeout=timeout)
+
+    def unpark(self, key: str, entry_id: str) -> None:
+        """Remove the run ``entry_id`` from ``key`` (``QueueUpkeep.unpark``)."""
+        self.queue.unpark(key, entry_id)
+
+    def give_back(self, lease: Lease) -> bool:
+        """Release ``lease`` of a run that has not run, not remembering it as over
+        (``QueueUpkeep.give_back``)."""
+        return self.queue.give_back(lease)
+
+    def reserved_for_all(self, entry: Mapping[str, Any]) -> bool:
+        """Whether every key of the run ``entry`` (``ks``) is handed or reserved to it, not yet claimed:
+        then its message is published (once per completion; copies collapse at the claims)."""
+        return self.keys_state(entry) == "ready"
+
+    def keys_state(self, entry: Mapping[str, Any]) -> str:
+        """``ready``, ``waiting`` or ``missing``: where the multi-key run ``entry`` stands on its keys
+        (``QueueUpkeep.keys_state``)."""
+        return self.queue.keys_state(entry)
+
+    def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
+        """Lease documents with parked runs, a pending handoff or results to write: the sweeper's list
+        (``QueueUpkeep.waiting_keys``)."""
+        return self.queue.waiting_keys(limit, after)
+
+    def sweep(
+        self, key: str, *, revoked: _Collection[str] = (), slots: bool | None = None
+    ) -> Document | None:
+        """One sweep of ``key`` in one command (``QueueUpkeep.sweep``); returns the document after."""
+        return self.queue.sweep(key, revoked=revoked, slots=slots)
+
+    def keys_with_expired_holds(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
+        """``limit=N`` keys nothing waits on that keep an expired hold
+        (``QueueUpkeep.keys_with_expired_holds``)."""
+        return self.queue.keys_with_expired_holds(limit, after)
+
+    def sweep_expired_holds(self, key: str) -> Document | None:
+        """Drop the expired holds of ``limit=N`` key ``key`` (``QueueUpkeep.sweep_expired_holds``)."""
+        return self.queue.sweep_expired_holds(key)
+
+    def record_run_ending(
+        self,
+        key: str,
+        how: str,
+        run: Mapping[str, Any],
+        *,
+        fence: int | None,
+        ended_at: _dt.datetime | None = None,
+        parked_at: _dt.datetime | None = None,
+        by: str | None = None,
+        running: bool = False,
+    ) -> None:
+        """Queue the history record of a run that ended while parked, or of a running holder superseded
+        (``running``) (``QueueUpkeep.record_run_ending``)."""
+        self.queue.record_run_ending(
+            key, how, run, fence=fence, ended_at=ended_at, parked_at=parked_at, by=by, running=running
+        )
+
+    def run_ended(
+        self, key: str, run_ids: Sequence[str], *, task_id: str, delivery: Any, parked: bool = False
+    ) -> bool:
+        """Whether a run of ``run_ids`` ended and released ``key`` itself (``QueueUpkeep.run_ended``)."""
+        return self.queue.run_ended(key, run_ids, task_id=task_id, delivery=delivery, parked=parked)
+
+    def later_attempt(self, key: str, task_id: str, retries: int) -> bool:
+        """Whether ``key`` knows an attempt of ``task_id`` after ``retries`` (``QueueUpkeep``)."""
+        return self.queue.later_attempt(key, task_id, retries)
+
+    def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
+        """Remove entries of ``dead`` or ``sup`` whose results have been written
+        (``QueueUpkeep.forget_results``)."""
+        self.queue.forget_results(key, field, task_ids)
