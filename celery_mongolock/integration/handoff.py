@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEBOUNCE_HEADER",
     "HANDOFF_HEADER",
+    "REPUBLISH_RETRY_POLICY",
     "SENT_HEADER",
     "install_publisher",
     "message_of",
@@ -71,6 +72,10 @@ DEBOUNCE_HEADER = "mongolock_debounce"
 #: The message headers a handoff must not carry over from the parked run's message.
 _TRANSIENT_HEADERS = (HANDOFF_HEADER, DEBOUNCE_HEADER)
 
+#: How a run is published again (a contention retry, a parked duplicate, a body's retry): kombu retries
+#: the publish for about a minute, so that a broker restart does not fail the run (Celery's default policy
+#: gives up after 0.6 s). The run holds no lease meanwhile, and a worker cut off from its broker has
+#: nothing else to do.
 REPUBLISH_RETRY_POLICY: dict[str, float] = {
     "max_retries": 30,
     "interval_start": 0.2,

@@ -19,19 +19,29 @@ import inspect
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
-from celery_mongolock.admission.policies import Policy, check_keys, check_limit, parse_policy
-from celery_mongolock.admission.rate import check_rate, parse_rate
+from celery_mongolock.admission.policies import (
+    Policy,
+    PolicySpec,
+    Replace,
+    check_keys,
+    check_limit,
+    parse_policy,
+)
+from celery_mongolock.admission.rate import RateLimit, check_rate, checked_rate, parse_rate
 from celery_mongolock.core.documents.sends import check_unique_send, check_unique_send_seconds
-from celery_mongolock.core.keys import KeyRenderer
-from celery_mongolock.exceptions import ConfigurationError
+from celery_mongolock.core.keys import KeyRenderer, KeySpec
+from celery_mongolock.core.validation import DEFAULT_LEASE_SECONDS, validate_lease_timing, validate_seconds
+from celery_mongolock.exceptions import ConfigurationError, Superseded
 
 __all__ = [
     "DECORATOR_OPTIONS",
     "FUTURE_OPTIONS",
     "TASK_ATTRIBUTES",
+    "check_declaration",
+    "check_decorated",
     "check_decorator_options",
     "check_task_class",
     "install_start_up_error_hook",
@@ -125,6 +135,63 @@ def check_decorator_options(where: str, task_options: Mapping[str, Any]) -> None
                 f"{where}: unknown option {name}=; did you mean {hint[0]}=? (Celery's own task options "
                 "are passed through; this one is neither ours nor Celery's)"
             )
+
+
+def check_declaration(
+    *,
+    key: KeySpec,
+    on_contention: PolicySpec | None,
+    lease_seconds: float | None,
+    heartbeat_seconds: float | None,
+    min_hold_seconds: float | None,
+    limit: int | Mapping[Any, int] | None,
+    keys: Sequence[KeySpec] | None,
+    rate: RateLimit | Mapping[str, Any] | None,
+    unique_send_seconds: float | None,
+    task_options: MutableMapping[str, Any],
+) -> tuple[Policy | None, Sequence[KeySpec] | None, RateLimit | None]:
+    """``singleton_task``'s arguments checked when it is called (``ConfigurationError`` for a mistake):
+    ``(policy, keys, rate)`` as the task keeps them. A queued policy sets ``acks_late`` in
+    ``task_options`` unless given."""
+    policy = None if on_contention is None else parse_policy(on_contention, "on_contention")
+    check_limit(limit, policy, min_hold_seconds)
+    checked_keys = check_keys(keys, key, policy, limit)
+    checked = checked_rate(rate, policy)
+    check_unique_send_seconds(unique_send_seconds)
+    if policy is not None and policy.queued:
+        # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
+        # a run whose worker dies from being lost.
+        task_options.setdefault("acks_late", True)
+    if min_hold_seconds is not None:
+        validate_seconds("min_hold_seconds", min_hold_seconds, low=0.0, high=30 * 24 * 3600.0)
+    if lease_seconds is not None or heartbeat_seconds is not None:
+        validate_lease_timing(
+            lease_seconds if lease_seconds is not None else DEFAULT_LEASE_SECONDS, heartbeat_seconds
+        )
+    return policy, checked_keys, checked
+
+
+def check_decorated(
+    func: Callable[..., Any],
+    task_options: MutableMapping[str, Any],
+    *,
+    key: KeySpec,
+    keys: Sequence[KeySpec] | None,
+    policy: Policy | None,
+) -> None:
+    """The function ``singleton_task`` decorates, checked with the task's options: a callable, option
+    names Celery or we read, each key spec against its signature (now, not at the first run). A
+    ``Replace`` task's autoretry never retries ``Superseded`` (added to ``dont_autoretry_for``)."""
+    if not callable(func):
+        raise ConfigurationError(f"singleton_task decorates a function, got {func!r}")
+    name = task_options.get("name") or f"{func.__module__}.{func.__qualname__}"
+    check_decorator_options(f"task {name!r}", task_options)  # limit=3, lease_second=60, ...
+    if task_options.get("autoretry_for") and isinstance(policy, Replace):
+        # A superseded body's Superseded ends its run; Celery's autoretry must not retry it instead.
+        given = tuple(task_options.get("dont_autoretry_for", ()))
+        task_options["dont_autoretry_for"] = (*given, Superseded)
+    for spec in keys or [key]:
+        KeyRenderer(spec, func, name, skip_first=bool(task_options.get("bind")))
 
 
 def _task_function(cls: type) -> tuple[Callable[..., Any], bool] | None:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from celery import states as celery_states
+from celery.exceptions import Reject
+from kombu.exceptions import OperationalError
 
 from celery_mongolock.admission.contention import ContendedRun, SingletonRun
 from celery_mongolock.core.urls import redact
@@ -39,6 +41,7 @@ __all__ = [
     "ignored_as",
     "publish_debounced_copy",
     "republish",
+    "retry_patiently",
     "set_state",
     "unavailable",
 ]
@@ -247,3 +250,36 @@ class _IgnoredInOurWords(logging.Filter):
 _trace_logger = logging.getLogger("celery.app.trace")
 if not any(isinstance(f, _IgnoredInOurWords) for f in _trace_logger.filters):
     _trace_logger.addFilter(_IgnoredInOurWords())
+
+
+def retry_patiently(task: GuardedRun, celery_retry: Callable[..., Any], options: dict[str, Any]) -> Any:
+    """``SingletonTask.retry``: Celery's retry (``celery_retry``, given the publish ``options``) published
+    with ``REPUBLISH_RETRY_POLICY`` on a patient producer; a retry the broker did not take even so is
+    logged and raised (the run ends in FAILURE with it, never dropped in silence)."""
+    options.setdefault("retry", True)
+    options.setdefault("retry_policy", _queue.REPUBLISH_RETRY_POLICY)
+    try:
+        if "producer" in options or task.request.called_directly or task.request.is_eager:
+            return celery_retry(**options)
+        with _queue.patient_producer(task.app) as producer:
+            options["producer"] = producer
+            return celery_retry(**options)
+    except OperationalError as unreachable:  # the connection could not be opened for about a minute
+        log_acquire.error(
+            "%s[%s]: could not publish the retry; the broker did not take it for about a minute: %s",
+            task.name,
+            task.request.id,
+            redact(str(unreachable)),
+        )
+        raise
+    except Reject as rejected:
+        reason = rejected.reason
+        if rejected.requeue or not isinstance(reason, Exception):
+            raise
+        log_acquire.error(
+            "%s[%s]: could not publish the retry; the broker did not take it for about a minute: %s",
+            task.name,
+            task.request.id,
+            redact(str(reason)),
+        )
+        raise reason from None

@@ -32,28 +32,23 @@ from typing import Any, ClassVar, NoReturn, TypeVar, overload
 from billiard.exceptions import WorkerLostError
 from celery import Celery, Task, shared_task
 from celery import signals as celery_signals
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore
 from celery.exceptions import Retry as RetryTask
-from kombu.exceptions import OperationalError
 
 from celery_mongolock.admission.limits import limits_by_key
 from celery_mongolock.admission.policies import (
     Policy,
     PolicySpec,
-    Replace,
     Retry,
-    check_keys,
-    check_limit,
     parse_policy,
 )
-from celery_mongolock.admission.rate import RateLimit, checked_rate
-from celery_mongolock.core.documents.sends import check_unique_send, check_unique_send_seconds
+from celery_mongolock.admission.rate import RateLimit
+from celery_mongolock.core.documents.sends import check_unique_send
 from celery_mongolock.core.keys import KeyRenderer, KeySpec
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import run_scope
 from celery_mongolock.core.store import Lease
-from celery_mongolock.core.urls import redact
-from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable, Superseded
+from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import results, signals, startup
 from celery_mongolock.integration.beatcheck import (
@@ -70,7 +65,8 @@ from celery_mongolock.integration.config import (
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
 from celery_mongolock.integration.one_key import OneKey
 from celery_mongolock.integration.options import (
-    check_decorator_options,
+    check_declaration,
+    check_decorated,
     check_task_class,
     install_start_up_error_hook,
 )
@@ -83,6 +79,7 @@ from celery_mongolock.integration.runs import (
     handoff_of_an_attempt_that_ran,
     ignored_as,
     republish,
+    retry_patiently,
     unavailable,
 )
 from celery_mongolock.integration.several_keys import SeveralKeys
@@ -105,16 +102,8 @@ log_release = logging.getLogger("celery_mongolock.release")
 
 #: The state of a parked run (``Queue``, ``Replace``): its meta says ``key``, ``position``, ``since``.
 QUEUED = results.QUEUED
-#: How a run is published again (a contention retry, a parked duplicate): kombu retries the publish for
-#: about a minute, so that a broker restart does not fail the run (Celery's default policy gives up
-#: after 0.6 s). The run holds no lease meanwhile, and a worker cut off from its broker has nothing else
-#: to do.
-REPUBLISH_RETRY_POLICY: dict[str, float] = {
-    "max_retries": 30,
-    "interval_start": 0.2,
-    "interval_step": 0.5,
-    "interval_max": 2.0,
-}
+#: How a run is published again (``handoff.REPUBLISH_RETRY_POLICY``).
+REPUBLISH_RETRY_POLICY: dict[str, float] = _queue.REPUBLISH_RETRY_POLICY
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_mongolock_lease", default=None
@@ -268,33 +257,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         retries for about a minute, ``REPUBLISH_RETRY_POLICY``); if even that fails, the run ends in
         FAILURE with the publish error, where callers see it.
         """
-        options.setdefault("retry", True)
-        options.setdefault("retry_policy", REPUBLISH_RETRY_POLICY)
-        try:
-            if "producer" in options or self.request.called_directly or self.request.is_eager:
-                return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-            with _queue.patient_producer(self.app) as producer:
-                options["producer"] = producer
-                return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        except OperationalError as unreachable:  # the connection could not be opened for about a minute
-            log_acquire.error(
-                "%s[%s]: could not publish the retry; the broker did not take it for about a minute: %s",
-                self.name,
-                self.request.id,
-                redact(str(unreachable)),
+
+        def celery_retry(**publish: Any) -> Any:
+            return super(SingletonTask, self).retry(
+                args, kwargs, exc, throw, eta, countdown, max_retries, **publish
             )
-            raise
-        except Reject as rejected:
-            reason = rejected.reason
-            if rejected.requeue or not isinstance(reason, Exception):
-                raise
-            log_acquire.error(
-                "%s[%s]: could not publish the retry; the broker did not take it for about a minute: %s",
-                self.name,
-                self.request.id,
-                redact(str(reason)),
-            )
-            raise reason from None
+
+        return retry_patiently(self, celery_retry, options)
 
     def _options(self) -> TaskOptions:
         decorator_policy = self.mongolock_on_contention
@@ -546,38 +515,21 @@ def singleton_task(
         raise ConfigurationError(
             f"singleton_task(base=...) must be SingletonTask or a subclass, got {base!r}"
         )
-    if on_contention is not None:
-        on_contention = parse_policy(on_contention, "on_contention")
-    check_limit(limit, on_contention, min_hold_seconds)
-    keys = check_keys(keys, key, on_contention, limit)
-    rate = checked_rate(rate, on_contention)
-    check_unique_send_seconds(unique_send_seconds)
-    if on_contention is not None and on_contention.queued:
-        # A parked run's message is acknowledged once it is parked; before that, only acks_late keeps
-        # a run whose worker dies from being lost.
-        task_options.setdefault("acks_late", True)
-    if min_hold_seconds is not None:
-        from celery_mongolock.core.validation import validate_seconds
-
-        validate_seconds("min_hold_seconds", min_hold_seconds, low=0.0, high=30 * 24 * 3600.0)
-    if lease_seconds is not None or heartbeat_seconds is not None:
-        from celery_mongolock.core.store import DEFAULT_LEASE_SECONDS, validate_lease_timing
-
-        validate_lease_timing(
-            lease_seconds if lease_seconds is not None else DEFAULT_LEASE_SECONDS, heartbeat_seconds
-        )
+    on_contention, keys, rate = check_declaration(
+        key=key,
+        on_contention=on_contention,
+        lease_seconds=lease_seconds,
+        heartbeat_seconds=heartbeat_seconds,
+        min_hold_seconds=min_hold_seconds,
+        limit=limit,
+        keys=keys,
+        rate=rate,
+        unique_send_seconds=unique_send_seconds,
+        task_options=task_options,
+    )
 
     def decorate(func: Callable[..., Any]) -> Any:
-        if not callable(func):
-            raise ConfigurationError(f"singleton_task decorates a function, got {func!r}")
-        name = task_options.get("name") or f"{func.__module__}.{func.__qualname__}"
-        check_decorator_options(f"task {name!r}", task_options)  # limit=3, lease_second=60, ...
-        if task_options.get("autoretry_for") and isinstance(on_contention, Replace):
-            # A superseded body's Superseded ends its run; Celery's autoretry must not retry it instead.
-            given = tuple(task_options.get("dont_autoretry_for", ()))
-            task_options["dont_autoretry_for"] = (*given, Superseded)
-        for spec in keys or [key]:  # fail now, not at the first run
-            KeyRenderer(spec, func, name, skip_first=bool(task_options.get("bind")))
+        check_decorated(func, task_options, key=key, keys=keys, policy=on_contention)
         options = {
             "base": base,
             "mongolock_key": key,
