@@ -31,7 +31,6 @@ from typing import Any
 
 import click
 
-from celery_mongolock.core.history import KeyStory, LeaseEnding, clock
 from celery_mongolock.core.store import LeaseInfo, LeaseStore
 from celery_mongolock.core.store_sends import sends_of
 from celery_mongolock.core.urls import redact
@@ -40,8 +39,9 @@ from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops import cli_documents
 from celery_mongolock.ops.cli_rate import rate_lines, read_window
 from celery_mongolock.ops.cli_sends import pending_send_lines, pending_sends_json
+from celery_mongolock.ops.cli_why import history_table, why_lines
 
-__all__ = ["mongolock"]
+__all__ = ["history_table", "mongolock", "why_lines"]
 
 
 # -- usage errors in our words ----------------------------------------------------------------------------
@@ -424,138 +424,7 @@ def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count:
         return
 
 
-# -- history and why -------------------------------------------------------------------------------------
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}s"
-
-
-def _stamp(when: _dt.datetime | None) -> str:
-    """``2026-11-23 12:40:06.9`` (UTC), or ``-``."""
-    return "-" if when is None else f"{when.astimezone(_dt.timezone.utc):%Y-%m-%d} {clock(when)}"
-
-
-def _how(ending: LeaseEnding) -> str:
-    if ending.holder_saw and ending.how != ending.holder_saw:
-        return f"{ending.how} (holder saw: {ending.holder_saw})"
-    if ending.parked:
-        by = f" by {ending.by}" if ending.by else ""
-        return f"{ending.how}{by} (parked)"
-    if ending.by:  # a running holder that a newer send superseded (Replace(cancel_running=True))
-        return f"{ending.how} by {ending.by} (running)"
-    return ending.how
-
-
-def history_table(entries: list[LeaseEnding]) -> str:
-    """``celery mongolock history``: one line per acquisition, newest first."""
-    rows = [("FENCE", "HOW", "TASK", "WHERE", "WAITED", "HELD", "ENDED (UTC)")]
-    rows += [
-        (
-            "-" if e.parked else str(e.fence),
-            _how(e),
-            e.task,
-            "-" if e.parked else e.where,
-            _seconds(None if e.waited_ms is None else e.waited_ms / 1000),
-            _seconds(e.held_seconds),
-            _stamp(e.ended_at),
-        )
-        for e in entries
-    ]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(r)).rstrip() for r in rows)
-
-
-def _ago(story: KeyStory, when: _dt.datetime | None) -> str:
-    if when is None:
-        return "-"
-    seconds = (story.server_now - when).total_seconds()
-    rel = f"{seconds:.1f} s ago" if seconds >= 0 else f"in {-seconds:.1f} s"
-    return f"{clock(when)} ({rel})"
-
-
-def why_lines(story: KeyStory, endings: int = 5) -> list[str]:
-    """``celery mongolock why``: the verdict, then the details it rests on (times on the server's clock,
-    UTC)."""
-    lines = [f"{story.key}: {story.verdict}", ""]
-
-    def row(name: str, value: str) -> None:
-        lines.append(f"{name.ljust(11)} {value}")
-
-    h = story.holder
-    task = str(h.get("task_name") or h.get("role") or "?") + (f"[{h['task_id']}]" if h.get("task_id") else "")
-    where = str(h.get("worker") or h.get("host") or "?") + (
-        f" pid {h['pid']}" if h.get("pid") is not None else ""
-    )
-    keys = h.get("keys")
-    if isinstance(keys, (list, tuple)) and len(keys) > 1:
-        where += f", with keys {', '.join(map(str, keys))}"
-    if story.state == "slots":  # a limit=N key: one line per hold, no single holder
-        row("slots", f"{len(story.slots)} of {story.limit or len(story.slots)} held")
-        for hold in story.slots:
-            held = hold.get("holder") or {}
-            name = str(held.get("task_name") or held.get("role") or "?")
-            name += f"[{held['task_id']}]" if held.get("task_id") else ""
-            at = str(held.get("worker") or held.get("host") or "?")
-            at += f" pid {held['pid']}" if held.get("pid") is not None else ""
-            lines.append(
-                f"{'':12}slot {hold['slot']}: {name} on {at}, fence {hold['fence']}, "
-                f"expires in {float(hold['expires_in']):.1f} s"
-            )
-    elif story.state == "free":
-        row("holder", "none")
-        if h:
-            row("last holder", f"{task} on {where}, fence {story.fence}")
-    else:
-        row("holder", f"{task} on {where}, fence {story.fence}")
-    if story.state != "slots":
-        row("taken", _ago(story, story.acquired_at))
-    if story.state in ("held", "held-after-release") and story.expires_in is not None:
-        renewed = ""
-        if story.renewed_at is not None and story.renewed_at != story.acquired_at:
-            renewed = f"; renewed {(story.server_now - story.renewed_at).total_seconds():.1f} s ago"
-        row(
-            "expires",
-            f"in {story.expires_in:.1f} s on the server's clock (at {clock(story.expires_at)}{renewed})",
-        )
-    elif story.state == "expired" and story.expires_in is not None:
-        row("expired", f"{-story.expires_in:.1f} s ago on the server's clock (at {clock(story.expires_at)})")
-    if story.released_at is not None and story.state != "held":
-        why = " by force" if story.forced_release else ""
-        why += f" ({story.released_for})" if story.released_for else ""
-        row("released", _ago(story, story.released_at) + why)
-    if story.parked:
-        row("parked", f"{len(story.parked)}, in queue order:")
-        for n, run in enumerate(story.parked, 1):
-            parked = (story.server_now - run.parked_at).total_seconds() if run.parked_at else None
-            deadline = "none"
-            if run.deadline is not None:
-                left = (run.deadline - story.server_now).total_seconds()
-                deadline = f"in {left:.1f} s" if left >= 0 else f"passed {-left:.1f} s ago"
-            lines.append(
-                f"{'':12}{n:>2}  {run.task}  sent {clock(run.sent_at)}  "
-                f"parked {'-' if parked is None else f'{parked:.1f} s ago'}  deadline {deadline}"
-            )
-    else:
-        row("parked", "none")
-    if story.handoff is not None:
-        ho = story.handoff
-        attempt = f" (attempt {ho.attempt})" if ho.attempt else ""
-        row("handoff", f"to {ho.task}, handed {_ago(story, ho.handed_at)}{attempt}, not taken up yet")
-    if story.endings:
-        for n, e in enumerate(story.endings[:endings]):
-            held = f", held {e.held_seconds:.2f} s" if e.held_seconds is not None else ""
-            where = f" on {e.where}"
-            if e.parked:  # a run that never held the key
-                where = ""
-                held = f", parked {e.waited_ms / 1000:.2f} s" if e.waited_ms is not None else ""
-            row(
-                "last ends" if n == 0 else "",
-                f"{clock(e.ended_at)}  {_how(e).ljust(11)} {e.task}{where}{held}",
-            )
-    else:
-        row("last ends", "none recorded")
-    return [line.rstrip() for line in lines]
-
-
+# -- history and why (rendered by ``cli_why``) ------------------------------------------------------
 @mongolock.command(name="history")
 @click.argument("key")
 @click.option("--limit", default=20, show_default=True, type=_Number(int, 1), help="at most N leases")
