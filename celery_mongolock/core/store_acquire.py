@@ -1,6 +1,6 @@
 """The lease store's acquisitions (a part of ``LeaseStore``): ``try_acquire`` (one command, retried with
 the same token on an ambiguous outcome), ``acquire``, ``admit`` (a queued run's acquire) and ``wait_free``
-(``hold`` is in ``store_hold``). What is sent is built in ``documents``.
+(``hold`` is in ``store_hold``). What is sent is chosen by ``acquire_command`` and built in ``documents``.
 
 The acquire algorithm (one round trip)
 ======================================
@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import random
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,10 +38,9 @@ from pymongo import ReadPreference, ReturnDocument
 from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
 
+from celery_mongolock.core.acquire_command import acquire_command
 from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents import queue as admission_docs
-from celery_mongolock.core.documents import slot_admit
-from celery_mongolock.core.documents import slots as slots_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease, LeaseBackend, aware
@@ -138,71 +136,6 @@ class Attempt:
     ambiguous: bool = False
     #: Until when (monotonic) a copy of an unanswered attempt may still land on the server.
     landing_window: float = 0.0
-
-
-def acquire_command(
-    token: str,
-    ttl_ms: int,
-    holder: Document,
-    *,
-    limit: int | None,
-    admission: Mapping[str, Any] | None,
-    hold_ms: int,
-    tick: int | None,
-    hold_until_ms: int | None,
-    waited_ms: int | None,
-    waited_since_ms: int | None,
-    ended_runs: Sequence[str],
-) -> tuple[list[Document], Document | None]:
-    """The update pipeline and projection of one acquire: single lease or ``limit=N`` slot, plain or
-    a queued run's admission."""
-    if limit is not None and admission is not None:
-        pipeline = slot_admit.slot_admit_pipeline(
-            token, ttl_ms, holder, limit, waited_ms=waited_ms, min_hold_ms=hold_ms, **admission
-        )
-        return pipeline, admission_docs.ADMIT_PROJECTION
-    if limit is not None:
-        if waited_since_ms is not None and waited_ms is None:
-            waited_ms = max(0, int(time.time() * 1000) - waited_since_ms)
-        # (A beat tick's hold_until_ms, the end of its window, is for single leases: a slot is held
-        # while its run runs, and at least ``hold_ms`` from when it is taken.)
-        pipeline = slots_docs.slot_acquire_pipeline(
-            token,
-            ttl_ms,
-            holder,
-            limit,
-            waited_ms=waited_ms,
-            tick=tick,
-            ended_runs=ended_runs,
-            min_hold_ms=hold_ms,
-        )
-        # With ``ends`` (at most 8): the endings of holds this acquire found expired go to the history.
-        # A guarded acquire's reply also carries ``seen`` (``outcomes.Contended.attempt_ran``): a refused
-        # copy or contention retry is judged on it, with no read added.
-        return pipeline, ({"q.m": 0} if ended_runs else {"q.m": 0, "seen": 0})
-    if admission is None:
-        pipeline = documents.acquire_pipeline(
-            token,
-            ttl_ms,
-            holder=holder,
-            tick=tick,
-            min_hold_ms=hold_ms,
-            hold_until_ms=hold_until_ms,
-            waited_ms=waited_ms,
-            waited_since_ms=waited_since_ms,
-            ended_runs=ended_runs,
-        )
-        return pipeline, documents.ACQUIRE_PROJECTION
-    fields = documents.acquire_fields(
-        token,
-        ttl_ms,
-        holder,
-        min_hold_ms=hold_ms,
-        hold_until_ms=hold_until_ms,
-        waited_ms=waited_ms,
-        waited_since_ms=waited_since_ms,
-    )
-    return admission_docs.admit_pipeline(fields, token=token, **admission), admission_docs.ADMIT_PROJECTION
 
 
 def _check_ticks(tick: int | None, hold_until_ms: int | None) -> None:
@@ -480,13 +413,7 @@ class Acquisition:
         older runs parked) is published (``add_handoff_callback``). One ``store.try_acquire`` with
         ``admission``."""
         store = self.store
-        for field in ("id", "t", "s"):
-            if field not in entry:
-                raise ConfigurationError(f"a parked entry needs {field!r}, got {sorted(entry)}")
-        ttl_s = store.lease_seconds if ttl is None else ttl
-        full_entry = dict(entry)
-        full_entry.setdefault("tk", uuid.uuid4().hex)
-        full_entry["ttl"] = int(ttl_s * 1000)
+        full_entry = _parked_entry(entry, store.lease_seconds if ttl is None else ttl)
         timeout_ms = (
             None
             if timeout is None
@@ -521,14 +448,17 @@ class Acquisition:
             doc.setdefault("lo", "acquired")
             lease.notice_supersession = cancel
             if cancel and claim is not None:
-                # Handed the key before a newer send parked: the claim marked it superseded (one read,
-                # only for such claims: the reply of an acquisition carries no document).
-                try:
-                    self.store.mark_superseded([lease])
-                except StoreUnavailable as exc:  # the lease watch or the heartbeat reads the mark later
-                    log_acquire.warning("reading the supersession of %r after its claim failed: %s", key, exc)
+                self._read_claim_mark(key, lease)
         self._admitted(normalize_key(key), lease, doc, limit)
         return lease, doc
+
+    def _read_claim_mark(self, key: str, lease: Lease) -> None:
+        """Handed the key before a newer send parked: the claim marked it superseded (one read, only for
+        such claims: the reply of an acquisition carries no document)."""
+        try:
+            self.store.mark_superseded([lease])
+        except StoreUnavailable as exc:  # the lease watch or the heartbeat reads the mark later
+            log_acquire.warning("reading the supersession of %r after its claim failed: %s", key, exc)
 
     def _admitted(self, key: str, lease: Lease | None, doc: Document, limit: int | None) -> None:
         """Publish the handoffs an admit made (the key was found free with older runs parked)."""
@@ -591,3 +521,15 @@ class Acquisition:
             if stream is not None:
                 with contextlib.suppress(Exception):
                     stream.close()
+
+
+def _parked_entry(entry: Mapping[str, Any], ttl_seconds: float) -> dict[str, Any]:
+    """A run's entry as an admit parks it: its fields checked, a handoff token (``tk``, unless given) and
+    its lease time (``ttl``, ms)."""
+    for field in ("id", "t", "s"):
+        if field not in entry:
+            raise ConfigurationError(f"a parked entry needs {field!r}, got {sorted(entry)}")
+    full_entry = dict(entry)
+    full_entry.setdefault("tk", uuid.uuid4().hex)
+    full_entry["ttl"] = int(ttl_seconds * 1000)
+    return full_entry
