@@ -484,3 +484,47 @@ def test_history_records_and_reads() -> None:
     assert documents.ACQUIRE_PROJECTION == {"ends": {"$slice": -1}}
     assert documents.ended_by_takeover(None) is None
     assert documents.ended_by_takeover({"ends": [ending], "acquired_at": NOW}) is None
+
+
+# -- the admit of a queued run: one engine for both key shapes ---------------------------------------------
+def _judged(pipeline: list[Doc]) -> list[str]:
+    """The outcomes an admit's judge can reach, in the order it tries them."""
+    for stage in pipeline:
+        outcome = stage.get("$set", {}).get("__o")
+        if outcome is not None:
+            return [branch["then"] for branch in outcome["$switch"]["branches"]]
+    raise AssertionError("no judge stage")
+
+
+@pytest.mark.parametrize("claim", [None, "tok-claim"])
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("group", [None, "set-signature"])
+@pytest.mark.parametrize("debounce_ms", [None, 500])
+@pytest.mark.parametrize("due", [False, True])
+def test_both_key_shapes_judge_a_run_in_one_order(
+    claim: str | None, replace: bool, group: str | None, debounce_ms: int | None, due: bool
+) -> None:
+    """A run on a key held as one lease and on a key of N slots meets the same cases in the same order
+    (``admit_stages.judge``); only the name of a retry's own hold differs (``mine`` on a slot, reported
+    as ``acquired``)."""
+    from celery_mongolock.core.documents.queue import admit_pipeline
+    from celery_mongolock.core.documents.slot_admit import slot_admit_pipeline
+
+    entry = {"id": "t1/0", "t": "t1", "n": "task", "r": "0", "s": 1234567, "tk": "tok-h", "ttl": 30000}
+    policy: dict[str, Any] = {
+        "entry": entry,
+        "timeout_ms": 60000,
+        "claim": claim,
+        "max_length": 3,
+        "replace": replace,
+        "debounce_ms": debounce_ms,
+        "due": due,
+        "group": group if replace else None,
+    }
+    fields = documents.acquire_fields("tok", 30000, {"host": "h", "pid": 1})
+    one = _judged(admit_pipeline(fields, token="tok", **policy))
+    slots = _judged(slot_admit_pipeline("tok", 30000, {"host": "h", "pid": 1}, 3, **policy))
+    assert slots[0] == "mine" and one[0] == "acquired"
+    assert one[1:] == slots[1:]
+    assert one[-2:] == ["parked", "full"]
+    assert (one[-3] == "acquired") == (not debounce_ms)  # a debounced run always parks first

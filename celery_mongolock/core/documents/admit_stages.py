@@ -19,7 +19,7 @@ copies' cases and the fields of ``Replace`` are the engine's (here), the same fo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from celery_mongolock.core.documents.copies import later_attempt, retries_of
@@ -83,13 +83,13 @@ class Shape:
     handed_here: Document
     #: this run holds the key or a slot now
     running: Document
-    #: ``Replace`` with ``keys=``: the cases of a newer send of the run's set
-    superseded_in_set: list[Document] = field(default_factory=list)
+    #: ``Replace`` with ``keys=``: the cases of a newer send of the run's set (empty otherwise)
+    superseded_in_set: list[Document]
     #: the newest send stamp among the handoffs not yet claimed (``Replace``)
-    handed_stamp: object = None
+    handed_stamp: object
     #: the run may take the key now (nobody older waits); and it may park and be handed the key at once
-    free: Document = field(default_factory=dict)
-    room: Document = field(default_factory=dict)
+    free: Document
+    room: Document
 
 
 def copy_cases(run: AdmitRun, shape: Shape) -> list[Document]:

@@ -252,7 +252,17 @@ def admit_pipeline(
 
     The stages (``admit_stages``): judge the run, take or park, hand over, record.
     """
-    run = AdmitRun(entry, timeout_ms, claim, max_length, replace, debounce_ms, due, group, max_wait_ms)
+    run = AdmitRun(
+        entry=entry,
+        timeout_ms=timeout_ms,
+        claim=claim,
+        max_length=max_length,
+        replace=replace,
+        debounce_ms=debounce_ms,
+        due=due,
+        group=group,
+        max_wait_ms=max_wait_ms,
+    )
     stages: list[Document] = [
         {"$set": {"__o": judge(run, _one_lease(run, token))}},
         {

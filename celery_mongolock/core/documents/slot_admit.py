@@ -63,7 +63,17 @@ def slot_admit_pipeline(
 
     The stages (``admit_stages``): expire the holders, judge the run, take or park, hand over, record.
     """
-    run = AdmitRun(entry, timeout_ms, claim, max_length, replace, debounce_ms, due, group, max_wait_ms)
+    run = AdmitRun(
+        entry=entry,
+        timeout_ms=timeout_ms,
+        claim=claim,
+        max_length=max_length,
+        replace=replace,
+        debounce_ms=debounce_ms,
+        due=due,
+        group=group,
+        max_wait_ms=max_wait_ms,
+    )
     take_back: list[Document] = []
     if run.by_set and run.group is not None:
         # The newest send of its set the key knows (parked, taking, claiming or due a slot): the older
