@@ -1,4 +1,6 @@
-"""``limit=N`` with ``Queue``/``Replace``: parked runs handed one of N slots, as pure pipeline builders.
+"""``limit=N`` with ``Queue``/``Replace``: parked runs handed one of N slots, as pure pipeline builders
+(the admit of such a run is ``slot_admit``; these are the stages it shares, and the releases, the
+unpark and the sweep that hand freed slots over).
 
 A key with a limit keeps its holds in ``hs`` (see ``_slots``) and its parked runs in ``q`` (see
 ``_admission``): one document, so that a release hands the freed slot to the oldest parked run in the
