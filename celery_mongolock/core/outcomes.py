@@ -31,7 +31,9 @@ __all__ = [
     "AdmitOutcome",
     "Contended",
     "later_attempt_known",
+    "plain_admit_reply",
     "run_ended",
+    "untrusted_admit_reply",
 ]
 
 
@@ -67,6 +69,40 @@ class AdmitOutcome(str, enum.Enum):
             return cls(value)
         except ValueError:
             raise ValueError(f"the lease engine answered an unknown admit outcome {value!r}") from None
+
+
+def untrusted_admit_reply(
+    doc: Mapping[str, Any] | None, token: str, run_id: str | None, *, read_back: bool
+) -> str | None:
+    """Why an admit's reply cannot be taken as its own command's answer (None: it can).
+
+    A reply read back (``read_back``: the server applied the command and returned no document, as the
+    embedded server does under contention) carries the outcome of the last admit of the key (``lo``,
+    ``lo_by``, written with that admit's token ``lt``): another run's admit may have come in between,
+    and its answer (``superseded`` by the newest send, ``parked``, ``acquired``) is not this run's. And a
+    run is never superseded by itself: an answer naming ``run_id`` as the newer send is no answer for it
+    (the admit pipelines never decide it: ``sets``). Either way the command is sent again with the same
+    token, as after an ambiguous outcome."""
+    if doc is None:
+        return None
+    if read_back and doc.get("lt") != token:
+        return "the reply was lost and the key's document holds another admit's outcome"
+    if doc.get("lo") == "superseded" and run_id is not None and doc.get("lo_by") == run_id:
+        return f"the reply names the run itself ({run_id}) as the newer send that supersedes it"
+    return None
+
+
+def plain_admit_reply(doc: dict[str, Any], token: str, ambiguous: bool) -> None:
+    """A queued run's admit reply, made plain: its outcome (``lo``) as this very admit caused it."""
+    doc["_admit_token"] = token  # a handoff this admit made is marked with admit_marker(token)
+    outcome = doc.get("lo")
+    if outcome == "dup" and ambiguous:
+        doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
+    mine = doc.get("owner") == token or any(
+        h.get("o") == token for h in doc.get("hs") or [] if isinstance(h, dict)
+    )
+    if mine and outcome not in ("acquired", "claimed", "due"):
+        doc["lo"] = "acquired"
 
 
 def _holder(doc: Mapping[str, Any]) -> dict[str, Any]:

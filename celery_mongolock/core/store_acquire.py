@@ -44,6 +44,7 @@ from celery_mongolock.core.documents import queue as admission_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease, LeaseBackend, aware
+from celery_mongolock.core.outcomes import plain_admit_reply, untrusted_admit_reply
 from celery_mongolock.core.store_connection import AMBIGUOUS
 from celery_mongolock.core.validation import (
     MAX_LEASE_SECONDS,
@@ -136,6 +137,12 @@ class Attempt:
     ambiguous: bool = False
     #: Until when (monotonic) a copy of an unanswered attempt may still land on the server.
     landing_window: float = 0.0
+    #: An admit's run (its task id): no answer naming it as the newer send is taken.
+    run_id: str | None = None
+
+
+class _NotOurReply(Exception):
+    """An admit's reply that cannot be its own answer (``outcomes.untrusted_admit_reply``)."""
 
 
 def _check_ticks(tick: int | None, hold_until_ms: int | None) -> None:
@@ -145,19 +152,6 @@ def _check_ticks(tick: int | None, hold_until_ms: int | None) -> None:
         raise ConfigurationError(
             f"hold_until_ms must be an int (epoch ms), got {type(hold_until_ms).__name__}"
         )
-
-
-def _mark_admit(doc: Document, token: str, ambiguous: bool) -> None:
-    """A queued run's admit reply, made plain: its outcome (``lo``) as this very admit caused it."""
-    doc["_admit_token"] = token  # a handoff this admit made is marked with admit_marker(token)
-    outcome = doc.get("lo")
-    if outcome == "dup" and ambiguous:
-        doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
-    mine = doc.get("owner") == token or any(
-        h.get("o") == token for h in doc.get("hs") or [] if isinstance(h, dict)
-    )
-    if mine and outcome not in ("acquired", "claimed", "due"):
-        doc["lo"] = "acquired"
 
 
 class Acquisition:
@@ -219,6 +213,8 @@ class Acquisition:
         attempt = Attempt(
             key, token, ttl_s, beat, holder, limit, admission is not None, heartbeat, pipeline, projection
         )
+        if admission is not None:
+            attempt.run_id = str(admission["entry"]["t"])
         self.send(attempt)
         return self.reply(attempt)
 
@@ -246,13 +242,13 @@ class Acquisition:
                 if tries >= 5:
                     raise StoreUnavailable(f"acquire of {attempt.key!r} kept colliding on insert") from None
                 continue
-            except AMBIGUOUS as exc:
+            except (*AMBIGUOUS, _NotOurReply) as exc:
                 last_error = exc
                 attempt.ambiguous = True
                 log_acquire.info(
                     "acquire %r: ambiguous outcome (%s), retrying with the same token",
                     attempt.key,
-                    type(exc).__name__,
+                    exc if isinstance(exc, _NotOurReply) else type(exc).__name__,
                 )
             except OperationFailure as exc:  # RetryableWriteError-labelled failures
                 last_error = exc
@@ -291,13 +287,20 @@ class Acquisition:
                 # document returned. Read it back; our token tells whether we got it.
                 primary = coll.with_options(read_preference=ReadPreference.PRIMARY)
                 doc = primary.find_one(documents.acquire_filter(attempt.key), attempt.projection)
+                read_back = True
+            else:
+                read_back = False
+        if attempt.admitting:
+            why = untrusted_admit_reply(doc, attempt.token, attempt.run_id, read_back=read_back)
+            if why is not None:
+                raise _NotOurReply(why)
         return doc
 
     def reply(self, attempt: Attempt) -> tuple[Lease | None, Document | None]:
         """The outcome of an answered ``attempt``: the lease, or None and the document (contention)."""
         doc, key, token = attempt.doc, attempt.key, attempt.token
         if attempt.admitting and doc is not None:
-            _mark_admit(doc, token, attempt.ambiguous)
+            plain_admit_reply(doc, token, attempt.ambiguous)
         if attempt.limit is not None:
             return self.slot_lease(attempt)
         if doc is None or doc.get("owner") != token:

@@ -112,9 +112,11 @@ class QueueUpkeep:
             }
             pipeline = slot_reserve.slot_reserve_pipeline(lease.owner, full_entry, timeout_ms, by)
             if entry.get("g") is not None:  # Replace: never for a run a newer send of its set replaced
-                match.update(slot_sets.no_newer_send(str(entry["g"]), int(entry["s"])))
+                match.update(
+                    slot_sets.no_newer_send(str(entry["g"]), int(entry["s"]), task_id=str(entry["t"]))
+                )
         elif entry.get("g") is not None:
-            match.update(sets.no_newer_send(str(entry["g"]), int(entry["s"])))
+            match.update(sets.no_newer_send(str(entry["g"]), int(entry["s"]), task_id=str(entry["t"])))
         connection = self.store.connection
         doc: Document | None = None
         for attempt in range(3):

@@ -22,10 +22,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from celery_mongolock.core.documents import sets
 from celery_mongolock.core.documents.copies import later_attempt, retries_of
 from celery_mongolock.core.documents.entries import MAX_PARKED
 
-__all__ = ["TOOK", "AdmitRun", "Shape", "judge", "replace_fields", "sup_update", "without_entry"]
+__all__ = [
+    "TOOK",
+    "AdmitRun",
+    "Shape",
+    "judge",
+    "newer_sends",
+    "replace_fields",
+    "sup_update",
+    "without_entry",
+]
 
 Document = dict[str, Any]
 
@@ -85,8 +95,9 @@ class Shape:
     running: Document
     #: ``Replace`` with ``keys=``: the cases of a newer send of the run's set (empty otherwise)
     superseded_in_set: list[Document]
-    #: the newest send stamp among the handoffs not yet claimed (``Replace``)
-    handed_stamp: object
+    #: the entries the key (or a slot of it) is handed or reserved to and not yet claimed, an array
+    #: expression (``Replace``: among the newer sends)
+    handed: object
     #: the run may take the key now (nobody older waits); and it may park and be handed the key at once
     free: Document
     room: Document
@@ -113,16 +124,27 @@ def copy_cases(run: AdmitRun, shape: Shape) -> list[Document]:
     return cases
 
 
+def newer_sends(run: AdmitRun, shape: Shape) -> Document:
+    """``Replace`` (one set of keys per key): ``[{s, t}, ...]``, the sends newer than this run the key
+    knows: the newest that got it (``last``), the parked runs and those handed it (``shape.handed``).
+    Never the run itself, whatever stamp a copy of it carries (``sets.other_run``): a run told it was
+    superseded by itself would end without running."""
+    task_id = str(run.entry["t"])
+    last = {"$cond": [{"$ne": [{"$ifNull": ["$last", None]}, None]}, ["$last"], []]}
+    newer = {"$and": [{"$gt": [{"$ifNull": ["$$e.s", -1]}, run.stamp]}, sets.other_run("$$e", task_id)]}
+    known = {"$concatArrays": [last, _Q, shape.handed]}
+    return {
+        "$map": {
+            "input": {"$filter": {"input": known, "as": "e", "cond": newer}},
+            "as": "e",
+            "in": {"s": "$$e.s", "t": "$$e.t"},
+        }
+    }
+
+
 def newer_send_cases(run: AdmitRun, shape: Shape) -> list[Document]:
     """``Replace`` (one set of keys per key): a newer send got the key, is parked, or is handed it."""
-    stamp = run.stamp
-    last_s = {"$ifNull": ["$last.s", -1]}
-    parked_s = {"$max": {"$map": {"input": _Q, "as": "e", "in": "$$e.s"}}}
-    return [
-        {"case": {"$gt": [last_s, stamp]}, "then": "superseded"},
-        {"case": {"$gt": [{"$ifNull": [parked_s, -1]}, stamp]}, "then": "superseded"},
-        {"case": {"$gt": [{"$ifNull": [shape.handed_stamp, -1]}, stamp]}, "then": "superseded"},
-    ]
+    return [{"case": {"$gt": [{"$size": newer_sends(run, shape)}, 0]}, "then": "superseded"}]
 
 
 def judge(run: AdmitRun, shape: Shape) -> Document:
@@ -158,24 +180,12 @@ def sup_update(parked: object, superseded: object) -> Document:
     return {"$cond": [parked, {"$concatArrays": [{"$ifNull": ["$sup", []]}, superseded]}, "$sup"]}
 
 
-def replace_fields(run: AdmitRun, took: object, handed_stamp: object, handed_task: object) -> Document:
+def replace_fields(run: AdmitRun, took: object, shape: Shape) -> Document:
     """``Replace`` (one set of keys per key), stage 3: who superseded this run (``lo_by``: the newest of
-    the last send that got the key, a pending handoff and the parked run), and the newest send that got
-    the key (``last``) when this run took it (``took``)."""
+    the sends that decided it, ``newer_sends``), and the newest send that got the key (``last``) when
+    this run took it (``took``)."""
     stamp = run.stamp
-    newer_by = {
-        "$cond": [
-            {"$gt": [{"$ifNull": ["$last.s", -1]}, stamp]},
-            "$last.t",
-            {
-                "$cond": [
-                    {"$gt": [{"$ifNull": [handed_stamp, -1]}, stamp]},
-                    handed_task,
-                    {"$arrayElemAt": [{"$map": {"input": _Q, "as": "e", "in": "$$e.t"}}, -1]},
-                ]
-            },
-        ]
-    }
+    newer_by = sets.newest_of(newer_sends(run, shape))
     last = {
         "$cond": [
             {"$and": [took, {"$gt": [stamp, {"$ifNull": ["$last.s", -1]}]}]},

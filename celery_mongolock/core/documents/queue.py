@@ -18,6 +18,8 @@ Fields added to the lease document (see ``_documents`` for the rest)::
     sup:   [{t, by, at, n, r, pa}, ...] # Replace: runs superseded by a newer send (at; parked at pa),
                             # result not yet written
     last:  {s, t}           # Replace: the newest send that got the key (kept as long as ``seen``)
+    lo, lo_by, lt           # the last admit's outcome, who superseded its run, and its token: a reply
+                            # read back is that admit's answer, not necessarily the reader's
     cx:    {o, f, t, s, id, at} | null  # Replace(cancel_running=True): the running holder (token o)
                             # superseded by the newer run t (``cancel_mark``)
     wq:    true | absent    # something waits on this key (indexed: the sweeper's work list)
@@ -263,8 +265,9 @@ def admit_pipeline(
         group=group,
         max_wait_ms=max_wait_ms,
     )
+    shape = _one_lease(run, token)
     stages: list[Document] = [
-        {"$set": {"__o": judge(run, _one_lease(run, token))}},
+        {"$set": {"__o": judge(run, shape)}},
         {
             "$set": {
                 "__free": {"$in": ["$__o", ["acquired", "claimed", "due"]]},
@@ -280,6 +283,7 @@ def admit_pipeline(
         {
             "$set": _take_or_park_fields(
                 run,
+                shape,
                 token=token,
                 acquire_fields=acquire_fields,
                 parked_q=parked_q,
@@ -330,10 +334,10 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
         due_now=due_now,
         handed_here={"$eq": ["$ho.id", lit]},
         running=running,
-        superseded_in_set=sets.superseded_cases(run.group, run.stamp)
+        superseded_in_set=sets.superseded_cases(run.group, run.stamp, task_id=str(run.entry["t"]))
         if run.by_set and run.group is not None
         else [],
-        handed_stamp="$ho.s",
+        handed={"$cond": [_HAS_HO, ["$ho"], []]},
         free={"$and": [_VACANT, {"$not": [_HAS_HO]}, first]},
         room=_VACANT,
     )
@@ -366,6 +370,7 @@ def _park(run: AdmitRun) -> tuple[list[Document], object, object]:
 
 def _take_or_park_fields(
     run: AdmitRun,
+    shape: Shape,
     *,
     token: str,
     acquire_fields: Document,
@@ -389,16 +394,19 @@ def _take_or_park_fields(
             "sup": sup_update("$__park", superseded),
             "ho": {"$cond": [{"$or": [{"$eq": ["$__o", "claimed"]}, "$__tb"]}, None, "$ho"]},
             "lo": "$__o",
+            # Whose admit ``lo`` answers: a reply read back instead of returned is trusted only when it is
+            # this very command's (``outcomes.untrusted_admit_reply``).
+            "lt": {"$literal": token},
         }
     )
     if run.by_set and run.group is not None:
         taken_back = {"$and": ["$__tb", {"$eq": ["$owner", "$ho.tk"]}]}
         fields["owner"] = {"$cond": [taken_back, None, fields["owner"]]}
-        newer = sets.newer_by(run.group, run.stamp)
+        newer = sets.newer_by(run.group, run.stamp, task_id=str(run.entry["t"]))
         fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer, None]}
         fields["lg"] = sets.lg_update(run.group, run.stamp, str(run.entry["t"]), "$__free")
     elif run.replace:
-        replaced = replace_fields(run, "$__free", "$ho.s", "$ho.t")
+        replaced = replace_fields(run, "$__free", shape)
         fields["lo_by"] = replaced["lo_by"]
         if cancel:
             fields["cx"] = cancel_mark(run.entry, token)

@@ -14,7 +14,8 @@ and to a parked entry, its reservation or handoff (``ho``) and its record in ``s
 On each key, the admit of run R (set ``g``, send stamp ``s``):
 
 1. **superseded** when the key knows a newer send of ``g``: a record in ``lg``, a parked entry, or a
-   pending handoff or reservation (``ho``) of ``g`` with a larger stamp;
+   pending handoff or reservation (``ho``) of ``g`` with a larger stamp, never one of R itself
+   (``other_run``);
 2. else, when R parks, the older runs of ``g`` on the key leave it for ``sup`` (their results are written
    with ``superseded``): their parked entries, and a reservation or handoff of the key made to one of
    them and not yet claimed, which is taken back (the key is then handed to the oldest run parked on it,
@@ -39,8 +40,10 @@ __all__ = [
     "entries_of",
     "lg_update",
     "newer_by",
+    "newest_of",
     "no_newer_send",
     "older_handoff",
+    "other_run",
     "park_queue",
     "set_signature",
     "sup_record",
@@ -74,6 +77,13 @@ def _newer(e: object, stamp: int) -> Document:
     return {"$gt": [{"$ifNull": [_field("s", e), -1]}, stamp]}
 
 
+def other_run(e: object, task_id: str) -> Document:
+    """Entry ``e`` (an expression) is not of the run ``task_id``: a run is never newer than itself,
+    whatever stamp a copy of it carries (a run superseded by itself would end without running, and no
+    newer send would run). Both admits' newer sends use it (``admit_stages.newer_sends``)."""
+    return {"$ne": [{"$ifNull": [_field("t", e), None]}, {"$literal": task_id}]}
+
+
 def _before(e: object, stamp: int, ident: str) -> Document:
     s_, id_ = _field("s", e), _field("id", e)
     return {
@@ -88,11 +98,12 @@ def _has_ho() -> Document:
     return {"$ne": [{"$ifNull": ["$ho", None]}, None]}
 
 
-def _newer_sends(group: str, stamp: int, handed: object = None) -> Document:
+def _newer_sends(group: str, stamp: int, task_id: str, handed: object = None) -> Document:
     """``[{s, t}, ...]``: the sends of ``group`` newer than ``stamp`` the key knows (``lg``, ``q``,
-    ``ho``). ``handed``: an array expression of the entries the key is handed or reserved to and not yet
-    claimed, for a key with a limit (``slot_sets``); None: the key's one ``ho``."""
-    of_set = {"$and": [_same_set("$$e", group), _newer("$$e", stamp)]}
+    ``ho``), other than the run ``task_id`` itself. ``handed``: an array expression of the entries the key
+    is handed or reserved to and not yet claimed, for a key with a limit (``slot_sets``); None: the key's
+    one ``ho``."""
+    of_set = {"$and": [_same_set("$$e", group), _newer("$$e", stamp), other_run("$$e", task_id)]}
 
     def pick(source: object) -> Document:
         return {
@@ -105,7 +116,7 @@ def _newer_sends(group: str, stamp: int, handed: object = None) -> Document:
 
     ho = {
         "$cond": [
-            {"$and": [_has_ho(), _same_set("$ho", group), _newer("$ho", stamp)]},
+            {"$and": [_has_ho(), _same_set("$ho", group), _newer("$ho", stamp), other_run("$ho", task_id)]},
             [{"s": "$ho.s", "t": "$ho.t"}],
             [],
         ]
@@ -113,31 +124,38 @@ def _newer_sends(group: str, stamp: int, handed: object = None) -> Document:
     return {"$concatArrays": [pick(_LG), pick(_Q), ho if handed is None else pick(handed)]}
 
 
-def superseded_cases(group: str, stamp: int, handed: object = None) -> list[Document]:
-    """The ``$switch`` branch of the admit: a newer send of this run's set is known here (``handed``:
-    as ``_newer_sends`` takes it)."""
-    return [{"case": {"$gt": [{"$size": _newer_sends(group, stamp, handed)}, 0]}, "then": "superseded"}]
-
-
-def no_newer_send(group: str, stamp: int) -> Document:
-    """A query filter: the key knows no send of ``group`` newer than ``stamp``. A run's reservation of a
-    key it took (``LeaseStore.reserve``) is made only then: a newer send of its set that parked on the key
-    while the run held it found nothing to take back (a held lease is not a reservation), so a
-    reservation made after it would be handed again to the superseded run at each expiry, never to the
-    newer send."""
-    return {"$expr": {"$eq": [{"$size": _newer_sends(group, stamp)}, 0]}}
-
-
-def newer_by(group: str, stamp: int, handed: object = None) -> Document:
-    """The task id of the newest send of ``group`` newer than ``stamp`` (for ``lo_by``)."""
+def newest_of(sends: object) -> Document:
+    """The task id of the newest of ``sends`` (an array expression of ``{s, t}``), null when empty."""
     newest = {
         "$reduce": {
-            "input": _newer_sends(group, stamp, handed),
+            "input": sends,
             "initialValue": {"s": -1, "t": None},
             "in": {"$cond": [{"$gt": ["$$this.s", "$$value.s"]}, "$$this", "$$value"]},
         }
     }
     return _field("t", newest)
+
+
+def superseded_cases(group: str, stamp: int, *, task_id: str, handed: object = None) -> list[Document]:
+    """The ``$switch`` branch of the admit: a newer send of this run's set is known here (``handed``:
+    as ``_newer_sends`` takes it)."""
+    newer = _newer_sends(group, stamp, task_id, handed)
+    return [{"case": {"$gt": [{"$size": newer}, 0]}, "then": "superseded"}]
+
+
+def no_newer_send(group: str, stamp: int, *, task_id: str) -> Document:
+    """A query filter: the key knows no send of ``group`` newer than ``stamp``. A run's reservation of a
+    key it took (``LeaseStore.reserve``) is made only then: a newer send of its set that parked on the key
+    while the run held it found nothing to take back (a held lease is not a reservation), so a
+    reservation made after it would be handed again to the superseded run at each expiry, never to the
+    newer send."""
+    return {"$expr": {"$eq": [{"$size": _newer_sends(group, stamp, task_id)}, 0]}}
+
+
+def newer_by(group: str, stamp: int, *, task_id: str, handed: object = None) -> Document:
+    """The task id of the newest send of ``group`` newer than ``stamp`` (for ``lo_by``): never
+    ``task_id``'s own."""
+    return newest_of(_newer_sends(group, stamp, task_id, handed))
 
 
 def older_handoff(group: str, stamp: int, ident: str) -> Document:

@@ -81,12 +81,13 @@ def slot_admit_pipeline(
         newest = {"$in": ["$__o", ["parked", "acquired", "claimed", "due"]]}
         take_back = [slot_sets.take_back_stage(entry, run.group, newest)]
     taken = _Taken(token, int(ttl_ms), holder, waited_ms, min_hold_ms, int(limit))
+    shape = _n_slots(run, token, int(limit))
     return [
         *normalize_stages(keep_owner=claim),
-        {"$set": {"__o": judge(run, _n_slots(run, token, int(limit))), "__base": fence_base()}},
+        {"$set": {"__o": judge(run, shape), "__base": fence_base()}},
         {"$set": {"__new": {"$in": ["$__o", ["acquired", "due"]]}}},
         *take_back,
-        {"$set": _take_or_park_fields(run, taken)},
+        {"$set": _take_or_park_fields(run, shape, taken)},
         {"$unset": ["__o", "__new", "__base"]},
         *fill_stages(admit_marker(token)),
         gc_stage(),
@@ -128,7 +129,7 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
     handed_ids = {"$map": {"input": _HANDED, "as": "e", "in": "$$e.ho.id"}}
     in_set: list[Document] = []
     if run.by_set and run.group is not None:
-        in_set = slot_sets.superseded_cases(run.group, run.stamp)
+        in_set = slot_sets.superseded_cases(run.group, run.stamp, task_id=str(run.entry["t"]))
     return Shape(
         ours={"$in": [{"$literal": token}, {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}]},
         ours_outcome="mine",
@@ -137,15 +138,10 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
         handed_here={"$in": [lit, handed_ids]},
         running=running,
         superseded_in_set=in_set,
-        handed_stamp=_handed_stamp(),
+        handed=slot_sets.HANDED_ENTRIES,
         free={"$and": [room, first]},
         room=room,
     )
-
-
-def _handed_stamp() -> Document:
-    """The newest send stamp among the slots handed and not yet claimed."""
-    return {"$max": {"$map": {"input": _HANDED, "as": "e", "in": "$$e.ho.s"}}}
 
 
 @dataclass(frozen=True)
@@ -211,7 +207,7 @@ def _holds(run: AdmitRun, taken: _Taken) -> Document:
     }
 
 
-def _take_or_park_fields(run: AdmitRun, taken: _Taken) -> Document:
+def _take_or_park_fields(run: AdmitRun, shape: Shape, taken: _Taken) -> Document:
     """Take or park, the fields: the holds, the fence and limit, the queue, the supersessions and the
     outcome (``lo``: ``mine``, an earlier attempt's own hold, is ``acquired``)."""
     parked_q: object
@@ -245,13 +241,13 @@ def _take_or_park_fields(run: AdmitRun, taken: _Taken) -> Document:
         },
         "sup": sup_update(parked, superseded),
         "lo": {"$cond": [{"$eq": ["$__o", "mine"]}, "acquired", "$__o"]},
+        "lt": {"$literal": taken.token},  # whose answer ``lo`` is (``queue``'s fields)
     }
     took = {"$in": ["$__o", TOOK]}
     if run.by_set and run.group is not None:
-        newer = slot_sets.newer_by(run.group, run.stamp)
+        newer = slot_sets.newer_by(run.group, run.stamp, task_id=str(run.entry["t"]))
         fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer, None]}
         fields["lg"] = sets.lg_update(run.group, run.stamp, str(run.entry["t"]), took)
     elif run.replace:
-        handed_task = {"$arrayElemAt": [{"$map": {"input": _HANDED, "as": "e", "in": "$$e.ho.t"}}, -1]}
-        fields.update(replace_fields(run, took, _handed_stamp(), handed_task))
+        fields.update(replace_fields(run, took, shape))
     return fields

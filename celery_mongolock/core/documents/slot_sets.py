@@ -59,20 +59,21 @@ HANDED_ENTRIES: Document = {
 }
 
 
-def superseded_cases(group: str, stamp: int) -> list[Document]:
-    """The admit's ``$switch`` branch: a newer send of this run's set is known on the key."""
-    return sets.superseded_cases(group, stamp, HANDED_ENTRIES)
+def superseded_cases(group: str, stamp: int, *, task_id: str) -> list[Document]:
+    """The admit's ``$switch`` branch: a newer send of this run's set (not the run ``task_id`` itself)
+    is known on the key."""
+    return sets.superseded_cases(group, stamp, task_id=task_id, handed=HANDED_ENTRIES)
 
 
-def newer_by(group: str, stamp: int) -> Document:
+def newer_by(group: str, stamp: int, *, task_id: str) -> Document:
     """The task id of the newest send of ``group`` newer than ``stamp`` known on the key (``lo_by``)."""
-    return sets.newer_by(group, stamp, HANDED_ENTRIES)
+    return sets.newer_by(group, stamp, task_id=task_id, handed=HANDED_ENTRIES)
 
 
-def no_newer_send(group: str, stamp: int) -> Document:
+def no_newer_send(group: str, stamp: int, *, task_id: str) -> Document:
     """A query filter: the key knows no send of ``group`` newer than ``stamp`` (rule 3: a slot is
     reserved for a run of ``group`` only then)."""
-    return {"$expr": {"$not": superseded_cases(group, stamp)[0]["case"]}}
+    return {"$expr": {"$not": superseded_cases(group, stamp, task_id=task_id)[0]["case"]}}
 
 
 def _older_of_set(group: str, stamp: int, ident: str) -> Document:
