@@ -85,12 +85,6 @@ def test_a_burst_for_one_group_runs_only_the_newest_while_other_groups_share_the
     settled(cluster, [f"tenant:{tenant}", *(f"group:{g}" for g in [group, *(g for g, _ in others)])])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open bug, seen in 2 of 4 runs in fresh-clone CI (Redis once, RabbitMQ once): the burst's "
-    "newest run ended superseded by itself ('by' its own task id) instead of running; cause not found yet "
-    "(docs/known-issues.md)",
-)
 def test_runs_parked_for_a_slot_of_a_full_tenant_are_superseded_by_a_newer_send(cluster: Cluster) -> None:
     """The tenant is full (2 long uploads of other groups): the burst's runs park for a slot of the
     tenant; only the newest runs once a slot frees, the older ones end superseded and hold no slot."""
