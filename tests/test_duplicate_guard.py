@@ -62,15 +62,14 @@ def test_the_guard_remembers_the_last_128_runs_that_ended(store: LeaseStore, lim
     for n in range(SEEN_KEPT - 1):
         ended_run(store, f"other-{n}", limit)
     assert not copy_takes_the_key(store, "first", limit)
-    if limit is None:  # a Queue run's copy is judged on the same memory
-        lease, doc = store.admit(KEY, {"id": run_id("first", "0.0"), "t": "first", "s": 1, "m": b"m"})
-        assert lease is None and doc["lo"] == "done"
+    queued = {"id": run_id("first", "0.0"), "t": "first", "s": 1, "m": b"m"}
+    lease, doc = store.admit(KEY, queued, ttl=30, limit=limit)  # a Queue run's copy: the same memory
+    assert lease is None and doc["lo"] == "done"
     ended_run(store, "one-more", limit)
     assert copy_takes_the_key(store, "first", limit)
-    if limit is None:  # and so is a Queue run's copy: admitted as a new run
-        lease, _ = store.admit(KEY, {"id": run_id("first", "0.0"), "t": "first", "s": 1, "m": b"m"})
-        assert lease is not None
-        lease.release()
+    lease, _ = store.admit(KEY, queued, ttl=30, limit=limit)  # and past it, a new run
+    assert lease is not None
+    lease.release()
 
 
 def ttl_monitor(store: LeaseStore, at: _dt.datetime) -> int:
@@ -158,27 +157,38 @@ def test_a_copy_matches_every_contention_retry_of_its_attempt_not_a_later_attemp
     store.give_back(lease)
 
 
-def test_a_handoff_message_past_the_memory_is_stale_never_a_new_run(store: LeaseStore) -> None:
+def handoff_token(store: LeaseStore) -> str:
+    """The claim token of the key's pending handoff (a single key's ``ho``, or a slot's)."""
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    handed = [doc["ho"]] if doc.get("ho") else [h["ho"] for h in doc.get("hs", []) if h.get("ho")]
+    assert len(handed) == 1, doc
+    return str(handed[0]["tk"])
+
+
+@pytest.mark.parametrize("limit", [None, 1], ids=["single", "limit1"])
+def test_a_handoff_message_past_the_memory_is_stale_never_a_new_run(
+    store: LeaseStore, limit: int | None
+) -> None:
     """A handed run's claim: a copy of its handoff message after the run ended is "done" while the key
     remembers the run, and "stale" past the bound (its claim token is long gone): never claimed or parked;
     the worker then asks the result backend (a task with its result is dropped)."""
     run = {"id": run_id("queued", "0"), "t": "queued", "n": "guarded", "r": "0", "s": 1, "m": b"m"}
-    holder = store.acquire(KEY, 30, info=info("holder"))
+    holder = store.acquire(KEY, 30, info=info("holder"), limit=limit)
     assert holder is not None
-    store.admit(KEY, run)  # parked behind the holder
+    store.admit(KEY, run, ttl=30, limit=limit)  # parked behind the holder
     assert holder.release()  # hands the key to the parked run
-    token = (store.collection.find_one({"_id": KEY}) or {})["ho"]["tk"]
-    lease, _ = store.admit(KEY, run, claim=token)
+    token = handoff_token(store)
+    lease, _ = store.admit(KEY, run, ttl=30, limit=limit, claim=token)
     assert lease is not None
     assert lease.release()
-    lease, doc = store.admit(KEY, run, claim=token)
+    lease, doc = store.admit(KEY, run, ttl=30, limit=limit, claim=token)
     assert lease is None and doc["lo"] == "done"
     for n in range(SEEN_KEPT - 1):  # the run, then SEEN_KEPT - 1 others: still remembered
-        ended_run(store, f"other-{n}")
-    lease, doc = store.admit(KEY, run, claim=token)
+        ended_run(store, f"other-{n}", limit)
+    lease, doc = store.admit(KEY, run, ttl=30, limit=limit, claim=token)
     assert lease is None and doc["lo"] == "done"
-    ended_run(store, "one-more")  # past the bound
-    lease, doc = store.admit(KEY, run, claim=token)
+    ended_run(store, "one-more", limit)  # past the bound
+    lease, doc = store.admit(KEY, run, ttl=30, limit=limit, claim=token)
     assert lease is None and doc["lo"] == "stale"
 
 
