@@ -7,6 +7,7 @@ task's (docs/discussions/failure-semantics.md, "What the duplicate guard remembe
 
 from __future__ import annotations
 
+import datetime as _dt
 from typing import Any
 
 import pytest
@@ -61,25 +62,66 @@ def test_the_guard_remembers_the_last_128_runs_that_ended(store: LeaseStore, lim
     for n in range(SEEN_KEPT - 1):
         ended_run(store, f"other-{n}", limit)
     assert not copy_takes_the_key(store, "first", limit)
-    if limit is None:  # a Queue run's copy is judged on the same memory
-        lease, doc = store.admit(KEY, {"id": run_id("first", "0.0"), "t": "first", "s": 1, "m": b"m"})
-        assert lease is None and doc["lo"] == "done"
+    queued = {"id": run_id("first", "0.0"), "t": "first", "s": 1, "m": b"m"}
+    lease, doc = store.admit(KEY, queued, ttl=30, limit=limit)  # a Queue run's copy: the same memory
+    assert lease is None and doc["lo"] == "done"
     ended_run(store, "one-more", limit)
     assert copy_takes_the_key(store, "first", limit)
+    lease, _ = store.admit(KEY, queued, ttl=30, limit=limit)  # and past it, a new run
+    assert lease is not None
+    lease.release()
 
 
-def test_a_key_that_remembers_runs_is_kept_two_hours_after_its_last_lease(store: LeaseStore) -> None:
+def ttl_monitor(store: LeaseStore, at: _dt.datetime) -> int:
+    """What MongoDB's TTL monitor does when it runs at ``at``: delete every lease document whose ``gc_at``
+    (the TTL index's field, ``expireAfterSeconds=0``) has passed."""
+    return store.collection.delete_many({"gc_at": {"$lte": at}}).deleted_count
+
+
+def last_expiry(doc: dict[str, Any]) -> _dt.datetime:
+    """The key's last lease's expiry: the single lease's, or the latest a slot hold has had (``sx``)."""
+    times: list[_dt.datetime] = [t for t in (doc.get("expires_at"), doc.get("sx")) if t is not None]
+    return max(times)
+
+
+def end_later_lease(store: LeaseStore, ending: str, limit: int | None) -> None:
+    """Another run takes the key after the remembered one, and its lease ends by ``ending``."""
+    lease = store.acquire(KEY, 30, info=info("later"), limit=limit)
+    assert lease is not None
+    if ending == "released":
+        assert lease.release()
+    elif ending == "holder-died":
+        assert store.release_held_by(task_id="later") == 1
+    elif ending == "forced":
+        assert store.force_release(KEY)
+    elif ending == "given-back":
+        assert store.give_back(lease)
+    # "expired": left held; the TTL monitor below runs long after its expiry
+
+
+@pytest.mark.parametrize("limit", [None, 3], ids=["single", "limit3"])
+@pytest.mark.parametrize("ending", ["released", "expired", "holder-died", "forced", "given-back"])
+def test_a_key_that_remembers_runs_is_kept_two_hours_after_its_last_lease(
+    store: LeaseStore, ending: str, limit: int | None
+) -> None:
     """At the other bound: the TTL index deletes the document SEEN_KEEP_MS after its last lease's expiry,
-    longer than Redis's default visibility timeout (1 hour). Past it (deleted, as the TTL monitor does) a
-    copy is a new run."""
+    longer than Redis's default visibility timeout (1 hour), however that lease ended. Not a second
+    before: a copy is still refused. Past it (deleted, as the TTL monitor does) a copy is a new run."""
     assert SEEN_KEEP_MS == 2 * 3600 * 1000
-    ended_run(store, "first")
+    ended_run(store, "first", limit)
+    end_later_lease(store, ending, limit)
     doc = store.collection.find_one({"_id": KEY}) or {}
-    assert doc["seen"] == [run_id("first", "0.0")]
-    assert (doc["gc_at"] - doc["expires_at"]).total_seconds() * 1000 == SEEN_KEEP_MS
-    assert not copy_takes_the_key(store, "first")
-    store.collection.delete_one({"_id": KEY})  # what the TTL monitor does once gc_at has passed
-    assert copy_takes_the_key(store, "first")
+    assert run_id("first", "0.0") in doc["seen"]
+    bound = last_expiry(doc) + _dt.timedelta(milliseconds=SEEN_KEEP_MS)
+    assert doc["gc_at"] == bound
+    assert ttl_monitor(store, bound - _dt.timedelta(seconds=1)) == 0
+    ids = [run_id("first", "0.")]
+    lease, reply = store.try_acquire(KEY, 30, info=info("first"), limit=limit, ended_runs=ids)
+    assert lease is None and Contended.of(reply, whole=True).attempt_ran(ids) is True  # refused as a copy
+    doc = store.collection.find_one({"_id": KEY}) or {}  # the refused copy's acquire kept the bound
+    assert doc["gc_at"] == bound
+    assert ttl_monitor(store, bound) == 1
+    assert copy_takes_the_key(store, "first", limit)
 
 
 def test_a_run_given_back_before_its_body_ran_is_not_remembered(store: LeaseStore) -> None:
@@ -115,25 +157,67 @@ def test_a_copy_matches_every_contention_retry_of_its_attempt_not_a_later_attemp
     store.give_back(lease)
 
 
-def test_a_handoff_message_past_the_memory_is_stale_never_a_new_run(store: LeaseStore) -> None:
+def handoff_token(store: LeaseStore) -> str:
+    """The claim token of the key's pending handoff (a single key's ``ho``, or a slot's)."""
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    handed = [doc["ho"]] if doc.get("ho") else [h["ho"] for h in doc.get("hs", []) if h.get("ho")]
+    assert len(handed) == 1, doc
+    return str(handed[0]["tk"])
+
+
+@pytest.mark.parametrize("limit", [None, 1], ids=["single", "limit1"])
+def test_a_handoff_message_past_the_memory_is_stale_never_a_new_run(
+    store: LeaseStore, limit: int | None
+) -> None:
     """A handed run's claim: a copy of its handoff message after the run ended is "done" while the key
     remembers the run, and "stale" past the bound (its claim token is long gone): never claimed or parked;
     the worker then asks the result backend (a task with its result is dropped)."""
     run = {"id": run_id("queued", "0"), "t": "queued", "n": "guarded", "r": "0", "s": 1, "m": b"m"}
-    holder = store.acquire(KEY, 30, info=info("holder"))
+    holder = store.acquire(KEY, 30, info=info("holder"), limit=limit)
     assert holder is not None
-    store.admit(KEY, run)  # parked behind the holder
+    store.admit(KEY, run, ttl=30, limit=limit)  # parked behind the holder
     assert holder.release()  # hands the key to the parked run
-    token = (store.collection.find_one({"_id": KEY}) or {})["ho"]["tk"]
-    lease, _ = store.admit(KEY, run, claim=token)
+    token = handoff_token(store)
+    lease, _ = store.admit(KEY, run, ttl=30, limit=limit, claim=token)
     assert lease is not None
     assert lease.release()
-    lease, doc = store.admit(KEY, run, claim=token)
+    lease, doc = store.admit(KEY, run, ttl=30, limit=limit, claim=token)
     assert lease is None and doc["lo"] == "done"
-    for n in range(SEEN_KEPT):
-        ended_run(store, f"other-{n}")
-    lease, doc = store.admit(KEY, run, claim=token)
+    for n in range(SEEN_KEPT - 1):  # the run, then SEEN_KEPT - 1 others: still remembered
+        ended_run(store, f"other-{n}", limit)
+    lease, doc = store.admit(KEY, run, ttl=30, limit=limit, claim=token)
+    assert lease is None and doc["lo"] == "done"
+    ended_run(store, "one-more", limit)  # past the bound
+    lease, doc = store.admit(KEY, run, ttl=30, limit=limit, claim=token)
     assert lease is None and doc["lo"] == "stale"
+
+
+def test_a_run_that_timed_out_parked_is_remembered_once_its_result_is_written(store: LeaseStore) -> None:
+    """Results written by the sweeper: a ``Queue`` run parked past its ``timeout`` waits in ``dead`` (a copy
+    of it is "dup"), and once its result is written it is remembered as a run that ended (``seen``), on the
+    same bounds: a late copy is dropped ("done") until SEEN_KEPT - 1 other runs have ended after it, and
+    admitted as a new run after one more; the key is kept SEEN_KEEP_MS after its last lease."""
+    late = {"id": run_id("late", "0.0"), "t": "late", "n": "guarded", "r": "0.0", "s": 1, "m": b"m"}
+    for n in range(SEEN_KEPT):  # a key whose memory is full
+        ended_run(store, f"before-{n}")
+    holder = store.acquire(KEY, 30, info=info("holder"))
+    assert holder is not None
+    store.admit(KEY, late, timeout=0.0)  # parked, its deadline past at once
+    assert holder.release()  # nobody to hand the key to: the late run goes to dead
+    lease, doc = store.admit(KEY, late)
+    assert lease is None and doc["lo"] == "dup"  # its result is being written
+    store.forget_results(KEY, "dead", ["late"])  # what the sweeper does once it wrote the result
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert doc["seen"][-1] == run_id("late", "0.0") and len(doc["seen"]) == SEEN_KEPT and doc["dead"] == []
+    assert doc["gc_at"] == doc["expires_at"] + _dt.timedelta(milliseconds=SEEN_KEEP_MS)
+    for n in range(SEEN_KEPT - 1):
+        ended_run(store, f"other-{n}")
+    lease, doc = store.admit(KEY, late)
+    assert lease is None and doc["lo"] == "done"
+    ended_run(store, "one-more")  # past the bound
+    lease, doc = store.admit(KEY, late)
+    assert lease is not None  # a new run, as any acks_late task's late copy
+    lease.release()
 
 
 @pytest.mark.parametrize("limit", [None, 3], ids=["single", "limit3"])
