@@ -89,7 +89,7 @@ def test_a_run_handed_a_key_by_the_ceiling_that_leaves_passes_its_burst_on(store
     began a burst of its own. When the older run leaves the first key, the newer send continues the
     older burst there: due at once, and handed the key in the same command (before: it waited a whole
     new ceiling; with real workers the race came back at each ceiling: one of the two causes of a set of
-    keys not seen to run by max_wait, see docs/known-issues.md)."""
+    keys not seen to run by max_wait, see CHANGELOG.md)."""
     first, older, newer = run(10, [X, Y]), run(20, [X, Y]), run(30, [X, Y])
 
     def admit(key: str, r: dict[str, Any]) -> dict[str, Any]:
