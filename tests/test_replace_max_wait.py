@@ -13,6 +13,7 @@ import pytest
 from celery_mongolock import ConfigurationError, LeaseStore, Replace
 from celery_mongolock.core.outcomes import Admission
 
+from .servers import wait_for
 from .test_admission_store import entry
 from .test_replace_keys_store import run
 
@@ -75,6 +76,42 @@ def test_a_set_of_keys_keeps_its_bursts_first_wait_on_each_key(store: LeaseStore
 def test_bad_max_wait_is_refused(options: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigurationError, match=words.replace("(", r"\(").replace(")", r"\)")):
         Replace(**options)
+
+
+def _server_past(store: LeaseStore, when: Any) -> bool:
+    now = store.collection.database.command("hello")["localTime"].replace(tzinfo=when.tzinfo)
+    return bool(now > when)
+
+
+def test_a_run_handed_a_key_by_the_ceiling_that_leaves_passes_its_burst_on(store: LeaseStore) -> None:
+    """At the ceiling, the run handed the first key (by its burst's ceiling) can be superseded on the
+    second by a newer send of its set handed that one; the newer send parked behind it on the first key
+    began a burst of its own. When the older run leaves the first key, the newer send continues the
+    older burst there: due at once, and handed the key in the same command (before: it waited a whole
+    new ceiling; with real workers the race came back at each ceiling: one of the two causes of a set of
+    keys not seen to run by max_wait, see CHANGELOG.md)."""
+    first, older, newer = run(10, [X, Y]), run(20, [X, Y]), run(30, [X, Y])
+
+    def admit(key: str, r: dict[str, Any]) -> dict[str, Any]:
+        _, doc = store.admit(key, r, ttl=30, replace=True, group=r["g"], debounce=30, max_wait=2)
+        return doc
+
+    for key in (X, Y):
+        assert admit(key, first)["lo"] == "parked"
+    ceiling = parked_entry(store, Y)["nb"]
+    wait_for(lambda: _server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
+    admit(X, older)  # past the ceiling: handed X at once
+    assert (store.collection.find_one({"_id": X}) or {})["ho"]["t"] == "r20"
+    admit(X, newer)  # parks behind the run handed X: a burst of its own
+    assert parked_entry(store, X)["t"] == "r30"
+    admit(Y, newer)  # supersedes the first send on Y, past the ceiling: handed Y at once
+    assert (store.collection.find_one({"_id": Y}) or {})["ho"]["t"] == "r30"
+    assert admit(Y, older)["lo"] == "superseded"
+    for key in (X, Y):  # the older run leaves (as ``SeveralKeys`` does, told superseded)
+        store.unpark(key, older["id"])
+    doc = store.collection.find_one({"_id": X}) or {}
+    assert (doc.get("ho") or {}).get("t") == "r30", doc.get("q")
+    assert store.reserved_for_all(newer)
 
 
 def test_max_wait_with_keys_is_refused_for_now() -> None:

@@ -164,13 +164,8 @@ class QueueUpkeep:
             {"$set": {"__mine": mine}},
             {
                 "$set": {
-                    "q": {
-                        "$filter": {
-                            "input": {"$ifNull": ["$q", []]},
-                            "as": "e",
-                            "cond": {"$ne": ["$$e.id", ident]},
-                        }
-                    },
+                    # (the newer runs of its set parked here continue its burst: ``sets.carry_burst``)
+                    "q": sets.queue_left_by(entry_id, "$__mine"),
                     "owner": {"$cond": ["$__mine", None, "$owner"]},
                     "ho": {"$cond": ["$__mine", None, "$ho"]},
                 }

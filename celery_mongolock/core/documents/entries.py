@@ -107,7 +107,7 @@ def entry_expr(
     and ``nb`` (not before: ``Replace(debounce=...)``) on the server's clock. With ``max_wait_ms`` (and
     ``since``, the ``burst_since`` of the runs it supersedes): ``fw``, when its burst began waiting, and
     ``nb`` no later than ``fw`` + ``max_wait_ms`` (``Replace(debounce=..., max_wait=...)``)."""
-    expr: Document = {k: {"$literal": v} for k, v in entry.items() if k not in ("at", "dl", "nb", "fw")}
+    expr: Document = {k: {"$literal": v} for k, v in entry.items() if k not in ("at", "dl", "nb", "fw", "mw")}
     expr["at"] = "$$NOW"
     expr["dl"] = None if timeout_ms is None else {"$add": ["$$NOW", int(timeout_ms)]}
     if debounce_ms:
@@ -117,6 +117,8 @@ def entry_expr(
             ceiling = {"$add": [{"$toLong": since}, int(max_wait_ms)]}
             debounced = {"$add": [_NOW_MS, int(debounce_ms)]}
             expr["fw"] = since
+            # (the ceiling's length: a burst carried on to this entry later, ``sets.carry_burst``)
+            expr["mw"] = int(max_wait_ms)
             nb = {"$toDate": {"$cond": [{"$lt": [ceiling, debounced]}, ceiling, debounced]}}
         expr["nb"] = nb
     return expr

@@ -37,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "LG_KEPT",
+    "carry_burst",
     "entries_of",
     "lg_update",
     "newer_by",
@@ -45,6 +46,7 @@ __all__ = [
     "older_handoff",
     "other_run",
     "park_queue",
+    "queue_left_by",
     "set_signature",
     "sup_record",
     "superseded_cases",
@@ -209,6 +211,52 @@ def park_queue(
         ]
     }
     return in_order, superseded
+
+
+def carry_burst(q: object, left: object) -> Document:
+    """``Replace(debounce=..., max_wait=...)``: the queue ``q`` once the run ``left`` (its parked entry,
+    reservation or handoff, an expression; null for none) leaves the key unrun: the newer runs of its set
+    parked here continue its burst, so each keeps the earlier of the two first waits (``fw``) and is due
+    no later than that plus its ``max_wait`` (``mw``). A newer send parked behind a run handed the key by
+    its burst's ceiling began a burst of its own (that run was to run); when that run leaves after all
+    (a newer send of its set was handed another key), the burst it carried must not be lost, or the set
+    never reaches its ceiling on every key at once."""
+    left_fw = {"$toLong": {"$ifNull": [_field("fw", left), None]}}
+    left_s = {"$ifNull": [_field("s", left), None]}
+    left_g = {"$ifNull": [_field("g", left), None]}
+    fw = {"$min": [{"$toLong": "$$e.fw"}, left_fw]}
+    carried = {
+        "$mergeObjects": [
+            "$$e",
+            {
+                "fw": {"$toDate": fw},
+                "nb": {"$toDate": {"$min": [{"$toLong": "$$e.nb"}, {"$add": [fw, "$$e.mw"]}]}},
+            },
+        ]
+    }
+    applies = {
+        "$and": [
+            {"$ne": [left_fw, None]},
+            {"$ne": [left_g, None]},
+            {"$eq": [{"$ifNull": ["$$e.g", None]}, left_g]},
+            {"$gt": [{"$ifNull": ["$$e.s", -1]}, left_s]},
+            {"$ne": [{"$ifNull": ["$$e.fw", None]}, None]},
+            {"$ne": [{"$ifNull": ["$$e.mw", None]}, None]},
+        ]
+    }
+    return {"$map": {"input": q, "as": "e", "in": {"$cond": [applies, carried, "$$e"]}}}
+
+
+def queue_left_by(entry_id: str, handed_to_it: object) -> Document:
+    """The queue once the run ``entry_id`` leaves the key unrun (``LeaseStore.unpark``): without its
+    parked entry, and with its burst carried on (``carry_burst``) from its handoff or reservation (when
+    ``handed_to_it``) or its parked entry."""
+    ident = {"$literal": entry_id}
+    q = {"$ifNull": ["$q", []]}
+    its_entry = {"$filter": {"input": q, "as": "e", "cond": {"$eq": ["$$e.id", ident]}}}
+    left = {"$cond": [handed_to_it, "$ho", {"$arrayElemAt": [its_entry, 0]}]}
+    rest = {"$filter": {"input": q, "as": "e", "cond": {"$ne": ["$$e.id", ident]}}}
+    return carry_burst(rest, left)
 
 
 def lg_update(group: str, stamp: int, task_id: str, free: object) -> Document:
