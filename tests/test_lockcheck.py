@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1406,7 +1407,7 @@ RATE = lockcheck.RATE_TASK
 
 def _rtake(
     run: str, stamp: int, now: int, starts: list[tuple[int, str]], *, granted: str | None = None,
-    waiters: list[tuple[str, int, int]] = (), t: float = 0.0, **extra: Any,
+    waiters: Sequence[tuple[str, int, int]] = (), t: float = 0.0, **extra: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """An attempt of run ``run`` (task id: its part before ``/``) at a start on ``TKEY`` (2 per 2 s): the
     window its reply showed (the command's clock ``now``, its starts and parked runs); ``granted``: its
