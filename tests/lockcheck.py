@@ -67,6 +67,14 @@ and ``check_reentrant``: a reentrant hold is the body's own lease (hold token an
 second slot. A run whose reentrance is refused (its outer lease was lost first) writes nothing and is
 retried.
 
+Rate-limited runs (``RATE_TASK``: ``rate=RateLimit(RATE_N, RATE_PERIOD)``, ``Retry``) do the plain claim +
+read-modify-write on ``t`` keys of their own, sent in bursts of 1 to n + 2; a run over the rate is parked
+(its message published again for its turn). Every attempt at a start records ``rtake``: granted or parked,
+and each window its commands' replies showed (starts with their ids and server-clock times, parked runs
+with their send stamps and when their entries go stale). The controller's ``RateGate`` keeps a key's
+window full (taking every start as a run sent before all others), so runs sent there stay parked: a
+directed burst, and two runs through every fault.
+
 Every process appends its view to a JSON-lines history file (acquisitions with monotonic send/reply
 times, every write's outcome: ack / fenced / lost-detected / ambiguous / error, releases). Reckless
 clients write even after their lease is lost: only the fence stands between them and the data.
@@ -127,6 +135,11 @@ Several-keys runs (``check_multi``): every body started holding a lease on every
 (``multi-partial``). Each key's holds (several-keys and single-key alike) go through the plain checks
 above, so a several-keys body and a single-key run holding one key at once is an ``overlap``, and a
 deadlock leaves tasks unfinished.
+
+Rate-limited runs (``check_rate``; ``t`` keys): at most n starts of a key in any ``[a, a + period)`` on
+the server's clock (``rate-exceeded``; the starts of every reply together), no start taken past a run sent
+before it that waits on the key with no room left for it (``rate-order``), no body without a start granted
+to its delivery (``rate-bypassed``), none skipped (``rate-dropped``).
 
 Run it from ``tests/test_lockcheck.py`` (bounded) or ``scripts/soak.py`` (long).
 """

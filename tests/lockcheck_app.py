@@ -30,8 +30,10 @@ slot's part and ``b``'s as a plain key's (``rmw_multi_limit_queued``: the same u
 ``rmw_multi_limit_replace``: under ``Replace()``, latest wins per pair). The reentrant task
 (``rmw_reentrant``, the same keys and limit) writes ``a`` through an in-process call of
 ``rmw_reentrant_inner`` (``limit=N``, ``Fail``) and ``b`` inside ``store.hold(b)``: both reentrant holds
-of its run's leases (``lockcheck.run_reentered``). Every contention of a singleton run
-(``lease_contended``) is recorded as ``tcont`` (task id, key, policy): the controller waits for it to
+of its run's leases (``lockcheck.run_reentered``). The rate-limited task
+(``rmw_rate``: ``rate=RateLimit(...)``, ``Retry``) records every attempt at a start (``rtake``, around
+``RateWindows.take``, with the windows ``RateWindow.of`` made of its commands' replies). Every contention
+of a singleton run (``lease_contended``) is recorded as ``tcont`` (task id, key, policy): the controller waits for it to
 drive contention by construction.
 """
 
