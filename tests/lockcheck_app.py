@@ -33,8 +33,8 @@ slot's part and ``b``'s as a plain key's (``rmw_multi_limit_queued``: the same u
 of its run's leases (``lockcheck.run_reentered``). The rate-limited task
 (``rmw_rate``: ``rate=RateLimit(...)``, ``Retry``) records every attempt at a start (``rtake``, around
 ``RateWindows.take``, with the windows ``RateWindow.of`` made of its commands' replies). Every contention
-of a singleton run (``lease_contended``) is recorded as ``tcont`` (task id, key, policy): the controller waits for it to
-drive contention by construction.
+of a singleton run (``lease_contended``) is recorded as ``tcont`` (task id, key, policy): the controller
+waits for it to drive contention by construction.
 """
 
 from __future__ import annotations
