@@ -1841,8 +1841,11 @@ def _rate_ambiguous(history: History, takes: list[Doc]) -> set[str]:
     return out | {str(t.get("run")) for t in takes if str(t.get("task_id")) in cut}
 
 
-def _rate_timelines(takes: list[Doc]) -> dict[str, dict[str, list[tuple[int, int | None]]]]:
-    """Key -> run -> its grants (time, None) and parks (the command's clock, stale at), in time order."""
+def _rate_timelines(
+    takes: list[Doc], leaves: Iterable[Doc] = ()
+) -> dict[str, dict[str, list[tuple[int, int | None]]]]:
+    """Key -> run -> its grants and leaves (time, None) and parks (the command's clock, stale at), in time
+    order (at one time, a park first)."""
     lines: dict[str, dict[str, list[tuple[int, int | None]]]] = defaultdict(lambda: defaultdict(list))
     for take in takes:
         for key, at in rate_grants(take).items():
@@ -1850,9 +1853,11 @@ def _rate_timelines(takes: list[Doc]) -> dict[str, dict[str, list[tuple[int, int
         park = rate_park(take)
         if park is not None:
             lines[park[0]][str(take["run"])].append((park[1], park[2]))
+    for leave in leaves:  # a gate's place taken out (``RateGate.stop``), no later than ``at``
+        lines[str(leave["key"])][str(leave["run"])].append((int(leave["at"]), None))
     for runs in lines.values():
         for events in runs.values():
-            events.sort(key=lambda e: e[0])
+            events.sort(key=lambda e: (e[0], e[1] is None))
     return lines
 
 
@@ -1864,7 +1869,8 @@ def _waiting_at(events: list[tuple[int, int | None]], at: int) -> bool:
 
 def _rate_order(history: History, takes: list[Doc]) -> list[Violation]:
     found: list[Violation] = []
-    rates, starts, lines = _rate_of(takes), rate_starts(takes), _rate_timelines(takes)
+    leaves = [e for e in history.events if e.get("ev") == "rleave"]
+    rates, starts, lines = _rate_of(takes), rate_starts(takes), _rate_timelines(takes, leaves)
     ambiguous = _rate_ambiguous(history, takes)
     known = {str(t.get("start_id")) for t in takes if t.get("started")}
     stamps = {str(t["run"]): (int(t.get("stamp") or 0), str(t["run"])) for t in takes if t.get("run")}
@@ -3915,6 +3921,8 @@ class RateGate:
         self.store, self.hist, self.key, self.run = store, hist, key, run
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lockcheck-rate-gate-{key}", daemon=True)
+        #: The server's clock at the gate's last look at its window (epoch ms).
+        self.last_seen_ms = 0
 
     def start(self) -> RateGate:
         """Fill the window (waits only for faults to pass: a guard, not a delay), then keep it full."""
@@ -3940,6 +3948,8 @@ class RateGate:
             seen = windows.look(self.key)
         except (MongoLockError, PyMongoError):
             seen = None
+        if seen is not None:
+            self.last_seen_ms = seen.now_ms
         record_rate_take(
             self.hist, took, [seen] if seen else [], n=RATE_N, period_ms=period_ms, t0=t0, **fields
         )
@@ -3964,7 +3974,9 @@ class RateGate:
 
         with contextlib.suppress(TimeoutError):
             _wait(leave, 60.0, f"the rate gate on {self.key} to leave", interval=0.2)
-        self.hist.event("rgate-left", key=self.key, run=self.run, t=time.monotonic())
+        # Its place is gone from some moment after its last look (server's clock): from then on it is not
+        # judged as waiting (a grant in between is not judged against it).
+        self.hist.event("rleave", key=self.key, run=self.run, at=self.last_seen_ms, t=time.monotonic())
 
 
 class Run:

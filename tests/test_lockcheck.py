@@ -1502,6 +1502,11 @@ def test_a_later_send_taking_the_place_of_a_parked_earlier_one_is_reported() -> 
     # P's delivery was cut short (a broker's redelivery): its place is unknown, not judged.
     cut = {"ev": "recv", "task_id": "P", "redelivered": True, "t": 2.0}
     assert lockcheck.check_rate(history(parked, cut)) == []
+    # A place taken out (a controller's gate that stopped) counts no more from the time it says.
+    gate = _rtake("gate-1/0", 0, 1250, [(1000, "sA"), (1100, "sB")], waiters=[("gate-1/0", 0, 18250)], t=1.25)
+    assert kinds(lockcheck.check_rate(history(gate))) == {"rate-order"}
+    left = {"ev": "rleave", "key": TKEY, "run": "gate-1/0", "at": 1250, "t": 1.3}
+    assert lockcheck.check_rate(history(gate, left)) == []
     # An attempt of P's without an answer (its command may have been applied): not judged either.
     unanswered = {**_rtake("P/0", 5, 0, [], t=2.0), "error": "StoreUnavailable", "windows": []}
     assert lockcheck.check_rate(history(parked, unanswered)) == []
