@@ -4006,6 +4006,8 @@ class Run:
         #: The runs parked by the rate so far, by key (``_rate_parked_runs``); where each file was left.
         self._rate_parked: dict[str, set[str]] = defaultdict(set)
         self._rate_read: dict[Path, int] = {}
+        #: The random workload's rate bursts: how many runs each sent at once.
+        self.rate_bursts: Counter[int] = Counter()
         #: ... and for the several-keys Replace runs with a limit per key (``_multi_limit_replace_sends``).
         self.replace_rng = random.Random(cfg.seed * 7919 + 31)
         self._own_dir = cfg.workdir is None
@@ -4336,7 +4338,9 @@ class Run:
                 if self.cfg.rate_keys and self.rate_rng.random() < self.cfg.rate_share:
                     # A burst of rate-limited runs on a t key: more than n at once half of the time.
                     rated = key_for(self.rate_rng.randrange(self.cfg.rate_keys), epoch, "t")
-                    for _ in range(self.rate_rng.randint(1, RATE_N + 2)):
+                    size = self.rate_rng.randint(1, RATE_N + 2)
+                    self.rate_bursts[size] += 1
+                    for _ in range(size):
                         n += 1
                         self._submit(RATE_TASK, rated, f"task-{n}")
                     continue
@@ -5777,6 +5781,7 @@ class Run:
                 "multi_replace_directed": self.multi_replace_directed,
                 "unique_directed": self.unique_directed,
                 "rate_directed": self.rate_directed,
+                "rate_bursts": dict(sorted(self.rate_bursts.items())),
                 "rate_keys": self.cfg.rate_keys,
                 "multi_replace_window": self.multi_replace_window,
                 "multi_limit_replace_directed": self.multi_limit_replace_directed,
@@ -5948,9 +5953,8 @@ def format_report(report: Doc) -> str:
         "{most_starts_in_a_window}, the controller's gates' {gate_starts}); directed burst {directed}; "
         "gated runs {gated} (parked then done {gated_parked_then_done}, lost by the broker "
         "{gated_lost_by_broker}); "
-        "faults while runs were parked by the rate {faults_with_a_rate_parked_run}".format(
-            **(report.get("rate") or _NO_RATE)
-        ),
+        "faults while runs were parked by the rate {faults_with_a_rate_parked_run}; random bursts by size "
+        "{bursts}".format(**(report.get("rate") or _NO_RATE), bursts=report.get("rate_bursts") or {}),
         *(
             f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "
             f"{f['handed']} (handoff records {f['handoffs']}, handed again {f['rehandoffs']}), done "
