@@ -71,9 +71,9 @@ Rate-limited runs (``RATE_TASK``: ``rate=RateLimit(RATE_N, RATE_PERIOD)``, ``Ret
 read-modify-write on ``t`` keys of their own, sent in bursts of 1 to n + 2; a run over the rate is parked
 (its message published again for its turn). Every attempt at a start records ``rtake``: granted or parked,
 and each window its commands' replies showed (starts with their ids and server-clock times, parked runs
-with their send stamps and when their entries go stale). The controller's ``RateGate`` keeps a key's
-window full (taking every start as a run sent before all others), so runs sent there stay parked: a
-directed burst, and two runs through every fault.
+with their send stamps and when their entries go stale). The controller's ``RateGate`` parks n runs
+of its own ahead of all others (never granted), so runs sent to its key stay parked: a directed burst, and
+two runs through every fault.
 
 Every process appends its view to a JSON-lines history file (acquisitions with monotonic send/reply
 times, every write's outcome: ack / fenced / lost-detected / ambiguous / error, releases). Reckless
@@ -168,7 +168,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
-from pymongo import MongoClient, WriteConcern
+from pymongo import MongoClient, ReturnDocument, WriteConcern
 from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
@@ -180,10 +180,11 @@ from celery_mongolock import (
     LeaseStore,
     singleton_task,
 )
+from celery_mongolock.core.documents import rate as rate_docs
 from celery_mongolock.core.documents.rate import RateWindow
 from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, _local_ttl
-from celery_mongolock.core.store_rate import RateTake, rate_windows
+from celery_mongolock.core.store_rate import STALE_AFTER_TURN_MS, RateTake, rate_windows
 from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
 from celery_mongolock.fencing import FencedOut, fenced_update_one
 from celery_mongolock.integration.handoff import SENT_HEADER, send_stamp
@@ -360,7 +361,7 @@ UNIQUE_GATE_SENDS = 2
 UNIQUE_SEND_SECONDS = 3600.0
 #: ``rate=RateLimit(RATE_N, RATE_PERIOD)``: the task (``lockcheck_app.rmw_rate``, ``Retry`` while its key is
 #: held), on ``t`` keys of its own; the runs of its directed burst and of each fault's gate, parked behind
-#: the controller's hold on the key's rate (``RateGate``); how often that gate takes a start.
+#: the controller's hold on the key's rate (``RateGate``); how often that gate refreshes its places.
 RATE_TASK = "lockcheck.rmw_rate"
 RATE_N = 2
 RATE_PERIOD = 2.0
@@ -1959,7 +1960,7 @@ def rate_figures(history: History, faults: Sequence[Doc] = (), directed: Doc | N
         "bodies": sum(1 for e in history.events if e.get("ev") == "body" and e.get("task_id") in tasks),
         "starts": sum(len(s) for s in rate_starts(takes).values()),
         "most_starts_in_a_window": max(most.values(), default=0),
-        "gate_starts": sum(1 for t in takes if t.get("started") and t.get("who") == GATE),
+        "gate_places_kept": sum(1 for t in takes if t.get("hold") and rate_park(t) is not None),
         "directed": {
             "sends": len(runs),
             "parked_before_the_gate_let_go": bool(directed.get("parked")),
@@ -3911,72 +3912,86 @@ def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: flo
 
 
 class RateGate:
-    """The controller's hold on a ``t`` key's rate: it takes every start the key's window allows, as a run
-    sent before all others (send stamp 0, run ``gate-<n>``), so that ``RATE_TASK`` runs sent to the key
-    are parked by the rate and stay parked, by construction, until ``stop``: a start that leaves the
-    window is the gate's (its place in the parked runs comes first), taken again every
-    ``RATE_GATE_INTERVAL``. Its attempts are recorded as the workers' are (``rtake``, who ``GATE``)."""
+    """The controller's hold on a ``t`` key's rate: ``RATE_N`` runs of its own parked on the key, sent before
+    all others (send stamp 0, runs ``gate-<n>/<i>``), so that every ``RATE_TASK`` run sent to the key has n
+    runs ahead of it (``core.documents.rate``: a run takes a start only if the window's starts plus the runs
+    parked before it are fewer than n) and stays parked, by construction, until ``stop``, whatever the
+    window holds. The gate's runs ask with n = 0 (they are never granted a start: they only keep their
+    places) and refresh their places every ``RATE_GATE_INTERVAL`` (a place goes stale one period plus 15 s
+    after its last refresh). Its attempts are recorded as the workers' are (``rtake``, who ``GATE``, the
+    key's rate as ``n``)."""
 
-    def __init__(self, store: LeaseStore, hist: HistoryWriter, key: str, run: str) -> None:
-        self.store, self.hist, self.key, self.run = store, hist, key, run
+    def __init__(self, store: LeaseStore, hist: HistoryWriter, key: str, name: str) -> None:
+        self.store, self.hist, self.key = store, hist, key
+        self.runs = [f"{name}/{i}" for i in range(RATE_N)]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lockcheck-rate-gate-{key}", daemon=True)
         #: The server's clock at the gate's last look at its window (epoch ms).
         self.last_seen_ms = 0
 
     def start(self) -> RateGate:
-        """Fill the window (waits only for faults to pass: a guard, not a delay), then keep it full."""
-        _wait(lambda: self.take() is False, START_GUARD_S, f"the rate gate on {self.key}", interval=0.05)
+        """Park the gate's runs (waits only for faults to pass: a guard, not a delay); keep them there."""
+        for run in self.runs:
+            _wait(functools.partial(self._parked, run), START_GUARD_S, f"the rate gate on {self.key}", 0.05)
         self._thread.start()
         return self
 
-    def take(self) -> bool | None:
-        """One attempt at a start: True (taken), False (the window is full: the gate's place kept), None
-        (no answer)."""
+    def take(self, run: str) -> bool | None:
+        """One command of a gate run: the library's own update (``take_update``) with n = 0, so never
+        granted: False (parked, its place kept or refreshed), None (no answer)."""
         period_ms = round(RATE_PERIOD * 1000)
-        windows = rate_windows(self.store)
-        fields: Doc = {"who": GATE, "task_id": None, "run": self.run, "stamp": 0, "keys": [self.key]}
+        start_id = uuid.uuid4().hex
+        fields: Doc = {"who": GATE, "task_id": None, "run": run, "stamp": 0, "keys": [self.key], "hold": True}
+        update = rate_docs.take_update(
+            start_id=start_id, run=run, stamp=0, n=0, period_ms=period_ms, park=True,
+            stale_ms=period_ms + STALE_AFTER_TURN_MS,
+        )  # fmt: skip
         t0 = time.monotonic()
         try:
-            took = windows.take([self.key], run=self.run, stamp=0, n=RATE_N, period_ms=period_ms, park=True)
+            doc = rate_windows(self.store).collection.find_one_and_update(
+                {"_id": self.key}, update, upsert=True, return_document=ReturnDocument.AFTER
+            )
+            if doc is None:  # (the embedded server may answer None to an applied upsert: read it back)
+                doc = rate_windows(self.store).collection.find_one({"_id": self.key})
         except (MongoLockError, PyMongoError) as exc:
             self.hist.event(
                 "rtake", **fields, n=RATE_N, p=period_ms, t0=t0, t=time.monotonic(), error=repr(exc)
             )
             return None
-        try:  # the window as it is now: the gate's start and place, with their times (one more read)
-            seen = windows.look(self.key)
-        except (MongoLockError, PyMongoError):
-            seen = None
-        if seen is not None:
-            self.last_seen_ms = seen.now_ms
-        record_rate_take(
-            self.hist, took, [seen] if seen else [], n=RATE_N, period_ms=period_ms, t0=t0, **fields
-        )
-        return took.started
+        window = RateWindow.of(self.key, doc)
+        self.last_seen_ms = max(self.last_seen_ms, window.now_ms)
+        took = RateTake(started=False, start_id=start_id, key=self.key, position=window.position(run))
+        record_rate_take(self.hist, took, [window], n=RATE_N, period_ms=period_ms, t0=t0, **fields)
+        return False
+
+    def _parked(self, run: str) -> bool:
+        return self.take(run) is False
 
     def _loop(self) -> None:
         while not self._stop.wait(RATE_GATE_INTERVAL):
-            self.take()
+            for run in self.runs:
+                self.take(run)
 
     def stop(self) -> None:
-        """Stop taking starts and leave the parked runs (the runs behind go on as the window allows); a
-        leave that gets no answer is sent again (a guard bounds it; unrefreshed, the place goes stale)."""
+        """Stop refreshing and take the gate's runs out of the parked ones (the runs behind go on as the
+        window allows); a leave that gets no answer is sent again (a guard bounds it; unrefreshed, a place
+        goes stale)."""
         self._stop.set()
         self._thread.join(timeout=30.0)
+        for run in self.runs:
 
-        def leave() -> bool:
-            try:
-                rate_windows(self.store).leave(self.key, self.run)
-            except (MongoLockError, PyMongoError):
-                return False
-            return True
+            def leave(run: str = run) -> bool:
+                try:
+                    rate_windows(self.store).leave(self.key, run)
+                except (MongoLockError, PyMongoError):
+                    return False
+                return True
 
-        with contextlib.suppress(TimeoutError):
-            _wait(leave, 60.0, f"the rate gate on {self.key} to leave", interval=0.2)
-        # Its place is gone from some moment after its last look (server's clock): from then on it is not
-        # judged as waiting (a grant in between is not judged against it).
-        self.hist.event("rleave", key=self.key, run=self.run, at=self.last_seen_ms, t=time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                _wait(leave, 60.0, f"the rate gate on {self.key} to leave", interval=0.2)
+            # Its place is gone from some moment after its last look (server's clock): from then on it is
+            # not judged as waiting (a grant in between is not judged against it).
+            self.hist.event("rleave", key=self.key, run=run, at=self.last_seen_ms, t=time.monotonic())
 
 
 class Run:
@@ -5870,7 +5885,7 @@ _NO_UNIQUE: Doc = {
 
 _NO_RATE: Doc = {
     "submitted": 0, "done": 0, "parked": 0, "parked_then_done": 0, "grants": 0, "parks": 0, "unanswered": 0,
-    "bodies": 0, "starts": 0, "most_starts_in_a_window": 0, "gate_starts": 0, "directed": {}, "gated": 0,
+    "bodies": 0, "starts": 0, "most_starts_in_a_window": 0, "gate_places_kept": 0, "directed": {}, "gated": 0,
     "gated_parked_then_done": 0, "gated_lost_by_broker": 0, "faults_with_a_rate_parked_run": {},
 }  # fmt: skip
 
@@ -5950,7 +5965,8 @@ def format_report(report: Doc) -> str:
         f"  rate=RateLimit({RATE_N}, {RATE_PERIOD:g}): runs {{submitted}}, done {{done}}, parked by the rate "
         "{parked} (then done {parked_then_done}); attempts at a start: granted {grants}, parked {parks}, "
         "unanswered {unanswered}; bodies {bodies}; starts recorded {starts} (most in one window "
-        "{most_starts_in_a_window}, the controller's gates' {gate_starts}); directed burst {directed}; "
+        "{most_starts_in_a_window}); the controller's gates' places kept {gate_places_kept}; directed burst "
+        "{directed}; "
         "gated runs {gated} (parked then done {gated_parked_then_done}, lost by the broker "
         "{gated_lost_by_broker}); "
         "faults while runs were parked by the rate {faults_with_a_rate_parked_run}; random bursts by size "
