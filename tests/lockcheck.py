@@ -3674,7 +3674,7 @@ def unmet_coverage(report: Doc) -> list[str]:
         )
         claim(
             rt["faults_with_a_rate_parked_run"] == faults,
-            "every fault with runs parked by the rate (the controller keeping the window full)",
+            "every fault with runs parked by the rate (behind the controller's parked runs)",
             rt,
         )
         claim(

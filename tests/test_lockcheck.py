@@ -982,7 +982,7 @@ def test_the_rate_coverage_claims() -> None:
     unrated["rate"]["faults_with_a_rate_parked_run"].pop("kill-node")
     unrated["rate"]["gated_parked_then_done"] -= 1
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unrated)] == [
-        "the rate burst", "every fault with runs parked by the rate (the controller keeping the window full)",
+        "the rate burst", "every fault with runs parked by the rate (behind the controller's parked runs)",
         "every fault's rate-parked runs later ran (or the broker's own log proves it lost them)",
     ]  # fmt: skip
     unrated["rate_keys"] = 0  # no t keys: no claims
