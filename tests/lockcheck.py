@@ -67,6 +67,14 @@ and ``check_reentrant``: a reentrant hold is the body's own lease (hold token an
 second slot. A run whose reentrance is refused (its outer lease was lost first) writes nothing and is
 retried.
 
+Rate-limited runs (``RATE_TASK``: ``rate=RateLimit(RATE_N, RATE_PERIOD)``, ``Retry``) do the plain claim +
+read-modify-write on ``t`` keys of their own, sent in bursts of 1 to n + 2; a run over the rate is parked
+(its message published again for its turn). Every attempt at a start records ``rtake``: granted or parked,
+and each window its commands' replies showed (starts with their ids and server-clock times, parked runs
+with their send stamps and when their entries go stale). The controller's ``RateGate`` parks n runs
+of its own ahead of all others (never granted), so runs sent to its key stay parked: a directed burst, and
+two runs through every fault.
+
 Every process appends its view to a JSON-lines history file (acquisitions with monotonic send/reply
 times, every write's outcome: ack / fenced / lost-detected / ambiguous / error, releases). Reckless
 clients write even after their lease is lost: only the fence stands between them and the data.
@@ -128,6 +136,11 @@ Several-keys runs (``check_multi``): every body started holding a lease on every
 above, so a several-keys body and a single-key run holding one key at once is an ``overlap``, and a
 deadlock leaves tasks unfinished.
 
+Rate-limited runs (``check_rate``; ``t`` keys): at most n starts of a key in any ``[a, a + period)`` on
+the server's clock (``rate-exceeded``; the starts of every reply together), no start taken past a run sent
+before it that waits on the key with no room left for it (``rate-order``), no body without a start granted
+to its delivery (``rate-bypassed``), none skipped (``rate-dropped``).
+
 Run it from ``tests/test_lockcheck.py`` (bounded) or ``scripts/soak.py`` (long).
 """
 
@@ -155,7 +168,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
-from pymongo import MongoClient, WriteConcern
+from pymongo import MongoClient, ReturnDocument, WriteConcern
 from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
@@ -167,8 +180,11 @@ from celery_mongolock import (
     LeaseStore,
     singleton_task,
 )
+from celery_mongolock.core.documents import rate as rate_docs
+from celery_mongolock.core.documents.rate import RateWindow
 from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, _local_ttl
+from celery_mongolock.core.store_rate import STALE_AFTER_TURN_MS, RateTake, rate_windows
 from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
 from celery_mongolock.fencing import FencedOut, fenced_update_one
 from celery_mongolock.integration.handoff import SENT_HEADER, send_stamp
@@ -343,6 +359,15 @@ UNIQUE_TASK = "lockcheck.rmw_unique"
 UNIQUE_BURST = 5
 UNIQUE_GATE_SENDS = 2
 UNIQUE_SEND_SECONDS = 3600.0
+#: ``rate=RateLimit(RATE_N, RATE_PERIOD)``: the task (``lockcheck_app.rmw_rate``, ``Retry`` while its key is
+#: held), on ``t`` keys of its own; the runs of its directed burst and of each fault's gate, parked behind
+#: the controller's hold on the key's rate (``RateGate``); how often that gate refreshes its places.
+RATE_TASK = "lockcheck.rmw_rate"
+RATE_N = 2
+RATE_PERIOD = 2.0
+RATE_BURST = RATE_N + 3
+RATE_GATE_SENDS = 2
+RATE_GATE_INTERVAL = RATE_PERIOD / 8
 #: The fault phase ends only once the bare clients' and the tasks' writes acknowledged exceed this.
 MIN_ACKNOWLEDGED = 50
 #: Who the controller's gate holds are, in the histories.
@@ -1001,6 +1026,31 @@ def record_set_acquired(hist: HistoryWriter, leases: Any, who: str, task_id: str
         previous = lease.acquired_mono
 
 
+def rate_window_record(window: RateWindow) -> Doc:
+    """A rate window as a reply showed it: its key, the command's clock (``now``, epoch ms on the server),
+    its starts (``[t, start id]``, oldest first) and parked runs (``[run, send stamp, stale at]``)."""
+    return {
+        "key": window.key,
+        "now": window.now_ms,
+        "starts": [[t, i] for t, i in zip(window.starts_ms, window.start_ids, strict=True)],
+        "waiters": [[w.run, w.stamp, w.stale_at_ms] for w in window.waiters],
+    }
+
+
+def record_rate_take(
+    hist: HistoryWriter, took: RateTake, windows: Sequence[RateWindow], *, n: int, period_ms: int, t0: float,
+    **fields: Any,
+) -> None:  # fmt: skip
+    """One attempt of a run to take a start (``rtake``): granted (``start_id``, found with its time among
+    the starts of each key's window) or parked on key ``on`` with its place; every window its commands'
+    replies showed. ``fields``: who, task id, run id, send stamp, keys."""
+    hist.event(
+        "rtake", **fields, n=n, p=period_ms, started=took.started, start_id=took.start_id, on=took.key,
+        position=took.position, wait=round(took.wait_seconds, 3), t0=t0, t=time.monotonic(),
+        windows=[rate_window_record(w) for w in windows],
+    )  # fmt: skip
+
+
 def release_and_record(lease: Lease, hist: HistoryWriter, who: str) -> bool:
     """Release ``lease`` and record it; whether the release matched (the run ended holding its key)."""
     t = time.monotonic()  # sent at; a release that matched proves the hold lasted until at least here
@@ -1020,8 +1070,9 @@ def key_for(i: int, epoch: int, kind: str = "k") -> str:
     """Key ``i`` of an epoch: ``k`` keys take plain runs (``Retry``, ``Skip``) and the several-keys runs
     (two ``k`` keys each), ``q`` keys ``Queue`` runs, ``r`` keys ``Replace`` runs, ``l`` keys ``limit=N``
     runs; a several-keys run with a limit per key (``MULTI_LIMIT_TASK``) takes a slot of an ``l`` key and
-    a ``k`` key as a single lease (a key is a limited or a single one, never both). The bare clients take
-    all of them (plain acquires beside parked runs, ``limit=N`` acquires on ``l`` keys)."""
+    a ``k`` key as a single lease (a key is a limited or a single one, never both); ``t`` keys take the
+    rate-limited runs (``RATE_TASK``). The bare clients take all of them but the ``t`` keys (plain
+    acquires beside parked runs, ``limit=N`` acquires on ``l`` keys)."""
     return f"{PREFIX}{kind}{i}.e{epoch}"
 
 
@@ -1032,12 +1083,12 @@ def window_first_key(key: str) -> str | None:
 
 
 def key_policy(key: str) -> str:
-    """Which runs a key takes: ``plain``, ``queue``, ``replace``, ``limit`` or ``document`` (``d`` keys:
-    the protected document's own ``DocumentLock``, taken by the bare clients and the controller)."""
+    """Which runs a key takes: ``plain``, ``queue``, ``replace``, ``limit``, ``document`` (``d`` keys:
+    the protected document's own ``DocumentLock``, taken by the bare clients and the controller),
+    ``multi_replace`` or ``rate`` (``t`` keys: ``RATE_TASK`` runs only)."""
     kind = key[len(PREFIX) : len(PREFIX) + 1] if key.startswith(PREFIX) else "k"
-    return {"q": "queue", "r": "replace", "l": "limit", "d": "document", "m": "multi_replace"}.get(
-        kind, "plain"
-    )
+    kinds = {"q": "queue", "r": "replace", "l": "limit", "d": "document", "m": "multi_replace", "t": "rate"}
+    return kinds.get(kind, "plain")
 
 
 def any_key(rng: random.Random, cfg: Doc, epoch: int) -> str:
@@ -1572,6 +1623,8 @@ def check(history: History) -> list[Violation]:
     found += check_reentrant(history)
     found += check_unique(history)
     found += check_multi_replace(history)
+    # 7b. rate=RateLimit(n, period).
+    found += check_rate(history)
     # 8. Replace(cancel_running=True): superseded holders.
     found += check_cancel(history)
     found += check_multi_replace(history, MULTI_LIMIT_REPLACE_TASK)
@@ -1669,6 +1722,256 @@ def unique_figures(history: History, faults: Sequence[Doc] = (), directed: Doc |
             "ran_a_body": bool(runs) and all(t in body for t in runs),
         },
         "faults_with_a_pending_unique_run": dict(sorted(hit.items())),
+    }
+
+
+# -- rate=RateLimit(n, period) (t keys, RATE_TASK) ---------------------------------------------------------
+
+
+def rate_takes(history: History) -> list[Doc]:
+    """Every attempt at a start in a rate window (``rtake``: the workers' and the controller's gates')."""
+    return [e for e in history.events if e.get("ev") == "rtake"]
+
+
+def rate_grants(take: Doc) -> dict[str, int]:
+    """Key -> when this attempt's own start was recorded there (epoch ms, the server's clock); empty when
+    it was not granted (or its replies did not show it)."""
+    if not take.get("started"):
+        return {}
+    return {
+        str(w["key"]): int(t)
+        for w in take.get("windows") or []
+        for t, i in w.get("starts") or []
+        if i == take.get("start_id")
+    }
+
+
+def rate_park(take: Doc) -> tuple[str, int, int] | None:
+    """(key, the command's clock, when its entry goes stale) of an attempt that parked its run (its reply
+    shows the run among the key's parked runs), else None."""
+    if take.get("started") or take.get("error"):
+        return None
+    for w in take.get("windows") or []:
+        if w.get("key") == take.get("on"):
+            for run, _stamp, stale_at in w.get("waiters") or []:
+                if run == take.get("run"):
+                    return str(w["key"]), int(w["now"]), int(stale_at)
+    return None
+
+
+def rate_starts(takes: Iterable[Doc]) -> dict[str, set[tuple[int, str]]]:
+    """Per key, every start any reply showed in its window (time on the server's clock, start id): a start
+    whose own attempt left no record (its process killed right after the reply) is seen in the next."""
+    starts: dict[str, set[tuple[int, str]]] = defaultdict(set)
+    for take in takes:
+        for w in take.get("windows") or []:
+            for t, i in w.get("starts") or []:
+                starts[str(w["key"])].add((int(t), str(i)))
+    return starts
+
+
+def most_in_a_window(times: Iterable[int], period_ms: int) -> list[int]:
+    """The most starts in one half-open interval ``[a, a + period)`` (the starts themselves)."""
+    ordered = sorted(times)
+    best: list[int] = []
+    first = 0
+    for last, t in enumerate(ordered):
+        while ordered[first] <= t - period_ms:
+            first += 1
+        if last - first + 1 > len(best):
+            best = ordered[first : last + 1]
+    return best
+
+
+def check_rate(history: History) -> list[Violation]:
+    """``rate=RateLimit(n, period)`` (``RATE_TASK`` runs on ``t`` keys, with the controller's gates), from
+    the ``rtake`` records (each attempt at a start, with the windows its replies showed: starts recorded
+    by the command that granted them, on the server's clock, so no slack is needed) and body receipts:
+
+    - ``rate-exceeded``: more than n starts of one key in some ``[a, a + period)``;
+    - ``rate-order``: a run took a start while runs sent before it were parked on the key (their place
+      kept: docs/how-to/rate-limits.md) and the window, with its start, left no room for all of them;
+    - ``rate-bypassed``: a body of the task ran with no start granted to its delivery;
+    - ``rate-dropped``: a run ended skipped (the rate parks runs over it; ``Retry`` never skips).
+
+    Lost runs and runs run twice are the plain checks' (``task-unfinished``, ``check_receipts``: a parked
+    run's copies keep its attempt)."""
+    takes = rate_takes(history)
+    found = _rate_exceeded(takes) + _rate_order(history, takes) + _rate_bypassed(history, takes)
+    for task_id, task in sorted(history.tasks.items()):
+        result = task.get("result")
+        if (
+            task.get("task") == RATE_TASK
+            and isinstance(result, dict)
+            and result.get("mongolock") == "skipped"
+        ):
+            found.append(
+                Violation("rate-dropped", f"run {task_id} on {task.get('key')} ended skipped: {result}")
+            )
+    return found
+
+
+def _rate_of(takes: Iterable[Doc]) -> dict[str, tuple[int, int]]:
+    """Key -> (n, period ms) its takes asked for."""
+    return {str(k): (int(t["n"]), int(t["p"])) for t in takes for k in t.get("keys") or []}
+
+
+def _rate_exceeded(takes: list[Doc]) -> list[Violation]:
+    found: list[Violation] = []
+    rates = _rate_of(takes)
+    for key, starts in sorted(rate_starts(takes).items()):
+        n, period = rates[key]
+        most = most_in_a_window((t for t, _ in starts), period)
+        if len(most) > n:
+            found.append(
+                Violation(
+                    "rate-exceeded",
+                    f"{key}: {len(most)} starts within {period} ms on the server's clock (at most {n}): "
+                    f"at +{[t - most[0] for t in most]} ms from {most[0]}",
+                )
+            )
+    return found
+
+
+def _rate_ambiguous(history: History, takes: list[Doc]) -> set[str]:
+    """Runs whose place is not known from their records: an attempt without an answer (its command may
+    have been applied), or a delivery cut short (a broker's redelivery: its attempt may have been granted
+    a start, and its entry left the parked runs, with no record)."""
+    out = {str(t.get("run")) for t in takes if t.get("error")}
+    cut = {str(e["task_id"]) for e in history.events if e.get("ev") == "recv" and e.get("redelivered")}
+    return out | {str(t.get("run")) for t in takes if str(t.get("task_id")) in cut}
+
+
+def _rate_timelines(
+    takes: list[Doc], leaves: Iterable[Doc] = ()
+) -> dict[str, dict[str, list[tuple[int, int | None]]]]:
+    """Key -> run -> its grants and leaves (time, None) and parks (the command's clock, stale at), in time
+    order (at one time, a park first)."""
+    lines: dict[str, dict[str, list[tuple[int, int | None]]]] = defaultdict(lambda: defaultdict(list))
+    for take in takes:
+        for key, at in rate_grants(take).items():
+            lines[key][str(take["run"])].append((at, None))
+        park = rate_park(take)
+        if park is not None:
+            lines[park[0]][str(take["run"])].append((park[1], park[2]))
+    for leave in leaves:  # a gate's place taken out (``RateGate.stop``), no later than ``at``
+        lines[str(leave["key"])][str(leave["run"])].append((int(leave["at"]), None))
+    for runs in lines.values():
+        for events in runs.values():
+            events.sort(key=lambda e: (e[0], e[1] is None))
+    return lines
+
+
+def _waiting_at(events: list[tuple[int, int | None]], at: int) -> bool:
+    """Whether a run was parked at ``at`` (server ms): its last record before it is a park not yet stale."""
+    before = [e for e in events if e[0] < at]
+    return bool(before) and before[-1][1] is not None and int(before[-1][1]) > at
+
+
+def _rate_order(history: History, takes: list[Doc]) -> list[Violation]:
+    found: list[Violation] = []
+    leaves = [e for e in history.events if e.get("ev") == "rleave"]
+    rates, starts, lines = _rate_of(takes), rate_starts(takes), _rate_timelines(takes, leaves)
+    ambiguous = _rate_ambiguous(history, takes)
+    known = {str(t.get("start_id")) for t in takes if t.get("started")}
+    stamps = {str(t["run"]): (int(t.get("stamp") or 0), str(t["run"])) for t in takes if t.get("run")}
+    for take in takes:
+        for key, at in rate_grants(take).items():
+            n, period = rates[key]
+            me = stamps[str(take["run"])]
+            waiting = sorted(
+                run
+                for run, events in lines[key].items()
+                if stamps.get(run, me) < me and run not in ambiguous and _waiting_at(events, at)
+            )
+            inside = [(t, i) for t, i in starts[key] if at - period < t < at]
+            # A start no record names may be a waiting run's own (its process killed after the reply).
+            unnamed = sum(1 for _t, i in inside if i not in known)
+            # (More starts than n without them is ``rate-exceeded``, judged on its own.)
+            if len(inside) + 1 <= n < len(inside) + 1 + len(waiting) - min(unnamed, len(waiting)):
+                found.append(
+                    Violation(
+                        "rate-order",
+                        f"{key}: run {take['run']} took a start at {at} with {len(inside)} other start(s) in "
+                        f"the window and {len(waiting)} run(s) sent before it parked there, at most {n} in "
+                        f"all: {waiting}",
+                    )
+                )
+    return found
+
+
+def _rate_bypassed(history: History, takes: list[Doc]) -> list[Violation]:
+    """Each body of ``RATE_TASK`` follows a start granted to its delivery (same task, same process, since
+    that process's previous body of the task)."""
+    rated = {tid for tid, t in history.tasks.items() if t.get("task") == RATE_TASK}
+    steps: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
+    for take in takes:
+        if take.get("started") and str(take.get("task_id")) in rated:
+            steps[(str(take["task_id"]), str(take.get("who")))].append((float(take["t"]), "grant"))
+    for e in history.events:
+        if e.get("ev") == "body" and str(e.get("task_id")) in rated:
+            steps[(str(e["task_id"]), str(e.get("who")))].append((float(e["t"]), "body"))
+    found: list[Violation] = []
+    for (task_id, who), seen in sorted(steps.items()):
+        granted = False
+        for t, what in sorted(seen):
+            if what == "grant":
+                granted = True
+            elif granted:
+                granted = False
+            else:
+                found.append(
+                    Violation(
+                        "rate-bypassed", f"run {task_id}: a body began at {t:.3f} in {who} with no start"
+                    )
+                )
+    return found
+
+
+def rate_figures(history: History, faults: Sequence[Doc] = (), directed: Doc | None = None) -> Doc:
+    """What the rate workload did: its runs (done, parked by the rate, parked and later done), the
+    attempts at a start (granted, parked, unanswered), the starts recorded and the most in one window, the
+    controller's gates' starts, the directed burst, and the faults that began with gated runs parked."""
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == RATE_TASK}
+    takes = rate_takes(history)
+    parked = {str(t["task_id"]) for t in takes if rate_park(t) is not None and t.get("task_id") in tasks}
+    done = {
+        tid
+        for tid, t in tasks.items()
+        if t.get("state") == "SUCCESS"
+        and isinstance(t.get("result"), dict)
+        and t["result"].get("op") == t["op"]
+    }
+    rates = _rate_of(takes)
+    most = {
+        key: len(most_in_a_window((t for t, _ in s), rates[key][1])) for key, s in rate_starts(takes).items()
+    }
+    gated = [str(tid) for f in faults for tid in (f.get("rate") or {}).get("runs") or []]
+    directed = directed or {}
+    runs = [str(t) for t in directed.get("runs") or []]
+    return {
+        "submitted": len(tasks),
+        "done": len(done),
+        "parked": len(parked),
+        "parked_then_done": len(parked & done),
+        "grants": sum(1 for t in takes if t.get("started") and t.get("task_id") in tasks),
+        "parks": sum(1 for t in takes if rate_park(t) is not None and t.get("task_id") in tasks),
+        "unanswered": sum(1 for t in takes if t.get("error")),
+        "bodies": sum(1 for e in history.events if e.get("ev") == "body" and e.get("task_id") in tasks),
+        "starts": sum(len(s) for s in rate_starts(takes).values()),
+        "most_starts_in_a_window": max(most.values(), default=0),
+        "gate_places_kept": sum(1 for t in takes if t.get("hold") and rate_park(t) is not None),
+        "directed": {
+            "sends": len(runs),
+            "parked_before_the_gate_let_go": bool(directed.get("parked")),
+            "parked_then_done": len(set(runs) & parked & done),
+        },
+        "gated": len(gated),
+        "gated_parked_then_done": len(set(gated) & parked & done),
+        "gated_lost_by_broker": sum(1 for t in gated if (tasks.get(t) or {}).get("lost_by_broker")),
+        "faults_with_a_rate_parked_run": dict(
+            sorted(Counter(str(f["kind"]) for f in faults if (f.get("rate") or {}).get("parked")).items())
+        ),
     }
 
 
@@ -3129,6 +3432,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "multi_replace": multi_replace_figures(history, faults),
         "cancel": cancel_figures(history),
         "unique": unique_figures(history, faults, extra.get("unique_directed")),
+        "rate": rate_figures(history, faults, extra.get("rate_directed")),
         "multi_limit_replace": multi_replace_figures(
             history, faults, MULTI_LIMIT_REPLACE_TASK, "directed-multi-limit-replace-"
         ),
@@ -3358,6 +3662,27 @@ def unmet_coverage(report: Doc) -> list[str]:
         "sends answered with a pending run",
         u,
     )
+    rt = report.get("rate")
+    if rt is not None and report.get("rate_keys"):
+        rd = rt["directed"]
+        claim(
+            rd["sends"] == RATE_BURST
+            and rd["parked_before_the_gate_let_go"]
+            and rd["parked_then_done"] == RATE_BURST,
+            "the rate burst: runs parked by the rate behind the controller's starts, then done",
+            rt,
+        )
+        claim(
+            rt["faults_with_a_rate_parked_run"] == faults,
+            "every fault with runs parked by the rate (behind the controller's parked runs)",
+            rt,
+        )
+        claim(
+            rt["gated"] == RATE_GATE_SENDS * sum(faults.values())
+            and rt["gated_parked_then_done"] + rt["gated_lost_by_broker"] == rt["gated"],
+            "every fault's rate-parked runs later ran (or the broker's own log proves it lost them)",
+            rt,
+        )
     claim(tasks.get("died_after_release", 0) >= 1, "a run died after its body released the key", tasks)
     doc = report.get("document")
     if doc is not None and report.get("doc_keys"):
@@ -3438,6 +3763,11 @@ class Config:
     #: Share of the plain single-key sends that are 2 to 4 equal sends of the ``unique_send`` task instead
     #: (drawn from a generator of its own, so that a seed's other sends are unchanged).
     unique_share: float = 0.15
+    #: ``t`` keys, whose runs are ``RATE_TASK`` runs (``rate=RateLimit(RATE_N, RATE_PERIOD)``), and the share
+    #: of the plain single-key sends that are a burst of 1 to ``RATE_N + 2`` of them on one ``t`` key
+    #: instead (more than n at once half of the time; a generator of its own, as for unique sends).
+    rate_keys: int = 2
+    rate_share: float = 0.3
     epoch_seconds: float = 40.0
     lease_seconds: float = 2.0
     task_rate: float = 1.5
@@ -3581,6 +3911,89 @@ def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: flo
         time.sleep(interval)
 
 
+class RateGate:
+    """The controller's hold on a ``t`` key's rate: ``RATE_N`` runs of its own parked on the key, sent before
+    all others (send stamp 0, runs ``gate-<n>/<i>``), so that every ``RATE_TASK`` run sent to the key has n
+    runs ahead of it (``core.documents.rate``: a run takes a start only if the window's starts plus the runs
+    parked before it are fewer than n) and stays parked, by construction, until ``stop``, whatever the
+    window holds. The gate's runs ask with n = 0 (they are never granted a start: they only keep their
+    places) and refresh their places every ``RATE_GATE_INTERVAL`` (a place goes stale one period plus 15 s
+    after its last refresh). Its attempts are recorded as the workers' are (``rtake``, who ``GATE``, the
+    key's rate as ``n``)."""
+
+    def __init__(self, store: LeaseStore, hist: HistoryWriter, key: str, name: str) -> None:
+        self.store, self.hist, self.key = store, hist, key
+        self.runs = [f"{name}/{i}" for i in range(RATE_N)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"lockcheck-rate-gate-{key}", daemon=True)
+        #: The server's clock at the gate's last look at its window (epoch ms).
+        self.last_seen_ms = 0
+
+    def start(self) -> RateGate:
+        """Park the gate's runs (waits only for faults to pass: a guard, not a delay); keep them there."""
+        for run in self.runs:
+            _wait(functools.partial(self._parked, run), START_GUARD_S, f"the rate gate on {self.key}", 0.05)
+        self._thread.start()
+        return self
+
+    def take(self, run: str) -> bool | None:
+        """One command of a gate run: the library's own update (``take_update``) with n = 0, so never
+        granted: False (parked, its place kept or refreshed), None (no answer)."""
+        period_ms = round(RATE_PERIOD * 1000)
+        start_id = uuid.uuid4().hex
+        fields: Doc = {"who": GATE, "task_id": None, "run": run, "stamp": 0, "keys": [self.key], "hold": True}
+        update = rate_docs.take_update(
+            start_id=start_id, run=run, stamp=0, n=0, period_ms=period_ms, park=True,
+            stale_ms=period_ms + STALE_AFTER_TURN_MS,
+        )  # fmt: skip
+        t0 = time.monotonic()
+        try:
+            doc = rate_windows(self.store).collection.find_one_and_update(
+                {"_id": self.key}, update, upsert=True, return_document=ReturnDocument.AFTER
+            )
+            if doc is None:  # (the embedded server may answer None to an applied upsert: read it back)
+                doc = rate_windows(self.store).collection.find_one({"_id": self.key})
+        except (MongoLockError, PyMongoError) as exc:
+            self.hist.event(
+                "rtake", **fields, n=RATE_N, p=period_ms, t0=t0, t=time.monotonic(), error=repr(exc)
+            )
+            return None
+        window = RateWindow.of(self.key, doc)
+        self.last_seen_ms = max(self.last_seen_ms, window.now_ms)
+        took = RateTake(started=False, start_id=start_id, key=self.key, position=window.position(run))
+        record_rate_take(self.hist, took, [window], n=RATE_N, period_ms=period_ms, t0=t0, **fields)
+        return False
+
+    def _parked(self, run: str) -> bool:
+        return self.take(run) is False
+
+    def _loop(self) -> None:
+        while not self._stop.wait(RATE_GATE_INTERVAL):
+            for run in self.runs:
+                self.take(run)
+
+    def stop(self) -> None:
+        """Stop refreshing and take the gate's runs out of the parked ones (the runs behind go on as the
+        window allows); a leave that gets no answer is sent again (a guard bounds it; unrefreshed, a place
+        goes stale)."""
+        self._stop.set()
+        self._thread.join(timeout=30.0)
+        for run in self.runs:
+
+            def leave(run: str = run) -> bool:
+                try:
+                    rate_windows(self.store).leave(self.key, run)
+                except (MongoLockError, PyMongoError):
+                    return False
+                return True
+
+            with contextlib.suppress(TimeoutError):
+                _wait(leave, 60.0, f"the rate gate on {self.key} to leave", interval=0.2)
+            # Its place is gone from some moment after its last look (server's clock): from then on it is
+            # not judged as waiting (a grant in between is not judged against it).
+            self.hist.event("rleave", key=self.key, run=run, at=self.last_seen_ms, t=time.monotonic())
+
+
 class Run:
     """One checker run: set up, inject faults while the workload runs, drain, check."""
 
@@ -3600,6 +4013,16 @@ class Run:
         #: Every send of the ``unique_send`` task: key, op, the task id it got (or ``refused``), when.
         self.unique_sends: list[Doc] = []
         self._unique_gates = 0
+        self.rate_rng = random.Random(cfg.seed * 7919 + 33)
+        self._rate_gates = 0
+        self._rate_info: Doc | None = None
+        #: What the directed rate burst showed (``_rate_directed``).
+        self.rate_directed: Doc = {}
+        #: The runs parked by the rate so far, by key (``_rate_parked_runs``); where each file was left.
+        self._rate_parked: dict[str, set[str]] = defaultdict(set)
+        self._rate_read: dict[Path, int] = {}
+        #: The random workload's rate bursts: how many runs each sent at once.
+        self.rate_bursts: Counter[int] = Counter()
         #: ... and for the several-keys Replace runs with a limit per key (``_multi_limit_replace_sends``).
         self.replace_rng = random.Random(cfg.seed * 7919 + 31)
         self._own_dir = cfg.workdir is None
@@ -3927,6 +4350,15 @@ class Run:
                     n += 1
                     self._submit_unique(key, f"task-{n}", self.unique_rng.randint(2, 4))
                     continue
+                if self.cfg.rate_keys and self.rate_rng.random() < self.cfg.rate_share:
+                    # A burst of rate-limited runs on a t key: more than n at once half of the time.
+                    rated = key_for(self.rate_rng.randrange(self.cfg.rate_keys), epoch, "t")
+                    size = self.rate_rng.randint(1, RATE_N + 2)
+                    self.rate_bursts[size] += 1
+                    for _ in range(size):
+                        n += 1
+                        self._submit(RATE_TASK, rated, f"task-{n}")
+                    continue
             for name in names:
                 n += 1
                 die = name in DIE_TASKS and self.die_rng.random() < self.cfg.die_share
@@ -4180,6 +4612,8 @@ class Run:
                 self.log(f"directed phase: {exc}")
             self._gate_release(gate)
         self._gate_release(unique_gate)
+        if self.cfg.rate_keys:
+            bursts.append(("", [], self._rate_directed()))
         if staged is not None:
             self._multi_limit_stages(*staged)
             bursts.append(("", [], staged[3]))
@@ -4587,24 +5021,67 @@ class Run:
             self.log(f"directed phase: {exc}")
         self._gate_release(slot_gates[1:])
 
-    def _contended_runs(self, key: str) -> set[str]:
-        """The task ids that found ``key`` held or full so far (``tcont`` events of the workers' histories,
-        read on from where the last call stopped)."""
+    def _new_events(self, ev: str, offsets: dict[Path, int]) -> list[Doc]:
+        """The events ``ev`` of the histories written since the last call with ``offsets`` (whole lines)."""
+        out: list[Doc] = []
+        needle = f'"{ev}"'.encode()
         for path in sorted(self.hist_dir.glob("hist-*.jsonl")):
-            offset = self._tcont_read.get(path, 0)
+            offset = offsets.get(path, 0)
             with contextlib.suppress(OSError), open(path, "rb") as f:
                 f.seek(offset)
                 chunk = f.read()
                 complete = chunk[: chunk.rfind(b"\n") + 1]
-                self._tcont_read[path] = offset + len(complete)
+                offsets[path] = offset + len(complete)
                 for line in complete.splitlines():
-                    if b'"tcont"' not in line:
-                        continue
-                    with contextlib.suppress(ValueError):
-                        e = json.loads(line)
-                        if e.get("ev") == "tcont" and e.get("task_id"):
-                            self._tcont[str(e.get("key"))].add(str(e["task_id"]))
+                    if needle in line:
+                        with contextlib.suppress(ValueError):
+                            e = json.loads(line)
+                            if e.get("ev") == ev:
+                                out.append(e)
+        return out
+
+    def _contended_runs(self, key: str) -> set[str]:
+        """The task ids that found ``key`` held or full so far (``tcont`` events of the workers' histories,
+        read on from where the last call stopped)."""
+        for e in self._new_events("tcont", self._tcont_read):
+            if e.get("task_id"):
+                self._tcont[str(e.get("key"))].add(str(e["task_id"]))
         return set(self._tcont.get(key, set()))
+
+    def _rate_parked_runs(self, key: str) -> set[str]:
+        """The task ids parked by the rate on ``key`` so far (``rtake`` records whose reply shows the run
+        among the key's parked runs), read on from where the last call stopped."""
+        for e in self._new_events("rtake", self._rate_read):
+            park = rate_park(e)
+            if park is not None and e.get("task_id"):
+                self._rate_parked[park[0]].add(str(e["task_id"]))
+        return set(self._rate_parked.get(key, set()))
+
+    def _rate_pending(self, n: int, sends: int) -> tuple[RateGate, Doc]:
+        """A rate gate (``RateGate``) on a ``t`` key of its own (index ``n``) and ``sends`` runs of
+        ``RATE_TASK`` sent to the key, waited for until the workers' records show each one parked by the
+        rate: they stay parked (no worker slot held) until the gate stops, then start as the window allows."""
+        assert self.store is not None
+        key = key_for(n, current_epoch(self.start_mono, self.cfg.epoch_seconds), "t")
+        gate = RateGate(self.store, self._gate_history(), key, f"{GATE}-{n}").start()
+        ids = [t for i in range(sends) if (t := self._submit(RATE_TASK, key, f"rate-{n}-{i}")) is not None]
+        info: Doc = {"key": key, "runs": ids, "parked": False}
+        if len(ids) == sends:
+            with contextlib.suppress(TimeoutError):
+                info["parked"] = bool(
+                    _wait(
+                        lambda: set(ids) <= self._rate_parked_runs(key), START_GUARD_S,
+                        f"runs parked by the rate on {key}", 0.1,
+                    )
+                )  # fmt: skip
+        return gate, info
+
+    def _rate_directed(self) -> list[str]:
+        """The directed rate burst: ``RATE_BURST`` runs parked behind a rate gate, which then stops: they
+        start window by window (the directed phase waits for them to end)."""
+        gate, self.rate_directed = self._rate_pending(DIRECTED_KEY, RATE_BURST)
+        gate.stop()
+        return list(self.rate_directed["runs"])
 
     def _fault_gate(self) -> tuple[list[Lease], Doc] | None:
         """A ``Queue`` run parked behind a gate on a key of its own, for the fault about to begin."""
@@ -4701,6 +5178,8 @@ class Run:
             fault["gate"] = self._gate_info
         if self._unique_info is not None:
             fault["unique"] = self._unique_info
+        if self._rate_info is not None:
+            fault["rate"] = self._rate_info
         self.faults.append(fault)
         self.log(f"[{fault['at_s']:7.2f}s] fault {kind} {json.dumps(fields, default=str)}")
 
@@ -4920,6 +5399,14 @@ class Run:
         unique_gate, self._unique_info = self._unique_pending(
             FAULT_GATE_KEYS + self._unique_gates, UNIQUE_GATE_SENDS
         )
+        # ... and while runs parked by the rate wait for a window the controller keeps full (``RateGate``).
+        self._rate_gates += 1
+        rated = (
+            self._rate_pending(FAULT_GATE_KEYS + self._rate_gates, RATE_GATE_SENDS)
+            if self.cfg.rate_keys
+            else None
+        )
+        self._rate_info = rated[1] if rated else None
         # ... and while a document lock is held (``DocumentLock``), written once when the fault is over.
         document = self._document_gate()
         parked = self._parked_now()
@@ -4929,6 +5416,9 @@ class Run:
         finally:
             self._gate_release(unique_gate)
             self._unique_info = None
+            if rated is not None:
+                rated[0].stop()
+            self._rate_info = None
             if gated:
                 self._gate_release(gated[0])
             if document is not None:
@@ -5305,6 +5795,9 @@ class Run:
                 "node_start_s": _stats(self.start_times),
                 "multi_replace_directed": self.multi_replace_directed,
                 "unique_directed": self.unique_directed,
+                "rate_directed": self.rate_directed,
+                "rate_bursts": dict(sorted(self.rate_bursts.items())),
+                "rate_keys": self.cfg.rate_keys,
                 "multi_replace_window": self.multi_replace_window,
                 "multi_limit_replace_directed": self.multi_limit_replace_directed,
             }
@@ -5390,6 +5883,13 @@ _NO_UNIQUE: Doc = {
 }  # fmt: skip
 
 
+_NO_RATE: Doc = {
+    "submitted": 0, "done": 0, "parked": 0, "parked_then_done": 0, "grants": 0, "parks": 0, "unanswered": 0,
+    "bodies": 0, "starts": 0, "most_starts_in_a_window": 0, "gate_places_kept": 0, "directed": {}, "gated": 0,
+    "gated_parked_then_done": 0, "gated_lost_by_broker": 0, "faults_with_a_rate_parked_run": {},
+}  # fmt: skip
+
+
 def format_report(report: Doc) -> str:
     ops, tasks = report["operations"], report["tasks"]
     lines = [
@@ -5462,6 +5962,15 @@ def format_report(report: Doc) -> str:
         "with a pending run {sends_that_got_a_pending_run}, runs with a body {runs_with_a_body}, "
         "done {done}; directed burst {directed}; faults while a unique run was pending "
         "{faults_with_a_pending_unique_run}".format(**(report.get("unique") or _NO_UNIQUE)),
+        f"  rate=RateLimit({RATE_N}, {RATE_PERIOD:g}): runs {{submitted}}, done {{done}}, parked by the rate "
+        "{parked} (then done {parked_then_done}); attempts at a start: granted {grants}, parked {parks}, "
+        "unanswered {unanswered}; bodies {bodies}; starts recorded {starts} (most in one window "
+        "{most_starts_in_a_window}); the controller's gates' places kept {gate_places_kept}; directed burst "
+        "{directed}; "
+        "gated runs {gated} (parked then done {gated_parked_then_done}, lost by the broker "
+        "{gated_lost_by_broker}); "
+        "faults while runs were parked by the rate {faults_with_a_rate_parked_run}; random bursts by size "
+        "{bursts}".format(**(report.get("rate") or _NO_RATE), bursts=report.get("rate_bursts") or {}),
         *(
             f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "
             f"{f['handed']} (handoff records {f['handoffs']}, handed again {f['rehandoffs']}), done "

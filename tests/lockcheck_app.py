@@ -30,9 +30,11 @@ slot's part and ``b``'s as a plain key's (``rmw_multi_limit_queued``: the same u
 ``rmw_multi_limit_replace``: under ``Replace()``, latest wins per pair). The reentrant task
 (``rmw_reentrant``, the same keys and limit) writes ``a`` through an in-process call of
 ``rmw_reentrant_inner`` (``limit=N``, ``Fail``) and ``b`` inside ``store.hold(b)``: both reentrant holds
-of its run's leases (``lockcheck.run_reentered``). Every contention of a singleton run
-(``lease_contended``) is recorded as ``tcont`` (task id, key, policy): the controller waits for it to
-drive contention by construction.
+of its run's leases (``lockcheck.run_reentered``). The rate-limited task
+(``rmw_rate``: ``rate=RateLimit(...)``, ``Retry``) records every attempt at a start (``rtake``, around
+``RateWindows.take``, with the windows ``RateWindow.of`` made of its commands' replies). Every contention
+of a singleton run (``lease_contended``) is recorded as ``tcont`` (task id, key, policy): the controller
+waits for it to drive contention by construction.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from celery_mongolock import (
     LeaseStore,
     LockContended,
     Queue,
+    RateLimit,
     Replace,
     Retry,
     Skip,
@@ -62,7 +65,9 @@ from celery_mongolock import (
 )
 from celery_mongolock import signals as mongolock_signals
 from celery_mongolock.config import get_store
+from celery_mongolock.core.documents.rate import RateWindow
 from celery_mongolock.core.store_handoffs import Handoffs
+from celery_mongolock.core.store_rate import RateWindows
 from celery_mongolock.integration.handoff import HANDOFF_HEADER
 from celery_mongolock.lease import LeaseSet
 from celery_mongolock.task import DUPLICATE_HEADER
@@ -275,6 +280,62 @@ LeaseStore.admit = _admit  # type: ignore[method-assign]
 Handoffs.publish = _handed  # type: ignore[method-assign]
 
 
+# -- what the rate's checks need (lockcheck.check_rate) ----------------------------------------------------
+_library_take = RateWindows.take
+_library_window_of = RateWindow.of.__func__  # type: ignore[attr-defined]
+#: The windows the current ``RateWindows.take`` of this process saw (its commands' replies, in order). A
+#: prefork child runs one task at a time, so one list per process will do.
+_windows_seen: list[RateWindow] = []
+
+
+def _window_of(cls: type[RateWindow], key: str, doc: Any) -> RateWindow:
+    """``RateWindow.of``, keeping the window a command's reply showed (its starts with their ids and
+    times on the server's clock, its parked runs, the command's ``$$NOW``)."""
+    window: RateWindow = _library_window_of(cls, key, doc)
+    _windows_seen.append(window)
+    return window
+
+
+def _take(self: RateWindows, keys: Any, *, run: str, stamp: int, n: int, period_ms: int, park: bool) -> Any:
+    """``RateWindows.take``, recording its answer and the windows its commands' replies showed
+    (``rtake``): a start granted at a time of the server's clock, or a run parked with its place."""
+    from celery import current_task
+
+    del _windows_seen[:]
+    request = getattr(current_task, "request", None)
+    who = f"task:{getattr(request, 'hostname', None)}:{os.getpid()}"
+    fields = {
+        "who": who,
+        "task_id": run.split("/", maxsplit=1)[0],
+        "run": run,
+        "stamp": stamp,
+        "keys": list(keys),
+    }
+    t0 = time.monotonic()
+    try:
+        took = _library_take(self, keys, run=run, stamp=stamp, n=n, period_ms=period_ms, park=park)
+    except Exception as exc:
+        hist = _history()
+        if hist is not None:
+            hist.event(
+                "rtake", **fields, n=n, p=period_ms, t0=t0, t=time.monotonic(), error=type(exc).__name__
+            )
+        raise
+    hist = _history()
+    if hist is not None:
+        try:  # never break the run (see ``_admit``)
+            lockcheck.record_rate_take(
+                hist, took, list(_windows_seen), n=n, period_ms=period_ms, t0=t0, **fields
+            )
+        except Exception:
+            hist.event("unexpected", who="rate-recorder", error=traceback.format_exc()[-2000:])
+    return took
+
+
+RateWindow.of = classmethod(_window_of)  # type: ignore[assignment,method-assign]
+RateWindows.take = _take  # type: ignore[method-assign]
+
+
 @mongolock_signals.lease_contended.connect
 def _contended(sender: Any = None, key: Any = None, policy: Any = None, **_: Any) -> None:
     """A run found ``key`` held (full) and its policy decides (``policy``): sent before it does."""
@@ -419,6 +480,22 @@ def rmw(
 def rmw_unique(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """``rmw`` with ``unique_send``: the controller sends it several times with equal arguments
     (``lockcheck.Run._submit_unique``); a send while an equal one is pending gets that run."""
+    return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    key="{key}",
+    app=app,
+    name=lockcheck.RATE_TASK,
+    bind=True,
+    rate=RateLimit(lockcheck.RATE_N, lockcheck.RATE_PERIOD),
+    on_contention=Retry(countdown=0.2, backoff=1.5, max_countdown=1.0),
+    max_retries=200,
+)
+def rmw_rate(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """``rmw`` with ``rate=RateLimit(RATE_N, RATE_PERIOD)`` on ``t`` keys of its own: a run over the rate
+    gives its key back and is parked (its message published again for its turn, no worker slot held);
+    a run that finds the key held retries. Its takes of a start are recorded (``_take``)."""
     return _body(self, key, op, reckless)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -896,6 +897,14 @@ def _covered() -> dict[str, Any]:
                                      "ran_a_body": True},
             "faults_with_a_pending_unique_run": dict(faults),
         },
+        "rate_keys": 2,
+        "rate": {
+            "directed": {"sends": lockcheck.RATE_BURST, "parked_before_the_gate_let_go": True,
+                         "parked_then_done": lockcheck.RATE_BURST},
+            "faults_with_a_rate_parked_run": dict(faults),
+            "gated": lockcheck.RATE_GATE_SENDS * len(faults), "gated_parked_then_done": 2 * len(faults) - 1,
+            "gated_lost_by_broker": 1,
+        },
         "multi_limit_replace": {
             "directed_superseded": 2 * (lockcheck.MULTI_LIMIT_REPLACE_BURST - 1),
             "directed_done_with_a_body": 2,
@@ -926,6 +935,9 @@ def test_the_bounded_runs_coverage_claims() -> None:
     del skewed["faults_skipped"]["clock-jump"]
     skewed["faults"]["clock-jump"] = skewed["queued"]["faults_hitting_queued_runs"]["clock-jump"] = 2
     skewed["unique"]["faults_with_a_pending_unique_run"]["clock-jump"] = 2
+    skewed["rate"]["faults_with_a_rate_parked_run"]["clock-jump"] = 2
+    skewed["rate"]["gated"] += 2 * lockcheck.RATE_GATE_SENDS
+    skewed["rate"]["gated_parked_then_done"] += 2 * lockcheck.RATE_GATE_SENDS
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(skewed)] == ["the skewed node's gated runs"]
     skewed["tasks"]["skewed_node_submitted"] = sum(skewed["faults"].values())  # one gated run per fault
     assert lockcheck.unmet_coverage(skewed) == []
@@ -962,6 +974,19 @@ def test_the_bounded_runs_coverage_claims() -> None:
         "the unique-send burst", "every fault with a unique send's run pending (its equal sends answered "
         "with it)", "sends answered with a pending run",
     ]  # fmt: skip
+
+
+def test_the_rate_coverage_claims() -> None:
+    unrated = _covered()  # the directed burst started before the gate let go; a fault found none parked;
+    unrated["rate"]["directed"]["parked_then_done"] = lockcheck.RATE_BURST - 1  # a gated run never ran
+    unrated["rate"]["faults_with_a_rate_parked_run"].pop("kill-node")
+    unrated["rate"]["gated_parked_then_done"] -= 1
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unrated)] == [
+        "the rate burst", "every fault with runs parked by the rate (behind the controller's parked runs)",
+        "every fault's rate-parked runs later ran (or the broker's own log proves it lost them)",
+    ]  # fmt: skip
+    unrated["rate_keys"] = 0  # no t keys: no claims
+    assert lockcheck.unmet_coverage(unrated) == []
 
 
 # -- unique_send ---------------------------------------------------------------------------------------
@@ -1372,3 +1397,154 @@ def test_a_several_keys_run_twice_names_the_attempts() -> None:
     ]  # fmt: skip
     found = lockcheck.check_queued(_queued_history(*events, M=_mq("M", 1, [K1, K2])), {})
     assert kinds(found) == {"same-attempt-twice"} and "attempt r2 redelivered" in found[0].detail
+
+
+# -- rate=RateLimit(n, period) (t keys) ------------------------------------------------------------------
+
+TKEY = "lockcheck:t0.e0"
+RATE = lockcheck.RATE_TASK
+
+
+def _rtake(
+    run: str, stamp: int, now: int, starts: list[tuple[int, str]], *, granted: str | None = None,
+    waiters: Sequence[tuple[str, int, int]] = (), t: float = 0.0, **extra: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """An attempt of run ``run`` (task id: its part before ``/``) at a start on ``TKEY`` (2 per 2 s): the
+    window its reply showed (the command's clock ``now``, its starts and parked runs); ``granted``: its
+    start id (its start is among ``starts``), else it was parked (its run among ``waiters``)."""
+    task_id = run.split("/", maxsplit=1)[0]
+    return {
+        "ev": "rtake", "who": f"task:{task_id}", "task_id": task_id, "run": run, "stamp": stamp,
+        "keys": [TKEY], "n": 2, "p": 2000, "started": granted is not None, "start_id": granted or f"x{run}",
+        "on": None if granted else TKEY, "t": t,
+        "windows": [{"key": TKEY, "now": now, "starts": [list(s) for s in starts],
+                     "waiters": [list(w) for w in waiters]}],
+        **extra,
+    }  # fmt: skip
+
+
+def _rate_task(op: str, result: Any = "done") -> dict[str, Any]:
+    done = {"op": op, "outcome": "ack"} if result == "done" else result
+    return {"task": RATE, "key": TKEY, "op": op, "state": "SUCCESS" if done else "PENDING", "result": done}
+
+
+def _rate_good() -> History:
+    """Runs A and B start at 1000 and 1100 (server ms); C, sent third, is parked at 1200 (its entry stale
+    at 18200) and starts at 3000, once A's start has left the window: at most 2 in any 2 s."""
+    events = [
+        _rtake("A/0", 1, 1000, [(1000, "sA")], granted="sA", t=1.0),
+        {"ev": "body", "task_id": "A", "who": "task:A", "t": 1.01},
+        _rtake("B/0", 2, 1100, [(1000, "sA"), (1100, "sB")], granted="sB", t=1.1),
+        {"ev": "body", "task_id": "B", "who": "task:B", "t": 1.11},
+        _rtake("C/0", 3, 1200, [(1000, "sA"), (1100, "sB")], waiters=[("C/0", 3, 18200)], t=1.2),
+        _rtake("C/0", 3, 3000, [(1100, "sB"), (3000, "sC")], granted="sC", t=3.0),
+        {"ev": "body", "task_id": "C", "who": "task:C", "t": 3.01},
+    ]
+    tasks = {"A": _rate_task("a"), "B": _rate_task("b"), "C": _rate_task("c")}
+    return History(events, {}, tasks)
+
+
+def test_a_good_rate_history_passes_and_is_counted() -> None:
+    h = _rate_good()
+    assert lockcheck.check_rate(h) == []
+    figures = lockcheck.rate_figures(h)
+    assert (figures["submitted"], figures["done"], figures["parked"], figures["parked_then_done"]) == (
+        3,
+        3,
+        1,
+        1,
+    )
+    assert (figures["grants"], figures["parks"], figures["starts"], figures["most_starts_in_a_window"]) == (
+        3, 1, 3, 2,
+    )  # fmt: skip
+    # The window is half-open: a start exactly one period after another does not share its window.
+    assert lockcheck.most_in_a_window([1000, 3000, 3000], 2000) == [3000, 3000]
+    assert lockcheck.most_in_a_window([1000, 2999, 3000], 2000) == [1000, 2999]
+
+
+def test_more_than_n_starts_in_one_window_is_reported() -> None:
+    h = _rate_good()
+    # D starts at 2900: with B's (1100) and C's (3000), three in [1100, 3100).
+    h.events += [_rtake("D/0", 4, 2900, [(1100, "sB"), (2900, "sD")], granted="sD", t=2.9)]
+    h.events += [{"ev": "body", "task_id": "D", "who": "task:D", "t": 2.91}]
+    h.tasks["D"] = _rate_task("d")
+    found = lockcheck.check_rate(h)
+    assert [v.kind for v in found] == ["rate-exceeded"], found
+    assert "3 starts within 2000 ms" in found[0].detail
+    # Seen only in another run's reply (D's own record lost with its process): still counted.
+    h.events = [e for e in h.events if e.get("run") != "D/0" and e.get("task_id") != "D"]
+    h.events[-2]["windows"][0]["starts"].append([2900, "sD"])
+    assert "rate-exceeded" in kinds(lockcheck.check_rate(h))
+
+
+def test_a_later_send_taking_the_place_of_a_parked_earlier_one_is_reported() -> None:
+    def history(*p_events: dict[str, Any]) -> History:
+        """A and B start at 1000 and 1100; P (stamp 5) is parked at 1250; E, sent after it (stamp 9),
+        starts at 3050, when B's start still counts: E and the waiting P make three."""
+        h = _rate_good()
+        h.events = [e for e in h.events if e.get("task_id") != "C"] + list(p_events)
+        h.events += [
+            _rtake("E/0", 9, 3050, [(1100, "sB"), (3050, "sE")], granted="sE", t=3.05),
+            {"ev": "body", "task_id": "E", "who": "task:E", "t": 3.06},
+        ]
+        h.tasks = {"A": _rate_task("a"), "B": _rate_task("b"), "E": _rate_task("e"), "P": _rate_task("p")}
+        return h
+
+    parked = _rtake("P/0", 5, 1250, [(1000, "sA"), (1100, "sB")], waiters=[("P/0", 5, 18250)], t=1.25)
+    [found] = lockcheck.check_rate(history(parked))
+    assert found.kind == "rate-order" and "run E/0" in found.detail and "P/0" in found.detail
+    # P started before E did: no longer waiting (then E's start is one too many: rate-exceeded).
+    ran = _rtake("P/0", 5, 3040, [(1100, "sB"), (3040, "sP")], granted="sP", t=3.04)
+    assert kinds(lockcheck.check_rate(history(parked, ran))) == {"rate-exceeded"}
+    # P's place went stale before E's start (its copy never came back in time): no place to keep.
+    stale = _rtake("P/0", 5, 1250, [(1000, "sA"), (1100, "sB")], waiters=[("P/0", 5, 3000)], t=1.25)
+    assert lockcheck.check_rate(history(stale)) == []
+    # P's delivery was cut short (a broker's redelivery): its place is unknown, not judged.
+    cut = {"ev": "recv", "task_id": "P", "redelivered": True, "t": 2.0}
+    assert lockcheck.check_rate(history(parked, cut)) == []
+    # A place taken out (a controller's gate that stopped) counts no more from the time it says.
+    gate = _rtake("gate-1/0", 0, 1250, [(1000, "sA"), (1100, "sB")], waiters=[("gate-1/0", 0, 18250)], t=1.25)
+    assert kinds(lockcheck.check_rate(history(gate))) == {"rate-order"}
+    left = {"ev": "rleave", "key": TKEY, "run": "gate-1/0", "at": 1250, "t": 1.3}
+    assert lockcheck.check_rate(history(gate, left)) == []
+    # An attempt of P's without an answer (its command may have been applied): not judged either.
+    unanswered = {**_rtake("P/0", 5, 0, [], t=2.0), "error": "StoreUnavailable", "windows": []}
+    assert lockcheck.check_rate(history(parked, unanswered)) == []
+    # A start no record names may be P's own (its process killed right after its reply): F's start at
+    # 3150 beside it leaves room for P unless that start is another run's.
+    late = [
+        parked,
+        _rtake("F/0", 9, 3150, [(3100, "s?"), (3150, "sF")], granted="sF", t=3.15),
+        {"ev": "body", "task_id": "F", "who": "task:F", "t": 3.16},
+    ]
+    h = _rate_good()
+    h.events = [e for e in h.events if e.get("task_id") != "C"] + late
+    h.tasks = {"A": _rate_task("a"), "B": _rate_task("b"), "F": _rate_task("f"), "P": _rate_task("p")}
+    assert lockcheck.check_rate(h) == []
+    h.events.append(_rtake("Q/0", 7, 3100, [(1100, "sB"), (3100, "s?")], granted="s?", t=3.1))
+    assert kinds(lockcheck.check_rate(h)) == {"rate-order"}
+
+
+def test_a_body_without_a_start_and_a_dropped_rate_run_are_reported() -> None:
+    h = _rate_good()
+    h.events += [{"ev": "body", "task_id": "C", "who": "task:C", "t": 3.5}]  # a second body, no new start
+    h.tasks["S"] = _rate_task("s", {"mongolock": "skipped", "key": TKEY})
+    found = lockcheck.check_rate(h)
+    assert [v.kind for v in found] == ["rate-bypassed", "rate-dropped"], found
+    assert "run C" in found[0].detail and "run S" in found[1].detail
+
+
+def test_rate_runs_lost_or_run_twice_are_the_plain_checks_violations() -> None:
+    """A rate-parked run that never ends is ``task-unfinished``; a parked run's copy that runs its body
+    again after the body finished (its copies keep the attempt) is ``same-attempt-twice``."""
+    h = _two_bodies({}, {})
+    h.tasks["t1"]["task"] = RATE
+    h.events += [
+        _rtake("t1/0", 1, 1000, [(1000, "s1")], granted="s1", t=0.05),
+        _rtake("t1/0", 1, 5000, [(5000, "s2")], granted="s2", t=1.12),
+    ]
+    h.events[-2]["who"] = h.events[-1]["who"] = "task:t1"
+    assert kinds(check(h)) == {"same-attempt-twice"}
+    lost = _rate_good()
+    lost.tasks = {"C": _rate_task("c", None)}
+    assert [v.kind for v in check(lost)] == ["task-unfinished"]
