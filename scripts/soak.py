@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         default="redis",
         help="the broker (default redis); rabbitmq needs rabbitmq-server installed, and excuses no loss",
     )
+    parser.add_argument(
+        "--rate-keys",
+        type=int,
+        default=0,
+        help="keys of the rate-limited task (rate=RateLimit(2, 2)) in the workload (default 0: off)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     parser.add_argument(
         "--model",
@@ -104,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             workdir = workdir / f"seed-{seed}"
         if args.bounded:
             cfg = lockcheck.Config(
-                duration=70.0, seed=seed, workdir=workdir, faults=faults, broker=args.broker
+                duration=70.0,
+                seed=seed,
+                workdir=workdir,
+                faults=faults,
+                broker=args.broker,
+                rate_keys=args.rate_keys,
             )
         else:
             cfg = lockcheck.Config(
@@ -120,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 workdir=workdir,
                 skewed_node=args.skewed_node,
                 broker=args.broker,
+                rate_keys=args.rate_keys,
             )
         report = lockcheck.run(cfg)
         if args.bounded:  # what make test's run asserts it exercised (tests/test_lockcheck.py)
