@@ -173,7 +173,10 @@ def test_several_beats_send_each_tick_once_and_fail_over(beat_cluster: dict[str,
     assert third is not first and third is not second
     handover = f"previous leader {host}:{second.proc.pid}: it released the lease (stopped gracefully)"
     assert handover in third.log(), third.log()
-    assert "became the leader" in first.log() and "first leader (no leader lease before)" in first.log()
+    assert "became the leader" in first.log()
+    # The first beat to lead says so; on a busy machine a lease can change hands before the kill above, so
+    # that beat is not always the one killed.
+    assert any("first leader (no leader lease before)" in b.log() for b in beats)
     # Stop sending, then wait for the worker to run the last tick each entry was sent for.
     for b in beats:
         b.stop()

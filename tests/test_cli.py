@@ -216,6 +216,13 @@ def test_history_and_why_on_real_data(mongo_url: str, db_name: str) -> None:
         out = run(mongo_url, db_name, "why", "email-group:7")
         assert out.stdout.startswith("email-group:7: free (force-released ")
 
+        # An earlier run of the key that ended with its release: the key remembers it (``seen``), so its
+        # document is kept 2 hours, not removed by the TTL monitor once the next lease expires (on a busy
+        # machine that came before the CLI process had started, and ``why`` found no document).
+        earlier = store.acquire(
+            "tenant:3", ttl=30, info={"task_name": "sync", "task_id": "t-0", "run": "t-0.0"}
+        )
+        assert earlier is not None and earlier.release()
         expired = store.acquire("tenant:3", ttl=1, info={"task_name": "sync", "task_id": "t-3"})
         assert expired is not None
 
