@@ -219,9 +219,11 @@ def test_contention_measures_every_policy(contention: dict[str, Any]) -> None:
         assert p["overlapping_bodies"] == 0, name  # a singleton: one body at a time, whatever the policy
         assert p["mongodb_commands_per_contended_run_median"] is not None, name
     # A parked run sends findAndModify only (park, claim, release; the embedded server sometimes needs a
-    # find to read back a findAndModify's document): no change stream, unlike Wait.
+    # find to read back a findAndModify's document): no change stream, unlike Wait. The history's
+    # ``insert`` is the heartbeat thread's, written in the background on its own schedule: whether it
+    # lands before the counts are read depends on the machine's load, so it may or may not be counted.
     queue_kinds = {k.split(":", 1)[1] for k in policies["queue"]["mongodb_commands_by_kind_per_run"]}
-    assert queue_kinds <= {"findAndModify", "find"}
+    assert "findAndModify" in queue_kinds and queue_kinds <= {"findAndModify", "find", "insert"}
     assert "child:aggregate" in policies["wait"]["mongodb_commands_by_kind_per_run"]
     [batch] = [b for b in contention["batches"] if b["policy"] == "queue"]
     assert sorted(batch["start_order"]) == [0, 1, 2]

@@ -130,7 +130,7 @@ def test_heartbeat_keeps_it_past_its_ttl_in_one_update_per_collection(
     store: LeaseStore, coll: Any, counter: Any
 ) -> None:
     coll.insert_many([{"_id": i} for i in range(3)])
-    locks = [DocumentLock(coll, i, store=store, ttl=1.0, heartbeat_seconds=0.2) for i in range(3)]
+    locks = [DocumentLock(coll, i, store=store, ttl=3.0, heartbeat_seconds=0.3) for i in range(3)]
     held = [lock.__enter__() for lock in locks]
     try:
         first = held[0].expires_at
