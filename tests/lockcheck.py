@@ -1063,6 +1063,36 @@ def release_and_record(lease: Lease, hist: HistoryWriter, who: str) -> bool:
     return released
 
 
+def handed_in(doc: Any) -> list[list[Any]]:
+    """Every run a release's reply shows handed the key and not yet claimed, as ``[task id, fence, slot,
+    handing]``: the key's own handoff (``ho``, its fence the key's; slot None) and each slot's (``hs``)."""
+    out: list[list[Any]] = []
+    ho = (doc or {}).get("ho")
+    if isinstance(ho, dict):
+        out.append([ho.get("t"), (doc or {}).get("fence"), None, ho.get("hn")])
+    for h in (doc or {}).get("hs") or []:
+        if isinstance(h, dict) and isinstance(h.get("ho"), dict):
+            out.append([h["ho"].get("t"), h.get("f"), h.get("s"), h["ho"].get("hn")])
+    return out
+
+
+def record_releases_handoffs(store: LeaseStore, hist: HistoryWriter) -> None:
+    """Record (``handed-seen``) the runs each release of ``store`` hands the key to. A store with no
+    handoff callback (the controller's gates, the bare clients) leaves its handoffs unmarked, for a
+    worker's sweep to adopt and publish: until then nobody else records them, and a handoff that then
+    expires unclaimed is handed again with a new fence, so the run's first grant would be missing from
+    the histories (a false ``inversion`` of a newer run handed a slot after it)."""
+    publish = store.handoffs.publish
+
+    def recorded(key: str, doc: Any, by: str) -> Any:
+        handed = handed_in(doc)
+        if handed:
+            hist.event("handed-seen", key=key, handed_slots=handed, t=time.monotonic())
+        return publish(key, doc, by)
+
+    store.handoffs.publish = recorded  # type: ignore[method-assign]
+
+
 # -- a bare LeaseStore client (a process of its own) ----------------------------------------------------
 
 
@@ -1110,6 +1140,7 @@ def client_main(cfg: Doc) -> None:
     rng = random.Random(cfg["seed"])
     hist = HistoryWriter.for_process(cfg["hist_dir"])
     store = LeaseStore(cfg["url"], database=cfg["db"], lease_seconds=cfg["ttl"], operation_timeout=3.0)
+    record_releases_handoffs(store, hist)
     docs = docs_collection(cfg["url"], cfg["db"])
     stop_file = Path(cfg["stop_file"])
     parent = os.getppid()
@@ -4118,6 +4149,7 @@ class Run:
             result_backend=self.redis.url,
         )
         self.store = LeaseStore(self.server.url, database=self.db, lease_seconds=30, operation_timeout=3.0)
+        record_releases_handoffs(self.store, self._gate_history())
         self.store.ensure_indexes()
         self.start_mono = time.monotonic()
         for i in range(self.cfg.clients):
