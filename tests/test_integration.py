@@ -311,6 +311,56 @@ def test_a_copy_of_a_run_that_ended_without_a_result_ends_the_task(cluster: Clus
     assert cluster.runs(t) == []  # the body never ran twice
 
 
+def dropped_unrun(cluster: Cluster, task_id: str, keys: list[str]) -> None:
+    """Wait until a worker has dropped ``task_id``'s delivery without its body (its own log line), then
+    check that it gave its keys back: each is free, and remembers no run of the task as over."""
+    wait_for(
+        lambda: logged(cluster.workers, "not run on", task_id),
+        timeout=60,
+        message=f"the delivery of {task_id} to be dropped unrun",
+    )
+    for key in keys:
+        doc = cluster.db["leases"].find_one({"_id": key}) or {}
+        assert doc.get("owner") is None, f"{key} is still taken"
+        assert not any(str(s).startswith(f"{task_id}/") for s in doc.get("seen") or []), doc.get("seen")
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one-key", "keys"])
+def test_a_later_attempt_of_a_task_that_ended_never_runs_its_body(cluster: Cluster, several: bool) -> None:
+    """Two lines of one task: a body lost its lease, a copy of its message ran the body and ended the task,
+    and then the first body's ``self.retry()`` published attempt 1 (the lock-set checker on RabbitMQ ran
+    it: the body ran twice). Attempt 1 takes its keys, finds the task ended in the result backend, gives
+    them back and is dropped; the stored result stands."""
+    a, b, t = tag(), tag(), tag()
+    task_id = str(uuid.uuid4())
+    with warnings.catch_warnings():  # redis-py deprecates the setex Celery's backend calls
+        warnings.simplefilter("ignore", DeprecationWarning)
+        it.app.backend.store_result(task_id, "the copy's result", "SUCCESS")
+    if several:
+        it.merge.apply_async((a, b, t), task_id=task_id, retries=1)
+    else:
+        it.guarded.apply_async((a, t), task_id=task_id, retries=1)
+    dropped_unrun(cluster, task_id, [f"resource:{a}", f"resource:{b}"] if several else [f"resource:{a}"])
+    assert cluster.runs(t) == []
+    assert AsyncResult(task_id, app=it.app).get(timeout=10) == "the copy's result"
+
+
+def test_a_copy_of_an_attempt_whose_body_retried_never_runs_its_body(cluster: Cluster) -> None:
+    """The other order: the first body lost its lease and retried (its ``RETRY`` stored, attempt 1 on its
+    way); then a parked copy of attempt 0 finds the key free (a lost lease's run is not remembered as over)
+    and takes it. It finds the body's own ``RETRY`` in the result backend and is dropped unrun: attempt 1
+    carries the task on."""
+    resource, t = tag(), tag()
+    task_id = str(uuid.uuid4())
+    with warnings.catch_warnings():  # redis-py deprecates the setex Celery's backend calls
+        warnings.simplefilter("ignore", DeprecationWarning)
+        it.app.backend.mark_as_retry(task_id, ValueError("the body retried"))
+    it.guarded.apply_async((resource, t), task_id=task_id, headers={task_mod.DUPLICATE_HEADER: 1})
+    dropped_unrun(cluster, task_id, [f"resource:{resource}"])
+    assert cluster.runs(t) == []
+    assert AsyncResult(task_id, app=it.app).state == "RETRY"
+
+
 def test_a_copy_of_a_run_that_ended_inside_its_minimum_hold_never_runs(cluster: Cluster) -> None:
     """A run that ends inside its minimum hold (``min_hold_seconds``) is over, although its key stays
     taken until the hold ends and is then free without another release. Its copy, looked at while the

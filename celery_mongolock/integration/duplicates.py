@@ -24,6 +24,7 @@ from celery_mongolock.integration.runs import (
     ignored_as,
     log_acquire,
     republish,
+    settled_by_another_line,
 )
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ __all__ = [
     "guard_run_ids",
     "later_attempt_known",
     "park_duplicate",
+    "stale_line",
 ]
 
 #: Set on the copy of a message delivered again while its first run still held the key (see
@@ -115,6 +117,14 @@ def copy_of_an_ended_run(task: GuardedRun, store: Any, key: str) -> Outcome:
         key,
     )
     raise Ignore()
+
+
+def stale_line(task: GuardedRun, store: Any, key: str) -> str | None:
+    """Why this run, its keys taken, must not start its body: the task's stored state shows that another
+    line of it (a copy of its attempt, or a later attempt) has settled it (``settled_by_another_line``);
+    None when it may run. A backend read, only for copies and for later attempts."""
+    copy = bool(copy_run_ids(task.request))
+    return settled_by_another_line(task, copy, lambda: later_attempt_known(task, store, key))
 
 
 def later_attempt_known(task: GuardedRun, store: Any, key: str) -> bool:

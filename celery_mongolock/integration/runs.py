@@ -43,6 +43,7 @@ __all__ = [
     "republish",
     "retry_patiently",
     "set_state",
+    "settled_by_another_line",
     "unavailable",
 ]
 
@@ -115,6 +116,37 @@ def _final(task: GuardedRun, meta: dict[str, Any], carried_on: Callable[[], bool
     if isinstance(written_by, int) and not isinstance(written_by, bool):
         return written_by >= retries
     return not retries or carried_on()
+
+
+def settled_by_another_line(task: GuardedRun, copy: bool, carried_on: Callable[[], bool]) -> str | None:
+    """Just before a body starts, with its keys taken: why the task's stored state says another line of
+    it has settled the task already, or None. Asked only of a ``copy`` (a redelivered or parked message)
+    and of a later attempt (``retries`` > 0, started by a body's ``self.retry()``).
+
+    One attempt can go on in two lines: its body loses its lease (a fault), the broker delivers its
+    message again, the copy finds the key free and runs the body, and the first body then calls
+    ``self.retry()``, publishing attempt 1 (the lock-set checker on RabbitMQ: the copy ran, then attempt 1
+    ran the body again, 13 s later). The keys cannot tell the lines apart (same task id and attempt), but
+    the result backend can: a later attempt is a stale line when the task has a final state; a copy is one
+    when the task has a final state or its body's own ``RETRY`` that a later attempt carries on
+    (``has_final_state``, ``carried_on``). None without a result backend, for a direct call, or when the
+    backend does not answer: the key's own duplicate guard has judged the run then."""
+    request = task.request
+    retries = int(getattr(request, "retries", 0) or 0)
+    if not (copy or retries) or request.called_directly or request.is_eager:
+        return None
+    if task.ignore_result or request.ignore_result or not results.has_backend(task.app):
+        return None
+    try:
+        meta = task.backend.get_task_meta(request.id)
+    except Exception:
+        return None
+    status = meta.get("status")
+    if status in celery_states.READY_STATES:
+        return f"the task has ended already ({status}) in another delivery of it"
+    if copy and status == celery_states.RETRY and _final(task, meta, carried_on):
+        return "its body retried, and a later attempt carries the task on"
+    return None
 
 
 def handoff_of_an_attempt_that_ran(task: GuardedRun) -> bool:

@@ -47,7 +47,7 @@ from celery_mongolock.core.documents.sends import check_unique_send
 from celery_mongolock.core.keys import KeyRenderer, KeySpec
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import run_scope
-from celery_mongolock.core.store import Lease
+from celery_mongolock.core.store import Lease, LeaseStore
 from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import results, signals, startup
@@ -62,7 +62,7 @@ from celery_mongolock.integration.config import (
     get_settings,
     get_store,
 )
-from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
+from celery_mongolock.integration.duplicates import DUPLICATE_HEADER, stale_line
 from celery_mongolock.integration.one_key import OneKey
 from celery_mongolock.integration.options import (
     check_declaration,
@@ -335,6 +335,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 options.on_contention,
                 direct,
             )
+        self._drop_a_stale_line(store, [lease], key)
         note_taken(store, lease, limits)
         log_acquire.info("%s[%s] acquired %r (fence %s)", self.name, request.id, key, lease.fence)
         signals.lease_acquired.send(sender=self, key=key, lease=lease)
@@ -373,6 +374,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             if over_rate is not None:
                 end_holds(inner)
                 return over_rate.value
+            try:
+                self._drop_a_stale_line(store, list(fresh), rest[0])
+            except BaseException:
+                end_holds(inner)
+                raise
             note_taken(store, fresh, limits)
         if fresh is None:
             return self._run_reentered(joined(inner, None), args, kwargs)
@@ -392,6 +398,18 @@ class SingletonTask(Task):  # type: ignore[misc]
                 log_release.warning("%s[%s]: %s (retrying in the background)", self.name, request.id, exc)
             for lease in fresh:
                 signals.lease_released.send(sender=self, key=lease.key, lease=lease)
+
+    def _drop_a_stale_line(self, store: LeaseStore, leases: list[Lease], key: str) -> None:
+        """Its keys taken, a copy or a later attempt whose task another line has settled (``stale_line``)
+        gives them back unrun and is dropped: the body never runs twice for one task."""
+        why = stale_line(self, store, key)
+        if why is None:
+            return
+        give_back_quietly(store, leases)
+        request = self.request
+        log_acquire.warning("%s[%s]: not run on %r: %s; dropped", self.name, request.id, key, why)
+        ignored_as(request.id, f"was not run: {why}; this delivery is dropped")
+        raise Ignore()
 
     def _run_reentered(self, held: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the body with reentrant holds of leases the running run holds (no command sent)."""
