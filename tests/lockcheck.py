@@ -382,6 +382,11 @@ DOC_SUCCESSOR = "doc-successor"
 #: too loaded to keep up, the random workload shrinks instead of piling up (unthrottled, a backlog of
 #: 3,000 messages under load average 40 turned one bounded seed into a run of more than 20 minutes).
 MAX_BACKLOG = 40
+#: A random task goes to the skewed node's queue (a quarter of them) only while fewer than this many wait
+#: there: that node has one child against the others' six, and with a quarter of the workload its queue
+#: filled up to the whole ``MAX_BACKLOG``, so every fault's gated run (sent there, ``Run._fault_gate``)
+#: waited behind 30 and more messages, minutes per fault (a bounded seed of 25 minutes instead of 7).
+SKEWED_MAX_BACKLOG = 3
 #: A ``sigstop-task`` or ``kill-child`` fault begins with a Celery run holding a key of its own (index
 #: ``LINGER_KEYS`` + n) until the fault is over (``Run._lingering``): a victim, whatever the random
 #: workload holds at that moment. The run gives up waiting after this long (a guard).
@@ -3933,13 +3938,24 @@ class SlotHold:
     expires_in: float | None
 
 
+#: The controller's waits that took longer than ``SLOW_WAIT_S`` (what, seconds, met), for the report: where
+#: a bounded run's time goes when it is long (a guard's wait is a condition, not a delay, and its length
+#: depends on what the workers were busy with then).
+SLOW_WAIT_S = 10.0
+slow_waits: list[tuple[str, float, bool]] = []
+
+
 def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     while True:
         value = predicate()
         if value:
+            if time.monotonic() - t0 > SLOW_WAIT_S:
+                slow_waits.append((what, round(time.monotonic() - t0, 1), True))
             return value
         if time.monotonic() > deadline:
+            slow_waits.append((what, round(time.monotonic() - t0, 1), False))
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
 
@@ -4087,6 +4103,7 @@ class Run:
         self.client_names: dict[int, str] = {}
         self.nodes: list[Node] = []
         self.skewed_node: Node | None = None
+        self._skewed_backlog = 0  # messages waiting in SKEWED_QUEUE at the submitter's last look
         self.node_seq = 0
         self.faults: list[Doc] = []
         self.submitted: dict[str, Doc] = {}
@@ -4401,13 +4418,15 @@ class Run:
     def _backlog(self) -> int:
         """Messages waiting in the broker's queues; 0 when it does not answer (a broker restart: the
         submitter's own sends wait for it anyway)."""
-        total = 0
-        for queue in ["celery", *([SKEWED_QUEUE] if self.skewed_node is not None else [])]:
+        counts = dict.fromkeys(["celery", *([SKEWED_QUEUE] if self.skewed_node is not None else [])], 0)
+        for queue in counts:
             # One connection per queue: a queue that does not exist (Redis: an empty list) is an error,
             # and on AMQP an error closes the channel.
             with contextlib.suppress(Exception), self.capp.connection_for_write() as conn:
-                total += int(conn.default_channel.queue_declare(queue=queue, passive=True).message_count)
-        return total
+                declared = conn.default_channel.queue_declare(queue=queue, passive=True)
+                counts[queue] = int(declared.message_count)
+        self._skewed_backlog = counts.get(SKEWED_QUEUE, 0)
+        return sum(counts.values())
 
     def _submit(
         self,
@@ -4421,10 +4440,12 @@ class Run:
         die: bool = False,
         deaf: bool = False,
     ) -> str | None:
-        """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time; ``linger``:
-        see ``_lingering``; ``die``: see ``DIE_TASKS``); its id, or None if it could not be sent."""
+        """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time while it has
+        fewer than ``SKEWED_MAX_BACKLOG`` waiting; ``linger``: see ``_lingering``; ``die``: see
+        ``DIE_TASKS``); its id, or None if it could not be sent."""
         if queue is None:
-            queue = SKEWED_QUEUE if self.skewed_node is not None and self.rng.random() < 0.25 else "celery"
+            skewed = self.rng.random() < 0.25 and self._skewed_backlog < SKEWED_MAX_BACKLOG
+            queue = SKEWED_QUEUE if self.skewed_node is not None and skewed else "celery"
         reckless = self.rng.random() < self.cfg.reckless
         # The send stamp the library orders queued runs by (its before_task_publish receiver would add
         # the same header; taken here so that the checker knows it).
@@ -5786,6 +5807,7 @@ class Run:
 
     def run(self) -> Doc:
         t_start = time.monotonic()
+        slow_waits.clear()
         submitter = threading.Thread(target=self._submitter, name="lockcheck-submitter", daemon=True)
         supervisor = threading.Thread(target=self.supervise, name="lockcheck-supervisor", daemon=True)
         try:
@@ -5834,6 +5856,7 @@ class Run:
                 "rate_keys": self.cfg.rate_keys,
                 "multi_replace_window": self.multi_replace_window,
                 "multi_limit_replace_directed": self.multi_limit_replace_directed,
+                "slow_waits": list(slow_waits),
             }
             report = figures(history, self.faults, violations, extra)
             report["fault_log"] = self.faults
@@ -6043,6 +6066,13 @@ def format_report(report: Doc) -> str:
         lines.append(
             f"  drain {report['drain_s']}s; node start-up median {report['node_start_s'].get('median_s')}s "
             f"max {report['node_start_s'].get('max_s')}s"
+        )
+    if report.get("slow_waits"):
+        waits = report["slow_waits"]
+        total = round(sum(w[1] for w in waits), 1)
+        lines.append(
+            f"  the controller's waits over {SLOW_WAIT_S:g}s: {len(waits)}, {total}s in all: "
+            + "; ".join(f"{what} {s}s{'' if met else ' (timed out)'}" for what, s, met in waits)
         )
     lines.append(f"  violations {report['violations']}")
     lines += [f"    {v}" for v in report["violation_list"]]
