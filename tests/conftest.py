@@ -32,8 +32,7 @@ if celery.VERSION < (5, 7):
 # an idle machine, for the order only) are from `pytest --durations`; a file not named here goes after.
 LONGEST_FIRST = {
     "test_integration.py": 190,  # Redis and RabbitMQ
-    "test_lockcheck_rabbitmq.py": 170,
-    "test_lockcheck.py": 90,
+    "test_lockcheck.py": 260,  # the bounded runs on Redis, then RabbitMQ (one process: never side by side)
     "test_benchmarks.py": 80,
     "test_queue.py": 75,
     "test_limit.py": 70,
