@@ -125,3 +125,33 @@ def test_stop_with_no_client_connected_exits_cleanly() -> None:
     server.stop(timeout=30)
     assert proc.returncode == 0
     assert not _answers(server.url)
+
+
+def test_the_servers_retryable_write_records_are_pruned_in_bulk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``embedded._TUNE``, run in the server's process: the records of retryable writes are kept as
+    SecantusDB keeps them (its cap and lifetime), but pruned in bulk instead of by a scan and a sort on
+    every write (the before and after are in ``benchmarks/embedded_retryable.py``)."""
+    from secantus import transactions
+
+    from celery_mongolock.ops import embedded
+
+    monkeypatch.setattr(  # restored after the test: the patch is for the server's process, not ours
+        transactions.TransactionRegistry,
+        "_prune_retryable_locked",
+        transactions.TransactionRegistry._prune_retryable_locked,
+    )
+    exec(embedded._TUNE, {})
+    cap = transactions._RETRYABLE_RECORD_MAX
+    life = transactions._RETRYABLE_RECORD_LIFETIME_SECONDS
+    now = [1000.0]
+    registry = transactions.TransactionRegistry(time_func=lambda: now[0])
+    reply = {"ok": 1.0, "n": 1}
+    for i in range(cap + 1):
+        registry.record_retryable(b"session", i, b"write", reply)
+    kept = registry._retryable
+    assert cap - cap // 10 <= len(kept) <= cap
+    assert (b"session", cap) in kept and (b"session", 0) not in kept  # the newest kept, the oldest dropped
+    # Past their lifetime (looked at no more than once a second): gone at the next record.
+    now[0] += life + 2
+    registry.record_retryable(b"session", cap + 1, b"write", reply)
+    assert list(registry._retryable) == [(b"session", cap + 1)]

@@ -32,7 +32,39 @@ from urllib.parse import quote
 
 __all__ = ["EmbeddedMongo", "EmbeddedMongoError", "find_free_port", "main"]
 
-_LAUNCH = "import sys; from secantus.cli import main; sys.argv[0] = 'secantusd-py'; sys.exit(main())"
+#: Run in the server's process before it starts (never in ours). SecantusDB 0.7 keeps the replies of the
+#: last 10,000 retryable writes, and prunes them on every retryable write and lookup: a scan of all of
+#: them, and once there are 10,000, a sort of all of them to drop the oldest one. pymongo makes every
+#: write retryable, so a busy server spent a quarter of its time there (the lock-set checker's server,
+#: measured with py-spy), every write slower than the last, until the 10,000th, then each one paying for
+#: a sort. Here the scan for records past their lifetime runs at most once a second, and past the cap the
+#: oldest tenth is dropped at once (in insertion order, which is their age): the same records are kept,
+#: give or take a second and a tenth of the cap. Left as it is when SecantusDB's internals are not the
+#: ones this was written for.
+_TUNE = """
+try:
+    import itertools
+    from secantus import transactions as _t
+
+    _cap, _life = int(_t._RETRYABLE_RECORD_MAX), float(_t._RETRYABLE_RECORD_LIFETIME_SECONDS)
+
+    def _prune(self):
+        now = self._time()
+        if now >= getattr(self, "_mongolock_next_sweep", 0.0):
+            self._mongolock_next_sweep = now + 1.0
+            for k in [k for k, v in self._retryable.items() if v[1] < now - _life]:
+                self._retryable.pop(k, None)
+        excess = len(self._retryable) - _cap
+        if excess > 0:
+            for k in list(itertools.islice(iter(self._retryable), excess + _cap // 10)):
+                self._retryable.pop(k, None)
+
+    if callable(getattr(_t.TransactionRegistry, "_prune_retryable_locked", None)):
+        _t.TransactionRegistry._prune_retryable_locked = _prune
+except Exception:
+    pass
+"""
+_LAUNCH = _TUNE + "import sys; from secantus.cli import main; sys.argv[0] = 'secantusd-py'; sys.exit(main())"
 _RUNNING: weakref.WeakSet[EmbeddedMongo] = weakref.WeakSet()
 
 
