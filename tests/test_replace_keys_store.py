@@ -163,3 +163,35 @@ def test_single_key_replace_is_unchanged_beside_a_set(store: LeaseStore) -> None
     lease.release()
     d = doc_of(store, Z)
     assert d["last"] == {"s": 5, "t": "one"} and "lg" not in d
+
+
+def test_a_later_attempt_of_a_task_never_supersedes_its_own_stale_copy(store: LeaseStore) -> None:
+    """A body's ``self.retry()`` parks attempt 1 beside a stale copy of attempt 0 of the same task (same send
+    stamp, parked just before): attempt 1 takes its place, the copy's entry leaves the key, and nothing is
+    recorded as superseded (the lock-set checker on RabbitMQ: the task ended ``superseded`` by its own id,
+    its retry never ran). An older send of another task is still superseded."""
+    bx, by_ = store.acquire(X, 30), store.acquire(Y, 30)
+    assert bx is not None and by_ is not None
+    other = run(5, [X, Y])
+    copy = run(10, [X, Y], task_id="t")
+    retried = {**copy, "id": "t/1", "r": "1"}
+    for key in (X, Y):
+        assert admit(store, key, other)[1]["lo"] == "parked"
+        assert admit(store, key, copy)[1]["lo"] == "parked"
+        lease, doc = admit(store, key, retried)
+        assert lease is None and doc["lo"] == "parked"
+        assert [e["id"] for e in doc_of(store, key)["q"]] == ["t/1"]
+        assert superseded(store, key) == [("r5", "t")]  # by the copy; none of "t" by "t"
+
+
+def test_one_key_replace_never_supersedes_a_stale_copy_of_its_own_task(store: LeaseStore) -> None:
+    """The same on one key (``Replace`` without ``keys=``)."""
+    holder = store.acquire(X, 30)
+    assert holder is not None
+    copy = {"id": "t/0", "t": "t", "n": "upload", "r": "0", "s": 10, "m": b"msg"}
+    retried = {**copy, "id": "t/1", "r": "1"}
+    assert store.admit(X, copy, ttl=30, replace=True)[1]["lo"] == "parked"
+    lease, doc = store.admit(X, retried, ttl=30, replace=True)
+    assert lease is None and doc["lo"] == "parked"
+    assert [e["id"] for e in doc_of(store, X)["q"]] == ["t/1"]
+    assert superseded(store, X) == []

@@ -176,8 +176,9 @@ def without_entry(ident: str) -> Document:
 
 
 def sup_update(parked: object, superseded: object) -> Document:
-    """``sup`` with the runs ``superseded`` by this run appended, when it parks (``parked``)."""
-    return {"$cond": [parked, {"$concatArrays": [{"$ifNull": ["$sup", []]}, superseded]}, "$sup"]}
+    """``sup`` with the runs ``superseded`` by this run appended, when it parks (``parked``); never a run
+    of its own task (``sets.sup_appended``)."""
+    return sets.sup_appended(parked, superseded)
 
 
 def replace_fields(run: AdmitRun, took: object, shape: Shape) -> Document:

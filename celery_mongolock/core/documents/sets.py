@@ -166,6 +166,17 @@ def older_handoff(group: str, stamp: int, ident: str) -> Document:
     return {"$and": [_has_ho(), _same_set("$ho", group), _before("$ho", stamp, ident)]}
 
 
+def sup_appended(when: object, records: object) -> Document:
+    """``sup`` with ``records`` appended when ``when``, but never a record of the superseding run's own task
+    (``t`` equal to ``by``): an older attempt of the same task (a stale copy parked before the body's
+    ``self.retry()`` came) is no older send of the set, and a task superseded by itself would end without
+    its body ever running again (the lock-set checker on RabbitMQ: a several-keys ``Replace`` task ended
+    ``superseded`` by its own id when its retry parked beside its stale copy). Such an entry just leaves the
+    key: the newer attempt carries the task on."""
+    others = {"$filter": {"input": records, "as": "r", "cond": {"$ne": ["$$r.t", "$$r.by"]}}}
+    return {"$cond": [when, {"$concatArrays": [{"$ifNull": ["$sup", []]}, others]}, "$sup"]}
+
+
 def sup_record(e: str, by: str) -> Document:
     """The record in ``sup`` of the run whose entry is the expression ``e``, superseded by ``by``."""
     return _sup_record(e, by)

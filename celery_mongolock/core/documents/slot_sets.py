@@ -128,7 +128,7 @@ def take_back_stage(entry: Mapping[str, Any], group: str, when: object) -> Docum
     }
     return {
         "$set": {
-            "sup": {"$cond": [when, {"$concatArrays": [{"$ifNull": ["$sup", []]}, records]}, "$sup"]},
+            "sup": sets.sup_appended(when, records),
             "q": {
                 "$cond": [when, {"$filter": {"input": _Q, "as": "p", "cond": {"$not": [older_parked]}}}, "$q"]
             },
