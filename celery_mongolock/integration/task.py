@@ -319,6 +319,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         options = self._options()
         taken = OneKey(self, key, options, direct=direct).take()
         if isinstance(taken, Lease):  # then a start in its rate's window (None: it starts)
+            self._drop_a_stale_line(store, [taken], key)  # (before the rate: no start spent on it)
             taken = pass_rate(self, [key], [taken], options, direct=direct) or taken
         if not isinstance(taken, Lease):
             return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
@@ -335,7 +336,6 @@ class SingletonTask(Task):  # type: ignore[misc]
                 options.on_contention,
                 direct,
             )
-        self._drop_a_stale_line(store, [lease], key)
         note_taken(store, lease, limits)
         log_acquire.info("%s[%s] acquired %r (fence %s)", self.name, request.id, key, lease.fence)
         signals.lease_acquired.send(sender=self, key=key, lease=lease)
@@ -370,15 +370,15 @@ class SingletonTask(Task):  # type: ignore[misc]
                 end_holds(inner)
                 return taken.value
             fresh = taken
-            over_rate = pass_rate(self, rest, list(fresh), self._options(), direct=direct)
-            if over_rate is not None:
-                end_holds(inner)
-                return over_rate.value
-            try:
+            try:  # (before the rate: no start spent on a stale line)
                 self._drop_a_stale_line(store, list(fresh), rest[0])
             except BaseException:
                 end_holds(inner)
                 raise
+            over_rate = pass_rate(self, rest, list(fresh), self._options(), direct=direct)
+            if over_rate is not None:
+                end_holds(inner)
+                return over_rate.value
             note_taken(store, fresh, limits)
         if fresh is None:
             return self._run_reentered(joined(inner, None), args, kwargs)
