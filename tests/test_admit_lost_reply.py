@@ -149,3 +149,30 @@ def test_a_superseded_run_is_not_told_another_runs_parked(
     assert lease is None, doc.get("lo")
     assert (doc["lo"], doc["lo_by"]) == ("superseded", "r40")
     assert parked(store, G) == ["r40", "r50"]
+
+
+def test_a_resent_admit_counts_its_lease_from_its_first_send(
+    store: LeaseStore, make_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot admit whose reply is lost is sent again with the same token; the second command answers
+    ``mine`` (the first one took the slot) without renewing it. The lease's local deadline is counted from
+    the first send, not the second: counted from the second, it outlived the server's expiry by the time in
+    between (the lock-set checker on RabbitMQ, seed 5: an acquisition seemed to begin after a later fence's
+    had ended)."""
+    import time
+
+    from celery_mongolock.core.lease import local_ttl
+
+    other = make_store()
+    keys = [T, G]
+    old, new = run(10, keys), run(40, keys)
+
+    def late_other_admit() -> None:
+        time.sleep(0.6)  # the resend comes this much later
+        admit(other, T, old)
+
+    lose_next_reply(monkeypatch, store, T, late_other_admit)
+    t0 = time.monotonic()
+    lease, doc = admit(store, T, new)
+    assert lease is not None and doc["lo"] == "acquired", (doc.get("lo"), doc.get("lo_by"))
+    assert lease.deadline - local_ttl(lease.ttl) < t0 + 0.3

@@ -273,7 +273,9 @@ class Acquisition:
         """One ``findAndModify`` of ``attempt`` (errors after which the outcome is unknown passed through)."""
         connection = self.store.connection
         coll = connection.ready_collection()
-        attempt.sent_at = self.store.clock.monotonic()
+        # (``attempt.sent_at`` stays the first send's: the command that took the key may be that one, and a
+        # later send with the same token may not extend the lease (a ``limit=N`` admit answers ``mine``
+        # without renewing): a local deadline counted from a later send could outlive the server's.)
         with connection.operation(f"acquire lease {attempt.key!r}", timeout=remaining, retryable=True):
             doc: Document | None = coll.find_one_and_update(
                 documents.acquire_filter(attempt.key),
