@@ -92,13 +92,22 @@ def has_final_state(task: GuardedRun, carried_on: Callable[[], bool] | None = No
     dropped and the task stayed ``RETRY``). Then the ``RETRY`` counts only when ``carried_on()``, or, when
     the backend stored the attempt that retried (``result_extended``), when that attempt is this one or a
     later one."""
-    if task.ignore_result or task.request.ignore_result or not results.has_backend(task.app):
-        return True
-    try:
-        meta = task.backend.get_task_meta(task.request.id)
-    except Exception:
-        return True  # cannot tell: drop the copy, as before
+    meta = _stored_meta(task)
+    if meta is None:
+        return True  # nothing to ask, or cannot tell: drop the copy, as before
     return _final(task, meta, carried_on)
+
+
+def _stored_meta(task: GuardedRun) -> dict[str, Any] | None:
+    """The task's stored state in the result backend; None when it stores none (no backend,
+    ``ignore_result``) or the backend does not answer."""
+    if task.ignore_result or task.request.ignore_result or not results.has_backend(task.app):
+        return None
+    try:
+        meta: dict[str, Any] = task.backend.get_task_meta(task.request.id)
+    except Exception:
+        return None
+    return meta
 
 
 def _final(task: GuardedRun, meta: dict[str, Any], carried_on: Callable[[], bool] | None) -> bool:
@@ -135,11 +144,8 @@ def settled_by_another_line(task: GuardedRun, copy: bool, carried_on: Callable[[
     retries = int(getattr(request, "retries", 0) or 0)
     if not (copy or retries) or request.called_directly or request.is_eager:
         return None
-    if task.ignore_result or request.ignore_result or not results.has_backend(task.app):
-        return None
-    try:
-        meta = task.backend.get_task_meta(request.id)
-    except Exception:
+    meta = _stored_meta(task)
+    if meta is None:
         return None
     status = meta.get("status")
     if status in celery_states.READY_STATES:
@@ -164,11 +170,8 @@ def handoff_of_an_attempt_that_ran(task: GuardedRun) -> bool:
     run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
     if not isinstance(handoff, Mapping) or handoff.get("id", run) != run:
         return False
-    if task.ignore_result or request.ignore_result or not results.has_backend(task.app):
-        return False
-    try:
-        meta = task.backend.get_task_meta(request.id)
-    except Exception:
+    meta = _stored_meta(task)
+    if meta is None:
         return False  # cannot tell: retry as before
     # (An attempt writes QUEUED before it parks: a body's RETRY seen now is this attempt's or a later one's.)
     return _final(task, meta, None)
