@@ -29,6 +29,7 @@ from celery_mongolock.exceptions import (
     Superseded,
     UntrustedMessage,
 )
+from celery_mongolock.integration.superseded import SupersededResult, is_superseded
 from celery_mongolock.integration.task import SingletonTask, current_lease, singleton_task
 from celery_mongolock.ops import events as _events  # noqa: F401  (lease events as Celery events under -E)
 
@@ -61,11 +62,13 @@ __all__ = [
     "Skip",
     "StoreUnavailable",
     "Superseded",
+    "SupersededResult",
     "Throttle",
     "UntrustedMessage",
     "Wait",
     "__version__",
     "current_lease",
     "fenced_update_one",
+    "is_superseded",
     "singleton_task",
 ]

@@ -633,6 +633,37 @@ def plain(tag: str) -> str:
     return tag
 
 
+# -- canvas: callbacks, chains and chords of runs that end without their body -----------------------------
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
+    name="integration_app.latest_failing",
+    on_contention=Replace(fail_superseded=True),
+)
+def latest_failing(resource: str, tag: str, seconds: float = 0.3) -> str:
+    """``latest`` whose superseded runs end FAILURE (``Superseded``): their link_error callbacks run."""
+    _work(tag, seconds)
+    return tag
+
+
+@app.task(name="integration_app.noted")
+def noted(value: Any, tag: str) -> dict[str, Any]:
+    """A callback, an errback (``value``: the failed task's id) or a chord's body: records what it got,
+    and whether ``is_superseded`` says it is a superseded run's result."""
+    from celery_mongolock import is_superseded
+
+    db()["runs"].insert_one(
+        {
+            "kind": "noted",
+            "tag": tag,
+            "value": value,
+            "superseded": is_superseded(value),
+            "mono": time.monotonic(),
+        }
+    )
+    return {"tag": tag, "value": value}
+
+
 # -- beat -------------------------------------------------------------------------------------------------
 
 

@@ -343,7 +343,7 @@ def test_a_debounced_run_parks_even_on_a_free_key_and_takes_it_once_due(store: L
 def test_the_sweeper_leaves_a_key_alone_while_its_queue_just_waits_for_a_live_holder() -> None:
     import datetime as dt
 
-    from celery_mongolock.integration.handoff import needs_sweep
+    from celery_mongolock.integration.sweeper import needs_sweep
 
     now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     later, earlier = now + dt.timedelta(seconds=10), now - dt.timedelta(seconds=1)

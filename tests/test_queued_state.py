@@ -19,8 +19,8 @@ from celery.exceptions import Ignore
 
 from celery_mongolock import LeaseStore, LockContended, Queue, Replace, singleton_task
 from celery_mongolock.config import get_settings, get_store
-from celery_mongolock.integration.handoff import Sweeper
 from celery_mongolock.integration.one_key import OneKey
+from celery_mongolock.integration.sweeper import Sweeper
 
 KEY = "report:7"
 

@@ -19,7 +19,7 @@ from celery import Celery
 
 from celery_mongolock import LeaseStore
 from celery_mongolock.config import get_store
-from celery_mongolock.integration.handoff import Sweeper
+from celery_mongolock.integration.sweeper import Sweeper
 from celery_mongolock.testing import wait_for
 
 KEY = "tenant:24"

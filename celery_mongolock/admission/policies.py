@@ -275,12 +275,18 @@ class Replace(Queue):
     ``Superseded``, which ends the run ``SUCCESS`` with the superseded result), its fenced writes are
     refused from then on, and if its body still runs ``grace`` seconds later its prefork child is
     terminated and the key goes to the newest run. ``grace=None``: cooperative only, never terminated
-    (the only mode on pools that cannot terminate a body: threads, solo, eventlet, gevent)."""
+    (the only mode on pools that cannot terminate a body: threads, solo, eventlet, gevent).
+
+    A superseded run finishes for Celery's canvas like any run: its ``link`` callbacks are called with
+    the superseded result, its chain goes on and its chord completes. ``fail_superseded=True``: it ends
+    ``FAILURE`` with ``Superseded`` instead (its ``link_error`` callbacks are called, a chord containing
+    it fails, a chain after it stops)."""
 
     debounce: float = 0.0
     max_wait: float | None = None
     cancel_running: bool = False
     grace: float | None = 10.0
+    fail_superseded: bool = False
     name = "replace"
 
     def __post_init__(self) -> None:
@@ -305,6 +311,10 @@ class Replace(Queue):
                 f"Replace(cancel_running=...) must be True or False, got {self.cancel_running!r}"
             )
         _number("Replace", "grace", self.grace, high=24 * 3600.0, allow_none=True)
+        if not isinstance(self.fail_superseded, bool):
+            raise ConfigurationError(
+                f"Replace(fail_superseded=...) must be True or False, got {self.fail_superseded!r}"
+            )
         if self.cancel_running and self.debounce:
             raise ConfigurationError(
                 f"Replace(cancel_running=True, debounce={self.debounce!r}) is not supported: a debounced "
@@ -376,8 +386,9 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
 
 
 def _refuse_replace_only(setting: str, cls: type[Policy], options: Mapping[str, Any]) -> None:
-    """``cancel_running`` and ``grace`` belong to ``Replace``: say so, not "unexpected keyword"."""
-    for name in ("cancel_running", "grace"):
+    """``cancel_running``, ``grace`` and ``fail_superseded`` belong to ``Replace``: say so, not
+    "unexpected keyword"."""
+    for name in ("cancel_running", "grace", "fail_superseded"):
         if name in options:
             raise ConfigurationError(
                 f"{setting}: {name!r} is an option of 'replace' only (a newer send supersedes the running "

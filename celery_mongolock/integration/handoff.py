@@ -23,7 +23,6 @@ This module is the Celery side of it:
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import hashlib
 import logging
 import threading
@@ -42,8 +41,6 @@ from celery_mongolock.integration.results import (
     QUEUED,
     has_backend,
     state_of,
-    write_superseded,
-    write_timed_out,
 )
 from celery_mongolock.integration.trust import SIGNATURE_FIELD, RefusedEntry, check_entry, sign_entry
 
@@ -52,13 +49,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEBOUNCE_HEADER",
+    "ENDED_HEADER",
     "HANDOFF_HEADER",
     "REPUBLISH_RETRY_POLICY",
     "SENT_HEADER",
     "install_publisher",
     "message_of",
+    "publish_patiently",
+    "refuse",
     "send_stamp",
-    "start_sweeper",
+    "transient_headers_dropped",
 ]
 
 log = logging.getLogger("celery_mongolock.queue")
@@ -69,8 +69,11 @@ SENT_HEADER = "mongolock_sent"
 HANDOFF_HEADER = "mongolock_handoff"
 #: On a ``Replace(debounce=...)`` run's own delayed copy: it takes the key once its entry is due.
 DEBOUNCE_HEADER = "mongolock_debounce"
+#: On a run's message published again to end it without its body (``endings``): ``{"how": "superseded" |
+#: "timeout", "k": key, ...}``.
+ENDED_HEADER = "mongolock_ended"
 #: The message headers a handoff must not carry over from the parked run's message.
-_TRANSIENT_HEADERS = (HANDOFF_HEADER, DEBOUNCE_HEADER)
+_TRANSIENT_HEADERS = (HANDOFF_HEADER, DEBOUNCE_HEADER, ENDED_HEADER)
 
 #: How a run is published again (a contention retry, a parked duplicate, a body's retry): kombu retries
 #: the publish for about a minute, so that a broker restart does not fail the run (Celery's default policy
@@ -183,6 +186,15 @@ def handoff_of(request: Any, key: str, run: str) -> str | None:
     ):
         return str(handoff["tk"])
     return None
+
+
+def transient_headers_dropped(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of a run's message headers without those of one delivery (a handoff's, a debounced copy's,
+    an ending's): what a message published again for the run starts from."""
+    kept = dict(headers or {})
+    for name in _TRANSIENT_HEADERS:
+        kept.pop(name, None)
+    return kept
 
 
 # -- the message of a parked run -------------------------------------------------------------------------
@@ -342,186 +354,6 @@ def refuse(app: Celery, store: LeaseStore, key: str, entry: Mapping[str, Any], r
                 store.sweep(drop_key, revoked={drop_id})
     finally:
         _dropping.pending = None
-
-
-# -- the sweeper -----------------------------------------------------------------------------------------
-def _revoked_ids() -> set[str]:
-    try:
-        from celery.worker import state
-
-        return set(state.revoked)
-    except Exception:  # pragma: no cover - not in a worker
-        return set()
-
-
-def _ms(value: Any) -> float | None:
-    if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=_dt.timezone.utc)
-        return float(value.timestamp() * 1000)
-    return None
-
-
-def needs_sweep(doc: Mapping[str, Any]) -> bool:
-    """Whether a key read by ``waiting_keys`` has anything for the sweeper to do, judged on the server's
-    time of the read (``__now``): a sweep is a write, so keys whose queue simply waits for a running
-    holder are left alone."""
-    now = _ms(doc.get("__now"))
-    if now is None or doc.get("dead") or doc.get("sup"):
-        return True
-    if _slotted(doc):
-        holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
-        for hold in holds:
-            x = _ms(hold.get("x"))
-            if x is None or x <= now:
-                return True  # an expired hold (a handed one goes back to the queue)
-            ho = hold.get("ho")
-            if isinstance(ho, Mapping) and not ho.get("by"):
-                return True  # a handoff nobody published
-        if doc.get("q") and len(holds) < int(doc.get("lim") or 1):
-            return True  # a free slot with runs parked
-        return _past_deadline(doc, now)
-    expires = _ms(doc.get("expires_at"))
-    if doc.get("owner") is None or expires is None or expires <= now:
-        return True  # free or expired, with runs parked or a handoff pending
-    ho = doc.get("ho")
-    if isinstance(ho, Mapping) and not ho.get("by"):
-        return True  # a handoff nobody published
-    return _past_deadline(doc, now)
-
-
-def _past_deadline(doc: Mapping[str, Any], now: float) -> bool:
-    for entry in doc.get("q") or []:
-        deadline = _ms(entry.get("dl"))
-        if deadline is not None and deadline <= now:
-            return True
-    return False
-
-
-def _slotted(doc: Mapping[str, Any]) -> bool:
-    """A ``limit=N`` key (its holds in ``hs``)."""
-    return "hs" in doc or "lim" in doc
-
-
-def _handed_ids(doc: Mapping[str, Any]) -> set[str]:
-    """Task ids of the runs the key (or a slot of it) is handed to, not yet claimed."""
-    handoffs = [doc.get("ho")] + [h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)]
-    return {str(ho.get("t")) for ho in handoffs if isinstance(ho, Mapping)}
-
-
-#: Keys read per page by the sweeper.
-PAGE = 500
-
-
-class Sweeper:
-    """The thread in a worker's main process that completes what crashed processes left undone."""
-
-    def __init__(self, app: Celery, interval: float, grace: float | None = None) -> None:
-        self.app = app
-        self.interval = interval
-        #: How long a superseded run that has not written its state ``QUEUED`` (it died first, or does
-        #: not store results) waits for it before the sweeper writes its result anyway.
-        self.grace = max(2 * interval, config.get_settings(app).lease_seconds) if grace is None else grace
-        self._unmarked: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mongolock-sweeper", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.sweep_once()
-            except Exception as exc:
-                log.warning("sweeper pass failed (will try again): %s", exc)
-
-    def sweep_once(self) -> int:
-        """One pass; returns how many keys were looked at."""
-        store = config.get_store(self.app)
-        install_publisher(self.app, store)
-        revoked = _revoked_ids()
-        docs: list[dict[str, Any]] = []
-        last_key: str | None = None
-        while True:  # every waiting key, a page at a time
-            page = store.waiting_keys(limit=PAGE, after=last_key)
-            docs += page
-            if len(page) < PAGE:
-                break
-            last_key = page[-1]["_id"]
-        for doc in docs:
-            key = doc["_id"]
-            ids = {str(e.get("t")) for e in doc.get("q") or []}
-            hits = sorted((ids | _handed_ids(doc)) & revoked)
-            if not hits and not needs_sweep(doc):
-                continue
-            after = store.sweep(key, revoked=hits, slots=_slotted(doc))
-            for task_id in hits:
-                if task_id in ids and has_backend(self.app):
-                    self.app.backend.mark_as_revoked(task_id, "revoked while parked")
-            if after is None:
-                continue
-            fence = after.get("fence")
-            fence = fence if isinstance(fence, int) else None
-            if hits:
-                runs = [e for e in doc.get("q") or [] if str(e.get("t")) in hits]
-                handoffs = [doc.get("ho")] + [
-                    h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)
-                ]
-                runs += [ho for ho in handoffs if isinstance(ho, Mapping) and str(ho.get("t")) in hits]
-                for run in runs:
-                    store.record_run_ending(
-                        key, "revoked", run, fence=fence, ended_at=doc.get("__now"), parked_at=run.get("at")
-                    )
-            if after.get("dead"):
-                write_timed_out(self.app, store, key, list(after["dead"]), fence=fence)
-            if after.get("sup"):
-                write_superseded(
-                    self.app, store, key, list(after["sup"]), ready=self._superseded_ready, fence=fence
-                )
-        return len(docs) + self._sweep_expired_holds(store)
-
-    def _sweep_expired_holds(self, store: LeaseStore) -> int:
-        """Drop the expired holds of ``limit=N`` keys nothing waits on (not in ``waiting_keys``): a
-        holder that died leaves its hold there until a slot is taken again, its ending unrecorded (and
-        ``why`` shows no trace of it). Returns how many keys were swept."""
-        swept = 0
-        last_key: str | None = None
-        while True:
-            page = store.keys_with_expired_holds(limit=PAGE, after=last_key)
-            for doc in page:
-                store.sweep_expired_holds(doc["_id"])
-            swept += len(page)
-            if len(page) < PAGE:
-                return swept
-            last_key = page[-1]["_id"]
-
-    def _superseded_ready(self, task_id: str) -> bool:
-        """A superseded run's result may be written: the run wrote its state ``QUEUED`` (a later write of
-        that state would overwrite the result), or it has not for ``grace`` seconds."""
-        now = time.monotonic()
-        waited = now - self._unmarked.setdefault(task_id, now)
-        if state_of(self.app, task_id) == QUEUED or waited > self.grace:
-            self._unmarked.pop(task_id, None)
-            return True
-        return False
-
-
-_sweepers: dict[int, Sweeper] = {}
-
-
-def start_sweeper(app: Celery) -> Sweeper:
-    """Start the app's sweeper in this process (once)."""
-    sweeper = _sweepers.get(id(app))
-    if sweeper is None:
-        settings = config.get_settings(app)
-        sweeper = Sweeper(app, max(0.5, min(settings.lease_seconds / 2, 15.0)))
-        _sweepers[id(app)] = sweeper
-        sweeper.start()
-    return sweeper
 
 
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:

@@ -16,7 +16,7 @@ from celery.exceptions import Ignore
 from celery_mongolock.admission.contention import ContendedRun, Outcome, skipped_result
 from celery_mongolock.admission.policies import TRY_AGAIN, Fail, Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
-from celery_mongolock.exceptions import LockContended, QueueTimeout, StoreUnavailable
+from celery_mongolock.exceptions import LockContended, QueueTimeout, StoreUnavailable, Superseded
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import results, signals
 from celery_mongolock.integration.beatcheck import beat_tick, warn_if_sent_by_another_beat
@@ -32,6 +32,7 @@ from celery_mongolock.integration.duplicates import (
     guard_run_ids,
     park_duplicate,
 )
+from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.runs import (
     GuardedRun,
     contended_since,
@@ -310,6 +311,8 @@ class OneKey:
             )
             signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
             self.store.record_run_ending(key, "superseded", entry, fence=admission.fence, by=by)  # history
+            if getattr(policy, "fail_superseded", False):
+                raise Superseded(key, admission.fence, by)
             return Outcome(results.superseded_result(key, by))
         if outcome is AdmitOutcome.FULL:
             reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
@@ -327,7 +330,13 @@ class OneKey:
             # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
             # its result with it (it writes QUEUED before it parks, so this is rare: the write failed).
             results.write_superseded(
-                task.app, self.store, key, mine, ready=results.marked_queued(task.app), fence=admission.fence
+                task.app,
+                self.store,
+                key,
+                mine,
+                ready=results.marked_queued(task.app),
+                fence=admission.fence,
+                publish=ending_publisher(task.app),
             )
         position = admission.position(request.id)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:

@@ -12,18 +12,24 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from celery_mongolock.exceptions import QueueTimeout
+from celery_mongolock.exceptions import QueueTimeout, Superseded
 from celery_mongolock.integration import signals
+from celery_mongolock.integration.superseded import SupersededResult
 
 if TYPE_CHECKING:
     from celery_mongolock.core.store import LeaseStore
 
 __all__ = [
     "QUEUED",
+    "EndingPublisher",
+    "fails_superseded",
     "has_backend",
     "marked_queued",
+    "skipped_result",
     "state_of",
+    "superseded_ending",
     "superseded_result",
+    "timeout_ending",
     "write_superseded",
     "write_timed_out",
 ]
@@ -39,12 +45,44 @@ def has_backend(app: Celery) -> bool:
     return not isinstance(app.backend, DisabledBackend)
 
 
-def superseded_result(key: str, by: str, keys: Sequence[str] | None = None) -> dict[str, Any]:
+def superseded_result(key: str, by: str, keys: Sequence[str] | None = None) -> SupersededResult:
     """The result of a run replaced by a newer send (``Replace``); with ``keys=``, ``key`` is its first
     key and ``keys`` all of them (the same result whichever key it was superseded on)."""
     if keys:
         return {"mongolock": "superseded", "key": keys[0], "keys": list(keys), "by": by}
     return {"mongolock": "superseded", "key": key, "by": by}
+
+
+def skipped_result(key: str, reason: str) -> dict[str, Any]:
+    """The result of a run parked past its ``Queue(timeout=...)`` whose ``then`` is not Fail."""
+    return {"mongolock": "skipped", "key": key, "reason": reason, "holder": {}, "expires_at": None}
+
+
+def superseded_ending(key: str, by: str, keys: list[str] | None = None) -> dict[str, Any]:
+    """The ``endings`` header of a run superseded by ``by`` on ``key`` (``keys``: all of its keys)."""
+    return {"how": "superseded", "k": key, "by": by, "ks": list(keys) if keys else None}
+
+
+def timeout_ending(key: str, reason: str, *, fail: bool) -> dict[str, Any]:
+    """The ``endings`` header of a run parked past its deadline on ``key`` (``fail``: ``then`` is Fail)."""
+    return {"how": "timeout", "k": key, "reason": reason, "fail": bool(fail)}
+
+
+#: ``publish(key, entry, ending)``: end the run ``entry`` through Celery from its own message, True if it
+#: did (the run has callbacks or is in a chain or a chord: ``endings``), False to have its result written.
+EndingPublisher = Callable[[str, Mapping[str, Any], Mapping[str, Any]], bool]
+
+
+def fails_superseded(app: Celery, name: object) -> bool:
+    """Task ``name`` ends its superseded runs ``FAILURE`` (``Replace(fail_superseded=True)``)."""
+    task = app.tasks.get(name) if isinstance(name, str) else None
+    options = getattr(task, "mongolock_options", None)
+    if not callable(options):
+        return False
+    try:
+        return bool(getattr(options().on_contention, "fail_superseded", False))
+    except Exception:  # a task whose options do not read: the default
+        return False
 
 
 #: The state a parked run writes for itself (``task.QUEUED``).
@@ -67,6 +105,7 @@ def write_superseded(
     *,
     ready: Callable[[str], bool] | None = None,
     fence: int | None = None,
+    publish: EndingPublisher | None = None,
 ) -> list[Mapping[str, Any]]:
     """Write SUCCESS ``superseded`` for runs that a newer send replaced, then forget them; return the
     entries left for later. Each gets a history record (queued: written at the heartbeat's next tick);
@@ -82,9 +121,13 @@ def write_superseded(
         if ready is not None and not ready(str(entry["t"])):
             left.append(entry)
             continue
-        if has_backend(app):
-            result = superseded_result(key, str(entry.get("by")), entry.get("ks") or None)
-            app.backend.store_result(entry["t"], result, "SUCCESS")
+        by, keys = str(entry.get("by")), entry.get("ks") or None
+        if publish is not None and publish(key, entry, superseded_ending(key, by, keys)):
+            pass  # ended by a worker from its message: its callbacks, chain and chord go on
+        elif has_backend(app) and fails_superseded(app, entry.get("n")):
+            app.backend.mark_as_failure(entry["t"], Superseded(keys[0] if keys else key, None, by))
+        elif has_backend(app):
+            app.backend.store_result(entry["t"], superseded_result(key, by, keys), "SUCCESS")
         signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
         store.record_run_ending(
             key,
@@ -125,25 +168,26 @@ def write_timed_out(
     entries: list[Mapping[str, Any]],
     *,
     fence: int | None = None,
+    publish: EndingPublisher | None = None,
 ) -> None:
     """Write the results of runs that stayed parked past their deadline (``then``), then forget them;
-    each gets a history record (``timeout``; ``fence``: the key's)."""
+    each gets a history record (``timeout``; ``fence``: the key's). ``publish``: as for
+    ``write_superseded``."""
     done = []
     for entry in entries:
         at = entry.get("at")
         reason = "parked past its Queue(timeout=...)"
         if isinstance(at, _dt.datetime):
             reason = f"parked since {at.isoformat()}, past its Queue(timeout=...)"
-        if not has_backend(app):
+        fail = entry.get("th") == "fail"
+        if publish is not None and publish(key, entry, timeout_ending(key, reason, fail=fail)):
+            pass  # ended by a worker from its message: its callbacks, chain and chord go on
+        elif not has_backend(app):
             pass
-        elif entry.get("th") == "fail":
+        elif fail:
             app.backend.mark_as_failure(entry["t"], QueueTimeout(key, reason))
         else:
-            app.backend.store_result(
-                entry["t"],
-                {"mongolock": "skipped", "key": key, "reason": reason, "holder": {}, "expires_at": None},
-                "SUCCESS",
-            )
+            app.backend.store_result(entry["t"], skipped_result(key, reason), "SUCCESS")
         store.record_run_ending(key, "timeout", entry, fence=fence, ended_at=entry.get("dl"), parked_at=at)
         log.info("%s on %r: %s", entry["t"], key, reason)
         done.append(entry["t"])

@@ -24,7 +24,7 @@ from celery_mongolock.admission.policies import TRY_AGAIN, Fail, Queue, Replace
 from celery_mongolock.core.documents.sets import set_signature
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
-from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable
+from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable, Superseded
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import results, signals
 from celery_mongolock.integration.config import get_store
@@ -37,6 +37,7 @@ from celery_mongolock.integration.duplicates import (
     guard_run_ids,
     park_duplicate,
 )
+from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.runs import (
     GuardedRun,
     delivery,
@@ -367,6 +368,8 @@ class SeveralKeys:
         )
         signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
         self.store.record_run_ending(key, "superseded", self.entry, fence=admission.fence, by=by)  # history
+        if getattr(self.policy, "fail_superseded", False):
+            raise Superseded(keys[0], admission.fence, by)
         return Outcome(results.superseded_result(keys[0], by, keys))
 
     def _leave_all(self) -> None:
@@ -538,7 +541,13 @@ class SeveralKeys:
         for key, (admission, runs) in self.superseded.items():
             # Only runs that wrote their state QUEUED (see ``OneKey._parked``); the sweeper writes the rest.
             results.write_superseded(
-                task.app, store, key, runs, ready=results.marked_queued(task.app), fence=admission.fence
+                task.app,
+                store,
+                key,
+                runs,
+                ready=results.marked_queued(task.app),
+                fence=admission.fence,
+                publish=ending_publisher(task.app),
             )
         self.superseded = {}
 

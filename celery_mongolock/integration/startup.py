@@ -15,9 +15,9 @@ from celery import Celery
 from celery import signals as celery_signals
 
 from celery_mongolock.core.urls import redact
-from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import lanes, signals
 from celery_mongolock.integration.config import get_settings
+from celery_mongolock.integration.sweeper import start_sweeper
 
 __all__ = ["check_broker_settings", "check_store", "check_task_policies", "install_bootstep"]
 
@@ -162,12 +162,12 @@ def install_bootstep(app: Celery, check_tasks: Callable[[Celery, Any], object]) 
             check_store(worker.app)
             check_tasks(worker.app, getattr(worker, "pool_cls", None))
 
-    def start_sweeper(sender: Any = None, **_: Any) -> None:
+    def sweep_when_ready(sender: Any = None, **_: Any) -> None:
         # After the pool has started its children: the sweeper's thread lives in the main process only.
         worker_app = getattr(sender, "app", None)
         if worker_app is app:
-            _queue.start_sweeper(app)
+            start_sweeper(app)
 
-    celery_signals.worker_ready.connect(start_sweeper, weak=False)
+    celery_signals.worker_ready.connect(sweep_when_ready, weak=False)
 
     app.steps["worker"].add(ValidateMongolockSettings)

@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery import signals as celery_signals
@@ -34,6 +34,7 @@ from celery import signals as celery_signals
 from celery_mongolock.admission.policies import Policy, Replace
 from celery_mongolock.exceptions import ConfigurationError, Superseded
 from celery_mongolock.integration import results, signals
+from celery_mongolock.integration.superseded import SupersededResult
 
 if TYPE_CHECKING:
     from celery_mongolock.core.lease import Lease
@@ -68,7 +69,7 @@ def _run_info(task: GuardedRun) -> dict[str, Any]:
     return {"t": request.id, "n": task.name, "r": delivery, "id": f"{request.id}/{delivery}"}
 
 
-def ended_superseded(task: GuardedRun, store: LeaseStore, key: str, lease: Lease) -> dict[str, Any]:
+def ended_superseded(task: GuardedRun, store: LeaseStore, key: str, lease: Lease) -> SupersededResult:
     """The run's body stopped because a newer send superseded it: its result (``SUCCESS``, the superseded
     result naming the newer run), its history record and the ``run_superseded`` signal."""
     by = str(lease.superseded_by)
@@ -89,8 +90,18 @@ def ended_superseded(task: GuardedRun, store: LeaseStore, key: str, lease: Lease
 class _Terminator:
     """After ``grace`` seconds from the notice, a body still running is ended with its process."""
 
-    def __init__(self, task: GuardedRun, store: LeaseStore, key: str, lease: Lease, grace: float) -> None:
+    def __init__(
+        self,
+        task: GuardedRun,
+        store: LeaseStore,
+        key: str,
+        lease: Lease,
+        grace: float,
+        *,
+        fails: bool = False,
+    ) -> None:
         self.task, self.store, self.key, self.lease, self.grace = task, store, key, lease, grace
+        self.fails = fails  # Replace(fail_superseded=True): its result is FAILURE, Superseded
         self.request_id = task.request.id
         self.info = _run_info(task)
         self.done = threading.Event()  # the body returned or raised: nothing to terminate
@@ -120,7 +131,10 @@ class _Terminator:
             os.getpid(),
         )
         try:
-            task.app.backend.store_result(self.request_id, results.superseded_result(key, by), "SUCCESS")
+            if self.fails:
+                task.app.backend.mark_as_failure(self.request_id, Superseded(key, self.lease.fence, by))
+            else:
+                task.app.backend.store_result(self.request_id, results.superseded_result(key, by), "SUCCESS")
             signals.run_superseded.send(sender=task, key=key, task_id=self.request_id, by=by)
             self.store.record_run_ending(
                 key, "superseded", self.info, fence=self.lease.fence, by=by, running=True
@@ -146,14 +160,17 @@ def run_body(
         return body()
     terminator: _Terminator | None = None
     if policy.grace is not None and in_pool_child():
-        terminator = _Terminator(task, store, key, lease, policy.grace)
+        terminator = _Terminator(task, store, key, lease, policy.grace, fails=policy.fail_superseded)
         lease.on_superseded(terminator.notice)
     try:
         return body()
     except Superseded as exc:
         if exc.key != lease.key or not lease.superseded:
             raise  # another lease's (a singleton run called in-process): not this run's supersession
-        return ended_superseded(task, store, key, lease)
+        result = ended_superseded(task, store, key, lease)
+        if policy.fail_superseded:
+            raise  # Replace(fail_superseded=True): it ends FAILURE (its link_error callbacks are called)
+        return result
     finally:
         if terminator is not None:
             terminator.done.set()
@@ -166,11 +183,18 @@ def was_terminated_superseded(app: Any, task_id: str) -> bool:
         meta = app.backend.get_task_meta(task_id)
     except Exception:  # the backend does not answer: Celery's own failure handling goes on
         return False
+    return is_superseded_meta(meta)
+
+
+def is_superseded_meta(meta: Mapping[str, Any]) -> bool:
+    """A task's stored state (``backend.get_task_meta``) says it ended superseded: ``SUCCESS`` with the
+    superseded result, or ``FAILURE`` with ``Superseded`` (``Replace(fail_superseded=True)``)."""
     result = meta.get("result")
-    return (
-        meta.get("status") == "SUCCESS"
-        and isinstance(result, dict)
-        and result.get("mongolock") == "superseded"
+    if meta.get("status") == "SUCCESS":
+        return isinstance(result, dict) and result.get("mongolock") == "superseded"
+    return meta.get("status") == "FAILURE" and (
+        isinstance(result, Superseded)
+        or (isinstance(result, Mapping) and result.get("exc_type") == Superseded.__name__)
     )
 
 

@@ -63,6 +63,7 @@ from celery_mongolock.integration.config import (
     get_store,
 )
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER, stale_line
+from celery_mongolock.integration.endings import end_run, ending_of
 from celery_mongolock.integration.one_key import OneKey
 from celery_mongolock.integration.options import (
     check_declaration,
@@ -265,6 +266,10 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         return retry_patiently(self, celery_retry, options)
 
+    def mongolock_options(self) -> TaskOptions:
+        """The options in force for this task: the decorator's, overridden by the app's settings."""
+        return self._options()
+
     def _options(self) -> TaskOptions:
         decorator_policy = self.mongolock_on_contention
         if decorator_policy is not None and not isinstance(decorator_policy, Policy):
@@ -303,6 +308,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         return self._guarded(args, kwargs, direct=False)
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
+        ending = None if direct else ending_of(self.request)
+        if ending is not None:  # a parked run ended without its body, through Celery's trace (``endings``)
+            policy = self._options().on_contention
+            return end_run(self, ending, fail_superseded=getattr(policy, "fail_superseded", False))
         # The run is one owner of its leases (a singleton function it calls in-process is the same run).
         with run_scope(self.name):
             if self._key_specs():

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from celery_mongolock.core.documents.sets import message_fields
+
 __all__ = [
     "MAX_PARKED",
     "burst_since",
@@ -51,7 +53,7 @@ def entry_before(e: object, stamp: int, ident: str) -> Document:
 
 
 def dead_entries(q: object) -> Document:
-    """Entries of ``q`` past their deadline, without their messages (for ``dead``)."""
+    """Entries of ``q`` past their deadline (for ``dead``), with what ends a run from its message."""
     return {
         "$map": {
             "input": {"$filter": {"input": q, "as": "e", "cond": _entry_expired("$$e")}},
@@ -64,6 +66,7 @@ def dead_entries(q: object) -> Document:
                 "at": "$$e.at",
                 "dl": "$$e.dl",
                 "th": "$$e.th",
+                **message_fields("$$e"),
             },
         }
     }
@@ -151,6 +154,7 @@ def park_exprs(
                     "n": "$$p.n",
                     "r": "$$p.r",
                     "pa": "$$p.at",
+                    **message_fields("$$p"),
                 },
             }
         }

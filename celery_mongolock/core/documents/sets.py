@@ -40,6 +40,7 @@ __all__ = [
     "carry_burst",
     "entries_of",
     "lg_update",
+    "message_fields",
     "newer_by",
     "newest_of",
     "no_newer_send",
@@ -177,6 +178,13 @@ def sup_appended(when: object, records: object) -> Document:
     return {"$cond": [when, {"$concatArrays": [{"$ifNull": ["$sup", []]}, others]}, "$sup"]}
 
 
+def message_fields(e: str) -> Document:
+    """The fields of the entry ``e`` that let its run be published again (``id``, its stored message and
+    its signature), carried into its record in ``sup`` or ``dead``: a run with callbacks, or in a chain
+    or a chord, is ended by a worker from its own message (``integration.endings``)."""
+    return {"id": f"{e}.id", "m": f"{e}.m", "ct": f"{e}.ct", "ce": f"{e}.ce", "sg": f"{e}.sg"}
+
+
 def sup_record(e: str, by: str) -> Document:
     """The record in ``sup`` of the run whose entry is the expression ``e``, superseded by ``by``."""
     return _sup_record(e, by)
@@ -192,6 +200,7 @@ def _sup_record(e: str, by: str) -> Document:
         "pa": f"{e}.at",
         "ks": f"{e}.ks",
         "g": f"{e}.g",
+        **message_fields(e),
     }
 
 
