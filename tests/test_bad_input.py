@@ -449,6 +449,8 @@ POLICY_CASES = [
     case(lambda: Replace(cancel_running="yes"), ConfigurationError, "Replace(cancel_running=...)", "True or False, got 'yes'", "replace-cancel-running-not-bool"),  # type: ignore[arg-type]
     case(lambda: Replace(cancel_running=True, debounce=5), ConfigurationError, "Replace(cancel_running=True, debounce=5)", "cannot cancel the running holder", "replace-cancel-running-with-debounce"),
     case(lambda: parse_policy({"policy": "queue", "cancel_running": True}, "on_contention"), ConfigurationError, "'cancel_running'", "an option of 'replace' only", "policy-dict-cancel-running-on-queue"),
+    case(lambda: Replace(fail_superseded="yes"), ConfigurationError, "Replace(fail_superseded=...)", "True or False, got 'yes'", "replace-fail-superseded-not-bool"),  # type: ignore[arg-type]
+    case(lambda: parse_policy({"policy": "queue", "fail_superseded": True}, "on_contention"), ConfigurationError, "'fail_superseded'", "an option of 'replace' only", "policy-dict-fail-superseded-on-queue"),
     case(lambda: check_pool(ThreadPool, [("proj.upload", Replace(cancel_running=True))]), ConfigurationError, "'proj.upload'", "the 'thread' pool runs bodies in the worker's own process", "cancel-running-on-threads-pool"),
     case(lambda: Replace(max_wait=10), ConfigurationError, "Replace(max_wait=10)", "needs debounce=", "replace-max-wait-without-debounce"),
     case(lambda: Replace(debounce=5, max_wait=2), ConfigurationError, "Replace(max_wait=2)", "at least debounce=5", "replace-max-wait-below-debounce"),

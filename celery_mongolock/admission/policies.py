@@ -391,8 +391,8 @@ def _refuse_replace_only(setting: str, cls: type[Policy], options: Mapping[str, 
     for name in ("cancel_running", "grace", "fail_superseded"):
         if name in options:
             raise ConfigurationError(
-                f"{setting}: {name!r} is an option of 'replace' only (a newer send supersedes the running "
-                f"holder), not of {cls.name!r}"
+                f"{setting}: {name!r} is an option of 'replace' only (how a newer send supersedes a run), "
+                f"not of {cls.name!r}"
             )
 
 
