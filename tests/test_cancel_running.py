@@ -209,3 +209,18 @@ def test_a_pool_that_cannot_terminate_a_body_is_refused_and_grace_none_is_cooper
     assert worker.proc is not None and one(cluster, "start", old)["pid"] == worker.proc.pid  # no child
     worker.stop()
     cluster.workers.remove(worker)
+
+
+def test_a_terminated_holder_s_chain_goes_on_with_the_superseded_result(cluster: Cluster) -> None:
+    from celery import chain
+
+    resource, old, new, label = tag(), tag(), tag(), tag()
+    workflow = chain(it.cancel_deaf.si(resource, old, LONG), it.noted.s(label)).apply_async()
+    wait_for(lambda: cluster.runs(old, "start"), timeout=60, message="the holder to start")
+    r1 = it.cancel_deaf.delay(resource, new, 0.2)
+    assert r1.get(timeout=60) == new
+    # Terminated after its grace, its chain went on: the next task got the superseded result, once.
+    outcome = workflow.get(timeout=90)
+    assert outcome["value"] == {"mongolock": "superseded", "key": f"resource:{resource}", "by": r1.id}
+    assert not cluster.runs(old, "end")
+    assert [n["superseded"] for n in cluster.runs(label, "noted")] == [True]

@@ -40,6 +40,7 @@ __all__ = [
     "ending_publisher",
     "in_canvas",
     "publish_ending",
+    "publish_own_ending",
 ]
 
 log = logging.getLogger("celery_mongolock.queue")
@@ -68,7 +69,9 @@ def end_run(task: Any, ending: Mapping[str, Any], *, fail_superseded: bool) -> A
     request = task.request
     key = str(ending.get("k"))
     state = results.state_of(task.app, request.id)
-    if state in states.READY_STATES:
+    # (A holder terminated after its grace wrote its result before it went: its ending comes after.)
+    written_first = bool(ending.get("terminated")) and state in (states.SUCCESS, states.FAILURE)
+    if state in states.READY_STATES and not written_first:
         log.info(
             "%s[%s]: its ending on %r was delivered again (it is %s); dropped",
             task.name,
@@ -112,15 +115,7 @@ def publish_ending(
         return True
     headers = transient_headers_dropped(signature.options.get("headers"))
     headers[ENDED_HEADER] = dict(ending)
-    lane = lanes.lane_of(app, signature.options)
-    if lane is None or not lanes.publish_to_lane(
-        signature,
-        headers,
-        ENDED_HEADER,
-        lane,
-        lambda **options: publish_patiently(app, signature, **options),
-    ):
-        publish_patiently(app, signature, headers=headers)
+    _publish(app, signature, headers)
     log.info(
         "%s[%s] on %r ends %s without its body: its message is published again to end it through Celery, "
         "which calls its callbacks and completes its chain or chord",
@@ -143,3 +138,30 @@ def ending_publisher(app: Celery) -> Callable[[str, Mapping[str, Any], Mapping[s
         return publish_ending(app, key, entry, ending, here=first)
 
     return publish
+
+
+def publish_own_ending(task: Any, request: Any, ending: Mapping[str, Any]) -> bool:
+    """In a run's own process (a holder that ``Replace(cancel_running=True, grace=...)`` terminates after
+    writing its result): publish its message with the ending header if it has callbacks or is in a chain
+    or a chord, so that a worker calls them; ``request``: the run's (taken in its body's thread). False
+    when there is nothing to call."""
+    if not in_canvas(request.as_execution_options()):
+        return False
+    headers = transient_headers_dropped(getattr(request, "headers", None))
+    headers[ENDED_HEADER] = {**ending, "terminated": True}
+    _publish(task.app, task.signature_from_request(request), headers)
+    return True
+
+
+def _publish(app: Celery, signature: Any, headers: dict[str, Any]) -> None:
+    """Publish ``signature`` with ``headers`` to its queue's handoff lane (or its queue): it does not wait
+    behind the broker's backlog."""
+    lane = lanes.lane_of(app, signature.options)
+    if lane is None or not lanes.publish_to_lane(
+        signature,
+        headers,
+        ENDED_HEADER,
+        lane,
+        lambda **options: publish_patiently(app, signature, **options),
+    ):
+        publish_patiently(app, signature, headers=headers)

@@ -34,6 +34,7 @@ from celery import signals as celery_signals
 from celery_mongolock.admission.policies import Policy, Replace
 from celery_mongolock.exceptions import ConfigurationError, Superseded
 from celery_mongolock.integration import results, signals
+from celery_mongolock.integration.endings import publish_own_ending
 from celery_mongolock.integration.superseded import SupersededResult
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class _Terminator:
     ) -> None:
         self.task, self.store, self.key, self.lease, self.grace = task, store, key, lease, grace
         self.fails = fails  # Replace(fail_superseded=True): its result is FAILURE, Superseded
+        self.request = task.request  # (the grace thread has no request of its own)
         self.request_id = task.request.id
         self.info = _run_info(task)
         self.done = threading.Event()  # the body returned or raised: nothing to terminate
@@ -140,6 +142,8 @@ class _Terminator:
                 key, "superseded", self.info, fence=self.lease.fence, by=by, running=True
             )
             self.store.flush_history(timeout=2.0)
+            # Its callbacks, chain or chord: called by a worker from its message (``endings``).
+            publish_own_ending(task, self.request, results.superseded_ending(key, by))
         except Exception as exc:  # the termination goes ahead: the key must go to the newest run
             log.warning(
                 "%s[%s]: writing the superseded run's result failed: %s", task.name, self.request_id, exc
