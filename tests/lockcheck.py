@@ -246,6 +246,12 @@ MULTI_LIMIT_QUEUE_TASK = "lockcheck.rmw_multi_limit_queued"
 REPLACE_CANCEL_TASK = "lockcheck.rmw_replace_cancel"
 CANCEL_GRACE = 0.5
 REPLACE_TASKS = (REPLACE_TASK, REPLACE_CANCEL_TASK)
+#: The share of ``REPLACE_TASK`` runs sent with a ``link`` callback (``lockcheck.linked``): a superseded
+#: parked one is ended by a worker from its stored message (``integration.endings``), and its callback must
+#: be called all the same, under every fault (``check_links``).
+LINK_SHARE = 0.5
+#: How long the drain waits for a callback with no new one called meanwhile (``Run._wait_for_links``).
+LINK_QUIET_S = 60.0
 QUEUED_TASKS = {
     QUEUE_TASK: "queue",
     REPLACE_TASK: "replace",
@@ -1663,8 +1669,57 @@ def check(history: History) -> list[Violation]:
     found += check_rate(history)
     # 8. Replace(cancel_running=True): superseded holders.
     found += check_cancel(history)
+    # 9. The link callbacks of Replace runs, superseded ones included (``endings``).
+    found += check_links(history)
     found += check_multi_replace(history, MULTI_LIMIT_REPLACE_TASK)
     return found
+
+
+def check_links(history: History) -> list[Violation]:
+    """The ``REPLACE_TASK`` runs sent with a ``link`` callback (``LINK_SHARE``):
+
+    * ``link-not-called``: a run that ended ``SUCCESS`` (its body ran, or it was superseded: parked, then
+      ended by a worker from its stored message) whose callback never ran;
+    * ``link-wrong-result``: the callback was told the run was superseded when its result says it ran,
+      or the other way round.
+
+    A callback called twice is a figure (``link_figures``), not a violation: a redelivered ending message
+    racing its first copy may call it again (docs/reference/policies.md)."""
+    found: list[Violation] = []
+    calls: dict[str, list[Doc]] = defaultdict(list)
+    for e in history.events:
+        if e.get("ev") == "linked":
+            calls[str(e.get("task_id"))].append(e)
+    for tid, task in history.tasks.items():
+        if not task.get("link") or task.get("state") != "SUCCESS":
+            continue
+        result = task.get("result")
+        superseded = isinstance(result, dict) and result.get("mongolock") == "superseded"
+        if not calls.get(tid):
+            how = "superseded" if superseded else "ran"
+            found.append(
+                Violation("link-not-called", f"Replace run {tid} ({how}) ended SUCCESS; its link never ran")
+            )
+        elif any(bool(c.get("superseded")) != superseded for c in calls[tid]):
+            found.append(
+                Violation("link-wrong-result", f"Replace run {tid}: its link got another result: {result}")
+            )
+    return found
+
+
+def link_figures(history: History) -> Doc:
+    """How many linked runs ended, superseded or not, and callbacks called more than once."""
+    linked = [t for t in history.tasks.values() if t.get("link") and t.get("state") == "SUCCESS"]
+    calls: Counter[str] = Counter(str(e.get("task_id")) for e in history.events if e.get("ev") == "linked")
+    return {
+        "linked_runs": len(linked),
+        "linked_superseded": sum(
+            1
+            for t in linked
+            if isinstance(t.get("result"), dict) and t["result"].get("mongolock") == "superseded"
+        ),
+        "links_called_twice": sum(1 for n in calls.values() if n > 1),
+    }
 
 
 def _unique_bodies(history: History, ids: set[str]) -> dict[str, Doc]:
@@ -3461,7 +3516,11 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
             ),
             **died_figures(history),
         },
-        "queued": {**queued_figures(history, faults), "faults_hitting_queued_runs": queued_faults(faults)},
+        "queued": {
+            **queued_figures(history, faults),
+            "faults_hitting_queued_runs": queued_faults(faults),
+            **link_figures(history),
+        },
         "limit_multi": limit_figures(history, faults),
         "document": document_figures(history),
         "reentrant": reentrant_figures(history, faults),
@@ -4063,6 +4122,7 @@ class Run:
         self.unique_sends: list[Doc] = []
         self._unique_gates = 0
         self.rate_rng = random.Random(cfg.seed * 7919 + 33)
+        self.link_rng = random.Random(cfg.seed * 7919 + 34)
         self._rate_gates = 0
         self._rate_info: Doc | None = None
         #: What the directed rate burst showed (``_rate_directed``).
@@ -4413,7 +4473,8 @@ class Run:
             for name in names:
                 n += 1
                 die = name in DIE_TASKS and self.die_rng.random() < self.cfg.die_share
-                self._submit(name, key, f"task-{n}", die=die)
+                link = name == REPLACE_TASK and self.link_rng.random() < LINK_SHARE
+                self._submit(name, key, f"task-{n}", die=die, link=link)
 
     def _backlog(self) -> int:
         """Messages waiting in the broker's queues; 0 when it does not answer (a broker restart: the
@@ -4439,6 +4500,7 @@ class Run:
         linger: str | None = None,
         die: bool = False,
         deaf: bool = False,
+        link: bool = False,
     ) -> str | None:
         """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time while it has
         fewer than ``SKEWED_MAX_BACKLOG`` waiting; ``linger``: see ``_lingering``; ``die``: see
@@ -4456,11 +4518,16 @@ class Run:
             kwargs["die"] = True
         if deaf:
             kwargs["deaf"] = True
+        options: Doc = {}
+        if link:  # (its callback names it: its task id is chosen here)
+            options["task_id"] = str(uuid.uuid4())
+            options["link"] = self.capp.signature("lockcheck.linked", args=(options["task_id"],))
         try:
             result = self.capp.send_task(
                 name, args=(*(keys or (key,)), op), kwargs=kwargs, queue=queue,
                 headers={SENT_HEADER: stamp},
                 retry=True, retry_policy=REPUBLISH_RETRY_POLICY,  # rides over a broker restart
+                **options,
             )  # fmt: skip
         except Exception as exc:  # never let the submitter die silently
             self.log(f"submit failed: {exc!r}")
@@ -4469,6 +4536,7 @@ class Run:
         self.submitted[result.id] = {
             "op": op, "task": name, "queue": queue, "at_s": at_s, "t": t_sent, "key": key, "stamp": stamp,
             **({"keys": list(keys)} if keys else {}), **({"die": True} if die else {}),
+            **({"link": True} if link else {}),
         }  # fmt: skip
         return str(result.id)
 
@@ -5691,7 +5759,25 @@ class Run:
                 for e in sorted(worker_events.get(task_id, []), key=_when)
             ]
             self.log(f"unfinished: {task_id} {states[task_id]}")
+        self._wait_for_links(states)
         return states
+
+    def _wait_for_links(self, states: dict[str, Doc]) -> None:
+        """Wait for the callbacks of the linked runs that succeeded (``LINK_SHARE``): Celery sends one when
+        its run ends, and a worker runs it soon after. Ends when all were called, or when none was for
+        ``LINK_QUIET_S`` (``check_links`` then names the missing ones)."""
+        due = {tid for tid, t in states.items() if t.get("link") and t.get("state") == "SUCCESS"}
+        last, called = time.monotonic(), 0
+        while due:
+            seen = {e.get("task_id") for e in read_histories(self.hist_dir) if e.get("ev") == "linked"}
+            if not due - seen:
+                return
+            if len(due & seen) > called:
+                last, called = time.monotonic(), len(due & seen)
+            if time.monotonic() - last > LINK_QUIET_S:
+                self.log(f"drain: {len(due - seen)} callback(s) not called after {LINK_QUIET_S:.0f}s quiet")
+                return
+            time.sleep(0.5)
 
     def _stall_allowance(self) -> float:
         """The longest a healthy run goes with no task finishing and no message moving: a dead node's
@@ -5974,9 +6060,9 @@ def format_report(report: Doc) -> str:
         "  queued runs: Queue {queue_submitted}, Replace {replace_submitted}; parked {parked}, "
         "handoffs {handoffs} ({lane_handoffs} received through a lane), superseded {superseded} "
         "({superseded_after_a_cut_run} after a run cut "
-        "short), pairs run out of send order by a late arrival {late_pairs}; admissions {admissions}".format(
-            **report["queued"]
-        ),
+        "short), pairs run out of send order by a late arrival {late_pairs}; admissions {admissions}; "
+        "Replace runs with a link callback that ended {linked_runs} ({linked_superseded} superseded; "
+        "callbacks called twice {links_called_twice})".format_map(defaultdict(int, report["queued"])),
         "  faults that found queued runs parked or hit a queued key's holder: "
         + ", ".join(f"{k} {v}" for k, v in report["queued"]["faults_hitting_queued_runs"].items()),
         "  limit={limit} keys: holds {limit_holds} ({limit_clean_holds} released cleanly, {limit_task_runs} "

@@ -61,6 +61,7 @@ from celery_mongolock import (
     Retry,
     Skip,
     current_lease,
+    is_superseded,
     singleton_task,
 )
 from celery_mongolock import signals as mongolock_signals
@@ -524,6 +525,15 @@ def rmw_skip(self: Any, key: str, op: str, reckless: bool = False, die: bool = F
 def rmw_queue(self: Any, key: str, op: str, reckless: bool = False, die: bool = False) -> dict[str, Any]:
     """The same, but a run that finds the key held is parked and handed the key in send order."""
     return _body(self, key, op, reckless, die=die)
+
+
+@app.task(name="lockcheck.linked")
+def linked(value: Any, parent: str) -> None:
+    """The ``link`` callback of some ``rmw_replace`` runs (``lockcheck.LINK_SHARE``): records that it was
+    called for ``parent``, and whether with a superseded result (``lockcheck.check_links``)."""
+    hist = _history()
+    if hist is not None:
+        hist.event("linked", task_id=parent, superseded=is_superseded(value), t=time.monotonic())
 
 
 @singleton_task(

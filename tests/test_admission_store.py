@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from celery_mongolock import LeaseStore
+from celery_mongolock import LeaseStore, MessageTooLarge
 
 from .conftest import CommandCounter
 from .servers import wait_for
@@ -125,6 +125,28 @@ def test_max_length_is_exact(store: LeaseStore) -> None:
     assert holder is not None
     outcomes = [store.admit(KEY, entry(i), max_length=3)[1]["lo"] for i in range(5)]
     assert outcomes == ["parked", "parked", "parked", "full", "full"]
+
+
+def test_a_key_whose_document_cannot_take_another_message_is_full_not_unavailable(store: LeaseStore) -> None:
+    # Parked runs share the key's document (16 MiB): 1 MiB messages fill it after about 15; the next run
+    # is told "full" (its policy's then decides), never "MongoDB did not answer".
+    holder = store.acquire(KEY, 60)
+    assert holder is not None
+    big = b"x" * 2**20
+    outcomes = [store.admit(KEY, entry(i, m=big))[1]["lo"] for i in range(18)]
+    assert outcomes[:14] == ["parked"] * 14 and outcomes[-1] == "full"
+    assert set(outcomes) == {"parked", "full"} and outcomes.index("full") == outcomes.count("parked")
+    assert len(parked(store)) == outcomes.count("parked")
+    # A small run still parks behind them; the document is intact.
+    assert store.admit(KEY, entry(100))[1]["lo"] == "parked"
+
+
+def test_a_message_too_large_to_park_anywhere_is_refused_in_our_words(store: LeaseStore) -> None:
+    holder = store.acquire(KEY, 60)
+    assert holder is not None
+    with pytest.raises(MessageTooLarge, match=r"20\.0 MiB, over the 15\.5 MiB a run of 'email-group:42'"):
+        store.admit(KEY, entry(1, m=b"x" * 20 * 2**20))
+    assert parked(store) == []
 
 
 def test_a_run_past_its_deadline_is_never_handed_the_key(store: LeaseStore) -> None:

@@ -328,6 +328,31 @@ def test_a_superseded_holders_write_after_its_notice_is_reported() -> None:
     assert figures["holders_terminated"] == 1  # (no release of A's hold recorded)
 
 
+def test_a_linked_run_s_callback_must_be_called_with_its_result() -> None:
+    sup = {"mongolock": "superseded", "key": RKEY, "by": "C"}
+    tasks = {
+        "A": {"task": lockcheck.REPLACE_TASK, "state": "SUCCESS", "result": {"op": "a"}, "link": True},
+        "B": {"task": lockcheck.REPLACE_TASK, "state": "SUCCESS", "result": sup, "link": True},
+        "C": {"task": lockcheck.REPLACE_TASK, "state": "SUCCESS", "result": {"op": "c"}},  # no link
+        "D": {
+            "task": lockcheck.REPLACE_TASK,
+            "state": "FAILURE",
+            "result": None,
+            "link": True,
+        },  # never called
+    }
+    called = [
+        {"ev": "linked", "task_id": "A", "superseded": False},
+        {"ev": "linked", "task_id": "B", "superseded": True},
+    ]
+    assert lockcheck.check_links(History(called, {}, tasks)) == []
+    figures = lockcheck.link_figures(History([*called, called[1]], {}, tasks))
+    assert figures == {"linked_runs": 2, "linked_superseded": 1, "links_called_twice": 1}
+    assert kinds(lockcheck.check_links(History(called[:1], {}, tasks))) == {"link-not-called"}
+    wrong = [called[0], {**called[1], "superseded": False}]
+    assert kinds(lockcheck.check_links(History(wrong, {}, tasks))) == {"link-wrong-result"}
+
+
 def test_an_older_replace_run_after_a_newer_one_is_reported() -> None:
     h = _queued_history(
         _run("B", 10, RKEY), _run("A", 11, RKEY), A=_queued("A", 1, RKEY), B=_queued("B", 2, RKEY)

@@ -42,6 +42,7 @@ from celery_mongolock.core.acquire_command import acquire_command
 from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents import queue as admission_docs
 from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.documents.entries import PARK_BUDGET, entry_bytes
 from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease, LeaseBackend, aware
 from celery_mongolock.core.outcomes import plain_admit_reply, untrusted_admit_reply
@@ -52,7 +53,7 @@ from celery_mongolock.core.validation import (
     validate_limit,
     validate_seconds,
 )
-from celery_mongolock.exceptions import ConfigurationError, StoreUnavailable
+from celery_mongolock.exceptions import ConfigurationError, MessageTooLarge, StoreUnavailable
 
 if TYPE_CHECKING:
     from celery_mongolock.core.heartbeat import Heartbeat
@@ -418,6 +419,9 @@ class Acquisition:
         older runs parked) is published (``add_handoff_callback``). One ``store.try_acquire`` with
         ``admission``."""
         store = self.store
+        size = entry_bytes(entry)
+        if size > PARK_BUDGET:  # (the command itself would pass MongoDB's limit)
+            raise MessageTooLarge(key, size, PARK_BUDGET)
         full_entry = _parked_entry(entry, store.lease_seconds if ttl is None else ttl)
         timeout_ms = (
             None

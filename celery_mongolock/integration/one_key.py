@@ -315,7 +315,7 @@ class OneKey:
                 raise Superseded(key, admission.fence, by)
             return Outcome(results.superseded_result(key, by))
         if outcome is AdmitOutcome.FULL:
-            reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
+            reason = results.full_reason(key, len(admission.parked), policy.max_length, entry)
             if isinstance(policy.then, Fail):
                 raise QueueTimeout(key, reason)
             return ContendedRun(task, self.store, key, direct=False).held_by(holder, expires_at).skip(reason)

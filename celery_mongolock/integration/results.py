@@ -23,6 +23,7 @@ __all__ = [
     "QUEUED",
     "EndingPublisher",
     "fails_superseded",
+    "full_reason",
     "has_backend",
     "marked_queued",
     "skipped_result",
@@ -83,6 +84,20 @@ def fails_superseded(app: Celery, name: object) -> bool:
         return bool(getattr(options().on_contention, "fail_superseded", False))
     except Exception:  # a task whose options do not read: the default
         return False
+
+
+def full_reason(key: str, parked: int, max_length: int | None, entry: Mapping[str, Any]) -> str:
+    """Why a run found the queue of ``key`` full: ``max_length`` runs parked, or the key's one MongoDB
+    document could not take the run's message (``entries.PARK_BUDGET``)."""
+    if max_length is not None and parked >= max_length:
+        return f"the queue of {key!r} is full ({parked} runs parked, its max_length)"
+    message = entry.get("m")
+    size = len(message) if isinstance(message, (bytes, str)) else 0
+    return (
+        f"the queue of {key!r} is full: its {parked} parked runs and this run's message "
+        f"({size / 2**20:.2f} MiB) would pass the 16 MiB MongoDB document they share; pass large data by "
+        "reference, not as arguments"
+    )
 
 
 #: The state a parked run writes for itself (``task.QUEUED``).

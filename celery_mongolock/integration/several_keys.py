@@ -343,7 +343,7 @@ class SeveralKeys:
         if outcome is AdmitOutcome.RETRIED:
             copy_of_a_retried_attempt(self.task, key, self.entry)
         assert outcome is AdmitOutcome.FULL, outcome
-        reason = f"the queue of {key!r} is full ({policy.max_length} runs parked)"
+        reason = results.full_reason(key, len(admission.parked), policy.max_length, self.entry)
         if isinstance(policy.then, Fail):
             raise QueueTimeout(key, reason)
         return (

@@ -24,7 +24,7 @@ from typing import Any
 
 from celery_mongolock.core.documents import sets
 from celery_mongolock.core.documents.copies import later_attempt, retries_of
-from celery_mongolock.core.documents.entries import MAX_PARKED
+from celery_mongolock.core.documents.entries import MAX_PARKED, would_pass_budget
 
 __all__ = [
     "TOOK",
@@ -165,6 +165,8 @@ def judge(run: AdmitRun, shape: Shape) -> Document:
         branches += newer_send_cases(run, shape)
     if not run.debounce_ms:
         branches.append({"case": shape.free, "then": "acquired"})
+    # (The key's document cannot take this run's message: MongoDB's 16 MiB limit, before the count's cap.)
+    branches.append({"case": would_pass_budget(run.entry), "then": "full"})
     branches.append({"case": shape.room, "then": "parked"})  # and handed to the oldest (when due)
     branches.append({"case": {"$gte": [{"$size": _Q}, run.cap]}, "then": "full"})
     return {"$switch": {"branches": branches, "default": "parked"}}

@@ -12,15 +12,18 @@ from celery_mongolock.core.documents.sets import message_fields
 
 __all__ = [
     "MAX_PARKED",
+    "PARK_BUDGET",
     "burst_since",
     "dead_entries",
     "entry_before",
+    "entry_bytes",
     "entry_due",
     "entry_expr",
     "field_of",
     "live_entries",
     "park_exprs",
     "past_ceiling",
+    "would_pass_budget",
 ]
 
 Document = dict[str, Any]
@@ -30,6 +33,21 @@ _Q: Document = {"$ifNull": ["$q", []]}
 #: The most runs parked on one key (``Queue(max_length=...)`` may say fewer): a parked run's entry carries
 #: its message, and all of a key's entries share one document.
 MAX_PARKED = 5000
+#: The most a key's lease document may hold once a run parks on it: MongoDB's 16 MiB document limit, less
+#: room for the holder, the handoff and the records kept beside the queue (``dead``, ``sup``, ``seen``).
+PARK_BUDGET = 16 * 2**20 - 512 * 2**10
+
+
+def entry_bytes(entry: Mapping[str, Any]) -> int:
+    """About how many bytes ``entry`` adds to a lease document when it parks: its stored message, plus a
+    bound for its other fields."""
+    message = entry.get("m")
+    return (len(message) if isinstance(message, (bytes, str)) else 0) + 2048
+
+
+def would_pass_budget(entry: Mapping[str, Any]) -> Document:
+    """The document (``$$ROOT``) with ``entry`` parked would pass ``PARK_BUDGET``: the queue is full."""
+    return {"$gt": [{"$add": [{"$bsonSize": "$$ROOT"}, entry_bytes(entry)]}, PARK_BUDGET]}
 
 
 def field_of(field: str, doc: object) -> Document:
