@@ -526,5 +526,6 @@ def test_both_key_shapes_judge_a_run_in_one_order(
     slots = _judged(slot_admit_pipeline("tok", 30000, {"host": "h", "pid": 1}, 3, **policy))
     assert slots[0] == "mine" and one[0] == "acquired"
     assert one[1:] == slots[1:]
-    assert one[-2:] == ["parked", "full"]
-    assert (one[-3] == "acquired") == (not debounce_ms)  # a debounced run always parks first
+    # (the key's document cannot take its message; parked, and handed to the oldest; the count's cap)
+    assert one[-3:] == ["full", "parked", "full"]
+    assert (one[-4] == "acquired") == (not debounce_ms)  # a debounced run always parks first
