@@ -131,3 +131,25 @@ def test_a_superseded_run_without_callbacks_gets_its_result_written_directly(clu
     newer = it.latest.delay(resource, b, 0.1)
     assert parked.get(timeout=60)["by"] == newer.id and is_superseded(parked)
     assert newer.get(timeout=60) == b and r0.get(timeout=60)
+
+
+def test_a_superseded_several_keys_run_calls_its_callback_once(cluster: Cluster) -> None:
+    # Parked on both of its keys, superseded on each: ended once, by its first key.
+    a, b, holder, old, new, label = tag(), tag(), tag(), tag(), tag(), tag()
+    keys = sorted([f"resource:{a}", f"resource:{b}"])
+    r0 = it.merge_latest.delay(a, b, holder, 2.0)
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the first merge to start")
+    parked = it.merge_latest.apply_async((b, a, old, 0.1), link=it.noted.s(label))
+    wait_for(
+        lambda: all(parked.id in parked_ids(cluster, k) for k in keys),
+        timeout=60,
+        message="parked on both keys",
+    )
+    newer = it.merge_latest.delay(a, b, new, 0.1)
+    value = parked.get(timeout=90)
+    assert value["mongolock"] == "superseded" and value["by"] == newer.id and value["keys"] == keys
+    wait_for(lambda: noted(cluster, label), timeout=60, message="the callback to run")
+    assert newer.get(timeout=90) == keys and r0.get(timeout=90) == keys
+    [call] = noted(cluster, label)  # once, not once per key
+    assert call["superseded"] and call["value"]["keys"] == keys
+    assert not cluster.runs(old, "start")
