@@ -273,3 +273,61 @@ def test_why_shows_the_pending_unique_sends_of_a_key(mongo_url: str, db_name: st
     finally:
         store.client.drop_database(db_name)
         store.close()
+
+
+def _park(store: LeaseStore, key: str, *runs: str) -> None:
+    for stamp, task_id in enumerate(runs, 1):
+        entry = {"id": f"{task_id}/0.0", "t": task_id, "n": "upload", "r": "0.0", "s": stamp, "m": b""}
+        assert store.admit(key, entry, timeout=600)[1]["lo"] == "parked"
+
+
+def test_queue_lists_a_key_s_parked_runs_page_by_page(
+    mongo_url: str, db_name: str, leases: LeaseStore
+) -> None:
+    _park(leases, "email-group:1", *[f"run-{i}" for i in range(5)])
+    out = run(mongo_url, db_name, "queue", "email-group:1", "--per-page", "2", "--page", "2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "email-group:1: 5 run(s) parked, page 2 of 3"
+    assert [line.split()[:2] for line in lines[1:]] == [["3.", "upload[run-2]"], ["4.", "upload[run-3]"]]
+    data = json.loads(run(mongo_url, db_name, "queue", "email-group:1", "--json", "--per-page", "2").stdout)
+    assert data["parked"] == 5 and [r["task_id"] for r in data["runs"]] == ["run-0", "run-1"]
+    # Bad input in our words.
+    bad = run(mongo_url, db_name, "queue", "email-group:1", "--page", "0")
+    assert bad.returncode == 2 and "--page" in bad.stderr
+    assert "no lease 'nope:1'" in run(mongo_url, db_name, "queue", "nope:1").stderr
+
+
+def test_drop_and_purge_ask_first_then_revoke_the_runs(
+    mongo_url: str, db_name: str, leases: LeaseStore, redis_server: Any
+) -> None:
+    from celery import Celery
+
+    key = "email-group:1"
+    _park(leases, key, "keep", "gone", "also-gone")
+    env = {"MONGOLOCK_IT_BROKER": redis_server.url, "MONGOLOCK_IT_BACKEND": redis_server.url}
+    # Without --yes and with "n" (or no answer at all: no terminal), nothing is dropped.
+    asked = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.integration_app", "mongolock", "drop", key, "gone"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "MONGOLOCK_IT_MONGODB_URL": mongo_url,
+                       "MONGOLOCK_IT_DB": db_name, **env},
+        input="n\n", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert asked.returncode == 1 and "drop 1 run(s) parked on 'email-group:1'?" in asked.stdout
+    assert "nothing dropped" in asked.stderr
+    unknown = run(mongo_url, db_name, "drop", key, "nobody", "--yes", **env)
+    assert unknown.returncode == 2 and "not parked on 'email-group:1': nobody" in unknown.stderr
+    out = run(mongo_url, db_name, "drop", key, "gone", "--yes", **env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "dropped upload[gone] from 'email-group:1': REVOKED"
+    info = leases.inspect(key)
+    assert info is not None and [r["task_id"] for r in info.parked] == ["keep", "also-gone"]
+    results = Celery(backend=redis_server.url)
+    assert results.AsyncResult("gone").state == "REVOKED"
+    endings = [e for e in leases.history(key, limit=20) if e.task_id == "gone"]
+    assert [e.how for e in endings] == ["revoked"]
+    out = run(mongo_url, db_name, "purge", key, "--yes", **env)
+    assert out.returncode == 0 and out.stdout.count("REVOKED") == 2
+    info = leases.inspect(key)
+    assert info is not None and info.parked == [] and info.held  # the holder runs on
+    assert "no run parked" in run(mongo_url, db_name, "purge", key, "--yes", **env).stdout

@@ -99,7 +99,8 @@ class LeaseInfo:
     renewed_at: _dt.datetime | None
     released_at: _dt.datetime | None
     #: Runs parked on the key (``Queue``, ``Replace``), next first: ``position``, ``task_id``,
-    #: ``task_name``, ``stamp`` (send stamp, us), ``parked_for`` (s, server clock), ``deadline``.
+    #: ``task_name``, ``stamp`` (send stamp, us), ``parked_for`` (s, server clock), ``deadline``, ``keys``
+    #: (all of a several-keys run's keys; None for a run of one key).
     parked: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: A handoff not yet taken up: ``task_id``, ``task_name``, ``handed_for`` (s), ``attempt``.
     handoff: dict[str, Any] | None = None

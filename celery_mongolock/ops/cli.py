@@ -36,7 +36,7 @@ from celery_mongolock.core.store_sends import sends_of
 from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import MongoLockError
 from celery_mongolock.integration.config import get_store
-from celery_mongolock.ops import cli_documents
+from celery_mongolock.ops import cli_documents, cli_queue
 from celery_mongolock.ops.cli_rate import rate_lines, read_window
 from celery_mongolock.ops.cli_sends import pending_send_lines, pending_sends_json
 from celery_mongolock.ops.cli_why import history_table, why_lines
@@ -422,6 +422,69 @@ def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count:
             time.sleep(interval)
     except KeyboardInterrupt:
         return
+
+
+# -- a key's parked runs (``cli_queue``) --------------------------------------------------------------
+def _parked_info(ctx: click.Context, key: str) -> tuple[LeaseStore, LeaseInfo]:
+    store = _store(ctx)
+    info = _run(lambda: store.inspect(key))
+    if info is None:
+        raise click.ClickException(f"no lease {key!r}: nothing is parked on it")
+    return store, info
+
+
+@mongolock.command(name="queue", cls=_Command)
+@click.argument("key")
+@click.option("--page", default=1, show_default=True, type=_Number(int, 1), help="page N (1: the next runs)")
+@click.option("--per-page", default=50, show_default=True, type=_Number(int, 1), help="runs per page")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def queue_of(ctx: click.Context, key: str, page: int, per_page: int, as_json: bool) -> None:
+    """The runs parked on KEY, next first, a page at a time."""
+    info = _parked_info(ctx, key)[1]
+    if as_json:
+        rows = cli_queue.page_of(info, page, per_page)
+        click.echo(_json({"key": info.key, "parked": len(info.parked), "page": page, "runs": rows}))
+        return
+    click.echo("\n".join(cli_queue.queue_lines(info, page, per_page)))
+
+
+@mongolock.command(name="drop", cls=_Command)
+@click.argument("key")
+@click.argument("task_ids", nargs=-1, required=True)
+@click.option("--yes", is_flag=True, help="do not ask for confirmation (scripts)")
+@click.pass_context
+def drop_parked(ctx: click.Context, key: str, task_ids: tuple[str, ...], yes: bool) -> None:
+    """Drop parked runs from KEY's queue by task id: they end REVOKED without running."""
+    store, info = _parked_info(ctx, key)
+    _drop(ctx, store, info, list(dict.fromkeys(task_ids)), yes)
+
+
+@mongolock.command(name="purge", cls=_Command)
+@click.argument("key")
+@click.option("--yes", is_flag=True, help="do not ask for confirmation (scripts)")
+@click.pass_context
+def purge_queue(ctx: click.Context, key: str, yes: bool) -> None:
+    """Drop every run parked on KEY: they end REVOKED without running (the holder runs on)."""
+    store, info = _parked_info(ctx, key)
+    ids = [str(run["task_id"]) for run in info.parked]
+    if not ids:
+        click.echo(f"{key!r}: no run parked; nothing to purge")
+        return
+    _drop(ctx, store, info, ids, yes)
+
+
+def _drop(ctx: click.Context, store: LeaseStore, info: LeaseInfo, ids: list[str], yes: bool) -> None:
+    if not yes and not click.confirm(
+        f"drop {len(ids)} run(s) parked on {info.key!r}? They end REVOKED and never run", default=False
+    ):
+        raise click.ClickException("nothing dropped")
+    app = ctx.obj.app
+    try:
+        lines = _run(lambda: cli_queue.drop_runs(app, store, info, ids))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo("\n".join(lines))
 
 
 # -- history and why (rendered by ``cli_why``) ------------------------------------------------------

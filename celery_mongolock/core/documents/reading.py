@@ -122,6 +122,7 @@ def _parked_view(position: int, entry: Mapping[str, Any], now_ms: Any) -> Docume
         "stamp": entry.get("s"),
         "parked_for": _since(entry.get("at"), now_ms),
         "deadline": aware(entry.get("dl")),
+        "keys": list(entry["ks"]) if isinstance(entry.get("ks"), list) else None,
     }
 
 

@@ -1,0 +1,94 @@
+"""``celery mongolock queue KEY``, ``drop KEY TASK_ID...`` and ``purge KEY``: a key's parked runs, page by
+page, and dropping some or all of them (an operator's revoke, through this library).
+
+A dropped run leaves the key's queue (and every key of a several-keys run) in one sweep command per key:
+if the key was handed to it, the key goes on to the next run. Its result becomes ``REVOKED`` with a reason
+naming the key, its history records ``revoked``, and Celery is told to revoke its task id (workers discard
+any copy of its message still in flight). Nothing is dropped without a line saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+
+from celery_mongolock.core.lease import LeaseInfo
+from celery_mongolock.core.store import LeaseStore
+from celery_mongolock.integration.handoff import install_publisher
+from celery_mongolock.integration.results import has_backend
+
+__all__ = ["drop_runs", "page_of", "queue_lines"]
+
+
+def page_of(info: LeaseInfo, page: int, per_page: int) -> list[dict[str, Any]]:
+    """The parked runs of page ``page`` (1: the next ones to run)."""
+    start = (page - 1) * per_page
+    return list(info.parked[start : start + per_page])
+
+
+def queue_lines(info: LeaseInfo, page: int, per_page: int) -> list[str]:
+    """``queue KEY``: how many runs wait, then one line per run of the page, next first."""
+    total = len(info.parked)
+    pages = max(1, -(-total // per_page))
+    rows = page_of(info, page, per_page)
+    head = f"{info.key}: {total} run(s) parked" + (f", page {page} of {pages}" if total > per_page else "")
+    if info.handoff:
+        head += f"; handed to {info.handoff.get('task_name')}[{info.handoff.get('task_id')}]"
+    lines = [head]
+    if not rows and total:
+        lines.append(f"  no page {page}: there are {pages}")
+    for run in rows:
+        waited = run.get("parked_for")
+        keys = f"  keys {', '.join(run['keys'])}" if run.get("keys") else ""
+        lines.append(
+            f"  {run['position']:>4}. {run.get('task_name')}[{run.get('task_id')}]  parked "
+            f"{'?' if waited is None else f'{waited:.1f} s'} ago{keys}"
+        )
+    return lines
+
+
+def drop_runs(app: Celery, store: LeaseStore, info: LeaseInfo, task_ids: Sequence[str]) -> list[str]:
+    """Drop the parked runs ``task_ids`` from ``info.key`` (and the other keys of a several-keys run):
+    their results ``REVOKED``, their history ``revoked``, their task ids revoked in Celery. Returns one
+    line per run; ``ValueError`` naming the ids that are not parked on the key (nothing dropped then)."""
+    parked = {str(run.get("task_id")): run for run in info.parked}
+    missing = [tid for tid in task_ids if tid not in parked]
+    if missing:
+        raise ValueError(
+            f"not parked on {info.key!r}: {', '.join(missing)} (see: celery mongolock queue {info.key}); "
+            "nothing dropped"
+        )
+    install_publisher(app, store)  # (a key handed to a dropped run goes on to the next one, published)
+    keys = {info.key}
+    for tid in task_ids:
+        keys.update(parked[tid].get("keys") or ())
+    for key in sorted(keys):
+        after = store.sweep(key, revoked=set(task_ids))
+        fence = (after or {}).get("fence")
+        for tid in task_ids:
+            run = {"t": tid, "n": parked[tid].get("task_name")}
+            store.record_run_ending(key, "revoked", run, fence=fence if isinstance(fence, int) else None)
+    reason = f"dropped from the queue of {info.key!r} by celery mongolock"
+    for tid in task_ids:
+        if has_backend(app):
+            app.backend.mark_as_revoked(tid, reason)
+    told = _revoke(app, task_ids)
+    store.flush_history(timeout=5.0)
+    return [
+        f"dropped {parked[tid].get('task_name')}[{tid}] from {info.key!r}: REVOKED{told}" for tid in task_ids
+    ]
+
+
+def _revoke(app: Celery, task_ids: Sequence[str]) -> str:
+    """Tell the workers to revoke ``task_ids`` (one broadcast): empty, or why it could not be told."""
+    try:
+        with app.connection_for_write() as connection:
+            connection.ensure_connection(max_retries=2)
+            app.control.revoke(list(task_ids), connection=connection)
+    except Exception as exc:  # the broker is away: the runs are out of the queue all the same
+        return (
+            f" (the workers were not told to revoke it: {type(exc).__name__}; a copy in flight may still run)"
+        )
+    return ""
