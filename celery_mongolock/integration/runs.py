@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from celery import states as celery_states
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
+from celery.exceptions import Retry as RetryTask
 from kombu.exceptions import OperationalError
 
 from celery_mongolock.admission.contention import ContendedRun, SingletonRun
@@ -318,3 +320,46 @@ def retry_patiently(task: GuardedRun, celery_retry: Callable[..., Any], options:
             redact(str(reason)),
         )
         raise reason from None
+
+
+def retry_later(task: GuardedRun, policy: Any, exc: Exception, *, rate_parks: int = 0) -> NoReturn:
+    """A contention retry (``SingletonTask.mongolock_retry_later``): publish the run again after
+    ``policy``'s backoff (a ``Retry``), its send stamp kept; the task's own ``retries`` budget is not used.
+    ``rate_parks``: how many of its earlier retries were waits for a rate (not contention)."""
+    request = task.request
+    name = getattr(task, "name", "?")
+    if handoff_of_an_attempt_that_ran(task):
+        # A stale handoff copy of an attempt whose body ran: its RETRY would hide that (see there).
+        log_acquire.info("%s[%s]: %s; a stale handoff copy, dropped", name, request.id, exc)
+        ignored_as(request.id, "is a stale handoff copy of an attempt that ran: this copy is dropped")
+        raise Ignore()
+    headers = dict(request.headers or {})
+    attempt = int(headers.get(CONTENTION_HEADER) or 0)
+    if policy.exhausted(attempt - rate_parks):  # (waits for a rate are not contention)
+        log_acquire.info("%s[%s]: giving up after %d contention retries", name, request.id, attempt)
+        raise exc
+    countdown = policy.delay(attempt)
+    headers[CONTENTION_HEADER] = attempt + 1
+    headers.setdefault(CONTENDED_SINCE_HEADER, int(time.time() * 1000))
+    signature = task.signature_from_request(request, countdown=countdown, headers=headers)
+    republish(task, signature, "contention retry")
+    # One INFO line per contention: Celery's own "Task ...[id] retry: <message>" carries the key, the
+    # holder and the policy; ours is for debugging only.
+    message = f"{exc}; policy {policy.name}: contention retry {attempt + 1} in {countdown:.2f}s"
+    in_force = _policy_in_force(task)
+    if in_force is not None and in_force.queued and isinstance(exc, StoreUnavailable):
+        # A Queue/Replace run that could not park: it comes back as itself, in its place (its send stamp).
+        message = (
+            f"{exc}; policy {in_force.name}: not parked, MongoDB did not answer; tried again as a "
+            f"{in_force.name} run in {countdown:.2f}s (attempt {attempt + 1}), its place in send order kept"
+        )
+    log_acquire.debug("%s[%s]: %s", name, request.id, message)
+    raise RetryTask(message=message, exc=exc, when=countdown, sig=signature)
+
+
+def _policy_in_force(task: GuardedRun) -> Any:
+    options = getattr(task, "mongolock_options", None)
+    try:
+        return options().on_contention if callable(options) else None
+    except Exception:  # (the message only)
+        return None

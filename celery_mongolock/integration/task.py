@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
@@ -33,7 +32,6 @@ from billiard.exceptions import WorkerLostError
 from celery import Celery, Task, shared_task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore
-from celery.exceptions import Retry as RetryTask
 
 from celery_mongolock.admission.limits import limits_by_key
 from celery_mongolock.admission.policies import (
@@ -74,12 +72,10 @@ from celery_mongolock.integration.options import (
 from celery_mongolock.integration.rate_gate import pass_rate, rate_parks_of
 from celery_mongolock.integration.reentrant import end_holds, joined, note_taken, reentered
 from celery_mongolock.integration.runs import (
-    CONTENDED_SINCE_HEADER,
     CONTENTION_HEADER,
     give_back_quietly,
-    handoff_of_an_attempt_that_ran,
     ignored_as,
-    republish,
+    retry_later,
     retry_patiently,
     unavailable,
 )
@@ -432,27 +428,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def mongolock_retry_later(self, policy: Retry, exc: Exception) -> NoReturn:
         """Publish this run again after a backoff; the task's own ``retries`` budget is not used."""
-        request = self.request
-        if handoff_of_an_attempt_that_ran(self):
-            # A stale handoff copy of an attempt whose body ran: its RETRY would hide that (see there).
-            log_acquire.info("%s[%s]: %s; a stale handoff copy, dropped", self.name, request.id, exc)
-            ignored_as(request.id, "is a stale handoff copy of an attempt that ran: this copy is dropped")
-            raise Ignore()
-        headers = dict(request.headers or {})
-        attempt = int(headers.get(CONTENTION_HEADER) or 0)
-        if policy.exhausted(attempt - rate_parks_of(request)):  # (waits for a rate are not contention)
-            log_acquire.info("%s[%s]: giving up after %d contention retries", self.name, request.id, attempt)
-            raise exc
-        countdown = policy.delay(attempt)
-        headers[CONTENTION_HEADER] = attempt + 1
-        headers.setdefault(CONTENDED_SINCE_HEADER, int(time.time() * 1000))
-        signature = self.signature_from_request(request, countdown=countdown, headers=headers)
-        republish(self, signature, "contention retry")
-        # One INFO line per contention: Celery's own "Task ...[id] retry: <message>" carries the key, the
-        # holder and the policy; ours is for debugging only.
-        message = f"{exc}; policy {policy.name}: contention retry {attempt + 1} in {countdown:.2f}s"
-        log_acquire.debug("%s[%s]: %s", self.name, request.id, message)
-        raise RetryTask(message=message, exc=exc, when=countdown, sig=signature)
+        retry_later(self, policy, exc, rate_parks=rate_parks_of(self.request))
 
 
 class SingletonRequest(ChildWatchedRequest):
