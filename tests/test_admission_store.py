@@ -589,3 +589,23 @@ def test_an_admit_retried_after_its_reply_was_lost_keeps_its_fence_ahead_of_a_ru
     finally:
         first.close()
         other.close()
+
+
+def test_results_are_claimed_by_one_writer_at_a_time(store: LeaseStore) -> None:
+    # The run that superseded a parked run and the sweepers of every node may all find it in ``sup``: only
+    # one of them claims it (a run with callbacks must be ended once); a claim whose writer died is taken
+    # over after its hold.
+    holder = store.acquire(KEY, 60)
+    assert holder is not None
+    for stamp in (1, 2, 3):
+        assert store.admit(KEY, entry(stamp), replace=True)[1]["lo"] == "parked"
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert sorted(e["t"] for e in doc["sup"]) == ["task-1", "task-2"]
+    assert store.claim_results(KEY, "sup", ["task-1", "task-2"]) == {"task-1", "task-2"}
+    assert store.claim_results(KEY, "sup", ["task-1", "task-2"]) == set()  # held by the first claim
+    assert store.claim_results(KEY, "sup", ["task-1"], hold=0.0) == {"task-1"}  # a dead writer's, taken over
+    assert (
+        store.claim_results(KEY, "sup", ["nobody"]) == set() and store.claim_results(KEY, "sup", []) == set()
+    )
+    store.forget_results(KEY, "sup", ["task-1", "task-2"])
+    assert (store.collection.find_one({"_id": KEY}) or {}).get("sup") in (None, [])

@@ -98,6 +98,12 @@ class ParkedRuns:
         """Whether ``key`` knows an attempt of ``task_id`` after ``retries`` (``QueueUpkeep``)."""
         return self.queue.later_attempt(key, task_id, retries)
 
+    def claim_results(
+        self, key: str, field: str, task_ids: _Collection[str], *, hold: float = 30.0
+    ) -> set[str]:
+        """Claim entries of ``dead`` or ``sup`` before writing their results (``QueueUpkeep``)."""
+        return self.queue.claim_results(key, field, task_ids, hold=hold)
+
     def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written
         (``QueueUpkeep.forget_results``)."""

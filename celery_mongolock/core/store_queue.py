@@ -422,6 +422,42 @@ class QueueUpkeep:
             doc = connection.collection.find_one({"_id": key}, LATER_ATTEMPT_PROJECTION)
         return later_attempt_known(doc, task_id, retries)
 
+    def claim_results(
+        self, key: str, field: str, task_ids: Collection[str], *, hold: float = 30.0
+    ) -> set[str]:
+        """Claim the entries of ``dead`` or ``sup`` for ``task_ids`` whose results this process is about to
+        write (one command): returns the task ids it got. An entry claimed by another writer less than
+        ``hold`` seconds ago (server clock) is not given: two writers (the run that superseded it, the
+        sweepers of other nodes) never end one run twice. A claim older than that is taken over (its
+        writer died between its claim and ``forget_results``)."""
+        if field not in ("dead", "sup"):
+            raise ValueError(field)
+        ids = builtins.list(task_ids)
+        if not ids:
+            return set()
+        token = uuid.uuid4().hex
+        entries = {"$ifNull": [f"${field}", []]}
+        free = {
+            "$or": [
+                {"$eq": [{"$ifNull": ["$$e.cl", None]}, None]},
+                {"$lte": [{"$add": [{"$toLong": "$$e.cl.at"}, int(hold * 1000)]}, {"$toLong": "$$NOW"}]},
+            ]
+        }
+        mine = {"$mergeObjects": ["$$e", {"cl": {"tk": token, "at": "$$NOW"}}]}
+        claim = {"$cond": [{"$and": [{"$in": ["$$e.t", ids]}, free]}, mine, "$$e"]}
+        connection = self.store.connection
+        with connection.operation(f"claim results of {key!r}"):
+            doc = connection.collection.find_one_and_update(
+                {"_id": normalize_key(key)},
+                [{"$set": {field: {"$map": {"input": entries, "as": "e", "in": claim}}}}],
+                projection={f"{field}.t": 1, f"{field}.cl": 1},
+                return_document=ReturnDocument.AFTER,
+            )
+        got = (doc or {}).get(field) or []
+        return {
+            str(e.get("t")) for e in got if isinstance(e, Mapping) and (e.get("cl") or {}).get("tk") == token
+        }
+
     def forget_results(self, key: str, field: str, task_ids: Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written. The runs of ``dead``
         (parked past their deadline) are remembered as over (``seen``): a late copy of one of their

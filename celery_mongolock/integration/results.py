@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from celery_mongolock.exceptions import QueueTimeout, Superseded
+from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable, Superseded
 from celery_mongolock.integration import signals
 from celery_mongolock.integration.superseded import SupersededResult
 
@@ -131,11 +131,8 @@ def write_superseded(
     accepts are written now (the others stay in ``sup``: the run itself, after writing ``QUEUED``, or the
     sweeper writes them)."""
     done = []
-    left = []
-    for entry in entries:
-        if ready is not None and not ready(str(entry["t"])):
-            left.append(entry)
-            continue
+    left = [e for e in entries if ready is not None and not ready(str(e["t"]))]
+    for entry in _claimed(store, key, "sup", [e for e in entries if e not in left]):
         by, keys = str(entry.get("by")), entry.get("ks") or None
         if publish is not None and publish(key, entry, superseded_ending(key, by, keys)):
             pass  # ended by a worker from its message: its callbacks, chain and chord go on
@@ -167,6 +164,27 @@ def write_superseded(
     return left
 
 
+def _claimed(
+    store: LeaseStore, key: str, field: str, entries: list[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """The entries this process claimed (``LeaseStore.claim_results``): the run that superseded them and
+    the sweepers of every node may find them at once, and a run with callbacks must be ended once. None
+    when MongoDB does not answer (the sweeper writes them later)."""
+    if not entries:
+        return []
+    try:
+        got = store.claim_results(key, field, [str(e["t"]) for e in entries])
+    except StoreUnavailable as exc:
+        log.warning(
+            "could not claim the results of %d run(s) of %r (the sweeper writes them): %s",
+            len(entries),
+            key,
+            exc,
+        )
+        return []
+    return [e for e in entries if str(e["t"]) in got]
+
+
 def marked_queued(app: Celery) -> Callable[[str], bool]:
     """``ready`` for ``write_superseded``: the run has written its state ``QUEUED`` already."""
     return lambda task_id: state_of(app, task_id) == QUEUED
@@ -189,7 +207,7 @@ def write_timed_out(
     each gets a history record (``timeout``; ``fence``: the key's). ``publish``: as for
     ``write_superseded``."""
     done = []
-    for entry in entries:
+    for entry in _claimed(store, key, "dead", entries):
         at = entry.get("at")
         reason = "parked past its Queue(timeout=...)"
         if isinstance(at, _dt.datetime):
