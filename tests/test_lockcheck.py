@@ -330,7 +330,7 @@ def test_a_superseded_holders_write_after_its_notice_is_reported() -> None:
 
 def test_a_linked_run_s_callback_must_be_called_with_its_result() -> None:
     sup = {"mongolock": "superseded", "key": RKEY, "by": "C"}
-    tasks = {
+    tasks: dict[str, dict[str, Any]] = {
         "A": {"task": lockcheck.REPLACE_TASK, "state": "SUCCESS", "result": {"op": "a"}, "link": True},
         "B": {"task": lockcheck.REPLACE_TASK, "state": "SUCCESS", "result": sup, "link": True},
         "C": {"task": lockcheck.REPLACE_TASK, "state": "SUCCESS", "result": {"op": "c"}},  # no link
