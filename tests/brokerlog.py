@@ -92,6 +92,16 @@ class BrokerLog:
         _, after, before = steps[-1]
         return last_tag, after, before
 
+    def last_copy_removed(self, task_id: str) -> str | None:
+        """The tag of the task's last message copy when its last step is its removal from the
+        unacknowledged set (with no push after it), else None."""
+        tags = self.by_task.get(task_id) or []
+        if not tags:
+            return None
+        last_tag = max(tags, key=lambda t: self._last_push.get(t, -1))
+        steps = self.steps[last_tag]
+        return last_tag if steps and steps[-1][0] == "remove" else None
+
     def __post_init__(self) -> None:
         self._last_push: dict[str, int] = {}
 

@@ -153,6 +153,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -3415,7 +3416,13 @@ def recovery_times(faults: list[Doc], events: list[Doc]) -> dict[str, Doc]:
 
 
 def lost_by_broker(
-    task_id: str, where: str | None, log: brokerlog.BrokerLog | None, faults: list[Doc], *, start: float
+    task_id: str,
+    where: str | None,
+    log: brokerlog.BrokerLog | None,
+    faults: list[Doc],
+    *,
+    start: float,
+    unrestored: Iterable[str] = (),
 ) -> str | None:
     """Why the broker, not the library, lost an unfinished task's message, when the broker's own record
     proves it; None otherwise (and the task stays a violation).
@@ -3431,9 +3438,23 @@ def lost_by_broker(
     - a fault that cuts a consumer off (``kill-node``, ``broker-restart``) happened after the clock mark
       before that pop and no later than the clock mark after it plus the longest pop-to-record time that
       the file shows for the messages that were recorded in this run (measured, not assumed).
+
+    Or, a second way the same transport loses a message: a restore (a worker's ``reject(requeue=True)``
+    or its shutdown) that fails with an error other than a connection error (a channel closed under it by
+    a broker restart) is logged at CRITICAL, "Could not restore message", and its transaction still removes
+    the message from the unacknowledged set without pushing it back (``kombu.transport.redis``,
+    ``Channel._do_restore_message``). Proven only when the task's id is in such a line of a node's log
+    (``unrestored``) and the file shows its last copy's last step is that removal, with no push after.
     """
     if where != "nowhere" or log is None:
         return None
+    removed = log.last_copy_removed(task_id)
+    if removed is not None and task_id in unrestored:
+        return (
+            f"message {removed} removed from the unacknowledged set by a restore that failed: kombu's Redis "
+            "transport logged 'Could not restore message' for it (a node's log) and never pushed it back "
+            f"(broker append-only file, {log.commands} commands)"
+        )
     popped = log.last_pop_unrecorded(task_id)
     if popped is None:
         return None
@@ -3454,6 +3475,20 @@ def lost_by_broker(
         f"{float(cut['t']) - start:.2f}s, within the longest pop-to-record time measured in this run "
         f"({log.max_pop_to_record_s:.2f}s)"
     )
+
+
+_UNRESTORED = re.compile(r"Could not restore message: .*?'id': '([0-9a-f-]{36})'")
+
+
+def unrestored_task_ids(workdir: Path) -> set[str]:
+    """The task ids of the messages kombu's Redis transport logged it could not restore ("Could not
+    restore message", CRITICAL) in the worker nodes' logs of ``workdir``."""
+    found: set[str] = set()
+    for path in workdir.glob("*@*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "Could not restore message" in line:
+                found.update(_UNRESTORED.findall(line))
+    return found
 
 
 def broker_steps(log: brokerlog.BrokerLog, task_id: str, start: float) -> list[str]:
@@ -5738,6 +5773,7 @@ class Run:
                 and e.get("task_id") in waiting
             ):
                 worker_events[e["task_id"]].append(e)
+        unrestored = unrestored_task_ids(self.dir) if waiting else set()
         for task_id, info in waiting.items():
             try:
                 state = backend.get_task_meta(task_id)["status"]
@@ -5745,7 +5781,9 @@ class Run:
                 state = f"unknown: {exc!r}"
             states[task_id] = {**info, "state": state, "result": None, "message": where.get(task_id)}
             place = where.get(task_id)
-            lost = lost_by_broker(task_id, place, broker_log, self.faults, start=self.start_mono)
+            lost = lost_by_broker(
+                task_id, place, broker_log, self.faults, start=self.start_mono, unrestored=unrestored
+            )
             if lost:
                 states[task_id]["lost_by_broker"] = lost
             elif broker_log is not None:

@@ -465,6 +465,42 @@ def test_lost_by_the_broker_only_when_its_own_log_proves_it(tmp_path: Path) -> N
     assert not lost("nowhere", [crash], None)
 
 
+def test_a_message_removed_by_a_failed_restore_is_the_broker_s_loss_only_with_both_proofs(
+    tmp_path: Path,
+) -> None:
+    # kombu's Redis transport logs "Could not restore message" (CRITICAL) when a restore fails with an
+    # error that is not a connection error, and its transaction still removes the message from the
+    # unacknowledged set without pushing it back.
+    restored_away = (
+        _mark(10.0), _resp("LPUSH", "celery", _message("t", "d1")), _resp("RPOP", "celery"),
+        _mark(10.1), _recorded("t", "d1"),
+        _mark(12.0), _resp("HDEL", "unacked", "d1"),
+        _mark(12.1),
+    )  # fmt: skip
+    log = _aof(tmp_path, *restored_away)
+
+    def lost(where: str, unrestored: set[str], log: Any = log) -> bool:
+        return lockcheck.lost_by_broker("t", where, log, [], start=0.0, unrestored=unrestored) is not None
+
+    assert lost("nowhere", {"t"})
+    assert not lost("nowhere", set())  # no such line in a node's log: an acknowledgement, not this
+    assert not lost("unacked", {"t"})  # still somewhere
+    # Pushed back after the removal: restored after all.
+    assert not lost(
+        "nowhere", {"t"}, _aof(tmp_path, *restored_away, _resp("RPUSH", "celery", _message("t", "d1")))
+    )
+    # The node log's line names the task id of the message it could not restore.
+    node = tmp_path / "n3@lockcheck.log"
+    node.write_text(
+        "[2026-11-28 14:25:33,961: CRITICAL/MainProcess] Could not restore message: {'body': 'W1s=', "
+        "'headers': {'lang': 'py', 'task': 'lockcheck.rmw_queue', "
+        "'id': '71683f65-1997-4b0d-893e-7417868a921c'}}\n"
+        "[2026-11-28 14:25:34,000: INFO/MainProcess] Task lockcheck.rmw[11111111-1111-1111-1111-111111111111]"
+        " received\n"
+    )
+    assert lockcheck.unrestored_task_ids(tmp_path) == {"71683f65-1997-4b0d-893e-7417868a921c"}
+
+
 @pytest.mark.timeout(lockcheck.DRAIN_GUARD_S + 2 * lockcheck.START_GUARD_S)
 def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     seed = int(os.environ.get("LOCKCHECK_SEED", "1"))
