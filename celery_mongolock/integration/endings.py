@@ -29,8 +29,8 @@ from celery import Celery, states
 from celery.exceptions import Ignore
 
 from celery_mongolock.exceptions import QueueTimeout, Superseded
-from celery_mongolock.integration import config, lanes, results
-from celery_mongolock.integration.handoff import ENDED_HEADER, publish_patiently, transient_headers_dropped
+from celery_mongolock.integration import config, results
+from celery_mongolock.integration.handoff import ENDED_HEADER, publish_through_lane, transient_headers_dropped
 from celery_mongolock.integration.trust import RefusedEntry, check_entry
 
 __all__ = [
@@ -115,7 +115,7 @@ def publish_ending(
         return True
     headers = transient_headers_dropped(signature.options.get("headers"))
     headers[ENDED_HEADER] = dict(ending)
-    _publish(app, signature, headers)
+    publish_through_lane(app, signature, headers, ENDED_HEADER, lane=True)
     log.info(
         "%s[%s] on %r ends %s without its body: its message is published again to end it through Celery, "
         "which calls its callbacks and completes its chain or chord",
@@ -149,19 +149,5 @@ def publish_own_ending(task: Any, request: Any, ending: Mapping[str, Any]) -> bo
         return False
     headers = transient_headers_dropped(getattr(request, "headers", None))
     headers[ENDED_HEADER] = {**ending, "terminated": True}
-    _publish(task.app, task.signature_from_request(request), headers)
+    publish_through_lane(task.app, task.signature_from_request(request), headers, ENDED_HEADER, lane=True)
     return True
-
-
-def _publish(app: Celery, signature: Any, headers: dict[str, Any]) -> None:
-    """Publish ``signature`` with ``headers`` to its queue's handoff lane (or its queue): it does not wait
-    behind the broker's backlog."""
-    lane = lanes.lane_of(app, signature.options)
-    if lane is None or not lanes.publish_to_lane(
-        signature,
-        headers,
-        ENDED_HEADER,
-        lane,
-        lambda **options: publish_patiently(app, signature, **options),
-    ):
-        publish_patiently(app, signature, headers=headers)

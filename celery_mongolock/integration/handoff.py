@@ -56,6 +56,7 @@ __all__ = [
     "install_publisher",
     "message_of",
     "publish_patiently",
+    "publish_through_lane",
     "refuse",
     "send_stamp",
     "transient_headers_dropped",
@@ -244,15 +245,7 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: Leas
     # The signature carries the run's task id, routing, links and retries; only the headers change, and
     # the handoff goes to the run's queue's lane (``lanes``): it does not wait behind the backlog. When
     # handed again, every other attempt goes to the queue itself (a lane nobody consumes).
-    lane = lanes.lane_of(app, signature.options) if int(entry.get("hn") or 1) % 2 == 1 else None
-    if lane is None or not lanes.publish_to_lane(
-        signature,
-        headers,
-        HANDOFF_HEADER,
-        lane,
-        lambda **options: publish_patiently(app, signature, **options),
-    ):
-        publish_patiently(app, signature, headers=headers)
+    publish_through_lane(app, signature, headers, HANDOFF_HEADER, lane=int(entry.get("hn") or 1) % 2 == 1)
     signals.run_handed_off.send(
         sender=None,
         app=app,
@@ -270,6 +263,19 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: Leas
         entry.get("hn"),
     )
     return True
+
+
+def publish_through_lane(
+    app: Celery, signature: Any, headers: dict[str, Any], header: str, *, lane: bool
+) -> None:
+    """Publish ``signature`` with ``headers`` (``header``: the one that carries its own routing) to its
+    queue's handoff lane (``lanes``), or to its queue when ``lane`` is False, the app has no lane for it,
+    or the broker refused the lane."""
+    found = lanes.lane_of(app, signature.options) if lane else None
+    if found is None or not lanes.publish_to_lane(
+        signature, headers, header, found, lambda **options: publish_patiently(app, signature, **options)
+    ):
+        publish_patiently(app, signature, headers=headers)
 
 
 def publish_again(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseStore | None = None) -> None:
