@@ -69,7 +69,7 @@ from celery_mongolock.config import get_store
 from celery_mongolock.core.documents.rate import RateWindow
 from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.core.store_rate import RateWindows
-from celery_mongolock.integration.handoff import HANDOFF_HEADER
+from celery_mongolock.integration.handoff import HANDOFF_HEADER, REPUBLISH_RETRY_POLICY
 from celery_mongolock.lease import LeaseSet
 from celery_mongolock.task import DUPLICATE_HEADER
 
@@ -105,6 +105,11 @@ app.conf.update(
     # the default, a run that did its work ends FAILURE (ConnectionError) when its result cannot be stored.
     result_backend_always_retry=True,
     result_backend_max_retries=60,
+    # A link callback or a chain's next step is published by Celery's trace after the body returns, with
+    # this policy (about 0.6 s of retries by default); given up, the run ends FAILURE (OperationalError)
+    # although its body ran. Ridden over a broker restart like the library's own publishes (ci9: a linked
+    # Replace run that ended during a Redis restart).
+    task_publish_retry_policy=dict(REPUBLISH_RETRY_POLICY),
     worker_hijack_root_logger=False,
     worker_prefetch_multiplier=1,
     task_acks_late=True,
