@@ -253,6 +253,11 @@ REPLACE_TASKS = (REPLACE_TASK, REPLACE_CANCEL_TASK)
 LINK_SHARE = 0.5
 #: How long the drain waits for a callback with no new one called meanwhile (``Run._wait_for_links``).
 LINK_QUIET_S = 60.0
+#: The share of the workload's ``Queue`` runs (``PRIORITY_TASKS``) sent with a Celery ``priority`` (one of
+#: ``PRIORITIES``): they are handed their keys ahead of runs of a lower priority parked earlier
+#: (``integration.priority``), which the send-order check judges by (rank, stamp) (``queue_order``).
+PRIORITY_SHARE = 0.3
+PRIORITIES = (0, 3, 6, 9)
 QUEUED_TASKS = {
     QUEUE_TASK: "queue",
     REPLACE_TASK: "replace",
@@ -262,6 +267,8 @@ QUEUED_TASKS = {
     MIN_HOLD_TASK: "queue",
     MULTI_LIMIT_QUEUE_TASK: "queue",
 }
+#: The ``Queue`` tasks whose random sends may carry a priority (``PRIORITY_SHARE``).
+PRIORITY_TASKS = frozenset(QUEUED_TASKS) - {REPLACE_TASK, REPLACE_CANCEL_TASK}
 #: Per kind of key (``key_policy``), the Queue task whose runs on it are checked for send order.
 ORDERED_BY_KEY = {
     "queue": (QUEUE_TASK,),
@@ -2908,18 +2915,19 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                     if other is None and peer.get("task") in SEND_ORDER_PEERS:
                         other = peer  # a several-keys Replace run of another set: it keeps its place
                     if other is not None and (other.get("task") in ordered or other is peer):
-                        if int(other["stamp"]) < int(task["stamp"]):
-                            continue  # an older run goes first
+                        if queue_order(other) < queue_order(task):
+                            continue  # a run ahead of it goes first: older, or of a higher priority
                         kind = "inversion"
                     else:
                         kind = "barged"
                     found.append(
                         Violation(
                             kind,
-                            f"{key}: {task_id} (stamp {task['stamp']}) was parked (fence {parked}) and "
+                            f"{key}: {task_id} (stamp {task['stamp']}{_rank_text(task)}) was "
+                            f"parked (fence {parked}) and "
                             f"not yet given the key ({granted if granted is not None else 'never'}) "
                             f"when {g.who} got it (fence {g.fence}"
-                            + (f", stamp {other['stamp']})" if other is not None else ")"),
+                            + (f", stamp {other['stamp']}{_rank_text(other)})" if other is not None else ")"),
                         )
                     )
         elif policy == "replace":
@@ -2942,6 +2950,16 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                 if (tid, key) in first_grant:
                     newer_first = min(first_grant[tid, key], newer_first or first_grant[tid, key])
     return found
+
+
+def _rank_text(task: Doc) -> str:
+    return f", rank {task['rank']}" if task.get("rank") else ""
+
+
+def queue_order(task: Doc) -> tuple[int, int]:
+    """A submitted run's place in its keys' queues: its rank (its priority as its broker orders it,
+    ``integration.priority``), then its send stamp."""
+    return int(task.get("rank") or 0), int(task["stamp"])
 
 
 def check_cancel(history: History) -> list[Violation]:
@@ -3060,18 +3078,21 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         for g in items:
             if g.task_id in tasks:
                 first_grant[g.task_id] = min(first_grant.get(g.task_id, g.fence), g.fence)
-    # Queue runs of one key that started out of send order: each such pair, by an older run that was
-    # parked only after the newer one got the key ("late": still in a broker or prefetch buffer).
-    late = 0
-    by_key: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    # Queue runs of one key that started out of their queue's order (rank, then send order): each such
+    # pair, by a run that was parked only after the other one got the key ("late": still in a broker or
+    # prefetch buffer). And the pairs in which a newer send of a higher priority got the key first.
+    late = overtakes = 0
+    by_key: dict[str, list[tuple[tuple[int, int], str]]] = defaultdict(list)
     for tid, t in tasks.items():
         if t.get("task") == QUEUE_TASK and tid in first_grant:
-            by_key[str(t["key"])].append((int(t["stamp"]), tid))
+            by_key[str(t["key"])].append((queue_order(t), tid))
     for runs in by_key.values():
         runs.sort()
-        for (_sa, a), (_sb, b) in itertools.combinations(runs, 2):
-            if first_grant[a] > first_grant[b]:
+        for (oa, a), (ob, b) in itertools.combinations(runs, 2):
+            if oa[0] == ob[0] and first_grant[a] > first_grant[b]:
                 late += 1
+            elif oa[0] < ob[0] and oa[1] > ob[1] and first_grant[a] < first_grant[b]:
+                overtakes += 1
     superseded = [
         t
         for t in tasks.values()
@@ -3091,6 +3112,8 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         "superseded": len(superseded),
         "superseded_after_a_cut_run": sum(1 for t in superseded if t.get("op") in applied_ops),
         "late_pairs": late,
+        "sent_with_priority": sum(1 for t in history.tasks.values() if t.get("priority") is not None),
+        "priority_overtakes": overtakes,
         "limit_queued": queued_kind_figures(history, LIMIT_QUEUE_TASK, faults),
         "limit_held": queued_kind_figures(history, MIN_HOLD_TASK, faults),
         "multi_limit_queued": queued_kind_figures(history, MULTI_LIMIT_QUEUE_TASK, faults),
@@ -3597,7 +3620,9 @@ def unmet_coverage(report: Doc) -> list[str]:
       directed key (all N slots of the ``limit=N`` key) until the lease document shows the whole burst
       waiting there, then lets go, and every run of the bursts ends: ``Queue`` runs parked and handed the
       key one after another (each release hands it to the next: ``QUEUE_BURST - 1`` handoffs at least,
-      their first messages published to the queue's handoff lane),
+      their first messages published to the queue's handoff lane; the last one sent, of the highest
+      priority, first: ``QUEUE_BURST - 1`` pairs in which a newer send of a higher priority got the key
+      first),
       ``Replace`` runs superseded, ``Queue`` runs of the ``limit=N`` key parked and handed slots,
       several-keys ``Queue`` runs parked on a key and handed both; the gate held all N slots at once;
     - the per-key-limit burst (``Run._multi_limit_stages``): a gate holds its ``k`` key until every run of
@@ -3650,6 +3675,11 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(queued["handoffs"] >= QUEUE_BURST - 1, "the Queue burst handed the key on", queued)
     claim(
         queued["lane_handoffs"] >= 1, "a handed run's message came through its queue's handoff lane", queued
+    )
+    claim(
+        queued["priority_overtakes"] >= QUEUE_BURST - 1,
+        "the Queue burst's last send, of the highest priority, handed the key before the older runs",
+        queued,
     )
     claim(queued["replace_submitted"] >= REPLACE_BURST, "the Replace burst sent", queued)
     claim(queued["superseded"] >= REPLACE_BURST - 1, "the Replace burst superseded", queued)
@@ -4158,6 +4188,7 @@ class Run:
         self._unique_gates = 0
         self.rate_rng = random.Random(cfg.seed * 7919 + 33)
         self.link_rng = random.Random(cfg.seed * 7919 + 34)
+        self.priority_rng = random.Random(cfg.seed * 7919 + 35)
         self._rate_gates = 0
         self._rate_info: Doc | None = None
         #: What the directed rate burst showed (``_rate_directed``).
@@ -4536,6 +4567,7 @@ class Run:
         die: bool = False,
         deaf: bool = False,
         link: bool = False,
+        priority: int | None = None,
     ) -> str | None:
         """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time while it has
         fewer than ``SKEWED_MAX_BACKLOG`` waiting; ``linger``: see ``_lingering``; ``die``: see
@@ -4554,6 +4586,14 @@ class Run:
         if deaf:
             kwargs["deaf"] = True
         options: Doc = {}
+        rank = 0
+        random_send = priority is None and queue is None and name in PRIORITY_TASKS
+        if random_send and self.priority_rng.random() < PRIORITY_SHARE:
+            priority = self.priority_rng.choice(PRIORITIES)
+        if priority is not None:
+            options["priority"] = priority
+            # Its place on its keys, as the library ranks it: Redis serves a lower number first.
+            rank = priority if self.cfg.broker == "redis" else -priority
         if link:  # (its callback names it: its task id is chosen here)
             options["task_id"] = str(uuid.uuid4())
             options["link"] = self.capp.signature("lockcheck.linked", args=(options["task_id"],))
@@ -4572,6 +4612,7 @@ class Run:
             "op": op, "task": name, "queue": queue, "at_s": at_s, "t": t_sent, "key": key, "stamp": stamp,
             **({"keys": list(keys)} if keys else {}), **({"die": True} if die else {}),
             **({"link": True} if link else {}),
+            **({"priority": options["priority"], "rank": rank} if "priority" in options else {}),
         }  # fmt: skip
         return str(result.id)
 
@@ -4731,7 +4772,19 @@ class Run:
         }.get(kind, ("l", LIMIT_QUEUE_TASK))
         key = key_for(DIRECTED_KEY + (2 if kind == "limit-held" else 0), epoch, letter)
         gate = self._gate_take(key, slots=LIMIT if letter == "l" else 1)
-        ids = [self._submit(name, key, f"directed-{kind}-{i}", queue="celery") for i in range(n)]
+        # The Queue burst: its last run is sent with the highest priority, the others with the lowest (as
+        # the broker means them), so it is handed the key first once the gate lets go.
+        low, high = (9, 0) if self.cfg.broker == "redis" else (0, 9)
+        ids = [
+            self._submit(
+                name,
+                key,
+                f"directed-{kind}-{i}",
+                queue="celery",
+                priority=(high if i == n - 1 else low) if kind == "queue" else None,
+            )
+            for i in range(n)
+        ]
         return key, gate, [t for t in ids if t]
 
     def directed(self) -> None:
@@ -6098,7 +6151,9 @@ def format_report(report: Doc) -> str:
         "  queued runs: Queue {queue_submitted}, Replace {replace_submitted}; parked {parked}, "
         "handoffs {handoffs} ({lane_handoffs} received through a lane), superseded {superseded} "
         "({superseded_after_a_cut_run} after a run cut "
-        "short), pairs run out of send order by a late arrival {late_pairs}; admissions {admissions}; "
+        "short), pairs run out of send order by a late arrival {late_pairs}; runs sent with a priority "
+        "{sent_with_priority} (pairs in which a newer send of a higher priority got the key first "
+        "{priority_overtakes}); admissions {admissions}; "
         "Replace runs with a link callback that ended {linked_runs} ({linked_superseded} superseded; "
         "callbacks called twice {links_called_twice})".format_map(defaultdict(int, report["queued"])),
         "  faults that found queued runs parked or hit a queued key's holder: "

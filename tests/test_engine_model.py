@@ -126,16 +126,24 @@ class Run:
     past_deadline: bool = False  # parked past its Queue(timeout=...): it must never be handed the key
     due: bool = True  # Replace(debounce=...): False until its debounce is over (then it may start)
     g: str | None = None  # its set of keys (``SET_KEYS``)
+    pr: int = 0  # its rank (its message priority as the broker orders it): lower first in the key's queue
 
     @property
     def rid(self) -> str:
         return f"{self.tid}/0"
 
-    def order(self) -> tuple[int, str]:
+    def order(self) -> tuple[int, int, str]:
+        """Its place in a key's queue: rank, then send order."""
+        return (self.pr, self.s, self.rid)
+
+    def sent(self) -> tuple[int, str]:
+        """Send order (supersession by a newer send of its set)."""
         return (self.s, self.rid)
 
     def entry(self) -> dict[str, Any]:
         e = {"id": self.rid, "t": self.tid, "n": "model", "r": "0", "s": self.s, "tk": self.tk, "m": b"m"}
+        if self.pr:
+            e["pr"] = self.pr
         if self.g is not None:  # a several-keys run: its set's signature and its keys
             e.update(g=self.g, ks=[self.key, f"other:{self.g}"])
         return e
@@ -167,7 +175,12 @@ class Hold:
 
 
 def before(a: Run, b: Run) -> bool:
+    """``a`` is ahead of ``b`` in a key's queue."""
     return a.order() < b.order()
+
+
+def sent_before(a: Run, b: Run) -> bool:
+    return a.sent() < b.sent()
 
 
 def in_order(q: list[Run], run: Run) -> list[Run]:
@@ -284,11 +297,11 @@ class KeyModel:
         (parked, or handed a slot not yet claimed: the slot is freed)."""
         if not self.sets:
             return
-        parked = [r for r in self.q if r.g == run.g and before(r, run)]
+        parked = [r for r in self.q if r.g == run.g and sent_before(r, run)]
         holds = [
             h
             for h in self.holds
-            if h.handed and h.run is not None and h.run.g == run.g and before(h.run, run)
+            if h.handed and h.run is not None and h.run.g == run.g and sent_before(h.run, run)
         ]
         for old in parked + [h.run for h in holds if h.run is not None]:
             old.state, old.superseded_by = "superseded", run.tid
@@ -653,24 +666,22 @@ class EngineMachine(RuleBasedStateMachine):
         return outcome, hold, km.fill()
 
     def _newer_than(self, km: KeyModel, run: Run) -> str:
-        """Who supersedes ``run`` (the engine's ``lo_by``): the last send that got the key, else the
-        (last) handed run, else the last parked run. It must be a newer send. (Sets: the newest newer send
-        of its set, the first of equals in the order ``lg``, parked, handed.)"""
+        """Who supersedes ``run`` (the engine's ``lo_by``, ``admit_stages.replace_fields``): the newest of
+        the newer sends the key knows, the first of equals in the order: the last send that got the key
+        (``last``), the parked runs, the handed ones (sets: of its own set, ``lg``, parked, handed)."""
         handed = [h.run for h in km.holds if h.handed and h.run is not None]
         if km.sets:
-            best: tuple[int, str] = (-1, "")
-            for s_, t in km.newer_of_set(run):
-                if s_ > best[0]:
-                    best = (s_, t)
-            by = best[1]
-        elif km.last_s > run.s:
-            by = km.last_t
-        elif any(r.s > run.s for r in handed):
-            by = handed[-1].tid
+            newer = km.newer_of_set(run)
         else:
-            by = km.q[-1].tid
-        newer = {r.tid for r in self.runs if r.key == km.name and r.s > run.s}
-        assert by in newer, f"{km.name}: {run.tid} (sent at {run.s}) would be superseded by {by}, not newer"
+            known = [(km.last_s, km.last_t)] + [(r.s, r.tid) for r in km.q + handed]
+            newer = [(s_, t) for s_, t in known if s_ > run.s and t != run.tid]
+        best: tuple[int, str] = (-1, "")
+        for s_, t in newer:
+            if s_ > best[0]:
+                best = (s_, t)
+        by = best[1]
+        sent_later = {r.tid for r in self.runs if r.key == km.name and r.s > run.s}
+        assert by in sent_later, f"{km.name}: {run.tid} (sent at {run.s}) would be superseded by {by}, not newer"
         return by
 
     @staticmethod
@@ -1058,26 +1069,39 @@ class EngineMachine(RuleBasedStateMachine):
         names = [f"{i}: {describe(item)}" for i, item in enumerate(items)]
         return items[names.index(data.draw(st.sampled_from(names), label=label))]
 
-    def _send_new(self, km: KeyModel, stamp: int, cap: int | None = None) -> None:
+    def _send_new(self, km: KeyModel, stamp: int, cap: int | None = None, pr: int = 0) -> None:
         run = Run(km.name, f"{km.name}-t{len(self.runs)}", stamp, due=not km.debounce)
         if km.sets:
             run.g = f"g{stamp % 2}"
+        if pr and not km.replace:  # (a Queue run's priority; a Replace run has none: integration.priority)
+            run.pr = pr
+            event("a run with a priority sent")
         self.runs.append(run)
         self.do_send(km, run, cap)
 
     @precondition(lambda self: len(self.runs) < MAX_RUNS)
-    @rule(data=st.data(), stamp=st.integers(0, 30), cap=st.one_of(st.none(), st.integers(1, 3)))
-    def send(self, data: st.DataObject, stamp: int, cap: int | None) -> None:
-        """A run sent (``cap``: its task's ``Queue(max_length=...)``)."""
-        self._send_new(self._key(data), stamp, cap)
+    @rule(
+        data=st.data(),
+        stamp=st.integers(0, 30),
+        cap=st.one_of(st.none(), st.integers(1, 3)),
+        pr=st.sampled_from([0, 0, -1, 1, -2]),
+    )
+    def send(self, data: st.DataObject, stamp: int, cap: int | None, pr: int) -> None:
+        """A run sent (``cap``: its task's ``Queue(max_length=...)``; ``pr``: its rank, lower first)."""
+        self._send_new(self._key(data), stamp, cap, pr)
 
     @precondition(lambda self: len(self.runs) < MAX_RUNS)
-    @rule(data=st.data(), stamps=st.lists(st.integers(0, 30), min_size=2, max_size=3))
-    def send_burst(self, data: st.DataObject, stamps: list[int]) -> None:
-        """Several runs of one key sent close together (their stamps in any order)."""
+    @rule(
+        data=st.data(),
+        stamps=st.lists(
+            st.tuples(st.integers(0, 30), st.sampled_from([0, 0, 1, -1])), min_size=2, max_size=3
+        ),
+    )
+    def send_burst(self, data: st.DataObject, stamps: list[tuple[int, int]]) -> None:
+        """Several runs of one key sent close together (their stamps and priorities in any order)."""
         km = self._key(data)
-        for stamp in stamps:
-            self._send_new(km, stamp)
+        for stamp, pr in stamps:
+            self._send_new(km, stamp, pr=pr)
 
     @precondition(lambda self: len(self.runs) < MAX_RUNS and bool(SET_KEYS & set(self.keys)))
     @rule(stamps=st.lists(st.integers(0, 30), min_size=3, max_size=5))

@@ -228,6 +228,26 @@ def test_a_newer_queued_run_before_a_parked_older_one_is_an_inversion() -> None:
     assert kinds(found) == {"inversion"} and "A (stamp 2)" in str(found[0]), found
 
 
+def test_a_newer_run_of_a_higher_priority_handed_the_key_first_is_no_inversion() -> None:
+    """B (newer, rank -9: priority 9 on RabbitMQ) is ahead of A (rank 0) in the key's queue."""
+    h = _queued_history(
+        _run("h", 10), _admit("A", "parked", 10), _admit("B", "parked", 10), _run("B", 11), _run("A", 12),
+        h=_queued("h", 1), A=_queued("A", 2), B={**_queued("B", 3), "priority": 9, "rank": -9},
+    )  # fmt: skip
+    assert lockcheck.check_queued(h, {}) == []
+    assert lockcheck.queued_figures(h)["priority_overtakes"] == 1
+    assert lockcheck.queued_figures(h)["late_pairs"] == 0
+
+
+def test_an_older_run_of_a_higher_priority_passed_over_is_an_inversion() -> None:
+    h = _queued_history(
+        _run("h", 10), _admit("A", "parked", 10), _admit("B", "parked", 10), _run("B", 11), _run("A", 12),
+        h=_queued("h", 1), A={**_queued("A", 2), "priority": 9, "rank": -9}, B=_queued("B", 3),
+    )  # fmt: skip
+    found = lockcheck.check_queued(h, {})
+    assert kinds(found) == {"inversion"} and "A (stamp 2, rank -9)" in str(found[0]), found
+
+
 def test_an_older_run_that_arrived_late_is_not_an_inversion() -> None:
     # B (newer) took the free key (11) before A's message reached a worker; A parked behind it (its park
     # reply shows fence 11) and ran next: late, not inverted.
@@ -957,7 +977,7 @@ def _covered() -> dict[str, Any]:
         "tasks": {"done": 31, "skewed_node_submitted": 0, "died_after_release": 3},
         "queued": {
             "queue_submitted": 7, "parked": 7, "handoffs": 6, "lane_handoffs": 6, "replace_submitted": 6,
-            "superseded": 5,
+            "superseded": 5, "priority_overtakes": 6,
             "limit_queued": burst, "multi_queued": burst, "limit_held": burst, "multi_limit_queued": burst,
             "faults_hitting_queued_runs": dict(faults),
         },

@@ -100,7 +100,8 @@ class LeaseInfo:
     released_at: _dt.datetime | None
     #: Runs parked on the key (``Queue``, ``Replace``), next first: ``position``, ``task_id``,
     #: ``task_name``, ``stamp`` (send stamp, us), ``parked_for`` (s, server clock), ``deadline``, ``keys``
-    #: (all of a several-keys run's keys; None for a run of one key).
+    #: (all of a several-keys run's keys; None for a run of one key), ``rank`` (its message priority as
+    #: its broker orders it, lower first: the priority on Redis, minus it elsewhere; 0 without one).
     parked: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: A handoff not yet taken up: ``task_id``, ``task_name``, ``handed_for`` (s), ``attempt``.
     handoff: dict[str, Any] | None = None

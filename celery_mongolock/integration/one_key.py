@@ -18,7 +18,7 @@ from celery_mongolock.admission.policies import TRY_AGAIN, Fail, Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
 from celery_mongolock.exceptions import LockContended, QueueTimeout, StoreUnavailable, Superseded
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import results, signals
+from celery_mongolock.integration import priority, results, signals
 from celery_mongolock.integration.beatcheck import beat_tick, warn_if_sent_by_another_beat
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.duplicates import (
@@ -191,6 +191,7 @@ class OneKey:
             "s": stamp,
             "src": _src,
             "th": policy.then.name,
+            **priority.rank_field(task.app, request, policy),
             **_queue.message_of(task, request, stamp, f"{request.id}/{run_delivery}"),
         }
         _queue.install_publisher(task.app, self.store)

@@ -26,7 +26,7 @@ from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome, Contended
 from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable, Superseded
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import results, signals
+from celery_mongolock.integration import priority, results, signals
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.duplicates import (
     DUPLICATE_HEADER,
@@ -234,6 +234,7 @@ class SeveralKeys:
             "ks": keys,
             # One handoff token for all the keys (the same on every admit of this run).
             "tk": _queue.keys_token(ident, keys),
+            **priority.rank_field(task.app, request, policy),
             **_queue.message_of(task, request, stamp, ident),
         }
         if isinstance(policy, Replace):

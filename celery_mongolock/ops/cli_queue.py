@@ -42,9 +42,11 @@ def queue_lines(info: LeaseInfo, page: int, per_page: int) -> list[str]:
     for run in rows:
         waited = run.get("parked_for")
         keys = f"  keys {', '.join(run['keys'])}" if run.get("keys") else ""
+        # (the rank is the priority, negated on brokers that serve a higher one first)
+        sent_with = f"  priority {abs(run['rank'])}" if run.get("rank") else ""
         lines.append(
             f"  {run['position']:>4}. {run.get('task_name')}[{run.get('task_id')}]  parked "
-            f"{'?' if waited is None else f'{waited:.1f} s'} ago{keys}"
+            f"{'?' if waited is None else f'{waited:.1f} s'} ago{sent_with}{keys}"
         )
     return lines
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from celery_mongolock.core.documents import sets
 from celery_mongolock.core.documents.copies import later_attempt, retries_of
-from celery_mongolock.core.documents.entries import MAX_PARKED, would_pass_budget
+from celery_mongolock.core.documents.entries import MAX_PARKED, rank_of_entry, would_pass_budget
 
 __all__ = [
     "TOOK",
@@ -65,6 +65,11 @@ class AdmitRun:
     @property
     def stamp(self) -> int:
         return int(self.entry["s"])
+
+    @property
+    def rank(self) -> int:
+        """Its place among runs of other priorities (``entries.entry_ahead``)."""
+        return rank_of_entry(self.entry)
 
     @property
     def by_set(self) -> bool:

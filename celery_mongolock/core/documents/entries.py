@@ -1,5 +1,6 @@
 """A parked run's entry in a key's queue (``q``), as aggregation expressions (no I/O): its fields read
-from the document, its order (send stamp, then id), its deadline and not-before time, and the entry a
+from the document, its order in the queue (``entry_ahead``: its rank, then its send stamp, then its id),
+its deadline and not-before time, and the entry a
 run parks as (``entry_expr``, ``park_exprs``). The entry's fields are listed in ``queue``'s module doc.
 """
 
@@ -13,8 +14,10 @@ from celery_mongolock.core.documents.sets import message_fields
 __all__ = [
     "MAX_PARKED",
     "PARK_BUDGET",
+    "ahead_of",
     "burst_since",
     "dead_entries",
+    "entry_ahead",
     "entry_before",
     "entry_bytes",
     "entry_due",
@@ -23,6 +26,7 @@ __all__ = [
     "live_entries",
     "park_exprs",
     "past_ceiling",
+    "rank_of_entry",
     "would_pass_budget",
 ]
 
@@ -68,6 +72,54 @@ def entry_before(e: object, stamp: int, ident: str) -> Document:
             {"$and": [{"$eq": [s_, stamp]}, {"$lt": [id_, {"$literal": ident}]}]},
         ]
     }
+
+
+def _rank(e: object) -> Document:
+    return {"$ifNull": [field_of("pr", e), 0]}
+
+
+def entry_ahead(e: object, stamp: int, ident: str, rank: int = 0) -> Document:
+    """Entry ``e`` is ahead, in a key's queue, of a run with rank ``rank``, send stamp ``stamp`` and id
+    ``ident``: a lower rank (``pr``, 0 when absent: the run's message priority as its broker orders it,
+    ``integration.priority``) first, then send order (``entry_before``). The one order every queue of
+    the engine keeps (one lease, N slots, several keys): the same for a run on each of its keys, so runs
+    that need several keys still reserve them in one total order (``handoff.reserve_pipeline``).
+    Supersession (``Replace``) goes by send order alone."""
+    r_e = _rank(e)
+    return {
+        "$or": [
+            {"$lt": [r_e, int(rank)]},
+            {"$and": [{"$eq": [r_e, int(rank)]}, entry_before(e, stamp, ident)]},
+        ]
+    }
+
+
+def ahead_of(e: object, other: object) -> Document:
+    """Entry ``e`` is ahead of entry ``other`` in a key's queue (``entry_ahead``), both expressions."""
+    r_e, r_o = _rank(e), _rank(other)
+    s_e, s_o = field_of("s", e), field_of("s", other)
+    id_e, id_o = field_of("id", e), field_of("id", other)
+    return {
+        "$or": [
+            {"$lt": [r_e, r_o]},
+            {
+                "$and": [
+                    {"$eq": [r_e, r_o]},
+                    {
+                        "$or": [
+                            {"$lt": [s_e, s_o]},
+                            {"$and": [{"$eq": [s_e, s_o]}, {"$lt": [id_e, id_o]}]},
+                        ]
+                    },
+                ]
+            },
+        ]
+    }
+
+
+def rank_of_entry(entry: Mapping[str, Any]) -> int:
+    """A run's rank as its entry carries it (0 when absent)."""
+    return int(entry.get("pr") or 0)
 
 
 def dead_entries(q: object) -> Document:
@@ -153,7 +205,8 @@ def park_exprs(
     replace: bool,
     max_wait_ms: int | None = None,
 ) -> tuple[object, object]:
-    """``(q, superseded)`` when the run ``entry`` parks: the queue with its entry in send order, and the
+    """``(q, superseded)`` when the run ``entry`` parks: the queue with its entry in its place
+    (``entry_ahead``), and the
     runs it supersedes (``Replace``: at most one parked run, a newer send replaces it, and carries on the
     time its burst began waiting: ``max_wait_ms``)."""
     ident, stamp = str(entry["id"]), int(entry["s"])
@@ -177,11 +230,12 @@ def park_exprs(
             }
         }
         return [e], superseded
+    ahead = entry_ahead("$$e", stamp, ident, rank_of_entry(entry))
     in_order = {
         "$concatArrays": [
-            {"$filter": {"input": _Q, "as": "e", "cond": entry_before("$$e", stamp, ident)}},
+            {"$filter": {"input": _Q, "as": "e", "cond": ahead}},
             [e],
-            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [entry_before("$$e", stamp, ident)]}}},
+            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [ahead]}}},
         ]
     }
     return in_order, []

@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_mongolock.core.documents.entries import (
+    ahead_of,
     dead_entries,
     entry_due,
     entry_expr,
-    field_of,
     live_entries,
 )
 from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage
@@ -233,34 +233,19 @@ def _unhanded(ho: str) -> str:
     return ho
 
 
-def _before_entry(e: object, other: object) -> Document:
-    """Entry ``e`` sorts before entry ``other`` ((s, id) order), both expressions."""
-    return {
-        "$or": [
-            {"$lt": [field_of("s", e), field_of("s", other)]},
-            {
-                "$and": [
-                    {"$eq": [field_of("s", e), field_of("s", other)]},
-                    {"$lt": [field_of("id", e), field_of("id", other)]},
-                ]
-            },
-        ]
-    }
-
-
 def requeue_handoff() -> Document:
     """The parked runs with the pending handoff put back among them, to be handed again: first (a run
     that was handed the key keeps it), except a reservation of a run that needs several keys
-    (``ks``), which goes back in send order, so that an older run that needs the same key is handed it
-    first (the way a reservation held while its run waits for other keys cannot deadlock: see
-    ``reserve_pipeline``)."""
+    (``ks``), which goes back in its place (rank, then send order), so that an older run that needs the
+    same key is handed it first (the way a reservation held while its run waits for other keys cannot
+    deadlock: see ``reserve_pipeline``)."""
     has_ho = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
     multi = {"$isArray": "$ho.ks"}
     in_order = {
         "$concatArrays": [
-            {"$filter": {"input": _Q, "as": "e", "cond": _before_entry("$$e", "$ho")}},
+            {"$filter": {"input": _Q, "as": "e", "cond": ahead_of("$$e", "$ho")}},
             [_unhanded("$ho")],
-            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_before_entry("$$e", "$ho")]}}},
+            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [ahead_of("$$e", "$ho")]}}},
         ]
     }
     front = {"$concatArrays": [[_unhanded("$ho")], _Q]}

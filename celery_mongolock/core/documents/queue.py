@@ -66,6 +66,7 @@ from celery_mongolock.core.documents.entries import (
     MAX_PARKED,
     burst_since,
     dead_entries,
+    entry_ahead,
     entry_before,
     entry_due,
     entry_expr,
@@ -73,6 +74,7 @@ from celery_mongolock.core.documents.entries import (
     live_entries,
     park_exprs,
     past_ceiling,
+    rank_of_entry,
 )
 from celery_mongolock.core.documents.handoff import (
     HANDOFF_PROJECTION,
@@ -107,6 +109,7 @@ __all__ = [
     "admit_pipeline",
     "cancel_mark",
     "dead_entries",
+    "entry_ahead",
     "entry_before",
     "entry_due",
     "entry_expr",
@@ -119,6 +122,7 @@ __all__ = [
     "own_live_lease",
     "ran",
     "ran_any",
+    "rank_of_entry",
     "release_handoff_stages",
     "requeue_handoff",
     "reserve_pipeline",
@@ -306,7 +310,8 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
     ident, lit = run.ident, {"$literal": run.ident}
     live = live_entries(_Q)
     live_head = {"$arrayElemAt": [live, 0]}
-    first = {"$or": [{"$eq": [{"$size": live}, 0]}, {"$not": [entry_before(live_head, run.stamp, ident)]}]}
+    ahead = entry_ahead(live_head, run.stamp, ident, run.rank)
+    first = {"$or": [{"$eq": [{"$size": live}, 0]}, {"$not": [ahead]}]}
     running = {
         "$and": [
             {"$eq": ["$holder.task_id", {"$literal": run.entry["t"]}]},
@@ -364,7 +369,8 @@ def _park(run: AdmitRun) -> tuple[list[Document], object, object]:
     older = {"$concatArrays": [sets.entries_of(group), taken_back]}
     since = burst_since(older) if run.max_wait_ms else None
     e = entry_expr(run.entry, run.timeout_ms, run.debounce_ms, max_wait_ms=run.max_wait_ms, since=since)
-    parked_q, superseded = sets.park_queue(e, group, stamp, ident, by=str(run.entry["t"]), take_back="$__tb")
+    ahead = entry_ahead("$$e", stamp, ident, run.rank)
+    parked_q, superseded = sets.park_queue(e, group, ahead, by=str(run.entry["t"]), take_back="$__tb")
     return [{"$set": {"__tb": take_back}}], parked_q, superseded
 
 

@@ -56,7 +56,7 @@ def story_pipeline(key: str) -> list[Document]:
         }
     }
     # Rebuilt field by field: the embedded test server does not take a dotted exclusion inside an array.
-    fields = ("id", "t", "n", "r", "s", "at", "dl", "hat", "hn", "ks")
+    fields = ("id", "t", "n", "r", "s", "at", "dl", "hat", "hn", "ks", "pr")
     runs = {
         "q": {"$map": {"input": {"$ifNull": ["$q", []]}, "as": "e", "in": {f: f"$$e.{f}" for f in fields}}},
         "ho": {
@@ -123,6 +123,7 @@ def _parked_view(position: int, entry: Mapping[str, Any], now_ms: Any) -> Docume
         "parked_for": _since(entry.get("at"), now_ms),
         "deadline": aware(entry.get("dl")),
         "keys": list(entry["ks"]) if isinstance(entry.get("ks"), list) else None,
+        "rank": int(entry.get("pr") or 0),
     }
 
 

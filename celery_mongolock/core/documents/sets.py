@@ -210,17 +210,18 @@ def entries_of(group: str) -> Document:
 
 
 def park_queue(
-    entry_expr: Document, group: str, stamp: int, ident: str, *, by: str, take_back: object
+    entry_expr: Document, group: str, ahead: Document, *, by: str, take_back: object
 ) -> tuple[Document, Document]:
-    """``(q, superseded)`` when run ``ident`` of ``group`` parks: the queue in send order with its entry
-    and without the older runs of its set; and those runs (plus the run whose reservation or handoff
-    ``take_back`` says is taken back), in the shape of ``sup``."""
+    """``(q, superseded)`` when a run of ``group`` parks: the queue with its entry in its place (``ahead``:
+    entry ``$$e`` is ahead of it, ``entries.entry_ahead``) and without the older runs of its set; and
+    those runs (plus the run whose reservation or handoff ``take_back`` says is taken back), in the shape
+    of ``sup``."""
     others = {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_same_set("$$e", group)]}}}
     in_order = {
         "$concatArrays": [
-            {"$filter": {"input": others, "as": "e", "cond": _before("$$e", stamp, ident)}},
+            {"$filter": {"input": others, "as": "e", "cond": ahead}},
             [entry_expr],
-            {"$filter": {"input": others, "as": "e", "cond": {"$not": [_before("$$e", stamp, ident)]}}},
+            {"$filter": {"input": others, "as": "e", "cond": {"$not": [ahead]}}},
         ]
     }
     older = entries_of(group)

@@ -9,9 +9,10 @@ slot handed to a parked run (``slot_queue``), so that it counts against the limi
 when nobody claims it, and is claimed by the run once every one of its keys is reserved for it.
 
 What keeps two runs that need overlapping keys from waiting on each other: an expired handed slot of a
-several-keys entry goes back to the key's queue in send order (``requeue_in_send_order``), not at its
-front as a single-key run's does, so the oldest run waiting for the key is handed it next; every
-reservation of a younger run ends within a lease, and the oldest run gets all its keys.
+several-keys entry goes back to its place in the key's queue (``requeue_in_send_order``: rank, then
+send order), not at its front as a single-key run's does, so the first run waiting for the key is
+handed it next; every reservation of a run behind it ends within a lease, and the first run gets all its
+keys.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_mongolock.core.documents import slots as _slots
-from celery_mongolock.core.documents.entries import entry_expr, field_of
+from celery_mongolock.core.documents.entries import ahead_of, entry_expr
 from celery_mongolock.core.documents.key_state import gc_stage
 
 __all__ = ["requeue_in_send_order", "slot_reserve_pipeline"]
@@ -30,33 +31,22 @@ Document = dict[str, Any]
 _HS: Document = {"$ifNull": ["$hs", []]}
 
 
-def _before(e: object, other: object) -> Document:
-    """Entry ``e`` sorts before entry ``other`` ((s, id) order), both expressions."""
-    s_e, s_o = field_of("s", e), field_of("s", other)
-    return {
-        "$or": [
-            {"$lt": [s_e, s_o]},
-            {"$and": [{"$eq": [s_e, s_o]}, {"$lt": [field_of("id", e), field_of("id", other)]}]},
-        ]
-    }
-
-
 def requeue_in_send_order(q: object, entries: object) -> Document:
-    """``q`` with ``entries`` (an array expression of parked entries) each put back at its place in send
-    order."""
+    """``q`` with ``entries`` (an array expression of parked entries) each put back at its place in the
+    queue's order (``entries.ahead_of``: rank, then send order)."""
     return {
         "$reduce": {
             "input": entries,
             "initialValue": q,
             "in": {
                 "$concatArrays": [
-                    {"$filter": {"input": "$$value", "as": "e", "cond": _before("$$e", "$$this")}},
+                    {"$filter": {"input": "$$value", "as": "e", "cond": ahead_of("$$e", "$$this")}},
                     ["$$this"],
                     {
                         "$filter": {
                             "input": "$$value",
                             "as": "e",
-                            "cond": {"$not": [_before("$$e", "$$this")]},
+                            "cond": {"$not": [ahead_of("$$e", "$$this")]},
                         }
                     },
                 ]

@@ -85,12 +85,12 @@ def _older_of_set(group: str, stamp: int, ident: str) -> Document:
 
 
 def parked_queue(entry: Mapping[str, Any], timeout_ms: int | None, group: str) -> Document:
-    """The queue when the run ``entry`` of ``group`` parks: its entry in send order (the older runs of
-    its set are gone already: ``take_back_stage``)."""
+    """The queue when the run ``entry`` of ``group`` parks: its entry in its place (rank, then send order;
+    the older runs of its set are gone already: ``take_back_stage``)."""
     ident, stamp = str(entry["id"]), int(entry["s"])
-    q, _ = sets.park_queue(
-        adm.entry_expr(entry, timeout_ms), group, stamp, ident, by=str(entry["t"]), take_back=False
-    )
+    ahead = adm.entry_ahead("$$e", stamp, ident, adm.rank_of_entry(entry))
+    parked = adm.entry_expr(entry, timeout_ms)
+    q, _ = sets.park_queue(parked, group, ahead, by=str(entry["t"]), take_back=False)
     return q
 
 
