@@ -624,7 +624,7 @@ class EngineMachine(RuleBasedStateMachine):
             return "superseded", None, []
         live = [r for r in km.q if not r.past_deadline]
         free = km.vacant() and km.handoff() is None
-        if free and not km.debounce and (not live or not before(live[0], run)):
+        if free and not km.debounce and not any(before(r, run) for r in live):
             for h in list(km.holds):
                 km.drop(h, "ended")
             hold = Hold("", run, handed=False)
@@ -650,7 +650,7 @@ class EngineMachine(RuleBasedStateMachine):
             run.state = "superseded"
             run.superseded_by = self._newer_than(km, run)
             outcome = "superseded"
-        elif len(km.holds) < km.limit and not km.debounce and (not km.q or not before(km.q[0], run)):
+        elif len(km.holds) < km.limit and not km.debounce and not any(before(r, run) for r in km.q):
             km.take_back(run)
             hold = Hold("", run, handed=False)
             km.holds.append(hold)
@@ -681,7 +681,9 @@ class EngineMachine(RuleBasedStateMachine):
                 best = (s_, t)
         by = best[1]
         sent_later = {r.tid for r in self.runs if r.key == km.name and r.s > run.s}
-        assert by in sent_later, f"{km.name}: {run.tid} (sent at {run.s}) would be superseded by {by}, not newer"
+        assert by in sent_later, (
+            f"{km.name}: {run.tid} (sent at {run.s}) would be superseded by {by}, not newer"
+        )
         return by
 
     @staticmethod

@@ -167,3 +167,35 @@ def test_a_run_sent_with_a_higher_priority_is_handed_the_key_first(cluster: Clus
 def _parked(cluster: Cluster, key: str) -> list[dict[str, Any]]:
     doc = cluster.store.collection.find_one({"_id": key}) or {}
     return list(doc.get("q") or [])
+
+
+def test_a_run_does_not_pass_an_older_one_parked_behind_a_handoff_gone_back_to_the_front(
+    store: LeaseStore,
+) -> None:
+    """The lock-set checker's seed 1 (this stop, Redis), on a ``limit=N`` key: a slot handed to a parked
+    run R expired unclaimed, and R went back to the front of the queue (its turn goes on), ahead of an
+    older run A parked meanwhile. A run B, sent after A and before R, then took the free slot: the admit
+    compared B with the head (R) only. It parks behind A now."""
+    handoffs = Handoffs(store)
+    h1, h2 = store.acquire(KEY, 30, limit=2), store.acquire(KEY, 30, limit=2)
+    assert h1 is not None and h2 is not None
+    _, doc = store.admit(KEY, entry(50, "R"), limit=2, ttl=0.5)
+    assert doc["lo"] == "parked"
+    assert h1.release()
+    assert handoffs.tasks == ["R"]  # a slot handed to R, which never claims it
+    _, doc = store.admit(KEY, entry(10, "A"), limit=2)
+    assert doc["lo"] == "parked"
+
+    def handoff_expired() -> bool:
+        # (in milliseconds: the embedded server compares dates inside expressions wrongly)
+        past = {"$lt": [{"$toLong": "$$h.x"}, {"$toLong": "$$NOW"}]}
+        late = {"$and": [{"$ne": [{"$ifNull": ["$$h.ho", None]}, None]}, past]}
+        expr = {"$anyElementTrue": [{"$map": {"input": {"$ifNull": ["$hs", []]}, "as": "h", "in": late}}]}
+        return store.collection.count_documents({"_id": KEY, "$expr": expr}) == 1
+
+    wait_for(handoff_expired, timeout=30, message="R's handoff to expire on the server's clock")
+    lease, doc = store.admit(KEY, entry(20, "B"), limit=2)
+    assert lease is None and doc["lo"] == "parked", doc["lo"]
+    # The free slot went to the first in send order, A, in the same command; B waits behind R.
+    assert handoffs.tasks == ["R", "A"]
+    assert parked(store, KEY) == ["B", "R"]

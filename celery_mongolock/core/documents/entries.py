@@ -24,6 +24,7 @@ __all__ = [
     "entry_expr",
     "field_of",
     "live_entries",
+    "none_ahead",
     "park_exprs",
     "past_ceiling",
     "rank_of_entry",
@@ -92,6 +93,16 @@ def entry_ahead(e: object, stamp: int, ident: str, rank: int = 0) -> Document:
             {"$and": [{"$eq": [r_e, int(rank)]}, entry_before(e, stamp, ident)]},
         ]
     }
+
+
+def none_ahead(q: object, stamp: int, ident: str, rank: int = 0) -> Document:
+    """No entry of ``q`` (an array expression) is ahead of the run (``entry_ahead``): it is first in line.
+    Every entry, not only the head: a handoff that expired unclaimed goes back to the front of a key's
+    slots queue (its turn goes on), out of order, and a run sent between it and the entry behind it
+    would pass that entry if only the head were compared (the lock-set checker: a newer run took a free
+    slot while an older one waited behind such a handoff)."""
+    ahead = {"$map": {"input": q, "as": "e", "in": entry_ahead("$$e", stamp, ident, rank)}}
+    return {"$not": [{"$anyElementTrue": [ahead]}]}
 
 
 def ahead_of(e: object, other: object) -> Document:

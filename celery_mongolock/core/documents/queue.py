@@ -72,6 +72,7 @@ from celery_mongolock.core.documents.entries import (
     entry_expr,
     field_of,
     live_entries,
+    none_ahead,
     park_exprs,
     past_ceiling,
     rank_of_entry,
@@ -308,10 +309,7 @@ def admit_pipeline(
 def _one_lease(run: AdmitRun, token: str) -> Shape:
     """The judge's questions answered for a key held as one lease."""
     ident, lit = run.ident, {"$literal": run.ident}
-    live = live_entries(_Q)
-    live_head = {"$arrayElemAt": [live, 0]}
-    ahead = entry_ahead(live_head, run.stamp, ident, run.rank)
-    first = {"$or": [{"$eq": [{"$size": live}, 0]}, {"$not": [ahead]}]}
+    first = none_ahead(live_entries(_Q), run.stamp, ident, run.rank)
     running = {
         "$and": [
             {"$eq": ["$holder.task_id", {"$literal": run.entry["t"]}]},

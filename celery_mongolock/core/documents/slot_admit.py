@@ -20,7 +20,7 @@ from celery_mongolock.core.documents.admit_stages import (
     sup_update,
     without_entry,
 )
-from celery_mongolock.core.documents.entries import entry_ahead, entry_due, field_of, park_exprs
+from celery_mongolock.core.documents.entries import entry_due, field_of, none_ahead, park_exprs
 from celery_mongolock.core.documents.handoff import admit_marker
 from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
 from celery_mongolock.core.documents.slot_queue import fence_base, fill_stages, has_handoff, normalize_stages
@@ -106,8 +106,7 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
     room = _room(limit)
     lit = {"$literal": run.ident}
     head = {"$arrayElemAt": [_Q, 0]}
-    ahead = entry_ahead(head, run.stamp, run.ident, run.rank)
-    first = {"$or": [{"$eq": [{"$size": _Q}, 0]}, {"$not": [ahead]}]}
+    first = none_ahead(_Q, run.stamp, run.ident, run.rank)
     mine = {
         "$and": [
             {"$not": [has_handoff("$$e")]},
