@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
 
 import pytest
+from pymongo import MongoClient, monitoring
 
-from celery_mongolock import LeaseStore
+from celery_mongolock import ConfigurationError, LeaseStore
 
 from .servers import wait_for
 from .workers import ROOT
@@ -331,3 +333,67 @@ def test_drop_and_purge_ask_first_then_revoke_the_runs(
     info = leases.inspect(key)
     assert info is not None and info.parked == [] and info.held  # the holder runs on
     assert "no run parked" in run(mongo_url, db_name, "purge", key, "--yes", **env).stdout
+
+
+def test_a_deep_queue_is_shown_by_its_depth_and_a_page_without_reading_it_all(
+    mongo_url: str, db_name: str, leases: LeaseStore
+) -> None:
+    """``inspect``, ``why``, ``list``/``watch`` and ``queue --page`` read a deep queue's depth and one page of
+    it: the server cuts the rest out (the reply carries the page), whatever the depth."""
+    key, depth = "ledger:9", 120
+    assert leases.acquire(key, 600) is not None  # (held: every run parks)
+    _park(leases, key, *[f"run-{i}" for i in range(depth)])
+    replies: list[dict[str, Any]] = []
+
+    class Replies(monitoring.CommandListener):
+        """The documents of every aggregate's reply: what the server sent back."""
+
+        def started(self, event: monitoring.CommandStartedEvent) -> None:
+            pass
+
+        def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+            if event.command_name == "aggregate":
+                replies.extend(event.reply["cursor"]["firstBatch"])
+
+        def failed(self, event: monitoring.CommandFailedEvent) -> None:
+            pass
+
+    client: MongoClient[dict[str, Any]] = MongoClient(mongo_url, event_listeners=[Replies()], tz_aware=True)
+    store = LeaseStore(client, database=db_name)
+    try:
+        page = store.inspect(key, parked_from=40, parked_limit=10)
+        assert page is not None and page.parked_total == depth
+        assert [(r["position"], r["task_id"]) for r in page.parked] == [
+            (41 + i, f"run-{40 + i}") for i in range(10)
+        ]
+        assert len(replies[-1]["q"]) == 10  # cut by the server
+        head = store.why(key, parked_limit=5)
+        assert head is not None and head.parked_total == depth and len(head.parked) == 5
+        assert len(replies[-1]["q"]) == 5
+        assert f"{depth} runs parked; next: upload[run-0]" in head.verdict
+        listed = [i for i in store.list("ledger:", parked_limit=1) if i.key == key]
+        assert listed[0].parked_total == depth and len(replies[-1]["q"]) == 1
+        full = store.inspect(key)
+        # (no limit: all of them, as before)
+        assert full is not None and len(full.parked) == full.parked_total == depth
+    finally:
+        store.close()
+        client.close()
+    out = run(mongo_url, db_name, "queue", key, "--per-page", "10", "--page", "12")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"{key}: {depth} run(s) parked, page 12 of 12"
+    assert [line.split()[:2] for line in lines[1:3]] == [
+        ["111.", "upload[run-110]"],
+        ["112.", "upload[run-111]"],
+    ]
+    shown = run(mongo_url, db_name, "inspect", key).stdout
+    assert re.search(rf"^parked\s+{depth}$", shown, re.MULTILINE), shown
+    assert f"... and {depth - 50} more: celery mongolock queue {key}" in shown
+    why = run(mongo_url, db_name, "why", key).stdout
+    assert f"{depth}, in queue order (the first 20 shown):" in why
+    # Bad input in our words.
+    with pytest.raises(ConfigurationError, match="parked_limit must be a positive int"):
+        leases.inspect(key, parked_limit=0)
+    with pytest.raises(ConfigurationError, match="parked_from must be an int >= 0"):
+        leases.inspect(key, parked_from=-1, parked_limit=5)

@@ -281,6 +281,8 @@ class KeyStory:
     #: ``limit=N`` keys: the live holds (``slot``, ``fence``, ``holder``, ``expires_in``) and N.
     slots: tuple[dict[str, Any], ...] = ()
     limit: int | None = None
+    #: How many runs are parked (``parked`` holds the first ``LeaseStore.why(parked_limit=...)`` of them).
+    parked_total: int = 0
 
     @classmethod
     def from_document(
@@ -345,6 +347,7 @@ class KeyStory:
             forced_release=bool(doc.get("forced_release")),
             released_for=_str(doc.get("released_for")),
             parked=parked,
+            parked_total=int(doc.get("__parked_total", len(parked))),
             handoff=ParkedRun.from_entry(ho) if isinstance(ho, Mapping) else None,
             endings=endings,
             slots=tuple(slots),
@@ -369,7 +372,7 @@ class KeyStory:
         return who
 
     def _parked_phrase(self) -> str:
-        n = len(self.parked)
+        n = max(self.parked_total, len(self.parked))
         if not n:
             return ""
         first = self.parked[0]

@@ -103,6 +103,9 @@ class LeaseInfo:
     #: (all of a several-keys run's keys; None for a run of one key), ``rank`` (its message priority as
     #: its broker orders it, lower first: the priority on Redis, minus it elsewhere; 0 without one).
     parked: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: How many runs are parked on the key (``parked`` may hold only a page of them: ``LeaseStore.inspect``
+    #: with ``parked_limit``).
+    parked_total: int = 0
     #: A handoff not yet taken up: ``task_id``, ``task_name``, ``handed_for`` (s), ``attempt``.
     handoff: dict[str, Any] | None = None
     #: ``limit=N`` keys: the live holds, by slot (``slot``, ``fence``, ``holder``, ``expires_in``), and N.

@@ -515,13 +515,14 @@ class LeaseStore(ParkedRuns):
         tick (at a worker process's shutdown); False if MongoDB did not answer (they stay queued)."""
         return self.records.flush_history(timeout)
 
-    def why(self, key: str) -> KeyStory | None:
+    def why(self, key: str, *, parked_limit: int | None = None) -> KeyStory | None:
         """Why ``key`` is (not) running: its lease document, holder, expiry on the server's clock, parked
         runs and last endings (``celery mongolock why``): the document in one command, and the newest
         records of the history collection in a second (runs that ended while parked are only there). None
         if there is no lease document for ``key`` (never taken, or removed by the TTL index after it
-        expired)."""
-        return self.records.why(key)
+        expired). ``parked_limit``: read only the first that many parked runs (``KeyStory.parked_total``
+        says how many there are)."""
+        return self.records.why(key, parked_limit=parked_limit)
 
     def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:
         """How the last ``limit`` leases of ``key`` ended, newest first (``celery mongolock history``).
@@ -532,14 +533,18 @@ class LeaseStore(ParkedRuns):
         """
         return self.records.history(key, limit)
 
-    def inspect(self, key: str) -> LeaseInfo | None:
-        """The lease document for ``key`` (held or not), or None if there is none."""
-        return self.records.inspect(key)
+    def inspect(self, key: str, *, parked_from: int = 0, parked_limit: int | None = None) -> LeaseInfo | None:
+        """The lease document for ``key`` (held or not), or None if there is none. With ``parked_limit``,
+        only that many of its parked runs, from position ``parked_from`` (0: the next to run), are read
+        (the server cuts them out of a deep queue); ``LeaseInfo.parked_total`` says how many there are."""
+        return self.records.inspect(key, parked_from=parked_from, parked_limit=parked_limit)
 
-    def list(self, prefix: str | None = None, *, include_free: bool = False) -> builtins.list[LeaseInfo]:
+    def list(
+        self, prefix: str | None = None, *, include_free: bool = False, parked_limit: int | None = None
+    ) -> builtins.list[LeaseInfo]:
         """Leases whose key starts with ``prefix`` (all when None): held ones, or with runs parked, unless
-        ``include_free``."""
-        return self.records.list(prefix, include_free=include_free)
+        ``include_free``; ``parked_limit``: at most that many parked runs read per key (``inspect``)."""
+        return self.records.list(prefix, include_free=include_free, parked_limit=parked_limit)
 
     # -- heartbeat -----------------------------------------------------------------------------------
     @property

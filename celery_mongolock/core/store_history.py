@@ -134,12 +134,13 @@ class Records:
             return True
         return hb.flush_history(timeout=timeout)
 
-    def why(self, key: str) -> KeyStory | None:
+    def why(self, key: str, *, parked_limit: int | None = None) -> KeyStory | None:
         """``LeaseStore.why``: the document in one command, the newest history records in a second."""
         key = normalize_key(key)
+        parked_limit = _page_size(parked_limit, "parked_limit")
         connection = self.store.connection
         with connection.operation(f"read lease {key!r}"):
-            docs = list(connection.collection.aggregate(documents.story_pipeline(key)))
+            docs = list(connection.collection.aggregate(documents.story_pipeline(key, parked_limit)))
             stored: builtins.list[Document] = []
             if docs and self.store.history_days:
                 # Endings ``ends`` does not keep: runs that ended while parked, and older ones.
@@ -166,20 +167,39 @@ class Records:
         return merge_endings(key, doc.get("ends") or [], stored, limit, documents.HOLDER_VIEW)
 
     # -- reading lease documents -----------------------------------------------------------------------
-    def read(self, match: Document, action: str) -> builtins.list[LeaseInfo]:
+    def read(
+        self, match: Document, action: str, *, parked_from: int = 0, parked_limit: int | None = None
+    ) -> builtins.list[LeaseInfo]:
         """The lease documents ``match`` finds, as ``LeaseInfo`` (one command)."""
+        parked_limit = _page_size(parked_limit, "parked_limit")
+        if isinstance(parked_from, bool) or not isinstance(parked_from, int) or parked_from < 0:
+            raise ConfigurationError(f"parked_from must be an int >= 0, got {parked_from!r}")
+        pipeline = documents.read_pipeline(match, parked_from=parked_from, parked_limit=parked_limit)
         connection = self.store.connection
         with connection.operation(action):
-            docs = list(connection.collection.aggregate(documents.read_pipeline(match)))
-        return [documents.lease_info(d) for d in docs]
+            docs = list(connection.collection.aggregate(pipeline))
+        return [documents.lease_info(d, parked_from if parked_limit is not None else 0) for d in docs]
 
-    def inspect(self, key: str) -> LeaseInfo | None:
+    def inspect(self, key: str, *, parked_from: int = 0, parked_limit: int | None = None) -> LeaseInfo | None:
         """``LeaseStore.inspect``."""
         key = normalize_key(key)
-        found = self.read({"_id": key}, f"inspect lease {key!r}")
+        found = self.read(
+            {"_id": key}, f"inspect lease {key!r}", parked_from=parked_from, parked_limit=parked_limit
+        )
         return found[0] if found else None
 
-    def list(self, prefix: str | None = None, *, include_free: bool = False) -> builtins.list[LeaseInfo]:
+    def list(
+        self, prefix: str | None = None, *, include_free: bool = False, parked_limit: int | None = None
+    ) -> builtins.list[LeaseInfo]:
         """``LeaseStore.list``."""
-        infos = self.read(documents.prefix_filter(prefix), "list leases")
-        return infos if include_free else [i for i in infos if i.held or i.parked or i.handoff]
+        infos = self.read(documents.prefix_filter(prefix), "list leases", parked_limit=parked_limit)
+        return infos if include_free else [i for i in infos if i.held or i.parked_total or i.handoff]
+
+
+def _page_size(value: int | None, name: str) -> int | None:
+    """``value`` as a number of parked runs to read (None: all), or ``ConfigurationError`` naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
+    return value

@@ -163,6 +163,10 @@ def _store(ctx: click.Context) -> LeaseStore:
 
 #: ``list`` and ``watch`` fit in this many columns for keys of up to 30 characters (``--json``: in full).
 TABLE_WIDTH = 120
+#: How many parked runs ``inspect`` and ``why`` read and show (the server cuts the rest out of a deep
+#: queue; both say how many there are, and ``queue KEY`` pages through them all).
+INSPECT_PARKED = 50
+WHY_PARKED = 20
 _HOLDER_WIDTH = 48
 
 
@@ -226,9 +230,9 @@ def _expires(info: LeaseInfo) -> str:
 
 
 def _parked(info: LeaseInfo) -> str:
-    if not info.parked and not info.handoff:
+    if not info.parked_total and not info.handoff:
         return "-"
-    text = str(len(info.parked))
+    text = str(info.parked_total)
     if info.handoff:
         text += " (+1 handed)"
     return text
@@ -284,7 +288,7 @@ def mongolock(ctx: click.Context) -> None:
 def list_leases(ctx: click.Context, prefix: str | None, include_free: bool, as_json: bool) -> None:
     """List held leases (and keys with runs parked): key, holder, fence, expires in, parked runs."""
     store = _store(ctx)
-    infos = _run(lambda: store.list(prefix, include_free=include_free))
+    infos = _run(lambda: store.list(prefix, include_free=include_free, parked_limit=1))
     if as_json:
         click.echo(_json([i.as_dict() for i in infos]))
     elif infos:
@@ -305,7 +309,7 @@ def inspect_lease(ctx: click.Context, /, key: str | None, as_json: bool, **docum
         where = cli_documents.target(store, **document)
         return cli_documents.inspect_document_lock(store, where, as_json)
     assert key is not None
-    info = _run(lambda: store.inspect(key))
+    info = _run(lambda: store.inspect(key, parked_limit=INSPECT_PARKED))
     if info is None:
         if as_json:
             click.echo("null")
@@ -350,12 +354,14 @@ def inspect_lease(ctx: click.Context, /, key: str | None, as_json: bool, **docum
             f"{'handoff'.ljust(width)}  {h['task_name']}[{h['task_id']}] handed {h['handed_for']}s ago, "
             f"not yet taken up (attempt {h['attempt']})"
         )
-    click.echo(f"{'parked'.ljust(width)}  {len(info.parked) or '-'}")
+    click.echo(f"{'parked'.ljust(width)}  {info.parked_total or '-'}")
     for e in info.parked:
         deadline = f", deadline {e['deadline'].isoformat()}" if e.get("deadline") else ""
         click.echo(
             f"  {e['position']:>3}. {e['task_name']}[{e['task_id']}] parked {e['parked_for']}s{deadline}"
         )
+    if info.parked_total > len(info.parked):
+        click.echo(f"  ... and {info.parked_total - len(info.parked)} more: celery mongolock queue {key}")
 
 
 @mongolock.command(name="release")
@@ -410,7 +416,7 @@ def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count:
     shown = 0
     try:
         while True:
-            infos = _run(lambda: store.list(prefix))
+            infos = _run(lambda: store.list(prefix, parked_limit=1))  # (the count is enough)
             stamp = _dt.datetime.now().strftime("%H:%M:%S")
             body = _table(infos) if infos else "no leases held"
             if tty:
@@ -425,9 +431,15 @@ def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count:
 
 
 # -- a key's parked runs (``cli_queue``) --------------------------------------------------------------
-def _parked_info(ctx: click.Context, key: str) -> tuple[LeaseStore, LeaseInfo]:
+def _parked_info(
+    ctx: click.Context, key: str, page: int | None = None, per_page: int = 50
+) -> tuple[LeaseStore, LeaseInfo]:
+    """The lease of ``key`` with its parked runs: page ``page`` of them only (read on the server), or all."""
     store = _store(ctx)
-    info = _run(lambda: store.inspect(key))
+    if page is None:
+        info = _run(lambda: store.inspect(key))
+    else:
+        info = _run(lambda: store.inspect(key, parked_from=(page - 1) * per_page, parked_limit=per_page))
     if info is None:
         raise click.ClickException(f"no lease {key!r}: nothing is parked on it")
     return store, info
@@ -441,10 +453,10 @@ def _parked_info(ctx: click.Context, key: str) -> tuple[LeaseStore, LeaseInfo]:
 @click.pass_context
 def queue_of(ctx: click.Context, key: str, page: int, per_page: int, as_json: bool) -> None:
     """The runs parked on KEY, next first, a page at a time."""
-    info = _parked_info(ctx, key)[1]
+    info = _parked_info(ctx, key, page, per_page)[1]
     if as_json:
         rows = cli_queue.page_of(info, page, per_page)
-        click.echo(_json({"key": info.key, "parked": len(info.parked), "page": page, "runs": rows}))
+        click.echo(_json({"key": info.key, "parked": info.parked_total, "page": page, "runs": rows}))
         return
     click.echo("\n".join(cli_queue.queue_lines(info, page, per_page)))
 
@@ -513,7 +525,7 @@ def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
     """Why KEY is not running: the verdict first, then holder, expiry (server's clock), parked runs, last
     endings."""
     store = _store(ctx)
-    story = _run(lambda: store.why(key))
+    story = _run(lambda: store.why(key, parked_limit=WHY_PARKED))
     rate = rate_lines(read_window(store, key))
     pending = _run(lambda: sends_of(store).pending(key))
     if as_json:

@@ -23,14 +23,18 @@ __all__ = ["drop_runs", "page_of", "queue_lines"]
 
 
 def page_of(info: LeaseInfo, page: int, per_page: int) -> list[dict[str, Any]]:
-    """The parked runs of page ``page`` (1: the next ones to run)."""
+    """The parked runs of page ``page`` (1: the next ones to run) of ``info``, read with
+    ``inspect(key, parked_from=(page - 1) * per_page, parked_limit=per_page)`` (only that page is read)
+    or with all its parked runs."""
     start = (page - 1) * per_page
-    return list(info.parked[start : start + per_page])
+    runs = info.parked
+    offset = int(runs[0]["position"]) - 1 if runs else 0  # the position of the first run read
+    return list(runs[start - offset : start - offset + per_page]) if start >= offset else []
 
 
 def queue_lines(info: LeaseInfo, page: int, per_page: int) -> list[str]:
     """``queue KEY``: how many runs wait, then one line per run of the page, next first."""
-    total = len(info.parked)
+    total = info.parked_total
     pages = max(1, -(-total // per_page))
     rows = page_of(info, page, per_page)
     head = f"{info.key}: {total} run(s) parked" + (f", page {page} of {pages}" if total > per_page else "")

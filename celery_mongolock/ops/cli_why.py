@@ -134,7 +134,9 @@ def _queue_rows(story: KeyStory) -> list[str]:
     if not story.parked:
         lines = [_row("parked", "none")]
     else:
-        lines = [_row("parked", f"{len(story.parked)}, in queue order:")]
+        total = max(story.parked_total, len(story.parked))
+        first = "" if total == len(story.parked) else f" (the first {len(story.parked)} shown)"
+        lines = [_row("parked", f"{total}, in queue order{first}:")]
         for n, run in enumerate(story.parked, 1):
             parked = (story.server_now - run.parked_at).total_seconds() if run.parked_at else None
             deadline = "none"

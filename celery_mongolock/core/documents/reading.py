@@ -29,22 +29,38 @@ def prefix_filter(prefix: str | None) -> Document:
     return {"_id": {"$regex": "^" + re.escape(prefix)}}
 
 
-def read_pipeline(match: Document) -> list[Document]:
-    """The lease documents matching ``match``, by key, each with the server's ``expires_at - $$NOW``."""
+def _parked_page(start: int, limit: int | None) -> Document:
+    """The fields that carry a key's parked runs to the reader: how many there are (``__parked_total``)
+    and, with ``limit``, only ``limit`` of them from position ``start`` (0: the next to run) instead of
+    all: the server cuts a deep queue, the reply carries the page."""
+    q = {"$ifNull": ["$q", []]}
+    fields: Document = {"__parked_total": {"$size": q}}
+    if limit is not None:
+        fields["q"] = {"$slice": [q, int(start), int(limit)]}
+    return fields
+
+
+def read_pipeline(
+    match: Document, *, parked_from: int = 0, parked_limit: int | None = None
+) -> list[Document]:
+    """The lease documents matching ``match``, by key, each with the server's ``expires_at - $$NOW``; with
+    ``parked_limit``, at most that many parked runs each, from position ``parked_from`` (``_parked_page``)."""
     stage = {
         "$addFields": {
             "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
             "__now_ms": _NOW_MS,
+            **_parked_page(parked_from, parked_limit),
         }
     }
     hidden = {"ends": 0, "seen": 0, "q.m": 0, "ho.m": 0}
     return [{"$match": match}, {"$sort": {"_id": 1}}, stage, {"$project": hidden}]
 
 
-def story_pipeline(key: str) -> list[Document]:
+def story_pipeline(key: str, parked_limit: int | None = None) -> list[Document]:
     """One key's whole document, ``ends`` included, with the server's ``$$NOW`` and
     ``expires_at - $$NOW`` (``celery mongolock why``); not the parked runs' messages (``m``) nor the
-    queue's duplicate guard (``seen``), which can be large."""
+    queue's duplicate guard (``seen``), which can be large; with ``parked_limit``, only the first that
+    many parked runs (and how many there are: ``_parked_page``)."""
     stage = {
         "$addFields": {
             "__expires_in_ms": {"$subtract": [{"$toLong": "$expires_at"}, _NOW_MS]},
@@ -53,6 +69,7 @@ def story_pipeline(key: str) -> list[Document]:
             "__handed": {
                 "$and": [{"$ne": [{"$ifNull": ["$ho", None]}, None]}, {"$eq": ["$owner", "$ho.tk"]}]
             },
+            **_parked_page(0, parked_limit),
         }
     }
     # Rebuilt field by field: the embedded test server does not take a dotted exclusion inside an array.
@@ -70,8 +87,9 @@ def story_pipeline(key: str) -> list[Document]:
     return [{"$match": {"_id": key}}, stage, {"$addFields": runs}, {"$project": {"seen": 0}}]
 
 
-def lease_info(doc: Document) -> LeaseInfo:
-    """A document read through ``read_pipeline`` as a ``LeaseInfo``: held means owned and not expired."""
+def lease_info(doc: Document, first: int = 0) -> LeaseInfo:
+    """A document read through ``read_pipeline`` as a ``LeaseInfo``: held means owned and not expired;
+    ``first``: the position (from 0) of its first parked run read (``parked_from``)."""
     expires_in_ms = doc.get("__expires_in_ms")
     owner = doc.get("owner")
     expires_in = None if expires_in_ms is None else expires_in_ms / 1000.0
@@ -96,7 +114,10 @@ def lease_info(doc: Document) -> LeaseInfo:
         acquired_at=aware(doc.get("acquired_at")),
         renewed_at=aware(doc.get("renewed_at")),
         released_at=aware(doc.get("released_at")),
-        parked=[_parked_view(i + 1, e, doc.get("__now_ms")) for i, e in enumerate(doc.get("q") or [])],
+        parked=[
+            _parked_view(first + i + 1, e, doc.get("__now_ms")) for i, e in enumerate(doc.get("q") or [])
+        ],
+        parked_total=int(doc.get("__parked_total", len(doc.get("q") or []))),
         handoff=_handoff_view(
             doc.get("ho") or next((h.get("ho") for h in doc.get("hs") or [] if h.get("ho")), None),
             doc.get("__now_ms"),
