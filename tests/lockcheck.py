@@ -4571,7 +4571,9 @@ class Run:
     ) -> str | None:
         """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time while it has
         fewer than ``SKEWED_MAX_BACKLOG`` waiting; ``linger``: see ``_lingering``; ``die``: see
-        ``DIE_TASKS``); its id, or None if it could not be sent."""
+        ``DIE_TASKS``; ``priority``: Celery's, else one drawn for a random send of ``PRIORITY_TASKS``); its
+        id, or None if it could not be sent."""
+        random_send = queue is None  # (a directed send names its queue)
         if queue is None:
             skewed = self.rng.random() < 0.25 and self._skewed_backlog < SKEWED_MAX_BACKLOG
             queue = SKEWED_QUEUE if self.skewed_node is not None and skewed else "celery"
@@ -4587,8 +4589,12 @@ class Run:
             kwargs["deaf"] = True
         options: Doc = {}
         rank = 0
-        random_send = priority is None and queue is None and name in PRIORITY_TASKS
-        if random_send and self.priority_rng.random() < PRIORITY_SHARE:
+        if (
+            random_send
+            and priority is None
+            and name in PRIORITY_TASKS
+            and self.priority_rng.random() < PRIORITY_SHARE
+        ):
             priority = self.priority_rng.choice(PRIORITIES)
         if priority is not None:
             options["priority"] = priority

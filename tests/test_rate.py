@@ -180,6 +180,26 @@ def test_a_window_in_use_is_kept_from_its_last_start_not_its_first(store: LeaseS
     assert doc["exp"] > first and doc["exp"] >= doc["s"][-1]["t"] + _dt.timedelta(milliseconds=60_000)
 
 
+def test_a_command_that_writes_after_a_later_one_is_judged_on_the_later_clock(store: LeaseStore) -> None:
+    """A server binds ``$$NOW`` when a command begins, before it takes the document: a command held up in
+    between writes after one that began later. Here the later command's effect is written directly: the
+    window's clock (``seen``) and its start 0.6 s ahead of this command's ``$$NOW``, the window's two
+    earlier starts already pruned by it. Judged on its own ``$$NOW``, this command saw one start in the
+    window and took a start 0.6 s *before* the last one: three starts of ``RateLimit(2, 2)`` within 2 s
+    (issue 30; the embedded server gave 0, 3, 1607, 2166 ms with one command held up 0.4 s). Judged on
+    the window's clock, which never goes back, its start comes after the last one."""
+    windows = rate_windows(store)
+    assert _take(store, ["k"], "a/0", 1, n=2, period_ms=2000).started  # (creates the window)
+    later = (windows.collection.find_one({"_id": "k"}) or {})["seen"] + _dt.timedelta(milliseconds=600)
+    windows.collection.update_one({"_id": "k"}, {"$set": {"s": [{"t": later, "id": "later"}], "seen": later}})
+    assert _take(store, ["k"], "b/0", 2, n=2, period_ms=2000).started
+    window = windows.look("k")
+    assert window is not None
+    assert list(window.start_ids) == ["later", window.start_ids[1]]
+    assert window.starts_ms[1] >= window.starts_ms[0], "a start recorded before the window's last one"
+    assert window.now_ms >= window.starts_ms[0]
+
+
 def test_skip_records_no_waiter(store: LeaseStore) -> None:
     assert _take(store, ["k"], "a/0", 1, n=1).started
     assert not _take(store, ["k"], "b/0", 2, n=1, park=False).started

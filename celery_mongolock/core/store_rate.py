@@ -8,6 +8,7 @@ Starts are judged and recorded on the server's clock (``$$NOW``) in one ``findAn
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import os
 import uuid
 import weakref
@@ -150,14 +151,21 @@ class RateWindows:
 
     def look(self, key: str) -> RateWindow | None:
         """The key's window as the last command left it, its clock brought to the server's now (None when
-        the key has no window). Reads only (an operator's read-only role will do)."""
+        the key has no window; never before the window's own clock, which does not go back:
+        ``documents.rate``). Reads only (an operator's read-only role will do)."""
         store = self.store
         with store.connection.operation(f"read the rate window of {key!r}"):
             doc = self.plain_collection.find_one({"_id": key})
             if doc is None:
                 return None
-            doc["seen"] = store.connection.client.admin.command("hello")["localTime"]
+            now = store.connection.client.admin.command("hello")["localTime"]
+            seen = doc.get("seen")
+            doc["seen"] = now if seen is None else max(_aware(now), _aware(seen))
         return RateWindow.of(key, doc)
+
+
+def _aware(value: _dt.datetime) -> _dt.datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
 
 
 _windows: weakref.WeakKeyDictionary[LeaseStore, RateWindows] = weakref.WeakKeyDictionary()

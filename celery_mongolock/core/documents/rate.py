@@ -6,11 +6,18 @@ lease (a lease document is deleted by the TTL index when free; the window must n
 
     s:    [{t: date, id: start id}, ...]     # the starts inside the window, oldest first
     w:    [{id: run, st: send stamp, x: date}, ...]   # runs parked by the rate (until x: stale after)
-    seen: date                               # the server's clock at the last command (``$$NOW``)
+    seen: date                               # the window's clock at the last command (never goes back)
     n, p: int                                # the rate of the last run that took a start (``why`` shows it)
     exp:  date                               # the TTL index's field: nothing in it matters after it
 
-**Taking a start** is one ``findAndModify`` (``take_update``), judged on the server's clock: the starts
+**The window's clock** is the server's, never going back: a command's time is the later of its ``$$NOW``
+and the window's ``seen`` (``_WINDOW_NOW_MS``). A server binds ``$$NOW`` when a command begins, before it
+takes the document: a command held up in between (a busy server, a paused thread) can write after one
+that began later, and judged with its own earlier ``$$NOW`` it would count the starts a later command
+had already pruned as gone and take a start at a time before the last one (issue 30: three starts of a
+``RateLimit(2, 2)`` key in 1.97 s, reproduced on the embedded server with one command held up 0.4 s).
+
+**Taking a start** is one ``findAndModify`` (``take_update``), judged on the window's clock: the starts
 at or before ``NOW - period`` leave the window, stale parked runs leave ``w``, and the run gets the start
 if the window's starts plus the parked runs sent before it are fewer than ``n`` (send order: a window's
 free starts go to the earliest-sent runs waiting, and a later send never takes the place of an earlier
@@ -42,6 +49,11 @@ __all__ = [
 Document = dict[str, Any]
 
 _NOW_MS: Document = {"$toLong": "$$NOW"}
+#: The window's clock for a command (epoch ms): ``$$NOW``, or the window's ``seen`` if that is later (the
+#: clock of a command that wrote first although it began later). Compared as milliseconds: the embedded
+#: server's ``$max`` of dates is wrong.
+_WINDOW_NOW_MS: Document = {"$max": [_NOW_MS, {"$toLong": {"$ifNull": ["$seen", "$$NOW"]}}]}
+_CLOCK = "$__now"  # the field the first stage sets to ``_WINDOW_NOW_MS``
 
 
 def _ms(value: Any) -> int:
@@ -72,41 +84,43 @@ def take_update(
         "$filter": {
             "input": {"$ifNull": ["$s", []]},
             "as": "e",
-            "cond": {"$gt": [{"$toLong": "$$e.t"}, {"$subtract": [_NOW_MS, period_ms]}]},
+            "cond": {"$gt": [{"$toLong": "$$e.t"}, {"$subtract": [_CLOCK, period_ms]}]},
         }
     }
     live_waiters = {
         "$filter": {
             "input": {"$ifNull": ["$w", []]},
             "as": "e",
-            "cond": {"$and": [{"$gt": [{"$toLong": "$$e.x"}, _NOW_MS]}, {"$ne": ["$$e.id", run]}]},
+            "cond": {"$and": [{"$gt": [{"$toLong": "$$e.x"}, _CLOCK]}, {"$ne": ["$$e.id", run]}]},
         }
     }
     # Room for this run *and* for every run parked before it: those keep their place in this window
     # whether or not their copies are back yet (a late copy costs its own start, not the key's rate).
     ahead = {"$size": {"$filter": {"input": "$w", "as": "e", "cond": earlier}}}
     ok = {"$lt": [{"$add": [{"$size": "$s"}, ahead]}, n]}
-    me = {"id": run, "st": stamp, "x": {"$add": ["$$NOW", stale_ms]}}
+    now = {"$toDate": _CLOCK}
+    me = {"id": run, "st": stamp, "x": {"$toDate": {"$add": [_CLOCK, stale_ms]}}}
     waiters: Any = {"$concatArrays": ["$w", [me]]} if park else "$w"
-    expires_ms = {"$add": [_NOW_MS, period_ms + stale_ms]}
+    expires_ms = {"$add": [_CLOCK, period_ms + stale_ms]}
     # The TTL index's field only ever moves later. Compared as milliseconds: the embedded server's ``$max``
     # of a stored date and ``$$NOW + x`` returns its first argument, which kept ``exp`` at the window's
     # first start and let the TTL monitor delete a window in use (its starts forgotten: n more at once).
     exp = {"$toDate": {"$max": [{"$toLong": {"$ifNull": ["$exp", "$$NOW"]}}, expires_ms]}}
     return [
+        {"$set": {"__now": _WINDOW_NOW_MS}},
         {"$set": {"s": fresh_starts, "w": live_waiters}},
         {"$set": {"__ok": ok}},
         {
             "$set": {
-                "s": {"$cond": ["$__ok", {"$concatArrays": ["$s", [{"t": "$$NOW", "id": start_id}]]}, "$s"]},
+                "s": {"$cond": ["$__ok", {"$concatArrays": ["$s", [{"t": now, "id": start_id}]]}, "$s"]},
                 "w": {"$cond": ["$__ok", "$w", waiters]},
-                "seen": "$$NOW",
+                "seen": now,
                 "n": n,
                 "p": period_ms,
                 "exp": exp,
             }
         },
-        {"$unset": "__ok"},
+        {"$unset": ["__ok", "__now"]},
     ]
 
 
