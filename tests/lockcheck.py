@@ -165,7 +165,7 @@ import time
 import traceback
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
@@ -1672,14 +1672,14 @@ def check(history: History) -> list[Violation]:
     # 7. Reentrant holds.
     found += check_reentrant(history)
     found += check_unique(history)
-    found += check_multi_replace(history)
+    found += check_multi_replace(history, applied=applied)
     # 7b. rate=RateLimit(n, period).
     found += check_rate(history)
     # 8. Replace(cancel_running=True): superseded holders.
     found += check_cancel(history)
     # 9. The link callbacks of Replace runs, superseded ones included (``endings``).
     found += check_links(history)
-    found += check_multi_replace(history, MULTI_LIMIT_REPLACE_TASK)
+    found += check_multi_replace(history, MULTI_LIMIT_REPLACE_TASK, applied)
     return found
 
 
@@ -2461,7 +2461,11 @@ def _set_of(task: Doc) -> tuple[str, ...]:
     return tuple(sorted({str(k) for k in task.get("keys") or []}))
 
 
-def check_multi_replace(history: History, task_name: str = MULTI_REPLACE_TASK) -> list[Violation]:
+def check_multi_replace(
+    history: History,
+    task_name: str = MULTI_REPLACE_TASK,
+    applied: Mapping[str, list[tuple[str, str]]] | None = None,
+) -> list[Violation]:
     """The several-keys ``Replace`` runs (``MULTI_REPLACE_TASK``, on ``m`` keys; or ``task_name``:
     ``MULTI_LIMIT_REPLACE_TASK``, a slot of an ``l`` key and a ``k`` key), judged per set of keys.
 
@@ -2475,7 +2479,9 @@ def check_multi_replace(history: History, task_name: str = MULTI_REPLACE_TASK) -
       a set runs; one that ended superseded is ``superseded-by-older``).
     * ``replace-order``: on one of its keys, a run got the key (a grant: acquired, handed, reserved,
       claimed) after a newer send of its set had got it.
-    * ``queued-run-skipped``: it ended with another word of ours (skipped, timed out).
+    * ``queued-run-skipped``: it ended with another word of ours (skipped, timed out), or ``already-ran``
+      with an op of its own not applied (``applied``: its body wrote every key and released them, and its
+      worker died before the result was stored: the redelivered copy says so, as ``check_queued`` allows).
 
     No two holders of a key: its holds go through the plain per-key checks with every other hold of the
     key (the bare clients take ``m`` keys too)."""
@@ -2529,6 +2535,8 @@ def check_multi_replace(history: History, task_name: str = MULTI_REPLACE_TASK) -
                         + (f"(stamp {by.get('stamp')}, keys {_set_of(by)})" if by else "(no send of ours)"),
                     )
                 )
+        elif word == "already-ran" and applied is not None and all(op in applied for op in task_ops(task)):
+            continue  # its body wrote every key; its worker died before the result was stored
         elif word:
             found.append(Violation("queued-run-skipped", f"several-keys Replace run {tid} ended {result}"))
     for keys, ids in sorted(sets.items()):

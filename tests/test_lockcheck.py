@@ -1654,3 +1654,16 @@ def test_rate_runs_lost_or_run_twice_are_the_plain_checks_violations() -> None:
     lost = _rate_good()
     lost.tasks = {"C": _rate_task("c", None)}
     assert [v.kind for v in check(lost)] == ["task-unfinished"]
+
+
+def test_a_several_keys_replace_run_that_already_ran_needs_its_ops_applied() -> None:
+    """Soak, seed 1 with ``--rate-keys 2`` (this stop): a debounced several-keys ``Replace`` run's body
+    wrote both keys and released them, its worker died (a node exited) before the result was stored,
+    and the redelivered copy ended the task ``already-ran``: allowed when its ops are applied, as for
+    ``Queue`` runs (``check_queued``); reported when one is not."""
+    ran = {"mongolock": "already-ran", "key": M1}
+    h = _queued_history(_rk_body("A", 11.0), A=_multi_replace("A", 1, (M1, M2), ran))
+    both = {lockcheck.multi_op("op-A", M1): [(M1, "h")], lockcheck.multi_op("op-A", M2): [(M2, "h")]}
+    assert lockcheck.check_multi_replace(h, applied=both) == []
+    one = {lockcheck.multi_op("op-A", M1): [(M1, "h")]}
+    assert kinds(lockcheck.check_multi_replace(h, applied=one)) == {"queued-run-skipped"}
