@@ -321,7 +321,8 @@ def inspect_lease(ctx: click.Context, /, key: str | None, as_json: bool, **docum
     data = info.as_dict()
     data["state"] = "held" if info.held else "free"
     data["expires_in"] = _expires(info)
-    width = max(len(k) for k in data)
+    # (the names shown: a field added to LeaseInfo must not widen the column)
+    width = max(len(k) for k in ("key", "state", "holder", "handoff", "parked", "acquired_at", "released_at"))
     if info.slots or info.limit:  # a limit=N key: each hold has its own holder, owner and expiry
         held = f"{len(info.slots)} of {info.limit} slots held" if info.slots else "no slot held"
         data.update(state=held if info.slots else "free", limit=info.limit)
