@@ -4,10 +4,11 @@ import gc
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import celery
+import pluggy
 import pytest
 from celery.result import AsyncResult
 from pymongo import MongoClient, monitoring
@@ -54,6 +55,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.getoption("dist", "no") == "no" and not hasattr(config, "workerinput"):
         return
     items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
+    """A test that failed while real worker nodes were running shows their processes' stacks (every
+    thread of the parent and of each pool child): a hung child is seen where it hangs, in CI's output."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "call" and report.failed:
+        from .workers import dump_stacks
+
+        stacks = dump_stacks()
+        if stacks:
+            report.sections.append(("worker stacks", stacks))
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,10 @@ Every task records what it did in MongoDB (collection ``runs``), so tests check 
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,11 @@ def broker_transport_options(broker_url: str) -> dict[str, Any]:
     default). Redis has no such option."""
     return {"confirm_publish": True} if broker_url.startswith(("amqp", "pyamqp")) else {}
 
+
+# A failed test asks every worker process still alive for its threads' stacks (``workers.dump_stacks``):
+# registered before Celery redirects stderr, inherited by the pool children it forks.
+if sys.__stderr__ is not None:
+    faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
 
 app = Celery("integration_app")
 app.conf.update(

@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -16,6 +18,9 @@ from .integration_app import broker_transport_options
 from .servers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
+
+#: Worker nodes started and not stopped, for ``dump_stacks``.
+LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
 
 
 class Worker:
@@ -69,6 +74,7 @@ class Worker:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        LIVE.add(self)
 
         def ready() -> bool:
             assert self.proc is not None
@@ -90,8 +96,34 @@ class Worker:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False)
         return [int(p) for p in out.stdout.split()]
 
+    def dump_stacks(self, timeout: float = 10.0) -> str:
+        """Every thread's stack of this node's processes (parent and pool children), written by
+        faulthandler to its log on SIGUSR2 (``integration_app``): what a failed test shows of a hung
+        worker. Waits for one dump per process, ``timeout`` at most (a process may be gone)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return ""
+        pids = [self.proc.pid, *self.child_pids()]
+        start = self.log_path.stat().st_size
+        deadline = time.monotonic() + timeout
+        # One process at a time (their dumps would interleave in the shared log), each awaited.
+        for done, pid in enumerate(pids, start=1):
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                continue
+            while time.monotonic() < deadline and self._dumped(start).count(b"Current thread") < done:
+                time.sleep(0.05)  # (a diagnostic after a failure: polls for the dump, bounded by timeout)
+        dumped = self._dumped(start)
+        return f"{self.name} (pids {pids}):\n" + dumped.decode(errors="replace")
+
+    def _dumped(self, start: int) -> bytes:
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            return f.read()
+
     def stop(self, timeout: float = 30) -> int | None:
         """Warm shutdown (SIGTERM): running tasks finish, then the worker exits."""
+        LIVE.discard(self)
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -109,6 +141,11 @@ class Worker:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def dump_stacks() -> str:
+    """The stacks of every live worker node's processes (``Worker.dump_stacks``)."""
+    return "\n".join(w.dump_stacks() for w in list(LIVE))
 
 
 def worker_env(
