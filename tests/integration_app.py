@@ -83,7 +83,12 @@ app.conf.update(
                     "grace": float(os.environ["MONGOLOCK_IT_CANCEL_GRACE"]),
                 }
             }
-            for name in ("integration_app.cancel_polite", "integration_app.cancel_deaf")
+            for name in (
+                "integration_app.cancel_polite",
+                "integration_app.cancel_deaf",
+                "integration_app.cancel_polite_keys",
+                "integration_app.cancel_deaf_keys",
+            )
             if os.environ.get("MONGOLOCK_IT_CANCEL_GRACE")
         },
     },
@@ -615,6 +620,56 @@ def cancel_deaf(resource: str, tag: str, seconds: float = 0.3) -> str:
     lease = current_lease()
     assert lease is not None
     lease.on_superseded(lambda _lease, by: record("told", tag, by=by))
+    record("start", tag)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    record("end", tag)
+    return tag
+
+
+@singleton_task(
+    keys=("resource:{resource}", "group:{group}"),
+    app=app,
+    name="integration_app.cancel_polite_keys",
+    on_contention=Replace(cancel_running=True, grace=None),
+)
+def cancel_polite_keys(
+    resource: str, group: str, tag: str, seconds: float = 0.3, report: int | None = None
+) -> str:
+    """``cancel_polite`` over a set of two keys: a newer send of the same set tells it; its fenced report
+    is written with its ``group`` key's lease (the one a newer send reaches second)."""
+    held = current_lease()
+    assert held is not None
+    lease = held[f"group:{group}"]  # type: ignore[index]
+    record("start", tag)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        superseded = held.superseded
+        if report is not None:
+            try:
+                fenced_update_one(db()["reports"], {"_id": report}, {"$set": {"by": tag}}, lease, upsert=True)
+            except FencedOut as exc:
+                record("refused", tag, by=exc.superseded_by, superseded=superseded)
+        if superseded:
+            record("noticed", tag, by=held.superseded_by)
+            held.raise_if_superseded()
+        time.sleep(0.01)
+    record("end", tag)
+    return tag
+
+
+@singleton_task(
+    keys=("resource:{resource}", "group:{group}"),
+    app=app,
+    name="integration_app.cancel_deaf_keys",
+    on_contention=Replace(cancel_running=True, grace=None),
+)
+def cancel_deaf_keys(resource: str, group: str, tag: str, seconds: float = 0.3) -> str:
+    """``cancel_deaf`` over a set of two keys: it never looks, and is ended by its grace."""
+    held = current_lease()
+    assert held is not None
+    held.on_superseded(lambda _lease, by: record("told", tag, by=by))
     record("start", tag)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

@@ -300,7 +300,11 @@ MULTI_REPLACE_TASK = "lockcheck.rmw_multi_replace"
 #: supersedes the other's older runs of that set).
 MULTI_REPLACE_DEBOUNCED_TASK = "lockcheck.rmw_multi_replace_debounced"
 MULTI_REPLACE_DEBOUNCE = 0.3
-MULTI_REPLACE_TASKS = (MULTI_REPLACE_TASK, MULTI_REPLACE_DEBOUNCED_TASK)
+#: The same with ``Replace(cancel_running=True, grace=CANCEL_GRACE)``: a newer send of the set also
+#: supersedes the run that holds it (told on the first key the newer send reaches, every lease of its set
+#: superseded from then on: ``check_cancel``, ``multi_cancel_figures``).
+MULTI_REPLACE_CANCEL_TASK = "lockcheck.rmw_multi_replace_cancel"
+MULTI_REPLACE_TASKS = (MULTI_REPLACE_TASK, MULTI_REPLACE_DEBOUNCED_TASK, MULTI_REPLACE_CANCEL_TASK)
 #: The several-keys ``Replace`` task with a limit per key (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``,
 #: ``Replace()``): a slot of an ``l`` key and the lease of a ``k`` key; the newest send of a pair wins, on
 #: the slotted key too (a run parked for a slot, or keeping one reserved, is superseded there). Judged as
@@ -313,6 +317,7 @@ MULTI_TASKS = (
     MULTI_LIMIT_TASK,
     MULTI_REPLACE_TASK,
     MULTI_REPLACE_DEBOUNCED_TASK,
+    MULTI_REPLACE_CANCEL_TASK,
     REENTRANT_TASK,
     MULTI_LIMIT_QUEUE_TASK,
     MULTI_LIMIT_REPLACE_TASK,
@@ -2971,13 +2976,15 @@ def queue_order(task: Doc) -> tuple[int, int]:
 
 
 def check_cancel(history: History) -> list[Violation]:
-    """``REPLACE_CANCEL_TASK`` runs (``Replace(cancel_running=True)``), from the holders' own notices
+    """``REPLACE_CANCEL_TASK`` and ``MULTI_REPLACE_CANCEL_TASK`` runs (``Replace(cancel_running=True)``), from
+    the holders' own notices
     (``superseded-notice``: the hold token, when its body was told) and their claims and writes (``t0``:
     when each was sent):
 
     * ``write-after-supersession``: a claim or write of a superseded holder sent after it was told, and
       accepted (``fenced_update_one`` with the lease must refuse it);
-    * ``superseded-holder-by-older``: a holder told superseded by a run that is not a newer send of its key.
+    * ``superseded-holder-by-older``: a holder told superseded by a run that is not a newer send of its key
+      (``MULTI_REPLACE_CANCEL_TASK``: of its set of keys).
     (No two bodies at once, and the newest send of a key running, are the checks of every key and of
     ``check_queued``: a newest send is never superseded, so it ends done.)"""
     found: list[Violation] = []
@@ -2988,7 +2995,9 @@ def check_cancel(history: History) -> list[Violation]:
             told.setdefault(str(ev["hold"]), ev)
     for _hold, notice in sorted(told.items()):
         holder, by = tasks.get(str(notice.get("task_id"))) or {}, tasks.get(str(notice.get("by"))) or {}
-        if by.get("key") != notice.get("key") or int(by.get("stamp") or -1) <= int(holder.get("stamp") or 0):
+        # (a several-keys holder: by a newer send of its own set of keys, told on one of them)
+        same = _set_of(by) == _set_of(holder) if holder.get("keys") else by.get("key") == notice.get("key")
+        if not same or int(by.get("stamp") or -1) <= int(holder.get("stamp") or 0):
             found.append(
                 Violation(
                     "superseded-holder-by-older",
@@ -3021,7 +3030,7 @@ def cancel_figures(history: History) -> Doc:
     its claim refused, the newest send run)."""
     tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == REPLACE_CANCEL_TASK}
     ev = history.events
-    told = {str(e["hold"]): e for e in ev if e.get("ev") == "superseded-notice"}
+    told = {str(e["hold"]): e for e in ev if e.get("ev") == "superseded-notice" and e.get("task_id") in tasks}
     released = {str(e["hold"]) for e in ev if e.get("ev") == "rel"}
     refused = {
         str(e["hold"])
@@ -3060,6 +3069,37 @@ def cancel_figures(history: History) -> Doc:
             and bool(holds_of("directed-cancel-1") & refused)
         ),
         "directed_newest_ran": int(result("directed-cancel-2").get("outcome") == "ack"),
+    }
+
+
+def multi_cancel_figures(history: History) -> Doc:
+    """What the ``MULTI_REPLACE_CANCEL_TASK`` runs did (figures, not verdicts): holders of a set told by a
+    newer send of it (``told``: runs; ``leases_told``: their leases, every one of the set's), and the
+    directed pair (``Run._multi_cancel_directed``: the lingering holder of a pair told and ended
+    superseded, the newest send run)."""
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == MULTI_REPLACE_CANCEL_TASK}
+    notices = [e for e in history.events if e.get("ev") == "superseded-notice" and e.get("task_id") in tasks]
+    by_op = {str(t.get("op")): t for t in tasks.values()}
+
+    def result(op: str) -> Doc:
+        r = (by_op.get(op) or {}).get("result")
+        return r if isinstance(r, dict) else {}
+
+    told = {str(e["task_id"]) for e in notices}
+    first = by_op.get("directed-mcancel-0") or {}
+    first_id = next((tid for tid, t in tasks.items() if t is first), None)
+    return {
+        "submitted": len(tasks),
+        "directed_sent": sum(1 for op in by_op if op.startswith("directed-mcancel-")),
+        "told": len(told),
+        "leases_told": len(notices),
+        "superseded": sum(
+            1 for t in tasks.values() if (t.get("result") or {}).get("mongolock") == "superseded"
+        ),
+        "directed_told": int(
+            first_id in told and result("directed-mcancel-0").get("mongolock") == "superseded"
+        ),
+        "directed_newest_ran": int(result("directed-mcancel-1").get("outcome") == "ack"),
     }
 
 
@@ -3592,6 +3632,7 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "reentrant": reentrant_figures(history, faults),
         "multi_replace": multi_replace_figures(history, faults),
         "cancel": cancel_figures(history),
+        "multi_cancel": multi_cancel_figures(history),
         "unique": unique_figures(history, faults, extra.get("unique_directed")),
         "rate": rate_figures(history, faults, extra.get("rate_directed")),
         "multi_limit_replace": multi_replace_figures(
@@ -3772,6 +3813,16 @@ def unmet_coverage(report: Doc) -> list[str]:
             cx,
         )
         claim(cx["directed_newest_ran"] == 1, "the newest send of the cancel_running burst ran", cx)
+    mc = report.get("multi_cancel")
+    if mc is not None and mc.get("directed_sent"):
+        claim(
+            mc["directed_told"] == 1,
+            "a several-keys cancel_running holder told by a newer send of its set, ended superseded",
+            mc,
+        )
+        claim(
+            mc["directed_newest_ran"] == 1, "the newest send of the several-keys cancel_running pair ran", mc
+        )
     mrw = report.get("multi_replace_window") or {}
     if mrw:
         window = {**mrw, **{k: v for k, v in mr.items() if k.startswith("window_")}}
@@ -4853,6 +4904,8 @@ class Run:
             bursts.append(("", [], self._debounced_directed()))
         if self.cfg.replace_keys:
             bursts.append(("", [], self._cancel_directed()))
+        if self.cfg.multi_replace_keys > 2:
+            bursts.append(("", [], self._multi_cancel_directed()))
         if self.cfg.limit_keys and self.cfg.keys > 1:
             bursts.append(("", [], self._multi_limit_replace_directed()))
         everyone = [t for _k, _g, ids in bursts for t in ids]
@@ -4935,6 +4988,40 @@ class Run:
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
         return ids
+
+    def _multi_cancel_directed(self) -> list[str]:
+        """``MULTI_REPLACE_CANCEL_TASK`` on a pair of ``m`` keys of its own (``DIRECTED_KEY`` + 7 and + 8):
+        a first send lingers holding both; once it holds them, a newer send of the pair (named in the other
+        order: the same set) tells it; it stops lingering, ends superseded, and the newer send runs. By
+        construction: the second send waits for the first to hold both keys."""
+        assert self.store is not None
+        store = self.store
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        a, b = key_for(DIRECTED_KEY + 7, epoch, "m"), key_for(DIRECTED_KEY + 8, epoch, "m")
+        never = str(self.dir / "mcancel-never")  # the holder stops because it is told, not this
+        first = self._submit(MULTI_REPLACE_CANCEL_TASK, "", "directed-mcancel-0", keys=(a, b), queue="celery",
+                             linger=never)  # fmt: skip
+        if first is None:
+            return []
+
+        def holds() -> bool:
+            try:
+                infos = [store.inspect(k) for k in (a, b)]
+            except MongoLockError:
+                return False
+            return all(
+                i is not None and i.held and i.handoff is None and i.holder.get("task_id") == first
+                for i in infos
+            )
+
+        try:
+            _wait(holds, START_GUARD_S, f"directed-mcancel-0 to hold {a} and {b}", interval=0.1)
+        except TimeoutError as exc:
+            self.log(f"directed phase: {exc}")
+        second = self._submit(
+            MULTI_REPLACE_CANCEL_TASK, "", "directed-mcancel-1", keys=(b, a), queue="celery"
+        )
+        return [first] + ([second] if second else [])
 
     def _reentrant_burst(self) -> list[str]:
         """``REENTRANT_BURST`` runs of ``REENTRANT_TASK`` on an ``l`` key and a ``k`` key of their own (no

@@ -424,6 +424,7 @@ def _body(
     )  # fmt: skip
     if isinstance(lease, LeaseSet):  # keys=(...): every key's lease, then each key's document
         lockcheck.record_set_acquired(hist, lease, who, task.request.id)
+        _linger(lease, linger)
         outcomes = lockcheck.run_multi_hold(
             lease, docs, hist, op, _rng, reckless=reckless, who=who, task_id=task.request.id
         )
@@ -673,6 +674,33 @@ def rmw_multi_replace(self: Any, a: str, b: str, op: str, reckless: bool = False
     supersedes the older runs of that pair on both keys; runs of other pairs sharing a key keep their
     place in send order."""
     return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"), app=app, name=lockcheck.MULTI_REPLACE_CANCEL_TASK, bind=True, max_retries=200,
+    on_contention=Replace(cancel_running=True, grace=lockcheck.CANCEL_GRACE),
+)  # fmt: skip
+def rmw_multi_replace_cancel(
+    self: Any, a: str, b: str, op: str, reckless: bool = False, *, linger: str | None = None
+) -> dict[str, Any]:
+    """``rmw_multi_replace`` with ``cancel_running=True``: a newer send of the same pair supersedes the run
+    holding it too; each of its leases records its notice (``superseded-notice``: every lease of the set is
+    superseded from the first notice on), its fenced writes are refused from then, and it ends superseded.
+    ``linger``: it holds both keys first, until told (or the path appears)."""
+    held = current_lease()
+    assert held is not None
+    hist = _history() or lockcheck.HistoryWriter.for_process(".")
+    tid = self.request.id
+
+    def told(lease: Any, by: str) -> None:
+        hist.event(
+            "superseded-notice", key=lease.key, task_id=tid, hold=lease.owner, fence=lease.fence, by=by,
+            t=lease.superseded_at,
+        )  # fmt: skip
+
+    for lease in held:  # type: ignore[attr-defined]
+        lease.on_superseded(told)
+    return _body(self, f"{a}+{b}", op, reckless, linger)
 
 
 @singleton_task(

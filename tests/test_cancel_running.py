@@ -161,6 +161,70 @@ def test_the_old_holders_fenced_writes_are_refused_from_its_notice_on(cluster: C
     assert not cluster.runs(new, "refused")
 
 
+# -- keys=: a newer send of the same set supersedes the run holding the set ------------------------------
+
+
+def test_a_newer_send_of_the_set_tells_the_running_holder_and_its_writes_are_refused(
+    cluster: Cluster,
+) -> None:
+    resource, group = tag(), tag()
+    keys = sorted([f"resource:{resource}", f"group:{group}"])  # (a set's result names its keys in order)
+    report = int(uuid.uuid4().int % 1_000_000_000)
+    old, other, new = tag(), tag(), tag()
+    r0 = it.cancel_polite_keys.delay(resource, group, old, LONG, report)
+    wait_for(
+        lambda: (cluster.db["reports"].find_one({"_id": report}) or {}).get("by") == old,
+        timeout=60,
+        message="the holder to write its report",
+    )
+    # A run of another set sharing the resource key parks behind it and tells it nothing.
+    r_other = it.cancel_polite_keys.delay(resource, tag(), other, 0.2)
+    r1 = it.cancel_polite_keys.delay(resource, group, new, 0.3, report)
+    assert r0.get(timeout=60) == {"mongolock": "superseded", "key": keys[0], "keys": keys, "by": r1.id}
+    assert r0.state == "SUCCESS"
+    assert r1.get(timeout=60) == new
+    assert r_other.get(timeout=60) == other
+    noticed = one(cluster, "noticed", old)
+    assert noticed["by"] == r1.id
+    assert not cluster.runs(old, "end")
+    # Its writes with the group key's lease were refused from the notice on, though the newer send
+    # reached the resource key first; the report is the newest run's.
+    refused = cluster.runs(old, "refused")
+    assert refused and all(r["by"] == r1.id for r in refused)
+    doc = cluster.db["reports"].find_one({"_id": report}) or {}
+    assert doc["by"] == new
+    start = one(cluster, "start", new)
+    assert start["t"] >= noticed["t"]
+    for key in keys:
+        superseded_in_history(cluster, key, r0.id, r1.id)
+
+
+def test_a_set_holder_that_ignores_it_is_terminated_after_grace_and_the_newest_run_starts(
+    cluster: Cluster,
+) -> None:
+    resource, group = tag(), tag()
+    keys = sorted([f"resource:{resource}", f"group:{group}"])  # (a set's result names its keys in order)
+    old, new = tag(), tag()
+    r0 = it.cancel_deaf_keys.delay(resource, group, old, LONG)
+    wait_for(lambda: cluster.runs(old, "start"), timeout=60, message="the holder to start")
+    child = one(cluster, "start", old)["pid"]
+    sent = time.time()
+    r1 = it.cancel_deaf_keys.delay(resource, group, new, 0.2)
+
+    assert r1.get(timeout=60) == new
+    started = one(cluster, "start", new)["t"] - sent
+    told = one(cluster, "told", old)
+    print(f"\nnewest run of the set started {started:.2f}s after its send (grace {GRACE}s)")
+    assert told["by"] == r1.id and told["t"] - sent < GRACE
+    assert started >= GRACE * 0.9
+    assert not cluster.runs(old, "end")
+    wait_for(lambda: not _alive(child), timeout=60, message="the old holder's child to be gone")
+    assert r0.get(timeout=60) == {"mongolock": "superseded", "key": keys[0], "keys": keys, "by": r1.id}
+    for key in keys:
+        superseded_in_history(cluster, key, r0.id, r1.id)
+    assert len(cluster.runs(old, "start")) == 1
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -73,8 +73,15 @@ def test_the_policy_takes_cancel_running_and_grace() -> None:
             "'cancel_running' is an option of 'replace' only",
         ),
         (lambda: parse_policy({"policy": "skip", "grace": 3}, "x"), "'grace' is an option of 'replace' only"),
-        (lambda: check_limit(3, Replace(cancel_running=True)), "with limit=3 is not supported"),
-        (lambda: check_keys(("a", "b"), None, Replace(cancel_running=True)), "with keys= is not supported"),
+        (lambda: check_limit(3, Replace(cancel_running=True)), "with limit=3 is not possible"),
+        (
+            lambda: check_keys(("a", "b"), None, Replace(cancel_running=True), {"b": 3}),
+            "with limit 3 for the key 'b' of keys= is not possible",
+        ),
+        (
+            lambda: check_keys(("a", "b"), None, Replace(cancel_running=True), 2),
+            "with limit 2 for the key 'a' of keys= is not possible",
+        ),
     ],
 )
 def test_bad_input_is_refused_in_our_words(make: Any, words: str) -> None:
@@ -84,6 +91,9 @@ def test_bad_input_is_refused_in_our_words(make: Any, words: str) -> None:
 
 def test_limit_one_and_plain_replace_stay_accepted() -> None:
     assert check_limit(1, Replace(cancel_running=True)) is None
+    # keys=: every key a single lease (no limit, or a limit of 1 each)
+    assert check_keys(("a", "b"), None, Replace(cancel_running=True)) == ("a", "b")
+    assert check_keys(("a", "b"), None, Replace(cancel_running=True), {"a": 1}) == ("a", "b")
     assert check_limit(3, Replace()) == 3
     assert isinstance(parse_policy("queue"), Queue)
 

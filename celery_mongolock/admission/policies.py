@@ -396,20 +396,18 @@ def _refuse_replace_only(setting: str, cls: type[Policy], options: Mapping[str, 
             )
 
 
-def check_cancel_running(policy: object, *, limit: int | None = None, several_keys: bool = False) -> None:
-    """``Replace(cancel_running=True)`` works with one key and one holder: refuse it with ``limit=N``
-    (N > 1) and with ``keys=``, in our words."""
+def check_cancel_running(policy: object, *, limit: int | None = None, spec: str | None = None) -> None:
+    """``Replace(cancel_running=True)`` supersedes the one run that holds a key: refuse it, in our words,
+    on a key with N holders (``limit=N``, N > 1; ``spec``: that key's spec of ``keys=``). With one key or
+    several (``keys=``: a newer send of the same set supersedes the running holder of that set), every
+    key being a single lease, it is accepted."""
     if not (isinstance(policy, Replace) and policy.cancel_running):
         return
     if limit is not None and limit > 1:
+        which = f"limit={limit}" if spec is None else f"limit {limit} for the key {spec!r} of keys="
         raise ConfigurationError(
-            f"Replace(cancel_running=True) with limit={limit} is not supported: with N holders of one key "
-            "there is no one running holder for a newer send to supersede; use limit=1 (or no limit)"
-        )
-    if several_keys:
-        raise ConfigurationError(
-            "Replace(cancel_running=True) with keys= is not supported yet: superseding the holder of a set "
-            "of keys is not implemented; use key= (one key per run)"
+            f"Replace(cancel_running=True) with {which} is not possible: with N holders of one key there "
+            "is no one running holder for a newer send to supersede; use limit=1 (or no limit)"
         )
 
 
@@ -445,8 +443,9 @@ def check_keys(
         raise ConfigurationError("give key= or keys=, not both")
     if policy is not None and not isinstance(policy, Policy):
         policy = parse_policy(policy)
-    check_key_limits(limit, keys, policy)
-    check_cancel_running(policy, several_keys=True)
+    per_key = check_key_limits(limit, keys, policy)
+    for spec, n in zip(keys, per_key or (), strict=False):
+        check_cancel_running(policy, limit=n, spec=spec if isinstance(spec, str) else repr(spec))
     if isinstance(policy, Replace) and policy.max_wait is not None:
         raise ConfigurationError(
             f"keys= with Replace(debounce={policy.debounce!r}, max_wait={policy.max_wait!r}) is not "

@@ -523,9 +523,49 @@ class LeaseSet(Lease):
     def superseded_by(self) -> str | None:
         return next((lease.superseded_by for lease in self.leases.values() if lease.superseded), None)
 
+    @property
+    def superseded_at(self) -> float | None:
+        return min(
+            (lease.superseded_at for lease in self.leases.values() if lease.superseded_at), default=None
+        )
+
     def raise_if_superseded(self) -> None:
+        """Raise ``Superseded`` if a newer send of the set superseded this run (on any of its keys)."""
         for lease in self.leases.values():
-            lease.raise_if_superseded()
+            if lease.superseded:
+                raise Superseded(lease.key, lease.fence, lease.superseded_by)
+
+    def wait_superseded(self, timeout: float | None = None) -> bool:
+        """Block until a newer send supersedes this run on any of its keys (True) or ``timeout`` passes."""
+        event = threading.Event()
+        self.on_superseded(lambda *_: event.set())
+        return event.wait(timeout)
+
+    def on_superseded(self, callback: SupersededCallback) -> None:
+        """Call ``callback(lease, by)`` once, when a newer send supersedes this run on any of its keys
+        (with that key's lease)."""
+        once = threading.Lock()
+        called: list[bool] = []
+
+        def first(lease: Lease, by: str) -> None:
+            with once:
+                if called:
+                    return
+                called.append(True)
+            callback(lease, by)
+
+        for lease in self.leases.values():
+            lease.on_superseded(first)
+
+    def supersede_together(self) -> None:
+        """A newer send of the set marks the holder on one key first (it visits them in turn): from then on
+        every lease of the set is superseded, so that a fenced write with any of them is refused."""
+
+        def mark_all(_: Lease, by: str) -> None:
+            for lease in self.leases.values():
+                lease.mark_superseded(by)
+
+        self.on_superseded(mark_all)
 
     def renew(self) -> None:
         for lease in self.leases.values():

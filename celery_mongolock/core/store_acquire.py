@@ -431,6 +431,8 @@ class Acquisition:
         # The holder names the run, so that a copy of its message is recognised while it runs.
         run_info = {"task_id": entry["t"], "task_name": entry.get("n"), "delivery": entry.get("r")}
         run_info = {k: v for k, v in run_info.items() if v is not None}
+        if group is not None:  # a run of a key set: which set, and its send (``sets.holder_older_of_set``)
+            run_info.update({"set": group, "sent": int(entry["s"])})
         lease, doc = store.try_acquire(  # (through the store: a test's stand-in for it takes effect)
             key,
             ttl,

@@ -402,6 +402,8 @@ class SeveralKeys:
                 due=self.debounced_copy and claim is None,
                 max_wait=policy.max_wait if isinstance(policy, Replace) else None,
                 limit=self.limits.get(key, options.limit),
+                # Replace(cancel_running=True): parked behind a running older run of its set, it tells it.
+                cancel=isinstance(policy, Replace) and policy.cancel_running,
             )
         )
         due_in = admission.due_in(self.request.id)

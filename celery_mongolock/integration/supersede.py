@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from celery import signals as celery_signals
 
 from celery_mongolock.admission.policies import Policy, Replace
+from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.exceptions import ConfigurationError, Superseded
 from celery_mongolock.integration import results, signals
 from celery_mongolock.integration.endings import publish_own_ending
@@ -70,9 +71,27 @@ def _run_info(task: GuardedRun) -> dict[str, Any]:
     return {"t": request.id, "n": task.name, "r": delivery, "id": f"{request.id}/{delivery}"}
 
 
+def _held(lease: Lease) -> list[Lease]:
+    """The leases of a run: itself, or each of a ``LeaseSet``'s (``keys=``)."""
+    return list(lease) if isinstance(lease, LeaseSet) else [lease]
+
+
+def _result(lease: Lease, by: str) -> SupersededResult:
+    if isinstance(lease, LeaseSet):
+        return results.superseded_result(lease.keys[0], by, lease.keys)
+    return results.superseded_result(lease.key, by)
+
+
+def _record(store: LeaseStore, lease: Lease, info: Mapping[str, Any], by: str) -> None:
+    """The run's ``superseded`` record in the history of each of its keys."""
+    for one in _held(lease):
+        store.record_run_ending(one.key, "superseded", info, fence=one.fence, by=by, running=True)
+
+
 def ended_superseded(task: GuardedRun, store: LeaseStore, key: str, lease: Lease) -> SupersededResult:
     """The run's body stopped because a newer send superseded it: its result (``SUCCESS``, the superseded
-    result naming the newer run), its history record and the ``run_superseded`` signal."""
+    result naming the newer run), its history record (on each of its keys) and the ``run_superseded``
+    signal."""
     by = str(lease.superseded_by)
     request = task.request
     log.info(
@@ -84,8 +103,8 @@ def ended_superseded(task: GuardedRun, store: LeaseStore, key: str, lease: Lease
         by,
     )
     signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
-    store.record_run_ending(key, "superseded", _run_info(task), fence=lease.fence, by=by, running=True)
-    return results.superseded_result(key, by)
+    _record(store, lease, _run_info(task), by)
+    return _result(lease, by)
 
 
 class _Terminator:
@@ -136,14 +155,14 @@ class _Terminator:
             if self.fails:
                 task.app.backend.mark_as_failure(self.request_id, Superseded(key, self.lease.fence, by))
             else:
-                task.app.backend.store_result(self.request_id, results.superseded_result(key, by), "SUCCESS")
+                task.app.backend.store_result(self.request_id, _result(self.lease, by), "SUCCESS")
             signals.run_superseded.send(sender=task, key=key, task_id=self.request_id, by=by)
-            self.store.record_run_ending(
-                key, "superseded", self.info, fence=self.lease.fence, by=by, running=True
-            )
+            _record(self.store, self.lease, self.info, by)
             self.store.flush_history(timeout=2.0)
             # Its callbacks, chain or chord: called by a worker from its message (``endings``).
-            publish_own_ending(task, self.request, results.superseded_ending(key, by))
+            keys = self.lease.keys if isinstance(self.lease, LeaseSet) else None
+            first = keys[0] if keys else key
+            publish_own_ending(task, self.request, results.superseded_ending(first, by, keys))
         except Exception as exc:  # the termination goes ahead: the key must go to the newest run
             log.warning(
                 "%s[%s]: writing the superseded run's result failed: %s", task.name, self.request_id, exc
@@ -158,10 +177,13 @@ def run_body(
 ) -> Any:
     """Run ``body`` holding ``lease``; a ``Replace(cancel_running=True)`` run is told when a newer send
     supersedes it, ends superseded when its body raises ``Superseded``, and is terminated after ``grace``
-    (in a prefork pool child)."""
+    (in a prefork pool child). ``lease`` may be a ``LeaseSet`` (``keys=``): a newer send of the set tells
+    the run on whichever key it reaches first, and every lease of the set is superseded from then on."""
     key = lease.key
     if not (isinstance(policy, Replace) and policy.cancel_running):
         return body()
+    if isinstance(lease, LeaseSet):
+        lease.supersede_together()
     terminator: _Terminator | None = None
     if policy.grace is not None and in_pool_child():
         terminator = _Terminator(task, store, key, lease, policy.grace, fails=policy.fail_superseded)
@@ -169,7 +191,7 @@ def run_body(
     try:
         return body()
     except Superseded as exc:
-        if exc.key != lease.key or not lease.superseded:
+        if exc.key not in {one.key for one in _held(lease)} or not lease.superseded:
             raise  # another lease's (a singleton run called in-process): not this run's supersession
         result = ended_superseded(task, store, key, lease)
         if policy.fail_superseded:

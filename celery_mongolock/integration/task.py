@@ -394,7 +394,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             signals.lease_acquired.send(sender=self, key=lease.key, lease=lease)
         token = _current.set(held)
         try:
-            return self.run(*args, **kwargs)
+            # (Replace(cancel_running=True): a newer send of the set supersedes this run: ``supersede``)
+            policy = self._options().on_contention
+            return run_body(self, store, fresh, policy, lambda: self.run(*args, **kwargs))
         finally:
             _current.reset(token)
             try:

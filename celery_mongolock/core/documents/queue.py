@@ -174,7 +174,7 @@ ADMIT_OUTCOMES = (
 )
 
 
-def cancel_mark(entry: Mapping[str, Any], token: str) -> Document:
+def cancel_mark(entry: Mapping[str, Any], token: str, holder_of_set: Document | None = None) -> Document:
     """``Replace(cancel_running=True)``: the ``cx`` field of an admit that parks ``entry`` behind a
     running holder (the key held, no handoff pending): the holder's token ``o`` and fence ``f``, the
     newer run ``t`` (its send stamp ``s``, its run id ``id``) and when (``at``). The holder's process
@@ -185,6 +185,10 @@ def cancel_mark(entry: Mapping[str, Any], token: str) -> Document:
     stale and harmless: every reader matches it on the token::
 
         cx: {o: holder's token, f: holder's fence, t: newer task id, s: its stamp, id: its run id, at}
+
+    ``holder_of_set`` (``Replace`` with ``keys=``, ``sets.holder_older_of_set``): only a holder that is an
+    older run of the newer run's own key set is marked. A claim is not marked here: a newer send of the
+    set takes back the handoff made to an older run of it before that run can claim (``sets``).
     """
     running = {
         "$and": [
@@ -193,6 +197,7 @@ def cancel_mark(entry: Mapping[str, Any], token: str) -> Document:
             {"$ne": [{"$ifNull": ["$owner", None]}, None]},
             {"$eq": [{"$ifNull": ["$ho", None]}, None]},
             {"$ne": [{"$ifNull": ["$cx.o", None]}, "$owner"]},  # the first newer send tells it
+            *([holder_of_set] if holder_of_set is not None else []),
         ]
     }
     mark = {
@@ -218,13 +223,10 @@ def cancel_mark(entry: Mapping[str, Any], token: str) -> Document:
         "id": field_of("id", newest),
         "at": "$$NOW",
     }
-    return {
-        "$cond": [
-            running,
-            mark,
-            {"$cond": [claimed_behind_a_newer_send, claim_mark, {"$ifNull": ["$cx", None]}]},
-        ]
-    }
+    kept = {"$ifNull": ["$cx", None]}
+    if holder_of_set is not None:
+        return {"$cond": [running, mark, kept]}
+    return {"$cond": [running, mark, {"$cond": [claimed_behind_a_newer_send, claim_mark, kept]}]}
 
 
 def admit_pipeline(
@@ -251,8 +253,9 @@ def admit_pipeline(
     only once no newer send came for that long; ``due``: this is the run's own delayed copy, which takes
     the key if its entry is at the head, due and the key free. ``group`` (with ``replace``): the
     signature of the run's set of keys (``Replace`` with ``keys=``): supersession is decided among the
-    runs of that set only (``sets``). ``cancel`` (with ``replace``, one key): a run that parks behind a
-    running holder supersedes that holder too (``cx``, ``cancel_mark``). ``max_wait_ms`` (with
+    runs of that set only (``sets``). ``cancel`` (with ``replace``): a run that parks behind a running
+    holder supersedes that holder too (``cx``, ``cancel_mark``); with ``group``, only a holder that is an
+    older run of the same set. ``max_wait_ms`` (with
     ``debounce_ms``): a run that supersedes others is due no later than that long after the first of them
     began waiting. The outcome is left in ``lo`` (the reply carries it); fields starting with ``__`` are
     removed.
@@ -409,6 +412,9 @@ def _take_or_park_fields(
         newer = sets.newer_by(run.group, run.stamp, task_id=str(run.entry["t"]))
         fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer, None]}
         fields["lg"] = sets.lg_update(run.group, run.stamp, str(run.entry["t"]), "$__free")
+        if cancel:
+            holder = sets.holder_older_of_set(run.group, run.stamp, task_id=str(run.entry["t"]))
+            fields["cx"] = cancel_mark(run.entry, token, holder_of_set=holder)
     elif run.replace:
         replaced = replace_fields(run, "$__free", shape)
         fields["lo_by"] = replaced["lo_by"]

@@ -9,7 +9,10 @@ under ``Queue``. Fields added to the lease document::
     lg:  [{g, s, t}, ...]   # per key set: the newest send of that set that got this key (the last
                             # LG_KEPT sets that did, newest update last; kept as long as ``last``)
 
-and to a parked entry, its reservation or handoff (``ho``) and its record in ``sup``: ``g``.
+and to a parked entry, its reservation or handoff (``ho``) and its record in ``sup``: ``g``. The run that
+holds the key has its set and send stamp in its holder info (``holder.set``, ``holder.sent``): with
+``Replace(cancel_running=True)``, a newer send of the set marks that holder superseded (``cx``,
+``holder_older_of_set``), never a holder of another set.
 
 On each key, the admit of run R (set ``g``, send stamp ``s``):
 
@@ -39,6 +42,7 @@ __all__ = [
     "LG_KEPT",
     "carry_burst",
     "entries_of",
+    "holder_older_of_set",
     "lg_update",
     "message_fields",
     "newer_by",
@@ -159,6 +163,19 @@ def newer_by(group: str, stamp: int, *, task_id: str, handed: object = None) -> 
     """The task id of the newest send of ``group`` newer than ``stamp`` (for ``lo_by``): never
     ``task_id``'s own."""
     return newest_of(_newer_sends(group, stamp, task_id, handed))
+
+
+def holder_older_of_set(group: str, stamp: int, *, task_id: str) -> Document:
+    """The key's holder is an older run of ``group`` (not a run of the task ``task_id``): the holder a
+    newer send of the set supersedes with ``Replace(cancel_running=True)``. A run of a set holds its keys
+    with its set's signature and send stamp in its holder info (``set``, ``sent``)."""
+    return {
+        "$and": [
+            {"$eq": [{"$ifNull": ["$holder.set", None]}, {"$literal": group}]},
+            {"$lt": [{"$ifNull": ["$holder.sent", stamp]}, stamp]},
+            {"$ne": [{"$ifNull": ["$holder.task_id", None]}, {"$literal": task_id}]},
+        ]
+    }
 
 
 def older_handoff(group: str, stamp: int, ident: str) -> Document:
