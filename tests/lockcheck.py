@@ -382,6 +382,11 @@ UNIQUE_SEND_SECONDS = 3600.0
 #: held), on ``t`` keys of its own; the runs of its directed burst and of each fault's gate, parked behind
 #: the controller's hold on the key's rate (``RateGate``); how often that gate refreshes its places.
 RATE_TASK = "lockcheck.rmw_rate"
+#: The same rate with ``Queue()``: a run that finds its key held parks on it and is handed it in send order,
+#: then takes its start (over the rate: it gives the key back and waits its turn in the window). Half the
+#: random bursts on ``t`` keys; judged by the same rate checks.
+RATE_QUEUE_TASK = "lockcheck.rmw_rate_queued"
+RATE_TASKS = (RATE_TASK, RATE_QUEUE_TASK)
 RATE_N = 2
 RATE_PERIOD = 2.0
 RATE_BURST = RATE_N + 3
@@ -1905,7 +1910,7 @@ def check_rate(history: History) -> list[Violation]:
     for task_id, task in sorted(history.tasks.items()):
         result = task.get("result")
         if (
-            task.get("task") == RATE_TASK
+            task.get("task") in RATE_TASKS
             and isinstance(result, dict)
             and result.get("mongolock") == "skipped"
         ):
@@ -2007,7 +2012,7 @@ def _rate_order(history: History, takes: list[Doc]) -> list[Violation]:
 def _rate_bypassed(history: History, takes: list[Doc]) -> list[Violation]:
     """Each body of ``RATE_TASK`` follows a start granted to its delivery (same task, same process, since
     that process's previous body of the task)."""
-    rated = {tid for tid, t in history.tasks.items() if t.get("task") == RATE_TASK}
+    rated = {tid for tid, t in history.tasks.items() if t.get("task") in RATE_TASKS}
     steps: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
     for take in takes:
         if take.get("started") and str(take.get("task_id")) in rated:
@@ -2036,7 +2041,7 @@ def rate_figures(history: History, faults: Sequence[Doc] = (), directed: Doc | N
     """What the rate workload did: its runs (done, parked by the rate, parked and later done), the
     attempts at a start (granted, parked, unanswered), the starts recorded and the most in one window, the
     controller's gates' starts, the directed burst, and the faults that began with gated runs parked."""
-    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == RATE_TASK}
+    tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in RATE_TASKS}
     takes = rate_takes(history)
     parked = {str(t["task_id"]) for t in takes if rate_park(t) is not None and t.get("task_id") in tasks}
     done = {
@@ -2053,11 +2058,22 @@ def rate_figures(history: History, faults: Sequence[Doc] = (), directed: Doc | N
     gated = [str(tid) for f in faults for tid in (f.get("rate") or {}).get("runs") or []]
     directed = directed or {}
     runs = [str(t) for t in directed.get("runs") or []]
+    queued = {tid for tid, t in tasks.items() if t.get("task") == RATE_QUEUE_TASK}
+    on_key = {
+        str(e["task_id"])
+        for e in history.events
+        if e.get("ev") == "admit" and e.get("outcome") == "parked" and e.get("task_id") in queued
+    }
     return {
         "submitted": len(tasks),
         "done": len(done),
         "parked": len(parked),
         "parked_then_done": len(parked & done),
+        # Queue() with the rate: runs parked on the key first, and of those, parked by the rate after
+        "queue_submitted": len(queued),
+        "queue_done": len(queued & done),
+        "queue_parked_on_the_key": len(on_key),
+        "queue_parked_on_the_key_then_by_the_rate": len(on_key & parked),
         "grants": sum(1 for t in takes if t.get("started") and t.get("task_id") in tasks),
         "parks": sum(1 for t in takes if rate_park(t) is not None and t.get("task_id") in tasks),
         "unanswered": sum(1 for t in takes if t.get("error")),
@@ -4594,9 +4610,11 @@ class Run:
                     rated = key_for(self.rate_rng.randrange(self.cfg.rate_keys), epoch, "t")
                     size = self.rate_rng.randint(1, RATE_N + 2)
                     self.rate_bursts[size] += 1
+                    # (half the bursts under Queue(): parked on the key first, then in the window)
+                    name = RATE_QUEUE_TASK if self.rate_rng.random() < 0.5 else RATE_TASK
                     for _ in range(size):
                         n += 1
-                        self._submit(RATE_TASK, rated, f"task-{n}")
+                        self._submit(name, rated, f"task-{n}")
                     continue
             for name in names:
                 n += 1

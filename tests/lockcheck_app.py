@@ -506,6 +506,17 @@ def rmw_rate(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, 
     return _body(self, key, op, reckless)
 
 
+@singleton_task(
+    key="{key}", app=app, name=lockcheck.RATE_QUEUE_TASK, bind=True, max_retries=200,
+    rate=RateLimit(lockcheck.RATE_N, lockcheck.RATE_PERIOD), on_contention=Queue(),
+)  # fmt: skip
+def rmw_rate_queued(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """``rmw_rate`` under ``Queue()``: a run that finds its key held parks on it and is handed it in send
+    order; then it takes its start, or (over the rate) gives the key back and waits its turn in the
+    window."""
+    return _body(self, key, op, reckless)
+
+
 @task_prerun.connect
 def _unique_delivery(sender: Any = None, task_id: Any = None, **_: Any) -> None:
     """Each delivery of a ``unique_send`` run, before its admission (and so before the library forgets

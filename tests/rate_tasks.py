@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from celery_mongolock import RateLimit, Skip, Throttle, Wait, singleton_task
+from celery_mongolock import Queue, RateLimit, Replace, Skip, Throttle, Wait, singleton_task
 
 from .integration_app import app, db
 
@@ -84,6 +84,59 @@ def pair(tenant: str, group: str, tag: str) -> str:
 )
 def slots(name: str, tag: str) -> str:
     return _started(tag, f"slots:{name}")
+
+
+# Queue()/Replace() with a rate: a run waits its turn on the key (parked, handed the key in send order),
+# then its turn in the key's window.
+@singleton_task(
+    key="rated:{name}", rate=RateLimit(N, PERIOD), on_contention=Queue(), app=app, name="rate.queued"
+)
+def queued(name: str, tag: str, gate: bool = False) -> str:
+    _started(tag, f"rated:{name}")
+    _hold(tag, gate)
+    return tag
+
+
+@singleton_task(
+    key="rated:{name}", rate=RateLimit(N, PERIOD), on_contention=Replace(), app=app, name="rate.latest"
+)
+def latest(name: str, tag: str, gate: bool = False) -> str:
+    _started(tag, f"rated:{name}")
+    _hold(tag, gate)
+    return tag
+
+
+@singleton_task(
+    keys=("tenant:{tenant}", "group:{group}"),
+    rate=RateLimit(N, PERIOD),
+    on_contention=Queue(),
+    app=app,
+    name="rate.pair_queued",
+)
+def pair_queued(tenant: str, group: str, tag: str) -> str:
+    return _started(tag, f"tenant:{tenant}")
+
+
+@singleton_task(
+    key="slots:{name}",
+    limit=2,
+    rate=RateLimit(N, PERIOD),
+    on_contention=Queue(),
+    app=app,
+    name="rate.slots_queued",
+)
+def slots_queued(name: str, tag: str) -> str:
+    return _started(tag, f"slots:{name}")
+
+
+def _hold(tag: str, gate: bool) -> None:
+    """With ``gate``: keep the key until the test opens the gate (a document ``gates/<tag>``), so that the
+    runs sent meanwhile park on the key first."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while gate and db()["gates"].find_one({"_id": tag}) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def starts(tags: list[str]) -> dict[str, Any]:

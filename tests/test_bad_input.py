@@ -477,11 +477,9 @@ RATE_CASES = [
     case(lambda: RateLimit(5, INF), ConfigurationError, "RateLimit(period=...)", "got inf", "rate-inf-period"),
     case(lambda: Throttle(0), ConfigurationError, "Throttle(period=...)", "above 0", "throttle-zero-period"),
     case(lambda: RateLimit(5, 60, then=Fail()), ConfigurationError, "RateLimit(then=...)", "None (park the run", "rate-then-fail"),
-    case(lambda: singleton_task(app=APP, rate=RateLimit(5, 60), on_contention=Queue())(upload), ConfigurationError, "rate=RateLimit(5 per 60 s)", "cannot be combined with on_contention=Queue()", "rate-with-queue"),
     case(lambda: singleton_task(app=APP, rate={"n": 5, "period": 60, "burst": 2})(upload), ConfigurationError, "rate: unknown key(s) ['burst']", "a rate takes 'n' and 'period'", "rate-dict-unknown-key"),
     case(lambda: singleton_task(app=APP, rate="5/min")(upload), ConfigurationError, "rate must be", "got str", "rate-str"),  # type: ignore[call-overload]
     setting("mongolock_task_policies", {"t": {"rate": {"n": 0, "period": 60}}}, "an int from 1 to 1000, got 0", "task-policies-bad-rate", names="mongolock_task_policies['t']['rate']"),
-    setting("mongolock_task_policies", {"t": {"rate": {"throttle": 10}, "on_contention": "replace"}}, "cannot be combined with on_contention=Replace()", "task-policies-rate-with-replace", names="mongolock_task_policies['t']['rate']"),
 ]  # fmt: skip
 
 

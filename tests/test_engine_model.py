@@ -90,6 +90,10 @@ KEYS: dict[str, tuple[int, bool, bool]] = {
 #: key): each run carries its set of keys (``g``, one of two sets, by its stamp's parity; ``ks``), a newer
 #: send supersedes only the older runs of its own set (``core.documents.slot_sets``).
 SET_KEYS = {"set-2"}
+#: Keys whose runs are ``Replace(cancel_running=True)`` runs: a send that parks behind the key's running
+#: holder marks it superseded (``cx``), and a run that claims the key with a newer send parked is marked by
+#: its claim (``core.documents.queue.cancel_mark``). The model says which holder and by whom.
+CANCEL_KEYS = {"replace-1"}
 #: Keys whose runs and plain acquirers take their slots with a minimum hold (``min_hold_seconds``) of
 #: ``LONG``: a slot released before it stays taken until the rule ``crash`` ends the hold.
 MIN_HOLD_KEYS = {"held-2"}
@@ -199,6 +203,7 @@ class KeyModel:
         self.last_s = -1  # Replace: the newest send that got the key
         self.last_t = ""
         self.sup: list[tuple[str, str]] = []  # Replace: (superseded, by), results not yet written
+        self.cx: tuple[str, str] | None = None  # Replace(cancel_running=True): (holder's token, by)
         self.seen: list[str] = []  # runs that ended with a normal release
         self.dead: list[Run] = []  # runs parked past their deadline, results not yet written
         self.max_fence = 0
@@ -534,6 +539,11 @@ class EngineMachine(RuleBasedStateMachine):
             f"{km.name}: the store holds {store_holds}, the model {model_holds}"
         )
         assert [(s["t"], s["by"]) for s in doc.get("sup") or []] == km.sup
+        if km.name in CANCEL_KEYS:
+            mark = doc.get("cx")
+            assert ((mark["o"], mark["t"]) if mark else None) == km.cx, (
+                f"{km.name}: the holder marked superseded {mark}, the model {km.cx}"
+            )
         assert list(doc.get("seen") or []) == km.seen
         assert [d["t"] for d in doc.get("dead") or []] == [r.tid for r in km.dead]
         assert int(doc.get("fence") or 0) == km.max_fence, "a fence was given that nobody saw"
@@ -582,10 +592,17 @@ class EngineMachine(RuleBasedStateMachine):
         """A run of the key's queued task arrives: it takes the key, parks, or is superseded (or refused:
         ``cap``, the task's ``max_length``)."""
         self.clean = False
+        cancel = km.name in CANCEL_KEYS
+        # (cancel_running: the running holder before this send, a lease that is neither handed nor expired)
+        running = km.holds[0] if km.single and km.holds and not km.holds[0].expired else None
+        running = running if running is not None and not running.handed else None
         if km.single:
             expected, hold, handed = self._predict_send_single(km, run, cap)
         else:
             expected, hold, handed = self._predict_send_slots(km, run, cap)
+        if cancel and expected == "parked" and running is not None and (km.cx or ("",))[0] != running.token:
+            km.cx = (running.token, run.tid)
+            event("send: marks the running holder superseded")
         lease, doc = self.store.admit(
             km.name,
             run.entry(),
@@ -597,6 +614,7 @@ class EngineMachine(RuleBasedStateMachine):
             debounce=DEBOUNCE if km.debounce else None,
             min_hold=self._hold_s(km),
             group=run.g,
+            cancel=cancel,
         )
         assert doc.get("lo") == expected, (
             f"{km.name}: {run.tid} was {doc.get('lo')}, the model says {expected}"
@@ -763,12 +781,17 @@ class EngineMachine(RuleBasedStateMachine):
             replace=km.replace,
             min_hold=self._hold_s(km),
             group=run.g,
+            cancel=km.name in CANCEL_KEYS,
         )
         assert doc.get("lo") == expected, f"{km.name}: claim of {run.tid} was {doc.get('lo')}, not {expected}"
         event(f"claim: {expected}")
         if mine is not None:
             km.took(run)
             self._took(km, mine, lease, claimed=True)
+            if km.name in CANCEL_KEYS and km.q and km.q[-1].s > run.s:
+                # Claimed with a newer send parked (it parked after the handoff): it starts superseded.
+                km.cx = (mine.token, km.q[-1].tid)
+                event("claim: starts superseded")
         else:
             assert lease is None
         self._handoffs(km, handed)

@@ -107,8 +107,6 @@ def test_values() -> None:
         (lambda: parse_rate({"n": 1, "period": 2, "burst": 3}, "rate"), "rate: unknown key(s) ['burst']"),
         (lambda: parse_rate({"throttle": 1, "n": 2}, "rate"), "rate: give 'throttle' (one start per"),
         (lambda: parse_rate("5/min", "rate"), "rate must be RateLimit(n, period), Throttle(period)"),
-        (lambda: checked_rate(RateLimit(1, 1), Queue()), "cannot be combined with on_contention=Queue()"),
-        (lambda: checked_rate(Throttle(1), Replace()), "cannot be combined with on_contention=Replace()"),
     ],
 )
 def test_bad_rates_are_refused_in_our_words(make: Any, words: str) -> None:
@@ -117,8 +115,8 @@ def test_bad_rates_are_refused_in_our_words(make: Any, words: str) -> None:
     assert words in str(err.value)
 
 
-def test_a_rate_combines_with_the_plain_policies() -> None:
-    for policy in (Retry(), Wait(), Skip(), None):
+def test_a_rate_combines_with_every_policy() -> None:
+    for policy in (Retry(), Wait(), Skip(), None, Queue(), Replace(), Replace(debounce=1.0)):
         assert checked_rate(RateLimit(2, 1), policy) == RateLimit(2, 1)
 
 

@@ -162,3 +162,84 @@ def test_limit_bounds_concurrency_and_the_rate_bounds_starts(cluster: Cluster) -
     times = start_times(cluster, tags)
     assert_rate(times, rt.N, rt.PERIOD)
     assert_window_by_window_send_order(cluster, tags, rt.PERIOD)
+
+
+# -- Queue() and Replace() with a rate: the key's queue first, then the window ----------------------------
+
+
+def _held_then_burst(cluster: Cluster, task: Any, name: str, burst: int) -> tuple[str, list[Any]]:
+    """A first run holds ``rated:<name>`` behind a gate; ``burst`` runs are sent and wait on the key (parked
+    in its queue: the lease document shows them all); then the gate opens. The first's tag, and the
+    burst's results in send order."""
+    key = f"rated:{name}"
+    first = tag()
+    r0 = task.delay(name, first, True)
+    wait_for(
+        lambda: cluster.db["rate_starts"].find_one({"_id": first}) is not None,
+        timeout=120,
+        message="the first run to hold the key",
+    )
+    results = [task.delay(name, tag()) for _ in range(burst)]
+
+    def all_parked() -> bool:
+        info = cluster.store.inspect(key)
+        return info is not None and info.parked_total == burst
+
+    wait_for(all_parked, timeout=120, message=f"{burst} runs parked on {key}")
+    cluster.db["gates"].insert_one({"_id": first})
+    assert r0.get(timeout=120) == first
+    return first, results
+
+
+def test_queue_with_a_rate_waits_on_the_key_then_in_the_window_and_runs_everything(cluster: Cluster) -> None:
+    name = tag()
+    first, results = _held_then_burst(cluster, rt.queued, name, 5)
+    tags = [first] + [r.get(timeout=240) for r in results]
+    times = start_times(cluster, tags)
+    assert_rate(times, rt.N, rt.PERIOD)
+    # Handed the key in send order, then parked by the rate (the window was full): still in send order.
+    assert_window_by_window_send_order(cluster, tags, rt.PERIOD)
+    assert times[-1] - times[0] >= 2 * rt.PERIOD - 0.01  # 6 starts at 2 per 2 s
+    window = rate_windows(cluster.store).look(f"rated:{name}")
+    assert window is not None and window.waiters == ()
+    info = cluster.store.inspect(f"rated:{name}")
+    assert info is None or not info.parked
+
+
+def test_replace_with_a_rate_runs_the_newest_within_the_rate(cluster: Cluster) -> None:
+    """While the key is held, four sends come one after the other: each supersedes the one parked before
+    it. Released, the key goes to the newest, which then takes its start in the window."""
+    name = tag()
+    key = f"rated:{name}"
+    first = tag()
+    r0 = rt.latest.delay(name, first, True)
+    wait_for(
+        lambda: cluster.db["rate_starts"].find_one({"_id": first}) is not None,
+        timeout=120,
+        message="the first run to hold the key",
+    )
+    sends = [rt.latest.delay(name, tag()) for _ in range(4)]
+
+    def newest_parked() -> bool:
+        info = cluster.store.inspect(key)
+        return info is not None and [p["task_id"] for p in info.parked] == [sends[-1].id]
+
+    wait_for(newest_parked, timeout=120, message="the newest send parked alone")
+    cluster.db["gates"].insert_one({"_id": first})
+    assert r0.get(timeout=120) == first
+    got = [r.get(timeout=240) for r in sends]
+    assert [g.get("mongolock") if isinstance(g, dict) else "ran" for g in got] == ["superseded"] * 3 + ["ran"]
+    assert_rate(start_times(cluster, [first, got[-1]]), rt.N, rt.PERIOD)
+
+
+def test_several_keys_and_slots_queue_with_a_rate(cluster: Cluster) -> None:
+    tenant, groups = tag(), [tag(), tag()]
+    sends = [(groups[i % 2], tag()) for i in range(6)]
+    results = [rt.pair_queued.delay(tenant, g, t) for g, t in sends]
+    assert [r.get(timeout=240) for r in results] == [t for _, t in sends]
+    assert_rate(start_times(cluster, [t for _, t in sends]), rt.N, rt.PERIOD)
+    name = tag()
+    slotted = [tag() for _ in range(6)]
+    results = [rt.slots_queued.delay(name, t) for t in slotted]
+    assert [r.get(timeout=240) for r in results] == slotted
+    assert_rate(start_times(cluster, slotted), rt.N, rt.PERIOD)

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from celery_mongolock.admission.policies import Policy, Queue, Skip, parse_policy
+from celery_mongolock.admission.policies import Policy, Skip, parse_policy
 from celery_mongolock.exceptions import ConfigurationError
 
 __all__ = [
@@ -138,16 +138,12 @@ def parse_rate(value: object, setting: str = "rate") -> RateLimit | None:
 
 
 def check_rate(rate: RateLimit | None, policy: object) -> None:
-    """A rate with the task's contention policy: ``Queue``/``Replace`` park runs in the key's lease
-    document and hand the key over on release, which a run that must then wait for the window would
-    have to hand on again; that is not implemented, so the pair is refused (``ConfigurationError``)."""
-    if rate is not None and isinstance(policy, Queue):
-        raise ConfigurationError(
-            f"rate={rate.describe()} cannot be combined with on_contention={type(policy).__name__}(): a "
-            "queued run is handed the key on release and cannot then wait for the rate's window; a "
-            "rate-limited run already waits for its turn in send order, so use it with Retry(), Wait(), "
-            "Skip() or Fail() (what a run does while the key is held)"
-        )
+    """A rate with the task's contention policy: every policy takes one. With ``Queue``/``Replace`` a run
+    waits its turn on the key first (parked in the key's queue, handed the key in send order), then its
+    turn in the key's window (``integration.rate_gate``: over the rate, it gives the key back, which goes
+    on to the next parked run, and waits among the window's waiting runs, which keep send order too).
+    Kept for the declarations that call it."""
+    del rate, policy
 
 
 def checked_rate(value: object, policy: object, setting: str = "rate") -> RateLimit | None:

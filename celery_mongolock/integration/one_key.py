@@ -33,6 +33,7 @@ from celery_mongolock.integration.duplicates import (
     park_duplicate,
 )
 from celery_mongolock.integration.endings import ending_publisher
+from celery_mongolock.integration.rate_gate import leave_rate
 from celery_mongolock.integration.runs import (
     GuardedRun,
     contended_since,
@@ -312,6 +313,7 @@ class OneKey:
             )
             signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
             self.store.record_run_ending(key, "superseded", entry, fence=admission.fence, by=by)  # history
+            leave_rate(task, [key], self.options)
             if getattr(policy, "fail_superseded", False):
                 raise Superseded(key, admission.fence, by)
             return Outcome(results.superseded_result(key, by))

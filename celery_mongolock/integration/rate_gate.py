@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from celery_mongolock.core.lease import Lease
     from celery_mongolock.integration.config import TaskOptions
 
-__all__ = ["RATE_HEADER", "pass_rate", "rate_parks_of", "rate_skipped_result"]
+__all__ = ["RATE_HEADER", "leave_rate", "pass_rate", "rate_parks_of", "rate_skipped_result"]
 
 log = logging.getLogger("celery_mongolock.acquire")
 
@@ -112,6 +112,23 @@ def pass_rate(
         time.sleep(_countdown(rate, took))
 
 
+def leave_rate(task: GuardedRun, keys: Sequence[str], options: TaskOptions) -> None:
+    """A run that the rate parked and that ends without its body at its next admission (``Replace``: a
+    newer send superseded it meanwhile) leaves its keys' waiting runs now, so that the runs sent after it
+    do not wait for its turn (one command per key, only for such runs). Best effort: an entry left behind
+    goes stale on its own."""
+    if options.rate is None or not rate_parks_of(task.request):
+        return
+    request = task.request
+    run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
+    windows = rate_windows(get_store(task.app))
+    try:
+        for key in sorted(keys):
+            windows.leave(key, run)
+    except StoreUnavailable as exc:
+        log.warning("%s[%s]: leaving the rate windows of %s failed: %s", task.name, request.id, keys, exc)
+
+
 def _countdown(rate: RateLimit, took: RateTake) -> float:
     """Seconds until a parked run looks again: its turn (plus a little, so it arrives after the window
     opened on the server's clock), and never less than a short recheck when runs before it are late."""
@@ -123,7 +140,8 @@ def _park(task: GuardedRun, key: str, rate: RateLimit, took: RateTake, stamp: in
     """Publish the run again for its turn (same task id, its send stamp kept), and end this delivery."""
     request = task.request
     countdown = _countdown(rate, took)
-    headers = dict(request.headers or {})
+    # (A run handed its key by a Queue/Replace handoff: its copy is a new delivery, not that handoff)
+    headers = _queue.transient_headers_dropped(request.headers)
     headers[CONTENTION_HEADER] = int(headers.get(CONTENTION_HEADER) or 0) + 1
     headers[RATE_HEADER] = rate_parks_of(request) + 1
     headers.setdefault(CONTENDED_SINCE_HEADER, int(time.time() * 1000))

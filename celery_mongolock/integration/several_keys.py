@@ -38,6 +38,7 @@ from celery_mongolock.integration.duplicates import (
     park_duplicate,
 )
 from celery_mongolock.integration.endings import ending_publisher
+from celery_mongolock.integration.rate_gate import leave_rate
 from celery_mongolock.integration.runs import (
     GuardedRun,
     delivery,
@@ -369,6 +370,7 @@ class SeveralKeys:
         )
         signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
         self.store.record_run_ending(key, "superseded", self.entry, fence=admission.fence, by=by)  # history
+        leave_rate(task, keys, self.options)
         if getattr(self.policy, "fail_superseded", False):
             raise Superseded(keys[0], admission.fence, by)
         return Outcome(results.superseded_result(keys[0], by, keys))
