@@ -47,8 +47,13 @@ from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import run_scope
 from celery_mongolock.core.store import Lease, LeaseStore
 from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable
+from celery_mongolock.integration import (
+    forksafe,  # noqa: F401  (its fork hook: pool children start clean)
+    results,
+    signals,
+    startup,
+)
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import results, signals, startup
 from celery_mongolock.integration.beatcheck import (
     OUR_SCHEDULER,  # noqa: F401  (re-exported)
     check_beat_scheduler,

@@ -1,0 +1,80 @@
+"""Locks a forked process must not inherit held: kombu's ``cached_property`` locks and Celery's signal locks.
+
+The library runs threads in a worker's main process (the sweeper, the child watch, the heartbeat and
+lease watch) that publish handoffs and send signals through the app, while billiard forks new pool
+children from that process's main thread whenever one exits (``maxtasksperchild``, a body's
+``cancel_running`` termination, a crash). A fork copies every lock as it is at that instant, and only
+the forking thread: a lock another thread held is held forever in the child.
+
+* kombu's ``cached_property.__get__`` takes its descriptor's lock on **every** read, cached or not (one
+  ``RLock`` per property, shared by all instances: ``Celery.amqp`` is one). A child forked while the
+  sweeper read ``app.amqp`` hung on its first handoff publish, in ``lanes.route_of`` (seen once in CI,
+  test_cancel_running: its run never ended; reproduced by widening the window, with the child's stack).
+* Celery's ``Signal`` takes its lock when its receivers are not cached yet.
+
+After a fork, in the child, every such lock of the modules loaded (Celery's, kombu's, billiard's and
+ours) is replaced by a new one (``os.register_at_fork``). Only the forking
+thread exists in the child, and it was forking, not inside one of these locks: a held lock can only be
+a vanished thread's, and nothing it guarded is half-done from the child's point of view (a property
+value is set once, in one statement; a receivers cache is rebuilt on a miss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from typing import Any
+
+__all__ = ["renew_inherited_locks"]
+
+#: The modules whose classes and signals are looked at (by name prefix).
+_PREFIXES = ("celery", "kombu", "billiard", "celery_mongolock")
+
+
+def _is_signal(value: object) -> bool:
+    from celery.utils.dispatch.signal import Signal
+
+    # (``type()``, not ``isinstance``: a Celery ``Proxy`` such as ``current_app`` answers ``__class__`` by
+    # evaluating what it stands for, which a child must not do here)
+    return issubclass(type(value), Signal)
+
+
+def _renew_properties(cls: type) -> int:
+    renewed = 0
+    for attr in list(vars(cls).values()):
+        is_property = issubclass(type(attr), functools.cached_property)
+        lock = getattr(attr, "lock", None) if is_property else None
+        if lock is not None:
+            attr.lock = type(lock)()  # (RLock: kombu's and Python 3.11's own)
+            renewed += 1
+    return renewed
+
+
+def _renew_signal(signal: Any) -> int:
+    signal.lock = threading.Lock()
+    return 1
+
+
+def renew_inherited_locks() -> int:
+    """Replace the locks above in this process (the child of a fork): how many were replaced."""
+    renewed = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(_PREFIXES):
+            continue
+        for value in list(vars(module).values()):
+            if issubclass(type(value), type) and value.__module__ == name:
+                renewed += _renew_properties(value)
+            elif _is_signal(value):
+                renewed += _renew_signal(value)
+    return renewed
+
+
+def _after_fork_in_child() -> None:
+    with contextlib.suppress(Exception):  # never let a child fail to start for this
+        renew_inherited_locks()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
