@@ -68,7 +68,10 @@ def pytest_runtest_makereport(
     if call.when == "call" and report.failed:
         from .workers import dump_stacks
 
-        stacks = dump_stacks()
+        try:
+            stacks = dump_stacks()
+        except Exception as exc:  # a diagnostic: never let it break the run
+            stacks = f"(the workers' stacks could not be dumped: {exc!r})"
         if stacks:
             report.sections.append(("worker stacks", stacks))
 

@@ -123,3 +123,15 @@ def test_the_superseded_sets_writes_are_refused_and_the_keys_go_to_the_newest_ru
         assert store.reserved_for_all(new)
     finally:
         client.close()
+
+
+def test_a_one_key_send_never_marks_the_holder_of_a_set(store: LeaseStore) -> None:
+    """A one-key ``Replace(cancel_running=True)`` run sharing a key with a running set's run waits its
+    turn: the set's holder is a run of another kind, not an older send of its own."""
+    Handoffs(store)
+    holder = holds(store, run(10, [X, Y]))
+    one_key = {"id": "single/0", "t": "single", "n": "other", "r": "0", "s": 20, "m": b"msg", "tk": "tk-s"}
+    _, doc = store.admit(X, one_key, ttl=LEASE, replace=True, cancel=True)
+    assert doc["lo"] == "parked"
+    assert doc_of(store, X).get("cx") is None
+    assert not holder.wait_superseded(0.5)  # (a bounded look for a notice that must not come)

@@ -102,15 +102,17 @@ class Worker:
         worker. Waits for one dump per process, ``timeout`` at most (a process may be gone)."""
         if self.proc is None or self.proc.poll() is not None:
             return ""
-        pids = [self.proc.pid, *self.child_pids()]
+        pids = [p for p in [self.proc.pid, *self.child_pids()] if _running(p)]  # (no zombie dumps)
         start = self.log_path.stat().st_size
         deadline = time.monotonic() + timeout
         # One process at a time (their dumps would interleave in the shared log), each awaited.
-        for done, pid in enumerate(pids, start=1):
+        done = 0
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGUSR2)
             except ProcessLookupError:
-                continue
+                continue  # (gone meanwhile: no dump to wait for)
+            done += 1
             while time.monotonic() < deadline and self._dumped(start).count(b"Current thread") < done:
                 time.sleep(0.05)  # (a diagnostic after a failure: polls for the dump, bounded by timeout)
         dumped = self._dumped(start)
@@ -141,6 +143,15 @@ class Worker:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def _running(pid: int) -> bool:
+    """``pid`` is a live process, not a zombie waiting to be reaped (which would never dump)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def dump_stacks() -> str:

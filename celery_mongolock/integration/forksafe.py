@@ -13,10 +13,12 @@ the forking thread: a lock another thread held is held forever in the child.
 * Celery's ``Signal`` takes its lock when its receivers are not cached yet.
 
 After a fork, in the child, every such lock of the modules loaded (Celery's, kombu's, billiard's and
-ours) is replaced by a new one (``os.register_at_fork``). Only the forking
-thread exists in the child, and it was forking, not inside one of these locks: a held lock can only be
-a vanished thread's, and nothing it guarded is half-done from the child's point of view (a property
-value is set once, in one statement; a receivers cache is rebuilt on a miss).
+ours), and our own module-level locks (the send stamp's, the events' ...), is replaced by a new one
+(``os.register_at_fork``). Only the forking thread exists in the child, and it was forking, not inside
+one of these locks: a held lock can only be a vanished thread's, and nothing it guarded is half-done
+from the child's point of view (a property value is set once, in one statement; a receivers cache is
+rebuilt on a miss). Not covered: the apps' own signals (``app.on_after_fork`` ...), which the library's
+threads never send.
 """
 
 from __future__ import annotations
@@ -58,17 +60,30 @@ def _renew_signal(signal: Any) -> int:
     return 1
 
 
+_LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
+
+
+def _renew_module(name: str, module: Any) -> int:
+    renewed = 0
+    for attr, value in list(vars(module).items()):
+        if issubclass(type(value), type) and value.__module__ == name:
+            renewed += _renew_properties(value)
+        elif _is_signal(value):
+            renewed += _renew_signal(value)
+        elif name.startswith("celery_mongolock") and type(value) in _LOCK_TYPES:
+            setattr(module, attr, type(value)())  # our own module-level locks (the send stamp's, ...)
+            renewed += 1
+    return renewed
+
+
 def renew_inherited_locks() -> int:
     """Replace the locks above in this process (the child of a fork): how many were replaced."""
     renewed = 0
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(_PREFIXES):
             continue
-        for value in list(vars(module).values()):
-            if issubclass(type(value), type) and value.__module__ == name:
-                renewed += _renew_properties(value)
-            elif _is_signal(value):
-                renewed += _renew_signal(value)
+        with contextlib.suppress(Exception):  # (one odd module never stops the others' renewal)
+            renewed += _renew_module(name, module)
     return renewed
 
 

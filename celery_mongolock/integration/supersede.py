@@ -139,8 +139,8 @@ class _Terminator:
 
     def terminate(self, by: str) -> None:
         task, key = self.task, self.key
-        if self.lease.released or self.lease.lost:
-            return
+        if self.lease.released or all(one.lost for one in _held(self.lease)):
+            return  # (a set with a key still held is terminated: that key must go to the newest run)
         log.warning(
             "%s[%s]: %r: still running %gs after a newer send (%s) superseded it; terminating its pool "
             "child (pid %s): the key goes to the newest run",

@@ -174,7 +174,9 @@ ADMIT_OUTCOMES = (
 )
 
 
-def cancel_mark(entry: Mapping[str, Any], token: str, holder_of_set: Document | None = None) -> Document:
+def cancel_mark(
+    entry: Mapping[str, Any], token: str, holder_of_set: Document | None = None, *, of_a_set: bool = False
+) -> Document:
     """``Replace(cancel_running=True)``: the ``cx`` field of an admit that parks ``entry`` behind a
     running holder (the key held, no handoff pending): the holder's token ``o`` and fence ``f``, the
     newer run ``t`` (its send stamp ``s``, its run id ``id``) and when (``at``). The holder's process
@@ -186,9 +188,11 @@ def cancel_mark(entry: Mapping[str, Any], token: str, holder_of_set: Document | 
 
         cx: {o: holder's token, f: holder's fence, t: newer task id, s: its stamp, id: its run id, at}
 
-    ``holder_of_set`` (``Replace`` with ``keys=``, ``sets.holder_older_of_set``): only a holder that is an
-    older run of the newer run's own key set is marked. A claim is not marked here: a newer send of the
-    set takes back the handoff made to an older run of it before that run can claim (``sets``).
+    ``of_a_set`` (``Replace`` with ``keys=``): only the holder ``holder_of_set`` says (an older run of the
+    newer run's own key set, ``sets.holder_older_of_set``) is marked, and a claim is not marked here: a
+    newer send of the set takes back the handoff made to an older run of it before that run can claim
+    (``sets``). A one-key run never marks the holder of a set (``holder.set``): runs of other sets, and
+    one-key runs, wait their turn behind a set's run.
     """
     running = {
         "$and": [
@@ -197,7 +201,9 @@ def cancel_mark(entry: Mapping[str, Any], token: str, holder_of_set: Document | 
             {"$ne": [{"$ifNull": ["$owner", None]}, None]},
             {"$eq": [{"$ifNull": ["$ho", None]}, None]},
             {"$ne": [{"$ifNull": ["$cx.o", None]}, "$owner"]},  # the first newer send tells it
-            *([holder_of_set] if holder_of_set is not None else []),
+            holder_of_set
+            if of_a_set and holder_of_set is not None
+            else {"$eq": [{"$ifNull": ["$holder.set", None]}, None]},
         ]
     }
     mark = {
@@ -224,7 +230,7 @@ def cancel_mark(entry: Mapping[str, Any], token: str, holder_of_set: Document | 
         "at": "$$NOW",
     }
     kept = {"$ifNull": ["$cx", None]}
-    if holder_of_set is not None:
+    if of_a_set:
         return {"$cond": [running, mark, kept]}
     return {"$cond": [running, mark, {"$cond": [claimed_behind_a_newer_send, claim_mark, kept]}]}
 
@@ -414,7 +420,7 @@ def _take_or_park_fields(
         fields["lg"] = sets.lg_update(run.group, run.stamp, str(run.entry["t"]), "$__free")
         if cancel:
             holder = sets.holder_older_of_set(run.group, run.stamp, task_id=str(run.entry["t"]))
-            fields["cx"] = cancel_mark(run.entry, token, holder_of_set=holder)
+            fields["cx"] = cancel_mark(run.entry, token, holder, of_a_set=True)
     elif run.replace:
         replaced = replace_fields(run, "$__free", shape)
         fields["lo_by"] = replaced["lo_by"]
