@@ -3040,6 +3040,20 @@ def check_cancel(history: History) -> list[Violation]:
     return found
 
 
+def _latest_attempts(tasks: Mapping[str, Doc], prefix: str) -> dict[str, str]:
+    """Directed op (without its ``@attempt``) -> the task id of its latest attempt, for the ops starting with
+    ``prefix`` (``Run._cancel_directed_again`` sends a step again, its ops suffixed ``@1``, ``@2``)."""
+    found: dict[str, tuple[int, str]] = {}
+    for tid, t in tasks.items():
+        op = str(t.get("op", ""))
+        if op.startswith(prefix):
+            base, _, attempt = op.partition("@")
+            n = int(attempt or 0)
+            if base not in found or n > found[base][0]:
+                found[base] = (n, tid)
+    return {base: tid for base, (_n, tid) in found.items()}
+
+
 def cancel_figures(history: History) -> Doc:
     """What the ``REPLACE_CANCEL_TASK`` runs did (figures, not verdicts); ``directed_*``: the directed
     burst (``Run._cancel_directed``: a deaf holder terminated after its grace, a lingering holder told and
@@ -3058,7 +3072,7 @@ def cancel_figures(history: History) -> Doc:
     }
     terminated = {h for h in told if h not in released}
     directed = {tid: t for tid, t in tasks.items() if str(t.get("op", "")).startswith("directed-cancel-")}
-    by_op = {str(t["op"]): tid for tid, t in directed.items()}
+    by_op = _latest_attempts(directed, "directed-cancel-")
 
     def result(op: str) -> Doc:
         r = (directed.get(by_op.get(op, "")) or {}).get("result")
@@ -3095,18 +3109,17 @@ def multi_cancel_figures(history: History) -> Doc:
     superseded, the newest send run)."""
     tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") == MULTI_REPLACE_CANCEL_TASK}
     notices = [e for e in history.events if e.get("ev") == "superseded-notice" and e.get("task_id") in tasks]
-    by_op = {str(t.get("op")): t for t in tasks.values()}
+    by_op = _latest_attempts(tasks, "directed-mcancel-")
 
     def result(op: str) -> Doc:
-        r = (by_op.get(op) or {}).get("result")
+        r = (tasks.get(by_op.get(op, "")) or {}).get("result")
         return r if isinstance(r, dict) else {}
 
     told = {str(e["task_id"]) for e in notices}
-    first = by_op.get("directed-mcancel-0") or {}
-    first_id = next((tid for tid, t in tasks.items() if t is first), None)
+    first_id = by_op.get("directed-mcancel-0")
     return {
         "submitted": len(tasks),
-        "directed_sent": sum(1 for op in by_op if op.startswith("directed-mcancel-")),
+        "directed_sent": len(by_op),
         "told": len(told),
         "leases_told": len(notices),
         "superseded": sum(
@@ -4332,6 +4345,9 @@ class Run:
         #: ... and its bursts with a limit per key (``_multi_limit_replace_directed``).
         self.multi_limit_replace_directed: Doc = {}
         self.directed_s = 0.0
+        # The lingering holders of the directed cancel_running steps (``_cancel_directed_again``).
+        self.cancel_lingering: str | None = None
+        self.multi_cancel_lingering: str | None = None
         self.store: LeaseStore | None = None
         #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
         self._nodes_lock = threading.RLock()
@@ -4933,6 +4949,7 @@ class Run:
             )
         except TimeoutError as exc:
             self.log(f"directed phase: {exc} ({len(everyone) - len(self._ended(everyone))} unfinished)")
+        self._cancel_directed_again()
         self.directed_s = round(time.monotonic() - t0, 1)
         self.log(f"directed phase: {len(everyone)} runs waited behind gates and ended in {self.directed_s}s")
 
@@ -4966,7 +4983,7 @@ class Run:
         release_document(paused, hist, DOC_PAUSED)
         release_document(successor, hist, DOC_SUCCESSOR)
 
-    def _cancel_directed(self) -> list[str]:
+    def _cancel_directed(self, index: int = DIRECTED_KEY + 1, again: str = "") -> list[str]:
         """``REPLACE_CANCEL_TASK`` on an ``r`` key of its own (index ``DIRECTED_KEY`` + 1), one send at a
         time, each once the previous one holds the key (the lease document's holder): a deaf holder (never
         looks) is superseded by a lingering one and terminated after its grace; the lingering holder is
@@ -4974,17 +4991,19 @@ class Run:
         By construction: every send waits for its predecessor to hold the key."""
         assert self.store is not None
         store = self.store
-        key = key_for(DIRECTED_KEY + 1, current_epoch(self.start_mono, self.cfg.epoch_seconds), "r")
+        key = key_for(index, current_epoch(self.start_mono, self.cfg.epoch_seconds), "r")
         never = str(self.dir / "cancel-never")  # the lingering holder stops because it is told, not this
         ids: list[str] = []
         for i in range(3):
-            op = f"directed-cancel-{i}"
+            op = f"directed-cancel-{i}{again}"
             tid = self._submit(
                 REPLACE_CANCEL_TASK, key, op, queue="celery", deaf=i == 0, linger=never if i == 1 else None
             )
             if tid is None:
                 return ids
             ids.append(tid)
+            if i == 1:
+                self.cancel_lingering = tid
             if i == 2:
                 break
 
@@ -5007,7 +5026,7 @@ class Run:
                 self.log(f"directed phase: {exc}")
         return ids
 
-    def _multi_cancel_directed(self) -> list[str]:
+    def _multi_cancel_directed(self, index: int = DIRECTED_KEY + 7, again: str = "") -> list[str]:
         """``MULTI_REPLACE_CANCEL_TASK`` on a pair of ``m`` keys of its own (``DIRECTED_KEY`` + 7 and + 8):
         a first send lingers holding both; once it holds them, a newer send of the pair (named in the other
         order: the same set) tells it; it stops lingering, ends superseded, and the newer send runs. By
@@ -5015,12 +5034,19 @@ class Run:
         assert self.store is not None
         store = self.store
         epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
-        a, b = key_for(DIRECTED_KEY + 7, epoch, "m"), key_for(DIRECTED_KEY + 8, epoch, "m")
+        a, b = key_for(index, epoch, "m"), key_for(index + 1, epoch, "m")
         never = str(self.dir / "mcancel-never")  # the holder stops because it is told, not this
-        first = self._submit(MULTI_REPLACE_CANCEL_TASK, "", "directed-mcancel-0", keys=(a, b), queue="celery",
-                             linger=never)  # fmt: skip
+        first = self._submit(
+            MULTI_REPLACE_CANCEL_TASK,
+            "",
+            f"directed-mcancel-0{again}",
+            keys=(a, b),
+            queue="celery",
+            linger=never,
+        )
         if first is None:
             return []
+        self.multi_cancel_lingering = first
 
         def holds() -> bool:
             try:
@@ -5037,9 +5063,60 @@ class Run:
         except TimeoutError as exc:
             self.log(f"directed phase: {exc}")
         second = self._submit(
-            MULTI_REPLACE_CANCEL_TASK, "", "directed-mcancel-1", keys=(b, a), queue="celery"
+            MULTI_REPLACE_CANCEL_TASK, "", f"directed-mcancel-1{again}", keys=(b, a), queue="celery"
         )
         return [first] + ([second] if second else [])
+
+    def _cancel_directed_again(self) -> None:
+        """The directed ``cancel_running`` steps whose lingering holder was not told while it held its key(s)
+        (its lease lost first: its claim answered after most of its lease on a loaded machine, seen in CI) are
+        sent again, on keys of their own, at most twice: their coverage claims then hold by construction."""
+        for attempt in (1, 2):
+            again: list[str] = []
+            if (
+                self.cfg.replace_keys
+                and self.cancel_lingering
+                and not self._told(self.cancel_lingering, True)
+            ):
+                self.log(f"directed phase: the cancel_running holder was not told; again ({attempt})")
+                again += self._cancel_directed(DIRECTED_KEY + 10 + attempt, f"@{attempt}")
+            lingering = self.multi_cancel_lingering
+            if self.cfg.multi_replace_keys > 2 and lingering and not self._told(lingering, False):
+                self.log(
+                    f"directed phase: the several-keys cancel_running holder was not told; again ({attempt})"
+                )
+                again += self._multi_cancel_directed(DIRECTED_KEY + 20 + 2 * attempt, f"@{attempt}")
+            if not again:
+                return
+            with contextlib.suppress(TimeoutError):
+                _wait(
+                    functools.partial(self._all_ended, list(again)), START_GUARD_S, "the bursts to end", 0.5
+                )
+
+    def _all_ended(self, task_ids: list[str]) -> bool:
+        return len(self._ended(task_ids)) == len(task_ids)
+
+    def _told(self, task_id: str, refused: bool) -> bool:
+        """The run ``task_id`` was told superseded while it held its key (a ``superseded-notice`` of its hold)
+        and ended superseded; with ``refused``, a claim or write of that hold sent after the notice was
+        refused."""
+        with contextlib.suppress(Exception):
+            if (self.results.backend.get_task_meta(task_id).get("result") or {}).get(
+                "mongolock"
+            ) != "superseded":
+                return False
+        events = read_histories(self.hist_dir)
+        notices = [e for e in events if e.get("ev") == "superseded-notice" and e.get("task_id") == task_id]
+        if not notices or not refused:
+            return bool(notices)
+        return any(
+            e.get("ev") in ("claim", "write")
+            and e.get("hold") == n.get("hold")
+            and e.get("outcome") == "fenced"
+            and float(e.get("t0") or 0) > float(n.get("t") or 0)
+            for n in notices
+            for e in events
+        )
 
     def _reentrant_burst(self) -> list[str]:
         """``REENTRANT_BURST`` runs of ``REENTRANT_TASK`` on an ``l`` key and a ``k`` key of their own (no
