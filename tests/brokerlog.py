@@ -220,3 +220,21 @@ def _first_of_triple(value: bytes) -> bytes:
     if isinstance(triple, list) and triple:
         return json.dumps(triple[0]).encode()
     return b""
+
+
+def children_of(path: str | Path, parents: set[str], task_name: str) -> dict[str, str]:
+    """Parent task id -> the task id of a ``task_name`` message published by it (a ``link`` callback: its
+    ``parent_id`` header), for the ``parents`` given, from the broker's append-only file."""
+    found: dict[str, str] = {}
+    for command in parse_aof(Path(path).read_bytes()):
+        for arg in command[1:]:
+            if b"parent_id" not in arg or task_name.encode() not in arg:
+                continue
+            try:
+                headers = json.loads(arg).get("headers") or {}
+            except (ValueError, UnicodeDecodeError, AttributeError):
+                continue
+            parent = headers.get("parent_id")
+            if headers.get("task") == task_name and parent in parents and headers.get("id"):
+                found[str(parent)] = str(headers["id"])
+    return found

@@ -1701,7 +1701,9 @@ def check_links(history: History) -> list[Violation]:
     * ``link-wrong-result``: the callback was told the run was superseded when its result says it ran,
       or the other way round.
 
-    A callback called twice is a figure (``link_figures``), not a violation: a redelivered ending message
+    A callback whose message the broker is proven to have lost (``link_lost_by_broker``: popped and never
+    recorded as unacknowledged, a fault cutting the consumer off then) is counted, not judged. A callback
+    called twice is a figure (``link_figures``), not a violation: a redelivered ending message
     racing its first copy may call it again (docs/reference/policies.md)."""
     found: list[Violation] = []
     calls: dict[str, list[Doc]] = defaultdict(list)
@@ -1713,6 +1715,8 @@ def check_links(history: History) -> list[Violation]:
             continue
         result = task.get("result")
         superseded = isinstance(result, dict) and result.get("mongolock") == "superseded"
+        if not calls.get(tid) and task.get("link_lost_by_broker"):
+            continue  # its callback's message lost by the broker, proven (``Run._links_lost_by_broker``)
         if not calls.get(tid):
             how = "superseded" if superseded else "ran"
             found.append(
@@ -1737,6 +1741,7 @@ def link_figures(history: History) -> Doc:
             if isinstance(t.get("result"), dict) and t["result"].get("mongolock") == "superseded"
         ),
         "links_called_twice": sum(1 for n in calls.values() if n > 1),
+        "links_lost_by_broker": sum(1 for t in linked if t.get("link_lost_by_broker")),
     }
 
 
@@ -6137,6 +6142,31 @@ class Run:
                     where[task_id] = "unacked"
         return where
 
+    def _links_lost_by_broker(self, tasks: dict[str, Doc]) -> None:
+        """A linked run that ended ``SUCCESS`` and whose callback never ran, when the broker's record proves
+        that it lost the callback's message (``lost_by_broker``: popped, never recorded as unacknowledged,
+        a fault that cut the consumer off right then; seen in ci15, a broker SIGKILL 0.1 s after the pop):
+        marked ``link_lost_by_broker``, which ``check_links`` counts instead of judging."""
+        called = {str(e.get("task_id")) for e in read_histories(self.hist_dir) if e.get("ev") == "linked"}
+        missing = {
+            tid
+            for tid, t in tasks.items()
+            if t.get("link") and t.get("state") == "SUCCESS" and tid not in called
+        }
+        log = self._broker_log() if missing else None
+        if log is None:
+            return
+        try:
+            links = brokerlog.children_of(
+                Path(self.redis.dir) / "appendonly.aof", missing, "lockcheck.linked"
+            )
+        except OSError:
+            return
+        for tid, link_id in links.items():
+            lost = lost_by_broker(link_id, "nowhere", log, self.faults, start=self.start_mono)
+            if lost:
+                tasks[tid]["link_lost_by_broker"] = lost
+
     def _broker_log(self) -> brokerlog.BrokerLog | None:
         if self.rabbit is not None:
             return None  # no log of RabbitMQ's to prove a loss with: none is excused
@@ -6198,6 +6228,7 @@ class Run:
             submitter.join(10)
             self.log("draining: clients stop, submitted tasks finish")
             tasks = self.drain()
+            self._links_lost_by_broker(tasks)
             self._supervisor_stop.set()
             supervisor.join(130)
             for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:

@@ -367,8 +367,17 @@ def test_a_linked_run_s_callback_must_be_called_with_its_result() -> None:
     ]
     assert lockcheck.check_links(History(called, {}, tasks)) == []
     figures = lockcheck.link_figures(History([*called, called[1]], {}, tasks))
-    assert figures == {"linked_runs": 2, "linked_superseded": 1, "links_called_twice": 1}
+    assert figures == {
+        "linked_runs": 2,
+        "linked_superseded": 1,
+        "links_called_twice": 1,
+        "links_lost_by_broker": 0,
+    }
     assert kinds(lockcheck.check_links(History(called[:1], {}, tasks))) == {"link-not-called"}
+    # A callback whose message the broker is proven to have lost is counted, not judged.
+    lost = {**tasks, "B": {**tasks["B"], "link_lost_by_broker": "popped, never recorded"}}
+    assert lockcheck.check_links(History(called[:1], {}, lost)) == []
+    assert lockcheck.link_figures(History(called[:1], {}, lost))["links_lost_by_broker"] == 1
     wrong = [called[0], {**called[1], "superseded": False}]
     assert kinds(lockcheck.check_links(History(wrong, {}, tasks))) == {"link-wrong-result"}
 
