@@ -278,7 +278,10 @@ def queued_briefly(resource: str, tag: str, seconds: float = 0.3) -> str:
 
 
 @singleton_task(key="resource:{resource}", app=app, name="integration_app.latest", on_contention="replace")
-def latest(resource: str, tag: str, seconds: float = 0.3) -> str:
+def latest(resource: str, tag: str, seconds: float = 0.3, gate: bool = False) -> str:
+    """``gate``: the body runs until the test opens its gate (as ``gated``), not for ``seconds``."""
+    if gate:
+        return _until_gate(tag)
     _work(tag, seconds)
     return tag
 
@@ -286,6 +289,11 @@ def latest(resource: str, tag: str, seconds: float = 0.3) -> str:
 @singleton_task(key="resource:{resource}", app=app, name="integration_app.gated", on_contention=Queue())
 def gated(resource: str, tag: str) -> str:
     """A queued task whose body runs until the test opens its gate (a document ``gates/<tag>``)."""
+    return _until_gate(tag)
+
+
+def _until_gate(tag: str) -> str:
+    """A body that runs until the test opens its gate (a document ``gates/<tag>``; at most 120 s)."""
     record("start", tag)
     deadline = time.monotonic() + 120
     while db()["gates"].find_one({"_id": tag}) is None and time.monotonic() < deadline:

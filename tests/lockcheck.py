@@ -4352,6 +4352,7 @@ class Run:
         self.directed_s = 0.0
         # The lingering holders of the directed cancel_running steps (``_cancel_directed_again``).
         self.cancel_lingering: str | None = None
+        self.cancel_deaf: str | None = None
         self.multi_cancel_lingering: str | None = None
         self.store: LeaseStore | None = None
         #: Nodes are started, killed and replaced under this lock (fault thread and supervisor).
@@ -5007,6 +5008,8 @@ class Run:
             if tid is None:
                 return ids
             ids.append(tid)
+            if i == 0:
+                self.cancel_deaf = tid
             if i == 1:
                 self.cancel_lingering = tid
             if i == 2:
@@ -5081,9 +5084,16 @@ class Run:
             if (
                 self.cfg.replace_keys
                 and self.cancel_lingering
-                and not self._told(self.cancel_lingering, True)
+                and not (
+                    self._told(self.cancel_lingering, True)
+                    and self.cancel_deaf
+                    and self._terminated(self.cancel_deaf)
+                )
             ):
-                self.log(f"directed phase: the cancel_running holder was not told; again ({attempt})")
+                self.log(
+                    "directed phase: the cancel_running holders were not told, or the deaf one not "
+                    f"terminated; again ({attempt})"
+                )
                 again += self._cancel_directed(DIRECTED_KEY + 10 + attempt, f"@{attempt}")
             lingering = self.multi_cancel_lingering
             if self.cfg.multi_replace_keys > 2 and lingering and not self._told(lingering, False):
@@ -5100,6 +5110,24 @@ class Run:
 
     def _all_ended(self, task_ids: list[str]) -> bool:
         return len(self._ended(task_ids)) == len(task_ids)
+
+    def _terminated(self, task_id: str) -> bool:
+        """The deaf run ``task_id`` was told superseded while it held its key, never released that hold (its
+        child terminated after the grace) and ended superseded. Not so when its lease was lost before the
+        newer send (a fault: it released and ran again, then was superseded while parked)."""
+        with contextlib.suppress(Exception):
+            if (self.results.backend.get_task_meta(task_id).get("result") or {}).get(
+                "mongolock"
+            ) != "superseded":
+                return False
+        events = read_histories(self.hist_dir)
+        told = {
+            str(e.get("hold"))
+            for e in events
+            if e.get("ev") == "superseded-notice" and e.get("task_id") == task_id
+        }
+        released = {str(e.get("hold")) for e in events if e.get("ev") == "rel"}
+        return bool(told - released)
 
     def _told(self, task_id: str, refused: bool) -> bool:
         """The run ``task_id`` was told superseded while it held its key (a ``superseded-notice`` of its hold)

@@ -323,18 +323,21 @@ def test_runs_that_end_while_parked_are_in_the_history_and_why(cluster: Cluster)
     resource = tag()
     key = f"resource:{resource}"
     holder = tag()
-    r0 = it.latest.delay(resource, holder, 1.5)
+    # The holder runs until its gate opens, after the newer sends are all in: a fixed length (1.5 s, ci16)
+    # could end before they reached a worker on a loaded machine, and the superseded runs differ then.
+    r0 = it.latest.delay(resource, holder, gate=True)
     wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
     results = [it.latest.delay(resource, tag(), 0.1) for _ in range(3)]
-    r0.get(timeout=60)
-    for r in results:
-        r.get(timeout=60)
     superseded = {r.id for r in results[:-1]}
 
     def runs_ended(how: str) -> dict[str, Any]:
         return {str(e.task_id): e for e in cluster.store.history(key, limit=50) if e.how == how}
 
     wait_for(lambda: set(runs_ended("superseded")) == superseded, timeout=60, message="superseded records")
+    cluster.db["gates"].insert_one({"_id": holder})
+    r0.get(timeout=60)
+    for r in results:
+        r.get(timeout=60)
     for r in results[:-1]:
         ending = runs_ended("superseded")[r.id]
         assert ending.parked and ending.task_name == "integration_app.latest"
