@@ -22,7 +22,6 @@ are handled in ``duplicates``, the beat checks in ``beatcheck``, a worker's star
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +30,6 @@ from typing import Any, ClassVar, NoReturn, TypeVar, overload
 from billiard.exceptions import WorkerLostError
 from celery import Celery, Task, shared_task
 from celery import signals as celery_signals
-from celery.exceptions import Ignore
 
 from celery_mongolock.admission.limits import limits_by_key
 from celery_mongolock.admission.policies import (
@@ -43,10 +41,9 @@ from celery_mongolock.admission.policies import (
 from celery_mongolock.admission.rate import RateLimit
 from celery_mongolock.core.documents.sends import check_unique_send
 from celery_mongolock.core.keys import KeyRenderer, KeySpec
-from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import run_scope
-from celery_mongolock.core.store import Lease, LeaseStore
-from celery_mongolock.exceptions import ConfigurationError, LockContended, StoreUnavailable
+from celery_mongolock.core.store import Lease
+from celery_mongolock.exceptions import ConfigurationError, LockContended
 from celery_mongolock.integration import (
     forksafe,  # noqa: F401  (its fork hook: pool children start clean)
     results,
@@ -63,29 +60,23 @@ from celery_mongolock.integration.config import (
     TaskOptions,
     censor_url_in_celery_reports,
     get_settings,
-    get_store,
 )
-from celery_mongolock.integration.duplicates import DUPLICATE_HEADER, stale_line
+from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
 from celery_mongolock.integration.endings import end_run, ending_of
-from celery_mongolock.integration.one_key import OneKey
+from celery_mongolock.integration.guarded import current_lease, guarded_many, guarded_one
 from celery_mongolock.integration.options import (
     check_declaration,
     check_decorated,
     check_task_class,
     install_start_up_error_hook,
 )
-from celery_mongolock.integration.rate_gate import pass_rate, rate_parks_of
-from celery_mongolock.integration.reentrant import end_holds, joined, note_taken, reentered
+from celery_mongolock.integration.rate_gate import rate_parks_of
 from celery_mongolock.integration.runs import (
     CONTENTION_HEADER,
-    give_back_quietly,
-    ignored_as,
     retry_later,
     retry_patiently,
-    unavailable,
 )
-from celery_mongolock.integration.several_keys import SeveralKeys
-from celery_mongolock.integration.supersede import check_pool, run_body, was_terminated_superseded
+from celery_mongolock.integration.supersede import check_pool, was_terminated_superseded
 from celery_mongolock.integration.unique_send import send_unique, wants_unique_send
 
 __all__ = [
@@ -107,9 +98,6 @@ QUEUED = results.QUEUED
 #: How a run is published again (``handoff.REPUBLISH_RETRY_POLICY``).
 REPUBLISH_RETRY_POLICY: dict[str, float] = _queue.REPUBLISH_RETRY_POLICY
 
-_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
-    "celery_mongolock_lease", default=None
-)
 known_apps = signals.known_apps  # the apps the shutdown hook releases leases for
 
 
@@ -118,20 +106,6 @@ censor_url_in_celery_reports()
 # Worker and beat send import_modules before they create the tasks and read the settings: from then on a
 # ConfigurationError that stops them is shown as one line, not as a traceback through Celery's start-up.
 celery_signals.import_modules.connect(install_start_up_error_hook, weak=False)
-
-
-def current_lease() -> Lease | None:
-    """The lease of the singleton task running in this thread (None outside one, e.g. in a test that calls
-    the function body itself, or in a plain task). A bound task (``bind=True``) has ``self.lease``, which
-    is never None: it raises a clear error outside a singleton run instead.
-
-    ``current_lease().lost`` turns true if the lease is lost while the body runs (taken over after the
-    heartbeat could not renew it, or force-released); ``current_lease().raise_if_lost()`` raises
-    ``LeaseLost`` then, which is the documented way for a long task to stop promptly. ``.fence`` is the
-    fencing token to attach to writes. A task with several keys (``keys=(...)``) gets a ``LeaseSet``:
-    ``current_lease()["email-group:7"]`` is that key's lease, with its own fence.
-    """
-    return _current.get()
 
 
 class SingletonTask(Task):  # type: ignore[misc]
@@ -191,7 +165,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         ``bind=True`` tasks). Set whenever the body runs as a singleton run (in a worker, ``apply()``,
         or a direct call); anywhere else ``RuntimeError`` says why, rather than an ``AttributeError`` on
         ``None`` later."""
-        lease = _current.get()
+        lease = current_lease()
         if lease is None:
             raise RuntimeError(
                 f"task {self.name!r}: self.lease is set only while the task's body runs as a singleton "
@@ -310,128 +284,22 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
         ending = None if direct else ending_of(self.request)
+        options = self._options()
         if ending is not None:  # a parked run ended without its body, through Celery's trace (``endings``)
-            policy = self._options().on_contention
+            policy = options.on_contention
             return end_run(self, ending, fail_superseded=getattr(policy, "fail_superseded", False))
+        limits = self.mongolock_limits_for(*args, **kwargs)
+
+        def body() -> Any:
+            return self.run(*args, **kwargs)
+
         # The run is one owner of its leases (a singleton function it calls in-process is the same run).
         with run_scope(self.name):
             if self._key_specs():
-                return self._guarded_many(args, kwargs, direct=direct)
-            return self._guarded_one(args, kwargs, direct=direct)
-
-    def _guarded_one(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
-        key = self._renderer().render(args, kwargs)
-        limits = self.mongolock_limits_for(*args, **kwargs)
-        store = get_store(self.app)
-        inner = reentered(store, limits)
-        if inner:  # the run holds the key already: its own lease, reentered (no command)
-            return self._run_reentered(inner[key], args, kwargs)
-        options = self._options()
-        taken = OneKey(self, key, options, direct=direct).take()
-        if isinstance(taken, Lease):  # then a start in its rate's window (None: it starts)
-            self._drop_a_stale_line(store, [taken], key)  # (before the rate: no start spent on it)
-            taken = pass_rate(self, [key], [taken], options, direct=direct) or taken
-        if not isinstance(taken, Lease):
-            return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
-        lease = taken
-        request = self.request
-        if lease.remaining <= 0:  # (not ``lease.lost``: that would queue a release marking the run over)
-            # Its acquire was answered after the lease's whole time had passed (MongoDB paused or slow):
-            # the key may be someone else's by now. Fail closed: give it back, and try again later.
-            give_back_quietly(store, [lease])  # (a store that does not answer: it expires on its own)
-            unavailable(
-                self,
-                key,
-                StoreUnavailable(f"the acquire of {key!r} was answered after its lease had run out"),
-                options.on_contention,
-                direct,
-            )
-        note_taken(store, lease, limits)
-        log_acquire.info("%s[%s] acquired %r (fence %s)", self.name, request.id, key, lease.fence)
-        signals.lease_acquired.send(sender=self, key=key, lease=lease)
-        token = _current.set(lease)
-        try:
-            # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
-            return run_body(self, store, lease, options.on_contention, lambda: self.run(*args, **kwargs))
-        finally:
-            _current.reset(token)
-            try:
-                lease.release()
-            except StoreUnavailable as exc:
-                log_release.warning("%s[%s]: %s (retrying in the background)", self.name, request.id, exc)
-            signals.lease_released.send(sender=self, key=key, lease=lease)
-
-    def _guarded_many(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, direct: bool) -> Any:
-        """A run that needs several keys: the body runs only while it holds all of them."""
-        keys = self.mongolock_keys_for(*args, **kwargs)
-        limits = self.mongolock_limits_for(*args, **kwargs)
-        store = get_store(self.app)
-        inner = reentered(store, limits)  # the keys this run holds already (a call in-process)
-        rest = [key for key in keys if key not in inner]
-        fresh: LeaseSet | None = None
-        if rest:
-            some = {key: limits[key] for key in rest}
-            try:
-                taken = SeveralKeys(self, rest, self._options(), direct=direct, limits=some).take()
-            except BaseException:
-                end_holds(inner)
-                raise
-            if not isinstance(taken, LeaseSet):
-                end_holds(inner)
-                return taken.value
-            fresh = taken
-            try:  # (before the rate: no start spent on a stale line)
-                self._drop_a_stale_line(store, list(fresh), rest[0])
-            except BaseException:
-                end_holds(inner)
-                raise
-            over_rate = pass_rate(self, rest, list(fresh), self._options(), direct=direct)
-            if over_rate is not None:
-                end_holds(inner)
-                return over_rate.value
-            note_taken(store, fresh, limits)
-        if fresh is None:
-            return self._run_reentered(joined(inner, None), args, kwargs)
-        held = joined(inner, fresh)
-        request = self.request
-        log_acquire.info("%s[%s] acquired %s (fences %s)", self.name, request.id, rest, fresh.fences)
-        for lease in fresh:
-            signals.lease_acquired.send(sender=self, key=lease.key, lease=lease)
-        token = _current.set(held)
-        try:
-            # (Replace(cancel_running=True): a newer send of the set supersedes this run: ``supersede``)
-            policy = self._options().on_contention
-            return run_body(self, store, fresh, policy, lambda: self.run(*args, **kwargs))
-        finally:
-            _current.reset(token)
-            try:
-                held.release()
-            except StoreUnavailable as exc:
-                log_release.warning("%s[%s]: %s (retrying in the background)", self.name, request.id, exc)
-            for lease in fresh:
-                signals.lease_released.send(sender=self, key=lease.key, lease=lease)
-
-    def _drop_a_stale_line(self, store: LeaseStore, leases: list[Lease], key: str) -> None:
-        """Its keys taken, a copy or a later attempt whose task another line has settled (``stale_line``)
-        gives them back unrun and is dropped: the body never runs twice for one task."""
-        why = stale_line(self, store, key)
-        if why is None:
-            return
-        give_back_quietly(store, leases)
-        request = self.request
-        log_acquire.warning("%s[%s]: not run on %r: %s; dropped", self.name, request.id, key, why)
-        ignored_as(request.id, f"was not run: {why}; this delivery is dropped")
-        raise Ignore()
-
-    def _run_reentered(self, held: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the body with reentrant holds of leases the running run holds (no command sent)."""
-        log_acquire.info("%s[%s] reentered %s (fence %s)", self.name, self.request.id, held.key, held.fence)
-        token = _current.set(held)
-        try:
-            return self.run(*args, **kwargs)
-        finally:
-            _current.reset(token)
-            held.release()
+                keys = self.mongolock_keys_for(*args, **kwargs)
+                return guarded_many(self, keys, limits, options, body, direct=direct)
+            key = self._renderer().render(args, kwargs)
+            return guarded_one(self, key, limits, options, body, direct=direct)
 
     def mongolock_retry_later(self, policy: Retry, exc: Exception) -> NoReturn:
         """Publish this run again after a backoff; the task's own ``retries`` budget is not used."""

@@ -1,0 +1,191 @@
+"""The guarded body: a run admitted on its key(s) runs its body with ``current_lease()`` set, and gives
+its lease(s) back on every exit.
+
+``SingletonTask`` renders the key(s) and the options in force and hands each run here: ``guarded_one`` for
+a task of one ``key=`` (``one_key.OneKey`` admits it), ``guarded_many`` for ``keys=(...)``
+(``several_keys.SeveralKeys``). Both take the run's task as the narrow protocol ``runs.GuardedRun``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery.exceptions import Ignore
+
+from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.store import Lease, LeaseStore
+from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.integration import signals
+from celery_mongolock.integration.config import TaskOptions, get_store
+from celery_mongolock.integration.duplicates import stale_line
+from celery_mongolock.integration.one_key import OneKey
+from celery_mongolock.integration.rate_gate import pass_rate
+from celery_mongolock.integration.reentrant import end_holds, joined, note_taken, reentered
+from celery_mongolock.integration.runs import GuardedRun, give_back_quietly, ignored_as, unavailable
+from celery_mongolock.integration.several_keys import SeveralKeys
+from celery_mongolock.integration.supersede import run_body
+
+__all__ = ["current_lease", "guarded_many", "guarded_one"]
+
+log_acquire = logging.getLogger("celery_mongolock.acquire")
+log_release = logging.getLogger("celery_mongolock.release")
+
+_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
+    "celery_mongolock_lease", default=None
+)
+
+#: The body of a run: the task's ``run`` with the call's arguments.
+Body = Callable[[], Any]
+
+
+def current_lease() -> Lease | None:
+    """The lease held by the singleton task running in this context (None outside one).
+
+    ``current_lease().fence`` is the fencing token to pass to the resource the task writes to;
+    ``current_lease().lost`` turns true if the lease is lost while the body runs (taken over after the
+    heartbeat could not renew it, or force-released); ``current_lease().raise_if_lost()`` raises
+    ``LeaseLost`` then. A task with ``keys=(...)`` gets a ``LeaseSet`` (a ``Lease`` of all its keys):
+    ``current_lease()["email-group:7"]`` is that key's lease, with its own fence.
+    """
+    return _current.get()
+
+
+def guarded_one(
+    task: GuardedRun,
+    key: str,
+    limits: Mapping[str, int | None],
+    options: TaskOptions,
+    body: Body,
+    *,
+    direct: bool,
+) -> Any:
+    """A run of a task with one key: admitted by its policy, then its body holding the key's lease."""
+    store = get_store(task.app)
+    inner = reentered(store, limits)
+    if inner:  # the run holds the key already: its own lease, reentered (no command)
+        return _run_reentered(task, inner[key], body)
+    taken = OneKey(task, key, options, direct=direct).take()
+    if isinstance(taken, Lease):  # then a start in its rate's window (None: it starts)
+        _drop_a_stale_line(task, store, [taken], key)  # (before the rate: no start spent on it)
+        taken = pass_rate(task, [key], [taken], options, direct=direct) or taken
+    if not isinstance(taken, Lease):
+        return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
+    lease = taken
+    request = task.request
+    if lease.remaining <= 0:  # (not ``lease.lost``: that would queue a release marking the run over)
+        # Its acquire was answered after the lease's whole time had passed (MongoDB paused or slow):
+        # the key may be someone else's by now. Fail closed: give it back, and try again later.
+        give_back_quietly(store, [lease])  # (a store that does not answer: it expires on its own)
+        unavailable(
+            task,
+            key,
+            StoreUnavailable(f"the acquire of {key!r} was answered after its lease had run out"),
+            options.on_contention,
+            direct,
+        )
+    note_taken(store, lease, limits)
+    log_acquire.info("%s[%s] acquired %r (fence %s)", task.name, request.id, key, lease.fence)
+    signals.lease_acquired.send(sender=task, key=key, lease=lease)
+    token = _current.set(lease)
+    try:
+        # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
+        return run_body(task, store, lease, options.on_contention, body)
+    finally:
+        _current.reset(token)
+        try:
+            lease.release()
+        except StoreUnavailable as exc:
+            log_release.warning("%s[%s]: %s (retrying in the background)", task.name, request.id, exc)
+        signals.lease_released.send(sender=task, key=key, lease=lease)
+
+
+def guarded_many(
+    task: GuardedRun,
+    keys: list[str],
+    limits: Mapping[str, int | None],
+    options: TaskOptions,
+    body: Body,
+    *,
+    direct: bool,
+) -> Any:
+    """A run that needs several keys: the body runs only while it holds all of them."""
+    store = get_store(task.app)
+    inner = reentered(store, limits)  # the keys this run holds already (a call in-process)
+    rest = [key for key in keys if key not in inner]
+    if not rest:
+        return _run_reentered(task, joined(inner, None), body)
+    try:
+        fresh = _take_the_rest(task, store, rest, limits, options, direct=direct)
+    except BaseException:
+        end_holds(inner)
+        raise
+    if not isinstance(fresh, LeaseSet):
+        end_holds(inner)
+        return fresh
+    note_taken(store, fresh, limits)
+    held = joined(inner, fresh)
+    request = task.request
+    log_acquire.info("%s[%s] acquired %s (fences %s)", task.name, request.id, rest, fresh.fences)
+    for lease in fresh:
+        signals.lease_acquired.send(sender=task, key=lease.key, lease=lease)
+    token = _current.set(held)
+    try:
+        # (Replace(cancel_running=True): a newer send of the set supersedes this run: ``supersede``)
+        return run_body(task, store, fresh, options.on_contention, body)
+    finally:
+        _current.reset(token)
+        try:
+            held.release()
+        except StoreUnavailable as exc:
+            log_release.warning("%s[%s]: %s (retrying in the background)", task.name, request.id, exc)
+        for lease in fresh:
+            signals.lease_released.send(sender=task, key=lease.key, lease=lease)
+
+
+def _take_the_rest(
+    task: GuardedRun,
+    store: LeaseStore,
+    rest: list[str],
+    limits: Mapping[str, int | None],
+    options: TaskOptions,
+    *,
+    direct: bool,
+) -> LeaseSet | Any:
+    """The keys a run of several keys does not hold yet, all taken (a ``LeaseSet``), or the policy's
+    outcome's value (the body does not run)."""
+    some = {key: limits[key] for key in rest}
+    taken = SeveralKeys(task, rest, options, direct=direct, limits=some).take()
+    if not isinstance(taken, LeaseSet):
+        return taken.value
+    _drop_a_stale_line(task, store, list(taken), rest[0])  # (before the rate: no start spent on it)
+    over_rate = pass_rate(task, rest, list(taken), options, direct=direct)
+    if over_rate is not None:
+        return over_rate.value
+    return taken
+
+
+def _drop_a_stale_line(task: GuardedRun, store: LeaseStore, leases: list[Lease], key: str) -> None:
+    """Its keys taken, a copy or a later attempt whose task another line has settled (``stale_line``)
+    gives them back unrun and is dropped: the body never runs twice for one task."""
+    why = stale_line(task, store, key)
+    if why is None:
+        return
+    give_back_quietly(store, leases)
+    request = task.request
+    log_acquire.warning("%s[%s]: not run on %r: %s; dropped", task.name, request.id, key, why)
+    ignored_as(request.id, f"was not run: {why}; this delivery is dropped")
+    raise Ignore()
+
+
+def _run_reentered(task: GuardedRun, held: Lease, body: Body) -> Any:
+    """Run the body with reentrant holds of leases the running run holds (no command sent)."""
+    log_acquire.info("%s[%s] reentered %s (fence %s)", task.name, task.request.id, held.key, held.fence)
+    token = _current.set(held)
+    try:
+        return body()
+    finally:
+        _current.reset(token)
+        held.release()
