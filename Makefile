@@ -56,7 +56,7 @@ docs: $(STAMP)
 # tests/conftest.py hands out the longest files first. `make test PYTEST_XDIST=` runs it in one process.
 PYTEST_XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: lint typecheck docs
-	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) --durations=25 $(PYTEST_ARGS)
 	$(PY) -m nox --tags oldest
 
 # The version matrix (noxfile.py): the store contract and integration suites on every Celery minor from 5.3

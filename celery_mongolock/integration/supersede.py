@@ -126,6 +126,17 @@ class _Terminator:
         self.request_id = task.request.id
         self.info = _run_info(task)
         self.done = threading.Event()  # the body returned or raised: nothing to terminate
+        self._ending = threading.Lock()
+        self._ended = False
+
+    def claim_ending(self) -> bool:
+        """Whoever ends the superseded run first, this terminator or the body raising ``Superseded``,
+        writes its ending (result, history record, signal); False for the second: written once."""
+        with self._ending:
+            if self._ended:
+                return False
+            self._ended = True
+            return True
 
     def notice(self, lease: Lease, by: str) -> None:
         """The holder was superseded: in a thread of its own (the other callbacks of the notice run on),
@@ -141,6 +152,8 @@ class _Terminator:
         task, key = self.task, self.key
         if self.lease.released or all(one.lost for one in _held(self.lease)):
             return  # (a set with a key still held is terminated: that key must go to the newest run)
+        if not self.claim_ending():
+            return  # the body raised ``Superseded`` meanwhile: it ends the run itself
         log.warning(
             "%s[%s]: %r: still running %gs after a newer send (%s) superseded it; terminating its pool "
             "child (pid %s): the key goes to the newest run",
@@ -179,9 +192,10 @@ def run_body(
     supersedes it, ends superseded when its body raises ``Superseded``, and is terminated after ``grace``
     (in a prefork pool child). ``lease`` may be a ``LeaseSet`` (``keys=``): a newer send of the set tells
     the run on whichever key it reaches first, and every lease of the set is superseded from then on."""
-    key = lease.key
     if not (isinstance(policy, Replace) and policy.cancel_running):
         return body()
+    # The key its ending names (the signal, ``Superseded``): a set's first, as its superseded result does.
+    key = lease.keys[0] if isinstance(lease, LeaseSet) else lease.key
     if isinstance(lease, LeaseSet):
         lease.supersede_together()
     terminator: _Terminator | None = None
@@ -193,7 +207,10 @@ def run_body(
     except Superseded as exc:
         if exc.key not in {one.key for one in _held(lease)} or not lease.superseded:
             raise  # another lease's (a singleton run called in-process): not this run's supersession
-        result = ended_superseded(task, store, key, lease)
+        if terminator is None or terminator.claim_ending():
+            result = ended_superseded(task, store, key, lease)
+        else:  # the grace ran out as it raised: the terminator writes the ending (once)
+            result = _result(lease, str(lease.superseded_by))
         if policy.fail_superseded:
             raise  # Replace(fail_superseded=True): it ends FAILURE (its link_error callbacks are called)
         return result
