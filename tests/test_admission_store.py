@@ -365,7 +365,7 @@ def test_a_debounced_run_parks_even_on_a_free_key_and_takes_it_once_due(store: L
 def test_the_sweeper_leaves_a_key_alone_while_its_queue_just_waits_for_a_live_holder() -> None:
     import datetime as dt
 
-    from celery_mongolock.integration.sweeper import needs_sweep
+    from celery_mongolock.core.waiting import needs_sweep
 
     now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     later, earlier = now + dt.timedelta(seconds=10), now - dt.timedelta(seconds=1)
@@ -552,7 +552,8 @@ def test_an_acquire_retried_after_its_own_lease_expired_leaves_the_key_to_the_pa
         assert after["owner"] is None and after["ends"][-1]["how"] == "expired"
         assert int(after["fence"]) == int(doc["fence"])
         assert worker.acquire(KEY) is None  # nobody else barges in either
-        swept = worker.sweep(KEY) or {}
+        assert worker.sweep(KEY) is not None
+        swept = worker.collection.find_one({"_id": KEY}) or {}
         assert swept["ho"]["t"] == "task-10" and swept["owner"] != token
     finally:
         bare.close()

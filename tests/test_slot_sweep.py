@@ -33,7 +33,7 @@ def _dead_hold(make_store: Any, key: str = KEY, ttl: float = 0.5) -> Any:
 
 
 def _expired_keys(store: LeaseStore) -> list[str]:
-    return [doc["_id"] for doc in store.keys_with_expired_holds()]
+    return store.keys_with_expired_holds()
 
 
 def _doc(store: LeaseStore, key: str = KEY) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.lease import Lease
+from celery_mongolock.core.waiting import Swept, WaitingKey
 
 if TYPE_CHECKING:
     from celery_mongolock.core.store_queue import QueueUpkeep
@@ -55,16 +56,20 @@ class ParkedRuns:
         (``QueueUpkeep.waiting_keys``)."""
         return self.queue.waiting_keys(limit, after)
 
-    def sweep(
-        self, key: str, *, revoked: _Collection[str] = (), slots: bool | None = None
-    ) -> Document | None:
-        """One sweep of ``key`` in one command (``QueueUpkeep.sweep``); returns the document after."""
-        return self.queue.sweep(key, revoked=revoked, slots=slots)
+    def waiting(self, limit: int = 1000, after: str | None = None) -> builtins.list[WaitingKey]:
+        """The sweeper's list, typed (``waiting_keys``): at most ``limit`` keys, after ``after``."""
+        return [WaitingKey.of(doc) for doc in self.queue.waiting_keys(limit, after)]
 
-    def keys_with_expired_holds(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
+    def sweep(self, key: str, *, revoked: _Collection[str] = (), slots: bool | None = None) -> Swept | None:
+        """One sweep of ``key`` in one command (``QueueUpkeep.sweep``): what it left (None: no key
+        waits there)."""
+        doc = self.queue.sweep(key, revoked=revoked, slots=slots)
+        return None if doc is None else Swept.of(doc)
+
+    def keys_with_expired_holds(self, limit: int = 1000, after: str | None = None) -> builtins.list[str]:
         """``limit=N`` keys nothing waits on that keep an expired hold
         (``QueueUpkeep.keys_with_expired_holds``)."""
-        return self.queue.keys_with_expired_holds(limit, after)
+        return [str(doc["_id"]) for doc in self.queue.keys_with_expired_holds(limit, after)]
 
     def sweep_expired_holds(self, key: str) -> Document | None:
         """Drop the expired holds of ``limit=N`` key ``key`` (``QueueUpkeep.sweep_expired_holds``)."""

@@ -377,10 +377,9 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         install_publisher(app, store)
         task_id = str(getattr(request, "id", ""))
         after = store.sweep(str(handoff.get("k")), revoked={task_id})
-        fence = (after or {}).get("fence")
         run = {"t": task_id, "n": getattr(sender, "name", None), "id": handoff.get("id")}
         store.record_run_ending(
-            str(handoff.get("k")), "revoked", run, fence=fence if isinstance(fence, int) else None
+            str(handoff.get("k")), "revoked", run, fence=None if after is None else after.fence
         )
     except Exception as exc:
         log.warning("could not hand over %r after a revoke (the sweeper will): %s", handoff.get("k"), exc)

@@ -8,12 +8,10 @@ chord, is ended through Celery from its own message: ``endings``).
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from celery import Celery
 
@@ -30,8 +28,9 @@ from celery_mongolock.integration.results import (
 
 if TYPE_CHECKING:
     from celery_mongolock.core.store import LeaseStore
+    from celery_mongolock.core.waiting import WaitingKey
 
-__all__ = ["PAGE", "Sweeper", "needs_sweep", "start_sweeper"]
+__all__ = ["PAGE", "Sweeper", "start_sweeper"]
 
 log = logging.getLogger("celery_mongolock.queue")
 
@@ -43,61 +42,6 @@ def _revoked_ids() -> set[str]:
         return set(state.revoked)
     except Exception:  # pragma: no cover - not in a worker
         return set()
-
-
-def _ms(value: Any) -> float | None:
-    if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=_dt.timezone.utc)
-        return float(value.timestamp() * 1000)
-    return None
-
-
-def needs_sweep(doc: Mapping[str, Any]) -> bool:
-    """Whether a key read by ``waiting_keys`` has anything for the sweeper to do, judged on the server's
-    time of the read (``__now``): a sweep is a write, so keys whose queue simply waits for a running
-    holder are left alone."""
-    now = _ms(doc.get("__now"))
-    if now is None or doc.get("dead") or doc.get("sup"):
-        return True
-    if _slotted(doc):
-        holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
-        for hold in holds:
-            x = _ms(hold.get("x"))
-            if x is None or x <= now:
-                return True  # an expired hold (a handed one goes back to the queue)
-            ho = hold.get("ho")
-            if isinstance(ho, Mapping) and not ho.get("by"):
-                return True  # a handoff nobody published
-        if doc.get("q") and len(holds) < int(doc.get("lim") or 1):
-            return True  # a free slot with runs parked
-        return _past_deadline(doc, now)
-    expires = _ms(doc.get("expires_at"))
-    if doc.get("owner") is None or expires is None or expires <= now:
-        return True  # free or expired, with runs parked or a handoff pending
-    ho = doc.get("ho")
-    if isinstance(ho, Mapping) and not ho.get("by"):
-        return True  # a handoff nobody published
-    return _past_deadline(doc, now)
-
-
-def _past_deadline(doc: Mapping[str, Any], now: float) -> bool:
-    for entry in doc.get("q") or []:
-        deadline = _ms(entry.get("dl"))
-        if deadline is not None and deadline <= now:
-            return True
-    return False
-
-
-def _slotted(doc: Mapping[str, Any]) -> bool:
-    """A ``limit=N`` key (its holds in ``hs``)."""
-    return "hs" in doc or "lim" in doc
-
-
-def _handed_ids(doc: Mapping[str, Any]) -> set[str]:
-    """Task ids of the runs the key (or a slot of it) is handed to, not yet claimed."""
-    handoffs = [doc.get("ho")] + [h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)]
-    return {str(ho.get("t")) for ho in handoffs if isinstance(ho, Mapping)}
 
 
 #: Keys read per page by the sweeper.
@@ -135,52 +79,48 @@ class Sweeper:
         store = config.get_store(self.app)
         install_publisher(self.app, store)
         revoked = _revoked_ids()
-        docs: list[dict[str, Any]] = []
+        waiting: list[WaitingKey] = []
         last_key: str | None = None
         while True:  # every waiting key, a page at a time
-            page = store.waiting_keys(limit=PAGE, after=last_key)
-            docs += page
+            page = store.waiting(limit=PAGE, after=last_key)
+            waiting += page
             if len(page) < PAGE:
                 break
-            last_key = page[-1]["_id"]
-        for doc in docs:
-            key = doc["_id"]
-            ids = {str(e.get("t")) for e in doc.get("q") or []}
-            hits = sorted((ids | _handed_ids(doc)) & revoked)
-            if not hits and not needs_sweep(doc):
-                continue
-            after = store.sweep(key, revoked=hits, slots=_slotted(doc))
-            for task_id in hits:
-                if task_id in ids and has_backend(self.app):
-                    self.app.backend.mark_as_revoked(task_id, "revoked while parked")
-            if after is None:
-                continue
-            fence = after.get("fence")
-            fence = fence if isinstance(fence, int) else None
-            if hits:
-                runs = [e for e in doc.get("q") or [] if str(e.get("t")) in hits]
-                handoffs = [doc.get("ho")] + [
-                    h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)
-                ]
-                runs += [ho for ho in handoffs if isinstance(ho, Mapping) and str(ho.get("t")) in hits]
-                for run in runs:
-                    store.record_run_ending(
-                        key, "revoked", run, fence=fence, ended_at=doc.get("__now"), parked_at=run.get("at")
-                    )
-            ending = ending_publisher(self.app)
-            if after.get("dead"):
-                write_timed_out(self.app, store, key, list(after["dead"]), fence=fence, publish=ending)
-            if after.get("sup"):
-                write_superseded(
-                    self.app,
-                    store,
-                    key,
-                    list(after["sup"]),
-                    ready=self._superseded_ready,
-                    fence=fence,
-                    publish=ending,
-                )
-        return len(docs) + self._sweep_expired_holds(store)
+            last_key = page[-1].key
+        for one in waiting:
+            hits = sorted((one.parked_ids | one.handed_ids) & revoked)
+            if hits or one.needs_sweep:
+                self._sweep(store, one, hits)
+        return len(waiting) + self._sweep_expired_holds(store)
+
+    def _sweep(self, store: LeaseStore, one: WaitingKey, hits: list[str]) -> None:
+        """Sweep the key ``one``: its revoked runs ``hits`` dropped (their results ``REVOKED``, their
+        history written), and the results of the runs that timed out or were superseded written."""
+        key = one.key
+        after = store.sweep(key, revoked=hits, slots=one.slotted)
+        for task_id in hits:
+            if task_id in one.parked_ids and has_backend(self.app):
+                self.app.backend.mark_as_revoked(task_id, "revoked while parked")
+        if after is None:
+            return
+        fence = after.fence
+        for run in one.runs_of(hits):
+            store.record_run_ending(
+                key, "revoked", run, fence=fence, ended_at=one.read_at, parked_at=run.get("at")
+            )
+        ending = ending_publisher(self.app)
+        if after.timed_out:
+            write_timed_out(self.app, store, key, list(after.timed_out), fence=fence, publish=ending)
+        if after.superseded:
+            write_superseded(
+                self.app,
+                store,
+                key,
+                list(after.superseded),
+                ready=self._superseded_ready,
+                fence=fence,
+                publish=ending,
+            )
 
     def _sweep_expired_holds(self, store: LeaseStore) -> int:
         """Drop the expired holds of ``limit=N`` keys nothing waits on (not in ``waiting_keys``): a
@@ -190,12 +130,12 @@ class Sweeper:
         last_key: str | None = None
         while True:
             page = store.keys_with_expired_holds(limit=PAGE, after=last_key)
-            for doc in page:
-                store.sweep_expired_holds(doc["_id"])
+            for key in page:
+                store.sweep_expired_holds(key)
             swept += len(page)
             if len(page) < PAGE:
                 return swept
-            last_key = page[-1]["_id"]
+            last_key = page[-1]
 
     def _superseded_ready(self, task_id: str) -> bool:
         """A superseded run's result may be written: the run wrote its state ``QUEUED`` (a later write of

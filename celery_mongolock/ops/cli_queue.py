@@ -72,10 +72,10 @@ def drop_runs(app: Celery, store: LeaseStore, info: LeaseInfo, task_ids: Sequenc
         keys.update(parked[tid].get("keys") or ())
     for key in sorted(keys):
         after = store.sweep(key, revoked=set(task_ids))
-        fence = (after or {}).get("fence")
+        fence = None if after is None else after.fence
         for tid in task_ids:
             run = {"t": tid, "n": parked[tid].get("task_name")}
-            store.record_run_ending(key, "revoked", run, fence=fence if isinstance(fence, int) else None)
+            store.record_run_ending(key, "revoked", run, fence=fence)
     reason = f"dropped from the queue of {info.key!r} by celery mongolock"
     for tid in task_ids:
         if has_backend(app):

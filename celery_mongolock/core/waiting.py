@@ -1,0 +1,129 @@
+"""What the sweeper reads of a key with parked runs, and what a sweep of it left: typed views of the lease
+document (``LeaseStore.waiting``, ``LeaseStore.sweep``), so that the Celery layer reads no lease document's
+fields. Pure: no I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from collections.abc import Collection, Mapping
+from typing import Any
+
+__all__ = ["Swept", "WaitingKey", "needs_sweep"]
+
+#: A parked run's entry, a handoff, or its record in ``dead`` / ``sup``: handed on as it is to the code that
+#: ends the run (its result, its history record, its callbacks), which reads the run's own fields.
+Run = Mapping[str, Any]
+
+
+def _ms(value: Any) -> float | None:
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return float(value.timestamp() * 1000)
+    return None
+
+
+def _slotted(doc: Mapping[str, Any]) -> bool:
+    """A ``limit=N`` key (its holds in ``hs``)."""
+    return "hs" in doc or "lim" in doc
+
+
+def _handoffs(doc: Mapping[str, Any]) -> list[Run]:
+    """The key's handoff and its slots' (handed or reserved to a parked run, not yet claimed)."""
+    found = [doc.get("ho")] + [h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)]
+    return [ho for ho in found if isinstance(ho, Mapping)]
+
+
+def _past_deadline(doc: Mapping[str, Any], now: float) -> bool:
+    for entry in doc.get("q") or []:
+        deadline = _ms(entry.get("dl"))
+        if deadline is not None and deadline <= now:
+            return True
+    return False
+
+
+def needs_sweep(doc: Mapping[str, Any]) -> bool:
+    """Whether a key read by ``waiting_keys`` has anything for the sweeper to do, judged on the server's
+    time of the read (``__now``): a sweep is a write, so keys whose queue simply waits for a running
+    holder are left alone."""
+    now = _ms(doc.get("__now"))
+    if now is None or doc.get("dead") or doc.get("sup"):
+        return True
+    if _slotted(doc):
+        holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
+        for hold in holds:
+            x = _ms(hold.get("x"))
+            if x is None or x <= now:
+                return True  # an expired hold (a handed one goes back to the queue)
+            ho = hold.get("ho")
+            if isinstance(ho, Mapping) and not ho.get("by"):
+                return True  # a handoff nobody published
+        if doc.get("q") and len(holds) < int(doc.get("lim") or 1):
+            return True  # a free slot with runs parked
+        return _past_deadline(doc, now)
+    expires = _ms(doc.get("expires_at"))
+    if doc.get("owner") is None or expires is None or expires <= now:
+        return True  # free or expired, with runs parked or a handoff pending
+    ho = doc.get("ho")
+    if isinstance(ho, Mapping) and not ho.get("by"):
+        return True  # a handoff nobody published
+    return _past_deadline(doc, now)
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitingKey:
+    """A key with parked runs, a pending handoff or results to write, as the sweeper reads it."""
+
+    key: str
+    #: A ``limit=N`` key.
+    slotted: bool
+    #: Task ids of its parked runs, and of the runs it (or a slot of it) is handed to, not yet claimed.
+    parked_ids: frozenset[str]
+    handed_ids: frozenset[str]
+    #: Something for a sweep to do (``needs_sweep``), judged on the server's time of the read.
+    needs_sweep: bool
+    #: The server's time of the read.
+    read_at: _dt.datetime | None
+    #: Its parked runs' entries and its handoffs (``runs_of``).
+    runs: tuple[Run, ...] = ()
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> WaitingKey:
+        parked = [e for e in doc.get("q") or [] if isinstance(e, Mapping)]
+        handed = _handoffs(doc)
+        read_at = doc.get("__now")
+        return cls(
+            key=str(doc["_id"]),
+            slotted=_slotted(doc),
+            parked_ids=frozenset(str(e.get("t")) for e in parked),
+            handed_ids=frozenset(str(ho.get("t")) for ho in handed),
+            needs_sweep=needs_sweep(doc),
+            read_at=read_at if isinstance(read_at, _dt.datetime) else None,
+            runs=(*parked, *handed),
+        )
+
+    def runs_of(self, task_ids: Collection[str]) -> list[Run]:
+        """The parked entries and handoffs of the runs ``task_ids`` (parked entries first)."""
+        return [run for run in self.runs if str(run.get("t")) in task_ids]
+
+
+@dataclasses.dataclass(frozen=True)
+class Swept:
+    """What one sweep of a key left (``LeaseStore.sweep``)."""
+
+    #: The key's fence after the sweep.
+    fence: int | None
+    #: Runs that timed out while parked (``Queue(timeout=...)``) and were superseded (``Replace``): their
+    #: results are still to be written.
+    timed_out: tuple[Run, ...] = ()
+    superseded: tuple[Run, ...] = ()
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> Swept:
+        fence = doc.get("fence")
+        return cls(
+            fence=fence if isinstance(fence, int) else None,
+            timed_out=tuple(r for r in doc.get("dead") or [] if isinstance(r, Mapping)),
+            superseded=tuple(r for r in doc.get("sup") or [] if isinstance(r, Mapping)),
+        )
