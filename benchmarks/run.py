@@ -39,6 +39,7 @@ BENCHMARKS = (
     "limits",
     "cancel_running",
     "rate",
+    "debounce",
     "unique_send",
     "handoff_backlog",
 )
@@ -52,6 +53,7 @@ TIME_LIMIT = {
     "limits": 900.0,
     "cancel_running": 600.0,
     "rate": 900.0,
+    "debounce": 600.0,
     "unique_send": 600.0,
     "handoff_backlog": 1800.0,
 }
@@ -64,6 +66,7 @@ QUICK_TIME_LIMIT = {
     "limits": 180.0,
     "cancel_running": 300.0,
     "rate": 400.0,
+    "debounce": 300.0,
     "unique_send": 180.0,
     "handoff_backlog": 600.0,
 }
@@ -607,6 +610,10 @@ def report(
     if "rate" in results:
         section = generic_section("rate", results["rate"])
         section[0] = "## `RateLimit(n, period)`: the rate achieved on a busy key (`rate.json`)"
+        lines += ["", *section]
+    if "debounce" in results:
+        section = generic_section("debounce", results["debounce"])
+        section[0] = "## `Replace(debounce=d, max_wait=m)`: a burst runs once, a busy key still runs"
         lines += ["", *section]
     if "handoff_backlog" in results:
         section = generic_section("handoff_backlog", results["handoff_backlog"])

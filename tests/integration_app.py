@@ -407,6 +407,17 @@ def merge_debounced(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[
 
 
 @singleton_task(
+    keys=("resource:{src}", "resource:{dst}"),
+    app=app,
+    name="integration_app.merge_capped",
+    on_contention=Replace(debounce=1.0, max_wait=3.0),
+)
+def merge_capped(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    """``merge_debounced`` with a ceiling: a set of keys that keeps receiving sends runs by ``max_wait``."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
     key="resource:{resource}",
     app=app,
     name="integration_app.debounced_capped",

@@ -300,11 +300,25 @@ MULTI_REPLACE_TASK = "lockcheck.rmw_multi_replace"
 #: supersedes the other's older runs of that set).
 MULTI_REPLACE_DEBOUNCED_TASK = "lockcheck.rmw_multi_replace_debounced"
 MULTI_REPLACE_DEBOUNCE = 0.3
+#: The same with a ceiling (``Replace(debounce=MULTI_REPLACE_DEBOUNCE, max_wait=MULTI_REPLACE_MAX_WAIT)``):
+#: a set that keeps receiving sends still runs; the burst its ceiling sealed is not superseded on any key
+#: (``sets.in_burst``). Judged with the other several-keys ``Replace`` runs, and its directed burst
+#: (``Run._capped_directed``) sends until a body of it started.
+MULTI_REPLACE_CAPPED_TASK = "lockcheck.rmw_multi_replace_capped"
+MULTI_REPLACE_MAX_WAIT = 1.0
+#: The directed capped burst: a send every ``CAPPED_EVERY`` seconds (less than the debounce: without the
+#: ceiling none would run while they go on) until a body of one started, for at most ``CAPPED_LIMIT_S``.
+CAPPED_EVERY, CAPPED_LIMIT_S = 0.1, 90.0
 #: The same with ``Replace(cancel_running=True, grace=CANCEL_GRACE)``: a newer send of the set also
 #: supersedes the run that holds it (told on the first key the newer send reaches, every lease of its set
 #: superseded from then on: ``check_cancel``, ``multi_cancel_figures``).
 MULTI_REPLACE_CANCEL_TASK = "lockcheck.rmw_multi_replace_cancel"
-MULTI_REPLACE_TASKS = (MULTI_REPLACE_TASK, MULTI_REPLACE_DEBOUNCED_TASK, MULTI_REPLACE_CANCEL_TASK)
+MULTI_REPLACE_TASKS = (
+    MULTI_REPLACE_TASK,
+    MULTI_REPLACE_DEBOUNCED_TASK,
+    MULTI_REPLACE_CANCEL_TASK,
+    MULTI_REPLACE_CAPPED_TASK,
+)
 #: The several-keys ``Replace`` task with a limit per key (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT}``,
 #: ``Replace()``): a slot of an ``l`` key and the lease of a ``k`` key; the newest send of a pair wins, on
 #: the slotted key too (a run parked for a slot, or keeping one reserved, is superseded there). Judged as
@@ -318,6 +332,7 @@ MULTI_TASKS = (
     MULTI_REPLACE_TASK,
     MULTI_REPLACE_DEBOUNCED_TASK,
     MULTI_REPLACE_CANCEL_TASK,
+    MULTI_REPLACE_CAPPED_TASK,
     REENTRANT_TASK,
     MULTI_LIMIT_QUEUE_TASK,
     MULTI_LIMIT_REPLACE_TASK,
@@ -1571,6 +1586,7 @@ def check(history: History) -> list[Violation]:
         if ev.get("ev") == "acq":
             acqs[str(ev["key"])].append(ev)
     releases = {str(ev["hold"]): ev for ev in history.events if ev.get("ev") == "rel"}
+    admitted = admitted_grant_starts(history.events)
     for key, items in sorted(acqs.items()):
         by_fence: dict[int, str] = {}
         for ev in items:
@@ -1586,7 +1602,11 @@ def check(history: History) -> list[Violation]:
         # On a limit=N key, a slot handed to a parked run got its fence when it was handed, not when the
         # run claimed it, and other slots may be taken in between: such a claim "began" no later than
         # the run's first admission on the key (it was parked before it was handed anything).
+        # An acquisition by a Celery run's admit began when that admit was sent (its ``acq`` record is
+        # written later, by the run: ci17, a skewed node's run recorded it 0.65 s after its admit's reply,
+        # after a bare client's acquisition with a larger fence had ended).
         began = handed_grant_starts(history.events, key) if key_policy(key) == "limit" else {}
+        began.update((grant, min(t0, began.get(grant, t0))) for grant, t0 in admitted.get(key, {}).items())
         start_of: dict[int, float] = {
             id(e): min(float(e["t0"]), began.get((str(e.get("task_id")), int(e["fence"])), float("inf")))
             for e in items
@@ -2191,6 +2211,21 @@ def handed_grant_starts(events: Iterable[Doc], key: str) -> dict[tuple[str, int]
     }
 
 
+def admitted_grant_starts(events: Iterable[Doc]) -> dict[str, dict[tuple[str, int], float]]:
+    """Per key, for each acquisition made by a Celery run's admit (outcome ``acquired`` or ``due``: task id
+    and fence), when that admit was sent: the command that gave the fence."""
+    found: dict[str, dict[tuple[str, int], float]] = defaultdict(dict)
+    for e in events:
+        if (
+            e.get("ev") == "admit"
+            and e.get("outcome") in ("acquired", "due")
+            and e.get("fence") is not None
+            and e.get("t0") is not None
+        ):
+            found[str(e.get("key"))][(str(e.get("task_id")), int(e["fence"]))] = float(e["t0"])
+    return found
+
+
 def check_slot_log(key: str, doc: Doc, applied: dict[str, list[tuple[str, str]]]) -> list[Violation]:
     """The protected document of a ``limit=N`` key (``run_slot_hold``): each slot's entries are a
     single-holder history (fences non-decreasing, holds not interleaved, one fence and one slot per hold,
@@ -2645,6 +2680,7 @@ def multi_replace_figures(
     directed = with_op(directed_op)
     window, debounced_directed = with_op("directed-window-"), with_op("directed-debounced-")
     debounced = {tid for tid, t in tasks.items() if t.get("task") == MULTI_REPLACE_DEBOUNCED_TASK}
+    capped = {tid for tid, t in tasks.items() if t.get("task") == MULTI_REPLACE_CAPPED_TASK}
     ends = hold_ends(ev)
     body_spans = [
         (float(b["t"]), max(ends.get(str(h), float(b["t"]) + 5.0) for h in (b.get("holds") or {}).values()))
@@ -2667,6 +2703,9 @@ def multi_replace_figures(
         "debounced_submitted": len(debounced),
         "debounced_superseded": len(debounced & superseded),
         "debounced_done_with_a_body": len(debounced & done & ran),
+        "capped_submitted": len(capped),
+        "capped_superseded": len(capped & superseded),
+        "capped_done_with_a_body": len(capped & done & ran),
         "window_paused_until_the_newer_send_parked": sum(
             1 for e in ev if e.get("ev") == "window" and e.get("seen") and e.get("task_id") in window
         ),
@@ -3664,7 +3703,10 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "limit_multi": limit_figures(history, faults),
         "document": document_figures(history),
         "reentrant": reentrant_figures(history, faults),
-        "multi_replace": multi_replace_figures(history, faults),
+        "multi_replace": {
+            **multi_replace_figures(history, faults),
+            "capped_directed": {k: v for k, v in (extra.get("capped_directed") or {}).items() if k != "runs"},
+        },
         "cancel": cancel_figures(history),
         "multi_cancel": multi_cancel_figures(history),
         "unique": unique_figures(history, faults, extra.get("unique_directed")),
@@ -3690,6 +3732,11 @@ def _multi_replace_line(title: str, fig: Doc, directed: str, directed_fig: Doc) 
         "done with a body {directed_done_with_a_body}; faults hitting a body {faults_hitting_bodies}, that "
         "began while a body ran {faults_during_bodies} "
     ).format(title=title, **fig)
+    if fig.get("capped_submitted") or fig.get("capped_directed"):
+        line += (
+            "(with max_wait: tasks {capped_submitted}, superseded {capped_superseded}, done with a body "
+            "{capped_done_with_a_body}; directed capped burst {capped_directed}) "
+        ).format_map(defaultdict(lambda: None, fig))
     return line + directed.format_map(defaultdict(lambda: None, directed_fig))
 
 
@@ -3833,6 +3880,13 @@ def unmet_coverage(report: Doc) -> list[str]:
             bool(mrd.get("other_parked_behind")),
             "a run of an overlapping set parked behind the set's reservation",
             directed,
+        )
+    capped = mr.get("capped_directed") or {}
+    if capped.get("sends"):
+        claim(
+            bool(capped.get("ran_while_sending")),
+            "the capped several-keys Replace burst (max_wait) ran a body while its sends went on",
+            {**capped, **{k: v for k, v in mr.items() if k.startswith("capped")}},
         )
     cx = report.get("cancel")
     if cx is not None and cx.get("submitted"):
@@ -4336,6 +4390,7 @@ class Run:
         self._gate_info: Doc | None = None
         self._unique_info: Doc | None = None
         self.unique_directed: Doc = {}
+        self.capped_directed: Doc = {}
         self._gates = 0
         self._doc_gates = 0
         self._lingers = 0
@@ -4942,6 +4997,7 @@ class Run:
             bursts.append(("", [], self._multi_replace_directed()))
             bursts.append(("", [], self._reservation_window()))
             bursts.append(("", [], self._debounced_directed()))
+            bursts.append(("", [], self._capped_directed()))
         if self.cfg.replace_keys:
             bursts.append(("", [], self._cancel_directed()))
         if self.cfg.multi_replace_keys > 2:
@@ -5339,6 +5395,35 @@ class Run:
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
         self._gate_release(gate)
+        return ids
+
+    def _capped_directed(self) -> list[str]:
+        """``MULTI_REPLACE_CAPPED_TASK`` runs on one set of two ``m`` keys of its own, naming it in both
+        orders, a send every ``CAPPED_EVERY`` s (more often than the debounce: without its ceiling none
+        would run while they go on) until a body of one of them started, for at most ``CAPPED_LIMIT_S``
+        (``capped_directed``: sends, and whether a body started while they went on). By construction the
+        burst goes on until a run started; a set whose keys went round from run to run (no run while the
+        sends came) fails its coverage claim. Returns the task ids."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        e0, e1 = key_for(DIRECTED_KEY + 30, epoch, "m"), key_for(DIRECTED_KEY + 31, epoch, "m")
+        ids: list[str] = []
+        deadline = time.monotonic() + CAPPED_LIMIT_S
+        started = False
+        next_look = 0.0
+        while time.monotonic() < deadline:
+            keys = (e0, e1) if len(ids) % 2 else (e1, e0)
+            tid = self._submit(MULTI_REPLACE_CAPPED_TASK, "", f"directed-capped-{len(ids)}", keys=keys)
+            if tid is not None:
+                ids.append(tid)
+            if time.monotonic() >= next_look:  # (the histories read about once a second)
+                next_look = time.monotonic() + 1.0
+                bodies = {e.get("task_id") for e in read_histories(self.hist_dir) if e.get("ev") == "body"}
+                if bodies & set(ids):
+                    started = True
+                    break
+            time.sleep(CAPPED_EVERY)
+        self.capped_directed = {"sends": len(ids), "ran_while_sending": started, "runs": ids}
+        self.log(f"directed phase: capped burst: {len(ids)} sends, a body started while sending: {started}")
         return ids
 
     def _slots_handed_to(self, key: str) -> set[str]:
@@ -6286,6 +6371,7 @@ class Run:
                 "node_start_s": _stats(self.start_times),
                 "multi_replace_directed": self.multi_replace_directed,
                 "unique_directed": self.unique_directed,
+                "capped_directed": self.capped_directed,
                 "rate_directed": self.rate_directed,
                 "rate_bursts": dict(sorted(self.rate_bursts.items())),
                 "rate_keys": self.cfg.rate_keys,

@@ -21,7 +21,8 @@ and fence. ``rmw_limit_held`` is ``rmw_limit_queued`` with ``min_hold_seconds=lo
 acquisitions carry the hold (``mh``), and ``lockcheck.check_min_holds`` checks that a slot it released
 cleanly is not taken again before the hold ended. The several-keys tasks (``rmw_multi``: ``Retry``,
 ``rmw_multi_skip``: ``Skip``, ``rmw_multi_queued``: ``Queue()``, ``rmw_multi_replace``: ``Replace()``
-(``rmw_multi_replace_debounced``: ``Replace(debounce=...)``), on
+(``rmw_multi_replace_debounced``: ``Replace(debounce=...)``; ``rmw_multi_replace_capped``: with
+``max_wait``), on
 ``m`` keys of its own; ``keys=("{a}", "{b}")``) write each key's protected document with that key's lease
 and fence (``lockcheck.run_multi_hold``). The several-keys task with a limit per key
 (``rmw_multi_limit``: ``Retry``; ``keys=("{a}", "{b}")``, ``limit={"{a}": N}``) takes ``a`` (an ``l`` key)
@@ -721,6 +722,17 @@ def rmw_multi_replace_cancel(
 def rmw_multi_replace_debounced(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
     """The same, debounced per set of keys: every run waits ``MULTI_REPLACE_DEBOUNCE`` seconds (parked on
     both keys, no worker slot held) and runs only if no newer send of its set came meanwhile."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"), app=app, name=lockcheck.MULTI_REPLACE_CAPPED_TASK, bind=True, max_retries=200,
+    on_contention=Replace(
+        debounce=lockcheck.MULTI_REPLACE_DEBOUNCE, max_wait=lockcheck.MULTI_REPLACE_MAX_WAIT
+    ),
+)  # fmt: skip
+def rmw_multi_replace_capped(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same with a ceiling (``max_wait``): a set that keeps receiving sends still runs."""
     return _body(self, f"{a}+{b}", op, reckless)
 
 

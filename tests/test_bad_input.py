@@ -188,7 +188,6 @@ SPEC_CASES = [
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"p:{path}": 0}), ConfigurationError, "limit['p:{path}']", "an int from 1 to 1000, got 0", "limit-dict-bad-value"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"g:{group_id}": 3}, on_contention=Replace(cancel_running=True)), ConfigurationError, "Replace(cancel_running=True) with limit 3 for the key 'g:{group_id}'", "no one running holder", "keys-limit-with-cancel-running"),
     case(lambda: declare("g:{group_id}", limit=3, on_contention=Replace(cancel_running=True)), ConfigurationError, "Replace(cancel_running=True) with limit=3", "no one running holder", "limit-with-cancel-running"),
-    case(lambda: declare(keys=("g:{group_id}", "p:{path}"), on_contention=Replace(debounce=5, max_wait=60)), ConfigurationError, "max_wait=60", "not supported yet", "keys-with-max-wait"),
     case(lambda: app_task(mongolock_key="email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "app-task-template-missing-arg"),
     case(lambda: app_task(mongolock_on_contention="skipp"), ConfigurationError, "mongolock_on_contention", "got 'skipp'", "app-task-misspelt-policy"),
     case(lambda: app_task(mongolock_lease_second=60), ConfigurationError, "mongolock_lease_second", "did you mean mongolock_lease_seconds?", "app-task-misspelt-option"),

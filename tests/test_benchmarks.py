@@ -353,3 +353,18 @@ def test_handoff_backlog_measures_a_handoff_behind_the_backlog(tmp_path: Path) -
     assert [t["name"] for t in targets] == [
         "handoff idle with 100 messages queued ahead, redis (max of the rounds)"
     ]
+
+
+def test_debounce_benchmark_reports_its_three_measures(tmp_path: Path) -> None:
+    """A short run (the figures themselves, and their targets, are the committed full run's)."""
+    out = tmp_path / "debounce.json"
+    cmd = [sys.executable, str(BENCHMARKS / "debounce.py"), "--duration=3", "--burst=3", "--debounce=0.5"]
+    cmd += ["--max-wait=1", "--every=0.2", f"--out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    assert data["burst"]["sends"] == 3 and data["burst"]["bodies"] >= 1
+    assert len(data["burst"]["plain_task_start_after_send_s"]) == data["parameters"]["concurrency"]
+    for case in ("one_key", "set_of_keys"):
+        assert data[case]["sends"] >= 1 and data[case]["starts_by_the_end"] >= 1
+    assert len(data["summary"]) == 3

@@ -975,6 +975,17 @@ def test_a_claimed_slot_got_its_fence_when_handed_not_when_claimed() -> None:
     assert kinds(check(History([parked, events[1], a_acq], {}))) == {"fence-backwards"}
 
 
+def test_an_acquisition_by_an_admit_began_when_the_admit_was_sent() -> None:
+    # ci17: A's admit took slot 0 with fence 13 (sent 0.5, answered 0.6); a bare client took slot 2 with
+    # fence 14 (1.1 to 1.2); A's own record of its acquisition came later (1.5): not backwards.
+    admitted = {**_admit("A", "acquired", 13, LKEY), "t0": 0.5, "t": 0.6, "slot": 0}
+    a_acq = {**_slot_acq(HOLD_A, 13, 0, 1.5, 1.6), "task_id": "A"}
+    client = _slot_acq(HOLD_B, 14, 2, 1.1, 1.2)
+    assert check(History([admitted, client, a_acq], {})) == []
+    # Without the admit's record, fence 13 after fence 14's acquisition ended is backwards.
+    assert kinds(check(History([client, a_acq], {}))) == {"fence-backwards"}
+
+
 def _covered() -> dict[str, Any]:
     """The figures of a bounded run that exercised everything it claims (no libfaketime: no clock jump)."""
     faults = {kind: 1 for kind in lockcheck.ALL_FAULTS if kind != "clock-jump"}
@@ -1359,6 +1370,27 @@ def test_the_reservation_window_and_debounced_burst_claims() -> None:
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(report)] == [
         "the reservation window", "the debounced several-keys Replace burst",
     ]  # fmt: skip
+
+
+def test_the_capped_burst_claim_needs_a_body_while_its_sends_went_on() -> None:
+    """The directed ``max_wait`` burst of a set of keys sends until a body of it started: its claim fails
+    when the sends ran out first (the keys went round from run to run while they came)."""
+    report = _covered()
+    report["multi_replace"] = {"capped_directed": {"sends": 40, "ran_while_sending": True}}
+    assert lockcheck.unmet_coverage(report) == []
+    report["multi_replace"] = {"capped_directed": {"sends": 900, "ran_while_sending": False}}
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(report)] == [
+        "the capped several-keys Replace burst (max_wait) ran a body while its sends went on"
+    ]
+    capped = {"mongolock": "superseded", "key": M1, "keys": [M1, M2], "by": "B"}
+    h = _queued_history(
+        _run("B", 11, M1), _run("B", 11, M2), _rk_body("B", 11.0),
+        A={**_multi_replace("A", 1, (M1, M2), capped), "task": lockcheck.MULTI_REPLACE_CAPPED_TASK},
+        B={**_multi_replace("B", 3, (M2, M1)), "task": lockcheck.MULTI_REPLACE_CAPPED_TASK},
+    )  # fmt: skip
+    assert lockcheck.check_multi_replace(h) == []
+    figures = lockcheck.multi_replace_figures(h)
+    assert figures["capped_submitted"] == 2 and figures["capped_superseded"] == 1
 
 
 def test_the_window_key_names_its_first_key() -> None:

@@ -114,21 +114,53 @@ def test_a_run_handed_a_key_by_the_ceiling_that_leaves_passes_its_burst_on(store
     assert store.reserved_for_all(newer)
 
 
-def test_max_wait_with_keys_is_refused_for_now() -> None:
+def test_the_run_the_ceiling_chose_is_not_superseded_where_a_newer_send_came_first(store: LeaseStore) -> None:
+    """The leapfrog, as ``SeveralKeys`` admits (each run learns its burst on its first key, ``bu``, and
+    passes it with its admits of the others): the run handed the first key by its burst's ceiling is not
+    superseded on the second key by a newer send that reached it first (that send, parked behind it on
+    the first key, began a burst of its own: the ceiling sealed the older one). It takes the second key
+    back from the older run of its burst handed it there, and holds both; the newer send waits for its
+    own burst. Before, it was superseded there and the keys went round from run to run while sends
+    came (a set of keys with max_wait was refused at declaration)."""
+    first, older, newer = run(10, [X, Y]), run(20, [X, Y]), run(30, [X, Y])
+
+    def admit(key: str, r: dict[str, Any]) -> dict[str, Any]:
+        _, doc = store.admit(key, r, ttl=30, replace=True, group=r["g"], debounce=30, max_wait=2)
+        burst = Admission.of(None, doc).burst_of(r["id"])
+        if burst is not None:
+            r.setdefault("bu", burst)
+        return doc
+
+    for key in (X, Y):
+        assert admit(key, first)["lo"] == "parked"
+    ceiling = parked_entry(store, Y)["nb"]
+    wait_for(lambda: _server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
+    admit(X, older)  # past the ceiling: handed X at once
+    assert (store.collection.find_one({"_id": X}) or {})["ho"]["t"] == "r20"
+    admit(X, newer)  # parks behind the run handed X: a burst of its own
+    assert parked_entry(store, X)["t"] == "r30" and newer["bu"] > older["bu"] == first["bu"]
+    assert admit(Y, newer)["lo"] == "parked"  # not a burst it supersedes: the first send keeps its place
+    doc = admit(Y, older)
+    assert doc["lo"] != "superseded", doc.get("lo_by")
+    assert (store.collection.find_one({"_id": Y}) or {})["ho"]["t"] == "r20"
+    assert store.reserved_for_all(older)
+    assert [e["t"] for e in (store.collection.find_one({"_id": Y}) or {})["q"]] == ["r30"]
+    assert "r10" in {s["t"] for s in (store.collection.find_one({"_id": Y}) or {}).get("sup") or []}
+
+
+def test_max_wait_with_keys_is_accepted() -> None:
     from celery import Celery
 
     from celery_mongolock import singleton_task
 
-    with pytest.raises(
-        ConfigurationError, match=r"keys= with Replace\(debounce=1, max_wait=3\) is not supported yet"
-    ):
+    @singleton_task(
+        app=Celery("mw", set_as_current=False),
+        keys=("a:{x}", "b:{x}"),
+        on_contention=Replace(debounce=1, max_wait=3),
+    )
+    def pair(x: str) -> None: ...
 
-        @singleton_task(
-            app=Celery("mw", set_as_current=False),
-            keys=("a:{x}", "b:{x}"),
-            on_contention=Replace(debounce=1, max_wait=3),
-        )
-        def pair(x: str) -> None: ...
+    assert pair.mongolock_keys_for("7") == ["a:7", "b:7"]
 
 
 def test_max_wait_is_accepted_with_a_debounce_it_is_not_shorter_than() -> None:

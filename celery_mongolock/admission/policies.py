@@ -446,10 +446,4 @@ def check_keys(
     per_key = check_key_limits(limit, keys, policy)
     for spec, n in zip(keys, per_key or (), strict=False):
         check_cancel_running(policy, limit=n, spec=spec if isinstance(spec, str) else repr(spec))
-    if isinstance(policy, Replace) and policy.max_wait is not None:
-        raise ConfigurationError(
-            f"keys= with Replace(debounce={policy.debounce!r}, max_wait={policy.max_wait!r}) is not "
-            "supported yet: a set of keys that keeps receiving sends was not seen to run by max_wait with "
-            "real workers; use Replace(debounce=...) without max_wait with keys=, or max_wait with one key="
-        )
     return tuple(keys)

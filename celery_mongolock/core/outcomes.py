@@ -134,6 +134,9 @@ class Admission:
     superseded: tuple[Mapping[str, Any], ...] = ()
     #: ``Replace(debounce=...)``: per parked task id, seconds from its parking to its not-before time.
     not_before: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    #: ``Replace(debounce=..., max_wait=...)``: per run id (``entry["id"]``) parked or handed here, its
+    #: burst (ms: ``bu``, else when its burst began waiting, ``fw``; ``sets.burst_of``).
+    bursts: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, lease: Lease | None, doc: Mapping[str, Any] | None) -> Admission:
@@ -150,6 +153,7 @@ class Admission:
             parked=tuple(str(e.get("t")) for e in doc.get("q") or [] if isinstance(e, Mapping)),
             superseded=tuple(s for s in doc.get("sup") or [] if isinstance(s, Mapping)),
             not_before=_not_before(doc.get("q") or []),
+            bursts=_bursts([*(doc.get("q") or []), doc.get("ho")]),
         )
 
     def position(self, task_id: str | None) -> int:
@@ -159,6 +163,11 @@ class Admission:
     def due_in(self, task_id: str | None) -> float | None:
         """Seconds from the run's parking until it may start (``Replace(debounce=...)``), or None."""
         return self.not_before.get(str(task_id))
+
+    def burst_of(self, run_id: str) -> int | None:
+        """The burst of the run ``run_id`` (its entry's ``id``) on this key, None when it is not parked or
+        handed here or has none (``bursts``)."""
+        return self.bursts.get(run_id)
 
     def superseded_by(self, task_id: str | None) -> list[Mapping[str, Any]]:
         """The runs this admit's run superseded (their results are its to write)."""
@@ -175,6 +184,28 @@ def _not_before(q: Sequence[Any]) -> dict[str, float]:
         ):
             out[str(e.get("t"))] = max(0.0, (e["nb"] - e["at"]).total_seconds())
     return out
+
+
+def _bursts(entries: Sequence[Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in entries:
+        if not isinstance(e, Mapping):
+            continue
+        bu, fw = e.get("bu"), e.get("fw")
+        if isinstance(bu, int):
+            out[str(e.get("id"))] = bu
+        elif isinstance(fw, _dt.datetime):
+            out[str(e.get("id"))] = _ms(fw)
+    return out
+
+
+def _ms(value: _dt.datetime) -> int:
+    """A stored date (naive: UTC) as milliseconds since the epoch, as ``$toLong`` gives it."""
+    aware_value = value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
+    return (aware_value - _EPOCH) // _dt.timedelta(milliseconds=1)
+
+
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
 
 
 #: The fields of a lease document that ``run_ended`` reads.

@@ -113,10 +113,16 @@ class QueueUpkeep:
             pipeline = slot_reserve.slot_reserve_pipeline(lease.owner, full_entry, timeout_ms, by)
             if entry.get("g") is not None:  # Replace: never for a run a newer send of its set replaced
                 match.update(
-                    slot_sets.no_newer_send(str(entry["g"]), int(entry["s"]), task_id=str(entry["t"]))
+                    slot_sets.no_newer_send(
+                        str(entry["g"]), int(entry["s"]), task_id=str(entry["t"]), burst=_burst(entry)
+                    )
                 )
         elif entry.get("g") is not None:
-            match.update(sets.no_newer_send(str(entry["g"]), int(entry["s"]), task_id=str(entry["t"])))
+            match.update(
+                sets.no_newer_send(
+                    str(entry["g"]), int(entry["s"]), task_id=str(entry["t"]), burst=_burst(entry)
+                )
+            )
         connection = self.store.connection
         doc: Document | None = None
         for attempt in range(3):
@@ -480,3 +486,10 @@ class QueueUpkeep:
                 {"_id": normalize_key(key)},
                 [{"$set": {field: keep, **remember}}, admission_docs.gc_stage()],
             )
+
+
+def _burst(entry: Mapping[str, Any]) -> Document | None:
+    """The burst a run of a set learned on its first key (``Replace(debounce=..., max_wait=...)``: ``bu``,
+    ``sets.in_burst``): only newer sends of that burst keep it from reserving a key. None for others."""
+    bu = entry.get("bu")
+    return {"$literal": bu} if isinstance(bu, int) else None

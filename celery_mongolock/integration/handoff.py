@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery import signals as celery_signals
+from kombu.exceptions import EncodeError, OperationalError
 from kombu.serialization import dumps
 
 from celery_mongolock.exceptions import UntrustedMessage
@@ -107,11 +108,44 @@ def patient_producer(app: Celery) -> Iterator[Any]:
 
 def publish_patiently(app: Celery, signature: Any, **options: Any) -> Any:
     """``signature.apply_async`` retried for about a minute while the broker is away, the connection
-    included (``patient_producer``)."""
-    with patient_producer(app) as producer:
-        return signature.apply_async(
-            producer=producer, retry=True, retry_policy=REPUBLISH_RETRY_POLICY, **options
+    included (``patient_producer``). A publish on the pool's connection that fails outside kombu's own
+    retry (a broker restart can leave a pooled channel without its connection, and kombu's Redis transport
+    then raises ``AttributeError``: seen in the lock-set checker, a contention retry lost with it) is made
+    once more on a connection of its own, opened as patiently."""
+    try:
+        with patient_producer(app) as producer:
+            return signature.apply_async(
+                producer=producer, retry=True, retry_policy=REPUBLISH_RETRY_POLICY, **options
+            )
+    except _NO_SECOND_TRY:
+        raise
+    except Exception as exc:
+        log.warning("publishing %s failed on a pooled connection (%r); again on a new one", signature, exc)
+    p = REPUBLISH_RETRY_POLICY
+    with app.connection_for_write() as connection:
+        connection.ensure_connection(
+            max_retries=int(p["max_retries"]),
+            interval_start=p["interval_start"],
+            interval_step=p["interval_step"],
+            interval_max=p["interval_max"],
         )
+        return signature.apply_async(
+            producer=app.amqp.Producer(connection),
+            retry=True,
+            retry_policy=REPUBLISH_RETRY_POLICY,
+            **options,
+        )
+
+
+#: A publish not made again on a new connection: the broker did not answer for a minute already
+#: (``OperationalError``), or the message itself is at fault (another connection fails the same).
+_NO_SECOND_TRY: tuple[type[BaseException], ...] = (
+    OperationalError,
+    EncodeError,
+    UntrustedMessage,
+    TypeError,
+    ValueError,
+)
 
 
 # -- send stamps -----------------------------------------------------------------------------------------

@@ -411,6 +411,12 @@ class SeveralKeys:
         due_in = admission.due_in(self.request.id)
         if due_in is not None:
             self.due_in = max(due_in, self.due_in or 0.0)
+        if isinstance(policy, Replace) and policy.max_wait and "bu" not in self.entry:
+            # Its burst, learned on the first key that answers it, goes with its admits of the others
+            # (``sets.in_burst``): a burst its ceiling sealed is not superseded on a key by a newer send.
+            burst = admission.burst_of(str(self.entry["id"]))
+            if burst is not None:
+                self.entry["bu"] = burst
         mine = admission.superseded_by(self.request.id)
         if mine:  # older runs of its set it superseded here: their results are written once it is parked
             self.superseded[key] = (admission, list(mine))

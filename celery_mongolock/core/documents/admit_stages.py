@@ -72,6 +72,16 @@ class AdmitRun:
         return rank_of_entry(self.entry)
 
     @property
+    def burst(self) -> Document | None:
+        """``Replace(debounce=..., max_wait=...)`` with ``keys=``: the run's burst on this key, an
+        expression (``sets.run_burst``: its own entry's, else the one it learned on the first key of its
+        set, ``bu`` in its entry), None for other runs."""
+        if not (self.by_set and self.max_wait_ms):
+            return None
+        bu = self.entry.get("bu")
+        return sets.run_burst(self.ident, bu if isinstance(bu, int) else None)
+
+    @property
     def by_set(self) -> bool:
         """``Replace`` with ``keys=``: supersession among the runs of one set of keys (``group``)."""
         return self.replace and self.group is not None

@@ -163,14 +163,15 @@ def live_entries(q: object) -> Document:
     return {"$filter": {"input": q, "as": "e", "cond": {"$not": [_entry_expired("$$e")]}}}
 
 
-def burst_since(older: object) -> Document:
+def burst_since(older: object, burst: object = None) -> Document:
     """When the burst of sends began waiting that a run superseding the parked entries ``older`` (an array
     expression) continues: the earliest of their ``fw`` (first wait; ``at`` for an entry without one)
-    and now."""
+    and now (``burst``, an expression, ms, instead of now when not null: the burst the run knows)."""
     # (Compared as milliseconds: the embedded server compares dates in ``$reduce`` wrongly.)
     began = {"$map": {"input": older, "as": "e", "in": {"$toLong": {"$ifNull": ["$$e.fw", "$$e.at"]}}}}
     earlier = {"$cond": [{"$lt": ["$$this", "$$value"]}, "$$this", "$$value"]}
-    return {"$toDate": {"$reduce": {"input": began, "initialValue": _NOW_MS, "in": earlier}}}
+    initial: object = _NOW_MS if burst is None else {"$ifNull": [burst, _NOW_MS]}
+    return {"$toDate": {"$reduce": {"input": began, "initialValue": initial, "in": earlier}}}
 
 
 def past_ceiling(e: object, max_wait_ms: int) -> Document:

@@ -346,7 +346,9 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
         due_now=due_now,
         handed_here={"$eq": ["$ho.id", lit]},
         running=running,
-        superseded_in_set=sets.superseded_cases(run.group, run.stamp, task_id=str(run.entry["t"]))
+        superseded_in_set=sets.superseded_cases(
+            run.group, run.stamp, task_id=str(run.entry["t"]), burst=run.burst
+        )
         if run.by_set and run.group is not None
         else [],
         handed={"$cond": [_HAS_HO, ["$ho"], []]},
@@ -367,17 +369,25 @@ def _park(run: AdmitRun) -> tuple[list[Document], object, object]:
     group, stamp, ident = run.group, run.stamp, run.ident
     # Parked: an older run of its set loses the key's reservation or handoff made to it (unless
     # max_wait: it was handed the key by its burst's ceiling, and runs; this run waits behind it).
-    older_ho = sets.older_handoff(group, stamp, ident)
+    older_ho = sets.older_handoff(group, stamp, ident, run.burst)
     if run.max_wait_ms:
-        older_ho = {"$and": [older_ho, {"$not": [past_ceiling("$ho", run.max_wait_ms)]}]}
+        # (A run that knows its burst takes back the handoff of an older run of that burst, ceiling or
+        # not: that run was superseded where the burst began. One that does not, on the first key of its
+        # set, leaves a run handed it by the ceiling alone, and begins a burst of its own: the seal.)
+        knows = {"$ne": [run.burst, None]} if run.burst is not None else False
+        sealed = {"$and": [{"$not": [knows]}, past_ceiling("$ho", run.max_wait_ms)]}
+        older_ho = {"$and": [older_ho, {"$not": [sealed]}]}
     take_back = {"$and": ["$__park", older_ho]}
     # (A burst goes on through the older runs it supersedes: parked, or the handoff taken back.)
     taken_back = {"$cond": [older_ho, ["$ho"], []]}
-    older = {"$concatArrays": [sets.entries_of(group), taken_back]}
-    since = burst_since(older) if run.max_wait_ms else None
+    older = {"$concatArrays": [sets.entries_of(group, run.burst), taken_back]}
+    # (A run that knows its burst keeps it on every key: the same ceiling everywhere.)
+    since = burst_since(older, run.burst) if run.max_wait_ms else None
     e = entry_expr(run.entry, run.timeout_ms, run.debounce_ms, max_wait_ms=run.max_wait_ms, since=since)
     ahead = entry_ahead("$$e", stamp, ident, run.rank)
-    parked_q, superseded = sets.park_queue(e, group, ahead, by=str(run.entry["t"]), take_back="$__tb")
+    parked_q, superseded = sets.park_queue(
+        e, group, ahead, by=str(run.entry["t"]), take_back="$__tb", burst=run.burst
+    )
     return [{"$set": {"__tb": take_back}}], parked_q, superseded
 
 
@@ -415,7 +425,7 @@ def _take_or_park_fields(
     if run.by_set and run.group is not None:
         taken_back = {"$and": ["$__tb", {"$eq": ["$owner", "$ho.tk"]}]}
         fields["owner"] = {"$cond": [taken_back, None, fields["owner"]]}
-        newer = sets.newer_by(run.group, run.stamp, task_id=str(run.entry["t"]))
+        newer = sets.newer_by(run.group, run.stamp, task_id=str(run.entry["t"]), burst=run.burst)
         fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer, None]}
         fields["lg"] = sets.lg_update(run.group, run.stamp, str(run.entry["t"]), "$__free")
         if cancel:

@@ -40,9 +40,11 @@ from typing import Any
 
 __all__ = [
     "LG_KEPT",
+    "burst_of",
     "carry_burst",
     "entries_of",
     "holder_older_of_set",
+    "in_burst",
     "lg_update",
     "message_fields",
     "newer_by",
@@ -52,6 +54,7 @@ __all__ = [
     "other_run",
     "park_queue",
     "queue_left_by",
+    "run_burst",
     "set_signature",
     "sup_record",
     "superseded_cases",
@@ -101,34 +104,61 @@ def _before(e: object, stamp: int, ident: str) -> Document:
     }
 
 
+def burst_of(e: object) -> Document:
+    """The burst of entry ``e`` (``Replace(debounce=..., max_wait=...)``): the first wait its run learned
+    on the first key of its set (``bu``, ms), else when its burst began waiting on this key (``fw``)."""
+    fw = {"$toLong": {"$ifNull": [_field("fw", e), None]}}
+    return {"$ifNull": [_field("bu", e), fw]}
+
+
+def in_burst(e: object, burst: object) -> Document | bool:
+    """Entry ``e`` belongs to the burst ``burst`` (an expression, ms; always when it is None, or
+    evaluates to null). A burst cut short by its ceiling (its run handed a key by ``max_wait``) is sealed:
+    newer sends begin a burst of their own, and on every key only runs of one burst supersede each
+    other, so the run the ceiling chose is not superseded on a key it reaches after a newer send."""
+    if burst is None:
+        return True
+    return {"$or": [{"$eq": [burst, None]}, {"$eq": [burst_of(e), burst]}]}
+
+
+def run_burst(ident: str, known: int | None) -> Document:
+    """The burst of the run ``ident`` on this key (``Replace(debounce=..., max_wait=...)`` with
+    ``keys=``): its own entry's here (parked, or handed the key), else ``known``, the one it learned on
+    the first key of its set (``bu``; ``several_keys``), else null (it has none yet: its first park)."""
+    lit = {"$literal": ident}
+    own_q = {"$arrayElemAt": [{"$filter": {"input": _Q, "as": "e", "cond": {"$eq": ["$$e.id", lit]}}}, 0]}
+    own_ho = {"$cond": [{"$eq": [{"$ifNull": ["$ho.id", None]}, lit]}, "$ho", None]}
+    fallback = None if known is None else {"$literal": int(known)}
+    return {"$ifNull": [burst_of(own_q), {"$ifNull": [burst_of(own_ho), fallback]}]}
+
+
 def _has_ho() -> Document:
     return {"$ne": [{"$ifNull": ["$ho", None]}, None]}
 
 
-def _newer_sends(group: str, stamp: int, task_id: str, handed: object = None) -> Document:
+def _newer_sends(
+    group: str, stamp: int, task_id: str, handed: object = None, burst: object = None
+) -> Document:
     """``[{s, t}, ...]``: the sends of ``group`` newer than ``stamp`` the key knows (``lg``, ``q``,
     ``ho``), other than the run ``task_id`` itself. ``handed``: an array expression of the entries the key
     is handed or reserved to and not yet claimed, for a key with a limit (``slot_sets``); None: the key's
-    one ``ho``."""
+    one ``ho``. ``burst``: of the parked and handed runs, only those of that burst (``in_burst``); a
+    newer send that got the key (``lg``) counts whatever its burst."""
     of_set = {"$and": [_same_set("$$e", group), _newer("$$e", stamp), other_run("$$e", task_id)]}
+    of_burst = {"$and": [of_set, in_burst("$$e", burst)]}
 
-    def pick(source: object) -> Document:
+    def pick(source: object, cond: object = of_burst) -> Document:
         return {
             "$map": {
-                "input": {"$filter": {"input": source, "as": "e", "cond": of_set}},
+                "input": {"$filter": {"input": source, "as": "e", "cond": cond}},
                 "as": "e",
                 "in": {"s": "$$e.s", "t": "$$e.t"},
             }
         }
 
-    ho = {
-        "$cond": [
-            {"$and": [_has_ho(), _same_set("$ho", group), _newer("$ho", stamp), other_run("$ho", task_id)]},
-            [{"s": "$ho.s", "t": "$ho.t"}],
-            [],
-        ]
-    }
-    return {"$concatArrays": [pick(_LG), pick(_Q), ho if handed is None else pick(handed)]}
+    newer_ho = [_has_ho(), _same_set("$ho", group), _newer("$ho", stamp), other_run("$ho", task_id)]
+    ho = {"$cond": [{"$and": [*newer_ho, in_burst("$ho", burst)]}, [{"s": "$ho.s", "t": "$ho.t"}], []]}
+    return {"$concatArrays": [pick(_LG, of_set), pick(_Q), ho if handed is None else pick(handed)]}
 
 
 def newest_of(sends: object) -> Document:
@@ -143,26 +173,30 @@ def newest_of(sends: object) -> Document:
     return _field("t", newest)
 
 
-def superseded_cases(group: str, stamp: int, *, task_id: str, handed: object = None) -> list[Document]:
-    """The ``$switch`` branch of the admit: a newer send of this run's set is known here (``handed``:
-    as ``_newer_sends`` takes it)."""
-    newer = _newer_sends(group, stamp, task_id, handed)
+def superseded_cases(
+    group: str, stamp: int, *, task_id: str, handed: object = None, burst: object = None
+) -> list[Document]:
+    """The ``$switch`` branch of the admit: a newer send of this run's set is known here (``handed``,
+    ``burst``: as ``_newer_sends`` takes them)."""
+    newer = _newer_sends(group, stamp, task_id, handed, burst)
     return [{"case": {"$gt": [{"$size": newer}, 0]}, "then": "superseded"}]
 
 
-def no_newer_send(group: str, stamp: int, *, task_id: str) -> Document:
+def no_newer_send(group: str, stamp: int, *, task_id: str, burst: object = None) -> Document:
     """A query filter: the key knows no send of ``group`` newer than ``stamp``. A run's reservation of a
     key it took (``LeaseStore.reserve``) is made only then: a newer send of its set that parked on the key
     while the run held it found nothing to take back (a held lease is not a reservation), so a
     reservation made after it would be handed again to the superseded run at each expiry, never to the
     newer send."""
-    return {"$expr": {"$eq": [{"$size": _newer_sends(group, stamp, task_id)}, 0]}}
+    return {"$expr": {"$eq": [{"$size": _newer_sends(group, stamp, task_id, burst=burst)}, 0]}}
 
 
-def newer_by(group: str, stamp: int, *, task_id: str, handed: object = None) -> Document:
+def newer_by(
+    group: str, stamp: int, *, task_id: str, handed: object = None, burst: object = None
+) -> Document:
     """The task id of the newest send of ``group`` newer than ``stamp`` (for ``lo_by``): never
     ``task_id``'s own."""
-    return newest_of(_newer_sends(group, stamp, task_id, handed))
+    return newest_of(_newer_sends(group, stamp, task_id, handed, burst))
 
 
 def holder_older_of_set(group: str, stamp: int, *, task_id: str) -> Document:
@@ -178,10 +212,12 @@ def holder_older_of_set(group: str, stamp: int, *, task_id: str) -> Document:
     }
 
 
-def older_handoff(group: str, stamp: int, ident: str) -> Document:
-    """The key is reserved or handed (not yet claimed) to an older run of ``group``: taken back when
-    this run parks."""
-    return {"$and": [_has_ho(), _same_set("$ho", group), _before("$ho", stamp, ident)]}
+def older_handoff(group: str, stamp: int, ident: str, burst: object = None) -> Document:
+    """The key is reserved or handed (not yet claimed) to an older run of ``group`` (of ``burst``, when
+    given): taken back when this run parks."""
+    return {
+        "$and": [_has_ho(), _same_set("$ho", group), _before("$ho", stamp, ident), in_burst("$ho", burst)]
+    }
 
 
 def sup_appended(when: object, records: object) -> Document:
@@ -221,19 +257,30 @@ def _sup_record(e: str, by: str) -> Document:
     }
 
 
-def entries_of(group: str) -> Document:
-    """The entries of ``group`` parked on the key (the older runs of its set a newer send supersedes)."""
-    return {"$filter": {"input": _Q, "as": "e", "cond": _same_set("$$e", group)}}
+def _of_set(e: str, group: str, burst: object) -> Document:
+    return {"$and": [_same_set(e, group), in_burst(e, burst)]}
+
+
+def entries_of(group: str, burst: object = None) -> Document:
+    """The entries of ``group`` (of ``burst``, when given) parked on the key: the older runs of its set a
+    newer send supersedes."""
+    return {"$filter": {"input": _Q, "as": "e", "cond": _of_set("$$e", group, burst)}}
 
 
 def park_queue(
-    entry_expr: Document, group: str, ahead: Document, *, by: str, take_back: object
+    entry_expr: Document,
+    group: str,
+    ahead: Document,
+    *,
+    by: str,
+    take_back: object,
+    burst: object = None,
 ) -> tuple[Document, Document]:
     """``(q, superseded)`` when a run of ``group`` parks: the queue with its entry in its place (``ahead``:
     entry ``$$e`` is ahead of it, ``entries.entry_ahead``) and without the older runs of its set; and
     those runs (plus the run whose reservation or handoff ``take_back`` says is taken back), in the shape
     of ``sup``."""
-    others = {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_same_set("$$e", group)]}}}
+    others = {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_of_set("$$e", group, burst)]}}}
     in_order = {
         "$concatArrays": [
             {"$filter": {"input": others, "as": "e", "cond": ahead}},
@@ -241,7 +288,7 @@ def park_queue(
             {"$filter": {"input": others, "as": "e", "cond": {"$not": [ahead]}}},
         ]
     }
-    older = entries_of(group)
+    older = entries_of(group, burst)
     superseded = {
         "$concatArrays": [
             {"$map": {"input": older, "as": "p", "in": _sup_record("$$p", by)}},

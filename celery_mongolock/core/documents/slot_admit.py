@@ -79,7 +79,7 @@ def slot_admit_pipeline(
         # The newest send of its set the key knows (parked, taking, claiming or due a slot): the older
         # runs of its set leave the key, their reserved or handed slots freed (``slot_sets``).
         newest = {"$in": ["$__o", ["parked", "acquired", "claimed", "due"]]}
-        take_back = [slot_sets.take_back_stage(entry, run.group, newest)]
+        take_back = [slot_sets.take_back_stage(entry, run.group, newest, run.burst)]
     taken = _Taken(token, int(ttl_ms), holder, waited_ms, min_hold_ms, int(limit))
     shape = _n_slots(run, token, int(limit))
     return [
@@ -129,7 +129,9 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
     handed_ids = {"$map": {"input": _HANDED, "as": "e", "in": "$$e.ho.id"}}
     in_set: list[Document] = []
     if run.by_set and run.group is not None:
-        in_set = slot_sets.superseded_cases(run.group, run.stamp, task_id=str(run.entry["t"]))
+        in_set = slot_sets.superseded_cases(
+            run.group, run.stamp, task_id=str(run.entry["t"]), burst=run.burst
+        )
     return Shape(
         ours={"$in": [{"$literal": token}, {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}]},
         ours_outcome="mine",
@@ -245,7 +247,7 @@ def _take_or_park_fields(run: AdmitRun, shape: Shape, taken: _Taken) -> Document
     }
     took = {"$in": ["$__o", TOOK]}
     if run.by_set and run.group is not None:
-        newer = slot_sets.newer_by(run.group, run.stamp, task_id=str(run.entry["t"]))
+        newer = slot_sets.newer_by(run.group, run.stamp, task_id=str(run.entry["t"]), burst=run.burst)
         fields["lo_by"] = {"$cond": [{"$eq": ["$__o", "superseded"]}, newer, None]}
         fields["lg"] = sets.lg_update(run.group, run.stamp, str(run.entry["t"]), took)
     elif run.replace:

@@ -59,29 +59,29 @@ HANDED_ENTRIES: Document = {
 }
 
 
-def superseded_cases(group: str, stamp: int, *, task_id: str) -> list[Document]:
-    """The admit's ``$switch`` branch: a newer send of this run's set (not the run ``task_id`` itself)
-    is known on the key."""
-    return sets.superseded_cases(group, stamp, task_id=task_id, handed=HANDED_ENTRIES)
+def superseded_cases(group: str, stamp: int, *, task_id: str, burst: object = None) -> list[Document]:
+    """The admit's ``$switch`` branch: a newer send of this run's set (not the run ``task_id`` itself;
+    of ``burst``, when given: ``sets.in_burst``) is known on the key."""
+    return sets.superseded_cases(group, stamp, task_id=task_id, handed=HANDED_ENTRIES, burst=burst)
 
 
-def newer_by(group: str, stamp: int, *, task_id: str) -> Document:
+def newer_by(group: str, stamp: int, *, task_id: str, burst: object = None) -> Document:
     """The task id of the newest send of ``group`` newer than ``stamp`` known on the key (``lo_by``)."""
-    return sets.newer_by(group, stamp, task_id=task_id, handed=HANDED_ENTRIES)
+    return sets.newer_by(group, stamp, task_id=task_id, handed=HANDED_ENTRIES, burst=burst)
 
 
-def no_newer_send(group: str, stamp: int, *, task_id: str) -> Document:
+def no_newer_send(group: str, stamp: int, *, task_id: str, burst: object = None) -> Document:
     """A query filter: the key knows no send of ``group`` newer than ``stamp`` (rule 3: a slot is
     reserved for a run of ``group`` only then)."""
-    return {"$expr": {"$not": superseded_cases(group, stamp, task_id=task_id)[0]["case"]}}
+    return {"$expr": {"$not": superseded_cases(group, stamp, task_id=task_id, burst=burst)[0]["case"]}}
 
 
-def _older_of_set(group: str, stamp: int, ident: str) -> Document:
-    """Hold ``$$h`` is handed or reserved to a run of ``group`` sent before this run."""
+def _older_of_set(group: str, stamp: int, ident: str, burst: object = None) -> Document:
+    """Hold ``$$h`` is handed or reserved to a run of ``group`` (of ``burst``) sent before this run."""
     ho = "$$h.ho"
     before = adm.entry_before(ho, stamp, ident)
     same = {"$eq": [{"$ifNull": [adm.field_of("g", ho), None]}, {"$literal": group}]}
-    return {"$and": [_handed("$$h"), same, before]}
+    return {"$and": [_handed("$$h"), same, before, sets.in_burst(ho, burst)]}
 
 
 def parked_queue(entry: Mapping[str, Any], timeout_ms: int | None, group: str) -> Document:
@@ -94,18 +94,19 @@ def parked_queue(entry: Mapping[str, Any], timeout_ms: int | None, group: str) -
     return q
 
 
-def take_back_stage(entry: Mapping[str, Any], group: str, when: object) -> Document:
+def take_back_stage(entry: Mapping[str, Any], group: str, when: object, burst: object = None) -> Document:
     """When ``when`` (the run parks, takes, claims or is due a slot: it is the newest send of its set the
     key knows), the older runs of ``group`` leave the key for ``sup``: their parked entries, and the slots
     handed or reserved to them and not yet claimed (freed: the command's last stages hand them on). A run
     of ``group`` that holds a slot (claimed or acquired) keeps it: only a run that has not started is
     superseded."""
     ident, stamp, by = str(entry["id"]), int(entry["s"]), str(entry["t"])
-    older_hold = _older_of_set(group, stamp, ident)
+    older_hold = _older_of_set(group, stamp, ident, burst)
     older_parked = {
         "$and": [
             {"$eq": [{"$ifNull": [adm.field_of("g", "$$p"), None]}, {"$literal": group}]},
             adm.entry_before("$$p", stamp, ident),
+            sets.in_burst("$$p", burst),
         ]
     }
     records = {
