@@ -13,6 +13,7 @@ runs the body with the ``LeaseSet`` it returns.
 from __future__ import annotations
 
 import datetime as _dt
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -90,7 +91,9 @@ class SeveralKeys:
         #: ``Replace(debounce=...)``: this message is a parked run's delayed copy (set by ``admit_all``), and
         #: the longest wait until its entry is due on a key it parked on (``max_wait`` may shorten it).
         self.debounced_copy = False
-        self.due_in: float | None = None
+        #: When (``time.monotonic()``) its entry is due on the last key where it is due latest: the delayed
+        #: copy comes back then, not a whole wait after the last admit (a set's admits take time).
+        self.due_at: float | None = None
 
     def take(self) -> LeaseSet | Outcome:
         request = self.request
@@ -410,7 +413,8 @@ class SeveralKeys:
         )
         due_in = admission.due_in(self.request.id)
         if due_in is not None:
-            self.due_in = max(due_in, self.due_in or 0.0)
+            due_at = time.monotonic() + due_in
+            self.due_at = max(due_at, self.due_at or due_at)
         if isinstance(policy, Replace) and policy.max_wait and "bu" not in self.entry:
             # Its burst, learned on the first key that answers it, goes with its admits of the others
             # (``sets.in_burst``): a burst its ceiling sealed is not superseded on a key by a newer send.
@@ -574,7 +578,9 @@ class SeveralKeys:
         if debounce and not (self.debounced_copy or _queue.handoff_of_keys(self.request, keys, entry["id"])):
             # Come back when the debounce has passed: the copy takes the keys unless a newer send of the set
             # came.
-            wait = debounce if self.due_in is None else min(self.due_in, debounce)
+            wait = debounce
+            if self.due_at is not None:
+                wait = min(max(0.0, self.due_at - time.monotonic()), debounce)
             publish_debounced_copy(task, stamp, wait)
         signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=stamp)
         log_acquire.info(
