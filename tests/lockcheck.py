@@ -2008,7 +2008,12 @@ def _rate_order(history: History, takes: list[Doc]) -> list[Violation]:
     rates, starts, lines = _rate_of(takes), rate_starts(takes), _rate_timelines(takes, leaves)
     ambiguous = _rate_ambiguous(history, takes)
     known = {str(t.get("start_id")) for t in takes if t.get("started")}
-    stamps = {str(t["run"]): (int(t.get("stamp") or 0), str(t["run"])) for t in takes if t.get("run")}
+    # (The window serves its runs in the key's order: priority, then send; ``rank`` as the take recorded it.)
+    stamps = {
+        str(t["run"]): (int(t.get("rank") or 0), int(t.get("stamp") or 0), str(t["run"]))
+        for t in takes
+        if t.get("run")
+    }
     for take in takes:
         for key, at in rate_grants(take).items():
             n, period = rates[key]

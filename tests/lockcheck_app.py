@@ -303,7 +303,9 @@ def _window_of(cls: type[RateWindow], key: str, doc: Any) -> RateWindow:
     return window
 
 
-def _take(self: RateWindows, keys: Any, *, run: str, stamp: int, n: int, period_ms: int, park: bool) -> Any:
+def _take(
+    self: RateWindows, keys: Any, *, run: str, stamp: int, n: int, period_ms: int, park: bool, rank: int = 0
+) -> Any:
     """``RateWindows.take``, recording its answer and the windows its commands' replies showed
     (``rtake``): a start granted at a time of the server's clock, or a run parked with its place."""
     from celery import current_task
@@ -316,11 +318,12 @@ def _take(self: RateWindows, keys: Any, *, run: str, stamp: int, n: int, period_
         "task_id": run.split("/", maxsplit=1)[0],
         "run": run,
         "stamp": stamp,
+        "rank": rank,
         "keys": list(keys),
     }
     t0 = time.monotonic()
     try:
-        took = _library_take(self, keys, run=run, stamp=stamp, n=n, period_ms=period_ms, park=park)
+        took = _library_take(self, keys, run=run, stamp=stamp, n=n, period_ms=period_ms, park=park, rank=rank)
     except Exception as exc:
         hist = _history()
         if hist is not None:

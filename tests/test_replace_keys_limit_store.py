@@ -224,3 +224,26 @@ def test_the_group_key_held_by_the_older_run_is_not_reserved_for_it_after_a_newe
     for h in holders:
         assert h is not None
         h.release()
+
+
+def test_runs_of_another_burst_keep_their_place_on_the_slotted_key(store: LeaseStore) -> None:
+    """``Replace(debounce=..., max_wait=...)``: runs of one set that know different bursts (the older one
+    sealed by its ceiling on another key, ``sets.in_burst``) do not supersede each other on the slotted
+    key, and neither is dropped from its queue (review: the newer one's park removed the older one's entry,
+    with no record)."""
+    holders = [store.acquire(T, 30, limit=N) for _ in range(N)]
+    assert all(holders)
+    sealed, newer = {**run(10), "bu": 1_000}, {**run(20), "bu": 2_000}
+
+    def park(e: dict[str, Any]) -> dict[str, Any]:
+        _, doc = store.admit(
+            T, e, ttl=30, replace=True, group=e["g"], limit=N, debounce=30, max_wait=60,
+            info={"task_id": e["t"], "delivery": e["r"], "keys": e["ks"]},
+        )  # fmt: skip
+        return doc
+
+    assert park(sealed)["lo"] == "parked"
+    assert park(newer)["lo"] == "parked"
+    assert parked(store, T) == ["r10", "r20"] and superseded(store, T) == []
+    assert park({**run(30), "bu": 2_000})["lo"] == "parked"  # of the newer one's burst: supersedes it
+    assert parked(store, T) == ["r10", "r30"] and superseded(store, T) == [("r20", "r30")]

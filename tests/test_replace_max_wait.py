@@ -148,6 +148,37 @@ def test_the_run_the_ceiling_chose_is_not_superseded_where_a_newer_send_came_fir
     assert "r10" in {s["t"] for s in (store.collection.find_one({"_id": Y}) or {}).get("sup") or []}
 
 
+def test_a_reservation_made_by_the_ceiling_is_sealed_too(store: LeaseStore) -> None:
+    """The run the ceiling chose took the first key and, waiting for the second, turned it into a
+    reservation: a reservation carries its run's burst (``bu``) but no first wait (``fw``). A newer send
+    that does not know its burst (its first key) must leave that reservation alone and begin a burst of its
+    own, as it does a handoff made by the ceiling (review: it took the reservation back, and the burst
+    went on)."""
+    first, older, newer = run(10, [X, Y]), run(20, [X, Y]), run(30, [X, Y])
+
+    def admit(key: str, r: dict[str, Any], **kw: Any) -> tuple[Any, dict[str, Any]]:
+        lease, doc = store.admit(key, r, ttl=30, replace=True, group=r["g"], debounce=30, max_wait=2, **kw)
+        burst = Admission.of(lease, doc).burst_of(r["id"])
+        if burst is not None:
+            r.setdefault("bu", burst)
+        return lease, doc
+
+    for key in (X, Y):
+        assert admit(key, first)[1]["lo"] == "parked"
+    ceiling = parked_entry(store, Y)["nb"]
+    wait_for(lambda: _server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
+    admit(X, older)  # past the ceiling: handed X at once ...
+    handoff = (store.collection.find_one({"_id": X}) or {})["ho"]
+    lease, _ = admit(X, older, claim=handoff["tk"])  # ... which it claims, then keeps as a reservation
+    assert lease is not None and store.reserve(lease, older)
+    reserved = (store.collection.find_one({"_id": X}) or {})["ho"]
+    assert reserved["t"] == "r20" and "fw" not in reserved and reserved["bu"] == older["bu"]
+    _, doc = admit(X, newer)
+    assert doc["lo"] == "parked"
+    assert (store.collection.find_one({"_id": X}) or {})["ho"]["t"] == "r20"  # not taken back
+    assert newer["bu"] > older["bu"]  # a burst of its own
+
+
 def test_max_wait_with_keys_is_accepted() -> None:
     from celery import Celery
 

@@ -85,11 +85,20 @@ class RateWindows:
         return collection
 
     def take(
-        self, keys: Sequence[str], *, run: str, stamp: int, n: int, period_ms: int, park: bool
+        self,
+        keys: Sequence[str],
+        *,
+        run: str,
+        stamp: int,
+        n: int,
+        period_ms: int,
+        park: bool,
+        rank: int = 0,
     ) -> RateTake:
         """One start for ``run`` in the window of every key in ``keys`` (in that order), or none: a key
         whose window is full (or has runs parked before this one) stops it, and the starts taken on the
-        keys before it are given back. With ``park``, the run is recorded as waiting on that key."""
+        keys before it are given back. With ``park``, the run is recorded as waiting on that key, in the
+        order of ``rank`` (its message priority as the key's queue orders it), then of its send."""
         start_id = uuid.uuid4().hex
         stale_ms = period_ms + STALE_AFTER_TURN_MS
         taken: list[str] = []
@@ -102,6 +111,7 @@ class RateWindows:
                 period_ms=period_ms,
                 park=park,
                 stale_ms=stale_ms,
+                rank=rank,
             )
             window = self._take_one(key, update)
             if window.granted(start_id):

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery import signals as celery_signals
-from kombu.exceptions import EncodeError, OperationalError
 from kombu.serialization import dumps
 
 from celery_mongolock.exceptions import UntrustedMessage
@@ -110,16 +109,15 @@ def publish_patiently(app: Celery, signature: Any, **options: Any) -> Any:
     """``signature.apply_async`` retried for about a minute while the broker is away, the connection
     included (``patient_producer``). A publish on the pool's connection that fails outside kombu's own
     retry (a broker restart can leave a pooled channel without its connection, and kombu's Redis transport
-    then raises ``AttributeError``: seen in the lock-set checker, a contention retry lost with it) is made
-    once more on a connection of its own, opened as patiently."""
+    then raises ``AttributeError`` before the message is put: seen in the lock-set checker, a contention
+    retry lost with it) is made once more on a connection of its own, opened as patiently. Only that error:
+    another one may come after the broker took the message, and the message must not be sent twice."""
     try:
         with patient_producer(app) as producer:
             return signature.apply_async(
                 producer=producer, retry=True, retry_policy=REPUBLISH_RETRY_POLICY, **options
             )
-    except _NO_SECOND_TRY:
-        raise
-    except Exception as exc:
+    except AttributeError as exc:  # (raised before the message is put: published once, not twice)
         log.warning("publishing %s failed on a pooled connection (%r); again on a new one", signature, exc)
     p = REPUBLISH_RETRY_POLICY
     with app.connection_for_write() as connection:
@@ -135,17 +133,6 @@ def publish_patiently(app: Celery, signature: Any, **options: Any) -> Any:
             retry_policy=REPUBLISH_RETRY_POLICY,
             **options,
         )
-
-
-#: A publish not made again on a new connection: the broker did not answer for a minute already
-#: (``OperationalError``), or the message itself is at fault (another connection fails the same).
-_NO_SECOND_TRY: tuple[type[BaseException], ...] = (
-    OperationalError,
-    EncodeError,
-    UntrustedMessage,
-    TypeError,
-    ValueError,
-)
 
 
 # -- send stamps -----------------------------------------------------------------------------------------

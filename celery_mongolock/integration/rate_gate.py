@@ -28,7 +28,7 @@ from celery_mongolock.admission.contention import Outcome, skipped_result
 from celery_mongolock.core.store_rate import RateTake, rate_windows
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
-from celery_mongolock.integration import results, signals
+from celery_mongolock.integration import priority, results, signals
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.runs import (
     CONTENDED_SINCE_HEADER,
@@ -87,12 +87,20 @@ def pass_rate(
     store = get_store(task.app)
     stamp, _src = _queue.stamp_of(request)
     run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
+    # The window serves its runs in the order the key's queue hands them over (priority, then send).
+    rank = int(priority.rank_field(task.app, request, options.on_contention).get(priority.PRIORITY_FIELD, 0))
     in_process = direct or bool(request.is_eager or request.called_directly)
     ordered = sorted(keys)
     while True:
         try:
             took = rate_windows(store).take(
-                ordered, run=run, stamp=stamp, n=rate.n, period_ms=rate.period_ms, park=rate.parks
+                ordered,
+                run=run,
+                stamp=stamp,
+                n=rate.n,
+                period_ms=rate.period_ms,
+                park=rate.parks,
+                rank=rank,
             )
         except StoreUnavailable as exc:
             give_back_quietly(store, list(leases))

@@ -72,14 +72,20 @@ class AdmitRun:
         return rank_of_entry(self.entry)
 
     @property
-    def burst(self) -> Document | None:
-        """``Replace(debounce=..., max_wait=...)`` with ``keys=``: the run's burst on this key, an
-        expression (``sets.run_burst``: its own entry's, else the one it learned on the first key of its
-        set, ``bu`` in its entry), None for other runs."""
-        if not (self.by_set and self.max_wait_ms):
-            return None
+    def burst(self) -> str | None:
+        """``Replace(debounce=..., max_wait=...)`` with ``keys=``: the run's burst on this key, as the
+        field ``__bu`` that ``burst_stages`` sets before the judge (``sets.run_burst``: its own entry's,
+        else the one it learned on the first key of its set, ``bu`` in its entry; null before it knows
+        it), None for other runs."""
+        return "$__bu" if self.by_set and self.max_wait_ms else None
+
+    def burst_stages(self) -> list[Document]:
+        """The stage that computes the run's burst once per command (``burst``), before the judge; none
+        for other runs. Its field is removed with the command's other flags."""
+        if self.burst is None:
+            return []
         bu = self.entry.get("bu")
-        return sets.run_burst(self.ident, bu if isinstance(bu, int) else None)
+        return [{"$set": {"__bu": sets.run_burst(self.ident, bu if isinstance(bu, int) else None)}}]
 
     @property
     def by_set(self) -> bool:

@@ -168,16 +168,23 @@ def burst_since(older: object, burst: object = None) -> Document:
     expression) continues: the earliest of their ``fw`` (first wait; ``at`` for an entry without one)
     and now (``burst``, an expression, ms, instead of now when not null: the burst the run knows)."""
     # (Compared as milliseconds: the embedded server compares dates in ``$reduce`` wrongly.)
-    began = {"$map": {"input": older, "as": "e", "in": {"$toLong": {"$ifNull": ["$$e.fw", "$$e.at"]}}}}
+    began = {"$map": {"input": older, "as": "e", "in": first_wait_ms("$$e", {"$toLong": "$$e.at"})}}
     earlier = {"$cond": [{"$lt": ["$$this", "$$value"]}, "$$this", "$$value"]}
     initial: object = _NOW_MS if burst is None else {"$ifNull": [burst, _NOW_MS]}
     return {"$toDate": {"$reduce": {"input": began, "initialValue": initial, "in": earlier}}}
 
 
+def first_wait_ms(e: object, default: object) -> Document:
+    """When the burst of entry ``e`` began waiting, in ms: its ``fw``; else the burst its run learned on
+    the first key of its set (``bu``: a reservation, made from the run's entry without its ``fw``,
+    ``handoff.reserve_pipeline``); else ``default``."""
+    fw = {"$toLong": {"$ifNull": [field_of("fw", e), None]}}
+    return {"$ifNull": [fw, {"$ifNull": [field_of("bu", e), default]}]}
+
+
 def past_ceiling(e: object, max_wait_ms: int) -> Document:
-    """Entry ``e`` (a handoff) began waiting ``max_wait_ms`` ago or more (``fw``)."""
-    fw = {"$toLong": {"$ifNull": [field_of("fw", e), "$$NOW"]}}
-    return {"$lte": [{"$add": [fw, int(max_wait_ms)]}, _NOW_MS]}
+    """Entry ``e`` (a handoff or reservation) began waiting ``max_wait_ms`` ago or more (``fw``, ``bu``)."""
+    return {"$lte": [{"$add": [first_wait_ms(e, _NOW_MS), int(max_wait_ms)]}, _NOW_MS]}
 
 
 def entry_expr(

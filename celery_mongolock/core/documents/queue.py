@@ -138,7 +138,7 @@ Document = dict[str, Any]
 _NOW_MS: Document = {"$toLong": "$$NOW"}
 _Q: Document = {"$ifNull": ["$q", []]}
 #: The helper fields of the admit's stages (removed before it records).
-_FLAGS = ["__o", "__free", "__park", "__vac", "__tb"]
+_FLAGS = ["__o", "__free", "__park", "__vac", "__tb", "__bu"]
 #: The key is free for a single lease: not held (or expired) and no ``limit=N`` hold live or handed.
 _VACANT: Document = {
     "$and": [
@@ -281,6 +281,7 @@ def admit_pipeline(
     )
     shape = _one_lease(run, token)
     stages: list[Document] = [
+        *run.burst_stages(),
         {"$set": {"__o": judge(run, shape)}},
         {
             "$set": {
@@ -384,6 +385,11 @@ def _park(run: AdmitRun) -> tuple[list[Document], object, object]:
     # (A run that knows its burst keeps it on every key: the same ceiling everywhere.)
     since = burst_since(older, run.burst) if run.max_wait_ms else None
     e = entry_expr(run.entry, run.timeout_ms, run.debounce_ms, max_wait_ms=run.max_wait_ms, since=since)
+    if run.burst is not None:
+        # Its burst, kept as it is (``bu``): the one it knows, else the earliest of the runs it supersedes
+        # here (their ``bu``; ``fw`` is when a burst began waiting, which a run that leaves the key unrun
+        # may carry earlier: ``sets.carry_burst``), else now. The identity that ``sets.in_burst`` compares.
+        e["bu"] = {"$ifNull": [run.burst, sets.burst_identity(older)]}
     ahead = entry_ahead("$$e", stamp, ident, run.rank)
     parked_q, superseded = sets.park_queue(
         e, group, ahead, by=str(run.entry["t"]), take_back="$__tb", burst=run.burst

@@ -66,20 +66,24 @@ def _ms(value: Any) -> int:
 
 
 def take_update(
-    *, start_id: str, run: str, stamp: int, n: int, period_ms: int, park: bool, stale_ms: int
+    *, start_id: str, run: str, stamp: int, n: int, period_ms: int, park: bool, stale_ms: int, rank: int = 0
 ) -> list[Document]:
     """The update pipeline of one attempt to start (upsert on ``{_id: key}``, reply AFTER).
 
     ``start_id`` names this attempt's start (given back with ``give_back_update``); ``run`` and ``stamp``
     place the run among the parked ones (by ``(stamp, run)``); ``park``: record the run in ``w`` when it
     does not get the start (False for ``then=Skip()``); ``stale_ms``: how long a parked entry counts after
-    this command if its run does not come back (its worker died, its message was lost)."""
-    earlier = {
+    this command if its run does not come back (its worker died, its message was lost); ``rank``: its
+    message priority as the key's queue orders it (``pr``, lower first: ``entries.entry_ahead``), so that
+    the window serves its runs in the order the key hands them over (priority, then send order)."""
+    r_e = {"$ifNull": ["$$e.pr", 0]}
+    sent_before = {
         "$or": [
             {"$lt": ["$$e.st", stamp]},
             {"$and": [{"$eq": ["$$e.st", stamp]}, {"$lt": ["$$e.id", run]}]},
         ]
     }
+    earlier = {"$or": [{"$lt": [r_e, rank]}, {"$and": [{"$eq": [r_e, rank]}, sent_before]}]}
     fresh_starts = {
         "$filter": {
             "input": {"$ifNull": ["$s", []]},
@@ -99,7 +103,9 @@ def take_update(
     ahead = {"$size": {"$filter": {"input": "$w", "as": "e", "cond": earlier}}}
     ok = {"$lt": [{"$add": [{"$size": "$s"}, ahead]}, n]}
     now = {"$toDate": _CLOCK}
-    me = {"id": run, "st": stamp, "x": {"$toDate": {"$add": [_CLOCK, stale_ms]}}}
+    me: Document = {"id": run, "st": stamp, "x": {"$toDate": {"$add": [_CLOCK, stale_ms]}}}
+    if rank:
+        me["pr"] = {"$literal": int(rank)}
     waiters: Any = {"$concatArrays": ["$w", [me]]} if park else "$w"
     expires_ms = {"$add": [_CLOCK, period_ms + stale_ms]}
     # The TTL index's field only ever moves later. Compared as milliseconds: the embedded server's ``$max``
@@ -136,6 +142,8 @@ class Waiter:
     run: str
     stamp: int
     stale_at_ms: int
+    #: Its message priority as the key's queue orders it (lower first; 0: none).
+    rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +167,11 @@ class RateWindow:
             return cls(key, (), (), (), 0)
         starts = sorted(((_ms(e["t"]), str(e.get("id", ""))) for e in doc.get("s") or ()), key=lambda p: p[0])
         waiters = sorted(
-            (Waiter(str(e["id"]), int(e["st"]), _ms(e["x"])) for e in doc.get("w") or ()),
-            key=lambda w: (w.stamp, w.run),
+            (
+                Waiter(str(e["id"]), int(e["st"]), _ms(e["x"]), int(e.get("pr") or 0))
+                for e in doc.get("w") or ()
+            ),
+            key=lambda w: (w.rank, w.stamp, w.run),
         )
         now = _ms(doc["seen"]) if doc.get("seen") is not None else 0
         return cls(
@@ -178,7 +189,8 @@ class RateWindow:
         return start_id in self.start_ids
 
     def position(self, run: str) -> int:
-        """How many parked runs come before ``run`` (sent earlier); all of them when it is not parked."""
+        """How many parked runs come before ``run`` (of a higher priority, or sent earlier); all of them when
+        it is not parked."""
         for i, waiter in enumerate(self.waiters):
             if waiter.run == run:
                 return i

@@ -40,6 +40,7 @@ from typing import Any
 
 __all__ = [
     "LG_KEPT",
+    "burst_identity",
     "burst_of",
     "carry_burst",
     "entries_of",
@@ -109,6 +110,14 @@ def burst_of(e: object) -> Document:
     on the first key of its set (``bu``, ms), else when its burst began waiting on this key (``fw``)."""
     fw = {"$toLong": {"$ifNull": [_field("fw", e), None]}}
     return {"$ifNull": [_field("bu", e), fw]}
+
+
+def burst_identity(older: object) -> Document:
+    """The burst of a run that supersedes the entries ``older`` (an array expression) and does not know
+    its own yet: the earliest of theirs (``burst_of``, else when they were parked), else now (ms)."""
+    began = {"$map": {"input": older, "as": "e", "in": {"$ifNull": [burst_of("$$e"), {"$toLong": "$$e.at"}]}}}
+    earlier = {"$cond": [{"$lt": ["$$this", "$$value"]}, "$$this", "$$value"]}
+    return {"$reduce": {"input": began, "initialValue": {"$toLong": "$$NOW"}, "in": earlier}}
 
 
 def in_burst(e: object, burst: object) -> Document | bool:
@@ -306,7 +315,8 @@ def carry_burst(q: object, left: object) -> Document:
     its burst's ceiling began a burst of its own (that run was to run); when that run leaves after all
     (a newer send of its set was handed another key), the burst it carried must not be lost, or the set
     never reaches its ceiling on every key at once."""
-    left_fw = {"$toLong": {"$ifNull": [_field("fw", left), None]}}
+    # (A reservation has no ``fw``: its run's burst, ``bu``, is when it began waiting.)
+    left_fw = {"$ifNull": [{"$toLong": {"$ifNull": [_field("fw", left), None]}}, _field("bu", left)]}
     left_s = {"$ifNull": [_field("s", left), None]}
     left_g = {"$ifNull": [_field("g", left), None]}
     fw = {"$min": [{"$toLong": "$$e.fw"}, left_fw]}

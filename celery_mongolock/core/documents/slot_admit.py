@@ -84,11 +84,12 @@ def slot_admit_pipeline(
     shape = _n_slots(run, token, int(limit))
     return [
         *normalize_stages(keep_owner=claim),
+        *run.burst_stages(),
         {"$set": {"__o": judge(run, shape), "__base": fence_base()}},
         {"$set": {"__new": {"$in": ["$__o", ["acquired", "due"]]}}},
         *take_back,
         {"$set": _take_or_park_fields(run, shape, taken)},
-        {"$unset": ["__o", "__new", "__base"]},
+        {"$unset": ["__o", "__new", "__base", "__bu"]},
         *fill_stages(admit_marker(token)),
         gc_stage(),
     ]
@@ -215,7 +216,8 @@ def _take_or_park_fields(run: AdmitRun, shape: Shape, taken: _Taken) -> Document
     parked_q: object
     superseded: object
     if run.by_set:
-        parked_q, superseded = slot_sets.parked_queue(run.entry, run.timeout_ms, str(run.group)), []
+        parked_q = slot_sets.parked_queue(run.entry, run.timeout_ms, str(run.group), run.burst)
+        superseded = []
     else:
         parked_q, superseded = park_exprs(
             run.entry, run.timeout_ms, run.debounce_ms, replace=run.replace, max_wait_ms=run.max_wait_ms

@@ -84,13 +84,16 @@ def _older_of_set(group: str, stamp: int, ident: str, burst: object = None) -> D
     return {"$and": [_handed("$$h"), same, before, sets.in_burst(ho, burst)]}
 
 
-def parked_queue(entry: Mapping[str, Any], timeout_ms: int | None, group: str) -> Document:
+def parked_queue(
+    entry: Mapping[str, Any], timeout_ms: int | None, group: str, burst: object = None
+) -> Document:
     """The queue when the run ``entry`` of ``group`` parks: its entry in its place (rank, then send order;
-    the older runs of its set are gone already: ``take_back_stage``)."""
+    the older runs of its set, of its burst when given, are gone already: ``take_back_stage``; the
+    entries of its set of another burst keep their place)."""
     ident, stamp = str(entry["id"]), int(entry["s"])
     ahead = adm.entry_ahead("$$e", stamp, ident, adm.rank_of_entry(entry))
     parked = adm.entry_expr(entry, timeout_ms)
-    q, _ = sets.park_queue(parked, group, ahead, by=str(entry["t"]), take_back=False)
+    q, _ = sets.park_queue(parked, group, ahead, by=str(entry["t"]), take_back=False, burst=burst)
     return q
 
 
