@@ -77,6 +77,35 @@ def test_a_child_forked_while_a_thread_read_app_amqp_reads_it_too() -> None:
     assert code == 0, "the child hung on app.amqp's lock, held by a thread of its parent at the fork"
 
 
+def test_a_child_forked_while_a_thread_was_importing_imports_it_too(tmp_path: Any) -> None:
+    """A thread of the parent inside an import holds that module's import lock at the fork (kombu imports
+    ``librabbitmq`` on every connection it makes: not installed, never cached). The child's own import of
+    it must not wait for that thread (ci18: a pool child hung in its first broker connection)."""
+    release = tmp_path / "release"
+    (tmp_path / "forksafe_slow_import.py").write_text(
+        f"import pathlib, time\nwhile not pathlib.Path({str(release)!r}).exists():\n    time.sleep(0.01)\n"
+    )
+    importing = threading.Thread(target=__import__, args=("forksafe_slow_import",), daemon=True)
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importing.start()
+        import importlib._bootstrap as bootstrap
+
+        deadline = time.monotonic() + HANG
+        locks: dict[str, Any] = getattr(bootstrap, "_module_locks", {})
+        while "forksafe_slow_import" not in locks and time.monotonic() < deadline:
+            time.sleep(0.01)  # (until the thread is inside the import)
+        code = child_exits(lambda: __import__("forksafe_slow_import"))
+    finally:
+        release.write_text("")
+        importing.join(HANG)
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("forksafe_slow_import", None)
+    assert code == 0, "the child hung on a module's import lock, held by a thread of its parent at the fork"
+
+
 def test_a_child_forked_while_a_thread_held_a_signals_lock_sends_it() -> None:
     with held(signals.run_handed_off.lock):
         code = child_exits(lambda: signals.run_handed_off.send(sender=None, key="k"))

@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["renew_inherited_locks"]
+__all__ = ["forget_inherited_import_locks", "renew_inherited_locks"]
 
 #: The modules whose classes and signals are looked at (by name prefix).
 _PREFIXES = ("celery", "kombu", "billiard", "celery_mongolock")
@@ -87,8 +87,34 @@ def renew_inherited_locks() -> int:
     return renewed
 
 
+def forget_inherited_import_locks() -> int:
+    """Forget the per-module import locks that a thread of the parent held at the fork: the next import of
+    that module takes a new one. CPython renews its global import lock in a forked child, not these
+    (``importlib._bootstrap._module_locks``). kombu imports ``librabbitmq`` each time it makes a broker
+    connection (``supports_librabbitmq``: not installed, so never cached), so a thread of the worker's
+    main process making one (a handoff's publish) holds that module's lock now and then; a child forked
+    then hung in its own first connection (seen in CI). How many were forgotten."""
+    import _thread
+    import importlib._bootstrap as bootstrap
+
+    locks = getattr(bootstrap, "_module_locks", None)
+    if not isinstance(locks, dict):
+        return 0
+    me = _thread.get_ident()
+    forgotten = 0
+    for name, ref in list(locks.items()):
+        lock = ref() if callable(ref) else None
+        owner = getattr(lock, "owner", None)
+        if lock is not None and owner and owner != me:  # held by a thread the child does not have
+            locks.pop(name, None)
+            forgotten += 1
+    return forgotten
+
+
 def _after_fork_in_child() -> None:
     with contextlib.suppress(Exception):  # never let a child fail to start for this
+        forget_inherited_import_locks()
+    with contextlib.suppress(Exception):
         renew_inherited_locks()
 
 
