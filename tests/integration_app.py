@@ -698,6 +698,19 @@ def cancel_deaf_keys(resource: str, group: str, tag: str, seconds: float = 0.3) 
 
 
 @singleton_task(
+    keys=("acct:{tenant}", "group:{group}"),
+    limit={"acct:{tenant}": 2},
+    app=app,
+    name="integration_app.tenant_upload_capped",
+    on_contention=Replace(debounce=1.0, max_wait=3.0),
+)
+def tenant_upload_capped(tenant: str, group: str, tag: str, seconds: float = 0.1) -> list[str]:
+    """``merge_capped`` with a limit on one key of the set, which sorts first (``acct:`` before
+    ``group:``): a set that keeps receiving sends still runs by ``max_wait``."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
     keys=("tenant:{tenant}", "group:{group}"),
     limit={"tenant:{tenant}": 2},
     app=app,

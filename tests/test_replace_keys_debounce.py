@@ -139,3 +139,28 @@ def test_a_set_of_keys_that_keeps_receiving_sends_still_runs_by_max_wait(cluster
     assert ran == sorted(ran, key=tags.index), "runs start in send order"
     no_overlap(cluster, ran)
     settled(cluster, keys)
+
+
+def test_a_set_with_a_limit_on_its_first_key_still_runs_by_max_wait(cluster: Cluster) -> None:
+    """The same with ``limit={"acct:{tenant}": 2}`` on the key that sorts first: the set's runs still start
+    again and again while the sends go on (its burst is learned and sealed on the single-lease key)."""
+    tenant, group = tag(), tag()
+    keys = sorted([f"acct:{tenant}", f"group:{group}"])
+    tags, results = _keep_sending(
+        lambda t: it.tenant_upload_capped.delay(tenant, group, t, 0.1), cluster, runs=3, limit=120.0
+    )
+    ran_while_sending = started(cluster, tags)
+    assert len(ran_while_sending) >= 3, (
+        f"{len(ran_while_sending)} run(s) started in {len(tags)} sends every 0.25 s: max_wait did not cap "
+        "the set's debounce"
+    )
+    for i, r in enumerate(results):
+        value = r.get(timeout=90)
+        if isinstance(value, dict):
+            assert value["mongolock"] == "superseded", value
+            assert value["by"] in [x.id for x in results[i + 1 :]], "superseded only by a newer send"
+    ran = started(cluster, tags)
+    assert tags[-1] in ran, "the newest send at the end runs"
+    assert ran == sorted(ran, key=tags.index), "runs start in send order"
+    no_overlap(cluster, ran)
+    settled(cluster, keys)
