@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from pymongo import MongoClient
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from limits import Worker, mongo_url  # noqa: E402  (this folder's shared parts)
+from limits import mongo_url, worker_on_redis  # noqa: E402  (this folder's shared parts)
 
 URL_ENV = "MONGOLOCK_TEST_MONGODB_URL"
 DEFAULT_OUT = HERE / "results" / "debounce.json"
@@ -111,45 +110,21 @@ def keep_sending(
 
 
 def measure(args: argparse.Namespace, url: str, database: str) -> dict[str, Any]:
-    from celery_mongolock.testing import RedisServer
-
-    with tempfile.TemporaryDirectory(prefix="bench-debounce-") as tmp, RedisServer() as broker:
-        work_dir = Path(tmp)
-        ready_dir = work_dir / "ready"
-        ready_dir.mkdir()
-        env = {
-            **os.environ,
-            "BENCH_BROKER": broker.url,
-            "BENCH_MONGODB_URL": url,
-            "BENCH_DB": database,
-            "BENCH_READY_DIR": str(ready_dir),
-            "BENCH_DEBOUNCE": str(args.debounce),
-            "BENCH_MAX_WAIT": str(args.max_wait),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-        }
-        os.environ.update({k: env[k] for k in ("BENCH_BROKER", "BENCH_DEBOUNCE", "BENCH_MAX_WAIT")})
-        import debounce_app
-
-        debounce_app.app.conf.broker_url = broker.url
-        worker = Worker(env, work_dir, args.concurrency, app="debounce_app").start()
-        client: MongoClient[dict[str, Any]] = MongoClient(url)
+    settings = {"BENCH_DEBOUNCE": str(args.debounce), "BENCH_MAX_WAIT": str(args.max_wait)}
+    with worker_on_redis("debounce_app", url, database, args.concurrency, settings) as (app, worker, client):
         starts = client[database]["starts"]
         try:
-            burst = burst_once(debounce_app, starts, args)
+            burst = burst_once(app, starts, args)
             doc = uuid.uuid4().hex[:8]
-            one = keep_sending(lambda i: debounce_app.capped.delay(doc, "one", i), starts, "one", args)
+            one = keep_sending(lambda i: app.capped.delay(doc, "one", i), starts, "one", args)
             a, b = uuid.uuid4().hex[:8], uuid.uuid4().hex[:8]
 
             def pair(i: int) -> None:
-                debounce_app.capped_pair.delay(*((a, b) if i % 2 else (b, a)), "pair", i)
+                app.capped_pair.delay(*((a, b) if i % 2 else (b, a)), "pair", i)
 
             two = keep_sending(pair, starts, "pair", args)
         except Exception as exc:
             raise RuntimeError(f"{exc}\n{worker.log_tail()}") from exc
-        finally:
-            worker.stop()
-            client.close()
-            debounce_app.app.close()
     return {"burst": burst, "one_key": one, "set_of_keys": two}
 
 

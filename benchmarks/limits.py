@@ -403,6 +403,44 @@ class Worker:
             self.proc.wait(10)
 
 
+@contextlib.contextmanager
+def worker_on_redis(
+    app_name: str, url: str, database: str, concurrency: int, settings: dict[str, str]
+) -> Iterator[tuple[Any, Worker, MongoClient[dict[str, Any]]]]:
+    """A Redis server of its own (``celery_mongolock.testing``), one prefork worker of the app module
+    ``app_name`` of this folder (``settings``: its ``BENCH_*`` environment) and a client of the
+    benchmark's database: ``(app module, worker, client)``, all stopped and closed on the way out."""
+    import importlib
+
+    from celery_mongolock.testing import RedisServer
+
+    with tempfile.TemporaryDirectory(prefix=f"bench-{app_name}-") as tmp, RedisServer() as broker:
+        work_dir = Path(tmp)
+        ready_dir = work_dir / "ready"
+        ready_dir.mkdir()
+        env = {
+            **os.environ,
+            "BENCH_BROKER": broker.url,
+            "BENCH_MONGODB_URL": url,
+            "BENCH_DB": database,
+            "BENCH_READY_DIR": str(ready_dir),
+            **settings,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+        }
+        # (the app module reads its settings from the environment when it is imported)
+        os.environ.update({k: env[k] for k in ("BENCH_BROKER", *settings)})
+        module = importlib.import_module(app_name)
+        module.app.conf.broker_url = broker.url
+        worker = Worker(env, work_dir, concurrency, app=app_name).start()
+        client: MongoClient[dict[str, Any]] = MongoClient(url)
+        try:
+            yield module, worker, client
+        finally:
+            worker.stop()
+            client.close()
+            module.app.close()
+
+
 def read_state(directory: Path) -> list[dict[str, Any]]:
     out = []
     for path in directory.glob("*.json"):

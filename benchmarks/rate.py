@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -40,7 +39,7 @@ from pymongo import MongoClient
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from limits import Worker, mongo_url  # noqa: E402  (this folder's shared parts)
+from limits import mongo_url, worker_on_redis  # noqa: E402  (this folder's shared parts)
 
 from celery_mongolock.core.documents.rate import starts_in_any_window  # noqa: E402
 
@@ -49,63 +48,38 @@ DEFAULT_OUT = HERE / "results" / "rate.json"
 
 
 def measure(args: argparse.Namespace, url: str, database: str) -> dict[str, Any]:
-    from celery_mongolock.testing import RedisServer
-
     expected = args.n / args.period
     sends = 0
-    with tempfile.TemporaryDirectory(prefix="bench-rate-") as tmp, RedisServer() as broker:
-        work_dir = Path(tmp)
-        ready_dir = work_dir / "ready"
-        ready_dir.mkdir()
-        env = {
-            **os.environ,
-            "BENCH_BROKER": broker.url,
-            "BENCH_MONGODB_URL": url,
-            "BENCH_DB": database,
-            "BENCH_READY_DIR": str(ready_dir),
-            "BENCH_RATE_N": str(args.n),
-            "BENCH_RATE_PERIOD": str(args.period),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-        }
-        os.environ.update({k: env[k] for k in ("BENCH_BROKER", "BENCH_RATE_N", "BENCH_RATE_PERIOD")})
-        import rate_app
-
-        rate_app.app.conf.broker_url = broker.url
-        worker = Worker(env, work_dir, args.concurrency, app="rate_app").start()
-        client: MongoClient[dict[str, Any]] = MongoClient(url)
+    settings = {"BENCH_RATE_N": str(args.n), "BENCH_RATE_PERIOD": str(args.period)}
+    with worker_on_redis("rate_app", url, database, args.concurrency, settings) as (rate_app, worker, client):
         starts = client[database]["starts"]
         tenant = uuid.uuid4().hex[:8]
         windows = client[database]["leases.rates"]
         key = f"api:{tenant}"
         needed = int(expected * args.duration) + 2 * args.n  # runs waiting when the measure begins
-        try:
-            # The steady state: from the moment every run sent has reached the worker once (started, or
-            # parked by the rate), so that the broker's backlog of first deliveries is not measured, with
-            # enough runs still waiting to keep the key busy (topped up while the backlog drained).
-            deadline = time.monotonic() + 600
-            waiting = 0
+        # The steady state: from the moment every run sent has reached the worker once (started, or
+        # parked by the rate), so that the broker's backlog of first deliveries is not measured, with
+        # enough runs still waiting to keep the key busy (topped up while the backlog drained).
+        deadline = time.monotonic() + 600
+        waiting = 0
+        while time.monotonic() < deadline:
+            more = needed + 2 * args.n if sends == 0 else needed - waiting
+            for i in range(sends, sends + max(0, more)):
+                rate_app.rated.delay(tenant, i)
+            sends += max(0, more)
             while time.monotonic() < deadline:
-                more = needed + 2 * args.n if sends == 0 else needed - waiting
-                for i in range(sends, sends + max(0, more)):
-                    rate_app.rated.delay(tenant, i)
-                sends += max(0, more)
-                while time.monotonic() < deadline:
-                    doc = windows.find_one({"_id": key}) or {}
-                    waiting = len(doc.get("w") or ())
-                    if waiting + starts.count_documents({"t": tenant}) >= sends:
-                        break
-                    time.sleep(0.2)
-                if waiting >= needed:
+                doc = windows.find_one({"_id": key}) or {}
+                waiting = len(doc.get("w") or ())
+                if waiting + starts.count_documents({"t": tenant}) >= sends:
                     break
-            since = client.admin.command("hello")["localTime"]
-            while time.monotonic() < deadline and _elapsed(client, since) < args.duration + 1:
-                time.sleep(0.5)
-            times = sorted(d["at"].timestamp() for d in starts.find({"t": tenant}))
-            t0 = since.replace(tzinfo=_dt.timezone.utc).timestamp()
-        finally:
-            worker.stop()
-            client.close()
-            rate_app.app.close()
+                time.sleep(0.2)
+            if waiting >= needed:
+                break
+        since = client.admin.command("hello")["localTime"]
+        while time.monotonic() < deadline and _elapsed(client, since) < args.duration + 1:
+            time.sleep(0.5)
+        times = sorted(d["at"].timestamp() for d in starts.find({"t": tenant}))
+        t0 = since.replace(tzinfo=_dt.timezone.utc).timestamp()
     if not times:
         raise RuntimeError(f"no run started:\n{worker.log_tail()}")
     # From the first start of the steady state, over whole windows: a key kept busy starts n per window.

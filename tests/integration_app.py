@@ -711,6 +711,19 @@ def tenant_upload_capped(tenant: str, group: str, tag: str, seconds: float = 0.1
 
 
 @singleton_task(
+    keys=("acct:{tenant}", "group:{group}"),
+    limit={"acct:{tenant}": 2, "group:{group}": 2},
+    app=app,
+    name="integration_app.tenant_upload_debounced",
+    on_contention=Replace(debounce=3.0),
+)
+def tenant_upload_debounced(tenant: str, group: str, tag: str, seconds: float = 0.1) -> list[str]:
+    """A set whose keys all have limits, with a debounce long enough that a burst sent at once reaches
+    the workers within it even on a busy machine."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
     keys=("tenant:{tenant}", "group:{group}"),
     limit={"tenant:{tenant}": 2},
     app=app,

@@ -278,7 +278,7 @@ ORDERED_BY_KEY = {
 #: Runs that are not judged for send order themselves but keep their place in it on the keys they share
 #: with the tasks above: a several-keys ``Replace`` run parked on an ``l`` or ``k`` key is ahead of the
 #: ``Queue`` runs sent after it (``MULTI_LIMIT_REPLACE_TASK``; defined below).
-SEND_ORDER_PEERS = ("lockcheck.rmw_multi_limit_replace",)
+SEND_ORDER_PEERS = ("lockcheck.rmw_multi_limit_replace", "lockcheck.rmw_multi_limits_debounced")
 #: The ``limit=N`` tasks (keys ``l<i>``, N = ``LIMIT``) and the several-keys tasks (two ``k`` keys each).
 LIMIT = 3
 LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK, MIN_HOLD_TASK)
@@ -324,6 +324,16 @@ MULTI_REPLACE_TASKS = (
 #: the slotted key too (a run parked for a slot, or keeping one reserved, is superseded there). Judged as
 #: ``MULTI_REPLACE_TASK`` runs are (``check_multi_replace``). A several-keys task.
 MULTI_LIMIT_REPLACE_TASK = "lockcheck.rmw_multi_limit_replace"
+#: The same with a limit on both keys, debounced (``keys=("{a}", "{b}")``, ``limit={"{a}": LIMIT, "{b}":
+#: LIMIT}``, ``Replace(debounce=MULTI_REPLACE_DEBOUNCE)``): a slot of two ``l`` keys, its entries not due
+#: before their debounce (a free slot is not handed before). Half of the random bursts of
+#: ``MULTI_LIMIT_REPLACE_TASK`` (on ``slotted`` and ``LIMITS_DEBOUNCED_KEY``), judged with its runs
+#: (``check_multi_replace``). Not with ``max_wait`` yet: see docs/known-issues.md.
+MULTI_LIMITS_DEBOUNCED_TASK = "lockcheck.rmw_multi_limits_debounced"
+MULTI_LIMIT_REPLACE_TASKS = (MULTI_LIMIT_REPLACE_TASK, MULTI_LIMITS_DEBOUNCED_TASK)
+#: The ``l`` key (of its own index) that the random bursts of ``MULTI_LIMITS_DEBOUNCED_TASK`` pair with an
+#: ``l`` key of the workload's.
+LIMITS_DEBOUNCED_KEY = 60
 MULTI_TASKS = (
     "lockcheck.rmw_multi",
     "lockcheck.rmw_multi_skip",
@@ -336,6 +346,7 @@ MULTI_TASKS = (
     REENTRANT_TASK,
     MULTI_LIMIT_QUEUE_TASK,
     MULTI_LIMIT_REPLACE_TASK,
+    MULTI_LIMITS_DEBOUNCED_TASK,
 )
 #: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
 #: ends and releases its key, then its child SIGKILLs itself before Celery stores the result, and the
@@ -2527,6 +2538,14 @@ def _set_of(task: Doc) -> tuple[str, ...]:
     return tuple(sorted({str(k) for k in task.get("keys") or []}))
 
 
+def _family(task_name: str) -> tuple[str, ...]:
+    """The tasks judged together with ``task_name``'s runs: the several-keys ``Replace`` tasks on ``m``
+    keys, or those with limits (``MULTI_LIMIT_REPLACE_TASKS``)."""
+    if task_name == MULTI_REPLACE_TASK:
+        return MULTI_REPLACE_TASKS
+    return MULTI_LIMIT_REPLACE_TASKS if task_name == MULTI_LIMIT_REPLACE_TASK else (task_name,)
+
+
 def check_multi_replace(
     history: History,
     task_name: str = MULTI_REPLACE_TASK,
@@ -2552,7 +2571,7 @@ def check_multi_replace(
     No two holders of a key: its holds go through the plain per-key checks with every other hold of the
     key (the bare clients take ``m`` keys too)."""
     found: list[Violation] = []
-    names = MULTI_REPLACE_TASKS if task_name == MULTI_REPLACE_TASK else (task_name,)
+    names = _family(task_name)
     tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in names}
     if not tasks:
         return found
@@ -2656,7 +2675,7 @@ def multi_replace_figures(
     with another set (overlapping) done, the directed burst's (ops starting with ``directed_op``), and
     the faults that hit or began during their bodies."""
     ev = history.events
-    names = MULTI_REPLACE_TASKS if task_name == MULTI_REPLACE_TASK else (task_name,)
+    names = _family(task_name)
     tasks = {tid: t for tid, t in history.tasks.items() if t.get("task") in names}
     bodies = [e for e in ev if e.get("ev") == "mbody" and e.get("task_id") in tasks]
     ran = {str(b["task_id"]) for b in bodies}
@@ -2684,7 +2703,11 @@ def multi_replace_figures(
 
     directed = with_op(directed_op)
     window, debounced_directed = with_op("directed-window-"), with_op("directed-debounced-")
-    debounced = {tid for tid, t in tasks.items() if t.get("task") == MULTI_REPLACE_DEBOUNCED_TASK}
+    debounced = {
+        tid
+        for tid, t in tasks.items()
+        if t.get("task") in (MULTI_REPLACE_DEBOUNCED_TASK, MULTI_LIMITS_DEBOUNCED_TASK)
+    }
     capped = {tid for tid, t in tasks.items() if t.get("task") == MULTI_REPLACE_CAPPED_TASK}
     ends = hold_ends(ev)
     body_spans = [
@@ -5242,6 +5265,14 @@ class Run:
         of the time with a run of another pair sharing the ``l`` key among them (another set: it keeps its
         place and its slot)."""
         single, other = self.replace_rng.sample(range(self.cfg.keys), 2)
+        if self.replace_rng.random() < 0.5:
+            # Half of the bursts with a limit on both keys, debounced (each naming the pair in either order).
+            pair = (slotted, key_for(LIMITS_DEBOUNCED_KEY, epoch, "l"))
+            for _ in range(self.replace_rng.randint(2, 4)):
+                n += 1
+                keys = pair if self.replace_rng.random() < 0.5 else pair[::-1]
+                self._submit(MULTI_LIMITS_DEBOUNCED_TASK, "", f"task-{n}", keys=keys)
+            return n
         sends = [(slotted, key_for(single, epoch))] * self.replace_rng.randint(2, 4)
         if self.replace_rng.random() < 0.5:
             sends.insert(self.replace_rng.randrange(len(sends) + 1), (slotted, key_for(other, epoch)))

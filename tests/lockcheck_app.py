@@ -832,6 +832,17 @@ def rmw_multi_limit_queued(self: Any, a: str, b: str, op: str, reckless: bool = 
 
 
 @singleton_task(
+    keys=("{a}", "{b}"), limit={"{a}": lockcheck.LIMIT, "{b}": lockcheck.LIMIT}, app=app, bind=True,
+    name=lockcheck.MULTI_LIMITS_DEBOUNCED_TASK, max_retries=200,
+    on_contention=Replace(debounce=lockcheck.MULTI_REPLACE_DEBOUNCE),
+)  # fmt: skip
+def rmw_multi_limits_debounced(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """A slot of each of two ``l`` keys, latest wins per pair, debounced: its entries are not due (no free
+    slot handed) before their debounce."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
     keys=("{a}", "{b}"),
     limit={"{a}": lockcheck.LIMIT},
     app=app,

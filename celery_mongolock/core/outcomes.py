@@ -153,7 +153,7 @@ class Admission:
             parked=tuple(str(e.get("t")) for e in doc.get("q") or [] if isinstance(e, Mapping)),
             superseded=tuple(s for s in doc.get("sup") or [] if isinstance(s, Mapping)),
             not_before=_not_before(doc.get("q") or []),
-            bursts=_bursts([*(doc.get("q") or []), doc.get("ho")]),
+            bursts=_bursts([*(doc.get("q") or []), doc.get("ho"), *_handed_entries(doc)]),
         )
 
     def position(self, task_id: str | None) -> int:
@@ -184,6 +184,11 @@ def _not_before(q: Sequence[Any]) -> dict[str, float]:
         ):
             out[str(e.get("t"))] = max(0.0, (e["nb"] - e["at"]).total_seconds())
     return out
+
+
+def _handed_entries(doc: Mapping[str, Any]) -> list[Any]:
+    """The entries a key with a limit handed or reserved its slots to (``hs[].ho``)."""
+    return [h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)]
 
 
 def _bursts(entries: Sequence[Any]) -> dict[str, int]:

@@ -89,17 +89,8 @@ def guarded_one(
     note_taken(store, lease, limits)
     log_acquire.info("%s[%s] acquired %r (fence %s)", task.name, request.id, key, lease.fence)
     signals.lease_acquired.send(sender=task, key=key, lease=lease)
-    token = _current.set(lease)
-    try:
-        # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
-        return run_body(task, store, lease, options.on_contention, body)
-    finally:
-        _current.reset(token)
-        try:
-            lease.release()
-        except StoreUnavailable as exc:
-            log_release.warning("%s[%s]: %s (retrying in the background)", task.name, request.id, exc)
-        signals.lease_released.send(sender=task, key=key, lease=lease)
+    # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
+    return _run_holding(task, store, held=lease, taken=lease, fresh=[lease], options=options, body=body)
 
 
 def guarded_many(
@@ -131,16 +122,33 @@ def guarded_many(
     log_acquire.info("%s[%s] acquired %s (fences %s)", task.name, request.id, rest, fresh.fences)
     for lease in fresh:
         signals.lease_acquired.send(sender=task, key=lease.key, lease=lease)
+    # (Replace(cancel_running=True): a newer send of the set supersedes this run: ``supersede``)
+    return _run_holding(task, store, held=held, taken=fresh, fresh=list(fresh), options=options, body=body)
+
+
+def _run_holding(
+    task: GuardedRun,
+    store: LeaseStore,
+    *,
+    held: Any,
+    taken: Any,
+    fresh: list[Lease],
+    options: TaskOptions,
+    body: Body,
+) -> Any:
+    """The body, with ``held`` (the run's lease or leases, its reentered ones included) as the current
+    lease: run by the policy's rules (``run_body``, with the leases this run ``taken``), then ``held``
+    released (a store that does not answer: retried in the background) and ``lease_released`` sent for
+    each lease this run took (``fresh``)."""
     token = _current.set(held)
     try:
-        # (Replace(cancel_running=True): a newer send of the set supersedes this run: ``supersede``)
-        return run_body(task, store, fresh, options.on_contention, body)
+        return run_body(task, store, taken, options.on_contention, body)
     finally:
         _current.reset(token)
         try:
             held.release()
         except StoreUnavailable as exc:
-            log_release.warning("%s[%s]: %s (retrying in the background)", task.name, request.id, exc)
+            log_release.warning("%s[%s]: %s (retrying in the background)", task.name, task.request.id, exc)
         for lease in fresh:
             signals.lease_released.send(sender=task, key=lease.key, lease=lease)
 

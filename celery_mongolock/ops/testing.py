@@ -217,6 +217,10 @@ def rabbitmq_server_binary() -> str | None:
     return None
 
 
+class _EarlyExit(RuntimeError):
+    """The node's process exited before it accepted a login."""
+
+
 class RabbitMQServer:
     """A real RabbitMQ node on free loopback ports, everything it writes in a directory of its own.
 
@@ -233,6 +237,8 @@ class RabbitMQServer:
             )
         self.binary = binary
         self.port = port or find_free_port()
+        self._own_port = port is None
+        self._started_before = False
         self.dist_port = find_free_port()
         self.node = f"mongolock-{uuid.uuid4().hex[:10]}@localhost"
         self.dir = tempfile.mkdtemp(prefix="rabbitmq-")
@@ -284,26 +290,47 @@ class RabbitMQServer:
         return env
 
     def start(self, timeout: float = 90.0) -> RabbitMQServer:
-        """Start the node and wait until an AMQP client can log in (at most ``timeout`` s); returns itself."""
-        self.proc = subprocess.Popen(
-            [self.binary],
-            env=self._env(),
-            cwd=self.dir,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        """Start the node and wait until an AMQP client can log in (at most ``timeout`` s); returns itself.
+
+        A node that exits before it answers is started once more (its output, kept in ``server.out`` of
+        its directory, ends the error if it exits again): a node started for the first time on ports
+        chosen here gets fresh ones, as another process may have taken them in between."""
+        try:
+            return self._start_once(timeout)
+        except _EarlyExit:
+            if not self._started_before and self._own_port:
+                self.port, self.dist_port = find_free_port(), find_free_port()
+            time.sleep(1.0)
+        try:
+            return self._start_once(timeout)
+        except _EarlyExit as exc:
+            raise RuntimeError(str(exc)) from None
+
+    def _start_once(self, timeout: float) -> RabbitMQServer:
+        out = Path(self.dir, "server.out")
+        with open(out, "ab") as sink:
+            self.proc = subprocess.Popen(
+                [self.binary],
+                env=self._env(),
+                cwd=self.dir,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
         def answers() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"rabbitmq-server exited with {self.proc.returncode} (log: {self.log_path})"
+                tail = out.read_text(errors="replace")[-2000:]
+                raise _EarlyExit(
+                    f"rabbitmq-server exited with {self.proc.returncode} (log: {self.log_path}); its "
+                    f"output ends:\n{tail}"
                 )
             return self._logs_in()
 
         wait_for(answers, timeout=timeout, message="RabbitMQ to accept an AMQP login")
+        self._started_before = True
         return self
 
     def _logs_in(self) -> bool:

@@ -170,7 +170,7 @@ def burst_since(older: object, burst: object = None) -> Document:
     # (Compared as milliseconds: the embedded server compares dates in ``$reduce`` wrongly.)
     began = {"$map": {"input": older, "as": "e", "in": first_wait_ms("$$e", {"$toLong": "$$e.at"})}}
     earlier = {"$cond": [{"$lt": ["$$this", "$$value"]}, "$$this", "$$value"]}
-    initial: object = _NOW_MS if burst is None else {"$ifNull": [burst, _NOW_MS]}
+    initial: object = _NOW_MS if burst is None else {"$toLong": {"$ifNull": [burst, _NOW_MS]}}
     return {"$toDate": {"$reduce": {"input": began, "initialValue": initial, "in": earlier}}}
 
 

@@ -79,7 +79,10 @@ def slot_admit_pipeline(
         # The newest send of its set the key knows (parked, taking, claiming or due a slot): the older
         # runs of its set leave the key, their reserved or handed slots freed (``slot_sets``).
         newest = {"$in": ["$__o", ["parked", "acquired", "claimed", "due"]]}
-        take_back = [slot_sets.take_back_stage(entry, run.group, newest, run.burst)]
+        if run.debounce_ms and run.max_wait_ms:
+            # (computed before the older runs leave: the burst this run continues began with them)
+            take_back.append(slot_sets.burst_stage(entry, run.group, run.burst, int(run.max_wait_ms)))
+        take_back.append(slot_sets.take_back_stage(entry, run.group, newest, run.burst, run.max_wait_ms))
     taken = _Taken(token, int(ttl_ms), holder, waited_ms, min_hold_ms, int(limit))
     shape = _n_slots(run, token, int(limit))
     return [
@@ -89,7 +92,7 @@ def slot_admit_pipeline(
         {"$set": {"__new": {"$in": ["$__o", ["acquired", "due"]]}}},
         *take_back,
         {"$set": _take_or_park_fields(run, shape, taken)},
-        {"$unset": ["__o", "__new", "__base", "__bu"]},
+        {"$unset": ["__o", "__new", "__base", "__bu", "__fw", "__bid"]},
         *fill_stages(admit_marker(token)),
         gc_stage(),
     ]
@@ -216,7 +219,14 @@ def _take_or_park_fields(run: AdmitRun, shape: Shape, taken: _Taken) -> Document
     parked_q: object
     superseded: object
     if run.by_set:
-        parked_q = slot_sets.parked_queue(run.entry, run.timeout_ms, str(run.group), run.burst)
+        parked_q = slot_sets.parked_queue(
+            run.entry,
+            run.timeout_ms,
+            str(run.group),
+            run.burst,
+            debounce_ms=run.debounce_ms,
+            max_wait_ms=run.max_wait_ms,
+        )
         superseded = []
     else:
         parked_q, superseded = park_exprs(

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from celery_mongolock.core.documents import sets
 from celery_mongolock.core.documents import slots as _slots
 from celery_mongolock.core.documents.copies import SEEN_KEPT
 from celery_mongolock.core.documents.entries import dead_entries, entry_due, live_entries
@@ -258,10 +259,24 @@ def slot_unpark_pipeline(entry_id: str, by: str) -> list[Document]:
     handed_to_it = {
         "$and": [{"$eq": [{"$ifNull": ["$$e.ho.id", None]}, ident]}, {"$eq": ["$$e.o", "$$e.ho.tk"]}]
     }
+    # What it leaves: the slot handed or reserved to it (its entry there), else its parked entry.
+    # (``Replace(debounce=..., max_wait=...)`` with ``keys=``: the newer runs of its set parked here
+    # continue its burst, ``sets.carry_burst``.)
+    its_ho = {
+        "$map": {
+            "input": {"$filter": {"input": _HS, "as": "e", "cond": handed_to_it}},
+            "as": "e",
+            "in": "$$e.ho",
+        }
+    }
+    its_entry = {"$filter": {"input": _Q, "as": "e", "cond": {"$eq": ["$$e.id", ident]}}}
+    left = {"$arrayElemAt": [{"$concatArrays": [its_ho, its_entry]}, 0]}
     return [
         {
             "$set": {
-                "q": {"$filter": {"input": _Q, "as": "e", "cond": {"$ne": ["$$e.id", ident]}}},
+                "q": sets.carry_burst(
+                    {"$filter": {"input": _Q, "as": "e", "cond": {"$ne": ["$$e.id", ident]}}}, left
+                ),
                 "hs": {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [handed_to_it]}}},
             }
         },

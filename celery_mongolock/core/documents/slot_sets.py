@@ -28,9 +28,11 @@ from typing import Any
 
 from celery_mongolock.core.documents import queue as adm
 from celery_mongolock.core.documents import sets
+from celery_mongolock.core.documents.entries import burst_since, past_ceiling
 
 __all__ = [
     "HANDED_ENTRIES",
+    "burst_stage",
     "newer_by",
     "no_newer_send",
     "parked_queue",
@@ -76,42 +78,95 @@ def no_newer_send(group: str, stamp: int, *, task_id: str, burst: object = None)
     return {"$expr": {"$not": superseded_cases(group, stamp, task_id=task_id, burst=burst)[0]["case"]}}
 
 
-def _older_of_set(group: str, stamp: int, ident: str, burst: object = None) -> Document:
-    """Hold ``$$h`` is handed or reserved to a run of ``group`` (of ``burst``) sent before this run."""
+def _older_of_set(
+    group: str, stamp: int, ident: str, burst: object = None, max_wait_ms: int | None = None
+) -> Document:
+    """Hold ``$$h`` is handed or reserved to a run of ``group`` (of ``burst``) sent before this run.
+    With ``max_wait_ms``, a run that does not know its burst yet (its first key: ``burst`` evaluates to
+    null) leaves a slot handed by its burst's ceiling alone to the run it was handed to: that run was to
+    run, and this run begins a burst of its own (the seal: ``sets.in_burst``)."""
     ho = "$$h.ho"
     before = adm.entry_before(ho, stamp, ident)
     same = {"$eq": [{"$ifNull": [adm.field_of("g", ho), None]}, {"$literal": group}]}
-    return {"$and": [_handed("$$h"), same, before, sets.in_burst(ho, burst)]}
+    older = {"$and": [_handed("$$h"), same, before, sets.in_burst(ho, burst)]}
+    if max_wait_ms and burst is not None:
+        sealed = {"$and": [{"$eq": [burst, None]}, past_ceiling(ho, int(max_wait_ms))]}
+        older["$and"].append({"$not": [sealed]})
+    return older
 
 
-def parked_queue(
-    entry: Mapping[str, Any], timeout_ms: int | None, group: str, burst: object = None
-) -> Document:
-    """The queue when the run ``entry`` of ``group`` parks: its entry in its place (rank, then send order;
-    the older runs of its set, of its burst when given, are gone already: ``take_back_stage``; the
-    entries of its set of another burst keep their place)."""
-    ident, stamp = str(entry["id"]), int(entry["s"])
-    ahead = adm.entry_ahead("$$e", stamp, ident, adm.rank_of_entry(entry))
-    parked = adm.entry_expr(entry, timeout_ms)
-    q, _ = sets.park_queue(parked, group, ahead, by=str(entry["t"]), take_back=False, burst=burst)
-    return q
-
-
-def take_back_stage(entry: Mapping[str, Any], group: str, when: object, burst: object = None) -> Document:
-    """When ``when`` (the run parks, takes, claims or is due a slot: it is the newest send of its set the
-    key knows), the older runs of ``group`` leave the key for ``sup``: their parked entries, and the slots
-    handed or reserved to them and not yet claimed (freed: the command's last stages hand them on). A run
-    of ``group`` that holds a slot (claimed or acquired) keeps it: only a run that has not started is
-    superseded."""
-    ident, stamp, by = str(entry["id"]), int(entry["s"]), str(entry["t"])
-    older_hold = _older_of_set(group, stamp, ident, burst)
-    older_parked = {
+def _older_parked(group: str, stamp: int, ident: str, burst: object = None) -> Document:
+    """Parked entry ``$$p`` is a run of ``group`` (of ``burst``) sent before this run."""
+    return {
         "$and": [
             {"$eq": [{"$ifNull": [adm.field_of("g", "$$p"), None]}, {"$literal": group}]},
             adm.entry_before("$$p", stamp, ident),
             sets.in_burst("$$p", burst),
         ]
     }
+
+
+def burst_stage(entry: Mapping[str, Any], group: str, burst: object, max_wait_ms: int) -> Document:
+    """``Replace(debounce=..., max_wait=...)``, before ``take_back_stage``: when the burst this run
+    continues began waiting (``__fw``: the earliest first wait of the older runs of its set it takes
+    back, parked or handed a slot, else its own burst, else now; ``entries.burst_since``) and its burst's
+    identity (``__bid``: the one it knows, else theirs, else now; ``sets.burst_identity``)."""
+    ident, stamp = str(entry["id"]), int(entry["s"])
+    cond_p = _older_parked(group, stamp, ident, burst)
+    cond_h = _older_of_set(group, stamp, ident, burst, max_wait_ms)
+    older = {
+        "$concatArrays": [
+            {"$filter": {"input": _Q, "as": "p", "cond": cond_p}},
+            {
+                "$map": {
+                    "input": {"$filter": {"input": _HS, "as": "h", "cond": cond_h}},
+                    "as": "h",
+                    "in": "$$h.ho",
+                }
+            },
+        ]
+    }
+    fields: Document = {"__fw": burst_since(older, burst)}
+    if burst is not None:
+        fields["__bid"] = {"$ifNull": [burst, sets.burst_identity(older)]}
+    return {"$set": fields}
+
+
+def parked_queue(
+    entry: Mapping[str, Any],
+    timeout_ms: int | None,
+    group: str,
+    burst: object = None,
+    *,
+    debounce_ms: int | None = None,
+    max_wait_ms: int | None = None,
+) -> Document:
+    """The queue when the run ``entry`` of ``group`` parks: its entry in its place (rank, then send order;
+    the older runs of its set, of its burst when given, are gone already: ``take_back_stage``; the
+    entries of its set of another burst keep their place). With ``debounce_ms``, the entry is not due
+    before it has passed (``nb``), nor later than its burst's first wait (``__fw``, ``burst_stage``) plus
+    ``max_wait_ms``; with a burst, the entry keeps it (``bu``: ``__bid``)."""
+    ident, stamp = str(entry["id"]), int(entry["s"])
+    ahead = adm.entry_ahead("$$e", stamp, ident, adm.rank_of_entry(entry))
+    since = "$__fw" if debounce_ms and max_wait_ms else None
+    parked = adm.entry_expr(entry, timeout_ms, debounce_ms, max_wait_ms=max_wait_ms, since=since)
+    if debounce_ms and max_wait_ms and burst is not None:
+        parked["bu"] = "$__bid"
+    q, _ = sets.park_queue(parked, group, ahead, by=str(entry["t"]), take_back=False, burst=burst)
+    return q
+
+
+def take_back_stage(
+    entry: Mapping[str, Any], group: str, when: object, burst: object = None, max_wait_ms: int | None = None
+) -> Document:
+    """When ``when`` (the run parks, takes, claims or is due a slot: it is the newest send of its set the
+    key knows), the older runs of ``group`` leave the key for ``sup``: their parked entries, and the slots
+    handed or reserved to them and not yet claimed (freed: the command's last stages hand them on). A run
+    of ``group`` that holds a slot (claimed or acquired) keeps it: only a run that has not started is
+    superseded."""
+    ident, stamp, by = str(entry["id"]), int(entry["s"]), str(entry["t"])
+    older_hold = _older_of_set(group, stamp, ident, burst, max_wait_ms)
+    older_parked = _older_parked(group, stamp, ident, burst)
     records = {
         "$concatArrays": [
             {
