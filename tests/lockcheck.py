@@ -597,12 +597,27 @@ def _write(docs: Collection[Doc], lease: Lease, op: str, p: int) -> tuple[str, b
             # this operation (ours, or a previous run of the same Celery task) was applied.
             return ("ack" if result.matched_count == 1 else "ack-earlier"), retried
         except FencedOut:
+            if retried:
+                # An earlier attempt whose reply was lost may have been applied before the fence moved
+                # (a cancel_running supersession, a newer holder): then the filter excluded the
+                # document, and the fence check answered. The document says which (ci21: a holder's
+                # write applied, its reply lost to a fault, the retry fenced out and reported fenced).
+                return _resolved_after_fenced_retry(docs, key, op), retried
             return "fenced", retried
         except PyMongoError:
             retried = True
             if time.monotonic() > give_up:
                 return "ambiguous", retried
             time.sleep(0.1 + random.random() * 0.2)
+
+
+def _resolved_after_fenced_retry(docs: Collection[Doc], key: str, op: str) -> str:
+    """A retried write fenced out: ``ack-earlier`` if the document holds ``op`` (an earlier attempt was
+    applied), ``fenced`` if it does not, ``ambiguous`` if it cannot be read."""
+    try:
+        return "ack-earlier" if docs.find_one({"_id": key, "log.o": op}, {"_id": 1}) else "fenced"
+    except PyMongoError:
+        return "ambiguous"
 
 
 def run_hold(

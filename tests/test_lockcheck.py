@@ -1708,3 +1708,13 @@ def test_a_several_keys_replace_run_that_already_ran_needs_its_ops_applied() -> 
     assert lockcheck.check_multi_replace(h, applied=both) == []
     one = {lockcheck.multi_op("op-A", M1): [(M1, "h")]}
     assert kinds(lockcheck.check_multi_replace(h, applied=one)) == {"queued-run-skipped"}
+
+
+def test_a_retried_write_fenced_out_is_judged_on_the_document(client: Any, db_name: str) -> None:
+    """ci21: a holder's write was applied, its reply lost to a fault; its retry, fenced out (the filter
+    excluded the document that holds the op, and the fence had moved), was recorded ``fenced``, and the
+    checker reported ``fenced-but-applied``. A retried write fenced out is now resolved on the document."""
+    docs = client[db_name]["protected"]
+    docs.insert_one({"_id": "k", "log": [{"o": "applied-op"}]})
+    assert lockcheck._resolved_after_fenced_retry(docs, "k", "applied-op") == "ack-earlier"
+    assert lockcheck._resolved_after_fenced_retry(docs, "k", "other-op") == "fenced"
