@@ -833,6 +833,19 @@ def rmw_multi_limit_queued(self: Any, a: str, b: str, op: str, reckless: bool = 
 
 @singleton_task(
     keys=("{a}", "{b}"), limit={"{a}": lockcheck.LIMIT, "{b}": lockcheck.LIMIT}, app=app, bind=True,
+    name=lockcheck.MULTI_LIMITS_CAPPED_TASK, max_retries=200,
+    on_contention=Replace(
+        debounce=lockcheck.MULTI_REPLACE_DEBOUNCE, max_wait=lockcheck.MULTI_REPLACE_MAX_WAIT
+    ),
+)  # fmt: skip
+def rmw_multi_limits_capped(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same with a ceiling: a pair that keeps receiving sends still runs, the ceiling's run handed
+    its slots before a newer burst's run of its set."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
+    keys=("{a}", "{b}"), limit={"{a}": lockcheck.LIMIT, "{b}": lockcheck.LIMIT}, app=app, bind=True,
     name=lockcheck.MULTI_LIMITS_DEBOUNCED_TASK, max_retries=200,
     on_contention=Replace(debounce=lockcheck.MULTI_REPLACE_DEBOUNCE),
 )  # fmt: skip

@@ -40,6 +40,7 @@ from typing import Any
 
 __all__ = [
     "LG_KEPT",
+    "behind_its_set",
     "burst_identity",
     "burst_of",
     "carry_burst",
@@ -305,6 +306,27 @@ def park_queue(
         ]
     }
     return in_order, superseded
+
+
+def behind_its_set(e: object, ahead: object) -> Document:
+    """Entry ``e`` (an expression) of a burst (``Replace(debounce=..., max_wait=...)`` with ``keys=``: it
+    has ``fw`` or ``bu``) has an older run of its set among the entries ``ahead`` (an array expression:
+    the key's parked entries and those its slots are handed or reserved to, not yet claimed). On a key
+    with slots such an entry is not handed a slot before that run is through: the runs of one set get
+    the key's slots in send order, as they get a single lease. (Else the ceiling's run, sealed, handed a
+    slot it has not claimed yet, and a newer burst's run handed another: two runs of one set chosen at
+    once, the older one's turn after the newer's.) Other entries: never (and not computed)."""
+    g = {"$ifNull": [_field("g", e), None]}
+    of_a_burst = {"$ne": [{"$ifNull": [_field("fw", e), {"$ifNull": [_field("bu", e), None]}]}, None]}
+    older = {"$and": [{"$eq": [{"$ifNull": ["$$o.g", None]}, g]}, {"$lt": ["$$o.s", _field("s", e)]}]}
+    # ($and stops at its first false: the scan of ``ahead`` is made for entries of a burst only)
+    return {
+        "$and": [
+            {"$ne": [g, None]},
+            of_a_burst,
+            {"$gt": [{"$size": {"$filter": {"input": ahead, "as": "o", "cond": older}}}, 0]},
+        ]
+    }
 
 
 def carry_burst(q: object, left: object) -> Document:

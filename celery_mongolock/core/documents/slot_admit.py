@@ -23,7 +23,13 @@ from celery_mongolock.core.documents.admit_stages import (
 from celery_mongolock.core.documents.entries import entry_due, field_of, none_ahead, park_exprs
 from celery_mongolock.core.documents.handoff import admit_marker
 from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
-from celery_mongolock.core.documents.slot_queue import fence_base, fill_stages, has_handoff, normalize_stages
+from celery_mongolock.core.documents.slot_queue import (
+    AHEAD,
+    fence_base,
+    fill_stages,
+    has_handoff,
+    normalize_stages,
+)
 
 __all__ = ["slot_admit_pipeline"]
 
@@ -129,7 +135,14 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
         claimable = {"$and": [handed_to_it, {"$not": [SINGLE_HELD]}]}
     due_now = None
     if run.due:
-        due_now = {"$and": [room, {"$eq": [field_of("id", head), lit]}, entry_due(head)]}
+        due_now = {
+            "$and": [
+                room,
+                {"$eq": [field_of("id", head), lit]},
+                entry_due(head),
+                {"$not": [sets.behind_its_set(head, AHEAD)]},
+            ]
+        }
     handed_ids = {"$map": {"input": _HANDED, "as": "e", "in": "$$e.ho.id"}}
     in_set: list[Document] = []
     if run.by_set and run.group is not None:

@@ -60,6 +60,22 @@ def has_handoff(e: str) -> Document:
 HANDED: Document = {"$gt": [{"$size": {"$filter": {"input": _HS, "as": "e", "cond": has_handoff("$$e")}}}, 0]}
 
 
+#: The entries a key's runs are ahead of others with: parked (``q``), or handed or reserved a slot and not
+#: yet claimed (``hs[].ho``).
+AHEAD: Document = {
+    "$concatArrays": [
+        _Q,
+        {
+            "$map": {
+                "input": {"$filter": {"input": _HS, "as": "h", "cond": has_handoff("$$h")}},
+                "as": "h",
+                "in": "$$h.ho",
+            }
+        },
+    ]
+}
+
+
 def live_hold(e: str) -> Document:
     """Hold ``e`` has not expired."""
     return {"$gt": [{"$toLong": f"{e}.x"}, _NOW_MS]}
@@ -165,7 +181,14 @@ def fill_stages(by: str) -> list[Document]:
         {
             "$set": {
                 "__fs": {"$cond": [single_held, [], free]},
-                "__dq": {"$filter": {"input": _Q, "as": "e", "cond": entry_due("$$e")}},
+                # (due, and not behind an older run of its set: ``sets.behind_its_set``)
+                "__dq": {
+                    "$filter": {
+                        "input": _Q,
+                        "as": "e",
+                        "cond": {"$and": [entry_due("$$e"), {"$not": [sets.behind_its_set("$$e", AHEAD)]}]},
+                    }
+                },
             }
         },
         {"$set": {"__k": {"$min": [{"$size": "$__fs"}, {"$size": "$__dq"}]}, "__base": fence_base()}},
