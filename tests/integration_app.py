@@ -714,6 +714,19 @@ def tenant_upload_capped(tenant: str, group: str, tag: str, seconds: float = 0.1
     keys=("acct:{tenant}", "group:{group}"),
     limit={"acct:{tenant}": 2, "group:{group}": 2},
     app=app,
+    name="integration_app.tenant_upload_all_limited",
+    on_contention=Replace(debounce=1.0, max_wait=3.0),
+)
+def tenant_upload_all_limited(tenant: str, group: str, tag: str, seconds: float = 0.1) -> list[str]:
+    """``tenant_upload_capped`` with a limit on every key of the set: a set that keeps receiving sends
+    still runs by ``max_wait``, its runs one at a time and in send order."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
+    keys=("acct:{tenant}", "group:{group}"),
+    limit={"acct:{tenant}": 2, "group:{group}": 2},
+    app=app,
     name="integration_app.tenant_upload_debounced",
     on_contention=Replace(debounce=3.0),
 )

@@ -328,7 +328,7 @@ MULTI_LIMIT_REPLACE_TASK = "lockcheck.rmw_multi_limit_replace"
 #: LIMIT}``, ``Replace(debounce=MULTI_REPLACE_DEBOUNCE)``): a slot of two ``l`` keys, its entries not due
 #: before their debounce (a free slot is not handed before). Half of the random bursts of
 #: ``MULTI_LIMIT_REPLACE_TASK`` (on ``slotted`` and ``LIMITS_DEBOUNCED_KEY``), judged with its runs
-#: (``check_multi_replace``). Not with ``max_wait`` yet: see docs/known-issues.md.
+#: (``check_multi_replace``). With ``max_wait``: ``MULTI_LIMITS_CAPPED_TASK``.
 MULTI_LIMITS_DEBOUNCED_TASK = "lockcheck.rmw_multi_limits_debounced"
 #: The same with a ceiling (``Replace(debounce=MULTI_REPLACE_DEBOUNCE, max_wait=MULTI_REPLACE_MAX_WAIT)``),
 #: in the directed phase: a capped burst on two ``l`` keys of its own (``Run._capped_directed``), a send

@@ -146,14 +146,16 @@ def test_a_set_of_keys_that_keeps_receiving_sends_still_runs_by_max_wait(cluster
     _runs_again_and_again(cluster, send, sorted([f"resource:{a}", f"resource:{b}"]))
 
 
-def test_a_set_with_a_limit_on_its_first_key_still_runs_by_max_wait(cluster: Cluster) -> None:
-    """The same with ``limit={"acct:{tenant}": 2}`` on the key that sorts first: the set's runs still start
-    again and again while the sends go on (its burst is learned and sealed on the single-lease key). (A
-    limit on every key of the set with ``max_wait``: docs/known-issues.md.)"""
+@pytest.mark.parametrize("task", ["tenant_upload_capped", "tenant_upload_all_limited"])
+def test_a_set_with_limits_still_runs_by_max_wait(cluster: Cluster, task: str) -> None:
+    """The same with ``limit={"acct:{tenant}": 2}`` on the key that sorts first (its burst is learned and
+    sealed on the single-lease key), and with a limit of 2 on every key of the set (its runs get each key
+    one at a time, in send order, as a single lease)."""
     tenant, group = tag(), tag()
+    upload = getattr(it, task)
     _runs_again_and_again(
         cluster,
-        lambda t: it.tenant_upload_capped.delay(tenant, group, t, 0.1),
+        lambda t: upload.delay(tenant, group, t, 0.1),
         sorted([f"acct:{tenant}", f"group:{group}"]),
     )
 

@@ -138,8 +138,14 @@ def run_burst(ident: str, known: int | None) -> Document:
     lit = {"$literal": ident}
     own_q = {"$arrayElemAt": [{"$filter": {"input": _Q, "as": "e", "cond": {"$eq": ["$$e.id", lit]}}}, 0]}
     own_ho = {"$cond": [{"$eq": [{"$ifNull": ["$ho.id", None]}, lit]}, "$ho", None]}
+    # (on a key with slots: the slot handed or reserved to it)
+    handed = {"$map": {"input": {"$ifNull": ["$hs", []]}, "as": "h", "in": {"$ifNull": ["$$h.ho", {}]}}}
+    own_hs = {
+        "$arrayElemAt": [{"$filter": {"input": handed, "as": "e", "cond": {"$eq": ["$$e.id", lit]}}}, 0]
+    }
     fallback = None if known is None else {"$literal": int(known)}
-    return {"$ifNull": [burst_of(own_q), {"$ifNull": [burst_of(own_ho), fallback]}]}
+    mine = {"$ifNull": [burst_of(own_ho), {"$ifNull": [burst_of(own_hs), fallback]}]}
+    return {"$ifNull": [burst_of(own_q), mine]}
 
 
 def _has_ho() -> Document:
@@ -308,23 +314,24 @@ def park_queue(
     return in_order, superseded
 
 
-def behind_its_set(e: object, ahead: object) -> Document:
+def behind_its_set(e: object, runs: object) -> Document:
     """Entry ``e`` (an expression) of a burst (``Replace(debounce=..., max_wait=...)`` with ``keys=``: it
-    has ``fw`` or ``bu``) has an older run of its set among the entries ``ahead`` (an array expression:
-    the key's parked entries and those its slots are handed or reserved to, not yet claimed). On a key
-    with slots such an entry is not handed a slot before that run is through: the runs of one set get
-    the key's slots in send order, as they get a single lease. (Else the ceiling's run, sealed, handed a
-    slot it has not claimed yet, and a newer burst's run handed another: two runs of one set chosen at
-    once, the older one's turn after the newer's.) Other entries: never (and not computed)."""
+    has ``fw`` or ``bu``) has an older run of its set among ``runs`` (an array expression of ``{g, s}``:
+    the key's runs of sets, parked, handed or reserved a slot, or holding one: ``slot_queue.SET_RUNS``). On
+    a key with slots such an entry is not handed a slot before that run is through: the runs of one set
+    of a burst get the key's slots one at a time, in send order, as they get a single lease. (Else the
+    ceiling's run, sealed, handed or holding a slot it has not yet made its own on every key, and a newer
+    burst's run handed another: the older one's turn could come again after the newer one's.) Other
+    entries: never (and ``runs`` not scanned)."""
     g = {"$ifNull": [_field("g", e), None]}
     of_a_burst = {"$ne": [{"$ifNull": [_field("fw", e), {"$ifNull": [_field("bu", e), None]}]}, None]}
-    older = {"$and": [{"$eq": [{"$ifNull": ["$$o.g", None]}, g]}, {"$lt": ["$$o.s", _field("s", e)]}]}
-    # ($and stops at its first false: the scan of ``ahead`` is made for entries of a burst only)
+    older = {"$and": [{"$eq": ["$$o.g", g]}, {"$lt": ["$$o.s", _field("s", e)]}]}
+    # ($and stops at its first false: ``runs`` is scanned for entries of a burst only)
     return {
         "$and": [
             {"$ne": [g, None]},
             of_a_burst,
-            {"$gt": [{"$size": {"$filter": {"input": ahead, "as": "o", "cond": older}}}, 0]},
+            {"$gt": [{"$size": {"$filter": {"input": runs, "as": "o", "cond": older}}}, 0]},
         ]
     }
 

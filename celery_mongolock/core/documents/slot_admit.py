@@ -24,7 +24,7 @@ from celery_mongolock.core.documents.entries import entry_due, field_of, none_ah
 from celery_mongolock.core.documents.handoff import admit_marker
 from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
 from celery_mongolock.core.documents.slot_queue import (
-    AHEAD,
+    SET_RUNS,
     fence_base,
     fill_stages,
     has_handoff,
@@ -140,7 +140,7 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
                 room,
                 {"$eq": [field_of("id", head), lit]},
                 entry_due(head),
-                {"$not": [sets.behind_its_set(head, AHEAD)]},
+                {"$not": [sets.behind_its_set(head, SET_RUNS)]},
             ]
         }
     handed_ids = {"$map": {"input": _HANDED, "as": "e", "in": "$$e.ho.id"}}

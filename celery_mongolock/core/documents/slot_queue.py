@@ -60,16 +60,53 @@ def has_handoff(e: str) -> Document:
 HANDED: Document = {"$gt": [{"$size": {"$filter": {"input": _HS, "as": "e", "cond": has_handoff("$$e")}}}, 0]}
 
 
-#: The entries a key's runs are ahead of others with: parked (``q``), or handed or reserved a slot and not
-#: yet claimed (``hs[].ho``).
-AHEAD: Document = {
+#: The runs of sets (``Replace`` with ``keys=``) a key has, as ``{g, s}`` (set, send stamp): parked (``q``),
+#: handed or reserved a slot and not yet claimed (``hs[].ho``), or holding one (a slot taken or claimed,
+#: not released: its holder's ``set`` and ``sent``). ``sets.behind_its_set`` looks for an older run of an
+#: entry's set among them.
+SET_RUNS: Document = {
     "$concatArrays": [
-        _Q,
         {
             "$map": {
-                "input": {"$filter": {"input": _HS, "as": "h", "cond": has_handoff("$$h")}},
+                "input": {
+                    "$filter": {"input": _Q, "as": "e", "cond": {"$ne": [{"$ifNull": ["$$e.g", None]}, None]}}
+                },
+                "as": "e",
+                "in": {"g": "$$e.g", "s": "$$e.s"},
+            }
+        },
+        {
+            "$map": {
+                "input": {
+                    "$filter": {
+                        "input": _HS,
+                        "as": "h",
+                        "cond": {
+                            "$and": [has_handoff("$$h"), {"$ne": [{"$ifNull": ["$$h.ho.g", None]}, None]}]
+                        },
+                    }
+                },
                 "as": "h",
-                "in": "$$h.ho",
+                "in": {"g": "$$h.ho.g", "s": "$$h.ho.s"},
+            }
+        },
+        {
+            "$map": {
+                "input": {
+                    "$filter": {
+                        "input": _HS,
+                        "as": "h",
+                        "cond": {
+                            "$and": [
+                                {"$not": [has_handoff("$$h")]},
+                                {"$not": [_slots.released("$$h")]},
+                                {"$ne": [{"$ifNull": ["$$h.h.set", None]}, None]},
+                            ]
+                        },
+                    }
+                },
+                "as": "h",
+                "in": {"g": "$$h.h.set", "s": "$$h.h.sent"},
             }
         },
     ]
@@ -178,6 +215,7 @@ def fill_stages(by: str) -> list[Document]:
         }
     }
     return [
+        {"$set": {"__sr": SET_RUNS}},  # (once per command: ``__dq`` scans it per entry of a burst)
         {
             "$set": {
                 "__fs": {"$cond": [single_held, [], free]},
@@ -186,7 +224,7 @@ def fill_stages(by: str) -> list[Document]:
                     "$filter": {
                         "input": _Q,
                         "as": "e",
-                        "cond": {"$and": [entry_due("$$e"), {"$not": [sets.behind_its_set("$$e", AHEAD)]}]},
+                        "cond": {"$and": [entry_due("$$e"), {"$not": [sets.behind_its_set("$$e", "$__sr")]}]},
                     }
                 },
             }
@@ -215,7 +253,7 @@ def fill_stages(by: str) -> list[Document]:
                 "fence": {"$cond": [{"$gt": ["$__k", 0]}, {"$add": ["$__base", "$__k", -1]}, "$fence"]},
             }
         },
-        {"$unset": ["__fs", "__dq", "__k", "__base", "__hd"]},
+        {"$unset": ["__fs", "__dq", "__k", "__base", "__hd", "__sr"]},
         {"$set": {"sx": _slots.latest_expiry("$hs")}},
     ]
 
