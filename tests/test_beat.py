@@ -171,7 +171,9 @@ def test_several_beats_send_each_tick_once_and_fail_over(beat_cluster: dict[str,
     wait_for(lambda: len(ticks("beat")) >= n + 3, timeout=30, message="ticks after the graceful handover")
     third = wait_for(leaders, timeout=10, message="the last beat to lead")[0]
     assert third is not first and third is not second
-    handover = f"previous leader {host}:{second.proc.pid}: it released the lease (stopped gracefully)"
+    # (released while the new leader looked, or before: "just now", or "(stopped gracefully)"; ci23 saw the
+    # first on a busy machine. Either way a release, not an expiry.)
+    handover = f"previous leader {host}:{second.proc.pid}: it released the lease"
     assert handover in third.log(), third.log()
     assert "became the leader" in first.log()
     # The first beat to lead says so; on a busy machine a lease can change hands before the kill above, so
