@@ -17,14 +17,23 @@ N, PERIOD = 2, 2.0
 SKIP_PERIOD = 60.0
 
 
-def _started(tag: str, key: str) -> str:
+def _started(tag: str, key: str, *keys: str) -> str:
+    """Record this body's start (``at``, server clock) and what the library's windows of ``key`` and
+    ``keys`` held when it began (``grants``: each window's starts, as recorded in the command that granted
+    them). A test judges the rate on the grants: a body's own record comes a reply, a signal and a round
+    trip after its grant, later by a varying amount on a busy machine."""
     from celery import current_task
+
+    from celery_mongolock.config import get_store
+    from celery_mongolock.core.store_rate import rate_windows
 
     # Whether the rate parked this run before it started (its copies carry the count of its waits).
     parked = bool(((current_task.request.headers or {}) if current_task else {}).get("mongolock_rate_parks"))
+    windows = rate_windows(get_store(app)).plain_collection
+    grants = [{"k": k, "s": (windows.find_one({"_id": k}) or {}).get("s", [])} for k in sorted({key, *keys})]
     db()["rate_starts"].update_one(
         {"_id": tag},
-        [{"$set": {"at": "$$NOW", "key": key, "pid": os.getpid(), "parked": parked}}],
+        [{"$set": {"at": "$$NOW", "key": key, "pid": os.getpid(), "parked": parked, "grants": grants}}],
         upsert=True,
     )
     return tag
@@ -76,7 +85,7 @@ def throttled_skip(name: str, tag: str) -> str:
     name="rate.pair",
 )
 def pair(tenant: str, group: str, tag: str) -> str:
-    return _started(tag, f"tenant:{tenant}")
+    return _started(tag, f"tenant:{tenant}", f"group:{group}")
 
 
 @singleton_task(
@@ -114,7 +123,7 @@ def latest(name: str, tag: str, gate: bool = False) -> str:
     name="rate.pair_queued",
 )
 def pair_queued(tenant: str, group: str, tag: str) -> str:
-    return _started(tag, f"tenant:{tenant}")
+    return _started(tag, f"tenant:{tenant}", f"group:{group}")
 
 
 @singleton_task(

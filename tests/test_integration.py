@@ -726,6 +726,19 @@ def test_a_singleton_task_costs_two_commands(mongo_url: str, db_name: str) -> No
 # -- loss, start-up validation, shutdown ------------------------------------------------------------------
 
 
+def lost_record(cluster: Cluster, key: str) -> dict[str, Any]:
+    """What the app's ``lease_lost`` receiver recorded for ``key``. The lease's ``lost`` flag turns true
+    before the receivers run, so a body that polls it may record that it noticed first: the receiver's
+    record is waited for, not read once."""
+    found = wait_for(
+        lambda: cluster.db["runs"].find_one({"kind": "lost", "key": key}),
+        timeout=60,
+        message=f"the lease_lost record of {key}",
+    )
+    assert found is not None
+    return found
+
+
 def test_a_running_task_learns_its_lease_was_lost(cluster: Cluster) -> None:
     resource, t = tag(), tag()
     it.guarded.delay(resource, t, 30)
@@ -737,8 +750,7 @@ def test_a_running_task_learns_its_lease_was_lost(cluster: Cluster) -> None:
         lambda: cluster.runs(t, "noticed-lost"), timeout=LEASE * 3, message="the body to notice"
     )
     assert noticed
-    lost = cluster.db["runs"].find_one({"kind": "lost", "key": f"resource:{resource}"})
-    assert lost is not None and "released by force" in lost["reason"]
+    assert "released by force" in lost_record(cluster, f"resource:{resource}")["reason"]
 
 
 def test_a_force_release_from_the_cli_is_noticed_by_the_running_task_at_once(cluster: Cluster) -> None:
@@ -756,8 +768,7 @@ def test_a_force_release_from_the_cli_is_noticed_by_the_running_task_at_once(clu
     out = run_cli(cluster.mongo_url, cluster.db_name, "release", key, "--force")
     assert out.returncode == 0, out.stderr
     wait_for(lambda: cluster.runs(t, "noticed-lost"), timeout=60, message="the body to notice")
-    lost = cluster.db["runs"].find_one({"kind": "lost", "key": key})
-    assert lost is not None and "a change stream saw it released by force" in lost["reason"]
+    assert "a change stream saw it released by force" in lost_record(cluster, key)["reason"]
     assert cluster.runs(t, "end") == []  # the body stopped: it did not run on without its lease
     w.kill()
 
