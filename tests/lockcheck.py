@@ -184,7 +184,7 @@ from celery_mongolock import (
 from celery_mongolock.core.documents import rate as rate_docs
 from celery_mongolock.core.documents.rate import RateWindow
 from celery_mongolock.core.reentry import ReentrantHold
-from celery_mongolock.core.store import Lease, _local_ttl
+from celery_mongolock.core.store import Lease
 from celery_mongolock.core.store_rate import STALE_AFTER_TURN_MS, RateTake, rate_windows
 from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
 from celery_mongolock.fencing import FencedOut, fenced_update_one
@@ -383,6 +383,15 @@ MULTI_REPLACE_BURST = 4
 #: of its set has parked on the first key, before it turns that key into its reservation.
 WINDOW_KEY = DIRECTED_KEY + 3
 WINDOW_WAIT_S = 120.0
+#: The window is missed when the older run's lease of the first key lapsed before the newer send came (its
+#: admit answered late on a loaded machine, ci26): the newer send then takes that key instead of parking on
+#: it. The step is sent again on keys of its own (index ``WINDOW_AGAIN_KEY + 2 * attempt`` and the next),
+#: at most ``WINDOW_ATTEMPTS - 1`` times, and judged on its latest attempt.
+WINDOW_AGAIN_KEY = DIRECTED_KEY + 40
+WINDOW_ATTEMPTS = 3
+#: The controller arms the window of an attempt (a document ``{_id: first key, armed: True}`` here); the
+#: run that consumes it pauses in the window, and writes ``seen`` (the newer send parked) when it goes on.
+WINDOW_MARKERS = "lockcheck_window"
 #: The directed burst of ``MULTI_REPLACE_DEBOUNCED_TASK`` runs (``Run._debounced_directed``): one set of two
 #: ``m`` keys (index ``DIRECTED_KEY + 5`` and ``+ 6``), sent one at a time behind a gate on the first.
 DEBOUNCED_BURST = 4
@@ -1076,9 +1085,10 @@ def record_task_acquired(
     min_hold: float | None = None,
 ) -> None:
     t1 = time.monotonic()
-    # When the acquire was sent: the lease's first deadline is sent + local ttl (no renewal yet); or,
-    # for the second key of a set, no later than the first key's reply (``sent_after``: taken in turn).
-    t0 = min(t1, lease.deadline - _local_ttl(lease.ttl))
+    # When the acquire was sent (``sent_mono``: a renewal between the grant and this record does not move
+    # it, as it moves the deadline); or, for the second key of a set, no later than the first key's reply
+    # (``sent_after``: taken in turn).
+    t0 = min(t1, lease.sent_mono)
     if sent_after is not None:
         t0 = min(t0, sent_after)
     extra: Doc = {}
@@ -1183,10 +1193,20 @@ def key_for(i: int, epoch: int, kind: str = "k") -> str:
     return f"{PREFIX}{kind}{i}.e{epoch}"
 
 
+def window_pair(attempt: int) -> tuple[int, int]:
+    """The key indexes (``m`` keys) of the reservation window's attempt ``attempt`` (0: the first)."""
+    first = WINDOW_KEY if attempt == 0 else WINDOW_AGAIN_KEY + 2 * attempt
+    return first, first + 1
+
+
 def window_first_key(key: str) -> str | None:
-    """The reservation window's first key when ``key`` is its second (``WINDOW_KEY + 1``), else None."""
-    prefix = f"{PREFIX}m{WINDOW_KEY + 1}.e"
-    return f"{PREFIX}m{WINDOW_KEY}.e{key[len(prefix) :]}" if key.startswith(prefix) else None
+    """The reservation window's first key when ``key`` is the second of an attempt's pair, else None."""
+    for attempt in range(WINDOW_ATTEMPTS):
+        first, second = window_pair(attempt)
+        prefix = f"{PREFIX}m{second}.e"
+        if key.startswith(prefix):
+            return f"{PREFIX}m{first}.e{key[len(prefix) :]}"
+    return None
 
 
 def key_policy(key: str) -> str:
@@ -2724,7 +2744,8 @@ def multi_replace_figures(
         return {tid for tid, t in tasks.items() if str(t.get("op", "")).startswith(prefix)}
 
     directed = with_op(directed_op)
-    window, debounced_directed = with_op("directed-window-"), with_op("directed-debounced-")
+    window = set(_latest_attempts(tasks, "directed-window-").values())  # the window's last attempt
+    debounced_directed = with_op("directed-debounced-")
     debounced = {
         tid
         for tid, t in tasks.items()
@@ -5399,14 +5420,46 @@ class Run:
         reservation (the app holds the older run in that window until it sees the newer send parked on w0:
         ``lockcheck_app._reservation_window``). The older run's reservation is refused, w0 is given back to
         the newer send (``handed_on``: seen reserved for it in the lease document) and the older run ends
-        superseded; the gate lets w1 go and the newer send runs. Returns the task ids."""
+        superseded; the gate lets w1 go and the newer send runs. A missed window (the older run's lease of
+        w0 lapsed before the newer send came) is sent again on keys of its own (``WINDOW_ATTEMPTS``).
+        Returns the task ids of every attempt."""
+        ids: list[str] = []
+        for attempt in range(WINDOW_ATTEMPTS):
+            suffix = f"@{attempt}" if attempt else ""
+            seen, attempt_ids = self._window_attempt(attempt, suffix)
+            ids += attempt_ids
+            if seen is not False:  # the window happened (or the step could not tell): judged as it is
+                break
+            self.log(
+                "directed phase: the reservation window was missed (the older run's lease lapsed); "
+                f"again ({attempt + 1})"
+            )
+        self.multi_replace_window["attempts"] = attempt + 1
+        return ids
+
+    def _window_attempt(self, attempt: int, suffix: str) -> tuple[bool | None, list[str]]:
+        """One attempt of ``_reservation_window``: whether the older run saw the newer send parked in its
+        window (None: not known), and the task ids."""
+        assert self.store is not None
         epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
-        w0, w1 = key_for(WINDOW_KEY, epoch, "m"), key_for(WINDOW_KEY + 1, epoch, "m")
+        i0, i1 = window_pair(attempt)
+        w0, w1 = key_for(i0, epoch, "m"), key_for(i1, epoch, "m")
+        markers = self.store.collection.database[WINDOW_MARKERS]
+        with contextlib.suppress(PyMongoError):
+            markers.replace_one({"_id": w0}, {"_id": w0, "armed": True}, upsert=True)
         gate = self._gate_take(w1)
         ids: list[str] = []
         handed_on = False
-        old = self._submit(MULTI_REPLACE_TASK, "", "directed-window-old", keys=(w0, w1), queue="celery")
+        old = self._submit(
+            MULTI_REPLACE_TASK, "", f"directed-window-old{suffix}", keys=(w0, w1), queue="celery"
+        )
         new: str | None = None
+
+        def marker() -> Doc:
+            with contextlib.suppress(PyMongoError):
+                return markers.find_one({"_id": w0}) or {}
+            return {}
+
         if old is not None:
             ids.append(old)
             try:
@@ -5417,23 +5470,25 @@ class Run:
                     0.1,
                 )
                 new = self._submit(
-                    MULTI_REPLACE_TASK, "", "directed-window-new", keys=(w1, w0), queue="celery"
+                    MULTI_REPLACE_TASK, "", f"directed-window-new{suffix}", keys=(w1, w0), queue="celery"
                 )
                 if new is not None:
                     ids.append(new)
-                    handed_on = bool(
-                        _wait(
-                            lambda: self._reserved_for(w0) == new,
-                            WINDOW_WAIT_S + 60.0,
-                            f"{w0} to be handed on to the newer send",
-                            0.1,
-                        )
+
+                    def outcome() -> str | None:
+                        if self._reserved_for(w0) == new:
+                            return "handed on"
+                        return "missed" if marker().get("seen") is False else None
+
+                    handed_on = (
+                        _wait(outcome, WINDOW_WAIT_S + 60.0, f"{w0} to be handed on to the newer send", 0.1)
+                        == "handed on"
                     )
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
         self._gate_release(gate)
         self.multi_replace_window = {"old": old, "new": new, "handed_on": handed_on}
-        return ids
+        return marker().get("seen"), ids
 
     def _debounced_directed(self) -> list[str]:
         """``DEBOUNCED_BURST`` runs of ``MULTI_REPLACE_DEBOUNCED_TASK`` on one set of two ``m`` keys (e0, e1),

@@ -201,13 +201,18 @@ def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: 
     run that holds the window's first key and has just parked on its second (held by the controller's
     gate) waits here, between its admits and the reservation of the key it holds, until a newer send of
     its set has parked on that key (the controller sends it meanwhile): the window in which the newer send
-    finds a held lease, not a reservation, to take back. Waits on the lease document, with a deadline."""
+    finds a held lease, not a reservation, to take back. Only the run that consumes the controller's marker
+    (``lockcheck.WINDOW_MARKERS``) waits, and only while it still holds the key (its lease may lapse on a
+    loaded machine); it writes on the marker whether it saw the newer send parked. Waits on the lease
+    document, with a deadline."""
     first = lockcheck.window_first_key(key)
     if first is None or doc.get("lo") != "parked" or not entry.get("g"):
         return
-    held = self.collection.find_one({"_id": first}, {"owner": 1, "holder.task_id": 1, "q": 1}) or {}
-    if not held.get("owner") or (held.get("holder") or {}).get("task_id") != entry.get("t"):
+    if not holds(self, first, entry):
         return
+    markers = self.collection.database[lockcheck.WINDOW_MARKERS]
+    if markers.find_one_and_update({"_id": first, "armed": True}, {"$set": {"armed": False}}) is None:
+        return  # not the run this attempt's window was armed for
 
     def newer_parked() -> bool:
         d = self.collection.find_one({"_id": first}, {"q.g": 1, "q.s": 1}) or {}
@@ -216,10 +221,17 @@ def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: 
         )
 
     deadline = time.monotonic() + lockcheck.WINDOW_WAIT_S
-    while not newer_parked() and time.monotonic() < deadline:
+    while not (seen := newer_parked()) and holds(self, first, entry) and time.monotonic() < deadline:
         time.sleep(0.05)
+    markers.update_one({"_id": first}, {"$set": {"seen": seen, "task_id": entry.get("t")}})
     if hist is not None:
-        hist.event("window", key=first, task_id=entry.get("t"), seen=newer_parked(), t=time.monotonic())
+        hist.event("window", key=first, task_id=entry.get("t"), seen=seen, t=time.monotonic())
+
+
+def holds(store: LeaseStore, key: str, entry: Any) -> bool:
+    """The run of ``entry`` holds ``key`` (its lease, as the lease document says)."""
+    held = store.collection.find_one({"_id": key}, {"owner": 1, "holder.task_id": 1}) or {}
+    return bool(held.get("owner")) and (held.get("holder") or {}).get("task_id") == entry.get("t")
 
 
 def _record_admit(

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from celery_mongolock.core.clock import FakeClock
+from celery_mongolock.core.lease import Lease
 
 from . import brokerlog, lockcheck
 from .lockcheck import Config, History, Violation, check
@@ -655,6 +660,26 @@ def test_a_slot_taken_again_inside_a_clean_minimum_hold_is_reported() -> None:
     assert check(h) == []
     fig = lockcheck.limit_figures(_with_min_hold(_limit_good(), 1.0), [])["min_hold"]
     assert fig["holds"] == 1 and fig["clean_holds"] == 1 and fig["slots_taken_again_after_a_clean_hold"] == 1
+
+
+def test_an_acquisition_is_recorded_from_its_send_even_after_a_renewal(tmp_path: Path) -> None:
+    # ci28: a run's "acq" record came 2.2 s after its grant, after a renewal had moved the lease's
+    # deadline; the record's start, taken from ``deadline - ttl``, was then 2.2 s late, and the slot's
+    # minimum hold was judged from there (a false min-hold-cut). The record starts at the send.
+    sent = time.monotonic() - 10.0  # the record's own end (t1) is read from the real clock, later
+    clock = FakeClock(sent + 0.5)
+    store = SimpleNamespace(clock=clock)
+    lease = Lease(
+        store, "k", HOLD_A, fence=7, ttl=10.0, heartbeat_seconds=3.0, expires_at=None, sent_at=sent,
+        holder={}, slot=1,
+    )  # fmt: skip
+    clock.advance(2.2)
+    lease.renewed(clock.monotonic())  # the heartbeat renewed it before the body recorded its start
+    hist = lockcheck.HistoryWriter(tmp_path / "hist-1.jsonl")
+    lockcheck.record_task_acquired(hist, lease, "a", "task-a", min_hold=1.0)
+    hist.close()
+    (event,) = lockcheck.read_histories(tmp_path)
+    assert event["t0"] == sent and event["t1"] > sent + 2.7, event
 
 
 def test_two_holders_of_one_slot_in_the_log_are_reported() -> None:
@@ -1398,6 +1423,12 @@ def test_the_window_key_names_its_first_key() -> None:
     assert lockcheck.window_first_key(lockcheck.key_for(w + 1, 7, "m")) == lockcheck.key_for(w, 7, "m")
     assert lockcheck.window_first_key(lockcheck.key_for(w, 7, "m")) is None
     assert lockcheck.window_first_key(lockcheck.key_for(w + 1, 7, "k")) is None
+    for attempt in (1, 2):  # a missed window is sent again on keys of its own
+        first, second = lockcheck.window_pair(attempt)
+        assert lockcheck.window_first_key(lockcheck.key_for(second, 7, "m")) == lockcheck.key_for(
+            first, 7, "m"
+        )
+        assert {first, second}.isdisjoint(lockcheck.window_pair(0))
 
 
 def test_several_keys_replace_runs_with_a_limit_judged_per_set_on_the_slotted_key_too() -> None:

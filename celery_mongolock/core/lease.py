@@ -195,6 +195,9 @@ class Lease:
         #: Monotonic time the acquisition's reply arrived: with ``acquired_at``, an estimate of the
         #: server's time later on (for the lease history).
         self.acquired_mono = store.clock.monotonic()
+        #: Monotonic time the acquisition was sent (the grant came between this and ``acquired_mono``);
+        #: unlike ``deadline - ttl``, a renewal does not move it.
+        self.sent_mono = sent_at
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._deadline = sent_at + local_ttl(ttl)
@@ -451,6 +454,7 @@ class LeaseSet(Lease):
         self.acquired_at = first.acquired_at
         self.waited_ms = first.waited_ms
         self.acquired_mono = first.acquired_mono
+        self.sent_mono = min(lease.sent_mono for lease in leases)
         self.slot = None
         self.pid = first.pid
 
