@@ -337,6 +337,8 @@ class Story:
     """One send's life: sent, parked, handed the key, ran (start-end), or superseded."""
 
     send: Send
+    #: When its first delivery began on a worker (``task_prerun``, before the library saw the run).
+    arrived: float | None = None
     parked: float | None = None
     start: float | None = None
     end: float | None = None
@@ -356,7 +358,9 @@ def stories(events: list[dict[str, Any]], sends: list[Send]) -> dict[str, Story]
         if story is None:
             continue
         kind = e["kind"]
-        if kind == "parked" and story.parked is None:
+        if kind == "delivery-begin" and story.arrived is None:
+            story.arrived = e["t"]
+        elif kind == "parked" and story.parked is None:
             story.parked = e["t"]
         elif kind == "start":
             story.starts += 1
@@ -388,11 +392,6 @@ def _start_order(key_sends: list[Send], told: dict[str, Story]) -> list[str]:
     ]
 
 
-def _arrived(story: Story) -> float | None:
-    """When a run reached the library on a worker: it parked, or (never parked) found the key free."""
-    return story.parked if story.parked is not None else story.start
-
-
 def _late_arrivals(key_sends: list[Send], told: dict[str, Story]) -> tuple[list[str], list[str]]:
     """The runs that started before a run sent earlier: excused when the earlier one reached a worker only
     after the later one was granted the key (the library cannot wait for a message still in the broker or
@@ -406,7 +405,7 @@ def _late_arrivals(key_sends: list[Send], told: dict[str, Story]) -> tuple[list[
             if first.fence is None or second.fence is None or second.fence > first.fence:
                 continue
             granted = second.fence / 1e6  # a fence is the grant's server time in microseconds (and a count)
-            arrived = _arrived(first)
+            arrived = first.arrived  # before the library saw it (a lower bound: None counts as a fault)
             pair = f"{later.label} (sent after {earlier.label}) ran first"
             if arrived is not None and arrived > granted:
                 excused.append(

@@ -389,8 +389,9 @@ WINDOW_WAIT_S = 120.0
 #: at most ``WINDOW_ATTEMPTS - 1`` times, and judged on its latest attempt.
 WINDOW_AGAIN_KEY = DIRECTED_KEY + 40
 WINDOW_ATTEMPTS = 3
-#: The controller arms the window of an attempt (a document ``{_id: first key, armed: True}`` here); the
-#: run that consumes it pauses in the window, and writes ``seen`` (the newer send parked) when it goes on.
+#: The controller arms the window of an attempt for its older run (a document ``{_id: first key, run: task
+#: id}`` here); that run consumes it and pauses in the window, and writes ``seen`` (the newer send parked)
+#: when it goes on.
 WINDOW_MARKERS = "lockcheck_window"
 #: The directed burst of ``MULTI_REPLACE_DEBOUNCED_TASK`` runs (``Run._debounced_directed``): one set of two
 #: ``m`` keys (index ``DIRECTED_KEY + 5`` and ``+ 6``), sent one at a time behind a gate on the first.
@@ -2744,7 +2745,7 @@ def multi_replace_figures(
         return {tid for tid, t in tasks.items() if str(t.get("op", "")).startswith(prefix)}
 
     directed = with_op(directed_op)
-    window = set(_latest_attempts(tasks, "directed-window-").values())  # the window's last attempt
+    window = _last_attempt(tasks, "directed-window-")
     debounced_directed = with_op("directed-debounced-")
     debounced = {
         tid
@@ -3157,6 +3158,18 @@ def check_cancel(history: History) -> list[Violation]:
                 )
             )
     return found
+
+
+def _last_attempt(tasks: Mapping[str, Doc], prefix: str) -> set[str]:
+    """The task ids of the last attempt of a directed step whose ops start with ``prefix`` (its ops suffixed
+    ``@1``, ``@2`` when sent again): all of them from one attempt, never the ops of two."""
+    attempts = {
+        tid: int(str(t.get("op", "")).partition("@")[2] or 0)
+        for tid, t in tasks.items()
+        if str(t.get("op", "")).startswith(prefix)
+    }
+    last = max(attempts.values(), default=0)
+    return {tid for tid, n in attempts.items() if n == last}
 
 
 def _latest_attempts(tasks: Mapping[str, Doc], prefix: str) -> dict[str, str]:
@@ -4807,6 +4820,7 @@ class Run:
         deaf: bool = False,
         link: bool = False,
         priority: int | None = None,
+        task_id: str | None = None,
     ) -> str | None:
         """Send one task (to ``queue``, else to the skewed node's queue a quarter of the time while it has
         fewer than ``SKEWED_MAX_BACKLOG`` waiting; ``linger``: see ``_lingering``; ``die``: see
@@ -4839,8 +4853,10 @@ class Run:
             options["priority"] = priority
             # Its place on its keys, as the library ranks it: Redis serves a lower number first.
             rank = priority if self.cfg.broker == "redis" else -priority
+        if task_id is not None:
+            options["task_id"] = task_id
         if link:  # (its callback names it: its task id is chosen here)
-            options["task_id"] = str(uuid.uuid4())
+            options["task_id"] = options.get("task_id") or str(uuid.uuid4())
             options["link"] = self.capp.signature("lockcheck.linked", args=(options["task_id"],))
         try:
             result = self.capp.send_task(
@@ -5445,13 +5461,19 @@ class Run:
         i0, i1 = window_pair(attempt)
         w0, w1 = key_for(i0, epoch, "m"), key_for(i1, epoch, "m")
         markers = self.store.collection.database[WINDOW_MARKERS]
+        old_id = str(uuid.uuid4())  # the window is armed for this run only
         with contextlib.suppress(PyMongoError):
-            markers.replace_one({"_id": w0}, {"_id": w0, "armed": True}, upsert=True)
+            markers.replace_one({"_id": w0}, {"_id": w0, "run": old_id}, upsert=True)
         gate = self._gate_take(w1)
         ids: list[str] = []
         handed_on = False
         old = self._submit(
-            MULTI_REPLACE_TASK, "", f"directed-window-old{suffix}", keys=(w0, w1), queue="celery"
+            MULTI_REPLACE_TASK,
+            "",
+            f"directed-window-old{suffix}",
+            keys=(w0, w1),
+            queue="celery",
+            task_id=old_id,
         )
         new: str | None = None
 
@@ -5476,9 +5498,12 @@ class Run:
                     ids.append(new)
 
                     def outcome() -> str | None:
-                        if self._reserved_for(w0) == new:
-                            return "handed on"
-                        return "missed" if marker().get("seen") is False else None
+                        # The older run writes ``seen`` when it leaves the window; the newer send may take
+                        # w0 (and reserve it for itself) in a missed window too.
+                        seen = marker().get("seen")
+                        if seen is False:
+                            return "missed"
+                        return "handed on" if seen and self._reserved_for(w0) == new else None
 
                     handed_on = (
                         _wait(outcome, WINDOW_WAIT_S + 60.0, f"{w0} to be handed on to the newer send", 0.1)

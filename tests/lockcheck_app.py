@@ -211,8 +211,8 @@ def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: 
     if not holds(self, first, entry):
         return
     markers = self.collection.database[lockcheck.WINDOW_MARKERS]
-    if markers.find_one_and_update({"_id": first, "armed": True}, {"$set": {"armed": False}}) is None:
-        return  # not the run this attempt's window was armed for
+    if markers.find_one_and_update({"_id": first, "run": entry.get("t")}, {"$unset": {"run": ""}}) is None:
+        return  # not the run this attempt's window was armed for (or it came here before)
 
     def newer_parked() -> bool:
         d = self.collection.find_one({"_id": first}, {"q.g": 1, "q.s": 1}) or {}

@@ -1418,6 +1418,19 @@ def test_the_capped_burst_claim_needs_a_body_while_its_sends_went_on() -> None:
     assert figures["capped_submitted"] == 2 and figures["capped_superseded"] == 1
 
 
+def test_a_directed_step_sent_again_is_judged_on_its_last_attempt_only() -> None:
+    tasks = {
+        "o0": {"op": "directed-window-old"}, "n0": {"op": "directed-window-new"},
+        "o1": {"op": "directed-window-old@1"}, "n1": {"op": "directed-window-new@1"},
+        "o2": {"op": "directed-window-old@2"},  # its newer send never went out
+        "x": {"op": "directed-debounced-0"},
+    }  # fmt: skip
+    assert lockcheck._last_attempt(tasks, "directed-window-") == {"o2"}
+    del tasks["o2"]
+    assert lockcheck._last_attempt(tasks, "directed-window-") == {"o1", "n1"}
+    assert lockcheck._last_attempt({}, "directed-window-") == set()
+
+
 def test_the_window_key_names_its_first_key() -> None:
     w = lockcheck.WINDOW_KEY
     assert lockcheck.window_first_key(lockcheck.key_for(w + 1, 7, "m")) == lockcheck.key_for(w, 7, "m")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from celery_mongolock import ConfigurationError, LeaseLost, LeaseStore, LockContended, ReentrantHold
+from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import current_owner, run_scope
 
 from .conftest import CommandCounter
@@ -210,3 +211,13 @@ def test_another_process_never_shares(mongo_url: str, db_name: str) -> None:
             assert outer.held and s.hold_count("k") == 1
     finally:
         s.close()
+
+
+def test_a_set_of_leases_can_include_a_reentrant_hold(store: LeaseStore) -> None:
+    # A keys= task called in-process by a run that holds one of its keys joins a reentrant hold of that
+    # key with the leases it takes (``integration.reentrant.joined``): the set is built from both.
+    with store.hold("a") as outer, store.hold("a") as inner, store.hold("b") as other:
+        assert isinstance(inner, ReentrantHold)
+        both = LeaseSet([inner, other])
+        assert both.fence == max(outer.fence, other.fence)
+        assert both.sent_mono == min(outer.sent_mono, other.sent_mono) <= both.acquired_mono

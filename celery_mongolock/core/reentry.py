@@ -208,6 +208,7 @@ class ReentrantHold(Lease):
         self.acquired_at = outer.acquired_at
         self.waited_ms = outer.waited_ms
         self.acquired_mono = outer.acquired_mono
+        self.sent_mono = outer.sent_mono
         self.pid = outer.pid
         self.ambiguous_until = None
 

@@ -49,6 +49,15 @@ def _handed_off(sender: object = None, key: str = "", task_id: str = "", **_: ob
     log_run("handed", key=key, task_id=task_id)
 
 
+def _delivery_began(sender: object = None, task_id: str = "", **_: object) -> None:
+    """Every delivery of the example's queued tasks begins here, before the library sees the run: the
+    demo tells a late arrival (a message that reached a worker after a newer one had the key) by it."""
+    if getattr(sender, "name", "") in QUEUED_TASKS:
+        from .storage import log_run
+
+        log_run("delivery-begin", task_id=task_id)
+
+
 def _delivery_ended(sender: object = None, task_id: str = "", state: str = "", **_: object) -> None:
     """Every delivery of the example's queued tasks ends here (a parked run ends at once: state IGNORED):
     the demo measures how long a parked run kept its worker slot after parking."""
@@ -60,7 +69,7 @@ def _delivery_ended(sender: object = None, task_id: str = "", state: str = "", *
 
 QUEUED_TASKS = ("emailgroups.tasks.upload_members", "emailgroups.tasks.post_to_ledger")
 
-from celery.signals import task_postrun, worker_ready  # noqa: E402
+from celery.signals import task_postrun, task_prerun, worker_ready  # noqa: E402
 
 from celery_mongolock.signals import (  # noqa: E402
     lease_contended,
@@ -74,4 +83,5 @@ lease_contended.connect(_contended, weak=False)
 run_parked.connect(_parked, weak=False)
 run_superseded.connect(_superseded, weak=False)
 run_handed_off.connect(_handed_off, weak=False)
+task_prerun.connect(_delivery_began, weak=False)
 task_postrun.connect(_delivery_ended, weak=False)
