@@ -198,7 +198,7 @@ def test_history_benchmark_counts_no_command_on_the_tasks_path(tmp_path: Path) -
 def contention(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "contention.json"
     cmd = [sys.executable, str(BENCHMARKS / "contention.py"), "--quick", "--nodes=1", "--concurrency=2"]
-    cmd += ["--runs=3", "--seconds=0.1", "--rounds=1", "--parked-sizes=5,20", "--parked-samples=1"]
+    cmd += ["--runs=3", "--seconds=0.1", "--rounds=1", "--parked-sizes=5,20,6000", "--parked-samples=1"]
     cmd += [f"--out={out}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -237,6 +237,10 @@ def test_contention_measures_many_parked_runs(contention: dict[str, Any]) -> Non
         assert s["document_bytes"] > s["parked"] * s["message_bytes"]
     assert set(contention["parked_store"]["ratios"]) == {"park_20_over_5", "handoff_20_over_5"}
     assert contention["parked_store"]["commands"].get("findAndModify", 0) >= 6
+    # A depth over the per-key cap is a missed target with its reason, not a crash of the benchmark.
+    assert set(contention["parked_store"]["refused"]) == {"6000"}
+    (deep,) = [t for t in contention["targets"] if "6,000 runs parked" in t["name"]]
+    assert deep["met"] is False and deep["measured"] == "refused" and "5,000" in deep["by"]
 
 
 def test_the_report_has_the_contention_benchmark(contention: dict[str, Any], tmp_path: Path) -> None:
@@ -254,8 +258,9 @@ def test_the_report_has_the_contention_benchmark(contention: dict[str, Any], tmp
         "Queue: MongoDB commands",
     ):
         assert any(n.startswith(prefix) for n in names), prefix
-    assert sum("runs parked" in n for n in names) == 2
+    assert sum("runs parked" in n for n in names) == 3  # park and handoff ratios, and the refused depth
     assert all(t["met"] in (True, False) for t in targets)
+    assert "Deeper queues refused" in text
 
 
 def test_limits_benchmark_counts_commands_per_run(tmp_path: Path) -> None:
