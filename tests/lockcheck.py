@@ -722,7 +722,9 @@ def _document_write(locked: DocumentLease, op: str, p: int) -> tuple[str, bool]:
     """``_write`` through ``locked.update_one``: one command whose filter is the lock itself, idempotent
     (a pipeline that leaves a document already holding ``op`` unchanged: an ambiguous attempt retried)."""
     entry = {"k": "w", "o": op, "h": locked.owner, "f": locked.fence, "p": p}
-    done = {"$in": [op, {"$ifNull": ["$log.o", []]}]}
+    # (``$map``, not ``"$log.o"``: the embedded server resolves a path through an array of documents to
+    # nothing, so ``done`` was always false there and a retry of an applied write appended it again: ci.)
+    done = {"$in": [op, {"$map": {"input": {"$ifNull": ["$log", []]}, "as": "e", "in": "$$e.o"}}]}
     update = [
         {
             "$set": {

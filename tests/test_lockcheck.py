@@ -1762,3 +1762,23 @@ def test_a_retried_write_fenced_out_is_judged_on_the_document(client: Any, db_na
     docs.insert_one({"_id": "k", "log": [{"o": "applied-op"}]})
     assert lockcheck._resolved_after_fenced_retry(docs, "k", "applied-op") == "ack-earlier"
     assert lockcheck._resolved_after_fenced_retry(docs, "k", "other-op") == "fenced"
+
+
+def test_a_document_write_sent_again_is_applied_once(store: Any) -> None:
+    # ci: a bare client's write through a document lock, its first attempt applied but unanswered (the
+    # server crashed), was sent again and appended again: its "already applied" test read the log through
+    # a path ("$log.o") that the embedded server resolves to nothing. The write is idempotent.
+    docs = store.client[store.database_name]["protected"]
+    key = "lockcheck:d0.e0"
+    assert lockcheck.ensure_document(docs, key)
+    locked, _ = lockcheck.document_lock(store, key, "client0").try_acquire()
+    assert locked is not None
+    try:
+        docs.update_one({"_id": key}, {"$push": {"log": {"k": "c", "h": locked.owner, "f": locked.fence}}})
+        assert lockcheck._document_write(locked, "op-1", 0) == ("ack", False)
+        assert lockcheck._document_write(locked, "op-1", 0) == ("ack-earlier", False)  # the same write again
+        assert lockcheck._document_write(locked, "op-2", 1) == ("ack", False)
+    finally:
+        locked.release()
+    doc = docs.find_one({"_id": key}) or {}
+    assert [e.get("o") for e in doc["log"]] == [None, "op-1", "op-2"] and doc["counter"] == 2
