@@ -382,6 +382,12 @@ def stories(events: list[dict[str, Any]], sends: list[Send]) -> dict[str, Story]
 
 
 # -- the invariants --------------------------------------------------------------------------------------
+def _in_start_order(key_sends: list[Send], told: dict[str, Story]) -> list[Send]:
+    """A key's sends that ran, in the order they were handed the key."""
+    by_label = {s.label: s for s in key_sends}
+    return [by_label[label] for label in _start_order(key_sends, told)]
+
+
 def _start_order(key_sends: list[Send], told: dict[str, Story]) -> list[str]:
     """The labels of a key's runs in the order they were handed the key (their fences)."""
     return [
@@ -443,7 +449,7 @@ def _queue_problems(db: Any, key_sends: list[Send], told: dict[str, Story]) -> l
     entries = ledger.get("entries") or []
     applied = [e["posting"] for e in entries]
     refused = [e["posting"] for e in entries if e.get("refused")]
-    expected_refused, total = _ledger_replay([s for label in order for s in key_sends if s.label == label])
+    expected_refused, total = _ledger_replay(_in_start_order(key_sends, told))
     if applied != order:
         problems.append(f"ledger {applied}, started {order}")
     if refused != expected_refused:
@@ -574,7 +580,7 @@ def check_invariants(
         else:
             order = _start_order(key_sends, told)
             late = "" if order == [s.label for s in key_sends] else " (a late arrival ran after a newer send)"
-            total = _ledger_replay([s for label in order for s in key_sends if s.label == label])[1]
+            total = _ledger_replay(_in_start_order(key_sends, told))[1]
             good.append(f"{key}: {' '.join(order)} = send order{late}; balance {total}")
     checks.append(
         Check("Queue: runs of a key start in the order they were sent", not bad, bad or good, bad_keys)

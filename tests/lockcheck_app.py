@@ -40,6 +40,7 @@ waits for it to drive contention by construction.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -50,6 +51,7 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.signals import before_task_publish, task_postrun, task_prerun, task_received, worker_ready
+from pymongo.errors import PyMongoError
 
 from celery_mongolock import (
     Fail,
@@ -223,7 +225,8 @@ def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: 
     deadline = time.monotonic() + lockcheck.WINDOW_WAIT_S
     while not (seen := newer_parked()) and holds(self, first, entry) and time.monotonic() < deadline:
         time.sleep(0.05)
-    markers.update_one({"_id": first}, {"$set": {"seen": seen, "task_id": entry.get("t")}})
+    with contextlib.suppress(PyMongoError):  # (a fault here must not break the run's admit)
+        markers.update_one({"_id": first}, {"$set": {"seen": seen, "task_id": entry.get("t")}})
     if hist is not None:
         hist.event("window", key=first, task_id=entry.get("t"), seen=seen, t=time.monotonic())
 
