@@ -95,6 +95,7 @@ def untrusted_admit_reply(
 def plain_admit_reply(doc: dict[str, Any], token: str, ambiguous: bool) -> None:
     """A queued run's admit reply, made plain: its outcome (``lo``) as this very admit caused it."""
     doc["_admit_token"] = token  # a handoff this admit made is marked with admit_marker(token)
+    doc["_resent"] = ambiguous  # (``Admission.resent``)
     outcome = doc.get("lo")
     if outcome == "dup" and ambiguous:
         doc["lo"] = "parked"  # an earlier attempt of this very admit parked the run
@@ -137,6 +138,10 @@ class Admission:
     #: ``Replace(debounce=..., max_wait=...)``: per run id (``entry["id"]``) parked or handed here, its
     #: burst (ms: ``bu``, else when its burst began waiting, ``fw``; ``sets.burst_of``).
     bursts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: The admit was sent again after a send whose outcome is unknown (its reply lost): the answer may
+    #: describe what that earlier send did. ``ALREADY_RAN`` for a run's first delivery then means the
+    #: earlier send parked it and the run was handed the key and ran under its handoff message.
+    resent: bool = False
 
     @classmethod
     def of(cls, lease: Lease | None, doc: Mapping[str, Any] | None) -> Admission:
@@ -154,6 +159,7 @@ class Admission:
             superseded=tuple(s for s in doc.get("sup") or [] if isinstance(s, Mapping)),
             not_before=_not_before(doc.get("q") or []),
             bursts=_bursts([*(doc.get("q") or []), doc.get("ho"), *_handed_entries(doc)]),
+            resent=bool(doc.get("_resent")),
         )
 
     def position(self, task_id: str | None) -> int:

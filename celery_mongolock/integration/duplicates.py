@@ -14,6 +14,7 @@ from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.core.documents import copies
+from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration.results import has_backend
 from celery_mongolock.integration.runs import (
@@ -41,6 +42,7 @@ __all__ = [
     "guard_run_ids",
     "later_attempt_known",
     "park_duplicate",
+    "ran_under_its_handoff",
     "stale_line",
 ]
 
@@ -93,6 +95,25 @@ def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any])
         request.id,
         f"is a copy of attempt {entry['r']} on {key!r}, whose body retried: this copy is dropped",
     )
+    raise Ignore()
+
+
+def ran_under_its_handoff(task: GuardedRun, key: str, admission: Admission, copy: bool) -> None:
+    """End a run's first delivery (not a ``copy``) whose admit was sent again after a reply was lost, and
+    found the run over (``ALREADY_RAN``): the lost send parked it, and it was handed the key and ran under
+    its handoff message, which stores its result. This delivery ends as a parked one does (``Ignore``):
+    answering ``already-ran`` here would race that result and could win. Returns for any other admit."""
+    if copy or not admission.resent or admission.outcome is not AdmitOutcome.ALREADY_RAN:
+        return
+    request = task.request
+    log_acquire.info(
+        "%s[%s]: the admit's lost reply had parked the run on %r, which has since been handed the key and "
+        "ran under its handoff message; this delivery ends as a parked one does",
+        task.name,
+        request.id,
+        key,
+    )
+    ignored_as(request.id, f"was parked on {key!r} and ran under its handoff message: this delivery ends")
     raise Ignore()
 
 

@@ -31,6 +31,7 @@ from celery_mongolock.integration.duplicates import (
     first_run_done,
     guard_run_ids,
     park_duplicate,
+    ran_under_its_handoff,
 )
 from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.rate_gate import leave_rate
@@ -273,6 +274,7 @@ class OneKey:
             # own message (which reports a result lost with its worker): this copy has nothing to do.
             log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)
             raise Ignore()
+        ran_under_its_handoff(task, key, admission, self.copy)
         if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
             # The run ran and released its key, and its worker died before its result was stored: end
             # this copy with a result that says so (never run the body twice, never leave it waiting).

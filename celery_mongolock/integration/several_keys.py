@@ -37,6 +37,7 @@ from celery_mongolock.integration.duplicates import (
     copy_with_a_result,
     guard_run_ids,
     park_duplicate,
+    ran_under_its_handoff,
 )
 from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.rate_gate import leave_rate
@@ -337,6 +338,7 @@ class SeveralKeys:
         if self.debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
             # Handed its keys (due) before its delayed copy came: it ran or runs under its own message.
             raise Ignore()
+        ran_under_its_handoff(self.task, key, admission, self.copy)
         if outcome is AdmitOutcome.ALREADY_RAN:
             # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
             if not has_final_state(self.task, carried_on=lambda: False):
