@@ -1,16 +1,18 @@
-"""A run's first delivery whose admit reply was lost, after that lost send parked it.
+"""A run's delivery whose admit reply was lost, and whose admit sent again found the run over.
 
-The admit is sent again with the same token. Meanwhile the key can be handed to the run and its handoff
-message can claim it, run the body and release it. The second send then finds the run over. Seen in CI
-(``test_rate_workers``, a key with slots, run caf85af6): the first delivery ended the task
-``already-ran`` 7 ms before the handoff run stored its real result, and the caller got ``already-ran``.
-The first delivery must end as a parked delivery ends, and leave the result to the run that ran.
+The admit is sent again with the same token. Meanwhile the lost send may have parked the run, the key
+may have been handed to it, and its handoff message may have claimed the key, run the body and released
+it: the second send then finds the run over while its result is on its way. Seen in CI
+(``test_rate_workers``, a key with slots, run caf85af6): the first delivery ended the task ``already-ran``
+7 ms before the handoff run stored its real result, and the caller got ``already-ran`` (Celery's backend
+keeps the first result stored). Such a delivery is now looked at again later, as a marked copy: dropped
+once a result is stored, ``already-ran`` when none ever will be (the run's worker died before storing it).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,8 +22,10 @@ from celery.signals import before_task_publish
 from pymongo.errors import AutoReconnect
 
 from celery_mongolock import LeaseStore, Queue, singleton_task
+from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.config import get_store
 from celery_mongolock.core.store_acquire import Acquisition
+from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
 from celery_mongolock.integration.handoff import HANDOFF_HEADER
 from celery_mongolock.integration.one_key import OneKey
 
@@ -36,11 +40,43 @@ def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
     get_store(app).close()
 
 
-def _admit(task: Any, run: str, headers: dict[str, Any]) -> Any:
+@pytest.fixture
+def published() -> Iterator[list[dict[str, Any]]]:
+    """The headers of every task message published during the test."""
+    seen: list[dict[str, Any]] = []
+
+    def record(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        seen.append(dict(headers or {}))
+
+    before_task_publish.connect(record, weak=False)
+    yield seen
+    before_task_publish.disconnect(record)
+
+
+def _lose_a_reply(monkeypatch: pytest.MonkeyPatch, key: str, meanwhile: Callable[[Any], None]) -> list[str]:
+    """The first admit of ``key`` is applied, then ``meanwhile(reply)`` runs, then its reply is lost."""
+    send_once = Acquisition._send_once
+    sends: list[str] = []
+
+    def reply_lost_once(self: Acquisition, attempt: Any, remaining: float) -> Any:
+        doc = send_once(self, attempt, remaining)
+        if "lost" in sends or not attempt.admitting or attempt.key != key:
+            sends.append(f"answered {attempt.key}")
+            return doc
+        sends.append("lost")
+        meanwhile(doc)
+        raise AutoReconnect("the reply was lost")
+
+    monkeypatch.setattr(Acquisition, "_send_once", reply_lost_once)
+    return sends
+
+
+def _admit(task: Any, run: str, headers: dict[str, Any], redelivered: bool = False) -> Any:
     """One delivery of ``task`` reaching admission in a worker."""
     task.push_request(
-        id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100, **headers}, delivery_info={},
-        hostname="w1", retries=0, is_eager=False,
+        id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100, **headers},
+        delivery_info={"redelivered": redelivered}, hostname="w1", retries=0, is_eager=False,
+        called_directly=False,
     )  # fmt: skip
     try:
         info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
@@ -49,10 +85,7 @@ def _admit(task: Any, run: str, headers: dict[str, Any]) -> Any:
         task.pop_request()
 
 
-@pytest.mark.parametrize("limit", [None, 2])
-def test_a_first_delivery_whose_lost_send_parked_it_leaves_the_result_to_its_handoff_run(
-    app: Celery, monkeypatch: pytest.MonkeyPatch, limit: int | None
-) -> None:
+def _upload(app: Celery, limit: int | None = None) -> Any:
     @singleton_task(
         key="{key}", app=app, name=f"lost_reply.upload{limit}", bind=True, on_contention=Queue(), limit=limit,
         shared=False,
@@ -60,52 +93,87 @@ def test_a_first_delivery_whose_lost_send_parked_it_leaves_the_result_to_its_han
     def upload(self: Any, key: str) -> str:
         return key
 
+    return upload
+
+
+def _marked_copies(published: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
+    return [h for h in published if h.get("id") == run and h.get(DUPLICATE_HEADER)]
+
+
+@pytest.mark.parametrize("limit", [None, 2])
+def test_a_first_delivery_whose_lost_send_parked_it_leaves_the_result_to_its_handoff_run(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, published: list[dict[str, Any]], limit: int | None
+) -> None:
+    upload = _upload(app, limit)
     store: LeaseStore = get_store(app)
     holders = [store.acquire(KEY, ttl=30, limit=limit) for _ in range(limit or 1)]
     assert all(holders)
     run = f"run-{uuid.uuid4().hex}"
-    handoffs: list[dict[str, Any]] = []
 
-    def published(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        if headers and headers.get("id") == run and HANDOFF_HEADER in headers:
-            handoffs.append(dict(headers))
-
-    before_task_publish.connect(published, weak=False)
-    send_once = Acquisition._send_once
-    sends: list[str] = []
-
-    def reply_lost_once(self: Acquisition, attempt: Any, remaining: float) -> Any:
-        doc = send_once(self, attempt, remaining)
-        if sends or not attempt.admitting:
-            sends.append("answered")
-            return doc
-        sends.append("lost")
+    def handed_and_ran(reply: Any) -> None:
         # Before the reply reaches this worker: the lost send parked the run; a holder ends and the key is
         # handed to it; its handoff message claims the key, runs the body and releases the key.
-        assert doc is not None and doc["lo"] == "parked", doc
+        assert reply is not None and reply["lo"] == "parked", reply
         assert holders[0] is not None
         holders[0].release()
-        assert len(handoffs) == 1, handoffs
+        handoffs = [h for h in published if h.get("id") == run and HANDOFF_HEADER in h]
+        assert len(handoffs) == 1, published
         lease = _admit(upload, run, handoffs[0])
         assert lease.key == KEY
         lease.release()
-        raise AutoReconnect("the reply was lost")
 
-    monkeypatch.setattr(Acquisition, "_send_once", reply_lost_once)
-    try:
-        with pytest.raises(Ignore):
-            _admit(upload, run, {})
-    finally:
-        before_task_publish.disconnect(published)
+    sends = _lose_a_reply(monkeypatch, KEY, handed_and_ran)
+    with pytest.raises(Ignore):
+        _admit(upload, run, {})
     # The lost send, the handoff run's own claim and release, then the same admit sent again.
-    assert sends[0] == "lost" and sends[-1] == "answered", sends
-    assert app.backend.get_task_meta(run, cache=False)["status"] != "SUCCESS"
+    assert sends[0] == "lost" and sends[-1] == "answered upload:1", sends
+    copies = _marked_copies(published, run)
+    assert len(copies) == 1, published
+    # The handoff run's worker stores its result; the copy, looked at later, leaves it alone.
+    app.backend.mark_as_done(run, "its own result")
+    with pytest.raises(Ignore):
+        _admit(upload, run, copies[0])
+    assert app.backend.get_task_meta(run, cache=False)["result"] == "its own result"
     for lease in holders[1:]:
         assert lease is not None
         lease.release()
 
 
-def test_the_same_for_a_run_that_needs_several_keys(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_delivery_of_a_run_that_ran_still_ends_already_ran_after_a_lost_reply(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, published: list[dict[str, Any]]
+) -> None:
+    """A message delivered twice without the broker's redelivered flag (a publish retried, a transport
+    with no such flag): its run ran and its worker died before storing the result. The second delivery's
+    admit loses its reply: it is looked at again as a copy, which ends the task ``already-ran``."""
+    upload = _upload(app)
+    run = f"run-{uuid.uuid4().hex}"
+    lease = _admit(upload, run, {})
+    lease.release()  # the body ended; its worker dies before Celery stores the result
+    _lose_a_reply(monkeypatch, KEY, lambda reply: None)
+    with pytest.raises(Ignore):
+        _admit(upload, run, {})
+    copies = _marked_copies(published, run)
+    assert len(copies) == 1, published
+    copy = _admit(upload, run, copies[0])
+    assert isinstance(copy, Outcome) and copy.value["mongolock"] == "already-ran", copy
+
+
+def test_a_redelivered_copy_ends_already_ran_at_once_after_a_lost_reply(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, published: list[dict[str, Any]]
+) -> None:
+    upload = _upload(app)
+    run = f"run-{uuid.uuid4().hex}"
+    lease = _admit(upload, run, {})
+    lease.release()
+    _lose_a_reply(monkeypatch, KEY, lambda reply: None)
+    copy = _admit(upload, run, {}, redelivered=True)
+    assert isinstance(copy, Outcome) and copy.value["mongolock"] == "already-ran", copy
+    assert _marked_copies(published, run) == []
+
+
+def test_the_same_for_a_run_that_needs_several_keys(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, published: list[dict[str, Any]]
+) -> None:
     from celery_mongolock.integration.several_keys import SeveralKeys
 
     @singleton_task(
@@ -119,11 +187,6 @@ def test_the_same_for_a_run_that_needs_several_keys(app: Celery, monkeypatch: py
     keys = ["a:1", "b:1"]
     holders = [store.acquire(key, ttl=30) for key in keys]
     run = f"run-{uuid.uuid4().hex}"
-    handoffs: list[dict[str, Any]] = []
-
-    def published(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        if headers and headers.get("id") == run and HANDOFF_HEADER in headers:
-            handoffs.append(dict(headers))
 
     def take(headers: dict[str, Any]) -> Any:
         pair.push_request(
@@ -135,31 +198,24 @@ def test_the_same_for_a_run_that_needs_several_keys(app: Celery, monkeypatch: py
         finally:
             pair.pop_request()
 
-    send_once = Acquisition._send_once
-    sends: list[str] = []
-
-    def reply_lost_once(self: Acquisition, attempt: Any, remaining: float) -> Any:
-        doc = send_once(self, attempt, remaining)
-        if "lost" in sends or not attempt.admitting or attempt.key != "b:1":
-            sends.append(f"answered {attempt.key}")
-            return doc
-        sends.append("lost")
-        assert doc is not None and doc["lo"] == "parked", doc
+    def handed_and_ran(reply: Any) -> None:
+        assert reply is not None and reply["lo"] == "parked", reply
         for lease in holders:  # both holders end: the run is handed both keys, and published
             assert lease is not None
             lease.release()
-        assert len(handoffs) == 1, handoffs
+        handoffs = [h for h in published if h.get("id") == run and HANDOFF_HEADER in h]
+        assert len(handoffs) == 1, published
         taken = take(handoffs[0])
         assert sorted(taken.keys) == keys
         taken.release()
-        raise AutoReconnect("the reply was lost")
 
-    before_task_publish.connect(published, weak=False)
-    monkeypatch.setattr(Acquisition, "_send_once", reply_lost_once)
-    try:
-        with pytest.raises(Ignore):
-            take({})
-    finally:
-        before_task_publish.disconnect(published)
+    sends = _lose_a_reply(monkeypatch, "b:1", handed_and_ran)
+    with pytest.raises(Ignore):
+        take({})
     assert "lost" in sends and sends[-1] == "answered b:1", sends
-    assert app.backend.get_task_meta(run, cache=False)["status"] != "SUCCESS"
+    copies = _marked_copies(published, run)
+    assert len(copies) == 1, published
+    app.backend.mark_as_done(run, "its own result")
+    with pytest.raises(Ignore):
+        take(copies[0])
+    assert app.backend.get_task_meta(run, cache=False)["result"] == "its own result"

@@ -41,8 +41,8 @@ __all__ = [
     "first_run_done",
     "guard_run_ids",
     "later_attempt_known",
+    "over_after_a_lost_reply",
     "park_duplicate",
-    "ran_under_its_handoff",
     "stale_line",
 ]
 
@@ -60,22 +60,30 @@ def park_duplicate(task: GuardedRun, key: str, options: TaskOptions, direct: boo
     at after one lease length: dropped if the first run has released the key, run if the first run
     died (its lease released for it or expired), parked again if it is still running.
     """
+    countdown = _look_again_later(task, options, direct)
+    if countdown is not None:
+        log_acquire.warning(
+            "%s[%s]: duplicate delivery while the first run holds %r; parked, looked at again in %gs",
+            task.name,
+            task.request.id,
+            key,
+            countdown,
+        )
+
+
+def _look_again_later(task: GuardedRun, options: TaskOptions, direct: bool) -> float | None:
+    """Publish this delivery again as a marked copy (``DUPLICATE_HEADER``), due after one lease length;
+    its countdown, or None when the run is not a worker's (nothing to publish)."""
     request = task.request
     if direct or request.is_eager or request.called_directly:
-        return
+        return None
     countdown = max(1.0, min(options.lease_seconds, 300.0))
     headers = dict(request.headers or {})
     headers[DUPLICATE_HEADER] = int(headers.get(DUPLICATE_HEADER) or 0) + 1
     republish(
         task, task.signature_from_request(request, countdown=countdown, headers=headers), "parked duplicate"
     )
-    log_acquire.warning(
-        "%s[%s]: duplicate delivery while the first run holds %r; parked, looked at again in %gs",
-        task.name,
-        request.id,
-        key,
-        countdown,
-    )
+    return countdown
 
 
 def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any]) -> NoReturn:
@@ -98,22 +106,30 @@ def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any])
     raise Ignore()
 
 
-def ran_under_its_handoff(task: GuardedRun, key: str, admission: Admission, copy: bool) -> None:
-    """End a run's first delivery (not a ``copy``) whose admit was sent again after a reply was lost, and
-    found the run over (``ALREADY_RAN``): the lost send parked it, and it was handed the key and ran under
-    its handoff message, which stores its result. This delivery ends as a parked one does (``Ignore``):
-    answering ``already-ran`` here would race that result and could win. Returns for any other admit."""
+def over_after_a_lost_reply(
+    task: GuardedRun, key: str, admission: Admission, copy: bool, options: TaskOptions
+) -> None:
+    """A run's first delivery (not a ``copy``) whose admit was sent again after a lost reply, and found the
+    run over (``ALREADY_RAN``): its result may still be on its way. The lost send may have parked the run,
+    which was then handed the key and ran under its handoff message, whose worker stores the result a few
+    milliseconds after its release; answering ``already-ran`` now would race that result, and the first
+    result stored is the one Celery keeps. So this delivery is looked at again after one lease length as a
+    marked copy (``park_duplicate``'s): dropped if a result was stored by then, else it ends the task
+    ``already-ran`` (the run ended under a delivery whose worker died before storing its result: an
+    unflagged second delivery of a message that ran). Returns for any other admit; else ``Ignore``."""
     if copy or not admission.resent or admission.outcome is not AdmitOutcome.ALREADY_RAN:
         return
+    countdown = _look_again_later(task, options, False)
     request = task.request
     log_acquire.info(
-        "%s[%s]: the admit's lost reply had parked the run on %r, which has since been handed the key and "
-        "ran under its handoff message; this delivery ends as a parked one does",
+        "%s[%s]: the run is over on %r, found by an admit sent again after a lost reply (which may have "
+        "parked the run, then handed the key); its result may still be on its way: looked at again in %ss",
         task.name,
         request.id,
         key,
+        countdown,
     )
-    ignored_as(request.id, f"was parked on {key!r} and ran under its handoff message: this delivery ends")
+    ignored_as(request.id, f"is over on {key!r} (found after a lost reply): looked at again as a copy")
     raise Ignore()
 
 

@@ -30,8 +30,8 @@ from celery_mongolock.integration.duplicates import (
     copy_with_a_result,
     first_run_done,
     guard_run_ids,
+    over_after_a_lost_reply,
     park_duplicate,
-    ran_under_its_handoff,
 )
 from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.rate_gate import leave_rate
@@ -274,7 +274,7 @@ class OneKey:
             # own message (which reports a result lost with its worker): this copy has nothing to do.
             log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)
             raise Ignore()
-        ran_under_its_handoff(task, key, admission, self.copy)
+        over_after_a_lost_reply(task, key, admission, self.copy, self.options)
         if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
             # The run ran and released its key, and its worker died before its result was stored: end
             # this copy with a result that says so (never run the body twice, never leave it waiting).
@@ -298,7 +298,7 @@ class OneKey:
         if outcome is AdmitOutcome.SUPERSEDED and debounced_copy:
             # The delayed copy of a run that a newer send replaced: its result is written already.
             raise Ignore()
-        if outcome is AdmitOutcome.SUPERSEDED and copy_with_a_result(task, self.copy):
+        if outcome is AdmitOutcome.SUPERSEDED and copy_with_a_result(task, self.copy or admission.resent):
             # A copy of a run whose body ran and stored its result (its lease was lost mid-body and a
             # newer send took the key: the key does not remember the run as over). Its result stands.
             log_acquire.info("%s[%s]: a copy of a run that ended, superseded on %r; dropped", *who, key)

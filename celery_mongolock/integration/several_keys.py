@@ -36,8 +36,8 @@ from celery_mongolock.integration.duplicates import (
     copy_of_an_ended_run,
     copy_with_a_result,
     guard_run_ids,
+    over_after_a_lost_reply,
     park_duplicate,
-    ran_under_its_handoff,
 )
 from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.rate_gate import leave_rate
@@ -323,7 +323,7 @@ class SeveralKeys:
             # The delayed copy of a run that a newer send of its set replaced: its result is written.
             raise Ignore()
         if outcome is AdmitOutcome.SUPERSEDED:
-            if copy_with_a_result(self.task, self.copy):
+            if copy_with_a_result(self.task, self.copy or admission.resent):
                 # A copy of a run whose body ran and stored its result: ``seen`` remembers the run only on
                 # the keys it still held at its release, and a key it lost mid-body (taken by a newer
                 # send of its set) answers superseded first. Its result stands; the copy is dropped.
@@ -338,7 +338,7 @@ class SeveralKeys:
         if self.debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
             # Handed its keys (due) before its delayed copy came: it ran or runs under its own message.
             raise Ignore()
-        ran_under_its_handoff(self.task, key, admission, self.copy)
+        over_after_a_lost_reply(self.task, key, admission, self.copy, self.options)
         if outcome is AdmitOutcome.ALREADY_RAN:
             # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
             if not has_final_state(self.task, carried_on=lambda: False):
