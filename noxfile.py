@@ -28,7 +28,7 @@ PYMONGO = {"4.6": "pymongo~=4.6.0", "newest": "pymongo"}
 SUITES = ["tests/test_store_contract.py", "tests/test_integration.py"]
 # The two suites side by side, one process each (pytest-xdist, from the test extra), each with servers of
 # its own: the session takes as long as the longer suite.
-XDIST = ["-n", "2", "--dist", "loadfile"]
+XDIST = ["-n", "3", "--dist", "loadfile"]
 
 OLDEST = ("5.3", "4.6")
 NEWEST = ("5.7", "newest")

@@ -27,9 +27,9 @@ if celery.VERSION < (5, 7):
     AsyncResult.__del__ = lambda self: None
 
 
-# `make test` runs the suite in two processes (pytest-xdist, ``-n 2 --dist loadfile``: each file's tests in
+# `make test` runs the suite in three processes (pytest-xdist, ``-n 3 --dist loadfile``: each file's tests in
 # one process, which has servers of its own). Files are handed out in collection order, so the longest go
-# first: a long file started last would leave the other process idle at the end. The figures (seconds on
+# first: a long file started last would leave the others idle at the end. The figures (seconds on
 # an idle machine, for the order only) are from `pytest --durations`; a file not named here goes after.
 LONGEST_FIRST = {
     "test_integration.py": 190,  # Redis and RabbitMQ

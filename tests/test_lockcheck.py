@@ -558,7 +558,7 @@ def test_bounded_run_on_rabbitmq_loses_nothing(tmp_path: Path) -> None:
     stopped on its data included, with durable queues, persistent messages, publisher confirms and
     ``acks_late``. No violation, and no task unfinished: on RabbitMQ no loss is excused.
 
-    In this file, after the Redis run, not in a file of its own: ``make test``'s two processes ran the two
+    In this file, after the Redis run, not in a file of its own: ``make test``'s processes once ran the two
     side by side, each with its own embedded server, and on 2 cores each took 3 to 15 times as long (the
     directed phase alone: 52 s alone, more than 14 minutes beside the other; a whole run 25 minutes).
     Many seeds: ``scripts/soak.py --bounded --seeds 10 --broker rabbitmq``."""
