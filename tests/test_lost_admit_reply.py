@@ -139,6 +139,37 @@ def test_a_first_delivery_whose_lost_send_parked_it_leaves_the_result_to_its_han
         lease.release()
 
 
+def test_a_first_delivery_whose_handoff_run_is_running_looks_again_without_a_warning(
+    app: Celery,
+    monkeypatch: pytest.MonkeyPatch,
+    published: list[dict[str, Any]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upload = _upload(app)
+    store: LeaseStore = get_store(app)
+    holder = store.acquire(KEY, ttl=30)
+    assert holder is not None
+    run = f"run-{uuid.uuid4().hex}"
+    running: list[Any] = []
+
+    def handed_and_running(reply: Any) -> None:
+        assert reply is not None and reply["lo"] == "parked", reply
+        holder.release()
+        handoffs = [h for h in published if h.get("id") == run and HANDOFF_HEADER in h]
+        running.append(_admit(upload, run, handoffs[0]))  # its body runs
+
+    _lose_a_reply(monkeypatch, KEY, handed_and_running)
+    with caplog.at_level("INFO", logger="celery_mongolock"), pytest.raises(Ignore):
+        _admit(upload, run, {})
+    assert len(_marked_copies(published, run)) == 1, published
+    ours = [
+        r for r in caplog.records if r.name.startswith("celery_mongolock") and "another delivery" in r.msg
+    ]
+    assert [r.levelname for r in ours] == ["INFO"], caplog.records
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "duplicate" in r.getMessage()]
+    running[0].release()
+
+
 def test_a_second_delivery_of_a_run_that_ran_still_ends_already_ran_after_a_lost_reply(
     app: Celery, monkeypatch: pytest.MonkeyPatch, published: list[dict[str, Any]]
 ) -> None:

@@ -51,7 +51,9 @@ __all__ = [
 DUPLICATE_HEADER = "mongolock_parked_duplicate"
 
 
-def park_duplicate(task: GuardedRun, key: str, options: TaskOptions, direct: bool) -> None:
+def park_duplicate(
+    task: GuardedRun, key: str, options: TaskOptions, direct: bool, *, resent: bool = False
+) -> None:
     """Keep a copy of a duplicate delivery until the first run's fate is known.
 
     Acknowledging the duplicate also acknowledges the first delivery (they share one broker message:
@@ -59,9 +61,21 @@ def park_duplicate(task: GuardedRun, key: str, options: TaskOptions, direct: boo
     then died nothing would bring the task back. The copy is published again, marked, to be looked
     at after one lease length: dropped if the first run has released the key, run if the first run
     died (its lease released for it or expired), parked again if it is still running.
+
+    ``resent``: a first delivery whose admit was sent again after a lost reply (``Admission.resent``):
+    the run holding the key is most likely its own handoff (the lost send parked it), not a duplicate.
     """
     countdown = _look_again_later(task, options, direct)
-    if countdown is not None:
+    if countdown is not None and resent:
+        log_acquire.info(
+            "%s[%s]: the run holds %r under another delivery of it (this delivery's admit was sent again "
+            "after a lost reply, which may have parked it); looked at again in %gs",
+            task.name,
+            task.request.id,
+            key,
+            countdown,
+        )
+    elif countdown is not None:
         log_acquire.warning(
             "%s[%s]: duplicate delivery while the first run holds %r; parked, looked at again in %gs",
             task.name,

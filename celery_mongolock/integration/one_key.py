@@ -292,7 +292,7 @@ class OneKey:
             copy_of_a_retried_attempt(task, key, entry)
         if outcome is AdmitOutcome.RUNNING:
             signals.lease_contended.send(sender=task, key=key, holder=holder, policy="duplicate")
-            park_duplicate(task, key, self.options, False)
+            park_duplicate(task, key, self.options, False, resent=admission.resent and not self.copy)
             raise Ignore()
         signals.lease_contended.send(sender=task, key=key, holder=holder, policy=policy.name)
         if outcome is AdmitOutcome.SUPERSEDED and debounced_copy:

@@ -345,7 +345,7 @@ class SeveralKeys:
                 return Outcome(already_ran(key, self.request.id))
             raise Ignore()
         if outcome is AdmitOutcome.RUNNING:
-            park_duplicate(self.task, key, self.options, False)
+            park_duplicate(self.task, key, self.options, False, resent=admission.resent and not self.copy)
             raise Ignore()
         if outcome is AdmitOutcome.RETRIED:
             copy_of_a_retried_attempt(self.task, key, self.entry)
