@@ -14,7 +14,6 @@ from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.core.documents import copies
-from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration.results import has_backend
 from celery_mongolock.integration.runs import (
@@ -33,15 +32,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DUPLICATE_HEADER",
+    "LOOKED_AGAIN_HEADER",
     "already_ran",
     "copy_of_a_retried_attempt",
     "copy_of_an_ended_run",
     "copy_run_ids",
     "copy_with_a_result",
+    "ended_without_a_result",
     "first_run_done",
     "guard_run_ids",
     "later_attempt_known",
-    "over_after_a_lost_reply",
     "park_duplicate",
     "stale_line",
 ]
@@ -49,6 +49,10 @@ __all__ = [
 #: Set on the copy of a message delivered again while its first run still held the key (see
 #: ``park_duplicate``).
 DUPLICATE_HEADER = "mongolock_parked_duplicate"
+
+#: Set on the marked copy that looks once more at a run that was over with no result stored
+#: (``ended_without_a_result``): at that look, the task ends ``already-ran`` if still no result is stored.
+LOOKED_AGAIN_HEADER = "mongolock_looked_again"
 
 
 def park_duplicate(
@@ -85,15 +89,20 @@ def park_duplicate(
         )
 
 
-def _look_again_later(task: GuardedRun, options: TaskOptions, direct: bool) -> float | None:
-    """Publish this delivery again as a marked copy (``DUPLICATE_HEADER``), due after one lease length;
-    its countdown, or None when the run is not a worker's (nothing to publish)."""
+def _look_again_later(
+    task: GuardedRun, options: TaskOptions, direct: bool, *, looked_again: bool = False
+) -> float | None:
+    """Publish this delivery again as a marked copy (``DUPLICATE_HEADER``; ``LOOKED_AGAIN_HEADER`` too with
+    ``looked_again``), due after one lease length; its countdown, or None when the run is not a worker's
+    (nothing to publish)."""
     request = task.request
     if direct or request.is_eager or request.called_directly:
         return None
     countdown = max(1.0, min(options.lease_seconds, 300.0))
     headers = dict(request.headers or {})
     headers[DUPLICATE_HEADER] = int(headers.get(DUPLICATE_HEADER) or 0) + 1
+    if looked_again:
+        headers[LOOKED_AGAIN_HEADER] = 1
     republish(
         task, task.signature_from_request(request, countdown=countdown, headers=headers), "parked duplicate"
     )
@@ -120,42 +129,44 @@ def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any])
     raise Ignore()
 
 
-def over_after_a_lost_reply(
-    task: GuardedRun, key: str, admission: Admission, copy: bool, options: TaskOptions
-) -> None:
-    """A run's first delivery (not a ``copy``) whose admit was sent again after a lost reply, and found the
-    run over (``ALREADY_RAN``): its result may still be on its way. The lost send may have parked the run,
-    which was then handed the key and ran under its handoff message, whose worker stores the result a few
-    milliseconds after its release; answering ``already-ran`` now would race that result, and the first
-    result stored is the one Celery keeps. So this delivery is looked at again after one lease length as a
-    marked copy (``park_duplicate``'s): dropped if a result was stored by then, else it ends the task
-    ``already-ran`` (the run ended under a delivery whose worker died before storing its result: an
-    unflagged second delivery of a message that ran). Returns for any other admit; else ``Ignore``."""
-    if copy or not admission.resent or admission.outcome is not AdmitOutcome.ALREADY_RAN:
-        return
-    countdown = _look_again_later(task, options, False)
+def ended_without_a_result(task: GuardedRun, key: str, options: TaskOptions) -> Outcome:
+    """The run is over on ``key`` (its body ran and released the key) and the task has no result stored.
+
+    The result may still be on its way: the run's worker stores it a few milliseconds after the release,
+    and a copy of the run can look in between (a second handoff message of it, a redelivery, a delivery
+    whose lost admit reply had parked the run). Answering ``already-ran`` then races that result, and the
+    first result stored is the one Celery keeps (CI: a run's real result lost to its copy's ``already-ran``
+    7 ms earlier; the lock-set checker, Redis seed 21: a cancelled run's ``superseded`` lost so, 12 ms).
+    So the first look publishes this delivery again as a marked copy (``LOOKED_AGAIN_HEADER``), due after
+    one lease length, and ends it (``Ignore``). The marked copy is dropped when a result was stored by
+    then, else it ends the task ``already-ran``: the run's worker died before it stored the result."""
     request = task.request
-    log_acquire.info(
-        "%s[%s]: the run is over on %r, found by an admit sent again after a lost reply (which may have "
-        "parked the run, then handed the key); its result may still be on its way: looked at again in %ss",
-        task.name,
-        request.id,
-        key,
-        countdown,
-    )
-    ignored_as(request.id, f"is over on {key!r} (found after a lost reply): looked at again as a copy")
-    raise Ignore()
+    if not (request.headers or {}).get(LOOKED_AGAIN_HEADER):
+        countdown = _look_again_later(task, options, False, looked_again=True)
+        if countdown is not None:
+            log_acquire.info(
+                "%s[%s]: the run is over on %r and no result is stored yet (its worker may be storing it "
+                "now); looked at again in %gs",
+                task.name,
+                request.id,
+                key,
+                countdown,
+            )
+            ignored_as(request.id, f"is over on {key!r}, its result not stored yet: looked at again later")
+            raise Ignore()
+    return Outcome(already_ran(key, request.id))
 
 
-def copy_of_an_ended_run(task: GuardedRun, store: Any, key: str) -> Outcome:
+def copy_of_an_ended_run(task: GuardedRun, store: Any, key: str, options: TaskOptions) -> Outcome:
     """A copy of a run that ended and released ``key`` itself: end the task saying so when its result
-    was never stored (the run's worker died in between), else drop the copy. Never runs the body.
+    was never stored (the run's worker died in between: ``ended_without_a_result``), else drop the copy.
+    Never runs the body.
 
     A body's ``RETRY`` left by an earlier attempt is no result of this run: it counts only when a later
     attempt than this copy's is known on ``key`` (``has_final_state``; one more read, only then)."""
     request = task.request
     if not has_final_state(task, carried_on=lambda: later_attempt_known(task, store, key)):
-        return Outcome(already_ran(key, request.id))
+        return ended_without_a_result(task, key, options)
     log_acquire.info(
         "%s[%s]: %s of a run that has ended and released %r; dropped",
         task.name,

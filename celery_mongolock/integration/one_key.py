@@ -23,14 +23,13 @@ from celery_mongolock.integration.beatcheck import beat_tick, warn_if_sent_by_an
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.duplicates import (
     DUPLICATE_HEADER,
-    already_ran,
     copy_of_a_retried_attempt,
     copy_of_an_ended_run,
     copy_run_ids,
     copy_with_a_result,
+    ended_without_a_result,
     first_run_done,
     guard_run_ids,
-    over_after_a_lost_reply,
     park_duplicate,
 )
 from celery_mongolock.integration.endings import ending_publisher
@@ -96,7 +95,7 @@ class OneKey:
         except StoreUnavailable as exc:
             unavailable(task, key, exc, policy, self.direct)
         if done:
-            return copy_of_an_ended_run(task, self.store, key)
+            return copy_of_an_ended_run(task, self.store, key, self.options)
         return self._acquire(info, tick, hold_until_ms)
 
     def _acquire(self, info: dict[str, Any], tick: int | None, hold_until_ms: int | None) -> Lease | Outcome:
@@ -129,7 +128,7 @@ class OneKey:
                     ended_runs=ended_runs,
                 )
                 if lease is None and ended_runs and self._attempt_ran(doc, ended_runs):
-                    return copy_of_an_ended_run(task, self.store, key)
+                    return copy_of_an_ended_run(task, self.store, key, self.options)
             except StoreUnavailable as exc:
                 return unavailable(task, key, exc, self.policy, self.direct)
             if lease is not None:
@@ -274,11 +273,10 @@ class OneKey:
             # own message (which reports a result lost with its worker): this copy has nothing to do.
             log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)
             raise Ignore()
-        over_after_a_lost_reply(task, key, admission, self.copy, self.options)
         if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
             # The run ran and released its key, and its worker died before its result was stored: end
             # this copy with a result that says so (never run the body twice, never leave it waiting).
-            return Outcome(already_ran(key, request.id))
+            return ended_without_a_result(task, key, self.options)
         if outcome in (AdmitOutcome.WAITING, AdmitOutcome.ALREADY_RAN, AdmitOutcome.STALE):
             what = {
                 AdmitOutcome.WAITING: "parked or handed the key",

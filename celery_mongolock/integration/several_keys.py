@@ -31,12 +31,11 @@ from celery_mongolock.integration import priority, results, signals
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.duplicates import (
     DUPLICATE_HEADER,
-    already_ran,
     copy_of_a_retried_attempt,
     copy_of_an_ended_run,
     copy_with_a_result,
+    ended_without_a_result,
     guard_run_ids,
-    over_after_a_lost_reply,
     park_duplicate,
 )
 from celery_mongolock.integration.endings import ending_publisher
@@ -140,7 +139,7 @@ class SeveralKeys:
             give_back_quietly(self.store, taken)
             key, contended = blocked  # (limit=N: a slot held by this very run is the holder)
             if ended_runs and self._attempt_ran(key, contended, ended_runs):
-                return copy_of_an_ended_run(task, self.store, key)
+                return copy_of_an_ended_run(task, self.store, key, self.options)
             holder, expires_at = dict(contended.holder), contended.expires_at
             if contended.held_by_run(request.id):
                 signals.lease_contended.send(sender=task, key=key, holder=holder, policy="duplicate")
@@ -338,11 +337,10 @@ class SeveralKeys:
         if self.debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
             # Handed its keys (due) before its delayed copy came: it ran or runs under its own message.
             raise Ignore()
-        over_after_a_lost_reply(self.task, key, admission, self.copy, self.options)
         if outcome is AdmitOutcome.ALREADY_RAN:
             # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
             if not has_final_state(self.task, carried_on=lambda: False):
-                return Outcome(already_ran(key, self.request.id))
+                return ended_without_a_result(self.task, key, self.options)
             raise Ignore()
         if outcome is AdmitOutcome.RUNNING:
             park_duplicate(self.task, key, self.options, False, resent=admission.resent and not self.copy)
