@@ -843,13 +843,13 @@ ENVIRONMENT = {"mongolock_test_mongodb_url", "mongolock_password"}
 def _known_mongolock_names() -> set[str]:
     from celery_mongolock import SingletonTask
     from celery_mongolock.config import KNOWN_SETTINGS
+    from celery_mongolock.integration import duplicates, task
     from celery_mongolock.integration import handoff as _queue
     from celery_mongolock.integration import headers as _headers
-    from celery_mongolock.integration import task
 
     names = {n.lower() for n in KNOWN_SETTINGS}
     names |= {n for n in dir(SingletonTask) if n.startswith("mongolock_")}
-    for module in (_headers, _queue, task):
+    for module in (_headers, _queue, duplicates, task):
         names |= {str(v) for k, v in vars(module).items() if k.endswith("_HEADER") and isinstance(v, str)}
     return names | {"mongolock_beat_"}  # "mongolock_beat_*", the beat's settings
 

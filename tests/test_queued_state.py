@@ -128,6 +128,8 @@ def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app
     lease = admit()
     assert lease.key == KEY
     lease.release()  # the body ended; its worker dies before Celery stores the result
+    # (Called directly, as here, a copy answers at once; in a worker it first looks again one lease later,
+    # in case the result is on its way: tests/test_lost_admit_reply.py.)
     copy = admit()  # the broker delivers the message again
     assert isinstance(copy, Outcome) and copy.value["mongolock"] == "already-ran"
     # After a contention retry (the key was held, or MongoDB did not answer), the state is RETRY and the

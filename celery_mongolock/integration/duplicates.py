@@ -8,6 +8,7 @@ runs twice for one delivery.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore
@@ -15,6 +16,7 @@ from celery.exceptions import Ignore
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.core.documents import copies
 from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.results import has_backend
 from celery_mongolock.integration.runs import (
     CONTENTION_HEADER,
@@ -38,11 +40,13 @@ __all__ = [
     "copy_of_an_ended_run",
     "copy_run_ids",
     "copy_with_a_result",
+    "end_second_look",
     "ended_without_a_result",
     "first_run_done",
     "guard_run_ids",
     "later_attempt_known",
     "park_duplicate",
+    "second_look_of",
     "stale_line",
 ]
 
@@ -50,8 +54,8 @@ __all__ = [
 #: ``park_duplicate``).
 DUPLICATE_HEADER = "mongolock_parked_duplicate"
 
-#: Set on the marked copy that looks once more at a run that was over with no result stored
-#: (``ended_without_a_result``): at that look, the task ends ``already-ran`` if still no result is stored.
+#: Set (``{"k": key, "r": the task's retries}``) on the marked copy that looks once more at a run that was
+#: over with no result stored (``ended_without_a_result``, ``end_second_look``).
 LOOKED_AGAIN_HEADER = "mongolock_looked_again"
 
 
@@ -89,20 +93,15 @@ def park_duplicate(
         )
 
 
-def _look_again_later(
-    task: GuardedRun, options: TaskOptions, direct: bool, *, looked_again: bool = False
-) -> float | None:
-    """Publish this delivery again as a marked copy (``DUPLICATE_HEADER``; ``LOOKED_AGAIN_HEADER`` too with
-    ``looked_again``), due after one lease length; its countdown, or None when the run is not a worker's
-    (nothing to publish)."""
+def _look_again_later(task: GuardedRun, options: TaskOptions, direct: bool) -> float | None:
+    """Publish this delivery again as a parked duplicate (``DUPLICATE_HEADER``), due after one lease
+    length; its countdown, or None when the run is not a worker's (nothing to publish)."""
     request = task.request
     if direct or request.is_eager or request.called_directly:
         return None
     countdown = max(1.0, min(options.lease_seconds, 300.0))
     headers = dict(request.headers or {})
     headers[DUPLICATE_HEADER] = int(headers.get(DUPLICATE_HEADER) or 0) + 1
-    if looked_again:
-        headers[LOOKED_AGAIN_HEADER] = 1
     republish(
         task, task.signature_from_request(request, countdown=countdown, headers=headers), "parked duplicate"
     )
@@ -129,6 +128,11 @@ def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any])
     raise Ignore()
 
 
+#: The least time a run's worker is given to store the result after its release (``ended_without_a_result``):
+#: it also publishes the run's callbacks and the next task of its chain first (Celery's trace).
+LOOK_AGAIN_AT_LEAST_S = 5.0
+
+
 def ended_without_a_result(task: GuardedRun, key: str, options: TaskOptions) -> Outcome:
     """The run is over on ``key`` (its body ran and released the key) and the task has no result stored.
 
@@ -137,24 +141,55 @@ def ended_without_a_result(task: GuardedRun, key: str, options: TaskOptions) -> 
     whose lost admit reply had parked the run). Answering ``already-ran`` then races that result, and the
     first result stored is the one Celery keeps (CI: a run's real result lost to its copy's ``already-ran``
     7 ms earlier; the lock-set checker, Redis seed 21: a cancelled run's ``superseded`` lost so, 12 ms).
-    So the first look publishes this delivery again as a marked copy (``LOOKED_AGAIN_HEADER``), due after
-    one lease length, and ends it (``Ignore``). The marked copy is dropped when a result was stored by
-    then, else it ends the task ``already-ran``: the run's worker died before it stored the result."""
+    So this delivery is published again, marked with ``LOOKED_AGAIN_HEADER`` (the key and the attempt),
+    due after one lease length (at least ``LOOK_AGAIN_AT_LEAST_S``), and ends (``Ignore``). The marked
+    copy looks at the result only, never at the keys (``end_second_look``). Not a worker's run: at once."""
     request = task.request
-    if not (request.headers or {}).get(LOOKED_AGAIN_HEADER):
-        countdown = _look_again_later(task, options, False, looked_again=True)
-        if countdown is not None:
-            log_acquire.info(
-                "%s[%s]: the run is over on %r and no result is stored yet (its worker may be storing it "
-                "now); looked at again in %gs",
-                task.name,
-                request.id,
-                key,
-                countdown,
-            )
-            ignored_as(request.id, f"is over on {key!r}, its result not stored yet: looked at again later")
-            raise Ignore()
-    return Outcome(already_ran(key, request.id))
+    if request.is_eager or request.called_directly:
+        return Outcome(already_ran(key, request.id))
+    countdown = max(LOOK_AGAIN_AT_LEAST_S, min(options.lease_seconds, 300.0))
+    headers = dict(request.headers or {})
+    headers[LOOKED_AGAIN_HEADER] = {"k": key, "r": int(getattr(request, "retries", 0) or 0)}
+    # (No expiry: the copy never runs the body, and an expired one would end the task REVOKED.)
+    signature = task.signature_from_request(request, countdown=countdown, headers=headers, expires=None)
+    republish(task, signature, "second look at a run that is over")
+    log_acquire.info(
+        "%s[%s]: the run is over on %r and no result is stored yet (its worker may be storing it now); "
+        "looked at again in %gs",
+        task.name,
+        request.id,
+        key,
+        countdown,
+    )
+    ignored_as(request.id, f"is over on {key!r}, its result not stored yet: looked at again later")
+    raise Ignore()
+
+
+def second_look_of(request: Any) -> Mapping[str, Any] | None:
+    """The key and attempt of a marked copy published by ``ended_without_a_result`` for this very attempt
+    (``LOOKED_AGAIN_HEADER``), or None (a header a later attempt inherited through its retry is not its)."""
+    headers = getattr(request, "headers", None) or {}
+    look = headers.get(LOOKED_AGAIN_HEADER) or getattr(request, LOOKED_AGAIN_HEADER, None)
+    if (
+        isinstance(look, Mapping)
+        and isinstance(look.get("k"), str)
+        and look.get("r") == int(getattr(request, "retries", 0) or 0)
+    ):
+        return look
+    return None
+
+
+def end_second_look(task: GuardedRun, look: Mapping[str, Any]) -> dict[str, Any]:
+    """The marked copy of ``ended_without_a_result``: the run was over then, so the keys are not looked at
+    again (a key remembers only its last runs). Dropped when the task has its result by now (or a later
+    attempt carries it on); else the task's result: ``already-ran`` (the run's worker died before storing
+    it)."""
+    request, key = task.request, str(look["k"])
+    store = get_store(task.app)
+    if has_final_state(task, carried_on=lambda: later_attempt_known(task, store, key)):
+        log_acquire.info("%s[%s]: the run over on %r has its result now; dropped", task.name, request.id, key)
+        raise Ignore()
+    return already_ran(key, request.id)
 
 
 def copy_of_an_ended_run(task: GuardedRun, store: Any, key: str, options: TaskOptions) -> Outcome:

@@ -61,7 +61,7 @@ from celery_mongolock.integration.config import (
     censor_url_in_celery_reports,
     get_settings,
 )
-from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
+from celery_mongolock.integration.duplicates import DUPLICATE_HEADER, end_second_look, second_look_of
 from celery_mongolock.integration.endings import end_run, ending_of
 from celery_mongolock.integration.guarded import current_lease, guarded_many, guarded_one
 from celery_mongolock.integration.options import (
@@ -288,6 +288,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         if ending is not None:  # a parked run ended without its body, through Celery's trace (``endings``)
             policy = options.on_contention
             return end_run(self, ending, fail_superseded=getattr(policy, "fail_superseded", False))
+        look = None if direct else second_look_of(self.request)
+        if look is not None:  # a run found over with no result stored, looked at once more (``duplicates``)
+            return end_second_look(self, look)
         limits = self.mongolock_limits_for(*args, **kwargs)
 
         def body() -> Any:
