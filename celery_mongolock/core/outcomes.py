@@ -139,8 +139,8 @@ class Admission:
     #: burst (ms: ``bu``, else when its burst began waiting, ``fw``; ``sets.burst_of``).
     bursts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: The admit was sent again after a send whose outcome is unknown (its reply lost): the answer may
-    #: describe what that earlier send did. ``ALREADY_RAN`` for a run's first delivery then means the
-    #: earlier send parked it and the run was handed the key and ran under its handoff message.
+    #: describe what that earlier send did (it may have parked the run, which was then handed the key and
+    #: runs or ran under its handoff message).
     resent: bool = False
 
     @classmethod

@@ -73,8 +73,16 @@ def park_duplicate(
     ``resent``: a first delivery whose admit was sent again after a lost reply (``Admission.resent``):
     the run holding the key is most likely its own handoff (the lost send parked it), not a duplicate.
     """
-    countdown = _look_again_later(task, options, direct)
-    if countdown is not None and resent:
+    request = task.request
+    if direct or request.is_eager or request.called_directly:
+        return
+    countdown = max(1.0, min(options.lease_seconds, 300.0))
+    headers = dict(request.headers or {})
+    headers[DUPLICATE_HEADER] = int(headers.get(DUPLICATE_HEADER) or 0) + 1
+    republish(
+        task, task.signature_from_request(request, countdown=countdown, headers=headers), "parked duplicate"
+    )
+    if resent:
         log_acquire.info(
             "%s[%s]: the run holds %r under another delivery of it (this delivery's admit was sent again "
             "after a lost reply, which may have parked it); looked at again in %gs",
@@ -83,7 +91,7 @@ def park_duplicate(
             key,
             countdown,
         )
-    elif countdown is not None:
+    else:
         log_acquire.warning(
             "%s[%s]: duplicate delivery while the first run holds %r; parked, looked at again in %gs",
             task.name,
@@ -91,21 +99,6 @@ def park_duplicate(
             key,
             countdown,
         )
-
-
-def _look_again_later(task: GuardedRun, options: TaskOptions, direct: bool) -> float | None:
-    """Publish this delivery again as a parked duplicate (``DUPLICATE_HEADER``), due after one lease
-    length; its countdown, or None when the run is not a worker's (nothing to publish)."""
-    request = task.request
-    if direct or request.is_eager or request.called_directly:
-        return None
-    countdown = max(1.0, min(options.lease_seconds, 300.0))
-    headers = dict(request.headers or {})
-    headers[DUPLICATE_HEADER] = int(headers.get(DUPLICATE_HEADER) or 0) + 1
-    republish(
-        task, task.signature_from_request(request, countdown=countdown, headers=headers), "parked duplicate"
-    )
-    return countdown
 
 
 def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any]) -> NoReturn:

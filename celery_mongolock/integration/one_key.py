@@ -274,8 +274,8 @@ class OneKey:
             log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)
             raise Ignore()
         if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
-            # The run ran and released its key, and its worker died before its result was stored: end
-            # this copy with a result that says so (never run the body twice, never leave it waiting).
+            # The run ran and released its key, and no result is stored: its worker may be storing it now,
+            # or died first. Look again later, then end the task saying so (never run the body twice).
             return ended_without_a_result(task, key, self.options)
         if outcome in (AdmitOutcome.WAITING, AdmitOutcome.ALREADY_RAN, AdmitOutcome.STALE):
             what = {
