@@ -128,17 +128,18 @@ def test_max_length_is_exact(store: LeaseStore) -> None:
 
 
 def test_a_key_whose_document_cannot_take_another_message_is_full_not_unavailable(store: LeaseStore) -> None:
-    # Parked runs share the key's document (16 MiB): 1 MiB messages fill it after about 15; the next run
-    # is told "full" (its policy's then decides), never "MongoDB did not answer".
-    holder = store.acquire(KEY, 60)
-    assert holder is not None
+    # Runs parked on a key with slots (limit=N) share the key's document (16 MiB): 1 MiB messages fill it
+    # after about 15; the next run is told "full" (its policy's then decides), never "MongoDB did not
+    # answer". (A key held as one lease spills them instead: tests/test_spill_store.py.)
+    holders = [store.admit(KEY, entry(1000 + i), limit=2)[0] for i in range(2)]
+    assert all(holders)
     big = b"x" * 2**20
-    outcomes = [store.admit(KEY, entry(i, m=big))[1]["lo"] for i in range(18)]
+    outcomes = [store.admit(KEY, entry(i, m=big), limit=2)[1]["lo"] for i in range(18)]
     assert outcomes[:14] == ["parked"] * 14 and outcomes[-1] == "full"
     assert set(outcomes) == {"parked", "full"} and outcomes.index("full") == outcomes.count("parked")
     assert len(parked(store)) == outcomes.count("parked")
     # A small run still parks behind them; the document is intact.
-    assert store.admit(KEY, entry(100))[1]["lo"] == "parked"
+    assert store.admit(KEY, entry(100), limit=2)[1]["lo"] == "parked"
 
 
 def test_a_message_too_large_to_park_anywhere_is_refused_in_our_words(store: LeaseStore) -> None:
@@ -343,7 +344,10 @@ def test_many_concurrent_admits_park_each_run_once(make_store: Any) -> None:
         t.join()
     assert errors == []
     stamps = [e["s"] for e in (stores[0].collection.find_one({"_id": KEY}) or {})["q"]]
-    assert len(stamps) == 40 and stamps == sorted(stamps)
+    # (beyond the document's window, the runs are spilled, in the order they parked: test_spill_store)
+    spilled = [d["e"]["s"] for d in stores[0].spill.collection.find({"k": KEY})]
+    assert len(stamps) + len(spilled) == 40 and stamps == sorted(stamps)
+    assert len(set(stamps + spilled)) == 40
 
 
 def test_a_debounced_run_parks_even_on_a_free_key_and_takes_it_once_due(store: LeaseStore) -> None:

@@ -53,6 +53,7 @@ from celery_mongolock.core.store_hold import hold as _hold
 from celery_mongolock.core.store_parked import ParkedRuns
 from celery_mongolock.core.store_queue import QueueUpkeep
 from celery_mongolock.core.store_release import Releases
+from celery_mongolock.core.store_spill import DEFAULT_WINDOW, Spill, validate_window
 from celery_mongolock.core.urls import validate_client_options, validate_mongo_url
 from celery_mongolock.core.validation import (
     DEFAULT_HISTORY_DAYS,
@@ -92,6 +93,12 @@ class LeaseStore(ParkedRuns):
     heartbeat renews with one change stream and marks a lease lost as soon as it is force-released, taken
     over or deleted (``False``: at the heartbeat's next renewal only).
 
+    ``parked_window``: the most ``Queue`` runs of one priority a key's lease document keeps parked (one
+    lease, not ``limit=N`` or ``keys=``); runs parked behind them wait in the collection
+    ``<collection>.parked``, one document per run, and move into the lease document as it empties: a
+    key's queue may be as deep as the database holds, and parking or handing over costs the same at any
+    depth.
+
     The store holds the settings and is a façade over its parts, each owning one concern (its methods
     delegate to them): ``connection`` (``Connection``: client, collections, indexes, errors, ``close``),
     ``acquisition`` (``Acquisition``: ``try_acquire``, ``acquire``, ``admit``, ``wait_free``), ``holds``
@@ -100,7 +107,8 @@ class LeaseStore(ParkedRuns):
     ``release_held_by``, ``force_release``), ``handoffs`` (``Handoffs``: ``add_handoff_callback`` and the
     publishing of handoffs), ``queue`` (``QueueUpkeep``: ``reserve``, ``unpark``, ``give_back``,
     ``keys_state``, the sweeper's commands, ``run_ended``, ``record_run_ending``, ``forget_results``) and
-    ``records`` (``Records``: the lease history, ``why``, ``history``, ``inspect``, ``list``). The parts
+    ``spill`` (``Spill``: runs parked beyond the window), ``records`` (``Records``: the lease history,
+    ``why``, ``history``, ``inspect``, ``list``). The parts
     call ``try_acquire``, ``clock`` and the other settings through the store.
     """
 
@@ -120,6 +128,7 @@ class LeaseStore(ParkedRuns):
         on_lost: LostCallback | None = None,
         history_days: float = DEFAULT_HISTORY_DAYS,
         watch_leases: bool = True,
+        parked_window: int = DEFAULT_WINDOW,
     ) -> None:
         if isinstance(client_or_url, str):
             url: str | None = validate_mongo_url(client_or_url)
@@ -154,6 +163,8 @@ class LeaseStore(ParkedRuns):
         self._lost_callbacks: builtins.list[LostCallback] = [on_lost] if on_lost else []
         self.connection = Connection(self, url, given_client)
         self.handoffs = Handoffs()
+        self.spill = Spill(self, validate_window(parked_window))
+        self.handoffs.after_reply = self.spill.refill_if_low
         self.records = Records(self)
         self.releases = Releases(self)
         self.queue = QueueUpkeep(self)

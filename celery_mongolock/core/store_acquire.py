@@ -47,6 +47,7 @@ from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease, LeaseBackend, aware
 from celery_mongolock.core.outcomes import plain_admit_reply, untrusted_admit_reply
 from celery_mongolock.core.store_connection import AMBIGUOUS
+from celery_mongolock.core.store_spill import Spill, Stored
 from celery_mongolock.core.validation import (
     MAX_LEASE_SECONDS,
     validate_lease_timing,
@@ -93,6 +94,9 @@ class AcquisitionOwner(LeaseBackend, Protocol):
 
     @property
     def records(self) -> Records: ...
+
+    @property
+    def spill(self) -> Spill: ...
 
     @property
     def heartbeat(self) -> Heartbeat: ...
@@ -423,6 +427,63 @@ class Acquisition:
         if size > PARK_BUDGET:  # (the command itself would pass MongoDB's limit)
             raise MessageTooLarge(key, size, PARK_BUDGET)
         full_entry = _parked_entry(entry, store.lease_seconds if ttl is None else ttl)
+        spills = limit is None and not (replace or debounce or group is not None)
+        for _ in range(_SPILL_TRIES):
+            lease, doc = self._admit_once(
+                key, full_entry, ttl, timeout=timeout, max_length=max_length, claim=claim, replace=replace,
+                debounce=debounce, due=due, max_wait=max_wait, min_hold=min_hold, info=info,
+                heartbeat=heartbeat, heartbeat_seconds=heartbeat_seconds, limit=limit, group=group,
+                cancel=cancel, window=store.spill.window if spills else None,
+            )  # fmt: skip
+            if lease is not None or doc.get("lo") != "spilled":
+                return lease, doc
+            stored = self._store_spilled(normalize_key(key), full_entry, doc, timeout)
+            if stored != Stored.AGAIN:
+                return lease, doc
+        raise StoreUnavailable(
+            f"could not park a run of {key!r}: the number its admit took was given up {_SPILL_TRIES} times"
+        )
+
+    def _store_spilled(self, key: str, entry: Mapping[str, Any], doc: Document, timeout: float | None) -> str:
+        """A run the admit spilled (``documents.spill``): store it under its number, then refill the
+        key's window if it runs low. The reply then answers ``parked`` (or ``dup``: a copy)."""
+        spill = self.store.spill
+        answer = doc.get("ls") or {}
+        timeout_ms = None if timeout is None else int(timeout * 1000)
+        stored = spill.store_entry(key, entry, answer, timeout_ms)
+        if stored == Stored.AGAIN:
+            return stored
+        doc["lo"] = stored
+        if stored == Stored.PARKED:
+            doc["_position"] = spill.position(doc, answer)
+        spill.refill_if_low(key, doc)
+        return stored
+
+    def _admit_once(
+        self,
+        key: str,
+        full_entry: dict[str, Any],
+        ttl: float | None,
+        *,
+        timeout: float | None,
+        max_length: int | None,
+        claim: str | None,
+        replace: bool,
+        debounce: float | None,
+        due: bool,
+        max_wait: float | None,
+        min_hold: float,
+        info: Mapping[str, Any] | None,
+        heartbeat: bool,
+        heartbeat_seconds: float | None,
+        limit: int | None,
+        group: str | None,
+        cancel: bool,
+        window: int | None,
+    ) -> tuple[Lease | None, Document]:
+        """One admit command (``admit``)."""
+        store = self.store
+        entry = full_entry
         timeout_ms = (
             None
             if timeout is None
@@ -451,6 +512,7 @@ class Acquisition:
                 **({} if group is None else {"group": group}),
                 **({"cancel": True} if cancel else {}),
                 **({"max_wait_ms": int(max_wait * 1000)} if max_wait and debounce else {}),
+                **({"window": window} if window else {}),
             },
             limit=limit,
         )
@@ -479,8 +541,9 @@ class Acquisition:
         if limit is not None:
             # Any admit on a slotted key may hand free slots to parked runs (the command's last stages).
             handed = self.store.handoffs.publish(key, doc, marker)
-        elif lease is None and doc.get("lo") == "parked":
-            handed = self.store.handoffs.publish(key, doc, marker)
+        elif lease is None and doc.get("lo") in ("parked", "spilled"):
+            # (a spilled run's refill waits until it is stored: ``_store_spilled``)
+            handed = self.store.handoffs.publish(key, doc, marker, refill=doc.get("lo") == "parked")
         if handed is not None and self.store.history_days:
             # The key was found vacant: an expired lease's ending may be in ``ends`` (same command).
             self.store.heartbeat.copy_endings({"_id": key})
@@ -532,6 +595,10 @@ class Acquisition:
             if stream is not None:
                 with contextlib.suppress(Exception):
                     stream.close()
+
+
+#: How many times an admit whose run was spilled takes a new number when a refill gave its number up.
+_SPILL_TRIES = 5
 
 
 def _parked_entry(entry: Mapping[str, Any], ttl_seconds: float) -> dict[str, Any]:

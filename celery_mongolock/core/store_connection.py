@@ -35,6 +35,7 @@ from pymongo.read_preferences import _ServerMode
 from pymongo.write_concern import WriteConcern
 
 from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.documents.spill import SPILL_SUFFIX
 from celery_mongolock.core.urls import describe_refusal, redact
 from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended, StoreUnavailable
 
@@ -217,6 +218,14 @@ class Connection:
         )
 
     @property
+    def spill_collection(self) -> Collection[Document]:
+        """Where a key's parked runs beyond its window are kept (``documents.spill``)."""
+        s = self.settings
+        return self.client[s.database_name].get_collection(
+            s.collection_name + SPILL_SUFFIX, write_concern=s.write_concern, read_preference=s.read_preference
+        )
+
+    @property
     def url(self) -> str | None:
         """The URL with credentials masked (None when the store was given a client)."""
         return redact(self.raw_url) if self.raw_url else None
@@ -325,6 +334,14 @@ class Connection:
                         ) from None
                     if exc.code != 68:
                         raise
+            try:
+                # A run stored once per key: a copy of a spilled run is told apart by its insert.
+                self.spill_collection.create_index(
+                    [("k", pymongo.ASCENDING), ("rid", pymongo.ASCENDING)], name="k_rid", unique=True
+                )
+            except OperationFailure as exc:
+                if exc.code != 68:
+                    raise
             try:
                 coll.drop_index("expires_at_ttl")
             except OperationFailure as exc:

@@ -25,6 +25,9 @@ class Handoffs:
 
     def __init__(self) -> None:
         self.callbacks: list[HandoffCallback] = []
+        #: Called with every reply ``publish`` is given, published or not (the spill's refill: a key
+        #: whose window of parked runs runs low after a handoff is refilled from its spilled runs).
+        self.after_reply: Callable[[str, Mapping[str, Any]], object] | None = None
 
     def add_callback(self, callback: HandoffCallback) -> None:
         """``LeaseStore.add_handoff_callback``."""
@@ -37,9 +40,18 @@ class Handoffs:
         publishes it at its next pass (a marked one would wait until it expired unclaimed)."""
         return token if self.callbacks else ""
 
-    def publish(self, key: str, doc: Mapping[str, Any] | None, by: str) -> Document | None:
+    def publish(
+        self, key: str, doc: Mapping[str, Any] | None, by: str, *, refill: bool = True
+    ) -> Document | None:
         """If the command whose reply is ``doc`` handed ``key`` (or slots of it) to parked runs, publish
-        those runs. Returns the (last) handoff published."""
+        those runs. Returns the (last) handoff published. Then (``refill``) ``after_reply``."""
+        try:
+            return self._publish(key, doc, by)
+        finally:
+            if refill and doc and doc.get("sp") and self.after_reply is not None:
+                self.after_reply(key, doc)
+
+    def _publish(self, key: str, doc: Mapping[str, Any] | None, by: str) -> Document | None:
         if not by:
             return None
         found = [(ho, (doc or {}).get("fence")) for ho in [(doc or {}).get("ho")]]

@@ -25,6 +25,7 @@ from typing import Any
 from celery_mongolock.core.documents import sets
 from celery_mongolock.core.documents.copies import later_attempt, retries_of
 from celery_mongolock.core.documents.entries import MAX_PARKED, rank_of_entry, would_pass_budget
+from celery_mongolock.core.documents.spill import must_spill, spilled_total
 
 __all__ = [
     "TOOK",
@@ -57,6 +58,9 @@ class AdmitRun:
     due: bool = False
     group: str | None = None
     max_wait_ms: int | None = None
+    #: a plain ``Queue`` run on a single lease: the most runs of one rank the document keeps parked; the
+    #: others are spilled (``spill``). None: every parked run in the document (up to ``cap``).
+    window: int | None = None
 
     @property
     def ident(self) -> str:
@@ -186,6 +190,15 @@ def judge(run: AdmitRun, shape: Shape) -> Document:
         branches += newer_send_cases(run, shape)
     if not run.debounce_ms:
         branches.append({"case": shape.free, "then": "acquired"})
+    if run.window:
+        if run.max_length is not None:
+            # (the user's cap counts the spilled runs too; a free key still takes a run, as below)
+            total = {"$add": [{"$size": _Q}, spilled_total()]}
+            at_cap = {"$and": [{"$not": [shape.room]}, {"$gte": [total, int(run.max_length)]}]}
+            branches.append({"case": at_cap, "then": "full"})
+        branches.append(
+            {"case": must_spill(run.entry, run.window, would_pass_budget(run.entry)), "then": "spilled"}
+        )
     # (The key's document cannot take this run's message: MongoDB's 16 MiB limit, before the count's cap.)
     branches.append({"case": would_pass_budget(run.entry), "then": "full"})
     branches.append({"case": shape.room, "then": "parked"})  # and handed to the oldest (when due)

@@ -30,13 +30,29 @@ _Q: Document = {"$ifNull": ["$q", []]}
 SEEN_KEEP_MS = 2 * 3600 * 1000
 
 
-#: True when something waits on the key: parked runs, a pending handoff, results not yet written.
+#: True when something waits on the key: parked runs (in the document or spilled), a pending handoff,
+#: results not yet written.
 WAITS: Document = {
     "$or": [
         {"$gt": [{"$size": _Q}, 0]},
         {"$ne": [{"$ifNull": ["$ho", None]}, None]},
         {"$gt": [{"$size": {"$ifNull": ["$dead", []]}}, 0]},
         {"$gt": [{"$size": {"$ifNull": ["$sup", []]}}, 0]},
+        # runs spilled out of the document (``spill``): a lane with numbers not yet refilled
+        {
+            "$gt": [
+                {
+                    "$sum": {
+                        "$map": {
+                            "input": {"$ifNull": ["$sp", []]},
+                            "as": "l",
+                            "in": {"$subtract": ["$$l.t", "$$l.h"]},
+                        }
+                    }
+                },
+                0,
+            ]
+        },
         # limit=N: a slot handed to a parked run that has not claimed it
         {
             "$gt": [

@@ -41,10 +41,11 @@ callers used before they moved.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from celery_mongolock.core.documents import sets
+from celery_mongolock.core.documents import sets, spill
 from celery_mongolock.core.documents.admit_stages import (
     AdmitRun,
     Shape,
@@ -169,6 +170,7 @@ ADMIT_OUTCOMES = (
     "retried",  # a copy of an attempt whose body retried: a later attempt is known on the key; drop it
     "stale",  # a handoff message of a run no longer parked or handed: drop it
     "parked",  # parked (and, when the key was found free with older runs parked, handed to the oldest)
+    "spilled",  # a number in its rank's lane (``ls``): its worker stores it in the spill collection
     "full",  # the queue is at max_length: the policy's ``then``
     "superseded",  # Replace: a newer send exists; this run ends superseded
 )
@@ -249,6 +251,7 @@ def admit_pipeline(
     group: str | None = None,
     cancel: bool = False,
     max_wait_ms: int | None = None,
+    window: int | None = None,
 ) -> list[Document]:
     """The admit: one command that acquires the key, claims a handoff, or parks the run.
 
@@ -263,8 +266,9 @@ def admit_pipeline(
     holder supersedes that holder too (``cx``, ``cancel_mark``); with ``group``, only a holder that is an
     older run of the same set. ``max_wait_ms`` (with
     ``debounce_ms``): a run that supersedes others is due no later than that long after the first of them
-    began waiting. The outcome is left in ``lo`` (the reply carries it); fields starting with ``__`` are
-    removed.
+    began waiting. ``window`` (a plain ``Queue`` run): the most runs of one rank kept in ``q``; a run
+    behind them is ``spilled`` (``spill``). The outcome is left in ``lo`` (the reply carries it); fields
+    starting with ``__`` are removed.
 
     The stages (``admit_stages``): judge the run, take or park, hand over, record.
     """
@@ -278,8 +282,13 @@ def admit_pipeline(
         due=due,
         group=group,
         max_wait_ms=max_wait_ms,
+        window=window if window and not (replace or debounce_ms or group) else None,
     )
     shape = _one_lease(run, token)
+    if run.window:
+        # (nobody spilled before it waits: a run spilled goes before a newer one, as a parked one does)
+        free = {"$and": [shape.free, {"$eq": [spill.spilled_ahead(run.rank), 0]}]}
+        shape = dataclasses.replace(shape, free=free)
     stages: list[Document] = [
         *run.burst_stages(),
         {"$set": {"__o": judge(run, shape)}},
@@ -294,22 +303,22 @@ def admit_pipeline(
     ]
     park_stages, parked_q, superseded = _park(run)
     stages += park_stages
-    stages.append(
-        {
-            "$set": _take_or_park_fields(
-                run,
-                shape,
-                token=token,
-                acquire_fields=acquire_fields,
-                parked_q=parked_q,
-                superseded=superseded,
-                cancel=cancel,
-            )
-        }
+    fields = _take_or_park_fields(
+        run,
+        shape,
+        token=token,
+        acquire_fields=acquire_fields,
+        parked_q=parked_q,
+        superseded=superseded,
+        cancel=cancel,
     )
-    # Found free with runs parked (or an unclaimed handoff): this run parked, and the key goes to the
-    # oldest, in this same command.
-    hand_when = {"$and": ["$__park", {"$or": ["$__vac", "$__tb"]}]}
+    spilled = {"$eq": ["$__o", "spilled"]}
+    if run.window:
+        fields.update(spill.spill_fields(run.entry, spilled))
+    stages.append({"$set": fields})
+    # Found free with runs parked (or an unclaimed handoff): this run parked (or spilled), and the key
+    # goes to the oldest, in this same command.
+    hand_when = {"$and": [{"$or": ["$__park", spilled]}, {"$or": ["$__vac", "$__tb"]}]}
     stages += handoff_stages(hand_when, requeue_handoff(), admit_marker(token))
     stages.append({"$unset": _FLAGS})
     stages.append(gc_stage())
