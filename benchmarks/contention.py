@@ -472,7 +472,7 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
     from kombu.serialization import dumps
     from pymongo import MongoClient, monitoring
 
-    from celery_mongolock.core.documents.entries import MAX_PARKED
+    from celery_mongolock.core.documents.lanes import spill_id
     from celery_mongolock.store import LeaseStore
 
     replies: list[tuple[str, int]] = []
@@ -527,12 +527,6 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
         assert warm is not None
         warm.release()
         for size in sizes:
-            if size + samples > MAX_PARKED:  # the per-key cap (issue 28 item 1: parked runs of their own)
-                out["refused"][str(size)] = (
-                    f"a key's queue holds at most {MAX_PARKED:,} parked runs (kept in its lease document)"
-                )
-                print(f"  {size:>6} parked: refused, {out['refused'][str(size)]}", flush=True)
-                continue
             key = f"parked-{size}-{uuid.uuid4().hex[:6]}"
             holder = store.acquire(key, ttl=3600)
             assert holder is not None
@@ -545,8 +539,19 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
                 e.update(tk=uuid.uuid4().hex, ttl=3_600_000, at=now, dl=None)
                 entries.append(e)
             entry_bytes = len(bson.encode(entries[0])) if entries else 0
+            # The first ``window`` runs in the lease document, the others spilled (``documents.spill``), as
+            # parking them one by one would leave them.
+            window = store.spill.window
             t0 = time.perf_counter()
-            store.collection.update_one({"_id": key}, {"$set": {"q": entries, "wq": True, "gc_at": None}})
+            lanes = [{"r": 0, "h": 0, "t": len(entries) - window}] if len(entries) > window else []
+            spilled = [
+                {"_id": spill_id(key, 0, n), "k": key, "rid": e["id"], "e": e}
+                for n, e in enumerate(entries[window:])
+            ]
+            for start in range(0, len(spilled), 1000):
+                store.spill.collection.insert_many(spilled[start : start + 1000], ordered=False)
+            fields = {"q": entries[:window], "wq": True, "gc_at": None, **({"sp": lanes} if lanes else {})}
+            store.collection.update_one({"_id": key}, {"$set": fields})
             fill = time.perf_counter() - t0
             doc_bytes = len(bson.encode(store.collection.find_one({"_id": key}) or {}))
             # The embedded server slows down with the writes it has taken, whatever they touch: a plain
@@ -597,6 +602,7 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
                 assert [d["_id"] for d in waiting] == [key], [d["_id"] for d in waiting]
             holder.release()
             store.collection.delete_one({"_id": key})  # its parked runs are not the next size's
+            store.spill.collection.delete_many({"k": key})
             handoff = [a + b for a, b in zip(release, claim, strict=True)]
             out["sizes"][str(size)] = {
                 "parked": size,

@@ -12,7 +12,7 @@ import pytest
 from pymongo import MongoClient
 
 from celery_mongolock import ConfigurationError, LeaseStore
-from celery_mongolock.core.documents import spill as spill_docs
+from celery_mongolock.core.documents import lanes as spill_docs
 
 from .test_admission_store import KEY, Handoffs, entry
 
@@ -36,7 +36,7 @@ def spilled(store: LeaseStore, key: str = KEY) -> list[str]:
 
 def lanes(store: LeaseStore, key: str = KEY) -> list[dict[str, int]]:
     doc = store.collection.find_one({"_id": key}) or {}
-    return [{k: v for k, v in lane.items()} for lane in doc.get("sp") or []]
+    return [dict(lane) for lane in doc.get("sp") or []]
 
 
 def run_all(store: LeaseStore, handoffs: Handoffs, holder: Any) -> list[str]:

@@ -129,8 +129,13 @@ class Admission:
     fence: int | None = None
     #: ``SUPERSEDED``: the task id of the newer send.
     by: str | None = None
-    #: Task ids of the key's parked runs, oldest first.
+    #: Task ids of the key's parked runs in its lease document, next first (runs spilled beyond its
+    #: window are counted in ``queued``, not listed).
     parked: tuple[str, ...] = ()
+    #: How many runs are parked on the key, spilled ones included.
+    queued: int = 0
+    #: A spilled run's place in the key's queue (1: next), as its admit computed it.
+    spilled_position: int = 0
     #: Runs superseded by a newer send whose results are still to be written (the parked entries).
     superseded: tuple[Mapping[str, Any], ...] = ()
     #: ``Replace(debounce=...)``: per parked task id, seconds from its parking to its not-before time.
@@ -156,6 +161,8 @@ class Admission:
             fence=_int(doc.get("fence")),
             by=None if doc.get("lo_by") is None else str(doc.get("lo_by")),
             parked=tuple(str(e.get("t")) for e in doc.get("q") or [] if isinstance(e, Mapping)),
+            queued=len(doc.get("q") or []) + _spilled(doc),
+            spilled_position=_int(doc.get("_position")) or 0,
             superseded=tuple(s for s in doc.get("sup") or [] if isinstance(s, Mapping)),
             not_before=_not_before(doc.get("q") or []),
             bursts=_bursts([*(doc.get("q") or []), doc.get("ho"), *_handed_entries(doc)]),
@@ -164,7 +171,9 @@ class Admission:
 
     def position(self, task_id: str | None) -> int:
         """The run's place in the key's queue (1: next), 0 when it is not parked there."""
-        return self.parked.index(task_id) + 1 if task_id in self.parked else 0
+        if task_id in self.parked:
+            return self.parked.index(task_id) + 1
+        return self.spilled_position
 
     def due_in(self, task_id: str | None) -> float | None:
         """Seconds from the run's parking until it may start (``Replace(debounce=...)``), or None."""
@@ -178,6 +187,12 @@ class Admission:
     def superseded_by(self, task_id: str | None) -> list[Mapping[str, Any]]:
         """The runs this admit's run superseded (their results are its to write)."""
         return [s for s in self.superseded if s.get("by") == task_id]
+
+
+def _spilled(doc: Mapping[str, Any]) -> int:
+    """How many numbers the key's lanes of spilled runs hold (``documents.spill``)."""
+    lanes = [lane for lane in doc.get("sp") or [] if isinstance(lane, Mapping)]
+    return sum(max(0, (_int(lane.get("t")) or 0) - (_int(lane.get("h")) or 0)) for lane in lanes)
 
 
 def _not_before(q: Sequence[Any]) -> dict[str, float]:

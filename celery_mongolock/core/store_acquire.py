@@ -437,27 +437,12 @@ class Acquisition:
             )  # fmt: skip
             if lease is not None or doc.get("lo") != "spilled":
                 return lease, doc
-            stored = self._store_spilled(normalize_key(key), full_entry, doc, timeout)
+            stored = store.spill.park(normalize_key(key), full_entry, doc, timeout)
             if stored != Stored.AGAIN:
                 return lease, doc
         raise StoreUnavailable(
             f"could not park a run of {key!r}: the number its admit took was given up {_SPILL_TRIES} times"
         )
-
-    def _store_spilled(self, key: str, entry: Mapping[str, Any], doc: Document, timeout: float | None) -> str:
-        """A run the admit spilled (``documents.spill``): store it under its number, then refill the
-        key's window if it runs low. The reply then answers ``parked`` (or ``dup``: a copy)."""
-        spill = self.store.spill
-        answer = doc.get("ls") or {}
-        timeout_ms = None if timeout is None else int(timeout * 1000)
-        stored = spill.store_entry(key, entry, answer, timeout_ms)
-        if stored == Stored.AGAIN:
-            return stored
-        doc["lo"] = stored
-        if stored == Stored.PARKED:
-            doc["_position"] = spill.position(doc, answer)
-        spill.refill_if_low(key, doc)
-        return stored
 
     def _admit_once(
         self,

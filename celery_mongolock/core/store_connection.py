@@ -35,7 +35,7 @@ from pymongo.read_preferences import _ServerMode
 from pymongo.write_concern import WriteConcern
 
 from celery_mongolock.core.documents.base import Document
-from celery_mongolock.core.documents.spill import SPILL_SUFFIX
+from celery_mongolock.core.documents.lanes import SPILL_SUFFIX
 from celery_mongolock.core.urls import describe_refusal, redact
 from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended, StoreUnavailable
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
+from celery_mongolock.core.documents import lanes
 from celery_mongolock.core.documents import spill as spill_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.store_connection import Connection
@@ -50,12 +51,11 @@ class Stored:
     PARKED, DUP, AGAIN = "parked", "dup", "again"
 
 
-def validate_window(window: object) -> int:
-    """``LeaseStore(parked_window=...)``: a whole number from 1 to 1,000."""
+def validate_window(window: object, name: str = "parked_window") -> int:
+    """``LeaseStore(parked_window=...)`` (``name``: the setting it came from): a whole number of runs from
+    1 to 1,000."""
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1000:
-        raise ConfigurationError(
-            f"parked_window must be a whole number of runs from 1 to 1000, got {window!r}"
-        )
+        raise ConfigurationError(f"{name} must be a whole number of runs from 1 to 1000, got {window!r}")
     return window
 
 
@@ -91,7 +91,7 @@ class Spill:
             if timeout_ms is not None and isinstance(at, _dt.datetime)
             else None
         )
-        ident = spill_docs.spill_id(key, rank, number)
+        ident = lanes.spill_id(key, rank, number)
         doc = {"_id": ident, "k": key, "rid": str(entry["id"]), "e": full}
         coll = self.collection
         with self.store.connection.operation(f"store a parked run of {key!r}"):
@@ -109,13 +109,28 @@ class Spill:
             return Stored.AGAIN  # (a tombstone: a refill gave the number up)
         return Stored.AGAIN  # (another run's: a number is never given twice, but never overwrite one)
 
+    def park(self, key: str, entry: Mapping[str, Any], doc: Document, timeout: float | None) -> str:
+        """A run its admit spilled (reply ``doc``, outcome ``spilled``): store it under its number, then
+        refill the key's window if it runs low. The reply then answers ``parked`` (with the run's place,
+        ``_position``) or ``dup`` (a copy); ``again``: the number was given up, admit the run again."""
+        answer = doc.get("ls") or {}
+        timeout_ms = None if timeout is None else int(timeout * 1000)
+        stored = self.store_entry(key, entry, answer, timeout_ms)
+        if stored == Stored.AGAIN:
+            return stored
+        doc["lo"] = stored
+        if stored == Stored.PARKED:
+            doc["_position"] = self.position(doc, answer)
+        self.refill_if_low(key, doc)
+        return stored
+
     def position(self, doc: Mapping[str, Any], answer: Mapping[str, Any]) -> int:
         """A spilled run's place in its key's queue (1: next), from its admit's reply."""
         rank, number = int(answer["r"]), int(answer["n"])
         window = [e for e in doc.get("q") or [] if isinstance(e, Mapping) and int(e.get("pr") or 0) <= rank]
         ahead = sum(
             (lane.held if lane.rank < rank else number - lane.head)
-            for lane in spill_docs.lanes_of(doc)
+            for lane in lanes.lanes_of(doc)
             if lane.rank <= rank
         )
         return len(window) + max(0, ahead) + 1
@@ -127,7 +142,7 @@ class Spill:
         the sweeper refills at its next pass."""
         last = None
         for _ in range(_REFILLS):
-            low = spill_docs.low_lanes(doc, self.window) if doc and doc.get("sp") else []
+            low = lanes.low_lanes(doc, self.window) if doc and doc.get("sp") else []
             if not low:
                 break
             try:
@@ -147,13 +162,13 @@ class Spill:
         coll = self.collection
         connection = self.store.connection
         with connection.operation(f"refill the parked runs of {key!r}"):
-            current = connection.collection.find_one({"_id": key}, spill_docs.SPILL_PROJECTION)
-            lane = next((la for la in spill_docs.lanes_of(current) if la.rank == rank), None)
+            current = connection.collection.find_one({"_id": key}, lanes.SPILL_PROJECTION)
+            lane = next((la for la in lanes.lanes_of(current) if la.rank == rank), None)
             if lane is None or lane.held <= 0:
                 return None
             room = max(1, self.window - lane.in_window)
             numbers = list(range(lane.head, min(lane.tail, lane.head + room)))
-            ids = [spill_docs.spill_id(key, rank, n) for n in numbers]
+            ids = [lanes.spill_id(key, rank, n) for n in numbers]
             found = {d["_id"]: d for d in coll.find({"_id": {"$in": ids}})}
             stored: list[tuple[str, Mapping[str, Any]]] = []
             size, read = 0, 0
@@ -161,7 +176,7 @@ class Spill:
                 d = found.get(ident)
                 if d is None:
                     try:
-                        coll.insert_one(spill_docs.tombstone(key, ident))
+                        coll.insert_one(lanes.tombstone(key, ident))
                     except DuplicateKeyError:  # stored just now: read it
                         d = coll.find_one({"_id": ident})
                 if d is not None and not d.get("x") and isinstance(d.get("e"), Mapping):
@@ -181,7 +196,7 @@ class Spill:
     def _move(
         self,
         key: str,
-        lane: spill_docs.Lane,
+        lane: lanes.Lane,
         stored: list[tuple[str, Mapping[str, Any]]],
         ids: list[str],
         by: str,

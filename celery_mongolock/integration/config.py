@@ -20,6 +20,9 @@ setting                        default                          meaning
                                                                 lost lease at once (False: at the tick)
 ``mongolock_handoff_lane``     ``True``                         a handed-over run's message goes to its
                                                                 queue's handoff lane, ahead of the backlog
+``mongolock_parked_window``    ``32``                           ``Queue`` runs of one priority a key's lease
+                                                                document keeps; the rest wait in
+                                                                ``<collection>.parked``
 =============================  ===============================  =============================================
 
 Precedence for a task: ``mongolock_task_policies[task name]`` beats the decorator's arguments, which
@@ -51,6 +54,7 @@ from celery_mongolock.core.documents.sends import (
     check_unique_send_seconds,
 )
 from celery_mongolock.core.store import LeaseStore, validate_lease_timing, validate_names
+from celery_mongolock.core.store_spill import DEFAULT_WINDOW, validate_window
 from celery_mongolock.core.urls import validate_mongo_url
 from celery_mongolock.core.validation import DEFAULT_HISTORY_DAYS, validate_history_days, validate_seconds
 from celery_mongolock.exceptions import ConfigurationError
@@ -84,6 +88,7 @@ DEFAULTS: dict[str, Any] = {
     "mongolock_signing_key": None,
     "mongolock_watch_leases": True,
     "mongolock_handoff_lane": True,
+    "mongolock_parked_window": DEFAULT_WINDOW,
 }
 #: The beat scheduler's settings (read by ``beat.read_beat_settings``; here so that every known
 #: ``mongolock_*`` name is in one module).
@@ -147,6 +152,9 @@ class Settings:
     watch_leases: bool = True
     #: ``mongolock_handoff_lane``: publish a handed-over run to its queue's handoff lane (``lanes``).
     handoff_lane: bool = True
+    #: ``mongolock_parked_window``: the ``Queue`` runs of one priority a key's lease document keeps parked
+    #: (``LeaseStore(parked_window=...)``).
+    parked_window: int = DEFAULT_WINDOW
 
     def for_task(
         self,
@@ -401,6 +409,7 @@ def read_settings(conf: Any) -> Settings:
         signing_key=_signing_key(_conf_get(conf, "mongolock_signing_key")),
         watch_leases=_flag(conf, "mongolock_watch_leases"),
         handoff_lane=_flag(conf, "mongolock_handoff_lane"),
+        parked_window=validate_window(_conf_get(conf, "mongolock_parked_window"), "mongolock_parked_window"),
     )
     for task_name in task_policies:  # lease/heartbeat combinations are checked now, not at first run
         settings.for_task(task_name)
@@ -481,6 +490,7 @@ def get_store(app: Celery) -> LeaseStore:
                     operation_timeout=settings.operation_timeout,
                     history_days=settings.history_days,
                     watch_leases=settings.watch_leases,
+                    parked_window=settings.parked_window,
                 )
                 from celery_mongolock.integration import signals
 

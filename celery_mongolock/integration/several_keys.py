@@ -348,7 +348,7 @@ class SeveralKeys:
         if outcome is AdmitOutcome.RETRIED:
             copy_of_a_retried_attempt(self.task, key, self.entry)
         assert outcome is AdmitOutcome.FULL, outcome
-        reason = results.full_reason(key, len(admission.parked), policy.max_length, self.entry)
+        reason = results.full_reason(key, admission.queued, policy.max_length, self.entry)
         if isinstance(policy.then, Fail):
             raise QueueTimeout(key, reason)
         return (

@@ -25,7 +25,7 @@ from typing import Any
 from celery_mongolock.core.documents import sets
 from celery_mongolock.core.documents.copies import later_attempt, retries_of
 from celery_mongolock.core.documents.entries import MAX_PARKED, rank_of_entry, would_pass_budget
-from celery_mongolock.core.documents.spill import must_spill, spilled_total
+from celery_mongolock.core.documents.lanes import must_spill, spilled_total
 
 __all__ = [
     "TOOK",
@@ -197,7 +197,7 @@ def judge(run: AdmitRun, shape: Shape) -> Document:
             at_cap = {"$and": [{"$not": [shape.room]}, {"$gte": [total, int(run.max_length)]}]}
             branches.append({"case": at_cap, "then": "full"})
         branches.append(
-            {"case": must_spill(run.entry, run.window, would_pass_budget(run.entry)), "then": "spilled"}
+            {"case": must_spill(run.rank, run.window, would_pass_budget(run.entry)), "then": "spilled"}
         )
     # (The key's document cannot take this run's message: MongoDB's 16 MiB limit, before the count's cap.)
     branches.append({"case": would_pass_budget(run.entry), "then": "full"})

@@ -34,7 +34,7 @@ _NOW_MS: Document = {"$toLong": "$$NOW"}
 _Q: Document = {"$ifNull": ["$q", []]}
 _BIG = 1 << 30
 #: What a release's reply carries: enough to publish a handoff it made.
-#: (And the lanes of spilled runs with the window's ranks, ``spill.SPILL_PROJECTION``: whether to refill.)
+#: (And the lanes of spilled runs with the window's ranks, ``lanes.SPILL_PROJECTION``: whether to refill.)
 HANDOFF_PROJECTION: Document = {"ho": 1, "owner": 1, "fence": 1, "sup": 1, "sp": 1, "q.pr": 1}
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery_mongolock.core.documents.lanes import spilled_total
+
 __all__ = [
     "NO_SLOT_HELD",
     "SEEN_KEEP_MS",
@@ -39,20 +41,7 @@ WAITS: Document = {
         {"$gt": [{"$size": {"$ifNull": ["$dead", []]}}, 0]},
         {"$gt": [{"$size": {"$ifNull": ["$sup", []]}}, 0]},
         # runs spilled out of the document (``spill``): a lane with numbers not yet refilled
-        {
-            "$gt": [
-                {
-                    "$sum": {
-                        "$map": {
-                            "input": {"$ifNull": ["$sp", []]},
-                            "as": "l",
-                            "in": {"$subtract": ["$$l.t", "$$l.h"]},
-                        }
-                    }
-                },
-                0,
-            ]
-        },
+        {"$gt": [spilled_total(), 0]},
         # limit=N: a slot handed to a parked run that has not claimed it
         {
             "$gt": [

@@ -41,11 +41,10 @@ callers used before they moved.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from celery_mongolock.core.documents import sets, spill
+from celery_mongolock.core.documents import lanes, sets
 from celery_mongolock.core.documents.admit_stages import (
     AdmitRun,
     Shape,
@@ -264,11 +263,10 @@ def admit_pipeline(
     signature of the run's set of keys (``Replace`` with ``keys=``): supersession is decided among the
     runs of that set only (``sets``). ``cancel`` (with ``replace``): a run that parks behind a running
     holder supersedes that holder too (``cx``, ``cancel_mark``); with ``group``, only a holder that is an
-    older run of the same set. ``max_wait_ms`` (with
-    ``debounce_ms``): a run that supersedes others is due no later than that long after the first of them
-    began waiting. ``window`` (a plain ``Queue`` run): the most runs of one rank kept in ``q``; a run
-    behind them is ``spilled`` (``spill``). The outcome is left in ``lo`` (the reply carries it); fields
-    starting with ``__`` are removed.
+    older run of the same set. ``max_wait_ms`` (with ``debounce_ms``): a run that supersedes others is
+    due no later than that long after the first of them began waiting. ``window`` (a plain ``Queue``
+    run): the most runs of one rank kept in ``q``, a run behind them is ``spilled`` (``spill``). The
+    outcome is left in ``lo`` (the reply carries it); fields starting with ``__`` are removed.
 
     The stages (``admit_stages``): judge the run, take or park, hand over, record.
     """
@@ -285,10 +283,6 @@ def admit_pipeline(
         window=window if window and not (replace or debounce_ms or group) else None,
     )
     shape = _one_lease(run, token)
-    if run.window:
-        # (nobody spilled before it waits: a run spilled goes before a newer one, as a parked one does)
-        free = {"$and": [shape.free, {"$eq": [spill.spilled_ahead(run.rank), 0]}]}
-        shape = dataclasses.replace(shape, free=free)
     stages: list[Document] = [
         *run.burst_stages(),
         {"$set": {"__o": judge(run, shape)}},
@@ -312,13 +306,11 @@ def admit_pipeline(
         superseded=superseded,
         cancel=cancel,
     )
-    spilled = {"$eq": ["$__o", "spilled"]}
-    if run.window:
-        fields.update(spill.spill_fields(run.entry, spilled))
     stages.append({"$set": fields})
     # Found free with runs parked (or an unclaimed handoff): this run parked (or spilled), and the key
     # goes to the oldest, in this same command.
-    hand_when = {"$and": [{"$or": ["$__park", spilled]}, {"$or": ["$__vac", "$__tb"]}]}
+    parked = {"$or": ["$__park", {"$eq": ["$__o", "spilled"]}]}
+    hand_when = {"$and": [parked, {"$or": ["$__vac", "$__tb"]}]}
     stages += handoff_stages(hand_when, requeue_handoff(), admit_marker(token))
     stages.append({"$unset": _FLAGS})
     stages.append(gc_stage())
@@ -348,6 +340,10 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
         due_now = {
             "$and": [_VACANT, {"$not": [_HAS_HO]}, {"$eq": [field_of("id", head), lit]}, entry_due(head)]
         }
+    free = {"$and": [_VACANT, {"$not": [_HAS_HO]}, first]}
+    if run.window:
+        # (nobody spilled before it waits: a run spilled goes before a newer one, as a parked one does)
+        free["$and"].append({"$eq": [lanes.spilled_ahead(run.rank), 0]})
     return Shape(
         # A retry of this admit whose first attempt took the key (its reply lost): the same acquisition.
         ours=own_live_lease(token),
@@ -362,7 +358,7 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
         if run.by_set and run.group is not None
         else [],
         handed={"$cond": [_HAS_HO, ["$ho"], []]},
-        free={"$and": [_VACANT, {"$not": [_HAS_HO]}, first]},
+        free=free,
         room=_VACANT,
     )
 
@@ -452,6 +448,8 @@ def _take_or_park_fields(
         if cancel:
             fields["cx"] = cancel_mark(run.entry, token)
         fields["last"] = replaced["last"]
+    if run.window:  # (a run spilled: its number in its rank's lane)
+        fields.update(lanes.spill_fields(run.rank, {"$eq": ["$__o", "spilled"]}))
     # Taking a key handed to us ends no one else's lease (the handoff is the same acquisition).
     claimed = {"$eq": ["$__o", "claimed"]}
     fields["ends"] = {"$cond": [claimed, "$ends", fields["ends"]]}

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from celery_mongolock.core.documents.lanes import spilled_total
 from celery_mongolock.core.lease import LeaseInfo, aware
 from celery_mongolock.exceptions import ConfigurationError
 
@@ -34,7 +35,8 @@ def _parked_page(start: int, limit: int | None) -> Document:
     and, with ``limit``, only ``limit`` of them from position ``start`` (0: the next to run) instead of
     all: the server cuts a deep queue, the reply carries the page."""
     q = {"$ifNull": ["$q", []]}
-    fields: Document = {"__parked_total": {"$size": q}}
+    # (the runs spilled beyond the document's window count too: ``spill``; the page shows the window's)
+    fields: Document = {"__parked_total": {"$add": [{"$size": q}, spilled_total()]}}
     if limit is not None:
         fields["q"] = {"$slice": [q, int(start), int(limit)]}
     return fields
