@@ -108,17 +108,17 @@ class LeaseLost(MongoLockError):
 
 
 class MessageTooLarge(MongoLockError, ValueError):
-    """A ``Queue``/``Replace`` run's message is too large to be parked: a key's parked runs share one
-    MongoDB document (16 MiB at most), and this one alone would not fit. Pass large data by reference (a
-    file name, a document id), not as task arguments."""
+    """A ``Queue``/``Replace`` run's message is too large to be parked: a parked run waits in a MongoDB
+    document (16 MiB at most) and is handed the key from its key's lease document, and this one alone
+    would not fit. Pass large data by reference (a file name, a document id), not as task arguments."""
 
     def __init__(self, key: str, size: int, limit: int) -> None:
         self.key, self.size, self.limit = key, size, limit
         self.message = (
             f"the run's message is {size / 2**20:.1f} MiB, over the {limit / 2**20:.1f} MiB a run of "
-            f"{key!r} can take into its lease document (a key's parked runs share one MongoDB document of at "
-            "most 16 MiB): it is not admitted; pass large data by reference (a file name, a document id), "
-            "not as task arguments"
+            f"{key!r} can take into its lease document (a MongoDB document of at most 16 MiB, which also "
+            "holds the key's state): it is not admitted; pass large data by reference (a file name, a "
+            "document id), not as task arguments"
         )
         super().__init__(key, size, limit)
 

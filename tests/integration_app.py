@@ -97,6 +97,9 @@ app.conf.update(
     imports=("tests.rate_tasks",),  # the rate-limited tasks (RateLimit, Throttle)
     # MONGOLOCK_IT_HANDOFF_LANE=0: handoffs published to the end of their queue (tests/test_handoff_lanes.py).
     mongolock_handoff_lane=os.environ.get("MONGOLOCK_IT_HANDOFF_LANE", "1") != "0",
+    # A key's lease document keeps 2 parked Queue runs of a priority, the rest are spilled
+    # (``documents.spill``): every real-worker test with 3 or more runs parked on a key goes through it.
+    mongolock_parked_window=int(os.environ.get("MONGOLOCK_IT_PARKED_WINDOW", "2")),
 )
 
 _clients: dict[int, MongoClient[dict[str, Any]]] = {}

@@ -1174,11 +1174,11 @@ def record_releases_handoffs(store: LeaseStore, hist: HistoryWriter) -> None:
     the histories (a false ``inversion`` of a newer run handed a slot after it)."""
     publish = store.handoffs.publish
 
-    def recorded(key: str, doc: Any, by: str) -> Any:
+    def recorded(key: str, doc: Any, by: str, *, refill: bool = True) -> Any:
         handed = handed_in(doc)
         if handed:
             hist.event("handed-seen", key=key, handed_slots=handed, t=time.monotonic())
-        return publish(key, doc, by)
+        return publish(key, doc, by, refill=refill)
 
     store.handoffs.publish = recorded  # type: ignore[method-assign]
 
@@ -4998,7 +4998,18 @@ class Run:
         doc = doc or {}
         ids = {str(e.get("t")) for e in [*(doc.get("q") or []), *(doc.get("sup") or [])]}
         ids |= {str(ho.get("t")) for ho in [doc.get("ho"), *[h.get("ho") for h in doc.get("hs") or []]] if ho}
-        return ids
+        return ids | {str(e.get("t")) for e in self._spilled(key)}
+
+    def _spilled(self, key: str | None = None) -> list[dict[str, Any]]:
+        """The entries of runs spilled beyond their key's window (``documents.spill``): of ``key``, or of
+        every key."""
+        assert self.store is not None
+        match: dict[str, Any] = {"x": {"$ne": True}}
+        if key is not None:
+            match["k"] = key
+        with contextlib.suppress(PyMongoError):
+            return [{**d["e"], "k": d["k"]} for d in self.store.spill.collection.find(match, {"e.m": 0})]
+        return []
 
     def _ended(self, task_ids: Iterable[str]) -> set[str]:
         """Those of ``task_ids`` whose result is stored (SUCCESS or FAILURE)."""
@@ -5858,7 +5869,8 @@ class Run:
             return -1
         # A limit=N key's slot handed to a parked run is a hold with the run's entry in ``ho``.
         handed_slots = sum(1 for d in docs for h in d.get("hs") or [] if isinstance(h, dict) and h.get("ho"))
-        return sum(len(d.get("q") or []) + (1 if d.get("ho") else 0) for d in docs) + handed_slots
+        spilled = len(self._spilled())
+        return sum(len(d.get("q") or []) + (1 if d.get("ho") else 0) for d in docs) + handed_slots + spilled
 
     def _record(self, kind: str, t: float, **fields: Any) -> None:
         fault = {"kind": kind, "t": t, "at_s": round(t - self.start_mono, 2), **fields}
@@ -6373,6 +6385,12 @@ class Run:
             for i, entry in enumerate(doc.get("q") or []):
                 if entry.get("t") in ids:
                     found[str(entry["t"])] = f"parked {doc['_id']} #{i + 1} {state}"
+            lanes = ", ".join(
+                f"rank {lane.get('r')}: {lane.get('h')}..{lane.get('t')}" for lane in doc.get("sp") or []
+            )
+            for entry in self._spilled(str(doc["_id"])):
+                if entry.get("t") in ids:
+                    found[str(entry["t"])] = f"spilled {doc['_id']} ({lanes}) {state}"
             ho = doc.get("ho") or {}
             if ho.get("t") in ids:
                 found[str(ho["t"])] = f"parked {doc['_id']} handoff {ho.get('hn')} {state}"

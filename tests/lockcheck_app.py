@@ -121,6 +121,9 @@ app.conf.update(
     mongolock_database=os.environ.get("LOCKCHECK_DB", "lockcheck"),
     mongolock_lease_seconds=float(os.environ.get("LOCKCHECK_LEASE", "2")),
     mongolock_operation_timeout=5.0,
+    # 2 parked Queue runs of a priority per lease document, the rest spilled (``documents.spill``): the
+    # checker's queues go through the spill and its refills under every fault.
+    mongolock_parked_window=int(os.environ.get("LOCKCHECK_PARKED_WINDOW", "2")),
 )
 
 _rng = random.Random()
@@ -261,7 +264,7 @@ def _record_admit(
     )  # fmt: skip
 
 
-def _handed(self: Handoffs, key: str, doc: Any, by: str) -> Any:
+def _handed(self: Handoffs, key: str, doc: Any, by: str, *, refill: bool = True) -> Any:
     """``Handoffs.publish`` (the command whose reply is ``doc`` handed ``key``), recording the handoff
     and the fence it gave before the run is published. A ``limit=N`` key hands slots: each is a hold in
     ``hs`` with the run's entry in its ``ho`` and its own fence and slot."""
@@ -271,7 +274,7 @@ def _handed(self: Handoffs, key: str, doc: Any, by: str) -> Any:
             _record_handed(hist, key, doc, by)
         except Exception:
             hist.event("unexpected", who="handoff-recorder", error=traceback.format_exc()[-2000:])
-    return _library_handed(self, key, doc, by)
+    return _library_handed(self, key, doc, by, refill=refill)
 
 
 def _record_handed(hist: lockcheck.HistoryWriter, key: str, doc: Any, by: str) -> None:

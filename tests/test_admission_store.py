@@ -145,7 +145,7 @@ def test_a_key_whose_document_cannot_take_another_message_is_full_not_unavailabl
 def test_a_message_too_large_to_park_anywhere_is_refused_in_our_words(store: LeaseStore) -> None:
     holder = store.acquire(KEY, 60)
     assert holder is not None
-    with pytest.raises(MessageTooLarge, match=r"20\.0 MiB, over the 15\.5 MiB a run of 'email-group:42'"):
+    with pytest.raises(MessageTooLarge, match=r"20\.0 MiB, over the 15\.2 MiB a run of 'email-group:42'"):
         store.admit(KEY, entry(1, m=b"x" * 20 * 2**20))
     assert parked(store) == []
 

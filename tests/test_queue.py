@@ -48,8 +48,13 @@ def starts(cluster: Cluster, tags: list[str]) -> list[str]:
 
 
 def parked(cluster: Cluster, key: str) -> list[str]:
+    """The runs parked on ``key``, next first: those in its lease document, then those spilled beyond its
+    window (the workers keep 2 there: ``integration_app``), in their lane's order."""
     doc = cluster.store.collection.find_one({"_id": key}) or {}
-    return [e["t"] for e in doc.get("q") or []]
+    spilled = cluster.store.spill.collection.find({"k": key, "x": {"$ne": True}}, {"e.t": 1})
+    return [e["t"] for e in doc.get("q") or []] + [
+        d["e"]["t"] for d in sorted(spilled, key=lambda d: d["_id"])
+    ]
 
 
 def test_runs_start_in_the_order_they_were_sent_and_return_their_own_results(cluster: Cluster) -> None:

@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 from pymongo import MongoClient
+from pymongo.collection import Collection
+from pymongo.errors import AutoReconnect
 
-from celery_mongolock import ConfigurationError, LeaseStore
+from celery_mongolock import ConfigurationError, LeaseStore, MessageTooLarge
 from celery_mongolock.core.documents import lanes as spill_docs
 
 from .test_admission_store import KEY, Handoffs, entry
@@ -35,8 +37,14 @@ def spilled(store: LeaseStore, key: str = KEY) -> list[str]:
 
 
 def lanes(store: LeaseStore, key: str = KEY) -> list[dict[str, int]]:
+    """The key's lanes, without their epochs."""
     doc = store.collection.find_one({"_id": key}) or {}
-    return [dict(lane) for lane in doc.get("sp") or []]
+    return [{k: v for k, v in lane.items() if k != "e"} for lane in doc.get("sp") or []]
+
+
+def lane_id(store: LeaseStore, number: int, key: str = KEY) -> str:
+    (lane,) = (store.collection.find_one({"_id": key}) or {})["sp"]
+    return spill_docs.spill_id(key, lane["r"], lane["e"], number)
 
 
 def run_all(store: LeaseStore, handoffs: Handoffs, holder: Any) -> list[str]:
@@ -67,7 +75,7 @@ def test_runs_beyond_the_window_are_spilled_and_handed_the_key_in_send_order(dee
     order = run_all(deep, handoffs, holder)
     assert order == [f"task-{s}" for s in range(10, 20)]
     assert spilled(deep) == [] and window(deep) == []
-    assert deep.spill.collection.count_documents({"k": KEY}) == 0
+    assert deep.spill.collection.count_documents({"k": KEY}) == 0  # no hole: no tombstone
     doc = deep.collection.find_one({"_id": KEY}) or {}
     assert "wq" not in doc  # nothing waits any more
 
@@ -100,20 +108,63 @@ def test_a_number_never_stored_is_skipped_and_a_late_insert_under_it_admits_agai
     for stamp in range(10, 13):
         deep.admit(KEY, entry(stamp))
     # A worker that stops between its admit and its insert: the admit took number 1, nothing stored.
-    doc = deep.collection.find_one_and_update(
-        {"_id": KEY}, [{"$set": {"sp": [{"r": 0, "h": 0, "t": 2}]}}], return_document=True
-    )
-    assert doc is not None
+    deep.collection.update_one({"_id": KEY}, {"$inc": {"sp.0.t": 1}})
+    assert lanes(deep) == [{"r": 0, "h": 0, "t": 2}]
     for stamp in (13, 14):
         deep.admit(KEY, entry(stamp))
     order = run_all(deep, handoffs, holder)
     assert order == ["task-10", "task-11", "task-12", "task-13", "task-14"]
-    # The tombstone the refill left under the hole was deleted with what it read.
-    assert deep.spill.collection.count_documents({"k": KEY}) == 0
-    # The late worker's insert under its number finds it given up: it is told to admit again.
-    answer = {"r": 0, "n": 1, "at": None}
-    deep.spill.collection.insert_one(spill_docs.tombstone(KEY, spill_docs.spill_id(KEY, 0, 1)))
+    # The refill left a tombstone under the hole, and keeps it: the late worker's insert under its number
+    # finds it taken, and is told to admit its run again (never stored behind the lane's head).
+    assert [d["_id"] for d in deep.spill.collection.find({"k": KEY})] == [lane_id(deep, 1)]
+    doc = deep.collection.find_one({"_id": KEY}) or {}
+    answer = {"r": 0, "e": doc["sp"][0]["e"], "n": 1, "at": None}
     assert deep.spill.store_entry(KEY, entry(99), answer, None) == "again"
+
+
+def test_a_run_stored_after_a_refill_passed_its_number_is_admitted_again_not_lost(make_store: Any) -> None:
+    slow = make_store(lease_seconds=30, parked_window=WINDOW)  # the worker that spills a run, slowly
+    other = make_store(lease_seconds=30, parked_window=WINDOW)  # another worker, releasing
+    handoffs = Handoffs(other)
+    holder = other.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in (10, 11):
+        assert slow.admit(KEY, entry(stamp))[1]["lo"] == "parked"
+    real = slow.spill.store_entry
+    calls: list[int] = []
+
+    def late(key: str, e: Any, answer: Any, timeout_ms: Any) -> str:
+        # Between the admit that took number 0 and its insert, the other worker releases: its refill
+        # finds number 0 missing, gives it up (a tombstone) and moves the head past it.
+        if not calls:
+            assert holder.release()
+            assert lanes(other) == [{"r": 0, "h": 1, "t": 1}]
+        calls.append(int(answer["n"]))
+        return real(key, e, answer, timeout_ms)
+
+    slow.spill.store_entry = late  # type: ignore[method-assign]
+    lease, doc = slow.admit(KEY, entry(12))
+    assert lease is None and doc["lo"] == "parked"
+    assert calls == [0] and "task-12" in window(other)  # admitted again: the window had room
+    handed = [ho["t"] for _, ho in handoffs.seen]
+    order = handed[:1] + run_all_from(other, handoffs, 1)
+    assert sorted(order) == ["task-10", "task-11", "task-12"] and order.count("task-12") == 1
+
+
+def run_all_from(store: LeaseStore, handoffs: Handoffs, claimed: int = 0) -> list[str]:
+    """Let each run handed the key (from the ``claimed``-th on) claim it and release it, in turn; the
+    first handed run too (it holds nothing yet): the task ids in the order they ran after the first."""
+    order: list[str] = []
+    i = 0
+    while i < len(handoffs.seen):
+        _, ho = handoffs.seen[i]
+        lease, doc = store.admit(KEY, {**entry(int(ho["s"]), ho["t"]), "tk": ho["tk"]}, claim=ho["tk"])
+        assert lease is not None and doc["lo"] == "claimed", doc.get("lo")
+        if i >= claimed:
+            order.append(ho["t"])
+        assert lease.release()
+        i += 1
+    return order
 
 
 def test_max_length_counts_the_spilled_runs(deep: LeaseStore) -> None:
@@ -171,3 +222,96 @@ def test_runs_with_large_messages_are_spilled_not_refused_and_run_in_send_order(
     assert outcomes == ["parked"] * 18
     assert 10 <= len(window(store)) < 16 and len(spilled(store)) == 18 - len(window(store))
     assert run_all(store, handoffs, holder) == [f"task-{i}" for i in range(18)]
+
+
+def test_a_run_moved_whose_delete_failed_never_runs_again_after_the_key_is_forgotten(
+    deep: LeaseStore,
+) -> None:
+    handoffs = Handoffs(deep)
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in range(10, 14):
+        deep.admit(KEY, entry(stamp))
+    real = Collection.delete_many
+
+    def failing(self: Collection[Any], *args: Any, **kwargs: Any) -> Any:
+        if self.name.endswith(".parked"):
+            raise AutoReconnect("connection reset")
+        return real(self, *args, **kwargs)
+
+    Collection.delete_many = failing  # type: ignore[method-assign]
+    try:
+        assert holder.release()  # hands task-10 and refills 12, 13: the move lands, its delete fails
+    finally:
+        Collection.delete_many = real  # type: ignore[method-assign]
+    assert run_all_from(deep, handoffs) == ["task-10", "task-11", "task-12", "task-13"]
+    assert spilled(deep)  # left behind, under numbers the lane passed
+    # Hours later the TTL index deletes the idle key's document; a new burst numbers its runs anew.
+    deep.collection.delete_one({"_id": KEY})
+    handoffs.seen.clear()
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in (20, 21, 22, 23):
+        assert deep.admit(KEY, entry(stamp))[1]["lo"] == "parked"
+    assert run_all(deep, handoffs, holder) == ["task-20", "task-21", "task-22", "task-23"]
+    # A later run of a task left behind deletes what was left and parks (a new attempt, say).
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in (30, 31):
+        deep.admit(KEY, entry(stamp))
+    assert deep.admit(KEY, entry(12))[1]["lo"] == "parked"
+    assert spilled(deep) == ["task-12"]
+
+
+def test_a_lost_answer_to_a_spilled_run_s_insert_never_stores_it_twice(deep: LeaseStore) -> None:
+    handoffs = Handoffs(deep)
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in (10, 11):
+        deep.admit(KEY, entry(stamp))
+    real = Collection.insert_one
+    lost = [True]
+
+    def lossy(self: Collection[Any], doc: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(self, doc, *args, **kwargs)
+        if self.name.endswith(".parked") and lost and lost.pop():
+            raise AutoReconnect("the answer was lost")
+        return out
+
+    Collection.insert_one = lossy  # type: ignore[method-assign]
+    try:
+        lease, doc = deep.admit(KEY, entry(12))  # sent again: its own insert is found, it is parked
+    finally:
+        Collection.insert_one = real  # type: ignore[method-assign]
+    assert lease is None and doc["lo"] == "parked" and not lost
+    # The same task admitted again under another delivery (a retry after an error): a copy.
+    again = {**entry(12), "id": "task-12/0.1", "r": "0.1"}
+    assert deep.admit(KEY, again)[1]["lo"] == "dup"
+    assert run_all(deep, handoffs, holder) == ["task-10", "task-11", "task-12"]
+
+
+def test_a_run_of_several_keys_is_never_spilled(deep: LeaseStore) -> None:
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in (10, 11, 12):
+        assert deep.admit(KEY, {**entry(stamp), "ks": [KEY, "other"]})[1]["lo"] == "parked"
+    assert window(deep) == ["task-10", "task-11", "task-12"] and spilled(deep) == []
+    holder.release()
+
+
+def test_a_plain_acquire_never_passes_spilled_runs(deep: LeaseStore) -> None:
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in range(10, 15):
+        deep.admit(KEY, entry(stamp))
+    # The window emptied and the refill has not come yet (or failed): the key looks free.
+    deep.collection.update_one({"_id": KEY}, {"$set": {"q": []}, "$unset": {"owner": 1}})
+    assert deep.acquire(KEY, 30) is None
+
+
+def test_a_message_that_could_not_come_back_into_the_document_is_refused(store: LeaseStore) -> None:
+    holder = store.acquire(KEY, 60)
+    assert holder is not None
+    with pytest.raises(MessageTooLarge, match=r"over the 15\.2 MiB a run of 'email-group:42'"):
+        store.admit(KEY, entry(1, m=b"x" * (15 * 2**20 + 2**19)))
+    assert spilled(store) == [] and window(store) == []

@@ -47,7 +47,7 @@ from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease, LeaseBackend, aware
 from celery_mongolock.core.outcomes import plain_admit_reply, untrusted_admit_reply
 from celery_mongolock.core.store_connection import AMBIGUOUS
-from celery_mongolock.core.store_spill import Spill, Stored
+from celery_mongolock.core.store_spill import SPILL_MESSAGE_LIMIT, Spill, Stored
 from celery_mongolock.core.validation import (
     MAX_LEASE_SECONDS,
     validate_lease_timing,
@@ -423,11 +423,13 @@ class Acquisition:
         older runs parked) is published (``add_handoff_callback``). One ``store.try_acquire`` with
         ``admission``."""
         store = self.store
-        size = entry_bytes(entry)
-        if size > PARK_BUDGET:  # (the command itself would pass MongoDB's limit)
-            raise MessageTooLarge(key, size, PARK_BUDGET)
+        # A plain Queue run on a single lease may be spilled (``documents.spill``): not a run of several
+        # keys, whose keys' queues reserve them in one order.
+        spills = limit is None and not (replace or debounce or group is not None or entry.get("ks"))
+        size, most = entry_bytes(entry), SPILL_MESSAGE_LIMIT if spills else PARK_BUDGET
+        if size > most:  # (the command itself would pass MongoDB's limit; a spilled run must fit alone)
+            raise MessageTooLarge(key, size, most)
         full_entry = _parked_entry(entry, store.lease_seconds if ttl is None else ttl)
-        spills = limit is None and not (replace or debounce or group is not None)
         for _ in range(_SPILL_TRIES):
             lease, doc = self._admit_once(
                 key, full_entry, ttl, timeout=timeout, max_length=max_length, claim=claim, replace=replace,

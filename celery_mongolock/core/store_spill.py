@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -18,16 +19,28 @@ from pymongo.errors import DuplicateKeyError
 from celery_mongolock.core.documents import lanes
 from celery_mongolock.core.documents import spill as spill_docs
 from celery_mongolock.core.documents.base import Document
-from celery_mongolock.core.store_connection import Connection
+from celery_mongolock.core.documents.entries import PARK_BUDGET
+from celery_mongolock.core.store_connection import AMBIGUOUS, Connection
 from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.exceptions import ConfigurationError, StoreUnavailable
 
-__all__ = ["DEFAULT_WINDOW", "REFILL_BYTES", "Spill", "SpillOwner", "Stored", "validate_window"]
+__all__ = [
+    "DEFAULT_WINDOW",
+    "REFILL_BYTES",
+    "SPILL_MESSAGE_LIMIT",
+    "Spill",
+    "SpillOwner",
+    "Stored",
+    "validate_window",
+]
 
 log = logging.getLogger("celery_mongolock.acquire")
 
 #: The most runs of one rank a key's lease document keeps parked; the others are spilled.
 DEFAULT_WINDOW = 32
+#: The largest message a spilled run may carry: it must fit, alone, into its key's lease document when
+#: its turn comes (``PARK_BUDGET``, less room for the key's own fields).
+SPILL_MESSAGE_LIMIT = PARK_BUDGET - 256 * 2**10
 #: How many refills one reply may lead to (``refill_if_low``).
 _REFILLS = 8
 #: The most message bytes one refill brings into a lease document (it stays far below 16 MiB).
@@ -42,6 +55,9 @@ class SpillOwner(Protocol):
 
     @property
     def handoffs(self) -> Handoffs: ...
+
+    @property
+    def operation_timeout(self) -> float: ...
 
 
 class Stored:
@@ -81,8 +97,10 @@ class Spill:
     ) -> str:
         """Store the run ``entry`` under the number its admit took (``answer``: the reply's ``ls``);
         ``timeout_ms``: how long it may stay parked (its deadline counts from the admit, on the
-        server's clock). Returns a ``Stored`` value."""
-        rank, number = int(answer["r"]), int(answer["n"])
+        server's clock). Returns a ``Stored`` value. A key stores a task's run once (``(k, rid)``, the task
+        id): a copy of it, or the same run admitted again after an answer was lost, is ``dup``; a run left
+        behind by a refill that stopped before its delete (its number passed) is deleted first."""
+        rank, epoch, number = int(answer["r"]), int(answer.get("e") or 0), int(answer["n"])
         at = answer.get("at")
         full = dict(entry)
         full["at"] = at
@@ -91,23 +109,53 @@ class Spill:
             if timeout_ms is not None and isinstance(at, _dt.datetime)
             else None
         )
-        ident = lanes.spill_id(key, rank, number)
-        doc = {"_id": ident, "k": key, "rid": str(entry["id"]), "e": full}
+        ident = lanes.spill_id(key, rank, epoch, number)
+        doc = {"_id": ident, "k": key, "rid": str(entry["t"]), "r": rank, "ep": epoch, "n": number, "e": full}
+        for _ in range(3):
+            outcome = self._insert(key, doc)
+            if outcome is not None:
+                return outcome
+        return Stored.DUP  # (a stored run of the task kept coming back under a passed number: never twice)
+
+    def _insert(self, key: str, doc: Document) -> str | None:
+        """One insert of the spilled run ``doc``, sent again while its outcome is unknown (the same
+        ``_id``: idempotent). None when a run of the task left behind was deleted: insert again."""
         coll = self.collection
-        with self.store.connection.operation(f"store a parked run of {key!r}"):
+        connection = self.store.connection
+        give_up = time.monotonic() + self.store.operation_timeout
+        while True:
             try:
-                coll.insert_one(doc)
+                with connection.operation(f"store a parked run of {key!r}", retryable=True):
+                    coll.insert_one(doc)
                 return Stored.PARKED
             except DuplicateKeyError:
-                found = coll.find_one({"_id": ident}, {"rid": 1})
-                if found is None:  # the run is stored under another number: this is a copy of it
-                    found = coll.find_one({"k": key, "rid": doc["rid"]}, {"rid": 1, "x": 1})
-                    return Stored.AGAIN if found is None else Stored.DUP
-        if found.get("rid") == doc["rid"]:
-            return Stored.PARKED  # our own insert, landed before its reply was lost
-        if found.get("x"):
-            return Stored.AGAIN  # (a tombstone: a refill gave the number up)
-        return Stored.AGAIN  # (another run's: a number is never given twice, but never overwrite one)
+                break
+            except AMBIGUOUS as exc:
+                if time.monotonic() >= give_up:
+                    raise StoreUnavailable(
+                        f"MongoDB did not answer while storing a parked run of {key!r}: {exc}"
+                    ) from exc
+                time.sleep(0.05)
+        with connection.operation(f"store a parked run of {key!r}"):
+            found = coll.find_one({"_id": doc["_id"]}, {"rid": 1, "x": 1})
+            if found is not None:
+                # Ours, landed before its answer was lost; else a tombstone (a refill gave the number up)
+                return Stored.PARKED if found.get("rid") == doc["rid"] else Stored.AGAIN
+            other = coll.find_one({"k": key, "rid": doc["rid"]}, {"r": 1, "ep": 1, "n": 1})
+            if other is None:
+                return Stored.AGAIN
+            if self._waiting(key, other):
+                return Stored.DUP  # the task's run is stored and waits: this is a copy of it
+            coll.delete_one({"_id": other["_id"], "rid": doc["rid"]})
+        return None
+
+    def _waiting(self, key: str, stored: Mapping[str, Any]) -> bool:
+        """The spilled run ``stored`` is under a number its lane has not passed (it waits to be refilled)."""
+        current = self.store.connection.collection.find_one({"_id": key}, {"sp": 1})
+        for lane in lanes.lanes_of(current):
+            if lane.rank == stored.get("r") and lane.epoch == stored.get("ep"):
+                return lane.head <= int(stored.get("n") or 0) < lane.tail
+        return False
 
     def park(self, key: str, entry: Mapping[str, Any], doc: Document, timeout: float | None) -> str:
         """A run its admit spilled (reply ``doc``, outcome ``spilled``): store it under its number, then
@@ -168,7 +216,7 @@ class Spill:
                 return None
             room = max(1, self.window - lane.in_window)
             numbers = list(range(lane.head, min(lane.tail, lane.head + room)))
-            ids = [lanes.spill_id(key, rank, n) for n in numbers]
+            ids = [lane.spill_id(key, n) for n in numbers]
             found = {d["_id"]: d for d in coll.find({"_id": {"$in": ids}})}
             stored: list[tuple[str, Mapping[str, Any]]] = []
             size, read = 0, 0
@@ -186,11 +234,19 @@ class Spill:
                     stored.append((ident, d["e"]))
                 read += 1
             by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
-            after = self._move(key, lane, stored, ids[:read], by)
+            after, moved = self._move(key, lane, stored, ids[:read], by)
             if after is None:
                 return None
-        log.debug("refilled up to %d parked runs of %r (rank %d) from its spill", len(stored), key, rank)
+        # The handoff first; then the runs moved leave the spill (tombstones stay: a late store under
+        # their number must fail). A delete that fails leaves them under passed numbers: never read
+        # again, and deleted by a later store of their task (``store_entry``).
         self.store.handoffs.publish(key, after, by, refill=False)
+        try:
+            with connection.operation(f"delete the parked runs moved out of the spill of {key!r}"):
+                coll.delete_many({"_id": {"$in": moved}})
+        except StoreUnavailable as exc:
+            log.warning("deleting the parked runs refilled into %r failed: %s", key, exc)
+        log.debug("refilled %d parked runs of %r (rank %d) from its spill", len(moved), key, rank)
         return after
 
     def _move(
@@ -200,11 +256,11 @@ class Spill:
         stored: list[tuple[str, Mapping[str, Any]]],
         ids: list[str],
         by: str,
-    ) -> Document | None:
-        """Move the runs ``stored`` (``(id, entry)``, read under ``ids``, holes included) into the window,
-        then delete them from the spill. When the document cannot take them all (16 MiB), the first of
-        them alone (the lane's head moves past it and the holes before it). None when another refill moved
-        the lane first (what it read is its to delete), or when the document cannot take even one yet."""
+    ) -> tuple[Document | None, list[str]]:
+        """Move the runs ``stored`` (``(id, entry)``, read under ``ids``, holes included) into the window:
+        the document after, and the ids of the runs moved. When the document cannot take them all
+        (16 MiB), the first of them alone (the lane's head moves past it and the holes before it). None
+        when another refill moved the lane first, or when the document cannot take even one yet."""
         connection = self.store.connection
         projection = {"ho": 1, "owner": 1, "fence": 1, "sp": 1, "q.pr": 1}
         tries = [(stored, ids)]
@@ -219,6 +275,5 @@ class Spill:
                 return_document=ReturnDocument.AFTER,
             )
             if after is not None:
-                self.collection.delete_many({"_id": {"$in": read}})
-                return after
-        return None
+                return after, [ident for ident, _ in moved]
+        return None, []

@@ -58,6 +58,7 @@ import bson
 from celery_mongolock.core.documents.copies import ran_any, seen_append
 from celery_mongolock.core.documents.handoff import release_handoff_stages
 from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage, own_lease, own_live_lease
+from celery_mongolock.core.documents.lanes import spilled_total
 from celery_mongolock.core.documents.reading import lease_info, prefix_filter, read_pipeline, story_pipeline
 from celery_mongolock.core.documents.records import (
     HOLDER_VIEW,
@@ -326,6 +327,7 @@ def _free_for(token: str, *, tick: int | None, ended_runs: Sequence[str]) -> Doc
         "$and": [
             {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
             {"$eq": [{"$ifNull": ["$ho", None]}, None]},
+            {"$eq": [spilled_total(), 0]},  # runs spilled beyond the window (``spill``) wait too
             no_slot_held,  # a key taken with limit=N (``_slots``) is not free for a single lease
         ]
     }

@@ -3,7 +3,11 @@ imported by every layer of the lease documents (``key_state.WAITS``, ``reading``
 
 Fields of the lease document::
 
-    sp: [{r: rank, h: next number to refill, t: next number to allocate}, ...]   # one lane per rank
+    sp: [{r: rank, e: epoch, h: next number to refill, t: next number to allocate}, ...]  # a lane per rank
+
+A lane's epoch (the server's time when it was made, ms) is in each of its runs' ``_id``: a key's document
+made again after it was deleted (nothing waited) numbers its runs anew, never under a number of the
+document before (a run of it left behind by a refill that stopped before its delete is never read).
 
 A lane holds ``t - h`` numbers, each a spilled run or a hole (``spill``).
 """
@@ -38,13 +42,14 @@ SPILL_SUFFIX = ".parked"
 SPILL_PROJECTION: Document = {"sp": 1, "q.pr": 1}
 
 
-def spill_id(key: str, rank: int, number: int) -> str:
-    """The ``_id`` of a lane's ``number``-th spilled run (numbers are never reused)."""
-    return f"{key}\x1f{int(rank)}\x1f{int(number):012d}"
+def spill_id(key: str, rank: int, epoch: int, number: int) -> str:
+    """The ``_id`` of the ``number``-th spilled run of the lane of ``rank`` made at ``epoch``."""
+    return f"{key}\x1f{int(rank)}\x1f{int(epoch)}\x1f{int(number):012d}"
 
 
 def tombstone(key: str, ident: str) -> Document:
-    """The document a refill stores under a number it found missing (a hole)."""
+    """The document a refill stores under a number it found missing (a hole), kept: a worker that stores
+    its run late finds the number taken (``spill``)."""
     return {"_id": ident, "k": key, "rid": f"gone:{ident}", "x": True}
 
 
@@ -88,14 +93,14 @@ def must_spill(rank: int, window: int, too_big: object) -> Document:
 
 def spill_fields(rank: int, spilled: object) -> Document:
     """The fields an admit that spills its run of ``rank`` (``spilled``) sets: its lane's next number
-    taken (a lane created at 0), and the answer ``ls`` (``{r, n, at}``: the rank, the number, the
-    server's time)."""
+    taken (a lane made at 0, its epoch now), and the answer ``ls`` (``{r, e, n, at}``: the rank, the
+    lane's epoch, the number, the server's time)."""
     lane = _lane(rank)
     number = {"$ifNull": [_get("t", lane), 0]}
     bumped = {
         "$cond": [
             {"$eq": [{"$ifNull": [lane, None]}, None]},  # (no lane: ``$arrayElemAt`` gives nothing)
-            {"$concatArrays": [_SP, [{"r": int(rank), "h": 0, "t": 1}]]},
+            {"$concatArrays": [_SP, [{"r": int(rank), "e": {"$toLong": "$$NOW"}, "h": 0, "t": 1}]]},
             {
                 "$map": {
                     "input": _SP,
@@ -103,7 +108,7 @@ def spill_fields(rank: int, spilled: object) -> Document:
                     "in": {
                         "$cond": [
                             {"$eq": ["$$l.r", int(rank)]},
-                            {"r": "$$l.r", "h": "$$l.h", "t": {"$add": ["$$l.t", 1]}},
+                            {"r": "$$l.r", "e": "$$l.e", "h": "$$l.h", "t": {"$add": ["$$l.t", 1]}},
                             "$$l",
                         ]
                     },
@@ -111,7 +116,8 @@ def spill_fields(rank: int, spilled: object) -> Document:
             },
         ]
     }
-    answer = {"r": int(rank), "n": number, "at": "$$NOW"}
+    epoch = {"$ifNull": [_get("e", lane), {"$toLong": "$$NOW"}]}
+    answer = {"r": int(rank), "e": epoch, "n": number, "at": "$$NOW"}
     return {
         "sp": {"$cond": [spilled, bumped, "$sp"]},
         "ls": {"$cond": [spilled, answer, "$$REMOVE"]},
@@ -121,17 +127,24 @@ def spill_fields(rank: int, spilled: object) -> Document:
 class Lane:
     """A lane as a reply shows it, and how many of its runs the window holds."""
 
-    __slots__ = ("head", "in_window", "rank", "tail")
+    __slots__ = ("epoch", "head", "in_window", "rank", "tail")
 
-    def __init__(self, rank: int, head: int, tail: int, in_window: int) -> None:
+    def __init__(self, rank: int, head: int, tail: int, in_window: int, epoch: int = 0) -> None:
         self.rank, self.head, self.tail, self.in_window = rank, head, tail, in_window
+        self.epoch = epoch
+
+    def spill_id(self, key: str, number: int) -> str:
+        return spill_id(key, self.rank, self.epoch, number)
 
     @property
     def held(self) -> int:
         return self.tail - self.head
 
     def __repr__(self) -> str:
-        return f"Lane(rank={self.rank}, head={self.head}, tail={self.tail}, in_window={self.in_window})"
+        return (
+            f"Lane(rank={self.rank}, epoch={self.epoch}, head={self.head}, tail={self.tail}, "
+            f"in_window={self.in_window})"
+        )
 
 
 def lanes_of(doc: Mapping[str, Any] | None) -> list[Lane]:
@@ -146,7 +159,8 @@ def lanes_of(doc: Mapping[str, Any] | None) -> list[Lane]:
     for lane in doc.get("sp") or []:
         if isinstance(lane, Mapping):
             rank = int(lane.get("r") or 0)
-            lanes.append(Lane(rank, int(lane.get("h") or 0), int(lane.get("t") or 0), counts.get(rank, 0)))
+            head, tail, epoch = (int(lane.get(f) or 0) for f in ("h", "t", "e"))
+            lanes.append(Lane(rank, head, tail, counts.get(rank, 0), epoch))
     return lanes
 
 

@@ -124,7 +124,7 @@ def refill_pipeline(
                         "in": {
                             "$cond": [
                                 {"$eq": ["$$l.r", int(rank)]},
-                                {"r": "$$l.r", "h": {"$literal": int(new_head)}, "t": "$$l.t"},
+                                {"r": "$$l.r", "e": "$$l.e", "h": {"$literal": int(new_head)}, "t": "$$l.t"},
                                 "$$l",
                             ]
                         },
