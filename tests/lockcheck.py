@@ -365,6 +365,9 @@ DIE_TASKS = ("lockcheck.rmw", "lockcheck.rmw_skip", QUEUE_TASK, LIMIT_TASKS[0], 
 #: burst parked. So the runs park, are handed the key and run to the end by construction, not by timing.
 DIRECTED_KEY = 90
 QUEUE_BURST = 7
+#: The parked ``Queue`` runs of a priority the workers' lease documents keep (``mongolock_parked_window``,
+#: ``lockcheck_app``): the rest are spilled (``documents.spill``), the directed burst's included.
+PARKED_WINDOW = 2
 REPLACE_BURST = 6
 LIMIT_BURST = LIMIT + 3
 MULTI_BURST = 6
@@ -3284,6 +3287,7 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
     ev = history.events
     admits = Counter(str(e.get("outcome")) for e in ev if e.get("ev") == "admit")
     parked = {str(e["task_id"]) for e in ev if e.get("ev") == "admit" and e.get("outcome") == "parked"}
+    spilled = {str(e["task_id"]) for e in ev if e.get("ev") == "admit" and e.get("spilled")}
     first_grant: dict[str, int] = {}
     for items in grants(ev).values():
         for g in items:
@@ -3317,6 +3321,8 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         "replace_submitted": sum(1 for t in tasks.values() if t.get("task") == REPLACE_TASK),
         "admissions": dict(sorted(admits.items())),
         "parked": len(parked & set(tasks)),
+        # Parked beyond their key's window (``documents.spill``; the workers keep 2 runs in it).
+        "spilled": len(spilled & set(tasks)),
         "handoffs": sum(1 for e in ev if e.get("ev") == "handoff"),
         # Handoff messages received through their queue's handoff lane (``lanes``).
         "lane_handoffs": sum(1 for e in ev if e.get("ev") == "recv" and e.get("lane")),
@@ -3843,11 +3849,11 @@ def unmet_coverage(report: Doc) -> list[str]:
     - more than ``MIN_ACKNOWLEDGED`` writes acknowledged: the fault phase lasts until then;
     - the directed phase (``Run.directed``, before the faults): a gate of the controller's holds each
       directed key (all N slots of the ``limit=N`` key) until the lease document shows the whole burst
-      waiting there, then lets go, and every run of the bursts ends: ``Queue`` runs parked and handed the
-      key one after another (each release hands it to the next: ``QUEUE_BURST - 1`` handoffs at least,
-      their first messages published to the queue's handoff lane; the last one sent, of the highest
-      priority, first: ``QUEUE_BURST - 1`` pairs in which a newer send of a higher priority got the key
-      first),
+      waiting there, then lets go, and every run of the bursts ends: ``Queue`` runs parked (all but
+      ``PARKED_WINDOW`` of them spilled beyond the key's window) and handed the key one after another
+      (each release hands it to the next: ``QUEUE_BURST - 1`` handoffs at least, their first messages
+      published to the queue's handoff lane; the last one sent, of the highest priority, first:
+      ``QUEUE_BURST - 1`` pairs in which a newer send of a higher priority got the key first),
       ``Replace`` runs superseded, ``Queue`` runs of the ``limit=N`` key parked and handed slots,
       several-keys ``Queue`` runs parked on a key and handed both; the gate held all N slots at once;
     - the per-key-limit burst (``Run._multi_limit_stages``): a gate holds its ``k`` key until every run of
@@ -3897,6 +3903,10 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(ops["acknowledged"] > MIN_ACKNOWLEDGED, f"more than {MIN_ACKNOWLEDGED} writes acknowledged", ops)
     claim(queued["queue_submitted"] >= QUEUE_BURST, "the Queue burst sent", queued)
     claim(queued["parked"] >= QUEUE_BURST, "the Queue burst parked", queued)
+    # (the burst waits on one key at once, and the workers' lease documents keep PARKED_WINDOW parked runs
+    # of a priority: all but that many of its QUEUE_BURST - 1 runs without a priority are spilled)
+    spills = QUEUE_BURST - 1 - PARKED_WINDOW
+    claim(queued["spilled"] >= spills, "the Queue burst spilled beyond the window", queued)
     claim(queued["handoffs"] >= QUEUE_BURST - 1, "the Queue burst handed the key on", queued)
     claim(
         queued["lane_handoffs"] >= 1, "a handed run's message came through its queue's handoff lane", queued
@@ -6672,7 +6682,8 @@ def format_report(report: Doc) -> str:
         f"  died after their body released the key {tasks.get('died_after_release', 0)} (ended already-ran "
         f"{tasks.get('died_ended_already_ran', 0)}, fault-gated {tasks.get('died_fault_gated', 0)}); "
         f"died with their lease lost first {tasks.get('died_with_the_lease_lost', 0)}",
-        "  queued runs: Queue {queue_submitted}, Replace {replace_submitted}; parked {parked}, "
+        "  queued runs: Queue {queue_submitted}, Replace {replace_submitted}; parked {parked} (spilled "
+        "beyond the window {spilled}), "
         "handoffs {handoffs} ({lane_handoffs} received through a lane), superseded {superseded} "
         "({superseded_after_a_cut_run} after a run cut "
         "short), pairs run out of send order by a late arrival {late_pairs}; runs sent with a priority "

@@ -123,7 +123,7 @@ app.conf.update(
     mongolock_operation_timeout=5.0,
     # 2 parked Queue runs of a priority per lease document, the rest spilled (``documents.spill``): the
     # checker's queues go through the spill and its refills under every fault.
-    mongolock_parked_window=int(os.environ.get("LOCKCHECK_PARKED_WINDOW", "2")),
+    mongolock_parked_window=lockcheck.PARKED_WINDOW,
 )
 
 _rng = random.Random()
@@ -259,6 +259,8 @@ def _record_admit(
     hist.event(
         "admit", key=key, task_id=entry.get("t"), run=entry.get("id"), stamp=entry.get("s"),
         outcome=doc.get("lo"), fence=fence, by=doc.get("lo_by"),
+        # (parked beyond its key's window: ``documents.spill``; the reply carries the number it took)
+        spilled=bool(doc.get("ls")) and doc.get("lo") == "parked",
         claim=kwargs.get("claim") is not None, handed=(doc.get("ho") or {}).get("t"),
         t0=t0, t=time.monotonic(), **extra,
     )  # fmt: skip

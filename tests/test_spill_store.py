@@ -315,3 +315,23 @@ def test_a_message_that_could_not_come_back_into_the_document_is_refused(store: 
     with pytest.raises(MessageTooLarge, match=r"over the 15\.2 MiB a run of 'email-group:42'"):
         store.admit(KEY, entry(1, m=b"x" * (15 * 2**20 + 2**19)))
     assert spilled(store) == [] and window(store) == []
+
+
+def test_inspect_pages_through_the_window_and_the_spill(deep: LeaseStore) -> None:
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in range(10, 20):
+        deep.admit(KEY, entry(stamp))
+    info = deep.inspect(KEY)
+    assert info is not None and info.parked_total == 10
+    assert [p["task_id"] for p in info.parked] == [f"task-{s}" for s in range(10, 20)]
+    assert [p["position"] for p in info.parked] == list(range(1, 11))
+    page = deep.inspect(KEY, parked_from=1, parked_limit=3)
+    assert page is not None and [(p["position"], p["task_id"]) for p in page.parked] == [
+        (2, "task-11"),
+        (3, "task-12"),
+        (4, "task-13"),
+    ]
+    story = deep.why(KEY, parked_limit=3)
+    assert story is not None and story.parked_total == 10
+    holder.release()

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from celery_mongolock.core.heartbeat import Heartbeat
     from celery_mongolock.core.lease import Lease
     from celery_mongolock.core.store_connection import Connection
+    from celery_mongolock.core.store_spill import Spill
 
 __all__ = ["ENDING_FIELDS", "Records", "RecordsOwner"]
 
@@ -55,6 +56,9 @@ class RecordsOwner(Protocol):
 
     @property
     def heartbeat(self) -> Heartbeat: ...
+
+    @property
+    def spill(self) -> Spill: ...
 
 
 class Records:
@@ -168,9 +172,15 @@ class Records:
 
     # -- reading lease documents -----------------------------------------------------------------------
     def read(
-        self, match: Document, action: str, *, parked_from: int = 0, parked_limit: int | None = None
-    ) -> builtins.list[LeaseInfo]:
-        """The lease documents ``match`` finds, as ``LeaseInfo`` (one command)."""
+        self,
+        match: Document,
+        action: str,
+        *,
+        parked_from: int = 0,
+        parked_limit: int | None = None,
+        raw: bool = False,
+    ) -> builtins.list[Any]:
+        """The lease documents ``match`` finds, as ``LeaseInfo`` (one command); ``raw``: as read."""
         parked_limit = _page_size(parked_limit, "parked_limit")
         if isinstance(parked_from, bool) or not isinstance(parked_from, int) or parked_from < 0:
             raise ConfigurationError(f"parked_from must be an int >= 0, got {parked_from!r}")
@@ -178,15 +188,25 @@ class Records:
         connection = self.store.connection
         with connection.operation(action):
             docs = list(connection.collection.aggregate(pipeline))
+        if raw:
+            return docs
         return [documents.lease_info(d, parked_from if parked_limit is not None else 0) for d in docs]
 
     def inspect(self, key: str, *, parked_from: int = 0, parked_limit: int | None = None) -> LeaseInfo | None:
-        """``LeaseStore.inspect``."""
+        """``LeaseStore.inspect``. A key with runs spilled beyond its window: its page of parked runs is
+        read from its whole window and the spill (``Spill.page``)."""
         key = normalize_key(key)
-        found = self.read(
-            {"_id": key}, f"inspect lease {key!r}", parked_from=parked_from, parked_limit=parked_limit
-        )
-        return found[0] if found else None
+        action = f"inspect lease {key!r}"
+        found = self.read({"_id": key}, action, parked_from=parked_from, parked_limit=parked_limit, raw=True)
+        if not found:
+            return None
+        doc = found[0]
+        if any(int(lane.get("t", 0)) > int(lane.get("h", 0)) for lane in doc.get("sp") or []):
+            if parked_limit is not None:  # (the whole window: a key that spills keeps a short one)
+                doc = self.read({"_id": key}, action, raw=True)[0]
+            entries = self.store.spill.page(key, doc, parked_from, parked_limit)
+            doc = {**doc, "q": entries}
+        return documents.lease_info(doc, parked_from)
 
     def list(
         self, prefix: str | None = None, *, include_free: bool = False, parked_limit: int | None = None

@@ -81,7 +81,8 @@ def _entry_size(entry: Mapping[str, Any]) -> int:
 
 
 class Spill:
-    """Spilled runs of the store's keys."""
+    """Spilled runs of the store's keys. Every command names its key (``k``): with the collection sharded
+    on ``{k: 1}``, each goes to one shard, where all of a key's runs are (docs/scaling.md)."""
 
     def __init__(self, store: SpillOwner, window: int = DEFAULT_WINDOW) -> None:
         self.store = store
@@ -137,7 +138,7 @@ class Spill:
                     ) from exc
                 time.sleep(0.05)
         with connection.operation(f"store a parked run of {key!r}"):
-            found = coll.find_one({"_id": doc["_id"]}, {"rid": 1, "x": 1})
+            found = coll.find_one({"k": key, "_id": doc["_id"]}, {"rid": 1, "x": 1})
             if found is not None:
                 # Ours, landed before its answer was lost; else a tombstone (a refill gave the number up)
                 return Stored.PARKED if found.get("rid") == doc["rid"] else Stored.AGAIN
@@ -146,7 +147,7 @@ class Spill:
                 return Stored.AGAIN
             if self._waiting(key, other):
                 return Stored.DUP  # the task's run is stored and waits: this is a copy of it
-            coll.delete_one({"_id": other["_id"], "rid": doc["rid"]})
+            coll.delete_one({"k": key, "_id": other["_id"], "rid": doc["rid"]})
         return None
 
     def _waiting(self, key: str, stored: Mapping[str, Any]) -> bool:
@@ -183,6 +184,33 @@ class Spill:
         )
         return len(window) + max(0, ahead) + 1
 
+    # -- reading ---------------------------------------------------------------------------------------
+    def page(
+        self, key: str, doc: Mapping[str, Any], start: int, limit: int | None
+    ) -> list[Mapping[str, Any]]:
+        """The parked runs of ``key`` from position ``start`` (0: the next), at most ``limit``: by rank,
+        those in its lease document ``doc`` (its whole ``q``, without messages) then those spilled, in
+        their lane's order; only the spilled runs of the page are read (by ``_id``)."""
+        window = [e for e in doc.get("q") or [] if isinstance(e, Mapping)]
+        lanes_by_rank = {lane.rank: lane for lane in lanes.lanes_of(doc)}
+        places: list[Mapping[str, Any] | str] = []  # an entry, or the _id of a spilled one
+        for rank in sorted({int(e.get("pr") or 0) for e in window} | set(lanes_by_rank)):
+            places += [e for e in window if int(e.get("pr") or 0) == rank]
+            lane = lanes_by_rank.get(rank)
+            if lane is not None:
+                places += [lane.spill_id(key, n) for n in range(lane.head, lane.tail)]
+        chosen = places[start:] if limit is None else places[start : start + limit]
+        ids = [p for p in chosen if isinstance(p, str)]
+        found: dict[str, Mapping[str, Any]] = {}
+        if ids:
+            with self.store.connection.operation(f"read the parked runs of {key!r}"):
+                for d in self.collection.find({"k": key, "_id": {"$in": ids}}, {"e.m": 0}):
+                    if not d.get("x") and isinstance(d.get("e"), Mapping):
+                        found[d["_id"]] = d["e"]
+        return [
+            p if not isinstance(p, str) else found[p] for p in chosen if not isinstance(p, str) or p in found
+        ]
+
     # -- refill ----------------------------------------------------------------------------------------
     def refill_if_low(self, key: str, doc: Mapping[str, Any] | None) -> Document | None:
         """Refill the lanes of ``key`` that the reply ``doc`` shows running low (``low_lanes``), until
@@ -217,7 +245,7 @@ class Spill:
             room = max(1, self.window - lane.in_window)
             numbers = list(range(lane.head, min(lane.tail, lane.head + room)))
             ids = [lane.spill_id(key, n) for n in numbers]
-            found = {d["_id"]: d for d in coll.find({"_id": {"$in": ids}})}
+            found = {d["_id"]: d for d in coll.find({"k": key, "_id": {"$in": ids}})}
             stored: list[tuple[str, Mapping[str, Any]]] = []
             size, read = 0, 0
             for ident in ids:
@@ -226,7 +254,7 @@ class Spill:
                     try:
                         coll.insert_one(lanes.tombstone(key, ident))
                     except DuplicateKeyError:  # stored just now: read it
-                        d = coll.find_one({"_id": ident})
+                        d = coll.find_one({"k": key, "_id": ident})
                 if d is not None and not d.get("x") and isinstance(d.get("e"), Mapping):
                     if stored and size + _entry_size(d["e"]) > REFILL_BYTES:
                         break
@@ -243,7 +271,7 @@ class Spill:
         self.store.handoffs.publish(key, after, by, refill=False)
         try:
             with connection.operation(f"delete the parked runs moved out of the spill of {key!r}"):
-                coll.delete_many({"_id": {"$in": moved}})
+                coll.delete_many({"k": key, "_id": {"$in": moved}})
         except StoreUnavailable as exc:
             log.warning("deleting the parked runs refilled into %r failed: %s", key, exc)
         log.debug("refilled %d parked runs of %r (rank %d) from its spill", len(moved), key, rank)

@@ -6,14 +6,20 @@ read as a ``LeaseInfo`` (``lease_info``). The document's fields are described in
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.lanes import spilled_total
 from celery_mongolock.core.lease import LeaseInfo, aware
 from celery_mongolock.exceptions import ConfigurationError
 
-__all__ = ["lease_info", "prefix_filter", "read_pipeline", "story_pipeline"]
+__all__ = [
+    "lease_info",
+    "parked_views",
+    "prefix_filter",
+    "read_pipeline",
+    "story_pipeline",
+]
 
 Document = dict[str, Any]
 
@@ -116,9 +122,7 @@ def lease_info(doc: Document, first: int = 0) -> LeaseInfo:
         acquired_at=aware(doc.get("acquired_at")),
         renewed_at=aware(doc.get("renewed_at")),
         released_at=aware(doc.get("released_at")),
-        parked=[
-            _parked_view(first + i + 1, e, doc.get("__now_ms")) for i, e in enumerate(doc.get("q") or [])
-        ],
+        parked=parked_views(doc.get("q") or [], first, doc.get("__now_ms")),
         parked_total=int(doc.get("__parked_total", len(doc.get("q") or []))),
         handoff=_handoff_view(
             doc.get("ho") or next((h.get("ho") for h in doc.get("hs") or [] if h.get("ho")), None),
@@ -135,6 +139,11 @@ def _since(when: Any, now_ms: Any) -> float | None:
     stamp = aware(when)
     assert stamp is not None
     return round(max(0.0, now_ms / 1000.0 - stamp.timestamp()), 3)
+
+
+def parked_views(entries: Sequence[Mapping[str, Any]], first: int, now_ms: Any) -> list[Document]:
+    """``LeaseInfo.parked`` for parked ``entries`` from position ``first`` (0: the next to run) on."""
+    return [_parked_view(first + i + 1, e, now_ms) for i, e in enumerate(entries)]
 
 
 def _parked_view(position: int, entry: Mapping[str, Any], now_ms: Any) -> Document:
