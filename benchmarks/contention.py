@@ -543,9 +543,20 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
             # parking them one by one would leave them.
             window = store.spill.window
             t0 = time.perf_counter()
-            lanes = [{"r": 0, "h": 0, "t": len(entries) - window}] if len(entries) > window else []
+            epoch = 1
+            lanes = (
+                [{"r": 0, "e": epoch, "h": 0, "t": len(entries) - window}] if len(entries) > window else []
+            )
             spilled = [
-                {"_id": spill_id(key, 0, n), "k": key, "rid": e["id"], "e": e}
+                {
+                    "_id": spill_id(key, 0, epoch, n),
+                    "k": key,
+                    "rid": e["t"],
+                    "r": 0,
+                    "ep": epoch,
+                    "n": n,
+                    "e": e,
+                }
                 for n, e in enumerate(entries[window:])
             ]
             for start in range(0, len(spilled), 1000):

@@ -335,3 +335,21 @@ def test_inspect_pages_through_the_window_and_the_spill(deep: LeaseStore) -> Non
     story = deep.why(KEY, parked_limit=3)
     assert story is not None and story.parked_total == 10
     holder.release()
+
+
+def test_runs_parked_by_a_version_without_a_spill_are_served_first(deep: LeaseStore) -> None:
+    # The upgrade: a key whose runs were all parked in its lease document (a queue deeper than the
+    # window), then runs parked by this version, spilled behind them.
+    handoffs = Handoffs(deep)
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    assert deep.admit(KEY, entry(10))[1]["lo"] == "parked"
+    (template,) = (deep.collection.find_one({"_id": KEY}) or {})["q"]
+    old = [{**template, **entry(s), "tk": f"tk-{s}"} for s in range(10, 16)]
+    deep.collection.update_one({"_id": KEY}, {"$set": {"q": old}})
+    for stamp in range(20, 24):
+        assert deep.admit(KEY, entry(stamp))[1]["lo"] == "parked"
+    assert window(deep) == [f"task-{s}" for s in range(10, 16)]
+    assert spilled(deep) == [f"task-{s}" for s in range(20, 24)]
+    order = run_all(deep, handoffs, holder)
+    assert order == [f"task-{s}" for s in range(10, 16)] + [f"task-{s}" for s in range(20, 24)]

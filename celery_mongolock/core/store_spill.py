@@ -10,7 +10,7 @@ import datetime as _dt
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
 from pymongo import ReturnDocument
@@ -41,6 +41,8 @@ DEFAULT_WINDOW = 32
 #: The largest message a spilled run may carry: it must fit, alone, into its key's lease document when
 #: its turn comes (``PARK_BUDGET``, less room for the key's own fields).
 SPILL_MESSAGE_LIMIT = PARK_BUDGET - 256 * 2**10
+#: How many spilled runs one read asks for (``page``).
+_READ_BATCH = 1000
 #: How many refills one reply may lead to (``refill_if_low``).
 _REFILLS = 8
 #: The most message bytes one refill brings into a lease document (it stays far below 16 MiB).
@@ -202,14 +204,21 @@ class Spill:
         chosen = places[start:] if limit is None else places[start : start + limit]
         ids = [p for p in chosen if isinstance(p, str)]
         found: dict[str, Mapping[str, Any]] = {}
-        if ids:
+        for at in range(0, len(ids), _READ_BATCH):
             with self.store.connection.operation(f"read the parked runs of {key!r}"):
-                for d in self.collection.find({"k": key, "_id": {"$in": ids}}, {"e.m": 0}):
+                batch = ids[at : at + _READ_BATCH]
+                for d in self.collection.find({"k": key, "_id": {"$in": batch}}, {"e.m": 0}):
                     if not d.get("x") and isinstance(d.get("e"), Mapping):
                         found[d["_id"]] = d["e"]
         return [
             p if not isinstance(p, str) else found[p] for p in chosen if not isinstance(p, str) or p in found
         ]
+
+    def drop(self, key: str, task_ids: Collection[str]) -> int:
+        """Delete the spilled runs of ``task_ids`` on ``key`` (an operator's drop): their numbers become
+        holes, which the refills skip. Returns how many were deleted."""
+        with self.store.connection.operation(f"drop parked runs of {key!r}"):
+            return int(self.collection.delete_many({"k": key, "rid": {"$in": list(task_ids)}}).deleted_count)
 
     # -- refill ----------------------------------------------------------------------------------------
     def refill_if_low(self, key: str, doc: Mapping[str, Any] | None) -> Document | None:

@@ -70,6 +70,7 @@ def drop_runs(app: Celery, store: LeaseStore, info: LeaseInfo, task_ids: Sequenc
     keys = {info.key}
     for tid in task_ids:
         keys.update(parked[tid].get("keys") or ())
+    store.spill.drop(info.key, task_ids)  # (those spilled beyond the window: ``documents.spill``)
     for key in sorted(keys):
         after = store.sweep(key, revoked=set(task_ids))
         fence = None if after is None else after.fence
