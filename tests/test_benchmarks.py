@@ -360,6 +360,23 @@ def test_handoff_backlog_measures_a_handoff_behind_the_backlog(tmp_path: Path) -
     ]
 
 
+def test_parked_depth_measures_park_and_handoff_at_each_depth(tmp_path: Path) -> None:
+    """A short run (the committed full run has the 100,000 figures and their target)."""
+    out = tmp_path / "parked_depth.json"
+    cmd = [sys.executable, str(BENCHMARKS / "parked_depth.py"), "--sizes=100,1000", "--samples=3"]
+    done = subprocess.run(
+        [*cmd, f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=400, check=False
+    )
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data: dict[str, Any] = json.loads(out.read_text())
+    assert sorted(data["sizes"], key=int) == ["100", "1000"]
+    assert data["sizes"]["1000"]["park"]["n"] == 3 and data["sizes"]["1000"]["handoff"]["n"] == 3
+    assert [t["name"] for t in data["targets"]] == [
+        "park with 1,000 runs parked on one key over 100 (medians)",
+        "handoff with 1,000 runs parked on one key over 100 (medians)",
+    ]
+
+
 def test_debounce_benchmark_reports_its_three_measures(tmp_path: Path) -> None:
     """A short run (the figures themselves, and their targets, are the committed full run's)."""
     out = tmp_path / "debounce.json"

@@ -13,6 +13,7 @@ import pytest
 from pymongo import MongoClient, monitoring
 
 from celery_mongolock import ConfigurationError, LeaseStore
+from celery_mongolock.core.store_spill import DEFAULT_WINDOW
 
 from .servers import wait_for
 from .workers import ROOT
@@ -339,11 +340,13 @@ def test_a_deep_queue_is_shown_by_its_depth_and_a_page_without_reading_it_all(
     mongo_url: str, db_name: str, leases: LeaseStore
 ) -> None:
     """``inspect``, ``why``, ``list``/``watch`` and ``queue --page`` read a deep queue's depth and one page of
-    it: the server cuts the rest out (the reply carries the page), whatever the depth."""
+    it: the server cuts the rest out (the reply carries the page, or the key's window of parked runs and
+    the page's spilled runs), whatever the depth."""
     key, depth = "ledger:9", 120
     assert leases.acquire(key, 600) is not None  # (held: every run parks)
     _park(leases, key, *[f"run-{i}" for i in range(depth)])
     replies: list[dict[str, Any]] = []
+    spilled: list[int] = []
 
     class Replies(monitoring.CommandListener):
         """The documents of every aggregate's reply: what the server sent back."""
@@ -354,6 +357,8 @@ def test_a_deep_queue_is_shown_by_its_depth_and_a_page_without_reading_it_all(
         def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
             if event.command_name == "aggregate":
                 replies.extend(event.reply["cursor"]["firstBatch"])
+            if event.command_name == "find":  # (the runs spilled beyond the window: read by ``_id``)
+                spilled.append(len(event.reply["cursor"]["firstBatch"]))
 
         def failed(self, event: monitoring.CommandFailedEvent) -> None:
             pass
@@ -366,7 +371,9 @@ def test_a_deep_queue_is_shown_by_its_depth_and_a_page_without_reading_it_all(
         assert [(r["position"], r["task_id"]) for r in page.parked] == [
             (41 + i, f"run-{40 + i}") for i in range(10)
         ]
-        assert len(replies[-1]["q"]) == 10  # cut by the server
+        # The lease document keeps a window of 32 runs, read whole; the rest are spilled, and only the
+        # page's are read (documents.spill).
+        assert len(replies[-1]["q"]) == DEFAULT_WINDOW and spilled[-1] == 10
         head = store.why(key, parked_limit=5)
         assert head is not None and head.parked_total == depth and len(head.parked) == 5
         assert len(replies[-1]["q"]) == 5

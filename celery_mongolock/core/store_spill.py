@@ -84,7 +84,9 @@ def _entry_size(entry: Mapping[str, Any]) -> int:
 
 class Spill:
     """Spilled runs of the store's keys. Every command names its key (``k``): with the collection sharded
-    on ``{k: 1}``, each goes to one shard, where all of a key's runs are (docs/scaling.md)."""
+    on ``{k: 1}``, each goes to one shard, where all of a key's runs are (docs/scaling.md). (``_id`` comes
+    first in a filter that has it: the embedded server then reads by ``_id``, else it scans the key's
+    runs through the ``(k, rid)`` index: 1.6 s instead of 2 ms with 50,000 runs spilled.)"""
 
     def __init__(self, store: SpillOwner, window: int = DEFAULT_WINDOW) -> None:
         self.store = store
@@ -140,7 +142,7 @@ class Spill:
                     ) from exc
                 time.sleep(0.05)
         with connection.operation(f"store a parked run of {key!r}"):
-            found = coll.find_one({"k": key, "_id": doc["_id"]}, {"rid": 1, "x": 1})
+            found = coll.find_one({"_id": doc["_id"], "k": key}, {"rid": 1, "x": 1})
             if found is not None:
                 # Ours, landed before its answer was lost; else a tombstone (a refill gave the number up)
                 return Stored.PARKED if found.get("rid") == doc["rid"] else Stored.AGAIN
@@ -149,7 +151,7 @@ class Spill:
                 return Stored.AGAIN
             if self._waiting(key, other):
                 return Stored.DUP  # the task's run is stored and waits: this is a copy of it
-            coll.delete_one({"k": key, "_id": other["_id"], "rid": doc["rid"]})
+            coll.delete_one({"_id": other["_id"], "k": key, "rid": doc["rid"]})
         return None
 
     def _waiting(self, key: str, stored: Mapping[str, Any]) -> bool:
@@ -207,7 +209,7 @@ class Spill:
         for at in range(0, len(ids), _READ_BATCH):
             with self.store.connection.operation(f"read the parked runs of {key!r}"):
                 batch = ids[at : at + _READ_BATCH]
-                for d in self.collection.find({"k": key, "_id": {"$in": batch}}, {"e.m": 0}):
+                for d in self.collection.find({"_id": {"$in": batch}, "k": key}, {"e.m": 0}):
                     if not d.get("x") and isinstance(d.get("e"), Mapping):
                         found[d["_id"]] = d["e"]
         return [
@@ -254,7 +256,7 @@ class Spill:
             room = max(1, self.window - lane.in_window)
             numbers = list(range(lane.head, min(lane.tail, lane.head + room)))
             ids = [lane.spill_id(key, n) for n in numbers]
-            found = {d["_id"]: d for d in coll.find({"k": key, "_id": {"$in": ids}})}
+            found = {d["_id"]: d for d in coll.find({"_id": {"$in": ids}, "k": key})}
             stored: list[tuple[str, Mapping[str, Any]]] = []
             size, read = 0, 0
             for ident in ids:
@@ -263,7 +265,7 @@ class Spill:
                     try:
                         coll.insert_one(lanes.tombstone(key, ident))
                     except DuplicateKeyError:  # stored just now: read it
-                        d = coll.find_one({"k": key, "_id": ident})
+                        d = coll.find_one({"_id": ident, "k": key})
                 if d is not None and not d.get("x") and isinstance(d.get("e"), Mapping):
                     if stored and size + _entry_size(d["e"]) > REFILL_BYTES:
                         break
@@ -280,7 +282,7 @@ class Spill:
         self.store.handoffs.publish(key, after, by, refill=False)
         try:
             with connection.operation(f"delete the parked runs moved out of the spill of {key!r}"):
-                coll.delete_many({"k": key, "_id": {"$in": moved}})
+                coll.delete_many({"_id": {"$in": moved}, "k": key})
         except StoreUnavailable as exc:
             log.warning("deleting the parked runs refilled into %r failed: %s", key, exc)
         log.debug("refilled %d parked runs of %r (rank %d) from its spill", len(moved), key, rank)
