@@ -140,9 +140,9 @@ def test_a_run_stored_after_a_refill_passed_its_number_is_admitted_again_not_los
             assert holder.release()
             assert lanes(other) == [{"r": 0, "h": 1, "t": 1}]
         calls.append(int(answer["n"]))
-        return real(key, e, answer, timeout_ms)
+        return str(real(key, e, answer, timeout_ms))
 
-    slow.spill.store_entry = late  # type: ignore[method-assign]
+    slow.spill.store_entry = late
     lease, doc = slow.admit(KEY, entry(12))
     assert lease is None and doc["lo"] == "parked"
     assert calls == [0] and "task-12" in window(other)  # admitted again: the window had room
@@ -278,7 +278,7 @@ def test_a_lost_answer_to_a_spilled_run_s_insert_never_stores_it_twice(deep: Lea
             raise AutoReconnect("the answer was lost")
         return out
 
-    Collection.insert_one = lossy  # type: ignore[method-assign]
+    Collection.insert_one = lossy  # type: ignore[method-assign,assignment]
     try:
         lease, doc = deep.admit(KEY, entry(12))  # sent again: its own insert is found, it is parked
     finally:
