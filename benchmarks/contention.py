@@ -893,7 +893,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     if parked.get("sizes"):
         lines += [
             "",
-            "Many runs parked on one key, on the lease store alone (each operation one `findAndModify`; "
+            "Many runs parked on one key, on the lease store alone (beyond 32, spilled; "
             f"{p['parked_samples']} sample{'s' if p['parked_samples'] != 1 else ''} per size; medians):",
             "",
             "| runs parked | lease document | park (admit) ms | its reply | handoff ms: release + claim | "
@@ -920,33 +920,21 @@ def explanations(result: dict[str, Any]) -> list[str]:
         sizes = sorted(parked["sizes"].values(), key=lambda s: s["parked"])
         lo, hi = sizes[0], sizes[-1]
         out.append(
-            "* **Many runs parked**: every parked run is an entry of the lease document's `q` array, and "
-            "every park, release and claim is one pipeline `findAndModify` that evaluates and rewrites the "
-            f"whole array, so its cost grows with the queue: a park takes {ms(lo['park']['median'])} ms with "
-            f"{lo['parked']:,} parked and {ms(hi['park']['median'])} ms with {hi['parked']:,}, a handoff "
-            f"{ms(lo['handoff']['median'])} and {ms(hi['handoff']['median'])} ms; the document is then "
-            f"{hi['document_bytes'] / 1e6:,.1f} MB of the 16 MB a MongoDB document may hold "
-            f"({hi['entry_bytes']:,} bytes per entry). The embedded server evaluates the pipeline in "
-            "Python; MongoDB is faster per entry, but the work is still proportional to the queue (not "
-            "measured here: no MongoDB on this machine). An unrelated `update` took "
+            "* **Many runs parked**: a key's lease document keeps a window of 32 parked runs per priority "
+            "and spills the rest to `<collection>.parked` (docs/reference/policies.md, depth); a park "
+            f"took {ms(lo['park']['median'])} ms with {lo['parked']:,} parked and "
+            f"{ms(hi['park']['median'])} ms with {hi['parked']:,}, a handoff {ms(lo['handoff']['median'])} "
+            f"and {ms(hi['handoff']['median'])} ms. An unrelated `update` took "
             f"{ms(lo['probe_update']['median'])} ms beside the smallest size and "
-            f"{ms(hi['probe_update']['median'])} ms beside the largest: the growth is the queue's, not the "
-            "server's drift. Every worker node's sweeper also pays for such a key in each pass "
-            f"(every min(lease / 2, 15 s)): {ms(hi['sweeper_waiting_keys']['median'])} ms to list it and "
-            f"{ms(hi['sweeper_sweep']['median'])} ms to sweep it at {hi['parked']:,}. And every park's reply "
-            f"carries the parked entries without their messages ({hi['park_reply_bytes'] / 1e6:,.1f} MB at "
-            f"{hi['parked']:,}), only to tell the run its position: nothing next to the server's time here, "
-            "but a cost of its own against a fast server over a network. "
-            "The design (docs/design/admission.md, 5.7) keeps only a window of 16 entries in "
-            "the lease document and spills the rest to documents of their own addressed by computed `_id`; "
-            "what landed keeps every entry in `q`."
+            f"{ms(hi['probe_update']['median'])} ms beside the largest: the embedded server's own drift "
+            "with the writes it has taken (see `embedded_retryable.json`)."
         )
     if parked.get("refused"):
         sizes_refused = ", ".join(f"{int(n):,}" for n in sorted(parked["refused"], key=int))
         out.append(
             f"* **Deeper queues refused**: {sizes_refused} parked on one key could not be measured: "
             f"{next(iter(parked['refused'].values()))}, the cap that keeps it under MongoDB's 16 MB. "
-            "Parked runs in a collection of their own (issue 28, item 1) lift it; not done yet."
+            "(No depth is refused since runs beyond a key's window are spilled.)"
         )
     q = (result.get("policies") or {}).get("queue") or {}
     if any(n.startswith("Queue: handoff idle") or n.startswith("Queue: makespan") for n in missed) and q:

@@ -140,6 +140,9 @@ def evaluate(expr: Any, doc: Doc, now: _dt.datetime, variables: Doc | None = Non
         return _ms(args[0]) - _ms(args[1])
     if op == "$multiply":
         return args[0] * args[1]
+    if op == "$sum":  # (of an array: its numbers; nulls and others are ignored, as on the server)
+        items = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+        return sum(a for a in items if isinstance(a, (int, float)) and not isinstance(a, bool))
     if op == "$max":
         items = args[0] if len(args) == 1 and isinstance(args[0], list) else args
         present = [a for a in items if a is not None]  # as on the server: nulls are ignored

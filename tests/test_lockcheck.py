@@ -1021,7 +1021,8 @@ def _covered() -> dict[str, Any]:
         "operations": {"acknowledged": 51},
         "tasks": {"done": 31, "skewed_node_submitted": 0, "died_after_release": 3},
         "queued": {
-            "queue_submitted": 7, "parked": 7, "handoffs": 6, "lane_handoffs": 6, "replace_submitted": 6,
+            "queue_submitted": 7, "parked": 7, "spilled": 4, "handoffs": 6, "lane_handoffs": 6,
+            "replace_submitted": 6,
             "superseded": 5, "priority_overtakes": 6,
             "limit_queued": burst, "multi_queued": burst, "limit_held": burst, "multi_limit_queued": burst,
             "faults_hitting_queued_runs": dict(faults),
@@ -1069,6 +1070,11 @@ def _covered() -> dict[str, Any]:
 
 def test_the_bounded_runs_coverage_claims() -> None:
     assert lockcheck.unmet_coverage(_covered()) == []
+    unspilled = _covered()  # the Queue burst all in its key's lease document
+    unspilled["queued"]["spilled"] = 0
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unspilled)] == [
+        "the Queue burst spilled beyond the window"
+    ]
     seed29 = _covered()  # the Queue-with-limit burst never contended (issue 24)
     seed29["queued"]["limit_queued"] = {"submitted": 13, "parked": 0, "handed": 0}
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(seed29)] == [

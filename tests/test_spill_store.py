@@ -16,6 +16,7 @@ from pymongo.errors import AutoReconnect
 from celery_mongolock import ConfigurationError, LeaseStore, MessageTooLarge
 from celery_mongolock.core.documents import lanes as spill_docs
 
+from .servers import wait_for
 from .test_admission_store import KEY, Handoffs, entry
 
 WINDOW = 2
@@ -254,13 +255,15 @@ def test_a_run_moved_whose_delete_failed_never_runs_again_after_the_key_is_forgo
     for stamp in (20, 21, 22, 23):
         assert deep.admit(KEY, entry(stamp))[1]["lo"] == "parked"
     assert run_all(deep, handoffs, holder) == ["task-20", "task-21", "task-22", "task-23"]
-    # A later run of a task left behind deletes what was left and parks (a new attempt, say).
+    # A late copy of a run left behind is a copy (it ran); a later attempt of its task (``self.retry``)
+    # deletes what was left and parks.
     holder = deep.acquire(KEY, 30)
     assert holder is not None
     for stamp in (30, 31):
         deep.admit(KEY, entry(stamp))
-    assert deep.admit(KEY, entry(12))[1]["lo"] == "parked"
-    assert spilled(deep) == ["task-12"]
+    assert deep.admit(KEY, entry(12))[1]["lo"] == "dup"
+    assert deep.admit(KEY, {**entry(12), "id": "task-12/1.0", "r": "1.0"})[1]["lo"] == "parked"
+    assert [d["e"]["id"] for d in deep.spill.collection.find({"k": KEY, "rid": "task-12"})] == ["task-12/1.0"]
 
 
 def test_a_lost_answer_to_a_spilled_run_s_insert_never_stores_it_twice(deep: LeaseStore) -> None:
@@ -353,3 +356,38 @@ def test_runs_parked_by_a_version_without_a_spill_are_served_first(deep: LeaseSt
     assert spilled(deep) == [f"task-{s}" for s in range(20, 24)]
     order = run_all(deep, handoffs, holder)
     assert order == [f"task-{s}" for s in range(10, 16)] + [f"task-{s}" for s in range(20, 24)]
+
+
+def test_spilled_runs_past_their_deadline_are_timed_out_at_the_lane_s_head(deep: LeaseStore) -> None:
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in range(10, 15):
+        assert deep.admit(KEY, entry(stamp), timeout=0.5)[1]["lo"] == "parked"
+    assert len(spilled(deep)) == 3
+    # The holder runs on: no refill comes from a release. The sweeper's pass moves the spilled runs past
+    # their deadline (on the server's clock) to ``dead``, whatever room the window has.
+    dl = max(d["e"]["dl"] for d in deep.spill.collection.find({"k": KEY}))
+    wait_for(lambda: server_past(deep, dl), timeout=30, message="the spilled runs' deadline passed")
+    assert deep.spill.expire(KEY, [0])
+    assert spilled(deep) == []
+    swept = deep.sweep(KEY)
+    assert swept is not None
+    assert sorted(r["t"] for r in swept.timed_out) == [f"task-{s}" for s in range(10, 15)]
+    holder.release()
+
+
+def test_revoked_spilled_runs_are_found_by_their_task_ids_and_dropped(deep: LeaseStore) -> None:
+    handoffs = Handoffs(deep)
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in range(10, 16):
+        deep.admit(KEY, entry(stamp))
+    found = deep.spill.revoked_runs(KEY, {"task-13", "task-15", "task-99", "task-10"})
+    assert sorted(r["t"] for r in found) == ["task-13", "task-15"]  # (task-10 is in the window)
+    assert deep.spill.drop(KEY, ["task-13", "task-15"]) == 2
+    assert run_all(deep, handoffs, holder) == ["task-10", "task-11", "task-12", "task-14"]
+
+
+def server_past(store: LeaseStore, when: Any) -> bool:
+    now = store.collection.database.command("hello")["localTime"]
+    return bool(now.replace(tzinfo=None) > when.replace(tzinfo=None))

@@ -47,7 +47,10 @@ def cluster(
     )
     for attr in ("_mongolock_settings", "_mongolock_store"):
         it.app.__dict__.pop(attr, None)
-    env = c.env(MONGOLOCK_IT_SIGNING_KEY=signing) if signing else c.env()
+    # (The test rewrites parked entries in the lease document: a window that holds all of them, none
+    # spilled; a spilled run's entry is checked the same way once it is back in the document.)
+    window = {"MONGOLOCK_IT_PARKED_WINDOW": "32"}
+    env = c.env(MONGOLOCK_IT_SIGNING_KEY=signing, **window) if signing else c.env(**window)
     c.worker(name=f"trust-{request.param}@localhost", env=env)
     try:
         yield c

@@ -62,9 +62,12 @@ class AdmitOutcome(str, enum.Enum):
 
     @classmethod
     def of(cls, value: Any) -> AdmitOutcome:
-        """The outcome of a reply's ``lo`` (``claimed`` and ``due`` are ways of ``ACQUIRED``)."""
+        """The outcome of a reply's ``lo`` (``claimed`` and ``due`` are ways of ``ACQUIRED``, ``spilled``
+        of ``PARKED``: the store stores such a run before it answers, ``store_spill``)."""
         if value in ("claimed", "due"):
             return cls.ACQUIRED
+        if value == "spilled":
+            return cls.PARKED
         try:
             return cls(value)
         except ValueError:

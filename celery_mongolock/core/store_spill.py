@@ -41,6 +41,8 @@ DEFAULT_WINDOW = 32
 #: The largest message a spilled run may carry: it must fit, alone, into its key's lease document when
 #: its turn comes (``PARK_BUDGET``, less room for the key's own fields).
 SPILL_MESSAGE_LIMIT = PARK_BUDGET - 256 * 2**10
+#: How many numbers past its room a refill reads, for runs past their deadline it may move to ``dead``.
+_EXPIRED_LOOKAHEAD = 16
 #: How many spilled runs one read asks for (``page``).
 _READ_BATCH = 1000
 #: How many refills one reply may lead to (``refill_if_low``).
@@ -75,6 +77,18 @@ def validate_window(window: object, name: str = "parked_window") -> int:
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1000:
         raise ConfigurationError(f"{name} must be a whole number of runs from 1 to 1000, got {window!r}")
     return window
+
+
+def _expired(entry: Mapping[str, Any], now: Any) -> bool:
+    """The spilled run ``entry`` is past its deadline at the server's time ``now``."""
+    deadline = entry.get("dl")
+    if not isinstance(deadline, _dt.datetime) or not isinstance(now, _dt.datetime):
+        return False
+    if deadline.tzinfo is None:
+        deadline = deadline.replace(tzinfo=_dt.timezone.utc)
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=_dt.timezone.utc)
+    return bool(deadline <= now)
 
 
 def _entry_size(entry: Mapping[str, Any]) -> int:
@@ -146,11 +160,13 @@ class Spill:
             if found is not None:
                 # Ours, landed before its answer was lost; else a tombstone (a refill gave the number up)
                 return Stored.PARKED if found.get("rid") == doc["rid"] else Stored.AGAIN
-            other = coll.find_one({"k": key, "rid": doc["rid"]}, {"r": 1, "ep": 1, "n": 1})
+            other = coll.find_one({"k": key, "rid": doc["rid"]}, {"r": 1, "ep": 1, "n": 1, "e.id": 1})
             if other is None:
                 return Stored.AGAIN
-            if self._waiting(key, other):
-                return Stored.DUP  # the task's run is stored and waits: this is a copy of it
+            if self._waiting(key, other) or (other.get("e") or {}).get("id") == doc["e"].get("id"):
+                # The task's run is stored and waits, or this very run (the same attempt) was moved into
+                # the window (a refill between this copy's admit and its insert): this is a copy of it.
+                return Stored.DUP
             coll.delete_one({"_id": other["_id"], "k": key, "rid": doc["rid"]})
         return None
 
@@ -216,6 +232,28 @@ class Spill:
             p if not isinstance(p, str) else found[p] for p in chosen if not isinstance(p, str) or p in found
         ]
 
+    def revoked_runs(self, key: str, task_ids: Collection[str]) -> list[Mapping[str, Any]]:
+        """The spilled runs of ``key`` among ``task_ids`` (the sweeper's revoked ids), without messages."""
+        ids = sorted(set(task_ids))
+        found: list[Mapping[str, Any]] = []
+        for at in range(0, len(ids), _READ_BATCH):
+            with self.store.connection.operation(f"read revoked parked runs of {key!r}"):
+                batch = ids[at : at + _READ_BATCH]
+                for d in self.collection.find({"k": key, "rid": {"$in": batch}}, {"e.m": 0}):
+                    if not d.get("x") and isinstance(d.get("e"), Mapping):
+                        found.append(d["e"])
+        return found
+
+    def expire(self, key: str, ranks: Collection[int]) -> bool:
+        """Move the runs past their deadline at the head of the lanes ``ranks`` of ``key`` to ``dead``,
+        whatever room its window has (the sweeper's: their results are then written like those of runs
+        timed out in the window). Whether any lane moved."""
+        moved = False
+        for rank in ranks:
+            if self.refill(key, rank, room=0) is not None:
+                moved = True
+        return moved
+
     def drop(self, key: str, task_ids: Collection[str]) -> int:
         """Delete the spilled runs of ``task_ids`` on ``key`` (an operator's drop): their numbers become
         holes, which the refills skip. Returns how many were deleted."""
@@ -242,23 +280,30 @@ class Spill:
             doc = last = after
         return last
 
-    def refill(self, key: str, rank: int) -> Document | None:
-        """Bring the next spilled runs of lane ``rank`` into ``key``'s window (a handoff it makes is
-        published). Returns the document after, or None when the lane had nothing to bring or another
-        refill moved it first."""
+    def refill(self, key: str, rank: int, room: int | None = None) -> Document | None:
+        """Bring the next spilled runs of lane ``rank`` into ``key``'s window: up to ``room`` runs (by
+        default what the window has room for, at least one), and the runs past their deadline among and
+        before them, which go to ``dead`` instead (``room=0``: only those at the lane's head, the
+        sweeper's). A handoff it makes is published. Returns the document after, or None when the lane had
+        nothing to bring or another refill moved it first."""
         coll = self.collection
         connection = self.store.connection
         with connection.operation(f"refill the parked runs of {key!r}"):
-            current = connection.collection.find_one({"_id": key}, lanes.SPILL_PROJECTION)
+            read_now: list[Document] = [
+                {"$match": {"_id": key}},
+                {"$project": {"sp": 1, "q.pr": 1, "__now": "$$NOW"}},
+            ]
+            current = next(iter(connection.collection.aggregate(read_now)), None)
             lane = next((la for la in lanes.lanes_of(current) if la.rank == rank), None)
-            if lane is None or lane.held <= 0:
+            if current is None or lane is None or lane.held <= 0:
                 return None
-            room = max(1, self.window - lane.in_window)
-            numbers = list(range(lane.head, min(lane.tail, lane.head + room)))
+            if room is None:
+                room = max(1, self.window - lane.in_window)
+            numbers = list(range(lane.head, min(lane.tail, lane.head + room + _EXPIRED_LOOKAHEAD)))
             ids = [lane.spill_id(key, n) for n in numbers]
             found = {d["_id"]: d for d in coll.find({"_id": {"$in": ids}, "k": key})}
             stored: list[tuple[str, Mapping[str, Any]]] = []
-            size, read = 0, 0
+            size, read, live = 0, 0, 0
             for ident in ids:
                 d = found.get(ident)
                 if d is None:
@@ -267,11 +312,15 @@ class Spill:
                     except DuplicateKeyError:  # stored just now: read it
                         d = coll.find_one({"_id": ident, "k": key})
                 if d is not None and not d.get("x") and isinstance(d.get("e"), Mapping):
-                    if stored and size + _entry_size(d["e"]) > REFILL_BYTES:
-                        break
-                    size += _entry_size(d["e"])
+                    if not _expired(d["e"], current.get("__now")):
+                        if live >= room or (stored and size + _entry_size(d["e"]) > REFILL_BYTES):
+                            break
+                        live += 1
+                        size += _entry_size(d["e"])
                     stored.append((ident, d["e"]))
                 read += 1
+            if read == 0:
+                return None
             by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
             after, moved = self._move(key, lane, stored, ids[:read], by)
             if after is None:
@@ -308,7 +357,9 @@ class Spill:
         for moved, read in tries:
             entries = [e for _, e in moved]
             after = connection.collection.find_one_and_update(
-                spill_docs.refill_filter(key, lane.rank, lane.head, sum(_entry_size(e) for e in entries)),
+                spill_docs.refill_filter(
+                    key, lane.rank, lane.epoch, lane.head, sum(_entry_size(e) for e in entries)
+                ),
                 spill_docs.refill_pipeline(lane.rank, lane.head + len(read), entries, by),
                 projection=projection,
                 return_document=ReturnDocument.AFTER,

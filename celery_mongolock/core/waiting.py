@@ -87,6 +87,8 @@ class WaitingKey:
     read_at: _dt.datetime | None
     #: Its parked runs' entries and its handoffs (``runs_of``).
     runs: tuple[Run, ...] = ()
+    #: The ranks of its lanes with runs spilled beyond its window (``documents.spill``).
+    spilled_ranks: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, doc: Mapping[str, Any]) -> WaitingKey:
@@ -101,6 +103,11 @@ class WaitingKey:
             needs_sweep=needs_sweep(doc),
             read_at=read_at if isinstance(read_at, _dt.datetime) else None,
             runs=(*parked, *handed),
+            spilled_ranks=tuple(
+                int(lane.get("r") or 0)
+                for lane in doc.get("sp") or []
+                if isinstance(lane, Mapping) and int(lane.get("t") or 0) > int(lane.get("h") or 0)
+            ),
         )
 
     def runs_of(self, task_ids: Collection[str]) -> list[Run]:

@@ -89,7 +89,11 @@ class Sweeper:
             last_key = page[-1].key
         for one in waiting:
             hits = sorted((one.parked_ids | one.handed_ids) & revoked)
-            if hits or one.needs_sweep:
+            expired = False
+            if one.spilled_ranks:  # runs spilled beyond the key's window: revoked, or past their deadline
+                self._drop_spilled(store, one, revoked)
+                expired = store.spill.expire(one.key, one.spilled_ranks)
+            if hits or one.needs_sweep or expired:
                 self._sweep(store, one, hits)
         return len(waiting) + self._sweep_expired_holds(store)
 
@@ -120,6 +124,22 @@ class Sweeper:
                 ready=self._superseded_ready,
                 fence=fence,
                 publish=ending,
+            )
+
+    def _drop_spilled(self, store: LeaseStore, one: WaitingKey, revoked: set[str]) -> None:
+        """Drop the runs of ``one`` spilled beyond its window whose task ids are ``revoked``: their results
+        ``REVOKED``, their history written (as ``_sweep`` does for the runs in the window)."""
+        if not revoked:
+            return
+        runs = store.spill.revoked_runs(one.key, revoked)
+        if not runs:
+            return
+        store.spill.drop(one.key, [str(run.get("t")) for run in runs])
+        for run in runs:
+            if has_backend(self.app):
+                self.app.backend.mark_as_revoked(str(run.get("t")), "revoked while parked")
+            store.record_run_ending(
+                one.key, "revoked", run, fence=None, ended_at=one.read_at, parked_at=run.get("at")
             )
 
     def _sweep_expired_holds(self, store: LeaseStore) -> int:

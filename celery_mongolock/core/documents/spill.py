@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery_mongolock.core.documents.entries import PARK_BUDGET, entry_ahead, rank_of_entry
+from celery_mongolock.core.documents.entries import PARK_BUDGET, dead_entries, entry_ahead, rank_of_entry
 from celery_mongolock.core.documents.handoff import handoff_stages
 from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage
 
@@ -83,7 +83,8 @@ def _known(ident: str, task_id: str, delivery: object) -> Document:
 
 def _insert_stage(entry: Mapping[str, Any]) -> Document:
     """``q`` with the spilled run ``entry`` in its place (``entries.entry_ahead``), unless the key knows
-    it already (a copy of it was parked meanwhile, or it ran)."""
+    it already (a copy of it was parked meanwhile, or it ran); past its deadline (``Queue(timeout=...)``),
+    to ``dead`` instead (its result is written by the sweeper)."""
     ident, stamp = str(entry["id"]), int(entry["s"])
     e = {k: {"$literal": v} for k, v in entry.items()}
     ahead = entry_ahead("$$e", stamp, ident, rank_of_entry(entry))
@@ -95,14 +96,23 @@ def _insert_stage(entry: Mapping[str, Any]) -> Document:
         ]
     }
     known = _known(ident, str(entry["t"]), entry.get("r"))
-    return {"$set": {"q": {"$cond": [known, _Q, in_order]}}}
+    dead = dead_entries([e])  # (empty unless past its deadline on the server's clock)
+    expired = {"$gt": [{"$size": dead}, 0]}
+    return {
+        "$set": {
+            "q": {"$cond": [{"$or": [known, expired]}, _Q, in_order]},
+            "dead": {"$cond": [known, "$dead", {"$concatArrays": [{"$ifNull": ["$dead", []]}, dead]}]},
+        }
+    }
 
 
-def refill_filter(key: str, rank: int, head: int, size: int) -> Document:
-    """The refill's filter: lane ``rank`` still has its head at ``head`` (no other refill moved it), and
-    the document can take ``size`` more bytes (``entries.PARK_BUDGET``)."""
+def refill_filter(key: str, rank: int, epoch: int, head: int, size: int) -> Document:
+    """The refill's filter: lane ``rank`` of ``epoch`` still has its head at ``head`` (no other refill
+    moved it, and the key's document was not made again meanwhile), and the document can take ``size``
+    more bytes (``entries.PARK_BUDGET``)."""
     fits = {"$lte": [{"$add": [{"$bsonSize": "$$ROOT"}, int(size)]}, PARK_BUDGET]}
-    return {"_id": key, "sp": {"$elemMatch": {"r": int(rank), "h": int(head)}}, "$expr": fits}
+    lane = {"r": int(rank), "e": int(epoch), "h": int(head)}
+    return {"_id": key, "sp": {"$elemMatch": lane}, "$expr": fits}
 
 
 def refill_pipeline(
