@@ -123,3 +123,39 @@ def test_park_handoff_and_claim_each_target_one_key(
     for name, command in explained:
         key = _filters(name, command)[0]["_id"]
         assert _explained_keys(client, store.collection.database.name, name, command) == {"$eq": key}
+
+
+def test_a_deep_queue_s_spill_commands_each_name_their_key(
+    client: MongoClient[dict[str, Any]], counter: CommandCounter, db_name: str
+) -> None:
+    """The runs spilled beyond a key's window (``documents.spill``): every command on
+    ``<collection>.parked`` (the run's insert, the refill's read, its tombstones, its delete, a copy's
+    lookup) names its key by equality on ``k``, the shard key documented for that collection
+    (``{k: 1}``); the lease collection's commands still name theirs on ``_id``."""
+    store = LeaseStore(client, database=db_name, lease_seconds=30, parked_window=2)
+    try:
+        handoffs = Handoffs(store)
+        holder = store.acquire("deep:1", 30)
+        assert holder is not None
+        for stamp in range(1, 8):
+            assert store.admit("deep:1", entry(stamp))[1]["lo"] == "parked"
+        assert store.admit("deep:1", entry(7))[1]["lo"] == "dup"  # a copy of a spilled run
+        lease = holder
+        for _ in range(7):
+            assert lease.release()
+            ho = handoffs.seen[-1][1]
+            got, doc = store.admit("deep:1", {**entry(int(ho["s"]), ho["t"]), "tk": ho["tk"]}, claim=ho["tk"])
+            assert got is not None and doc["lo"] == "claimed"
+            lease = got
+        assert lease.release()
+        spill = store.spill.collection.name
+        on_spill = [(n, c) for n, c in counter.commands if c.get(n) == spill and n in (*_FILTERED, "insert")]
+        assert {n for n, _ in on_spill} >= {"insert", "find", "delete"}, {n for n, _ in on_spill}
+        named: list[str] = []
+        for name, command in on_spill:
+            docs = command.get("documents") if name == "insert" else _filters(name, command)
+            named += [str(d.get("k")) for d in docs or []]
+        assert set(named) == {"deep:1"}, named
+        assert _untargeted(_lease_commands(counter, store)) == []
+    finally:
+        store.close()
