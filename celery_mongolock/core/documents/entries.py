@@ -23,6 +23,7 @@ __all__ = [
     "entry_due",
     "entry_expr",
     "field_of",
+    "in_place",
     "live_entries",
     "none_ahead",
     "park_exprs",
@@ -249,12 +250,17 @@ def park_exprs(
             }
         }
         return [e], superseded
-    ahead = entry_ahead("$$e", stamp, ident, rank_of_entry(entry))
-    in_order = {
+    return in_place(e, stamp, ident, rank_of_entry(entry)), []
+
+
+def in_place(e: object, stamp: int, ident: str, rank: int) -> Document:
+    """``q`` with the entry expression ``e`` (send stamp ``stamp``, id ``ident``, rank ``rank``) in its
+    place: after the entries ahead of it (``entry_ahead``), before the others."""
+    ahead = entry_ahead("$$e", stamp, ident, rank)
+    return {
         "$concatArrays": [
             {"$filter": {"input": _Q, "as": "e", "cond": ahead}},
             [e],
             {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [ahead]}}},
         ]
     }
-    return in_order, []

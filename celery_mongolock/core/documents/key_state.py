@@ -15,6 +15,7 @@ __all__ = [
     "NO_SLOT_HELD",
     "SEEN_KEEP_MS",
     "SINGLE_HELD",
+    "VACANT",
     "WAITS",
     "gc_stage",
     "own_lease",
@@ -134,6 +135,20 @@ NO_SLOT_HELD: Document = {
             }
         },
         0,
+    ]
+}
+
+
+#: The key is free for a single lease: not held (or expired) and no ``limit=N`` hold live or handed.
+VACANT: Document = {
+    "$and": [
+        {
+            "$or": [
+                {"$eq": [{"$ifNull": ["$owner", None]}, None]},
+                {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
+            ]
+        },
+        NO_SLOT_HELD,
     ]
 }
 

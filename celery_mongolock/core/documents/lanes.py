@@ -29,6 +29,7 @@ __all__ = [
     "spilled_ahead",
     "spilled_total",
     "tombstone",
+    "with_lane",
 ]
 
 Document = dict[str, Any]
@@ -91,6 +92,18 @@ def must_spill(rank: int, window: int, too_big: object) -> Document:
     return {"$or": [{"$gt": [_held(_lane(rank)), 0]}, {"$gte": [_window_count(rank), int(window)]}, too_big]}
 
 
+def with_lane(rank: int, fields: Document) -> Document:
+    """``sp`` with the lane of ``rank`` given ``fields`` (expressions; ``$$l`` is the lane)."""
+    changed = {"r": "$$l.r", "e": "$$l.e", "h": "$$l.h", "t": "$$l.t", **fields}
+    return {
+        "$map": {
+            "input": _SP,
+            "as": "l",
+            "in": {"$cond": [{"$eq": ["$$l.r", int(rank)]}, changed, "$$l"]},
+        }
+    }
+
+
 def spill_fields(rank: int, spilled: object) -> Document:
     """The fields an admit that spills its run of ``rank`` (``spilled``) sets: its lane's next number
     taken (a lane made at 0, its epoch now), and the answer ``ls`` (``{r, e, n, at}``: the rank, the
@@ -101,19 +114,7 @@ def spill_fields(rank: int, spilled: object) -> Document:
         "$cond": [
             {"$eq": [{"$ifNull": [lane, None]}, None]},  # (no lane: ``$arrayElemAt`` gives nothing)
             {"$concatArrays": [_SP, [{"r": int(rank), "e": {"$toLong": "$$NOW"}, "h": 0, "t": 1}]]},
-            {
-                "$map": {
-                    "input": _SP,
-                    "as": "l",
-                    "in": {
-                        "$cond": [
-                            {"$eq": ["$$l.r", int(rank)]},
-                            {"r": "$$l.r", "e": "$$l.e", "h": "$$l.h", "t": {"$add": ["$$l.t", 1]}},
-                            "$$l",
-                        ]
-                    },
-                }
-            },
+            with_lane(rank, {"t": {"$add": ["$$l.t", 1]}}),
         ]
     }
     epoch = {"$ifNull": [_get("e", lane), {"$toLong": "$$NOW"}]}

@@ -90,6 +90,7 @@ from celery_mongolock.core.documents.key_state import (
     NO_SLOT_HELD,
     SEEN_KEEP_MS,
     SINGLE_HELD,
+    VACANT,
     WAITS,
     gc_stage,
     own_lease,
@@ -139,18 +140,8 @@ _NOW_MS: Document = {"$toLong": "$$NOW"}
 _Q: Document = {"$ifNull": ["$q", []]}
 #: The helper fields of the admit's stages (removed before it records).
 _FLAGS = ["__o", "__free", "__park", "__vac", "__tb", "__bu"]
-#: The key is free for a single lease: not held (or expired) and no ``limit=N`` hold live or handed.
-_VACANT: Document = {
-    "$and": [
-        {
-            "$or": [
-                {"$eq": [{"$ifNull": ["$owner", None]}, None]},
-                {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
-            ]
-        },
-        NO_SLOT_HELD,
-    ]
-}
+#: The key is free for a single lease (``key_state.VACANT``).
+_VACANT = VACANT
 _HAS_HO: Document = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
 
 

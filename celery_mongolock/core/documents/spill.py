@@ -30,9 +30,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery_mongolock.core.documents.entries import PARK_BUDGET, dead_entries, entry_ahead, rank_of_entry
+from celery_mongolock.core.documents import lanes
+from celery_mongolock.core.documents.entries import PARK_BUDGET, dead_entries, in_place, rank_of_entry
 from celery_mongolock.core.documents.handoff import handoff_stages
-from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage
+from celery_mongolock.core.documents.key_state import VACANT, gc_stage
 
 __all__ = ["HAS_HANDOFF", "VACANT", "refill_filter", "refill_pipeline"]
 
@@ -42,18 +43,6 @@ _NOW_MS: Document = {"$toLong": "$$NOW"}
 _Q: Document = {"$ifNull": ["$q", []]}
 _SP: Document = {"$ifNull": ["$sp", []]}
 
-#: The key is free for a single lease: not held (or expired) and no ``limit=N`` hold live or handed.
-VACANT: Document = {
-    "$and": [
-        {
-            "$or": [
-                {"$eq": [{"$ifNull": ["$owner", None]}, None]},
-                {"$lte": [{"$toLong": "$expires_at"}, _NOW_MS]},
-            ]
-        },
-        NO_SLOT_HELD,
-    ]
-}
 #: A handoff is pending (made, not yet claimed).
 HAS_HANDOFF: Document = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
 
@@ -87,14 +76,7 @@ def _insert_stage(entry: Mapping[str, Any]) -> Document:
     to ``dead`` instead (its result is written by the sweeper)."""
     ident, stamp = str(entry["id"]), int(entry["s"])
     e = {k: {"$literal": v} for k, v in entry.items()}
-    ahead = entry_ahead("$$e", stamp, ident, rank_of_entry(entry))
-    in_order = {
-        "$concatArrays": [
-            {"$filter": {"input": _Q, "as": "e", "cond": ahead}},
-            [e],
-            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [ahead]}}},
-        ]
-    }
+    in_order = in_place(e, stamp, ident, rank_of_entry(entry))
     known = _known(ident, str(entry["t"]), entry.get("r"))
     dead = dead_entries([e])  # (empty unless past its deadline on the server's clock)
     expired = {"$gt": [{"$size": dead}, 0]}
@@ -127,19 +109,7 @@ def refill_pipeline(
         *stages,
         {
             "$set": {
-                "sp": {
-                    "$map": {
-                        "input": _SP,
-                        "as": "l",
-                        "in": {
-                            "$cond": [
-                                {"$eq": ["$$l.r", int(rank)]},
-                                {"r": "$$l.r", "e": "$$l.e", "h": {"$literal": int(new_head)}, "t": "$$l.t"},
-                                "$$l",
-                            ]
-                        },
-                    }
-                }
+                "sp": lanes.with_lane(rank, {"h": {"$literal": int(new_head)}}),
             }
         },
         *handoff_stages({"$and": [VACANT, {"$not": [HAS_HANDOFF]}]}, _Q, by),
