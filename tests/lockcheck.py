@@ -2960,10 +2960,23 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
         if len(hs) > 3 and int(hs[3] or 1) > 1 and hs[1] is not None
     }
     first_park: dict[tuple[str, str], int] = {}  # (task id, key) -> the fence in its first park's reply
+    park_events: dict[tuple[str, str], Doc] = {}  # (task id, key) -> its first park's admit event
     for ev in history.events:
         if ev.get("ev") == "admit" and ev.get("outcome") == "parked" and ev.get("fence") is not None:
             at = (str(ev["task_id"]), str(ev["key"]))
             first_park[at] = min(first_park.get(at, int(ev["fence"])), int(ev["fence"]))
+            if at not in park_events or float(ev.get("t", 0.0)) < float(park_events[at].get("t", 0.0)):
+                park_events[at] = ev
+
+    def spilled_behind(task_id: str, other_id: str, key: str) -> bool:
+        """The run ``task_id`` was spilled beyond the key's window, and ``other_id`` was parked there
+        before it (or at about the same time: their admits overlapped): beyond the window, runs go in the
+        order they parked, after the runs parked before them (``documents.spill``), whatever their stamps.
+        Not when the other run's admit was sent after this one's answer came (it parked behind it)."""
+        mine, other = park_events.get((task_id, key)), park_events.get((other_id, key))
+        if mine is None or other is None or not mine.get("spilled"):
+            return False
+        return not float(other.get("t0", 0.0)) > float(mine.get("t", 0.0))
 
     # Not lost, not twice.
     for task_id, task in sorted(queued.items()):
@@ -3071,6 +3084,8 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                     if other is not None and (other.get("task") in ordered or other is peer):
                         if queue_order(other) < queue_order(task):
                             continue  # a run ahead of it goes first: older, or of a higher priority
+                        if spilled_behind(task_id, str(g.task_id), key):
+                            continue  # it parked beyond the window, behind the other one
                         kind = "inversion"
                     else:
                         kind = "barged"

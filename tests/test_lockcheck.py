@@ -253,6 +253,25 @@ def test_an_older_run_of_a_higher_priority_passed_over_is_an_inversion() -> None
     assert kinds(found) == {"inversion"} and "A (stamp 2, rank -9)" in str(found[0]), found
 
 
+def test_an_older_run_spilled_behind_a_newer_one_is_not_an_inversion() -> None:
+    # B (newer) parked in the key's window; A (older, delivered later) was spilled beyond it: beyond the
+    # window, runs go in the order they parked, after those parked before them (documents.spill).
+    spilled = {**_admit("A", "parked", 10), "spilled": True, "t0": 5.0, "t": 5.1}
+    parked_first = {**_admit("B", "parked", 10), "t0": 4.0, "t": 4.1}
+    h = _queued_history(
+        _run("h", 10), parked_first, spilled, _run("B", 11), _run("A", 12),
+        h=_queued("h", 1), A=_queued("A", 2), B=_queued("B", 3),
+    )  # fmt: skip
+    assert lockcheck.check_queued(h, {}) == []
+    # B's admit sent only once A's answer came: B parked behind A, and passed it.
+    parked_after = {**_admit("B", "parked", 10), "t0": 6.0, "t": 6.1}
+    h = _queued_history(
+        _run("h", 10), spilled, parked_after, _run("B", 11), _run("A", 12),
+        h=_queued("h", 1), A=_queued("A", 2), B=_queued("B", 3),
+    )  # fmt: skip
+    assert kinds(lockcheck.check_queued(h, {})) == {"inversion"}
+
+
 def test_an_older_run_that_arrived_late_is_not_an_inversion() -> None:
     # B (newer) took the free key (11) before A's message reached a worker; A parked behind it (its park
     # reply shows fence 11) and ran next: late, not inverted.
