@@ -10,6 +10,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -57,16 +58,27 @@ def parked(cluster: Cluster, key: str) -> list[str]:
     ]
 
 
+def _parked_as(cluster: Cluster, key: str, task_ids: list[str]) -> bool:
+    return parked(cluster, key) == task_ids
+
+
 def test_runs_start_in_the_order_they_were_sent_and_return_their_own_results(cluster: Cluster) -> None:
     resource = tag()
     first = tag()
-    r0 = it.queued.delay(resource, first, 2.0)
+    # (the first run holds the key while the others are sent, one by one, and parked behind it)
+    r0 = it.queued.delay(resource, first, 8.0)
     wait_for(lambda: cluster.runs(first, "start"), timeout=60, message="the first run to start")
     tags = [tag() for _ in range(5)]
     results = []
+    # Each sent once the one before is parked: the workers keep 2 parked runs in the key's lease document
+    # and spill the rest, which go in the order they parked (docs/reference/policies.md, depth); sent
+    # this way, that is send order, whichever worker receives each first.
     for t in tags:
         results.append(it.queued.delay(resource, t, 0.2))
-    wait_for(lambda: len(parked(cluster, f"resource:{resource}")) == 5, timeout=60, message="5 parked")
+        sent = [r.id for r in results]
+        wait_for(
+            partial(_parked_as, cluster, f"resource:{resource}", sent), timeout=60, message=f"{t} parked"
+        )
     # Parked runs say so, with their key and position.
     state = AsyncResult(results[0].id, app=it.app)
     assert state.state == "QUEUED"
