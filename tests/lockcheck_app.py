@@ -432,6 +432,14 @@ def _die_after_release(task: Any, hist: lockcheck.HistoryWriter, key: str, relea
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _stop_if_superseded(lease: Any, done: bool) -> None:
+    """A body told of a newer send (``Replace(cancel_running=True)``) that did not do its work stops for
+    it (it raises ``Superseded`` below): said before its release, which this body sends itself, as the
+    library says it for a body that raises it out (``run_body``)."""
+    if not done and lease.superseded:
+        lease.end_superseded()
+
+
 def _body(
     task: Any, key: str, op: str, reckless: bool, linger: str | None = None, *, die: bool = False
 ) -> dict[str, Any]:
@@ -452,6 +460,7 @@ def _body(
         outcomes = lockcheck.run_multi_hold(
             lease, docs, hist, op, _rng, reckless=reckless, who=who, task_id=task.request.id
         )
+        _stop_if_superseded(lease, len(outcomes) == len(lease) and set(outcomes) == {"ack"})
         for one in reversed(list(lease)):
             lockcheck.release_and_record(one, hist, who)
         outcome = "ack" if len(outcomes) == len(lease) and set(outcomes) == {"ack"} else "cut"
@@ -463,6 +472,7 @@ def _body(
         _linger(lease, linger)
         hold = lockcheck.run_hold if lease.slot is None else lockcheck.run_slot_hold
         outcomes = hold(lease, docs, hist, [op], _rng, reckless=reckless, who=who, task_id=task.request.id)
+        _stop_if_superseded(lease, outcomes[:1] == ["ack"])
         released = lockcheck.release_and_record(lease, hist, who)
         outcome = outcomes[0] if outcomes else "claim-failed"
         if die and outcome == "ack":

@@ -288,3 +288,35 @@ def test_a_terminated_holder_s_chain_goes_on_with_the_superseded_result(cluster:
     assert outcome["value"] == {"mongolock": "superseded", "key": f"resource:{resource}", "by": r1.id}
     assert not cluster.runs(old, "end")
     assert [n["superseded"] for n in cluster.runs(label, "noted")] == [True]
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["stopped", "finished"])
+def test_a_copy_of_a_run_whose_worker_died_before_its_result_ends_it_as_its_body_ended(
+    cluster: Cluster, stopped: bool
+) -> None:
+    """The lock-set checker, RabbitMQ seed 34: a body stopped for a newer send and released its key, and
+    its worker died before the result was stored. A redelivered copy found the run over and ended the
+    task ``already-ran``, which says its body did its work: it had not. The release now records the newer
+    send the body stopped for, and the copy ends the task superseded by it, as the run would have. A body
+    told of a newer send that still finished its work (``stopped=False``) ends ``already-ran``, as before.
+    The first run is played here (acquire, notice, release); the copy is a real delivery."""
+    from celery.result import AsyncResult
+
+    from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
+
+    resource, t = tag(), tag()
+    task_id, key = str(uuid.uuid4()), f"resource:{resource}"
+    info = {"task_id": task_id, "task_name": it.cancel_polite.name, "delivery": "0"}  # (a queued run's)
+    first = cluster.store.acquire(key, ttl=60, info=info)
+    assert first is not None
+    assert first.mark_superseded("the-newer-send")
+    if stopped:
+        first.end_superseded()
+    assert first.release()
+    it.cancel_polite.apply_async((resource, t), task_id=task_id, headers={DUPLICATE_HEADER: 1})
+    result = AsyncResult(task_id, app=it.app).get(timeout=90)
+    if stopped:
+        assert result == {"mongolock": "superseded", "key": key, "by": "the-newer-send"}
+    else:
+        assert isinstance(result, dict) and result["mongolock"] == "already-ran" and result["key"] == key
+    assert cluster.runs(t) == []  # the body never ran again

@@ -34,7 +34,8 @@ from pymongo.errors import OperationFailure
 
 from celery_mongolock.core.documents import locked as docs
 from celery_mongolock.core.documents.base import holder_info
-from celery_mongolock.core.lease import Lease, LostCallback, aware
+from celery_mongolock.core.lease import Lease, LostCallback
+from celery_mongolock.core.lease_info import aware
 from celery_mongolock.core.store_connection import AMBIGUOUS
 from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_lease_timing, validate_seconds
 from celery_mongolock.exceptions import (

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.base import RUN_VIEW
-from celery_mongolock.core.lease import aware
+from celery_mongolock.core.lease_info import aware
 
 __all__ = ["ENDING_KINDS", "RUN_VIEW", "KeyStory", "LeaseEnding", "ParkedRun"]
 

@@ -12,7 +12,6 @@ Past that deadline ``lease.lost`` is true even if nobody told us; the heartbeat 
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -21,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_mongolock.core.clock import MAX_DRIFT, Clock
+from celery_mongolock.core.lease_info import LeaseInfo, aware
 from celery_mongolock.exceptions import LeaseLost, StoreUnavailable, Superseded
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "LeaseSet",
     "LostCallback",
     "SupersededCallback",
+    "aware",
     "local_ttl",
 ]
 
@@ -74,60 +75,6 @@ class LeaseBackend(Protocol):
     def record_lost(self, lease: Lease, reason: str) -> None:
         """Queue the holder's own view of ``lease``'s end, "lost", for the lease history (no I/O)."""
         ...
-
-
-def aware(value: Any) -> _dt.datetime | None:
-    """A datetime read from MongoDB as a timezone-aware UTC datetime (None if it is not a datetime)."""
-    if not isinstance(value, _dt.datetime):
-        return None
-    return value if value.tzinfo is not None else value.replace(tzinfo=_dt.timezone.utc)
-
-
-@dataclasses.dataclass(frozen=True)
-class LeaseInfo:
-    """A snapshot of one lease document, as ``inspect`` and ``list`` report it."""
-
-    key: str
-    held: bool
-    owner: str | None
-    fence: int
-    expires_at: _dt.datetime | None
-    #: Seconds until ``expires_at`` on the server's clock at the time of the read (negative: expired).
-    expires_in: float | None
-    holder: dict[str, Any]
-    acquired_at: _dt.datetime | None
-    renewed_at: _dt.datetime | None
-    released_at: _dt.datetime | None
-    #: Runs parked on the key (``Queue``, ``Replace``), next first: ``position``, ``task_id``,
-    #: ``task_name``, ``stamp`` (send stamp, us), ``parked_for`` (s, server clock), ``deadline``, ``keys``
-    #: (all of a several-keys run's keys; None for a run of one key), ``rank`` (its message priority as
-    #: its broker orders it, lower first: the priority on Redis, minus it elsewhere; 0 without one).
-    parked: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    #: How many runs are parked on the key (``parked`` may hold only a page of them: ``LeaseStore.inspect``
-    #: with ``parked_limit``).
-    parked_total: int = 0
-    #: A handoff not yet taken up: ``task_id``, ``task_name``, ``handed_for`` (s), ``attempt``.
-    handoff: dict[str, Any] | None = None
-    #: ``limit=N`` keys: the live holds, by slot (``slot``, ``fence``, ``holder``, ``expires_in``), and N.
-    slots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    limit: int | None = None
-
-    @property
-    def full(self) -> bool:
-        """Held, and (for a ``limit=N`` key) every slot taken: a new run cannot take it now."""
-        if not self.held:
-            return False
-        return not self.slots or self.limit is None or len(self.slots) >= self.limit
-
-    def as_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        for name in ("expires_at", "acquired_at", "renewed_at", "released_at"):
-            if data[name] is not None:
-                data[name] = data[name].isoformat()
-        for entry in data["parked"]:
-            if isinstance(entry.get("deadline"), _dt.datetime):
-                entry["deadline"] = entry["deadline"].isoformat()
-        return data
 
 
 def local_ttl(ttl: float) -> float:
@@ -214,6 +161,7 @@ class Lease:
         self._superseded_at: float | None = None
         self._superseded_event = threading.Event()
         self._superseded_callbacks: list[SupersededCallback] = []
+        self._ended_superseded_by: str | None = None
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -316,6 +264,19 @@ class Lease:
         log_renew.info("lease %r (fence %s): superseded by a newer send (%s)", self.key, self.fence, by)
         _run_callbacks(callbacks, self, by)
         return True
+
+    def end_superseded(self) -> None:
+        """The body stopped because a newer send superseded this holder (the Celery layer says so before
+        the release): the release records it in the key's ending (``by``), so that a copy of the run that
+        finds it over with no result stored ends it superseded, not ``already-ran``."""
+        with self._lock:
+            if self._superseded_event.is_set():
+                self._ended_superseded_by = self._superseded_by
+
+    @property
+    def ended_superseded_by(self) -> str | None:
+        """The newer send this holder's body stopped for (``end_superseded``); None: it did not."""
+        return self._ended_superseded_by
 
     def on_lost(self, callback: LostCallback) -> None:
         """Call ``callback(lease, reason)`` when the lease is lost, from a thread of its own (a slow
@@ -570,6 +531,14 @@ class LeaseSet(Lease):
                 lease.mark_superseded(by)
 
         self.on_superseded(mark_all)
+
+    def mark_superseded(self, by: str) -> bool:
+        marked = [lease.mark_superseded(by) for lease in self.leases.values()]  # all of them
+        return any(marked)
+
+    def end_superseded(self) -> None:
+        for lease in self.leases.values():
+            lease.end_superseded()
 
     def renew(self) -> None:
         for lease in self.leases.values():

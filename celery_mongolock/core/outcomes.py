@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.copies import ran, retries_of
-from celery_mongolock.core.lease import Lease, aware
+from celery_mongolock.core.lease import Lease
+from celery_mongolock.core.lease_info import aware
 
 __all__ = [
     "LATER_ATTEMPT_PROJECTION",
@@ -30,6 +31,7 @@ __all__ = [
     "Admission",
     "AdmitOutcome",
     "Contended",
+    "ended_superseded_by",
     "later_attempt_known",
     "plain_admit_reply",
     "run_ended",
@@ -275,6 +277,20 @@ def run_ended(
         and doc.get("released_for") is None
         and not doc.get("forced_release")
     )
+
+
+def ended_superseded_by(doc: Mapping[str, Any] | None, task_id: str, retries: int) -> str | None:
+    """The newer send that attempt ``retries`` of ``task_id`` stopped for before it released the key
+    (``Replace(cancel_running=True)``: its ending's ``by``, ``release_pipeline``), from ``doc``'s last
+    endings (``RUN_ENDED_PROJECTION``); None when it did not, or the key no longer remembers it. (A queued
+    run's delivery is its attempt, ``"0"``; another run's has its contention retries, ``"0.1"``.)"""
+    for ending in reversed((doc or {}).get("ends") or []):
+        if not isinstance(ending, Mapping) or ending.get("t") != task_id or ending.get("how") != "released":
+            continue
+        if str(ending.get("run", "")).split(".")[0] == str(int(retries)):
+            by = ending.get("by")
+            return by if isinstance(by, str) and by else None
+    return None
 
 
 #: The fields of a lease document that ``later_attempt_known`` reads.

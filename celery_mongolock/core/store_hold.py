@@ -16,7 +16,8 @@ from typing import Any, Protocol
 from celery_mongolock.core.clock import Clock
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
-from celery_mongolock.core.lease import Lease, aware
+from celery_mongolock.core.lease import Lease
+from celery_mongolock.core.lease_info import aware
 from celery_mongolock.core.reentry import Holds
 from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_limit, validate_seconds
 from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended

@@ -99,6 +99,10 @@ class ParkedRuns:
         """Whether a run of ``run_ids`` ended and released ``key`` itself (``QueueUpkeep.run_ended``)."""
         return self.queue.run_ended(key, run_ids, task_id=task_id, delivery=delivery, parked=parked)
 
+    def ended_superseded(self, key: str, task_id: str, retries: int) -> str | None:
+        """The newer send a run stopped for before it released ``key`` (``QueueUpkeep``), or None."""
+        return self.queue.ended_superseded(key, task_id, retries)
+
     def later_attempt(self, key: str, task_id: str, retries: int) -> bool:
         """Whether ``key`` knows an attempt of ``task_id`` after ``retries`` (``QueueUpkeep``)."""
         return self.queue.later_attempt(key, task_id, retries)

@@ -26,6 +26,7 @@ from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.outcomes import (
     LATER_ATTEMPT_PROJECTION,
     RUN_ENDED_PROJECTION,
+    ended_superseded_by,
     later_attempt_known,
     run_ended,
 )
@@ -417,6 +418,15 @@ class QueueUpkeep:
         with connection.operation(f"inspect lease {key!r}"):
             doc = connection.collection.find_one({"_id": key}, RUN_ENDED_PROJECTION)
         return run_ended(doc, run_ids, task_id=task_id, delivery=delivery, parked=parked)
+
+    def ended_superseded(self, key: str, task_id: str, retries: int) -> str | None:
+        """The newer send that attempt ``retries`` of ``task_id`` stopped for before it released ``key``
+        (one read; ``outcomes.ended_superseded_by``), or None."""
+        key = normalize_key(key)
+        connection = self.store.connection
+        with connection.operation(f"inspect lease {key!r}"):
+            doc = connection.collection.find_one({"_id": key}, RUN_ENDED_PROJECTION)
+        return ended_superseded_by(doc, task_id, retries)
 
     def later_attempt(self, key: str, task_id: str, retries: int) -> bool:
         """Whether ``key`` knows an attempt of ``task_id`` later than ``retries`` (one read;

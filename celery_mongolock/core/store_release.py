@@ -216,7 +216,7 @@ class Releases:
             lease,
             f"release lease {key!r}",
             documents.release_filter(key, token),
-            documents.release_pipeline(by),
+            documents.release_pipeline(by, superseded_by=lease.ended_superseded_by),
             admission_docs.HANDOFF_PROJECTION,
         )
         released = doc is not None

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import Outcome
+from celery_mongolock.admission.policies import Replace
 from celery_mongolock.core.documents import copies
-from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.exceptions import StoreUnavailable, Superseded
 from celery_mongolock.integration.config import get_store
-from celery_mongolock.integration.results import has_backend
+from celery_mongolock.integration.results import has_backend, superseded_result
 from celery_mongolock.integration.runs import (
     CONTENTION_HEADER,
     GuardedRun,
@@ -126,7 +127,9 @@ def copy_of_a_retried_attempt(task: GuardedRun, key: str, entry: dict[str, Any])
 LOOK_AGAIN_AT_LEAST_S = 5.0
 
 
-def ended_without_a_result(task: GuardedRun, key: str, options: TaskOptions) -> Outcome:
+def ended_without_a_result(
+    task: GuardedRun, key: str, options: TaskOptions, keys: list[str] | None = None
+) -> Outcome:
     """The run is over on ``key`` (its body ran and released the key) and the task has no result stored.
 
     The result may still be on its way: the run's worker stores it a few milliseconds after the release,
@@ -136,13 +139,22 @@ def ended_without_a_result(task: GuardedRun, key: str, options: TaskOptions) -> 
     7 ms earlier; the lock-set checker, Redis seed 21: a cancelled run's ``superseded`` lost so, 12 ms).
     So this delivery is published again, marked with ``LOOKED_AGAIN_HEADER`` (the key and the attempt),
     due after one lease length (at least ``LOOK_AGAIN_AT_LEAST_S``), and ends (``Ignore``). The marked
-    copy looks at the result only, never at the keys (``end_second_look``). Not a worker's run: at once."""
+    copy looks at the result only, never at the keys (``end_second_look``). Not a worker's run: at once.
+
+    A run whose body stopped for a newer send (``Replace(cancel_running=True)``) says so in its ending
+    (``LeaseStore.ended_superseded``, read now, while the key remembers it): the marked copy carries that
+    newer send (``by``) and ends the task superseded, as the run would have (``keys``: all of a
+    several-keys run's keys, for its result)."""
     request = task.request
+    by = _superseded_ending(task, key)
     if request.is_eager or request.called_directly:
-        return Outcome(already_ran(key, request.id))
+        return Outcome(_answer(task, key, by, keys, options))
     countdown = max(LOOK_AGAIN_AT_LEAST_S, min(options.lease_seconds, 300.0))
     headers = dict(request.headers or {})
-    headers[LOOKED_AGAIN_HEADER] = {"k": key, "r": int(getattr(request, "retries", 0) or 0)}
+    look: dict[str, Any] = {"k": key, "r": int(getattr(request, "retries", 0) or 0)}
+    if by is not None:
+        look.update(by=by, ks=list(keys) if keys else None)
+    headers[LOOKED_AGAIN_HEADER] = look
     # (No expiry: the copy never runs the body, and an expired one would end the task REVOKED.)
     signature = task.signature_from_request(request, countdown=countdown, headers=headers, expires=None)
     republish(task, signature, "second look at a run that is over")
@@ -172,7 +184,7 @@ def second_look_of(request: Any) -> Mapping[str, Any] | None:
     return None
 
 
-def end_second_look(task: GuardedRun, look: Mapping[str, Any]) -> dict[str, Any]:
+def end_second_look(task: GuardedRun, look: Mapping[str, Any], options: TaskOptions) -> dict[str, Any]:
     """The marked copy of ``ended_without_a_result``: the run was over then, so the keys are not looked at
     again (a key remembers only its last runs). Dropped when the task has its result by now (or a later
     attempt carries it on); else the task's result: ``already-ran`` (the run's worker died before storing
@@ -182,10 +194,49 @@ def end_second_look(task: GuardedRun, look: Mapping[str, Any]) -> dict[str, Any]
     if has_final_state(task, carried_on=lambda: later_attempt_known(task, store, key)):
         log_acquire.info("%s[%s]: the run over on %r has its result now; dropped", task.name, request.id, key)
         raise Ignore()
-    return already_ran(key, request.id)
+    by, keys = look.get("by"), look.get("ks")
+    return _answer(
+        task,
+        key,
+        by if isinstance(by, str) and by else None,
+        [str(k) for k in keys] if isinstance(keys, list) and keys else None,
+        options,
+    )
 
 
-def copy_of_an_ended_run(task: GuardedRun, store: Any, key: str, options: TaskOptions) -> Outcome:
+def _superseded_ending(task: GuardedRun, key: str) -> str | None:
+    """The newer send this run's body stopped for before it released ``key`` (its ending says so), or
+    None: it did not, or MongoDB does not answer (the task then ends ``already-ran``, as before)."""
+    request = task.request
+    try:
+        return get_store(task.app).ended_superseded(key, request.id, int(getattr(request, "retries", 0) or 0))
+    except StoreUnavailable as exc:
+        log_acquire.warning(
+            "%s[%s]: cannot tell whether the run over on %r stopped for a newer send (%s)",
+            task.name,
+            request.id,
+            key,
+            exc,
+        )
+        return None
+
+
+def _answer(
+    task: GuardedRun, key: str, by: str | None, keys: list[str] | None, options: TaskOptions
+) -> dict[str, Any]:
+    """The result of a run over with no result stored: ``superseded`` when its body stopped for the newer
+    send ``by`` (``Superseded`` raised with ``Replace(fail_superseded=True)``), else ``already-ran``."""
+    if by is None:
+        return already_ran(key, task.request.id)
+    policy = options.on_contention
+    if isinstance(policy, Replace) and policy.fail_superseded:
+        raise Superseded(keys[0] if keys else key, None, by)
+    return dict(superseded_result(key, by, keys))
+
+
+def copy_of_an_ended_run(
+    task: GuardedRun, store: Any, key: str, options: TaskOptions, keys: list[str] | None = None
+) -> Outcome:
     """A copy of a run that ended and released ``key`` itself: end the task saying so when its result
     was never stored (the run's worker died in between: ``ended_without_a_result``), else drop the copy.
     Never runs the body.
@@ -194,7 +245,7 @@ def copy_of_an_ended_run(task: GuardedRun, store: Any, key: str, options: TaskOp
     attempt than this copy's is known on ``key`` (``has_final_state``; one more read, only then)."""
     request = task.request
     if not has_final_state(task, carried_on=lambda: later_attempt_known(task, store, key)):
-        return ended_without_a_result(task, key, options)
+        return ended_without_a_result(task, key, options, keys)
     log_acquire.info(
         "%s[%s]: %s of a run that has ended and released %r; dropped",
         task.name,

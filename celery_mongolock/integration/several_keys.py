@@ -139,7 +139,7 @@ class SeveralKeys:
             give_back_quietly(self.store, taken)
             key, contended = blocked  # (limit=N: a slot held by this very run is the holder)
             if ended_runs and self._attempt_ran(key, contended, ended_runs):
-                return copy_of_an_ended_run(task, self.store, key, self.options)
+                return copy_of_an_ended_run(task, self.store, key, self.options, list(self.keys))
             holder, expires_at = dict(contended.holder), contended.expires_at
             if contended.held_by_run(request.id):
                 signals.lease_contended.send(sender=task, key=key, holder=holder, policy="duplicate")
@@ -340,7 +340,7 @@ class SeveralKeys:
         if outcome is AdmitOutcome.ALREADY_RAN:
             # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
             if not has_final_state(self.task, carried_on=lambda: False):
-                return ended_without_a_result(self.task, key, self.options)
+                return ended_without_a_result(self.task, key, self.options, list(self.keys))
             raise Ignore()
         if outcome is AdmitOutcome.RUNNING:
             park_duplicate(self.task, key, self.options, False, resent=admission.resent and not self.copy)

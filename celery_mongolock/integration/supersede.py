@@ -207,6 +207,7 @@ def run_body(
     except Superseded as exc:
         if exc.key not in {one.key for one in _held(lease)} or not lease.superseded:
             raise  # another lease's (a singleton run called in-process): not this run's supersession
+        lease.end_superseded()  # (its release says so: a copy finding it over answers superseded)
         if terminator is None or terminator.claim_ending():
             result = ended_superseded(task, store, key, lease)
         else:  # the grace ran out as it raised: the terminator writes the ending (once)

@@ -290,7 +290,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             return end_run(self, ending, fail_superseded=getattr(policy, "fail_superseded", False))
         look = None if direct else second_look_of(self.request)
         if look is not None:  # a run found over with no result stored, looked at once more (``duplicates``)
-            return end_second_look(self, look)
+            return end_second_look(self, look, options)
         limits = self.mongolock_limits_for(*args, **kwargs)
 
         def body() -> Any:

@@ -33,7 +33,8 @@ ending is written per fence (a second ending command for the same acquisition le
 
     {f: fence, t: task_id, n: task_name (or role), run: delivery, host, pid, worker,
      a: acquired_at, e: ended_at (server time; for "expired" the old expires_at), w: waited ms,
-     how: "released" | "holder-died" | "forced" | "expired", seen: takeover time ("expired" only)}
+     how: "released" | "holder-died" | "forced" | "expired", seen: takeover time ("expired" only),
+     by: the newer send the holder's body stopped for ("released" only, ``Replace(cancel_running=True)``)}
 
 Expiry is always judged on the server's clock (``$$NOW``) inside the write that depends on it. Dates are
 compared through ``$toLong``: equivalent on MongoDB, and it sidesteps a date-comparison bug of the
@@ -397,13 +398,16 @@ def release_tokens_filter(tokens: Iterable[str]) -> Document:
     return {"owner": {"$in": list(tokens)}}
 
 
-def release_pipeline(by: str = "", *, seen: bool = True) -> list[Document]:
+def release_pipeline(by: str = "", *, seen: bool = True, superseded_by: str | None = None) -> list[Document]:
     """Clear the owner and keep the document (and so the fence); a lease whose ``hold_until`` has not
     passed stays taken (owner kept) and simply expires then.
 
     With runs parked on the key, the same command hands it to the oldest (``_admission``), marked with
     ``by`` (the releaser's token: it publishes the handoff; empty: the sweeper does). ``seen=False`` (a
-    key given back by a run that never ran) keeps no minimum hold either: it held the key for nobody."""
+    key given back by a run that never ran) keeps no minimum hold either: it held the key for nobody.
+    ``superseded_by``: the holder's body stopped for this newer send (``Replace(cancel_running=True)``);
+    its ending says so (``by``)."""
+    ending = ending_expr("released", **({"by": {"$literal": superseded_by}} if superseded_by else {}))
     holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, _NOW_MS]} if seen else False
     return [
         {"$set": {"__hold": holding}},
@@ -412,7 +416,7 @@ def release_pipeline(by: str = "", *, seen: bool = True) -> list[Document]:
                 "owner": {"$cond": ["$__hold", "$owner", None]},
                 "expires_at": {"$cond": ["$__hold", "$hold_until", "$expires_at"]},
                 "released_at": "$$NOW",
-                "ends": _append_ending(True, ending_expr("released")),
+                "ends": _append_ending(True, ending),
                 # the run is over, even if the key stays taken (``seen=False``: a key given back by a
                 # run that has not run yet, see ``LeaseStore.give_back``)
                 "seen": seen_append(seen),

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.lanes import spilled_total
-from celery_mongolock.core.lease import LeaseInfo, aware
+from celery_mongolock.core.lease_info import LeaseInfo, aware
 from celery_mongolock.exceptions import ConfigurationError
 
 __all__ = [

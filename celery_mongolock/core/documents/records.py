@@ -9,7 +9,7 @@ import datetime as _dt
 from collections.abc import Mapping
 from typing import Any
 
-from celery_mongolock.core.lease import aware
+from celery_mongolock.core.lease_info import aware
 
 __all__ = [
     "HOLDER_VIEW",

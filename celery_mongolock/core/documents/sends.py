@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.base import Document
-from celery_mongolock.core.lease import aware
+from celery_mongolock.core.lease_info import aware
 from celery_mongolock.exceptions import ArgumentsNotComparable, ConfigurationError
 
 __all__ = [
