@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import os
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 from celery_mongolock.embedded import EmbeddedMongo
 from celery_mongolock.testing import (
@@ -24,6 +26,7 @@ __all__ = [
     "mongo_server",
     "rabbitmq_server_binary",
     "redis_server_binary",
+    "server_past",
     "wait_for",
 ]
 
@@ -33,6 +36,12 @@ NO_RABBITMQ = (
     if rabbitmq_server_binary()
     else "RabbitMQ is not installed (apt-get install rabbitmq-server; .ci/run installs it)"
 )
+
+
+def server_past(store: Any, when: _dt.datetime) -> bool:
+    """Whether the MongoDB server's clock (``hello``'s ``localTime``) is past ``when`` (naive: UTC)."""
+    now = store.collection.database.command("hello")["localTime"]
+    return bool(now.replace(tzinfo=None) > when.replace(tzinfo=None))
 
 
 def docker_available() -> tuple[bool, str]:

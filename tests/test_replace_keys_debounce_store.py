@@ -12,7 +12,7 @@ from typing import Any
 
 from celery_mongolock import LeaseStore
 
-from .servers import wait_for
+from .servers import server_past, wait_for
 from .test_replace_keys_store import doc_of, parked, run, superseded
 
 X, Y, Z = "rkd:x", "rkd:y", "rkd:z"
@@ -36,11 +36,6 @@ def due_admit(store: LeaseStore, key: str, e: dict[str, Any]) -> tuple[Any, dict
         if doc["lo"] != "dup" or time.monotonic() > deadline:
             return lease, doc
         time.sleep(0.05)
-
-
-def server_past(store: LeaseStore, when: Any) -> bool:
-    now = store.collection.database.command("hello")["localTime"].replace(tzinfo=when.tzinfo)
-    return bool(now > when)
 
 
 def test_every_run_parks_even_on_free_keys_and_the_newest_of_the_set_takes_them_once_due(

@@ -18,7 +18,7 @@ import pytest
 from celery_mongolock import LeaseStore
 from celery_mongolock.core.outcomes import Admission
 
-from .servers import wait_for
+from .servers import server_past, wait_for
 from .test_replace_keys_store import run
 
 X, Y = "rkd:x", "rkd:y"  # both keys have N slots
@@ -51,11 +51,6 @@ def admit(
     if burst is not None:
         r.setdefault("bu", burst)
     return lease, doc
-
-
-def server_past(store: LeaseStore, when: Any) -> bool:
-    now = store.collection.database.command("hello")["localTime"].replace(tzinfo=when.tzinfo)
-    return bool(now > when)
 
 
 @pytest.mark.parametrize("max_wait", [None, 2])

@@ -13,7 +13,7 @@ import pytest
 from celery_mongolock import ConfigurationError, LeaseStore, Replace
 from celery_mongolock.core.outcomes import Admission
 
-from .servers import wait_for
+from .servers import server_past, wait_for
 from .test_admission_store import entry
 from .test_replace_keys_store import run
 
@@ -78,11 +78,6 @@ def test_bad_max_wait_is_refused(options: dict[str, Any], words: str) -> None:
         Replace(**options)
 
 
-def _server_past(store: LeaseStore, when: Any) -> bool:
-    now = store.collection.database.command("hello")["localTime"].replace(tzinfo=when.tzinfo)
-    return bool(now > when)
-
-
 def test_a_run_handed_a_key_by_the_ceiling_that_leaves_passes_its_burst_on(store: LeaseStore) -> None:
     """At the ceiling, the run handed the first key (by its burst's ceiling) can be superseded on the
     second by a newer send of its set handed that one; the newer send parked behind it on the first key
@@ -99,7 +94,7 @@ def test_a_run_handed_a_key_by_the_ceiling_that_leaves_passes_its_burst_on(store
     for key in (X, Y):
         assert admit(key, first)["lo"] == "parked"
     ceiling = parked_entry(store, Y)["nb"]
-    wait_for(lambda: _server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
+    wait_for(lambda: server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
     admit(X, older)  # past the ceiling: handed X at once
     assert (store.collection.find_one({"_id": X}) or {})["ho"]["t"] == "r20"
     admit(X, newer)  # parks behind the run handed X: a burst of its own
@@ -134,7 +129,7 @@ def test_the_run_the_ceiling_chose_is_not_superseded_where_a_newer_send_came_fir
     for key in (X, Y):
         assert admit(key, first)["lo"] == "parked"
     ceiling = parked_entry(store, Y)["nb"]
-    wait_for(lambda: _server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
+    wait_for(lambda: server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
     admit(X, older)  # past the ceiling: handed X at once
     assert (store.collection.find_one({"_id": X}) or {})["ho"]["t"] == "r20"
     admit(X, newer)  # parks behind the run handed X: a burst of its own
@@ -166,7 +161,7 @@ def test_a_reservation_made_by_the_ceiling_is_sealed_too(store: LeaseStore) -> N
     for key in (X, Y):
         assert admit(key, first)[1]["lo"] == "parked"
     ceiling = parked_entry(store, Y)["nb"]
-    wait_for(lambda: _server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
+    wait_for(lambda: server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
     admit(X, older)  # past the ceiling: handed X at once ...
     handoff = (store.collection.find_one({"_id": X}) or {})["ho"]
     lease, _ = admit(X, older, claim=handoff["tk"])  # ... which it claims, then keeps as a reservation

@@ -16,7 +16,7 @@ from pymongo.errors import AutoReconnect
 from celery_mongolock import ConfigurationError, LeaseStore, MessageTooLarge
 from celery_mongolock.core.documents import lanes as spill_docs
 
-from .servers import wait_for
+from .servers import server_past, wait_for
 from .test_admission_store import KEY, Handoffs, entry
 
 WINDOW = 2
@@ -386,8 +386,3 @@ def test_revoked_spilled_runs_are_found_by_their_task_ids_and_dropped(deep: Leas
     assert sorted(r["t"] for r in found) == ["task-13", "task-15"]  # (task-10 is in the window)
     assert deep.spill.drop(KEY, ["task-13", "task-15"]) == 2
     assert run_all(deep, handoffs, holder) == ["task-10", "task-11", "task-12", "task-14"]
-
-
-def server_past(store: LeaseStore, when: Any) -> bool:
-    now = store.collection.database.command("hello")["localTime"]
-    return bool(now.replace(tzinfo=None) > when.replace(tzinfo=None))
