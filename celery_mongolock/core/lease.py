@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_mongolock.core.clock import MAX_DRIFT, Clock
-from celery_mongolock.core.lease_info import LeaseInfo, aware
+from celery_mongolock.core.lease_info import LeaseInfo
 from celery_mongolock.exceptions import LeaseLost, StoreUnavailable, Superseded
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "LeaseSet",
     "LostCallback",
     "SupersededCallback",
-    "aware",
     "local_ttl",
 ]
 
@@ -267,7 +266,7 @@ class Lease:
 
     def end_superseded(self) -> None:
         """The body stopped because a newer send superseded this holder (the Celery layer says so before
-        the release): the release records it in the key's ending (``by``), so that a copy of the run that
+        the release): the release records it in the key's ending (``for``), so that a copy of the run that
         finds it over with no result stored ends it superseded, not ``already-ran``."""
         with self._lock:
             if self._superseded_event.is_set():
@@ -537,7 +536,10 @@ class LeaseSet(Lease):
         return any(marked)
 
     def end_superseded(self) -> None:
+        by = self.superseded_by
         for lease in self.leases.values():
+            if by is not None:  # (``supersede_together`` marks the others from a thread: maybe not yet)
+                lease.mark_superseded(by)
             lease.end_superseded()
 
     def renew(self) -> None:

@@ -281,14 +281,14 @@ def run_ended(
 
 def ended_superseded_by(doc: Mapping[str, Any] | None, task_id: str, retries: int) -> str | None:
     """The newer send that attempt ``retries`` of ``task_id`` stopped for before it released the key
-    (``Replace(cancel_running=True)``: its ending's ``by``, ``release_pipeline``), from ``doc``'s last
+    (``Replace(cancel_running=True)``: its ending's ``for``, ``release_pipeline``), from ``doc``'s last
     endings (``RUN_ENDED_PROJECTION``); None when it did not, or the key no longer remembers it. (A queued
     run's delivery is its attempt, ``"0"``; another run's has its contention retries, ``"0.1"``.)"""
     for ending in reversed((doc or {}).get("ends") or []):
         if not isinstance(ending, Mapping) or ending.get("t") != task_id or ending.get("how") != "released":
             continue
         if str(ending.get("run", "")).split(".")[0] == str(int(retries)):
-            by = ending.get("by")
+            by = ending.get("for")
             return by if isinstance(by, str) and by else None
     return None
 

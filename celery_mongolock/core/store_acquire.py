@@ -44,7 +44,8 @@ from celery_mongolock.core.documents import queue as admission_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.documents.entries import PARK_BUDGET, entry_bytes
 from celery_mongolock.core.keys import normalize_key
-from celery_mongolock.core.lease import Lease, LeaseBackend, aware
+from celery_mongolock.core.lease import Lease, LeaseBackend
+from celery_mongolock.core.lease_info import aware
 from celery_mongolock.core.outcomes import plain_admit_reply, untrusted_admit_reply
 from celery_mongolock.core.store_connection import AMBIGUOUS
 from celery_mongolock.core.store_spill import SPILL_MESSAGE_LIMIT, Spill, Stored
@@ -439,8 +440,7 @@ class Acquisition:
             )  # fmt: skip
             if lease is not None or doc.get("lo") != "spilled":
                 return lease, doc
-            stored = store.spill.park(normalize_key(key), full_entry, doc, timeout)
-            if stored != Stored.AGAIN:
+            if store.spill.park(normalize_key(key), full_entry, doc, timeout) != Stored.AGAIN:
                 return lease, doc
         raise StoreUnavailable(
             f"could not park a run of {key!r}: the number its admit took was given up {_SPILL_TRIES} times"

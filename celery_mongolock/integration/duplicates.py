@@ -146,7 +146,8 @@ def ended_without_a_result(
     newer send (``by``) and ends the task superseded, as the run would have (``keys``: all of a
     several-keys run's keys, for its result)."""
     request = task.request
-    by = _superseded_ending(task, key)
+    policy = options.on_contention
+    by = _superseded_ending(task, key) if isinstance(policy, Replace) and policy.cancel_running else None
     if request.is_eager or request.called_directly:
         return Outcome(_answer(task, key, by, keys, options))
     countdown = max(LOOK_AGAIN_AT_LEAST_S, min(options.lease_seconds, 300.0))

@@ -34,7 +34,7 @@ ending is written per fence (a second ending command for the same acquisition le
     {f: fence, t: task_id, n: task_name (or role), run: delivery, host, pid, worker,
      a: acquired_at, e: ended_at (server time; for "expired" the old expires_at), w: waited ms,
      how: "released" | "holder-died" | "forced" | "expired", seen: takeover time ("expired" only),
-     by: the newer send the holder's body stopped for ("released" only, ``Replace(cancel_running=True)``)}
+     for: the newer send the holder's body stopped for ("released" only, ``Replace(cancel_running=True)``)}
 
 Expiry is always judged on the server's clock (``$$NOW``) inside the write that depends on it. Dates are
 compared through ``$toLong``: equivalent on MongoDB, and it sidesteps a date-comparison bug of the
@@ -406,8 +406,8 @@ def release_pipeline(by: str = "", *, seen: bool = True, superseded_by: str | No
     ``by`` (the releaser's token: it publishes the handoff; empty: the sweeper does). ``seen=False`` (a
     key given back by a run that never ran) keeps no minimum hold either: it held the key for nobody.
     ``superseded_by``: the holder's body stopped for this newer send (``Replace(cancel_running=True)``);
-    its ending says so (``by``)."""
-    ending = ending_expr("released", **({"by": {"$literal": superseded_by}} if superseded_by else {}))
+    its ending says so (``for``)."""
+    ending = ending_expr("released", **({"for": {"$literal": superseded_by}} if superseded_by else {}))
     holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, _NOW_MS]} if seen else False
     return [
         {"$set": {"__hold": holding}},
