@@ -10,11 +10,19 @@ from typing import Any
 
 import pytest
 
-from celery_mongolock import ConfigurationError, LeaseLost, LeaseStore, LockContended, ReentrantHold
+from celery_mongolock import (
+    ConfigurationError,
+    LeaseLost,
+    LeaseStore,
+    LockContended,
+    ReentrantHold,
+    Superseded,
+)
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.reentry import current_owner, run_scope
 
 from .conftest import CommandCounter
+from .servers import wait_for
 
 
 def _in_thread(fn: Any) -> Any:
@@ -106,6 +114,27 @@ def test_a_run_is_one_owner_and_a_nested_scope_stays_that_run(store: LeaseStore)
                 assert isinstance(inner, ReentrantHold) and inner.fence == outer.fence
         # Another thread is not the run, even while it runs.
         assert _in_thread(lambda: store.acquire("k", reentrant=True)) is None
+
+
+def test_a_superseded_outer_lease_makes_the_inner_hold_superseded(store: LeaseStore) -> None:
+    """``Replace(cancel_running=True)``: a newer send supersedes the run's lease; a singleton function the
+    run calls in-process holds it reentrantly, and its ``current_lease().raise_if_superseded()`` raises
+    ``Superseded`` (it raised ``AttributeError``: the hold had no supersession of its own)."""
+    told: list[str] = []
+    with store.hold("k") as outer, store.hold("k") as inner:
+        assert isinstance(inner, ReentrantHold)
+        assert not inner.superseded and inner.superseded_by is None
+        inner.raise_if_superseded()  # not superseded: nothing
+        inner.on_superseded(lambda _lease, by: told.append(by))
+        assert outer.mark_superseded("newer")
+        assert inner.superseded and inner.superseded_by == "newer" and inner.superseded_at is not None
+        assert inner.wait_superseded(0)
+        with pytest.raises(Superseded) as raised:
+            inner.raise_if_superseded()
+        assert raised.value.by == "newer" and raised.value.key == "k"
+        inner.end_superseded()
+        assert outer.ended_superseded_by == inner.ended_superseded_by == "newer"
+    wait_for(lambda: told == ["newer"], timeout=10, message="the callback to be called")
 
 
 def test_a_lost_outer_lease_makes_the_inner_hold_lost(store: LeaseStore, make_store: Any) -> None:

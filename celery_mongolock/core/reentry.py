@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from celery_mongolock.core.lease import Lease, LostCallback
+from celery_mongolock.core.lease import Lease, LostCallback, SupersededCallback
 from celery_mongolock.exceptions import ConfigurationError, LeaseLost
 
 __all__ = ["Held", "Holds", "ReentrantHold", "current_owner", "run_scope"]
@@ -246,6 +246,38 @@ class ReentrantHold(Lease):
 
     def on_lost(self, callback: LostCallback) -> None:
         self.outer.on_lost(callback)
+
+    # -- supersession: the outer lease's (``Replace(cancel_running=True)``) ------------------------------
+    @property
+    def superseded(self) -> bool:
+        return self.outer.superseded
+
+    @property
+    def superseded_by(self) -> str | None:
+        return self.outer.superseded_by
+
+    @property
+    def superseded_at(self) -> float | None:
+        return self.outer.superseded_at
+
+    @property
+    def ended_superseded_by(self) -> str | None:
+        return self.outer.ended_superseded_by
+
+    def raise_if_superseded(self) -> None:
+        self.outer.raise_if_superseded()
+
+    def wait_superseded(self, timeout: float | None = None) -> bool:
+        return self.outer.wait_superseded(timeout)
+
+    def on_superseded(self, callback: SupersededCallback) -> None:
+        self.outer.on_superseded(callback)
+
+    def mark_superseded(self, by: str) -> bool:
+        return self.outer.mark_superseded(by)
+
+    def end_superseded(self) -> None:
+        self.outer.end_superseded()
 
     def renewed(self, sent_at: float, expires_at: object = None) -> None:
         pass  # the outer lease is the one renewed
