@@ -128,13 +128,13 @@ def test_max_length_is_exact(store: LeaseStore) -> None:
 
 
 def test_a_key_whose_document_cannot_take_another_message_is_full_not_unavailable(store: LeaseStore) -> None:
-    # Runs parked on a key with slots (limit=N) share the key's document (16 MiB): 1 MiB messages fill it
-    # after about 15; the next run is told "full" (its policy's then decides), never "MongoDB did not
-    # answer". (A key held as one lease spills them instead: tests/test_spill_store.py.)
+    # Runs of several keys (``keys=``) parked on a key share the key's document (16 MiB): 1 MiB messages
+    # fill it after about 15; the next run is told "full" (its policy's then decides), never "MongoDB did
+    # not answer". (Plain Queue runs are spilled instead: tests/test_spill_store.py, test_spill_slots.py.)
     holders = [store.admit(KEY, entry(1000 + i), limit=2)[0] for i in range(2)]
     assert all(holders)
     big = b"x" * 2**20
-    outcomes = [store.admit(KEY, entry(i, m=big), limit=2)[1]["lo"] for i in range(18)]
+    outcomes = [store.admit(KEY, entry(i, m=big, ks=[KEY, "b:1"]), limit=2)[1]["lo"] for i in range(18)]
     assert outcomes[:14] == ["parked"] * 14 and outcomes[-1] == "full"
     assert set(outcomes) == {"parked", "full"} and outcomes.index("full") == outcomes.count("parked")
     assert len(parked(store)) == outcomes.count("parked")

@@ -424,9 +424,9 @@ class Acquisition:
         older runs parked) is published (``add_handoff_callback``). One ``store.try_acquire`` with
         ``admission``."""
         store = self.store
-        # A plain Queue run on a single lease may be spilled (``documents.spill``): not a run of several
-        # keys, whose keys' queues reserve them in one order.
-        spills = limit is None and not (replace or debounce or group is not None or entry.get("ks"))
+        # A plain Queue run (of a single lease or a ``limit=N`` key) may be spilled (``documents.spill``):
+        # not a run of several keys, whose keys' queues reserve them in one order.
+        spills = not (replace or debounce or group is not None or entry.get("ks"))
         size, most = entry_bytes(entry), SPILL_MESSAGE_LIMIT if spills else PARK_BUDGET
         if size > most:  # (the command itself would pass MongoDB's limit; a spilled run must fit alone)
             raise MessageTooLarge(key, size, most)
@@ -527,7 +527,8 @@ class Acquisition:
         marker = admission_docs.admit_marker(admit_token) if admit_token else ""
         if limit is not None:
             # Any admit on a slotted key may hand free slots to parked runs (the command's last stages).
-            handed = self.store.handoffs.publish(key, doc, marker)
+            # (a spilled run's refill waits until it is stored: ``Spill.park``)
+            handed = self.store.handoffs.publish(key, doc, marker, refill=doc.get("lo") != "spilled")
         elif lease is None and doc.get("lo") in ("parked", "spilled"):
             # (a spilled run's refill waits until it is stored: ``_store_spilled``)
             handed = self.store.handoffs.publish(key, doc, marker, refill=doc.get("lo") == "parked")

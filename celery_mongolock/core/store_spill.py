@@ -20,6 +20,8 @@ from celery_mongolock.core.documents import lanes
 from celery_mongolock.core.documents import spill as spill_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.documents.entries import PARK_BUDGET
+from celery_mongolock.core.documents.handoff import HANDOFF_PROJECTION
+from celery_mongolock.core.documents.slot_queue import SLOT_HANDOFF_PROJECTION, slot_refill_pipeline
 from celery_mongolock.core.store_connection import AMBIGUOUS, Connection
 from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.exceptions import ConfigurationError, StoreUnavailable
@@ -291,7 +293,7 @@ class Spill:
         with connection.operation(f"refill the parked runs of {key!r}"):
             read_now: list[Document] = [
                 {"$match": {"_id": key}},
-                {"$project": {"sp": 1, "q.pr": 1, "__now": "$$NOW"}},
+                {"$project": {"sp": 1, "q.pr": 1, "lim": 1, "__now": "$$NOW"}},
             ]
             current = next(iter(connection.collection.aggregate(read_now)), None)
             lane = next((la for la in lanes.lanes_of(current) if la.rank == rank), None)
@@ -322,7 +324,8 @@ class Spill:
             if read == 0:
                 return None
             by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
-            after, moved = self._move(key, lane, stored, ids[:read], by)
+            slots = current.get("lim") is not None  # a ``limit=N`` key: its free slots are handed
+            after, moved = self._move(key, lane, stored, ids[:read], by, slots=slots)
             if after is None:
                 return None
         # The handoff first; then the runs moved leave the spill (tombstones stay: a late store under
@@ -344,13 +347,16 @@ class Spill:
         stored: list[tuple[str, Mapping[str, Any]]],
         ids: list[str],
         by: str,
+        *,
+        slots: bool = False,
     ) -> tuple[Document | None, list[str]]:
         """Move the runs ``stored`` (``(id, entry)``, read under ``ids``, holes included) into the window:
         the document after, and the ids of the runs moved. When the document cannot take them all
         (16 MiB), the first of them alone (the lane's head moves past it and the holes before it). None
         when another refill moved the lane first, or when the document cannot take even one yet."""
         connection = self.store.connection
-        projection = {"ho": 1, "owner": 1, "fence": 1, "sp": 1, "q.pr": 1}
+        projection = SLOT_HANDOFF_PROJECTION if slots else HANDOFF_PROJECTION
+        pipeline = slot_refill_pipeline if slots else spill_docs.refill_pipeline
         tries = [(stored, ids)]
         if len(stored) > 1:
             tries.append((stored[:1], ids[: ids.index(stored[0][0]) + 1]))
@@ -360,7 +366,7 @@ class Spill:
                 spill_docs.refill_filter(
                     key, lane.rank, lane.epoch, lane.head, sum(_entry_size(e) for e in entries)
                 ),
-                spill_docs.refill_pipeline(lane.rank, lane.head + len(read), entries, by),
+                pipeline(lane.rank, lane.head + len(read), entries, by),
                 projection=projection,
                 return_document=ReturnDocument.AFTER,
             )

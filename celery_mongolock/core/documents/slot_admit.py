@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from celery_mongolock.core.documents import sets, slot_sets
+from celery_mongolock.core.documents import lanes, sets, slot_sets
 from celery_mongolock.core.documents import slots as slot_docs
 from celery_mongolock.core.documents.admit_stages import (
     TOOK,
@@ -59,13 +59,15 @@ def slot_admit_pipeline(
     waited_ms: int | None = None,
     min_hold_ms: int = 0,
     group: str | None = None,
+    window: int | None = None,
 ) -> list[Document]:
     """The admit of a queued run on a ``limit=N`` key (one command): take a free slot when no older run
     is parked, claim the slot handed to this run, or park the run; then hand every free slot to the
     oldest parked runs. The outcomes are those of ``queue.admit_pipeline`` (in ``lo``).
     ``min_hold_ms``: the slot taken or claimed stays taken at least that long (``slots`` module doc).
     ``group`` (with ``replace``): the signature of the run's set of keys (``Replace`` with ``keys=`` and a
-    limit): supersession among the runs of that set only (``slot_sets``).
+    limit): supersession among the runs of that set only (``slot_sets``). ``window`` (a plain ``Queue``
+    run): the most runs of one rank kept in ``q``; a run behind them is ``spilled`` (``spill``).
 
     The stages (``admit_stages``): expire the holders, judge the run, take or park, hand over, record.
     """
@@ -79,6 +81,7 @@ def slot_admit_pipeline(
         due=due,
         group=group,
         max_wait_ms=max_wait_ms,
+        window=window if window and not (replace or debounce_ms or group) else None,
     )
     take_back: list[Document] = []
     if run.by_set and run.group is not None:
@@ -149,6 +152,9 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
         in_set = slot_sets.superseded_cases(
             run.group, run.stamp, task_id=str(run.entry["t"]), burst=run.burst
         )
+    free: Document = {"$and": [room, first]}
+    if run.window:  # (nobody spilled before it waits: a run spilled goes before a newer one)
+        free["$and"].append({"$eq": [lanes.spilled_ahead(run.rank), 0]})
     return Shape(
         ours={"$in": [{"$literal": token}, {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}]},
         ours_outcome="mine",
@@ -158,7 +164,7 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
         running=running,
         superseded_in_set=in_set,
         handed=slot_sets.HANDED_ENTRIES,
-        free={"$and": [room, first]},
+        free=free,
         room=room,
     )
 
@@ -277,4 +283,6 @@ def _take_or_park_fields(run: AdmitRun, shape: Shape, taken: _Taken) -> Document
         fields["lg"] = sets.lg_update(run.group, run.stamp, str(run.entry["t"]), took)
     elif run.replace:
         fields.update(replace_fields(run, took, shape))
+    if run.window:  # (a run spilled: its number in its rank's lane)
+        fields.update(lanes.spill_fields(run.rank, {"$eq": ["$__o", "spilled"]}))
     return fields

@@ -18,14 +18,15 @@ oldest due parked run, with fences that strictly increase over all of them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from celery_mongolock.core.documents import sets
+from celery_mongolock.core.documents import sets, spill
 from celery_mongolock.core.documents import slots as _slots
 from celery_mongolock.core.documents.copies import SEEN_KEPT
 from celery_mongolock.core.documents.entries import dead_entries, entry_due, live_entries
 from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
+from celery_mongolock.core.documents.lanes import SPILL_PROJECTION
 from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "has_handoff",
     "normalize_stages",
     "slot_force_release_handoff_pipeline",
+    "slot_refill_pipeline",
     "slot_release_dead_handoff_pipeline",
     "slot_release_handoff_pipeline",
     "slot_sweep_pipeline",
@@ -46,7 +48,7 @@ Document = dict[str, Any]
 
 #: What a command that may hand slots over returns: the holds (with their handoffs), the fence, the
 #: supersessions and the limit.
-SLOT_HANDOFF_PROJECTION: Document = {"hs": 1, "fence": 1, "sup": 1, "lim": 1}
+SLOT_HANDOFF_PROJECTION: Document = {"hs": 1, "fence": 1, "sup": 1, "lim": 1, **SPILL_PROJECTION}
 _NOW_MS: Document = {"$toLong": "$$NOW"}
 _HS: Document = {"$ifNull": ["$hs", []]}
 _Q: Document = {"$ifNull": ["$q", []]}
@@ -286,6 +288,14 @@ def _then_hand(drop: list[Document], by: str) -> list[Document]:
     """``drop`` (a ``_slots`` pipeline ending with the gc stage), then the freed slots handed."""
     assert drop[-1] == gc_stage(), "a _slots pipeline ends with the gc stage"
     return [*drop[:-1], *normalize_stages(), *fill_stages(by), gc_stage()]
+
+
+def slot_refill_pipeline(
+    rank: int, new_head: int, entries: Sequence[Mapping[str, Any]], by: str
+) -> list[Document]:
+    """The refill of lane ``rank`` of a ``limit=N`` key (``spill.refill_stages``); then its free slots go
+    to the oldest parked runs (``by`` marks those handoffs for their publisher)."""
+    return [*spill.refill_stages(rank, new_head, entries), *normalize_stages(), *fill_stages(by), gc_stage()]
 
 
 def slot_release_handoff_pipeline(

@@ -31,6 +31,7 @@ from typing import Any
 
 from celery_mongolock.core.documents.copies import ran_any
 from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
+from celery_mongolock.core.documents.lanes import spilled_total
 
 __all__ = [
     "any_expired",
@@ -207,6 +208,7 @@ def _take_stage(limit: int, *, tick: int | None, ended_runs: Sequence[str]) -> D
         "$and": [
             {"$eq": [{"$size": {"$ifNull": ["$q", []]}}, 0]},
             {"$eq": [{"$ifNull": ["$ho", None]}, None]},
+            {"$eq": [spilled_total(), 0]},  # runs spilled beyond the window (``spill``) wait too
         ]
     }
     return {

@@ -35,7 +35,7 @@ from celery_mongolock.core.documents.entries import PARK_BUDGET, dead_entries, i
 from celery_mongolock.core.documents.handoff import handoff_stages
 from celery_mongolock.core.documents.key_state import VACANT, gc_stage
 
-__all__ = ["HAS_HANDOFF", "VACANT", "refill_filter", "refill_pipeline"]
+__all__ = ["HAS_HANDOFF", "VACANT", "refill_filter", "refill_pipeline", "refill_stages"]
 
 Document = dict[str, Any]
 
@@ -48,24 +48,32 @@ HAS_HANDOFF: Document = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
 
 
 def _known(ident: str, task_id: str, delivery: object) -> Document:
-    """The key knows the run ``ident`` already: parked, handed, timed out, ended, or holding it."""
+    """The key knows the run ``ident`` already: parked, handed (the key, or a slot of a ``limit=N`` key),
+    timed out, ended, or holding it (or a slot of it)."""
     lit = {"$literal": ident}
     ids = {"$map": {"input": _Q, "as": "e", "in": "$$e.id"}}
     dead = {"$map": {"input": {"$ifNull": ["$dead", []]}, "as": "d", "in": "$$d.id"}}
+    slots = {"$ifNull": ["$hs", []]}
+    run = {"task_id": {"$literal": task_id}, "delivery": {"$literal": delivery}}
     holding = {
         "$and": [
-            {"$eq": ["$holder.task_id", {"$literal": task_id}]},
-            {"$eq": ["$holder.delivery", {"$literal": delivery}]},
+            {"$eq": ["$holder.task_id", run["task_id"]]},
+            {"$eq": ["$holder.delivery", run["delivery"]]},
             {"$ne": [{"$ifNull": ["$owner", None]}, None]},
         ]
+    }
+    of_run = {
+        "$and": [{"$eq": ["$$e.h.task_id", run["task_id"]]}, {"$eq": ["$$e.h.delivery", run["delivery"]]}]
     }
     return {
         "$or": [
             {"$in": [lit, ids]},
             {"$eq": ["$ho.id", lit]},
+            {"$in": [lit, {"$map": {"input": slots, "as": "e", "in": {"$ifNull": ["$$e.ho.id", None]}}}]},
             {"$in": [lit, dead]},
             {"$in": [lit, {"$ifNull": ["$seen", []]}]},
             holding,
+            {"$gt": [{"$size": {"$filter": {"input": slots, "as": "e", "cond": of_run}}}, 0]},
         ]
     }
 
@@ -97,21 +105,22 @@ def refill_filter(key: str, rank: int, epoch: int, head: int, size: int) -> Docu
     return {"_id": key, "sp": {"$elemMatch": lane}, "$expr": fits}
 
 
+def refill_stages(rank: int, new_head: int, entries: Sequence[Mapping[str, Any]]) -> list[Document]:
+    """The refill of lane ``rank`` (``refill_filter``), whatever the key's shape: ``entries`` (the runs
+    stored under the numbers read, holes left out) join ``q`` in their places, and the lane's head moves
+    to ``new_head``, past every number read."""
+    stages: list[Document] = [_insert_stage(e) for e in entries]
+    return [*stages, {"$set": {"sp": lanes.with_lane(rank, {"h": {"$literal": int(new_head)}})}}]
+
+
 def refill_pipeline(
     rank: int, new_head: int, entries: Sequence[Mapping[str, Any]], by: str
 ) -> list[Document]:
-    """The refill of lane ``rank`` (``refill_filter``): ``entries`` (the runs stored under the numbers
-    read, holes left out) join ``q`` in their places, the lane's head moves to ``new_head``, past every
-    number read, and a free key goes to the oldest parked run (``by`` marks that handoff for its
-    publisher)."""
-    stages: list[Document] = [_insert_stage(e) for e in entries]
+    """The refill of a key held as one lease (``refill_stages``); then a free key goes to the oldest
+    parked run (``by`` marks that handoff for its publisher). A ``limit=N`` key's is
+    ``slot_queue.slot_refill_pipeline``."""
     return [
-        *stages,
-        {
-            "$set": {
-                "sp": lanes.with_lane(rank, {"h": {"$literal": int(new_head)}}),
-            }
-        },
+        *refill_stages(rank, new_head, entries),
         *handoff_stages({"$and": [VACANT, {"$not": [HAS_HANDOFF]}]}, _Q, by),
         gc_stage(),
     ]
