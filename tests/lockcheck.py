@@ -3360,6 +3360,7 @@ def queued_kind_figures(history: History, name: str, faults: Sequence[Doc] = ())
     ev = history.events
     tids = {tid for tid, t in history.tasks.items() if t.get("task") == name}
     parked = {str(e["task_id"]) for e in ev if e.get("ev") == "admit" and e.get("outcome") == "parked"}
+    spilled = {str(e["task_id"]) for e in ev if e.get("ev") == "admit" and e.get("spilled")}
     handoffs = [e for e in ev if e.get("ev") == "handoff" and e.get("task_id") in tids]
     handed = {str(e["task_id"]) for e in handoffs}
     handed |= {
@@ -3391,6 +3392,7 @@ def queued_kind_figures(history: History, name: str, faults: Sequence[Doc] = ())
     return {
         "submitted": len(tids),
         "parked": len(parked & tids),
+        "spilled": len(spilled & tids),
         "handed": len(handed),
         "handoffs": len(handoffs),
         "rehandoffs": sum(1 for e in handoffs if int(e.get("attempt") or 1) > 1),
@@ -3943,6 +3945,10 @@ def unmet_coverage(report: Doc) -> list[str]:
         qk = queued[kind]
         claim(qk["submitted"] >= burst and qk["parked"] >= burst, f"the {kind} burst parked", qk)
         claim(qk["handed"] >= 1, f"the {kind} burst handed", qk)
+    # (the gate holds every slot of the limit burst's key: all but PARKED_WINDOW of its runs are spilled)
+    lq = queued["limit_queued"]
+    spilled_limit = lq["spilled"] >= LIMIT_BURST - PARKED_WINDOW
+    claim(spilled_limit, "the limit_queued burst spilled beyond the window", lq)
     claim(max(lm["max_clean_holds_at_once"].values(), default=0) == LIMIT, f"{LIMIT} clean holds at once", lm)
     claim(lm["limit_task_runs"] >= LIMIT_BURST, "the limit burst ran as tasks", lm)
     mh = lm["min_hold"]

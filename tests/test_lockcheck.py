@@ -1033,7 +1033,7 @@ def test_an_acquisition_by_an_admit_began_when_the_admit_was_sent() -> None:
 def _covered() -> dict[str, Any]:
     """The figures of a bounded run that exercised everything it claims (no libfaketime: no clock jump)."""
     faults = {kind: 1 for kind in lockcheck.ALL_FAULTS if kind != "clock-jump"}
-    burst = {"submitted": 6, "parked": 6, "handed": 6}
+    burst = {"submitted": 6, "parked": 6, "spilled": 4, "handed": 6}
     return {
         "faults": faults,
         "faults_skipped": {"clock-jump": "libfaketime is not installed"},
@@ -1095,10 +1095,16 @@ def test_the_bounded_runs_coverage_claims() -> None:
         "the Queue burst spilled beyond the window"
     ]
     seed29 = _covered()  # the Queue-with-limit burst never contended (issue 24)
-    seed29["queued"]["limit_queued"] = {"submitted": 13, "parked": 0, "handed": 0}
+    seed29["queued"]["limit_queued"] = {"submitted": 13, "parked": 0, "spilled": 0, "handed": 0}
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(seed29)] == [
         "the limit_queued burst parked", "the limit_queued burst handed",
+        "the limit_queued burst spilled beyond the window",
     ]  # fmt: skip
+    unspilled = _covered()  # the limit burst all in its key's lease document
+    unspilled["queued"]["limit_queued"]["spilled"] = 3
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unspilled)] == [
+        "the limit_queued burst spilled beyond the window"
+    ]
     missed = _covered()
     missed["queued"]["faults_hitting_queued_runs"].pop("kill-node")
     missed["faults_skipped"]["sigstop-task"] = "no victim found in time"

@@ -1,6 +1,7 @@
 """A model-based test of deep queues (``documents.spill``): a hypothesis ``RuleBasedStateMachine`` drives one
 key with a window of 2 parked runs per priority through the store's real operations on the embedded
-server, against a reference model that is only a list of parked runs.
+server, against a reference model that is only a list of parked runs; then a ``limit=2`` key the same way
+(two runs hold it at once, each release hands one slot, a refill hands every free slot).
 
 Rules: a new run is sent (a priority of 0 or 1) and admitted; the holder releases and the run handed the
 key claims it; a copy of a parked run's message is admitted again; a worker stops between its admit and
@@ -48,6 +49,9 @@ class Stopped(Exception):
 
 
 class SpillMachine(RuleBasedStateMachine):
+    #: The key's ``limit=N`` (None: a key held as one lease).
+    LIMIT: int | None = None
+
     def __init__(self) -> None:
         super().__init__()
         self.db_name = f"mongolock_spill_{uuid.uuid4().hex[:12]}"
@@ -63,7 +67,7 @@ class SpillMachine(RuleBasedStateMachine):
         self.store.add_handoff_callback(lambda key, ho, doc: self.handed.append(dict(ho)))
         self.stamp = 0
         self.parked: list[tuple[int, int, str]] = []  # the model: (rank, stamp, task id)
-        self.holder: Lease | None = None
+        self.holders: list[Lease] = []
         self.ran: list[str] = []
         self.sent = 0
 
@@ -78,10 +82,11 @@ class SpillMachine(RuleBasedStateMachine):
         return f"run-{self.sent}", self.stamp
 
     def _admit(self, tid: str, stamp: int, rank: int) -> str:
-        lease, doc = self.store.admit(KEY, self._entry(tid, stamp, rank), ttl=600)
+        lease, doc = self.store.admit(KEY, self._entry(tid, stamp, rank), ttl=600, limit=self.LIMIT)
         if lease is not None:
-            assert self.holder is None and not self.parked, f"{tid} took the key past {self.parked}"
-            self.holder = lease
+            assert len(self.holders) < (self.LIMIT or 1), f"{tid} took the key past {self.holders}"
+            assert not self.parked, f"{tid} took the key past {self.parked}"
+            self.holders.append(lease)
             self.ran.append(tid)
             return "acquired"
         outcome = str(doc.get("lo"))
@@ -98,12 +103,13 @@ class SpillMachine(RuleBasedStateMachine):
                 f"handed {ho['t']}, the model's next is {expected} of {self.parked}"
             )
             entry = {**self._entry(ho["t"], int(ho["s"]), int(ho.get("pr") or 0)), "tk": ho["tk"]}
-            lease, doc = self.store.admit(KEY, entry, ttl=600, claim=ho["tk"])
+            lease, doc = self.store.admit(KEY, entry, ttl=600, claim=ho["tk"], limit=self.LIMIT)
             assert lease is not None and doc["lo"] == "claimed", doc.get("lo")
             self.parked.remove(expected)
             assert ho["t"] not in self.ran, f"{ho['t']} ran twice"
             self.ran.append(ho["t"])
-            self.holder = lease
+            self.holders.append(lease)
+            assert len(self.holders) <= (self.LIMIT or 1), f"more holders than the limit: {self.holders}"
 
     # -- rules -----------------------------------------------------------------------------------------
     @precondition(lambda self: self.sent < 40)
@@ -113,11 +119,10 @@ class SpillMachine(RuleBasedStateMachine):
         assert self._admit(tid, stamp, rank) in ("acquired", "parked")
         self._claim_handed()
 
-    @precondition(lambda self: self.holder is not None)
+    @precondition(lambda self: bool(self.holders))
     @rule()
     def release(self) -> None:
-        assert self.holder is not None
-        lease, self.holder = self.holder, None
+        lease = self.holders.pop(0)
         assert lease.release()
         self._claim_handed()
 
@@ -125,10 +130,10 @@ class SpillMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def copy(self, data: st.DataObject) -> None:
         rank, stamp, tid = data.draw(st.sampled_from(self.parked), label="copy of")
-        lease, doc = self.store.admit(KEY, self._entry(tid, stamp, rank), ttl=600)
+        lease, doc = self.store.admit(KEY, self._entry(tid, stamp, rank), ttl=600, limit=self.LIMIT)
         assert lease is None and doc["lo"] == "dup", doc.get("lo")
 
-    @precondition(lambda self: self.holder is not None and self.sent < 40)
+    @precondition(lambda self: len(self.holders) == (self.LIMIT or 1) and self.sent < 40)
     @rule(rank=st.sampled_from([0, 1]))
     def stop_before_insert(self, rank: int) -> None:
         """A worker stops after its admit: a hole, if the run was spilled; its message comes back, a new
@@ -151,7 +156,7 @@ class SpillMachine(RuleBasedStateMachine):
             again, stamp = self._new(rank)  # (the same message, delivered again later: a new place)
             assert self._admit(again, stamp, rank) == "parked"
 
-    @precondition(lambda self: self.holder is not None)
+    @precondition(lambda self: bool(self.holders))
     @rule()
     def release_with_a_failing_delete(self) -> None:
         real = Collection.delete_many
@@ -169,7 +174,7 @@ class SpillMachine(RuleBasedStateMachine):
 
     @rule()
     def sweep(self) -> None:
-        self.store.sweep(KEY)
+        self.store.sweep(KEY, slots=self.LIMIT is not None)
         self._claim_handed()
 
     # -- after every step ------------------------------------------------------------------------------
@@ -183,19 +188,21 @@ class SpillMachine(RuleBasedStateMachine):
             lane = lanes.get(d["r"])
             if lane is not None and lane["e"] == d["ep"] and lane["h"] <= d["n"] < lane["t"]:
                 waiting.add(str(d["e"]["t"]))
-        ho = (doc.get("ho") or {}).get("t")
+        handed = [(doc.get("ho") or {}).get("t")] + [
+            (h.get("ho") or {}).get("t") for h in doc.get("hs") or []
+        ]
         assert window.isdisjoint(waiting), f"in the window and spilled: {window & waiting}"
         assert window | waiting == {tid for _, _, tid in self.parked}, (window, waiting, self.parked)
-        assert ho is None or ho in self.ran
+        assert all(t is None or t in self.ran for t in handed), handed
 
     def teardown(self) -> None:
         try:
             for _ in range(200):  # drain: each holder releases, the run handed the key claims it
-                if self.holder is not None:
+                if self.holders:
                     self.release()
                 elif self.parked:
                     self.sweep()  # (a refill that could not run: the sweeper's)
-                    if self.holder is None:
+                    if not self.holders:
                         break
                 else:
                     break
@@ -206,12 +213,19 @@ class SpillMachine(RuleBasedStateMachine):
             CLIENT[0].drop_database(self.db_name)
 
 
+class SlotSpillMachine(SpillMachine):
+    """The same on a ``limit=2`` key: two runs hold it at once, a release hands one slot."""
+
+    LIMIT = 2
+
+
 @pytest.mark.timeout(600 + 30 * EXAMPLES)
-def test_a_deep_queue_matches_its_model(mongo_url: str) -> None:
+@pytest.mark.parametrize("machine", [SpillMachine, SlotSpillMachine], ids=["one-lease", "limit-2"])
+def test_a_deep_queue_matches_its_model(mongo_url: str, machine: type[SpillMachine]) -> None:
     CLIENT[:] = [MongoClient(mongo_url, tz_aware=True)]
     try:
         run_state_machine_as_test(
-            SpillMachine,
+            machine,
             settings=settings(
                 max_examples=EXAMPLES,
                 stateful_step_count=40,

@@ -10,11 +10,12 @@ spill collection under ``spill_id(key, rank, number)``. When a lane's window run
 the next numbers by ``_id`` (point reads, never a range scan or a sort: flat on the embedded server as on
 MongoDB), moves them into ``q`` in one command conditioned on the lane's head, and then deletes them.
 
-The lanes (``sp``) and what reads them are in ``lanes``. A lane holds ``t - h`` numbers, each a spilled
-run, or a **hole**: a number whose run was never stored (its worker stopped between the admit and the
-insert; its message, not acknowledged, comes again and is spilled anew). A refill that finds a number
-missing stores a **tombstone** under it first, so that a worker storing late finds its number taken and
-admits its run again: no run is stored behind a lane's head, where nobody would read it.
+On a ``limit=N`` key the refill then hands every free slot to the runs it brought (``slot_queue``'s
+``slot_refill_pipeline``), as a release does. The lanes (``sp``) and what reads them are in ``lanes``. A lane
+holds ``t - h`` numbers, each a spilled run, or a **hole**: a number whose run was never stored (its worker
+stopped between the admit and the insert; its message, not acknowledged, comes again and is spilled anew). A
+refill that finds a number missing stores a **tombstone** under it first, so that a worker storing late finds
+its number taken and admits its run again: no run is stored behind a lane's head, where nobody would read it.
 
 A spilled document::
 
