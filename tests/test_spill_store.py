@@ -386,3 +386,34 @@ def test_revoked_spilled_runs_are_found_by_their_task_ids_and_dropped(deep: Leas
     assert sorted(r["t"] for r in found) == ["task-13", "task-15"]  # (task-10 is in the window)
     assert deep.spill.drop(KEY, ["task-13", "task-15"]) == 2
     assert run_all(deep, handoffs, holder) == ["task-10", "task-11", "task-12", "task-14"]
+
+
+def test_a_refill_overtaken_by_another_leaves_no_tombstone(deep: LeaseStore, make_store: Any) -> None:
+    """Two refills of one lane at once (two workers' releases): the second reads the lane's head, the
+    first moves those runs and deletes them, and the second then finds their numbers empty. They are no
+    holes: it stops there, writing no tombstone under them (a storm of 3,000 runs on one key left 144,
+    never deleted)."""
+    other = make_store(lease_seconds=30, parked_window=WINDOW)
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in range(10, 18):
+        deep.admit(KEY, entry(stamp))
+    deep.collection.update_one({"_id": KEY}, {"$set": {"q": []}})  # the window emptied, no refill yet
+    real_find = Collection.find
+    overtaken: list[Any] = []
+
+    def find(coll: Collection[Any], *args: Any, **kwargs: Any) -> Any:
+        if coll.name.endswith(".parked") and not overtaken:
+            overtaken.append(None)
+            overtaken[0] = other.spill.refill(KEY, 0)  # the other refill, between the read and the find
+        return real_find(coll, *args, **kwargs)
+
+    Collection.find = find  # type: ignore[method-assign,assignment]
+    try:
+        assert deep.spill.refill(KEY, 0) is None  # overtaken: it moved nothing
+    finally:
+        Collection.find = real_find  # type: ignore[method-assign]
+    assert overtaken and overtaken[0] is not None
+    assert window(deep) == ["task-12", "task-13"] and spilled(deep) == [f"task-{s}" for s in range(14, 18)]
+    assert deep.spill.collection.count_documents({"k": KEY, "x": True}) == 0
+    holder.release()
