@@ -460,8 +460,11 @@ def summarize(batches: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- the store alone: many runs parked on one key ----------------------------------------------------------
-def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: int) -> dict[str, Any]:
+def parked_store(
+    url: str, database: str, sizes: list[int], samples: int, seed: int, *, limit: int | None = None
+) -> dict[str, Any]:
     """Park and hand over on one key that already has ``size`` runs parked, on ``LeaseStore`` alone.
+    ``limit``: a ``limit=N`` key, every slot held (a release hands one slot, the run handed it claims it).
 
     The queue is filled in one write (entries as ``admit`` makes them); then ``samples`` parks (a newer
     send: appended at the end) and ``samples`` handoffs (the holder's release hands the key to the oldest
@@ -528,8 +531,8 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
         warm.release()
         for size in sizes:
             key = f"parked-{size}-{uuid.uuid4().hex[:6]}"
-            holder = store.acquire(key, ttl=3600)
-            assert holder is not None
+            holders = [store.acquire(key, ttl=3600, limit=limit) for _ in range(limit or 1)]
+            assert all(holders)
             stamp = 1_000_000_000
             entries = []
             now = _dt.datetime.now(_dt.timezone.utc)
@@ -578,7 +581,7 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
                 stamp += 1000
                 replies.clear()
                 t0 = time.perf_counter()
-                lease, doc = store.admit(key, message(size, stamp), ttl=3600)
+                lease, doc = store.admit(key, message(size, stamp), ttl=3600, limit=limit)
                 park.append(time.perf_counter() - t0)
                 park_reply.append(sum(b for _, b in replies))
                 if doc.get("lo") != "parked":
@@ -587,16 +590,16 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
             claim: list[float] = []
             for _ in range(samples):
                 t0 = time.perf_counter()
-                assert holder.release()
+                assert holders.pop(0).release()
                 t1 = time.perf_counter()
-                ho = (store.collection.find_one({"_id": key}, {"ho": 1}) or {}).get("ho") or {}
+                ho = handed_of(store.collection.find_one({"_id": key}, {"ho": 1, "hs": 1}))
                 entry = {k: ho[k] for k in ("id", "t", "n", "r", "s", "src", "th", "m", "ct", "ce", "tk")}
                 t2 = time.perf_counter()
-                lease, doc = store.admit(key, entry, ttl=3600, claim=ho["tk"])
+                lease, doc = store.admit(key, entry, ttl=3600, claim=ho["tk"], limit=limit)
                 t3 = time.perf_counter()
                 if lease is None or doc.get("lo") != "claimed":
                     raise RuntimeError(f"claim at {size}: outcome {doc.get('lo')!r}")
-                holder = lease
+                holders.append(lease)
                 release.append(t1 - t0)
                 claim.append(t3 - t2)
             # What a worker's sweeper spends on this key every pass (min(lease / 2, 15 s)), while runs are
@@ -607,11 +610,12 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
                 t0 = time.perf_counter()
                 waiting = store.waiting_keys()
                 t1 = time.perf_counter()
-                store.sweep(key)
+                store.sweep(key, slots=limit is not None)
                 sweep.append(time.perf_counter() - t1)
                 sweep_list.append(t1 - t0)
                 assert [d["_id"] for d in waiting] == [key], [d["_id"] for d in waiting]
-            holder.release()
+            for holder in holders:
+                holder.release()
             store.collection.delete_one({"_id": key})  # its parked runs are not the next size's
             store.spill.collection.delete_many({"k": key})
             handoff = [a + b for a, b in zip(release, claim, strict=True)]
@@ -649,6 +653,15 @@ def parked_store(url: str, database: str, sizes: list[int], samples: int, seed: 
         store.close()
         client.close()
     return out
+
+
+def handed_of(doc: dict[str, Any] | None) -> dict[str, Any]:
+    """The run a release handed the key (``ho``) or a slot of it (``hs[].ho``, the newest handoff) to."""
+    doc = doc or {}
+    handed = [doc["ho"]] if doc.get("ho") else [h["ho"] for h in doc.get("hs") or [] if h.get("ho")]
+    if not handed:
+        raise RuntimeError("the release handed nothing over")
+    return dict(max(handed, key=lambda ho: ho.get("hat") or 0))
 
 
 # -- set-up --------------------------------------------------------------------------------------------

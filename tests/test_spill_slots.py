@@ -61,7 +61,7 @@ def test_runs_beyond_the_window_are_spilled_and_handed_the_slots_in_send_order(d
         assert lease is None and doc["lo"] == "parked"
     assert window(deep) == ["task-10", "task-11"]
     assert spilled(deep) == [f"task-{s}" for s in range(12, 20)]
-    assert lanes(deep) == [{"r": 0, "h": 0, "t": 8}]
+    assert lanes(deep) == [{"r": 0, "h": 0, "t": 8, "sl": True}]
     assert drain(deep, handoffs, holders) == [f"task-{s}" for s in range(10, 20)]
     assert spilled(deep) == [] and window(deep) == []
     doc = deep.collection.find_one({"_id": KEY}) or {}
@@ -147,3 +147,98 @@ def test_large_messages_beyond_what_the_document_takes_are_spilled(store: LeaseS
     assert outcomes == ["parked"] * 20
     assert 0 < len(window(store)) < 20 and len(window(store)) + len(spilled(store)) == 20
     assert drain(store, handoffs, holders) == [f"task-{i}" for i in range(20)]
+
+
+def _holds_lapse(store: LeaseStore) -> None:
+    """Every hold of the key past its end on the server's clock (their holders stopped renewing)."""
+    last = max(h["x"] for h in (store.collection.find_one({"_id": KEY}) or {})["hs"])
+    wait_for(lambda: server_past(store, last), timeout=30, message="the holds to lapse")
+
+
+def test_slots_freed_at_once_go_to_spilled_runs_before_a_lower_priority_run(deep: LeaseStore) -> None:
+    """Three slots freed by one sweep (their holds lapsed): the window holds two runs of rank 0 and one of
+    rank 1, with more rank-0 runs spilled. The rank-1 run waits for them (before: it was handed the third
+    slot, ahead of the spilled rank-0 runs that ``inspect`` lists before it)."""
+    handoffs = Handoffs(deep)
+    assert all(deep.acquire(KEY, 1, limit=3) for _ in range(3))
+    for stamp in range(10, 15):
+        deep.admit(KEY, entry(stamp), limit=3)
+    deep.admit(KEY, entry(5, "low-5", pr=1), limit=3)
+    assert window(deep) == ["task-10", "task-11", "low-5"]
+    info = deep.inspect(KEY)
+    assert info is not None and [p["task_id"] for p in info.parked][-1] == "low-5"
+    _holds_lapse(deep)
+    deep.sweep(KEY, slots=True)
+    assert handoffs.tasks == ["task-10", "task-11", "task-12"]  # the refill brought task-12 for the third
+
+
+def test_the_sweeper_refills_a_limit_key_whose_refill_failed(
+    deep: LeaseStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refills after the releases failed (MongoDB did not answer): the slots are free, the window is
+    empty, runs are spilled. The key needs a sweep (before: nothing did, and the spilled runs waited for
+    the next admit), and the sweep's reply refills it and hands the slots."""
+    from celery_mongolock import StoreUnavailable
+
+    handoffs = Handoffs(deep)
+    holders = hold_all(deep)
+    for stamp in range(10, 16):
+        deep.admit(KEY, entry(stamp), limit=LIMIT)
+
+    def no_answer(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("MongoDB did not answer")
+
+    real = deep.spill.refill
+    monkeypatch.setattr(deep.spill, "refill", no_answer)
+    for holder in holders:
+        holder.release()
+    for lease in [claim(deep, ho) for _, ho in handoffs.seen]:
+        lease.release()
+    monkeypatch.setattr(deep.spill, "refill", real)
+    assert window(deep) == [] and len(spilled(deep)) == 4
+    (one,) = [w for w in deep.waiting() if w.key == KEY]
+    assert one.needs_sweep
+    deep.sweep(KEY, slots=True)
+    assert handoffs.tasks == [f"task-{s}" for s in range(10, 14)]
+
+
+def test_a_key_once_taken_with_a_limit_hands_its_spilled_runs_the_key_as_one_lease(
+    deep: LeaseStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key taken with ``limit=2`` once and held as one lease since (its document keeps ``lim``): a refill
+    of its spilled runs hands the key as one lease (before: it handed two slots, whose claims were
+    ``stale``)."""
+    once = deep.acquire(KEY, 30, limit=2)
+    assert once is not None and once.release()
+    handoffs = Handoffs(deep)
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in range(10, 15):
+        deep.admit(KEY, entry(stamp))
+    deep.collection.update_one({"_id": KEY}, {"$set": {"q": []}})  # the window emptied, no refill yet
+    holder.release()  # (its reply: the window is empty, so a refill, which hands the vacant key)
+    assert handoffs.tasks == ["task-12"]
+    doc = deep.collection.find_one({"_id": KEY}) or {}
+    assert (doc.get("ho") or {}).get("t") == "task-12" and not doc.get("hs")
+    e = entry(12, "task-12")
+    lease, reply = deep.admit(KEY, {**e, "tk": doc["ho"]["tk"]}, claim=doc["ho"]["tk"])
+    assert lease is not None and reply["lo"] == "claimed"
+    lease.release()
+
+
+def test_a_spilled_run_the_document_cannot_take_yet_holds_no_slot_back(store: LeaseStore) -> None:
+    """Lower-priority runs with large messages fill the window; a run of a higher priority whose message
+    the document cannot take beside them is spilled. Freed slots go to the window's runs (before the
+    spilled run could come in, none would: nothing would ever make room), and the spilled run, once
+    there is room for it, is handed the next slot."""
+    handoffs = Handoffs(store)
+    holders = hold_all(store)
+    big = b"x" * (5 * 2**20 // 2)  # 2.5 MiB
+    for stamp in range(10, 15):
+        assert store.admit(KEY, entry(stamp, pr=1, m=big), limit=LIMIT)[1]["lo"] == "parked"
+    assert window(store) == [f"task-{s}" for s in range(10, 15)]
+    assert store.admit(KEY, entry(5, "urgent", m=b"y" * 8 * 2**20), limit=LIMIT)[1]["lo"] == "parked"
+    assert spilled(store) == ["urgent"]
+    order = drain(store, handoffs, holders)
+    assert sorted(order) == sorted(["urgent"] + [f"task-{s}" for s in range(10, 15)])
+    assert order.index("urgent") < order.index("task-14"), order  # it went first once it fit

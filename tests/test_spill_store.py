@@ -417,3 +417,17 @@ def test_a_refill_overtaken_by_another_leaves_no_tombstone(deep: LeaseStore, mak
     assert window(deep) == ["task-12", "task-13"] and spilled(deep) == [f"task-{s}" for s in range(14, 18)]
     assert deep.spill.collection.count_documents({"k": KEY, "x": True}) == 0
     holder.release()
+
+
+def test_a_spilled_run_with_a_large_message_is_brought_back(deep: LeaseStore) -> None:
+    """A spilled run's message of 10 MiB (under the 15.2 MiB a spilled run may carry): the refill's
+    command carries it once (before: three times, and the driver refused the 30 MiB command with its own
+    ``DocumentTooLarge``, out of the release that triggered the refill)."""
+    handoffs = Handoffs(deep)
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in (10, 11):
+        deep.admit(KEY, entry(stamp))
+    lease, doc = deep.admit(KEY, entry(12, m=b"x" * 10 * 2**20))
+    assert lease is None and doc["lo"] == "parked" and spilled(deep) == ["task-12"]
+    assert run_all(deep, handoffs, holder) == ["task-10", "task-11", "task-12"]

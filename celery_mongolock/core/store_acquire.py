@@ -526,8 +526,7 @@ class Acquisition:
         admit_token = str(doc.get("_admit_token") or "")
         marker = admission_docs.admit_marker(admit_token) if admit_token else ""
         if limit is not None:
-            # Any admit on a slotted key may hand free slots to parked runs (the command's last stages).
-            # (a spilled run's refill waits until it is stored: ``Spill.park``)
+            # Any admit on a slotted key may hand free slots to parked runs (a spilled run's refill: later)
             handed = self.store.handoffs.publish(key, doc, marker, refill=doc.get("lo") != "spilled")
         elif lease is None and doc.get("lo") in ("parked", "spilled"):
             # (a spilled run's refill waits until it is stored: ``_store_spilled``)

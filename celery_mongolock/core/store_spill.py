@@ -21,7 +21,11 @@ from celery_mongolock.core.documents import spill as spill_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.documents.entries import PARK_BUDGET
 from celery_mongolock.core.documents.handoff import HANDOFF_PROJECTION
-from celery_mongolock.core.documents.slot_queue import SLOT_HANDOFF_PROJECTION, slot_refill_pipeline
+from celery_mongolock.core.documents.slot_queue import (
+    SLOT_HANDOFF_PROJECTION,
+    slot_fill_pipeline,
+    slot_refill_pipeline,
+)
 from celery_mongolock.core.store_connection import AMBIGUOUS, Connection
 from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.exceptions import ConfigurationError, StoreUnavailable
@@ -293,7 +297,7 @@ class Spill:
         with connection.operation(f"refill the parked runs of {key!r}"):
             read_now: list[Document] = [
                 {"$match": {"_id": key}},
-                {"$project": {"sp": 1, "q.pr": 1, "lim": 1, "__now": "$$NOW"}},
+                {"$project": {"sp": 1, "q.pr": 1, "__now": "$$NOW"}},
             ]
             current = next(iter(connection.collection.aggregate(read_now)), None)
             lane = next((la for la in lanes.lanes_of(current) if la.rank == rank), None)
@@ -329,8 +333,8 @@ class Spill:
             if read == 0:
                 return None
             by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
-            slots = current.get("lim") is not None  # a ``limit=N`` key: its free slots are handed
-            after, moved = self._move(key, lane, stored, ids[:read], by, slots=slots)
+            # (a ``limit=N`` key's lane: its free slots are handed, whatever fields the document keeps)
+            after, moved = self._move(key, lane, stored, ids[:read], by, slots=lane.slots)
             if after is None:
                 return None
         # The handoff first; then the runs moved leave the spill (tombstones stay: a late store under
@@ -384,4 +388,24 @@ class Spill:
             )
             if after is not None:
                 return after, [ident for ident, _ in moved]
+        if not self._moved(key, lane):  # (not another refill's doing: the document cannot take the run)
+            self._blocked(key, lane)
         return None, []
+
+    def _blocked(self, key: str, lane: lanes.Lane) -> None:
+        """Mark ``lane`` as one whose next run the key's document cannot take yet (``bk``): the runs in
+        the window are handed the key (or its slots) before it (``lanes.spilled_before``), which makes
+        room; the next change of the lane (a refill, a run spilled) clears the mark."""
+        at = {"r": lane.rank, "e": lane.epoch, "h": lane.head}
+        mark: list[Document] = [{"$set": {"sp": lanes.with_lane(lane.rank, {"bk": True})}}]
+        if not lane.slots:  # (a key held as one lease hands its head whatever its rank)
+            self.store.connection.collection.update_one({"_id": key, "sp": {"$elemMatch": at}}, mark)
+            return
+        by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
+        after = self.store.connection.collection.find_one_and_update(
+            {"_id": key, "sp": {"$elemMatch": at}},
+            [*mark, *slot_fill_pipeline(by)],
+            projection=SLOT_HANDOFF_PROJECTION,
+            return_document=ReturnDocument.AFTER,
+        )
+        self.store.handoffs.publish(key, after, by, refill=False)  # the slots it freed for the window

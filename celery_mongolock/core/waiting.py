@@ -59,8 +59,11 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
             ho = hold.get("ho")
             if isinstance(ho, Mapping) and not ho.get("by"):
                 return True  # a handoff nobody published
-        if doc.get("q") and len(holds) < int(doc.get("lim") or 1):
-            return True  # a free slot with runs parked
+        spilled = any(
+            isinstance(lane, Mapping) and lane.get("t") != lane.get("h") for lane in doc.get("sp") or []
+        )
+        if (doc.get("q") or spilled) and len(holds) < int(doc.get("lim") or 1):
+            return True  # a free slot with runs parked (or spilled beyond the window: a refill failed)
         return _past_deadline(doc, now)
     expires = _ms(doc.get("expires_at"))
     if doc.get("owner") is None or expires is None or expires <= now:

@@ -3,7 +3,9 @@ imported by every layer of the lease documents (``key_state.WAITS``, ``reading``
 
 Fields of the lease document::
 
-    sp: [{r: rank, e: epoch, h: next number to refill, t: next number to allocate}, ...]  # a lane per rank
+    sp: [{r: rank, e: epoch, h: next number to refill, t: next number to allocate,
+          sl: true: runs of a ``limit=N`` key (the last spilled run's shape),
+          bk: true: the document could not take its next run at the last refill}, ...]  # a lane per rank
 
 A lane's epoch (the server's time when it was made, ms) is in each of its runs' ``_id``: a key's document
 made again after it was deleted (nothing waited) numbers its runs anew, never under a number of the
@@ -27,6 +29,7 @@ __all__ = [
     "spill_fields",
     "spill_id",
     "spilled_ahead",
+    "spilled_before",
     "spilled_total",
     "tombstone",
     "with_lane",
@@ -80,6 +83,16 @@ def spilled_ahead(rank: int) -> Document:
     return {"$sum": {"$map": {"input": ahead, "as": "l", "in": {"$subtract": ["$$l.t", "$$l.h"]}}}}
 
 
+def spilled_before(rank: object) -> Document:
+    """How many numbers the lanes of ranks lower than ``rank`` (an expression) hold: runs that go before a
+    run of that rank, whatever its place in the window. A lane whose next run the key's document cannot
+    take yet (``bk``, set by a refill that found it so) holds none back: the runs in the window go on, and
+    make room for it."""
+    lower = {"$and": [{"$lt": ["$$l.r", rank]}, {"$ne": [{"$ifNull": ["$$l.bk", False]}, True]}]}
+    ahead = {"$filter": {"input": _SP, "as": "l", "cond": lower}}
+    return {"$sum": {"$map": {"input": ahead, "as": "l", "in": {"$subtract": ["$$l.t", "$$l.h"]}}}}
+
+
 def _window_count(rank: int) -> Document:
     of_rank = {"$filter": {"input": _Q, "as": "e", "cond": {"$eq": [{"$ifNull": ["$$e.pr", 0]}, int(rank)]}}}
     return {"$size": of_rank}
@@ -92,9 +105,14 @@ def must_spill(rank: int, window: int, too_big: object) -> Document:
     return {"$or": [{"$gt": [_held(_lane(rank)), 0]}, {"$gte": [_window_count(rank), int(window)]}, too_big]}
 
 
+def _kept(field: str) -> Document:
+    """``field`` as it is, or no field at all when it is missing (never a null in its place)."""
+    return {"$ifNull": [field, "$$REMOVE"]}
+
+
 def with_lane(rank: int, fields: Document) -> Document:
     """``sp`` with the lane of ``rank`` given ``fields`` (expressions; ``$$l`` is the lane)."""
-    changed = {"r": "$$l.r", "e": "$$l.e", "h": "$$l.h", "t": "$$l.t", **fields}
+    changed = {"r": "$$l.r", "e": "$$l.e", "h": "$$l.h", "t": "$$l.t", "sl": _kept("$$l.sl"), **fields}
     return {
         "$map": {
             "input": _SP,
@@ -104,17 +122,20 @@ def with_lane(rank: int, fields: Document) -> Document:
     }
 
 
-def spill_fields(rank: int, spilled: object) -> Document:
+def spill_fields(rank: int, spilled: object, *, slots: bool = False) -> Document:
     """The fields an admit that spills its run of ``rank`` (``spilled``) sets: its lane's next number
-    taken (a lane made at 0, its epoch now), and the answer ``ls`` (``{r, e, n, at}``: the rank, the
-    lane's epoch, the number, the server's time)."""
+    taken (a lane made at 0, its epoch now; ``slots``: the run is of a ``limit=N`` key, whose refill hands
+    slots), and the answer ``ls`` (``{r, e, n, at}``: the rank, the lane's epoch, the number, the
+    server's time)."""
     lane = _lane(rank)
     number = {"$ifNull": [_get("t", lane), 0]}
+    shape = {"sl": True} if slots else {}
+    made = {"r": int(rank), "e": {"$toLong": "$$NOW"}, "h": 0, "t": 1, **shape}
     bumped = {
         "$cond": [
             {"$eq": [{"$ifNull": [lane, None]}, None]},  # (no lane: ``$arrayElemAt`` gives nothing)
-            {"$concatArrays": [_SP, [{"r": int(rank), "e": {"$toLong": "$$NOW"}, "h": 0, "t": 1}]]},
-            with_lane(rank, {"t": {"$add": ["$$l.t", 1]}}),
+            {"$concatArrays": [_SP, [made]]},
+            with_lane(rank, {"t": {"$add": ["$$l.t", 1]}, "sl": True if slots else "$$REMOVE"}),
         ]
     }
     epoch = {"$ifNull": [_get("e", lane), {"$toLong": "$$NOW"}]}
@@ -128,11 +149,15 @@ def spill_fields(rank: int, spilled: object) -> Document:
 class Lane:
     """A lane as a reply shows it, and how many of its runs the window holds."""
 
-    __slots__ = ("epoch", "head", "in_window", "rank", "tail")
+    __slots__ = ("epoch", "head", "in_window", "rank", "slots", "tail")
 
-    def __init__(self, rank: int, head: int, tail: int, in_window: int, epoch: int = 0) -> None:
+    def __init__(
+        self, rank: int, head: int, tail: int, in_window: int, epoch: int = 0, *, slots: bool = False
+    ) -> None:
         self.rank, self.head, self.tail, self.in_window = rank, head, tail, in_window
         self.epoch = epoch
+        #: Its runs are of a ``limit=N`` key: a refill hands the key's free slots (``slot_queue``).
+        self.slots = slots
 
     def spill_id(self, key: str, number: int) -> str:
         return spill_id(key, self.rank, self.epoch, number)
@@ -161,7 +186,7 @@ def lanes_of(doc: Mapping[str, Any] | None) -> list[Lane]:
         if isinstance(lane, Mapping):
             rank = int(lane.get("r") or 0)
             head, tail, epoch = (int(lane.get(f) or 0) for f in ("h", "t", "e"))
-            lanes.append(Lane(rank, head, tail, counts.get(rank, 0), epoch))
+            lanes.append(Lane(rank, head, tail, counts.get(rank, 0), epoch, slots=bool(lane.get("sl"))))
     return lanes
 
 

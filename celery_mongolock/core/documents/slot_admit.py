@@ -284,5 +284,5 @@ def _take_or_park_fields(run: AdmitRun, shape: Shape, taken: _Taken) -> Document
     elif run.replace:
         fields.update(replace_fields(run, took, shape))
     if run.window:  # (a run spilled: its number in its rank's lane)
-        fields.update(lanes.spill_fields(run.rank, {"$eq": ["$__o", "spilled"]}))
+        fields.update(lanes.spill_fields(run.rank, {"$eq": ["$__o", "spilled"]}, slots=True))
     return fields

@@ -26,7 +26,7 @@ from celery_mongolock.core.documents import slots as _slots
 from celery_mongolock.core.documents.copies import SEEN_KEPT
 from celery_mongolock.core.documents.entries import dead_entries, entry_due, live_entries
 from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
-from celery_mongolock.core.documents.lanes import SPILL_PROJECTION
+from celery_mongolock.core.documents.lanes import SPILL_PROJECTION, spilled_before
 from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "fill_stages",
     "has_handoff",
     "normalize_stages",
+    "slot_fill_pipeline",
     "slot_force_release_handoff_pipeline",
     "slot_refill_pipeline",
     "slot_release_dead_handoff_pipeline",
@@ -178,6 +179,19 @@ def normalize_stages(keep_owner: str | None = None) -> list[Document]:
     ]
 
 
+def _may_be_handed(entry: str) -> Document:
+    """The parked run ``entry`` may be handed a free slot: it is due, not behind an older run of its set
+    (``sets.behind_its_set``), and no run of a lower rank is spilled beyond the window (those go first:
+    a refill brings them and hands them the slots)."""
+    return {
+        "$and": [
+            entry_due(entry),
+            {"$not": [sets.behind_its_set(entry, "$__sr")]},
+            {"$eq": [spilled_before({"$ifNull": [f"{entry}.pr", 0]}), 0]},
+        ]
+    }
+
+
 def fill_stages(by: str) -> list[Document]:
     """Hand every free slot (of ``lim``) to the oldest due parked runs, one hold each, in send order.
     ``by`` marks the handoffs this command made (its author publishes them). Expects ``hs`` and ``q``
@@ -221,14 +235,7 @@ def fill_stages(by: str) -> list[Document]:
         {
             "$set": {
                 "__fs": {"$cond": [single_held, [], free]},
-                # (due, and not behind an older run of its set: ``sets.behind_its_set``)
-                "__dq": {
-                    "$filter": {
-                        "input": _Q,
-                        "as": "e",
-                        "cond": {"$and": [entry_due("$$e"), {"$not": [sets.behind_its_set("$$e", "$__sr")]}]},
-                    }
-                },
+                "__dq": {"$filter": {"input": _Q, "as": "e", "cond": _may_be_handed("$$e")}},
             }
         },
         {"$set": {"__k": {"$min": [{"$size": "$__fs"}, {"$size": "$__dq"}]}, "__base": fence_base()}},
@@ -290,12 +297,17 @@ def _then_hand(drop: list[Document], by: str) -> list[Document]:
     return [*drop[:-1], *normalize_stages(), *fill_stages(by), gc_stage()]
 
 
+def slot_fill_pipeline(by: str) -> list[Document]:
+    """Hand the free slots of a ``limit=N`` key to the oldest parked runs (``by`` marks the handoffs)."""
+    return [*normalize_stages(), *fill_stages(by), gc_stage()]
+
+
 def slot_refill_pipeline(
     rank: int, new_head: int, entries: Sequence[Mapping[str, Any]], by: str
 ) -> list[Document]:
     """The refill of lane ``rank`` of a ``limit=N`` key (``spill.refill_stages``); then its free slots go
     to the oldest parked runs (``by`` marks those handoffs for their publisher)."""
-    return [*spill.refill_stages(rank, new_head, entries), *normalize_stages(), *fill_stages(by), gc_stage()]
+    return [*spill.refill_stages(rank, new_head, entries), *slot_fill_pipeline(by)]
 
 
 def slot_release_handoff_pipeline(
