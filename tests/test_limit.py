@@ -8,6 +8,7 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from celery.result import AsyncResult
@@ -15,6 +16,7 @@ from celery.result import AsyncResult
 from . import integration_app as it
 from .servers import RedisServer, wait_for
 from .test_integration import Cluster, running_cluster
+from .test_queue import parked
 
 pytestmark = pytest.mark.slow
 
@@ -116,11 +118,6 @@ def peak_of(cluster: Cluster, tags: list[str]) -> int:
     return peak
 
 
-def parked(cluster: Cluster, key: str) -> list[str]:
-    doc = cluster.store.collection.find_one({"_id": key}) or {}
-    return [e["t"] for e in doc.get("q") or []]
-
-
 def test_queue_with_a_limit_parks_runs_until_any_slot_frees_in_send_order(cluster: Cluster) -> None:
     tenant = tag()
     key = f"tenant:{tenant}"
@@ -129,12 +126,14 @@ def test_queue_with_a_limit_parks_runs_until_any_slot_frees_in_send_order(cluste
     gate = [cluster.store.acquire(key, 60, limit=3) for _ in range(3)]
     assert all(lease is not None for lease in gate)
     waiting = [tag() for _ in range(6)]
-    results = [it.per_tenant_queued.delay(tenant, t, 0.3) for t in waiting]
-    wait_for(lambda: len(parked(cluster, key)) == 6, timeout=120, message="6 runs parked")
+    results: list[Any] = []
+    for t in waiting:  # (each once the one before is parked: beyond the window of 2, park order is theirs)
+        results.append(it.per_tenant_queued.delay(tenant, t, 0.3))
+        wait_for(lambda: len(parked(cluster, key)) == len(results), timeout=120, message=f"{t} parked")
     # Parked runs hold no worker slot: another tenant's run goes through while all six wait.
     other = tag()
     assert it.per_tenant_queued.delay(tag(), other, 0.05).get(timeout=60) == other
-    order = parked(cluster, key)  # send order
+    order = parked(cluster, key)  # the order they are handed the slots in (in the document, send order)
     for lease in gate:
         assert lease is not None and lease.release()
     assert [r.get(timeout=120) for r in results] == waiting

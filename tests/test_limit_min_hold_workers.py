@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
 from .test_integration import Cluster, running_cluster
+from .test_queue import parked
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +60,6 @@ def test_retry_at_most_n_starts_of_a_key_per_window(cluster: Cluster) -> None:
     assert times[1] - times[0] < it.WINDOW, "two slots: the first two runs started side by side"
 
 
-def parked(cluster: Cluster, key: str) -> list[str]:
-    doc = cluster.store.collection.find_one({"_id": key}) or {}
-    return [e["t"] for e in doc.get("q") or []]
-
-
 def test_queue_parked_runs_are_handed_slots_as_the_holds_end_in_send_order(cluster: Cluster) -> None:
     tenant = tag()
     key = f"tenant:{tenant}"
@@ -72,9 +69,11 @@ def test_queue_parked_runs_are_handed_slots_as_the_holds_end_in_send_order(clust
     held = [cluster.store.acquire(key, 60, limit=2) for _ in range(2)]
     assert all(lease is not None for lease in held)
     tags = [tag() for _ in range(4)]
-    results = [it.per_tenant_window_queued.delay(tenant, t) for t in tags]
-    wait_for(lambda: len(parked(cluster, key)) == 4, timeout=60, message="4 runs parked")
-    order = parked(cluster, key)  # send order
+    results: list[Any] = []
+    for t in tags:  # (each once the one before is parked: beyond the window of 2, park order is theirs)
+        results.append(it.per_tenant_window_queued.delay(tenant, t))
+        wait_for(lambda: len(parked(cluster, key)) == len(results), timeout=60, message=f"{t} parked")
+    order = parked(cluster, key)  # the order they are handed the slots in (in the document, send order)
     for lease in held:
         assert lease is not None and lease.release()
     by_id = {r.id: t for r, t in zip(results, tags, strict=True)}

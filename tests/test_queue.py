@@ -202,8 +202,13 @@ def test_a_retry_task_on_a_queued_key_does_not_barge_in(cluster: Cluster) -> Non
     r0 = it.queued.delay(resource, holder, 1.5)
     wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
     queued = [tag() for _ in range(3)]
-    rq = [it.queued.delay(resource, t, 0.3) for t in queued]
-    wait_for(lambda: len(parked(cluster, f"resource:{resource}")) == 3, timeout=60, message="3 parked")
+    rq = []
+    for t in queued:  # (each once the one before is parked: beyond the window of 2, park order is theirs)
+        rq.append(it.queued.delay(resource, t, 0.3))
+        sent = [r.id for r in rq]
+        wait_for(
+            partial(_parked_as, cluster, f"resource:{resource}", sent), timeout=60, message=f"{t} parked"
+        )
     barger = tag()
     rb = it.guarded.delay(resource, barger, 0.1)
     r0.get(timeout=60)

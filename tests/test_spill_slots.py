@@ -242,3 +242,62 @@ def test_a_spilled_run_the_document_cannot_take_yet_holds_no_slot_back(store: Le
     order = drain(store, handoffs, holders)
     assert sorted(order) == sorted(["urgent"] + [f"task-{s}" for s in range(10, 15)])
     assert order.index("urgent") < order.index("task-14"), order  # it went first once it fit
+
+
+def test_spilled_runs_of_two_priorities_the_document_cannot_take_hold_no_slot_back(store: LeaseStore) -> None:
+    """As above, with spilled runs of two priorities above the window's: each lane whose next run does not
+    fit is marked, so the window's runs are handed the freed slots (before: only the first lane was tried,
+    the second held every slot back, and nothing was ever handed)."""
+    handoffs = Handoffs(store)
+    holders = hold_all(store)
+    big = b"x" * (5 * 2**20 // 2)  # 2.5 MiB
+    for stamp in range(10, 15):
+        assert store.admit(KEY, entry(stamp, pr=5, m=big), limit=LIMIT)[1]["lo"] == "parked"
+    assert store.admit(KEY, entry(5, "urgent", m=b"y" * 8 * 2**20), limit=LIMIT)[1]["lo"] == "parked"
+    assert store.admit(KEY, entry(6, "mid", pr=3, m=b"z" * 4 * 2**20), limit=LIMIT)[1]["lo"] == "parked"
+    assert spilled(store) == ["urgent", "mid"]
+    order = drain(store, handoffs, holders)
+    assert sorted(order) == sorted(["urgent", "mid"] + [f"task-{s}" for s in range(10, 15)])
+
+
+def test_a_refill_s_command_stays_within_mongodb_s_stage_limit(mongo_url: str, db_name: str) -> None:
+    """With the largest window (1,000) empty and 300 runs spilled, one refill brings at most 256 of them:
+    its command has a stage per run, and MongoDB refuses a pipeline of more than 1,000 stages (the
+    embedded server does not: counted here)."""
+    from pymongo import MongoClient, monitoring
+
+    from celery_mongolock.core.documents.lanes import spill_id
+
+    stages: list[int] = []
+
+    class Stages(monitoring.CommandListener):
+        def started(self, event: monitoring.CommandStartedEvent) -> None:
+            if event.command_name == "findAndModify" and isinstance(event.command.get("update"), list):
+                stages.append(len(event.command["update"]))
+
+        def succeeded(self, event: Any) -> None: ...
+        def failed(self, event: Any) -> None: ...
+
+    client: MongoClient[dict[str, Any]] = MongoClient(mongo_url, event_listeners=[Stages()])
+    store = LeaseStore(client, database=db_name, lease_seconds=30, parked_window=1000)
+    try:
+        holder = store.acquire(KEY, 30)
+        assert holder is not None
+        # 300 runs spilled, as parking them behind a full window leaves them (then the window emptied).
+        store.spill.collection.insert_many(
+            [
+                {"_id": spill_id(KEY, 0, 1, n), "k": KEY, "rid": f"task-{n}", "r": 0, "ep": 1, "n": n,
+                 "e": entry(100 + n)}
+                for n in range(300)
+            ]
+        )  # fmt: skip
+        lanes = [{"r": 0, "e": 1, "h": 0, "t": 300}]
+        store.collection.update_one({"_id": KEY}, {"$set": {"sp": lanes, "q": [], "wq": True, "gc_at": None}})
+        stages.clear()
+        assert store.spill.refill(KEY, 0) is not None
+        assert stages and max(stages) <= 300, stages
+        assert len(window(store)) == 256 and len(spilled(store)) == 44
+        holder.release()
+    finally:
+        store.close()
+        client.close()

@@ -53,6 +53,8 @@ _EXPIRED_LOOKAHEAD = 16
 _READ_BATCH = 1000
 #: How many refills one reply may lead to (``refill_if_low``).
 _REFILLS = 8
+#: The most runs one refill brings (its command has a stage per run: MongoDB takes at most 1,000).
+_REFILL_MOST = 256
 #: The most message bytes one refill brings into a lease document (it stays far below 16 MiB).
 REFILL_BYTES = 4 * 2**20
 
@@ -95,6 +97,14 @@ def _expired(entry: Mapping[str, Any], now: Any) -> bool:
     if now.tzinfo is None:
         now = now.replace(tzinfo=_dt.timezone.utc)
     return bool(deadline <= now)
+
+
+def _slotted(doc: Mapping[str, Any], lane: lanes.Lane) -> bool:
+    """Whether a refill of ``lane`` hands the key's free slots (``limit=N``) or the key as one lease: as
+    the key is held now (holds in ``hs``, or an ``owner``), else as its runs were spilled (``sl``)."""
+    if doc.get("hs"):
+        return True
+    return False if doc.get("owner") else lane.slots
 
 
 def _entry_size(entry: Mapping[str, Any]) -> int:
@@ -274,10 +284,12 @@ class Spill:
         last = None
         for _ in range(_REFILLS):
             low = lanes.low_lanes(doc, self.window) if doc and doc.get("sp") else []
-            if not low:
-                break
             try:
-                after = self.refill(key, low[0].rank)
+                # (lowest rank first; a lane that brought nothing, its next run too large for the
+                # document yet or moved by another refill, lets the next lane try: none is left unmarked)
+                after = next(
+                    (a for a in (self.refill(key, lane.rank) for lane in low) if a is not None), None
+                )
             except StoreUnavailable as exc:
                 log.warning("refilling the parked runs of %r failed (the sweeper will): %s", key, exc)
                 break
@@ -297,14 +309,14 @@ class Spill:
         with connection.operation(f"refill the parked runs of {key!r}"):
             read_now: list[Document] = [
                 {"$match": {"_id": key}},
-                {"$project": {"sp": 1, "q.pr": 1, "__now": "$$NOW"}},
+                {"$project": {"sp": 1, "q.pr": 1, "owner": 1, "hs.o": 1, "__now": "$$NOW"}},
             ]
             current = next(iter(connection.collection.aggregate(read_now)), None)
             lane = next((la for la in lanes.lanes_of(current) if la.rank == rank), None)
             if current is None or lane is None or lane.held <= 0:
                 return None
             if room is None:
-                room = max(1, self.window - lane.in_window)
+                room = min(_REFILL_MOST, max(1, self.window - lane.in_window))
             numbers = list(range(lane.head, min(lane.tail, lane.head + room + _EXPIRED_LOOKAHEAD)))
             ids = [lane.spill_id(key, n) for n in numbers]
             found = {d["_id"]: d for d in coll.find({"_id": {"$in": ids}, "k": key})}
@@ -333,8 +345,7 @@ class Spill:
             if read == 0:
                 return None
             by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
-            # (a ``limit=N`` key's lane: its free slots are handed, whatever fields the document keeps)
-            after, moved = self._move(key, lane, stored, ids[:read], by, slots=lane.slots)
+            after, moved = self._move(key, lane, stored, ids[:read], by, slots=_slotted(current, lane))
             if after is None:
                 return None
         # The handoff first; then the runs moved leave the spill (tombstones stay: a late store under
@@ -398,7 +409,10 @@ class Spill:
         room; the next change of the lane (a refill, a run spilled) clears the mark."""
         at = {"r": lane.rank, "e": lane.epoch, "h": lane.head}
         mark: list[Document] = [{"$set": {"sp": lanes.with_lane(lane.rank, {"bk": True})}}]
-        if not lane.slots:  # (a key held as one lease hands its head whatever its rank)
+        if not _slotted(
+            self.store.connection.collection.find_one({"_id": key}, {"hs.o": 1, "owner": 1}) or {}, lane
+        ):
+            # (a key held as one lease hands its head whatever its rank)
             self.store.connection.collection.update_one({"_id": key, "sp": {"$elemMatch": at}}, mark)
             return
         by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)

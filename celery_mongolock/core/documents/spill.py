@@ -79,26 +79,23 @@ def _known(ident: str, task_id: str, delivery: object) -> Document:
     }
 
 
-def _insert_stages(entry: Mapping[str, Any]) -> list[Document]:
-    """``q`` with the spilled run ``entry`` in its place (``entries.entry_ahead``), unless the key knows
-    it already (a copy of it was parked meanwhile, or it ran); past its deadline (``Queue(timeout=...)``),
-    to ``dead`` instead (its result is written by the sweeper). The entry is in the command once (``__e``):
-    a message of up to ``SPILL_MESSAGE_LIMIT`` keeps the command under MongoDB's 16 MiB."""
+def _insert_stage(entry: Mapping[str, Any], at: int) -> Document:
+    """``q`` with the spilled run ``entry`` (the ``at``-th of ``__es``) in its place
+    (``entries.entry_ahead``), unless the key knows it already (a copy of it was parked meanwhile, or it
+    ran); past its deadline (``Queue(timeout=...)``), to ``dead`` instead (its result is written by the
+    sweeper)."""
     ident, stamp = str(entry["id"]), int(entry["s"])
-    in_order = in_place("$__e", stamp, ident, rank_of_entry(entry))
+    e = {"$arrayElemAt": ["$__es", int(at)]}
+    in_order = in_place(e, stamp, ident, rank_of_entry(entry))
     known = _known(ident, str(entry["t"]), entry.get("r"))
-    dead = dead_entries(["$__e"])  # (empty unless past its deadline on the server's clock)
+    dead = dead_entries([e])  # (empty unless past its deadline on the server's clock)
     expired = {"$gt": [{"$size": dead}, 0]}
-    return [
-        {"$set": {"__e": {"$literal": dict(entry)}}},
-        {
-            "$set": {
-                "q": {"$cond": [{"$or": [known, expired]}, _Q, in_order]},
-                "dead": {"$cond": [known, "$dead", {"$concatArrays": [{"$ifNull": ["$dead", []]}, dead]}]},
-            }
-        },
-        {"$unset": "__e"},
-    ]
+    return {
+        "$set": {
+            "q": {"$cond": [{"$or": [known, expired]}, _Q, in_order]},
+            "dead": {"$cond": [known, "$dead", {"$concatArrays": [{"$ifNull": ["$dead", []]}, dead]}]},
+        }
+    }
 
 
 def refill_filter(key: str, rank: int, epoch: int, head: int, size: int) -> Document:
@@ -114,8 +111,15 @@ def refill_stages(rank: int, new_head: int, entries: Sequence[Mapping[str, Any]]
     """The refill of lane ``rank`` (``refill_filter``), whatever the key's shape: ``entries`` (the runs
     stored under the numbers read, holes left out) join ``q`` in their places, and the lane's head moves
     to ``new_head``, past every number read."""
-    stages: list[Document] = [stage for e in entries for stage in _insert_stages(e)]
-    return [*stages, {"$set": {"sp": lanes.with_lane(rank, {"h": {"$literal": int(new_head)}})}}]
+    # The entries are in the command once (``__es``), each inserted by a stage of its own: a message of up
+    # to ``SPILL_MESSAGE_LIMIT`` keeps the command under MongoDB's 16 MiB.
+    stages: list[Document] = [_insert_stage(e, at) for at, e in enumerate(entries)]
+    return [
+        {"$set": {"__es": {"$literal": [dict(e) for e in entries]}}},
+        *stages,
+        {"$set": {"sp": lanes.with_lane(rank, {"h": {"$literal": int(new_head)}})}},
+        {"$unset": "__es"},
+    ]
 
 
 def refill_pipeline(
