@@ -96,18 +96,19 @@ def test_an_unpark_refills_the_window(deep: LeaseStore) -> None:
     assert drain(deep, handoffs, holders) == [f"task-{s}" for s in range(12, 16)]
 
 
-def _lose_the_window_and_the_holds(store: LeaseStore) -> None:
-    """The window's runs and the key's holds gone at once, with no refill after (as after a refill that
-    MongoDB did not answer, and holders whose leases lapsed)."""
+def _parked_then_lost(store: LeaseStore, stamps: range) -> Handoffs:
+    """Runs parked behind the key's holders (the window's, then spilled); then the window's runs and the
+    holds gone at once, with no refill after (as after a refill that MongoDB did not answer, and holders
+    whose leases lapsed). The handoffs from then on."""
+    hold_all(store)
+    for stamp in stamps:
+        store.admit(KEY, entry(stamp), limit=LIMIT)
     store.collection.update_one({"_id": KEY}, {"$set": {"q": [], "hs": []}})
+    return Handoffs(store)
 
 
 def test_a_refill_hands_every_free_slot(deep: LeaseStore) -> None:
-    handoffs = Handoffs(deep)
-    hold_all(deep)
-    for stamp in range(10, 16):
-        deep.admit(KEY, entry(stamp), limit=LIMIT)
-    _lose_the_window_and_the_holds(deep)
+    handoffs = _parked_then_lost(deep, range(10, 16))
     assert deep.spill.refill(KEY, 0) is not None
     assert handoffs.tasks == ["task-12", "task-13"]  # both free slots, at once
     leases = [claim(deep, ho) for _, ho in handoffs.seen]
@@ -115,11 +116,7 @@ def test_a_refill_hands_every_free_slot(deep: LeaseStore) -> None:
 
 
 def test_a_plain_acquire_takes_no_slot_while_runs_are_spilled(deep: LeaseStore) -> None:
-    handoffs = Handoffs(deep)
-    hold_all(deep)
-    for stamp in range(10, 14):
-        deep.admit(KEY, entry(stamp), limit=LIMIT)
-    _lose_the_window_and_the_holds(deep)
+    handoffs = _parked_then_lost(deep, range(10, 14))
     # Runs are spilled: a newcomer (a plain acquire, or a Queue run) waits its turn behind them.
     assert deep.acquire(KEY, 30, limit=LIMIT) is None
     lease, doc = deep.admit(KEY, entry(20), limit=LIMIT)
