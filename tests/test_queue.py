@@ -199,7 +199,9 @@ def test_a_copy_of_a_parked_message_never_runs_twice(cluster: Cluster) -> None:
 def test_a_retry_task_on_a_queued_key_does_not_barge_in(cluster: Cluster) -> None:
     resource = tag()
     holder = tag()
-    r0 = it.queued.delay(resource, holder, 1.5)
+    # (long enough for the three runs below to park one after another before it ends, as the runs of
+    # the order test do: on a busy machine each park may take a second or more)
+    r0 = it.queued.delay(resource, holder, 8.0)
     wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
     queued = [tag() for _ in range(3)]
     rq = []

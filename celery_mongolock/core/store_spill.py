@@ -278,9 +278,9 @@ class Spill:
 
     # -- refill ----------------------------------------------------------------------------------------
     def refill_if_low(self, key: str, doc: Mapping[str, Any] | None) -> Document | None:
-        """Refill the lanes of ``key`` that the reply ``doc`` shows running low (``low_lanes``), until
-        none is (a few refills at most: each brings up to a window). MongoDB not answering is logged:
-        the sweeper refills at its next pass."""
+        """Refill the lanes of ``key`` that the reply ``doc`` shows running low (``low_lanes``), until none is
+        (a few refills at most: each brings up to a window, at most 256 runs). MongoDB not answering is
+        logged: the sweeper refills at its next pass."""
         last = None
         for _ in range(_REFILLS):
             low = lanes.low_lanes(doc, self.window) if doc and doc.get("sp") else []
@@ -299,11 +299,11 @@ class Spill:
         return last
 
     def refill(self, key: str, rank: int, room: int | None = None) -> Document | None:
-        """Bring the next spilled runs of lane ``rank`` into ``key``'s window: up to ``room`` runs (by
-        default what the window has room for, at least one), and the runs past their deadline among and
-        before them, which go to ``dead`` instead (``room=0``: only those at the lane's head, the
-        sweeper's). A handoff it makes is published. Returns the document after, or None when the lane had
-        nothing to bring or another refill moved it first."""
+        """Bring the next spilled runs of lane ``rank`` into ``key``'s window: up to ``room`` runs (by default
+        what the window has room for, at least one, at most 256), and the runs past their deadline among and
+        before them, which go to ``dead`` instead (``room=0``: only those at the lane's head, the sweeper's).
+        A handoff it makes is published. Returns the document after, or None when the lane had nothing to
+        bring or another refill moved it first."""
         coll = self.collection
         connection = self.store.connection
         with connection.operation(f"refill the parked runs of {key!r}"):

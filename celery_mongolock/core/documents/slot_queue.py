@@ -13,7 +13,9 @@ A handed hold counts against the limit from the moment it is handed, expires on 
 any hold, and is handed again (same token, attempt ``hn`` + 1) when nobody claimed it by then. Every
 command that writes such a key ends the same way: expired holds leave (the handed ones go back to the
 front of the queue), parked runs past their deadline move to ``dead``, and every free slot goes to the
-oldest due parked run, with fences that strictly increase over all of them.
+oldest due parked run, with fences that strictly increase over all of them; not to a run of a rank whose
+lower ranks have runs spilled beyond the window (``lanes.spilled_before``: a refill brings those first),
+unless their lane is marked blocked (``bk``: the document cannot take its next run yet).
 """
 
 from __future__ import annotations
@@ -193,9 +195,9 @@ def _may_be_handed(entry: str) -> Document:
 
 
 def fill_stages(by: str) -> list[Document]:
-    """Hand every free slot (of ``lim``) to the oldest due parked runs, one hold each, in send order.
-    ``by`` marks the handoffs this command made (its author publishes them). Expects ``hs`` and ``q``
-    as ``normalize_stages`` leaves them."""
+    """Hand every free slot (of ``lim``) to the oldest due parked runs, one hold each, in send order (a run
+    waits while runs of a lower rank are spilled: ``_may_be_handed``). ``by`` marks the handoffs this command
+    made (its author publishes them). Expects ``hs`` and ``q`` as ``normalize_stages`` leaves them."""
     used = {"$map": {"input": _HS, "as": "e", "in": "$$e.s"}}
     free = {
         "$filter": {
