@@ -400,19 +400,17 @@ class Spill:
             if after is not None:
                 return after, [ident for ident, _ in moved]
         if not self._moved(key, lane):  # (not another refill's doing: the document cannot take the run)
-            self._blocked(key, lane)
+            self._blocked(key, lane, slots=slots)
         return None, []
 
-    def _blocked(self, key: str, lane: lanes.Lane) -> None:
+    def _blocked(self, key: str, lane: lanes.Lane, *, slots: bool) -> None:
         """Mark ``lane`` as one whose next run the key's document cannot take yet (``bk``): the runs in
         the window are handed the key (or its slots) before it (``lanes.spilled_before``), which makes
-        room; the next change of the lane (a refill, a run spilled) clears the mark."""
+        room; the next change of the lane (a refill, a run spilled) clears the mark. ``slots``: the refill's
+        own reading of the key's shape (``_slotted``): a ``limit=N`` key's free slots are handed at once."""
         at = {"r": lane.rank, "e": lane.epoch, "h": lane.head}
         mark: list[Document] = [{"$set": {"sp": lanes.with_lane(lane.rank, {"bk": True})}}]
-        if not _slotted(
-            self.store.connection.collection.find_one({"_id": key}, {"hs.o": 1, "owner": 1}) or {}, lane
-        ):
-            # (a key held as one lease hands its head whatever its rank)
+        if not slots:  # (a key held as one lease hands its head whatever its rank)
             self.store.connection.collection.update_one({"_id": key, "sp": {"$elemMatch": at}}, mark)
             return
         by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
