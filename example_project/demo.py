@@ -339,6 +339,8 @@ class Story:
     send: Send
     #: When its first delivery began on a worker (``task_prerun``, before the library saw the run).
     arrived: float | None = None
+    #: The run that held the key when this run first found it held (its task id), if it ever did.
+    found_held_by: str | None = None
     parked: float | None = None
     start: float | None = None
     end: float | None = None
@@ -360,6 +362,8 @@ def stories(events: list[dict[str, Any]], sends: list[Send]) -> dict[str, Story]
         kind = e["kind"]
         if kind == "delivery-begin" and story.arrived is None:
             story.arrived = e["t"]
+        elif kind == "contended" and story.found_held_by is None:
+            story.found_held_by = e.get("holder_task")
         elif kind == "parked" and story.parked is None:
             story.parked = e["t"]
         elif kind == "start":
@@ -399,9 +403,14 @@ def _start_order(key_sends: list[Send], told: dict[str, Story]) -> list[str]:
 
 
 def _late_arrivals(key_sends: list[Send], told: dict[str, Story]) -> tuple[list[str], list[str]]:
-    """The runs that started before a run sent earlier: excused when the earlier one reached a worker only
-    after the later one was granted the key (the library cannot wait for a message still in the broker or
-    on a busy worker), else a fault. Returns (excused, faults)."""
+    """The runs that started before a run sent earlier: excused when the earlier one reached MongoDB only
+    after the later one was granted the key (the library cannot wait for a message still in the broker, or
+    on a worker that has not asked MongoDB yet), else a fault. Returns (excused, faults).
+
+    The earlier run came late when its delivery began after the grant, or when the first holder it found
+    on the key was the later run or one granted after it: its admission reached MongoDB after the grant.
+    A run that found an older holder, parked, and was then passed by a newer send is a fault."""
+    fences = {s.task_id: told[s.task_id].fence for s in key_sends}
     excused: list[str] = []
     faults: list[str] = []
     for i, earlier in enumerate(key_sends):
@@ -412,10 +421,17 @@ def _late_arrivals(key_sends: list[Send], told: dict[str, Story]) -> tuple[list[
                 continue
             granted = second.fence / 1e6  # a fence is the grant's server time in microseconds (and a count)
             arrived = first.arrived  # before the library saw it (a lower bound: None counts as a fault)
+            found = fences.get(first.found_held_by or "")
             pair = f"{later.label} (sent after {earlier.label}) ran first"
             if arrived is not None and arrived > granted:
                 excused.append(
                     f"{pair}: {earlier.label} reached a worker {arrived - granted:.2f}s after that"
+                )
+            elif found is not None and found >= second.fence:
+                holder = next(s.label for s in key_sends if s.task_id == first.found_held_by)
+                excused.append(
+                    f"{pair}: {earlier.label} reached a worker first but asked MongoDB only once "
+                    f"{holder} held the key"
                 )
             else:
                 faults.append(pair)

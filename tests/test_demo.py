@@ -118,3 +118,25 @@ def test_the_demo_excuses_a_run_that_reached_a_worker_after_a_newer_send_was_gra
         told["t2"].arrived = arrived
         excused, faults = demo._late_arrivals(sends, told)
         assert excused == [] and faults == ["a1-p3 (sent after a1-p2) ran first"]
+
+
+def test_the_demo_excuses_a_run_that_asked_mongodb_only_once_a_newer_send_held_the_key() -> None:
+    # CI of stop 48: p1's delivery began (task_prerun) 0.2 s before p2 was sent, but on a busy machine its
+    # admission reached MongoDB only after p2 had taken the key: p1 found p2 holding it and parked.
+    demo = _demo_module()
+    plans = [demo.Planned(0.0, "posting", "acct-1", f"a1-p{i}", "ledger:acct-1", amount=10) for i in (1, 2)]
+    sends = [demo.Send(i, float(i), plan, None, f"t{i}") for i, plan in enumerate(plans, 1)]
+    told = {s.task_id: demo.Story(s) for s in sends}
+    told["t2"].arrived, told["t2"].start, told["t2"].fence = 100.2, 100.3, 100_300_000
+    told["t1"].arrived, told["t1"].start, told["t1"].fence = 100.0, 101.0, 101_000_000
+    told["t1"].found_held_by = "t2"
+    excused, faults = demo._late_arrivals(sends, told)
+    assert faults == [] and excused == [
+        "a1-p2 (sent after a1-p1) ran first: a1-p1 reached a worker first but asked MongoDB only once a1-p2 "
+        "held the key"
+    ]
+    # p1 found an older holder (or none was told) and parked: p2 passing it is a fault.
+    for found in ("t0", None):
+        told["t1"].found_held_by = found
+        excused, faults = demo._late_arrivals(sends, told)
+        assert excused == [] and faults == ["a1-p2 (sent after a1-p1) ran first"]

@@ -296,9 +296,11 @@ def test_a_refill_s_command_stays_within_mongodb_s_stage_limit(mongo_url: str, d
         def failed(self, event: Any) -> None: ...
 
     client: MongoClient[dict[str, Any]] = MongoClient(mongo_url, event_listeners=[Stages()])
-    store = LeaseStore(client, database=db_name, lease_seconds=30, parked_window=1000)
+    # One refill of 256 runs takes the embedded server about 4 s on an idle machine (a stage per run) and
+    # over 10 s on a busy one: this test counts stages, so its deadline is not the 10 s default.
+    store = LeaseStore(client, database=db_name, lease_seconds=300, parked_window=1000, operation_timeout=600)
     try:
-        holder = store.acquire(KEY, 30)
+        holder = store.acquire(KEY, 300)
         assert holder is not None
         # 300 runs spilled, as parking them behind a full window leaves them (then the window emptied).
         store.spill.collection.insert_many(

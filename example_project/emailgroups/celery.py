@@ -25,7 +25,10 @@ def _contended(
 ) -> None:
     from .storage import log_run
 
-    log_run("contended", key=key, policy=policy, holder_task=(holder or {}).get("task_id"))
+    # The run that found the key held (the demo tells by its holder whether a run sent earlier reached
+    # MongoDB only after a newer one had the key).
+    task_id = getattr(getattr(sender, "request", None), "id", None)
+    log_run("contended", key=key, policy=policy, holder_task=(holder or {}).get("task_id"), task_id=task_id)
 
 
 # -- what the demo's invariants and timeline are built from (a log of events in the example's database) -----
