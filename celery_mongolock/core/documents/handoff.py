@@ -17,6 +17,7 @@ from celery_mongolock.core.documents.entries import (
     live_entries,
 )
 from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage
+from celery_mongolock.core.documents.lanes import spilled_before
 
 __all__ = [
     "HANDOFF_PROJECTION",
@@ -133,19 +134,19 @@ def _drop_dead_stage() -> Document:
 
 
 def _head_stage() -> Document:
-    """``__head``: the oldest live entry when it is due (``Replace(debounce=...)``), else null."""
+    """``__head``: the oldest live entry when it is due (``Replace(debounce=...)``) and no run of a lower
+    rank is spilled beyond the window (``lanes.spilled_before``: those go first, and the refill that
+    brings them hands the key to the oldest), else null."""
     head = {"$arrayElemAt": ["$__live", 0]}
-    return {
-        "$set": {
-            "__head": {
-                "$cond": [
-                    {"$and": [{"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]}, entry_due(head)]},
-                    head,
-                    None,
-                ]
-            },
-        }
+    rank = {"$let": {"vars": {"h": head}, "in": {"$ifNull": ["$$h.pr", 0]}}}
+    may_go = {
+        "$and": [
+            {"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]},
+            entry_due(head),
+            {"$eq": [spilled_before(rank), 0]},
+        ]
     }
+    return {"$set": {"__head": {"$cond": [may_go, head, None]}}}
 
 
 def _hand_to_head_stage(by: str) -> Document:
