@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from pymongo import MongoClient
+from pymongo.errors import AutoReconnect
 
 from celery_mongolock import (
     ConfigurationError,
@@ -18,6 +19,7 @@ from celery_mongolock import (
     LeaseStore,
     Queue,
     Replace,
+    StoreUnavailable,
     Superseded,
     fenced_update_one,
 )
@@ -236,3 +238,41 @@ def test_a_superseded_running_holder_is_in_the_history_beside_its_lease(store: L
     [superseded] = [e for e in endings if e.how == "superseded"]
     assert superseded.task_id == "task-10" and superseded.by == "task-20" and not superseded.parked
     assert [e.how for e in endings if e.fence == holder.fence] == ["released", "superseded"]  # newest first
+
+
+class _Unanswered:
+    """The lease collection, whose next ``find_one_and_update`` (a release) gets no answer."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+        self.refused = 0
+
+    def find_one_and_update(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.refused:
+            self.refused += 1
+            raise AutoReconnect("no answer (test)")
+        return self._collection.find_one_and_update(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+
+def test_a_release_left_to_the_background_still_says_which_send_the_body_stopped_for(
+    store: LeaseStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The body stopped for a newer send and MongoDB did not answer its release: the heartbeat's release
+    records that send in the key's ending (``for``), as the release would have (before: it did not, and
+    a copy of the run whose worker then died ended ``already-ran``)."""
+    lease = held(store, 10)
+    assert lease.mark_superseded("the-newer-send")
+    lease.end_superseded()
+    unanswered = _Unanswered(store.connection.collection)
+    monkeypatch.setattr(type(store.connection), "collection", property(lambda _self: unanswered))
+    with pytest.raises(StoreUnavailable):
+        lease.release()
+    assert unanswered.refused == 1
+    wait_for(
+        lambda: store.ended_superseded(KEY, "task-10", 0) == "the-newer-send",
+        timeout=DEADLINE,
+        message="the background release to record the newer send",
+    )

@@ -33,8 +33,8 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from celery_mongolock.core.clock import Clock
@@ -59,6 +59,15 @@ def give_up_margin(lease: Lease) -> float:
     Giving up early leaves the task time to notice and stop before anyone else can take the key.
     """
     return min(lease.ttl * 0.1, 2.0, lease.heartbeat_seconds)
+
+
+class _Pending(NamedTuple):
+    """A release left to the heartbeat thread (``Heartbeat.release_later``)."""
+
+    key: str
+    until: float  # monotonic: give up then
+    maybe: bool  # a copy of an acquire may still land: keep releasing until ``until``
+    superseded_by: str | None  # the holder's body stopped for this newer send (its ending's ``for``)
 
 
 class RenewalStore(Protocol):
@@ -92,10 +101,16 @@ class RenewalStore(Protocol):
         ...
 
     def release_tokens(
-        self, tokens: Collection[str], timeout: float | None = None, *, unconfirmed: Collection[str] = ()
+        self,
+        tokens: Collection[str],
+        timeout: float | None = None,
+        *,
+        unconfirmed: Collection[str] = (),
+        superseded: Mapping[str, str] | None = None,
     ) -> int:
         """Release the leases of these owner tokens in one round trip; return how many were released.
-        ``unconfirmed``: tokens whose acquire never answered (their run is not remembered as over)."""
+        ``unconfirmed``: tokens whose acquire never answered (their run is not remembered as over).
+        ``superseded``: tokens whose body stopped for a newer send, with its task id (``for``)."""
         ...
 
     def write_history(
@@ -117,7 +132,7 @@ class Heartbeat:
         self._clock = store.clock
         self._pid = os.getpid()
         self._leases: dict[str, Lease] = {}
-        self._pending: dict[str, tuple[str, float, bool]] = {}  # token -> (key, give up at, maybe)
+        self._pending: dict[str, _Pending] = {}  # token -> (key, give up at, maybe, superseded by)
         self._history: list[dict[str, Any]] = []  # history records to insert at the next tick
         self._copies: list[dict[str, Any]] = []  # lease documents whose endings to copy at the next tick
         self._history_delay = store.heartbeat_seconds
@@ -167,19 +182,23 @@ class Heartbeat:
         with self._lock:
             self._leases.pop(lease.owner, None)
 
-    def release_later(self, key: str, token: str, until: float, *, maybe: bool = False) -> None:
+    def release_later(
+        self, key: str, token: str, until: float, *, maybe: bool = False, superseded_by: str | None = None
+    ) -> None:
         """Release ``token`` on ``key`` as soon as MongoDB answers, and give up at ``until``.
 
         ``maybe=True``: a copy of an acquire may still land; keep releasing until ``until`` (a short
         window: the server gives up on the command after its deadline). Otherwise one successful
-        release settles it.
+        release settles it. ``superseded_by``: the holder's body stopped for this newer send; the
+        release's ending says so (``for``), as the release it stands in for would have.
         """
         with self._lock:
             old = self._pending.get(token)
             if old is not None:
-                maybe = maybe or old[2]
-                until = max(until, old[1])
-            self._pending[token] = (key, until, maybe)
+                maybe = maybe or old.maybe
+                until = max(until, old.until)
+                superseded_by = superseded_by or old.superseded_by
+            self._pending[token] = _Pending(key, until, maybe, superseded_by)
             self._next_tick = self._clock.monotonic()
         self._ensure_thread()
         self._wake.set()
@@ -401,8 +420,8 @@ class Heartbeat:
     def _flush_pending(self, store: RenewalStore, now: float) -> bool:
         """Send every pending release in one update; never for longer than the leases can spare."""
         with self._lock:
-            for token, (_key, until, _maybe) in list(self._pending.items()):
-                if now >= until:
+            for token, pend in list(self._pending.items()):
+                if now >= pend.until:
                     del self._pending[token]
             pending = dict(self._pending)
         if not pending:
@@ -410,17 +429,20 @@ class Heartbeat:
         give_up = self._earliest_give_up()
         budget = 2.0 if give_up is None else max(0.05, min(2.0, give_up - self._clock.monotonic()))
         try:
-            unconfirmed = [token for token, (_key, _until, maybe) in pending.items() if maybe]
-            released = store.release_tokens(list(pending), timeout=budget, unconfirmed=unconfirmed)
+            unconfirmed = [token for token, pend in pending.items() if pend.maybe]
+            told = {token: pend.superseded_by for token, pend in pending.items() if pend.superseded_by}
+            released = store.release_tokens(
+                list(pending), timeout=budget, unconfirmed=unconfirmed, superseded=told
+            )
         except Exception as exc:
             log.debug("background release of %d lease(s) failed, will retry: %s", len(pending), exc)
             return False
         with self._lock:
-            for token, (_key, _until, maybe) in pending.items():
-                if not maybe:
+            for token, pend in pending.items():
+                if not pend.maybe:
                     self._pending.pop(token, None)
             if released:  # their endings are in the lease documents: copy them into the history too
-                self._copies.append({"_id": {"$in": sorted({key for key, _, _ in pending.values()})}})
+                self._copies.append({"_id": {"$in": sorted({pend.key for pend in pending.values()})}})
         if released:
             log.info("background release: %d lease(s) released", released)
         return True

@@ -470,17 +470,30 @@ class LeaseStore(ParkedRuns):
         return self.releases.release_lease(lease)
 
     def release_tokens(
-        self, tokens: _Collection[str], timeout: float | None = None, *, unconfirmed: _Collection[str] = ()
+        self,
+        tokens: _Collection[str],
+        timeout: float | None = None,
+        *,
+        unconfirmed: _Collection[str] = (),
+        superseded: Mapping[str, str] | None = None,
     ) -> int:
         """Release the leases of these owner tokens in one round trip (``Releases.release_tokens``)."""
-        return self.releases.release_tokens(tokens, timeout, unconfirmed=unconfirmed)
+        return self.releases.release_tokens(tokens, timeout, unconfirmed=unconfirmed, superseded=superseded)
 
     def release_later(
-        self, key: str, token: str, until: float, *, quiet: bool = False, maybe: bool = False
+        self,
+        key: str,
+        token: str,
+        until: float,
+        *,
+        quiet: bool = False,
+        maybe: bool = False,
+        superseded_by: str | None = None,
     ) -> None:
         """Release ``token`` on ``key`` from the heartbeat thread as soon as MongoDB answers, giving up at
-        ``until`` (monotonic). ``maybe``: a copy of an acquire may still land; keep releasing until then."""
-        self.releases.release_later(key, token, until, quiet=quiet, maybe=maybe)
+        ``until`` (monotonic). ``maybe``: a copy of an acquire may still land; keep releasing until then.
+        ``superseded_by``: the holder's body stopped for this newer send; its ending says so (``for``)."""
+        self.releases.release_later(key, token, until, quiet=quiet, maybe=maybe, superseded_by=superseded_by)
 
     def release_held_by(self, **holder: Any) -> int:
         """Release every lease whose holder info matches all of ``holder`` (e.g. ``task_id=..., pid=...``).

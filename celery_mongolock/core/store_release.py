@@ -265,7 +265,8 @@ class Releases:
                     match, pipeline, projection=projection, return_document=ReturnDocument.AFTER
                 )
         except (*AMBIGUOUS, StoreUnavailable, OperationFailure) as exc:
-            self.release_later(lease.key, lease.owner, lease.deadline)
+            by = lease.ended_superseded_by  # (the release it stands in for would have recorded it)
+            self.release_later(lease.key, lease.owner, lease.deadline, superseded_by=by)
             if isinstance(exc, StoreUnavailable):
                 raise
             raise connection.unavailable(f"release lease {lease.key!r}", exc) from None
@@ -286,20 +287,33 @@ class Releases:
 
     # -- background releases -------------------------------------------------------------------------
     def release_tokens(
-        self, tokens: Collection[str], timeout: float | None = None, *, unconfirmed: Collection[str] = ()
+        self,
+        tokens: Collection[str],
+        timeout: float | None = None,
+        *,
+        unconfirmed: Collection[str] = (),
+        superseded: Mapping[str, str] | None = None,
     ) -> int:
         """Release the leases of these owner tokens in one round trip (the heartbeat's background
         releases); return how many were released. ``StoreUnavailable`` if MongoDB does not answer.
         ``unconfirmed``: tokens of acquires whose caller never got the lease (no answer came): their run
-        did not run with them, so it is not remembered as over (``seen``)."""
+        did not run with them, so it is not remembered as over (``seen``). ``superseded``: tokens whose
+        body stopped for a newer send (``Replace(cancel_running=True)``), with that send's task id: their
+        endings say so (``for``), one command each (a key held as one lease: never a slot)."""
         maybe = set(unconfirmed)
+        told = {t: by for t, by in (superseded or {}).items() if t not in maybe}
         groups = [
-            ([t for t in tokens if t not in maybe], True),
+            ([t for t in tokens if t not in maybe and t not in told], True),
             ([t for t in tokens if t in maybe], False),
         ]
         released = 0
         connection = self.store.connection
         with connection.operation("release leases in the background", timeout=timeout):
+            for token, by in told.items():
+                result = connection.collection.update_many(
+                    documents.release_tokens_filter([token]), documents.release_pipeline(superseded_by=by)
+                )
+                released += result.modified_count
             for toks, seen in groups:
                 if not toks:
                     continue
@@ -315,12 +329,19 @@ class Releases:
         return released
 
     def release_later(
-        self, key: str, token: str, until: float, *, quiet: bool = False, maybe: bool = False
+        self,
+        key: str,
+        token: str,
+        until: float,
+        *,
+        quiet: bool = False,
+        maybe: bool = False,
+        superseded_by: str | None = None,
     ) -> None:
         """``LeaseStore.release_later``."""
         if not quiet:
             log_release.warning("lease %r: release queued for the background until MongoDB answers", key)
-        self.store.heartbeat.release_later(key, token, until, maybe=maybe)
+        self.store.heartbeat.release_later(key, token, until, maybe=maybe, superseded_by=superseded_by)
 
     # -- other holders' leases -----------------------------------------------------------------------
     def release_held_by(self, **holder: Any) -> int:
