@@ -15,31 +15,15 @@ from celery_mongolock import LeaseStore
 
 from .servers import server_past, wait_for
 from .test_admission_store import KEY, Handoffs, entry
-from .test_spill_store import WINDOW, lanes, spilled, window
+from .test_spill_store import BUDGET, WINDOW, lanes, small, spilled, window
 
 LIMIT = 2
+__all__ = ["small"]  # (a fixture of this module's tests)
 
 
 @pytest.fixture
 def deep(make_store: Any) -> LeaseStore:
     return make_store(lease_seconds=30, parked_window=WINDOW)  # type: ignore[no-any-return]
-
-
-#: The lease document's budget for parked runs in the tests of messages it cannot take (MongoDB's is
-#: about 16 MiB): the embedded server fails under load with documents near 16 MiB (CI: "internal server
-#: error", and the server stayed so), so these tests use small messages and a small budget.
-BUDGET = 2**20
-
-
-@pytest.fixture
-def small(make_store: Any, monkeypatch: pytest.MonkeyPatch) -> LeaseStore:
-    """A store with the default window (32), long leases (the tests hold them without renewing), and a
-    lease document that takes ``BUDGET`` bytes of parked runs."""
-    from celery_mongolock.core.documents import entries, spill
-
-    monkeypatch.setattr(entries, "PARK_BUDGET", BUDGET)
-    monkeypatch.setattr(spill, "PARK_BUDGET", BUDGET)
-    return make_store(lease_seconds=120)  # type: ignore[no-any-return]
 
 
 def hold_all(store: LeaseStore) -> list[Any]:

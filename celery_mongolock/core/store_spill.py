@@ -406,18 +406,21 @@ class Spill:
     def _blocked(self, key: str, lane: lanes.Lane, *, slots: bool) -> None:
         """Mark ``lane`` as one whose next run the key's document cannot take yet (``bk``): the runs in
         the window are handed the key (or its slots) before it (``lanes.spilled_before``), which makes
-        room; the next change of the lane (a refill, a run spilled) clears the mark. ``slots``: the refill's
-        own reading of the key's shape (``_slotted``): a ``limit=N`` key's free slots are handed at once."""
+        room; the next change of the lane (a refill, a run spilled) clears the mark. A free key (or a
+        ``limit=N`` key's free slots) held back for the lane's runs is handed in the same command.
+        ``slots``: the refill's own reading of the key's shape (``_slotted``)."""
         at = {"r": lane.rank, "e": lane.epoch, "h": lane.head}
-        mark: list[Document] = [{"$set": {"sp": lanes.with_lane(lane.rank, {"bk": True})}}]
-        if not slots:  # (a key held as one lease hands its head whatever its rank)
-            self.store.connection.collection.update_one({"_id": key, "sp": {"$elemMatch": at}}, mark)
-            return
         by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
+        if slots:
+            mark: list[Document] = [{"$set": {"sp": lanes.with_lane(lane.rank, {"bk": True})}}]
+            pipeline, projection = [*mark, *slot_fill_pipeline(by)], SLOT_HANDOFF_PROJECTION
+        else:
+            pipeline, projection = spill_docs.blocked_pipeline(lane.rank, by), HANDOFF_PROJECTION
         after = self.store.connection.collection.find_one_and_update(
             {"_id": key, "sp": {"$elemMatch": at}},
-            [*mark, *slot_fill_pipeline(by)],
-            projection=SLOT_HANDOFF_PROJECTION,
+            pipeline,
+            projection=projection,
             return_document=ReturnDocument.AFTER,
         )
-        self.store.handoffs.publish(key, after, by, refill=False)  # the slots it freed for the window
+        # The slots, or the key, held back for the lane's runs and now handed to the window's.
+        self.store.handoffs.publish(key, after, by, refill=False)

@@ -36,7 +36,7 @@ from celery_mongolock.core.documents.entries import PARK_BUDGET, dead_entries, i
 from celery_mongolock.core.documents.handoff import handoff_stages
 from celery_mongolock.core.documents.key_state import VACANT, gc_stage
 
-__all__ = ["HAS_HANDOFF", "VACANT", "refill_filter", "refill_pipeline", "refill_stages"]
+__all__ = ["HAS_HANDOFF", "VACANT", "blocked_pipeline", "refill_filter", "refill_pipeline", "refill_stages"]
 
 Document = dict[str, Any]
 
@@ -130,6 +130,18 @@ def refill_pipeline(
     ``slot_queue.slot_refill_pipeline``."""
     return [
         *refill_stages(rank, new_head, entries),
+        *handoff_stages({"$and": [VACANT, {"$not": [HAS_HANDOFF]}]}, _Q, by),
+        gc_stage(),
+    ]
+
+
+def blocked_pipeline(rank: int, by: str) -> list[Document]:
+    """Lane ``rank`` of a key held as one lease marked blocked (``bk``: the document cannot take its next
+    run yet, so it holds no run of the window back, ``lanes.spilled_before``); then a free key goes to the
+    oldest parked run (``by`` marks that handoff for its publisher), which a release may have held back for
+    the lane's runs. A ``limit=N`` key's is ``[mark, *slot_queue.slot_fill_pipeline(by)]``."""
+    return [
+        {"$set": {"sp": lanes.with_lane(rank, {"bk": True})}},
         *handoff_stages({"$and": [VACANT, {"$not": [HAS_HANDOFF]}]}, _Q, by),
         gc_stage(),
     ]
