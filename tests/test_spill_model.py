@@ -172,6 +172,19 @@ class SpillMachine(RuleBasedStateMachine):
         finally:
             Collection.delete_many = real  # type: ignore[method-assign]
 
+    @precondition(lambda self: bool(self.holders))
+    @rule()
+    def release_without_its_refill(self) -> None:
+        """The releasing worker stops after its release, before the refill the release leads to: the key
+        waits for its spilled runs of a higher priority (a later refill or the sweeper brings them), never
+        going to a lower-priority run of the window first, nor staying free with runs parked for ever."""
+        real = self.store.spill.refill
+        self.store.spill.refill = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            self.release()
+        finally:
+            self.store.spill.refill = real  # type: ignore[method-assign]
+
     @rule()
     def sweep(self) -> None:
         self.store.sweep(KEY, slots=self.LIMIT is not None)

@@ -6,6 +6,7 @@ user's ``max_length`` counts spilled runs; the sweeper refills a window left emp
 
 from __future__ import annotations
 
+import datetime as _dt
 from typing import Any
 
 import pytest
@@ -522,3 +523,31 @@ def test_a_spilled_run_the_document_cannot_take_yet_holds_the_key_back_for_nobod
     order = run_all(small, handoffs, holder)
     assert sorted(order) == sorted(["urgent", "urgent-2"] + [f"task-{s}" for s in range(10, 15)])
     assert order.index("urgent") < order.index("task-14"), order  # it went first once it fit
+
+
+def test_a_run_whose_handoff_went_unclaimed_is_handed_again_whatever_is_spilled(deep: LeaseStore) -> None:
+    """A rank-1 run is handed the key and does not claim it in time; meanwhile rank-0 runs fill the window
+    and one is spilled. The sweeper hands the key to the rank-1 run again (a run handed the key keeps it),
+    and then the rank-0 runs in send order (review of stop 49: with the handoff held back for the spilled
+    run, the key stayed free with runs parked for good, since the rank-0 lane had no room to refill)."""
+    handoffs = Handoffs(deep)
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    assert deep.admit(KEY, entry(5, "late", pr=1))[1]["lo"] == "parked"
+    assert holder.release() and handoffs.tasks == ["late"]
+    for stamp in range(10, 13):
+        assert deep.admit(KEY, entry(stamp))[1]["lo"] == "parked"
+    assert spilled(deep) == ["task-12"]
+    past = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
+    deep.collection.update_one({"_id": KEY}, {"$set": {"expires_at": past}})  # its handoff lapsed
+    deep.sweep(KEY)
+    assert handoffs.tasks == ["late", "late"]
+    order: list[str] = []
+    while len(order) < len(handoffs.seen) - 1:
+        _, ho = handoffs.seen[len(order) + 1]
+        order.append(ho["t"])
+        e = entry(int(ho["s"]), ho["t"], **({"pr": ho["pr"]} if ho.get("pr") else {}))
+        lease, doc = deep.admit(KEY, {**e, "tk": ho["tk"]}, claim=ho["tk"])
+        assert lease is not None and doc["lo"] == "claimed", doc.get("lo")
+        assert lease.release()
+    assert order == ["late", "task-10", "task-11", "task-12"]

@@ -136,17 +136,23 @@ def _drop_dead_stage() -> Document:
 def _head_stage() -> Document:
     """``__head``: the oldest live entry when it is due (``Replace(debounce=...)``) and no run of a lower
     rank is spilled beyond the window (``lanes.spilled_before``: those go first, and the refill that
-    brings them hands the key to the oldest), else null."""
+    brings them hands the key to the oldest), else null.
+
+    A run handed the key before whose handoff went unclaimed is back at the front of the queue
+    (``requeue_handoff``), whatever its rank: it is handed again, spilled runs or not (a run handed the
+    key keeps it; held back there, it would hold back the runs of a lower rank in the window behind it,
+    whose lane has no room to refill). A reservation of a run that needs several keys goes back in its
+    place instead, and waits like any parked run."""
     head = {"$arrayElemAt": ["$__live", 0]}
-    rank = {"$let": {"vars": {"h": head}, "in": {"$ifNull": ["$$h.pr", 0]}}}
+    again = {"$and": [{"$gt": [{"$ifNull": ["$$h.hn", 0]}, 0]}, {"$not": [{"$isArray": "$$h.ks"}]}]}
     may_go = {
         "$and": [
             {"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]},
-            entry_due(head),
-            {"$eq": [spilled_before(rank), 0]},
+            entry_due("$$h"),
+            {"$or": [again, {"$eq": [spilled_before({"$ifNull": ["$$h.pr", 0]}), 0]}]},
         ]
     }
-    return {"$set": {"__head": {"$cond": [may_go, head, None]}}}
+    return {"$set": {"__head": {"$let": {"vars": {"h": head}, "in": {"$cond": [may_go, "$$h", None]}}}}}
 
 
 def _hand_to_head_stage(by: str) -> Document:
