@@ -15,10 +15,6 @@ server's clock), a façade over the parts that each own one concern:
 This module imports pymongo only (no Celery): the Celery glue sits on top of it. The lease document, its
 fencing token and every filter and pipeline sent are in ``documents``; the ``Lease`` value object is in
 ``lease``; the renewal thread is in ``heartbeat``.
-
-Release sets ``owner`` to null (matching ``{_id, owner}``) and keeps the document, so the fence survives;
-renewal re-computes ``expires_at = $$NOW + ttl_ms`` for every lease the process holds in one
-``update`` matched on their owner tokens.
 """
 
 from __future__ import annotations
@@ -490,9 +486,8 @@ class LeaseStore(ParkedRuns):
         maybe: bool = False,
         superseded_by: str | None = None,
     ) -> None:
-        """Release ``token`` on ``key`` from the heartbeat thread as soon as MongoDB answers, giving up at
-        ``until`` (monotonic). ``maybe``: a copy of an acquire may still land; keep releasing until then.
-        ``superseded_by``: the holder's body stopped for this newer send; its ending says so (``for``)."""
+        """Release ``token`` on ``key`` from the heartbeat thread as soon as MongoDB answers, until ``until``
+        (monotonic); ``maybe``, ``superseded_by``: ``Heartbeat.release_later``."""
         self.releases.release_later(key, token, until, quiet=quiet, maybe=maybe, superseded_by=superseded_by)
 
     def release_held_by(self, **holder: Any) -> int:

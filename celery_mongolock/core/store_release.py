@@ -3,6 +3,10 @@ background releases of the heartbeat, and the releases of a dead holder's or any
 release of a key with runs parked hands it to the oldest in the same command (published through the
 store's ``handoffs``).
 
+A release sets ``owner`` to null (matching ``{_id, owner}``) and keeps the document, so the fence
+survives; a renewal re-computes ``expires_at = $$NOW + ttl_ms`` for every lease the process holds in one
+``update`` matched on their owner tokens.
+
 A part of ``LeaseStore`` (``store``).
 """
 
