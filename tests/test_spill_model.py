@@ -18,6 +18,7 @@ nothing runs twice. At the end of each example the queue is drained, each run ex
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 import uuid
 from typing import Any
@@ -70,6 +71,8 @@ class SpillMachine(RuleBasedStateMachine):
         self.holders: list[Lease] = []
         self.ran: list[str] = []
         self.sent = 0
+        #: A run handed the key that has not claimed it (its worker is slow): ``(ho, model entry)``.
+        self.unclaimed: tuple[dict[str, Any], tuple[int, int, str]] | None = None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _entry(self, tid: str, stamp: int, rank: int) -> dict[str, Any]:
@@ -94,18 +97,25 @@ class SpillMachine(RuleBasedStateMachine):
             self.parked.append((rank, stamp, tid))
         return outcome
 
-    def _claim_handed(self) -> None:
-        """The run the last command handed the key to claims it (the model says which it must be)."""
+    def _claim_handed(self, leave: bool = False) -> None:
+        """The run the last command handed the key to claims it (the model says which it must be: the run
+        handed the key before and not claimed, else the first by rank and send order). ``leave``: it does
+        not claim it yet (``unclaimed``)."""
         while self.handed:
             ho = self.handed.pop(0)
-            expected = min(self.parked)
+            expected = self.unclaimed[1] if self.unclaimed is not None else min(self.parked)
             assert ho["t"] == expected[2], (
                 f"handed {ho['t']}, the model's next is {expected} of {self.parked}"
             )
+            if self.unclaimed is None:
+                self.parked.remove(expected)
+            if leave:
+                self.unclaimed = (ho, expected)
+                return
+            self.unclaimed = None
             entry = {**self._entry(ho["t"], int(ho["s"]), int(ho.get("pr") or 0)), "tk": ho["tk"]}
             lease, doc = self.store.admit(KEY, entry, ttl=600, claim=ho["tk"], limit=self.LIMIT)
             assert lease is not None and doc["lo"] == "claimed", doc.get("lo")
-            self.parked.remove(expected)
             assert ho["t"] not in self.ran, f"{ho['t']} ran twice"
             self.ran.append(ho["t"])
             self.holders.append(lease)
@@ -185,6 +195,25 @@ class SpillMachine(RuleBasedStateMachine):
         finally:
             self.store.spill.refill = real  # type: ignore[method-assign]
 
+    @precondition(lambda self: self.LIMIT is None and bool(self.holders) and self.unclaimed is None)
+    @rule()
+    def release_to_a_slow_run(self) -> None:
+        """The run the release hands the key to does not claim it yet (its message waits in the broker)."""
+        lease = self.holders.pop(0)
+        assert lease.release()
+        self._claim_handed(leave=True)
+
+    @precondition(lambda self: self.unclaimed is not None)
+    @rule()
+    def handoff_lapses(self) -> None:
+        """The handoff not claimed in time lapses (on the server's clock); the sweeper hands the key again:
+        to the same run (a run handed the key keeps it), which claims it now."""
+        past = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
+        self.store.collection.update_one({"_id": KEY}, {"$set": {"expires_at": past}})
+        self.store.sweep(KEY)
+        assert self.handed, f"the lapsed handoff of {self.unclaimed} was not handed again"
+        self._claim_handed()
+
     @rule()
     def sweep(self) -> None:
         self.store.sweep(KEY, slots=self.LIMIT is not None)
@@ -206,12 +235,15 @@ class SpillMachine(RuleBasedStateMachine):
         ]
         assert window.isdisjoint(waiting), f"in the window and spilled: {window & waiting}"
         assert window | waiting == {tid for _, _, tid in self.parked}, (window, waiting, self.parked)
-        assert all(t is None or t in self.ran for t in handed), handed
+        pending = {self.unclaimed[1][2]} if self.unclaimed is not None else set()
+        assert all(t is None or t in self.ran or t in pending for t in handed), handed
 
     def teardown(self) -> None:
         try:
             for _ in range(200):  # drain: each holder releases, the run handed the key claims it
-                if self.holders:
+                if self.unclaimed is not None:
+                    self.handoff_lapses()
+                elif self.holders:
                     self.release()
                 elif self.parked:
                     self.sweep()  # (a refill that could not run: the sweeper's)
