@@ -424,8 +424,7 @@ class Acquisition:
         older runs parked) is published (``add_handoff_callback``). One ``store.try_acquire`` with
         ``admission``."""
         store = self.store
-        # A plain Queue run (of a single lease or a ``limit=N`` key) may be spilled (``documents.spill``):
-        # not a run of several keys, whose keys' queues reserve them in one order.
+        # A plain Queue run may be spilled (``documents.spill``), not a run of several keys (one order).
         spills = not (replace or debounce or group is not None or entry.get("ks"))
         size, most = entry_bytes(entry), SPILL_MESSAGE_LIMIT if spills else PARK_BUDGET
         if size > most:  # (the command itself would pass MongoDB's limit; a spilled run must fit alone)
@@ -521,16 +520,17 @@ class Acquisition:
             log_acquire.warning("reading the supersession of %r after its claim failed: %s", key, exc)
 
     def _admitted(self, key: str, lease: Lease | None, doc: Document, limit: int | None) -> None:
-        """Publish the handoffs an admit made (the key was found free with older runs parked)."""
+        """Publish the handoffs an admit made (a key found free with older runs parked; any admit of a
+        slotted key may hand free slots; a spilled run refills once stored: ``_store_spilled``)."""
         handed = None
         admit_token = str(doc.get("_admit_token") or "")
         marker = admission_docs.admit_marker(admit_token) if admit_token else ""
         if limit is not None:
-            # Any admit on a slotted key may hand free slots to parked runs (a spilled run's refill: later)
             handed = self.store.handoffs.publish(key, doc, marker, refill=doc.get("lo") != "spilled")
         elif lease is None and doc.get("lo") in ("parked", "spilled"):
-            # (a spilled run's refill waits until it is stored: ``_store_spilled``)
             handed = self.store.handoffs.publish(key, doc, marker, refill=doc.get("lo") == "parked")
+        elif lease is not None and doc.get("lo") == "claimed":
+            self.store.spill.after_claim(key, doc)
         if handed is not None and self.store.history_days:
             # The key was found vacant: an expired lease's ending may be in ``ends`` (same command).
             self.store.heartbeat.copy_endings({"_id": key})

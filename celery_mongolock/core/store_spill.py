@@ -298,6 +298,13 @@ class Spill:
             doc = last = after
         return last
 
+    def after_claim(self, key: str, doc: Mapping[str, Any]) -> None:
+        """A run claimed ``key`` handed to it (reply ``doc``): its message left the document, so the next run
+        of a lane that did not fit (``bk``) may fit now, and comes in before the next release hands the key
+        over it (a review of stop 49: before, one more run of the window went first)."""
+        if lanes.any_blocked(doc):
+            self.refill_if_low(key, doc)
+
     def refill(self, key: str, rank: int, room: int | None = None) -> Document | None:
         """Bring the next spilled runs of lane ``rank`` into ``key``'s window: up to ``room`` runs (by default
         what the window has room for, at least one, at most 256), and the runs past their deadline among and

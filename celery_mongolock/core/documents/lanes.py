@@ -23,6 +23,7 @@ __all__ = [
     "SPILL_PROJECTION",
     "SPILL_SUFFIX",
     "Lane",
+    "any_blocked",
     "lanes_of",
     "low_lanes",
     "must_spill",
@@ -188,6 +189,12 @@ def lanes_of(doc: Mapping[str, Any] | None) -> list[Lane]:
             head, tail, epoch = (int(lane.get(f) or 0) for f in ("h", "t", "e"))
             lanes.append(Lane(rank, head, tail, counts.get(rank, 0), epoch, slots=bool(lane.get("sl"))))
     return lanes
+
+
+def any_blocked(doc: Mapping[str, Any] | None) -> bool:
+    """Whether a reply shows a lane whose next run the document could not take at its last refill
+    (``bk``)."""
+    return any(isinstance(lane, Mapping) and lane.get("bk") for lane in (doc or {}).get("sp") or [])
 
 
 def low_lanes(doc: Mapping[str, Any] | None, window: int) -> list[Lane]:
