@@ -73,6 +73,9 @@ class SpillMachine(RuleBasedStateMachine):
         self.sent = 0
         #: A run handed the key that has not claimed it (its worker is slow): ``(ho, model entry)``.
         self.unclaimed: tuple[dict[str, Any], tuple[int, int, str]] | None = None
+        #: The last release's refill never came (``release_without_its_refill``): a free key (or slot) may
+        #: wait for the next refill or the sweeper.
+        self.refill_missed = False
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _entry(self, tid: str, stamp: int, rank: int) -> dict[str, Any]:
@@ -125,6 +128,7 @@ class SpillMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sent < 40)
     @rule(rank=st.sampled_from([0, 0, 0, 1]))
     def send(self, rank: int) -> None:
+        self.refill_missed = False
         tid, stamp = self._new(rank)
         assert self._admit(tid, stamp, rank) in ("acquired", "parked")
         self._claim_handed()
@@ -132,6 +136,7 @@ class SpillMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.holders))
     @rule()
     def release(self) -> None:
+        self.refill_missed = False
         lease = self.holders.pop(0)
         assert lease.release()
         self._claim_handed()
@@ -148,6 +153,7 @@ class SpillMachine(RuleBasedStateMachine):
     def stop_before_insert(self, rank: int) -> None:
         """A worker stops after its admit: a hole, if the run was spilled; its message comes back, a new
         send as far as order goes (``send``)."""
+        self.refill_missed = False
         real = self.store.spill.store_entry
 
         def stopped(*args: Any, **kwargs: Any) -> str:
@@ -194,11 +200,13 @@ class SpillMachine(RuleBasedStateMachine):
             self.release()
         finally:
             self.store.spill.refill = real  # type: ignore[method-assign]
+        self.refill_missed = True
 
     @precondition(lambda self: self.LIMIT is None and bool(self.holders) and self.unclaimed is None)
     @rule()
     def release_to_a_slow_run(self) -> None:
         """The run the release hands the key to does not claim it yet (its message waits in the broker)."""
+        self.refill_missed = False
         lease = self.holders.pop(0)
         assert lease.release()
         self._claim_handed(leave=True)
@@ -208,6 +216,7 @@ class SpillMachine(RuleBasedStateMachine):
     def handoff_lapses(self) -> None:
         """The handoff not claimed in time lapses (on the server's clock); the sweeper hands the key again:
         to the same run (a run handed the key keeps it), which claims it now."""
+        self.refill_missed = False
         past = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
         self.store.collection.update_one({"_id": KEY}, {"$set": {"expires_at": past}})
         self.store.sweep(KEY)
@@ -216,6 +225,7 @@ class SpillMachine(RuleBasedStateMachine):
 
     @rule()
     def sweep(self) -> None:
+        self.refill_missed = False
         self.store.sweep(KEY, slots=self.LIMIT is not None)
         self._claim_handed()
 
@@ -236,6 +246,10 @@ class SpillMachine(RuleBasedStateMachine):
         assert window.isdisjoint(waiting), f"in the window and spilled: {window & waiting}"
         assert window | waiting == {tid for _, _, tid in self.parked}, (window, waiting, self.parked)
         pending = {self.unclaimed[1][2]} if self.unclaimed is not None else set()
+        free = len(self.holders) + len(pending) < (self.LIMIT or 1)
+        assert not (free and self.parked) or self.refill_missed, (
+            f"the key has room ({self.holders}) while runs wait: {self.parked}"
+        )
         assert all(t is None or t in self.ran or t in pending for t in handed), handed
 
     def teardown(self) -> None:
