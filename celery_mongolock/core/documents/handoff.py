@@ -144,7 +144,9 @@ def _head_stage() -> Document:
     whose lane has no room to refill). A reservation of a run that needs several keys goes back in its
     place instead, and waits like any parked run."""
     head = {"$arrayElemAt": ["$__live", 0]}
-    again = {"$and": [{"$gt": [{"$ifNull": ["$$h.hn", 0]}, 0]}, {"$not": [{"$isArray": "$$h.ks"}]}]}
+    again = {
+        "$and": [{"$gt": [{"$ifNull": ["$$h.hn", 0]}, 0]}, {"$eq": [{"$ifNull": ["$$h.ks", None]}, None]}]
+    }
     may_go = {
         "$and": [
             {"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]},
