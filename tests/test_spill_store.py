@@ -478,16 +478,22 @@ def test_a_spilled_run_with_a_large_message_is_brought_back(deep: LeaseStore) ->
     assert run_all(deep, handoffs, holder) == ["task-10", "task-11", "task-12"]
 
 
-def test_spilled_runs_go_before_a_lower_priority_run_in_the_window(deep: LeaseStore) -> None:
-    """A key held as one lease, its window holding rank-0 runs and a rank-1 run, more rank-0 runs spilled:
-    every rank-0 run is handed the key before the rank-1 run (as ``inspect`` lists them), however the
-    window empties."""
+def _held_with_a_lower_priority_run(deep: LeaseStore) -> tuple[Handoffs, Any]:
+    """The key held; five rank-0 runs parked (two in the window, three spilled), then a rank-1 run."""
     handoffs = Handoffs(deep)
     holder = deep.acquire(KEY, 30)
     assert holder is not None
     for stamp in range(10, 15):
         deep.admit(KEY, entry(stamp))
     deep.admit(KEY, entry(5, "low-5", pr=1))
+    return handoffs, holder
+
+
+def test_spilled_runs_go_before_a_lower_priority_run_in_the_window(deep: LeaseStore) -> None:
+    """A key held as one lease, its window holding rank-0 runs and a rank-1 run, more rank-0 runs spilled:
+    every rank-0 run is handed the key before the rank-1 run (as ``inspect`` lists them), however the
+    window empties."""
+    handoffs, holder = _held_with_a_lower_priority_run(deep)
     info = deep.inspect(KEY)
     assert info is not None
     listed = [p["task_id"] for p in info.parked]
@@ -499,12 +505,7 @@ def test_a_lower_priority_run_waits_for_spilled_runs_the_window_lost_sight_of(de
     """The window holds only a rank-1 run while rank-0 runs are spilled (their refill never came: its
     worker stopped): the release hands the key to the spilled rank-0 runs first, not to the rank-1 run
     (before: the rank-1 run, the head of the window, was handed the key)."""
-    handoffs = Handoffs(deep)
-    holder = deep.acquire(KEY, 30)
-    assert holder is not None
-    for stamp in range(10, 15):
-        deep.admit(KEY, entry(stamp))
-    deep.admit(KEY, entry(5, "low-5", pr=1))
+    handoffs, holder = _held_with_a_lower_priority_run(deep)
     # task-10 and task-11 ran (as if handed); the refill after them never came.
     deep.collection.update_one({"_id": KEY}, {"$pull": {"q": {"t": {"$in": ["task-10", "task-11"]}}}})
     assert window(deep) == ["low-5"] and spilled(deep) == ["task-12", "task-13", "task-14"]
@@ -514,12 +515,7 @@ def test_a_lower_priority_run_waits_for_spilled_runs_the_window_lost_sight_of(de
 def test_the_sweeper_hands_spilled_runs_a_key_left_vacant_for_them(deep: LeaseStore) -> None:
     """As above, but the releasing worker stopped before its refill: the key is vacant, its window holds
     the rank-1 run only, and the sweeper brings the rank-0 runs and hands the key to the oldest."""
-    handoffs = Handoffs(deep)
-    holder = deep.acquire(KEY, 30)
-    assert holder is not None
-    for stamp in range(10, 15):
-        deep.admit(KEY, entry(stamp))
-    deep.admit(KEY, entry(5, "low-5", pr=1))
+    handoffs, _holder = _held_with_a_lower_priority_run(deep)
     deep.collection.update_one(
         {"_id": KEY},
         {"$pull": {"q": {"t": {"$in": ["task-10", "task-11"]}}}, "$unset": {"owner": 1}},
