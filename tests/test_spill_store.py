@@ -139,33 +139,6 @@ def test_a_number_never_stored_is_skipped_and_a_late_insert_under_it_admits_agai
     doc = deep.collection.find_one({"_id": KEY}) or {}
     answer = {"r": 0, "e": doc["sp"][0]["e"], "n": 1, "at": None}
     assert deep.spill.store_entry(KEY, entry(99), answer, None) == "again"
-    # The tombstone goes after a day (the parked collection's TTL index on ``gc_at``): a worker never
-    # stores its run more than a minute after its admit (below).
-    (tomb,) = deep.spill.collection.find({"k": KEY})
-    kept = tomb["gc_at"].replace(tzinfo=_dt.timezone.utc) - _dt.datetime.now(_dt.timezone.utc)
-    assert _dt.timedelta(hours=23) < kept <= _dt.timedelta(days=1), kept
-    ttl = deep.spill.collection.index_information()["gc_at_ttl"]
-    assert ttl["key"] == [("gc_at", 1)] and ttl["expireAfterSeconds"] == 0
-
-
-def test_a_worker_paused_too_long_after_its_admit_admits_its_run_again(
-    deep: LeaseStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A worker paused (SIGSTOP, a swap storm) between a spilled run's admit and its insert for longer
-    than ``STORE_WITHIN_S`` stores nothing and admits the run again: a tombstone under its number may be
-    gone by then (they are kept a day), and an insert under a passed number would never be read."""
-    from celery_mongolock.core import store_spill
-
-    holder = deep.acquire(KEY, 30)
-    assert holder is not None
-    for stamp in range(10, 13):
-        deep.admit(KEY, entry(stamp))
-    doc = deep.collection.find_one({"_id": KEY}) or {}
-    answer = {"r": 0, "e": doc["sp"][0]["e"], "n": doc["sp"][0]["t"], "at": None}
-    monkeypatch.setattr(store_spill, "STORE_WITHIN_S", -1.0)  # (its minute has passed)
-    assert deep.spill.store_entry(KEY, entry(20), answer, None) == "again"
-    assert spilled(deep) == ["task-12"]
-    holder.release()
 
 
 def test_a_run_stored_after_a_refill_passed_its_number_is_admitted_again_not_lost(make_store: Any) -> None:

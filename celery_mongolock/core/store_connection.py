@@ -334,18 +334,14 @@ class Connection:
                         ) from None
                     if exc.code != 68:
                         raise
-            spill_indexes: tuple[tuple[list[tuple[str, int]], dict[str, Any]], ...] = (
+            try:
                 # A run stored once per key: a copy of a spilled run is told apart by its insert.
-                ([("k", pymongo.ASCENDING), ("rid", pymongo.ASCENDING)], {"name": "k_rid", "unique": True}),
-                # Tombstones go after a day (``lanes.TOMBSTONE_KEPT``); spilled runs have no ``gc_at``.
-                ([("gc_at", pymongo.ASCENDING)], {"name": "gc_at_ttl", "expireAfterSeconds": 0}),
-            )
-            for spill_spec, spill_options in spill_indexes:
-                try:
-                    self.spill_collection.create_index(spill_spec, **spill_options)
-                except OperationFailure as exc:
-                    if exc.code != 68:
-                        raise
+                self.spill_collection.create_index(
+                    [("k", pymongo.ASCENDING), ("rid", pymongo.ASCENDING)], name="k_rid", unique=True
+                )
+            except OperationFailure as exc:
+                if exc.code != 68:
+                    raise
             try:
                 coll.drop_index("expires_at_ttl")
             except OperationFailure as exc:

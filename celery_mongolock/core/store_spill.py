@@ -57,10 +57,6 @@ _REFILLS = 8
 _REFILL_MOST = 256
 #: The most message bytes one refill brings into a lease document (it stays far below 16 MiB).
 REFILL_BYTES = 4 * 2**20
-#: How long after its admit a worker may still store a spilled run (a worker paused longer admits it
-#: again): a tombstone under a number given up is kept far longer (``lanes.TOMBSTONE_KEPT``), so a late
-#: store always finds it.
-STORE_WITHIN_S = 60.0
 
 
 class SpillOwner(Protocol):
@@ -150,25 +146,19 @@ class Spill:
         )
         ident = lanes.spill_id(key, rank, epoch, number)
         doc = {"_id": ident, "k": key, "rid": str(entry["t"]), "r": rank, "ep": epoch, "n": number, "e": full}
-        within = time.monotonic() + STORE_WITHIN_S
         for _ in range(3):
-            outcome = self._insert(key, doc, within)
+            outcome = self._insert(key, doc)
             if outcome is not None:
                 return outcome
         return Stored.DUP  # (a stored run of the task kept coming back under a passed number: never twice)
 
-    def _insert(self, key: str, doc: Document, within: float) -> str | None:
+    def _insert(self, key: str, doc: Document) -> str | None:
         """One insert of the spilled run ``doc``, sent again while its outcome is unknown (the same
-        ``_id``: idempotent). None when a run of the task left behind was deleted: insert again. Never
-        sent after ``within`` (monotonic: the worker was paused since its admit): ``again``, as if its
-        number had been given up (the tombstone that would say so is not kept for ever)."""
+        ``_id``: idempotent). None when a run of the task left behind was deleted: insert again."""
         coll = self.collection
         connection = self.store.connection
         give_up = time.monotonic() + self.store.operation_timeout
         while True:
-            if time.monotonic() > within:
-                log.warning("a parked run of %r was stored too late after its admit: admitted again", key)
-                return Stored.AGAIN
             try:
                 with connection.operation(f"store a parked run of {key!r}", retryable=True):
                     coll.insert_one(doc)
@@ -348,7 +338,7 @@ class Spill:
                 d = found.get(ident)
                 if d is None:
                     try:
-                        coll.insert_one(lanes.tombstone(key, ident, current.get("__now")))
+                        coll.insert_one(lanes.tombstone(key, ident))
                     except DuplicateKeyError:  # stored just now: read it
                         d = coll.find_one({"_id": ident, "k": key})
                 if d is not None and not d.get("x") and isinstance(d.get("e"), Mapping):

@@ -16,14 +16,12 @@ A lane holds ``t - h`` numbers, each a spilled run or a hole (``spill``).
 
 from __future__ import annotations
 
-import datetime as _dt
 from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
     "SPILL_PROJECTION",
     "SPILL_SUFFIX",
-    "TOMBSTONE_KEPT",
     "Lane",
     "any_blocked",
     "lanes_of",
@@ -54,20 +52,10 @@ def spill_id(key: str, rank: int, epoch: int, number: int) -> str:
     return f"{key}\x1f{int(rank)}\x1f{int(epoch)}\x1f{int(number):012d}"
 
 
-#: How long a tombstone is kept (its ``gc_at``, for the parked collection's TTL index): far longer than a
-#: worker may take to store its spilled run after its admit (``store_spill``: at most a minute, else it
-#: admits the run again), and than a command may stay in the network.
-TOMBSTONE_KEPT = _dt.timedelta(days=1)
-
-
-def tombstone(key: str, ident: str, now: _dt.datetime | None) -> Document:
-    """The document a refill stores under a number it found missing (a hole), kept ``TOMBSTONE_KEPT``
-    from the server's time ``now``: a worker that stores its run late finds the number taken
-    (``spill``). (Without ``now``, kept for good, as before version 0.1.)"""
-    doc: Document = {"_id": ident, "k": key, "rid": f"gone:{ident}", "x": True}
-    if isinstance(now, _dt.datetime):
-        doc["gc_at"] = now + TOMBSTONE_KEPT
-    return doc
+def tombstone(key: str, ident: str) -> Document:
+    """The document a refill stores under a number it found missing (a hole), kept: a worker that stores
+    its run late finds the number taken (``spill``)."""
+    return {"_id": ident, "k": key, "rid": f"gone:{ident}", "x": True}
 
 
 def _get(field: str, doc: object) -> Document:

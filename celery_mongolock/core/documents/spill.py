@@ -16,13 +16,11 @@ holds ``t - h`` numbers, each a spilled run, or a **hole**: a number whose run w
 stopped between the admit and the insert; its message, not acknowledged, comes again and is spilled anew). A
 refill that finds a number missing stores a **tombstone** under it first, so that a worker storing late finds
 its number taken and admits its run again: no run is stored behind a lane's head, where nobody would read it.
-A tombstone is kept a day (``gc_at``, the collection's TTL index): a worker stores its run within a minute
-of its admit, or admits it again (``store_spill.STORE_WITHIN_S``).
 
 A spilled document::
 
     {_id: spill_id(key, rank, n), k: key, rid: run id (unique per key), e: entry}   # a run
-    {_id: spill_id(key, rank, n), k: key, rid: "gone:<_id>", x: true, gc_at}     # a tombstone
+    {_id: spill_id(key, rank, n), k: key, rid: "gone:<_id>", x: true}            # a tombstone
 
 The unique index on ``(k, rid)`` tells a copy of a spilled run (a message delivered again) from a new run:
 its insert fails, and the copy is dropped like the copy of a parked run.
