@@ -301,9 +301,14 @@ class Spill:
     def after_claim(self, key: str, doc: Mapping[str, Any]) -> None:
         """A run claimed ``key`` handed to it (reply ``doc``): its message left the document, so the next run
         of a lane that did not fit (``bk``) may fit now, and comes in before the next release hands the key
-        over it (a review of stop 49: before, one more run of the window went first)."""
-        if lanes.any_blocked(doc):
+        over it (a review of stop 49: before, one more run of the window went first). Never raises: the claim
+        took the key whatever becomes of this refill (the next release's, or the sweeper's, tries again)."""
+        if not lanes.any_blocked(doc):
+            return
+        try:
             self.refill_if_low(key, doc)
+        except Exception:  # (refill_if_low logs MongoDB's failures itself: this is any other)
+            log.exception("refilling a blocked lane of %r after a claim failed", key)
 
     def refill(self, key: str, rank: int, room: int | None = None) -> Document | None:
         """Bring the next spilled runs of lane ``rank`` into ``key``'s window: up to ``room`` runs (by default
