@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -12,6 +13,7 @@ import pluggy
 import pytest
 from celery.result import AsyncResult
 from pymongo import MongoClient, monitoring
+from pymongo.errors import OperationFailure
 
 from celery_mongolock import LeaseStore
 from celery_mongolock.embedded import EmbeddedMongo
@@ -160,7 +162,11 @@ def store(client: MongoClient[dict[str, Any]], db_name: str) -> Iterator[LeaseSt
     s = LeaseStore(client, database=db_name, lease_seconds=5)
     yield s
     s.close()
-    client.drop_database(db_name)
+    # The database is this test's own (a unique name): left behind, it is in nobody's way. (CI of stop 49:
+    # the embedded server answered "internal server error" to dropping one that had held documents near
+    # 16 MiB, on a busy machine, after the test had passed.)
+    with contextlib.suppress(OperationFailure):
+        client.drop_database(db_name)
 
 
 @pytest.fixture

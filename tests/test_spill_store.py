@@ -230,17 +230,17 @@ def test_the_window_is_checked() -> None:
         LeaseStore(MongoClient(connect=False), parked_window=0)
 
 
-def test_runs_with_large_messages_are_spilled_not_refused_and_run_in_send_order(store: LeaseStore) -> None:
-    # 1 MiB messages: the document takes about 14 (16 MiB); the others are spilled, whatever the window,
-    # and come into the document as it empties.
-    handoffs = Handoffs(store)
-    holder = store.acquire(KEY, 60)
+def test_runs_with_large_messages_are_spilled_not_refused_and_run_in_send_order(small: LeaseStore) -> None:
+    # Messages of a 16th of what the document takes (MongoDB's 16 MiB, ``BUDGET`` here): it takes about
+    # 14; the others are spilled, whatever the window, and come into the document as it empties.
+    handoffs = Handoffs(small)
+    holder = small.acquire(KEY, 60)
     assert holder is not None
-    big = b"x" * 2**20
-    outcomes = [store.admit(KEY, entry(i, m=big))[1]["lo"] for i in range(18)]
+    big = b"x" * (BUDGET // 16)
+    outcomes = [small.admit(KEY, entry(i, m=big))[1]["lo"] for i in range(18)]
     assert outcomes == ["parked"] * 18
-    assert 10 <= len(window(store)) < 16 and len(spilled(store)) == 18 - len(window(store))
-    assert run_all(store, handoffs, holder) == [f"task-{i}" for i in range(18)]
+    assert 10 <= len(window(small)) < 16 and len(spilled(small)) == 18 - len(window(small))
+    assert run_all(small, handoffs, holder) == [f"task-{i}" for i in range(18)]
 
 
 def test_a_run_moved_whose_delete_failed_never_runs_again_after_the_key_is_forgotten(
