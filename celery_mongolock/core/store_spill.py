@@ -424,8 +424,8 @@ class Spill:
         at = {"r": lane.rank, "e": lane.epoch, "h": lane.head}
         by = self.store.handoffs.by("refill:" + uuid.uuid4().hex)
         if slots:
-            mark: list[Document] = [{"$set": {"sp": lanes.with_lane(lane.rank, {"bk": True})}}]
-            pipeline, projection = [*mark, *slot_fill_pipeline(by)], SLOT_HANDOFF_PROJECTION
+            pipeline = [lanes.mark_blocked(lane.rank), *slot_fill_pipeline(by)]
+            projection = SLOT_HANDOFF_PROJECTION
         else:
             pipeline, projection = spill_docs.blocked_pipeline(lane.rank, by), HANDOFF_PROJECTION
         after = self.store.connection.collection.find_one_and_update(

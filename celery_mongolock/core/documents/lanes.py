@@ -26,6 +26,7 @@ __all__ = [
     "any_blocked",
     "lanes_of",
     "low_lanes",
+    "mark_blocked",
     "must_spill",
     "spill_fields",
     "spill_id",
@@ -121,6 +122,12 @@ def with_lane(rank: int, fields: Document) -> Document:
             "in": {"$cond": [{"$eq": ["$$l.r", int(rank)]}, changed, "$$l"]},
         }
     }
+
+
+def mark_blocked(rank: int) -> Document:
+    """The stage that marks the lane of ``rank`` blocked (``bk``: the key's document cannot take its next
+    run yet, so the lane holds no run of the window back, ``spilled_before``)."""
+    return {"$set": {"sp": with_lane(rank, {"bk": True})}}
 
 
 def spill_fields(rank: int, spilled: object, *, slots: bool = False) -> Document:

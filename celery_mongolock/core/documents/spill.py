@@ -141,7 +141,7 @@ def blocked_pipeline(rank: int, by: str) -> list[Document]:
     oldest parked run (``by`` marks that handoff for its publisher), which a release may have held back for
     the lane's runs. A ``limit=N`` key's is ``[mark, *slot_queue.slot_fill_pipeline(by)]``."""
     return [
-        {"$set": {"sp": lanes.with_lane(rank, {"bk": True})}},
+        lanes.mark_blocked(rank),
         *handoff_stages({"$and": [VACANT, {"$not": [HAS_HANDOFF]}]}, _Q, by),
         gc_stage(),
     ]
