@@ -391,6 +391,26 @@ def test_the_sweeper_leaves_a_key_alone_while_its_queue_just_waits_for_a_live_ho
     assert needs_sweep({**waiting, "dead": [{"t": "b"}]}) and needs_sweep({**waiting, "sup": [{"t": "c"}]})
 
 
+def test_the_sweeper_leaves_a_free_key_alone_while_its_parked_runs_wait_for_their_debounce() -> None:
+    """A key (or a slot) left free for debounced runs not yet due: a sweep would hand it to nobody, so the
+    sweeper does not write it at every pass; once one is due, or runs are spilled, it does."""
+    import datetime as dt
+
+    from celery_mongolock.core.waiting import needs_sweep
+
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    later, earlier = now + dt.timedelta(seconds=10), now - dt.timedelta(seconds=1)
+    not_due = [{"t": "a", "nb": later}, {"t": "b", "nb": later}]
+    for free in ({"owner": None}, {"hs": [], "lim": 2}):
+        waiting = {"__now": now, **free, "q": not_due}
+        assert not needs_sweep(waiting), free
+        assert needs_sweep({**waiting, "q": [*not_due, {"t": "c", "nb": earlier}]}), free  # one is due
+        assert needs_sweep({**waiting, "q": [*not_due, {"t": "c"}]}), free  # one has no debounce
+        assert needs_sweep({**waiting, "sp": [{"r": 0, "h": 0, "t": 1}]}), free  # spilled: a refill
+        assert needs_sweep({**waiting, "q": [{"t": "a", "nb": later, "dl": earlier}]}), free  # timed out
+        assert needs_sweep({**waiting, "dead": [{"t": "b"}]}), free
+
+
 def test_a_handoff_message_whose_run_is_no_longer_waiting_is_stale(store: LeaseStore) -> None:
     handoffs = Handoffs(store)
     holder = store.acquire(KEY, 30)

@@ -43,6 +43,17 @@ def _past_deadline(doc: Mapping[str, Any], now: float) -> bool:
     return False
 
 
+def _none_due(doc: Mapping[str, Any], now: float) -> bool:
+    """Every run parked on the key waits for its not-before time (``Replace(debounce=...)``) and none is
+    spilled beyond the window: a sweep could hand the key (or a slot) to nobody yet. (Its delayed copy
+    takes it once due; past that, the sweeper hands it.)"""
+    if any(isinstance(lane, Mapping) and lane.get("t") != lane.get("h") for lane in doc.get("sp") or []):
+        return False
+    entries = [e for e in doc.get("q") or [] if isinstance(e, Mapping)]
+    not_before = [_ms(e.get("nb")) for e in entries]
+    return bool(entries) and all(nb is not None and nb > now for nb in not_before)
+
+
 def needs_sweep(doc: Mapping[str, Any]) -> bool:
     """Whether a key read by ``waiting_keys`` has anything for the sweeper to do, judged on the server's
     time of the read (``__now``): a sweep is a write, so keys whose queue simply waits for a running
@@ -62,12 +73,15 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
         spilled = any(
             isinstance(lane, Mapping) and lane.get("t") != lane.get("h") for lane in doc.get("sp") or []
         )
-        if (doc.get("q") or spilled) and len(holds) < int(doc.get("lim") or 1):
+        free_slot = len(holds) < int(doc.get("lim") or 1)
+        if (doc.get("q") or spilled) and free_slot and not _none_due(doc, now):
             return True  # a free slot with runs parked (or spilled beyond the window: a refill failed)
         return _past_deadline(doc, now)
     expires = _ms(doc.get("expires_at"))
-    if doc.get("owner") is None or expires is None or expires <= now:
-        return True  # free or expired, with runs parked or a handoff pending
+    if doc.get("owner") is None and not _none_due(doc, now):
+        return True  # free, with runs parked that may take it
+    if doc.get("owner") is not None and (expires is None or expires <= now):
+        return True  # expired, with runs parked or a handoff pending
     ho = doc.get("ho")
     if isinstance(ho, Mapping) and not ho.get("by"):
         return True  # a handoff nobody published
