@@ -3180,30 +3180,51 @@ def check_cancel(history: History) -> list[Violation]:
     return found
 
 
-def _last_attempt(tasks: Mapping[str, Doc], prefix: str) -> set[str]:
-    """The task ids of the last attempt of a directed step whose ops start with ``prefix`` (its ops suffixed
-    ``@1``, ``@2`` when sent again): all of them from one attempt, never the ops of two."""
-    attempts = {
-        tid: int(str(t.get("op", "")).partition("@")[2] or 0)
-        for tid, t in tasks.items()
-        if str(t.get("op", "")).startswith(prefix)
-    }
-    last = max(attempts.values(), default=0)
-    return {tid for tid, n in attempts.items() if n == last}
-
-
-def _latest_attempts(tasks: Mapping[str, Doc], prefix: str) -> dict[str, str]:
-    """Directed op (without its ``@attempt``) -> the task id of its latest attempt, for the ops starting with
-    ``prefix`` (``Run._cancel_directed_again`` sends a step again, its ops suffixed ``@1``, ``@2``)."""
-    found: dict[str, tuple[int, str]] = {}
+def _attempts(tasks: Mapping[str, Doc], prefix: str) -> dict[str, tuple[str, int]]:
+    """Task id -> (its directed op without ``@attempt``, the attempt), for the ops starting with ``prefix``
+    (a directed step sent again has its ops suffixed ``@1``, ``@2``)."""
+    found: dict[str, tuple[str, int]] = {}
     for tid, t in tasks.items():
         op = str(t.get("op", ""))
         if op.startswith(prefix):
             base, _, attempt = op.partition("@")
-            n = int(attempt or 0)
-            if base not in found or n > found[base][0]:
-                found[base] = (n, tid)
+            found[tid] = (base, int(attempt or 0))
+    return found
+
+
+def _last_attempt(tasks: Mapping[str, Doc], prefix: str) -> set[str]:
+    """The task ids of the last attempt of a directed step whose ops start with ``prefix``: all of them
+    from one attempt, never the ops of two."""
+    attempts = _attempts(tasks, prefix)
+    last = max((n for _base, n in attempts.values()), default=0)
+    return {tid for tid, (_base, n) in attempts.items() if n == last}
+
+
+def _latest_attempts(tasks: Mapping[str, Doc], prefix: str) -> dict[str, str]:
+    """Directed op (without its ``@attempt``) -> the task id of its latest attempt, for the ops starting with
+    ``prefix`` (``Run._cancel_directed_again`` sends a step again)."""
+    found: dict[str, tuple[int, str]] = {}
+    for tid, (base, n) in _attempts(tasks, prefix).items():
+        if base not in found or n > found[base][0]:
+            found[base] = (n, tid)
     return {base: tid for base, (_n, tid) in found.items()}
+
+
+def _claimed_by(store: Any, keys: tuple[str, ...], task_id: str) -> Callable[[], bool]:
+    """A condition: the run ``task_id`` holds every key of ``keys`` and has claimed them (a key handed to a
+    run and not yet claimed shows its holder too, with its handoff)."""
+
+    def holds() -> bool:
+        try:
+            infos = [store.inspect(k) for k in keys]
+        except MongoLockError:
+            return False
+        return all(
+            i is not None and i.held and i.handoff is None and i.holder.get("task_id") == task_id
+            for i in infos
+        )
+
+    return holds
 
 
 def cancel_figures(history: History) -> Doc:
@@ -5214,21 +5235,13 @@ class Run:
             if i == 2:
                 break
 
-            def holds(tid: str = tid) -> bool:
-                try:
-                    info = store.inspect(key)
-                except MongoLockError:
-                    return False
-                # (claimed: a key handed to the run and not yet claimed shows its holder too)
-                return (
-                    info is not None
-                    and info.held
-                    and info.handoff is None
-                    and info.holder.get("task_id") == tid
-                )
-
             try:
-                _wait(holds, START_GUARD_S, f"directed-cancel-{i} to hold {key}", interval=0.1)
+                _wait(
+                    _claimed_by(store, (key,), tid),
+                    START_GUARD_S,
+                    f"directed-cancel-{i} to hold {key}",
+                    interval=0.1,
+                )
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
         return ids
@@ -5255,18 +5268,13 @@ class Run:
             return []
         self.multi_cancel_lingering = first
 
-        def holds() -> bool:
-            try:
-                infos = [store.inspect(k) for k in (a, b)]
-            except MongoLockError:
-                return False
-            return all(
-                i is not None and i.held and i.handoff is None and i.holder.get("task_id") == first
-                for i in infos
-            )
-
         try:
-            _wait(holds, START_GUARD_S, f"directed-mcancel-0 to hold {a} and {b}", interval=0.1)
+            _wait(
+                _claimed_by(store, (a, b), first),
+                START_GUARD_S,
+                f"directed-mcancel-0 to hold {a} and {b}",
+                interval=0.1,
+            )
         except TimeoutError as exc:
             self.log(f"directed phase: {exc}")
         second = self._submit(
