@@ -795,3 +795,21 @@ def test_a_key_callable_gets_the_task_arguments_not_the_task() -> None:
     assert keyed_by(lambda **kwargs: repr(sorted(kwargs.items()))).mongolock_key_for(7) == (
         "[('group_id', 7), ('path', 'members.csv')]"
     )
+
+
+def test_a_full_queue_says_which_limit_it_reached() -> None:
+    """The reason a run that found its key's queue full ends with names the limit it reached: the user's
+    ``max_length``, the most runs a lease document keeps for runs that are not spilled (runs of several
+    keys), or the 16 MiB document (before: the count's cap was told as the 16 MiB document, whose advice,
+    smaller arguments, does not help)."""
+    from celery_mongolock.core.documents.entries import MAX_PARKED
+    from celery_mongolock.integration.results import full_reason
+
+    entry = {"m": b"x" * 2**20}
+    assert "its max_length" in full_reason("k", 10, 10, entry)
+    by_count = full_reason("k", MAX_PARKED + 700, None, entry, in_document=MAX_PARKED)
+    assert f"{MAX_PARKED} runs parked in its lease document" in by_count and "keys=" in by_count
+    assert "16 MiB" not in by_count
+    by_size = full_reason("k", 40 + 700, None, entry, in_document=40)
+    assert "16 MiB" in by_size and "1.00 MiB" in by_size and "reference" in by_size
+    assert "max_length" in full_reason("k", 6000, 6000, entry, in_document=MAX_PARKED)

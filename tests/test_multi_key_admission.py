@@ -237,3 +237,87 @@ def test_a_stale_copy_of_an_attempt_whose_body_retried_is_never_admitted_again(s
     lease, doc = store.admit(X, attempt(2), ttl=30)
     assert lease is not None and doc["lo"] == "acquired"
     lease.release()
+
+
+def _expire(store: LeaseStore, key: str) -> None:
+    """The key's lease (a reservation) lapsed a second ago, on the server's clock."""
+    store.collection.update_one({"_id": key}, [{"$set": {"expires_at": {"$subtract": ["$$NOW", 1000]}}}])
+
+
+def _needs_sweep(store: LeaseStore, key: str) -> bool:
+    (one,) = [w for w in store.waiting() if w.key == key]
+    return one.needs_sweep
+
+
+def test_a_lone_reservation_is_handed_again_once_then_left_until_a_run_parks_behind_it(
+    store: LeaseStore,
+) -> None:
+    """A run reserved x and waits for y. Its reservation of x lapses: the sweeper hands it again once (the
+    publisher then looks for a run missing from its keys); after that, while no other run waits on x, the
+    sweeper leaves it alone (before: one write per lapse, for every such key: thousands of commands a lease
+    with thousands of runs that each reserved a key of their own). A run parking on x puts it back in send
+    order (its admit does: next test); and the run still claims its lapsed reservation."""
+    handoffs = Handoffs(store)
+    blocker = store.acquire(Y, 30)
+    assert blocker is not None
+    e = multi(20)
+    wait_on_y(store, e)
+    _expire(store, X)
+    assert _needs_sweep(store, X)  # the first lapse: handed again
+    store.sweep(X)
+    assert handoffs.tasks == ["merge-20"] and doc_of(store, X)["ho"]["hn"] == 2
+    _expire(store, X)
+    assert not _needs_sweep(store, X)  # lone, handed again once already: left alone
+    # It stays its run's: the blocker's release hands y, and the run claims both.
+    blocker.release()
+    assert store.reserved_for_all(e)
+    lx, doc = store.admit(X, e, ttl=30, claim=e["tk"])
+    assert lx is not None and doc["lo"] == "claimed"
+    ly, doc = store.admit(Y, e, ttl=30, claim=e["tk"])
+    assert ly is not None and doc["lo"] == "claimed"
+    lx.release()
+    ly.release()
+
+
+def test_a_lapsed_lone_reservation_goes_back_in_send_order_once_an_older_run_parks_there(
+    store: LeaseStore,
+) -> None:
+    handoffs = Handoffs(store)
+    blocker = store.acquire(Y, 30)
+    assert blocker is not None
+    younger, older = multi(20), multi(10)
+    wait_on_y(store, younger)
+    _expire(store, X)
+    store.sweep(X)  # the first lapse
+    _expire(store, X)
+    assert not _needs_sweep(store, X)
+    # The older run's message arrives late: its admit on x puts the lapsed reservation back in send order
+    # and reserves x for it at once (no sweep needed); on y it parks ahead (send order).
+    assert store.admit(X, older, ttl=30)[1]["lo"] == "parked"
+    assert doc_of(store, X)["ho"]["t"] == "merge-10" and parked(store, X) == ["merge-20"]
+    assert store.admit(Y, older, ttl=30)[1]["lo"] == "parked"
+    blocker.release()
+    assert store.reserved_for_all(older)
+    assert handoffs.tasks[-1] == "merge-10"
+
+
+def test_a_lone_reservation_past_its_queue_timeout_or_long_lapsed_is_swept() -> None:
+    import datetime as dt
+
+    from celery_mongolock.core.waiting import LONE_RESERVATION_RECHECK_MS, needs_sweep
+
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    lapsed = now - dt.timedelta(seconds=1)
+    ho = {"t": "m", "id": "m/0", "ks": [X, Y], "hn": 2, "by": "sweep:1"}
+    lone = {"__now": now, "owner": "tk-m", "expires_at": lapsed, "ho": ho}
+    assert not needs_sweep(lone)
+    assert needs_sweep({**lone, "ho": {**ho, "hn": 1}})  # its first lapse
+    assert needs_sweep({**lone, "ho": {**ho, "dl": lapsed}})  # past its Queue(timeout=...)
+    assert needs_sweep({**lone, "q": [{"t": "other"}]})  # a run waits behind it
+    assert needs_sweep({**lone, "sp": [{"r": 0, "h": 0, "t": 1}]})
+    assert needs_sweep({**lone, "ho": {k: v for k, v in ho.items() if k != "ks"}})  # a run of one key
+    long_ago = now - dt.timedelta(milliseconds=LONE_RESERVATION_RECHECK_MS + 1)
+    assert needs_sweep({**lone, "expires_at": long_ago})  # looked at again now and then
+    slot = {"__now": now, "lim": 2, "hs": [{"o": "tk-m", "x": lapsed, "ho": ho}]}
+    assert not needs_sweep(slot)
+    assert needs_sweep({**slot, "hs": [{"o": "tk-m", "x": lapsed, "ho": {**ho, "hn": 1}}]})

@@ -138,3 +138,47 @@ def test_unpark_drops_a_slot_reservation_and_hands_the_slot_on(store: LeaseStore
     store.unpark(T, e["id"])  # the run is revoked, or left its places (a full queue elsewhere)
     assert reserved_slots(store) == ["late"] and handoffs.tasks == ["late"]
     assert parked(store, G) == ["upload-10"] and store.keys_state(e) == "missing"  # (gone from T)
+
+
+def _lapse_slot(store: LeaseStore, token: str) -> None:
+    """The slot reserved with ``token`` lapsed a second ago, on the server's clock."""
+    lapsed = {
+        "$map": {
+            "input": "$hs",
+            "as": "h",
+            "in": {
+                "$cond": [
+                    {"$eq": ["$$h.o", token]},
+                    {"$mergeObjects": ["$$h", {"x": {"$subtract": ["$$NOW", 1000]}}]},
+                    "$$h",
+                ]
+            },
+        }
+    }
+    store.collection.update_one({"_id": T}, [{"$set": {"hs": lapsed}}])
+
+
+def test_a_lone_slot_reservation_is_left_after_its_first_lapse_and_still_claimed(store: LeaseStore) -> None:
+    """A run reserved a slot of T and waits for G. After its first lapse (handed again), a lapsed slot
+    reservation that nobody waits behind is left alone by the sweeper, and its run claims it once G comes."""
+    handoffs = Handoffs(store)
+    blocker = store.acquire(G, 30)
+    assert blocker is not None
+    e = multi(10)
+    slot = wait_on_g(store, e)
+    _lapse_slot(store, e["tk"])
+    (one,) = [w for w in store.waiting() if w.key == T]
+    assert one.needs_sweep
+    store.sweep(T)
+    assert reserved_slots(store) == ["upload-10"]
+    _lapse_slot(store, e["tk"])
+    (one,) = [w for w in store.waiting() if w.key == T]
+    assert not one.needs_sweep
+    blocker.release()
+    assert handoffs.tasks[-1] == "upload-10" and store.reserved_for_all(e)
+    lg, doc = store.admit(G, e, ttl=30, claim=e["tk"])
+    assert lg is not None and doc["lo"] == "claimed"
+    lt, doc = store.admit(T, e, ttl=30, claim=e["tk"], limit=N)
+    assert lt is not None and doc["lo"] == "claimed" and lt.slot == slot
+    lt.release()
+    lg.release()

@@ -47,11 +47,39 @@ def _none_due(doc: Mapping[str, Any], now: float) -> bool:
     """Every run parked on the key waits for its not-before time (``Replace(debounce=...)``) and none is
     spilled beyond the window: a sweep could hand the key (or a slot) to nobody yet. (Its delayed copy
     takes it once due; past that, the sweeper hands it.)"""
-    if any(isinstance(lane, Mapping) and lane.get("t") != lane.get("h") for lane in doc.get("sp") or []):
+    if _spilled(doc):
         return False
     entries = [e for e in doc.get("q") or [] if isinstance(e, Mapping)]
     not_before = [_ms(e.get("nb")) for e in entries]
     return bool(entries) and all(nb is not None and nb > now for nb in not_before)
+
+
+#: How long past its expiry a lone reservation (``_lone_reservation``) is left as it is before the sweeper
+#: hands it again (it then looks again for a run missing from some of its keys).
+LONE_RESERVATION_RECHECK_MS = 3_600_000
+
+
+def _spilled(doc: Mapping[str, Any]) -> bool:
+    return any(isinstance(lane, Mapping) and lane.get("t") != lane.get("h") for lane in doc.get("sp") or [])
+
+
+def _lone_reservation(doc: Mapping[str, Any], ho: object, expired_at: float, now: float) -> bool:
+    """An expired reservation ``ho`` of a run that needs several keys, handed again once already (``hn`` >
+    1: that first lapse looked for a run missing from some of its keys), on a key where no other run waits
+    (nothing parked or spilled), within its ``Queue(timeout=...)``: handing it again would give it to the
+    same run, so the sweeper leaves it, for up to ``LONE_RESERVATION_RECHECK_MS`` past its expiry. Its run
+    still claims it (a claim does not look at the expiry); the admit of a run that parks on the key puts it
+    back in send order. (Before: every such key was written at every lapse, one command per parked run and
+    lease: with thousands of runs of ``keys=("tenant:{t}", "group:{g}")`` the sweeper fell minutes
+    behind.)"""
+    if not isinstance(ho, Mapping) or not ho.get("ks") or not ho.get("by"):
+        return False
+    if int(ho.get("hn") or 1) < 2 or doc.get("q") or _spilled(doc):
+        return False
+    deadline = _ms(ho.get("dl"))
+    if deadline is not None and deadline <= now:
+        return False  # past its ``Queue(timeout=...)``: the sweep ends it
+    return now - expired_at < LONE_RESERVATION_RECHECK_MS
 
 
 def needs_sweep(doc: Mapping[str, Any]) -> bool:
@@ -64,15 +92,12 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
     if _slotted(doc):
         holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
         for hold in holds:
-            x = _ms(hold.get("x"))
-            if x is None or x <= now:
+            x, ho = _ms(hold.get("x")), hold.get("ho")
+            if x is None or (x <= now and not _lone_reservation(doc, ho, x, now)):
                 return True  # an expired hold (a handed one goes back to the queue)
-            ho = hold.get("ho")
             if isinstance(ho, Mapping) and not ho.get("by"):
                 return True  # a handoff nobody published
-        spilled = any(
-            isinstance(lane, Mapping) and lane.get("t") != lane.get("h") for lane in doc.get("sp") or []
-        )
+        spilled = _spilled(doc)
         free_slot = len(holds) < int(doc.get("lim") or 1)
         if (doc.get("q") or spilled) and free_slot and not _none_due(doc, now):
             return True  # a free slot with runs parked (or spilled beyond the window: a refill failed)
@@ -80,9 +105,10 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
     expires = _ms(doc.get("expires_at"))
     if doc.get("owner") is None and not _none_due(doc, now):
         return True  # free, with runs parked that may take it
-    if doc.get("owner") is not None and (expires is None or expires <= now):
-        return True  # expired, with runs parked or a handoff pending
     ho = doc.get("ho")
+    lapsed = doc.get("owner") is not None and (expires is None or expires <= now)
+    if lapsed and (expires is None or not _lone_reservation(doc, ho, expires, now)):
+        return True  # expired, with runs parked or a handoff pending
     if isinstance(ho, Mapping) and not ho.get("by"):
         return True  # a handoff nobody published
     return _past_deadline(doc, now)

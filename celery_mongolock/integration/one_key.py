@@ -318,7 +318,9 @@ class OneKey:
                 raise Superseded(key, admission.fence, by)
             return Outcome(results.superseded_result(key, by))
         if outcome is AdmitOutcome.FULL:
-            reason = results.full_reason(key, admission.queued, policy.max_length, entry)
+            reason = results.full_reason(
+                key, admission.queued, policy.max_length, entry, in_document=len(admission.parked)
+            )
             if isinstance(policy.then, Fail):
                 raise QueueTimeout(key, reason)
             return ContendedRun(task, self.store, key, direct=False).held_by(holder, expires_at).skip(reason)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from celery_mongolock.core.documents.entries import MAX_PARKED
 from celery_mongolock.core.store_rate import rate_windows
 from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable, Superseded
 from celery_mongolock.integration import signals
@@ -112,11 +113,22 @@ def _leave_the_window(app: Celery, store: LeaseStore, key: str, entry: Mapping[s
         log.warning("%s: leaving the rate window of %r failed: %s", entry.get("t"), key, exc)
 
 
-def full_reason(key: str, parked: int, max_length: int | None, entry: Mapping[str, Any]) -> str:
-    """Why a run found the queue of ``key`` full: ``max_length`` runs parked, or the key's one MongoDB
-    document could not take the run's message (``entries.PARK_BUDGET``)."""
+def full_reason(
+    key: str, parked: int, max_length: int | None, entry: Mapping[str, Any], *, in_document: int | None = None
+) -> str:
+    """Why a run found the queue of ``key`` full: ``max_length`` runs ``parked`` (spilled ones included),
+    the most runs a key's lease document keeps (``in_document`` of them, ``MAX_PARKED``: runs that are not
+    spilled, those of several keys), or the document could not take the run's message
+    (``entries.PARK_BUDGET``)."""
     if max_length is not None and parked >= max_length:
         return f"the queue of {key!r} is full ({parked} runs parked, its max_length)"
+    in_document = parked if in_document is None else in_document
+    if in_document >= MAX_PARKED:
+        return (
+            f"the queue of {key!r} is full: {in_document} runs parked in its lease document, the most it "
+            f"keeps ({MAX_PARKED}) for runs that are not spilled beyond it, such as runs of several keys "
+            "(keys=...)"
+        )
     message = entry.get("m")
     size = len(message) if isinstance(message, (bytes, str)) else 0
     return (

@@ -348,7 +348,9 @@ class SeveralKeys:
         if outcome is AdmitOutcome.RETRIED:
             copy_of_a_retried_attempt(self.task, key, self.entry)
         assert outcome is AdmitOutcome.FULL, outcome
-        reason = results.full_reason(key, admission.queued, policy.max_length, self.entry)
+        reason = results.full_reason(
+            key, admission.queued, policy.max_length, self.entry, in_document=len(admission.parked)
+        )
         if isinstance(policy.then, Fail):
             raise QueueTimeout(key, reason)
         return (
