@@ -404,3 +404,19 @@ def test_a_deep_queue_is_shown_by_its_depth_and_a_page_without_reading_it_all(
         leases.inspect(key, parked_limit=0)
     with pytest.raises(ConfigurationError, match="parked_from must be an int >= 0"):
         leases.inspect(key, parked_from=-1, parked_limit=5)
+
+
+def test_inspect_and_why_say_a_handed_key_is_not_yet_claimed(
+    mongo_url: str, db_name: str, leases: LeaseStore
+) -> None:
+    """A key handed to a parked run whose worker has not claimed it yet: no "on ?" for its holder."""
+    holder = leases.acquire("ledger:3", ttl=60)
+    assert holder is not None
+    entry = {"id": "next/0", "t": "next", "n": "proj.post", "r": "0", "s": 1, "m": b""}
+    assert leases.admit("ledger:3", entry, timeout=600)[1]["lo"] == "parked"
+    holder.release()  # handed to "next"
+    out = run(mongo_url, db_name, "inspect", "ledger:3").stdout
+    assert "proj.post[next], handed the key, not yet claimed by a worker" in out and " on ?" not in out, out
+    why = run(mongo_url, db_name, "why", "ledger:3").stdout
+    assert "proj.post[next] on no worker yet (handed the key, not yet claimed)" in why, why
+    assert " on ?" not in why, why

@@ -191,7 +191,10 @@ def _holder_line(h: dict[str, Any]) -> str:
         task += f"[{h['task_id']}]"
     where = " ".join(str(p) for p in (h.get("host"), h.get("pid") and f"pid {h['pid']}") if p)
     worker = h.get("worker")
-    text = f"{task} on {worker} ({where})" if worker and where else f"{task} on {worker or where or '?'}"
+    if h.get("handed") and not (worker or where):
+        text = f"{task}, handed the key, not yet claimed by a worker"
+    else:
+        text = f"{task} on {worker} ({where})" if worker and where else f"{task} on {worker or where or '?'}"
     keys = h.get("keys")
     if isinstance(keys, (list, tuple)) and len(keys) > 1:
         text += f", with keys {', '.join(map(str, keys))}"

@@ -81,6 +81,8 @@ def _holder_rows(story: KeyStory) -> list[str]:
     where = str(h.get("worker") or h.get("host") or "?") + (
         f" pid {h['pid']}" if h.get("pid") is not None else ""
     )
+    if h.get("handed") and not (h.get("worker") or h.get("host")):
+        where = "no worker yet (handed the key, not yet claimed)"
     keys = h.get("keys")
     if isinstance(keys, (list, tuple)) and len(keys) > 1:
         where += f", with keys {', '.join(map(str, keys))}"
