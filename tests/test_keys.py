@@ -217,6 +217,55 @@ def test_a_lease_set_is_a_lease() -> None:
     assert issubclass(LeaseSet, object) and LeaseSet.__mro__[1].__name__ == "Lease"
 
 
+def test_a_limit_per_key_in_the_settings_applies_to_the_decorator_s_keys() -> None:
+    """The documented setting ``{"proj.upload": {"limit": {"tenant:{tenant}": 5}}}`` for a task whose
+    ``keys=`` are in its decorator (before: refused at start-up as if the task had one ``key=``)."""
+    from celery_mongolock.config import get_settings
+    from celery_mongolock.integration.task import _check_task_policies
+
+    app = _app()
+    name = f"proj.upload_{uuid.uuid4().hex[:8]}"
+    app.conf.mongolock_task_policies = {name: {"limit": {"tenant:{tenant}": 5}}}
+    get_settings(app)  # the settings alone, before the task is declared
+
+    @singleton_task(app=app, keys=("tenant:{tenant}", "group:{group}"), name=name, on_contention="queue")
+    def upload(tenant: int, group: int) -> None: ...
+
+    app.finalize()
+    assert _check_task_policies(app) == []
+    options = upload._options()
+    limits = dict(zip(options.keys or (), options.key_limits or (), strict=True))
+    assert limits == {"tenant:{tenant}": 5, "group:{group}": None}
+
+
+@pytest.mark.parametrize(
+    ("limit", "match"),
+    [
+        ({"tenant:{tenat}": 5}, r"\['limit'\]: limit= names key specs that are not in keys="),
+        ({"tenant:{tenant}": 0}, r"\['limit'\]: .*from 1 to 1000"),
+    ],
+)
+def test_a_bad_limit_per_key_in_the_settings_names_the_setting(limit: dict[str, int], match: str) -> None:
+    from celery_mongolock.config import get_settings
+    from celery_mongolock.integration.task import _check_task_policies
+
+    app = _app()
+    name = f"proj.upload_{uuid.uuid4().hex[:8]}"
+    app.conf.mongolock_task_policies = {name: {"limit": limit}}
+
+    def start_up() -> None:
+        get_settings(app)
+
+        @singleton_task(app=app, keys=("tenant:{tenant}", "group:{group}"), name=name, on_contention="queue")
+        def upload(tenant: int, group: int) -> None: ...
+
+        app.finalize()
+        _check_task_policies(app)
+
+    with pytest.raises(ConfigurationError, match=match):
+        start_up()
+
+
 @pytest.mark.slow
 def test_a_run_holds_none_of_its_keys_while_it_waits_for_one(cluster: Cluster) -> None:
     from .servers import wait_for

@@ -169,9 +169,12 @@ class Settings:
         rate: RateLimit | Mapping[str, Any] | None = None,
         unique_send: bool | str | None = None,
         unique_send_seconds: float | None = None,
+        declared: bool = True,
     ) -> TaskOptions:
         """Options for task ``name``: per-task settings > decorator arguments > global settings.
-        ``keys`` from the settings replace the decorator's ``key=`` or ``keys=``."""
+        ``keys`` from the settings replace the decorator's ``key=`` or ``keys=``. ``declared=False``: the
+        settings are checked alone, before the task's decorator is known (a ``limit`` of each key spec
+        is then checked against the decorator's ``keys=`` when the task is declared)."""
         override = self.task_policies.get(name, {})
         where = f"mongolock_task_policies[{name!r}]"
         policy_spec = override.get("on_contention", on_contention)
@@ -211,11 +214,19 @@ class Settings:
         except ConfigurationError as exc:
             source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
             raise ConfigurationError(f"{source}: {exc}") from None
+        keys_spec = override.get("keys", keys)
+        if keys_spec is None and not declared and isinstance(limit_spec, Mapping):
+            keys_spec = tuple(limit_spec)  # (the decorator's keys=, unknown here: checked when declared)
         try:
-            multi = check_keys(override.get("keys", keys), None, policy, limit_spec)
+            multi = check_keys(keys_spec, None, policy, limit_spec)
+        except ConfigurationError as exc:
+            given = [f"{where}[{option!r}]" for option in ("keys", "limit") if option in override]
+            source = given[0] if given else f"task {name!r}"
+            raise ConfigurationError(f"{source}: {exc}") from None
+        try:
             per_key = check_key_limits(limit_spec, multi, policy)
         except ConfigurationError as exc:
-            source = f"{where}['keys']" if "keys" in override else f"task {name!r}"
+            source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
             raise ConfigurationError(f"{source}: {exc}") from None
         starts = _rate_for(name, override, rate, policy)
         unique = override.get("unique_send", unique_send)
@@ -412,7 +423,7 @@ def read_settings(conf: Any) -> Settings:
         parked_window=validate_window(_conf_get(conf, "mongolock_parked_window"), "mongolock_parked_window"),
     )
     for task_name in task_policies:  # lease/heartbeat combinations are checked now, not at first run
-        settings.for_task(task_name)
+        settings.for_task(task_name, declared=False)
     return settings
 
 

@@ -62,13 +62,15 @@ def check_task_policies(
 ) -> list[str]:
     """Warn about ``mongolock_task_policies`` entries naming no task this worker has (a typo applies to
     nothing); return those names. Only a warning: a worker may not import every task of the project.
-    The entries of tasks it has are checked against them (``ConfigurationError``): ``"keys"`` with the
-    task's policy and limit, and their templates against its signature."""
+    The entries of tasks it has are checked against them (``ConfigurationError``): ``"keys"`` and
+    ``"limit"`` with the task's policy, keys and limit, and the templates against its signature."""
     policies = get_settings(app).task_policies
     for name in sorted(set(policies) & set(app.tasks)):
         task = app.tasks[name]
-        if is_singleton(task) and "keys" in policies[name]:
-            check_keys(task)  # its options (check_keys), then each template against the signature
+        if is_singleton(task) and ("keys" in policies[name] or "limit" in policies[name]):
+            # its options (check_keys: a limit per key spec against the decorator's keys= too), then each
+            # template against the signature
+            check_keys(task)
     unknown = sorted(set(policies) - set(app.tasks))
     if unknown:
         log_acquire.warning(
