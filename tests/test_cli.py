@@ -34,6 +34,7 @@ def run(mongo_url: str, db: str, *args: str, **env: str) -> subprocess.Completed
         text=True,
         timeout=120,
         check=False,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -320,6 +321,16 @@ def test_drop_and_purge_ask_first_then_revoke_the_runs(
     assert "nothing dropped" in asked.stderr
     unknown = run(mongo_url, db_name, "drop", key, "nobody", "--yes", **env)
     assert unknown.returncode == 2 and "not parked on 'email-group:1': nobody" in unknown.stderr
+    # An unknown id is refused before the question; no answer at all (the end of the input) drops nothing.
+    unknown = run(mongo_url, db_name, "drop", key, "nobody", **env)  # (stdin: none, run() gives no input)
+    assert unknown.returncode == 2 and "not parked on 'email-group:1': nobody" in unknown.stderr
+    assert "drop 1 run(s)" not in unknown.stdout
+    unanswered = run(mongo_url, db_name, "drop", key, "gone", **env)
+    assert (
+        unanswered.returncode == 1
+        and "nothing dropped: no answer (pass --yes in scripts)" in unanswered.stderr
+    )
+    assert "Aborted" not in unanswered.stderr + unanswered.stdout
     out = run(mongo_url, db_name, "drop", key, "gone", "--yes", **env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "dropped upload[gone] from 'email-group:1': REVOKED"

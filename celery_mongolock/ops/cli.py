@@ -491,10 +491,17 @@ def purge_queue(ctx: click.Context, key: str, yes: bool) -> None:
 
 
 def _drop(ctx: click.Context, store: LeaseStore, info: LeaseInfo, ids: list[str], yes: bool) -> None:
-    if not yes and not click.confirm(
-        f"drop {len(ids)} run(s) parked on {info.key!r}? They end REVOKED and never run", default=False
-    ):
-        raise click.ClickException("nothing dropped")
+    missing = cli_queue.not_parked(info, ids)
+    if missing:  # (before asking: an answer must not be asked for nothing)
+        raise click.UsageError(missing)
+    if not yes:
+        question = f"drop {len(ids)} run(s) parked on {info.key!r}? They end REVOKED and never run"
+        try:
+            answer = click.confirm(question, default=False)
+        except click.Abort:  # no answer: the end of the input (no terminal), or Ctrl-C
+            raise click.ClickException("nothing dropped: no answer (pass --yes in scripts)") from None
+        if not answer:
+            raise click.ClickException("nothing dropped")
     app = ctx.obj.app
     try:
         lines = _run(lambda: cli_queue.drop_runs(app, store, info, ids))

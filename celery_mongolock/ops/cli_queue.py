@@ -19,7 +19,7 @@ from celery_mongolock.core.store import LeaseStore
 from celery_mongolock.integration.handoff import install_publisher
 from celery_mongolock.integration.results import has_backend
 
-__all__ = ["drop_runs", "page_of", "queue_lines"]
+__all__ = ["drop_runs", "not_parked", "page_of", "queue_lines"]
 
 
 def page_of(info: LeaseInfo, page: int, per_page: int) -> list[dict[str, Any]]:
@@ -55,17 +55,26 @@ def queue_lines(info: LeaseInfo, page: int, per_page: int) -> list[str]:
     return lines
 
 
+def not_parked(info: LeaseInfo, task_ids: Sequence[str]) -> str:
+    """Why ``task_ids`` cannot be dropped from ``info.key`` (the ids not parked there), or ``""``."""
+    parked = {str(run.get("task_id")) for run in info.parked}
+    missing = [tid for tid in task_ids if tid not in parked]
+    if not missing:
+        return ""
+    return (
+        f"not parked on {info.key!r}: {', '.join(missing)} (see: celery mongolock queue {info.key}); "
+        "nothing dropped"
+    )
+
+
 def drop_runs(app: Celery, store: LeaseStore, info: LeaseInfo, task_ids: Sequence[str]) -> list[str]:
     """Drop the parked runs ``task_ids`` from ``info.key`` (and the other keys of a several-keys run):
     their results ``REVOKED``, their history ``revoked``, their task ids revoked in Celery. Returns one
     line per run; ``ValueError`` naming the ids that are not parked on the key (nothing dropped then)."""
     parked = {str(run.get("task_id")): run for run in info.parked}
-    missing = [tid for tid in task_ids if tid not in parked]
+    missing = not_parked(info, task_ids)
     if missing:
-        raise ValueError(
-            f"not parked on {info.key!r}: {', '.join(missing)} (see: celery mongolock queue {info.key}); "
-            "nothing dropped"
-        )
+        raise ValueError(missing)
     install_publisher(app, store)  # (a key handed to a dropped run goes on to the next one, published)
     keys = {info.key}
     for tid in task_ids:
