@@ -129,17 +129,26 @@ class MessageTooLarge(MongoLockError, ValueError):
 class Superseded(MongoLockError):
     """A newer send of the key superseded the running holder (``Replace(cancel_running=True)``): raised by
     ``current_lease().raise_if_superseded()``. Raised out of a singleton task's body, it ends the run as
-    superseded (``SUCCESS`` with the superseded result), not as a failure, and the run is not retried."""
+    superseded (``SUCCESS`` with the superseded result), not as a failure, and the run is not retried.
+    With ``Replace(fail_superseded=True)`` it is the failure of a superseded run (``held=False``: one
+    superseded before it started)."""
 
-    def __init__(self, key: str, fence: int | None = None, by: str | None = None) -> None:
+    def __init__(self, key: str, fence: int | None = None, by: str | None = None, held: bool = True) -> None:
         self.key = key
         self.fence = fence
         self.by = by
-        self.message = (
-            f"the run holding {key!r} (fence {fence}) was superseded by a newer send"
-            f"{f' ({by})' if by else ''}: stop, the newest run takes the key"
-        )
-        super().__init__(key, fence, by)
+        self.held = held
+        newer = f"a newer send{f' ({by})' if by else ''}"
+        if held:
+            self.message = (
+                f"the run holding {key!r} (fence {fence}) was superseded by {newer}: stop, the newest run "
+                "takes the key"
+            )
+        else:  # (Replace(fail_superseded=True): a run superseded before it started)
+            self.message = (
+                f"this run of {key!r} was superseded by {newer} before it started: its body never ran"
+            )
+        super().__init__(key, fence, by, held)
 
     def __str__(self) -> str:
         return self.message

@@ -99,9 +99,12 @@ def test_fail_superseded_calls_link_error(cluster: Cluster) -> None:
     )
     wait_for(lambda: parked.id in parked_ids(cluster, key), timeout=60, message="the run to park")
     newer = it.latest_failing.delay(resource, b, 0.1)
-    with pytest.raises(Superseded):
+    with pytest.raises(Superseded) as raised:
         parked.get(timeout=90)
     assert is_superseded(parked)
+    # In the result backend, as raised: a run superseded before it started, not "the run holding" the key.
+    assert "before it started: its body never ran" in str(raised.value), raised.value
+    assert newer.id in str(raised.value) and "holding" not in str(raised.value)
     # The errback got the failed task's id; the success callback never ran.
     wait_for(lambda: noted(cluster, label), timeout=60, message="the errback to run")
     assert [n["value"] for n in noted(cluster, label)] == [parked.id]

@@ -266,7 +266,7 @@ def test_a_run_parked_past_its_timeout_fails_with_queue_timeout(cluster: Cluster
     r0 = it.queued_briefly.delay(resource, holder, 3.0)
     wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
     r1 = it.queued_briefly.delay(resource, late, 0.1)
-    with pytest.raises(QueueTimeout, match="past its Queue"):
+    with pytest.raises(QueueTimeout, match="past its policy's timeout="):
         r1.get(timeout=60)
     r0.get(timeout=60)
     assert not cluster.runs(late, "start")

@@ -83,7 +83,7 @@ def end_run(task: Any, ending: Mapping[str, Any], *, fail_superseded: bool) -> A
     if ending.get("how") == "superseded":
         by = str(ending.get("by"))
         if fail_superseded:
-            raise Superseded(key, None, by)
+            raise Superseded(key, None, by, held=False)
         keys = ending.get("ks")
         return results.superseded_result(key, by, list(keys) if isinstance(keys, list) else None)
     reason = str(ending.get("reason"))

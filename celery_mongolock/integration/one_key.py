@@ -305,17 +305,17 @@ class OneKey:
         if outcome is AdmitOutcome.SUPERSEDED:
             by = str(admission.by)
             log_acquire.info(
-                "%s[%s]: %r: a newer send (%s) supersedes this run: it ends SUCCESS with a 'superseded' "
-                "result, without running its body",
+                "%s[%s]: %r: a newer send (%s) supersedes this run: it ends %s, without running its body",
                 *who,
                 key,
                 by,
+                results.superseded_outcome_words(policy),
             )
             signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
             self.store.record_run_ending(key, "superseded", entry, fence=admission.fence, by=by)  # history
             leave_rate(task, [key], self.options)
             if getattr(policy, "fail_superseded", False):
-                raise Superseded(key, admission.fence, by)
+                raise Superseded(key, None, by, held=False)
             return Outcome(results.superseded_result(key, by))
         if outcome is AdmitOutcome.FULL:
             reason = results.full_reason(

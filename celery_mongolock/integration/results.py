@@ -31,6 +31,7 @@ __all__ = [
     "skipped_result",
     "state_of",
     "superseded_ending",
+    "superseded_outcome_words",
     "superseded_result",
     "timeout_ending",
     "write_superseded",
@@ -136,6 +137,14 @@ def full_reason(
         f"({size / 2**20:.2f} MiB) would pass the 16 MiB MongoDB document they share; pass large data by "
         "reference, not as arguments"
     )
+
+
+def superseded_outcome_words(policy: object) -> str:
+    """How a superseded run ends, for its log line: ``FAILURE`` with ``Superseded`` when its policy asks
+    (``Replace(fail_superseded=True)``), else ``SUCCESS`` with the superseded result."""
+    if getattr(policy, "fail_superseded", False):
+        return "FAILURE with Superseded (Replace(fail_superseded=True))"
+    return "SUCCESS with a 'superseded' result"
 
 
 #: The state a parked run writes for itself (``task.QUEUED``).
@@ -248,9 +257,10 @@ def write_timed_out(
     done = []
     for entry in _claimed(store, key, "dead", entries):
         at = entry.get("at")
-        reason = "parked past its Queue(timeout=...)"
+        # (Queue's timeout=, or Replace's: the entry does not say which policy parked it)
+        reason = "parked past its policy's timeout=..."
         if isinstance(at, _dt.datetime):
-            reason = f"parked since {at.isoformat()}, past its Queue(timeout=...)"
+            reason = f"parked since {at.isoformat()}, past its policy's timeout=..."
         fail = entry.get("th") == "fail"
         if publish is not None and publish(key, entry, timeout_ending(key, reason, fail=fail)):
             pass  # ended by a worker from its message: its callbacks, chain and chord go on

@@ -365,19 +365,20 @@ class SeveralKeys:
         task, request, keys = self.task, self.request, self.keys
         by = str(admission.by)
         log_acquire.info(
-            "%s[%s]: %r: a newer send (%s) of the same keys %s supersedes this run: it ends SUCCESS with a "
-            "'superseded' result, without running its body",
+            "%s[%s]: %r: a newer send (%s) of the same keys %s supersedes this run: it ends %s, without "
+            "running its body",
             task.name,
             request.id,
             key,
             by,
             keys,
+            results.superseded_outcome_words(self.policy),
         )
         signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
         self.store.record_run_ending(key, "superseded", self.entry, fence=admission.fence, by=by)  # history
         leave_rate(task, keys, self.options)
         if getattr(self.policy, "fail_superseded", False):
-            raise Superseded(keys[0], admission.fence, by)
+            raise Superseded(keys[0], None, by, held=False)
         return Outcome(results.superseded_result(keys[0], by, keys))
 
     def _leave_all(self) -> None:
