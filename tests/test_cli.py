@@ -431,3 +431,16 @@ def test_inspect_and_why_say_a_handed_key_is_not_yet_claimed(
     why = run(mongo_url, db_name, "why", "ledger:3").stdout
     assert "proj.post[next] on no worker yet (handed the key, not yet claimed)" in why, why
     assert " on ?" not in why, why
+
+
+def test_why_shows_the_runs_spilled_beyond_a_short_window(mongo_url: str, db_name: str) -> None:
+    """``why`` shows the first runs in queue order (up to its 20), the spilled ones after the window's
+    (before: only the window's, "the first 2 shown" of 7, with the window set to 2)."""
+    store = LeaseStore(mongo_url, database=db_name, parked_window=2)
+    assert store.acquire("ledger:4", 600) is not None
+    _park(store, "ledger:4", *[f"run-{i}" for i in range(7)])
+    story = store.why("ledger:4", parked_limit=20)
+    assert story is not None and story.parked_total == 7
+    assert [r.task_id for r in story.parked] == [f"run-{i}" for i in range(7)]
+    out = run(mongo_url, db_name, "why", "ledger:4").stdout
+    assert "parked      7, in queue order:" in out and "shown" not in out, out

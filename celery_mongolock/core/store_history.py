@@ -151,7 +151,15 @@ class Records:
                 stored = list(
                     connection.history_collection.find({"k": key}).sort("f", pymongo.DESCENDING).limit(16)
                 )
-        return KeyStory.from_document(docs[0], stored, documents.HOLDER_VIEW) if docs else None
+        if not docs:
+            return None
+        doc = docs[0]
+        window = doc.get("q") or []
+        spilled = any(int(lane.get("t", 0)) > int(lane.get("h", 0)) for lane in doc.get("sp") or [])
+        if spilled and (parked_limit is None or len(window) < parked_limit):
+            # (the whole window was read: the runs spilled beyond it follow, in queue order)
+            doc = {**doc, "q": self.store.spill.page(key, doc, 0, parked_limit)}
+        return KeyStory.from_document(doc, stored, documents.HOLDER_VIEW)
 
     def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:
         """``LeaseStore.history``: the history collection merged with the document's ``ends``."""
