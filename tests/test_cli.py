@@ -444,3 +444,27 @@ def test_why_shows_the_runs_spilled_beyond_a_short_window(mongo_url: str, db_nam
     assert [r.task_id for r in story.parked] == [f"run-{i}" for i in range(7)]
     out = run(mongo_url, db_name, "why", "ledger:4").stdout
     assert "parked      7, in queue order:" in out and "shown" not in out, out
+
+
+def test_without_an_app_an_unreachable_mongodb_is_told_in_a_line_with_a_hint(tmp_path: Any) -> None:
+    """``celery mongolock list`` with no ``-A`` (the default URL, where nothing listens here): one line in
+    our words, without the driver's topology dump, saying the default URL was tried."""
+    import socket
+
+    with socket.socket() as probe:
+        if probe.connect_ex(("localhost", 27017)) == 0:
+            pytest.skip("something listens on localhost:27017, the default URL this test needs unanswered")
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "mongolock", "list"],
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if not k.startswith("CELERY")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 1, out
+    assert "MongoDB did not answer while trying to list leases" in out.stderr, out.stderr
+    assert "no app was given, so the default mongolock_url was tried" in out.stderr, out.stderr
+    assert "Topology Description" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -34,7 +34,7 @@ import click
 from celery_mongolock.core.store import LeaseInfo, LeaseStore
 from celery_mongolock.core.store_sends import sends_of
 from celery_mongolock.core.urls import redact
-from celery_mongolock.exceptions import MongoLockError
+from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops import cli_documents, cli_queue
 from celery_mongolock.ops.cli_rate import rate_lines, read_window
@@ -270,8 +270,28 @@ def _json(value: Any) -> str:
 def _run(action: Any) -> Any:
     try:
         return action()
+    except StoreUnavailable as exc:
+        raise click.ClickException(_unreachable(exc)) from None
     except MongoLockError as exc:
         raise click.ClickException(redact(str(exc))) from None
+
+
+def _unreachable(exc: StoreUnavailable) -> str:
+    """MongoDB did not answer: the driver's reason without its topology dump, and, when no app was given
+    (``-A``), that the default URL was tried."""
+    text = redact(str(exc)).split(", Topology Description:")[0]
+    ctx = click.get_current_context(silent=True)
+    app = getattr(getattr(ctx, "obj", None), "app", None)
+    if (
+        app is not None
+        and getattr(app, "main", None) in (None, "default")
+        and not app.conf.get("mongolock_url")
+    ):
+        text += (
+            "; no app was given, so the default mongolock_url was tried: run celery -A your.app mongolock "
+            "..., with the app whose settings name your MongoDB"
+        )
+    return text
 
 
 @click.group(name="mongolock", cls=_Group)
