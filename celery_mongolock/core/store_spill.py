@@ -321,7 +321,7 @@ class Spill:
         with connection.operation(f"refill the parked runs of {key!r}"):
             read_now: list[Document] = [
                 {"$match": {"_id": key}},
-                {"$project": {"sp": 1, "q.pr": 1, "owner": 1, "hs.o": 1, "__now": "$$NOW"}},
+                {"$project": {"sp": 1, "q.pr": 1, "q.ks": 1, "owner": 1, "hs.o": 1, "__now": "$$NOW"}},
             ]
             current = next(iter(connection.collection.aggregate(read_now)), None)
             lane = next((la for la in lanes.lanes_of(current) if la.rank == rank), None)

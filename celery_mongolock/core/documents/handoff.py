@@ -17,7 +17,7 @@ from celery_mongolock.core.documents.entries import (
     live_entries,
 )
 from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage
-from celery_mongolock.core.documents.lanes import spilled_before
+from celery_mongolock.core.documents.lanes import held_back, spill_bars, spilled_before
 
 __all__ = [
     "HANDOFF_PROJECTION",
@@ -33,10 +33,9 @@ Document = dict[str, Any]
 
 _NOW_MS: Document = {"$toLong": "$$NOW"}
 _Q: Document = {"$ifNull": ["$q", []]}
-_BIG = 1 << 30
 #: What a release's reply carries: enough to publish a handoff it made.
 #: (And the lanes of spilled runs with the window's ranks, ``lanes.SPILL_PROJECTION``: whether to refill.)
-HANDOFF_PROJECTION: Document = {"ho": 1, "owner": 1, "fence": 1, "sup": 1, "sp": 1, "q.pr": 1}
+HANDOFF_PROJECTION: Document = {"ho": 1, "owner": 1, "fence": 1, "sup": 1, "sp": 1, "q.pr": 1, "q.ks": 1}
 
 
 def admit_marker(token: str) -> str:
@@ -100,9 +99,10 @@ def handoff_stages(
         *(base or []),
         _take_queue_stage(hand, queue),
         _drop_dead_stage(),
+        {"$set": {"__sb": spill_bars({"$ifNull": ["$__live", []]})}},
         _head_stage(),
         _hand_to_head_stage(by),
-        {"$unset": ["__hq", "__live", "__head"]},
+        {"$unset": ["__hq", "__live", "__head", "__sb"]},
     ]
 
 
@@ -136,20 +136,29 @@ def _drop_dead_stage() -> Document:
 def _head_stage() -> Document:
     """``__head``: the oldest live entry when it is due (``Replace(debounce=...)``) and no run of a lower
     rank is spilled beyond the window (``lanes.spilled_before``: those go first, and the refill that
-    brings them hands the key to the oldest), else null.
+    brings them hands the key to the oldest), else null. A run of several keys held back for older runs
+    of its rank spilled (``lanes.held_back``, ``__sb``) is passed over: the oldest entry after it is the
+    head (the key never idles for it; the refill that brings those runs hands them the key first).
 
     A run handed the key before whose handoff went unclaimed is back at the front of the queue
     (``requeue_handoff``), whatever its rank: it is handed again, spilled runs or not (a run handed the
     key keeps it; held back there, it would hold back the runs of a lower rank in the window behind it,
     whose lane has no room to refill). A reservation of a run that needs several keys goes back in its
     place instead, and waits like any parked run."""
-    head = {"$arrayElemAt": ["$__live", 0]}
+    handable = {
+        "$filter": {
+            "input": {"$ifNull": ["$__live", []]},
+            "as": "c",
+            "cond": {"$not": [held_back("$$c", "$__sb")]},
+        }
+    }
+    head = {"$arrayElemAt": [handable, 0]}
     again = {
         "$and": [{"$gt": [{"$ifNull": ["$$h.hn", 0]}, 0]}, {"$eq": [{"$ifNull": ["$$h.ks", None]}, None]}]
     }
     may_go = {
         "$and": [
-            {"$gt": [{"$size": {"$ifNull": ["$__live", []]}}, 0]},
+            {"$ne": [{"$ifNull": ["$$h", None]}, None]},
             entry_due("$$h"),
             {"$or": [again, {"$eq": [spilled_before({"$ifNull": ["$$h.pr", 0]}), 0]}]},
         ]
@@ -180,7 +189,7 @@ def _hand_to_head_stage(by: str) -> Document:
             "q": {
                 "$cond": [
                     {"$ne": ["$__head", None]},
-                    {"$slice": ["$__live", 1, _BIG]},
+                    {"$filter": {"input": "$__live", "as": "e", "cond": {"$ne": ["$$e.id", "$__head.id"]}}},
                     {"$cond": ["$__hq", "$__live", "$q"]},
                 ]
             },

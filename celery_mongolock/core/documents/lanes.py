@@ -5,13 +5,23 @@ Fields of the lease document::
 
     sp: [{r: rank, e: epoch, h: next number to refill, t: next number to allocate,
           sl: true: runs of a ``limit=N`` key (the last spilled run's shape),
-          bk: true: the document could not take its next run at the last refill}, ...]  # a lane per rank
+          bk: true: the document could not take its next run at the last refill,
+          pm: the greatest send stamp of the runs refills moved out of it (absent: none yet)}, ...]
+                                                                                   # a lane per rank
 
 A lane's epoch (the server's time when it was made, ms) is in each of its runs' ``_id``: a key's document
 made again after it was deleted (nothing waited) numbers its runs anew, never under a number of the
 document before (a run of it left behind by a refill that stopped before its delete is never read).
 
 A lane holds ``t - h`` numbers, each a spilled run or a hole (``spill``).
+
+A run of several keys (``ks``) is never spilled: it parks in the window, even past it. Runs of one key of
+its rank may then be spilled before it (older), so it is **held back** (``held_back``: not handed the key
+or a slot, and its admit takes no free one) while its rank's lane may still hold older runs: the lane
+holds runs, is not blocked, and nothing it is known to have passed (``pm``, or a run of one key of its
+rank in the window, which parked before every run of the lane) was sent after it. Lanes are in park
+order, nearly send order: a run sent after it that left the lane (or never entered it) says the lane's
+older runs have left too.
 """
 
 from __future__ import annotations
@@ -24,10 +34,14 @@ __all__ = [
     "SPILL_SUFFIX",
     "Lane",
     "any_blocked",
+    "held_back",
+    "held_back_at",
     "lanes_of",
     "low_lanes",
     "mark_blocked",
+    "may_take",
     "must_spill",
+    "spill_bars",
     "spill_fields",
     "spill_id",
     "spilled_ahead",
@@ -44,8 +58,8 @@ _SP: Document = {"$ifNull": ["$sp", []]}
 #: The spill collection's name: the lease collection's, with this suffix.
 SPILL_SUFFIX = ".parked"
 #: What a reply needs to tell whether a lane runs low (``low_lanes``): the lanes, and each window
-#: entry's rank.
-SPILL_PROJECTION: Document = {"sp": 1, "q.pr": 1}
+#: entry's rank and whether it is a run of several keys.
+SPILL_PROJECTION: Document = {"sp": 1, "q.pr": 1, "q.ks": 1}
 
 
 def spill_id(key: str, rank: int, epoch: int, number: int) -> str:
@@ -95,6 +109,71 @@ def spilled_before(rank: object) -> Document:
     return {"$sum": {"$map": {"input": ahead, "as": "l", "in": {"$subtract": ["$$l.t", "$$l.h"]}}}}
 
 
+def _single(e: str) -> Document:
+    """Entry ``e`` is a run of one key (no ``ks``)."""
+    return {"$eq": [{"$ifNull": [f"{e}.ks", None]}, None]}
+
+
+def spill_bars(q: object = _Q) -> Document:
+    """``[{r, p}, ...]``: the lanes that may hold runs back from the window's runs of several keys
+    (``held_back``): those that hold runs and are not blocked (``bk``), each with ``p``, the latest send
+    stamp it is known to have passed (its ``pm``, or a run of one key of its rank in the window ``q``,
+    which parked before every run of its lane; null: none). Computed once per command."""
+    holding = {
+        "$and": [
+            {"$gt": [{"$subtract": ["$$bl.t", "$$bl.h"]}, 0]},
+            {"$ne": [{"$ifNull": ["$$bl.bk", False]}, True]},
+        ]
+    }
+    of_rank = {"$and": [_single("$$bw"), {"$eq": [{"$ifNull": ["$$bw.pr", 0]}, "$$bl.r"]}]}
+    stamps = {
+        "$map": {"input": {"$filter": {"input": q, "as": "bw", "cond": of_rank}}, "as": "bw", "in": "$$bw.s"}
+    }
+    passed = {"$max": [{"$ifNull": ["$$bl.pm", None]}, {"$max": stamps}]}
+    return {
+        "$map": {
+            "input": {"$filter": {"input": _SP, "as": "bl", "cond": holding}},
+            "as": "bl",
+            "in": {"r": "$$bl.r", "p": passed},
+        }
+    }
+
+
+def held_back_at(rank: object, stamp: object, bars: object) -> Document:
+    """A run of several keys of ``rank`` sent at ``stamp`` (expressions) is held back: older runs of one
+    key of its rank may still be spilled (``bars``: ``spill_bars``; a lane that passed no run sent after
+    it)."""
+    behind = {
+        "$and": [
+            {"$eq": ["$$sb.r", rank]},
+            {"$lte": [{"$ifNull": ["$$sb.p", -1]}, stamp]},
+        ]
+    }
+    return {
+        "$gt": [{"$size": {"$filter": {"input": {"$ifNull": [bars, []]}, "as": "sb", "cond": behind}}}, 0]
+    }
+
+
+def held_back(entry: str, bars: object) -> Document:
+    """The parked entry ``entry`` (``$$e``) is a run of several keys held back (``held_back_at``): not
+    handed the key or a slot yet. A run of one key never is."""
+    rank = {"$ifNull": [f"{entry}.pr", 0]}
+    return {"$and": [{"$not": [_single(entry)]}, held_back_at(rank, f"{entry}.s", bars)]}
+
+
+def may_take(rank: int, stamp: int) -> Document:
+    """A run of several keys of ``rank`` sent at ``stamp`` may take a free key (or slot) at its admit, as
+    its parked entry would be handed it: no run of a lower rank is spilled (``spilled_before``), and it
+    is not held back for older runs of its rank spilled (``held_back_at``). Else it parks, and the refill
+    its reply leads to brings those runs first."""
+    return {
+        "$and": [
+            {"$eq": [spilled_before(int(rank)), 0]},
+            {"$not": [held_back_at(int(rank), {"$literal": int(stamp)}, spill_bars())]},
+        ]
+    }
+
+
 def _window_count(rank: int) -> Document:
     of_rank = {"$filter": {"input": _Q, "as": "e", "cond": {"$eq": [{"$ifNull": ["$$e.pr", 0]}, int(rank)]}}}
     return {"$size": of_rank}
@@ -114,7 +193,15 @@ def _kept(field: str) -> Document:
 
 def with_lane(rank: int, fields: Document) -> Document:
     """``sp`` with the lane of ``rank`` given ``fields`` (expressions; ``$$l`` is the lane)."""
-    changed = {"r": "$$l.r", "e": "$$l.e", "h": "$$l.h", "t": "$$l.t", "sl": _kept("$$l.sl"), **fields}
+    changed = {
+        "r": "$$l.r",
+        "e": "$$l.e",
+        "h": "$$l.h",
+        "t": "$$l.t",
+        "sl": _kept("$$l.sl"),
+        "pm": _kept("$$l.pm"),
+        **fields,
+    }
     return {
         "$map": {
             "input": _SP,
@@ -182,11 +269,14 @@ class Lane:
 
 
 def lanes_of(doc: Mapping[str, Any] | None) -> list[Lane]:
-    """The lanes of a lease document (or a reply with ``SPILL_PROJECTION``)."""
+    """The lanes of a lease document (or a reply with ``SPILL_PROJECTION``); ``in_window``: the runs of
+    one key of its rank in the window."""
     doc = doc or {}
     counts: dict[int, int] = {}
     for e in doc.get("q") or []:
-        if isinstance(e, Mapping):
+        # (runs of several keys are not counted: they park past the window, and one held back there,
+        # ``held_back``, waits for the refill that this count decides)
+        if isinstance(e, Mapping) and e.get("ks") is None:
             rank = int(e.get("pr") or 0)
             counts[rank] = counts.get(rank, 0) + 1
     lanes = []

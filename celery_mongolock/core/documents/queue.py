@@ -335,6 +335,8 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
     if run.window:
         # (nobody spilled before it waits: a run spilled goes before a newer one, as a parked one does)
         free["$and"].append({"$eq": [lanes.spilled_ahead(run.rank), 0]})
+    elif run.entry.get("ks"):
+        free["$and"].append(lanes.may_take(run.rank, run.stamp))
     return Shape(
         # A retry of this admit whose first attempt took the key (its reply lost): the same acquisition.
         ours=own_live_lease(token),

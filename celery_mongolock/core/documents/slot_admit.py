@@ -155,6 +155,8 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
     free: Document = {"$and": [room, first]}
     if run.window:  # (nobody spilled before it waits: a run spilled goes before a newer one)
         free["$and"].append({"$eq": [lanes.spilled_ahead(run.rank), 0]})
+    elif run.entry.get("ks"):
+        free["$and"].append(lanes.may_take(run.rank, run.stamp))
     return Shape(
         ours={"$in": [{"$literal": token}, {"$map": {"input": _HS, "as": "e", "in": "$$e.o"}}]},
         ours_outcome="mine",

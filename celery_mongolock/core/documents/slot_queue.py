@@ -15,7 +15,8 @@ command that writes such a key ends the same way: expired holds leave (the hande
 front of the queue), parked runs past their deadline move to ``dead``, and every free slot goes to the
 oldest due parked run, with fences that strictly increase over all of them; not to a run of a rank whose
 lower ranks have runs spilled beyond the window (``lanes.spilled_before``: a refill brings those first),
-unless their lane is marked blocked (``bk``: the document cannot take its next run yet).
+unless their lane is marked blocked (``bk``: the document cannot take its next run yet), nor to a run of
+several keys while older runs of its rank may be spilled (``lanes.held_back``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from celery_mongolock.core.documents import slots as _slots
 from celery_mongolock.core.documents.copies import SEEN_KEPT
 from celery_mongolock.core.documents.entries import dead_entries, entry_due, live_entries
 from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
-from celery_mongolock.core.documents.lanes import SPILL_PROJECTION, spilled_before
+from celery_mongolock.core.documents.lanes import SPILL_PROJECTION, held_back, spill_bars, spilled_before
 from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
 __all__ = [
@@ -183,13 +184,15 @@ def normalize_stages(keep_owner: str | None = None) -> list[Document]:
 
 def _may_be_handed(entry: str) -> Document:
     """The parked run ``entry`` may be handed a free slot: it is due, not behind an older run of its set
-    (``sets.behind_its_set``), and no run of a lower rank is spilled beyond the window (those go first:
-    a refill brings them and hands them the slots)."""
+    (``sets.behind_its_set``), no run of a lower rank is spilled beyond the window (those go first:
+    a refill brings them and hands them the slots), and, a run of several keys, not held back for older
+    runs of its rank spilled (``lanes.held_back``: the slot goes to the next run meanwhile)."""
     return {
         "$and": [
             entry_due(entry),
             {"$not": [sets.behind_its_set(entry, "$__sr")]},
             {"$eq": [spilled_before({"$ifNull": [f"{entry}.pr", 0]}), 0]},
+            {"$not": [held_back(entry, "$__sb")]},
         ]
     }
 
@@ -233,7 +236,8 @@ def fill_stages(by: str) -> list[Document]:
         }
     }
     return [
-        {"$set": {"__sr": SET_RUNS}},  # (once per command: ``__dq`` scans it per entry of a burst)
+        # (once per command: ``__dq`` scans them per entry of a burst, and of several keys)
+        {"$set": {"__sr": SET_RUNS, "__sb": spill_bars(_Q)}},
         {
             "$set": {
                 "__fs": {"$cond": [single_held, [], free]},
@@ -264,7 +268,7 @@ def fill_stages(by: str) -> list[Document]:
                 "fence": {"$cond": [{"$gt": ["$__k", 0]}, {"$add": ["$__base", "$__k", -1]}, "$fence"]},
             }
         },
-        {"$unset": ["__fs", "__dq", "__k", "__base", "__hd", "__sr"]},
+        {"$unset": ["__fs", "__dq", "__k", "__base", "__hd", "__sr", "__sb"]},
         {"$set": {"sx": _slots.latest_expiry("$hs")}},
     ]
 

@@ -110,14 +110,19 @@ def refill_filter(key: str, rank: int, epoch: int, head: int, size: int) -> Docu
 def refill_stages(rank: int, new_head: int, entries: Sequence[Mapping[str, Any]]) -> list[Document]:
     """The refill of lane ``rank`` (``refill_filter``), whatever the key's shape: ``entries`` (the runs
     stored under the numbers read, holes left out) join ``q`` in their places, and the lane's head moves
-    to ``new_head``, past every number read."""
+    to ``new_head``, past every number read; its passed mark (``pm``) goes up to the latest send stamp
+    among ``entries`` (those moved to ``dead``, or known already, included: the lane passed them)."""
     # The entries are in the command once (``__es``), each inserted by a stage of its own: a message of up
     # to ``SPILL_MESSAGE_LIMIT`` keeps the command under MongoDB's 16 MiB.
     stages: list[Document] = [_insert_stage(e, at) for at, e in enumerate(entries)]
+    moved: Document = {"h": {"$literal": int(new_head)}}
+    if entries:  # (how far the refills got: ``pm``, for the runs of several keys, ``lanes.held_back``)
+        latest = max(int(e["s"]) for e in entries)
+        moved["pm"] = {"$max": [{"$ifNull": ["$$l.pm", None]}, {"$literal": latest}]}
     return [
         {"$set": {"__es": {"$literal": [dict(e) for e in entries]}}},
         *stages,
-        {"$set": {"sp": lanes.with_lane(rank, {"h": {"$literal": int(new_head)}})}},
+        {"$set": {"sp": lanes.with_lane(rank, moved)}},
         {"$unset": "__es"},
     ]
 
