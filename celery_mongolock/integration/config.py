@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_mongolock.admission.limits import check_key_limits
+from celery_mongolock.admission.limits import KeyLimit, check_key_limits
 from celery_mongolock.admission.policies import (
     Policy,
     PolicySpec,
@@ -214,20 +214,9 @@ class Settings:
         except ConfigurationError as exc:
             source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
             raise ConfigurationError(f"{source}: {exc}") from None
-        keys_spec = override.get("keys", keys)
-        if keys_spec is None and not declared and isinstance(limit_spec, Mapping):
-            keys_spec = tuple(limit_spec)  # (the decorator's keys=, unknown here: checked when declared)
-        try:
-            multi = check_keys(keys_spec, None, policy, limit_spec)
-        except ConfigurationError as exc:
-            given = [f"{where}[{option!r}]" for option in ("keys", "limit") if option in override]
-            source = given[0] if given else f"task {name!r}"
-            raise ConfigurationError(f"{source}: {exc}") from None
-        try:
-            per_key = check_key_limits(limit_spec, multi, policy)
-        except ConfigurationError as exc:
-            source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
-            raise ConfigurationError(f"{source}: {exc}") from None
+        multi, per_key = _keys_and_limits(
+            name, override, override.get("keys", keys), limit_spec, policy, declared=declared
+        )
         starts = _rate_for(name, override, rate, policy)
         unique = override.get("unique_send", unique_send)
         unique_s = override.get("unique_send_seconds", unique_send_seconds)
@@ -245,6 +234,35 @@ class Settings:
             key_limits=per_key,
             rate=starts,
         )
+
+
+def _keys_and_limits(
+    name: str,
+    override: Mapping[str, Any],
+    keys_spec: Any,
+    limit_spec: Any,
+    policy: Policy,
+    *,
+    declared: bool,
+) -> tuple[tuple[Any, ...] | None, tuple[KeyLimit, ...] | None]:
+    """The task's ``keys=`` and the limit of each (``check_keys``, ``check_key_limits``); an error names
+    the setting it came from, else the task. ``declared=False``: the decorator's ``keys=`` are unknown, so
+    a limit per key spec is checked alone (against them when the task is declared)."""
+    where = f"mongolock_task_policies[{name!r}]"
+    if keys_spec is None and not declared and isinstance(limit_spec, Mapping):
+        keys_spec = tuple(limit_spec)
+    try:
+        multi = check_keys(keys_spec, None, policy, limit_spec)
+    except ConfigurationError as exc:
+        given = [f"{where}[{option!r}]" for option in ("keys", "limit") if option in override]
+        source = given[0] if given else f"task {name!r}"
+        raise ConfigurationError(f"{source}: {exc}") from None
+    try:
+        per_key = check_key_limits(limit_spec, multi, policy)
+    except ConfigurationError as exc:
+        source = f"{where}['limit']" if "limit" in override else f"task {name!r}"
+        raise ConfigurationError(f"{source}: {exc}") from None
+    return multi, per_key
 
 
 def _rate_for(
