@@ -140,9 +140,10 @@ class Superseded(MongoLockError):
         self.held = held
         newer = f"a newer send{f' ({by})' if by else ''}"
         if held:
+            fenced = "" if fence is None else f" (fence {fence})"
             self.message = (
-                f"the run holding {key!r} (fence {fence}) was superseded by {newer}: stop, the newest run "
-                "takes the key"
+                f"the run holding {key!r}{fenced} was superseded by {newer}: stop, the newest run takes "
+                "the key"
             )
         else:  # (Replace(fail_superseded=True): a run superseded before it started)
             self.message = (

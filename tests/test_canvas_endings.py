@@ -112,6 +112,21 @@ def test_fail_superseded_calls_link_error(cluster: Cluster) -> None:
     assert not noted(cluster, success)
 
 
+def test_fail_superseded_without_callbacks_says_the_run_never_started(cluster: Cluster) -> None:
+    """A parked run superseded by a newer send, with no callback (its failure written by the newer send's
+    worker or the sweeper, not from its own message): the failure says it never started."""
+    resource, a, b = tag(), tag(), tag()
+    key = f"resource:{resource}"
+    r0 = hold_the_key(cluster, it.latest_failing, resource, 2.0)
+    parked = it.latest_failing.delay(resource, a, 0.1)
+    wait_for(lambda: parked.id in parked_ids(cluster, key), timeout=60, message="the run to park")
+    newer = it.latest_failing.delay(resource, b, 0.1)
+    with pytest.raises(Superseded) as raised:
+        parked.get(timeout=90)
+    assert "before it started: its body never ran" in str(raised.value), raised.value
+    assert newer.get(timeout=60) == b and r0.get(timeout=60)
+
+
 def test_a_run_parked_past_its_timeout_calls_link_error(cluster: Cluster) -> None:
     resource, late, label = tag(), tag(), tag()
     r0 = hold_the_key(cluster, it.queued_briefly, resource, 3.0)

@@ -184,7 +184,9 @@ def write_superseded(
         if publish is not None and publish(key, entry, superseded_ending(key, by, keys)):
             pass  # ended by a worker from its message: its callbacks, chain and chord go on
         elif has_backend(app) and fails_superseded(app, entry.get("n")):
-            app.backend.mark_as_failure(entry["t"], Superseded(keys[0] if keys else key, None, by))
+            app.backend.mark_as_failure(
+                entry["t"], Superseded(keys[0] if keys else key, None, by, held=False)
+            )
         elif has_backend(app):
             app.backend.store_result(entry["t"], superseded_result(key, by, keys), "SUCCESS")
         signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
