@@ -9,7 +9,7 @@ import datetime as _dt
 from collections.abc import Collection, Mapping
 from typing import Any
 
-__all__ = ["Swept", "WaitingKey", "needs_sweep"]
+__all__ = ["Swept", "WaitingKey", "lone_reservations", "needs_sweep"]
 
 #: A parked run's entry, a handoff, or its record in ``dead`` / ``sup``: handed on as it is to the code that
 #: ends the run (its result, its history record, its callbacks), which reads the run's own fields.
@@ -67,11 +67,12 @@ def _lone_reservation(doc: Mapping[str, Any], ho: object, expired_at: float, now
     """An expired reservation ``ho`` of a run that needs several keys, handed again once already (``hn`` >
     1: that first lapse looked for a run missing from some of its keys), on a key where no other run waits
     (nothing parked or spilled), within its ``Queue(timeout=...)``: handing it again would give it to the
-    same run, so the sweeper leaves it, for up to ``LONE_RESERVATION_RECHECK_MS`` past its expiry. Its run
-    still claims it (a claim does not look at the expiry); the admit of a run that parks on the key puts it
-    back in send order. (Before: every such key was written at every lapse, one command per parked run and
-    lease: with thousands of runs of ``keys=("tenant:{t}", "group:{g}")`` the sweeper fell minutes
-    behind.)"""
+    same run, so the sweeper leaves it, for up to ``LONE_RESERVATION_RECHECK_MS`` past its expiry, while
+    its run waits parked on another of its keys (``lone_reservations``, judged by the sweeper over every
+    key). Its run still claims it (a claim does not look at the expiry); the admit of a run that parks on
+    the key puts it back in send order. (Before: every such key was written at every lapse, one command
+    per parked run and lease: with thousands of runs of ``keys=("tenant:{t}", "group:{g}")`` the sweeper
+    fell minutes behind.)"""
     if not isinstance(ho, Mapping) or not ho.get("ks") or not ho.get("by"):
         return False
     if int(ho.get("hn") or 1) < 2 or doc.get("q") or _spilled(doc):
@@ -114,6 +115,33 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
     return _past_deadline(doc, now)
 
 
+def lone_reservations(doc: Mapping[str, Any]) -> frozenset[str]:
+    """The task ids of the lapsed reservations ``needs_sweep`` leaves alone (``_lone_reservation``): the
+    sweeper still sweeps the key unless each such run waits parked on another of its keys (then it is not
+    ready, nothing is to be published for it, and it is not missing there), since a sweep's handoff is what
+    publishes a run whose keys are all reserved, or finds one missing from some of them."""
+    now = _ms(doc.get("__now"))
+    if now is None:
+        return frozenset()
+    found = []
+    if _slotted(doc):
+        for hold in doc.get("hs") or []:
+            x = _ms(hold.get("x")) if isinstance(hold, Mapping) else None
+            if x is not None and x <= now and _lone_reservation(doc, hold.get("ho"), x, now):
+                found.append(str(hold["ho"].get("t")))
+    else:
+        expires, ho = _ms(doc.get("expires_at")), doc.get("ho")
+        lapsed = doc.get("owner") is not None and expires is not None and expires <= now
+        if (
+            lapsed
+            and expires is not None
+            and isinstance(ho, Mapping)
+            and _lone_reservation(doc, ho, expires, now)
+        ):
+            found.append(str(ho.get("t")))
+    return frozenset(found)
+
+
 @dataclasses.dataclass(frozen=True)
 class WaitingKey:
     """A key with parked runs, a pending handoff or results to write, as the sweeper reads it."""
@@ -132,6 +160,9 @@ class WaitingKey:
     runs: tuple[Run, ...] = ()
     #: The ranks of its lanes with runs spilled beyond its window (``documents.spill``).
     spilled_ranks: tuple[int, ...] = ()
+    #: Task ids of its lapsed reservations left alone while their runs wait parked elsewhere
+    #: (``lone_reservations``).
+    lone: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, doc: Mapping[str, Any]) -> WaitingKey:
@@ -144,6 +175,7 @@ class WaitingKey:
             parked_ids=frozenset(str(e.get("t")) for e in parked),
             handed_ids=frozenset(str(ho.get("t")) for ho in handed),
             needs_sweep=needs_sweep(doc),
+            lone=lone_reservations(doc),
             read_at=read_at if isinstance(read_at, _dt.datetime) else None,
             runs=(*parked, *handed),
             spilled_ranks=tuple(
