@@ -433,10 +433,12 @@ def test_inspect_and_why_say_a_handed_key_is_not_yet_claimed(
     assert " on ?" not in why, why
 
 
-def test_why_shows_the_runs_spilled_beyond_a_short_window(mongo_url: str, db_name: str) -> None:
+def test_why_shows_the_runs_spilled_beyond_a_short_window(
+    mongo_url: str, db_name: str, make_store: Any
+) -> None:
     """``why`` shows the first runs in queue order (up to its 20), the spilled ones after the window's
     (before: only the window's, "the first 2 shown" of 7, with the window set to 2)."""
-    store = LeaseStore(mongo_url, database=db_name, parked_window=2)
+    store = make_store(parked_window=2)
     assert store.acquire("ledger:4", 600) is not None
     _park(store, "ledger:4", *[f"run-{i}" for i in range(7)])
     story = store.why("ledger:4", parked_limit=20)
@@ -468,3 +470,18 @@ def test_without_an_app_an_unreachable_mongodb_is_told_in_a_line_with_a_hint(tmp
     assert "MongoDB did not answer while trying to list leases" in out.stderr, out.stderr
     assert "no app was given, so the default mongolock_url was tried" in out.stderr, out.stderr
     assert "Topology Description" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_why_shows_spilled_runs_of_a_higher_priority_before_the_window_s_of_a_lower_one(
+    make_store: Any,
+) -> None:
+    """Queue order is by priority first: a run of priority rank 0 spilled beyond its window goes before the
+    window's runs of rank 3, and ``why`` shows it there even when the window alone fills its page."""
+    store = make_store(parked_window=2)
+    assert store.acquire("ledger:5", 600) is not None
+    for stamp, (task_id, rank) in enumerate([("low-1", 3), ("low-2", 3), ("a", 0), ("b", 0), ("c", 0)], 1):
+        entry = {"id": f"{task_id}/0", "t": task_id, "n": "post", "r": "0", "s": stamp, "m": b"", "pr": rank}
+        assert store.admit("ledger:5", entry, timeout=600)[1]["lo"] == "parked"
+    story = store.why("ledger:5", parked_limit=3)
+    assert story is not None and story.parked_total == 5
+    assert [r.task_id for r in story.parked] == ["a", "b", "c"]  # ("c" is spilled, rank 0)

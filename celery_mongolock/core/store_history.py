@@ -155,10 +155,17 @@ class Records:
             return None
         doc = docs[0]
         window = doc.get("q") or []
-        spilled = any(int(lane.get("t", 0)) > int(lane.get("h", 0)) for lane in doc.get("sp") or [])
-        if spilled and (parked_limit is None or len(window) < parked_limit):
-            # (the whole window was read: the runs spilled beyond it follow, in queue order)
-            doc = {**doc, "q": self.store.spill.page(key, doc, 0, parked_limit)}
+        ranks = [
+            int(la.get("r", 0)) for la in doc.get("sp") or [] if int(la.get("t", 0)) > int(la.get("h", 0))
+        ]
+        whole_window = parked_limit is None or len(window) < parked_limit
+        last_rank = int(window[-1].get("pr") or 0) if window else 0
+        if ranks and (whole_window or min(ranks) < last_rank):
+            # Runs spilled beyond the window come before some of those shown (they follow the window's of
+            # their rank, and go before those of a higher one): the first ones in queue order, from the
+            # whole window and the spill (read by ``_id``).
+            whole = doc if whole_window else self.read({"_id": key}, f"read lease {key!r}", raw=True)[0]
+            doc = {**doc, "q": self.store.spill.page(key, whole, 0, parked_limit)}
         return KeyStory.from_document(doc, stored, documents.HOLDER_VIEW)
 
     def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:

@@ -25,6 +25,7 @@ import difflib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -278,15 +279,11 @@ def _run(action: Any) -> Any:
 
 def _unreachable(exc: StoreUnavailable) -> str:
     """MongoDB did not answer: the driver's reason without its topology dump, and, when no app was given
-    (``-A``), that the default URL was tried."""
+    (neither ``-A`` nor ``CELERY_APP``), that the default URL was tried."""
     text = redact(str(exc)).split(", Topology Description:")[0]
     ctx = click.get_current_context(silent=True)
-    app = getattr(getattr(ctx, "obj", None), "app", None)
-    if (
-        app is not None
-        and getattr(app, "main", None) in (None, "default")
-        and not app.conf.get("mongolock_url")
-    ):
+    root = ctx.find_root() if ctx is not None else None
+    if not ((root.params.get("app") if root is not None else None) or os.environ.get("CELERY_APP")):
         text += (
             "; no app was given, so the default mongolock_url was tried: run celery -A your.app mongolock "
             "..., with the app whose settings name your MongoDB"
