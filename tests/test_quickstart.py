@@ -210,6 +210,17 @@ def g(group_id: int) -> None: ...
 BAD_SETTING = """
 app.conf.mongolock_lease_seconds = -1
 """
+# Found trying it as a user (stop 50): a bad template in a task's settings entry, found by the worker's own
+# check of its tasks, ended in Celery's "Unrecoverable error" and its traceback.
+BAD_TASK_SETTING = """
+from celery_mongolock import SingletonTask
+
+app.conf.mongolock_task_policies = {"tasks.g": {"keys": ["email-group:{group_id}", "tenant:{tenant}"]}}
+
+
+@app.task(base=SingletonTask, mongolock_key="email-group:{group_id}", mongolock_on_contention="queue")
+def g(group_id: int) -> None: ...
+"""
 # Issue 27: a misspelt setting in a Django-style namespace started a worker with the default lease.
 MISSPELT_SETTING = """
 
@@ -236,8 +247,9 @@ app.config_from_object(DjangoSettings, namespace="CELERY")
             MISSPELT_SETTING,
             "unknown setting 'CELERY_MONGOLOCK_LEASE_SECOND'; did you mean 'CELERY_MONGOLOCK_LEASE_SECONDS'?",
         ),
+        (BAD_TASK_SETTING, "task 'tasks.g': key template 'tenant:{tenant}' names 'tenant'"),
     ],
-    ids=["template", "policy", "setting", "misspelt-setting"],
+    ids=["template", "policy", "setting", "misspelt-setting", "task-setting-template"],
 )
 def test_a_worker_refuses_to_start_with_one_line(extra: str, message: str, tmp_path: Path) -> None:
     # No server is needed: the worker stops before it connects to anything.

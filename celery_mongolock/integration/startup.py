@@ -8,6 +8,7 @@ which this module does not import; the bootstep runs the ones it is given.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from celery import Celery
 from celery import signals as celery_signals
 
 from celery_mongolock.core.urls import redact
+from celery_mongolock.exceptions import ConfigurationError
 from celery_mongolock.integration import lanes, signals
 from celery_mongolock.integration.config import get_settings
 from celery_mongolock.integration.sweeper import start_sweeper
@@ -161,8 +163,18 @@ def install_bootstep(app: Celery, check_tasks: Callable[[Celery, Any], object]) 
             # Say where the leases live, and warn at once (not at the first task) if MongoDB does not
             # answer. Synchronous, on a short-lived client of its own: a thread here could hold a lock
             # while the pool forks a child, and the child would deadlock on it.
-            check_store(worker.app)
-            check_tasks(worker.app, getattr(worker, "pool_cls", None))
+            try:
+                check_store(worker.app)
+                check_tasks(worker.app, getattr(worker, "pool_cls", None))
+            except ConfigurationError as exc:
+                # One line, as at the settings' first read, not Celery's "Unrecoverable error" and its
+                # traceback (a bad template in mongolock_task_policies is found here); the worker stops
+                # with status 1 (Celery's worker.start turns SystemExit into its exit code).
+                # (the process's own stderr: the worker has redirected sys.stderr to its logger by now)
+                stderr = sys.__stderr__ or sys.stderr
+                stderr.write(f"celery_mongolock: cannot start: {exc}\n")
+                stderr.flush()
+                raise SystemExit(1) from None
 
     def sweep_when_ready(sender: Any = None, **_: Any) -> None:
         # After the pool has started its children: the sweeper's thread lives in the main process only.
