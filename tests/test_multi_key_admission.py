@@ -47,6 +47,15 @@ def wait_on_y(store: LeaseStore, entry: dict[str, Any]) -> None:
     assert lease.released  # handed over: the run no longer renews or releases it
 
 
+def claim_both(store: LeaseStore, entry: dict[str, Any]) -> tuple[Lease, Lease]:
+    """The run ``entry``, handed x and y, claims both with its token."""
+    lx, doc = store.admit(X, entry, ttl=30, claim=entry["tk"])
+    assert lx is not None and doc["lo"] == "claimed"
+    ly, doc = store.admit(Y, entry, ttl=30, claim=entry["tk"])
+    assert ly is not None and doc["lo"] == "claimed"
+    return lx, ly
+
+
 def test_a_run_reserves_the_keys_it_got_and_is_ready_when_the_last_is_handed_to_it(store: LeaseStore) -> None:
     handoffs = Handoffs(store)
     blocker = store.acquire(Y, 30)
@@ -65,10 +74,8 @@ def test_a_run_reserves_the_keys_it_got_and_is_ready_when_the_last_is_handed_to_
     assert handoffs.tasks == ["merge-10"]  # y handed to it (the publisher checks it is ready)
     assert store.reserved_for_all(e)
     fence_x, fence_y = doc_of(store, X)["fence"], doc_of(store, Y)["fence"]
-    lx, doc = store.admit(X, e, ttl=30, claim=e["tk"])
-    assert lx is not None and doc["lo"] == "claimed" and lx.fence == fence_x
-    ly, doc = store.admit(Y, e, ttl=30, claim=e["tk"])
-    assert ly is not None and doc["lo"] == "claimed" and ly.fence == fence_y
+    lx, ly = claim_both(store, e)
+    assert lx.fence == fence_x and ly.fence == fence_y
     assert ly.fence > blocker.fence
     lx.release()
     assert handoffs.tasks == ["merge-10", "late"]  # x goes on to the run that waited behind
@@ -271,10 +278,7 @@ def test_a_lone_reservation_is_handed_again_once_then_left_until_a_run_parks_beh
     # It stays its run's: the blocker's release hands y, and the run claims both.
     blocker.release()
     assert store.reserved_for_all(e)
-    lx, doc = store.admit(X, e, ttl=30, claim=e["tk"])
-    assert lx is not None and doc["lo"] == "claimed"
-    ly, doc = store.admit(Y, e, ttl=30, claim=e["tk"])
-    assert ly is not None and doc["lo"] == "claimed"
+    lx, ly = claim_both(store, e)
     lx.release()
     ly.release()
 
