@@ -187,6 +187,8 @@ SPEC_CASES = [
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"g:{grup_id}": 3}), ConfigurationError, "'g:{grup_id}'", "did you mean 'g:{group_id}'", "limit-dict-unknown-spec"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"p:{path}": 0}), ConfigurationError, "limit['p:{path}']", "an int from 1 to 1000, got 0", "limit-dict-bad-value"),
     case(lambda: declare(keys=("g:{group_id}", "p:{path}"), limit={"g:{group_id}": 3}, on_contention=Replace(cancel_running=True)), ConfigurationError, "Replace(cancel_running=True) with limit 3 for the key 'g:{group_id}'", "no one running holder", "keys-limit-with-cancel-running"),
+    case(lambda: declare(keys=("g:{group_id}", None)), ConfigurationError, "keys=[1] is None", "is for key= only", "keys-none-entry"),
+    case(lambda: declare(keys=("g:{group_id}", 7)), ConfigurationError, "keys=[1] is 7", "names one key", "keys-int-entry"),
     case(lambda: declare("g:{group_id}", limit=3, on_contention=Replace(cancel_running=True)), ConfigurationError, "Replace(cancel_running=True) with limit=3", "no one running holder", "limit-with-cancel-running"),
     case(lambda: app_task(mongolock_key="email-group:{gid}"), ConfigurationError, "'gid'", "not an argument of upload(group_id, path)", "app-task-template-missing-arg"),
     case(lambda: app_task(mongolock_on_contention="skipp"), ConfigurationError, "mongolock_on_contention", "got 'skipp'", "app-task-misspelt-policy"),
@@ -445,6 +447,7 @@ POLICY_CASES = [
     case(lambda: Replace(max_length=3), ConfigurationError, "Replace()", "at most one run per key", "replace-max-length"),
     case(lambda: Replace(timeout=NAN), ConfigurationError, "Replace(timeout=...)", "got nan", "replace-nan-timeout"),
     case(lambda: Replace(cancel_running=True, grace=-1), ConfigurationError, "Replace(grace=...)", "from 0 to", "replace-negative-grace"),
+    case(lambda: Replace(grace=5), ConfigurationError, "Replace(grace=5)", "needs cancel_running=True", "replace-grace-without-cancel-running"),
     case(lambda: Replace(cancel_running="yes"), ConfigurationError, "Replace(cancel_running=...)", "True or False, got 'yes'", "replace-cancel-running-not-bool"),  # type: ignore[arg-type]
     case(lambda: Replace(cancel_running=True, debounce=5), ConfigurationError, "Replace(cancel_running=True, debounce=5)", "cannot cancel the running holder", "replace-cancel-running-with-debounce"),
     case(lambda: parse_policy({"policy": "queue", "cancel_running": True}, "on_contention"), ConfigurationError, "'cancel_running'", "an option of 'replace' only", "policy-dict-cancel-running-on-queue"),
@@ -813,3 +816,24 @@ def test_a_full_queue_says_which_limit_it_reached() -> None:
     by_size = full_reason("k", 40 + 700, None, entry, in_document=40)
     assert "16 MiB" in by_size and "1.00 MiB" in by_size and "reference" in by_size
     assert "max_length" in full_reason("k", 6000, 6000, entry, in_document=MAX_PARKED)
+
+
+def test_a_bad_limit_in_a_settings_entry_with_keys_names_the_limit() -> None:
+    """Both ``keys`` and ``limit`` in one ``mongolock_task_policies`` entry: a mistake in the limit is
+    reported under ``['limit']``, not under ``['keys']``."""
+    app = Celery("bad_input_keys_limit", set_as_current=False)
+    name = f"bad_input.k{uuid.uuid4().hex[:8]}"
+    app.conf.mongolock_task_policies = {
+        name: {"keys": ["g:{group_id}", "p:{path}"], "limit": {"g:{grup_id}": 2}}
+    }
+    singleton_task(app=app, name=name, key="g:{group_id}")(upload)
+    app.finalize()
+    with pytest.raises(ConfigurationError) as caught:
+        _check_task_policies(app)
+    assert f"mongolock_task_policies[{name!r}]['limit']" in str(caught.value)
+    assert "'g:{grup_id}'" in str(caught.value)
+
+
+def test_a_policy_name_is_read_alike_as_a_string_and_in_a_dict() -> None:
+    """Surrounding blanks and case: the same in both forms (a name read from an environment variable)."""
+    assert parse_policy(" Replace ") == parse_policy({"policy": " Replace "}) == Replace()

@@ -299,7 +299,14 @@ def test_queue_lists_a_key_s_parked_runs_page_by_page(
     # Bad input in our words.
     bad = run(mongo_url, db_name, "queue", "email-group:1", "--page", "0")
     assert bad.returncode == 2 and "--page" in bad.stderr
-    assert "no lease 'nope:1'" in run(mongo_url, db_name, "queue", "nope:1").stderr
+    # A key without a lease document: an empty queue, not an error (as inspect/why --json print null).
+    empty = run(mongo_url, db_name, "queue", "nope:1")
+    assert empty.returncode == 0 and empty.stdout.startswith("nope:1: 0 run(s) parked"), empty
+    empty_json = json.loads(run(mongo_url, db_name, "queue", "nope:1", "--json").stdout)
+    assert empty_json == {"key": "nope:1", "parked": 0, "page": 1, "runs": []}
+    purged = run(mongo_url, db_name, "purge", "nope:1", "--yes")
+    assert purged.returncode == 0 and "nothing to purge" in purged.stdout
+    assert "no lease 'nope:1'" in run(mongo_url, db_name, "drop", "nope:1", "t-1", "--yes").stderr
 
 
 def test_drop_and_purge_ask_first_then_revoke_the_runs(

@@ -259,6 +259,21 @@ class Queue(Policy):
         return self.then.on_contended(run)
 
 
+class _DefaultGrace(float):
+    """``Replace``'s default ``grace`` (10 s): a value of its own, so that a ``grace=`` the user gave
+    can be told from the default (it means something only with ``cancel_running=True``)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_default_grace, ())
+
+
+def _default_grace() -> float:
+    return DEFAULT_GRACE
+
+
+DEFAULT_GRACE: float = _DefaultGrace(10.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Replace(Queue):
     """Latest wins: at most one run is parked per key, and a newer **send** replaces it. The replaced
@@ -285,7 +300,7 @@ class Replace(Queue):
     debounce: float = 0.0
     max_wait: float | None = None
     cancel_running: bool = False
-    grace: float | None = 10.0
+    grace: float | None = dataclasses.field(default_factory=lambda: DEFAULT_GRACE)
     fail_superseded: bool = False
     name = "replace"
 
@@ -311,6 +326,11 @@ class Replace(Queue):
                 f"Replace(cancel_running=...) must be True or False, got {self.cancel_running!r}"
             )
         _number("Replace", "grace", self.grace, high=24 * 3600.0, allow_none=True)
+        if self.grace is not DEFAULT_GRACE and not self.cancel_running:
+            raise ConfigurationError(
+                f"Replace(grace={self.grace!r}) needs cancel_running=True: grace is how long a running "
+                "holder that a newer send superseded may go on before it is terminated"
+            )
         if not isinstance(self.fail_superseded, bool):
             raise ConfigurationError(
                 f"Replace(fail_superseded=...) must be True or False, got {self.fail_superseded!r}"
@@ -361,7 +381,7 @@ def parse_policy(value: object, setting: str = "on_contention") -> Policy:
     if isinstance(value, Mapping):
         options = dict(value)
         kind = options.pop("policy", None)
-        cls = _BY_NAME.get(str(kind).lower()) if kind is not None else None
+        cls = _BY_NAME.get(kind.strip().lower()) if isinstance(kind, str) else None
         if cls is None:
             hint = _did_you_mean(kind) if kind is not None else ""
             raise ConfigurationError(
@@ -425,6 +445,20 @@ def check_limit(limit: object, policy: object = None, min_hold: object = None) -
     return n
 
 
+def _check_one_of_keys(index: int, spec: object) -> None:
+    """One entry of ``keys=``: a template or argument name, a list of argument names, or a callable.
+    None is refused here: as ``key=None`` it means the task's name, which a key set does not take."""
+    if callable(spec) or (isinstance(spec, str) and spec):
+        return
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, str) and s for s in spec):
+        return
+    raise ConfigurationError(
+        f"keys=[{index}] is {spec!r}: each entry of keys= names one key, as a template "
+        "('tenant:{tenant}'), an argument name, a list of argument names or a callable"
+        + (" (None, the task's name as its key, is for key= only)" if spec is None else "")
+    )
+
+
 def check_keys(
     keys: object, key: object = None, policy: object = None, limit: object = None
 ) -> tuple[Any, ...] | None:
@@ -441,6 +475,8 @@ def check_keys(
         )
     if key is not None:
         raise ConfigurationError("give key= or keys=, not both")
+    for index, spec in enumerate(keys):
+        _check_one_of_keys(index, spec)
     if policy is not None and not isinstance(policy, Policy):
         policy = parse_policy(policy)
     per_key = check_key_limits(limit, keys, policy)

@@ -251,13 +251,13 @@ def _keys_and_limits(
     where = f"mongolock_task_policies[{name!r}]"
     if keys_spec is None and not declared and isinstance(limit_spec, Mapping):
         keys_spec = tuple(limit_spec)
-    try:
-        multi = check_keys(keys_spec, None, policy, limit_spec)
+    try:  # the keys alone, then with their limits: an error names the option that holds the mistake
+        check_keys(keys_spec, None, policy, None)
     except ConfigurationError as exc:
-        given = [f"{where}[{option!r}]" for option in ("keys", "limit") if option in override]
-        source = given[0] if given else f"task {name!r}"
+        source = f"{where}['keys']" if "keys" in override else f"task {name!r}"
         raise ConfigurationError(f"{source}: {exc}") from None
     try:
+        multi = check_keys(keys_spec, None, policy, limit_spec)
         per_key = check_key_limits(limit_spec, multi, policy)
     except ConfigurationError as exc:
         source = f"{where}['limit']" if "limit" in override else f"task {name!r}"

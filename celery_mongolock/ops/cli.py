@@ -454,16 +454,17 @@ def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count:
 # -- a key's parked runs (``cli_queue``) --------------------------------------------------------------
 def _parked_info(
     ctx: click.Context, key: str, page: int | None = None, per_page: int = 50
-) -> tuple[LeaseStore, LeaseInfo]:
-    """The lease of ``key`` with its parked runs: page ``page`` of them only (read on the server), or all."""
+) -> tuple[LeaseStore, LeaseInfo | None]:
+    """The lease of ``key`` with its parked runs: page ``page`` of them only (read on the server), or all;
+    None for a key with no lease document (nothing is parked on it)."""
     store = _store(ctx)
     if page is None:
-        info = _run(lambda: store.inspect(key))
-    else:
-        info = _run(lambda: store.inspect(key, parked_from=(page - 1) * per_page, parked_limit=per_page))
-    if info is None:
-        raise click.ClickException(f"no lease {key!r}: nothing is parked on it")
-    return store, info
+        return store, _run(lambda: store.inspect(key))
+    return store, _run(lambda: store.inspect(key, parked_from=(page - 1) * per_page, parked_limit=per_page))
+
+
+def _no_lease(key: str) -> click.ClickException:
+    return click.ClickException(f"no lease {key!r}: nothing is parked on it")
 
 
 @mongolock.command(name="queue", cls=_Command)
@@ -475,6 +476,12 @@ def _parked_info(
 def queue_of(ctx: click.Context, key: str, page: int, per_page: int, as_json: bool) -> None:
     """The runs parked on KEY, next first, a page at a time."""
     info = _parked_info(ctx, key, page, per_page)[1]
+    if info is None:  # an empty queue, as for a key with a lease and no parked run
+        if as_json:
+            click.echo(_json({"key": key, "parked": 0, "page": page, "runs": []}))
+        else:
+            click.echo(f"{key}: 0 run(s) parked (no lease document)")
+        return
     if as_json:
         rows = cli_queue.page_of(info, page, per_page)
         click.echo(_json({"key": info.key, "parked": info.parked_total, "page": page, "runs": rows}))
@@ -490,6 +497,8 @@ def queue_of(ctx: click.Context, key: str, page: int, per_page: int, as_json: bo
 def drop_parked(ctx: click.Context, key: str, task_ids: tuple[str, ...], yes: bool) -> None:
     """Drop parked runs from KEY's queue by task id: they end REVOKED without running."""
     store, info = _parked_info(ctx, key)
+    if info is None:
+        raise _no_lease(key)
     _drop(ctx, store, info, list(dict.fromkeys(task_ids)), yes)
 
 
@@ -500,6 +509,9 @@ def drop_parked(ctx: click.Context, key: str, task_ids: tuple[str, ...], yes: bo
 def purge_queue(ctx: click.Context, key: str, yes: bool) -> None:
     """Drop every run parked on KEY: they end REVOKED without running (the holder runs on)."""
     store, info = _parked_info(ctx, key)
+    if info is None:
+        click.echo(f"{key!r}: no lease document, so no run parked; nothing to purge")
+        return
     ids = [str(run["task_id"]) for run in info.parked]
     if not ids:
         click.echo(f"{key!r}: no run parked; nothing to purge")
