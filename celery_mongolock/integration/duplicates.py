@@ -61,7 +61,13 @@ LOOKED_AGAIN_HEADER = "mongolock_looked_again"
 
 
 def park_duplicate(
-    task: GuardedRun, key: str, options: TaskOptions, direct: bool, *, resent: bool = False
+    task: GuardedRun,
+    key: str,
+    options: TaskOptions,
+    direct: bool,
+    *,
+    resent: bool = False,
+    handoff_copy: bool = False,
 ) -> None:
     """Keep a copy of a duplicate delivery until the first run's fate is known.
 
@@ -73,6 +79,9 @@ def park_duplicate(
 
     ``resent``: a first delivery whose admit was sent again after a lost reply (``Admission.resent``):
     the run holding the key is most likely its own handoff (the lost send parked it), not a duplicate.
+    ``handoff_copy``: another copy of the handoff message of a run of several keys whose first copy
+    runs, most often of our own making (two of its keys were reserved for it at once, and each reserver
+    saw it ready and published it), so logged at INFO.
     """
     request = task.request
     if direct or request.is_eager or request.called_directly:
@@ -83,7 +92,17 @@ def park_duplicate(
     republish(
         task, task.signature_from_request(request, countdown=countdown, headers=headers), "parked duplicate"
     )
-    if resent:
+    if handoff_copy:
+        log_acquire.info(
+            "%s[%s]: another copy of its handoff message (published twice when its last keys were "
+            "reserved for it at once, or delivered again) while the first runs with %r; kept aside, "
+            "looked at again in %gs",
+            task.name,
+            task.request.id,
+            key,
+            countdown,
+        )
+    elif resent:
         log_acquire.info(
             "%s[%s]: the run holds %r under another delivery of it (this delivery's admit was sent again "
             "after a lost reply, which may have parked it); looked at again in %gs",

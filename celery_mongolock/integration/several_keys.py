@@ -288,7 +288,7 @@ class SeveralKeys:
                     set_state(task, celery_states.STARTED, {"keys": keys})
                     return LeaseSet(claimed)
                 if outcome is AdmitOutcome.RUNNING:  # a copy of the handoff while the first copy runs
-                    park_duplicate(task, key, self.options, False)
+                    park_duplicate(task, key, self.options, False, handoff_copy=True)
                     raise Ignore()
                 if refused is not None and outcome is AdmitOutcome.SUPERSEDED:
                     self._leave_all()
