@@ -3894,6 +3894,9 @@ def unmet_coverage(report: Doc) -> list[str]:
       ``QUEUE_BURST - 1`` pairs in which a newer send of a higher priority got the key first),
       ``Replace`` runs superseded, ``Queue`` runs of the ``limit=N`` key parked and handed slots,
       several-keys ``Queue`` runs parked on a key and handed both; the gate held all N slots at once;
+      once the ``limit=N`` burst waits, a run of several keys sent after it parks in that key's window,
+      younger than its spilled runs (``Run._held_back_send``): held back, it may get a slot only after
+      them, which the send-order check judges;
     - the per-key-limit burst (``Run._multi_limit_stages``): a gate holds its ``k`` key until every run of
       the burst has found it held (the workers' ``tcont`` events), then its ``l`` key's N slots until
       every run has found them full, then N - 1 slots until every run has ended: each run held a slot and
@@ -3970,6 +3973,12 @@ def unmet_coverage(report: Doc) -> list[str]:
     lq = queued["limit_queued"]
     spilled_limit = lq["spilled"] >= LIMIT_BURST - PARKED_WINDOW
     claim(spilled_limit, "the limit_queued burst spilled beyond the window", lq)
+    hb = report.get("held_back_directed") or {}
+    claim(
+        hb.get("spilled_older_runs", 0) >= LIMIT_BURST - PARKED_WINDOW,
+        "a run of several keys parked in the limit burst's window behind its spilled runs (held back)",
+        hb,
+    )
     claim(max(lm["max_clean_holds_at_once"].values(), default=0) == LIMIT, f"{LIMIT} clean holds at once", lm)
     claim(lm["limit_task_runs"] >= LIMIT_BURST, "the limit burst ran as tasks", lm)
     mh = lm["min_hold"]
@@ -4553,6 +4562,8 @@ class Run:
         self.multi_replace_window: Doc = {}
         #: ... and its bursts with a limit per key (``_multi_limit_replace_directed``).
         self.multi_limit_replace_directed: Doc = {}
+        #: The run of several keys held back behind the limit burst's spilled runs (``_held_back_send``).
+        self.held_back_directed: Doc = {}
         self.directed_s = 0.0
         # The lingering holders of the directed cancel_running steps (``_cancel_directed_again``).
         self.cancel_lingering: str | None = None
@@ -5111,7 +5122,39 @@ class Run:
             )
             for i in range(n)
         ]
-        return key, gate, [t for t in ids if t]
+        sent = [t for t in ids if t]
+        if kind == "limit" and self.cfg.keys > 1:
+            sent += self._held_back_send(key, sent)
+        return key, gate, sent
+
+    def _held_back_send(self, key: str, ids: list[str]) -> list[str]:
+        """Once every run of the limit burst waits on its ``l`` key (the gate holds all N slots: all but
+        ``PARKED_WINDOW`` of them spilled beyond the window), one run of ``MULTI_LIMIT_QUEUE_TASK`` on that
+        key and a ``k`` key of its own: it parks in the window (a run of several keys is never spilled),
+        younger than the spilled runs, and must be held back until they got their slots
+        (``integration.lanes.held_back``); the send-order check judges it with them. By construction,
+        not timing: it is sent only after the burst waits, and its figure is read while the gate holds.
+        Returns its task id (none if it could not be sent)."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        single = key_for(DIRECTED_KEY + 8, epoch)
+        try:
+            _wait(
+                lambda: set(ids) <= self._waiting_on(key), START_GUARD_S, f"the burst on {key} to wait", 0.2
+            )
+        except TimeoutError as exc:
+            self.log(f"directed phase: {exc}")
+            return []
+        tid = self._submit(MULTI_LIMIT_QUEUE_TASK, "", "directed-held-back", keys=(key, single))
+        if tid is None:
+            return []
+        try:
+            _wait(lambda: tid in self._parked_on(key), START_GUARD_S, f"{tid} to park on {key}", 0.2)
+        except TimeoutError as exc:
+            self.log(f"directed phase: {exc}")
+            return [tid]
+        spilled = [e for e in self._spilled(key) if e.get("t") in ids]
+        self.held_back_directed = {"run": tid, "spilled_older_runs": len(spilled)}
+        return [tid]
 
     def directed(self) -> None:
         """Before the faults: every kind of queued run parks, is handed its key (slot, both keys), and runs
@@ -6596,6 +6639,7 @@ class Run:
                 "rate_keys": self.cfg.rate_keys,
                 "multi_replace_window": self.multi_replace_window,
                 "multi_limit_replace_directed": self.multi_limit_replace_directed,
+                "held_back_directed": self.held_back_directed,
                 "slow_waits": list(slow_waits),
             }
             report = figures(history, self.faults, violations, extra)

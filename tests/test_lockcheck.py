@@ -1084,6 +1084,9 @@ def _covered() -> dict[str, Any]:
             "slot_reservations_taken_back": lockcheck.MULTI_LIMIT_REPLACE_BURST - 1,
             "parked_for_a_slot_superseded": lockcheck.MULTI_LIMIT_REPLACE_BURST - 1,
         },
+        "held_back_directed": {
+            "run": "t-1", "spilled_older_runs": lockcheck.LIMIT_BURST - lockcheck.PARKED_WINDOW,
+        },
     }  # fmt: skip
 
 
@@ -1144,6 +1147,12 @@ def test_the_bounded_runs_coverage_claims() -> None:
         "the several-keys Replace bursts with a limit",
         "each newer send superseded its set's run parked for a slot",
     ]  # fmt: skip
+    unplaced = _covered()  # the run of several keys did not park behind the limit burst's spilled runs
+    unplaced["held_back_directed"] = {}
+    unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(unplaced)]
+    assert unmet == [
+        "a run of several keys parked in the limit burst's window behind its spilled runs (held back)"
+    ]
     undying = _covered()
     undying["tasks"]["died_after_release"] = 0
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(undying)]
