@@ -41,6 +41,11 @@ class ParkedRuns:
         (``QueueUpkeep.give_back``)."""
         return self.queue.give_back(lease)
 
+    def unmark_handoff(self, key: str, entry: Mapping[str, Any]) -> bool:
+        """Leave the handoff of ``key`` to the run ``entry`` for a worker's sweeper to publish
+        (``QueueUpkeep.unmark_handoff``); False if the key is no longer handed to it."""
+        return self.queue.unmark_handoff(key, entry)
+
     def reserved_for_all(self, entry: Mapping[str, Any]) -> bool:
         """Whether every key of the run ``entry`` (``ks``) is handed or reserved to it, not yet claimed:
         then its message is published (once per completion; copies collapse at the claims)."""

@@ -232,6 +232,23 @@ class QueueUpkeep:
             store.handoffs.publish(key, doc, by)
         return doc is not None
 
+    def unmark_handoff(self, key: str, entry: Mapping[str, Any]) -> bool:
+        """Leave the handoff of ``key`` (or of a slot of it) to the run ``entry`` unpublished by this
+        process: its publisher's mark is cleared, so the next sweep of a worker adopts and publishes it.
+        False if the key is no longer handed to that run."""
+        key = normalize_key(key)
+        run_id, token = entry.get("id"), entry.get("tk")
+        coll = self.store.connection.collection
+        with self.store.connection.operation(f"leave the handoff of {key!r} to another worker"):
+            done = coll.update_one({"_id": key, "ho.id": run_id, "ho.tk": token}, {"$set": {"ho.by": ""}})
+            if done.matched_count:
+                return True
+            done = coll.update_one(
+                {"_id": key, "hs": {"$elemMatch": {"ho.id": run_id, "ho.tk": token}}},
+                admission_docs.unmark_slot_pipeline(str(run_id), str(token)),
+            )
+            return bool(done.matched_count)
+
     def keys_state(self, entry: Mapping[str, Any]) -> str:
         """Where the multi-key run ``entry`` stands on its keys (one read): ``ready`` (every key reserved
         for it), ``waiting`` (parked or reserved on each), or ``missing`` (absent from some key: its

@@ -83,6 +83,27 @@ def _lone_reservation(doc: Mapping[str, Any], ho: object, expired_at: float, now
     return now - expired_at < LONE_RESERVATION_RECHECK_MS
 
 
+def _names_of_live_handoffs(doc: Mapping[str, Any]) -> frozenset[str]:
+    """The task names of the runs the key (or a slot of it) is handed or reserved to, the handoff not
+    lapsed on the server's time of the read: each is the business of a worker that has that task."""
+    now = _ms(doc.get("__now"))
+    if now is None:
+        return frozenset()
+    found: list[object] = []
+    if _slotted(doc):
+        for hold in doc.get("hs") or []:
+            if not isinstance(hold, Mapping) or not isinstance(hold.get("ho"), Mapping):
+                continue
+            x = _ms(hold.get("x"))
+            if x is not None and x > now:
+                found.append(hold["ho"].get("n"))
+        return frozenset(str(n) for n in found if n)
+    ho, expires = doc.get("ho"), _ms(doc.get("expires_at"))
+    if isinstance(ho, Mapping) and doc.get("owner") is not None and expires is not None and expires > now:
+        found.append(ho.get("n"))
+    return frozenset(str(n) for n in found if n)
+
+
 def needs_sweep(doc: Mapping[str, Any]) -> bool:
     """Whether a key read by ``waiting_keys`` has anything for the sweeper to do, judged on the server's
     time of the read (``__now``): a sweep is a write, so keys whose queue simply waits for a running
@@ -163,6 +184,9 @@ class WaitingKey:
     #: Task ids of its lapsed reservations left alone while their runs wait parked elsewhere
     #: (``lone_reservations``).
     lone: frozenset[str] = frozenset()
+    #: The task names of the runs it (or a slot of it) is handed to, the handoff not lapsed
+    #: (``_names_of_live_handoffs``): a worker that does not have one of them leaves the key to others.
+    handed_names: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, doc: Mapping[str, Any]) -> WaitingKey:
@@ -176,6 +200,7 @@ class WaitingKey:
             handed_ids=frozenset(str(ho.get("t")) for ho in handed),
             needs_sweep=needs_sweep(doc),
             lone=lone_reservations(doc),
+            handed_names=_names_of_live_handoffs(doc),
             read_at=read_at if isinstance(read_at, _dt.datetime) else None,
             runs=(*parked, *handed),
             spilled_ranks=tuple(

@@ -42,7 +42,13 @@ from celery_mongolock.integration.results import (
     has_backend,
     state_of,
 )
-from celery_mongolock.integration.trust import SIGNATURE_FIELD, RefusedEntry, check_entry, sign_entry
+from celery_mongolock.integration.trust import (
+    SIGNATURE_FIELD,
+    RefusedEntry,
+    UnknownTask,
+    check_entry,
+    sign_entry,
+)
 
 if TYPE_CHECKING:
     from celery_mongolock.core.store import LeaseStore
@@ -243,14 +249,46 @@ def message_of(task: Any, request: Any, stamp: int, run: str) -> dict[str, Any]:
     return fields
 
 
+#: A run of a task this worker does not have is left for a worker that has it (``leave``) until it has
+#: been handed this many times (each handoff lapsed unclaimed: no worker took it up within its lease);
+#: then it is refused as any stored message this worker cannot check (a task no worker has any more).
+UNKNOWN_TASK_HANDOFFS = 5
+
+
 def _trusted(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseStore | None) -> Any:
     """The signature to publish for ``entry``, or None when its stored message is refused (then the run
-    is dropped from its key(s), recorded and logged: ``refuse``)."""
+    is dropped from its key(s), recorded and logged: ``refuse``) or left for a worker that has its task
+    (``leave``)."""
     try:
         return check_entry(app, key, entry, config.get_settings(app).signing_key)
+    except UnknownTask as exc:
+        handed = int(entry.get("hn") or 1)
+        if handed < UNKNOWN_TASK_HANDOFFS:
+            leave(store or config.get_store(app), key, entry, str(exc))
+        else:
+            reason = f"{exc}, and no worker took it up in {handed} handoffs"
+            refuse(app, store or config.get_store(app), key, entry, reason)
+        return None
     except RefusedEntry as exc:
         refuse(app, store or config.get_store(app), key, entry, str(exc))
         return None
+
+
+def leave(store: LeaseStore, key: str, entry: Mapping[str, Any], reason: str) -> None:
+    """Leave the handoff of ``key`` to the run ``entry``, whose task this worker does not have, for a
+    worker that has it: unpublished by this worker (its mark cleared), so the next sweep of a worker that
+    has the task adopts and publishes it (a worker per queue, or a deploy under way). Workers without the
+    task pass such a handoff by (``sweeper``) until it lapses unclaimed."""
+    left = store.unmark_handoff(key, entry)
+    log.info(
+        "%r handed to %s[%s]: %s; left for a worker that has it (handoff %s)%s",
+        key,
+        entry.get("n"),
+        entry.get("t"),
+        reason,
+        entry.get("hn") or 1,
+        "" if left else " (the key is no longer handed to it)",
+    )
 
 
 def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseStore | None = None) -> bool:

@@ -97,9 +97,17 @@ class Sweeper:
             if one.spilled_ranks:  # runs spilled beyond the key's window: revoked, or past their deadline
                 self._drop_spilled(store, one, revoked)
                 expired = store.spill.expire(one.key, one.spilled_ranks)
+            if not hits and self._not_ours(one):
+                continue  # handed to a run of a task this worker does not have: a worker that has it sweeps
             if hits or one.needs_sweep or expired or not one.lone <= parked_somewhere:
                 self._sweep(store, one, hits)
         return len(waiting) + self._sweep_expired_holds(store)
+
+    def _not_ours(self, one: WaitingKey) -> bool:
+        """The key (or a slot of it) is handed to a run of a task this worker does not have, the handoff
+        not lapsed: publishing it is for a worker that has the task (``handoff.leave``), so this one does
+        not sweep the key (which would adopt the handoff and leave it again at every pass)."""
+        return bool(one.handed_names) and not one.handed_names <= set(self.app.tasks)
 
     def _sweep(self, store: LeaseStore, one: WaitingKey, hits: list[str]) -> None:
         """Sweep the key ``one``: its revoked runs ``hits`` dropped (their results ``REVOKED``, their

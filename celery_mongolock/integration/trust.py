@@ -15,7 +15,8 @@ message is published only when
    under.
 
 Anything else raises ``RefusedEntry`` with the reason; the queue module drops the entry, records it and
-moves on.
+moves on. An entry of a task this worker does not have raises ``UnknownTask``: it is left for a worker
+that has the task, which checks it as above.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from celery_mongolock.core.keys import normalize_key
 
-__all__ = ["RefusedEntry", "check_entry", "sign_entry"]
+__all__ = ["RefusedEntry", "UnknownTask", "check_entry", "sign_entry"]
 
 #: The entry field that holds the message's HMAC (hex), when the app has a signing key.
 SIGNATURE_FIELD = "sg"
@@ -38,6 +39,11 @@ SIGNATURE_FIELD = "sg"
 
 class RefusedEntry(Exception):
     """A parked entry whose stored message a handoff will not publish; the message says why."""
+
+
+class UnknownTask(RefusedEntry):
+    """A parked entry that names a task this worker does not have. Not a reason to refuse it: a worker
+    of another queue, or of the next deploy, may have it (``handoff`` leaves it to such a worker)."""
 
 
 def _signed_bytes(entry: Mapping[str, Any]) -> bytes:
@@ -64,6 +70,8 @@ def check_entry(app: Celery, key: str, entry: Mapping[str, Any], secret: bytes |
             raise RefusedEntry(f"its stored message {what} (mongolock_signing_key is set)")
     name = entry.get("n")
     task = app.tasks.get(name) if isinstance(name, str) else None
+    if task is None and isinstance(name, str) and name:
+        raise UnknownTask(f"it names {name!r}, a task this worker does not have")
     if task is None or not callable(getattr(task, "mongolock_keys_for", None)):
         raise RefusedEntry(f"it names {name!r}, which is not a singleton task of this app")
     content_type = _content_type_of(task)

@@ -27,6 +27,7 @@ __all__ = [
     "requeue_handoff",
     "reserve_pipeline",
     "sweep_pipeline",
+    "unmark_slot_pipeline",
 ]
 
 Document = dict[str, Any]
@@ -351,3 +352,18 @@ def sweep_pipeline(by: str, revoked: list[str]) -> list[Document]:
         gc_stage(),
     ]
     return stages
+
+
+def unmark_slot_pipeline(run_id: str, token: str) -> list[Document]:
+    """Clear the publisher's mark (``by``) of the handoff of a slot of a ``limit=N`` key to the run
+    ``run_id`` with token ``token`` (sent with a filter that finds such a slot; the key's own handoff:
+    ``{"$set": {"ho.by": ""}}``). The handoff then counts as published by nobody, and the next sweep of a
+    worker adopts and publishes it: a worker that does not have the run's task leaves it so."""
+    mine = {
+        "$and": [
+            {"$eq": [{"$ifNull": ["$$h.ho.id", None]}, {"$literal": run_id}]},
+            {"$eq": [{"$ifNull": ["$$h.ho.tk", None]}, {"$literal": token}]},
+        ]
+    }
+    unmarked = {"$mergeObjects": ["$$h", {"ho": {"$mergeObjects": ["$$h.ho", {"by": ""}]}}]}
+    return [{"$set": {"hs": {"$map": {"input": "$hs", "as": "h", "in": {"$cond": [mine, unmarked, "$$h"]}}}}}]

@@ -85,6 +85,7 @@ from celery_mongolock.core.documents.handoff import (
     requeue_handoff,
     reserve_pipeline,
     sweep_pipeline,
+    unmark_slot_pipeline,
 )
 from celery_mongolock.core.documents.key_state import (
     NO_SLOT_HELD,
@@ -132,6 +133,7 @@ __all__ = [
     "run_id",
     "seen_append",
     "sweep_pipeline",
+    "unmark_slot_pipeline",
 ]
 
 Document = dict[str, Any]
