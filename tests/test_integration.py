@@ -624,6 +624,28 @@ def test_a_killed_child_frees_its_key_long_before_expiry(cluster: Cluster) -> No
     w.kill()
 
 
+def test_a_body_cut_short_by_sigterm_runs_again(cluster: Cluster) -> None:
+    """A pool child told to stop (SIGTERM: a cold shutdown, or a SIGTERM sent to the worker's whole process
+    group, as systemd and ``pkill -f`` do) unwinds its body with ``SystemExit``: the run did not end, so its
+    key is given back unmarked and its message, delivered again, runs it again (not ``already-ran``)."""
+    import os
+    import signal
+
+    w = cluster.worker(name=f"c{tag()}@localhost", extra_args=["-Q", "coldq"])
+    resource, t = tag(), tag()
+    res = it.gated.apply_async((resource, t), queue="coldq")
+    start = wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")[0]
+    os.kill(start["pid"], signal.SIGTERM)
+    again = wait_for(
+        lambda: cluster.runs(t, "start")[1:], timeout=60, message="the cut-short run to run again"
+    )
+    assert again[0]["pid"] != start["pid"]
+    cluster.db["gates"].insert_one({"_id": t})
+    assert res.get(timeout=60) == t
+    assert "its body was cut short (SystemExit" in w.log()
+    w.kill()
+
+
 def test_hard_time_limit_frees_the_key(cluster: Cluster) -> None:
     long_lease = cluster.env(MONGOLOCK_IT_LEASE=60)
     w = cluster.worker(name=f"h{tag()}@localhost", env=long_lease, extra_args=["-Q", "hardq"])

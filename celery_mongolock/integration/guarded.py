@@ -141,16 +141,41 @@ def _run_holding(
     released (a store that does not answer: retried in the background) and ``lease_released`` sent for
     each lease this run took (``fresh``)."""
     token = _current.set(held)
+    cut_short: BaseException | None = None
     try:
         return run_body(task, store, taken, options.on_contention, body)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: the process is going away
+            cut_short = exc
+        raise
     finally:
         _current.reset(token)
+        if cut_short is not None:
+            _give_back_cut_short(task, store, fresh, cut_short)
         try:
             held.release()
         except StoreUnavailable as exc:
             log_release.warning("%s[%s]: %s (retrying in the background)", task.name, task.request.id, exc)
         for lease in fresh:
             signals.lease_released.send(sender=task, key=lease.key, lease=lease)
+
+
+def _give_back_cut_short(task: GuardedRun, store: LeaseStore, fresh: list[Lease], exc: BaseException) -> None:
+    """A body cut short by its process going away (a pool child's ``SystemExit`` at a warm or cold
+    shutdown's SIGTERM or SIGQUIT, or a ``KeyboardInterrupt``) did not end: its keys are given back, not
+    released as a run that ended, so that its message, delivered again (``acks_late``), runs it again
+    instead of being taken for a copy of a run that is over ("already-ran": the work lost). As a run
+    whose worker was killed (``childwatch``)."""
+    log_release.warning(
+        "%s[%s]: its body was cut short (%s: %s); its key(s) %s are given back, not marked as run, so the "
+        "message, delivered again, runs it again",
+        task.name,
+        task.request.id,
+        type(exc).__name__,
+        exc,
+        [lease.key for lease in fresh],
+    )
+    give_back_quietly(store, fresh)
 
 
 def _take_the_rest(
