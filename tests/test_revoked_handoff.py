@@ -1,0 +1,44 @@
+"""A run revoked after it was handed the key, before its message was taken up: the sweeper drops the
+handoff (the key goes on) and the run's state becomes ``REVOKED``, as for a run revoked while parked (a
+new-user trial saw it stay ``QUEUED`` until a worker consumed its message). On the embedded server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from celery.worker import state
+
+from celery_mongolock.config import get_store
+from celery_mongolock.integration.results import QUEUED
+from celery_mongolock.integration.sweeper import Sweeper
+
+KEY = "resource:revoked-handoff"
+
+
+@pytest.fixture
+def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
+    app = Celery("revoked_handoff", broker="memory://", backend="cache+memory://")
+    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name)
+    yield app
+    get_store(app).close()
+
+
+def test_a_run_revoked_while_handed_the_key_ends_revoked(app: Celery) -> None:
+    store = get_store(app)
+    held = store.acquire(KEY, 60)
+    assert held is not None
+    entry = {"id": "handed-1/0", "t": "handed-1", "n": "proj.upload", "r": "0", "s": 10, "m": b"m", "ttl": 30}
+    assert store.admit(KEY, entry, ttl=30)[1]["lo"] == "parked"
+    app.backend.store_result("handed-1", None, QUEUED)  # what the parked run wrote
+    assert held.release()  # handed to it; its message is on its way
+    assert (store.collection.find_one({"_id": KEY}) or {})["ho"]["t"] == "handed-1"
+    state.revoked.add("handed-1")  # the worker received the revoke
+    try:
+        Sweeper(app, interval=1.0).sweep_once()
+    finally:
+        state.revoked.discard("handed-1")
+    assert app.backend.get_task_meta("handed-1")["status"] == "REVOKED"
+    doc = store.collection.find_one({"_id": KEY}) or {}
+    assert not doc.get("ho") and doc.get("owner") is None  # the handoff dropped, the key free
