@@ -276,3 +276,59 @@ def test_a_setting_turns_a_declared_unique_send_off(app: Celery, sent: Sent, cou
     counter.clear()
     assert unique.delay(7).id != unique.delay(7).id
     assert counter.names() == [] and len(sent.ids) == 2
+
+
+_THREADED_FIRST_SENDS = """
+import sys, threading, time
+from celery import Celery
+from celery_mongolock import SingletonTask, singleton_task
+
+app = Celery("threaded_first_sends", broker="memory://", set_as_current=False)
+app.conf.update(mongolock_url=sys.argv[1], mongolock_database=sys.argv[2])
+
+binding = threading.Event()
+bind = SingletonTask.bind.__func__
+
+def slow_bind(cls, app):  # the first thread registers the task, then binds it slowly
+    if cls.name == "threaded.report":
+        binding.set()
+        time.sleep(1.0)
+    return bind(cls, app)
+
+SingletonTask.bind = classmethod(slow_bind)
+
+@singleton_task(app=app, key="report:{n}", unique_send=True, name="threaded.report")
+def report(n: int) -> None: ...
+
+errors = []
+def send(n):
+    try:
+        if n:
+            binding.wait(10)  # the others send meanwhile: Celery hands them the registered task
+        report.delay(n)
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+
+threads = [threading.Thread(target=send, args=(n,)) for n in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(errors)
+"""
+
+
+def test_first_sends_from_several_threads_wait_for_the_app_to_be_ready(mongo_url: str, db_name: str) -> None:
+    """A fresh process whose first sends come from several threads at once (a threaded web server's first
+    requests): one thread finalizes the app, the others send while it binds the tasks. Before: some got
+    ``AttributeError: 'NoneType' object has no attribute 'top'`` (a task not yet bound)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _THREADED_FIRST_SENDS, mongo_url, db_name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

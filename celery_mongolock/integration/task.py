@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
@@ -264,6 +265,8 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Celery's ``apply_async``; with ``unique_send``, see ``integration.unique_send``."""
+        if self.request_stack is None:
+            _wait_until_bound(self)
         if not wants_unique_send(self.app, self.name, self.mongolock_unique_send):  # no option parsed
             return super().apply_async(args, kwargs, **options)
         in_force, given, named = self._options(), tuple(args or ()), dict(kwargs or {})
@@ -272,6 +275,8 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     # -- the guarded call ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request_stack is None:
+            _wait_until_bound(self)
         if self.request_stack.top is None:
             # Called directly (task(...)), not by a worker: push a request like Task.__call__ does.
             self.push_request(args=args, kwargs=kwargs)
@@ -435,6 +440,26 @@ def singleton_task(
 
 
 # -- worker start-up and beat start-up: the checks of the singleton tasks ------------------------------
+
+
+#: How long a send or a call waits for another thread to finish binding its task to its app.
+BIND_WAIT_S = 30.0
+
+
+def _wait_until_bound(task: Task) -> None:
+    """Wait until the task's class is bound to its app. Celery registers a task made by a decorator
+    before it binds it, without a lock: in a fresh process whose first sends come from several threads at
+    once (a threaded web server's first requests), the other threads are handed the registered task while
+    the first one binds it, and an unbound task reads its app's settings from the default app (a user's
+    trial: 3 of 5 such processes failed a send with ``AttributeError``). Binding takes microseconds."""
+    deadline = time.monotonic() + BIND_WAIT_S
+    while type(task).request_stack is None:
+        if time.monotonic() > deadline:
+            raise ConfigurationError(
+                f"task {task.name!r} was not bound to its app within {BIND_WAIT_S:g} s (Celery binds a "
+                "task when its app is finalized: call app.finalize() before sending from threads)"
+            )
+        time.sleep(0.001)
 
 
 def _is_singleton(task: Any) -> bool:
