@@ -60,9 +60,15 @@ class DocumentWriteUnknown(StoreUnavailable):
     def __init__(self, key: str, fence: int, why: str) -> None:
         self.key = key
         self.fence = fence
-        super().__init__(
+        self.why = why
+        self.message = (
             f"document lock {key!r} (fence {fence}): the update may or may not have been applied ({why})"
         )
+        # The constructor's arguments, so that result backends (cls(*args)) and pickle rebuild it.
+        super().__init__(key, fence, why)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class LockContended(MongoLockError):
@@ -85,9 +91,9 @@ class LockContended(MongoLockError):
                 message += f" (expires at {expires_at.isoformat()} server time unless renewed)"
         self.message = message
         # args are the constructor's arguments, so that Celery's result backends (which rebuild an
-        # exception as cls(*args)) and pickle give back the same error, key and holder included.
-        when = expires_at.isoformat() if isinstance(expires_at, _dt.datetime) else expires_at
-        super().__init__(key, self.holder, when, message)
+        # exception as cls(*args)) and pickle give back the same error, key, holder and expiry included
+        # (kombu's json carries a datetime as a datetime).
+        super().__init__(key, self.holder, expires_at, message)
 
     def __str__(self) -> str:
         return self.message

@@ -42,9 +42,9 @@ class FencedOut(LeaseLost):
         else:
             reason = f"a newer holder (fence {newer}) has written; this write was refused"
         super().__init__(key, fence, reason)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key, self.fence, self.newer, self.superseded_by))
+        # The constructor's arguments, so that Celery's result backends (which rebuild an exception as
+        # cls(*args)) and pickle give back the same error, superseded_by included.
+        self.args = (key, fence, newer, superseded_by)
 
 
 def _fence_of(lease_or_fence: Any) -> tuple[int, str]:
