@@ -8,7 +8,8 @@ marks the lease superseded (``Lease.mark_superseded``). From then on:
 1. ``current_lease().superseded`` is True and ``current_lease().raise_if_superseded()`` raises
    ``Superseded``; raised out of the body, it ends the run ``SUCCESS`` with the superseded result
    (``ended_superseded``: not a failure, not retried), and the release hands the key to the newest run;
-2. ``fenced_update_one`` with the lease refuses the holder's writes (``FencedOut``);
+2. ``fenced_update_one`` with the lease refuses the holder's writes (``FencedOut`` with
+   ``superseded_by``); raised out of the body, it ends the run as ``Superseded`` does;
 3. if the body still runs ``grace`` seconds later, the pool child terminates itself (``_Terminator``):
    it writes the run's superseded result and its history record first, then kills itself with
    ``SIGKILL``. The worker's parent releases the dead child's lease at once (``childwatch``), which hands
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from celery import signals as celery_signals
 
 from celery_mongolock.admission.policies import Policy, Replace
+from celery_mongolock.core.fencing import FencedOut
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.exceptions import ConfigurationError, Superseded
 from celery_mongolock.integration import results, signals
@@ -185,11 +187,25 @@ class _Terminator:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _is_this_runs_supersession(exc: Superseded | FencedOut, lease: Lease) -> bool:
+    """``exc``, raised out of the body, says a newer send superseded this very run: ``Superseded`` of one
+    of its keys, or ``FencedOut`` of a write made with its lease (or one of a set's), refused for the
+    supersession (``superseded_by``), not for a newer holder's fence."""
+    if not lease.superseded:
+        return False
+    if isinstance(exc, Superseded):
+        return exc.key in {one.key for one in _held(lease)}
+    if exc.superseded_by is None:
+        return False
+    return any(exc.key == one.key and exc.fence == one.fence for one in [lease, *_held(lease)])
+
+
 def run_body(
     task: GuardedRun, store: LeaseStore, lease: Lease, policy: Policy, body: Callable[[], Any]
 ) -> Any:
     """Run ``body`` holding ``lease``; a ``Replace(cancel_running=True)`` run is told when a newer send
-    supersedes it, ends superseded when its body raises ``Superseded``, and is terminated after ``grace``
+    supersedes it, ends superseded when its body raises ``Superseded`` (or a ``FencedOut`` the supersession
+    refused), and is terminated after ``grace``
     (in a prefork pool child). ``lease`` may be a ``LeaseSet`` (``keys=``): a newer send of the set tells
     the run on whichever key it reaches first, and every lease of the set is superseded from then on."""
     if not (isinstance(policy, Replace) and policy.cancel_running):
@@ -204,16 +220,20 @@ def run_body(
         lease.on_superseded(terminator.notice)
     try:
         return body()
-    except Superseded as exc:
-        if exc.key not in {one.key for one in _held(lease)} or not lease.superseded:
-            raise  # another lease's (a singleton run called in-process): not this run's supersession
+    except (Superseded, FencedOut) as exc:
+        if not _is_this_runs_supersession(exc, lease):
+            raise  # another lease's (a singleton run called in-process), or a plain fenced-out write
         lease.end_superseded()  # (its release says so: a copy finding it over answers superseded)
         if terminator is None or terminator.claim_ending():
             result = ended_superseded(task, store, key, lease)
         else:  # the grace ran out as it raised: the terminator writes the ending (once)
             result = _result(lease, str(lease.superseded_by))
         if policy.fail_superseded:
-            raise  # Replace(fail_superseded=True): it ends FAILURE (its link_error callbacks are called)
+            # Replace(fail_superseded=True): it ends FAILURE with Superseded (its link_error callbacks are
+            # called), also when the body stopped at a fenced write that the supersession refused.
+            if isinstance(exc, Superseded):
+                raise
+            raise Superseded(key, lease.fence, str(lease.superseded_by)) from exc
         return result
     finally:
         if terminator is not None:
