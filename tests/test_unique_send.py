@@ -201,6 +201,33 @@ def test_an_equal_pending_send_returns_the_pending_run_and_publishes_nothing(
     assert unique.delay(7, "a.csv").id not in (first.id, other.id)
 
 
+def test_with_replace_a_send_equal_to_an_overtaken_run_is_the_newest_and_is_published(
+    app: Celery, sent: Sent
+) -> None:
+    """``Replace`` with ``unique_send``: sends (a), (b), (a) of one key while none has started. The third
+    is equal to the first, but the second, newer than the first, supersedes it: absorbed by the first, the
+    file sent last would be lost (a user's trial: the key ended with b). It is published, and the record
+    names it; a fourth equal send is absorbed by it. Under ``Queue`` every send runs: absorbed as before."""
+
+    @singleton_task(
+        key="group:{group_id}", app=app, name="t.latest", unique_send=True, on_contention="replace"
+    )
+    def latest(group_id: int, upload: str) -> str:
+        return upload
+
+    @singleton_task(key="group:{group_id}", app=app, name="t.queued", unique_send=True, on_contention="queue")
+    def queued(group_id: int, upload: str) -> str:
+        return upload
+
+    first, second, third = (latest.delay(7, name) for name in ("a.csv", "b.csv", "a.csv"))
+    assert third.id not in (first.id, second.id)
+    assert sent.ids == [first.id, second.id, third.id]
+    assert latest.delay(7, "a.csv").id == third.id  # the record names the newest now
+    assert [p.task_id for p in sends_of(app._mongolock_store).pending("group:7")] == [second.id, third.id]
+    q1, q2, q3 = (queued.delay(8, name) for name in ("a.csv", "b.csv", "a.csv"))
+    assert q3.id == q1.id and q2.id != q1.id
+
+
 def test_off_by_default_a_send_costs_no_command(app: Celery, sent: Sent, counter: CommandCounter) -> None:
     _, plain, by_policy = _tasks(app)
     counter.clear()

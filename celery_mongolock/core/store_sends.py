@@ -86,6 +86,34 @@ class SendRecords:
             f"the pending send of {task_name!r} could not be checked: no answer named a run"
         )
 
+    def overtaken(self, digest: str, pending: str, keys: Sequence[str]) -> bool:
+        """Whether a record of another send of the same keys was claimed after (or in the same
+        millisecond as) the record ``digest`` that names the pending run ``pending`` (``Replace``: that
+        newer send supersedes the pending run, so a send equal to the pending one is newer still and must
+        not be absorbed by it). A record past its bound counts too: publishing is the safe side."""
+        coll = self._ready()
+        with self.store.operation(f"check for a newer send of {sorted(keys)}"):
+            record = coll.find_one({"_id": digest, "t": pending}, {"s": 1})
+            if record is None or record.get("s") is None:
+                return False
+            newer = coll.find_one(
+                {
+                    "k": sorted(keys),
+                    "t": {"$ne": pending},
+                    "s": {"$gte": record["s"]},
+                },
+                {"_id": 1},
+            )
+        return newer is not None
+
+    def take_over(self, digest: str, pending: str, task_id: str, bound_ms: int) -> bool:
+        """Make ``task_id`` the pending run of the record ``digest`` in place of ``pending`` (one
+        ``findAndModify``); False if the record no longer names ``pending``."""
+        update = [{"$set": {"t": task_id, "s": "$$NOW", "x": {"$add": ["$$NOW", int(bound_ms)]}}}]
+        with self.store.operation(f"take over the pending send of {pending}"):
+            doc = self._ready().find_one_and_update({"_id": digest, "t": pending}, update, {"_id": 1})
+        return doc is not None
+
     def forget(self, task_id: str) -> bool:
         """Remove the record whose pending run is ``task_id`` (its body starts, or it will never run)."""
         with self.store.operation(f"forget the pending send of {task_id}"):

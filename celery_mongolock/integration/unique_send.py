@@ -31,8 +31,9 @@ from celery import signals as celery_signals
 from celery import states
 from celery.utils import uuid
 
+from celery_mongolock.admission.policies import Replace
 from celery_mongolock.core.documents.sends import send_digest
-from celery_mongolock.core.store_sends import sends_of
+from celery_mongolock.core.store_sends import SendRecords, sends_of
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import signals
 from celery_mongolock.integration.config import TaskOptions, get_settings, get_store
@@ -141,6 +142,10 @@ def send_unique(
             f"say whether an equal send is pending ({exc}); send it again later, or declare "
             "unique_send='best_effort' to publish it undeduplicated then"
         ) from None
+    if pending != task_id and _overtaken(
+        task, in_force, records, (digest, pending, task_id), keys, options=options
+    ):
+        pending = task_id  # (the record is this send's now)
     if pending != task_id:
         log.info(
             "%s: an equal send is pending (%s): this send returns it, nothing published", task.name, pending
@@ -153,6 +158,34 @@ def send_unique(
         # Not published: the record must not turn equal sends away until its bound.
         _forget(task.app, task_id, "its publish failed")
         raise
+
+
+def _overtaken(
+    task: Task,
+    in_force: TaskOptions,
+    records: SendRecords,
+    ids: tuple[str, str, str],
+    keys: Sequence[str],
+    *,
+    options: Mapping[str, Any],
+) -> bool:
+    """``Replace``: the pending run an equal send would return was overtaken by a newer send of its keys
+    (with other arguments), which supersedes it; this send is newer still, so it is published as the
+    record's pending run (taken over) instead of being absorbed by a run that will not run (a user's
+    trial: sends (3), (2), (3) ended with 2). True if this send took the record over."""
+    digest, pending, task_id = ids
+    if not isinstance(in_force.on_contention, Replace):
+        return False
+    bound = bound_ms(options, in_force.unique_send_seconds)
+    if not records.overtaken(digest, pending, keys) or not records.take_over(digest, pending, task_id, bound):
+        return False
+    log.info(
+        "%s: an equal send is pending (%s), but a newer send of its keys supersedes it: this send is "
+        "published",
+        task.name,
+        pending,
+    )
+    return True
 
 
 def _forget(app: Celery, task_id: str, why: str) -> bool:
