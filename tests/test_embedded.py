@@ -115,6 +115,34 @@ def test_module_stops_its_server_on_sigterm() -> None:
             proc.stdout.close()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's (prctl)")
+def test_a_killed_module_leaves_no_server_behind() -> None:
+    """``python -m celery_mongolock.embedded`` SIGKILLed (no handler runs): its server goes too, and the
+    port is free to start it again (a user's trial: the server went on serving, and a restart failed with
+    'port ... already in use')."""
+    from celery_mongolock.testing import wait_for
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery_mongolock.embedded"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert _answers(url)
+        proc.kill()
+        proc.wait(30)
+        wait_for(lambda: not _answers(url), timeout=60, message="the server to go with its command")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 #: ``tgkill`` (a signal to one thread of another process), by machine; Linux only.
 _TGKILL = {"x86_64": 234, "aarch64": 131}
 

@@ -148,6 +148,7 @@ class EmbeddedMongo:
         url_options: Mapping[str, str] | None = None,
         startup_timeout: float = 60.0,
         log_path: str | os.PathLike[str] | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self.host = host
         self.port = port or find_free_port(host)
@@ -158,6 +159,9 @@ class EmbeddedMongo:
         self.url_options = dict(url_options or {})
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
+        #: Linux: the server gets SIGTERM when the thread that started it dies, even by SIGKILL (the
+        #: ``python -m celery_mongolock.embedded`` command: a killed command leaves no server behind).
+        self.die_with_parent = die_with_parent
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._tmp_log: str | None = None
@@ -206,6 +210,7 @@ class EmbeddedMongo:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C in a terminal goes to us; we stop the server ourselves
+            preexec_fn=_die_with_parent if self.die_with_parent and sys.platform == "linux" else None,  # noqa: PLW1509
         )
         _RUNNING.add(self)
         try:
@@ -327,6 +332,15 @@ def _stop_all() -> None:  # never leave a server running behind us
             server.stop(timeout=5)
 
 
+def _die_with_parent() -> None:
+    """In the server's process before it runs: SIGTERM when the thread that started it ends
+    (``prctl(PR_SET_PDEATHSIG)``, Linux)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m celery_mongolock.embedded",
@@ -342,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         storage_path=args.storage_path,
         auth=args.auth,
         enable_test_commands=args.enable_test_commands,
+        die_with_parent=True,  # (a SIGKILLed command must not leave its server serving the port)
     )
     stop = False
 
