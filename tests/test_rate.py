@@ -283,6 +283,12 @@ def test_why_shows_the_rate_of_a_key(mongo_url: str, db_name: str) -> None:
         assert lease is not None
         why = run(mongo_url, db_name, "why", "api:7").stdout
         assert why.startswith("api:7: held") and "rate        2/2 in the last 60 s" in why, why
+        # Free again, but the window is full: the verdict says so (it said "the next run takes it at once").
+        assert lease.release()
+        first = run(mongo_url, db_name, "why", "api:7").stdout.splitlines()[0]
+        assert re.search(
+            r": its rate holds the next start for \d+\.\d s \(2 run\(s\) wait for it\)$", first
+        ), first
     finally:
         store.close()
 

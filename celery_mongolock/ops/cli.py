@@ -38,7 +38,7 @@ from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops import cli_documents, cli_queue
-from celery_mongolock.ops.cli_rate import rate_lines, read_window
+from celery_mongolock.ops.cli_rate import rate_lines, rate_verdict, read_window
 from celery_mongolock.ops.cli_sends import pending_send_lines, pending_sends_json
 from celery_mongolock.ops.cli_why import history_table, why_lines
 
@@ -566,7 +566,8 @@ def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
     endings."""
     store = _store(ctx)
     story = _run(lambda: store.why(key, parked_limit=WHY_PARKED))
-    rate = rate_lines(read_window(store, key))
+    window = read_window(store, key)
+    rate = rate_lines(window)
     pending = _run(lambda: sends_of(store).pending(key))
     if as_json:
         found = {"key": key} if story is None else story.as_dict()
@@ -586,6 +587,9 @@ def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
     now = story.server_now if story is not None else _dt.datetime.now(_dt.timezone.utc)
     if story is not None:
         lines = why_lines(story)
+        held_back = rate_verdict(window) if story.state == "free" else None
+        if held_back is not None:  # free, but not for a start now
+            lines[0] = lines[0].replace("the next run takes it at once", held_back)
     elif rate:
         lines = [f"{key}: free (no lease document); a rate limits its starts", ""]
     else:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from celery_mongolock.core.documents.rate import RateWindow
     from celery_mongolock.core.store import LeaseStore
 
-__all__ = ["rate_lines", "read_window"]
+__all__ = ["rate_lines", "rate_verdict", "read_window"]
 
 log = logging.getLogger("celery_mongolock.cli")
 
@@ -41,3 +41,15 @@ def rate_lines(window: RateWindow | None) -> list[str]:
         for n, waiter in enumerate(window.waiters, 1):
             lines.append(f"{'':12}{n:>2}  {waiter.run}")
     return lines
+
+
+def rate_verdict(window: RateWindow | None) -> str | None:
+    """What the rate says of a free key's next start, for the verdict line of ``why`` (None: the rate
+    does not hold it back): ``its rate holds the next start for 596.2 s (2 run(s) wait for it)``."""
+    if window is None or not window.n:
+        return None
+    next_in = window.next_start_in()
+    if next_in <= 0:
+        return None
+    waiting = f" ({len(window.waiters)} run(s) wait for it)" if window.waiters else ""
+    return f"its rate holds the next start for {next_in:.1f} s{waiting}"
