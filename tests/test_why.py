@@ -265,3 +265,23 @@ def test_the_verdict_of_a_free_key_names_its_last_lease_not_a_parked_run() -> No
     story = KeyStory.from_document(doc, [sup])
     assert story.state == "free" and story.endings[0].parked  # newest first: the superseded run...
     assert story.verdict.startswith("free (released 1.3 s ago for app.upload[77d2], whose worker")
+
+
+def test_a_run_ended_with_no_fence_known_sorts_by_its_time() -> None:
+    """A run superseded at its admission (a late send) is recorded with no fence: it sorts after the last
+    lease acquired before it ended, not below every lease (a user's trial: history was not newest first)."""
+    late_send = {
+        "_id": "k\x000\x00q\x00ee",
+        "f": 0,
+        "v": "q",
+        "t": "ee55",
+        "n": "app.upload",
+        "how": "superseded",
+        "e": at(-2.0),  # after lease 101 was acquired (-2.5), before it ended (-1.3)
+    }
+    entries = merge_endings("email-group:42", ENDS, [late_send], 10)
+    assert [(e.task_id, e.how) for e in entries] == [
+        ("77d2", "holder-died"),
+        ("ee55", "superseded"),
+        ("1b9a", "released"),
+    ]

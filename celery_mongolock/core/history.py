@@ -182,10 +182,20 @@ def merge_endings(
             merged[fence] = dataclasses.replace(server, holder_saw="lost", holder_saw_why=own.holder_saw_why)
 
     # A run that ended while parked carries the fence the key had then: it sorts after that lease's
-    # acquisition (below its ending, which is at or after it in most cases) and before the next one's.
+    # acquisition (below its ending, which is at or after it in most cases) and before the next one's. A
+    # run ended with no fence known (superseded at its admission, a late send) sorts by its time: after the
+    # last lease acquired before it ended (a user's trial: such rows came after newer ones).
+    leases = [e for e in merged.values() if e.fence and e.acquired_at is not None]
+
+    def fence_of(e: LeaseEnding) -> int:
+        if e.fence or e.ended_at is None:
+            return e.fence
+        before = [m.fence for m in leases if m.acquired_at is not None and m.acquired_at <= e.ended_at]
+        return max(before, default=0)
+
     def order(e: LeaseEnding) -> tuple[int, int, float]:
         when = e.ended_at.timestamp() if e.ended_at is not None else 0.0
-        return (e.fence, 0 if e.parked else 1, when)
+        return (fence_of(e), 0 if e.parked else 1, when)
 
     return sorted([*merged.values(), *runs.values()], key=order, reverse=True)[:limit]
 
