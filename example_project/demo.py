@@ -541,16 +541,17 @@ def check_invariants(
             continue
         group = key_sends[0].plan.owner
         last = key_sends[-1]  # the highest send order of the group
-        members = sorted(d["email"] for d in db["members"].find({"group": group}))
+        doc = db["groups"].find_one({"_id": group}) or {}
+        current = {"group": group, "fence": doc.get("fence")}  # (emailgroups.tasks.current_members)
+        members = sorted(d["email"] for d in db["members"].find(current))
         with open(upload_dir / f"{last.label}.csv", newline="") as f:
             expected = sorted(row["email"] for row in csv.DictReader(f))
-        doc = db["groups"].find_one({"_id": group}) or {}
         if members == expected and doc.get("upload") == last.label:
             good.append(
                 f"group {group}: {last.label} (sent last of {len(key_sends)}), {len(members)} members"
             )
         else:
-            holds = sorted({d.get("upload") for d in db["members"].find({"group": group})})
+            holds = sorted({d.get("upload") for d in db["members"].find(current)})
             bad.append(f"group {group}: sent last {last.label}, holds members of {holds}")
             bad_keys.add(key)
     checks.append(
@@ -1133,7 +1134,10 @@ def main() -> int:
             timeline = Path(args.timeline).resolve()
             # What the groups and ledgers hold at the end (the timeline shows it per key).
             finals: dict[str, Any] = {}
-            for doc in db["members"].find({}, {"group": 1, "upload": 1}):
+            fences = {g["_id"]: g.get("fence") for g in db["groups"].find({}, {"fence": 1})}
+            for doc in db["members"].find({}, {"group": 1, "upload": 1, "fence": 1}):
+                if doc.get("fence") != fences.get(doc["group"]):
+                    continue  # (a paused holder's late members: not the group's)
                 key = f"email-group:{doc['group']}"
                 seen = finals.setdefault(key, doc["upload"])
                 if seen != doc["upload"]:

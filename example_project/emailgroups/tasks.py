@@ -29,7 +29,9 @@ def upload_members(self: Any, group_id: int, upload_id: str, csv_path: str) -> i
     """Replace email group ``group_id``'s members with the addresses in ``csv_path``.
 
     Clear the group, then add the members in batches. Two uploads for one group never overlap (the
-    lease), and a holder that lost its lease while paused cannot write over a newer upload (the fence).
+    lease). A holder that lost its lease while paused cannot write over a newer upload (the fence): its
+    claim of the group is refused (``FencedOut``), and every member it adds carries its fence, which is
+    not the group's any more, so readers (``current_members``) never see them.
     """
     lease = current_lease()
     assert lease is not None
@@ -48,18 +50,18 @@ def upload_members(self: Any, group_id: int, upload_id: str, csv_path: str) -> i
     fenced_update_one(
         groups, {"_id": group_id}, {"$set": {"upload": upload_id, "state": "uploading"}}, lease, upsert=True
     )
-    members.delete_many({"group": group_id})
+    members.delete_many({"group": group_id, "fence": {"$ne": lease.fence}})  # older uploads' members
     with open(csv_path, newline="") as f:
         emails = [row["email"] for row in csv.DictReader(f)]
     for i in range(0, len(emails), BATCH):
         lease.raise_if_lost()  # stop promptly if the lease was lost
+        batch = emails[i : i + BATCH]
+        # Each member carries this run's fence: only the group's current fence's members count.
         members.insert_many(
-            [{"group": group_id, "email": e, "upload": upload_id} for e in emails[i : i + BATCH]]
+            [{"group": group_id, "email": e, "upload": upload_id, "fence": lease.fence} for e in batch]
         )
         time.sleep(0.1)  # a slow downstream system, so that uploads visibly overlap in time
-    groups.update_one(
-        {"_id": group_id, "fence": lease.fence}, {"$set": {"state": "done", "size": len(emails)}}
-    )
+    fenced_update_one(groups, {"_id": group_id}, {"$set": {"state": "done", "size": len(emails)}}, lease)
     log_run(
         "end", key=lease.key, group=group_id, upload=upload_id, fence=lease.fence, task_id=self.request.id
     )
@@ -104,6 +106,13 @@ def post_to_ledger(self: Any, account: str, posting_id: str, amount: int) -> int
         "end", key=lease.key, account=account, posting=posting_id, fence=lease.fence, task_id=self.request.id
     )
     return balance
+
+
+def current_members(group_id: int) -> list[dict[str, Any]]:
+    """The group's members: those written under the group's current fence (a paused holder that woke up
+    after a newer upload claimed the group may still add members under its own, older fence)."""
+    group = db()["groups"].find_one({"_id": group_id}) or {}
+    return list(db()["members"].find({"group": group_id, "fence": group.get("fence")}))
 
 
 @singleton_task(key="digest", app=app, bind=True)
