@@ -8,8 +8,8 @@ event type                     fields
 =============================  =====================================================================
 ``task-mongolock-acquired``    ``fence``, ``lease_seconds``: the body is about to run
 ``task-mongolock-contended``   ``policy`` (what happens to the run: ``retry``, ``skip``, ``wait``,
-                               ``fail``, ``duplicate``, ``tick-already-ran``), ``holder_task_id``,
-                               ``holder_worker``
+                               ``fail``, ``queue``, ``replace``, ``rate``, ``throttle``, ``duplicate``,
+                               ``tick-already-ran``), ``holder_task_id``, ``holder_worker``
 ``task-mongolock-skipped``     ``reason``: the run ended without running its body (Skip)
 ``task-mongolock-parked``      ``position``, ``stamp``: the run was parked (Queue, Replace), its
                                message acknowledged, until the key is handed to it
