@@ -647,6 +647,30 @@ def test_bad_document_lock_arguments(call: Any, error: Any, names: str, why: str
     check(call, error, names, why)
 
 
+# -- 9c. helpers: metrics.enable -------------------------------------------------------------------------------
+# Refused before anything is set up (no multiprocess directory, no signal handler connected).
+
+
+def enable_metrics(port: Any) -> None:
+    from celery_mongolock import metrics
+
+    metrics.enable(port=port)
+
+
+HELPER_CASES = [
+    case(lambda: enable_metrics(70000), ConfigurationError, "metrics.enable(port=...)", "an int from 1 to 65535", "metrics-port-too-high"),
+    case(lambda: enable_metrics(0), ConfigurationError, "metrics.enable(port=...)", "got 0", "metrics-port-zero"),
+    case(lambda: enable_metrics(-1), ConfigurationError, "metrics.enable(port=...)", "got -1", "metrics-port-negative"),
+    case(lambda: enable_metrics("x"), ConfigurationError, "metrics.enable(port=...)", "got 'x'", "metrics-port-str"),
+    case(lambda: enable_metrics(True), ConfigurationError, "metrics.enable(port=...)", "got True", "metrics-port-bool"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(ARGS, HELPER_CASES)
+def test_bad_helper_arguments(call: Any, error: Any, names: str, why: str) -> None:
+    check(call, error, names, why)
+
+
 # -- 10. the command line ----------------------------------------------------------------------------------------
 
 CLI_CASES = [
@@ -780,6 +804,7 @@ FAMILIES: dict[str, list[Any]] = {
     "test_bad_store_arguments": STORE_CASES,
     "test_bad_acquire_arguments": ACQUIRE_CASES,
     "test_bad_document_lock_arguments": DOCUMENT_LOCK_CASES,
+    "test_bad_helper_arguments": HELPER_CASES,
     "test_bad_command_line_arguments": CLI_CASES,
     "test_bad_unique_sends": UNIQUE_SEND_CASES,
 }

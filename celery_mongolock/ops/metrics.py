@@ -131,9 +131,11 @@ def enable(port: int | None = None, addr: str = "127.0.0.1") -> None:
     """Record the lease metrics in this process and the worker's pool children.
 
     ``port``: the worker's main process serves them on ``http://addr:port/metrics`` once it is ready
-    (never the pool children, nor a process that only sends tasks). Safe to call more than once.
+    (never the pool children, nor a process that only sends tasks); an int from 1 to 65535, refused
+    here otherwise. Safe to call more than once.
     """
     global _metrics, _port
+    _check_port(port)
     with _enable_lock:
         if _metrics is None:
             try:
@@ -169,6 +171,20 @@ def enable(port: int | None = None, addr: str = "127.0.0.1") -> None:
             worker_ready.connect(_on_worker_ready, weak=False, dispatch_uid="celery_mongolock.metrics.serve")
         if port is not None:
             _port = (port, addr)
+
+
+def _check_port(port: object) -> None:
+    """A port to serve on: an int from 1 to 65535 (0 would be a port the OS picks, which no scraper knows).
+
+    Refused here, in the caller's process: a bad one would only fail in the worker's ``worker_ready``
+    handler, logged and otherwise unseen."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigurationError(
+            f"celery_mongolock.metrics.enable(port=...) must be an int from 1 to 65535 (or None to serve "
+            f"the metrics yourself), got {port!r}"
+        )
 
 
 def registry() -> Any:
