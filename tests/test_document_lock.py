@@ -277,7 +277,7 @@ def test_a_field_name_collision(store: LeaseStore, coll: Any) -> None:
         ({"field": "a.b"}, "plain top-level field"),
         ({"field": "_id"}, "plain top-level field"),
         ({"field": "$x"}, "plain top-level field"),
-        ({"ttl": 0}, "lease_seconds"),
+        ({"ttl": 0}, "ttl must be between"),
         ({"ttl": 1, "heartbeat_seconds": 1}, "heartbeat_seconds"),
         ({"wait": -1}, "wait"),
     ],

@@ -471,7 +471,7 @@ def test_bad_acquire_arguments(store: LeaseStore) -> None:
         store.acquire("")
     with pytest.raises(InvalidKey, match="must be a str"):
         store.acquire(42)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="lease_seconds"):
+    with pytest.raises(ConfigurationError, match="ttl must be between"):
         store.acquire("k", ttl=0)
     with pytest.raises(ConfigurationError, match="heartbeat_seconds"):
         store.acquire("k", ttl=1, heartbeat_seconds=5)

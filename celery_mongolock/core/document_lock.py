@@ -380,6 +380,7 @@ class DocumentLock:
             heartbeat_seconds
             if heartbeat_seconds is not None
             else (store.heartbeat_seconds if ttl is None else None),
+            name="lease_seconds" if ttl is None else "ttl",
         )
         self.wait = validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
         self.poll_interval = validate_seconds("poll_interval", poll_interval, low=0.001, high=60.0)

@@ -199,6 +199,7 @@ class Acquisition:
             heartbeat_seconds
             if heartbeat_seconds is not None
             else (store.heartbeat_seconds if ttl is None else None),
+            name="lease_seconds" if ttl is None else "ttl",
         )
         holder = documents.holder_info(store.connection.host, os.getpid(), info)
         token = uuid.uuid4().hex

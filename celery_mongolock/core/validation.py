@@ -98,18 +98,21 @@ def validate_names(database: object, collection: object, *, prefix: str = "") ->
     return database, collection
 
 
-def validate_lease_timing(lease_seconds: object, heartbeat_seconds: object | None) -> tuple[float, float]:
+def validate_lease_timing(
+    lease_seconds: object, heartbeat_seconds: object | None, *, name: str = "lease_seconds"
+) -> tuple[float, float]:
     """Check a lease length and heartbeat interval that must work together; return them as floats.
 
     The heartbeat must fit at least twice into the lease, so that one lost renewal is survived.
+    ``name``: the lease length's name in the caller's API (``ttl`` for ``acquire`` and ``DocumentLock``).
     """
-    ttl = validate_seconds("lease_seconds", lease_seconds, low=MIN_LEASE_SECONDS, high=MAX_LEASE_SECONDS)
+    ttl = validate_seconds(name, lease_seconds, low=MIN_LEASE_SECONDS, high=MAX_LEASE_SECONDS)
     if heartbeat_seconds is None:
         return ttl, ttl / 3.0
     beat = validate_seconds("heartbeat_seconds", heartbeat_seconds, low=0.05, high=MAX_LEASE_SECONDS)
     if beat > ttl / 2.0:
         raise ConfigurationError(
-            f"heartbeat_seconds ({beat:g}) must be at most half of lease_seconds ({ttl:g}) so that a "
+            f"heartbeat_seconds ({beat:g}) must be at most half of {name} ({ttl:g}) so that a "
             f"missed renewal does not lose the lease; use {ttl / 3.0:g} or less"
         )
     return ttl, beat
