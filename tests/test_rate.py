@@ -92,6 +92,24 @@ def test_values() -> None:
     assert parse_rate(None) is None
 
 
+def test_then_takes_the_forms_settings_take() -> None:
+    """``then="skip"`` (or a settings dict) in the constructor, as ``"then": "skip"`` in settings (before:
+    refused, though the settings accepted it)."""
+    assert (
+        Throttle(600, then="skip")
+        == Throttle(600, then=Skip())
+        == parse_rate({"throttle": 600, "then": "skip"})
+    )
+    assert RateLimit(5, 60, then={"policy": " Skip "}) == RateLimit(5, 60, then=Skip())
+    assert Throttle(600, then="skip").parks is False
+    with pytest.raises(ConfigurationError, match=r"Throttle\(then=...\) must be None .* got Fail\(\)"):
+        Throttle(600, then="fail")
+    with pytest.raises(
+        ConfigurationError, match=r"Throttle\(then=...\) must be one of .* \(did you mean 'skip'"
+    ):
+        Throttle(600, then="skp")
+
+
 @pytest.mark.parametrize(
     ("make", "words"),
     [

@@ -48,30 +48,40 @@ def _period(owner: str, period: object) -> float:
     return float(period)
 
 
-def _then(owner: str, then: object) -> None:
+def _then(owner: str, then: object) -> Policy | None:
+    """``then=``: None or Skip, given as settings give it too (``"skip"``, ``{"policy": "skip"}``)."""
+    if isinstance(then, (str, Mapping)):
+        then = parse_policy(then, f"{owner}(then=...)")
     if then is not None and not isinstance(then, Skip):
         raise ConfigurationError(
             f"{owner}(then=...) must be None (park the run until the window allows it) or Skip() (drop "
             f"it), got {then!r}"
         )
+    return then
 
 
-@dataclasses.dataclass(frozen=True)
+#: What ``then=`` takes: a policy object, or its name or settings dict (``"skip"``).
+ThenSpec = Policy | str | Mapping[str, Any] | None
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class RateLimit:
     """At most ``n`` starts per key in any rolling window of ``period`` seconds (the server's clock);
-    runs over the rate are parked and start in send order (``then=Skip()``: dropped instead)."""
+    runs over the rate are parked and start in send order (``then=Skip()``, or ``"skip"`` as in
+    settings: dropped instead)."""
 
     n: int
     period: float
     then: Policy | None = None
     name = "rate"
 
-    def __post_init__(self) -> None:
+    def __init__(self, n: int, period: float, then: ThenSpec = None) -> None:
         owner = type(self).__name__
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_RATE_N:
-            raise ConfigurationError(f"{owner}(n=...) must be an int from 1 to {MAX_RATE_N}, got {self.n!r}")
-        object.__setattr__(self, "period", _period(owner, self.period))
-        _then(owner, self.then)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RATE_N:
+            raise ConfigurationError(f"{owner}(n=...) must be an int from 1 to {MAX_RATE_N}, got {n!r}")
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "period", _period(owner, period))
+        object.__setattr__(self, "then", _then(owner, then))
 
     @property
     def period_ms(self) -> int:
@@ -94,7 +104,7 @@ class Throttle(RateLimit):
 
     name = "throttle"
 
-    def __init__(self, period: float, then: Policy | None = None) -> None:
+    def __init__(self, period: float, then: ThenSpec = None) -> None:
         super().__init__(1, period, then)
 
     def describe(self) -> str:
