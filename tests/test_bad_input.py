@@ -51,6 +51,7 @@ from celery_mongolock.integration.supersede import check_pool
 from celery_mongolock.integration.task import _check_task_policies
 from celery_mongolock.keys import normalize_key
 from celery_mongolock.policies import parse_policy
+from celery_mongolock.testing import wait_for
 
 from .workers import ROOT
 
@@ -647,7 +648,7 @@ def test_bad_document_lock_arguments(call: Any, error: Any, names: str, why: str
     check(call, error, names, why)
 
 
-# -- 9c. helpers: metrics.enable -------------------------------------------------------------------------------
+# -- 9c. helpers: metrics.enable, testing.wait_for -----------------------------------------------------------
 # Refused before anything is set up (no multiprocess directory, no signal handler connected).
 
 
@@ -663,6 +664,10 @@ HELPER_CASES = [
     case(lambda: enable_metrics(-1), ConfigurationError, "metrics.enable(port=...)", "got -1", "metrics-port-negative"),
     case(lambda: enable_metrics("x"), ConfigurationError, "metrics.enable(port=...)", "got 'x'", "metrics-port-str"),
     case(lambda: enable_metrics(True), ConfigurationError, "metrics.enable(port=...)", "got True", "metrics-port-bool"),
+    case(lambda: wait_for(bool, timeout=-1), ConfigurationError, "wait_for(timeout=...)", "0 or more, got -1", "wait-for-negative-timeout"),
+    case(lambda: wait_for(bool, timeout="x"), ConfigurationError, "wait_for(timeout=...)", "a finite number of seconds", "wait-for-str-timeout"),  # type: ignore[arg-type]
+    case(lambda: wait_for(bool, timeout=NAN), ConfigurationError, "wait_for(timeout=...)", "got nan", "wait-for-nan-timeout"),
+    case(lambda: wait_for(bool, interval=0), ConfigurationError, "wait_for(interval=...)", "above 0, got 0", "wait-for-zero-interval"),
 ]  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
 import shutil
 import signal
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from celery_mongolock.core.store import Lease
+from celery_mongolock.exceptions import ConfigurationError
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops.embedded import EmbeddedMongo, find_free_port
 
@@ -58,7 +60,13 @@ T = TypeVar("T")
 def wait_for(
     condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, message: str = "condition"
 ) -> T:
-    """Poll ``condition`` until it returns something truthy, and return it; AssertionError after timeout."""
+    """Poll ``condition`` until it returns something truthy, and return it; AssertionError after timeout.
+
+    ``timeout``: a finite number of seconds, 0 or more (0: look once); ``interval``: above 0 (the first
+    pause, growing to 0.25 s). Anything else is refused with ``ConfigurationError`` before the first look.
+    """
+    _check_wait_seconds("timeout", timeout, zero=True)
+    _check_wait_seconds("interval", interval, zero=False)
     deadline = time.monotonic() + timeout
     delay = interval
     while True:
@@ -69,6 +77,20 @@ def wait_for(
             raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")
         time.sleep(delay)
         delay = min(delay * 1.5, 0.25)
+
+
+def _check_wait_seconds(name: str, value: object, *, zero: bool) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        least = "0 or more" if zero else "above 0"
+        raise ConfigurationError(
+            f"wait_for({name}=...) must be a finite number of seconds, {least}, got {value!r}"
+        )
 
 
 def configure(app: Any, mongo_url: str, database: str = "celery_mongolock_test", **settings: Any) -> None:
