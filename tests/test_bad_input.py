@@ -208,7 +208,7 @@ def test_bad_key_specs_are_refused_at_declaration(call: Any, error: Any, names: 
 # -- 3. task arguments that do not encode into a key --------------------------------------------------------
 
 ARGUMENT_CASES = [
-    case(lambda: TEMPLATE_TASK.mongolock_key_for(object()), InvalidKey, "'group_id'", "is a object", "object"),
+    case(lambda: TEMPLATE_TASK.mongolock_key_for(object()), InvalidKey, "'group_id'", "is an object", "object"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for({1, 2}), InvalidKey, "'group_id'", "is a set", "set"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for(frozenset()), InvalidKey, "'group_id'", "is a frozenset", "frozenset"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for(1.5), InvalidKey, "'group_id'", "is a float (1.5)", "float"),
@@ -260,7 +260,7 @@ CALLABLE_CASES = [
     case(lambda: keyed_by(lambda group_id, **_: None).mongolock_key_for(1), InvalidKey, "key callable", "returned None", "returns-none"),
     case(lambda: keyed_by(lambda group_id, **_: b"k").mongolock_key_for(1), InvalidKey, "'key()'", "is a bytes", "returns-bytes"),
     case(lambda: keyed_by(lambda group_id, **_: 1.5).mongolock_key_for(1), InvalidKey, "'key()'", "is a float", "returns-float"),
-    case(lambda: keyed_by(lambda group_id, **_: object()).mongolock_key_for(1), InvalidKey, "'key()'", "is a object", "returns-object"),
+    case(lambda: keyed_by(lambda group_id, **_: object()).mongolock_key_for(1), InvalidKey, "'key()'", "is an object", "returns-object"),
     case(lambda: keyed_by(lambda group_id, **_: "").mongolock_key_for(1), InvalidKey, "lease key", "must not be empty", "returns-empty"),
     case(lambda: keyed_by(lambda group_id, **_: "a\x00").mongolock_key_for(1), InvalidKey, "lease key", "NUL", "returns-nul"),
     case(lambda: keyed_by(tenant_lookup_fails).mongolock_key_for(7), LookupError, "group 7", "no tenant", "raises"),

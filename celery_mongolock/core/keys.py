@@ -25,6 +25,12 @@ MAX_KEY_BYTES = 200
 _PREFIX_CHARS = 120
 
 
+def a_type(value: object) -> str:
+    """``value``'s type name with its article, for messages: "an object", "a set", "a UUID"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeio' else 'a'} {name}"
+
+
 def normalize_key(key: object) -> str:
     """Return the lease key stored for ``key``; raise ``InvalidKey`` naming the problem."""
     if not isinstance(key, str):
@@ -91,7 +97,7 @@ def encode_value(value: object, *, argument: str = "value") -> str:
                 f"argument {argument!r} is nested too deeply (or contains itself) to encode into a lease key"
             ) from None
     raise InvalidKey(
-        f"argument {argument!r} is a {type(value).__name__} ({value!r:.60}); lease keys accept str, int, "
+        f"argument {argument!r} is {a_type(value)} ({value!r:.60}); lease keys accept str, int, "
         "UUID, "
         "ObjectId, dict and list values: pass one of those, or give key= a callable that returns a string"
     )

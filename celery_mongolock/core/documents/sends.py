@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.keys import a_type
 from celery_mongolock.core.lease_info import aware
 from celery_mongolock.exceptions import ArgumentsNotComparable, ConfigurationError
 
@@ -96,7 +97,7 @@ def _comparable(value: Any, where: str) -> Any:
     if isinstance(value, (list, tuple)):
         return [_comparable(v, f"{where}[{i}]") for i, v in enumerate(value)]
     raise ArgumentsNotComparable(
-        f"{where} is a {type(value).__name__} ({value!r:.60}), not JSON data (str, int, float, bool, None, "
+        f"{where} is {a_type(value)} ({value!r:.60}), not JSON data (str, int, float, bool, None, "
         "list, dict with str keys)"
     )
 
