@@ -111,6 +111,16 @@ VERDICTS = [
 ]
 
 
+def test_a_free_key_expires_in_nothing() -> None:
+    """A key nobody holds has no ``expires_in`` (before: the last holder's, e.g. -133 s); an expired key
+    keeps its negative one, a held one its positive one."""
+    free = KeyStory.from_document(released(expires_at=at(-133.0), __expires_in_ms=-133000))
+    assert free.state == "free" and free.expires_in is None
+    assert KeyStory.from_document(held(owner=None, ends=[], __expires_in_ms=-5)).expires_in is None
+    assert KeyStory.from_document(held(expires_at=at(-4.2), __expires_in_ms=-4200)).expires_in == -4.2
+    assert KeyStory.from_document(held()).expires_in == 28.9
+
+
 @pytest.mark.parametrize(("doc", "verdict"), VERDICTS, ids=[str(i) for i in range(len(VERDICTS))])
 def test_verdicts(doc: dict[str, Any], verdict: str) -> None:
     assert KeyStory.from_document(doc).verdict == verdict

@@ -267,7 +267,8 @@ class KeyStory:
     ``state``: ``slots`` (a ``limit=N`` key with holds: ``slots``, ``limit``), ``held``,
     ``held-after-release`` (released, but kept taken until its minimum hold ends),
     ``expired`` (its holder stopped renewing; nobody has taken it over yet), or ``free``.
-    ``expires_in``: seconds until ``expires_at`` on the server's clock (negative: past). ``parked`` and
+    ``expires_in``: seconds until ``expires_at`` on the server's clock (negative: past, an ``expired``
+    key); None when nobody holds the key (``free``, and ``slots``: each hold has its own). ``parked`` and
     ``handoff``: runs waiting for the key, when the queue policy keeps them in the document. ``endings``:
     the last endings (newest first) from the document's ``ends``.
     """
@@ -314,6 +315,7 @@ class KeyStory:
         endings = tuple(LeaseEnding.from_record(key, e) for e in reversed(ends))
         if owner is None:
             state = "free"
+            expires_in = None  # the last holder's expiry, long past: not this free key's
         elif expires_in is None or expires_in <= 0:
             state = "expired"
         elif endings and endings[0].fence == fence:
