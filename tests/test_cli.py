@@ -134,6 +134,21 @@ def test_inspect(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
     assert missing.returncode != 0 and "no lease 'nope'" in missing.stderr
 
 
+def test_inspect_names_a_free_keys_holder_its_last_holder(
+    mongo_url: str, db_name: str, leases: LeaseStore
+) -> None:
+    """A released key: ``holder -`` and ``last_holder ...``, as ``why`` says ``holder none`` and ``last
+    holder`` (before: its last holder shown as its ``holder``)."""
+    leases.acquire("email-group:3", ttl=60, info={"task_name": "upload", "task_id": "t-3"}).release()  # type: ignore[union-attr]
+    out = run(mongo_url, db_name, "inspect", "email-group:3")
+    assert out.returncode == 0, out.stderr
+    rows = dict(line.split(None, 1) for line in out.stdout.splitlines() if " " in line.strip())
+    assert rows["state"] == "free" and rows["holder"] == "-", out.stdout
+    assert rows["last_holder"].startswith("upload[t-3] on "), out.stdout
+    held = run(mongo_url, db_name, "inspect", "email-group:1").stdout
+    assert re.search(r"^holder +upload\[t-1\] on ", held, re.M) and "last_holder" not in held, held
+
+
 def test_release_needs_force(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
     refused = run(mongo_url, db_name, "release", "email-group:1")
     assert refused.returncode != 0 and "--force" in refused.stderr

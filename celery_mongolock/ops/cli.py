@@ -348,11 +348,15 @@ def inspect_lease(ctx: click.Context, /, key: str | None, as_json: bool, **docum
         data.update(state=held if info.slots else "free", limit=info.limit)
         names: tuple[str, ...] = ("key", "state", "limit", "fence", "released_at")
     else:
-        data["holder"] = _holder_line(info.holder) if info.holder else None
+        # A key nobody holds keeps its last holder's fields: named as such (as ``why`` does), not as its
+        # holder.
+        last = _holder_line(info.holder) if info.holder else None
+        data["holder"], data["last_holder"] = (last, None) if info.held else (None, last)
         names = (
             "key",
             "state",
             "holder",
+            *(("last_holder",) if last and not info.held else ()),
             "fence",
             "owner",
             "expires_in",
