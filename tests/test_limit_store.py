@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from celery_mongolock import ConfigurationError, LeaseStore
+from celery_mongolock import ConfigurationError, LeaseStore, LockContended
 from celery_mongolock.core.documents.queue import gc_stage
 from celery_mongolock.testing import wait_for
 
@@ -51,6 +51,19 @@ def test_a_single_lease_and_slots_of_one_key_exclude_each_other(store: LeaseStor
     assert store.acquire(KEY, 30) is None
     slot.release()
     assert store.acquire(KEY, 30) is not None
+
+
+def test_a_hold_refused_for_a_full_key_names_its_slots_and_their_holders(store: LeaseStore) -> None:
+    """All N slots held: ``LockContended`` says so and names each holder (before: "held by another
+    owner"), with the first expiry as ``expires_at``."""
+    for task_id in ("a", "b"):
+        assert store.acquire("t:full", ttl=30, limit=2, info={"task_name": "sync", "task_id": task_id})
+    with pytest.raises(LockContended) as caught, store.hold("t:full", limit=2):
+        pass
+    message = str(caught.value)
+    assert message.startswith("lease 't:full': all 2 slots are held, by "), message
+    assert "task_name=sync, task_id=a; " in message and message.count("task_name=sync") == 2, message
+    assert caught.value.expires_at is not None and "another owner" not in message
 
 
 def test_an_expired_hold_frees_its_slot_and_is_recorded(store: LeaseStore) -> None:

@@ -20,7 +20,7 @@ from celery_mongolock.core.lease import Lease
 from celery_mongolock.core.lease_info import aware
 from celery_mongolock.core.reentry import Holds
 from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_limit, validate_seconds
-from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended
+from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended, _describe_holder
 
 __all__ = ["HoldingStore", "acquire_reentrant", "hold"]
 
@@ -71,6 +71,21 @@ def _self_contended(key: str, doc: Document | None) -> LockContended:
     )
 
 
+def _contended(key: str, doc: Document | None) -> LockContended:
+    """The key is held: by its holder, or for a ``limit=N`` key, by the holders of all its N slots."""
+    doc = doc or {}
+    holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
+    if not holds or doc.get("holder"):
+        return LockContended(key, doc.get("holder") or {}, aware(doc.get("expires_at")))
+    expiries = [x for x in (aware(h.get("x")) for h in holds) if x is not None]
+    soonest = min(expiries) if expiries else None
+    who = "; ".join(_describe_holder(dict(h.get("h") or {})) for h in holds)
+    message = f"lease {key!r}: all {doc.get('lim') or len(holds)} slots are held, by {who}"
+    if soonest is not None:
+        message += f" (the first expires at {soonest.isoformat()} server time unless renewed)"
+    return LockContended(key, {}, soonest, message=message)
+
+
 @contextlib.contextmanager
 def hold(
     store: HoldingStore,
@@ -116,8 +131,7 @@ def hold(
         if remaining <= 0 or not store.wait_free(
             key, remaining, poll_interval=poll_interval, max_poll_interval=max_poll_interval
         ):
-            holder = (doc or {}).get("holder") or {}
-            raise LockContended(name, holder, aware((doc or {}).get("expires_at")))
+            raise _contended(name, doc)
     store.holds.add(lease, limit, shared=reentrant)
     with lease:
         yield lease
