@@ -20,7 +20,7 @@ from celery_mongolock.core.lease import Lease
 from celery_mongolock.core.lease_info import aware
 from celery_mongolock.core.reentry import Holds
 from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_limit, validate_seconds
-from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended, _describe_holder
+from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended
 
 __all__ = ["HoldingStore", "acquire_reentrant", "hold"]
 
@@ -79,7 +79,13 @@ def _contended(key: str, doc: Document | None) -> LockContended:
         return LockContended(key, doc.get("holder") or {}, aware(doc.get("expires_at")))
     expiries = [x for x in (aware(h.get("x")) for h in holds) if x is not None]
     soonest = min(expiries) if expiries else None
-    who = "; ".join(_describe_holder(dict(h.get("h") or {})) for h in holds)
+    fields = ("host", "pid", "task_name", "task_id")  # as LockContended names a single key's holder
+    who = "; ".join(
+        ", ".join(f"{k}={h['h'][k]}" for k in fields if h["h"].get(k) is not None)
+        if isinstance(h.get("h"), Mapping) and any(h["h"].get(k) is not None for k in fields)
+        else "another owner"
+        for h in holds
+    )
     message = f"lease {key!r}: all {doc.get('lim') or len(holds)} slots are held, by {who}"
     if soonest is not None:
         message += f" (the first expires at {soonest.isoformat()} server time unless renewed)"
