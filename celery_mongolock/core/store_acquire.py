@@ -194,11 +194,10 @@ class Acquisition:
         key = normalize_key(key)
         hold_s = validate_seconds("min_hold", min_hold, low=0.0, high=MAX_LEASE_SECONDS)
         _check_ticks(tick, hold_until_ms)
+        default_beat = store.heartbeat_seconds if ttl is None else None
         ttl_s, beat = validate_lease_timing(
             store.lease_seconds if ttl is None else ttl,
-            heartbeat_seconds
-            if heartbeat_seconds is not None
-            else (store.heartbeat_seconds if ttl is None else None),
+            default_beat if heartbeat_seconds is None else heartbeat_seconds,
             name="lease_seconds" if ttl is None else "ttl",
         )
         holder = documents.holder_info(store.connection.host, os.getpid(), info)

@@ -467,10 +467,6 @@ def _parked_info(
     return store, _run(lambda: store.inspect(key, parked_from=(page - 1) * per_page, parked_limit=per_page))
 
 
-def _no_lease(key: str) -> click.ClickException:
-    return click.ClickException(f"no lease {key!r}: nothing is parked on it")
-
-
 @mongolock.command(name="queue", cls=_Command)
 @click.argument("key")
 @click.option("--page", default=1, show_default=True, type=_Number(int, 1), help="page N (1: the next runs)")
@@ -502,7 +498,7 @@ def drop_parked(ctx: click.Context, key: str, task_ids: tuple[str, ...], yes: bo
     """Drop parked runs from KEY's queue by task id: they end REVOKED without running."""
     store, info = _parked_info(ctx, key)
     if info is None:
-        raise _no_lease(key)
+        raise click.ClickException(f"no lease {key!r}: nothing is parked on it")
     _drop(ctx, store, info, list(dict.fromkeys(task_ids)), yes)
 
 
