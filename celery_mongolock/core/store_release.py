@@ -375,7 +375,8 @@ class Releases:
                     token,
                 )
         if released:
-            log_release.warning("released %d lease(s) held by %s", released, holder)
+            held_by = ", ".join(f"{k}={v}" for k, v in holder.items())  # (its caller says why, once)
+            log_release.info("released %d lease(s) held by %s", released, held_by)
             if store.history_days:
                 # The endings are in the documents (same update); the heartbeat copies them at its tick.
                 store.heartbeat.copy_endings(ended_for(holder))
