@@ -185,6 +185,18 @@ def make_store(mongo_url: str, db_name: str) -> Iterator[Any]:
 
 
 @pytest.fixture
+def worker_app(mongo_url: str, db_name: str) -> Iterator[celery.Celery]:
+    """A worker's app (no tasks) on this test's database, as its sweeper sees the store: in-memory broker
+    and result backend."""
+    from celery_mongolock.config import get_store
+
+    app = celery.Celery(f"worker_{uuid.uuid4().hex[:6]}", broker="memory://", backend="cache+memory://")
+    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name)
+    yield app
+    get_store(app).close()
+
+
+@pytest.fixture
 def own_server(tmp_path: Any) -> Iterator[Any]:
     """Factory for an embedded server of the test's own (to stop, kill, restart or arm fail points)."""
     servers: list[EmbeddedMongo] = []

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,9 @@ def test_a_server_that_cannot_start_reports_why() -> None:
         assert not clash.running
 
 
-def test_module_prints_url_and_stops_on_sigint() -> None:
+@contextlib.contextmanager
+def _module_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``python -m celery_mongolock.embedded`` started, with the URL it printed (it answers ping)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery_mongolock.embedded"],
         stdout=subprocess.PIPE,
@@ -83,36 +87,26 @@ def test_module_prints_url_and_stops_on_sigint() -> None:
         url = proc.stdout.readline().strip()
         assert url.startswith("mongodb://127.0.0.1:")
         assert _answers(url)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_module_prints_url_and_stops_on_sigint() -> None:
+    with _module_server() as (proc, url):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         assert not _answers(url)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_module_stops_its_server_on_sigterm() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery_mongolock.embedded"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().strip()
-        assert _answers(url)
+    with _module_server() as (proc, url):
         proc.terminate()
         assert proc.wait(30) == 0
         assert not _answers(url)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's (prctl)")
@@ -122,25 +116,10 @@ def test_a_killed_module_leaves_no_server_behind() -> None:
     'port ... already in use')."""
     from celery_mongolock.testing import wait_for
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery_mongolock.embedded"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().strip()
-        assert _answers(url)
+    with _module_server() as (proc, url):
         proc.kill()
         proc.wait(30)
         wait_for(lambda: not _answers(url), timeout=60, message="the server to go with its command")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 #: ``tgkill`` (a signal to one thread of another process), by machine; Linux only.

@@ -6,7 +6,6 @@ run missing from some of its keys."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,11 +19,8 @@ from .test_multi_key_admission import X, Y, doc_of, multi, wait_on_y
 
 
 @pytest.fixture
-def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
-    app = Celery("lone_reservations", broker="memory://", backend="cache+memory://")
-    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name)
-    yield app
-    get_store(app).close()
+def app(worker_app: Celery) -> Celery:
+    return worker_app
 
 
 def _lapse(store: LeaseStore, key: str, *, handed: int = 2) -> None:

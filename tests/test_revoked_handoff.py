@@ -4,8 +4,6 @@ new-user trial saw it stay ``QUEUED`` until a worker consumed its message). On t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from celery import Celery
 from celery.worker import state
@@ -18,11 +16,8 @@ KEY = "resource:revoked-handoff"
 
 
 @pytest.fixture
-def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
-    app = Celery("revoked_handoff", broker="memory://", backend="cache+memory://")
-    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name)
-    yield app
-    get_store(app).close()
+def app(worker_app: Celery) -> Celery:
+    return worker_app
 
 
 def test_a_run_revoked_while_handed_the_key_ends_revoked(app: Celery) -> None:

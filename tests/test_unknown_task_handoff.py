@@ -9,7 +9,6 @@ one that has the task: ``test_trust_handoff`` runs one)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,12 +25,9 @@ KEY = "resource:absent"
 
 
 @pytest.fixture
-def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
+def app(worker_app: Celery) -> Celery:
     """A worker's app that does not have the task ``proj.absent``."""
-    app = Celery("without_the_task", broker="memory://", backend="cache+memory://")
-    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name)
-    yield app
-    get_store(app).close()
+    return worker_app
 
 
 def entry(task_id: str = "absent-1", ttl: float = 30) -> dict[str, Any]:
