@@ -22,7 +22,7 @@ from celery_mongolock.integration import signals
 from celery_mongolock.integration.config import TaskOptions, get_store
 from celery_mongolock.integration.duplicates import stale_line
 from celery_mongolock.integration.one_key import OneKey
-from celery_mongolock.integration.rate_gate import TAKE_AGAIN, pass_rate
+from celery_mongolock.integration.rate_gate import pass_rate
 from celery_mongolock.integration.reentrant import end_holds, joined, note_taken, reentered
 from celery_mongolock.integration.runs import GuardedRun, give_back_quietly, ignored_as, unavailable
 from celery_mongolock.integration.several_keys import SeveralKeys
@@ -67,15 +67,10 @@ def guarded_one(
     inner = reentered(store, limits)
     if inner:  # the run holds the key already: its own lease, reentered (no command)
         return _run_reentered(task, inner[key], body)
-    while True:
-        taken = OneKey(task, key, options, direct=direct).take()
-        if isinstance(taken, Lease):  # then a start in its rate's window (None: it starts)
-            _drop_a_stale_line(task, store, [taken], key)  # (before the rate: no start spent on it)
-            over_rate = pass_rate(task, [key], [taken], options, direct=direct)
-            if over_rate is TAKE_AGAIN:
-                continue
-            taken = over_rate or taken
-        break
+    taken = OneKey(task, key, options, direct=direct).take()
+    if isinstance(taken, Lease):  # then a start in its rate's window (None: it starts)
+        _drop_a_stale_line(task, store, [taken], key)  # (before the rate: no start spent on it)
+        taken = pass_rate(task, [key], [taken], options, direct=direct) or taken
     if not isinstance(taken, Lease):
         return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
     lease = taken
@@ -195,17 +190,14 @@ def _take_the_rest(
     """The keys a run of several keys does not hold yet, all taken (a ``LeaseSet``), or the policy's
     outcome's value (the body does not run)."""
     some = {key: limits[key] for key in rest}
-    while True:
-        taken = SeveralKeys(task, rest, options, direct=direct, limits=some).take()
-        if not isinstance(taken, LeaseSet):
-            return taken.value
-        _drop_a_stale_line(task, store, list(taken), rest[0])  # (before the rate: no start spent on it)
-        over_rate = pass_rate(task, rest, list(taken), options, direct=direct)
-        if over_rate is TAKE_AGAIN:
-            continue
-        if over_rate is not None:
-            return over_rate.value
-        return taken
+    taken = SeveralKeys(task, rest, options, direct=direct, limits=some).take()
+    if not isinstance(taken, LeaseSet):
+        return taken.value
+    _drop_a_stale_line(task, store, list(taken), rest[0])  # (before the rate: no start spent on it)
+    over_rate = pass_rate(task, rest, list(taken), options, direct=direct)
+    if over_rate is not None:
+        return over_rate.value
+    return taken
 
 
 def _drop_a_stale_line(task: GuardedRun, store: LeaseStore, leases: list[Lease], key: str) -> None:

@@ -9,7 +9,7 @@ clock, recorded with the grant). Over the rate:
   the delivery acknowledged (``Ignore``), so no worker slot is held while it waits and nothing is
   dropped. Its state is ``QUEUED`` meanwhile. The copy is a contention retry of the run (same task id),
   so the guards against a second run of one delivery cover it. A direct call (``task(...)``,
-  ``apply()``) has no message: it gives its key(s) back, sleeps until its turn, and takes them again.
+  ``apply()``) has no message: it keeps its key(s) and sleeps until its turn.
 * ``then=Skip()``: the run gives its key(s) back and ends ``SUCCESS`` with a skipped result naming the
   rate (``"mongolock": "skipped"``, ``"rate": "RateLimit(2 per 2 s)"``).
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import time
-import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
     from celery_mongolock.core.lease import Lease
     from celery_mongolock.integration.config import TaskOptions
 
-__all__ = ["RATE_HEADER", "TAKE_AGAIN", "leave_rate", "pass_rate", "rate_parks_of", "rate_skipped_result"]
+__all__ = ["RATE_HEADER", "leave_rate", "pass_rate", "rate_parks_of", "rate_skipped_result"]
 
 log = logging.getLogger("celery_mongolock.acquire")
 
@@ -80,15 +79,14 @@ def pass_rate(
     task: GuardedRun, keys: Sequence[str], leases: Sequence[Lease], options: TaskOptions, *, direct: bool
 ) -> Outcome | None:
     """None when the run may start its body now (a start recorded in every key's window); an outcome
-    (``then=Skip()``) when it is dropped; raises ``Ignore`` when it is parked until its turn; ``TAKE_AGAIN``
-    when a direct call waited for its turn with its key(s) given back (take them again)."""
+    (``then=Skip()``) when it is dropped; raises ``Ignore`` when it is parked until its turn."""
     rate = options.rate
     if rate is None:
         return None
     request = task.request
     store = get_store(task.app)
     stamp, _src = _queue.stamp_of(request)
-    run = f"{request.id or _call_id(request)}/{int(getattr(request, 'retries', 0) or 0)}"
+    run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
     # The window serves its runs in the order the key's queue hands them over (priority, then send).
     rank = int(priority.rank_field(task.app, request, options.on_contention).get(priority.PRIORITY_FIELD, 0))
     in_process = direct or bool(request.is_eager or request.called_directly)
@@ -115,28 +113,11 @@ def pass_rate(
             give_back_quietly(store, list(leases))
             log.info("%s[%s]: %s; skipped", task.name, request.id, _over(rate, took))
             return Outcome(rate_skipped_result(key, rate, took))
-        give_back_quietly(store, list(leases))
         if not in_process:
+            give_back_quietly(store, list(leases))
             _park(task, key, rate, took, stamp)
-        # A direct call gives its key(s) back too (the runs before it in the window must be able to take
-        # them), waits for its turn in this thread, then is admitted again (its place in the window kept).
+        # A direct call keeps its key(s) and waits for its turn in this thread.
         time.sleep(_countdown(rate, took))
-        return TAKE_AGAIN
-
-
-#: ``pass_rate``'s answer to a direct call that waited for its turn with its key(s) given back: take them
-#: again, then ask the rate again.
-TAKE_AGAIN = Outcome(None)
-
-
-def _call_id(request: Any) -> str:
-    """An id for a direct call (it has no task id), the same through its waits for the rate: its place in
-    the window (a user's trial: every waiting direct call was ``None/0``)."""
-    found = getattr(request, "mongolock_call_id", None)
-    if not isinstance(found, str):
-        found = f"call-{uuid.uuid4().hex}"
-        request.mongolock_call_id = found
-    return found
 
 
 def leave_rate(task: GuardedRun, keys: Sequence[str], options: TaskOptions) -> None:
