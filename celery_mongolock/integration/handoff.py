@@ -249,25 +249,14 @@ def message_of(task: Any, request: Any, stamp: int, run: str) -> dict[str, Any]:
     return fields
 
 
-#: A run of a task this worker does not have is left for a worker that has it (``leave``) until it has
-#: been handed this many times (each handoff lapsed unclaimed: no worker took it up within its lease);
-#: then it is refused as any stored message this worker cannot check (a task no worker has any more).
-UNKNOWN_TASK_HANDOFFS = 5
-
-
 def _trusted(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseStore | None) -> Any:
     """The signature to publish for ``entry``, or None when its stored message is refused (then the run
     is dropped from its key(s), recorded and logged: ``refuse``) or left for a worker that has its task
     (``leave``)."""
     try:
         return check_entry(app, key, entry, config.get_settings(app).signing_key)
-    except UnknownTask as exc:
-        handed = int(entry.get("hn") or 1)
-        if handed < UNKNOWN_TASK_HANDOFFS:
-            leave(store or config.get_store(app), key, entry, str(exc))
-        else:
-            reason = f"{exc}, and no worker took it up in {handed} handoffs"
-            refuse(app, store or config.get_store(app), key, entry, reason)
+    except UnknownTask as exc:  # (never refused for that: a worker that has the task checks it)
+        leave(store or config.get_store(app), key, entry, str(exc))
         return None
     except RefusedEntry as exc:
         refuse(app, store or config.get_store(app), key, entry, str(exc))
@@ -278,16 +267,26 @@ def leave(store: LeaseStore, key: str, entry: Mapping[str, Any], reason: str) ->
     """Leave the handoff of ``key`` to the run ``entry``, whose task this worker does not have, for a
     worker that has it: unpublished by this worker (its mark cleared), so the next sweep of a worker that
     has the task adopts and publishes it (a worker per queue, or a deploy under way). Workers without the
-    task pass such a handoff by (``sweeper``) until it lapses unclaimed."""
+    task pass such a handoff by (``sweeper``) until it lapses unclaimed; then any sweeper hands the key
+    again, and a worker without the task leaves it again, with a WARNING that says how to drop the run if
+    no worker has its task any more (it is never refused for that: a busy worker that has the task may
+    simply not have taken it up yet)."""
     left = store.unmark_handoff(key, entry)
-    log.info(
-        "%r handed to %s[%s]: %s; left for a worker that has it (handoff %s)%s",
+    handed = int(entry.get("hn") or 1)
+    # Handed again after a lapse: no worker took it up within a lease. Say so, and what to do if no
+    # worker has that task any more (the run is never refused for it: its key waits).
+    log.log(
+        logging.INFO if handed < 2 else logging.WARNING,
+        "%r handed to %s[%s]: %s; left for a worker that has it (handoff %s)%s%s",
         key,
         entry.get("n"),
         entry.get("t"),
         reason,
-        entry.get("hn") or 1,
+        handed,
         "" if left else " (the key is no longer handed to it)",
+        ""
+        if handed < 2
+        else f"; if no worker has that task any more: celery mongolock drop {key} {entry.get('t')}",
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +87,8 @@ def pass_rate(
     request = task.request
     store = get_store(task.app)
     stamp, _src = _queue.stamp_of(request)
-    run = f"{request.id}/{int(getattr(request, 'retries', 0) or 0)}"
+    # (a direct call has no task id: one of its own, or every waiting call would be ``None/0``)
+    run = f"{request.id or 'call-' + uuid.uuid4().hex}/{int(getattr(request, 'retries', 0) or 0)}"
     # The window serves its runs in the order the key's queue hands them over (priority, then send).
     rank = int(priority.rank_field(task.app, request, options.on_contention).get(priority.PRIORITY_FIELD, 0))
     in_process = direct or bool(request.is_eager or request.called_directly)
