@@ -115,13 +115,8 @@ class Sweeper:
         key = one.key
         after = store.sweep(key, revoked=hits, slots=one.slotted)
         for task_id in hits:
-            if not has_backend(self.app):
-                break
-            if task_id in one.parked_ids:
+            if task_id in one.parked_ids and has_backend(self.app):
                 self.app.backend.mark_as_revoked(task_id, "revoked while parked")
-            elif task_id in one.handed_ids and state_of(self.app, task_id) == QUEUED:
-                # handed the key, its message not yet taken up (a run that took it up is STARTED)
-                self.app.backend.mark_as_revoked(task_id, "revoked while handed the key")
         if after is None:
             return
         fence = after.fence
