@@ -452,8 +452,11 @@ def _wait_until_bound(task: Task) -> None:
     once (a threaded web server's first requests), the other threads are handed the registered task while
     the first one binds it, and an unbound task reads its app's settings from the default app (a user's
     trial: 3 of 5 such processes failed a send with ``AttributeError``). Binding takes microseconds."""
+    cls = type(task)
+    if not getattr(cls, "__bound__", False):  # not bound yet: bind it (as Celery does a task at first use;
+        cls.bind(task.app)  # binding twice, with a thread that was about to, changes nothing)
     deadline = time.monotonic() + BIND_WAIT_S
-    while type(task).request_stack is None:
+    while cls.request_stack is None:  # (``bind`` sets ``__bound__`` first and the request stack later)
         if time.monotonic() > deadline:
             raise ConfigurationError(
                 f"task {task.name!r} was not bound to its app within {BIND_WAIT_S:g} s (Celery binds a "
