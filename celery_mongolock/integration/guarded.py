@@ -167,8 +167,8 @@ def _give_back_cut_short(task: GuardedRun, store: LeaseStore, fresh: list[Lease]
     instead of being taken for a copy of a run that is over ("already-ran": the work lost). As a run
     whose worker was killed (``childwatch``)."""
     log_release.warning(
-        "%s[%s]: its body was cut short (%s: %s); its key(s) %s are given back, not marked as run, so the "
-        "message, delivered again, runs it again",
+        "%s[%s]: its body was cut short (%s: %s); its key(s) %s are given back, not marked as run, so its "
+        "message, if delivered again, is not taken for a run that ended",
         task.name,
         task.request.id,
         type(exc).__name__,
