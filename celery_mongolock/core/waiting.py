@@ -225,12 +225,20 @@ class Swept:
     #: results are still to be written.
     timed_out: tuple[Run, ...] = ()
     superseded: tuple[Run, ...] = ()
+    #: Task ids of the runs that hold the key (or a slot of it) or are handed it, after the sweep: a run
+    #: the sweeper was asked to drop is not among them unless it took the key meanwhile.
+    on_key: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, doc: Mapping[str, Any]) -> Swept:
         fence = doc.get("fence")
+        held = doc.get("holder") if doc.get("owner") is not None else None  # (kept after a release)
+        holders = [held] + [h.get("h") for h in doc.get("hs") or [] if isinstance(h, Mapping)]
+        on_key = {str(h.get("task_id")) for h in holders if isinstance(h, Mapping) and h.get("task_id")}
+        on_key |= {str(ho.get("t")) for ho in _handoffs(doc)}
         return cls(
             fence=fence if isinstance(fence, int) else None,
             timed_out=tuple(r for r in doc.get("dead") or [] if isinstance(r, Mapping)),
             superseded=tuple(r for r in doc.get("sup") or [] if isinstance(r, Mapping)),
+            on_key=frozenset(on_key),
         )

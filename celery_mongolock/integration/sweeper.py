@@ -119,6 +119,11 @@ class Sweeper:
                 self.app.backend.mark_as_revoked(task_id, "revoked while parked")
         if after is None:
             return
+        for task_id in sorted(set(hits) & one.handed_ids - one.parked_ids - after.on_key):
+            # Handed the key, its message not taken up: the sweep dropped the handoff (a run that claimed
+            # it meanwhile is on the key, and one that started is not QUEUED).
+            if has_backend(self.app) and state_of(self.app, task_id) == QUEUED:
+                self.app.backend.mark_as_revoked(task_id, "revoked while handed the key")
         fence = after.fence
         for run in one.runs_of(hits):
             store.record_run_ending(
