@@ -4717,10 +4717,12 @@ class Run:
         brief = {k: v for k, v in finding.items() if k != "dump"}
         self.log(f"[{finding['at_s']:7.2f}s] node {node.name} stalled: {brief}")
         with self._nodes_lock:
+            current = node is self.skewed_node or node in self.nodes  # (not replaced meanwhile)
             node.kill()
             node.stop()
             self.stall_watch.forget(finding["pid"])
-            self._replace_node(node)
+            if current:
+                self._replace_node(node)
 
     def _start_client(self, i: int, *, skewed: bool) -> None:
         name = f"client{i}" + ("-skewed" if skewed else "")
@@ -5880,13 +5882,40 @@ class Run:
         task_id = self._submit(QUEUE_TASK, key, f"fault-gate-{self._gates}", queue=queue, die=True)
         info: Doc = {"key": key, "task_id": task_id, "parked": False}
         if task_id is not None:
-            with contextlib.suppress(TimeoutError):
-                info["parked"] = bool(
-                    _wait(
-                        lambda: task_id in self._waiting_on(key), START_GUARD_S, f"a run parked on {key}", 0.1
-                    )
-                )
+            info["parked"] = self._gate_parked(key, task_id, queue)
         return gate, info
+
+    def _gate_parked(self, key: str, task_id: str, queue: str) -> bool:
+        """Wait until the gate's run is parked on ``key``. The skewed node, the one consumer of its queue,
+        can stop running tasks while its parent still receives messages (a redelivered copy counts as
+        progress for the stall watch, and a message it reserved is not ``ready``): when a stall allowance
+        passes with the run not parked and no child of that node recorded anything, the node is recorded
+        as stalled (``node_stalls``, with its processes' states and thread dump) and replaced, and the
+        wait goes on. A node whose children work is slow, not stalled: it is waited for."""
+        deadline = time.monotonic() + START_GUARD_S
+        while True:
+            since = time.time()  # (history files' modification times are wall-clock)
+            window = min(self._stall_allowance(), max(0.0, deadline - time.monotonic()))
+            try:
+                return bool(
+                    _wait(lambda: task_id in self._waiting_on(key), window, f"a run parked on {key}", 0.1)
+                )
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    return False
+            node = self.skewed_node if queue == SKEWED_QUEUE else None
+            if node is None or not node.alive or node.proc is None:
+                continue
+            children = node.child_pids()
+            if nodewatch.newest_write(self.hist_dir, children) >= since:
+                continue  # its children work: slow, not stalled
+            finding: Doc = {
+                "node": node.name, "pid": node.proc.pid, "children": children, "queue": queue,
+                "ready": None, "quiet_s": round(window, 1), "allowance_s": round(self._stall_allowance(), 1),
+                "why": f"the fault gate's run {task_id} was not parked on {key}, and no child ran anything",
+            }  # fmt: skip
+            self.stall_watch.forget(node.proc.pid)
+            self._stalled(node, finding)
 
     # -- faults ------------------------------------------------------------------------------------------
     def _held(self) -> list[Any]:
@@ -6848,6 +6877,7 @@ def format_report(report: Doc) -> str:
             f"  FINDING: worker node {stall['node']} stalled at {stall['at_s']}s: nothing consumed for "
             f"{stall['quiet_s']}s (allowance {stall['allowance_s']}s) with {stall['ready']} message(s) ready "
             f"in {stall['queue']}; killed and replaced (processes: {stall.get('states')})"
+            + (f" ({stall['why']})" if stall.get("why") else "")
         )
     if "drain_s" in report:
         lines.append(
