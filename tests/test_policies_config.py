@@ -60,12 +60,24 @@ def test_retry_max_retries() -> None:
         (lambda: Retry(countdown=float("nan")), "countdown"),
         (lambda: Wait(timeout=-1), "timeout"),
         (lambda: Wait(then=Wait()), "then"),
-        (lambda: Wait(then="retry"), "then"),  # type: ignore[arg-type]
+        (lambda: Wait(then="queue"), "then"),  # type: ignore[arg-type]
+        (lambda: Wait(then="later"), "Wait\\(then=...\\) must be one of"),  # type: ignore[arg-type]
+        (lambda: Queue(then="retry"), "Queue\\(then=...\\) must be Skip\\(\\) or Fail\\(\\)"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_policy_arguments(factory: Any, match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
         factory()
+
+
+def test_then_by_name_or_dict_as_in_settings() -> None:
+    """``then=`` takes a policy's name or settings dict in code as it does in settings (``Throttle`` did
+    already; before, ``Wait(then="retry")`` was refused)."""
+    assert Wait(then="retry") == Wait(then=Retry())  # type: ignore[arg-type]
+    assert Wait(then=" Skip ") == Wait(then=Skip())  # type: ignore[arg-type]
+    assert Wait(then={"policy": "retry", "countdown": 5}) == Wait(then=Retry(countdown=5))  # type: ignore[arg-type]
+    assert Queue(then="fail") == Queue(then=Fail())  # type: ignore[arg-type]
+    assert Replace(then="skip") == Replace()  # type: ignore[arg-type]
 
 
 def test_parse_policy_shorthands_and_dicts() -> None:

@@ -188,6 +188,7 @@ class Wait(Policy):
 
     def __post_init__(self) -> None:
         _number("Wait", "timeout", self.timeout)
+        _named_then(self, "Wait")
         if isinstance(self.then, Wait) or not isinstance(self.then, Policy) or self.then.queued:
             raise ConfigurationError(f"Wait(then=...) must be Retry(), Skip() or Fail(), got {self.then!r}")
 
@@ -211,6 +212,14 @@ class Fail(Policy):
 
     def on_unavailable(self, run: Contention, exc: Exception) -> NoReturn:
         run.fail(exc)
+
+
+def _named_then(policy: Policy, owner: str) -> None:
+    """A ``then=`` given by name or settings dict (``"skip"``, ``{"policy": "retry", "countdown": 5}``,
+    as in settings) becomes its policy object."""
+    then = getattr(policy, "then", None)
+    if isinstance(then, (str, Mapping)):
+        object.__setattr__(policy, "then", parse_policy(then, f"{owner}(then=...)"))
 
 
 def _then(owner: str, then: object) -> None:
@@ -248,6 +257,7 @@ class Queue(Policy):
             raise ConfigurationError(
                 f"{type(self).__name__}(max_length=...) must be None or an int >= 1, got {self.max_length!r}"
             )
+        _named_then(self, type(self).__name__)
         _then(type(self).__name__, self.then)
 
     def on_contended(self, run: Contention) -> object:
@@ -320,6 +330,7 @@ class Replace(Queue):
             )
         if self.max_length is not None:
             raise ConfigurationError("Replace() parks at most one run per key; it takes no max_length")
+        _named_then(self, "Replace")
         _then("Replace", self.then)
         if not isinstance(self.cancel_running, bool):
             raise ConfigurationError(
