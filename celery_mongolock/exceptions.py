@@ -8,6 +8,7 @@ error on purpose (``Fail``).
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "ArgumentsNotComparable",
@@ -171,11 +172,22 @@ class DocumentMissing(MongoLockError, LookupError):
     nothing is created)."""
 
 
-def _describe_holder(holder: dict[str, object]) -> str:
+def _describe_holder(holder: Mapping[str, object]) -> str:
     if not holder:
         return "another owner"
     parts = [f"{k}={holder[k]}" for k in ("host", "pid", "task_name", "task_id") if holder.get(k) is not None]
     return ", ".join(parts) if parts else "another owner"
+
+
+def slots_held_message(
+    key: str, holders: Sequence[Mapping[str, object]], limit: int | None, soonest: _dt.datetime | None
+) -> str:
+    """``LockContended``'s message for a ``limit=N`` key whose slots are all held: every holder named."""
+    who = "; ".join(_describe_holder(h) for h in holders) or "other owners"
+    message = f"lease {key!r}: all {limit or len(holders)} slots are held, by {who}"
+    if soonest is not None:
+        message += f" (the first expires at {soonest.isoformat()} server time unless renewed)"
+    return message
 
 
 class QueueTimeout(LockContended):

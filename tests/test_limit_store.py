@@ -294,3 +294,23 @@ def test_a_copy_of_a_run_that_holds_a_slot_takes_none(store: LeaseStore) -> None
     assert first is not None
     assert store.acquire(KEY, 30, limit=3, info=info) is None
     assert store.acquire(KEY, 30, limit=3, info={"task_id": "other", "delivery": "0.0"}) is not None
+
+
+def test_a_task_refused_by_a_full_key_names_every_slot_holder(store: LeaseStore, worker_app: Any) -> None:
+    """``limit=N`` with ``Fail()``: the run's ``LockContended`` names the N holders, as ``hold`` does
+    (before: "lease 't:1' is held by another owner")."""
+    from celery_mongolock import Fail, singleton_task
+
+    @singleton_task(app=worker_app, key="t:{t}", limit=2, on_contention=Fail(), name="limit_store.full")
+    def full(t: int) -> None: ...
+
+    worker_app.finalize()
+    for n in (1, 2):
+        store.acquire(
+            "t:1", 30, limit=2, info={"host": f"h{n}", "pid": n, "task_name": "x", "task_id": f"r{n}"}
+        )
+    with pytest.raises(LockContended) as caught:
+        full.apply(args=(1,), throw=True)
+    message = str(caught.value)
+    assert "all 2 slots are held" in message and "task_id=r1" in message and "task_id=r2" in message
+    assert caught.value.expires_at is not None  # the first slot's expiry

@@ -66,31 +66,38 @@ class ContendedRun:
         self.direct = direct
         self.holder: dict[str, Any] = {}
         self.expires_at: Any = None
+        #: ``LockContended``'s message when it names more than ``holder`` (a full ``limit=N`` key).
+        self.message: str | None = None
         self._wait_until: float | None = None
 
-    def held_by(self, holder: dict[str, Any], expires_at: Any) -> ContendedRun:
-        """Who holds the key as of the last attempt, and until when."""
+    def held_by(self, holder: dict[str, Any], expires_at: Any, message: str | None = None) -> ContendedRun:
+        """Who holds the key as of the last attempt, and until when (``message``: every slot's holder, for
+        a full ``limit=N`` key)."""
         self.holder = holder
         self.expires_at = expires_at
+        self.message = message
         return self
+
+    def _error(self) -> LockContended:
+        return LockContended(self.key, self.holder, self.expires_at, message=self.message)
 
     def _who(self) -> tuple[str, Any]:
         return self.task.name, self.task.request.id
 
     def _held(self) -> str:
         """``lease 'k' is held by <holder> (expires at ...)``: the key and the holder, in one phrase."""
-        return str(LockContended(self.key, self.holder, self.expires_at))
+        return str(self._error())
 
     def skip(self, reason: str) -> Outcome:
         log.info("%s[%s]: %s; policy skip: skipped", *self._who(), self._held())
         return Outcome(skipped_result(self.key, self.holder, self.expires_at, reason))
 
     def fail(self, exc: Exception | None = None) -> NoReturn:
-        raise exc if exc is not None else LockContended(self.key, self.holder, self.expires_at)
+        raise exc if exc is not None else self._error()
 
     def retry(self, policy: Retry, exc: Exception | None = None) -> NoReturn:
         if exc is None:
-            exc = LockContended(self.key, self.holder, self.expires_at)
+            exc = self._error()
         request = self.task.request
         if self.direct or request.is_eager or request.called_directly:
             raise exc

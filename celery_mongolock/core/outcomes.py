@@ -24,6 +24,7 @@ from typing import Any
 from celery_mongolock.core.documents.copies import ran, retries_of
 from celery_mongolock.core.lease import Lease
 from celery_mongolock.core.lease_info import aware
+from celery_mongolock.exceptions import slots_held_message
 
 __all__ = [
     "LATER_ATTEMPT_PROJECTION",
@@ -350,6 +351,16 @@ class Contended:
     #: The runs the key remembers as over (``seen``), when the reply says (a single lease's acquire
     #: answers with the whole document); None when it does not (a ``limit=N`` key's reply).
     seen: tuple[str, ...] | None = None
+    #: For a ``limit=N`` key whose slots are all held: each slot's holder, and the key's limit.
+    holders: tuple[Mapping[str, Any], ...] = ()
+    limit: int | None = None
+
+    def message(self, key: str) -> str | None:
+        """``LockContended``'s message when every slot of a ``limit=N`` key is held (naming each holder);
+        None for a single lease (its holder is named as usual)."""
+        if not self.holders or self.holder:
+            return None
+        return slots_held_message(key, self.holders, self.limit, self.expires_at)
 
     @classmethod
     def of(
@@ -372,11 +383,18 @@ class Contended:
             if task_id and held_by.get("task_id") == task_id and held_by.get("delivery") == delivery:
                 holder = dict(held_by)
                 break
+        holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
+        expires_at = aware(doc.get("expires_at"))
+        if holds and not doc.get("holder"):
+            expiries = [x for x in (aware(h.get("x")) for h in holds) if x is not None]
+            expires_at = min(expiries) if expiries else expires_at
         return cls(
             holder=holder,
-            expires_at=aware(doc.get("expires_at")),
+            expires_at=expires_at,
             last_tick=_int(doc.get("last_tick")),
             seen=None if seen is None and not whole else tuple(str(s) for s in seen or ()),
+            holders=tuple(dict(h.get("h") or {}) if isinstance(h.get("h"), Mapping) else {} for h in holds),
+            limit=_int(doc.get("lim")),
         )
 
     def attempt_ran(self, run_ids: Sequence[str]) -> bool | None:

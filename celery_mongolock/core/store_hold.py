@@ -18,6 +18,7 @@ from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease
 from celery_mongolock.core.lease_info import aware
+from celery_mongolock.core.outcomes import Contended
 from celery_mongolock.core.reentry import Holds
 from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_limit, validate_seconds
 from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended
@@ -73,23 +74,8 @@ def _self_contended(key: str, doc: Document | None) -> LockContended:
 
 def _contended(key: str, doc: Document | None) -> LockContended:
     """The key is held: by its holder, or for a ``limit=N`` key, by the holders of all its N slots."""
-    doc = doc or {}
-    holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
-    if not holds or doc.get("holder"):
-        return LockContended(key, doc.get("holder") or {}, aware(doc.get("expires_at")))
-    expiries = [x for x in (aware(h.get("x")) for h in holds) if x is not None]
-    soonest = min(expiries) if expiries else None
-    fields = ("host", "pid", "task_name", "task_id")  # as LockContended names a single key's holder
-    who = "; ".join(
-        ", ".join(f"{k}={h['h'][k]}" for k in fields if h["h"].get(k) is not None)
-        if isinstance(h.get("h"), Mapping) and any(h["h"].get(k) is not None for k in fields)
-        else "another owner"
-        for h in holds
-    )
-    message = f"lease {key!r}: all {doc.get('lim') or len(holds)} slots are held, by {who}"
-    if soonest is not None:
-        message += f" (the first expires at {soonest.isoformat()} server time unless renewed)"
-    return LockContended(key, {}, soonest, message=message)
+    contended = Contended.of(doc)
+    return LockContended(key, dict(contended.holder), contended.expires_at, message=contended.message(key))
 
 
 @contextlib.contextmanager

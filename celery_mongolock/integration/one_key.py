@@ -169,7 +169,7 @@ class OneKey:
             raise Ignore()
         signals.lease_contended.send(sender=task, key=key, holder=holder, policy=policy.name)
         # The policy decides (policies.py): skip, fail, publish again later, or wait and try again.
-        return policy.on_contended(run.held_by(holder, expires_at))
+        return policy.on_contended(run.held_by(holder, expires_at, contended.message(key)))
 
     # -- a queued run (Queue, Replace) ---------------------------------------------------------------------
 

@@ -147,7 +147,7 @@ class SeveralKeys:
                 raise Ignore()
             signals.lease_contended.send(sender=task, key=key, holder=holder, policy=policy.name)
             run.key = key  # the key it waits for now
-            outcome = policy.on_contended(run.held_by(holder, expires_at))
+            outcome = policy.on_contended(run.held_by(holder, expires_at, contended.message(key)))
             if outcome is TRY_AGAIN:
                 continue
             assert isinstance(outcome, Outcome), f"{policy!r}.on_contended returned {outcome!r}"
