@@ -6875,8 +6875,9 @@ def format_report(report: Doc) -> str:
     for stall in report.get("node_stalls") or []:
         lines.append(
             f"  FINDING: worker node {stall['node']} stalled at {stall['at_s']}s: nothing consumed for "
-            f"{stall['quiet_s']}s (allowance {stall['allowance_s']}s) with {stall['ready']} message(s) ready "
-            f"in {stall['queue']}; killed and replaced (processes: {stall.get('states')})"
+            f"{stall['quiet_s']}s (allowance {stall['allowance_s']}s) with "
+            + (f"{stall['ready']} message(s) ready" if stall.get("ready") is not None else "work waiting")
+            + f" in {stall['queue']}; killed and replaced (processes: {stall.get('states')})"
             + (f" ({stall['why']})" if stall.get("why") else "")
         )
     if "drain_s" in report:
