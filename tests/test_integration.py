@@ -646,6 +646,30 @@ def test_a_body_cut_short_by_sigterm_runs_again(cluster: Cluster) -> None:
     w.kill()
 
 
+def test_a_beat_tick_cut_short_by_sigterm_runs_its_tick_again(cluster: Cluster) -> None:
+    """The same for a run of a beat tick: its key is given back with its tick, so its message, delivered
+    again, runs the tick (before: the copy was taken for a run that had ended, ``already-ran``, since the
+    key still named it as its last holder, and the tick's work was lost)."""
+    import os
+    import signal
+
+    from celery_mongolock.integration.headers import BEAT_HEADER
+
+    w = cluster.worker(name=f"ct{tag()}@localhost", extra_args=["-Q", "coldtickq"])
+    resource, t = tag(), tag()
+    tick = {"tick": int(time.time() * 1000), "window": 600}
+    res = it.gated.apply_async((resource, t), queue="coldtickq", headers={BEAT_HEADER: tick})
+    start = wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")[0]
+    os.kill(start["pid"], signal.SIGTERM)
+    again = wait_for(
+        lambda: cluster.runs(t, "start")[1:], timeout=60, message="the cut-short tick to run again"
+    )
+    assert again[0]["pid"] != start["pid"]
+    cluster.db["gates"].insert_one({"_id": t})
+    assert res.get(timeout=60) == t
+    w.kill()
+
+
 def test_hard_time_limit_frees_the_key(cluster: Cluster) -> None:
     long_lease = cluster.env(MONGOLOCK_IT_LEASE=60)
     w = cluster.worker(name=f"h{tag()}@localhost", env=long_lease, extra_args=["-Q", "hardq"])

@@ -736,6 +736,28 @@ def test_once_per_tick(store: LeaseStore, make_store: Any) -> None:
     assert other.acquire("job") is not None  # a run without a tick is not affected
 
 
+def test_a_tick_given_back_unrun_can_run_again_once(store: LeaseStore, make_store: Any) -> None:
+    """A tick's run cut short gives its key back with ``untick``: the tick is no longer the key's last, so
+    the run's message, delivered again, runs it (once); a give-back of another tick changes nothing."""
+    other = make_store()
+    first = store.acquire("job", tick=1000, info={"task_id": "t1", "delivery": "0.0"})
+    assert first is not None
+    assert store.give_back(first, untick=1000)
+    # Its holder did not end a run there: a copy of its message is not taken for one that ended.
+    assert not store.run_ended("job", ["t1/0.0"], task_id="t1", delivery="0.0", parked=False)
+    again = other.acquire("job", tick=1000)
+    assert again is not None  # the tick runs (before: refused as already run)
+    again.release()
+    assert other.acquire("job", tick=1000) is None  # once it ended, the tick has run
+    late = store.acquire("job", tick=1001)
+    assert late is not None
+    assert store.give_back(late, untick=999)  # not the key's last tick: kept
+    assert other.acquire("job", tick=1001) is None
+    third = store.acquire("job", tick=1002)
+    assert third is not None and store.give_back(third)
+    assert other.acquire("job", tick=1002) is None  # given back without untick: the tick stays run
+
+
 def test_tick_and_hold_arguments_are_checked(store: LeaseStore) -> None:
     with pytest.raises(ConfigurationError, match="tick must be an int"):
         store.acquire("k", tick="5")  # type: ignore[arg-type]

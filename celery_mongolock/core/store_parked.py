@@ -36,10 +36,10 @@ class ParkedRuns:
         """Remove the run ``entry_id`` from ``key`` (``QueueUpkeep.unpark``)."""
         self.queue.unpark(key, entry_id)
 
-    def give_back(self, lease: Lease) -> bool:
-        """Release ``lease`` of a run that has not run, not remembering it as over
-        (``QueueUpkeep.give_back``)."""
-        return self.queue.give_back(lease)
+    def give_back(self, lease: Lease, *, untick: int | None = None) -> bool:
+        """Release ``lease`` of a run that has not run, not remembering it as over (``QueueUpkeep.give_back``;
+        ``untick``: its beat tick, which it did not run)."""
+        return self.queue.give_back(lease, untick=untick)
 
     def unmark_handoff(self, key: str, entry: Mapping[str, Any]) -> bool:
         """Leave the handoff of ``key`` to the run ``entry`` for a worker's sweeper to publish

@@ -205,18 +205,19 @@ class QueueUpkeep:
         if doc is not None:
             self.store.handoffs.publish(key, doc, by)
 
-    def give_back(self, lease: Lease) -> bool:
+    def give_back(self, lease: Lease, *, untick: int | None = None) -> bool:
         """Release ``lease`` of a run that has not run (an attempt that gives its keys back): as a
-        release, but the run is not remembered as over (``seen``), so a copy of it may still run."""
+        release, but the run is not remembered as over (``seen``), so a copy of it may still run.
+        ``untick``: the run's beat tick, no longer the key's last (``release_pipeline``)."""
         if not lease.handed_over():
             return False
         store = self.store
         store.forget(lease)
         if lease.slot is not None:  # a limit=N slot: released as the background release does
             return store.release_tokens([lease.owner], unconfirmed=[lease.owner]) > 0
-        return self._give_back_key(lease.key, lease.owner)
+        return self._give_back_key(lease.key, lease.owner, untick)
 
-    def _give_back_key(self, key: str, owner: str) -> bool:
+    def _give_back_key(self, key: str, owner: str, untick: int | None = None) -> bool:
         """Release ``key`` held by ``owner`` without remembering a run as over (``seen``); a run parked
         on it is handed the key in the same command (published here)."""
         store = self.store
@@ -224,7 +225,7 @@ class QueueUpkeep:
         with store.connection.operation(f"give back lease {key!r}"):
             doc = store.connection.collection.find_one_and_update(
                 documents.release_filter(key, owner),
-                documents.release_pipeline(by, seen=False),
+                documents.release_pipeline(by, seen=False, untick=untick),
                 projection=admission_docs.HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )

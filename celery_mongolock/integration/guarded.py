@@ -19,6 +19,7 @@ from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.store import Lease, LeaseStore
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import signals
+from celery_mongolock.integration.beatcheck import beat_tick
 from celery_mongolock.integration.config import TaskOptions, get_store
 from celery_mongolock.integration.duplicates import stale_line
 from celery_mongolock.integration.one_key import OneKey
@@ -175,7 +176,8 @@ def _give_back_cut_short(task: GuardedRun, store: LeaseStore, fresh: list[Lease]
         exc,
         [lease.key for lease in fresh],
     )
-    give_back_quietly(store, fresh)
+    # A beat tick's run gives its tick back too: its copy runs the tick (once: the copy takes it again).
+    give_back_quietly(store, fresh, untick=beat_tick(task.request)[0])
 
 
 def _take_the_rest(

@@ -231,12 +231,13 @@ def contention_retry_meta(result: Any) -> bool:
     return name in ("LockContended", "StoreUnavailable")
 
 
-def give_back_quietly(store: LeaseStore, leases: list[Lease]) -> None:
+def give_back_quietly(store: LeaseStore, leases: list[Lease], *, untick: int | None = None) -> None:
     """Give back keys taken by an attempt that does not run the body (in reverse order), without
-    marking the run as over; one that cannot be given back now expires (its run never used it)."""
+    marking the run as over; one that cannot be given back now expires (its run never used it).
+    ``untick``: the run's beat tick, which it did not run (``LeaseStore.give_back``)."""
     for lease in reversed(leases):
         try:
-            store.give_back(lease)
+            store.give_back(lease, untick=untick)
         except StoreUnavailable as exc:
             log_release.warning("%s (it expires on its own)", exc)
 

@@ -20,7 +20,7 @@ The lease document
       hold_until:    ISODate(...),          # a release before this keeps the key taken until then
       released_at:   ISODate(...) | null,   # server time of the release, when released
       forced_release: bool,                 # released by an operator (force_release)
-      released_for:  "holder died" | null,  # released by a supervisor for a dead holder
+      released_for:  "holder died" | "given back unrun" | null,  # released for a dead holder, or unrun
       last_tick:     int,                   # once-per-tick acquisitions: the last tick that took the key
       holder:        {host, pid, ...info}   # who holds it: host, pid, and e.g. task_name, task_id
       waited_ms:     int | null,            # how long this run waited for the key (null: unknown)
@@ -398,7 +398,14 @@ def release_tokens_filter(tokens: Iterable[str]) -> Document:
     return {"owner": {"$in": list(tokens)}}
 
 
-def release_pipeline(by: str = "", *, seen: bool = True, superseded_by: str | None = None) -> list[Document]:
+#: ``released_for`` of a key given back by a run that did not run (or was cut short): its holder is not
+#: the last run that ended there.
+GIVEN_BACK = "given back unrun"
+
+
+def release_pipeline(
+    by: str = "", *, seen: bool = True, superseded_by: str | None = None, untick: int | None = None
+) -> list[Document]:
     """Clear the owner and keep the document (and so the fence); a lease whose ``hold_until`` has not
     passed stays taken (owner kept) and simply expires then.
 
@@ -406,8 +413,15 @@ def release_pipeline(by: str = "", *, seen: bool = True, superseded_by: str | No
     ``by`` (the releaser's token: it publishes the handoff; empty: the sweeper does). ``seen=False`` (a
     key given back by a run that never ran) keeps no minimum hold either: it held the key for nobody.
     ``superseded_by``: the holder's body stopped for this newer send (``Replace(cancel_running=True)``);
-    its ending says so (``for``)."""
+    its ending says so (``for``). ``untick``: the beat tick of a run given back unrun (cut short): if the
+    key's ``last_tick`` is that tick, it goes back below it, so that the run's message, delivered again,
+    runs the tick instead of finding it already run."""
     ending = ending_expr("released", **({"for": {"$literal": superseded_by}} if superseded_by else {}))
+    untick_field: Document = (
+        {}
+        if untick is None
+        else {"last_tick": {"$cond": [{"$eq": ["$last_tick", int(untick)]}, int(untick) - 1, "$last_tick"]}}
+    )
     holding = {"$gt": [{"$toLong": {"$ifNull": ["$hold_until", 0]}}, _NOW_MS]} if seen else False
     return [
         {"$set": {"__hold": holding}},
@@ -420,6 +434,9 @@ def release_pipeline(by: str = "", *, seen: bool = True, superseded_by: str | No
                 # the run is over, even if the key stays taken (``seen=False``: a key given back by a
                 # run that has not run yet, see ``LeaseStore.give_back``)
                 "seen": seen_append(seen),
+                # a key given back unrun: its holder did not end a run (``outcomes.run_ended``)
+                **({} if seen else {"released_for": GIVEN_BACK}),
+                **untick_field,
             }
         },
         *release_handoff_stages(by, keep_when="$__hold"),
