@@ -228,6 +228,38 @@ def test_with_replace_a_send_equal_to_an_overtaken_run_is_the_newest_and_is_publ
     assert q3.id == q1.id and q2.id != q1.id
 
 
+def test_with_replace_a_send_equal_to_a_run_overtaken_by_a_started_send_is_published(
+    app: Celery, sent: Sent
+) -> None:
+    """The same when the newer send (b) has already started its body (so its record is gone) while the
+    first (a) has not reached a worker (a backlog, a countdown): the key's newest send that got it (``last``)
+    was sent after (a), which its admission will supersede, so a second (a) is published (before: it was
+    absorbed by the first and the key ended with b)."""
+
+    @singleton_task(
+        key="group:{group_id}", app=app, name="t.latest2", unique_send=True, on_contention="replace"
+    )
+    def latest(group_id: int, upload: str) -> str:
+        return upload
+
+    store = app._mongolock_store
+    records = sends_of(store)
+    first, second = latest.delay(9, "a.csv"), latest.delay(9, "b.csv")
+    stamp_a, stamp_b = ((records.collection.find_one({"t": r.id}) or {})["p"] for r in (first, second))
+    assert stamp_a < stamp_b
+    # What (b)'s start leaves: its record forgotten, and the key's newest send that got it is (b).
+    assert records.forget(second.id)
+    store.collection.update_one(
+        {"_id": "group:9"}, {"$set": {"last": {"s": stamp_b, "t": second.id}}}, upsert=True
+    )
+    again = latest.delay(9, "a.csv")
+    assert again.id != first.id and sent.ids[-1] == again.id
+    assert latest.delay(9, "a.csv").id == again.id  # the record names it now
+    # Not overtaken (the key's newest start is older than the pending send): absorbed as before.
+    store.collection.update_one({"_id": "group:9"}, {"$set": {"last": {"s": stamp_a - 1, "t": "x"}}})
+    assert latest.delay(9, "a.csv").id == again.id
+
+
 def test_off_by_default_a_send_costs_no_command(app: Celery, sent: Sent, counter: CommandCounter) -> None:
     _, plain, by_policy = _tasks(app)
     counter.clear()

@@ -18,7 +18,7 @@ from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from celery_mongolock.core.documents.base import Document
-from celery_mongolock.core.documents.sends import PendingSend, claim_update
+from celery_mongolock.core.documents.sends import PendingSend, claim_update, started_after
 from celery_mongolock.exceptions import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -64,11 +64,21 @@ class SendRecords:
             self._ready_pid = os.getpid()
         return coll
 
-    def claim(self, digest: str, task_id: str, task_name: str, keys: Sequence[str], bound_ms: int) -> str:
-        """One ``findAndModify``: make ``task_id`` the pending run of ``digest`` unless a live record
-        names another. Returns the task id the record names now (``task_id``: this send publishes)."""
+    def claim(
+        self,
+        digest: str,
+        task_id: str,
+        task_name: str,
+        keys: Sequence[str],
+        bound_ms: int,
+        *,
+        stamp: int | None = None,
+    ) -> str:
+        """One ``findAndModify``: make ``task_id`` (sent at ``stamp``) the pending run of ``digest`` unless
+        a live record names another. Returns the task id the record names now (``task_id``: this send
+        publishes)."""
         coll = self._ready()
-        update = claim_update(task_id, task_name, keys, bound_ms)
+        update = claim_update(task_id, task_name, keys, bound_ms, stamp)
         for _ in range(3):
             try:
                 with self.store.operation(f"check for a pending send of {task_name!r}"):
@@ -90,10 +100,12 @@ class SendRecords:
         """Whether a record of another send of the same keys was claimed after (or in the same
         millisecond as) the record ``digest`` that names the pending run ``pending`` (``Replace``: that
         newer send supersedes the pending run, so a send equal to the pending one is newer still and must
-        not be absorbed by it). A record past its bound counts too: publishing is the safe side."""
+        not be absorbed by it). A record past its bound counts too: publishing is the safe side. So does a
+        newer send whose body has started (its record is gone): a key's newest send that got it was sent
+        after the pending run's stamp (``p``)."""
         coll = self._ready()
         with self.store.operation(f"check for a newer send of {sorted(keys)}"):
-            record = coll.find_one({"_id": digest, "t": pending}, {"s": 1})
+            record = coll.find_one({"_id": digest, "t": pending}, {"s": 1, "p": 1})
             if record is None or record.get("s") is None:
                 return False
             newer = coll.find_one(
@@ -104,12 +116,19 @@ class SendRecords:
                 },
                 {"_id": 1},
             )
+            if newer is None and isinstance(record.get("p"), int):
+                newer = self.store.collection.find_one(started_after(keys, record["p"]), {"_id": 1})
         return newer is not None
 
-    def take_over(self, digest: str, pending: str, task_id: str, bound_ms: int) -> bool:
-        """Make ``task_id`` the pending run of the record ``digest`` in place of ``pending`` (one
-        ``findAndModify``); False if the record no longer names ``pending``."""
-        update = [{"$set": {"t": task_id, "s": "$$NOW", "x": {"$add": ["$$NOW", int(bound_ms)]}}}]
+    def take_over(
+        self, digest: str, pending: str, task_id: str, bound_ms: int, stamp: int | None = None
+    ) -> bool:
+        """Make ``task_id`` (sent at ``stamp``) the pending run of the record ``digest`` in place of
+        ``pending`` (one ``findAndModify``); False if the record no longer names ``pending``."""
+        fields: Document = {"t": task_id, "s": "$$NOW", "x": {"$add": ["$$NOW", int(bound_ms)]}}
+        if stamp is not None:
+            fields["p"] = {"$literal": int(stamp)}
+        update = [{"$set": fields}]
         with self.store.operation(f"take over the pending send of {pending}"):
             doc = self._ready().find_one_and_update({"_id": digest, "t": pending}, update, {"_id": 1})
         return doc is not None

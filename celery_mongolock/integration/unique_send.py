@@ -37,7 +37,7 @@ from celery_mongolock.core.store_sends import SendRecords, sends_of
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import signals
 from celery_mongolock.integration.config import TaskOptions, get_settings, get_store
-from celery_mongolock.integration.handoff import header
+from celery_mongolock.integration.handoff import SENT_HEADER, header, send_stamp
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -124,10 +124,16 @@ def send_unique(
         return publish(args, kwargs, **options)
     digest = send_digest(task.name, keys, arguments)
     task_id = str(options.get("task_id") or uuid())
+    # The send's stamp, taken now so that the record keeps it (the order Replace judges sends by).
+    headers = dict(options.get("headers") or {})
+    stamp = headers.get(SENT_HEADER)
+    if not isinstance(stamp, int) or isinstance(stamp, bool):
+        stamp = headers[SENT_HEADER] = send_stamp()
+    options = {**options, "headers": headers}
     mode, seconds = in_force.unique_send, in_force.unique_send_seconds
     records = sends_of(get_store(task.app))
     try:
-        pending = records.claim(digest, task_id, task.name, keys, bound_ms(options, seconds))
+        pending = records.claim(digest, task_id, task.name, keys, bound_ms(options, seconds), stamp=stamp)
     except StoreUnavailable as exc:
         if mode == "best_effort":
             log.warning(
@@ -143,7 +149,7 @@ def send_unique(
             "unique_send='best_effort' to publish it undeduplicated then"
         ) from None
     if pending != task_id and _overtaken(
-        task, in_force, records, (digest, pending, task_id), keys, options=options
+        task, in_force, records, (digest, pending, task_id), keys, options=options, stamp=stamp
     ):
         pending = task_id  # (the record is this send's now)
     if pending != task_id:
@@ -151,7 +157,7 @@ def send_unique(
             "%s: an equal send is pending (%s): this send returns it, nothing published", task.name, pending
         )
         return task.AsyncResult(pending)
-    headers = {**(options.get("headers") or {}), UNIQUE_SEND_HEADER: digest}
+    headers = {**headers, UNIQUE_SEND_HEADER: digest}
     try:
         return publish(args, kwargs, **{**options, "task_id": task_id, "headers": headers})
     except BaseException:
@@ -168,6 +174,7 @@ def _overtaken(
     keys: Sequence[str],
     *,
     options: Mapping[str, Any],
+    stamp: int | None = None,
 ) -> bool:
     """``Replace``: the pending run an equal send would return was overtaken by a newer send of its keys
     (with other arguments), which supersedes it; this send is newer still, so it is published as the
@@ -177,7 +184,9 @@ def _overtaken(
     if not isinstance(in_force.on_contention, Replace):
         return False
     bound = bound_ms(options, in_force.unique_send_seconds)
-    if not records.overtaken(digest, pending, keys) or not records.take_over(digest, pending, task_id, bound):
+    if not records.overtaken(digest, pending, keys) or not records.take_over(
+        digest, pending, task_id, bound, stamp
+    ):
         return False
     log.info(
         "%s: an equal send is pending (%s), but a newer send of its keys supersedes it: this send is "

@@ -8,6 +8,7 @@ One record per send that is pending (sent, its run's body not started yet), in `
       n:   "app.upload",       # the task's name
       k:   ["email-group:7"],  # the rendered key(s), for ``celery mongolock why KEY``
       s:   ISODate(...),       # when the send claimed the record (server time)
+      p:   1796012528720123,   # the send's stamp (``mongolock_sent``), the order Replace judges sends by
       x:   ISODate(...),       # the bound of the window (server time); past it the record claims nothing
     }
 
@@ -130,26 +131,34 @@ def send_digest(task_name: str, keys: Sequence[str], arguments: Mapping[str, Any
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def claim_update(task_id: str, task_name: str, keys: Sequence[str], bound_ms: int) -> list[Document]:
+def claim_update(
+    task_id: str, task_name: str, keys: Sequence[str], bound_ms: int, stamp: int | None = None
+) -> list[Document]:
     """The pipeline a send upserts on ``{_id: digest}``: a record that is missing or past its bound
-    ``x`` (server time) becomes this send's (``t = task_id``, ``x = now + bound_ms``); a live one is left
-    as it is. The send published nothing before this: if the reply's ``t`` is its own id, it publishes."""
+    ``x`` (server time) becomes this send's (``t = task_id``, ``x = now + bound_ms``, ``p``: its send
+    stamp); a live one is left as it is. The send published nothing before this: if the reply's ``t`` is
+    its own id, it publishes."""
     free = {"$lte": [{"$ifNull": [{"$toLong": "$x"}, 0]}, _NOW_MS]}
 
     def mine(value: object, field: str) -> Document:
         return {"$cond": [free, value, f"${field}"]}
 
-    return [
-        {
-            "$set": {
-                "t": mine(task_id, "t"),
-                "n": mine(task_name, "n"),
-                "k": mine({"$literal": sorted(keys)}, "k"),
-                "s": mine("$$NOW", "s"),
-                "x": mine({"$add": ["$$NOW", int(bound_ms)]}, "x"),
-            }
-        }
-    ]
+    fields: Document = {
+        "t": mine(task_id, "t"),
+        "n": mine(task_name, "n"),
+        "k": mine({"$literal": sorted(keys)}, "k"),
+        "s": mine("$$NOW", "s"),
+        "x": mine({"$add": ["$$NOW", int(bound_ms)]}, "x"),
+    }
+    if stamp is not None:
+        fields["p"] = mine({"$literal": int(stamp)}, "p")
+    return [{"$set": fields}]
+
+
+def started_after(keys: Sequence[str], stamp: int) -> Document:
+    """The lease documents of ``keys`` whose newest send that got the key (``Replace``'s ``last``) was
+    sent after ``stamp``: a run sent at ``stamp`` and not started yet is superseded at its admission."""
+    return {"_id": {"$in": sorted(keys)}, "last.s": {"$gt": int(stamp)}}
 
 
 @dataclasses.dataclass(frozen=True)
