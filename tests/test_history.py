@@ -338,3 +338,35 @@ def test_expired_slot_holds_reach_the_history(store: LeaseStore, counter: Comman
         ("expired", short.fence),
     ]
     assert {r["how"] for r in stored(store, "tenant")} == {"expired", "released"}
+
+
+def test_a_flush_waits_for_the_heartbeat_s_own_write_under_way(make_store: Any) -> None:
+    """``flush_history`` returns once what was queued before it is in the collection, also when the
+    heartbeat thread's own write of it is under way (before: the flush found the queue empty and returned
+    at once; a CI run read the history too early and missed an ``expired`` record)."""
+    import threading
+
+    store = make_store(lease_seconds=30)
+    lease = store.acquire("flushed", info=INFO)
+    assert lease is not None and lease.release()  # its record is queued
+    hb = store.heartbeat
+    entered, go_on = threading.Event(), threading.Event()
+    write = store.records.write_history
+
+    def slow_write(*args: Any, **kwargs: Any) -> int:
+        entered.set()
+        assert go_on.wait(10)
+        return write(*args, **kwargs)
+
+    store.records.write_history = slow_write  # type: ignore[method-assign]
+    tick = threading.Thread(target=hb.flush_history)  # as the heartbeat's tick writes it
+    tick.start()
+    assert entered.wait(10)
+    flushed = threading.Thread(target=hb.flush_history)
+    flushed.start()
+    flushed.join(0.5)
+    assert flushed.is_alive()  # it waits for the write under way
+    go_on.set()
+    flushed.join(10)
+    tick.join(10)
+    assert [r["how"] for r in stored(store, "flushed")] == ["released"]

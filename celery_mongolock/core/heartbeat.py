@@ -139,6 +139,9 @@ class Heartbeat:
         self._history_due: float | None = None  # monotonic time to write the queued history by
         self.history_written = 0
         self._lock = threading.Lock()
+        # One history write at a time: a flush asked for while this thread's own write is under way waits
+        # for it, so that what was queued before the flush is in the collection when it returns.
+        self._flush_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -231,7 +234,11 @@ class Heartbeat:
 
     def flush_history(self, timeout: float | None = None) -> bool:
         """Insert the queued history records now; False (records kept for the next try) if MongoDB did
-        not answer."""
+        not answer. A write under way (this thread's tick) is waited for first."""
+        with self._flush_lock:
+            return self._flush_history(timeout)
+
+    def _flush_history(self, timeout: float | None) -> bool:
         store = self._store()
         if store is None:  # the store was dropped: so is what it queued, and this heartbeat stops
             self._stopped.set()
