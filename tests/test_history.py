@@ -340,7 +340,9 @@ def test_expired_slot_holds_reach_the_history(store: LeaseStore, counter: Comman
     assert {r["how"] for r in stored(store, "tenant")} == {"expired", "released"}
 
 
-def test_a_flush_waits_for_the_heartbeat_s_own_write_under_way(make_store: Any) -> None:
+def test_a_flush_waits_for_the_heartbeat_s_own_write_under_way(
+    make_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``flush_history`` returns once what was queued before it is in the collection, also when the
     heartbeat thread's own write of it is under way (before: the flush found the queue empty and returned
     at once; a CI run read the history too early and missed an ``expired`` record)."""
@@ -356,9 +358,9 @@ def test_a_flush_waits_for_the_heartbeat_s_own_write_under_way(make_store: Any) 
     def slow_write(*args: Any, **kwargs: Any) -> int:
         entered.set()
         assert go_on.wait(10)
-        return write(*args, **kwargs)
+        return int(write(*args, **kwargs))
 
-    store.records.write_history = slow_write  # type: ignore[method-assign]
+    monkeypatch.setattr(store.records, "write_history", slow_write)
     tick = threading.Thread(target=hb.flush_history)  # as the heartbeat's tick writes it
     tick.start()
     assert entered.wait(10)
