@@ -159,6 +159,44 @@ def state_of(app: Celery, task_id: str) -> str | None:
         return None
 
 
+#: How long a worker that does not have a run's task leaves that run's ending (superseded, timed out while
+#: parked) to a worker that has it, which ends it through Celery from its checked message (its callbacks,
+#: chain and chord: ``endings``). Past this, any worker writes its result, without them, and says so.
+UNKNOWN_TASK_WAIT_S = 300.0
+
+
+def _left_to_a_worker_with_the_task(
+    app: Celery, key: str, entries: list[Mapping[str, Any]], since: str, publish: EndingPublisher | None
+) -> list[Mapping[str, Any]]:
+    """The entries this worker leaves for now: it lacks their task (a worker of another queue, a deploy
+    under way), so it could not end them through Celery, and they ended less than ``UNKNOWN_TASK_WAIT_S``
+    ago (``since``: the entry's field of that time)."""
+    if publish is None:
+        return []
+    now = _dt.datetime.now(_dt.timezone.utc)
+    left = []
+    for entry in entries:
+        name = entry.get("n")
+        if not isinstance(name, str) or name in app.tasks:
+            continue
+        at = entry.get(since)
+        if isinstance(at, _dt.datetime):
+            at = at if at.tzinfo is not None else at.replace(tzinfo=_dt.timezone.utc)
+            if (now - at).total_seconds() > UNKNOWN_TASK_WAIT_S:
+                log.warning(
+                    "%s[%s] on %r: no worker that has its task ended it within %g s; its result is written "
+                    "here, without its callbacks, chain or chord (this worker does not have %s)",
+                    name,
+                    entry.get("t"),
+                    key,
+                    UNKNOWN_TASK_WAIT_S,
+                    name,
+                )
+                continue
+        left.append(entry)
+    return left
+
+
 def write_superseded(
     app: Celery,
     store: LeaseStore,
@@ -176,9 +214,11 @@ def write_superseded(
     A parked run writes its own state ``QUEUED`` after its park, so a result written before that could be
     overwritten by it (the backend's read and write are not one step): with ``ready``, only the runs it
     accepts are written now (the others stay in ``sup``: the run itself, after writing ``QUEUED``, or the
-    sweeper writes them)."""
+    sweeper writes them). So do runs of a task this worker does not have, for ``UNKNOWN_TASK_WAIT_S``: a
+    worker that has it ends them through Celery (their callbacks, chain and chord)."""
     done = []
     left = [e for e in entries if ready is not None and not ready(str(e["t"]))]
+    left += _left_to_a_worker_with_the_task(app, key, [e for e in entries if e not in left], "at", publish)
     for entry in _claimed(store, key, "sup", [e for e in entries if e not in left]):
         by, keys = str(entry.get("by")), entry.get("ks") or None
         if publish is not None and publish(key, entry, superseded_ending(key, by, keys)):
@@ -257,7 +297,8 @@ def write_timed_out(
     each gets a history record (``timeout``; ``fence``: the key's). ``publish``: as for
     ``write_superseded``."""
     done = []
-    for entry in _claimed(store, key, "dead", entries):
+    left = _left_to_a_worker_with_the_task(app, key, entries, "dl", publish)
+    for entry in _claimed(store, key, "dead", [e for e in entries if e not in left]):
         at = entry.get("at")
         # (Queue's timeout=, or Replace's: the entry does not say which policy parked it)
         reason = "parked past its policy's timeout=..."
