@@ -266,7 +266,10 @@ def run_ended(
         return True
     if "hs" in doc:
         return any(
-            e.get("t") == task_id and e.get("run") == delivery and e.get("how") == "released"
+            e.get("t") == task_id
+            and e.get("run") == delivery
+            and e.get("how") == "released"
+            and not e.get("u")
             for e in doc.get("ends") or []
         )
     holder = doc.get("holder") or {}

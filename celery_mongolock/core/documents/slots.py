@@ -117,9 +117,12 @@ def _gc() -> Document:
     return gc_stage()
 
 
-def _ending(entry: str, how: str) -> Document:
-    """The ending of the hold ``entry`` (a ``$$`` variable), in the shape of ``_documents.ending_expr``."""
+def _ending(entry: str, how: str, unrun: bool = False) -> Document:
+    """The ending of the hold ``entry`` (a ``$$`` variable), in the shape of ``_documents.ending_expr``;
+    ``unrun``: a hold given back by a run that did not end (``u``: not a run that ended, for
+    ``outcomes.run_ended``)."""
     return {
+        **({"u": {"$literal": True}} if unrun else {}),
         "f": f"{entry}.f",
         "t": f"{entry}.h.task_id",
         "n": {"$ifNull": [f"{entry}.h.task_name", f"{entry}.h.role"]},
@@ -134,9 +137,9 @@ def _ending(entry: str, how: str) -> Document:
     }
 
 
-def append_endings(ended: object, how: str) -> Document:
+def append_endings(ended: object, how: str, *, unrun: bool = False) -> Document:
     """``ends`` with the endings of the holds in ``ended`` appended (the last few kept)."""
-    new = {"$map": {"input": ended, "as": "g", "in": _ending("$$g", how)}}
+    new = {"$map": {"input": ended, "as": "g", "in": _ending("$$g", how, unrun)}}
     return {"$slice": [{"$concatArrays": [{"$ifNull": ["$ends", []]}, new]}, -_ENDS_KEPT]}
 
 
@@ -372,14 +375,14 @@ def live_tokens_pipeline(tokens: Iterable[str]) -> list[Document]:
     ]
 
 
-def _drop(cond_on_e: Document, how: str) -> list[Document]:
+def _drop(cond_on_e: Document, how: str, *, unrun: bool = False) -> list[Document]:
     gone = {"$filter": {"input": _HS, "as": "e", "cond": cond_on_e}}
     kept = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [cond_on_e]}}}
     return [
         {"$set": {"__gone": gone, "hs": kept}},
         {
             "$set": {
-                "ends": append_endings("$__gone", how),
+                "ends": append_endings("$__gone", how, unrun=unrun),
                 "sx": latest_expiry("$hs"),
             }
         },
@@ -395,8 +398,8 @@ def slot_release_pipeline(tokens: Iterable[str], *, keep_min_hold: bool = True) 
     a hold already released is left as it is."""
     toks = {"$literal": list(tokens)}
     ours = {"$and": [{"$in": ["$$e.o", toks]}, {"$not": [released("$$e")]}]}
-    if not keep_min_hold:
-        return _drop(ours, "released")
+    if not keep_min_hold:  # (given back by a run that did not end: its copy may still run)
+        return _drop(ours, "released", unrun=True)
     holding = {"$gt": [{"$toLong": {"$ifNull": ["$$e.m", 0]}}, _NOW_MS]}
     kept = {
         "$map": {
