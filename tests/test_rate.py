@@ -315,8 +315,9 @@ def test_why_shows_the_rate_of_a_key(mongo_url: str, db_name: str) -> None:
 
 
 def test_a_direct_call_over_the_rate_waits_in_its_thread(mongo_url: str, db_name: str) -> None:
-    """``task(...)`` and ``task.apply()`` have no message to publish again: over the rate they keep their key
-    and wait for their turn in the caller's thread; ``then=Skip()`` returns the skipped result at once."""
+    """``task(...)`` and ``task.apply()`` have no message to publish again: over the rate they give their
+    key back and wait for their turn in the caller's thread; ``then=Skip()`` returns the skipped result at
+    once."""
     from celery import Celery
 
     from celery_mongolock import singleton_task
@@ -351,6 +352,53 @@ def test_a_direct_call_over_the_rate_waits_in_its_thread(mongo_url: str, db_name
         assert dropped(2) == 2
         second = dropped(2)
         assert second["mongolock"] == "skipped" and second["rate"] == "Throttle(1 per 60 s)"
+    finally:
+        app._mongolock_store.client.drop_database(db_name)
+        configure(app, mongo_url)
+
+
+def test_a_direct_call_waits_for_its_turn_without_its_key(mongo_url: str, db_name: str) -> None:
+    """While a direct call waits for its rate's turn it does not hold its key (the runs the rate parked
+    before it need the key to start: before, they found it held and backed off), and at its turn it takes
+    the key again by waiting for it, not through its contention policy (a ``Retry`` call, which fails at
+    once when its key is held, still runs)."""
+    from celery import Celery
+
+    from celery_mongolock import singleton_task
+    from celery_mongolock.testing import configure, wait_for
+
+    app = Celery("rate_direct_free", set_as_current=False)
+    done: list[Any] = []
+
+    @singleton_task(key="free:{n}", rate=Throttle(1.5), on_contention=Retry(), app=app)
+    def paced(n: int) -> int:
+        return n
+
+    configure(app, mongo_url, database=db_name)
+    try:
+        assert paced(3) == 3  # the window's start
+        store = app._mongolock_store
+        waiter = threading.Thread(target=lambda: done.append(paced(3)))
+        waiter.start()
+
+        def waiting_without_the_key() -> bool:
+            window = rate_windows(store).look("free:3")
+            info = store.inspect("free:3")
+            return bool(window is not None and window.waiters and (info is None or not info.held))
+
+        # (the window lists a waiter only until it starts: before, the key stayed held all that time)
+        wait_for(waiting_without_the_key, timeout=30, message="the call to wait for its turn without its key")
+        assert not done
+        # Someone takes the key while the call waits, and keeps it past the call's turn.
+        other = store.acquire("free:3", 30)
+        assert other is not None
+        turn = time.monotonic() + 1.5
+        wait_for(lambda: time.monotonic() > turn, timeout=30, message="the call's turn")
+        assert other.release()
+        waiter.join(30)
+        assert done == [3]  # it waited for the key and ran (a Retry call would have failed at once)
+        window = rate_windows(store).look("free:3")
+        assert window is not None and not window.waiters
     finally:
         app._mongolock_store.client.drop_database(db_name)
         configure(app, mongo_url)

@@ -9,12 +9,15 @@ a task of one ``key=`` (``one_key.OneKey`` admits it), ``guarded_many`` for ``ke
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery.exceptions import Ignore
 
+from celery_mongolock.admission.contention import Outcome
+from celery_mongolock.admission.policies import Fail, Wait
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.store import Lease, LeaseStore
 from celery_mongolock.exceptions import StoreUnavailable
@@ -69,9 +72,14 @@ def guarded_one(
     if inner:  # the run holds the key already: its own lease, reentered (no command)
         return _run_reentered(task, inner[key], body)
     taken = OneKey(task, key, options, direct=direct).take()
-    if isinstance(taken, Lease):  # then a start in its rate's window (None: it starts)
+    if isinstance(taken, Lease):  # then a start in its rate's window
         _drop_a_stale_line(task, store, [taken], key)  # (before the rate: no start spent on it)
-        taken = pass_rate(task, [key], [taken], options, direct=direct) or taken
+
+        def retake() -> tuple[Lease, list[Lease]] | Outcome:
+            again = OneKey(task, key, waiting_for_keys(options), direct=direct).take()
+            return (again, [again]) if isinstance(again, Lease) else again
+
+        taken = pass_rate(task, [key], taken, [taken], options, direct=direct, retake=retake)
     if not isinstance(taken, Lease):
         return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
     lease = taken
@@ -196,10 +204,22 @@ def _take_the_rest(
     if not isinstance(taken, LeaseSet):
         return taken.value
     _drop_a_stale_line(task, store, list(taken), rest[0])  # (before the rate: no start spent on it)
-    over_rate = pass_rate(task, rest, list(taken), options, direct=direct)
-    if over_rate is not None:
-        return over_rate.value
-    return taken
+
+    def retake() -> tuple[LeaseSet, list[Lease]] | Outcome:
+        again = SeveralKeys(task, rest, waiting_for_keys(options), direct=direct, limits=some).take()
+        return (again, list(again)) if isinstance(again, LeaseSet) else again
+
+    passed = pass_rate(task, rest, taken, list(taken), options, direct=direct, retake=retake)
+    return passed.value if isinstance(passed, Outcome) else passed
+
+
+def waiting_for_keys(options: TaskOptions) -> TaskOptions:
+    """``options`` for a direct call that takes its keys again after waiting for its rate's turn: it waits
+    for them (``Wait``, woken by their release) for up to its rate's period and ``Wait``'s default, then
+    fails with ``LockContended``; never its own contention policy (a ``Retry`` or ``Skip`` call would be
+    refused or dropped after it had been given its turn)."""
+    period = options.rate.period if options.rate is not None else 0.0
+    return dataclasses.replace(options, on_contention=Wait(timeout=period + Wait.timeout, then=Fail()))
 
 
 def _drop_a_stale_line(task: GuardedRun, store: LeaseStore, leases: list[Lease], key: str) -> None:

@@ -9,7 +9,9 @@ clock, recorded with the grant). Over the rate:
   the delivery acknowledged (``Ignore``), so no worker slot is held while it waits and nothing is
   dropped. Its state is ``QUEUED`` meanwhile. The copy is a contention retry of the run (same task id),
   so the guards against a second run of one delivery cover it. A direct call (``task(...)``,
-  ``apply()``) has no message: it keeps its key(s) and sleeps until its turn.
+  ``apply()``) has no message: it gives its key(s) back too (the runs the rate parked before it need
+  them to start), sleeps until its turn in the caller's thread, and takes them again, waiting for them
+  (``retake``: not through its contention policy), with its place in the window kept.
 * ``then=Skip()``: the run gives its key(s) back and ends ``SUCCESS`` with a skipped result naming the
   rate (``"mongolock": "skipped"``, ``"rate": "RateLimit(2 per 2 s)"``).
 """
@@ -20,8 +22,8 @@ import datetime as _dt
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery.exceptions import Ignore
 
@@ -45,11 +47,14 @@ from celery_mongolock.integration.runs import (
 if TYPE_CHECKING:
     from celery_mongolock.admission.rate import RateLimit
     from celery_mongolock.core.lease import Lease
+    from celery_mongolock.core.store import LeaseStore
     from celery_mongolock.integration.config import TaskOptions
 
 __all__ = ["RATE_HEADER", "leave_rate", "pass_rate", "rate_parks_of", "rate_skipped_result"]
 
 log = logging.getLogger("celery_mongolock.acquire")
+
+T = TypeVar("T")
 
 #: How many times a run was parked by its rate (its copies carry it; also counted as contention retries).
 RATE_HEADER = "mongolock_rate_parks"
@@ -77,13 +82,22 @@ def _over(rate: RateLimit, took: RateTake) -> str:
 
 
 def pass_rate(
-    task: GuardedRun, keys: Sequence[str], leases: Sequence[Lease], options: TaskOptions, *, direct: bool
-) -> Outcome | None:
-    """None when the run may start its body now (a start recorded in every key's window); an outcome
-    (``then=Skip()``) when it is dropped; raises ``Ignore`` when it is parked until its turn."""
+    task: GuardedRun,
+    keys: Sequence[str],
+    taken: T,
+    leases: Sequence[Lease],
+    options: TaskOptions,
+    *,
+    direct: bool,
+    retake: Callable[[], tuple[T, list[Lease]] | Outcome],
+) -> T | Outcome:
+    """What the run starts its body with (``taken``, or what a direct call took again) once a start is
+    recorded in every key's window; an outcome (``then=Skip()``) when it is dropped; raises ``Ignore`` when
+    it is parked until its turn. ``retake``: for a direct call that waited for its turn without its keys,
+    takes them again (what it then holds and its leases, or the outcome that ended it)."""
     rate = options.rate
     if rate is None:
-        return None
+        return taken
     request = task.request
     store = get_store(task.app)
     stamp, _src = _queue.stamp_of(request)
@@ -106,20 +120,41 @@ def pass_rate(
             )
         except StoreUnavailable as exc:
             give_back_quietly(store, list(leases))
+            if in_process:
+                _leave_quietly(store, ordered, run)
             unavailable(task, ordered[0], exc, options.on_contention, direct)
         if took.started:
-            return None
+            return taken
         key = str(took.key)
         signals.lease_contended.send(sender=task, key=key, holder={}, policy=rate.name)
+        give_back_quietly(store, list(leases))
         if not rate.parks:
-            give_back_quietly(store, list(leases))
             log.info("%s[%s]: %s; skipped", task.name, request.id, _over(rate, took))
             return Outcome(rate_skipped_result(key, rate, took))
         if not in_process:
-            give_back_quietly(store, list(leases))
             _park(task, key, rate, took, stamp)
-        # A direct call keeps its key(s) and waits for its turn in this thread.
-        time.sleep(_countdown(rate, took))
+        # A direct call waits for its turn in this thread without its key(s), then takes them again.
+        try:
+            time.sleep(_countdown(rate, took))
+            again = retake()
+        except BaseException:
+            _leave_quietly(store, ordered, run)
+            raise
+        if isinstance(again, Outcome):
+            _leave_quietly(store, ordered, run)
+            return again
+        taken, leases = again
+
+
+def _leave_quietly(store: LeaseStore, keys: Sequence[str], run: str) -> None:
+    """A direct call that waited for its turn and will not start: out of its keys' windows, so that the
+    runs after it do not wait for it (best effort: an entry left behind goes stale on its own)."""
+    windows = rate_windows(store)
+    try:
+        for key in keys:
+            windows.leave(key, run)
+    except StoreUnavailable as exc:
+        log.warning("leaving the rate windows of %s failed: %s", list(keys), exc)
 
 
 def leave_rate(task: GuardedRun, keys: Sequence[str], options: TaskOptions) -> None:
