@@ -785,6 +785,38 @@ def test_a_slot_given_back_unrun_is_not_taken_for_a_run_that_ended(store: LeaseS
     assert ended()
 
 
+def test_a_lease_released_unseen_in_the_background_still_names_its_run(store: LeaseStore) -> None:
+    """A lease released in the background without being remembered as over (lost, or its acquire
+    unanswered: ``unconfirmed``) is not a give-back: its run may have run, so a copy of its message is still
+    taken for the run that ended (the holder fallback), on a single lease and on a slot. (A review found
+    the give-back's marker on these too: a copy could then run a body that had run.)"""
+    info = {"task_id": "t1", "delivery": "0.0"}
+    single = store.acquire("bg", info=info)
+    assert single is not None
+    store.forget(single)
+    assert store.release_tokens([single.owner], unconfirmed=[single.owner]) == 1
+    assert store.run_ended("bg", ["t1/0.0"], task_id="t1", delivery="0.0", parked=False)
+    from celery_mongolock.core.outcomes import run_ended
+
+    assert store.acquire("bg-slots", limit=2, info={"task_id": "other", "delivery": "0.0"})
+    slot = store.acquire("bg-slots", limit=2, info=info)
+    assert slot is not None
+    store.forget(slot)
+    assert store.release_tokens([slot.owner], unconfirmed=[slot.owner]) == 1
+    doc = store.collection.find_one({"_id": "bg-slots"})
+    assert run_ended(doc, ["t1/0.0"], task_id="t1", delivery="0.0", parked=False)
+
+
+def test_a_slot_s_tick_given_back_unrun_can_run_again(store: LeaseStore) -> None:
+    """``limit=N`` with beat ticks: a slot given back with its tick takes the tick back, as a single lease
+    does."""
+    first = store.acquire("tick-slots", limit=2, tick=1000)
+    assert first is not None and store.give_back(first, untick=1000)
+    again = store.acquire("tick-slots", limit=2, tick=1000)
+    assert again is not None and again.release()
+    assert store.acquire("tick-slots", limit=2, tick=1000) is None  # once run, the tick has run
+
+
 def test_tick_and_hold_arguments_are_checked(store: LeaseStore) -> None:
     with pytest.raises(ConfigurationError, match="tick must be an int"):
         store.acquire("k", tick="5")  # type: ignore[arg-type]

@@ -145,20 +145,24 @@ class QueueUpkeep:
         )
         return doc is not None
 
-    def _give_back_slot(self, key: str, owner: str) -> None:
-        """Release the slot of ``key`` held by ``owner`` without remembering a run as over (``seen``):
-        a run parked on the key is handed it in the same command (published here)."""
+    def _give_back_slot(self, key: str, owner: str, untick: int | None = None) -> bool:
+        """Release the slot of ``key`` held by ``owner`` without remembering a run as over (``seen``), its
+        ending marked unrun (``u``; ``untick``: as for a single lease): a run parked on the key is handed
+        it in the same command (published here)."""
         store = self.store
         by = store.handoffs.by(owner)
         with store.connection.operation(f"give back lease {key!r}"):
             doc = store.connection.collection.find_one_and_update(
                 {"_id": key, **slots_docs.slot_release_filter([owner])},
-                slot_admission.slot_release_handoff_pipeline([owner], by, seen=False),
+                slot_admission.slot_release_handoff_pipeline(
+                    [owner], by, seen=False, unrun=True, untick=untick
+                ),
                 projection=slot_admission.SLOT_HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )
         if doc is not None:
             store.handoffs.publish(key, doc, by)
+        return doc is not None
 
     def unpark(self, key: str, entry_id: str) -> None:
         """Remove the run ``entry_id`` from ``key``: its parked entry, or the handoff or reservation made
@@ -213,8 +217,8 @@ class QueueUpkeep:
             return False
         store = self.store
         store.forget(lease)
-        if lease.slot is not None:  # a limit=N slot: released as the background release does
-            return store.release_tokens([lease.owner], unconfirmed=[lease.owner]) > 0
+        if lease.slot is not None:  # a limit=N slot
+            return self._give_back_slot(lease.key, lease.owner, untick)
         return self._give_back_key(lease.key, lease.owner, untick)
 
     def _give_back_key(self, key: str, owner: str, untick: int | None = None) -> bool:
@@ -225,7 +229,7 @@ class QueueUpkeep:
         with store.connection.operation(f"give back lease {key!r}"):
             doc = store.connection.collection.find_one_and_update(
                 documents.release_filter(key, owner),
-                documents.release_pipeline(by, seen=False, untick=untick),
+                documents.release_pipeline(by, seen=False, unrun=True, untick=untick),
                 projection=admission_docs.HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )

@@ -404,7 +404,12 @@ GIVEN_BACK = "given back unrun"
 
 
 def release_pipeline(
-    by: str = "", *, seen: bool = True, superseded_by: str | None = None, untick: int | None = None
+    by: str = "",
+    *,
+    seen: bool = True,
+    superseded_by: str | None = None,
+    unrun: bool = False,
+    untick: int | None = None,
 ) -> list[Document]:
     """Clear the owner and keep the document (and so the fence); a lease whose ``hold_until`` has not
     passed stays taken (owner kept) and simply expires then.
@@ -413,9 +418,12 @@ def release_pipeline(
     ``by`` (the releaser's token: it publishes the handoff; empty: the sweeper does). ``seen=False`` (a
     key given back by a run that never ran) keeps no minimum hold either: it held the key for nobody.
     ``superseded_by``: the holder's body stopped for this newer send (``Replace(cancel_running=True)``);
-    its ending says so (``for``). ``untick``: the beat tick of a run given back unrun (cut short): if the
-    key's ``last_tick`` is that tick, it goes back below it, so that the run's message, delivered again,
-    runs the tick instead of finding it already run."""
+    its ending says so (``for``). ``unrun``: a key given back by its run (``LeaseStore.give_back``: an
+    attempt that did not run its body, or a body cut short), marked ``released_for: GIVEN_BACK`` so that
+    its holder is not taken for a run that ended (``outcomes.run_ended``); not a lease released unseen in
+    the background (lost, or its acquire unanswered: its run may have run). ``untick``: the beat tick of a
+    run given back unrun: if the key's ``last_tick`` is that tick, it goes back below it, so that the
+    run's message, delivered again, runs the tick instead of finding it already run."""
     ending = ending_expr("released", **({"for": {"$literal": superseded_by}} if superseded_by else {}))
     untick_field: Document = (
         {}
@@ -435,7 +443,7 @@ def release_pipeline(
                 # run that has not run yet, see ``LeaseStore.give_back``)
                 "seen": seen_append(seen),
                 # a key given back unrun: its holder did not end a run (``outcomes.run_ended``)
-                **({} if seen else {"released_for": GIVEN_BACK}),
+                **({"released_for": GIVEN_BACK} if unrun else {}),
                 **untick_field,
             }
         },

@@ -317,16 +317,18 @@ def slot_refill_pipeline(
 
 
 def slot_release_handoff_pipeline(
-    tokens: Iterable[str], by: str = "", *, seen: bool = True
+    tokens: Iterable[str], by: str = "", *, seen: bool = True, unrun: bool = False, untick: int | None = None
 ) -> list[Document]:
     """Release the holds of ``tokens``; the freed slots go to the oldest parked runs (``by``). ``seen``:
-    their runs are remembered as over (not for holds whose run never got them)."""
+    their runs are remembered as over (not for holds whose run never got them). ``unrun``/``untick``: holds
+    given back by their run (``slots.slot_release_pipeline``)."""
     toks = list(tokens)
     ours = {"$and": [{"$in": ["$$e.o", {"$literal": toks}]}, {"$not": [_slots.released("$$e")]}]}
     mine = {"$filter": {"input": _HS, "as": "e", "cond": ours}}
     remember = [{"$set": {"seen": _seen_of(mine)}}] if seen else []
     # (a hold whose run never ran, ``seen=False``, keeps no minimum hold: it held nothing for anyone)
-    return [*remember, *_then_hand(_slots.slot_release_pipeline(toks, keep_min_hold=seen), by)]
+    released = _slots.slot_release_pipeline(toks, keep_min_hold=seen, unrun=unrun, untick=untick)
+    return [*remember, *_then_hand(released, by)]
 
 
 def slot_release_dead_handoff_pipeline(holder: Mapping[str, Any], by: str = "") -> list[Document]:

@@ -375,7 +375,15 @@ def live_tokens_pipeline(tokens: Iterable[str]) -> list[Document]:
     ]
 
 
-def _drop(cond_on_e: Document, how: str, *, unrun: bool = False) -> list[Document]:
+def _untick(tick: int | None) -> list[Document]:
+    """The stage that takes beat tick ``tick`` back from the key when it is the key's last (none without)."""
+    if tick is None:
+        return []
+    last = {"$cond": [{"$eq": ["$last_tick", int(tick)]}, int(tick) - 1, "$last_tick"]}
+    return [{"$set": {"last_tick": last}}]
+
+
+def _drop(cond_on_e: Document, how: str, *, unrun: bool = False, untick: int | None = None) -> list[Document]:
     gone = {"$filter": {"input": _HS, "as": "e", "cond": cond_on_e}}
     kept = {"$filter": {"input": _HS, "as": "e", "cond": {"$not": [cond_on_e]}}}
     return [
@@ -387,19 +395,23 @@ def _drop(cond_on_e: Document, how: str, *, unrun: bool = False) -> list[Documen
             }
         },
         {"$unset": ["__gone"]},
+        *_untick(untick),
         _gc(),
     ]
 
 
-def slot_release_pipeline(tokens: Iterable[str], *, keep_min_hold: bool = True) -> list[Document]:
+def slot_release_pipeline(
+    tokens: Iterable[str], *, keep_min_hold: bool = True, unrun: bool = False, untick: int | None = None
+) -> list[Document]:
     """Release the holds of ``tokens``: the slot is free at once, unless its minimum hold (``m``) has
     not passed: then the hold stays, released (``rl``), until ``m`` (``keep_min_hold=False``: a hold
     given back by a run that never ran keeps no minimum). Either way the ending is recorded now, once:
-    a hold already released is left as it is."""
+    a hold already released is left as it is. ``unrun``/``untick``: as ``release_pipeline`` says (a hold
+    given back by its run: its ending is marked ``u``; its tick, if the key's last, goes back below it)."""
     toks = {"$literal": list(tokens)}
     ours = {"$and": [{"$in": ["$$e.o", toks]}, {"$not": [released("$$e")]}]}
-    if not keep_min_hold:  # (given back by a run that did not end: its copy may still run)
-        return _drop(ours, "released", unrun=True)
+    if not keep_min_hold:
+        return _drop(ours, "released", unrun=unrun, untick=untick)
     holding = {"$gt": [{"$toLong": {"$ifNull": ["$$e.m", 0]}}, _NOW_MS]}
     kept = {
         "$map": {
