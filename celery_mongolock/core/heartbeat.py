@@ -48,6 +48,8 @@ log = logging.getLogger("celery_mongolock.heartbeat")
 #: At most this many history records wait for MongoDB; beyond, the oldest are dropped (their endings
 #: are still in the lease documents' ``ends``).
 MAX_QUEUED_RECORDS = 10_000
+#: The longest an explicit ``flush_history()`` without a timeout waits for a history write under way.
+FLUSH_WAIT_S = 10.0
 
 #: How late pymongo may notice a server-selection deadline (it re-checks every 0.5 s), plus a little.
 _SELECTION_SLACK = 0.55
@@ -234,9 +236,14 @@ class Heartbeat:
 
     def flush_history(self, timeout: float | None = None) -> bool:
         """Insert the queued history records now; False (records kept for the next try) if MongoDB did
-        not answer. A write under way (this thread's tick) is waited for first."""
-        with self._flush_lock:
+        not answer. A write under way (this thread's tick) is waited for first, within ``timeout`` (10 s
+        when None): False if it is still under way then."""
+        if not self._flush_lock.acquire(timeout=FLUSH_WAIT_S if timeout is None else max(0.0, timeout)):
+            return False
+        try:
             return self._flush_history(timeout)
+        finally:
+            self._flush_lock.release()
 
     def _flush_history(self, timeout: float | None) -> bool:
         store = self._store()
@@ -266,7 +273,14 @@ class Heartbeat:
         """``flush_history`` within what the held leases can spare (never more than 2 s)."""
         give_up = self._earliest_give_up()
         budget = 2.0 if give_up is None else max(0.05, min(2.0, give_up - self._clock.monotonic()))
-        return self.flush_history(timeout=budget)
+        # Never waits behind another thread's flush (it writes what was queued; the rest waits a tick):
+        # this thread renews the leases.
+        if not self._flush_lock.acquire(blocking=False):
+            return True
+        try:
+            return self._flush_history(budget)
+        finally:
+            self._flush_lock.release()
 
     @property
     def pid(self) -> int:
