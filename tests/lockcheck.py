@@ -5895,6 +5895,8 @@ class Run:
         deadline = time.monotonic() + START_GUARD_S
         while True:
             since = time.time()  # (history files' modification times are wall-clock)
+            node = self.skewed_node if queue == SKEWED_QUEUE else None
+            seen = set(node.child_pids()) if node is not None else set()
             window = min(self._stall_allowance(), max(0.0, deadline - time.monotonic()))
             try:
                 return bool(
@@ -5903,11 +5905,12 @@ class Run:
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     return False
-            node = self.skewed_node if queue == SKEWED_QUEUE else None
-            if node is None or not node.alive or node.proc is None:
+            # The same node all through the window (not one replaced meanwhile: it has had no time), judged
+            # by every child seen in it (a child replaced in the window wrote to a file of its own).
+            if node is None or node is not self.skewed_node or not node.alive or node.proc is None:
                 continue
             children = node.child_pids()
-            if nodewatch.newest_write(self.hist_dir, children) >= since:
+            if nodewatch.newest_write(self.hist_dir, seen | set(children)) >= since:
                 continue  # its children work: slow, not stalled
             finding: Doc = {
                 "node": node.name, "pid": node.proc.pid, "children": children, "queue": queue,
