@@ -260,6 +260,38 @@ def test_with_replace_a_send_equal_to_a_run_overtaken_by_a_started_send_is_publi
     assert latest.delay(9, "a.csv").id == again.id
 
 
+def test_with_replace_on_a_set_of_keys_a_started_newer_send_of_the_set_is_seen_too(
+    app: Celery, sent: Sent
+) -> None:
+    """The same with ``keys=`` (a set of keys): the set's newest send that got its keys is its record in
+    each key's ``lg``; a newer start of another set sharing a key does not count (it does not supersede)."""
+    from celery_mongolock.core.documents.sets import set_signature
+
+    @singleton_task(
+        keys=("tenant:{t}", "group:{g}"),
+        app=app,
+        name="t.set_latest",
+        unique_send=True,
+        on_contention="replace",
+    )
+    def upload(t: int, g: int, name: str) -> str:
+        return name
+
+    store = app._mongolock_store
+    records = sends_of(store)
+    keys = ["group:5", "tenant:1"]
+    first, second = upload.delay(1, 5, "a.csv"), upload.delay(1, 5, "b.csv")
+    stamp_b = (records.collection.find_one({"t": second.id}) or {})["p"]
+    assert records.forget(second.id)
+    other_set = {"g": set_signature(["group:5", "tenant:2"]), "s": stamp_b, "t": "x"}
+    store.collection.update_one({"_id": "group:5"}, {"$set": {"lg": [other_set]}}, upsert=True)
+    assert upload.delay(1, 5, "a.csv").id == first.id  # another set's start: absorbed as before
+    mine = {"g": set_signature(keys), "s": stamp_b, "t": second.id}
+    store.collection.update_one({"_id": "group:5"}, {"$set": {"lg": [other_set, mine]}})
+    again = upload.delay(1, 5, "a.csv")
+    assert again.id != first.id and sent.ids[-1] == again.id
+
+
 def test_off_by_default_a_send_costs_no_command(app: Celery, sent: Sent, counter: CommandCounter) -> None:
     _, plain, by_policy = _tasks(app)
     counter.clear()

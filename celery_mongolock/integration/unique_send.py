@@ -124,11 +124,10 @@ def send_unique(
         return publish(args, kwargs, **options)
     digest = send_digest(task.name, keys, arguments)
     task_id = str(options.get("task_id") or uuid())
-    # The send's stamp, taken now so that the record keeps it (the order Replace judges sends by).
-    headers = dict(options.get("headers") or {})
-    stamp = headers.get(SENT_HEADER)
-    if not isinstance(stamp, int) or isinstance(stamp, bool):
-        stamp = headers[SENT_HEADER] = send_stamp()
+    # The send's stamp, taken now so that the record keeps it (the order Replace judges sends by). (A send
+    # that carries one already is a re-publish, never deduplicated: ``_resend``.)
+    stamp = send_stamp()
+    headers = {**(options.get("headers") or {}), SENT_HEADER: stamp}
     options = {**options, "headers": headers}
     mode, seconds = in_force.unique_send, in_force.unique_send_seconds
     records = sends_of(get_store(task.app))

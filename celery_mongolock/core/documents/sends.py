@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.base import Document
-from celery_mongolock.core.keys import a_type
+from celery_mongolock.core.documents.sets import set_signature
+from celery_mongolock.core.keys import a_type, normalize_key
 from celery_mongolock.core.lease_info import aware
 from celery_mongolock.exceptions import ArgumentsNotComparable, ConfigurationError
 
@@ -156,9 +157,15 @@ def claim_update(
 
 
 def started_after(keys: Sequence[str], stamp: int) -> Document:
-    """The lease documents of ``keys`` whose newest send that got the key (``Replace``'s ``last``) was
-    sent after ``stamp``: a run sent at ``stamp`` and not started yet is superseded at its admission."""
-    return {"_id": {"$in": sorted(keys)}, "last.s": {"$gt": int(stamp)}}
+    """The lease documents of ``keys`` whose newest send that got the key was sent after ``stamp``: a run
+    sent at ``stamp`` and not started yet is superseded at its admission. For one key, ``Replace``'s
+    ``last``; for a set of keys (``keys=``), the set's record in ``lg``."""
+    ids = sorted({normalize_key(k) for k in keys})
+    newer = {"$gt": int(stamp)}
+    return {
+        "_id": {"$in": ids},
+        "$or": [{"last.s": newer}, {"lg": {"$elemMatch": {"g": set_signature(ids), "s": newer}}}],
+    }
 
 
 @dataclasses.dataclass(frozen=True)
