@@ -182,18 +182,18 @@ def _left_to_a_worker_with_the_task(
         at = entry.get(since)
         if isinstance(at, _dt.datetime):
             at = at if at.tzinfo is not None else at.replace(tzinfo=_dt.timezone.utc)
-            if (now - at).total_seconds() > UNKNOWN_TASK_WAIT_S:
-                log.warning(
-                    "%s[%s] on %r: no worker that has its task ended it within %g s; its result is written "
-                    "here, without its callbacks, chain or chord (this worker does not have %s)",
-                    name,
-                    entry.get("t"),
-                    key,
-                    UNKNOWN_TASK_WAIT_S,
-                    name,
-                )
-                continue
-        left.append(entry)
+        if isinstance(at, _dt.datetime) and (now - at).total_seconds() <= UNKNOWN_TASK_WAIT_S:
+            left.append(entry)
+            continue
+        log.warning(
+            "%s[%s] on %r: no worker that has its task ended it within %g s; its result is written by a "
+            "worker that does not have %s, without its callbacks, chain or chord",
+            name,
+            entry.get("t"),
+            key,
+            UNKNOWN_TASK_WAIT_S,
+            name,
+        )
     return left
 
 
