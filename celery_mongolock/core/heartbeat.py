@@ -238,10 +238,12 @@ class Heartbeat:
         """Insert the queued history records now; False (records kept for the next try) if MongoDB did
         not answer. A write under way (this thread's tick) is waited for first, within ``timeout`` (10 s
         when None): False if it is still under way then."""
+        start = self._clock.monotonic()
         if not self._flush_lock.acquire(timeout=FLUSH_WAIT_S if timeout is None else max(0.0, timeout)):
             return False
-        try:
-            return self._flush_history(timeout)
+        try:  # (within what is left of ``timeout``)
+            left = None if timeout is None else max(0.05, timeout - (self._clock.monotonic() - start))
+            return self._flush_history(left)
         finally:
             self._flush_lock.release()
 
@@ -276,6 +278,8 @@ class Heartbeat:
         # Never waits behind another thread's flush (it writes what was queued; the rest waits a tick):
         # this thread renews the leases.
         if not self._flush_lock.acquire(blocking=False):
+            with self._lock:  # look again a little later, not at once (no spin while the other writes)
+                self._history_due = self._clock.monotonic() + min(1.0, self._history_delay)
             return True
         try:
             return self._flush_history(budget)

@@ -32,6 +32,7 @@ from celery_mongolock.core.store_rate import RateTake, rate_windows
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import priority, results, signals
+from celery_mongolock.integration.beatcheck import beat_tick
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.runs import (
     CONTENDED_SINCE_HEADER,
@@ -127,10 +128,12 @@ def pass_rate(
             return taken
         key = str(took.key)
         signals.lease_contended.send(sender=task, key=key, holder={}, policy=rate.name)
-        give_back_quietly(store, list(leases))
         if not rate.parks:
+            give_back_quietly(store, list(leases))
             log.info("%s[%s]: %s; skipped", task.name, request.id, _over(rate, took))
             return Outcome(rate_skipped_result(key, rate, took))
+        # A beat tick's run that waits for its turn gives its tick back too: at its turn it takes it again.
+        give_back_quietly(store, list(leases), untick=beat_tick(request)[0])
         if not in_process:
             _park(task, key, rate, took, stamp)
         # A direct call waits for its turn in this thread without its key(s), then takes them again.

@@ -162,9 +162,10 @@ def started_after(keys: Sequence[str], stamp: int) -> Document:
     ``last``; for a set of keys (``keys=``), the set's record in ``lg``."""
     ids = sorted({normalize_key(k) for k in keys})
     newer = {"$gt": int(stamp)}
+    # (``g`` as a run of the set records it: from its rendered keys, as given here)
     return {
         "_id": {"$in": ids},
-        "$or": [{"last.s": newer}, {"lg": {"$elemMatch": {"g": set_signature(ids), "s": newer}}}],
+        "$or": [{"last.s": newer}, {"lg": {"$elemMatch": {"g": set_signature(list(keys)), "s": newer}}}],
     }
 
 
