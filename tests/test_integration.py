@@ -624,16 +624,15 @@ def test_a_killed_child_frees_its_key_long_before_expiry(cluster: Cluster) -> No
     w.kill()
 
 
-def test_a_body_cut_short_by_sigterm_runs_again(cluster: Cluster) -> None:
-    """A pool child told to stop (SIGTERM: a cold shutdown, or a SIGTERM sent to the worker's whole process
-    group, as systemd and ``pkill -f`` do) unwinds its body with ``SystemExit``: the run did not end, so its
-    key is given back unmarked and its message, delivered again, runs it again (not ``already-ran``)."""
+def _cut_short_by_sigterm_runs_again(cluster: Cluster, queue: str, headers: dict[str, Any] | None) -> str:
+    """Start a gated run on ``queue``, SIGTERM its pool child while its body runs, and wait until the
+    message, delivered again, runs the body again in another child; its worker's log."""
     import os
     import signal
 
-    w = cluster.worker(name=f"c{tag()}@localhost", extra_args=["-Q", "coldq"])
+    w = cluster.worker(name=f"{queue}{tag()}@localhost", extra_args=["-Q", queue])
     resource, t = tag(), tag()
-    res = it.gated.apply_async((resource, t), queue="coldq")
+    res = it.gated.apply_async((resource, t), queue=queue, headers=headers)
     start = wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")[0]
     os.kill(start["pid"], signal.SIGTERM)
     again = wait_for(
@@ -642,32 +641,26 @@ def test_a_body_cut_short_by_sigterm_runs_again(cluster: Cluster) -> None:
     assert again[0]["pid"] != start["pid"]
     cluster.db["gates"].insert_one({"_id": t})
     assert res.get(timeout=60) == t
-    assert "its body was cut short (SystemExit" in w.log()
+    log = w.log()
     w.kill()
+    return log
+
+
+def test_a_body_cut_short_by_sigterm_runs_again(cluster: Cluster) -> None:
+    """A pool child told to stop (SIGTERM: a cold shutdown, or a SIGTERM sent to the worker's whole process
+    group, as systemd and ``pkill -f`` do) unwinds its body with ``SystemExit``: the run did not end, so its
+    key is given back unmarked and its message, delivered again, runs it again (not ``already-ran``)."""
+    assert "its body was cut short (SystemExit" in _cut_short_by_sigterm_runs_again(cluster, "coldq", None)
 
 
 def test_a_beat_tick_cut_short_by_sigterm_runs_its_tick_again(cluster: Cluster) -> None:
     """The same for a run of a beat tick: its key is given back with its tick, so its message, delivered
     again, runs the tick (before: the copy was taken for a run that had ended, ``already-ran``, since the
     key still named it as its last holder, and the tick's work was lost)."""
-    import os
-    import signal
-
     from celery_mongolock.integration.headers import BEAT_HEADER
 
-    w = cluster.worker(name=f"ct{tag()}@localhost", extra_args=["-Q", "coldtickq"])
-    resource, t = tag(), tag()
     tick = {"tick": int(time.time() * 1000), "window": 600}
-    res = it.gated.apply_async((resource, t), queue="coldtickq", headers={BEAT_HEADER: tick})
-    start = wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")[0]
-    os.kill(start["pid"], signal.SIGTERM)
-    again = wait_for(
-        lambda: cluster.runs(t, "start")[1:], timeout=60, message="the cut-short tick to run again"
-    )
-    assert again[0]["pid"] != start["pid"]
-    cluster.db["gates"].insert_one({"_id": t})
-    assert res.get(timeout=60) == t
-    w.kill()
+    _cut_short_by_sigterm_runs_again(cluster, "coldtickq", {BEAT_HEADER: tick})
 
 
 def test_hard_time_limit_frees_the_key(cluster: Cluster) -> None:
