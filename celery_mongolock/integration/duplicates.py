@@ -60,6 +60,17 @@ DUPLICATE_HEADER = "mongolock_parked_duplicate"
 LOOKED_AGAIN_HEADER = "mongolock_looked_again"
 
 
+def keep_a_debounced_copy_delivered_again(task: GuardedRun, key: str, options: TaskOptions) -> None:
+    """A debounced copy (``Replace(debounce=...)``) whose admit finds its run running: when this very
+    copy took the key (``due``) in a delivery whose worker then died, and the broker delivered it again,
+    the run holding the key may be dead, so the copy is kept as any duplicate is (``park_duplicate``,
+    then ``Ignore``), not dropped (the lock-set checker on RabbitMQ: a node killed just after such a copy
+    took its first key lost the run, ``QUEUED`` forever). A first delivery returns (it is dropped)."""
+    if copy_run_ids(task.request):
+        park_duplicate(task, key, options, False)
+        raise Ignore()
+
+
 def park_duplicate(
     task: GuardedRun,
     key: str,

@@ -30,6 +30,7 @@ from celery_mongolock.integration.duplicates import (
     ended_without_a_result,
     first_run_done,
     guard_run_ids,
+    keep_a_debounced_copy_delivered_again,
     park_duplicate,
 )
 from celery_mongolock.integration.endings import ending_publisher
@@ -269,6 +270,8 @@ class OneKey:
         who = (task.name, request.id)
         # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
         if debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
+            if outcome is AdmitOutcome.RUNNING:
+                keep_a_debounced_copy_delivered_again(task, key, self.options)
             # The run was handed the key (due) before its delayed copy came, and ran or runs under its
             # own message (which reports a result lost with its worker): this copy has nothing to do.
             log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)

@@ -36,6 +36,7 @@ from celery_mongolock.integration.duplicates import (
     copy_with_a_result,
     ended_without_a_result,
     guard_run_ids,
+    keep_a_debounced_copy_delivered_again,
     park_duplicate,
 )
 from celery_mongolock.integration.endings import ending_publisher
@@ -335,6 +336,8 @@ class SeveralKeys:
                 raise Ignore()
             return self._superseded(key, admission)
         if self.debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
+            if outcome is AdmitOutcome.RUNNING:
+                keep_a_debounced_copy_delivered_again(self.task, key, self.options)
             # Handed its keys (due) before its delayed copy came: it ran or runs under its own message.
             raise Ignore()
         if outcome is AdmitOutcome.ALREADY_RAN:
