@@ -32,9 +32,41 @@ def stopped(pid: int) -> Iterator[None]:
     """The server's process group frozen with SIGSTOP (connections stay open, nothing answers)."""
     os.killpg(pid, signal.SIGSTOP)
     try:
+        wait_all_stopped(pid)
         yield
     finally:
         os.killpg(pid, signal.SIGCONT)
+
+
+def _group_threads(pgid: int) -> list[Path]:
+    """The ``stat`` files of every thread of every process in the process group ``pgid``."""
+    found: list[Path] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                found.extend(task / "stat" for task in (proc / "task").iterdir())
+        except (OSError, IndexError, ValueError):
+            continue  # (a process that ended meanwhile)
+    return found
+
+
+def wait_all_stopped(pgid: int, limit: float = 60.0) -> None:
+    """Wait until every thread of the group is stopped. ``kill(SIGSTOP)`` returns before that: the
+    kernel wakes one thread to start the group stop, and on a busy machine another thread of a
+    multi-threaded server could still answer a request meanwhile (a CI run's release was answered)."""
+    deadline = time.monotonic() + limit
+    while True:
+        states = []
+        for stat in _group_threads(pgid):
+            with contextlib.suppress(OSError):
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process group {pgid} not stopped after {limit} s: {states}"
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager
