@@ -84,7 +84,10 @@ The faults
 ``sigstop-client`` / ``sigstop-task``: a holder (bare client / Celery child) is paused with SIGSTOP
 until its lease has expired and a successor has claimed the document, then resumed. ``kill-child``:
 SIGKILL of a Celery prefork child holding a lease. ``kill-node``: SIGKILL of a whole worker node (parent
-and children), and a new node started. ``clock-jump``: the wall clock of a bare client jumps by
+and children), and a new node started. ``sigterm-child``: SIGTERM of a child holding a lease (its body
+is cut short with ``SystemExit``). ``sigterm-node``: SIGTERM of a whole node's process group, as systemd
+stops a service (the parent's warm shutdown, every child's body cut short); a new node is started.
+``clock-jump``: the wall clock of a bare client jumps by
 minutes or hours, forward and back, and that of a Celery node with a queue of its own by minutes, forward
 only (libfaketime with a timestamp file; ``Config.skewed_node``). ``server-restart``: the MongoDB server
 (file-backed, ``--sync-on-commit``) is crashed with SIGKILL or stopped, and started again on the same
@@ -462,12 +465,18 @@ SKEWED_MAX_BACKLOG = 3
 #: workload holds at that moment. The run gives up waiting after this long (a guard).
 LINGER_KEYS = 200
 LINGER_GUARD_S = 300.0
+#: A node told to stop (``sigterm-node``) that has not exited after this long is SIGKILLed, as systemd
+#: does after ``TimeoutStopSec`` (its default is 90 s): a guard, a warm shutdown of cut-short bodies
+#: takes seconds.
+SIGTERM_STOP_S = 90.0
 
 ALL_FAULTS = (
     "sigstop-client",
     "sigstop-task",
     "kill-child",
     "kill-node",
+    "sigterm-child",
+    "sigterm-node",
     "clock-jump",
     "server-restart",
     "server-pause",
@@ -6065,29 +6074,39 @@ class Run:
                 os.kill(pid, signal.SIGCONT)
         return True
 
-    def _kill_child(self) -> bool:
+    def _kill_child(self, kind: str = "kill-child") -> bool:
+        """``kill-child``: SIGKILL of a child holding a lease. ``sigterm-child``: SIGTERM, as a cold
+        shutdown or a SIGTERM to the node's process group sends it: billiard's child unwinds its body
+        with ``SystemExit``, its keys are given back unmarked, and its message runs again."""
         victim = self._find_victim(self._task_child_pids)
         if victim is None:
             return False
         pid = int(victim.holder["pid"])
         t = time.monotonic()
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL if kind == "kill-child" else signal.SIGTERM)
         except ProcessLookupError:
             return False
-        self._record("kill-child", t, keys=[victim.key], holds=[victim.owner], pid=pid)
+        self._record(kind, t, keys=[victim.key], holds=[victim.owner], pid=pid)
         return True
 
-    def _kill_node(self) -> bool:
+    def _busy_node(self) -> tuple[Node, list[Any]] | None:
+        """A live node to stop, preferably one whose child holds a lease (waited for a little), with the
+        leases its children hold."""
         live = [n for n in self.nodes if n.alive]
         if not live:
-            return False
-        # Preferably a node whose child holds a lease (wait a little for one).
+            return None
         with contextlib.suppress(TimeoutError):
             _wait(lambda: {i.holder.get("worker") for i in self._held()} & {n.name for n in live}, 8, "", 0.1)
         busy = {i.holder.get("worker") for i in self._held()}
         node = next((n for n in live if n.name in busy), None) or self.rng.choice(live)
-        held = [i for i in self._held() if i.holder.get("worker") == node.name]
+        return node, [i for i in self._held() if i.holder.get("worker") == node.name]
+
+    def _kill_node(self) -> bool:
+        found = self._busy_node()
+        if found is None:
+            return False
+        node, held = found
         with self._nodes_lock:
             if node not in self.nodes or not node.alive:
                 return False  # it exited on its own meanwhile; the supervisor replaced it
@@ -6099,6 +6118,38 @@ class Run:
             self.nodes.remove(node)
             node.stop()
             self._start_node()
+        return True
+
+    def _sigterm_node(self) -> bool:
+        """SIGTERM to a node's whole process group, as systemd stops a service (``KillMode=control-group``)
+        and ``pkill -f`` does: its parent begins a warm shutdown while each child cuts its body short. The
+        node is replaced at once (a deploy starts the new one beside the old); one that has not exited
+        after ``SIGTERM_STOP_S`` is SIGKILLed, as systemd does, and that is recorded as ``kill-node``."""
+        found = self._busy_node()
+        if found is None:
+            return False
+        node, held = found
+        with self._nodes_lock:
+            if node not in self.nodes or not node.alive:
+                return False
+            assert node.proc is not None
+            t = time.monotonic()
+            try:
+                os.killpg(node.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return False
+            self._record(
+                "sigterm-node", t, node=node.name, keys=[i.key for i in held], holds=[i.owner for i in held]
+            )
+            self.nodes.remove(node)
+            self._start_node()
+        try:
+            node.proc.wait(SIGTERM_STOP_S)
+        except subprocess.TimeoutExpired:
+            t = time.monotonic()
+            node.kill()
+            self._record("kill-node", t, node=node.name, keys=[], holds=[], after="sigterm-node")
+        node.stop()  # (its children, if its parent left any behind)
         return True
 
     def _clock_jump(self) -> bool:
@@ -6292,18 +6343,20 @@ class Run:
     def _inject(self, kind: str) -> bool:
         if kind == "sigstop-client":
             return self._sigstop(kind, self._client_pids)
-        if kind in ("sigstop-task", "kill-child"):
+        if kind in ("sigstop-task", "kill-child", "sigterm-child"):
             lingering = self._lingering()
             try:
                 return (
                     self._sigstop(kind, self._task_child_pids)
                     if kind == "sigstop-task"
-                    else self._kill_child()
+                    else self._kill_child(kind)
                 )
             finally:
                 lingering.write_text("go")
         if kind == "kill-node":
             return self._kill_node()
+        if kind == "sigterm-node":
+            return self._sigterm_node()
         if kind == "clock-jump":
             return self._clock_jump()
         if kind == "server-restart":

@@ -33,12 +33,12 @@ from celery_mongolock.integration.duplicates import (
     keep_a_debounced_copy_delivered_again,
     park_duplicate,
 )
-from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.rate_gate import leave_rate
 from celery_mongolock.integration.runs import (
     GuardedRun,
     contended_since,
     delivery,
+    end_superseded,
     has_final_state,
     ignored_as,
     log_acquire,
@@ -335,17 +335,7 @@ class OneKey:
         assert isinstance(policy, Queue)
         mine = admission.superseded_by(request.id)
         if mine:
-            # Only for runs that have written their state QUEUED: a run that has not yet would overwrite
-            # its result with it (it writes QUEUED before it parks, so this is rare: the write failed).
-            results.write_superseded(
-                task.app,
-                self.store,
-                key,
-                mine,
-                ready=results.marked_queued(task.app),
-                fence=admission.fence,
-                publish=ending_publisher(task.app),
-            )
+            end_superseded(task, self.store, key, mine, admission.fence)
         position = admission.position(request.id)
         if isinstance(policy, Replace) and policy.debounce and not debounced_copy:
             # Come back when the debounce has passed: the copy takes the key if no newer send came.

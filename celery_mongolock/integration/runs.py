@@ -25,6 +25,7 @@ from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import results
 from celery_mongolock.integration.config import get_store
+from celery_mongolock.integration.endings import ending_publisher
 
 if TYPE_CHECKING:
     from celery_mongolock.admission.policies import Policy
@@ -240,6 +241,22 @@ def give_back_quietly(store: LeaseStore, leases: list[Lease], *, untick: int | N
             store.give_back(lease, untick=untick)
         except StoreUnavailable as exc:
             log_release.warning("%s (it expires on its own)", exc)
+
+
+def end_superseded(task: GuardedRun, store: LeaseStore, key: str, runs: list[Any], fence: int | None) -> None:
+    """Write the results of the runs a run's admit on ``key`` superseded (``results.write_superseded``):
+    only those that have written their state QUEUED (a run that has not yet would overwrite its result
+    with it: it writes QUEUED before it parks, so this is rare); the run itself or the sweeper writes the
+    others."""
+    results.write_superseded(
+        task.app,
+        store,
+        key,
+        runs,
+        ready=results.marked_queued(task.app),
+        fence=fence,
+        publish=ending_publisher(task.app),
+    )
 
 
 def delivery(request: Any) -> str:

@@ -39,11 +39,11 @@ from celery_mongolock.integration.duplicates import (
     keep_a_debounced_copy_delivered_again,
     park_duplicate,
 )
-from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.rate_gate import leave_rate
 from celery_mongolock.integration.runs import (
     GuardedRun,
     delivery,
+    end_superseded,
     give_back_quietly,
     has_final_state,
     ignored_as,
@@ -560,16 +560,7 @@ class SeveralKeys:
         """The results of the runs this run superseded on its keys (its admits' ``sup``)."""
         task, store = self.task, self.store
         for key, (admission, runs) in self.superseded.items():
-            # Only runs that wrote their state QUEUED (see ``OneKey._parked``); the sweeper writes the rest.
-            results.write_superseded(
-                task.app,
-                store,
-                key,
-                runs,
-                ready=results.marked_queued(task.app),
-                fence=admission.fence,
-                publish=ending_publisher(task.app),
-            )
+            end_superseded(task, store, key, runs, admission.fence)
         self.superseded = {}
 
     def _parked_all(self, stamp: int) -> NoReturn:
