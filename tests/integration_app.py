@@ -33,7 +33,7 @@ from celery_mongolock import (
     singleton_task,
 )
 from celery_mongolock.core.fencing import FencedOut, fenced_update_one
-from celery_mongolock.signals import lease_contended, lease_lost
+from celery_mongolock.signals import lease_acquired, lease_contended, lease_lost
 
 
 def broker_transport_options(broker_url: str) -> dict[str, Any]:
@@ -293,6 +293,28 @@ def latest(resource: str, tag: str, seconds: float = 0.3, gate: bool = False) ->
 def gated(resource: str, tag: str) -> str:
     """A queued task whose body runs until the test opens its gate (a document ``gates/<tag>``)."""
     return _until_gate(tag)
+
+
+@singleton_task(key="resource:{resource}", app=app, name="integration_app.held_before_body")
+def held_before_body(resource: str, tag: str) -> str:
+    """A task whose first delivery waits, holding its key, before its body starts (``_before_body``)."""
+    record("start", tag)
+    return tag
+
+
+@lease_acquired.connect
+def _before_body(sender: Any = None, lease: Any = None, **_: Any) -> None:
+    """``held_before_body``'s first delivery, its key taken and its body not started, waits for the test
+    to open its gate (``gates/before-<tag>``, at most 120 s): where a SIGTERM to its child lands."""
+    if getattr(sender, "name", None) != "integration_app.held_before_body":
+        return
+    tag = str(sender.request.args[1])
+    if db()["runs"].find_one({"kind": "before-body", "tag": tag}) is not None:
+        return  # a later delivery goes on
+    record("before-body", tag)
+    deadline = time.monotonic() + 120
+    while db()["gates"].find_one({"_id": f"before-{tag}"}) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _until_gate(tag: str) -> str:

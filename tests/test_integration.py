@@ -663,6 +663,29 @@ def test_a_beat_tick_cut_short_by_sigterm_runs_its_tick_again(cluster: Cluster) 
     _cut_short_by_sigterm_runs_again(cluster, "coldtickq", {BEAT_HEADER: tick})
 
 
+def test_a_run_cut_short_before_its_body_started_runs_again(cluster: Cluster) -> None:
+    """A pool child told to stop (SIGTERM) after its run took the key and before its body started (here:
+    in a ``lease_acquired`` receiver) exits with the key still held; the process's exit gives it back unrun
+    (before: released as a run that ended, so the message, delivered again, ended ``already-ran`` and the
+    body never ran; found by the lock-set checker's ``sigterm-node`` fault on RabbitMQ)."""
+    import os
+    import signal
+
+    w = cluster.worker(name=f"pb{tag()}@localhost", extra_args=["-Q", "prebodyq"])
+    resource, t = tag(), tag()
+    res = it.held_before_body.apply_async((resource, t), queue="prebodyq")
+    waiting = wait_for(
+        lambda: cluster.runs(t, "before-body"), timeout=60, message="the run to take its key"
+    )[0]
+    os.kill(waiting["pid"], signal.SIGTERM)
+    assert res.get(timeout=90) == t  # (before: {"mongolock": "already-ran", ...})
+    start = cluster.runs(t, "start")
+    assert len(start) == 1 and start[0]["pid"] != waiting["pid"]
+    info = cluster.store.inspect(f"resource:{resource}")
+    assert info is not None and not info.held
+    w.kill()
+
+
 def test_a_debounced_copy_whose_node_died_holding_the_key_runs_again(
     cluster: Cluster, broker_kind: str
 ) -> None:

@@ -817,6 +817,34 @@ def test_a_slot_s_tick_given_back_unrun_can_run_again(store: LeaseStore) -> None
     assert store.acquire("tick-slots", limit=2, tick=1000) is None  # once run, the tick has run
 
 
+def test_at_exit_a_run_s_lease_still_held_is_given_back_unrun_with_its_tick(
+    store: LeaseStore, make_store: Any
+) -> None:
+    """``release_held(unrun=True)``, a worker process's exit: a task run's lease still held belongs to a run
+    that did not end (a SIGTERM between the key's take and the body's start), so it is given back unrun,
+    with its beat tick, on a single lease and on a slot; a lease of no run is released as usual. Without
+    ``unrun`` (``close()``) the run's lease is released as a run that ended."""
+    tick_info = {"task_id": "t1", "delivery": "0.0", "beat_tick": 1000}
+    assert store.acquire("exit-job", tick=1000, heartbeat=True, info=tick_info) is not None
+    assert store.acquire("exit-plain", heartbeat=True) is not None
+    assert store.acquire("exit-slots", limit=2, heartbeat=True, info={"task_id": "t2", "delivery": "0.0"})
+    assert store.release_held(unrun=True) == 3
+    assert not store.run_ended("exit-job", ["t1/0.0"], task_id="t1", delivery="0.0", parked=False)
+    from celery_mongolock.core.outcomes import run_ended
+
+    doc = store.collection.find_one({"_id": "exit-slots"})
+    assert not run_ended(doc, ["t2/0.0"], task_id="t2", delivery="0.0", parked=False)
+    other = make_store()
+    again = other.acquire("exit-job", tick=1000)
+    assert again is not None  # the tick runs again
+    again.release()
+    plain = store.inspect("exit-plain")
+    assert plain is not None and not plain.held
+    assert store.acquire("exit-ran", heartbeat=True, info={"task_id": "t3", "delivery": "0.0"})
+    assert store.release_held() == 1
+    assert store.run_ended("exit-ran", ["t3/0.0"], task_id="t3", delivery="0.0", parked=False)
+
+
 def test_tick_and_hold_arguments_are_checked(store: LeaseStore) -> None:
     with pytest.raises(ConfigurationError, match="tick must be an int"):
         store.acquire("k", tick="5")  # type: ignore[arg-type]

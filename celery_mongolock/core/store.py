@@ -196,16 +196,16 @@ class LeaseStore(ParkedRuns):
         (a client given to the store is left open), all within ``timeout`` seconds whatever MongoDB does.
 
         A lease whose release gets no answer in time stays on the server until it expires there (on the
-        server's clock): nobody else takes it early.
-        """
+        server's clock): nobody else takes it early."""
         timeout = validate_seconds("timeout", timeout, low=0.01, high=3600.0)
         self.connection.close(timeout, self.release_held)
 
-    def release_held(self, timeout: float = CLOSE_SECONDS) -> int:
+    def release_held(self, timeout: float = CLOSE_SECONDS, *, unrun: bool = False) -> int:
         """Release every lease this process holds with a heartbeat from this store, all within
         ``timeout`` seconds (a worker's shutdown); return how many were released. A lease whose release
-        gets no answer in time is left to expire on the server's clock."""
-        return self.releases.release_held(timeout)
+        gets no answer in time is left to expire on the server's clock. ``unrun``: a task run's lease
+        still held at its process's exit is given back unrun (``give_back``, with its beat tick)."""
+        return self.releases.release_held(timeout, unrun=unrun)
 
     def __enter__(self) -> LeaseStore:
         return self

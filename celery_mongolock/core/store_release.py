@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -84,6 +85,8 @@ class ReleasesOwner(Protocol):
     def heartbeat(self) -> Heartbeat: ...
 
     def held_leases(self) -> list[Lease]: ...
+
+    def give_back(self, lease: Lease, *, untick: int | None = None) -> bool: ...
 
 
 class Releases:
@@ -276,18 +279,27 @@ class Releases:
             raise connection.unavailable(f"release lease {lease.key!r}", exc) from None
         return doc
 
-    def release_held(self, timeout: float) -> int:
+    def release_held(self, timeout: float, *, unrun: bool = False) -> int:
         """``LeaseStore.release_held``."""
         timeout = validate_seconds("timeout", timeout, low=0.01, high=3600.0)
         released = 0
         with pymongo.timeout(timeout):
             for lease in self.store.held_leases():
                 try:
-                    if lease.release():
+                    if self._give_back_at_exit(lease) if unrun else lease.release():
                         released += 1
                 except Exception as exc:
                     log_release.warning("could not release %r (it will expire): %s", lease.key, exc)
         return released
+
+    def _give_back_at_exit(self, lease: Lease) -> bool:
+        """A lease of a task's run still held when its process exits: the run did not end (a body that
+        ends releases its keys), so it is given back unrun, with its beat tick (a ``SystemExit`` between
+        the key's take and the body's start: a pool child's SIGTERM). A lease of no run is released."""
+        if lease.holder.get("task_id") is None or lease.pid != os.getpid():
+            return lease.release()
+        tick = lease.holder.get("beat_tick")
+        return self.store.give_back(lease, untick=tick if isinstance(tick, int) else None)
 
     # -- background releases -------------------------------------------------------------------------
     def release_tokens(

@@ -72,7 +72,9 @@ def release_all_held(**_: Any) -> None:
             continue
         # Within a second whatever MongoDB does: a worker shutting down during an outage must not hang
         # (a lease whose release gets no answer expires on the server's clock).
-        released = store.release_held(timeout=1.0)
+        # A run's lease still held here did not end (a SystemExit before its body started: a pool
+        # child's SIGTERM): given back unrun, so that its message, delivered again, runs it.
+        released = store.release_held(timeout=1.0, unrun=True)
         if released:
             log.info("released %d lease(s) at worker shutdown", released)
         # The lease history this process queued since its heartbeat's last tick (the endings stay in the
