@@ -171,3 +171,39 @@ def test_a_superseded_several_keys_run_calls_its_callback_once(cluster: Cluster)
     [call] = noted(cluster, label)  # once, not once per key
     assert call["superseded"] and call["value"]["keys"] == keys
     assert not cluster.runs(old, "start")
+
+
+def test_a_several_keys_run_parked_past_its_timeout_calls_link_error_and_frees_its_other_key(
+    cluster: Cluster,
+) -> None:
+    """A run of two keys parked on one (held) and holding a reservation on the other times out: its
+    ``link_error`` is called (before: its timed-out record lacked its keys, so its stored message was
+    refused and only its result written; the errback never ran and a chain stayed ``PENDING``), and its
+    reservation on the other key goes at once, as a revoked run's does (before: that key idled until the
+    reservation lapsed, a lease later; both found by a new user). Its worker's lease is 120 s, longer than
+    the waits below."""
+    a, b, late, label = tag(), tag(), tag(), tag()
+    cluster.worker(
+        name=f"mt{tag()}@localhost", env=cluster.env(MONGOLOCK_IT_LEASE=120), extra_args=["-Q", "mtq"]
+    )
+    held = cluster.store.acquire(f"resource:{a}", ttl=120)
+    assert held is not None
+    try:
+        parked = it.merge_queued_briefly.apply_async(
+            (a, b, late, 0.1), queue="mtq", link_error=it.noted.s(label)
+        )
+        with pytest.raises(QueueTimeout):
+            parked.get(timeout=90)
+        wait_for(lambda: noted(cluster, label), timeout=60, message="the errback to run")
+        assert [n["value"] for n in noted(cluster, label)] == [parked.id]
+
+        def other_key_free() -> bool:
+            doc = cluster.store.collection.find_one({"_id": f"resource:{b}"}) or {}
+            return (doc.get("ho") or {}).get("t") != parked.id and parked.id not in parked_ids(
+                cluster, f"resource:{b}"
+            )
+
+        wait_for(other_key_free, timeout=90, message="the timed-out run's reservation to go")
+        assert not cluster.runs(late, "start")
+    finally:
+        held.release()

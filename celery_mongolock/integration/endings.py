@@ -129,13 +129,14 @@ def publish_ending(
 
 def ending_publisher(app: Celery) -> Callable[[str, Mapping[str, Any], Mapping[str, Any]], bool]:
     """``publish_ending`` for ``app``, as ``results.write_superseded`` and ``write_timed_out`` take it.
-    A run of several keys is in ``sup`` on each of them: only its first key ends it (the others leave its
-    result to it)."""
+    A superseded run of several keys is in ``sup`` on each of them: only its first key ends it (the others
+    leave its result to it). A timed-out one is ended by the key it timed out on, which need not be its
+    first (reserved there, it never times out there); the sweeper then takes it off its other keys."""
 
     def publish(key: str, entry: Mapping[str, Any], ending: Mapping[str, Any]) -> bool:
         keys = entry.get("ks")
         first = not (keys and isinstance(keys, list) and str(keys[0]) != key)
-        return publish_ending(app, key, entry, ending, here=first)
+        return publish_ending(app, key, entry, ending, here=first or ending.get("how") != "superseded")
 
     return publish
 

@@ -148,6 +148,8 @@ def dead_entries(q: object) -> Document:
                 "at": "$$e.at",
                 "dl": "$$e.dl",
                 "th": "$$e.th",
+                # (a run of several keys: its keys, which its stored message's check and ending need)
+                "ks": "$$e.ks",
                 **message_fields("$$e"),
             },
         }
