@@ -41,7 +41,7 @@ def _unknown_specs(limit: Mapping[Any, Any], keys: Sequence[Any]) -> list[str]:
             continue
         close = difflib.get_close_matches(spec, named, n=1) if isinstance(spec, str) else []
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        problems.append(f"{_spec_name(spec)!r}{hint}")
+        problems.append(f"{_spec_name(spec) if callable(spec) else spec!r}{hint}")
     return problems
 
 
