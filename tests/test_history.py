@@ -372,3 +372,16 @@ def test_a_flush_waits_for_the_heartbeat_s_own_write_under_way(
     flushed.join(10)
     tick.join(10)
     assert [r["how"] for r in stored(store, "flushed")] == ["released"]
+
+
+def test_a_slot_s_ending_keeps_how_long_its_run_waited(store: LeaseStore) -> None:
+    """``WAITED`` of a ``limit=N`` key (before: always ``-``, the slot's ending left out ``w``; found by a new
+    user), as for a single lease."""
+    slot, _ = store.try_acquire("waits", None, limit=2, info=INFO, waited_ms=1234)
+    single, _ = store.try_acquire("waits-single", None, info=INFO, waited_ms=1234)
+    assert slot is not None and single is not None
+    assert slot.release() and single.release()
+    assert store.flush_history()
+    [one] = store.history("waits")
+    [other] = store.history("waits-single")
+    assert one.waited_ms == other.waited_ms == 1234

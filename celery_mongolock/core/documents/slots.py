@@ -132,6 +132,7 @@ def _ending(entry: str, how: str, unrun: bool = False) -> Document:
         "worker": f"{entry}.h.worker",
         "a": f"{entry}.a",
         "e": "$$NOW",
+        "w": f"{entry}.w",
         "how": {"$literal": how},
         "slot": f"{entry}.s",
     }
