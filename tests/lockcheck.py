@@ -3748,10 +3748,11 @@ def lost_by_broker(
     tag, after, before = popped
     window_end = before + max(log.max_pop_to_record_s, CLOCK_MARK_INTERVAL)
     cuts = [
-        f
+        {**f, "kind": "kill-node", "t": f["killed_t"]} if f.get("killed_t") is not None else f
         for f in faults
-        if f["kind"] in ("kill-node", "broker-restart") and after <= float(f["t"]) <= window_end
+        if f["kind"] in ("kill-node", "broker-restart") or f.get("killed_t") is not None
     ]
+    cuts = [f for f in cuts if after <= float(f["t"]) <= window_end]
     if not cuts:
         return None
     cut = cuts[0]
@@ -6124,7 +6125,7 @@ class Run:
         """SIGTERM to a node's whole process group, as systemd stops a service (``KillMode=control-group``)
         and ``pkill -f`` does: its parent begins a warm shutdown while each child cuts its body short. The
         node is replaced at once (a deploy starts the new one beside the old); one that has not exited
-        after ``SIGTERM_STOP_S`` is SIGKILLed, as systemd does, and that is recorded as ``kill-node``."""
+        after ``SIGTERM_STOP_S`` is SIGKILLed, as systemd does (``_wait_stopped``)."""
         found = self._busy_node()
         if found is None:
             return False
@@ -6141,16 +6142,27 @@ class Run:
             self._record(
                 "sigterm-node", t, node=node.name, keys=[i.key for i in held], holds=[i.owner for i in held]
             )
+            fault = self.faults[-1]
             self.nodes.remove(node)
-            self._start_node()
+            try:
+                self._start_node()
+            except BaseException:
+                self._wait_stopped(node, fault)  # (the old node goes whatever the start did)
+                raise
+        self._wait_stopped(node, fault)  # (outside the lock: the supervisor goes on meanwhile)
+        return True
+
+    def _wait_stopped(self, node: Node, fault: Doc) -> None:
+        """Wait for a node told to stop to exit; SIGKILL it after ``SIGTERM_STOP_S`` (its fault then says
+        when, ``killed_t``: a kill cuts its consumers off as ``kill-node`` does)."""
+        assert node.proc is not None
         try:
             node.proc.wait(SIGTERM_STOP_S)
         except subprocess.TimeoutExpired:
-            t = time.monotonic()
+            fault["killed_t"] = time.monotonic()
             node.kill()
-            self._record("kill-node", t, node=node.name, keys=[], holds=[], after="sigterm-node")
+            self.log(f"fault sigterm-node: {node.name} had not exited after {SIGTERM_STOP_S:g} s; killed")
         node.stop()  # (its children, if its parent left any behind)
-        return True
 
     def _clock_jump(self) -> bool:
         if not self.faketime:

@@ -674,9 +674,9 @@ def test_a_run_cut_short_before_its_body_started_runs_again(cluster: Cluster) ->
     w = cluster.worker(name=f"pb{tag()}@localhost", extra_args=["-Q", "prebodyq"])
     resource, t = tag(), tag()
     res = it.held_before_body.apply_async((resource, t), queue="prebodyq")
-    waiting = wait_for(
-        lambda: cluster.runs(t, "before-body"), timeout=60, message="the run to take its key"
-    )[0]
+    waiting = wait_for(lambda: cluster.runs(t, "before-body"), timeout=60, message="the run to take its key")[
+        0
+    ]
     os.kill(waiting["pid"], signal.SIGTERM)
     assert res.get(timeout=90) == t  # (before: {"mongolock": "already-ran", ...})
     start = cluster.runs(t, "start")

@@ -843,6 +843,16 @@ def test_at_exit_a_run_s_lease_still_held_is_given_back_unrun_with_its_tick(
     assert store.acquire("exit-ran", heartbeat=True, info={"task_id": "t3", "delivery": "0.0"})
     assert store.release_held() == 1
     assert store.run_ended("exit-ran", ["t3/0.0"], task_id="t3", delivery="0.0", parked=False)
+    # A run whose body ended (a SIGTERM after it, before its release: review), and a hold that names a task
+    # but was not taken by the task layer (no delivery: a user's hold in a body), are released.
+    ended = store.acquire("exit-ended", heartbeat=True, info={"task_id": "t4", "delivery": "0.0"})
+    assert ended is not None
+    ended.body_ended = True
+    assert store.acquire("exit-users", heartbeat=True, info={"task_id": "t5"})
+    assert store.release_held(unrun=True) == 2
+    assert store.run_ended("exit-ended", ["t4/0.0"], task_id="t4", delivery="0.0", parked=False)
+    users = store.collection.find_one({"_id": "exit-users"})
+    assert users is not None and users["owner"] is None and users.get("released_for") is None
 
 
 def test_tick_and_hold_arguments_are_checked(store: LeaseStore) -> None:

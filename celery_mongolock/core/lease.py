@@ -150,6 +150,9 @@ class Lease:
         self._lost_reason: str | None = None
         #: Until then a copy of an acquire attempt with this token may still land late (see the store).
         self.ambiguous_until: float | None = None
+        #: Set by the task layer once the run's body has ended (returned or raised): at its process's exit
+        #: (``release_held(unrun=True)``) the lease is released as a run that ended, not given back.
+        self.body_ended = False
         self._released = False
         self._lost_event = threading.Event()
         self._callbacks: list[LostCallback] = []

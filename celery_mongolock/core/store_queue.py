@@ -468,11 +468,22 @@ class QueueUpkeep:
         ``hold`` seconds ago (server clock) is not given: two writers (the run that superseded it, the
         sweepers of other nodes) never end one run twice. A claim older than that is taken over (its
         writer died between its claim and ``forget_results``)."""
+        return self._claim(key, field, task_ids, hold)[0]
+
+    def claim_one(self, key: str, field: str, task_id: str, *, hold: float = 30.0) -> str:
+        """``claim_results`` of one run: ``got``, ``held`` (claimed by another writer) or ``absent``."""
+        got, present = self._claim(key, field, [task_id], hold)
+        return "got" if task_id in got else ("held" if task_id in present else "absent")
+
+    def _claim(
+        self, key: str, field: str, task_ids: Collection[str], hold: float
+    ) -> tuple[set[str], set[str]]:
+        """``claim_results``: the task ids claimed, and those found in ``field``."""
         if field not in ("dead", "sup"):
             raise ValueError(field)
         ids = builtins.list(task_ids)
         if not ids:
-            return set()
+            return set(), set()
         token = uuid.uuid4().hex
         entries = {"$ifNull": [f"${field}", []]}
         free = {
@@ -491,10 +502,9 @@ class QueueUpkeep:
                 projection={f"{field}.t": 1, f"{field}.cl": 1},
                 return_document=ReturnDocument.AFTER,
             )
-        got = (doc or {}).get(field) or []
-        return {
-            str(e.get("t")) for e in got if isinstance(e, Mapping) and (e.get("cl") or {}).get("tk") == token
-        }
+        found = [e for e in (doc or {}).get(field) or [] if isinstance(e, Mapping)]
+        claimed = {str(e.get("t")) for e in found if (e.get("cl") or {}).get("tk") == token}
+        return claimed, {str(e.get("t")) for e in found} & {str(i) for i in ids}
 
     def forget_results(self, key: str, field: str, task_ids: Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written. The runs of ``dead``

@@ -30,6 +30,7 @@ from celery_mongolock.core.documents import slot_queue as slot_admission
 from celery_mongolock.core.documents import slots as slots_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.keys import normalize_key
+from celery_mongolock.core.lease import Lease
 from celery_mongolock.core.store_connection import AMBIGUOUS
 from celery_mongolock.core.store_history import ENDING_FIELDS
 from celery_mongolock.core.validation import validate_seconds
@@ -38,7 +39,6 @@ from celery_mongolock.exceptions import ConfigurationError, StoreUnavailable
 if TYPE_CHECKING:
     from celery_mongolock.core.clock import Clock
     from celery_mongolock.core.heartbeat import Heartbeat
-    from celery_mongolock.core.lease import Lease
     from celery_mongolock.core.store_connection import Connection
     from celery_mongolock.core.store_handoffs import Handoffs
     from celery_mongolock.core.store_history import Records
@@ -293,10 +293,15 @@ class Releases:
         return released
 
     def _give_back_at_exit(self, lease: Lease) -> bool:
-        """A lease of a task's run still held when its process exits: the run did not end (a body that
-        ends releases its keys), so it is given back unrun, with its beat tick (a ``SystemExit`` between
-        the key's take and the body's start: a pool child's SIGTERM). A lease of no run is released."""
-        if lease.holder.get("task_id") is None or lease.pid != os.getpid():
+        """A lease of a task's run (taken by the task layer: its holder names the task and the delivery)
+        still held when its process exits, its body not ended: the run did not end (a ``SystemExit``
+        between the key's take and the body's start: a pool child's SIGTERM), so it is given back unrun,
+        with its beat tick. Any other lease (a ``DocumentLock``, a hold of the body's) is released."""
+        holder = lease.holder
+        ours = (
+            type(lease) is Lease and holder.get("task_id") is not None and holder.get("delivery") is not None
+        )
+        if not ours or lease.body_ended or lease.pid != os.getpid():
             return lease.release()
         tick = lease.holder.get("beat_tick")
         return self.store.give_back(lease, untick=tick if isinstance(tick, int) else None)

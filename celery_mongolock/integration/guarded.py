@@ -158,6 +158,9 @@ def _run_holding(
             cut_short = exc
         raise
     finally:
+        if cut_short is None:  # (the body ended: at the process's exit its keys go as a run's that ended)
+            for lease in fresh:
+                lease.body_ended = True
         _current.reset(token)
         if cut_short is not None:
             _give_back_cut_short(task, store, fresh, cut_short)

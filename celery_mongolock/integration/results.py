@@ -299,6 +299,12 @@ def write_timed_out(
     done = []
     left = _left_to_a_worker_with_the_task(app, key, entries, "dl", publish)
     for entry in _claimed(store, key, "dead", [e for e in entries if e not in left]):
+        here = _ends_here(store, key, entry) if entry.get("ks") else True
+        if here is None:
+            continue  # (claimed: looked at again once the claim lapses)
+        if not here:
+            done.append(entry["t"])  # ended from another of its keys
+            continue
         at = entry.get("at")
         # (Queue's timeout=, or Replace's: the entry does not say which policy parked it)
         reason = "parked past its policy's timeout=..."
@@ -318,3 +324,29 @@ def write_timed_out(
         done.append(entry["t"])
     if done:
         store.forget_results(key, "dead", done)
+
+
+def _ends_here(store: LeaseStore, key: str, entry: Mapping[str, Any]) -> bool | None:
+    """Whether the run of several keys ``entry``, timed out on ``key`` and claimed there, is ended from
+    here; None when MongoDB did not answer (the claim lapses and a later pass looks again).
+
+    It never runs now: first its places and reservations on its other keys go (as a revoked run's do), so
+    those keys go to the next run at once instead of idling until the reservation lapses. It is parked
+    with one deadline on each key it did not get, so it may have timed out on another key too: exactly one
+    writer ends it. Its entry in each other key's ``dead`` is claimed as well: got, it is forgotten there
+    (ended from here); held by the writer of that key, the writer of the first of the two keys ends it."""
+    task_id = str(entry["t"])
+    others = sorted({str(k) for k in entry.get("ks") or []} - {key})
+    try:
+        for other in others:
+            store.sweep(other, revoked=[task_id])
+        for other in others:
+            claim = store.claim_one(other, "dead", task_id)
+            if claim == "got":
+                store.forget_results(other, "dead", [task_id])
+            elif claim == "held" and other < key:
+                return False
+    except StoreUnavailable as exc:
+        log.warning("could not end %s on %r's other keys %s now (later): %s", task_id, key, others, exc)
+        return None
+    return True

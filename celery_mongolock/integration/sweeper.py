@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from celery import Celery
 
-from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import config
 from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.handoff import install_publisher
@@ -133,7 +131,6 @@ class Sweeper:
             )
         ending = ending_publisher(self.app)
         if after.timed_out:
-            self._leave_other_keys(store, key, after.timed_out)
             write_timed_out(self.app, store, key, list(after.timed_out), fence=fence, publish=ending)
         if after.superseded:
             write_superseded(
@@ -145,18 +142,6 @@ class Sweeper:
                 fence=fence,
                 publish=ending,
             )
-
-    def _leave_other_keys(self, store: LeaseStore, key: str, timed_out: Iterable[Mapping[str, Any]]) -> None:
-        """A run of several keys that timed out while parked on ``key`` never runs: its places and
-        reservations on its other keys go too, as a revoked run's do, so that those keys go to the next
-        run now instead of idling until the reservation lapses (a lease later)."""
-        for run in timed_out:
-            task_id = str(run.get("t"))
-            for other in {str(k) for k in run.get("ks") or []} - {key}:
-                try:
-                    store.sweep(other, revoked=[task_id])
-                except StoreUnavailable as exc:  # (the reservation lapses as before)
-                    log.warning("could not free %r of timed-out run %s: %s", other, task_id, exc)
 
     def _drop_spilled(self, store: LeaseStore, one: WaitingKey, revoked: set[str]) -> None:
         """Drop the runs of ``one`` spilled beyond its window whose task ids are ``revoked``: their results
