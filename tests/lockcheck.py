@@ -6159,10 +6159,27 @@ class Run:
         try:
             node.proc.wait(SIGTERM_STOP_S)
         except subprocess.TimeoutExpired:
+            fault["stuck"] = self._stuck_evidence(node)
             fault["killed_t"] = time.monotonic()
             node.kill()
             self.log(f"fault sigterm-node: {node.name} had not exited after {SIGTERM_STOP_S:g} s; killed")
         node.stop()  # (its children, if its parent left any behind)
+
+    def _stuck_evidence(self, node: Node) -> Doc:
+        """What a node that does not exit was doing: its processes' states and its threads' stacks
+        (Celery logs them on SIGUSR1), as ``_stalled`` records for a stalled node."""
+        assert node.proc is not None
+        pids = [node.proc.pid, *node.child_pids()]
+        evidence: Doc = {"states": nodewatch.process_states(pids)}
+        size = node.log_path.stat().st_size if node.log_path.exists() else 0
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGUSR1)
+        with contextlib.suppress(TimeoutError):  # (evidence, not a condition of the kill)
+            _wait(lambda: "MainThread" in node.log_tail() and node.log_path.stat().st_size > size, 10, "dump")
+        with contextlib.suppress(OSError), open(node.log_path, errors="replace") as log:
+            log.seek(size)
+            evidence["dump"] = log.read()[-6000:]
+        return evidence
 
     def _clock_jump(self) -> bool:
         if not self.faketime:
