@@ -281,7 +281,18 @@ ORDERED_BY_KEY = {
 #: Runs that are not judged for send order themselves but keep their place in it on the keys they share
 #: with the tasks above: a several-keys ``Replace`` run parked on an ``l`` or ``k`` key is ahead of the
 #: ``Queue`` runs sent after it (``MULTI_LIMIT_REPLACE_TASK``; defined below).
-SEND_ORDER_PEERS = ("lockcheck.rmw_multi_limit_replace", "lockcheck.rmw_multi_limits_debounced")
+SEND_ORDER_PEERS = (
+    "lockcheck.rmw_multi_limit_replace",
+    "lockcheck.rmw_multi_limits_debounced",
+    "lockcheck.rmw_multi_timed",
+)
+#: ``Queue(timeout=TIMED_WAIT_S, then=Skip())`` runs of two ``k`` keys, a share (``TIMED_SHARE``) of the
+#: ``MULTI_QUEUE_TASK`` bursts: one parked past its deadline ends skipped, and its places and reservations
+#: on its keys go at once (``results._ends_here``). A send-order peer of the bursts' other runs; judged by
+#: ``check_timed_out``.
+MULTI_TIMED_TASK = "lockcheck.rmw_multi_timed"
+TIMED_WAIT_S = 3.0
+TIMED_SHARE = 0.3
 #: The ``limit=N`` tasks (keys ``l<i>``, N = ``LIMIT``) and the several-keys tasks (two ``k`` keys each).
 LIMIT = 3
 LIMIT_TASKS = ("lockcheck.rmw_limit", "lockcheck.rmw_limit_skip", LIMIT_QUEUE_TASK, MIN_HOLD_TASK)
@@ -356,6 +367,7 @@ MULTI_TASKS = (
     MULTI_LIMIT_QUEUE_TASK,
     MULTI_LIMIT_REPLACE_TASK,
     MULTI_LIMITS_DEBOUNCED_TASK,
+    MULTI_TIMED_TASK,
     MULTI_LIMITS_CAPPED_TASK,
 )
 #: The tasks whose runs may be sent with ``die`` (tests/lockcheck_app.py ``_die_after_release``): the body
@@ -3380,6 +3392,7 @@ def queued_figures(history: History, faults: Sequence[Doc] = ()) -> Doc:
         "limit_held": queued_kind_figures(history, MIN_HOLD_TASK, faults),
         "multi_limit_queued": queued_kind_figures(history, MULTI_LIMIT_QUEUE_TASK, faults),
         "multi_queued": queued_kind_figures(history, MULTI_QUEUE_TASK, faults),
+        "multi_timed": queued_kind_figures(history, MULTI_TIMED_TASK, faults),
     }
 
 
@@ -3427,6 +3440,13 @@ def queued_kind_figures(history: History, name: str, faults: Sequence[Doc] = ())
         "handoffs": len(handoffs),
         "rehandoffs": sum(1 for e in handoffs if int(e.get("attempt") or 1) > 1),
         "done": done,
+        # (Queue(timeout=...): parked past its deadline, it ended skipped without its body)
+        "timed_out": sum(
+            1
+            for tid in tids
+            if (history.tasks[tid].get("result") or {}).get("mongolock") == "skipped"
+            if isinstance(history.tasks[tid].get("result"), dict)
+        ),
         "faults_while_waiting_or_running": faults_during(faults, spans),
     }
 
@@ -4499,6 +4519,7 @@ class Run:
         self.rng = random.Random(cfg.seed)
         self.die_rng = random.Random(cfg.seed * 7919 + 32)
         self.reentrant_rng = random.Random(cfg.seed * 7919 + 29)
+        self.timed_rng = random.Random(cfg.seed * 7919 + 31)
         self.unique_rng = random.Random(cfg.seed * 7919 + 30)
         #: Every send of the ``unique_send`` task: key, op, the task id it got (or ``refused``), when.
         self.unique_sends: list[Doc] = []
@@ -4841,7 +4862,9 @@ class Run:
                         n += 1
                         pair = (a, b) if self.rng.random() < 0.5 else (b, a)
                         keys = (key_for(pair[0], epoch), key_for(pair[1], epoch))
-                        self._submit(MULTI_QUEUE_TASK, "", f"task-{n}", keys=keys)
+                        # (its own draws: a seed's other runs stay as they were)
+                        name = MULTI_TIMED_TASK if self.timed_rng.random() < TIMED_SHARE else MULTI_QUEUE_TASK
+                        self._submit(name, "", f"task-{n}", keys=keys)
                     continue
                 n += 1
                 name = MULTI_TASKS[1] if self.rng.random() < 0.2 else MULTI_TASKS[0]
@@ -6932,11 +6955,14 @@ def format_report(report: Doc) -> str:
         *(
             f"  Queue runs with {what}: submitted {f['submitted']}, parked {f['parked']}, handed "
             f"{f['handed']} (handoff records {f['handoffs']}, handed again {f['rehandoffs']}), done "
-            f"{f['done']}; faults while one waited or ran {f['faults_while_waiting_or_running']}"
+            f"{f['done']}, timed out {f.get('timed_out', 0)}; faults while one waited or ran "
+            f"{f['faults_while_waiting_or_running']}"
             for what, f in (
                 ("limit=N", report["queued"]["limit_queued"]),
                 ("several keys", report["queued"]["multi_queued"]),
+                (f"several keys and timeout={TIMED_WAIT_S:g}", report["queued"].get("multi_timed") or {}),
             )
+            if f
         ),
         "  faults " + ", ".join(f"{k} {v}" for k, v in report["faults"].items()),
     ]

@@ -711,6 +711,16 @@ def rmw_multi_queued(self: Any, a: str, b: str, op: str, reckless: bool = False)
 
 
 @singleton_task(
+    keys=("{a}", "{b}"), app=app, name=lockcheck.MULTI_TIMED_TASK, bind=True, max_retries=200,
+    on_contention=Queue(timeout=lockcheck.TIMED_WAIT_S, then=Skip()),
+)  # fmt: skip
+def rmw_multi_timed(self: Any, a: str, b: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """``rmw_multi_queued`` that waits at most ``TIMED_WAIT_S`` parked: past it, it ends skipped and its
+    places and reservations go."""
+    return _body(self, f"{a}+{b}", op, reckless)
+
+
+@singleton_task(
     keys=("{a}", "{b}"), app=app, name=lockcheck.MULTI_REPLACE_TASK, bind=True, on_contention=Replace(),
     max_retries=200,
 )  # fmt: skip
