@@ -6126,6 +6126,10 @@ class Run:
         node = next((n for n in live if n.name in busy), None) or self.rng.choice(live)
         return node, [i for i in self._held() if i.holder.get("worker") == node.name]
 
+    def _record_node(self, kind: str, t: float, node: Node, held: list[Any]) -> None:
+        """A fault on a whole node, with the keys and holds its children had."""
+        self._record(kind, t, node=node.name, keys=[i.key for i in held], holds=[i.owner for i in held])
+
     def _kill_node(self) -> bool:
         found = self._busy_node()
         if found is None:
@@ -6136,9 +6140,7 @@ class Run:
                 return False  # it exited on its own meanwhile; the supervisor replaced it
             t = time.monotonic()
             node.kill()
-            self._record(
-                "kill-node", t, node=node.name, keys=[i.key for i in held], holds=[i.owner for i in held]
-            )
+            self._record_node("kill-node", t, node, held)
             self.nodes.remove(node)
             node.stop()
             self._start_node()
@@ -6162,9 +6164,7 @@ class Run:
                 os.killpg(node.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 return False
-            self._record(
-                "sigterm-node", t, node=node.name, keys=[i.key for i in held], holds=[i.owner for i in held]
-            )
+            self._record_node("sigterm-node", t, node, held)
             fault = self.faults[-1]
             self.nodes.remove(node)
             try:

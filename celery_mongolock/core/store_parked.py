@@ -16,7 +16,7 @@ from celery_mongolock.core.lease import Lease
 from celery_mongolock.core.waiting import Swept, WaitingKey
 
 if TYPE_CHECKING:
-    from celery_mongolock.core.store_queue import QueueUpkeep
+    from celery_mongolock.core.store_queue import Claim, QueueUpkeep
 
 __all__ = ["ParkedRuns"]
 
@@ -118,7 +118,7 @@ class ParkedRuns:
         """Claim entries of ``dead`` or ``sup`` before writing their results (``QueueUpkeep``)."""
         return self.queue.claim_results(key, field, task_ids, hold=hold)
 
-    def claim_one(self, key: str, field: str, task_id: str, *, hold: float = 30.0) -> str:
+    def claim_one(self, key: str, field: str, task_id: str, *, hold: float = 30.0) -> Claim:
         """One run's entry of ``dead`` or ``sup``: ``got``, ``held`` by another writer, or ``absent``
         (``QueueUpkeep.claim_one``)."""
         return self.queue.claim_one(key, field, task_id, hold=hold)

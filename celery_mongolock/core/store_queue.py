@@ -12,7 +12,7 @@ import datetime as _dt
 import logging
 import uuid
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pymongo import ReturnDocument
 
@@ -40,7 +40,10 @@ if TYPE_CHECKING:
     from celery_mongolock.core.store_handoffs import Handoffs
     from celery_mongolock.core.store_history import Records
 
-__all__ = ["QueueOwner", "QueueUpkeep"]
+__all__ = ["Claim", "QueueOwner", "QueueUpkeep"]
+
+#: ``QueueUpkeep.claim_one``: this process got the run's entry, another writer holds it, or it is not there.
+Claim = Literal["got", "held", "absent"]
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 
@@ -470,7 +473,7 @@ class QueueUpkeep:
         writer died between its claim and ``forget_results``)."""
         return self._claim(key, field, task_ids, hold)[0]
 
-    def claim_one(self, key: str, field: str, task_id: str, *, hold: float = 30.0) -> str:
+    def claim_one(self, key: str, field: str, task_id: str, *, hold: float = 30.0) -> Claim:
         """``claim_results`` of one run: ``got``, ``held`` (claimed by another writer) or ``absent``."""
         got, present = self._claim(key, field, [task_id], hold)
         return "got" if task_id in got else ("held" if task_id in present else "absent")
