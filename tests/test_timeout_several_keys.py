@@ -71,3 +71,15 @@ def test_when_another_writer_holds_the_other_key_the_first_key_s_writer_ends_it(
     assert _dead_ids(store, mine) == []  # forgotten here either way
     assert _dead_ids(store, theirs) == ["t-run"]  # the other writer's to forget
     assert store.claim_one(theirs, "dead", "t-run") == "held"
+
+
+def test_a_run_another_writer_ended_and_forgot_is_not_ended_again(worker_app: celery.Celery) -> None:
+    """The other key's writer ended it and forgot its entry (remembered there as over, ``seen``) before this
+    writer looked: not ended again (a review of the first form: ``absent`` was taken for "never there")."""
+    store, entry, calls = _setup(worker_app)
+    assert store.claim_one(A, "dead", "t-run") == "got"
+    store.forget_results(A, "dead", ["t-run"])  # (the other writer, after its ending)
+    assert store.claim_one(A, "dead", "t-run", run_id="t-run/0") == "ended"
+    keys: list[str] = []
+    results.write_timed_out(worker_app, store, B, [entry], publish=_publish(calls, keys))
+    assert calls == [] and _dead_ids(store, B) == []

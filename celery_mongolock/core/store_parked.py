@@ -118,10 +118,12 @@ class ParkedRuns:
         """Claim entries of ``dead`` or ``sup`` before writing their results (``QueueUpkeep``)."""
         return self.queue.claim_results(key, field, task_ids, hold=hold)
 
-    def claim_one(self, key: str, field: str, task_id: str, *, hold: float = 30.0) -> Claim:
-        """One run's entry of ``dead`` or ``sup``: ``got``, ``held`` by another writer, or ``absent``
-        (``QueueUpkeep.claim_one``)."""
-        return self.queue.claim_one(key, field, task_id, hold=hold)
+    def claim_one(
+        self, key: str, field: str, task_id: str, *, run_id: str | None = None, hold: float = 30.0
+    ) -> Claim:
+        """One run's entry of ``dead`` or ``sup``: ``got``, ``held`` by another writer, ``ended`` by one,
+        or ``absent`` (``QueueUpkeep.claim_one``)."""
+        return self.queue.claim_one(key, field, task_id, run_id=run_id, hold=hold)
 
     def forget_results(self, key: str, field: str, task_ids: _Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written

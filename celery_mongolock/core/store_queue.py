@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Claim", "QueueOwner", "QueueUpkeep"]
 
-#: ``QueueUpkeep.claim_one``: this process got the run's entry, another writer holds it, or it is not there.
-Claim = Literal["got", "held", "absent"]
+#: ``QueueUpkeep.claim_one``: this process got the run's entry, another writer holds it, another writer
+#: ended it (it is remembered as over), or it is not there.
+Claim = Literal["got", "held", "ended", "absent"]
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 
@@ -473,20 +474,27 @@ class QueueUpkeep:
         writer died between its claim and ``forget_results``)."""
         return self._claim(key, field, task_ids, hold)[0]
 
-    def claim_one(self, key: str, field: str, task_id: str, *, hold: float = 30.0) -> Claim:
-        """``claim_results`` of one run: ``got``, ``held`` (claimed by another writer) or ``absent``."""
-        got, present = self._claim(key, field, [task_id], hold)
-        return "got" if task_id in got else ("held" if task_id in present else "absent")
+    def claim_one(
+        self, key: str, field: str, task_id: str, *, run_id: str | None = None, hold: float = 30.0
+    ) -> Claim:
+        """``claim_results`` of one run: ``got``, ``held`` (claimed by another writer), ``ended`` (not
+        there, and ``run_id`` is remembered as over: a writer wrote it and forgot it) or ``absent``."""
+        got, present, seen = self._claim(key, field, [task_id], hold)
+        if task_id in got:
+            return "got"
+        if task_id in present:
+            return "held"
+        return "ended" if run_id is not None and run_id in seen else "absent"
 
     def _claim(
         self, key: str, field: str, task_ids: Collection[str], hold: float
-    ) -> tuple[set[str], set[str]]:
-        """``claim_results``: the task ids claimed, and those found in ``field``."""
+    ) -> tuple[set[str], set[str], set[str]]:
+        """``claim_results``: the task ids claimed, those found in ``field``, and the key's ``seen``."""
         if field not in ("dead", "sup"):
             raise ValueError(field)
         ids = builtins.list(task_ids)
         if not ids:
-            return set(), set()
+            return set(), set(), set()
         token = uuid.uuid4().hex
         entries = {"$ifNull": [f"${field}", []]}
         free = {
@@ -502,12 +510,13 @@ class QueueUpkeep:
             doc = connection.collection.find_one_and_update(
                 {"_id": normalize_key(key)},
                 [{"$set": {field: {"$map": {"input": entries, "as": "e", "in": claim}}}}],
-                projection={f"{field}.t": 1, f"{field}.cl": 1},
+                projection={f"{field}.t": 1, f"{field}.cl": 1, "seen": 1},
                 return_document=ReturnDocument.AFTER,
             )
         found = [e for e in (doc or {}).get(field) or [] if isinstance(e, Mapping)]
         claimed = {str(e.get("t")) for e in found if (e.get("cl") or {}).get("tk") == token}
-        return claimed, {str(e.get("t")) for e in found} & {str(i) for i in ids}
+        seen = {str(r) for r in (doc or {}).get("seen") or []}
+        return claimed, {str(e.get("t")) for e in found} & {str(i) for i in ids}, seen
 
     def forget_results(self, key: str, field: str, task_ids: Collection[str]) -> None:
         """Remove entries of ``dead`` or ``sup`` whose results have been written. The runs of ``dead``

@@ -131,7 +131,7 @@ def ending_publisher(app: Celery) -> Callable[[str, Mapping[str, Any], Mapping[s
     """``publish_ending`` for ``app``, as ``results.write_superseded`` and ``write_timed_out`` take it.
     A superseded run of several keys is in ``sup`` on each of them: only its first key ends it (the others
     leave its result to it). A timed-out one is ended by the key it timed out on, which need not be its
-    first (reserved there, it never times out there); the sweeper then takes it off its other keys."""
+    first (reserved there, it never times out there); its writer elects one key (``results._ends_here``)."""
 
     def publish(key: str, entry: Mapping[str, Any], ending: Mapping[str, Any]) -> bool:
         keys = entry.get("ks")

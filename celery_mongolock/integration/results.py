@@ -334,18 +334,19 @@ def _ends_here(store: LeaseStore, key: str, entry: Mapping[str, Any]) -> bool | 
     those keys go to the next run at once instead of idling until the reservation lapses. It is parked
     with one deadline on each key it did not get, so it may have timed out on another key too: exactly one
     writer ends it. Its entry in each other key's ``dead`` is claimed as well: got, it is forgotten there
-    (ended from here); held by the writer of that key, the writer of the first of the two keys ends it."""
+    (ended from here); held by the writer of that key, the writer of the first of the two keys ends it;
+    gone and remembered there as over, that key's writer ended it already."""
     task_id = str(entry["t"])
     others = sorted({str(k) for k in entry.get("ks") or []} - {key})
     try:
         for other in others:
             store.sweep(other, revoked=[task_id])
         for other in others:
-            claim = store.claim_one(other, "dead", task_id)
+            claim = store.claim_one(other, "dead", task_id, run_id=str(entry.get("id")))
             if claim == "got":
                 store.forget_results(other, "dead", [task_id])
-            elif claim == "held" and other < key:
-                return False
+            elif claim == "ended" or (claim == "held" and other < key):
+                return False  # (ended there already: its writer forgot it after ending it)
     except StoreUnavailable as exc:
         log.warning("could not end %s on %r's other keys %s now (later): %s", task_id, key, others, exc)
         return None
