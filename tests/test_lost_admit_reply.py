@@ -26,9 +26,23 @@ from celery_mongolock.config import get_store
 from celery_mongolock.core.store_acquire import Acquisition
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER, LOOKED_AGAIN_HEADER
 from celery_mongolock.integration.handoff import HANDOFF_HEADER
-from celery_mongolock.integration.one_key import OneKey
+from celery_mongolock.integration.queued_run import QueuedRun
 
 KEY = "upload:1"
+
+
+def admit_one(task: Any, key: str) -> Any:
+    """A queued run of one key reaching admission in a worker: its lease, or its outcome (or it raises)."""
+    got = QueuedRun(task, [key], task._options()).take()
+    return got[0] if isinstance(got, list) else got
+
+
+def admit_set(task: Any, keys: list[str]) -> Any:
+    """The same for a run of several keys: a ``LeaseSet`` of them all."""
+    from celery_mongolock.core.lease import LeaseSet
+
+    got = QueuedRun(task, keys, task._options()).take()
+    return LeaseSet(got) if isinstance(got, list) else got
 
 
 @pytest.fixture
@@ -78,8 +92,7 @@ def _admit(task: Any, run: str, headers: dict[str, Any], redelivered: bool = Fal
         called_directly=False,
     )  # fmt: skip
     try:
-        info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
-        return OneKey(task, KEY, task._options(), direct=False).admit(info)
+        return admit_one(task, KEY)
     finally:
         task.pop_request()
 
@@ -244,8 +257,6 @@ def test_a_copy_that_finds_its_run_over_without_a_result_looks_again_before_alre
 def test_the_same_for_a_run_that_needs_several_keys(
     app: Celery, monkeypatch: pytest.MonkeyPatch, published: list[dict[str, Any]]
 ) -> None:
-    from celery_mongolock.integration.several_keys import SeveralKeys
-
     @singleton_task(
         keys=("a:{a}", "b:{b}"), app=app, name="lost_reply.pair", bind=True, on_contention=Queue(),
         shared=False,
@@ -264,7 +275,7 @@ def test_the_same_for_a_run_that_needs_several_keys(
             hostname="w1", retries=0, is_eager=False, called_directly=False,
         )  # fmt: skip
         try:
-            return SeveralKeys(pair, keys, pair._options(), direct=False).take()
+            return admit_set(pair, keys)
         finally:
             pair.pop_request()
 
@@ -301,8 +312,6 @@ def test_a_run_that_stopped_for_a_newer_send_ends_superseded_when_its_result_was
     worker died before storing the result. Its copy finds the run over and looks again later; that look
     (which never reads the keys: here they are gone) ends the task as the run would have: superseded by
     the newer send (with all the run's keys), or ``Superseded`` raised with ``fail_superseded=True``."""
-    from celery_mongolock.integration.several_keys import SeveralKeys
-
     policy = Replace(cancel_running=True, fail_superseded=fail_superseded)
     name = f"lost_reply.cx{several}{fail_superseded}"
 
@@ -332,9 +341,8 @@ def test_a_run_that_stopped_for_a_newer_send_ends_superseded_when_its_result_was
         )  # fmt: skip
         try:
             if several:
-                return SeveralKeys(task, keys, task._options(), direct=False).take()
-            info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
-            return OneKey(task, KEY, task._options(), direct=False).admit(info)
+                return admit_set(task, keys)
+            return admit_one(task, KEY)
         finally:
             task.pop_request()
 

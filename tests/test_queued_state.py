@@ -19,10 +19,16 @@ from celery.exceptions import Ignore
 
 from celery_mongolock import LeaseStore, LockContended, Queue, Replace, singleton_task
 from celery_mongolock.config import get_settings, get_store
-from celery_mongolock.integration.one_key import OneKey
+from celery_mongolock.integration.queued_run import QueuedRun
 from celery_mongolock.integration.sweeper import Sweeper
 
 KEY = "report:7"
+
+
+def admit_one(task: Any, key: str) -> Any:
+    """A queued run of one key reaching admission in a worker: its lease, or its outcome (or it raises)."""
+    got = QueuedRun(task, [key], task._options()).take()
+    return got[0] if isinstance(got, list) else got
 
 
 @pytest.fixture
@@ -50,9 +56,8 @@ def _admit(task: Any, task_id: str, stamp: int) -> None:
         hostname="w1", retries=0, is_eager=False,
     )  # fmt: skip
     try:
-        info = {"task_name": task.name, "task_id": task_id, "worker": "w1", "delivery": "0.0"}
         with pytest.raises(Ignore):
-            OneKey(task, KEY, task._options(), direct=False).admit(info)
+            admit_one(task, KEY)
     finally:
         task.pop_request()
 
@@ -120,8 +125,7 @@ def test_a_copy_of_a_run_that_ended_without_storing_its_result_ends_the_task(app
             delivery_info={"redelivered": redelivered}, hostname="w1", retries=0, is_eager=False,
         )  # fmt: skip
         try:
-            info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
-            return OneKey(task, KEY, task._options(), direct=False).admit(info)
+            return admit_one(task, KEY)
         finally:
             task.pop_request()
 
@@ -162,8 +166,7 @@ def test_a_handed_run_that_died_after_its_claim_runs_again(app: Celery) -> None:
             hostname="w1", retries=0, is_eager=False,
         )  # fmt: skip
         try:
-            info = {"task_name": task.name, "task_id": run, "worker": "w1", "delivery": "0.0"}
-            return OneKey(task, KEY, task._options(), direct=False).admit(info)
+            return admit_one(task, KEY)
         finally:
             task.pop_request()
 
@@ -302,8 +305,7 @@ def test_a_stale_handoff_copy_mongodb_did_not_answer_keeps_the_body_s_retry_and_
     def admit(headers: dict[str, Any]) -> Any:
         cut.push_request(args=(KEY,), kwargs={}, **request(headers))
         try:
-            info = {"task_name": cut.name, "task_id": run, "worker": "w1", "delivery": "0"}
-            return OneKey(cut, KEY, cut._options(), direct=False).admit(info)
+            return admit_one(cut, KEY)
         finally:
             cut.pop_request()
 

@@ -6,7 +6,7 @@ On a key with slots, a run of a set parks with its not-before time as on a key w
 before its debounce has passed. Before, the entry of a set parked on a key with a limit had no ``nb``:
 a set whose keys all had limits was handed its slots at once, and the debounce was ignored. The seal of
 the ceiling (``test_replace_max_wait``) and the burst carried on by a run that leaves unrun hold on such
-keys too. Each admit below is what ``SeveralKeys.admit_all`` sends, key by key in sorted order."""
+keys too. Each admit below is what ``QueuedRun`` sends, key by key in sorted order."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def handed(store: LeaseStore, key: str) -> list[str]:
 def admit(
     store: LeaseStore, key: str, r: dict[str, Any], *, max_wait: float | None = 2, claim: str | None = None
 ) -> tuple[Any, dict[str, Any]]:
-    """Admit run ``r`` on ``key`` as ``SeveralKeys`` does: the burst it learns goes with its next admits."""
+    """Admit run ``r`` on ``key`` as ``QueuedRun`` does: the burst it learns goes with its next admits."""
     info = {"task_id": r["t"], "delivery": r["r"], "keys": r["ks"]}
     lease, doc = store.admit(
         key, r, ttl=30, claim=claim, replace=True, group=r["g"], info=info, limit=N,
@@ -122,7 +122,7 @@ def test_the_run_the_ceiling_chose_keeps_its_slot_where_a_newer_send_came_first(
 
 
 def test_a_run_that_leaves_a_slot_unrun_passes_its_burst_on(store: LeaseStore) -> None:
-    """The run handed a slot by the ceiling leaves it unrun (``SeveralKeys`` told it superseded on the
+    """The run handed a slot by the ceiling leaves it unrun (``QueuedRun`` told it superseded on the
     other key): the newer send of its set parked behind it continues the older burst, so it is due at
     once and handed the slot in the same command (not a whole new ceiling later)."""
     first, older, newer = run(10, [X, Y]), run(20, [X, Y]), run(30, [X, Y])

@@ -4,7 +4,7 @@ slots, a newer send of a set supersedes the older runs of that set parked there,
 reserved or handed to them (handed on in the same command), and a slot an older run holds is never
 reserved for it once a newer send of its set is known there (``core.documents.slot_sets``). Runs of
 other sets keep their place and their slots, as under ``Queue``. Each admit below is what
-``SeveralKeys.admit_all`` sends, key by key in sorted order."""
+``QueuedRun`` sends, key by key in sorted order."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which paths can answer ``superseded`` to a several-keys ``Replace`` run whose body ran or runs (the
 lock-set checker's one ``superseded-ran`` on ``lockcheck:m0.e0``/``lockcheck:m2.e0``)? Directed tests in the
-lease store, on the embedded server (no Celery); each admit below is what ``SeveralKeys.admit_all`` sends,
+lease store, on the embedded server (no Celery); each admit below is what ``QueuedRun`` sends,
 key by key in sorted order.
 
 1. A copy (same task id and delivery) of a run that holds its keys: on every key it still holds, the

@@ -102,7 +102,7 @@ def test_a_run_handed_a_key_by_the_ceiling_that_leaves_passes_its_burst_on(store
     admit(Y, newer)  # supersedes the first send on Y, past the ceiling: handed Y at once
     assert (store.collection.find_one({"_id": Y}) or {})["ho"]["t"] == "r30"
     assert admit(Y, older)["lo"] == "superseded"
-    for key in (X, Y):  # the older run leaves (as ``SeveralKeys`` does, told superseded)
+    for key in (X, Y):  # the older run leaves (as ``QueuedRun`` does, told superseded)
         store.unpark(key, older["id"])
     doc = store.collection.find_one({"_id": X}) or {}
     assert (doc.get("ho") or {}).get("t") == "r30", doc.get("q")
@@ -110,7 +110,7 @@ def test_a_run_handed_a_key_by_the_ceiling_that_leaves_passes_its_burst_on(store
 
 
 def test_the_run_the_ceiling_chose_is_not_superseded_where_a_newer_send_came_first(store: LeaseStore) -> None:
-    """The leapfrog, as ``SeveralKeys`` admits (each run learns its burst on its first key, ``bu``, and
+    """The leapfrog, as ``QueuedRun`` admits (each run learns its burst on its first key, ``bu``, and
     passes it with its admits of the others): the run handed the first key by its burst's ceiling is not
     superseded on the second key by a newer send that reached it first (that send, parked behind it on
     the first key, began a burst of its own: the ceiling sealed the older one). It takes the second key

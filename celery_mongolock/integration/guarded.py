@@ -2,8 +2,9 @@
 its lease(s) back on every exit.
 
 ``SingletonTask`` renders the key(s) and the options in force and hands each run here: ``guarded_one`` for
-a task of one ``key=`` (``one_key.OneKey`` admits it), ``guarded_many`` for ``keys=(...)``
-(``several_keys.SeveralKeys``). Both take the run's task as the narrow protocol ``runs.GuardedRun``.
+a task of one ``key=`` (its ``current_lease()`` is a ``Lease``), ``guarded_many`` for ``keys=(...)`` (a
+``LeaseSet``). Both have the run admitted over its key set by ``admit.take_keys``, and take the run's task
+as the narrow protocol ``runs.GuardedRun``.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.store import Lease, LeaseStore
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import signals
+from celery_mongolock.integration.admit import take_keys
 from celery_mongolock.integration.beatcheck import beat_tick
 from celery_mongolock.integration.config import TaskOptions, get_store
 from celery_mongolock.integration.duplicates import stale_line
-from celery_mongolock.integration.one_key import OneKey
 from celery_mongolock.integration.rate_gate import pass_rate
 from celery_mongolock.integration.reentrant import end_holds, joined, note_taken, reentered
 from celery_mongolock.integration.runs import GuardedRun, give_back_quietly, ignored_as, unavailable
-from celery_mongolock.integration.several_keys import SeveralKeys
 from celery_mongolock.integration.supersede import run_body
 
 __all__ = ["current_lease", "guarded_many", "guarded_one"]
@@ -71,12 +71,12 @@ def guarded_one(
     inner = reentered(store, limits)
     if inner:  # the run holds the key already: its own lease, reentered (no command)
         return _run_reentered(task, inner[key], body)
-    taken = OneKey(task, key, options, direct=direct).take()
+    taken = _take_one(task, key, options, direct=direct)
     if isinstance(taken, Lease):  # then a start in its rate's window
         _drop_a_stale_line(task, store, [taken], key)  # (before the rate: no start spent on it)
 
         def retake() -> tuple[Lease, list[Lease]] | Outcome:
-            again = OneKey(task, key, waiting_for_keys(options), direct=direct).take()
+            again = _take_one(task, key, waiting_for_keys(options), direct=direct)
             return (again, [again]) if isinstance(again, Lease) else again
 
         taken = pass_rate(task, [key], taken, [taken], options, direct=direct, retake=retake)
@@ -203,17 +203,24 @@ def _take_the_rest(
     """The keys a run of several keys does not hold yet, all taken (a ``LeaseSet``), or the policy's
     outcome's value (the body does not run)."""
     some = {key: limits[key] for key in rest}
-    taken = SeveralKeys(task, rest, options, direct=direct, limits=some).take()
-    if not isinstance(taken, LeaseSet):
-        return taken.value
+    got = take_keys(task, rest, options, direct=direct, limits=some)
+    if isinstance(got, Outcome):
+        return got.value
+    taken = LeaseSet(got)
     _drop_a_stale_line(task, store, list(taken), rest[0])  # (before the rate: no start spent on it)
 
     def retake() -> tuple[LeaseSet, list[Lease]] | Outcome:
-        again = SeveralKeys(task, rest, waiting_for_keys(options), direct=direct, limits=some).take()
-        return (again, list(again)) if isinstance(again, LeaseSet) else again
+        again = take_keys(task, rest, waiting_for_keys(options), direct=direct, limits=some)
+        return again if isinstance(again, Outcome) else (LeaseSet(again), again)
 
     passed = pass_rate(task, rest, taken, list(taken), options, direct=direct, retake=retake)
     return passed.value if isinstance(passed, Outcome) else passed
+
+
+def _take_one(task: GuardedRun, key: str, options: TaskOptions, *, direct: bool) -> Lease | Outcome:
+    """The lease of a run of one key (``limit=N``: one of its slots), or its policy's outcome."""
+    taken = take_keys(task, [key], options, direct=direct)
+    return taken if isinstance(taken, Outcome) else taken[0]
 
 
 def waiting_for_keys(options: TaskOptions) -> TaskOptions:

@@ -1,7 +1,7 @@
 """One run of a singleton task, whatever its keys: its state, its republishing, a store that does not
 answer, and Celery's "ignored" line in our words.
 
-What the admission of one key (``one_key``) and of several keys (``several_keys``) share. They take the
+What admission (``plain_run``, ``queued_run``) and the guarded body share. They take the
 task as a narrow protocol (``GuardedRun``: the public attributes of a Celery task), so that nothing here
 imports the task class.
 """

@@ -15,8 +15,8 @@ A prefork child that dies holding a lease (hard time limit, OOM, SIGKILL, revoke
 release it; ``SingletonRequest`` runs in the worker's parent process, sees the failure, and releases the
 dead child's leases (matched on task id and child pid) before the message is acknowledged or requeued.
 
-The task class renders the keys and runs the body; it hands each run to admission (``one_key.OneKey``,
-``several_keys.SeveralKeys``), which takes it as a narrow protocol (``runs.GuardedRun``). Copies of a run
+The task class renders the keys and runs the body; it hands each run to admission over its key set
+(``admit.take_keys``), which takes it as a narrow protocol (``runs.GuardedRun``). Copies of a run
 are handled in ``duplicates``, the beat checks in ``beatcheck``, a worker's start-up in ``startup``.
 """
 

@@ -134,7 +134,7 @@ def in_burst(e: object, burst: object) -> Document | bool:
 def run_burst(ident: str, known: int | None) -> Document:
     """The burst of the run ``ident`` on this key (``Replace(debounce=..., max_wait=...)`` with
     ``keys=``): its own entry's here (parked, or handed the key), else ``known``, the one it learned on
-    the first key of its set (``bu``; ``several_keys``), else null (it has none yet: its first park)."""
+    the first key of its set (``bu``; ``key_set``), else null (it has none yet: its first park)."""
     lit = {"$literal": ident}
     own_q = {"$arrayElemAt": [{"$filter": {"input": _Q, "as": "e", "cond": {"$eq": ["$$e.id", lit]}}}, 0]}
     own_ho = {"$cond": [{"$eq": [{"$ifNull": ["$ho.id", None]}, lit]}, "$ho", None]}

@@ -1,0 +1,243 @@
+"""A queued run's admits over its key set (``Queue``, ``Replace``): one admit (one ``findAndModify``) a
+key, in sorted order, and what a set of several keys needs on top: the keys it got while it waits for
+others turned into reservations for it, a confirming renewal before its body starts, and leaving every key
+when it does not wait. For a set of one key those steps are empty: one admit is the whole attempt.
+
+``KeySetAdmits`` knows the store and the run's entry, not Celery's outcomes: ``queued_run.QueuedRun``
+decides what each answer means for the task.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from celery_mongolock.admission.policies import Queue, Replace
+from celery_mongolock.core.outcomes import Admission, AdmitOutcome
+from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.integration.runs import GuardedRun, end_superseded, give_back_quietly, log_acquire
+
+if TYPE_CHECKING:
+    from celery_mongolock.core.store import Lease, LeaseStore
+    from celery_mongolock.integration.config import TaskOptions
+
+__all__ = ["KeySetAdmits"]
+
+#: Outcomes on a key after which a run of several keys leaves the queues its attempt joined.
+_LEAVES = (AdmitOutcome.FULL, AdmitOutcome.ALREADY_RAN, AdmitOutcome.RETRIED, AdmitOutcome.SUPERSEDED)
+
+
+class KeySetAdmits:
+    """The admits of one queued run (``entry``, the same on every key) over ``keys``."""
+
+    def __init__(
+        self,
+        task: GuardedRun,
+        store: LeaseStore,
+        keys: list[str],
+        options: TaskOptions,
+        policy: Queue,
+        *,
+        entry: dict[str, Any],
+        info: dict[str, Any],
+        limits: Mapping[str, int | None],
+        debounced_copy: bool,
+    ) -> None:
+        self.task = task
+        self.store = store
+        self.keys = keys
+        self.options = options
+        self.policy = policy
+        self.entry = entry
+        self.info = info
+        self.limits = limits
+        self.debounced_copy = debounced_copy
+        #: The set has several keys (reservations, a confirming renewal, leaving every key apply).
+        self.several = len(keys) > 1
+        #: The last admit's answer on each key.
+        self.answers: dict[str, Admission] = {}
+        #: Runs this run superseded on each key (their results are written once it is parked or runs).
+        self.superseded: dict[str, tuple[Admission, list[Any]]] = {}
+        #: When (``time.monotonic()``) its entry is due on the key where it is due latest: a
+        #: ``Replace(debounce=...)`` run's delayed copy comes back then (``max_wait`` may make it sooner).
+        self.due_at: float | None = None
+
+    def admit(self, key: str, claim: str | None) -> Admission:
+        """One admit of this run's entry on ``key`` (one ``findAndModify``)."""
+        policy, options = self.policy, self.options
+        replace = isinstance(policy, Replace)
+        admission = Admission.of(
+            *self.store.admit(
+                key,
+                self.entry,
+                ttl=options.lease_seconds,
+                claim=claim,
+                timeout=policy.timeout,
+                max_length=policy.max_length,
+                min_hold=options.min_hold_seconds or 0.0,
+                info=self.info,
+                heartbeat=True,
+                heartbeat_seconds=options.heartbeat_seconds,
+                replace=replace,
+                group=self.entry.get("g") if replace else None,
+                # Replace(debounce=...): every run parks; its delayed copy takes a key once due there.
+                debounce=policy.debounce if isinstance(policy, Replace) else None,
+                due=self.debounced_copy and claim is None,
+                max_wait=policy.max_wait if isinstance(policy, Replace) else None,
+                limit=self.limits.get(key, options.limit),
+                # Replace(cancel_running=True): parked behind a running older run of its set, it tells it.
+                cancel=isinstance(policy, Replace) and policy.cancel_running,
+            )
+        )
+        self.answers[key] = admission
+        request_id = self.task.request.id
+        due_in = admission.due_in(request_id)
+        if due_in is not None:
+            due_at = time.monotonic() + due_in
+            self.due_at = max(due_at, self.due_at or due_at)
+        if self.several and isinstance(policy, Replace) and policy.max_wait and "bu" not in self.entry:
+            # Its burst, learned on the first key that answers it, goes with its admits of the others
+            # (``sets.in_burst``): a burst its ceiling sealed is not superseded on a key by a newer send.
+            burst = admission.burst_of(str(self.entry["id"]))
+            if burst is not None:
+                self.entry["bu"] = burst
+        mine = admission.superseded_by(request_id)
+        if mine:  # older runs it superseded here: their results are written once it is parked (or runs)
+            self.superseded[key] = (admission, list(mine))
+        return admission
+
+    def write_superseded(self) -> None:
+        """The results of the runs this run superseded on its keys (its admits' ``sup``)."""
+        for key, (admission, runs) in self.superseded.items():
+            end_superseded(self.task, self.store, key, runs, admission.fence)
+        self.superseded = {}
+
+    def confirmed(self, leases: list[Lease]) -> bool:
+        """All still ours on the server: for several keys, one renewal (an admit slower than a lease must
+        not let the run start with a key another worker took meanwhile); else all given back (also when
+        MongoDB does not answer: the run retries later, and its keys must not stay held by no body). One
+        key was taken by one command: nothing to confirm."""
+        if len(leases) < 2:
+            return True
+        store = self.store
+        try:
+            lost = store.renew_many(leases)
+        except StoreUnavailable:
+            give_back_quietly(store, leases)
+            raise
+        # ``renew_many`` leaves out leases already lost (their deadline passed while the other keys
+        # were taken: the lock-set checker's seed 26): those are not confirmed either.
+        if not lost and not any(lease.lost for lease in leases):
+            return True
+        give_back_quietly(store, leases)
+        request = self.task.request
+        log_acquire.info(
+            "%s[%s]: a key expired while the others were taken; again", self.task.name, request.id
+        )
+        return False
+
+    def leave_all(self) -> None:
+        """Leave every key of a set of several: this run's parked entry, reservation or handoff (each key
+        goes on to the next run, published by this process). (A single key's admit left it already.)"""
+        if self.several:
+            for key in self.keys:
+                self.store.unpark(key, self.entry["id"])
+
+    def claim_all(self, claim: str) -> tuple[list[Lease] | None, Admission | None, str]:
+        """Claim every key handed to this run. ``(leases, None, "")`` when all were claimed; else the
+        keys claimed so far are reservations again (given back when the run is superseded), and
+        ``(None, admission, key)`` says why ``key`` failed."""
+        claimed: list[Lease] = []
+        try:
+            for key in self.keys:
+                admission = self.admit(key, claim)
+                if admission.lease is not None:
+                    claimed.append(admission.lease)
+                    continue
+                outcome = admission.outcome
+                if outcome in (AdmitOutcome.RUNNING, AdmitOutcome.RETRIED, AdmitOutcome.SUPERSEDED):
+                    # (RETRIED: a later attempt carries the task on; SUPERSEDED: a newer send of its set
+                    # does: this one keeps no key.)
+                    give_back_quietly(self.store, claimed)
+                else:
+                    # Not (or no longer) reserved for this run here: an older run was handed it, or its
+                    # reservation expired and it waits again. Keep the keys claimed as reservations,
+                    # unless a newer send of its set parked on one of them meanwhile (``Replace``).
+                    newer = self.reserve_all(claimed)
+                    if newer is not None:
+                        return None, newer[1], newer[0]
+                claimed = []
+                return None, admission, key
+        except BaseException:
+            give_back_quietly(self.store, claimed)
+            raise
+        return claimed, None, ""
+
+    def admit_each(self) -> tuple[list[Lease], tuple[str, Admission] | None]:
+        """One attempt over every key: ``(leases, None)`` when all were taken; ``([], None)`` when the
+        run is parked (or, with several keys, reserved) on each; otherwise the keys taken are given back,
+        this attempt's parks removed, and ``([], (key, admission))`` says which key did not let it wait,
+        and why. (For a set of one key, ``WAITING`` is a copy of a run parked or handed the key: it does
+        not wait; for several, it is this run's own place or reservation on that key.)"""
+        store = self.store
+        waits = (AdmitOutcome.PARKED, AdmitOutcome.WAITING) if self.several else (AdmitOutcome.PARKED,)
+        taken: list[Lease] = []
+        waiting = False
+        try:
+            for key in self.keys:
+                admission = self.admit(key, None)
+                if admission.lease is not None:
+                    taken.append(admission.lease)
+                    continue
+                if admission.outcome in waits:
+                    waiting = True
+                    continue
+                # This run does not wait. Give back what it took and leave the queues it joined in this
+                # attempt (never another copy's places: only this entry's).
+                give_back_quietly(store, taken)
+                taken = []
+                if admission.outcome in _LEAVES:
+                    self.leave_all()
+                return [], (key, admission)
+        except BaseException:
+            give_back_quietly(store, taken)
+            raise
+        if not waiting:
+            return taken, None
+        superseded = self.reserve_all(taken)
+        if superseded is not None:
+            self.leave_all()
+        return [], superseded
+
+    def reserve_all(self, leases: list[Lease]) -> tuple[str, Admission] | None:
+        """Keys taken by an attempt that must wait: each becomes a reservation for the run's entry. A key
+        lost meanwhile (expired, forced) is admitted again: taken (and reserved) or parked on; or, when a
+        newer send of its set came meanwhile (``Replace``), ``(key, admission)`` says so (the keys not yet
+        reserved are given back; the caller leaves the others)."""
+        store, policy = self.store, self.policy
+        pending = list(leases)
+        rounds = 0
+        try:
+            while pending:
+                lease = pending.pop(0)
+                if store.reserve(lease, self.entry, timeout=policy.timeout):
+                    continue
+                rounds += 1
+                if rounds > 3 * len(leases):
+                    raise StoreUnavailable(f"{lease.key!r} kept being lost while this run reserved it")
+                again = self.admit(lease.key, None)
+                if again.lease is not None:
+                    pending.append(again.lease)
+                elif again.outcome is AdmitOutcome.SUPERSEDED:
+                    give_back_quietly(store, pending)
+                    return lease.key, again
+                elif again.outcome not in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
+                    raise StoreUnavailable(
+                        f"{lease.key!r} was lost while this run reserved it, and it cannot wait there "
+                        f"({again.outcome.value})"
+                    )
+        except BaseException:
+            give_back_quietly(store, pending)
+            raise
+        return None

@@ -1,0 +1,362 @@
+"""Admission of a queued run (``Queue``, ``Replace``) over its key set of any size: one key (also
+``limit=N``) or several (``keys=``, with a limit per key).
+
+The run takes every key, claims every key handed to it, or is parked on every key it did not get, the
+keys it got turned into reservations for it (``key_set.KeySetAdmits``); it is published again once all are
+reserved for it (for one key: by whoever hands it the key). A ``Replace`` run of several keys carries its
+set's signature: on each key, a newer send of the same set supersedes it (``core.documents.sets``); told
+so on any key, it gives back what it holds there and leaves the others. What an answer that does not let
+the run wait means (a copy of a run that ran, runs or waits; a full queue; a newer send) is decided here
+once for every shape.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery import states as celery_states
+from celery.exceptions import Ignore
+
+from celery_mongolock.admission.contention import ContendedRun, Outcome
+from celery_mongolock.admission.policies import Fail, Queue, Replace
+from celery_mongolock.core.documents.sets import set_signature
+from celery_mongolock.core.outcomes import Admission, AdmitOutcome
+from celery_mongolock.exceptions import LockContended, QueueTimeout, StoreUnavailable, Superseded
+from celery_mongolock.integration import handoff as _queue
+from celery_mongolock.integration import priority, results, signals
+from celery_mongolock.integration.config import get_store
+from celery_mongolock.integration.duplicates import (
+    DUPLICATE_HEADER,
+    copy_of_a_retried_attempt,
+    copy_with_a_result,
+    ended_without_a_result,
+    keep_a_debounced_copy_delivered_again,
+    park_duplicate,
+)
+from celery_mongolock.integration.key_set import KeySetAdmits
+from celery_mongolock.integration.rate_gate import leave_rate
+from celery_mongolock.integration.runs import (
+    GuardedRun,
+    has_final_state,
+    ignored_as,
+    log_acquire,
+    publish_debounced_copy,
+    set_state,
+    unavailable,
+)
+
+if TYPE_CHECKING:
+    from celery_mongolock.core.store import Lease
+    from celery_mongolock.integration.config import TaskOptions
+
+__all__ = ["QueuedRun"]
+
+#: What a copy dropped on a key was a copy of.
+_COPY_OF = {
+    AdmitOutcome.WAITING: "parked or handed the key",
+    AdmitOutcome.ALREADY_RAN: "over",
+    AdmitOutcome.STALE: "no longer waiting (timed out, revoked, or handed again)",
+}
+
+
+def _entry(
+    task: GuardedRun, keys: list[str], policy: Queue, ident: str, *, stamp: int, src: Any
+) -> dict[str, Any]:
+    """The run's parked entry, the same on each of its keys: who it is, its send stamp, its priority and
+    its message; with several keys, the keys and one handoff token for all of them (and, for ``Replace``,
+    its set's signature: only runs of the same set supersede each other, ``documents.sets``)."""
+    request = task.request
+    entry: dict[str, Any] = {
+        "id": ident,
+        "t": request.id,
+        "n": task.name,
+        "r": ident.rsplit("/", 1)[1],
+        "s": stamp,
+        "src": src,
+        "th": policy.then.name,
+    }
+    if len(keys) > 1:
+        entry.update(ks=keys, tk=_queue.keys_token(ident, keys))
+        if isinstance(policy, Replace):
+            entry["g"] = set_signature(keys)
+    entry.update(priority.rank_field(task.app, request, policy))
+    entry.update(_queue.message_of(task, request, stamp, ident))
+    return entry
+
+
+class QueuedRun:
+    """One worker's run of a queued task over ``keys`` (sorted, without repeats): ``take()`` returns the
+    leases of all of them, or the policy's outcome; or raises ``Ignore`` (parked, or a copy dropped), the
+    policy's error, or a contention retry (MongoDB did not answer: retried as the same queued run)."""
+
+    def __init__(
+        self,
+        task: GuardedRun,
+        keys: list[str],
+        options: TaskOptions,
+        *,
+        limits: Mapping[str, int | None] | None = None,
+    ) -> None:
+        policy = options.on_contention
+        assert isinstance(policy, Queue), policy
+        self.task = task
+        self.keys = keys
+        self.several = len(keys) > 1
+        self.options = options
+        self.policy: Queue = policy
+        self.request = task.request
+        self.store = get_store(task.app)
+        #: The keys a result or a state names (``keys``), for a run of several keys.
+        self.named_keys: list[str] | None = list(keys) if self.several else None
+        request = self.request
+        self.stamp, src = _queue.stamp_of(request)
+        # A queued run is one run per task id and own retry: a contention retry (after MongoDB did not
+        # answer) is the same run, and must find its own park if that landed.
+        run_delivery = str(int(getattr(request, "retries", 0) or 0))
+        ident = f"{request.id}/{run_delivery}"
+        self.entry = entry = _entry(task, keys, policy, ident, stamp=self.stamp, src=src)
+        info: dict[str, Any] = {
+            "task_name": task.name,
+            "task_id": request.id,
+            "worker": request.hostname,
+            "delivery": run_delivery,
+        }
+        if self.several:
+            info["keys"] = keys
+        #: ``Replace(debounce=...)``: this message is a parked run's delayed copy.
+        self.debounced_copy = bool(_queue.header(request, _queue.DEBOUNCE_HEADER))
+        #: The token of the handoff this message is (None: not a handoff of this run).
+        self.claim = (
+            _queue.handoff_of_keys(request, keys, ident)
+            if self.several
+            else _queue.handoff_of(request, keys[0], ident)
+        )
+        fresh = not (
+            self.claim
+            or self.debounced_copy
+            or (request.headers or {}).get(DUPLICATE_HEADER)
+            or (request.delivery_info or {}).get("redelivered")
+        )
+        self.fresh = fresh
+        #: A copy of a message (redelivered, a parked duplicate, a handoff): its run may have run already.
+        self.copy = not (fresh or self.debounced_copy)
+        self.admits = KeySetAdmits(
+            task,
+            self.store,
+            keys,
+            options,
+            policy,
+            entry=entry,
+            info=info,
+            limits=limits or {},
+            debounced_copy=self.debounced_copy,
+        )
+
+    def take(self) -> list[Lease] | Outcome:
+        """Take, claim, or park (``Ignore``); a copy is dropped or kept aside; the policy's outcome for a
+        run that cannot wait (a full queue) or that a newer send replaced."""
+        task, keys = self.task, self.keys
+        _queue.install_publisher(task.app, self.store)
+        if self.fresh:
+            # QUEUED before the admit, never after it: once parked, the run may be handed its keys and end
+            # at any moment, and a state written later would hide its result.
+            since = _dt.datetime.now(_dt.timezone.utc).isoformat()
+            meta: dict[str, Any] = {"key": keys[0], "since": since}
+            if self.several:
+                meta["keys"] = keys
+            set_state(task, results.QUEUED, meta, unless_ready=True)
+        try:
+            return self._attempts(self.claim)
+        except StoreUnavailable as exc:
+            unavailable(task, keys[0], exc, self.policy, direct=False)
+
+    def _attempts(self, claim: str | None) -> list[Lease] | Outcome:
+        """Up to five attempts (a key may expire while the others are taken): claim the keys handed to
+        this run, else admit it on each."""
+        admits = self.admits
+        for _attempt in range(5):
+            if claim is not None:
+                claimed, refused, key = admits.claim_all(claim)
+                claim = None  # (from here on: admitted as any run)
+                if claimed is not None:
+                    if admits.confirmed(claimed):
+                        return self._started(claimed)
+                    continue
+                if refused is not None:
+                    outcome = self._claim_refused(key, refused)
+                    if outcome is not None:
+                        return outcome
+                # It claimed its keys and died (its worker killed): admitted as any run, below.
+            taken, blocked = admits.admit_each()
+            if blocked is not None:
+                return self._not_admitted(*blocked)
+            if not taken:  # parked or reserved on every key
+                self._parked()
+            if admits.confirmed(taken):  # every key taken in this attempt
+                return self._started(taken)
+        raise StoreUnavailable(f"the keys {self.keys} kept expiring while they were taken")
+
+    def _started(self, leases: list[Lease]) -> list[Lease]:
+        task, keys = self.task, self.keys
+        if self.several:
+            self.admits.write_superseded()  # (a slot taken back from an older run of its set)
+            set_state(task, celery_states.STARTED, {"keys": keys})
+        else:
+            set_state(task, celery_states.STARTED, {"key": keys[0], "fence": leases[0].fence})
+        return leases
+
+    def _claim_refused(self, key: str, refused: Admission) -> Outcome | None:
+        """A handoff's claim that did not get ``key``: the run ends or is dropped here, or None: admitted
+        as any run (it claimed its keys and died: its worker was killed)."""
+        task, request = self.task, self.request
+        outcome = refused.outcome
+        if not self.several:
+            if outcome is AdmitOutcome.STALE and not has_final_state(task):
+                return None  # a handoff whose claim failed, of a run with no result: it runs again
+            return self._not_admitted(key, refused)
+        if outcome is AdmitOutcome.RUNNING:  # a copy of the handoff while the first copy runs
+            park_duplicate(task, key, self.options, False, handoff_copy=True)
+            raise Ignore()
+        if outcome is AdmitOutcome.SUPERSEDED:
+            self.admits.leave_all()
+            return self._superseded(key, refused)
+        if outcome is AdmitOutcome.WAITING:  # waiting again on that key: published when ready
+            self._parked()
+        if outcome is AdmitOutcome.RETRIED:
+            copy_of_a_retried_attempt(task, key, self.entry)
+        if has_final_state(task):
+            log_acquire.info("%s[%s]: stale handoff of %s; dropped", task.name, request.id, self.keys)
+            raise Ignore()
+        return None
+
+    def _not_admitted(self, key: str, admission: Admission) -> Outcome:
+        """``key`` did not let the run wait: a copy is dropped (or kept aside, while its first run holds
+        the key), a superseded run ends with that result, a full queue skips or fails it."""
+        task, request = self.task, self.request
+        outcome = admission.outcome
+        who = (task.name, request.id)
+        # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
+        if self.debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
+            if outcome is AdmitOutcome.RUNNING:
+                keep_a_debounced_copy_delivered_again(task, key, self.options)
+            # Handed its keys (due) before its delayed copy came: it ran or runs under its own message
+            # (which reports a result lost with its worker): this copy has nothing to do.
+            log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)
+            raise Ignore()
+        if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
+            # The run ran and released its key, and no result is stored: its worker may be storing it now,
+            # or died first. Look again later, then end the task saying so (never run the body twice).
+            return ended_without_a_result(task, key, self.options, self.named_keys)
+        if outcome in _COPY_OF:
+            what = _COPY_OF[outcome]
+            log_acquire.info("%s[%s]: copy of a run that is %s on %r; dropped", *who, what, key)
+            ignored_as(request.id, f"is a copy of a run that is {what} on {key!r}: this copy is dropped")
+            raise Ignore()
+        if outcome is AdmitOutcome.RETRIED:
+            copy_of_a_retried_attempt(task, key, self.entry)
+        holder = dict(admission.holder)
+        if outcome is AdmitOutcome.RUNNING:
+            signals.lease_contended.send(sender=task, key=key, holder=holder, policy="duplicate")
+            park_duplicate(task, key, self.options, False, resent=admission.resent and not self.copy)
+            raise Ignore()
+        if outcome is AdmitOutcome.PARKED:  # (a claim of one key that parked it)
+            self._parked()
+        signals.lease_contended.send(sender=task, key=key, holder=holder, policy=self.policy.name)
+        if outcome is AdmitOutcome.SUPERSEDED:
+            if self.debounced_copy:
+                # The delayed copy of a run that a newer send replaced: its result is written already.
+                raise Ignore()
+            if copy_with_a_result(task, self.copy or admission.resent):
+                # A copy of a run whose body ran and stored its result (its lease was lost mid-body and a
+                # newer send took the key: the key does not remember the run as over). Its result stands.
+                log_acquire.info("%s[%s]: a copy of a run that ended, superseded on %r; dropped", *who, key)
+                ignored_as(request.id, f"is a copy of a run that ended, superseded on {key!r}: dropped")
+                raise Ignore()
+            return self._superseded(key, admission)
+        assert outcome is AdmitOutcome.FULL, outcome
+        reason = results.full_reason(
+            key, admission.queued, self.policy.max_length, self.entry, in_document=len(admission.parked)
+        )
+        if isinstance(self.policy.then, Fail):
+            raise QueueTimeout(key, reason)
+        contended = ContendedRun(task, self.store, key, direct=False)
+        return contended.held_by(holder, admission.expires_at).skip(reason)
+
+    def _superseded(self, key: str, admission: Admission) -> Outcome:
+        """A newer send (of this run's set of keys) is known on ``key``: the run ends ``SUCCESS`` with a
+        ``superseded`` result, without its body (what it held is given back, it is parked nowhere)."""
+        task, request, keys = self.task, self.request, self.keys
+        by = str(admission.by)
+        log_acquire.info(
+            "%s[%s]: %r: a newer send (%s)%s supersedes this run: it ends %s, without running its body",
+            task.name,
+            request.id,
+            key,
+            by,
+            f" of the same keys {keys}" if self.several else "",
+            results.superseded_outcome_words(self.policy),
+        )
+        signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
+        self.store.record_run_ending(key, "superseded", self.entry, fence=admission.fence, by=by)  # history
+        leave_rate(task, keys, self.options)
+        if getattr(self.policy, "fail_superseded", False):
+            raise Superseded(keys[0], None, by, held=False)
+        return Outcome(results.superseded_result(keys[0], by, self.named_keys))
+
+    def _parked(self) -> NoReturn:
+        """Parked (or, with several keys, reserved) on every key; acknowledging the message ends this
+        delivery. A run of several keys is published when all are reserved for it, by whoever makes the
+        last reservation (here if that was this attempt); a run of one key, by whoever hands it the key."""
+        task, keys, entry, store, policy = self.task, self.keys, self.entry, self.store, self.policy
+        self.admits.write_superseded()
+        if self.several and store.reserved_for_all(entry):
+            _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
+        debounce = policy.debounce if isinstance(policy, Replace) else 0.0
+        if debounce and not self.debounced_copy and not (self.several and self.claim):
+            # Come back when the debounce has passed: the copy takes the keys if no newer send came. (Sooner
+            # when the burst it continues reaches max_wait first: its not-before time says.) A handoff of
+            # a set parked again on a key leaves its delayed copy to its first message.
+            due_at = self.admits.due_at
+            wait = debounce if due_at is None else min(max(0.0, due_at - time.monotonic()), debounce)
+            publish_debounced_copy(task, self.stamp, wait)
+        if self.several:
+            self._says_it_waits_for_all()
+        key = keys[0]
+        admission = self.admits.answers[key]
+        holder = dict(admission.holder)
+        position = admission.position(self.request.id)
+        signals.lease_contended.send(sender=task, key=key, holder=holder, policy=policy.name)
+        signals.run_parked.send(sender=task, key=key, task_id=entry["t"], position=position, stamp=self.stamp)
+        log_acquire.info(
+            "%s[%s]: %s; policy %s: parked at position %d (state QUEUED, no worker slot held): it starts "
+            "when the key is handed to it%s",
+            task.name,
+            entry["t"],
+            LockContended(key, holder, admission.expires_at),
+            policy.name,
+            position,
+            ", unless a newer send replaces it first" if isinstance(policy, Replace) else ", in send order",
+        )
+        ignored_as(
+            entry["t"],
+            f"parked at position {position} on {key!r}, not dropped: it starts when handed the key",
+        )
+        raise Ignore()
+
+    def _says_it_waits_for_all(self) -> NoReturn:
+        task, keys, entry = self.task, self.keys, self.entry
+        signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=self.stamp)
+        log_acquire.info(
+            "%s[%s]: waits for %s (parked or reserved on each, no worker slot held): it starts once every "
+            "key is handed to it",
+            task.name,
+            entry["t"],
+            keys,
+        )
+        ignored_as(
+            entry["t"], f"waits for {', '.join(map(repr, keys))}, not dropped: it starts once it has them all"
+        )
+        raise Ignore()
