@@ -1,10 +1,10 @@
 """The guarded body: a run admitted on its key(s) runs its body with ``current_lease()`` set, and gives
 its lease(s) back on every exit.
 
-``SingletonTask`` renders the key(s) and the options in force and hands each run here: ``guarded_one`` for
-a task of one ``key=`` (its ``current_lease()`` is a ``Lease``), ``guarded_many`` for ``keys=(...)`` (a
-``LeaseSet``). Both have the run admitted over its key set by ``admit.take_keys``, and take the run's task
-as the narrow protocol ``runs.GuardedRun``.
+``SingletonTask`` renders the key(s) and the options in force and hands each run to ``guarded``: a task
+of one ``key=`` and a task of ``keys=(...)`` alike (``current_lease()`` is a ``Lease`` for the first, a
+``LeaseSet`` for the second). The run is admitted over its key set by ``admit.take_keys``; its task is
+taken as the narrow protocol ``runs.GuardedRun``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from celery_mongolock.integration.reentrant import end_holds, joined, note_taken
 from celery_mongolock.integration.runs import GuardedRun, give_back_quietly, ignored_as, unavailable
 from celery_mongolock.integration.supersede import run_body
 
-__all__ = ["current_lease", "guarded_many", "guarded_one"]
+__all__ = ["current_lease", "guarded"]
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 log_release = logging.getLogger("celery_mongolock.release")
@@ -57,52 +57,7 @@ def current_lease() -> Lease | None:
     return _current.get()
 
 
-def guarded_one(
-    task: GuardedRun,
-    key: str,
-    limits: Mapping[str, int | None],
-    options: TaskOptions,
-    body: Body,
-    *,
-    direct: bool,
-) -> Any:
-    """A run of a task with one key: admitted by its policy, then its body holding the key's lease."""
-    store = get_store(task.app)
-    inner = reentered(store, limits)
-    if inner:  # the run holds the key already: its own lease, reentered (no command)
-        return _run_reentered(task, inner[key], body)
-    taken = _take_one(task, key, options, direct=direct)
-    if isinstance(taken, Lease):  # then a start in its rate's window
-        _drop_a_stale_line(task, store, [taken], key)  # (before the rate: no start spent on it)
-
-        def retake() -> tuple[Lease, list[Lease]] | Outcome:
-            again = _take_one(task, key, waiting_for_keys(options), direct=direct)
-            return (again, [again]) if isinstance(again, Lease) else again
-
-        taken = pass_rate(task, [key], taken, [taken], options, direct=direct, retake=retake)
-    if not isinstance(taken, Lease):
-        return taken.value  # the policy's outcome (e.g. Skip's result); the body did not run
-    lease = taken
-    request = task.request
-    if lease.remaining <= 0:  # (not ``lease.lost``: that would queue a release marking the run over)
-        # Its acquire was answered after the lease's whole time had passed (MongoDB paused or slow):
-        # the key may be someone else's by now. Fail closed: give it back, and try again later.
-        give_back_quietly(store, [lease])  # (a store that does not answer: it expires on its own)
-        unavailable(
-            task,
-            key,
-            StoreUnavailable(f"the acquire of {key!r} was answered after its lease had run out"),
-            options.on_contention,
-            direct,
-        )
-    note_taken(store, lease, limits)
-    log_acquire.info("%s[%s] acquired %r (fence %s)", task.name, request.id, key, lease.fence)
-    signals.lease_acquired.send(sender=task, key=key, lease=lease)
-    # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
-    return _run_holding(task, store, held=lease, taken=lease, fresh=[lease], options=options, body=body)
-
-
-def guarded_many(
+def guarded(
     task: GuardedRun,
     keys: list[str],
     limits: Mapping[str, int | None],
@@ -110,29 +65,45 @@ def guarded_many(
     body: Body,
     *,
     direct: bool,
+    one: bool,
 ) -> Any:
-    """A run that needs several keys: the body runs only while it holds all of them."""
+    """A run admitted by its policy over its keys (sorted), then its body holding all of them. ``one``: a
+    task of one ``key=`` (``current_lease()`` is that key's ``Lease``; for ``keys=(...)``, a ``LeaseSet``)."""
     store = get_store(task.app)
     inner = reentered(store, limits)  # the keys this run holds already (a call in-process)
     rest = [key for key in keys if key not in inner]
-    if not rest:
-        return _run_reentered(task, joined(inner, None), body)
+    if not rest:  # the run holds them all already: its own leases, reentered (no command)
+        return _run_reentered(task, inner[keys[0]] if one else joined(inner, None), body)
     try:
         fresh = _take_the_rest(task, store, rest, limits, options, direct=direct)
     except BaseException:
         end_holds(inner)
         raise
-    if not isinstance(fresh, LeaseSet):
+    if not isinstance(fresh, list):
         end_holds(inner)
-        return fresh
-    note_taken(store, fresh, limits)
-    held = joined(inner, fresh)
+        return fresh  # the policy's outcome's value (e.g. Skip's result); the body did not run
+    late = [lease for lease in fresh if lease.remaining <= 0]
+    if late:  # (not ``lease.lost``: that would queue a release marking the run over)
+        # Its admission was answered after the lease's whole time had passed (MongoDB paused or slow):
+        # the key may be someone else's by now. Fail closed: give them back, and try again later.
+        give_back_quietly(store, fresh)  # (a store that does not answer: they expire on their own)
+        end_holds(inner)
+        key = late[0].key
+        why = StoreUnavailable(f"the acquire of {key!r} was answered after its lease had run out")
+        unavailable(task, key, why, options.on_contention, direct)
+    taken: Lease = fresh[0] if one else LeaseSet(fresh)
+    note_taken(store, taken, limits)
+    held = taken if one else joined(inner, LeaseSet(fresh))
     request = task.request
-    log_acquire.info("%s[%s] acquired %s (fences %s)", task.name, request.id, rest, fresh.fences)
+    if one:
+        log_acquire.info("%s[%s] acquired %r (fence %s)", task.name, request.id, taken.key, taken.fence)
+    else:
+        fences = LeaseSet(fresh).fences
+        log_acquire.info("%s[%s] acquired %s (fences %s)", task.name, request.id, rest, fences)
     for lease in fresh:
         signals.lease_acquired.send(sender=task, key=lease.key, lease=lease)
-    # (Replace(cancel_running=True): a newer send of the set supersedes this run: ``supersede``)
-    return _run_holding(task, store, held=held, taken=fresh, fresh=list(fresh), options=options, body=body)
+    # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
+    return _run_holding(task, store, held=held, taken=taken, fresh=fresh, options=options, body=body)
 
 
 def _run_holding(
@@ -199,28 +170,21 @@ def _take_the_rest(
     options: TaskOptions,
     *,
     direct: bool,
-) -> LeaseSet | Any:
-    """The keys a run of several keys does not hold yet, all taken (a ``LeaseSet``), or the policy's
-    outcome's value (the body does not run)."""
+) -> list[Lease] | Any:
+    """The keys a run does not hold yet, all taken (their leases, in key order) and its start recorded in
+    its rate's windows, or the policy's outcome's value (the body does not run)."""
     some = {key: limits[key] for key in rest}
-    got = take_keys(task, rest, options, direct=direct, limits=some)
-    if isinstance(got, Outcome):
-        return got.value
-    taken = LeaseSet(got)
-    _drop_a_stale_line(task, store, list(taken), rest[0])  # (before the rate: no start spent on it)
+    taken = take_keys(task, rest, options, direct=direct, limits=some)
+    if isinstance(taken, Outcome):
+        return taken.value
+    _drop_a_stale_line(task, store, taken, rest[0])  # (before the rate: no start spent on it)
 
-    def retake() -> tuple[LeaseSet, list[Lease]] | Outcome:
+    def retake() -> tuple[list[Lease], list[Lease]] | Outcome:
         again = take_keys(task, rest, waiting_for_keys(options), direct=direct, limits=some)
-        return again if isinstance(again, Outcome) else (LeaseSet(again), again)
+        return again if isinstance(again, Outcome) else (again, again)
 
-    passed = pass_rate(task, rest, taken, list(taken), options, direct=direct, retake=retake)
+    passed = pass_rate(task, rest, taken, taken, options, direct=direct, retake=retake)
     return passed.value if isinstance(passed, Outcome) else passed
-
-
-def _take_one(task: GuardedRun, key: str, options: TaskOptions, *, direct: bool) -> Lease | Outcome:
-    """The lease of a run of one key (``limit=N``: one of its slots), or its policy's outcome."""
-    taken = take_keys(task, [key], options, direct=direct)
-    return taken if isinstance(taken, Outcome) else taken[0]
 
 
 def waiting_for_keys(options: TaskOptions) -> TaskOptions:

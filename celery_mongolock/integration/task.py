@@ -64,7 +64,7 @@ from celery_mongolock.integration.config import (
 )
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER, end_second_look, second_look_of
 from celery_mongolock.integration.endings import end_run, ending_of
-from celery_mongolock.integration.guarded import current_lease, guarded_many, guarded_one
+from celery_mongolock.integration.guarded import current_lease, guarded
 from celery_mongolock.integration.options import (
     check_declaration,
     check_decorated,
@@ -303,11 +303,8 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         # The run is one owner of its leases (a singleton function it calls in-process is the same run).
         with run_scope(self.name):
-            if self._key_specs():
-                keys = self.mongolock_keys_for(*args, **kwargs)
-                return guarded_many(self, keys, limits, options, body, direct=direct)
-            key = self._renderer().render(args, kwargs)
-            return guarded_one(self, key, limits, options, body, direct=direct)
+            keys = self.mongolock_keys_for(*args, **kwargs)
+            return guarded(self, keys, limits, options, body, direct=direct, one=not self._key_specs())
 
     def mongolock_retry_later(self, policy: Retry, exc: Exception) -> NoReturn:
         """Publish this run again after a backoff; the task's own ``retries`` budget is not used."""
