@@ -33,7 +33,7 @@ KEY = "upload:1"
 
 def admit_one(task: Any, key: str) -> Any:
     """A queued run of one key reaching admission in a worker: its lease, or its outcome (or it raises)."""
-    got = QueuedRun(task, [key], task._options()).take()
+    got = QueuedRun(task, [key], task._options(), one=True).take()
     return got[0] if isinstance(got, list) else got
 
 
@@ -41,7 +41,7 @@ def admit_set(task: Any, keys: list[str]) -> Any:
     """The same for a run of several keys: a ``LeaseSet`` of them all."""
     from celery_mongolock.core.lease import LeaseSet
 
-    got = QueuedRun(task, keys, task._options()).take()
+    got = QueuedRun(task, keys, task._options(), one=False).take()
     return LeaseSet(got) if isinstance(got, list) else got
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Retry
 from celery.signals import before_task_publish
 
-from celery_mongolock import LeaseStore, Skip, singleton_task
+from celery_mongolock import LeaseStore, Replace, Skip, StoreUnavailable, singleton_task
 from celery_mongolock.config import get_store
 from celery_mongolock.integration.admit import take_keys
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
@@ -80,7 +80,7 @@ def test_a_duplicate_delivery_is_known_by_its_own_slot_not_only_the_newest(
     try:
         limits = {slotted: 2} if several else None
         with pytest.raises(Ignore):  # kept aside as a duplicate, not skipped
-            take_keys(task, keys, task._options(), direct=False, limits=limits)
+            take_keys(task, keys, task._options(), direct=False, limits=limits, one=not several)
     finally:
         task.pop_request()
     copies = [h for h in published if h.get(DUPLICATE_HEADER)]
@@ -89,3 +89,78 @@ def test_a_duplicate_delivery_is_known_by_its_own_slot_not_only_the_newest(
     assert info is not None and info.held  # the first delivery's slot and the other run's, untouched
     first.release()
     other.release()
+
+
+def test_a_copy_whose_read_of_its_run_gets_no_answer_is_retried_not_failed(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redelivered message finds its key held; the read that asks whether its run ended gets no answer
+    from MongoDB: the run is published again later (the policy's ``on_unavailable``), never failed with the
+    store's error (which would be stored under the task id of its first delivery, maybe over its result)."""
+
+    def one(self: Any, a: str) -> str:
+        return "ran"
+
+    name = "plain_run_shapes.copy"
+    task = singleton_task(key="{a}", app=app, name=name, bind=True, on_contention=Skip())(one)
+    store: LeaseStore = get_store(app)
+    key = f"held-{uuid.uuid4().hex[:8]}"
+    holder = store.acquire(key, info={"task_id": "another-run", "delivery": "0.0"})
+    assert holder is not None
+    reads = {"n": 0}
+    answered = store.run_ended
+
+    def run_ended(*args: Any, **kwargs: Any) -> Any:
+        reads["n"] += 1
+        if reads["n"] > 1:  # the first read (before the acquire) is answered, the second is not
+            raise StoreUnavailable("MongoDB did not answer (test)")
+        return answered(*args, **kwargs)
+
+    monkeypatch.setattr(store, "run_ended", run_ended)
+    task.push_request(
+        id=f"run-{uuid.uuid4().hex}", args=(key,), kwargs={}, headers={}, delivery_info={"redelivered": True},
+        hostname="w1", retries=0, is_eager=False, called_directly=False,
+    )  # fmt: skip
+    try:
+        with pytest.raises(Retry):  # a contention retry (published again later), not StoreUnavailable
+            take_keys(task, [key], task._options(), direct=False, limits={key: None}, one=True)
+    finally:
+        task.pop_request()
+    assert reads["n"] == 2
+    holder.release()
+
+
+def test_a_set_of_keys_that_renders_to_one_key_stays_a_set(app: Celery) -> None:
+    """``keys=("acct:{a}", "acct:{b}")`` with ``a == b`` needs one key: the run is still a run of its set
+    (its parked entry carries its keys and, under ``Replace``, its set's signature), so a newer send of
+    another set sharing that key does not supersede it, nor it them."""
+
+    def transfer(self: Any, a: int, b: int) -> str:
+        return "ran"
+
+    task = singleton_task(
+        keys=("acct:{a}", "acct:{b}"), app=app, name="plain_run_shapes.transfer", bind=True,
+        on_contention=Replace(), shared=False,
+    )(transfer)  # fmt: skip
+    store: LeaseStore = get_store(app)
+    n = uuid.uuid4().int % 10**8
+    key = f"acct:{n}"
+    holder = store.acquire(key)
+    assert holder is not None
+    run = f"run-{uuid.uuid4().hex}"
+    task.push_request(
+        id=run, args=(n, n), kwargs={}, headers={"mongolock_sent": 100}, delivery_info={}, hostname="w1",
+        retries=0, is_eager=False, called_directly=False,
+    )  # fmt: skip
+    try:
+        keys = task.mongolock_keys_for(n, n)
+        assert keys == [key]
+        with pytest.raises(Ignore):  # parked
+            take_keys(task, keys, task._options(), direct=False, limits={key: None}, one=False)
+    finally:
+        task.pop_request()
+    doc = store.collection.find_one({"_id": key}) or {}
+    parked = [e for e in doc.get("q") or [] if e.get("t") == run]
+    assert len(parked) == 1, doc
+    assert parked[0].get("ks") == [key] and parked[0].get("g"), parked[0]
+    holder.release()

@@ -27,7 +27,7 @@ KEY = "report:7"
 
 def admit_one(task: Any, key: str) -> Any:
     """A queued run of one key reaching admission in a worker: its lease, or its outcome (or it raises)."""
-    got = QueuedRun(task, [key], task._options()).take()
+    got = QueuedRun(task, [key], task._options(), one=True).take()
     return got[0] if isinstance(got, list) else got
 
 

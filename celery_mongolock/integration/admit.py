@@ -1,8 +1,8 @@
 """Admission of one run over its key set, whatever its shape (one key, ``limit=N`` slots, several keys
 with a limit per key): a queued run (``Queue``, ``Replace``) in a worker goes to ``queued_run.QueuedRun``,
-which may park it; every other run (``Retry``, ``Skip``, ``Wait``, ``Fail``, a direct call, a beat tick) to
-``plain_run.PlainRun``. Both return the leases of every key of the set, in sorted order, or the policy's
-outcome; the policies never see the shape."""
+which may park it; every other run (``Retry``, ``Skip``, ``Wait``, ``Fail``, a direct call, a beat tick of
+a task of one key) to ``plain_run.PlainRun``. Both return the leases of every key of the set, in sorted
+order, or the policy's outcome; the policies never see the shape."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ def take_keys(
     *,
     direct: bool,
     limits: Mapping[str, int | None] | None = None,
+    one: bool,
 ) -> list[Lease] | Outcome:
     """The leases of every key of ``keys`` (sorted, without repeats) for this run of ``task``, or its
     policy's outcome (or raises: ``Ignore`` for a run parked or a copy dropped, the policy's error, a
     contention retry). ``limits``: each key's limit (None: a single lease); ``options.limit`` for a key
-    not in it."""
-    if parks(task, options.on_contention, direct):
-        return QueuedRun(task, keys, options, limits=limits).take()
-    return PlainRun(task, keys, options, direct=direct, limits=limits).take()
+    not in it. ``one``: a task of one ``key=``; else a task of ``keys=(...)``, whose run is a set of keys
+    whatever their number (a set that renders to one key, or of which the run holds all but one already,
+    keeps its set's signature, its handoff token and its results naming its keys)."""
+    if parks(task, options.on_contention, direct, one=one):
+        return QueuedRun(task, keys, options, limits=limits, one=one).take()
+    return PlainRun(task, keys, options, direct=direct, limits=limits, one=one).take()

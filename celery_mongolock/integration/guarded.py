@@ -75,7 +75,7 @@ def guarded(
     if not rest:  # the run holds them all already: its own leases, reentered (no command)
         return _run_reentered(task, inner[keys[0]] if one else joined(inner, None), body)
     try:
-        fresh = _take_the_rest(task, store, rest, limits, options, direct=direct)
+        fresh = _take_the_rest(task, store, rest, limits, options, direct=direct, one=one)
     except BaseException:
         end_holds(inner)
         raise
@@ -86,7 +86,9 @@ def guarded(
     if late:  # (not ``lease.lost``: that would queue a release marking the run over)
         # Its admission was answered after the lease's whole time had passed (MongoDB paused or slow):
         # the key may be someone else's by now. Fail closed: give them back, and try again later.
-        give_back_quietly(store, fresh)  # (a store that does not answer: they expire on their own)
+        # (A store that does not answer: they expire on their own. A beat tick's run gives its tick back:
+        # its retry runs the tick.)
+        give_back_quietly(store, fresh, untick=beat_tick(task.request)[0])
         end_holds(inner)
         key = late[0].key
         why = StoreUnavailable(f"the acquire of {key!r} was answered after its lease had run out")
@@ -170,17 +172,18 @@ def _take_the_rest(
     options: TaskOptions,
     *,
     direct: bool,
+    one: bool,
 ) -> list[Lease] | Any:
     """The keys a run does not hold yet, all taken (their leases, in key order) and its start recorded in
     its rate's windows, or the policy's outcome's value (the body does not run)."""
     some = {key: limits[key] for key in rest}
-    taken = take_keys(task, rest, options, direct=direct, limits=some)
+    taken = take_keys(task, rest, options, direct=direct, limits=some, one=one)
     if isinstance(taken, Outcome):
         return taken.value
     _drop_a_stale_line(task, store, taken, rest[0])  # (before the rate: no start spent on it)
 
     def retake() -> tuple[list[Lease], list[Lease]] | Outcome:
-        again = take_keys(task, rest, waiting_for_keys(options), direct=direct, limits=some)
+        again = take_keys(task, rest, waiting_for_keys(options), direct=direct, limits=some, one=one)
         return again if isinstance(again, Outcome) else (again, again)
 
     passed = pass_rate(task, rest, taken, taken, options, direct=direct, retake=retake)

@@ -43,6 +43,7 @@ class KeySetAdmits:
         info: dict[str, Any],
         limits: Mapping[str, int | None],
         debounced_copy: bool,
+        several: bool,
     ) -> None:
         self.task = task
         self.store = store
@@ -53,8 +54,9 @@ class KeySetAdmits:
         self.info = info
         self.limits = limits
         self.debounced_copy = debounced_copy
-        #: The set has several keys (reservations, a confirming renewal, leaving every key apply).
-        self.several = len(keys) > 1
+        #: A run of a task of ``keys=(...)`` (reservations and leaving every key apply, whatever the number
+        #: of its keys; a confirming renewal, when it took more than one).
+        self.several = several
         #: The last admit's answer on each key.
         self.answers: dict[str, Admission] = {}
         #: Runs this run superseded on each key (their results are written once it is parked or runs).

@@ -48,17 +48,20 @@ if TYPE_CHECKING:
 __all__ = ["PlainRun", "parks"]
 
 
-def parks(task: GuardedRun, policy: Any, direct: bool) -> bool:
+def parks(task: GuardedRun, policy: Any, direct: bool, *, one: bool) -> bool:
     """Whether a run is admitted by the engine as a queued run (``Queue``, ``Replace``), which may park
-    it: a worker's run of a queued policy, except a beat tick (it runs once per tick or not at all, so it
-    is never parked to run later) and a direct or eager call (nothing to park: no message). Every other run
-    is a ``PlainRun``. Also says, once per process, when a beat without our scheduler sent the run."""
+    it: a worker's run of a queued policy, except a beat tick of a task of one ``key=`` (its key records
+    the tick: it runs once per tick or not at all, so it is never parked to run later) and a direct or
+    eager call (nothing to park: no message). Every other run is a ``PlainRun``. Also says, once per
+    process, when a beat without our scheduler sent the run."""
     request = task.request
     tick = beat_tick(request)[0]
     if tick is None:
         warn_if_sent_by_another_beat(task.name, request)
     return bool(
-        policy.queued and tick is None and not (direct or request.is_eager or request.called_directly)
+        policy.queued
+        and (tick is None or not one)
+        and not (direct or request.is_eager or request.called_directly)
     )
 
 
@@ -75,9 +78,12 @@ class PlainRun:
         *,
         direct: bool,
         limits: Mapping[str, int | None] | None = None,
+        one: bool,
     ) -> None:
         self.task = task
         self.keys = keys
+        #: A run of a task of ``keys=(...)`` (its results name its keys, whatever their number).
+        self.several = not one
         self.options = options
         #: Each key's limit (None: a single lease); ``options.limit`` for a key not in it.
         self.limits: Mapping[str, int | None] = limits or {}
@@ -93,11 +99,13 @@ class PlainRun:
             "worker": request.hostname,
             "delivery": delivery(request),
         }
-        if len(keys) > 1:
+        if self.several:
             self.info["keys"] = keys
-        # A beat tick runs once on its keys, however many beats sent it: each key remembers the last tick
-        # that took it, and is held at least to the end of the tick's window (a single lease's).
-        self.tick, self.hold_until_ms = beat_tick(request)
+        # A beat tick of a task of one key runs once, however many beats sent it: the key remembers the
+        # last tick that took it, and is held at least to the end of the tick's window (a single lease).
+        # A task of ``keys=(...)`` relies on our beat's claim of each tick (``ops.beat``): its keys do not
+        # record ticks, since two entries whose key sets overlap would refuse each other's ticks.
+        self.tick, self.hold_until_ms = beat_tick(request) if one else (None, None)
         if self.tick is not None:
             self.info["beat_tick"] = self.tick
 
@@ -132,7 +140,11 @@ class PlainRun:
             # them taken for nobody, and its tick is not spent.
             give_back_quietly(store, taken, untick=self.tick)
             key, contended = blocked
-            if ended_runs and self._attempt_ran(key, contended, ended_runs):
+            try:
+                ran = bool(ended_runs) and self._attempt_ran(key, contended, ended_runs)
+            except StoreUnavailable as exc:  # (the read of a copy's run: never fail the task for it)
+                unavailable(task, key, exc, self.policy, self.direct)
+            if ran:
                 return copy_of_an_ended_run(task, store, key, self.options, self._named_keys())
             if contended_at is None:
                 contended_at = store.clock.monotonic()
@@ -144,8 +156,8 @@ class PlainRun:
             return outcome
 
     def _named_keys(self) -> list[str] | None:
-        """The keys a result names (``keys``), for a run of several keys."""
-        return list(self.keys) if len(self.keys) > 1 else None
+        """The keys a result names (``keys``), for a run of a task of ``keys=(...)``."""
+        return list(self.keys) if self.several else None
 
     def _try_all(
         self, ended_runs: list[str], waited_ms: int, since: int | None

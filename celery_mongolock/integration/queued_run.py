@@ -63,11 +63,11 @@ _COPY_OF = {
 
 
 def _entry(
-    task: GuardedRun, keys: list[str], policy: Queue, ident: str, *, stamp: int, src: Any
+    task: GuardedRun, keys: list[str], policy: Queue, ident: str, *, stamp: int, src: Any, several: bool
 ) -> dict[str, Any]:
     """The run's parked entry, the same on each of its keys: who it is, its send stamp, its priority and
-    its message; with several keys, the keys and one handoff token for all of them (and, for ``Replace``,
-    its set's signature: only runs of the same set supersede each other, ``documents.sets``)."""
+    its message; for a set of keys (``several``), the keys and one handoff token for all of them (and, for
+    ``Replace``, its set's signature: only runs of the same set supersede each other, ``documents.sets``)."""
     request = task.request
     entry: dict[str, Any] = {
         "id": ident,
@@ -78,7 +78,7 @@ def _entry(
         "src": src,
         "th": policy.then.name,
     }
-    if len(keys) > 1:
+    if several:
         entry.update(ks=keys, tk=_queue.keys_token(ident, keys))
         if isinstance(policy, Replace):
             entry["g"] = set_signature(keys)
@@ -99,12 +99,15 @@ class QueuedRun:
         options: TaskOptions,
         *,
         limits: Mapping[str, int | None] | None = None,
+        one: bool,
     ) -> None:
         policy = options.on_contention
         assert isinstance(policy, Queue), policy
         self.task = task
         self.keys = keys
-        self.several = len(keys) > 1
+        #: A run of a task of ``keys=(...)``: a set of keys whatever their number (its entry carries its
+        #: keys, one handoff token and, for ``Replace``, its set's signature; its results name its keys).
+        self.several = not one
         self.options = options
         self.policy: Queue = policy
         self.request = task.request
@@ -117,7 +120,8 @@ class QueuedRun:
         # answer) is the same run, and must find its own park if that landed.
         run_delivery = str(int(getattr(request, "retries", 0) or 0))
         ident = f"{request.id}/{run_delivery}"
-        self.entry = entry = _entry(task, keys, policy, ident, stamp=self.stamp, src=src)
+        entry = _entry(task, keys, policy, ident, stamp=self.stamp, src=src, several=self.several)
+        self.entry = entry
         info: dict[str, Any] = {
             "task_name": task.name,
             "task_id": request.id,
@@ -153,6 +157,7 @@ class QueuedRun:
             info=info,
             limits=limits or {},
             debounced_copy=self.debounced_copy,
+            several=self.several,
         )
 
     def take(self) -> list[Lease] | Outcome:
@@ -222,6 +227,8 @@ class QueuedRun:
             raise Ignore()
         if outcome is AdmitOutcome.SUPERSEDED:
             self.admits.leave_all()
+            holder = dict(refused.holder)
+            signals.lease_contended.send(sender=task, key=key, holder=holder, policy=self.policy.name)
             return self._superseded(key, refused)
         if outcome is AdmitOutcome.WAITING:  # waiting again on that key: published when ready
             self._parked()

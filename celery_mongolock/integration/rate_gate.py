@@ -120,7 +120,8 @@ def pass_rate(
                 rank=rank,
             )
         except StoreUnavailable as exc:
-            give_back_quietly(store, list(leases))
+            # (A beat tick's run gives its tick back: its contention retry runs the tick.)
+            give_back_quietly(store, list(leases), untick=beat_tick(request)[0])
             if in_process:
                 _leave_quietly(store, ordered, run)
             unavailable(task, ordered[0], exc, options.on_contention, direct)
