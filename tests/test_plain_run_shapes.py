@@ -164,3 +164,46 @@ def test_a_set_of_keys_that_renders_to_one_key_stays_a_set(app: Celery) -> None:
     assert len(parked) == 1, doc
     assert parked[0].get("ks") == [key] and parked[0].get("g"), parked[0]
     holder.release()
+
+
+def test_a_tick_whose_acquire_was_answered_too_late_gives_its_tick_back(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A beat tick's run of one key whose acquire was answered after its lease's whole time fails closed:
+    its key is given back with its tick, so that its retry runs the tick (before: refused as "tick N
+    already ran", and the tick never ran)."""
+    from celery_mongolock.core.lease import Lease
+    from celery_mongolock.integration.guarded import guarded
+    from celery_mongolock.integration.headers import BEAT_HEADER
+
+    def one(self: Any, a: str) -> str:
+        return "ran"
+
+    name = "plain_run_shapes.tick"
+    task = singleton_task(key="{a}", app=app, name=name, bind=True, on_contention=Skip())(one)
+    store: LeaseStore = get_store(app)
+    key = f"tick-{uuid.uuid4().hex[:8]}"
+    tick = 1_800_000_000_000
+    answered = store.try_acquire
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        lease, doc = answered(*args, **kwargs)
+        # Answered after its lease's whole time: from here on this process sees no time left on it.
+        monkeypatch.setattr(Lease, "remaining", property(lambda self: 0.0))
+        return lease, doc
+
+    monkeypatch.setattr(store, "try_acquire", late)
+    task.push_request(
+        id=f"run-{uuid.uuid4().hex}", args=(key,), kwargs={}, hostname="w1", retries=0, is_eager=False,
+        headers={BEAT_HEADER: {"tick": tick, "window": 60, "entry": "e"}}, delivery_info={},
+        called_directly=False,
+    )  # fmt: skip
+    try:
+        with pytest.raises(Retry):  # failed closed: retried later, its body not run
+            guarded(task, [key], {key: None}, task._options(), lambda: "ran", direct=False, one=True)
+    finally:
+        task.pop_request()
+        monkeypatch.undo()
+    doc = store.collection.find_one({"_id": key}) or {}
+    assert doc.get("last_tick") == tick - 1, doc  # its tick given back with the key
+    assert doc.get("owner") is None, doc  # given back

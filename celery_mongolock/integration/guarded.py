@@ -82,15 +82,14 @@ def guarded(
     if not isinstance(fresh, list):
         end_holds(inner)
         return fresh  # the policy's outcome's value (e.g. Skip's result); the body did not run
-    late = [lease for lease in fresh if lease.remaining <= 0]
-    if late:  # (not ``lease.lost``: that would queue a release marking the run over)
-        # Its admission was answered after the lease's whole time had passed (MongoDB paused or slow):
-        # the key may be someone else's by now. Fail closed: give them back, and try again later.
-        # (A store that does not answer: they expire on their own. A beat tick's run gives its tick back:
-        # its retry runs the tick.)
-        give_back_quietly(store, fresh, untick=beat_tick(task.request)[0])
-        end_holds(inner)
-        key = late[0].key
+    untick = _recorded_tick(task, one)
+    if one and fresh[0].remaining <= 0:  # (not ``lease.lost``: that would queue a release marking it over)
+        # Its acquire was answered after the lease's whole time had passed (MongoDB paused or slow): the
+        # key may be someone else's by now. Fail closed: give it back, and try again later. (A store that
+        # does not answer: it expires on its own. A beat tick's run gives its tick back: its retry runs the
+        # tick.) A set of keys was confirmed by one renewal instead (``plain_run``, ``key_set``).
+        give_back_quietly(store, fresh, untick=untick)
+        key = fresh[0].key
         why = StoreUnavailable(f"the acquire of {key!r} was answered after its lease had run out")
         unavailable(task, key, why, options.on_contention, direct)
     taken: Lease = fresh[0] if one else LeaseSet(fresh)
@@ -105,7 +104,16 @@ def guarded(
     for lease in fresh:
         signals.lease_acquired.send(sender=task, key=lease.key, lease=lease)
     # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
-    return _run_holding(task, store, held=held, taken=taken, fresh=fresh, options=options, body=body)
+    return _run_holding(
+        task, store, held=held, taken=taken, fresh=fresh, options=options, body=body, untick=untick
+    )
+
+
+def _recorded_tick(task: GuardedRun, one: bool) -> int | None:
+    """The beat tick this run recorded on its key (a task of one key: ``plain_run``), given back with the
+    key when the run does not run; None for a task of ``keys=(...)``, whose keys record no tick (and whose
+    give-back must not erase the tick another task recorded on one of them)."""
+    return beat_tick(task.request)[0] if one else None
 
 
 def _run_holding(
@@ -117,6 +125,7 @@ def _run_holding(
     fresh: list[Lease],
     options: TaskOptions,
     body: Body,
+    untick: int | None,
 ) -> Any:
     """The body, with ``held`` (the run's lease or leases, its reentered ones included) as the current
     lease: run by the policy's rules (``run_body``, with the leases this run ``taken``), then ``held``
@@ -136,7 +145,7 @@ def _run_holding(
                 lease.body_ended = True
         _current.reset(token)
         if cut_short is not None:
-            _give_back_cut_short(task, store, fresh, cut_short)
+            _give_back_cut_short(task, store, fresh, cut_short, untick)
         try:
             held.release()
         except StoreUnavailable as exc:
@@ -145,7 +154,9 @@ def _run_holding(
             signals.lease_released.send(sender=task, key=lease.key, lease=lease)
 
 
-def _give_back_cut_short(task: GuardedRun, store: LeaseStore, fresh: list[Lease], exc: BaseException) -> None:
+def _give_back_cut_short(
+    task: GuardedRun, store: LeaseStore, fresh: list[Lease], exc: BaseException, untick: int | None
+) -> None:
     """A body cut short by its process going away (a pool child's ``SystemExit`` at a warm or cold
     shutdown's SIGTERM or SIGQUIT, or a ``KeyboardInterrupt``) did not end: its keys are given back, not
     released as a run that ended, so that its message, delivered again (``acks_late``), runs it again
@@ -161,7 +172,7 @@ def _give_back_cut_short(task: GuardedRun, store: LeaseStore, fresh: list[Lease]
         [lease.key for lease in fresh],
     )
     # A beat tick's run gives its tick back too: its copy runs the tick (once: the copy takes it again).
-    give_back_quietly(store, fresh, untick=beat_tick(task.request)[0])
+    give_back_quietly(store, fresh, untick=untick)
 
 
 def _take_the_rest(
@@ -186,7 +197,8 @@ def _take_the_rest(
         again = take_keys(task, rest, waiting_for_keys(options), direct=direct, limits=some, one=one)
         return again if isinstance(again, Outcome) else (again, again)
 
-    passed = pass_rate(task, rest, taken, taken, options, direct=direct, retake=retake)
+    untick = _recorded_tick(task, one)
+    passed = pass_rate(task, rest, taken, taken, options, direct=direct, retake=retake, untick=untick)
     return passed.value if isinstance(passed, Outcome) else passed
 
 

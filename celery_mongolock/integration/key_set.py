@@ -1,7 +1,8 @@
 """A queued run's admits over its key set (``Queue``, ``Replace``): one admit (one ``findAndModify``) a
-key, in sorted order, and what a set of several keys needs on top: the keys it got while it waits for
-others turned into reservations for it, a confirming renewal before its body starts, and leaving every key
-when it does not wait. For a set of one key those steps are empty: one admit is the whole attempt.
+key, in sorted order, and what a set of keys (a task of ``keys=(...)``) needs on top: the keys it got
+while it waits for others turned into reservations for it, a confirming renewal before its body starts,
+and leaving every key when it does not wait. For a task of one ``key=`` those steps are empty: one admit
+is the whole attempt.
 
 ``KeySetAdmits`` knows the store and the run's entry, not Celery's outcomes: ``queued_run.QueuedRun``
 decides what each answer means for the task.
@@ -54,8 +55,8 @@ class KeySetAdmits:
         self.info = info
         self.limits = limits
         self.debounced_copy = debounced_copy
-        #: A run of a task of ``keys=(...)`` (reservations and leaving every key apply, whatever the number
-        #: of its keys; a confirming renewal, when it took more than one).
+        #: A run of a task of ``keys=(...)``: reservations, a confirming renewal and leaving every key apply,
+        #: whatever the number of its keys.
         self.several = several
         #: The last admit's answer on each key.
         self.answers: dict[str, Admission] = {}
@@ -118,9 +119,9 @@ class KeySetAdmits:
     def confirmed(self, leases: list[Lease]) -> bool:
         """All still ours on the server: for several keys, one renewal (an admit slower than a lease must
         not let the run start with a key another worker took meanwhile); else all given back (also when
-        MongoDB does not answer: the run retries later, and its keys must not stay held by no body). One
-        key was taken by one command: nothing to confirm."""
-        if len(leases) < 2:
+        MongoDB does not answer: the run retries later, and its keys must not stay held by no body). A
+        task of one key took it by one command: nothing to confirm."""
+        if not self.several:
             return True
         store = self.store
         try:
@@ -180,8 +181,8 @@ class KeySetAdmits:
         """One attempt over every key: ``(leases, None)`` when all were taken; ``([], None)`` when the
         run is parked (or, with several keys, reserved) on each; otherwise the keys taken are given back,
         this attempt's parks removed, and ``([], (key, admission))`` says which key did not let it wait,
-        and why. (For a set of one key, ``WAITING`` is a copy of a run parked or handed the key: it does
-        not wait; for several, it is this run's own place or reservation on that key.)"""
+        and why. (For a task of one key, ``WAITING`` is a copy of a run parked or handed the key: it does
+        not wait; for a set of keys, it is this run's own place or reservation on that key.)"""
         store = self.store
         waits = (AdmitOutcome.PARKED, AdmitOutcome.WAITING) if self.several else (AdmitOutcome.PARKED,)
         taken: list[Lease] = []

@@ -2,13 +2,14 @@
 several (``keys=``, with a limit per key).
 
 A run of ``Retry``, ``Skip``, ``Wait`` or ``Fail``, and any run a worker does not park (a direct call, an
-eager run, a beat tick of a ``Queue`` task), takes every key of its set in sorted order within one attempt,
-or none: the keys taken are given back at once when one is held, so a run never holds some keys while it
-waits for others, and two runs that need overlapping keys cannot deadlock. Then the policy decides what
-the run does, whatever the shape of its key set (``Policy.on_contended``).
+eager run, a beat tick of a ``Queue`` task of one key), takes every key of its set in sorted order within
+one attempt, or none: the keys taken are given back at once when one is held, so a run never holds some
+keys while it waits for others, and two runs that need overlapping keys cannot deadlock. Then the policy
+decides what the run does, whatever the shape of its key set (``Policy.on_contended``).
 
-A set of one key is the same algorithm, one ``findAndModify`` an attempt; only a set of several is
-confirmed by one renewal before its body starts (its first key may have expired while the last was taken).
+A task of one key is the same algorithm, one ``findAndModify`` an attempt; only a set of keys (a task of
+``keys=(...)``) is confirmed by one renewal before its body starts (its first key may have expired while
+the last was taken).
 """
 
 from __future__ import annotations
@@ -209,9 +210,9 @@ class PlainRun:
     def _confirmed(self, taken: list[Lease]) -> bool:
         """A set of several keys is confirmed by one renewal before the body starts: an attempt slower
         than a lease must not let it run with a key that expired and was taken meanwhile (else they are
-        all given back, and the run tries again). One key was taken in one command: nothing to confirm
-        (the guarded body checks its lease's time left)."""
-        if len(taken) < 2:
+        all given back, and the run tries again). A task of one key took it in one command: nothing to
+        confirm (the guarded body checks its lease's time left)."""
+        if not self.several:
             return True
         store = self.store
         try:

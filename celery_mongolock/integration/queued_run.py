@@ -40,6 +40,7 @@ from celery_mongolock.integration.key_set import KeySetAdmits
 from celery_mongolock.integration.rate_gate import leave_rate
 from celery_mongolock.integration.runs import (
     GuardedRun,
+    give_back_quietly,
     has_final_state,
     ignored_as,
     log_acquire,
@@ -205,12 +206,18 @@ class QueuedRun:
         raise StoreUnavailable(f"the keys {self.keys} kept expiring while they were taken")
 
     def _started(self, leases: list[Lease]) -> list[Lease]:
+        """Its keys taken or claimed: state ``STARTED`` (and the results of the runs it superseded); else,
+        when that fails (MongoDB or the result backend), its keys given back unrun."""
         task, keys = self.task, self.keys
-        if self.several:
-            self.admits.write_superseded()  # (a slot taken back from an older run of its set)
-            set_state(task, celery_states.STARTED, {"keys": keys})
-        else:
-            set_state(task, celery_states.STARTED, {"key": keys[0], "fence": leases[0].fence})
+        try:
+            if self.several:
+                self.admits.write_superseded()  # (a slot taken back from an older run of its set)
+                set_state(task, celery_states.STARTED, {"keys": keys})
+            else:
+                set_state(task, celery_states.STARTED, {"key": keys[0], "fence": leases[0].fence})
+        except BaseException:
+            give_back_quietly(self.store, leases)
+            raise
         return leases
 
     def _claim_refused(self, key: str, refused: Admission) -> Outcome | None:

@@ -32,7 +32,6 @@ from celery_mongolock.core.store_rate import RateTake, rate_windows
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration import priority, results, signals
-from celery_mongolock.integration.beatcheck import beat_tick
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.runs import (
     CONTENDED_SINCE_HEADER,
@@ -91,6 +90,7 @@ def pass_rate(
     *,
     direct: bool,
     retake: Callable[[], tuple[T, list[Lease]] | Outcome],
+    untick: int | None = None,
 ) -> T | Outcome:
     """What the run starts its body with (``taken``, or what a direct call took again) once a start is
     recorded in every key's window; an outcome (``then=Skip()``) when it is dropped; raises ``Ignore`` when
@@ -121,7 +121,7 @@ def pass_rate(
             )
         except StoreUnavailable as exc:
             # (A beat tick's run gives its tick back: its contention retry runs the tick.)
-            give_back_quietly(store, list(leases), untick=beat_tick(request)[0])
+            give_back_quietly(store, list(leases), untick=untick)
             if in_process:
                 _leave_quietly(store, ordered, run)
             unavailable(task, ordered[0], exc, options.on_contention, direct)
@@ -134,7 +134,7 @@ def pass_rate(
             log.info("%s[%s]: %s; skipped", task.name, request.id, _over(rate, took))
             return Outcome(rate_skipped_result(key, rate, took))
         # A beat tick's run that waits for its turn gives its tick back too: at its turn it takes it again.
-        give_back_quietly(store, list(leases), untick=beat_tick(request)[0])
+        give_back_quietly(store, list(leases), untick=untick)
         if not in_process:
             _park(task, key, rate, took, stamp)
         # A direct call waits for its turn in this thread without its key(s), then takes them again.
