@@ -68,9 +68,33 @@ def test_when_another_writer_holds_the_other_key_the_first_key_s_writer_ends_it(
     keys: list[str] = []
     results.write_timed_out(worker_app, store, mine, [entry], publish=_publish(calls, keys))
     assert calls == (["t-run"] if ends_here else [])
-    assert _dead_ids(store, mine) == []  # forgotten here either way
+    # Forgotten here when ended here; else kept until the other writer's ending is known here.
+    assert _dead_ids(store, mine) == ([] if ends_here else ["t-run"])
     assert _dead_ids(store, theirs) == ["t-run"]  # the other writer's to forget
     assert store.claim_one(theirs, "dead", "t-run") == "held"
+
+
+def test_a_run_whose_first_key_s_writer_died_before_ending_it_is_ended_from_either_key(
+    worker_app: celery.Celery,
+) -> None:
+    """The writer of the first key claimed the run there and died before its ending (its node crashed).
+    The second key's writer, which left the run to it, kept its entry: once the claim lapses, a later pass
+    ends the run once (before: the second key's writer had forgotten it, the later pass on the first key
+    took it for ended there, and its result was never written: it stayed ``QUEUED``; lock-set checker,
+    Redis seed 60)."""
+    store, entry, calls = _setup(worker_app)
+    assert store.claim_one(A, "dead", "t-run") == "got"  # the first key's writer, then it dies
+    keys: list[str] = []
+    results.write_timed_out(worker_app, store, B, [entry], publish=_publish(calls, keys))
+    assert calls == []  # left to the first key's writer
+    lapsed = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
+    for key in (A, B):  # both claims lapse (30 s on the server's clock)
+        store.collection.update_one({"_id": key}, {"$set": {"dead.0.cl.at": lapsed}})
+    results.write_timed_out(worker_app, store, A, [entry], publish=_publish(calls, keys))
+    results.write_timed_out(worker_app, store, B, [entry], publish=_publish(calls, keys))
+    assert calls == ["t-run"] and keys == [A]
+    assert _dead_ids(store, A) == _dead_ids(store, B) == []
+    assert worker_app.AsyncResult("t-run").state == "SUCCESS"
 
 
 def test_a_run_another_writer_ended_and_forgot_is_not_ended_again(worker_app: celery.Celery) -> None:

@@ -328,14 +328,18 @@ def write_timed_out(
 
 def _ends_here(store: LeaseStore, key: str, entry: Mapping[str, Any]) -> bool | None:
     """Whether the run of several keys ``entry``, timed out on ``key`` and claimed there, is ended from
-    here; None when MongoDB did not answer (the claim lapses and a later pass looks again).
+    here (True), was ended from another of its keys (False: forget it here), or is left for now (None: the
+    claim lapses and a later pass looks again), when MongoDB did not answer or another writer ends it.
 
     It never runs now: first its places and reservations on its other keys go (as a revoked run's do), so
     those keys go to the next run at once instead of idling until the reservation lapses. It is parked
     with one deadline on each key it did not get, so it may have timed out on another key too: exactly one
     writer ends it. Its entry in each other key's ``dead`` is claimed as well: got, it is forgotten there
-    (ended from here); held by the writer of that key, the writer of the first of the two keys ends it;
-    gone and remembered there as over, that key's writer ended it already."""
+    (ended from here); held by the writer of that key, the writer of the first of the two keys ends it,
+    and the other keeps its entry (if that writer dies before its ending, its claim lapses and a later
+    pass ends the run from either key; had the entry been forgotten here, the run would then be taken for
+    ended on this key, and never ended: the lock-set checker's seed 60); gone and remembered there as over,
+    that key's writer ended it already."""
     task_id = str(entry["t"])
     others = sorted({str(k) for k in entry.get("ks") or []} - {key})
     try:
@@ -345,8 +349,10 @@ def _ends_here(store: LeaseStore, key: str, entry: Mapping[str, Any]) -> bool | 
             claim = store.claim_one(other, "dead", task_id, run_id=str(entry.get("id")))
             if claim == "got":
                 store.forget_results(other, "dead", [task_id])
-            elif claim == "ended" or (claim == "held" and other < key):
+            elif claim == "ended":
                 return False  # (ended there already: its writer forgot it after ending it)
+            elif claim == "held" and other < key:
+                return None  # (its writer ends it; kept here until that is known: ``ended``)
     except StoreUnavailable as exc:
         log.warning("could not end %s on %r's other keys %s now (later): %s", task_id, key, others, exc)
         return None
