@@ -12,6 +12,7 @@ import celery
 import pluggy
 import pytest
 from celery.result import AsyncResult
+from celery.signals import before_task_publish
 from pymongo import MongoClient, monitoring
 from pymongo.errors import OperationFailure
 
@@ -182,6 +183,19 @@ def make_store(mongo_url: str, db_name: str) -> Iterator[Any]:
     yield factory
     for s in made:
         s.close()
+
+
+@pytest.fixture
+def published() -> Iterator[list[dict[str, Any]]]:
+    """The headers of every task message published during the test."""
+    seen: list[dict[str, Any]] = []
+
+    def record(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        seen.append(dict(headers or {}))
+
+    before_task_publish.connect(record, weak=False)
+    yield seen
+    before_task_publish.disconnect(record)
 
 
 @pytest.fixture

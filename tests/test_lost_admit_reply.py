@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.exceptions import Ignore
-from celery.signals import before_task_publish
 from pymongo.errors import AutoReconnect
 
 from celery_mongolock import LeaseStore, Queue, Replace, Superseded, singleton_task
@@ -51,19 +50,6 @@ def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
     app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name, mongolock_lease_seconds=5.0)
     yield app
     get_store(app).close()
-
-
-@pytest.fixture
-def published() -> Iterator[list[dict[str, Any]]]:
-    """The headers of every task message published during the test."""
-    seen: list[dict[str, Any]] = []
-
-    def record(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        seen.append(dict(headers or {}))
-
-    before_task_publish.connect(record, weak=False)
-    yield seen
-    before_task_publish.disconnect(record)
 
 
 def _lose_a_reply(monkeypatch: pytest.MonkeyPatch, key: str, meanwhile: Callable[[Any], None]) -> list[str]:

@@ -7,13 +7,11 @@ message, and with it the first delivery's, which shares the broker message)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish
 
 from celery_mongolock import LeaseStore, Replace, Skip, StoreUnavailable, singleton_task
 from celery_mongolock.config import get_store
@@ -22,24 +20,8 @@ from celery_mongolock.integration.duplicates import DUPLICATE_HEADER
 
 
 @pytest.fixture
-def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
-    app = Celery("plain_run_shapes", broker="memory://", backend="cache+memory://")
-    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name, mongolock_lease_seconds=30.0)
-    yield app
-    get_store(app).close()
-
-
-@pytest.fixture
-def published() -> Iterator[list[dict[str, Any]]]:
-    """The headers of every task message published during the test."""
-    seen: list[dict[str, Any]] = []
-
-    def record(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        seen.append(dict(headers or {}))
-
-    before_task_publish.connect(record, weak=False)
-    yield seen
-    before_task_publish.disconnect(record)
+def app(worker_app: Celery) -> Celery:
+    return worker_app
 
 
 @pytest.mark.parametrize("several", [False, True], ids=["one-key", "keys"])
