@@ -351,3 +351,39 @@ def test_a_run_that_stopped_for_a_newer_send_ends_superseded_when_its_result_was
     ended = _second_look(task, run, marked, args)
     expected = {"mongolock": "superseded", "key": keys[0], "by": "the-newer-send"}
     assert ended == ({**expected, "keys": keys} if several else expected)
+
+
+def test_a_second_look_is_dropped_while_a_later_attempt_of_the_task_is_parked(
+    app: Celery, published: list[dict[str, Any]]
+) -> None:
+    """Attempt 1 ran, released its key and retried (``RETRY``); a second handoff message of it found it
+    over with no result and published its second look. Attempt 2 then parked on the key, writing ``QUEUED``
+    over the ``RETRY``. The second look must leave the task to attempt 2 (before: it ended the task
+    ``already-ran``, and attempt 2 was then dropped as settled: its work lost; the lock-set checker)."""
+    upload = _upload(app)
+    store: LeaseStore = get_store(app)
+    holder = store.acquire(KEY, ttl=30)
+    assert holder is not None
+    run = f"run-{uuid.uuid4().hex}"
+    upload.push_request(
+        id=run, args=(KEY,), kwargs={}, headers={"mongolock_sent": 100}, delivery_info={}, hostname="w1",
+        retries=2, is_eager=False, called_directly=False,
+    )  # fmt: skip
+    try:
+        with pytest.raises(Ignore):  # attempt 2 parks (state QUEUED)
+            admit_one(upload, KEY)
+    finally:
+        upload.pop_request()
+    assert app.backend.get_task_meta(run, cache=False)["status"] == "QUEUED"
+    look = {"k": KEY, "r": 1}
+    upload.push_request(
+        id=run, args=(KEY,), kwargs={}, headers={LOOKED_AGAIN_HEADER: look}, delivery_info={}, hostname="w1",
+        retries=1, is_eager=False, called_directly=False,
+    )  # fmt: skip
+    try:
+        with pytest.raises(Ignore):  # dropped: attempt 2 carries the task on
+            upload(KEY)
+    finally:
+        upload.pop_request()
+    assert app.backend.get_task_meta(run, cache=False)["status"] == "QUEUED"
+    holder.release()
