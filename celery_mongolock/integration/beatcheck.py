@@ -22,6 +22,7 @@ __all__ = [
     "check_beat_scheduler",
     "is_our_scheduler",
     "names_our_scheduler",
+    "recorded_tick",
     "warn_if_sent_by_another_beat",
 ]
 
@@ -51,6 +52,14 @@ def beat_tick(request: Any) -> tuple[int | None, int | None]:
         return None, None
     guard_ms = min(1000, window_ms // 10)  # free the key a little before the next tick is due
     return tick, tick + max(0, window_ms - guard_ms)
+
+
+def recorded_tick(request: Any, one: bool) -> tuple[int | None, int | None]:
+    """The beat tick a run records on its key, and the end of its window: a tick of a task of one key
+    (``beat_tick``); ``(None, None)`` for a task of ``keys=(...)``, whose keys record no tick (two
+    schedule entries whose key sets overlap would refuse each other's ticks; such a task relies on our
+    beat's claim of each tick, ``ops.beat``)."""
+    return beat_tick(request) if one else (None, None)
 
 
 def is_our_scheduler(scheduler: Any) -> bool:

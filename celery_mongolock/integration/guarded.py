@@ -24,7 +24,7 @@ from celery_mongolock.core.store import Lease, LeaseStore
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import signals
 from celery_mongolock.integration.admit import take_keys
-from celery_mongolock.integration.beatcheck import beat_tick
+from celery_mongolock.integration.beatcheck import recorded_tick
 from celery_mongolock.integration.config import TaskOptions, get_store
 from celery_mongolock.integration.duplicates import stale_line
 from celery_mongolock.integration.rate_gate import pass_rate
@@ -110,10 +110,10 @@ def guarded(
 
 
 def _recorded_tick(task: GuardedRun, one: bool) -> int | None:
-    """The beat tick this run recorded on its key (a task of one key: ``plain_run``), given back with the
-    key when the run does not run; None for a task of ``keys=(...)``, whose keys record no tick (and whose
-    give-back must not erase the tick another task recorded on one of them)."""
-    return beat_tick(task.request)[0] if one else None
+    """The beat tick this run recorded on its key, given back with the key when the run does not run
+    (``recorded_tick``: none for a task of ``keys=(...)``, whose give-back must not erase the tick another
+    task recorded on one of its keys)."""
+    return recorded_tick(task.request, one)[0]
 
 
 def _run_holding(

@@ -24,7 +24,7 @@ from celery_mongolock.admission.policies import TRY_AGAIN
 from celery_mongolock.core.outcomes import Contended
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import signals
-from celery_mongolock.integration.beatcheck import beat_tick, warn_if_sent_by_another_beat
+from celery_mongolock.integration.beatcheck import beat_tick, recorded_tick, warn_if_sent_by_another_beat
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.duplicates import (
     copy_of_an_ended_run,
@@ -85,6 +85,8 @@ class PlainRun:
         self.keys = keys
         #: A run of a task of ``keys=(...)`` (its results name its keys, whatever their number).
         self.several = not one
+        #: The keys a result names (``keys``), for a run of a task of ``keys=(...)``.
+        self.named_keys: list[str] | None = list(keys) if self.several else None
         self.options = options
         #: Each key's limit (None: a single lease); ``options.limit`` for a key not in it.
         self.limits: Mapping[str, int | None] = limits or {}
@@ -104,9 +106,7 @@ class PlainRun:
             self.info["keys"] = keys
         # A beat tick of a task of one key runs once, however many beats sent it: the key remembers the
         # last tick that took it, and is held at least to the end of the tick's window (a single lease).
-        # A task of ``keys=(...)`` relies on our beat's claim of each tick (``ops.beat``): its keys do not
-        # record ticks, since two entries whose key sets overlap would refuse each other's ticks.
-        self.tick, self.hold_until_ms = beat_tick(request) if one else (None, None)
+        self.tick, self.hold_until_ms = recorded_tick(request, one)
         if self.tick is not None:
             self.info["beat_tick"] = self.tick
 
@@ -118,7 +118,7 @@ class PlainRun:
         except StoreUnavailable as exc:
             unavailable(task, keys[0], exc, self.policy, self.direct)
         if done:
-            return copy_of_an_ended_run(task, store, keys[0], self.options, self._named_keys())
+            return copy_of_an_ended_run(task, store, keys[0], self.options, self.named_keys)
         # The duplicate guard, in each key's acquire (``guard_run_ids``): a copy of a run (redelivered,
         # parked), or a contention retry of an attempt that may have run in another line of retries, is
         # refused a key that remembers that attempt as over (``seen``), in the same command: the first
@@ -146,7 +146,7 @@ class PlainRun:
             except StoreUnavailable as exc:  # (the read of a copy's run: never fail the task for it)
                 unavailable(task, key, exc, self.policy, self.direct)
             if ran:
-                return copy_of_an_ended_run(task, store, key, self.options, self._named_keys())
+                return copy_of_an_ended_run(task, store, key, self.options, self.named_keys)
             if contended_at is None:
                 contended_at = store.clock.monotonic()
             run.key = key  # the key it waits for now
@@ -155,10 +155,6 @@ class PlainRun:
                 continue
             assert isinstance(outcome, Outcome), f"{self.policy!r}.on_contended returned {outcome!r}"
             return outcome
-
-    def _named_keys(self) -> list[str] | None:
-        """The keys a result names (``keys``), for a run of a task of ``keys=(...)``."""
-        return list(self.keys) if self.several else None
 
     def _try_all(
         self, ended_runs: list[str], waited_ms: int, since: int | None
