@@ -409,6 +409,21 @@ def merge_queued(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str
 
 
 @singleton_task(
+    keys=("kind:{src}", "kind:{dst}"),
+    limit={"kind:{src}": 3},
+    app=app,
+    name="integration_app.merge_kinds",
+    on_contention=Queue(),
+)
+def merge_kinds(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    """``merge_queued`` whose source key has 3 slots and whose destination key is a single lease: one
+    rendered key is slots in one run and a single lease in another (``merge_kinds(a, b)`` and
+    ``merge_kinds(b, a)``, or ``merge_kinds(a, a)``, whose two specs hold ``kind:a`` once, as a single
+    lease)."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
     keys=("resource:{src}", "resource:{dst}"),
     app=app,
     name="integration_app.merge_latest",

@@ -62,6 +62,9 @@ class AdmitOutcome(str, enum.Enum):
     SUPERSEDED = "superseded"
     #: The queue is at its ``max_length``: the policy's ``then`` decides.
     FULL = "full"
+    #: The key is in use as the other kind of key (``limit=N`` slots for a run that takes it as a single
+    #: lease, or the reverse): the run is not parked there, and comes back later (a contention retry).
+    MIXED = "mixed"
 
     @classmethod
     def of(cls, value: Any) -> AdmitOutcome:

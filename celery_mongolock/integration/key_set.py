@@ -26,7 +26,13 @@ if TYPE_CHECKING:
 __all__ = ["KeySetAdmits"]
 
 #: Outcomes on a key after which a run of several keys leaves the queues its attempt joined.
-_LEAVES = (AdmitOutcome.FULL, AdmitOutcome.ALREADY_RAN, AdmitOutcome.RETRIED, AdmitOutcome.SUPERSEDED)
+_LEAVES = (
+    AdmitOutcome.FULL,
+    AdmitOutcome.ALREADY_RAN,
+    AdmitOutcome.RETRIED,
+    AdmitOutcome.SUPERSEDED,
+    AdmitOutcome.MIXED,
+)
 
 
 class KeySetAdmits:

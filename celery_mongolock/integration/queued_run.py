@@ -21,7 +21,7 @@ from celery import states as celery_states
 from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import ContendedRun, Outcome
-from celery_mongolock.admission.policies import Fail, Queue, Replace
+from celery_mongolock.admission.policies import Fail, Queue, Replace, Retry
 from celery_mongolock.core.documents.sets import set_signature
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import LockContended, QueueTimeout, StoreUnavailable, Superseded
@@ -290,6 +290,8 @@ class QueuedRun:
                 ignored_as(request.id, f"is a copy of a run that ended, superseded on {key!r}: dropped")
                 raise Ignore()
             return self._superseded(key, admission)
+        if outcome is AdmitOutcome.MIXED:
+            self._other_kind(key, admission)
         assert outcome is AdmitOutcome.FULL, outcome
         reason = results.full_reason(
             key, admission.queued, self.policy.max_length, self.entry, in_document=len(admission.parked)
@@ -298,6 +300,27 @@ class QueuedRun:
             raise QueueTimeout(key, reason)
         contended = ContendedRun(task, self.store, key, direct=False)
         return contended.held_by(holder, admission.expires_at).skip(reason)
+
+    def _other_kind(self, key: str, admission: Admission) -> NoReturn:
+        """``key`` is in use as the other kind of key: ``limit=N`` slots while this run takes it as a single
+        lease, or the reverse (another task, or this task's other key spec that renders the same key). The
+        run does not park behind them (it would be handed what it cannot claim): it comes back later, a
+        contention retry with ``Retry()``'s backoff and its send stamp kept, until the key is free of them."""
+        task = self.task
+        limit = self.admits.limits.get(key, self.options.limit)
+        mine = f"with limit={limit}" if limit and limit > 1 else "as a single lease"
+        other = "as a single lease" if limit and limit > 1 else "with a limit (slots)"
+        exc = LockContended(key, dict(admission.holder), admission.expires_at)
+        log_acquire.info(
+            "%s[%s]: %r is in use %s, and this run takes it %s: it does not park there, and comes back "
+            "when the key is free of them (a contention retry)",
+            task.name,
+            task.request.id,
+            key,
+            other,
+            mine,
+        )
+        ContendedRun(task, self.store, key, direct=False).retry(Retry(), exc)
 
     def _superseded(self, key: str, admission: Admission) -> Outcome:
         """A newer send (of this run's set of keys) is known on ``key``: the run ends ``SUCCESS`` with a

@@ -126,6 +126,9 @@ class Shape:
     #: the run may take the key now (nobody older waits); and it may park and be handed the key at once
     free: Document
     room: Document
+    #: the key is in use as the other kind of key (a single lease for a ``limit=N`` run, slots for a
+    #: run of a single lease): the run does not park here (``mixed``)
+    other_kind: Document
 
 
 def copy_cases(run: AdmitRun, shape: Shape) -> list[Document]:
@@ -188,6 +191,9 @@ def judge(run: AdmitRun, shape: Shape) -> Document:
         branches.append({"case": {"$literal": True}, "then": "stale"})
     if run.replace and not run.by_set:
         branches += newer_send_cases(run, shape)
+    # (before taking or parking: a run parked behind the other kind of key would be handed what it cannot
+    # claim; it comes back later instead, as the contended runs of other policies do)
+    branches.append({"case": shape.other_kind, "then": "mixed"})
     if not run.debounce_ms:
         branches.append({"case": shape.free, "then": "acquired"})
     if run.window:

@@ -91,6 +91,7 @@ from celery_mongolock.core.documents.key_state import (
     NO_SLOT_HELD,
     SEEN_KEEP_MS,
     SINGLE_HELD,
+    SLOTS_IN_USE,
     VACANT,
     WAITS,
     gc_stage,
@@ -164,6 +165,7 @@ ADMIT_OUTCOMES = (
     "parked",  # parked (and, when the key was found free with older runs parked, handed to the oldest)
     "spilled",  # a number in its rank's lane (``ls``): its worker stores it in the spill collection
     "full",  # the queue is at max_length: the policy's ``then``
+    "mixed",  # the key is in use as the other kind (slots for a single lease, or the reverse): not parked
     "superseded",  # Replace: a newer send exists; this run ends superseded
 )
 
@@ -355,6 +357,7 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
         handed={"$cond": [_HAS_HO, ["$ho"], []]},
         free=free,
         room=_VACANT,
+        other_kind=SLOTS_IN_USE,
     )
 
 

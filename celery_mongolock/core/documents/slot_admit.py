@@ -22,7 +22,7 @@ from celery_mongolock.core.documents.admit_stages import (
 )
 from celery_mongolock.core.documents.entries import entry_due, field_of, none_ahead, park_exprs
 from celery_mongolock.core.documents.handoff import admit_marker
-from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
+from celery_mongolock.core.documents.key_state import SINGLE_HELD, SINGLE_IN_USE, gc_stage
 from celery_mongolock.core.documents.slot_queue import (
     SET_RUNS,
     fence_base,
@@ -168,6 +168,7 @@ def _n_slots(run: AdmitRun, token: str, limit: int) -> Shape:
         handed=slot_sets.HANDED_ENTRIES,
         free=free,
         room=room,
+        other_kind=SINGLE_IN_USE,
     )
 
 

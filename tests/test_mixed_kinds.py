@@ -1,0 +1,68 @@
+"""A key used as ``limit=N`` slots by one run and as a single lease by another, with real ``celery
+worker`` processes (prefork) on each broker, under ``Queue``: each waits for the key to be free of the
+other kind, and both run.
+
+Found by a new user's trial (stop 55): ``keys=("ql:{src}", "ql:{dst}"), limit={"ql:{src}": 3}`` with
+``merge(a, a)`` then ``merge(a, b)`` (or ``merge(a, b)`` then ``merge(b, a)``). The second run parked behind
+the other kind of hold; the release handed it what it could not claim (a slot for a run of a single lease,
+a single lease for a run of slots); its claim failed, its next admit handed it the same again, and its
+message went round about 27 times a second for good (900 deliveries in 30 s), its state ``QUEUED``, one
+worker slot busy. Now the admit answers ``mixed`` and parks nothing: the run comes back later (a contention
+retry), until the key is free of the other kind."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from . import integration_app as it
+from .servers import RedisServer
+from .test_integration import Cluster, running_cluster
+from .test_replace_keys import settled, tag
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """Two worker nodes on each broker in turn (Redis, then RabbitMQ), results in Redis."""
+    with running_cluster("mk", broker_url, redis_server.url, mongo_url, tmp_path_factory, concurrency=2) as c:
+        yield c
+
+
+def holds_of(cluster: Cluster, tags: list[str]) -> dict[str, list[tuple[float, float, str]]]:
+    """Each key's holds, ``(start, end, tag)``, from the bodies' own records."""
+    holds: dict[str, list[tuple[float, float, str]]] = {}
+    for t in tags:
+        starts, ends = cluster.runs(t, "start"), cluster.runs(t, "end")
+        assert len(starts) == 1 and len(ends) == 1, (t, starts, ends)  # each body ran once
+        for key in starts[0]["keys"]:
+            holds.setdefault(str(key), []).append((starts[0]["mono"], ends[0]["mono"], t))
+    return holds
+
+
+@pytest.mark.parametrize("calls", [["ab", "ba"], ["aa", "ab"], ["ab", "aa", "ba"]], ids="-".join)
+def test_runs_that_take_one_key_as_slots_and_as_a_single_lease_all_run(
+    cluster: Cluster, calls: list[str]
+) -> None:
+    names = {"a": tag(), "b": tag()}
+    tags = [tag() for _ in calls]
+    sent = [
+        it.merge_kinds.apply_async((names[c[0]], names[c[1]], t), {"seconds": 1.0})
+        for c, t in zip(calls, tags, strict=True)
+    ]
+    for result in sent:  # (before the fix, the run after the first was QUEUED for good)
+        assert result.get(timeout=90) == sorted(
+            {f"kind:{names[c]}" for c in "ab" if c in calls[sent.index(result)]}
+        )
+    # A run that held a key as a single lease overlapped nobody on it.
+    single = {t: {f"kind:{names[c[1]]}"} for c, t in zip(calls, tags, strict=True)}
+    for key, spans in holds_of(cluster, tags).items():
+        for (_, e1, t1), (s2, _, t2) in itertools.combinations(sorted(spans), 2):
+            if key in single[t1] or key in single[t2]:
+                assert e1 <= s2, f"{t1} and {t2} held {key} at once, one of them as a single lease"
+    settled(cluster, [f"kind:{n}" for n in names.values()])
