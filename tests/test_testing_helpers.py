@@ -27,3 +27,18 @@ def test_readme_recipe(mongo_url: str, db_name: str) -> None:
     finally:
         app._mongolock_store.client.drop_database(db_name)
         configure(app, mongo_url)
+
+
+def test_configure_undoes_what_an_earlier_configure_set(mongo_url: str, db_name: str) -> None:
+    """Each test starts from the app's own configuration (a new user's trial, stop 55: a policy one test
+    gave ``configure`` stayed in force in the next test, which gave none)."""
+    app = Celery("cfg", set_as_current=False)
+    app.conf.mongolock_lease_seconds = 7
+    app.conf.mongolock_task_policies = {"own.task": {"on_contention": "skip"}}
+    configure(app, mongo_url, database=db_name, mongolock_task_policies={"t": {"on_contention": "fail"}})
+    assert app.conf.mongolock_task_policies == {"t": {"on_contention": "fail"}}
+    configure(app, mongo_url, database=db_name, mongolock_history_days=3)
+    assert app.conf.mongolock_task_policies == {"own.task": {"on_contention": "skip"}}  # the app's own
+    assert app.conf.mongolock_history_days == 3 and app.conf.mongolock_lease_seconds == 7
+    configure(app, mongo_url, database=db_name)
+    assert app.conf.get("mongolock_history_days") is None  # set by a configure only: gone

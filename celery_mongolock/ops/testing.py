@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+#: A setting the app did not have before ``configure`` set it.
+_UNSET = object()
 
 
 def wait_for(
@@ -94,8 +96,19 @@ def _check_wait_seconds(name: str, value: object, *, zero: bool) -> None:
 
 
 def configure(app: Any, mongo_url: str, database: str = "celery_mongolock_test", **settings: Any) -> None:
-    """Point ``app``'s singleton tasks at ``mongo_url`` (forgetting any store made before)."""
-    app.conf.update(mongolock_url=mongo_url, mongolock_database=database, **settings)
+    """Point ``app``'s singleton tasks at ``mongo_url`` (forgetting any store made before). What an
+    earlier ``configure`` of ``app`` set is undone first: each test starts from the app's own
+    configuration, not from the previous test's (a setting it does not give again is the app's own)."""
+    given = {"mongolock_url": mongo_url, "mongolock_database": database, **settings}
+    own: dict[str, Any] = app.__dict__.setdefault("_mongolock_own_conf", {})
+    for name, value in own.items():  # the app's own values, from before the first configure
+        if value is _UNSET:
+            app.conf.pop(name, None)
+        else:
+            app.conf[name] = value
+    for name in given:
+        own.setdefault(name, app.conf.get(name, _UNSET))
+    app.conf.update(given)
     for attr in ("_mongolock_settings", "_mongolock_store"):
         store = app.__dict__.pop(attr, None)
         if attr == "_mongolock_store" and store is not None:
