@@ -372,6 +372,11 @@ class DocumentLock:
         poll_interval: float = 0.05,
         max_poll_interval: float = 1.0,
     ) -> None:
+        if not all(hasattr(store, name) for name in ("database_name", "connection", "heartbeat", "forget")):
+            raise ConfigurationError(
+                f"DocumentLock(store=...) must be the LeaseStore whose leases guard the document, got "
+                f"{type(store).__name__}"
+            )
         self.store = store
         self.target = locked_document(store, collection, document_or_id, field)
         self.key = self.target.key(store.database_name)

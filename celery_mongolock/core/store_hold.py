@@ -20,7 +20,12 @@ from celery_mongolock.core.lease import Lease
 from celery_mongolock.core.lease_info import aware
 from celery_mongolock.core.outcomes import Contended
 from celery_mongolock.core.reentry import Holds
-from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_limit, validate_seconds
+from celery_mongolock.core.validation import (
+    MAX_LEASE_SECONDS,
+    validate_lease_timing,
+    validate_limit,
+    validate_seconds,
+)
 from celery_mongolock.exceptions import ConfigurationError, LeaseLost, LockContended
 
 __all__ = ["HoldingStore", "acquire_reentrant", "hold"]
@@ -95,6 +100,11 @@ def hold(
     """``LeaseStore.hold``: a reentrant hold when the owner holds ``key`` already, else
     ``store.try_acquire`` with a heartbeat, waiting with ``wait_free``."""
     wait_s = validate_seconds("wait", wait, low=0.0, high=MAX_LEASE_SECONDS)
+    # (checked here, not only by a fresh acquire: a nested hold makes none, and must refuse them alike)
+    if ttl is not None:
+        validate_lease_timing(ttl, heartbeat_seconds, name="ttl")
+    validate_seconds("poll_interval", poll_interval, low=0.001, high=60.0)
+    validate_seconds("max_poll_interval", max_poll_interval, low=0.001, high=60.0)
     if not isinstance(reentrant, bool):
         raise ConfigurationError(f"reentrant must be True or False, got {type(reentrant).__name__}")
     limit = validate_limit(limit)

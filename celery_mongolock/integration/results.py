@@ -306,10 +306,7 @@ def write_timed_out(
             done.append(entry["t"])  # ended from another of its keys
             continue
         at = entry.get("at")
-        # (Queue's timeout=, or Replace's: the entry does not say which policy parked it)
-        reason = "parked past its policy's timeout=..."
-        if isinstance(at, _dt.datetime):
-            reason = f"parked since {at.isoformat()}, past its policy's timeout=..."
+        reason = _timeout_reason(at, entry.get("dl"))
         fail = entry.get("th") == "fail"
         if publish is not None and publish(key, entry, timeout_ending(key, reason, fail=fail)):
             pass  # ended by a worker from its message: its callbacks, chain and chord go on
@@ -324,6 +321,17 @@ def write_timed_out(
         done.append(entry["t"])
     if done:
         store.forget_results(key, "dead", done)
+
+
+def _timeout_reason(at: object, deadline: object) -> str:
+    """Why a parked run timed out, with its policy's ``timeout`` (its deadline less its parking time:
+    ``Queue``'s or ``Replace``'s, the entry does not say which policy parked it)."""
+    if not isinstance(at, _dt.datetime):
+        return "parked past its policy's timeout"
+    if not isinstance(deadline, _dt.datetime):
+        return f"parked since {at.isoformat()}, past its policy's timeout"
+    seconds = (deadline - at).total_seconds()
+    return f"parked since {at.isoformat()}, past its policy's timeout={seconds:g}"
 
 
 def _ends_here(store: LeaseStore, key: str, entry: Mapping[str, Any]) -> bool | None:
