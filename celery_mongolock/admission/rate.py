@@ -152,8 +152,17 @@ def check_rate(rate: RateLimit | None, policy: object) -> None:
     waits its turn on the key first (parked in the key's queue, handed the key in send order), then its
     turn in the key's window (``integration.rate_gate``: over the rate, it gives the key back, which goes
     on to the next parked run, and waits among the window's waiting runs, which keep send order too).
-    Kept for the declarations that call it."""
-    del rate, policy
+    One pair is refused: ``Replace(cancel_running=True)`` with a rate that drops a run over it
+    (``then=Skip()``/``Fail()``): a newer send would stop the running holder, then be dropped by the rate
+    itself, and nothing of either would run."""
+    if rate is None or rate.parks or not getattr(policy, "cancel_running", False) is True:
+        return
+    raise ConfigurationError(
+        f"Replace(cancel_running=True) with rate={rate.describe()}, which drops a run over the rate "
+        f"(then={type(rate.then).__name__}()), is refused: a newer send would stop the running run and "
+        "then be dropped by the rate, so neither would finish. Let the rate park runs over it (leave "
+        "then= out), or drop cancel_running"
+    )
 
 
 def checked_rate(value: object, policy: object, setting: str = "rate") -> RateLimit | None:
