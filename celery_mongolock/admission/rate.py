@@ -155,7 +155,7 @@ def check_rate(rate: RateLimit | None, policy: object) -> None:
     One pair is refused: ``Replace(cancel_running=True)`` with a rate that drops a run over it
     (``then=Skip()``/``Fail()``): a newer send would stop the running holder, then be dropped by the rate
     itself, and nothing of either would run."""
-    if rate is None or rate.parks or not getattr(policy, "cancel_running", False) is True:
+    if rate is None or rate.parks or getattr(policy, "cancel_running", False) is not True:
         return
     raise ConfigurationError(
         f"Replace(cancel_running=True) with rate={rate.describe()}, which drops a run over the rate "
