@@ -277,3 +277,32 @@ def test_several_keys_and_slots_queue_with_a_rate(cluster: Cluster) -> None:
     assert [r.get(timeout=240) for r in results] == slotted
     start_times(cluster, slotted)
     assert_rate(grant_times(cluster, slotted, f"slots:{name}"), rt.N, rt.PERIOD)
+
+
+def test_a_revoked_run_parked_by_the_rate_leaves_the_window_at_once(cluster: Cluster) -> None:
+    """A run parked by the rate whose copy is discarded by a revoke leaves its key's waiting runs then, not
+    when its entry goes stale a period and 15 s later (a new user's trial, stop 55: the runs sent after
+    it took their key and gave it back unrun meanwhile, and then started out of send order)."""
+    name = tag()
+    key = f"rated:{name}"
+    for t in [tag() for _ in range(rt.N)]:  # the window is full
+        assert rt.limited.delay(name, t).get(timeout=120) == t
+    tags = [tag() for _ in range(4)]
+    results = [rt.limited.delay(name, t) for t in tags]
+    ids = {r.id for r in results}
+
+    def waiting() -> set[str]:
+        window = rate_windows(cluster.store).look(key)
+        return set() if window is None else {w.run.split("/")[0] for w in window.waiters}
+
+    wait_for(lambda: waiting() == ids, timeout=120, message="the burst parked by the rate")
+    revoked = results[1:3]
+    for r in revoked:
+        it.app.control.revoke(r.id)
+    wait_for(lambda: all(r.state == "REVOKED" for r in revoked), timeout=120, message="the revokes")
+    # Gone from the window with the revoke (stale only 2 s + 15 s after its turn).
+    wait_for(lambda: not waiting() & {r.id for r in revoked}, timeout=8, message="the revoked runs to leave")
+    kept = [results[0], results[3]]
+    assert [r.get(timeout=120) for r in kept] == [tags[0], tags[3]]
+    start_times(cluster, [tags[0], tags[3]])
+    assert_window_by_window_send_order(cluster, [tags[0], tags[3]], rt.PERIOD)
