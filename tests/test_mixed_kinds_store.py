@@ -58,18 +58,6 @@ def test_a_run_of_slots_does_not_park_behind_a_single_lease(store: LeaseStore) -
     assert store.admit(KEY, entry("slots", 10), ttl=30, limit=3)[1]["lo"] == "mixed"
 
 
-def test_a_run_of_slots_does_not_park_among_runs_waiting_for_an_expired_single_lease(
-    store: LeaseStore,
-) -> None:
-    holder = store.acquire(KEY, 30)
-    assert holder is not None
-    assert store.admit(KEY, entry("single", 11), ttl=30)[1]["lo"] == "parked"
-    # The holder's lease ran out (its worker died): the sweeper has not handed the key on yet.
-    store.collection.update_one({"_id": KEY}, [{"$set": {"expires_at": "$$NOW"}}])
-    assert store.admit(KEY, entry("slots", 10), ttl=30, limit=3)[1]["lo"] == "mixed"
-    assert parked(store) == ["single"]
-
-
 def _token(store: LeaseStore, task_id: str) -> str:
     doc = store.collection.find_one({"_id": KEY}) or {}
     handed = [h["ho"] for h in doc.get("hs") or [] if h.get("ho") and h["ho"]["t"] == task_id]

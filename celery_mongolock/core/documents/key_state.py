@@ -170,31 +170,11 @@ SINGLE_HELD: Document = {
 }
 
 
-_HS_SIZE: Document = {"$size": {"$ifNull": ["$hs", []]}}
-#: Runs parked on the key: in the document, or spilled out of it (``spill``).
-_Q_SIZE: Document = {"$add": [{"$size": {"$ifNull": ["$q", []]}}, spilled_total()]}
+#: A single-lease admit (a run whose key has no limit) finds the key in use as ``limit=N`` slots (a slot
+#: held, kept for its minimum hold, or handed): its run must not park there, where a slot's release
+#: would hand it a slot, which it cannot claim as a single lease.
+SLOTS_IN_USE: Document = {"$not": [NO_SLOT_HELD]}
 
-#: A single-lease admit (a run whose key has no limit) finds the key in use as ``limit=N`` slots: a slot
-#: held or handed, or runs parked while the key keeps slot holds (they wait for slots). Its run must not
-#: park there: a slot's handoff would hand it a slot, which it cannot claim as a single lease.
-SLOTS_IN_USE: Document = {
-    "$or": [
-        {"$not": [NO_SLOT_HELD]},
-        {"$and": [{"$gt": [_HS_SIZE, 0]}, {"$gt": [_Q_SIZE, 0]}]},
-    ]
-}
-
-#: A ``limit=N`` admit finds the key in use as a single lease: held or handed as one, or runs parked
-#: behind a single lease that has expired (they wait for the key as a single lease).
-SINGLE_IN_USE: Document = {
-    "$or": [
-        SINGLE_HELD,
-        {
-            "$and": [
-                {"$ne": [{"$ifNull": ["$owner", None]}, None]},
-                {"$eq": [_HS_SIZE, 0]},
-                {"$gt": [_Q_SIZE, 0]},
-            ]
-        },
-    ]
-}
+#: A ``limit=N`` admit finds the key in use as a single lease (held, or handed as one): its run must not
+#: park there, where the release would hand it the key as a single lease, which it cannot claim as a slot.
+SINGLE_IN_USE: Document = SINGLE_HELD

@@ -28,7 +28,7 @@ from celery_mongolock.core.documents import sets, spill
 from celery_mongolock.core.documents import slots as _slots
 from celery_mongolock.core.documents.copies import SEEN_KEPT
 from celery_mongolock.core.documents.entries import dead_entries, entry_due, live_entries
-from celery_mongolock.core.documents.key_state import SINGLE_IN_USE, gc_stage
+from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
 from celery_mongolock.core.documents.lanes import SPILL_PROJECTION, held_back, spill_bars, spilled_before
 from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
@@ -209,9 +209,7 @@ def fill_stages(by: str) -> list[Document]:
             "cond": {"$not": [{"$in": ["$$s", used]}]},
         }
     }
-    # (no slot while the key is in use as a single lease: held or handed as one, or runs parked for it
-    # behind one that expired, which a slot handed to them would leave stuck: ``SINGLE_IN_USE``)
-    single_held = SINGLE_IN_USE
+    single_held = SINGLE_HELD
     hold = {
         "$let": {
             "vars": {"h": {"$arrayElemAt": ["$__hd", "$$i"]}, "s": {"$arrayElemAt": ["$__fs", "$$i"]}},
