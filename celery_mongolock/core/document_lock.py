@@ -372,7 +372,7 @@ class DocumentLock:
         poll_interval: float = 0.05,
         max_poll_interval: float = 1.0,
     ) -> None:
-        if not all(hasattr(store, name) for name in ("database_name", "connection", "heartbeat", "forget")):
+        if not callable(getattr(type(store), "forget", None)):  # (on the type: no property evaluated)
             raise ConfigurationError(
                 f"DocumentLock(store=...) must be the LeaseStore whose leases guard the document, got "
                 f"{type(store).__name__}"

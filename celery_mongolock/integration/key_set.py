@@ -222,8 +222,9 @@ class KeySetAdmits:
     def reserve_all(self, leases: list[Lease]) -> tuple[str, Admission] | None:
         """Keys taken by an attempt that must wait: each becomes a reservation for the run's entry. A key
         lost meanwhile (expired, forced) is admitted again: taken (and reserved) or parked on; or, when a
-        newer send of its set came meanwhile (``Replace``), ``(key, admission)`` says so (the keys not yet
-        reserved are given back; the caller leaves the others)."""
+        newer send of its set came meanwhile (``Replace``), or the key is in use as the other kind of key
+        now (``mixed``), ``(key, admission)`` says so (the keys not yet reserved are given back; the caller
+        leaves the others)."""
         store, policy = self.store, self.policy
         pending = list(leases)
         rounds = 0
@@ -238,7 +239,7 @@ class KeySetAdmits:
                 again = self.admit(lease.key, None)
                 if again.lease is not None:
                     pending.append(again.lease)
-                elif again.outcome is AdmitOutcome.SUPERSEDED:
+                elif again.outcome in (AdmitOutcome.SUPERSEDED, AdmitOutcome.MIXED):
                     give_back_quietly(store, pending)
                     return lease.key, again
                 elif again.outcome not in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
