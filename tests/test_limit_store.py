@@ -316,3 +316,20 @@ def test_a_task_refused_by_a_full_key_names_every_slot_holder(store: LeaseStore,
     message = str(caught.value)
     assert "all 2 slots are held" in message and "task_id=r1" in message and "task_id=r2" in message
     assert caught.value.expires_at is not None  # the first slot's expiry
+
+
+def test_a_task_skipped_by_a_full_key_names_every_slot_holder(store: LeaseStore, worker_app: Any) -> None:
+    """``limit=N`` with ``Skip()``: the skipped result names each slot's holder (a new user's trial, stop
+    55: ``holder: {}`` and "the key was held by another run")."""
+    from celery_mongolock import Skip, singleton_task
+
+    @singleton_task(app=worker_app, key="t:{t}", limit=2, on_contention=Skip(), name="limit_store.skip")
+    def full(t: int) -> None: ...
+
+    worker_app.finalize()
+    for n in (1, 2):
+        store.acquire("t:2", 30, limit=2, info={"task_name": "x", "task_id": f"r{n}"})
+    result = full.apply(args=(2,)).get()
+    assert result["mongolock"] == "skipped" and result["key"] == "t:2"
+    assert [h["task_id"] for h in result["holders"]] == ["r1", "r2"]
+    assert "all 2 slots are held" in result["reason"]

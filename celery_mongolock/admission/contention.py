@@ -9,6 +9,7 @@ new kind of policy needs no change here or in ``task``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from celery_mongolock.exceptions import LockContended
@@ -68,14 +69,23 @@ class ContendedRun:
         self.expires_at: Any = None
         #: ``LockContended``'s message when it names more than ``holder`` (a full ``limit=N`` key).
         self.message: str | None = None
+        #: A full ``limit=N`` key: each slot's holder (``holder`` is then empty).
+        self.holders: tuple[dict[str, Any], ...] = ()
         self._wait_until: float | None = None
 
-    def held_by(self, holder: dict[str, Any], expires_at: Any, message: str | None = None) -> ContendedRun:
-        """Who holds the key as of the last attempt, and until when (``message``: every slot's holder, for
-        a full ``limit=N`` key)."""
+    def held_by(
+        self,
+        holder: dict[str, Any],
+        expires_at: Any,
+        message: str | None = None,
+        holders: Sequence[Mapping[str, Any]] = (),
+    ) -> ContendedRun:
+        """Who holds the key as of the last attempt, and until when (``message`` and ``holders``: every
+        slot's holder, for a full ``limit=N`` key)."""
         self.holder = holder
         self.expires_at = expires_at
         self.message = message
+        self.holders = tuple(dict(h) for h in holders)
         return self
 
     def _error(self) -> LockContended:
@@ -90,7 +100,11 @@ class ContendedRun:
 
     def skip(self, reason: str) -> Outcome:
         log.info("%s[%s]: %s; policy skip: skipped", *self._who(), self._held())
-        return Outcome(skipped_result(self.key, self.holder, self.expires_at, reason))
+        result = skipped_result(self.key, self.holder, self.expires_at, reason)
+        if self.message and not self.holder and self.holders:  # a full limit=N key: who holds each slot
+            result["holders"] = [dict(h) for h in self.holders]
+            result["reason"] = f"{reason}: {self.message}"
+        return Outcome(result)
 
     def fail(self, exc: Exception | None = None) -> NoReturn:
         raise exc if exc is not None else self._error()

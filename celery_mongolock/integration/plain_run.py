@@ -242,4 +242,6 @@ class PlainRun:
             raise Ignore()
         signals.lease_contended.send(sender=task, key=key, holder=holder, policy=self.policy.name)
         # The policy decides (policies.py): skip, fail, publish again later, or wait and try again.
-        return self.policy.on_contended(run.held_by(holder, expires_at, contended.message(key)))
+        return self.policy.on_contended(
+            run.held_by(holder, expires_at, contended.message(key), contended.holders)
+        )
