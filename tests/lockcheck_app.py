@@ -324,7 +324,16 @@ def _window_of(cls: type[RateWindow], key: str, doc: Any) -> RateWindow:
 
 
 def _take(
-    self: RateWindows, keys: Any, *, run: str, stamp: int, n: int, period_ms: int, park: bool, rank: int = 0
+    self: RateWindows,
+    keys: Any,
+    *,
+    run: str,
+    stamp: int,
+    n: int,
+    period_ms: int,
+    park: bool,
+    rank: int = 0,
+    replaces: str | None = None,
 ) -> Any:
     """``RateWindows.take``, recording its answer and the windows its commands' replies showed
     (``rtake``): a start granted at a time of the server's clock, or a run parked with its place."""
@@ -343,7 +352,17 @@ def _take(
     }
     t0 = time.monotonic()
     try:
-        took = _library_take(self, keys, run=run, stamp=stamp, n=n, period_ms=period_ms, park=park, rank=rank)
+        took = _library_take(
+            self,
+            keys,
+            run=run,
+            stamp=stamp,
+            n=n,
+            period_ms=period_ms,
+            park=park,
+            rank=rank,
+            replaces=replaces,
+        )
     except Exception as exc:
         hist = _history()
         if hist is not None:

@@ -77,6 +77,18 @@ def throttled_skip(name: str, tag: str) -> str:
     return _started(tag, f"throttled:{name}")
 
 
+#: The period of ``latest_throttled``: long enough that no parked run's turn comes while a test sends.
+THROTTLE_PERIOD = 6.0
+
+
+@singleton_task(
+    key="rated:{name}", rate=Throttle(THROTTLE_PERIOD), on_contention=Replace(), app=app, name="rate.latest_t"
+)
+def latest_throttled(name: str, tag: str) -> str:
+    """``Replace()`` with ``Throttle``: a search-index rebuild that must not run more than once a period."""
+    return _started(tag, f"rated:{name}")
+
+
 @singleton_task(
     keys=("tenant:{tenant}", "group:{group}"),
     rate=RateLimit(N, PERIOD),

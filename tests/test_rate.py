@@ -159,6 +159,7 @@ def _take(
         period_ms=period_ms,
         park=kw.get("park", True),
         rank=kw.get("rank", 0),
+        replaces=kw.get("replaces"),
     )
 
 
@@ -175,6 +176,26 @@ def test_n_starts_then_the_rest_wait_in_send_order(store: LeaseStore) -> None:
     assert _take(store, ["k"], "early/0", 0).position == 0
     window = rate_windows(store).look("k")
     assert window is not None and [w.run for w in window.waiters] == ["early/0", "c/0", "d/0"]
+
+
+def test_a_newer_replace_send_takes_the_turns_of_the_older_ones_of_its_group(store: LeaseStore) -> None:
+    """``Replace`` with a rate: a newer send supersedes the older ones of its task and keys when they come
+    back, so their turns are its own: it takes them out of the window at once (a new user's trial, stop
+    55: with ``Throttle(3)`` and sends 0.7 s apart, each superseded send kept its turn and the newest
+    started one period later per send, 6.06 s after the first with 3 sends, 19.75 s with 8). Waiting runs
+    of another group, or of no group (``Queue``), keep their place."""
+    assert _take(store, ["k"], "first/0", 1, n=1).started
+    assert _take(store, ["k"], "other/0", 2, n=1).position == 0  # a Queue run
+    assert _take(store, ["k"], "r2/0", 3, n=1, replaces="upload:g").position == 1
+    assert _take(store, ["k"], "x2/0", 4, n=1, replaces="upload:h").position == 2  # another set of keys
+    newest = _take(store, ["k"], "r3/0", 5, n=1, replaces="upload:g")
+    assert not newest.started and newest.position == 2  # r2's turn is gone with it, not x2's
+    window = rate_windows(store).look("k")
+    assert window is not None and [w.run for w in window.waiters] == ["other/0", "x2/0", "r3/0"]
+    # An older send of the group delivered late does not take the newer one's place out.
+    assert _take(store, ["k"], "r1/0", 0, n=1, replaces="upload:g").position == 0
+    window = rate_windows(store).look("k")
+    assert window is not None and [w.run for w in window.waiters] == ["r1/0", "other/0", "x2/0", "r3/0"]
 
 
 def test_the_rest_wait_in_the_keys_order_priority_then_send(store: LeaseStore) -> None:

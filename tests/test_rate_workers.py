@@ -6,6 +6,7 @@ with ``limit=``."""
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import time
 import uuid
@@ -306,3 +307,35 @@ def test_a_revoked_run_parked_by_the_rate_leaves_the_window_at_once(cluster: Clu
     assert [r.get(timeout=120) for r in kept] == [tags[0], tags[3]]
     start_times(cluster, [tags[0], tags[3]])
     assert_window_by_window_send_order(cluster, [tags[0], tags[3]], rt.PERIOD)
+
+
+def test_a_newer_replace_send_takes_the_turn_of_the_one_it_supersedes(cluster: Cluster) -> None:
+    """``Replace()`` with ``Throttle``: sends that come while the window is full, each after the one before
+    it was parked by the rate. Each newer send takes the older one's turn at once (it supersedes it when it
+    comes back), so the newest starts at the first turn, not one period later per superseded send (a new
+    user's trial, stop 55: 3 sends 0.7 s apart under ``Throttle(3)`` started the newest 6.06 s after the
+    first, 8 sends 19.75 s after)."""
+    name = tag()
+    key = f"rated:{name}"
+    first = tag()
+    assert rt.latest_throttled.delay(name, first).get(timeout=120) == first  # the window is full
+    sends: list[Any] = []
+
+    def waiting() -> list[str]:
+        window = rate_windows(cluster.store).look(key)
+        return [] if window is None else [w.run.split("/")[0] for w in window.waiters]
+
+    def parked(run: str) -> list[str] | None:
+        now = waiting()
+        return now if run in now else None
+
+    for _ in range(3):
+        sends.append(rt.latest_throttled.delay(name, tag()))
+        newest = sends[-1].id
+        # (each parked by the rate before the next is sent; a period is 6 s: no turn comes meanwhile)
+        seen = wait_for(functools.partial(parked, newest), timeout=120, message="the newest send parked")
+        assert seen == [newest], f"older sends kept their turns: {seen}"
+    got = [r.get(timeout=120) for r in sends]
+    assert [g.get("mongolock") if isinstance(g, dict) else "ran" for g in got] == ["superseded"] * 2 + ["ran"]
+    grants = grant_times(cluster, [first, got[-1]], key)
+    assert len(grants) == 2 and grants[1] - grants[0] < 2 * rt.THROTTLE_PERIOD  # the first turn

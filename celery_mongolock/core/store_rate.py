@@ -94,11 +94,13 @@ class RateWindows:
         period_ms: int,
         park: bool,
         rank: int = 0,
+        replaces: str | None = None,
     ) -> RateTake:
         """One start for ``run`` in the window of every key in ``keys`` (in that order), or none: a key
         whose window is full (or has runs parked before this one) stops it, and the starts taken on the
         keys before it are given back. With ``park``, the run is recorded as waiting on that key, in the
-        order of ``rank`` (its message priority as the key's queue orders it), then of its send."""
+        order of ``rank`` (its message priority as the key's queue orders it), then of its send.
+        ``replaces``: a ``Replace`` run's group, whose older waiting runs it takes out (``take_update``)."""
         start_id = uuid.uuid4().hex
         stale_ms = period_ms + STALE_AFTER_TURN_MS
         taken: list[str] = []
@@ -112,6 +114,7 @@ class RateWindows:
                 park=park,
                 stale_ms=stale_ms,
                 rank=rank,
+                replaces=replaces,
             )
             window = self._take_one(key, update)
             if window.granted(start_id):

@@ -29,6 +29,8 @@ from celery import signals as celery_signals
 from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import Outcome, skipped_result
+from celery_mongolock.admission.policies import Replace
+from celery_mongolock.core.documents.sets import set_signature
 from celery_mongolock.core.store_rate import RateTake, rate_windows
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import handoff as _queue
@@ -123,6 +125,7 @@ def pass_rate(
                 period_ms=rate.period_ms,
                 park=rate.parks,
                 rank=rank,
+                replaces=_replace_group(task, ordered, options),
             )
         except StoreUnavailable as exc:
             # (A beat tick's run gives its tick back: its contention retry runs the tick.)
@@ -153,6 +156,14 @@ def pass_rate(
             _leave_quietly(store, ordered, run)
             return again
         taken, leases = again
+
+
+def _replace_group(task: GuardedRun, keys: Sequence[str], options: TaskOptions) -> str | None:
+    """A ``Replace`` run's group in its keys' rate windows: its task and set of keys (a newer send of the
+    same task and keys supersedes the older ones); None for other policies."""
+    if not isinstance(options.on_contention, Replace):
+        return None
+    return f"{task.name}:{set_signature(list(keys))}"
 
 
 def _leave_quietly(store: LeaseStore, keys: Sequence[str], run: str) -> None:

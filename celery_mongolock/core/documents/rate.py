@@ -66,7 +66,16 @@ def _ms(value: Any) -> int:
 
 
 def take_update(
-    *, start_id: str, run: str, stamp: int, n: int, period_ms: int, park: bool, stale_ms: int, rank: int = 0
+    *,
+    start_id: str,
+    run: str,
+    stamp: int,
+    n: int,
+    period_ms: int,
+    park: bool,
+    stale_ms: int,
+    rank: int = 0,
+    replaces: str | None = None,
 ) -> list[Document]:
     """The update pipeline of one attempt to start (upsert on ``{_id: key}``, reply AFTER).
 
@@ -75,7 +84,11 @@ def take_update(
     does not get the start (False for ``then=Skip()``); ``stale_ms``: how long a parked entry counts after
     this command if its run does not come back (its worker died, its message was lost); ``rank``: its
     message priority as the key's queue orders it (``pr``, lower first: ``entries.entry_ahead``), so that
-    the window serves its runs in the order the key hands them over (priority, then send order)."""
+    the window serves its runs in the order the key hands them over (priority, then send order).
+    ``replaces`` (a ``Replace`` run: its task and set of keys): the runs of that group sent before it and
+    waiting in the window leave it now, since this newer send supersedes them when they come back; their
+    turns are its to take (before, each kept its turn until it came back to be superseded, and the newest
+    waited one period more per superseded send)."""
     r_e = {"$ifNull": ["$$e.pr", 0]}
     sent_before = {
         "$or": [
@@ -91,13 +104,11 @@ def take_update(
             "cond": {"$gt": [{"$toLong": "$$e.t"}, {"$subtract": [_CLOCK, period_ms]}]},
         }
     }
-    live_waiters = {
-        "$filter": {
-            "input": {"$ifNull": ["$w", []]},
-            "as": "e",
-            "cond": {"$and": [{"$gt": [{"$toLong": "$$e.x"}, _CLOCK]}, {"$ne": ["$$e.id", run]}]},
-        }
-    }
+    keep: list[Document] = [{"$gt": [{"$toLong": "$$e.x"}, _CLOCK]}, {"$ne": ["$$e.id", run]}]
+    if replaces is not None:
+        superseded = {"$and": [{"$eq": [{"$ifNull": ["$$e.g", None]}, {"$literal": replaces}]}, sent_before]}
+        keep.append({"$not": [superseded]})
+    live_waiters = {"$filter": {"input": {"$ifNull": ["$w", []]}, "as": "e", "cond": {"$and": keep}}}
     # Room for this run *and* for every run parked before it: those keep their place in this window
     # whether or not their copies are back yet (a late copy costs its own start, not the key's rate).
     ahead = {"$size": {"$filter": {"input": "$w", "as": "e", "cond": earlier}}}
@@ -106,6 +117,8 @@ def take_update(
     me: Document = {"id": run, "st": stamp, "x": {"$toDate": {"$add": [_CLOCK, stale_ms]}}}
     if rank:
         me["pr"] = {"$literal": int(rank)}
+    if replaces is not None:
+        me["g"] = {"$literal": replaces}
     waiters: Any = {"$concatArrays": ["$w", [me]]} if park else "$w"
     expires_ms = {"$add": [_CLOCK, period_ms + stale_ms]}
     # The TTL index's field only ever moves later. Compared as milliseconds: the embedded server's ``$max``
