@@ -192,10 +192,20 @@ def test_a_newer_replace_send_takes_the_turns_of_the_older_ones_of_its_group(sto
     assert not newest.started and newest.position == 2  # r2's turn is gone with it, not x2's
     window = rate_windows(store).look("k")
     assert window is not None and [w.run for w in window.waiters] == ["other/0", "x2/0", "r3/0"]
+    # Only a strictly older send of another task id: a tie of stamps, or another attempt of the same task,
+    # is not superseded by it, and keeps its turn.
+    assert _take(store, ["k"], "tie/0", 5, n=1, replaces="upload:g").position == 3
+    window = rate_windows(store).look("k")
+    assert window is not None and [w.run for w in window.waiters] == ["other/0", "x2/0", "r3/0", "tie/0"]
+    # (a later attempt of r3 takes out the older tie/0, not r3's own first attempt)
+    assert _take(store, ["k"], "r3/1", 7, n=1, replaces="upload:g").position == 3
+    window = rate_windows(store).look("k")
+    assert window is not None and [w.run for w in window.waiters] == ["other/0", "x2/0", "r3/0", "r3/1"]
     # An older send of the group delivered late does not take the newer one's place out.
     assert _take(store, ["k"], "r1/0", 0, n=1, replaces="upload:g").position == 0
     window = rate_windows(store).look("k")
-    assert window is not None and [w.run for w in window.waiters] == ["r1/0", "other/0", "x2/0", "r3/0"]
+    assert window is not None
+    assert [w.run for w in window.waiters] == ["r1/0", "other/0", "x2/0", "r3/0", "r3/1"]
 
 
 def test_the_rest_wait_in_the_keys_order_priority_then_send(store: LeaseStore) -> None:

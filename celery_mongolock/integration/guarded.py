@@ -27,6 +27,7 @@ from celery_mongolock.integration.admit import take_keys
 from celery_mongolock.integration.beatcheck import recorded_tick
 from celery_mongolock.integration.config import TaskOptions, get_store
 from celery_mongolock.integration.duplicates import stale_line
+from celery_mongolock.integration.plain_run import parks
 from celery_mongolock.integration.rate_gate import pass_rate
 from celery_mongolock.integration.reentrant import end_holds, joined, note_taken, reentered
 from celery_mongolock.integration.runs import GuardedRun, give_back_quietly, ignored_as, unavailable
@@ -198,7 +199,10 @@ def _take_the_rest(
         return again if isinstance(again, Outcome) else (again, again)
 
     untick = _recorded_tick(task, one)
-    passed = pass_rate(task, rest, taken, taken, options, direct=direct, retake=retake, untick=untick)
+    queued = parks(task, options.on_contention, direct, one=one)
+    passed = pass_rate(
+        task, rest, taken, taken, options, direct=direct, retake=retake, untick=untick, queued=queued
+    )
     return passed.value if isinstance(passed, Outcome) else passed
 
 

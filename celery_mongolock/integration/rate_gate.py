@@ -98,11 +98,13 @@ def pass_rate(
     direct: bool,
     retake: Callable[[], tuple[T, list[Lease]] | Outcome],
     untick: int | None = None,
+    queued: bool = False,
 ) -> T | Outcome:
     """What the run starts its body with (``taken``, or what a direct call took again) once a start is
     recorded in every key's window; an outcome (``then=Skip()``) when it is dropped; raises ``Ignore`` when
     it is parked until its turn. ``retake``: for a direct call that waited for its turn without its keys,
-    takes them again (what it then holds and its leases, or the outcome that ended it)."""
+    takes them again (what it then holds and its leases, or the outcome that ended it). ``queued``: a run
+    admitted as a queued run (``plain_run.parks``), which a newer send supersedes when it comes back."""
     rate = options.rate
     if rate is None:
         return taken
@@ -125,7 +127,7 @@ def pass_rate(
                 period_ms=rate.period_ms,
                 park=rate.parks,
                 rank=rank,
-                replaces=_replace_group(task, ordered, options),
+                replaces=_replace_group(task, ordered, options) if queued and not in_process else None,
             )
         except StoreUnavailable as exc:
             # (A beat tick's run gives its tick back: its contention retry runs the tick.)
@@ -160,7 +162,9 @@ def pass_rate(
 
 def _replace_group(task: GuardedRun, keys: Sequence[str], options: TaskOptions) -> str | None:
     """A ``Replace`` run's group in its keys' rate windows: its task and set of keys (a newer send of the
-    same task and keys supersedes the older ones); None for other policies."""
+    same task and keys supersedes the older ones); None for other policies. Only for a run admitted as a
+    queued run by a worker: a direct call or a beat tick of one key is never superseded, so it neither
+    takes an older run's turn nor gives its own."""
     if not isinstance(options.on_contention, Replace):
         return None
     return f"{task.name}:{set_signature(list(keys))}"
@@ -195,8 +199,9 @@ def leave_rate(task: GuardedRun, keys: Sequence[str], options: TaskOptions) -> N
 
 
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
-    """A copy the rate parked, discarded because its run was revoked: its keys' windows forget it now,
-    so the runs sent after it do not wait for its turn. (Before, it stayed among the waiting runs until
+    """A copy the rate parked, discarded because its run was revoked (when the copy falls due: a revoke
+    without ``terminate`` only marks its id): its keys' windows forget it then, so the runs sent after it
+    do not wait for its turn. (Before, it stayed among the waiting runs until
     it went stale, a period and 15 s later; the runs behind it took their keys and gave them back unrun
     meanwhile, and then started out of send order: a new user's trial, stop 55.)"""
     # (the custom headers: in ``headers``, or attributes of the request context, by message protocol)
@@ -211,7 +216,8 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         for key in sorted(keys):
             windows.leave(key, run)
     except Exception as exc:  # (best effort: an entry left behind goes stale on its own)
-        log.warning("%s[%s]: could not leave its rate windows after a revoke: %s", sender.name, request, exc)
+        task_id = getattr(request, "id", None)
+        log.warning("%s[%s]: could not leave its rate windows after a revoke: %s", sender.name, task_id, exc)
 
 
 celery_signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_mongolock.rate-revoked")

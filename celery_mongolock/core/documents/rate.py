@@ -106,7 +106,15 @@ def take_update(
     }
     keep: list[Document] = [{"$gt": [{"$toLong": "$$e.x"}, _CLOCK]}, {"$ne": ["$$e.id", run]}]
     if replaces is not None:
-        superseded = {"$and": [{"$eq": [{"$ifNull": ["$$e.g", None]}, {"$literal": replaces}]}, sent_before]}
+        # (strictly older, and never another attempt of this very task: as supersession judges them)
+        task_of = {"$arrayElemAt": [{"$split": ["$$e.id", "/"]}, 0]}
+        superseded = {
+            "$and": [
+                {"$eq": [{"$ifNull": ["$$e.g", None]}, {"$literal": replaces}]},
+                {"$lt": ["$$e.st", stamp]},
+                {"$ne": [task_of, {"$literal": run.split("/", 1)[0]}]},
+            ]
+        }
         keep.append({"$not": [superseded]})
     live_waiters = {"$filter": {"input": {"$ifNull": ["$w", []]}, "as": "e", "cond": {"$and": keep}}}
     # Room for this run *and* for every run parked before it: those keep their place in this window
