@@ -104,19 +104,7 @@ def take_update(
             "cond": {"$gt": [{"$toLong": "$$e.t"}, {"$subtract": [_CLOCK, period_ms]}]},
         }
     }
-    keep: list[Document] = [{"$gt": [{"$toLong": "$$e.x"}, _CLOCK]}, {"$ne": ["$$e.id", run]}]
-    if replaces is not None:
-        # (strictly older, and never another attempt of this very task: as supersession judges them)
-        task_of = {"$arrayElemAt": [{"$split": ["$$e.id", "/"]}, 0]}
-        superseded = {
-            "$and": [
-                {"$eq": [{"$ifNull": ["$$e.g", None]}, {"$literal": replaces}]},
-                {"$lt": ["$$e.st", stamp]},
-                {"$ne": [task_of, {"$literal": run.split("/", 1)[0]}]},
-            ]
-        }
-        keep.append({"$not": [superseded]})
-    live_waiters = {"$filter": {"input": {"$ifNull": ["$w", []]}, "as": "e", "cond": {"$and": keep}}}
+    live_waiters = _waiters_kept(run, stamp, replaces)
     # Room for this run *and* for every run parked before it: those keep their place in this window
     # whether or not their copies are back yet (a late copy costs its own start, not the key's rate).
     ahead = {"$size": {"$filter": {"input": "$w", "as": "e", "cond": earlier}}}
@@ -149,6 +137,24 @@ def take_update(
         },
         {"$unset": ["__ok", "__now"]},
     ]
+
+
+def _waiters_kept(run: str, stamp: int, replaces: str | None) -> Document:
+    """The window's parked runs a take keeps: those not stale, other than ``run`` itself, and (a
+    ``Replace`` run, ``replaces``) not the runs of its group it supersedes: strictly older, and never
+    another attempt of its very task, as supersession judges them."""
+    keep: list[Document] = [{"$gt": [{"$toLong": "$$e.x"}, _CLOCK]}, {"$ne": ["$$e.id", run]}]
+    if replaces is not None:
+        task_of = {"$arrayElemAt": [{"$split": ["$$e.id", "/"]}, 0]}
+        superseded = {
+            "$and": [
+                {"$eq": [{"$ifNull": ["$$e.g", None]}, {"$literal": replaces}]},
+                {"$lt": ["$$e.st", stamp]},
+                {"$ne": [task_of, {"$literal": run.split("/", 1)[0]}]},
+            ]
+        }
+        keep.append({"$not": [superseded]})
+    return {"$filter": {"input": {"$ifNull": ["$w", []]}, "as": "e", "cond": {"$and": keep}}}
 
 
 def give_back_update(start_id: str) -> Document:
