@@ -156,6 +156,8 @@ class Admission:
     #: describe what that earlier send did (it may have parked the run, which was then handed the key and
     #: runs or ran under its handoff message).
     resent: bool = False
+    #: The runs (``entry["id"]``) the key, or a slot of it, is handed or reserved to and not yet claimed.
+    handed: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, lease: Lease | None, doc: Mapping[str, Any] | None) -> Admission:
@@ -176,7 +178,14 @@ class Admission:
             not_before=_not_before(doc.get("q") or []),
             bursts=_bursts([*(doc.get("q") or []), doc.get("ho"), *_handed_entries(doc)]),
             resent=bool(doc.get("_resent")),
+            handed=tuple(
+                str(e.get("id")) for e in (doc.get("ho"), *_handed_entries(doc)) if isinstance(e, Mapping)
+            ),
         )
+
+    def handed_to(self, run_id: str) -> bool:
+        """Whether the key (or a slot of it) is handed or reserved to the run ``run_id``, not yet claimed."""
+        return run_id in self.handed
 
     def position(self, task_id: str | None) -> int:
         """The run's place in the key's queue (1: next), 0 when it is not parked there."""

@@ -424,8 +424,9 @@ class Acquisition:
         older runs parked) is published (``add_handoff_callback``). One ``store.try_acquire`` with
         ``admission``."""
         store = self.store
-        # A plain Queue run may be spilled (``documents.spill``), not a run of several keys (one order).
-        spills = not (replace or debounce or group is not None or entry.get("ks"))
+        # A plain Queue run may be spilled (``documents.spill``), of one key or of several (those take their
+        # keys one at a time, ``key_set``), not a Replace run (of a set of keys, waiting on all of them).
+        spills = not (replace or debounce or group is not None or (entry.get("ks") and entry.get("g")))
         size, most = entry_bytes(entry), SPILL_MESSAGE_LIMIT if spills else PARK_BUDGET
         if size > most:  # (the command itself would pass MongoDB's limit; a spilled run must fit alone)
             raise MessageTooLarge(key, size, most)

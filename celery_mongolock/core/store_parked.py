@@ -56,6 +56,11 @@ class ParkedRuns:
         (``QueueUpkeep.keys_state``)."""
         return self.queue.keys_state(entry)
 
+    def keys_places(self, entry: Mapping[str, Any]) -> builtins.list[tuple[str, str]]:
+        """Where the multi-key run ``entry`` is on each of its keys, in key order: ``(key, place)``
+        (``QueueUpkeep.keys_places``)."""
+        return self.queue.keys_places(entry)
+
     def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
         """Lease documents with parked runs, a pending handoff or results to write: the sweeper's list
         (``QueueUpkeep.waiting_keys``)."""

@@ -262,58 +262,77 @@ class QueueUpkeep:
         """Where the multi-key run ``entry`` stands on its keys (one read): ``ready`` (every key reserved
         for it), ``waiting`` (parked or reserved on each), or ``missing`` (absent from some key: its
         worker died between its admits and nothing brought its message back)."""
+        places = [place for _, place in self.keys_places(entry)]
+        if places and all(p == "reserved" for p in places):
+            return "ready"
+        return "waiting" if places and all(p in ("reserved", "parked") for p in places) else "missing"
+
+    def keys_places(self, entry: Mapping[str, Any]) -> builtins.list[tuple[str, str]]:
+        """Where the multi-key run ``entry`` is on each of its keys (``ks``, in order), from one read:
+        ``reserved`` (the key or a slot handed or reserved to it, not yet claimed), ``parked`` (in the
+        key's window), ``held`` (the key or a slot held by a worker of the run: an attempt under way, or
+        its body), ``dead`` (timed out there, its result not yet written) or ``absent`` (none of these:
+        not there, or spilled beyond the window: ``Spill.waits``), with each key as stored."""
         keys = [normalize_key(k) for k in entry.get("ks") or []]
         if not keys:
-            return "missing"
-        ident = {"$literal": entry.get("id")}
+            return []
+        ident, token = {"$literal": entry.get("id")}, {"$literal": entry.get("tk")}
+        task_id = {"$literal": entry.get("t")}
+        slots = {"$ifNull": ["$hs", []]}
+
+        def any_slot(cond: Document) -> Document:
+            return {"$anyElementTrue": [{"$map": {"input": slots, "as": "h", "in": cond}}]}
+
+        reserved = {
+            "$or": [
+                {"$and": [{"$eq": ["$ho.id", ident]}, {"$eq": ["$owner", token]}]},
+                # a slot of a limit=N key reserved for it (``slot_reserve``)
+                any_slot({"$and": [{"$eq": ["$$h.ho.id", ident]}, {"$eq": ["$$h.o", token]}]}),
+            ]
+        }
+        no_handoff = {"$eq": [{"$ifNull": ["$ho", None]}, None]}
+        held = {
+            "$or": [
+                {
+                    "$and": [
+                        {"$ne": [{"$ifNull": ["$owner", None]}, None]},
+                        no_handoff,
+                        {"$eq": ["$holder.task_id", task_id]},
+                    ]
+                },
+                any_slot(
+                    {
+                        "$and": [
+                            {"$eq": [{"$ifNull": ["$$h.ho", None]}, None]},
+                            {"$eq": ["$$h.h.task_id", task_id]},
+                        ]
+                    }
+                ),
+            ]
+        }
+
+        def listed(field: str) -> Document:
+            return {"$in": [ident, {"$map": {"input": {"$ifNull": [field, []]}, "as": "e", "in": "$$e.id"}}]}
+
+        place = {
+            "$switch": {
+                "branches": [
+                    {"case": reserved, "then": "reserved"},
+                    {"case": listed("$q"), "then": "parked"},
+                    {"case": held, "then": "held"},
+                    {"case": listed("$dead"), "then": "dead"},
+                ],
+                "default": "absent",
+            }
+        }
         pipeline: builtins.list[Document] = [
             {"$match": {"_id": {"$in": keys}}},
-            {
-                "$project": {
-                    "reserved": {
-                        "$or": [
-                            {
-                                "$and": [
-                                    {"$eq": ["$ho.id", ident]},
-                                    {"$eq": ["$owner", {"$literal": entry.get("tk")}]},
-                                ]
-                            },
-                            # a slot of a limit=N key reserved for it (``slot_reserve``)
-                            {
-                                "$anyElementTrue": [
-                                    {
-                                        "$map": {
-                                            "input": {"$ifNull": ["$hs", []]},
-                                            "as": "h",
-                                            "in": {
-                                                "$and": [
-                                                    {"$eq": ["$$h.ho.id", ident]},
-                                                    {"$eq": ["$$h.o", {"$literal": entry.get("tk")}]},
-                                                ]
-                                            },
-                                        }
-                                    }
-                                ]
-                            },
-                        ]
-                    },
-                    "parked": {
-                        "$in": [
-                            ident,
-                            {"$map": {"input": {"$ifNull": ["$q", []]}, "as": "e", "in": "$$e.id"}},
-                        ]
-                    },
-                }
-            },
+            {"$project": {"place": place}},
         ]
         connection = self.store.connection
         with connection.operation(f"read the keys of {entry.get('t')}"):
-            docs = builtins.list(connection.collection.aggregate(pipeline))
-        reserved = {d["_id"] for d in docs if d.get("reserved")}
-        present = reserved | {d["_id"] for d in docs if d.get("parked")}
-        if reserved == set(keys):
-            return "ready"
-        return "waiting" if present == set(keys) else "missing"
+            docs = {d["_id"]: str(d.get("place")) for d in connection.collection.aggregate(pipeline)}
+        return [(key, docs.get(key, "absent")) for key in keys]
 
     # -- the sweeper ---------------------------------------------------------------------------------
     def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:

@@ -186,6 +186,13 @@ class Spill:
             coll.delete_one({"_id": other["_id"], "k": key, "rid": doc["rid"]})
         return None
 
+    def waits(self, key: str, task_id: str) -> bool:
+        """Whether a run of ``task_id`` is spilled beyond the window of ``key`` and waits there to be
+        refilled (two point reads: the run by ``(k, rid)``, then the key's lanes)."""
+        with self.store.connection.operation(f"look for a spilled run of {key!r}"):
+            stored = self.collection.find_one({"k": key, "rid": task_id}, {"r": 1, "ep": 1, "n": 1, "x": 1})
+            return stored is not None and not stored.get("x") and self._waiting(key, stored)
+
     def _waiting(self, key: str, stored: Mapping[str, Any]) -> bool:
         """The spilled run ``stored`` is under a number its lane has not passed (it waits to be refilled)."""
         current = self.store.connection.collection.find_one({"_id": key}, {"sp": 1})
@@ -321,7 +328,17 @@ class Spill:
         with connection.operation(f"refill the parked runs of {key!r}"):
             read_now: list[Document] = [
                 {"$match": {"_id": key}},
-                {"$project": {"sp": 1, "q.pr": 1, "q.ks": 1, "owner": 1, "hs.o": 1, "__now": "$$NOW"}},
+                {
+                    "$project": {
+                        "sp": 1,
+                        "q.pr": 1,
+                        "q.ks": 1,
+                        "q.g": 1,
+                        "owner": 1,
+                        "hs.o": 1,
+                        "__now": "$$NOW",
+                    }
+                },
             ]
             current = next(iter(connection.collection.aggregate(read_now)), None)
             lane = next((la for la in lanes.lanes_of(current) if la.rank == rank), None)

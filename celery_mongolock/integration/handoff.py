@@ -347,6 +347,36 @@ def publish_again(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseS
     publish_patiently(app, signature, headers=headers)
 
 
+def stepwise(entry: Mapping[str, Any]) -> bool:
+    """A run of several keys that takes them one at a time, in key order (a ``Queue`` run of ``keys=``;
+    ``key_set.KeySetAdmits.stepwise``); a ``Replace`` run of a set (``g``) waits on all of them at once."""
+    return bool(entry.get("ks")) and entry.get("g") is None
+
+
+def moves_on(store: LeaseStore, entry: Mapping[str, Any]) -> bool:
+    """Whether the stepwise run ``entry``, just handed a key, is published now (one read of its keys,
+    and of the spill when it is not found on the first key it has not got):
+
+    * every key reserved for it: it runs (its message claims them all);
+    * the first key not reserved for it is absent (not parked there, not spilled there): its message
+      takes that key or parks it there, and the ones after, in order (``KeySetAdmits.claim_all``);
+    * it waits on that key (parked, or spilled) but holds a reservation on a later key (a place left
+      by an earlier attempt, or a reservation that lapsed and went on): its message leaves the later
+      keys, so that it never holds a later key while it waits for an earlier one;
+    * else (it waits on that key and holds nothing after it; a worker of it is taking the key now; it
+      timed out there, and whoever ends it leaves its other keys) nothing is published."""
+    places = store.keys_places(entry)
+    for index, (key, place) in enumerate(places):
+        if place == "reserved":
+            continue
+        if place in ("held", "dead"):
+            return False
+        if place == "absent" and not store.spill.waits(key, str(entry.get("t"))):
+            return True
+        return any(later == "reserved" for _, later in places[index + 1 :])
+    return True
+
+
 _installed: weakref.WeakSet[LeaseStore] = weakref.WeakSet()
 
 
@@ -360,7 +390,11 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
         owner = app_ref()
         if owner is None:
             return
-        if entry.get("ks"):
+        if stepwise(entry):
+            if not moves_on(store, entry):
+                log.debug("%r reserved for %s, which waits for its next key", key, entry.get("t"))
+                return
+        elif entry.get("ks"):
             # A run that needs several keys: published once all of them are reserved for it (whoever
             # reserves the last one publishes it).
             state = store.keys_state(entry)

@@ -51,6 +51,7 @@ class KeySetAdmits:
         limits: Mapping[str, int | None],
         debounced_copy: bool,
         several: bool,
+        fresh: bool = False,
     ) -> None:
         self.task = task
         self.store = store
@@ -71,6 +72,16 @@ class KeySetAdmits:
         #: When (``time.monotonic()``) its entry is due on the key where it is due latest: a
         #: ``Replace(debounce=...)`` run's delayed copy comes back then (``max_wait`` may make it sooner).
         self.due_at: float | None = None
+        #: A ``Queue`` run of several keys takes them **one at a time, in key order**: it waits on at most
+        #: one key, the first it has not got, holding reservations on the keys before it only (ordered
+        #: resource acquisition: no cycle of waits). Its place on a key is where it arrived there, so it
+        #: may be spilled beyond the key's window like a run of one key. (A ``Replace`` run of a set waits
+        #: on every key of its set at once: a newer send of the set must find it on each.)
+        self.stepwise = several and not isinstance(policy, Replace)
+        #: The key this run waits on (stepwise), once an attempt parked it there.
+        self.waits_on: str | None = None
+        #: The run's first message (not a copy, a handoff or a delayed copy): it is on no key yet.
+        self.fresh = fresh
 
     def admit(self, key: str, claim: str | None) -> Admission:
         """One admit of this run's entry on ``key`` (one ``findAndModify``)."""
@@ -161,10 +172,18 @@ class KeySetAdmits:
         try:
             for key in self.keys:
                 admission = self.admit(key, claim)
+                if self.stepwise and admission.outcome is AdmitOutcome.STALE:
+                    # Not handed to it here: the keys before are, and this is the next it needs (it was
+                    # handed the one before while it waited there). Admitted there as any run.
+                    admission = self.admit(key, None)
                 if admission.lease is not None:
                     claimed.append(admission.lease)
                     continue
                 outcome = admission.outcome
+                if self.stepwise and outcome in (AdmitOutcome.PARKED, AdmitOutcome.WAITING):
+                    blocked = self._waits(key, claimed)
+                    claimed = []
+                    return (None, admission, key) if blocked is None else (None, blocked[1], blocked[0])
                 if outcome in (AdmitOutcome.RUNNING, AdmitOutcome.RETRIED, AdmitOutcome.SUPERSEDED):
                     # (RETRIED: a later attempt carries the task on; SUPERSEDED: a newer send of its set
                     # does: this one keeps no key.)
@@ -183,6 +202,25 @@ class KeySetAdmits:
             raise
         return claimed, None, ""
 
+    def _waits(self, key: str, taken: list[Lease]) -> tuple[str, Admission] | None:
+        """A stepwise run waits on ``key``: the keys before it that it got become reservations for it, and
+        it leaves the keys after it (a place or a reservation left there by an earlier attempt or layout:
+        it never holds a later key while it waits for an earlier one). ``(key, admission)`` when it cannot
+        keep a reservation (``reserve_all``): it then left every key."""
+        self.waits_on = key
+        blocked = self.reserve_all(taken)
+        if blocked is not None:
+            self.leave_all()
+            return blocked
+        if not self.fresh:
+            self.leave_after(key)
+        return None
+
+    def leave_after(self, key: str) -> None:
+        """Leave the keys after ``key`` (stepwise): this run's places and reservations there, if any."""
+        for later in self.keys[self.keys.index(key) + 1 :]:
+            self.store.unpark(later, self.entry["id"])
+
     def admit_each(self) -> tuple[list[Lease], tuple[str, Admission] | None]:
         """One attempt over every key: ``(leases, None)`` when all were taken; ``([], None)`` when the
         run is parked (or, with several keys, reserved) on each; otherwise the keys taken are given back,
@@ -196,9 +234,16 @@ class KeySetAdmits:
         try:
             for key in self.keys:
                 admission = self.admit(key, None)
+                if self.stepwise and admission.lease is None and admission.handed_to(str(self.entry["id"])):
+                    # Reserved for it already (its handoff was made, this is another message of it): claimed
+                    admission = self.admit(key, str(self.entry["tk"]))
                 if admission.lease is not None:
                     taken.append(admission.lease)
                     continue
+                if self.stepwise and admission.outcome in waits:
+                    blocked = self._waits(key, taken)
+                    taken = []
+                    return [], blocked
                 if admission.outcome in waits:
                     waiting = True
                     continue

@@ -159,6 +159,7 @@ class QueuedRun:
             limits=limits or {},
             debounced_copy=self.debounced_copy,
             several=self.several,
+            fresh=fresh,
         )
 
     def take(self) -> list[Lease] | Outcome:
@@ -237,7 +238,7 @@ class QueuedRun:
             holder = dict(refused.holder)
             signals.lease_contended.send(sender=task, key=key, holder=holder, policy=self.policy.name)
             return self._superseded(key, refused)
-        if outcome is AdmitOutcome.WAITING:  # waiting again on that key: published when ready
+        if outcome in (AdmitOutcome.WAITING, AdmitOutcome.PARKED):  # waits on that key: published when ready
             self._parked()
         if outcome is AdmitOutcome.RETRIED:
             copy_of_a_retried_attempt(task, key, self.entry)
@@ -349,7 +350,12 @@ class QueuedRun:
         last reservation (here if that was this attempt); a run of one key, by whoever hands it the key."""
         task, keys, entry, store, policy = self.task, self.keys, self.entry, self.store, self.policy
         self.admits.write_superseded()
-        if self.several and store.reserved_for_all(entry):
+        if self.admits.stepwise:
+            # Handed the key it waits on meanwhile (its release came before the keys before it were
+            # reserved here): nobody else moves it on.
+            if _queue.moves_on(store, entry):
+                _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
+        elif self.several and store.reserved_for_all(entry):
             _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
         debounce = policy.debounce if isinstance(policy, Replace) else 0.0
         if debounce and not self.debounced_copy and not (self.several and self.claim):
@@ -385,6 +391,19 @@ class QueuedRun:
 
     def _says_it_waits_for_all(self) -> NoReturn:
         task, keys, entry = self.task, self.keys, self.entry
+        on = self.admits.waits_on
+        if self.admits.stepwise and on is not None:
+            signals.run_parked.send(sender=task, key=on, task_id=entry["t"], position=0, stamp=self.stamp)
+            log_acquire.info(
+                "%s[%s]: waits for %r, the first of %s it has not got (no worker slot held; the keys before "
+                "it are reserved for it): it takes the others in key order, then starts",
+                task.name,
+                entry["t"],
+                on,
+                keys,
+            )
+            ignored_as(entry["t"], f"waits for {on!r}, not dropped: it starts once it has all of {keys}")
+            raise Ignore()
         signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=self.stamp)
         log_acquire.info(
             "%s[%s]: waits for %s (parked or reserved on each, no worker slot held): it starts once every "

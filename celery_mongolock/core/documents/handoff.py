@@ -36,7 +36,16 @@ _NOW_MS: Document = {"$toLong": "$$NOW"}
 _Q: Document = {"$ifNull": ["$q", []]}
 #: What a release's reply carries: enough to publish a handoff it made.
 #: (And the lanes of spilled runs with the window's ranks, ``lanes.SPILL_PROJECTION``: whether to refill.)
-HANDOFF_PROJECTION: Document = {"ho": 1, "owner": 1, "fence": 1, "sup": 1, "sp": 1, "q.pr": 1, "q.ks": 1}
+HANDOFF_PROJECTION: Document = {
+    "ho": 1,
+    "owner": 1,
+    "fence": 1,
+    "sup": 1,
+    "sp": 1,
+    "q.pr": 1,
+    "q.ks": 1,
+    "q.g": 1,
+}
 
 
 def admit_marker(token: str) -> str:

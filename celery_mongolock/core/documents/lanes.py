@@ -59,7 +59,7 @@ _SP: Document = {"$ifNull": ["$sp", []]}
 SPILL_SUFFIX = ".parked"
 #: What a reply needs to tell whether a lane runs low (``low_lanes``): the lanes, and each window
 #: entry's rank and whether it is a run of several keys.
-SPILL_PROJECTION: Document = {"sp": 1, "q.pr": 1, "q.ks": 1}
+SPILL_PROJECTION: Document = {"sp": 1, "q.pr": 1, "q.ks": 1, "q.g": 1}
 
 
 def spill_id(key: str, rank: int, epoch: int, number: int) -> str:
@@ -110,8 +110,15 @@ def spilled_before(rank: object) -> Document:
 
 
 def _single(e: str) -> Document:
-    """Entry ``e`` is a run of one key (no ``ks``)."""
-    return {"$eq": [{"$ifNull": [f"{e}.ks", None]}, None]}
+    """Entry ``e`` takes its place as a run of one key does: a run of one key (no ``ks``), or a ``Queue``
+    run of several keys, which takes them one at a time (no set signature ``g``: it may be spilled, and
+    is never held back). Only a ``Replace`` run of a set waits on every key of it in send order."""
+    return {
+        "$or": [
+            {"$eq": [{"$ifNull": [f"{e}.ks", None]}, None]},
+            {"$eq": [{"$ifNull": [f"{e}.g", None]}, None]},
+        ]
+    }
 
 
 def spill_bars(q: object = _Q) -> Document:
@@ -276,7 +283,7 @@ def lanes_of(doc: Mapping[str, Any] | None) -> list[Lane]:
     for e in doc.get("q") or []:
         # (runs of several keys are not counted: they park past the window, and one held back there,
         # ``held_back``, waits for the refill that this count decides)
-        if isinstance(e, Mapping) and e.get("ks") is None:
+        if isinstance(e, Mapping) and (e.get("ks") is None or e.get("g") is None):
             rank = int(e.get("pr") or 0)
             counts[rank] = counts.get(rank, 0) + 1
     lanes = []
