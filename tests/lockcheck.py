@@ -2946,7 +2946,9 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
     * **Replace.** A superseded run names a newer send of its key (``superseded-by-older``
       otherwise), and never gets the key after a newer Replace run got it (``replace-order``).
     * **Queue on ``limit=N`` keys and on several keys** (``LIMIT_QUEUE_TASK``, ``MULTI_QUEUE_TASK``): the
-      same rules per (run, key). A slot handed to a parked run is a grant with that slot's fence
+      same rules per (run, key), from the run's arrival on the key (a run of several keys takes its keys
+      one at a time: it parks on a key once it has the ones before; a run that left a key, ``left``,
+      is not judged there). A slot handed to a parked run is a grant with that slot's fence
       (``handoff`` with ``slot``; ``handed_slots`` in an admission's reply or, ``handed-seen``, in a
       published handoff's reply: a handoff nobody published, e.g. a bare client's release or a lost
       lease's background release, shows there until claimed or handed again); the key's fence rises with
@@ -2988,6 +2990,15 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
             first_park[at] = min(first_park.get(at, int(ev["fence"])), int(ev["fence"]))
             if at not in park_events or float(ev.get("t", 0.0)) < float(park_events[at].get("t", 0.0)):
                 park_events[at] = ev
+
+    # A run of several keys that waits on a key leaves the keys after it (a place left there by an earlier
+    # attempt, or a reservation that lapsed and went on: ``key_set.leave_after``): its turn there ends.
+    left = {
+        (str(ev.get("task_id")), str(k))
+        for ev in history.events
+        if ev.get("ev") == "left"
+        for k in ev.get("keys") or []
+    }
 
     def spilled_behind(task_id: str, other_id: str, key: str) -> bool:
         """The run ``task_id`` was spilled beyond the key's window, and ``other_id`` was parked there
@@ -3089,6 +3100,7 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                     task.get("task") not in ordered
                     or key not in task_keys(task)
                     or (task_id, key) not in first_park
+                    or (task_id, key) in left
                 ):
                     continue
                 parked, granted = first_park[task_id, key], first_grant.get((task_id, key))

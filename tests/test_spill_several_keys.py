@@ -1,11 +1,12 @@
 """Deep queues and runs of a ``Replace`` set of keys, in the lease store on the embedded server (no Celery):
 such a run (``ks`` and its set's signature ``g``) waits on every key of its set at once and is never
-spilled, so it may park in the window while older runs of one key of its rank are still spilled (their refill not done yet: a worker stopped before it, or it is under way). It is
-then held back (``lanes.held_back``): the key, or a free slot, goes to those older runs first (the lock-set
-checker's Redis seed 48: a run of several keys sent later got a slot of a ``limit=3`` key before a run
-spilled before it). It is never starved: once a refill passed its send stamp, or the lane is empty, it is
-handed its turn; and a key or slot never idles for it while a run behind it may go. (A ``Queue`` run of
-several keys takes them one at a time and is spilled like a run of one key: ``test_stepwise_keys``.)"""
+spilled, so it may park in the window while older runs of one key of its rank are still spilled (their
+refill not done yet: a worker stopped before it, or it is under way). It is then held back
+(``lanes.held_back``): the key, or a free slot, goes to those older runs first (the lock-set checker's
+Redis seed 48: a run of several keys sent later got a slot of a ``limit=3`` key before a run spilled
+before it). It is never starved: once a refill passed its send stamp, or the lane is empty, it is handed
+its turn; and a key or slot never idles for it while a run behind it may go. (A ``Queue`` run of several
+keys takes them one at a time and is spilled like a run of one key: ``test_stepwise_keys``.)"""
 
 from __future__ import annotations
 

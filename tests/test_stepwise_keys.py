@@ -1,0 +1,232 @@
+"""Deep queues of ``Queue`` runs of several keys (``keys=``): such a run takes its keys one at a time, in
+key order, and waits on at most one of them, the first it has not got, holding reservations on the keys
+before it only (ordered resource acquisition: no cycle of waits can form). Its place on a key is where it
+arrived there, so it is spilled beyond the key's window like a run of one key: no cap of the lease
+document on how many runs of several keys wait on a key.
+
+With real ``celery worker`` processes (prefork) on each broker in turn (Redis, then RabbitMQ), whose
+workers keep 2 parked runs in a key's lease document (``integration_app``): every run beyond them is
+spilled; and in the lease store (no Celery) for the rules a handoff follows."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+
+from celery_mongolock import LeaseStore
+from celery_mongolock.integration import handoff as _queue
+
+from . import integration_app as it
+from .servers import RedisServer, wait_for
+from .test_admission_store import entry
+from .test_integration import Cluster, running_cluster
+
+WINDOW = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    with running_cluster("sk", broker_url, redis_server.url, mongo_url, tmp_path_factory) as c:
+        yield c
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def parked(cluster: Cluster, key: str) -> list[str]:
+    """The task ids parked on ``key``, next first: its lease document's window, then its spilled runs."""
+    doc = cluster.store.collection.find_one({"_id": key}) or {}
+    spilled = cluster.store.spill.collection.find({"k": key, "x": {"$ne": True}}, {"e.t": 1})
+    return [e["t"] for e in doc.get("q") or []] + [
+        d["e"]["t"] for d in sorted(spilled, key=lambda d: d["_id"])
+    ]
+
+
+def spilled_count(cluster: Cluster, key: str) -> int:
+    return int(cluster.store.spill.collection.count_documents({"k": key, "x": {"$ne": True}}))
+
+
+def reserved_for(cluster: Cluster, key: str) -> str | None:
+    doc = cluster.store.collection.find_one({"_id": key}) or {}
+    return (doc.get("ho") or {}).get("t")
+
+
+def _parked_as(cluster: Cluster, key: str, task_ids: list[str]) -> bool:
+    return parked(cluster, key) == task_ids
+
+
+def _starts(cluster: Cluster, tags: list[str]) -> list[str]:
+    runs = [r for r in cluster.runs(kind="start") if r["tag"] in tags]
+    return [r["tag"] for r in sorted(runs, key=lambda r: r["t"])]
+
+
+def _no_overlap(cluster: Cluster, tags: list[str]) -> None:
+    holds: dict[str, list[tuple[float, float, str]]] = {}
+    for t in tags:
+        [start] = cluster.runs(t, "start")  # (each body ran once)
+        [end] = cluster.runs(t, "end")
+        assert sorted(start["fences"]) == start["keys"], "the body ran holding every key"
+        for key in start["keys"]:
+            holds.setdefault(str(key), []).append((start["mono"], end["mono"], t))
+    for key, spans in holds.items():
+        for (_, e1, t1), (s2, _, t2) in itertools.pairwise(sorted(spans)):
+            assert e1 <= s2, f"{t1} and {t2} held {key} at once"
+
+
+@pytest.mark.slow
+def test_runs_of_several_keys_queue_deep_on_their_first_key_and_run_in_send_order(cluster: Cluster) -> None:
+    """Runs of the same keys (a, b), b held: the first takes a, waits on b with a reserved for it; every
+    later one waits on a, beyond the window spilled. Each runs once, one at a time, in send order."""
+    suffix = tag()
+    a, b = f"a{suffix}", f"b{suffix}"
+    key_a, key_b = f"resource:{a}", f"resource:{b}"
+    blocker = cluster.store.acquire(key_b, 600)
+    assert blocker is not None
+    tags = [tag() for _ in range(8)]
+    results = [it.merge_queued.delay(a, b, tags[0], 0.1)]
+    wait_for(lambda: results[0].id in parked(cluster, key_b), timeout=60, message="the first to wait on b")
+    assert reserved_for(cluster, key_a) == results[0].id
+    for t in tags[1:]:  # each sent once the one before waits (so that send order is arrival order)
+        results.append(it.merge_queued.delay(a, b, t, 0.1))
+        sent = [r.id for r in results[1:]]
+        wait_for(partial(_parked_as, cluster, key_a, sent), timeout=60, message=f"{t} to wait on a")
+    # They wait on a only (parked on one key at a time), beyond the window spilled.
+    assert parked(cluster, key_b) == [results[0].id]
+    assert spilled_count(cluster, key_a) == len(tags) - 1 - WINDOW
+    blocker.release()
+    keys = sorted([key_a, key_b])
+    assert [r.get(timeout=120) for r in results] == [keys] * len(tags)
+    assert _starts(cluster, tags) == tags
+    _no_overlap(cluster, tags)
+    for key in keys:
+        info = cluster.store.inspect(key)
+        assert info is None or not (info.held or info.parked or info.handoff), info
+
+
+@pytest.mark.slow
+def test_runs_of_several_keys_queue_deep_on_a_later_key_each_holding_only_its_first(cluster: Cluster) -> None:
+    """The multi-tenant shape: runs (x_i, b) with a different first key each, b held. Each takes its own
+    x_i (reserved for it) and waits on b, beyond the window spilled; each x_i stays free for nobody else
+    only while its run waits. They run once each, in the order they reached b."""
+    suffix = tag()
+    b = f"b{suffix}"  # (sorts after every "a...": b is each run's second key)
+    key_b = f"resource:{b}"
+    blocker = cluster.store.acquire(key_b, 600)
+    assert blocker is not None
+    firsts = [f"a{i}{suffix}" for i in range(8)]
+    tags = [tag() for _ in firsts]
+    results = []
+    for x, t in zip(firsts, tags, strict=True):
+        results.append(it.merge_queued.delay(x, b, t, 0.1))
+        sent = [r.id for r in results]
+        wait_for(partial(_parked_as, cluster, key_b, sent), timeout=60, message=f"{t} to wait on b")
+    assert spilled_count(cluster, key_b) == len(tags) - WINDOW
+    for x, r in zip(firsts, results, strict=True):
+        assert reserved_for(cluster, f"resource:{x}") == r.id
+    # A run of one key sent now on a reserved first key waits behind the run it is reserved for.
+    single = tag()
+    r_single = it.queued.delay(firsts[0], single, 0.05)
+    wait_for(
+        lambda: parked(cluster, f"resource:{firsts[0]}") == [r_single.id],
+        timeout=60,
+        message="the run of one key to wait",
+    )
+    blocker.release()
+    for x, r in zip(firsts, results, strict=True):
+        assert r.get(timeout=120) == sorted([f"resource:{x}", key_b])
+    assert r_single.get(timeout=60) == single
+    assert _starts(cluster, tags) == tags
+    _no_overlap(cluster, tags)
+    [single_start] = cluster.runs(single, "start")
+    assert single_start["mono"] >= cluster.runs(tags[0], "end")[0]["mono"]
+
+
+@pytest.mark.slow
+def test_crossing_runs_of_several_keys_all_run_once_and_never_overlap(cluster: Cluster) -> None:
+    """A burst over pairs and triples of four keys, sent at once in every order, beside runs of one key:
+    whatever the order they reach their keys, none waits for ever (no cycle), none runs twice, and no
+    two hold a key at once."""
+    a, b, c, d = (f"{n}{tag()}" for n in "abcd")
+    sets = [(a, b), (b, a), (c, d), (d, b), (a, c), (c, b), (b, d), (d, a), (a, b), (c, a)]
+    tags = [tag() for _ in sets]
+    results = [it.merge_queued.delay(x, y, t, 0.05) for (x, y), t in zip(sets, tags, strict=True)]
+    singles = [tag() for _ in range(4)]
+    r_singles = [it.queued.delay(k, t, 0.05) for k, t in zip((a, b, c, d), singles, strict=True)]
+    for (x, y), r in zip(sets, results, strict=True):
+        assert r.get(timeout=180) == sorted([f"resource:{x}", f"resource:{y}"])
+    assert [r.get(timeout=60) for r in r_singles] == singles
+    _no_overlap(cluster, tags)
+    for k in (a, b, c, d):
+        info = cluster.store.inspect(f"resource:{k}")
+        assert info is None or not (info.held or info.parked or info.handoff), info
+
+
+# -- in the lease store ---------------------------------------------------------------------------------
+A, B = "stepwise:a", "stepwise:b"
+
+
+@pytest.fixture
+def deep(make_store: Any) -> LeaseStore:
+    return make_store(lease_seconds=30, parked_window=WINDOW)  # type: ignore[no-any-return]
+
+
+def several(stamp: int, *, group: str | None = None) -> dict[str, Any]:
+    e = {**entry(stamp), "ks": [A, B], "tk": f"tk-{stamp}"}
+    if group is not None:
+        e["g"] = group
+    return e
+
+
+def test_a_queue_run_of_several_keys_is_spilled_and_a_replace_run_of_a_set_is_not(deep: LeaseStore) -> None:
+    holder = deep.acquire(A, 60)
+    assert holder is not None
+    outcomes = [deep.admit(A, several(stamp))[1]["lo"] for stamp in range(1, 5)]
+    assert outcomes == ["parked"] * 4
+    assert deep.spill.collection.count_documents({"k": A}) == 4 - WINDOW
+    outcome = deep.admit(A, several(9, group="ks:set"), replace=True, group="ks:set")[1]["lo"]
+    assert outcome == "parked"
+    assert deep.spill.collection.count_documents({"k": A}) == 4 - WINDOW  # (in the document)
+
+
+def test_where_a_run_of_several_keys_is_and_when_its_handoff_is_published(deep: LeaseStore) -> None:
+    """``keys_places`` and ``moves_on``: published when every key is reserved for it, or when the first it
+    has not got is one it is on nowhere (its message takes it, or parks it there); not while it waits on
+    that key (parked, or spilled) holding nothing after it, nor while a worker of it holds a key."""
+    run = several(5)
+    assert deep.keys_places(run) == [(A, "absent"), (B, "absent")]
+    assert _queue.moves_on(deep, run)
+    lease_a, _ = deep.admit(A, run)
+    assert lease_a is not None
+    assert [p for _, p in deep.keys_places(run)] == ["held", "absent"]
+    assert not _queue.moves_on(deep, run)  # (its worker is taking its keys)
+    holder_b = deep.acquire(B, 60)
+    assert holder_b is not None
+    assert deep.admit(B, run)[1]["lo"] == "parked"
+    assert deep.reserve(lease_a, run)
+    assert [p for _, p in deep.keys_places(run)] == ["reserved", "parked"]
+    assert not _queue.moves_on(deep, run)
+    holder_b.release()  # b is handed to it
+    assert [p for _, p in deep.keys_places(run)] == ["reserved", "reserved"]
+    assert _queue.moves_on(deep, run)
+    # Another run (a2, b2), spilled on b2 behind runs of one key: it waits there (the spill says so).
+    a2, b2 = A + "2", B + "2"
+    other = {**entry(6), "ks": [a2, b2], "tk": "tk-6"}
+    holder_b2 = deep.acquire(b2, 60)
+    assert holder_b2 is not None
+    for stamp in (1, 2, 3):
+        assert deep.admit(b2, entry(stamp))[1]["lo"] == "parked"
+    lease_a2, _ = deep.admit(a2, other)
+    assert lease_a2 is not None
+    assert deep.admit(b2, other)[1]["lo"] == "parked"
+    assert deep.reserve(lease_a2, other)
+    assert deep.spill.waits(b2, str(other["t"]))
+    assert [p for _, p in deep.keys_places(other)] == ["reserved", "absent"]
+    assert not _queue.moves_on(deep, other)
