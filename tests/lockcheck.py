@@ -3936,9 +3936,9 @@ def unmet_coverage(report: Doc) -> list[str]:
       ``QUEUE_BURST - 1`` pairs in which a newer send of a higher priority got the key first),
       ``Replace`` runs superseded, ``Queue`` runs of the ``limit=N`` key parked and handed slots,
       several-keys ``Queue`` runs parked on a key and handed both; the gate held all N slots at once;
-      once the ``limit=N`` burst waits, a run of several keys sent after it parks in that key's window,
-      younger than its spilled runs (``Run._held_back_send``): held back, it may get a slot only after
-      them, which the send-order check judges;
+      once the ``limit=N`` burst waits, a run of several keys sent after it reaches that key behind its
+      spilled runs and is spilled too (``Run._held_back_send``): it may get a slot only after them, which
+      the send-order check judges;
     - the per-key-limit burst (``Run._multi_limit_stages``): a gate holds its ``k`` key until every run of
       the burst has found it held (the workers' ``tcont`` events), then its ``l`` key's N slots until
       every run has found them full, then N - 1 slots until every run has ended: each run held a slot and
@@ -4017,8 +4017,8 @@ def unmet_coverage(report: Doc) -> list[str]:
     claim(spilled_limit, "the limit_queued burst spilled beyond the window", lq)
     hb = report.get("held_back_directed") or {}
     claim(
-        hb.get("spilled_older_runs", 0) >= LIMIT_BURST - PARKED_WINDOW,
-        "a run of several keys parked in the limit burst's window behind its spilled runs (held back)",
+        hb.get("spilled_older_runs", 0) >= LIMIT_BURST - PARKED_WINDOW and bool(hb.get("spilled_behind")),
+        "a run of several keys spilled behind the limit burst's spilled runs (one key at a time)",
         hb,
     )
     claim(max(lm["max_clean_holds_at_once"].values(), default=0) == LIMIT, f"{LIMIT} clean holds at once", lm)
@@ -5177,11 +5177,12 @@ class Run:
     def _held_back_send(self, key: str, ids: list[str]) -> list[str]:
         """Once every run of the limit burst waits on its ``l`` key (the gate holds all N slots: all but
         ``PARKED_WINDOW`` of them spilled beyond the window), one run of ``MULTI_LIMIT_QUEUE_TASK`` on that
-        key and a ``k`` key of its own: it parks in the window (a run of several keys is never spilled),
-        younger than the spilled runs, and must be held back until they got their slots
-        (``integration.lanes.held_back``); the send-order check judges it with them. By construction,
-        not timing: it is sent only after the burst waits, and its figure is read while the gate holds.
-        Returns its task id (none if it could not be sent)."""
+        key and a ``k`` key of its own: a run of several keys takes its keys one at a time and reaches the
+        ``l`` key behind the burst's spilled runs, so it is spilled too, and gets a slot after them (the
+        send-order check judges it with them). (Before the runs of several keys took their keys one at a
+        time, it parked in the window and was held back: ``integration.lanes.held_back``.) By
+        construction, not timing: it is sent only after the burst waits, and its place is read while the
+        gate holds. Returns its task id (none if it could not be sent)."""
         epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
         single = key_for(DIRECTED_KEY + 8, epoch)
         try:
@@ -5195,12 +5196,13 @@ class Run:
         if tid is None:
             return []
         try:
-            _wait(lambda: tid in self._parked_on(key), START_GUARD_S, f"{tid} to park on {key}", 0.2)
+            _wait(lambda: tid in self._waiting_on(key), START_GUARD_S, f"{tid} to wait on {key}", 0.2)
         except TimeoutError as exc:
             self.log(f"directed phase: {exc}")
             return [tid]
         spilled = [e for e in self._spilled(key) if e.get("t") in ids]
-        self.held_back_directed = {"run": tid, "spilled_older_runs": len(spilled)}
+        behind = tid in {str(e.get("t")) for e in self._spilled(key)}
+        self.held_back_directed = {"run": tid, "spilled_older_runs": len(spilled), "spilled_behind": behind}
         return [tid]
 
     def directed(self) -> None:

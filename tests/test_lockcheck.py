@@ -1086,6 +1086,7 @@ def _covered() -> dict[str, Any]:
         },
         "held_back_directed": {
             "run": "t-1", "spilled_older_runs": lockcheck.LIMIT_BURST - lockcheck.PARKED_WINDOW,
+            "spilled_behind": True,
         },
     }  # fmt: skip
 
@@ -1147,11 +1148,11 @@ def test_the_bounded_runs_coverage_claims() -> None:
         "the several-keys Replace bursts with a limit",
         "each newer send superseded its set's run parked for a slot",
     ]  # fmt: skip
-    unplaced = _covered()  # the run of several keys did not park behind the limit burst's spilled runs
-    unplaced["held_back_directed"] = {}
+    unplaced = _covered()  # the run of several keys was not spilled behind the limit burst's spilled runs
+    unplaced["held_back_directed"] = {**unplaced["held_back_directed"], "spilled_behind": False}
     unmet = [u.split(":")[0] for u in lockcheck.unmet_coverage(unplaced)]
     assert unmet == [
-        "a run of several keys parked in the limit burst's window behind its spilled runs (held back)"
+        "a run of several keys spilled behind the limit burst's spilled runs (one key at a time)"
     ]
     undying = _covered()
     undying["tasks"]["died_after_release"] = 0
