@@ -130,10 +130,11 @@ def test_max_length_is_exact(store: LeaseStore) -> None:
 def test_a_key_whose_document_cannot_take_another_message_is_full_not_unavailable(
     store: LeaseStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Runs of several keys (``keys=``) parked on a key share the key's document (16 MiB; 1 MiB here, as the
-    # embedded server breaks under load with documents near 16 MiB): messages of a 16th of it fill it after
-    # about 15; the next run is told "full" (its policy's then decides), never "MongoDB did not answer".
-    # (Plain Queue runs are spilled instead: tests/test_spill_store.py, test_spill_slots.py.)
+    # Replace runs of a set of keys (``keys=``, ``g``) parked on a key share the key's document (16 MiB; 1
+    # MiB here, as the embedded server breaks under load with documents near 16 MiB): messages of a 16th of
+    # it fill it after about 15; the next run is told "full" (its policy's then decides), never "MongoDB did
+    # not answer". (Queue runs, of one key or several, are spilled instead: tests/test_spill_store.py,
+    # test_spill_slots.py, test_stepwise_keys.py.)
     from celery_mongolock.core.documents import entries, spill
 
     budget = 2**20
@@ -142,7 +143,9 @@ def test_a_key_whose_document_cannot_take_another_message_is_full_not_unavailabl
     holders = [store.admit(KEY, entry(1000 + i), limit=2)[0] for i in range(2)]
     assert all(holders)
     big = b"x" * (budget // 16)
-    outcomes = [store.admit(KEY, entry(i, m=big, ks=[KEY, "b:1"]), limit=2)[1]["lo"] for i in range(18)]
+    outcomes = [
+        store.admit(KEY, entry(i, m=big, ks=[KEY, "b:1"], g="ks:set"), limit=2)[1]["lo"] for i in range(18)
+    ]
     assert outcomes[:14] == ["parked"] * 14 and outcomes[-1] == "full"
     assert set(outcomes) == {"parked", "full"} and outcomes.index("full") == outcomes.count("parked")
     assert len(parked(store)) == outcomes.count("parked")

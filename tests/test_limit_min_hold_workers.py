@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -101,36 +102,36 @@ def test_several_keys_with_a_limit_per_key_hold_every_key_for_the_window(cluster
 def test_queue_with_a_limit_per_key_on_several_keys_parks_reserves_and_runs_in_send_order(
     cluster: Cluster,
 ) -> None:
-    """``keys=("tenant:{tenant}", "group:{group}"), limit={"tenant:{tenant}": 2}, Queue()``: runs park on
-    the full tenant key and on a held group key, keep the group keys they got as reservations, and run
-    once they have both: at most 2 of the tenant at once, one of a group at once, in send order."""
+    """``keys=("tenant:{tenant}", "group:{group}"), limit={"tenant:{tenant}": 2}, Queue()``: a run takes
+    its keys one at a time in key order (``group:`` first): it waits on a held group key holding nothing,
+    or reserves its group key and waits on the full tenant key. Each runs once it has both: at most 2 of
+    the tenant at once, one of a group at once, the runs of a group in send order, and the tenant's slots
+    in the order the runs reached the tenant."""
     tenant, groups = tag(), [tag() for _ in range(3)]
     tkey = f"tenant:{tenant}"
     gate = [cluster.store.acquire(tkey, 60, limit=2) for _ in range(2)]
     gate.append(cluster.store.acquire(f"group:{groups[0]}", 60))
     assert all(lease is not None for lease in gate)
     sends = [(groups[0], tag()), (groups[1], tag()), (groups[0], tag()), (groups[2], tag())]
-    results = []
-    for group, t in sends:  # each parked on the tenant before the next is sent: the send order is known
+    results: list[Any] = []
+
+    def waiting(key: str, n: int) -> bool:
+        return len(parked(cluster, key)) == n
+
+    # Each sent once the one before waits where it must: the send order is known.
+    where = [(f"group:{groups[0]}", 1), (tkey, 1), (f"group:{groups[0]}", 2), (tkey, 2)]
+    for (group, t), (key, n) in zip(sends, where, strict=True):
         results.append(it.tenant_upload_queued.delay(tenant, group, t))
-        n = len(results)
-
-        def all_parked(n: int = n) -> bool:
-            return len(parked(cluster, tkey)) == n
-
-        wait_for(all_parked, timeout=60, message=f"{n} parked on the tenant")
+        wait_for(partial(waiting, key, n), timeout=60, message=f"{t} to wait on {key}")
 
     def reserved(group: str) -> list[str]:
         doc = cluster.store.collection.find_one({"_id": f"group:{group}"}) or {}
         return [str((doc.get("ho") or {}).get("t"))]
 
-    wait_for(
-        lambda: reserved(groups[1]) == [results[1].id] and reserved(groups[2]) == [results[3].id],
-        timeout=60,
-        message="the free group keys reserved for their runs",
-    )
+    assert reserved(groups[1]) == [results[1].id] and reserved(groups[2]) == [results[3].id]
     assert parked(cluster, f"group:{groups[0]}") == [results[0].id, results[2].id]
-    for lease in gate:
+    assert parked(cluster, tkey) == [results[1].id, results[3].id]  # (the runs of group 0 are not there)
+    for lease in gate:  # (the tenant's slots first: handed to the runs waiting there)
         assert lease is not None and lease.release()
     assert [r.get(timeout=180) for r in results] == [t for _, t in sends]
     spans = {}
@@ -145,8 +146,10 @@ def test_queue_with_a_limit_per_key_on_several_keys_parks_reserves_and_runs_in_s
     assert peak <= 2, f"{peak} runs of one tenant at once, limit 2"
     g0 = [spans[t] for g, t in sends if g == groups[0]]
     assert g0[0][1] <= g0[1][0], "two runs of one group overlapped"
-    taken = [spans[t][3]["acquired"][tkey].timestamp() for _, t in sends]
-    assert taken == sorted(taken), "the tenant's slots were not handed in send order"
+    order = [t for _, t in sorted(sends, key=lambda s: spans[s[1]][3]["acquired"][tkey].timestamp())]
+    tags = [t for _, t in sends]
+    assert set(order[:2]) == {tags[1], tags[3]}, "the runs waiting on the tenant did not get its slots first"
+    assert order[2:] == [tags[0], tags[2]], "the runs of group 0 did not reach the tenant in send order"
     for key in [tkey] + [f"group:{g}" for g in groups]:
         info = cluster.store.inspect(key)
         assert info is None or not (info.held or info.parked or info.handoff), key
