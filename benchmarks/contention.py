@@ -461,10 +461,19 @@ def summarize(batches: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- the store alone: many runs parked on one key ----------------------------------------------------------
 def parked_store(
-    url: str, database: str, sizes: list[int], samples: int, seed: int, *, limit: int | None = None
+    url: str,
+    database: str,
+    sizes: list[int],
+    samples: int,
+    seed: int,
+    *,
+    limit: int | None = None,
+    several: bool = False,
 ) -> dict[str, Any]:
     """Park and hand over on one key that already has ``size`` runs parked, on ``LeaseStore`` alone.
     ``limit``: a ``limit=N`` key, every slot held (a release hands one slot, the run handed it claims it).
+    ``several``: the runs are ``Queue`` runs of two keys (``keys=``) waiting on this one, the second of
+    their keys (each entry names both, ``ks``), which take their keys one at a time and are spilled too.
 
     The queue is filled in one write (entries as ``admit`` makes them); then ``samples`` parks (a newer
     send: appended at the end) and ``samples`` handoffs (the holder's release hands the key to the oldest
@@ -540,6 +549,8 @@ def parked_store(
                 stamp += rng.randint(1, 1000)
                 e = message(i, stamp)
                 e.update(tk=uuid.uuid4().hex, ttl=3_600_000, at=now, dl=None)
+                if several:
+                    e["ks"] = [f"{key}:first-{i}", key]
                 entries.append(e)
             entry_bytes = len(bson.encode(entries[0])) if entries else 0
             # The first ``window`` runs in the lease document, the others spilled (``documents.spill``), as
@@ -581,7 +592,10 @@ def parked_store(
                 stamp += 1000
                 replies.clear()
                 t0 = time.perf_counter()
-                lease, doc = store.admit(key, message(size, stamp), ttl=3600, limit=limit)
+                run = message(size, stamp)
+                if several:
+                    run.update(ks=[f"{key}:first-{stamp}", key], tk=uuid.uuid4().hex)
+                lease, doc = store.admit(key, run, ttl=3600, limit=limit)
                 park.append(time.perf_counter() - t0)
                 park_reply.append(sum(b for _, b in replies))
                 if doc.get("lo") != "parked":
@@ -594,6 +608,8 @@ def parked_store(
                 t1 = time.perf_counter()
                 ho = handed_of(store.collection.find_one({"_id": key}, {"ho": 1, "hs": 1}))
                 entry = {k: ho[k] for k in ("id", "t", "n", "r", "s", "src", "th", "m", "ct", "ce", "tk")}
+                if several:
+                    entry["ks"] = ho["ks"]
                 t2 = time.perf_counter()
                 lease, doc = store.admit(key, entry, ttl=3600, claim=ho["tk"], limit=limit)
                 t3 = time.perf_counter()

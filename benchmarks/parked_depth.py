@@ -6,6 +6,7 @@ Run it from the repository root (after ``make venv``)::
     .venv/bin/python benchmarks/parked_depth.py                       # about 3 minutes
     .venv/bin/python benchmarks/parked_depth.py --sizes 100,10000 --samples 5
     .venv/bin/python benchmarks/parked_depth.py --limit 2     # a limit=2 key (parked_depth_limit.json)
+    .venv/bin/python benchmarks/parked_depth.py --several     # runs of two keys (parked_depth_keys.json)
 
 The lease store alone on the embedded server (or ``--mongo-url``), as ``contention.py``'s store part
 (``contention.parked_store``): each size's queue is filled as parking leaves it (the key's window of
@@ -62,10 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=20, help="parks and handoffs timed per size")
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--limit", type=int, default=None, help="a limit=N key, all its slots held")
+    parser.add_argument(
+        "--several", action="store_true", help="Queue runs of two keys (keys=) waiting on the key"
+    )
     parser.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     if args.out is None:
-        args.out = DEFAULT_OUT if args.limit is None else DEFAULT_OUT.with_name("parked_depth_limit.json")
+        name = "parked_depth.json" if args.limit is None else "parked_depth_limit.json"
+        args.out = (
+            DEFAULT_OUT.with_name("parked_depth_keys.json") if args.several else DEFAULT_OUT.with_name(name)
+        )
     sizes = sorted({int(s) for s in args.sizes.split(",") if int(s) > 0})
     if len(sizes) < 2 or args.samples < 1:
         parser.error("--sizes needs two sizes at least, --samples at least 1")
@@ -78,13 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         url = server.url
     try:
         result = contention.parked_store(
-            url, "bench_parked_depth", sizes, args.samples, args.seed, limit=args.limit
+            url, "bench_parked_depth", sizes, args.samples, args.seed, limit=args.limit, several=args.several
         )
     finally:
         if server is not None:
             server.stop()
     result["samples"] = args.samples
     result["limit"] = args.limit
+    result["several_keys"] = args.several
     result["targets"] = targets(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")

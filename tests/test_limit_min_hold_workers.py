@@ -128,7 +128,11 @@ def test_queue_with_a_limit_per_key_on_several_keys_parks_reserves_and_runs_in_s
         doc = cluster.store.collection.find_one({"_id": f"group:{group}"}) or {}
         return [str((doc.get("ho") or {}).get("t"))]
 
-    assert reserved(groups[1]) == [results[1].id] and reserved(groups[2]) == [results[3].id]
+    wait_for(  # (a run parks on the tenant, then turns the group key it took into a reservation)
+        lambda: reserved(groups[1]) == [results[1].id] and reserved(groups[2]) == [results[3].id],
+        timeout=60,
+        message="the free group keys reserved for their runs",
+    )
     assert parked(cluster, f"group:{groups[0]}") == [results[0].id, results[2].id]
     assert parked(cluster, tkey) == [results[1].id, results[3].id]  # (the runs of group 0 are not there)
     for lease in gate:  # (the tenant's slots first: handed to the runs waiting there)
