@@ -4607,6 +4607,8 @@ class Run:
         self.multi_limit_replace_directed: Doc = {}
         #: The run of several keys held back behind the limit burst's spilled runs (``_held_back_send``).
         self.held_back_directed: Doc = {}
+        #: The other keys of a directed burst of runs of several keys, by its gated key (``_burst``).
+        self.burst_keys: dict[str, list[str]] = {}
         self.directed_s = 0.0
         # The lingering holders of the directed cancel_running steps (``_cancel_directed_again``).
         self.cancel_lingering: str | None = None
@@ -5140,6 +5142,7 @@ class Run:
                 self._submit(MULTI_LIMIT_QUEUE_TASK, "", f"directed-mlq-{i}", keys=(slotted, single))
                 for i in range(n)
             ]
+            self.burst_keys[slotted] = [single]
             return slotted, gate, [t for t in ids if t]
         if kind == "multi":
             a, b = key_for(DIRECTED_KEY, epoch), key_for(DIRECTED_KEY + 1, epoch)
@@ -5148,6 +5151,7 @@ class Run:
                 self._submit(MULTI_QUEUE_TASK, "", f"directed-multi-{i}", keys=(a, b) if i % 2 else (b, a))
                 for i in range(n)
             ]
+            self.burst_keys[a] = [b]
             return a, gate, [t for t in ids if t]
         letter, name = {
             "queue": ("q", QUEUE_TASK),
@@ -5232,8 +5236,11 @@ class Run:
         for key, gate, ids in bursts:
 
             def waiting(key: str = key, ids: list[str] = ids) -> bool:
-                # A Replace run superseded by a newer send may have ended already: it waited there too.
-                return set(ids) <= self._waiting_on(key) | self._ended(ids)
+                # A Replace run superseded by a newer send may have ended already: it waited there too. A
+                # run of several keys waits on one of them at a time: the first it has not got (the others
+                # of its burst wait behind the one that reserved it).
+                on = set().union(*(self._waiting_on(k) for k in [key, *self.burst_keys.get(key, [])]))
+                return set(ids) <= on | self._ended(ids)
 
             try:
                 _wait(waiting, START_GUARD_S, f"the burst on {key} to wait behind the gate", interval=0.2)

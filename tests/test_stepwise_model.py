@@ -1,0 +1,327 @@
+"""A model-based test of ``Queue`` runs of several keys, which take their keys one at a time in key order
+(issue 28: deep queues for runs of several keys; ``integration.key_set``).
+
+A hypothesis ``RuleBasedStateMachine`` drives the real admission of a worker (``QueuedRun.take``, in
+this process, on the embedded server) with runs of two or three of four keys, whose messages it holds
+itself as a broker would: it sends runs, delivers any waiting message in any order (a handoff, a fresh
+send, or a copy of one delivered again), ends running bodies (their releases hand the keys on and
+publish the next runs' messages, which join the waiting ones), and lets reservations lapse as a sweeper
+finds them (the key handed again). A key's window holds 2 parked runs, so the others are spilled.
+
+After every step: no key is held by two running bodies; no body runs twice; and a run that waits on a
+key never holds a reservation on a key after it unless a message of it is on its way (its worker then
+gives the later key back): the order that makes a cycle of waits impossible. At the end of each example
+the machine drains (delivers every message, ends every body, and lets reservations lapse while nothing
+else moves): every run must then have run exactly once, within a bound of rounds, or it waited for ever.
+
+``MONGOLOCK_MODEL_EXAMPLES`` (default 12) sets the number of examples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import Ignore, Retry
+from celery.signals import before_task_publish
+from hypothesis import HealthCheck, settings
+from hypothesis import event as _event
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from celery_mongolock import LeaseStore, Queue, singleton_task
+from celery_mongolock.config import get_store
+from celery_mongolock.core.lease import Lease
+from celery_mongolock.integration import handoff as _queue
+from celery_mongolock.integration.queued_run import QueuedRun
+
+EXAMPLES = int(os.environ.get("MONGOLOCK_MODEL_EXAMPLES", "12"))
+LETTERS = ("a", "b", "c", "d")
+#: Drain rounds before a run that has not run is judged stuck (a round ends the running bodies, or delivers
+#: messages until a body starts, or lets every reservation lapse when nothing else moves).
+DRAIN_ROUNDS = 1000
+#: Deliveries in one drain round before the messages are judged to keep coming for ever.
+DRAIN_DELIVERIES = 300
+
+
+def event(what: str) -> None:
+    """A hypothesis event (counted in ``--hypothesis-show-statistics``); none outside a hypothesis test."""
+    with contextlib.suppress(InvalidArgument):
+        _event(what)
+
+
+@dataclasses.dataclass
+class Run:
+    task_id: str
+    args: tuple[str, str, str]
+    keys: list[str]
+    bodies: int = 0
+    done: bool = False
+
+    @property
+    def entry(self) -> dict[str, Any]:
+        ident = f"{self.task_id}/0"
+        return {"id": ident, "t": self.task_id, "ks": self.keys, "tk": _queue.keys_token(ident, self.keys)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    task_id: str
+    headers: dict[str, Any]
+    redelivered: bool = False
+
+
+@pytest.fixture
+def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
+    app = Celery("stepwise_model", broker="memory://", backend="cache+memory://")
+    app.conf.update(
+        mongolock_url=mongo_url,
+        mongolock_database=db_name,
+        mongolock_lease_seconds=600.0,
+        mongolock_parked_window=2,
+    )
+    yield app
+    get_store(app).close()
+
+
+def test_runs_of_several_keys_match_their_model(app: Celery) -> None:
+    run_state_machine_as_test(
+        _machine(app),
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+
+
+def test_a_run_that_lost_an_earlier_key_gives_back_a_later_one(app: Celery) -> None:
+    """The directed case of the model: Y (a, b) takes a and waits on b, in b's window; X (a, b), sent
+    before Y but delivered after it, waits on a behind Y's reservation. Y's reservation of a lapses and a
+    goes to X (older), which takes it and waits on b, spilled behind Y (b's window is full). When b is
+    handed to Y, Y waits on a again: it gives b back (to X, which then runs) instead of holding b while it
+    waits for a, which X holds (a cycle of waits that only a lapse would break). (b's window holds 2: a
+    third run, sent last, fills it.)"""
+    machine = _machine(app)()
+    try:
+        holder = machine.sent(["b", "c"])
+        machine.deliver_run(holder)
+        assert holder in machine.running
+        older, younger, last = machine.sent(["a", "b"]), machine.sent(["a", "b"]), machine.sent(["b", "d"])
+        machine.deliver_run(younger)  # takes a, waits on b
+        machine.deliver_run(last)  # waits on b: b's window (2) is full
+        machine.deliver_run(older)  # waits on a, behind younger's reservation
+        assert machine.places(younger) == ["reserved", "parked"]
+        assert machine.places(older) == ["parked", "absent"]
+        machine.lapse("a")  # handed again in send order: to older
+        machine.deliver_run(older)  # claims a, waits on b: spilled behind younger and last
+        assert machine.places(older) == ["reserved", "absent"]
+        assert machine.places(younger) == ["parked", "parked"]
+        machine._finish(holder)  # b goes to younger, which waits on a: its message is published
+        assert machine.places(younger) == ["parked", "reserved"]
+        machine.deliver_run(younger)  # it gives b back: b goes to older, whose message is published
+        assert machine.places(younger) == ["parked", "absent"]
+        machine.waits_hold_only_earlier_keys()
+        machine.deliver_run(older)
+        assert older in machine.running
+        machine._drain()
+    finally:
+        machine.teardown()
+
+
+def _machine(app: Celery) -> type[StepwiseMachine]:
+    @singleton_task(
+        keys=("k:{x}", "k:{y}", "k:{z}"), app=app, name="stepwise_model.merge", bind=True,
+        on_contention=Queue(), shared=False,
+    )  # fmt: skip
+    def merge(self: Any, x: str, y: str, z: str) -> str:
+        return "ran"
+
+    class Machine(StepwiseMachine):
+        pass
+
+    Machine.task, Machine.store = merge, get_store(app)
+    return Machine
+
+
+class StepwiseMachine(RuleBasedStateMachine):
+    task: Any
+    store: LeaseStore
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix = uuid.uuid4().hex[:8]
+        self.runs: dict[str, Run] = {}
+        self.pending: list[Message] = []
+        self.running: dict[str, list[Lease]] = {}
+        before_task_publish.connect(self._published, weak=False)
+
+    # -- the broker ---------------------------------------------------------------------------------
+    def _published(self, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        headers = dict(headers or {})
+        task_id = str(headers.get("id"))
+        if task_id in self.runs:
+            self.pending.append(Message(task_id, headers))
+
+    def _deliver(self, message: Message) -> None:
+        run = self.runs[message.task_id]
+        task = self.task
+        task.push_request(
+            id=run.task_id, args=run.args, kwargs={}, headers=dict(message.headers),
+            delivery_info={"redelivered": message.redelivered}, hostname="w1", retries=0, is_eager=False,
+            called_directly=False,
+        )  # fmt: skip
+        try:
+            got = QueuedRun(task, list(run.keys), task._options(), one=False).take()
+        except Ignore:
+            return
+        except Retry:
+            self.pending.append(message)  # (a contention retry: the same message again later)
+            return
+        finally:
+            task.pop_request()
+        if not isinstance(got, list):
+            return  # (a copy ended with an outcome of its own: never a body)
+        assert not run.done, f"{run.task_id} ran again after it finished"
+        others = {k for tid, leases in self.running.items() for lease in leases for k in [lease.key]}
+        assert not others & set(run.keys), f"{run.task_id} started holding a key another body holds"
+        assert sorted(lease.key for lease in got) == run.keys
+        run.bodies += 1
+        assert run.bodies == 1, f"{run.task_id} ran twice"
+        event("a run of several keys started")
+        self.running[run.task_id] = got
+
+    def _finish(self, task_id: str) -> None:
+        for lease in self.running.pop(task_id):
+            lease.release()
+        self.runs[task_id].done = True
+
+    def _lapse(self, key: str) -> None:
+        """A reservation (or any handoff) of ``key`` not claimed lapses; the sweeper hands the key again."""
+        doc = self.store.collection.find_one({"_id": key}, {"ho": 1})
+        if not doc or not doc.get("ho"):
+            return
+        self.store.collection.update_one(
+            {"_id": key, "ho.id": doc["ho"]["id"]}, [{"$set": {"expires_at": {"$subtract": ["$$NOW", 1000]}}}]
+        )
+        self.store.sweep(key)
+        event("a reservation lapsed and was handed again")
+
+    def key(self, letter: str) -> str:
+        return f"k:{self.prefix}{letter}"
+
+    def sent(self, letters: list[str]) -> str:
+        """A new run of the keys ``letters``, its message waiting; its task id."""
+        args = tuple(f"{self.prefix}{x}" for x in (letters + letters[-1:])[:3])
+        keys = self.task.mongolock_keys_for(*args)
+        task_id = uuid.uuid4().hex
+        self.runs[task_id] = Run(task_id, args, keys)  # type: ignore[arg-type]
+        self.pending.append(Message(task_id, {_queue.SENT_HEADER: _queue.send_stamp(), "id": task_id}))
+        return task_id
+
+    def deliver_run(self, task_id: str) -> None:
+        """Deliver the message of ``task_id`` that waits longest."""
+        message = next(m for m in self.pending if m.task_id == task_id)
+        self.pending.remove(message)
+        self._deliver(message)
+
+    def places(self, task_id: str) -> list[str]:
+        return [place for _, place in self.store.keys_places(self.runs[task_id].entry)]
+
+    # -- rules --------------------------------------------------------------------------------------
+    @rule(letters=st.lists(st.sampled_from(LETTERS), min_size=2, max_size=3, unique=True))
+    def send(self, letters: list[str]) -> None:
+        self.sent(letters)
+
+    @precondition(lambda self: self.pending)
+    @rule(pick=st.integers(0, 1000), copy=st.booleans())
+    def deliver(self, pick: int, copy: bool) -> None:
+        message = self.pending[pick % len(self.pending)]
+        if copy:  # delivered again later too (a redelivery, a duplicate): the original stays waiting
+            message = dataclasses.replace(message, redelivered=True)
+        else:
+            self.pending.remove(message)
+        self._deliver(message)
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(0, 1000))
+    def finish(self, pick: int) -> None:
+        self._finish(sorted(self.running)[pick % len(self.running)])
+
+    @rule(letter=st.sampled_from(LETTERS))
+    def lapse(self, letter: str) -> None:
+        self._lapse(self.key(letter))
+
+    # -- invariants ---------------------------------------------------------------------------------
+    @invariant()
+    def waits_hold_only_earlier_keys(self) -> None:
+        """A run that waits on a key holds no reservation after it, unless a message of it is on its way."""
+        on_the_way = {m.task_id for m in self.pending}
+        for run in self.runs.values():
+            if run.done or run.task_id in self.running or run.task_id in on_the_way:
+                continue
+            places = [place for _, place in self.store.keys_places(run.entry)]
+            first = next((i for i, p in enumerate(places) if p != "reserved"), None)
+            if first is None:
+                continue
+            assert "reserved" not in places[first + 1 :], (
+                f"{run.task_id} waits on {run.keys[first]}, holds a later key, nothing on its way: {places}"
+            )
+
+    def teardown(self) -> None:
+        try:
+            self._drain()
+        finally:
+            before_task_publish.disconnect(self._published)
+
+    def _drain(self) -> None:
+        for _ in range(DRAIN_ROUNDS):
+            if all(run.done for run in self.runs.values()):
+                return
+            if self.running:
+                for task_id in sorted(self.running):
+                    self._finish(task_id)
+            elif self.pending:
+                for _ in range(DRAIN_DELIVERIES):
+                    if not self.pending or self.running:
+                        break  # (a copy of a running run comes back later, after it ended: next round)
+                    self._deliver(self.pending.pop(0))
+                else:
+                    raise AssertionError(f"messages kept coming (a loop of publishes): {self._describe()}")
+            else:  # nothing moves: the sweeper hands every reservation not claimed again
+                for letter in LETTERS:
+                    self._lapse(self.key(letter))
+        if all(run.done for run in self.runs.values()):
+            return
+        raise AssertionError(f"runs never ran (waited for ever): {self._describe()}")
+
+    def _describe(self) -> str:
+        """The runs not done: their keys, where they are on each, and their messages waiting."""
+        lines = []
+        for run in self.runs.values():
+            if run.done:
+                continue
+            places = self.store.keys_places(run.entry)
+            waiting = [
+                (m.headers.get(_queue.HANDOFF_HEADER) or {}).get("k", "fresh")
+                for m in self.pending
+                if m.task_id == run.task_id
+            ]
+            lines.append(
+                f"{run.task_id[:8]} {places} running={run.task_id in self.running} msgs={waiting[-5:]}"
+            )
+        return "\n".join(lines)
