@@ -373,7 +373,7 @@ ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/how-to/per-tenant-limit.md", "`Queue()` is the one to use"): lambda: _declare(
         key="t:{src}", limit=3, on_contention="queue"
     ),
-    ("docs/reference/policies.md", "With `keys=(...)`, `Queue` parks the run"): lambda: _declare(
+    ("docs/reference/policies.md", "With `keys=(...)`, `Queue` takes the keys one at a time"): lambda: _declare(
         keys=KEYS, on_contention="queue"
     ),
     ("docs/how-to/several-keys.md", "`Replace(debounce=5)` with `keys=(...)` is the trailing-edge"): lambda: (
@@ -388,7 +388,7 @@ ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/reference/settings.md", "with `Queue`, a run parks until it can have every key"): lambda: (
         _task_policy(keys=KEYS, on_contention="queue")
     ),
-    ("docs/reference/policies.md", "`Replace` with `keys=` does the same"): lambda: _declare(
+    ("docs/reference/policies.md", "`Replace` with `keys=` waits on every key of its set"): lambda: _declare(
         keys=KEYS, on_contention="replace"
     ),
     ("docs/how-to/several-keys.md", "`Replace()` with `keys=(...)` is latest-wins"): lambda: _declare(
