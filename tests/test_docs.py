@@ -373,8 +373,8 @@ ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/how-to/per-tenant-limit.md", "`Queue()` is the one to use"): lambda: _declare(
         key="t:{src}", limit=3, on_contention="queue"
     ),
-    ("docs/reference/policies.md", "With `keys=(...)`, `Queue` takes the keys one at a time"): lambda: _declare(
-        keys=KEYS, on_contention="queue"
+    ("docs/reference/policies.md", "With `keys=(...)`, `Queue` takes the keys one at a time"): lambda: (
+        _declare(keys=KEYS, on_contention="queue")
     ),
     ("docs/how-to/several-keys.md", "`Replace(debounce=5)` with `keys=(...)` is the trailing-edge"): lambda: (
         _declare(keys=KEYS, on_contention={"policy": "replace", "debounce": 5})
