@@ -207,6 +207,10 @@ def test_where_a_run_of_several_keys_is_and_when_its_handoff_is_published(deep: 
     assert lease_a is not None
     assert [p for _, p in deep.keys_places(run)] == ["held", "absent"]
     assert not _queue.moves_on(deep, run)  # (its worker is taking its keys)
+    expires = deep.collection.find_one({"_id": A}, {"expires_at": 1})["expires_at"]  # type: ignore[index]
+    deep.collection.update_one({"_id": A}, [{"$set": {"expires_at": {"$subtract": ["$$NOW", 1000]}}}])
+    assert [p for _, p in deep.keys_places(run)] == ["absent", "absent"]  # (its worker died meanwhile)
+    deep.collection.update_one({"_id": A}, {"$set": {"expires_at": expires}})
     holder_b = deep.acquire(B, 60)
     assert holder_b is not None
     assert deep.admit(B, run)[1]["lo"] == "parked"

@@ -270,9 +270,11 @@ class QueueUpkeep:
     def keys_places(self, entry: Mapping[str, Any]) -> builtins.list[tuple[str, str]]:
         """Where the multi-key run ``entry`` is on each of its keys (``ks``, in order), from one read:
         ``reserved`` (the key or a slot handed or reserved to it, not yet claimed), ``parked`` (in the
-        key's window), ``held`` (the key or a slot held by a worker of the run: an attempt under way, or
-        its body), ``dead`` (timed out there, its result not yet written) or ``absent`` (none of these:
-        not there, or spilled beyond the window: ``Spill.waits``), with each key as stored."""
+        key's window), ``held`` (the key or a slot held by a worker of the run and not expired: an
+        attempt under way, or its body; an expired one is ``absent``: its worker died), ``dead`` (timed
+        out there, its result not yet written) or ``absent`` (none of these: not there, or spilled beyond
+        the window: ``Spill.waits``), with each key as stored. (Dates are compared as ``$toLong``: the
+        embedded server compares a stored date with ``$$NOW`` wrongly in ``$gt``.)"""
         keys = [normalize_key(k) for k in entry.get("ks") or []]
         if not keys:
             return []
@@ -298,6 +300,7 @@ class QueueUpkeep:
                         {"$ne": [{"$ifNull": ["$owner", None]}, None]},
                         no_handoff,
                         {"$eq": ["$holder.task_id", task_id]},
+                        {"$gt": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]},
                     ]
                 },
                 any_slot(
@@ -305,6 +308,7 @@ class QueueUpkeep:
                         "$and": [
                             {"$eq": [{"$ifNull": ["$$h.ho", None]}, None]},
                             {"$eq": ["$$h.h.task_id", task_id]},
+                            {"$gt": [{"$toLong": "$$h.x"}, {"$toLong": "$$NOW"}]},
                         ]
                     }
                 ),
