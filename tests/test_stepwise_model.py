@@ -143,6 +143,34 @@ def test_a_run_that_lost_an_earlier_key_gives_back_a_later_one(app: Celery) -> N
         machine.teardown()
 
 
+def test_a_late_handoff_message_of_a_run_that_ended_leaves_its_keys(app: Celery) -> None:
+    """R (a, b) took a and waits on b; b is handed to it, and its message is on its way. Meanwhile R ends
+    (its result stored: timed out there, say) and leaves b. When the message comes, R's claim finds b not
+    handed to it any more: it gives a back and leaves its keys, and is dropped, instead of taking b as a
+    new run (which would keep a reserved for an ended run, lapse after lapse, and run its body later)."""
+    machine = _machine(app)()
+    try:
+        holder = machine.sent(["b", "c"])
+        machine.deliver_run(holder)
+        run = machine.sent(["a", "b"])
+        machine.deliver_run(run)
+        assert machine.places(run) == ["reserved", "parked"]
+        machine._finish(holder)  # b is handed to it: its message is published
+        assert machine.places(run) == ["reserved", "reserved"]
+        app.backend.store_result(run, {"mongolock": "skipped"}, "SUCCESS")  # it ended meanwhile
+        machine.store.sweep(machine.key("b"), revoked={run})  # and left b
+        machine.deliver_run(run)
+        assert machine.places(run) == ["absent", "absent"]
+        assert machine.runs[run].bodies == 0 and not machine.pending
+        machine.runs[run].done = True  # (ended without its body)
+        after = machine.sent(["a", "b"])
+        machine.deliver_run(after)  # a is free for the next run
+        assert after in machine.running
+        machine._drain()
+    finally:
+        machine.teardown()
+
+
 def _machine(app: Celery) -> type[StepwiseMachine]:
     @singleton_task(
         keys=("k:{x}", "k:{y}", "k:{z}"), app=app, name="stepwise_model.merge", bind=True,

@@ -186,6 +186,16 @@ class Spill:
             coll.delete_one({"_id": other["_id"], "k": key, "rid": doc["rid"]})
         return None
 
+    def spilled_runs(self, keys: Collection[str], task_ids: Collection[str]) -> set[str]:
+        """Those of ``task_ids`` spilled beyond the window of any of ``keys`` (point reads on the ``(k,
+        rid)`` index, a batch at a time): the sweeper's runs that wait spilled on a later key."""
+        keys, ids, found = sorted(set(keys)), sorted(set(task_ids)), set()
+        for at in range(0, len(ids), _READ_BATCH):
+            with self.store.connection.operation("look for spilled runs"):
+                match = {"k": {"$in": keys}, "rid": {"$in": ids[at : at + _READ_BATCH]}, "x": {"$ne": True}}
+                found |= {str(d["rid"]) for d in self.collection.find(match, {"rid": 1})}
+        return found
+
     def waits(self, key: str, task_id: str) -> bool:
         """Whether a run of ``task_id`` is spilled beyond the window of ``key`` and waits there to be
         refilled (two point reads: the run by ``(k, rid)``, then the key's lanes)."""

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 from celery_mongolock.admission.policies import Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import StoreUnavailable
-from celery_mongolock.integration.runs import GuardedRun, end_superseded, give_back_quietly, log_acquire
+from celery_mongolock.integration.results import has_backend
+from celery_mongolock.integration.runs import (
+    GuardedRun,
+    end_superseded,
+    give_back_quietly,
+    has_final_state,
+    log_acquire,
+)
 
 if TYPE_CHECKING:
     from celery_mongolock.core.store import Lease, LeaseStore
@@ -174,7 +181,14 @@ class KeySetAdmits:
                 admission = self.admit(key, claim)
                 if self.stepwise and admission.outcome is AdmitOutcome.STALE:
                     # Not handed to it here: the keys before are, and this is the next it needs (it was
-                    # handed the one before while it waited there). Admitted there as any run.
+                    # handed the one before while it waited there). Admitted there as any run, unless the
+                    # run ended meanwhile (a late handoff message of a run that timed out, or ran under
+                    # another message): it gives back what it claimed and leaves its keys (dropped then). (An
+                    # app with no result backend cannot tell: the keys that remember the run do.)
+                    if has_backend(self.task.app) and has_final_state(self.task):
+                        give_back_quietly(self.store, claimed)
+                        self.leave_all()
+                        return None, admission, key
                     admission = self.admit(key, None)
                 if admission.lease is not None:
                     claimed.append(admission.lease)
@@ -188,6 +202,10 @@ class KeySetAdmits:
                     # (RETRIED: a later attempt carries the task on; SUPERSEDED: a newer send of its set
                     # does: this one keeps no key.)
                     give_back_quietly(self.store, claimed)
+                elif self.stepwise and outcome is AdmitOutcome.ALREADY_RAN:
+                    # (its run is over on that key: it keeps no key, and waits nowhere)
+                    give_back_quietly(self.store, claimed)
+                    self.leave_all()
                 else:
                     # Not (or no longer) reserved for this run here: an older run was handed it, or its
                     # reservation expired and it waits again. Keep the keys claimed as reservations,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from celery import Celery
 
+from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import config
 from celery_mongolock.integration.endings import ending_publisher
 from celery_mongolock.integration.handoff import install_publisher
@@ -91,6 +92,7 @@ class Sweeper:
         # stop 50: else a sweep's handoff is what publishes it once all its keys are reserved, or finds it
         # missing from one).
         parked_somewhere = frozenset().union(*(one.parked_ids for one in waiting))
+        parked_somewhere |= _spilled_somewhere(store, waiting, parked_somewhere)
         for one in waiting:
             hits = sorted((one.parked_ids | one.handed_ids) & revoked)
             expired = False
@@ -197,3 +199,24 @@ def start_sweeper(app: Celery) -> Sweeper:
         _sweepers[id(app)] = sweeper
         sweeper.start()
     return sweeper
+
+
+def _spilled_somewhere(
+    store: LeaseStore, waiting: list[WaitingKey], parked: frozenset[str]
+) -> frozenset[str]:
+    """The runs of lapsed lone reservations, not parked in any window, that wait spilled on another of
+    their keys (a run of several keys reserves the keys before the one it waits on, where it may be
+    spilled deep): left alone like those parked in a window. One read of the spill (point reads); none
+    when MongoDB does not answer (their keys are swept, as before)."""
+    ids: set[str] = set()
+    keys: set[str] = set()
+    for one in waiting:
+        for run in one.runs_of(one.lone - parked):
+            ids.add(str(run.get("t")))
+            keys.update(str(k) for k in run.get("ks") or [])
+    if not ids or not keys:
+        return frozenset()
+    try:
+        return frozenset(store.spill.spilled_runs(keys, ids))
+    except StoreUnavailable:
+        return frozenset()
