@@ -73,3 +73,26 @@ def test_a_run_whose_keys_are_all_reserved_is_handed_again_and_published_again(
     Sweeper(app, interval=1.0).sweep_once()
     assert _handed(store, X) == 3 and _handed(store, Y) == 3
     assert store.reserved_for_all(e) and "merge-20" in published
+
+
+def test_a_lone_reservation_of_a_run_spilled_on_another_key_is_left_alone(app: Celery) -> None:
+    """A run of several keys waits on its next key spilled beyond that key's window (a deep queue): its
+    lapsed reservation is left alone as for a run parked in the window (one read of the spill per pass
+    for all such runs), not handed again at every lapse."""
+    from .test_admission_store import entry
+
+    app.conf.mongolock_parked_window = 2
+    store = get_store(app)
+    blocker = store.acquire(Y, 60)
+    assert blocker is not None
+    for stamp in (1, 2):  # the window of y is full
+        assert store.admit(Y, {**entry(stamp), "tk": f"tk-{stamp}"}, ttl=30)[1]["lo"] == "parked"
+    e = multi(20)
+    wait_on_y(store, e)
+    assert store.spill.waits(Y, "merge-20")
+    _lapse(store, X)
+    (one,) = [w for w in store.waiting() if w.key == X]
+    assert one.lone == {"merge-20"}
+    Sweeper(app, interval=1.0).sweep_once()
+    assert _handed(store, X) == 2  # not handed again: its run waits spilled on y
+    blocker.release()
