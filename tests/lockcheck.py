@@ -2982,23 +2982,25 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
         for hs in ev.get("handed_slots") or []
         if len(hs) > 3 and int(hs[3] or 1) > 1 and hs[1] is not None
     }
+    # A run of several keys that waits on a key leaves the keys after it (a place left there by an earlier
+    # attempt, or a reservation that lapsed and went on: ``key_set.leave_after``): its turn there ends, and
+    # it is judged there from its next park, if any (``left``: when it last left each key).
+    left: dict[tuple[str, str], float] = {}
+    for ev in history.events:
+        if ev.get("ev") == "left":
+            for k in ev.get("keys") or []:
+                at = (str(ev.get("task_id")), str(k))
+                left[at] = max(left.get(at, 0.0), float(ev.get("t", 0.0)))
     first_park: dict[tuple[str, str], int] = {}  # (task id, key) -> the fence in its first park's reply
     park_events: dict[tuple[str, str], Doc] = {}  # (task id, key) -> its first park's admit event
     for ev in history.events:
         if ev.get("ev") == "admit" and ev.get("outcome") == "parked" and ev.get("fence") is not None:
             at = (str(ev["task_id"]), str(ev["key"]))
+            if at in left and float(ev.get("t0") or ev.get("t") or 0.0) <= left[at]:
+                continue  # parked there before it left the key
             first_park[at] = min(first_park.get(at, int(ev["fence"])), int(ev["fence"]))
             if at not in park_events or float(ev.get("t", 0.0)) < float(park_events[at].get("t", 0.0)):
                 park_events[at] = ev
-
-    # A run of several keys that waits on a key leaves the keys after it (a place left there by an earlier
-    # attempt, or a reservation that lapsed and went on: ``key_set.leave_after``): its turn there ends.
-    left = {
-        (str(ev.get("task_id")), str(k))
-        for ev in history.events
-        if ev.get("ev") == "left"
-        for k in ev.get("keys") or []
-    }
 
     def spilled_behind(task_id: str, other_id: str, key: str) -> bool:
         """The run ``task_id`` was spilled beyond the key's window, and ``other_id`` was parked there
@@ -3100,7 +3102,6 @@ def check_queued(history: History, applied: dict[str, list[tuple[str, str]]]) ->
                     task.get("task") not in ordered
                     or key not in task_keys(task)
                     or (task_id, key) not in first_park
-                    or (task_id, key) in left
                 ):
                     continue
                 parked, granted = first_park[task_id, key], first_grant.get((task_id, key))

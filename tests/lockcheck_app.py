@@ -73,7 +73,6 @@ from celery_mongolock.core.documents.rate import RateWindow
 from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.core.store_rate import RateWindows
 from celery_mongolock.integration.handoff import HANDOFF_HEADER, REPUBLISH_RETRY_POLICY
-from celery_mongolock.integration.key_set import KeySetAdmits
 from celery_mongolock.lease import LeaseSet
 from celery_mongolock.task import DUPLICATE_HEADER
 
@@ -304,24 +303,23 @@ def _record_handed(hist: lockcheck.HistoryWriter, key: str, doc: Any, by: str) -
         hist.event("handed-seen", key=key, handed_slots=others, t=time.monotonic())
 
 
-_library_leave_after = KeySetAdmits.leave_after
+_library_unpark = LeaseStore.unpark
 
 
-def _leave_after(self: KeySetAdmits, key: str) -> None:
-    """``KeySetAdmits.leave_after``, recorded first: a run of several keys that waits on ``key`` leaves
-    the keys after it (``left``: its place there ends, ``lockcheck.check_queue``)."""
+def _unpark(self: LeaseStore, key: str, entry_id: str) -> bool:
+    """``LeaseStore.unpark``, recorded when the run was there (``left``: its place on the key ends then;
+    ``lockcheck.check_queue`` judges it there from its next park, if any)."""
+    was = _library_unpark(self, key, entry_id)
     hist = _history()
-    if hist is not None:
-        later = self.keys[self.keys.index(key) + 1 :]
-        hist.event(
-            "left", task_id=self.entry.get("t"), run=self.entry.get("id"), keys=later, t=time.monotonic()
-        )
-    _library_leave_after(self, key)
+    if was and hist is not None:
+        task_id = str(entry_id).split("/")[0]
+        hist.event("left", task_id=task_id, run=entry_id, keys=[key], t=time.monotonic())
+    return was
 
 
 LeaseStore.admit = _admit  # type: ignore[method-assign]
 Handoffs.publish = _handed  # type: ignore[method-assign]
-KeySetAdmits.leave_after = _leave_after  # type: ignore[method-assign]
+LeaseStore.unpark = _unpark  # type: ignore[method-assign,assignment]
 
 
 # -- what the rate's checks need (lockcheck.check_rate) ----------------------------------------------------

@@ -32,9 +32,9 @@ class ParkedRuns:
         parked ``entry`` (``QueueUpkeep.reserve``); False if the lease was no longer ours."""
         return self.queue.reserve(lease, entry, timeout=timeout)
 
-    def unpark(self, key: str, entry_id: str) -> None:
-        """Remove the run ``entry_id`` from ``key`` (``QueueUpkeep.unpark``)."""
-        self.queue.unpark(key, entry_id)
+    def unpark(self, key: str, entry_id: str) -> bool:
+        """Remove the run ``entry_id`` from ``key`` (``QueueUpkeep.unpark``); whether it was there."""
+        return self.queue.unpark(key, entry_id)
 
     def give_back(self, lease: Lease, *, untick: int | None = None) -> bool:
         """Release ``lease`` of a run that has not run, not remembering it as over (``QueueUpkeep.give_back``;

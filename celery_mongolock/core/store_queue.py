@@ -168,9 +168,10 @@ class QueueUpkeep:
             store.handoffs.publish(key, doc, by)
         return doc is not None
 
-    def unpark(self, key: str, entry_id: str) -> None:
+    def unpark(self, key: str, entry_id: str) -> bool:
         """Remove the run ``entry_id`` from ``key``: its parked entry, or the handoff or reservation made
-        to it (the key then goes to the next parked run, published by this process)."""
+        to it (the key then goes to the next parked run, published by this process). Whether it was
+        there."""
         key = normalize_key(key)
         by = self.store.handoffs.by(uuid.uuid4().hex)
         ident = {"$literal": entry_id}
@@ -212,6 +213,7 @@ class QueueUpkeep:
                 )
         if doc is not None:
             self.store.handoffs.publish(key, doc, by)
+        return doc is not None
 
     def give_back(self, lease: Lease, *, untick: int | None = None) -> bool:
         """Release ``lease`` of a run that has not run (an attempt that gives its keys back): as a

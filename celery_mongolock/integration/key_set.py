@@ -170,6 +170,8 @@ class KeySetAdmits:
         if self.several:
             for key in self.keys:
                 self.store.unpark(key, self.entry["id"])
+                if self.stepwise:  # (spilled on the key it waited on)
+                    self.store.spill.drop(key, [str(self.entry["t"])])
 
     def claim_all(self, claim: str) -> tuple[list[Lease] | None, Admission | None, str]:
         """Claim every key handed to this run. ``(leases, None, "")`` when all were claimed; else the
@@ -235,9 +237,11 @@ class KeySetAdmits:
         return None
 
     def leave_after(self, key: str) -> None:
-        """Leave the keys after ``key`` (stepwise): this run's places and reservations there, if any."""
+        """Leave the keys after ``key`` (stepwise): this run's places and reservations there, if any, a
+        place spilled beyond a key's window included."""
         for later in self.keys[self.keys.index(key) + 1 :]:
             self.store.unpark(later, self.entry["id"])
+            self.store.spill.drop(later, [str(self.entry["t"])])
 
     def admit_each(self) -> tuple[list[Lease], tuple[str, Admission] | None]:
         """One attempt over every key: ``(leases, None)`` when all were taken; ``([], None)`` when the
