@@ -59,3 +59,34 @@ def test_a_revoked_run_that_claimed_the_key_meanwhile_is_not_marked_revoked(app:
     Sweeper(app, interval=1.0)._sweep(store, read, ["claims-1"])
     assert app.backend.get_task_meta("claims-1")["status"] == QUEUED
     lease.release()
+
+
+def test_a_revoked_run_of_several_keys_leaves_every_key_when_its_handoff_is_discarded(app: Celery) -> None:
+    """A run of several keys reserved a and was handed b; revoked, its handoff message is discarded by
+    the worker (``task_revoked``): a goes on at once too, not at the sweeper's next pass (a new user's
+    trial, stop 56: the run behind it on a waited 5 to 13 s)."""
+    from types import SimpleNamespace
+
+    from celery_mongolock.integration import handoff
+
+    store = get_store(app)
+    a, b = "resource:revoked-a", "resource:revoked-b"
+    held = store.acquire(b, 60)
+    assert held is not None
+    ks = [a, b]
+    entry = {"id": "multi-1/0", "t": "multi-1", "n": "proj.merge", "r": "0", "s": 10, "m": b"m", "ks": ks}
+    entry["tk"] = handoff.keys_token("multi-1/0", ks)
+    lease, _ = store.admit(a, entry, ttl=30)
+    assert lease is not None
+    assert store.admit(b, entry, ttl=30)[1]["lo"] == "parked"
+    assert store.reserve(lease, entry)
+    behind = {**entry, "id": "behind-2/0", "t": "behind-2", "s": 11, "tk": "tk-behind"}
+    assert store.admit(a, behind, ttl=30)[1]["lo"] == "parked"  # (waits on a behind the reservation)
+    assert held.release()  # b is handed to it: its message is on its way
+    header = {"k": b, "tk": entry["tk"], "id": entry["id"], "ks": ks}
+    request = SimpleNamespace(id="multi-1", headers={handoff.HANDOFF_HEADER: header})
+    handoff._on_revoked(sender=SimpleNamespace(app=app, name="proj.merge"), request=request)
+    doc_a = store.collection.find_one({"_id": a}) or {}
+    assert (doc_a.get("ho") or {}).get("t") == "behind-2"  # a went on to the run behind it, at once
+    doc_b = store.collection.find_one({"_id": b}) or {}
+    assert not doc_b.get("ho") and doc_b.get("owner") is None

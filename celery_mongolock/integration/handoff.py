@@ -455,7 +455,8 @@ def refuse(app: Celery, store: LeaseStore, key: str, entry: Mapping[str, Any], r
 
 
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
-    """A handoff message discarded because its run was revoked: hand the key to the next run now."""
+    """A handoff message discarded because its run was revoked: hand the key to the next run now (for a
+    run of several keys, every key of it: the keys reserved for it too)."""
     handoff = None
     for source in (getattr(request, "headers", None) or {}, getattr(request, "__dict__", {})):
         if isinstance(source, Mapping) and isinstance(source.get(HANDOFF_HEADER), Mapping):
@@ -469,6 +470,9 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         install_publisher(app, store)
         task_id = str(getattr(request, "id", ""))
         after = store.sweep(str(handoff.get("k")), revoked={task_id})
+        for other in handoff.get("ks") or []:  # a run of several keys: its reservations on the others
+            if str(other) != str(handoff.get("k")):
+                store.sweep(str(other), revoked={task_id})
         run = {"t": task_id, "n": getattr(sender, "name", None), "id": handoff.get("id")}
         store.record_run_ending(
             str(handoff.get("k")), "revoked", run, fence=None if after is None else after.fence
