@@ -311,12 +311,17 @@ def test_a_lost_answer_to_a_spilled_run_s_insert_never_stores_it_twice(deep: Lea
     assert run_all(deep, handoffs, holder) == ["task-10", "task-11", "task-12"]
 
 
-def test_a_run_of_several_keys_is_never_spilled(deep: LeaseStore) -> None:
+def test_a_replace_run_of_a_set_is_never_spilled_and_a_queue_run_of_several_keys_is(deep: LeaseStore) -> None:
+    """A ``Replace`` run of a set of keys (``g``) waits on every key of its set at once, in the lease
+    documents; a ``Queue`` run of several keys takes them one at a time and is spilled like a run of one
+    key (``test_stepwise_keys``)."""
     holder = deep.acquire(KEY, 30)
     assert holder is not None
     for stamp in (10, 11, 12):
         assert deep.admit(KEY, {**entry(stamp), "ks": [KEY, "other"]})[1]["lo"] == "parked"
-    assert window(deep) == ["task-10", "task-11", "task-12"] and spilled(deep) == []
+    assert window(deep) == ["task-10", "task-11"] and spilled(deep) == ["task-12"]
+    assert deep.admit(KEY, {**entry(13), "ks": [KEY, "other"], "g": "ks:set"})[1]["lo"] == "parked"
+    assert window(deep) == ["task-10", "task-11", "task-13"] and spilled(deep) == ["task-12"]
     holder.release()
 
 
