@@ -25,6 +25,7 @@ from . import integration_app as it
 from .servers import RedisServer, wait_for
 from .test_admission_store import entry
 from .test_integration import Cluster, running_cluster
+from .test_queue import parked
 
 WINDOW = 2
 
@@ -39,15 +40,6 @@ def cluster(
 
 def tag() -> str:
     return uuid.uuid4().hex[:10]
-
-
-def parked(cluster: Cluster, key: str) -> list[str]:
-    """The task ids parked on ``key``, next first: its lease document's window, then its spilled runs."""
-    doc = cluster.store.collection.find_one({"_id": key}) or {}
-    spilled = cluster.store.spill.collection.find({"k": key, "x": {"$ne": True}}, {"e.t": 1})
-    return [e["t"] for e in doc.get("q") or []] + [
-        d["e"]["t"] for d in sorted(spilled, key=lambda d: d["_id"])
-    ]
 
 
 def spilled_count(cluster: Cluster, key: str) -> int:
