@@ -1,8 +1,9 @@
-"""A queued run's admits over its key set (``Queue``, ``Replace``): one admit (one ``findAndModify``) a
-key, in sorted order, and what a set of keys (a task of ``keys=(...)``) needs on top: the keys it got
-while it waits for others turned into reservations for it, a confirming renewal before its body starts,
-and leaving every key when it does not wait. For a task of one ``key=`` those steps are empty: one admit
-is the whole attempt.
+"""A queued run's admits over its key set (``Queue``, ``Replace``): one admit (one ``findAndModify``) a key,
+in sorted order, and what a set of keys (a task of ``keys=(...)``) needs on top: the keys it got while it
+waits for others turned into reservations for it, a confirming renewal before its body starts, and leaving
+every key when it does not wait. A ``Queue`` run of several keys stops at the first key where it waits
+(``stepwise``: one key at a time); a ``Replace`` run of a set waits on all of them. For a task of one
+``key=`` those steps are empty: one admit is the whole attempt.
 
 ``KeySetAdmits`` knows the store and the run's entry, not Celery's outcomes: ``queued_run.QueuedRun``
 decides what each answer means for the task.

@@ -1,13 +1,15 @@
 """Admission of a queued run (``Queue``, ``Replace``) over its key set of any size: one key (also
 ``limit=N``) or several (``keys=``, with a limit per key).
 
-The run takes every key, claims every key handed to it, or is parked on every key it did not get, the
-keys it got turned into reservations for it (``key_set.KeySetAdmits``); it is published again once all are
-reserved for it (for one key: by whoever hands it the key). A ``Replace`` run of several keys carries its
-set's signature: on each key, a newer send of the same set supersedes it (``core.documents.sets``); told
-so on any key, it gives back what it holds there and leaves the others. What an answer that does not let
-the run wait means (a copy of a run that ran, runs or waits; a full queue; a newer send) is decided here
-once for every shape.
+The run takes every key, claims every key handed to it, or waits, the keys it got turned into reservations
+for it (``key_set.KeySetAdmits``): a ``Queue`` run of several keys waits on the first key it has not got
+(one key at a time, in key order), and is published again whenever whoever hands it a key finds it can
+move on (``handoff.moves_on``); a ``Replace`` run of a set is parked on every key it did not get, and
+published once all are reserved for it (for one key: by whoever hands it the key). A ``Replace`` run of
+several keys carries its set's signature: on each key, a newer send of the same set supersedes it
+(``core.documents.sets``); told so on any key, it gives back what it holds there and leaves the others.
+What an answer that does not let the run wait means (a copy of a run that ran, runs or waits; a full
+queue; a newer send) is decided here once for every shape.
 """
 
 from __future__ import annotations
