@@ -117,7 +117,8 @@ def test_a_stale_handoff_copy_of_an_attempt_whose_body_retried_never_runs_again(
     fails its claim while the task has no final result (attempt 1 wrote QUEUED): it was admitted as a new
     run, parked beside attempt 1 and ahead of it (same send stamp), and ran attempt 0's body again. It is
     dropped now: the body runs once per attempt."""
-    src, dst, t = tag(), tag(), tag()
+    t = tag()
+    src, dst = f"a{t}", f"b{t}"  # (x sorts first: a run of several keys takes x, then waits on y)
     x, y = f"resource:{src}", f"resource:{dst}"
     store = cluster.store
     task_id = str(uuid.uuid4())
