@@ -84,8 +84,11 @@ def test_runs_of_several_keys_queue_deep_on_their_first_key_and_run_in_send_orde
     assert blocker is not None
     tags = [tag() for _ in range(8)]
     results = [it.merge_queued.delay(a, b, tags[0], 0.1)]
-    wait_for(lambda: results[0].id in parked(cluster, key_b), timeout=60, message="the first to wait on b")
-    assert reserved_for(cluster, key_a) == results[0].id
+    wait_for(  # (a run parks on b, then turns a, which it took, into a reservation)
+        lambda: results[0].id in parked(cluster, key_b) and reserved_for(cluster, key_a) == results[0].id,
+        timeout=60,
+        message="the first to wait on b, a reserved for it",
+    )
     for t in tags[1:]:  # each sent once the one before waits (so that send order is arrival order)
         results.append(it.merge_queued.delay(a, b, t, 0.1))
         sent = [r.id for r in results[1:]]
@@ -121,8 +124,12 @@ def test_runs_of_several_keys_queue_deep_on_a_later_key_each_holding_only_its_fi
         sent = [r.id for r in results]
         wait_for(partial(_parked_as, cluster, key_b, sent), timeout=60, message=f"{t} to wait on b")
     assert spilled_count(cluster, key_b) == len(tags) - WINDOW
-    for x, r in zip(firsts, results, strict=True):
-        assert reserved_for(cluster, f"resource:{x}") == r.id
+    for x, r in zip(firsts, results, strict=True):  # (each parks on b, then reserves its first key)
+        wait_for(
+            partial(lambda k, tid: reserved_for(cluster, k) == tid, f"resource:{x}", r.id),
+            timeout=60,
+            message=f"resource:{x} reserved for its run",
+        )
     # A run of one key sent now on a reserved first key waits behind the run it is reserved for.
     single = tag()
     r_single = it.queued.delay(firsts[0], single, 0.05)
