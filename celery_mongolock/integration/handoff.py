@@ -336,21 +336,11 @@ def publish_through_lane(
         publish_patiently(app, signature, headers=headers)
 
 
-def publish_again(app: Celery, key: str, entry: Mapping[str, Any], store: LeaseStore | None = None) -> None:
-    """Publish the run ``entry`` again as a new delivery (no handoff header): it is admitted as any run
-    and finds its own places (``dup``) where it is parked or reserved."""
-    signature = _trusted(app, key, entry, store)
-    if signature is None:
-        return
-    headers = dict(signature.options.get("headers") or {})
-    headers.pop(HANDOFF_HEADER, None)
-    publish_patiently(app, signature, headers=headers)
-
-
 def stepwise(entry: Mapping[str, Any]) -> bool:
-    """A run of several keys that takes them one at a time, in key order (a ``Queue`` run of ``keys=``;
-    ``key_set.KeySetAdmits.stepwise``); a ``Replace`` run of a set (``g``) waits on all of them at once."""
-    return bool(entry.get("ks")) and entry.get("g") is None
+    """A run of several keys: it takes them one at a time, in key order (``key_set.KeySetAdmits.stepwise``,
+    ``Queue`` and ``Replace`` alike; an entry parked on every key of its set by an earlier version is
+    moved on the same way: its message leaves the keys after the one it waits on)."""
+    return bool(entry.get("ks"))
 
 
 def moves_on(store: LeaseStore, entry: Mapping[str, Any]) -> bool:
@@ -390,24 +380,9 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
         owner = app_ref()
         if owner is None:
             return
-        if stepwise(entry):
-            if not moves_on(store, entry):
-                log.debug("%r reserved for %s, which waits for its next key", key, entry.get("t"))
-                return
-        elif entry.get("ks"):
-            # A run that needs several keys: published once all of them are reserved for it (whoever
-            # reserves the last one publishes it).
-            state = store.keys_state(entry)
-            if state == "missing" and int(entry.get("hn") or 1) > 1:
-                # Handed again after its reservation expired, and absent from some of its keys: its
-                # worker died between its admits. Its message, published again as a new delivery,
-                # completes its places (it keeps its send stamp).
-                log.warning("%s is missing from some of %s; publishing it again", entry.get("t"), entry["ks"])
-                publish_again(owner, key, entry, store)
-                return
-            if state != "ready":
-                log.debug("%r reserved for %s, which waits for its other keys", key, entry.get("t"))
-                return
+        if stepwise(entry) and not moves_on(store, entry):
+            log.debug("%r reserved for %s, which waits for its next key", key, entry.get("t"))
+            return
         publish_handoff(owner, key, entry, store)
 
     store.add_handoff_callback(publish)

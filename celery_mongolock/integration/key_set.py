@@ -1,9 +1,10 @@
 """A queued run's admits over its key set (``Queue``, ``Replace``): one admit (one ``findAndModify``) a key,
 in sorted order, and what a set of keys (a task of ``keys=(...)``) needs on top: the keys it got while it
 waits for others turned into reservations for it, a confirming renewal before its body starts, and leaving
-every key when it does not wait. A ``Queue`` run of several keys stops at the first key where it waits
-(``stepwise``: one key at a time); a ``Replace`` run of a set waits on all of them. For a task of one
-``key=`` those steps are empty: one admit is the whole attempt.
+every key when it does not wait. A run of several keys stops at the first key where it waits
+(``stepwise``: one key at a time); a ``Replace`` run of a set is one on the first key of its set only, and
+a ``Queue`` run after it (``entry_on``). For a task of one ``key=`` those steps are empty: one admit is the
+whole attempt.
 
 ``KeySetAdmits`` knows the store and the run's entry, not Celery's outcomes: ``queued_run.QueuedRun``
 decides what each answer means for the task.
@@ -80,25 +81,40 @@ class KeySetAdmits:
         #: When (``time.monotonic()``) its entry is due on the key where it is due latest: a
         #: ``Replace(debounce=...)`` run's delayed copy comes back then (``max_wait`` may make it sooner).
         self.due_at: float | None = None
-        #: A ``Queue`` run of several keys takes them **one at a time, in key order**: it waits on at most
-        #: one key, the first it has not got, holding reservations on the keys before it only (ordered
-        #: resource acquisition: no cycle of waits). Its place on a key is where it arrived there, so it
-        #: may be spilled beyond the key's window like a run of one key. (A ``Replace`` run of a set waits
-        #: on every key of its set at once: a newer send of the set must find it on each.)
-        self.stepwise = several and not isinstance(policy, Replace)
+        #: A run of several keys takes them **one at a time, in key order**: it waits on at most one key,
+        #: the first it has not got, holding reservations on the keys before it only (ordered resource
+        #: acquisition: no cycle of waits). Its place on a key is where it arrived there, so it may be
+        #: spilled beyond the key's window like a run of one key (for a ``Replace`` run of a set: on a key
+        #: after the first of its set, ``entry_on``).
+        self.stepwise = several
+        #: ``Replace`` with several keys: the first key of the set, where its runs supersede each other.
+        self.set_gate: str | None = keys[0] if several and isinstance(policy, Replace) else None
         #: The key this run waits on (stepwise), once an attempt parked it there.
         self.waits_on: str | None = None
         #: The run's first message (not a copy, a handoff or a delayed copy): it is on no key yet.
         self.fresh = fresh
 
+    def entry_on(self, key: str) -> dict[str, Any]:
+        """This run's entry as it waits on ``key``. A ``Replace`` run of a set is one on the first key of
+        its set only (every run of the set admits that key first: supersession, debounce, ``max_wait`` and
+        ``cancel_running`` happen there); on a later key it waits as a ``Queue`` run does, without its
+        set's signature (``g``) and burst (``bu``): there it may be spilled, and at most one run of its
+        set waits there (the one that got the first key; an older one superseded there has left it, or
+        leaves it when its turn comes)."""
+        if self.set_gate is None or key == self.set_gate:
+            return self.entry
+        return {name: value for name, value in self.entry.items() if name not in ("g", "bu")}
+
     def admit(self, key: str, claim: str | None) -> Admission:
         """One admit of this run's entry on ``key`` (one ``findAndModify``)."""
         policy, options = self.policy, self.options
-        replace = isinstance(policy, Replace)
+        # (a Replace run of a set, on a key after the first of its set: a Queue run there, ``entry_on``)
+        rp = policy if isinstance(policy, Replace) and key == (self.set_gate or key) else None
+        replace = rp is not None
         admission = Admission.of(
             *self.store.admit(
                 key,
-                self.entry,
+                self.entry_on(key),
                 ttl=options.lease_seconds,
                 claim=claim,
                 timeout=policy.timeout,
@@ -110,12 +126,12 @@ class KeySetAdmits:
                 replace=replace,
                 group=self.entry.get("g") if replace else None,
                 # Replace(debounce=...): every run parks; its delayed copy takes a key once due there.
-                debounce=policy.debounce if isinstance(policy, Replace) else None,
-                due=self.debounced_copy and claim is None,
-                max_wait=policy.max_wait if isinstance(policy, Replace) else None,
+                debounce=rp.debounce if rp is not None else None,
+                due=self.debounced_copy and claim is None and replace,
+                max_wait=rp.max_wait if rp is not None else None,
                 limit=self.limits.get(key, options.limit),
                 # Replace(cancel_running=True): parked behind a running older run of its set, it tells it.
-                cancel=isinstance(policy, Replace) and policy.cancel_running,
+                cancel=rp is not None and rp.cancel_running,
             )
         )
         self.answers[key] = admission
@@ -124,7 +140,7 @@ class KeySetAdmits:
         if due_in is not None:
             due_at = time.monotonic() + due_in
             self.due_at = max(due_at, self.due_at or due_at)
-        if self.several and isinstance(policy, Replace) and policy.max_wait and "bu" not in self.entry:
+        if rp is not None and self.several and rp.max_wait and "bu" not in self.entry:
             # Its burst, learned on the first key that answers it, goes with its admits of the others
             # (``sets.in_burst``): a burst its ceiling sealed is not superseded on a key by a newer send.
             burst = admission.burst_of(str(self.entry["id"]))
@@ -299,7 +315,7 @@ class KeySetAdmits:
         try:
             while pending:
                 lease = pending.pop(0)
-                if store.reserve(lease, self.entry, timeout=policy.timeout):
+                if store.reserve(lease, self.entry_on(lease.key), timeout=policy.timeout):
                     continue
                 rounds += 1
                 if rounds > 3 * len(leases):

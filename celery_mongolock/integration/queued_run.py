@@ -2,12 +2,12 @@
 ``limit=N``) or several (``keys=``, with a limit per key).
 
 The run takes every key, claims every key handed to it, or waits, the keys it got turned into reservations
-for it (``key_set.KeySetAdmits``): a ``Queue`` run of several keys waits on the first key it has not got
-(one key at a time, in key order), and is published again whenever whoever hands it a key finds it can
-move on (``handoff.moves_on``); a ``Replace`` run of a set is parked on every key it did not get, and
-published once all are reserved for it (for one key: by whoever hands it the key). A ``Replace`` run of
-several keys carries its set's signature: on each key, a newer send of the same set supersedes it
-(``core.documents.sets``); told so on any key, it gives back what it holds there and leaves the others.
+for it (``key_set.KeySetAdmits``): a run of several keys waits on the first key it has not got (one key
+at a time, in key order), and is published again whenever whoever hands it a key finds it can move on
+(``handoff.moves_on``); a run of one key, by whoever hands it the key. A ``Replace`` run of several keys
+carries its set's signature on the first key of its set, which every run of the set admits first: there a
+newer send of the same set supersedes it (``core.documents.sets``); told so, it gives back what it holds
+and leaves its other keys.
 What an answer that does not let the run wait means (a copy of a run that ran, runs or waits; a full
 queue; a newer send) is decided here once for every shape.
 """
@@ -352,12 +352,9 @@ class QueuedRun:
         last reservation (here if that was this attempt); a run of one key, by whoever hands it the key."""
         task, keys, entry, store, policy = self.task, self.keys, self.entry, self.store, self.policy
         self.admits.write_superseded()
-        if self.admits.stepwise:
+        if self.admits.stepwise and _queue.moves_on(store, entry):
             # Handed the key it waits on meanwhile (its release came before the keys before it were
             # reserved here): nobody else moves it on.
-            if _queue.moves_on(store, entry):
-                _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
-        elif self.several and store.reserved_for_all(entry):
             _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
         debounce = policy.debounce if isinstance(policy, Replace) else 0.0
         if debounce and not self.debounced_copy and not (self.several and self.claim):

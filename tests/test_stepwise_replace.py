@@ -1,0 +1,117 @@
+"""Deep queues of ``Replace`` runs of sets of keys (``keys=``): such a run takes its keys one at a time, in
+key order, as a ``Queue`` run of several keys does. The first key of its set, which every run of the set
+admits first, is where runs of the set supersede each other; on a later key it waits as a ``Queue`` run,
+so it is spilled beyond the key's window: no cap of the lease document on how many sets wait on a shared
+later key (the per-tenant upload: one set per group, all waiting on the tenant's key).
+
+With real ``celery worker`` processes (prefork) on each broker in turn (Redis, then RabbitMQ), whose
+workers keep 2 parked runs in a key's lease document (``integration_app``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+
+import pytest
+
+from celery_mongolock import is_superseded
+
+from . import integration_app as it
+from .servers import RedisServer, wait_for
+from .test_integration import Cluster, running_cluster
+from .test_queue import parked
+from .test_stepwise_keys import WINDOW, _no_overlap, _parked_as, _starts, reserved_for, spilled_count, tag
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    with running_cluster("sr", broker_url, redis_server.url, mongo_url, tmp_path_factory) as c:
+        yield c
+
+
+@pytest.mark.slow
+def test_replace_runs_of_sets_wait_spilled_on_a_shared_later_key_and_the_newest_of_a_set_wins(
+    cluster: Cluster,
+) -> None:
+    """Sets (x_i, b), b held: each run takes its own x_i (reserved for it) and waits on b, beyond the window
+    spilled. A newer send of (x_0, b) takes x_0's reservation back from the older run, which ends
+    superseded without its body, and waits on b itself (spilled at the end). Released: every other run
+    runs once, in the order it reached b, never two on b at once; the superseded run's old place on b is
+    passed over."""
+    suffix = tag()
+    b = f"b{suffix}"  # (sorts after every "a...": b is each set's second key)
+    key_b = f"resource:{b}"
+    blocker = cluster.store.acquire(key_b, 600)
+    assert blocker is not None
+    firsts = [f"a{i}{suffix}" for i in range(6)]
+    tags = [tag() for _ in firsts]
+    results = []
+    for x, t in zip(firsts, tags, strict=True):
+        results.append(it.merge_latest.delay(x, b, t, 0.1))
+        sent = [r.id for r in results]
+        wait_for(partial(_parked_as, cluster, key_b, sent), timeout=60, message=f"{t} to wait on b")
+    assert spilled_count(cluster, key_b) == len(tags) - WINDOW  # (before this version: never spilled)
+    first_a = f"resource:{firsts[0]}"
+    wait_for(
+        lambda: reserved_for(cluster, first_a) == results[0].id,
+        timeout=60,
+        message="the first key reserved for the first run",
+    )
+    newest_tag = tag()
+    newest = it.merge_latest.delay(firsts[0], b, newest_tag, 0.1)
+    old_run = results[0]
+    wait_for(lambda: is_superseded(old_run), timeout=60, message="the older run of (a0, b) superseded")
+    wait_for(  # (it claims a0, handed to it, and waits on b behind every run there, spilled)
+        lambda: parked(cluster, key_b)[-1:] == [newest.id] and reserved_for(cluster, first_a) == newest.id,
+        timeout=60,
+        message="the newer send of (a0, b) to wait on b",
+    )
+    assert spilled_count(cluster, key_b) == len(tags) + 1 - WINDOW
+    blocker.release()
+    for x, r in zip(firsts[1:], results[1:], strict=True):
+        assert r.get(timeout=120) == sorted([f"resource:{x}", key_b])
+    assert newest.get(timeout=120) == sorted([first_a, key_b])
+    assert old_run.get(timeout=30)["mongolock"] == "superseded"
+    ran = [*tags[1:], newest_tag]
+    assert _starts(cluster, ran) == ran  # (the order they reached b)
+    assert cluster.runs(tags[0], "start") == []  # (superseded: its body never ran)
+    _no_overlap(cluster, ran)
+    for key in (first_a, key_b):
+        info = cluster.store.inspect(key)
+        assert info is None or not (info.held or info.parked or info.handoff), info
+    assert spilled_count(cluster, key_b) == 0
+
+
+@pytest.mark.slow
+def test_a_burst_of_replace_sends_of_one_set_behind_its_held_second_key_runs_the_newest_once(
+    cluster: Cluster,
+) -> None:
+    """Five sends of one set (a, b), b held: only one run of the set waits on b at a time (the newest that
+    got a), each newer send supersedes the older ones on a. Released, the newest runs once and every
+    other ends superseded."""
+    suffix = tag()
+    a, b = f"a{suffix}", f"b{suffix}"
+    key_a, key_b = f"resource:{a}", f"resource:{b}"
+    blocker = cluster.store.acquire(key_b, 600)
+    assert blocker is not None
+    tags = [tag() for _ in range(5)]
+    results = [it.merge_latest.delay(a, b, t, 0.1) for t in tags]
+    wait_for(
+        lambda: all(is_superseded(r) for r in results[:-1]),
+        timeout=90,
+        message="every older send superseded",
+    )
+    wait_for(
+        lambda: reserved_for(cluster, key_a) == results[-1].id and results[-1].id in parked(cluster, key_b),
+        timeout=60,
+        message="the newest to wait on b, a reserved for it",
+    )
+    blocker.release()
+    assert results[-1].get(timeout=120) == sorted([key_a, key_b])
+    assert [r.get(timeout=30)["mongolock"] for r in results[:-1]] == ["superseded"] * 4
+    assert [t for t in tags if cluster.runs(t, "start")] == [tags[-1]]
+    for key in (key_a, key_b):
+        info = cluster.store.inspect(key)
+        assert info is None or not (info.held or info.parked or info.handoff), info
