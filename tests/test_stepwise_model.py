@@ -1,5 +1,5 @@
-"""A model-based test of ``Queue`` runs of several keys, which take their keys one at a time in key order
-(issue 28: deep queues for runs of several keys; ``integration.key_set``).
+"""A model-based test of ``Queue`` and ``Replace`` runs of several keys, which take their keys one at a
+time in key order (issue 28: deep queues for runs of several keys; ``integration.key_set``).
 
 A hypothesis ``RuleBasedStateMachine`` drives the real admission of a worker (``QueuedRun.take``, in
 this process, on the embedded server) with runs of two or three of four keys, whose messages it holds
@@ -13,6 +13,10 @@ key never holds a reservation on a key after it unless a message of it is on its
 gives the later key back): the order that makes a cycle of waits impossible. At the end of each example
 the machine drains (delivers every message, ends every body, and lets reservations lapse while nothing
 else moves): every run must then have run exactly once, within a bound of rounds, or it waited for ever.
+
+The same machine with ``Replace()`` runs of sets of keys (``test_replace_runs_of_sets_match_their_model``):
+a run ends either with its body or superseded, never both; the newest send of each set runs; and no run
+of a set runs after a newer send of its set ran.
 
 ``MONGOLOCK_MODEL_EXAMPLES`` (default 12) sets the number of examples.
 """
@@ -42,11 +46,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from celery_mongolock import LeaseStore, Queue, singleton_task
+from celery_mongolock import LeaseStore, Queue, Replace, singleton_task
+from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.config import get_store
 from celery_mongolock.core.lease import Lease
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration.queued_run import QueuedRun
+from celery_mongolock.integration.supersede import is_superseded_meta
 
 EXAMPLES = int(os.environ.get("MONGOLOCK_MODEL_EXAMPLES", "12"))
 LETTERS = ("a", "b", "c", "d")
@@ -70,6 +76,10 @@ class Run:
     keys: list[str]
     bodies: int = 0
     done: bool = False
+    #: Ended superseded (``Replace``): by its own admit, or written by the run that superseded it.
+    superseded: bool = False
+    #: When its body started (the machine's count of body starts), if it did.
+    started: int | None = None
 
     @property
     def entry(self) -> dict[str, Any]:
@@ -100,6 +110,18 @@ def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
 def test_runs_of_several_keys_match_their_model(app: Celery) -> None:
     run_state_machine_as_test(
         _machine(app),
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+
+
+def test_replace_runs_of_sets_match_their_model(app: Celery) -> None:
+    run_state_machine_as_test(
+        _machine(app, Replace()),
         settings=settings(
             max_examples=EXAMPLES,
             stateful_step_count=30,
@@ -171,10 +193,12 @@ def test_a_late_handoff_message_of_a_run_that_ended_leaves_its_keys(app: Celery)
         machine.teardown()
 
 
-def _machine(app: Celery) -> type[StepwiseMachine]:
+def _machine(app: Celery, policy: Queue | None = None) -> type[StepwiseMachine]:
+    name = "stepwise_model.merge" if policy is None else f"stepwise_model.merge_{type(policy).__name__}"
+
     @singleton_task(
-        keys=("k:{x}", "k:{y}", "k:{z}"), app=app, name="stepwise_model.merge", bind=True,
-        on_contention=Queue(), shared=False,
+        keys=("k:{x}", "k:{y}", "k:{z}"), app=app, name=name, bind=True,
+        on_contention=policy or Queue(), shared=False,
     )  # fmt: skip
     def merge(self: Any, x: str, y: str, z: str) -> str:
         return "ran"
@@ -182,18 +206,20 @@ def _machine(app: Celery) -> type[StepwiseMachine]:
     class Machine(StepwiseMachine):
         pass
 
-    Machine.task, Machine.store = merge, get_store(app)
+    Machine.task, Machine.store, Machine.replace = merge, get_store(app), isinstance(policy, Replace)
     return Machine
 
 
 class StepwiseMachine(RuleBasedStateMachine):
     task: Any
     store: LeaseStore
+    replace: bool = False
 
     def __init__(self) -> None:
         super().__init__()
         self.prefix = uuid.uuid4().hex[:8]
         self.runs: dict[str, Run] = {}
+        self.starts = 0
         self.pending: list[Message] = []
         self.running: dict[str, list[Lease]] = {}
         before_task_publish.connect(self._published, weak=False)
@@ -223,15 +249,34 @@ class StepwiseMachine(RuleBasedStateMachine):
         finally:
             task.pop_request()
         if not isinstance(got, list):
+            if isinstance(got, Outcome) and isinstance(got.value, dict) and got.value.get("mongolock"):
+                assert self.replace and got.value["mongolock"] == "superseded", got.value
+                assert run.bodies == 0, f"{run.task_id} ended superseded after its body ran"
+                run.superseded = run.done = True
             return  # (a copy ended with an outcome of its own: never a body)
         assert not run.done, f"{run.task_id} ran again after it finished"
+        assert not self._superseded(run), f"{run.task_id} ran after it was superseded"
         others = {k for tid, leases in self.running.items() for lease in leases for k in [lease.key]}
         assert not others & set(run.keys), f"{run.task_id} started holding a key another body holds"
         assert sorted(lease.key for lease in got) == run.keys
         run.bodies += 1
         assert run.bodies == 1, f"{run.task_id} ran twice"
+        self.starts += 1
+        run.started = self.starts
         event("a run of several keys started")
         self.running[run.task_id] = got
+
+    def _superseded(self, run: Run) -> bool:
+        """Ended superseded: by its own admit, or its result written by the run that superseded it."""
+        if not run.superseded and self.replace:
+            meta = self.task.app.backend.get_task_meta(run.task_id)
+            if is_superseded_meta(meta):
+                assert run.bodies == 0, f"{run.task_id} ran, then its result was written superseded"
+                run.superseded = run.done = True
+        return run.superseded
+
+    def _ended(self, run: Run) -> bool:
+        return run.done or self._superseded(run)
 
     def _finish(self, task_id: str) -> None:
         for lease in self.running.pop(task_id):
@@ -300,7 +345,7 @@ class StepwiseMachine(RuleBasedStateMachine):
         """A run that waits on a key holds no reservation after it, unless a message of it is on its way."""
         on_the_way = {m.task_id for m in self.pending}
         for run in self.runs.values():
-            if run.done or run.task_id in self.running or run.task_id in on_the_way:
+            if self._ended(run) or run.task_id in self.running or run.task_id in on_the_way:
                 continue
             places = [place for _, place in self.store.keys_places(run.entry)]
             first = next((i for i, p in enumerate(places) if p != "reserved"), None)
@@ -308,6 +353,29 @@ class StepwiseMachine(RuleBasedStateMachine):
                 continue
             assert "reserved" not in places[first + 1 :], (
                 f"{run.task_id} waits on {run.keys[first]}, holds a later key, nothing on its way: {places}"
+            )
+
+    @invariant()
+    def newer_sends_of_a_set_run_after_older_ones(self) -> None:
+        """``Replace``: a run of a set starts only before every newer send of its set that started."""
+        later_start: dict[tuple[str, ...], int] = {}
+        for run in reversed(list(self.runs.values())):  # (newest send first)
+            of_set = tuple(run.keys)
+            newer = later_start.get(of_set)
+            if run.started is not None:
+                assert newer is None or run.started < newer, (
+                    f"{run.task_id} ran after a newer send of its set"
+                )
+                later_start[of_set] = min(run.started, newer if newer is not None else run.started)
+
+    def newest_of_each_set_ran(self) -> None:
+        """``Replace``, once drained: the newest send of every set ran its body."""
+        newest: dict[tuple[str, ...], Run] = {}
+        for run in self.runs.values():  # (in send order: the last of a set is its newest)
+            newest[tuple(run.keys)] = run
+        for of_set, run in newest.items():
+            assert run.bodies == 1, (
+                f"{run.task_id}, the newest send of {of_set}, never ran: {self._describe()}"
             )
 
     def teardown(self) -> None:
@@ -318,8 +386,8 @@ class StepwiseMachine(RuleBasedStateMachine):
 
     def _drain(self) -> None:
         for _ in range(DRAIN_ROUNDS):
-            if all(run.done for run in self.runs.values()):
-                return
+            if all(self._ended(run) for run in self.runs.values()):
+                break
             if self.running:
                 for task_id in sorted(self.running):
                     self._finish(task_id)
@@ -333,15 +401,16 @@ class StepwiseMachine(RuleBasedStateMachine):
             else:  # nothing moves: the sweeper hands every reservation not claimed again
                 for letter in LETTERS:
                     self._lapse(self.key(letter))
-        if all(run.done for run in self.runs.values()):
-            return
-        raise AssertionError(f"runs never ran (waited for ever): {self._describe()}")
+        if not all(self._ended(run) for run in self.runs.values()):
+            raise AssertionError(f"runs never ran (waited for ever): {self._describe()}")
+        if self.replace:
+            self.newest_of_each_set_ran()
 
     def _describe(self) -> str:
         """The runs not done: their keys, where they are on each, and their messages waiting."""
         lines = []
         for run in self.runs.values():
-            if run.done:
+            if self._ended(run):
                 continue
             places = self.store.keys_places(run.entry)
             waiting = [

@@ -152,9 +152,17 @@ class KeySetAdmits:
         return admission
 
     def write_superseded(self) -> None:
-        """The results of the runs this run superseded on its keys (its admits' ``sup``)."""
+        """The results of the runs this run superseded on its keys (its admits' ``sup``). A run of its set
+        whose reservation of the set's first key it took back may wait on a later key (it took them one
+        at a time): this run leaves that key for it (the superseded run can claim nothing any more, and
+        its place there would be handed to it for nothing)."""
         for key, (admission, runs) in self.superseded.items():
             end_superseded(self.task, self.store, key, runs, admission.fence)
+            for run in runs:
+                if run.get("rv") and run.get("ks") and run.get("id"):
+                    for later in [str(k) for k in run["ks"] if k != key]:
+                        self.store.unpark(later, str(run["id"]))
+                        self.store.spill.drop(later, [str(run.get("t"))])
         self.superseded = {}
 
     def confirmed(self, leases: list[Lease]) -> bool:

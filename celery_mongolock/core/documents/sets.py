@@ -254,13 +254,16 @@ def message_fields(e: str) -> Document:
     return {"id": f"{e}.id", "m": f"{e}.m", "ct": f"{e}.ct", "ce": f"{e}.ce", "sg": f"{e}.sg"}
 
 
-def sup_record(e: str, by: str) -> Document:
-    """The record in ``sup`` of the run whose entry is the expression ``e``, superseded by ``by``."""
-    return _sup_record(e, by)
+def sup_record(e: str, by: str, *, reserved: bool = False) -> Document:
+    """The record in ``sup`` of the run whose entry is the expression ``e``, superseded by ``by``;
+    ``reserved``: its reservation or handoff of the key was taken back (``rv``: it may wait on a later key
+    of its set, which the superseding run leaves for it, ``key_set.KeySetAdmits.write_superseded``)."""
+    return _sup_record(e, by, reserved=reserved)
 
 
-def _sup_record(e: str, by: str) -> Document:
+def _sup_record(e: str, by: str, *, reserved: bool = False) -> Document:
     return {
+        **({"rv": {"$literal": True}} if reserved else {}),
         "t": f"{e}.t",
         "by": {"$literal": by},
         "at": "$$NOW",
@@ -308,7 +311,7 @@ def park_queue(
     superseded = {
         "$concatArrays": [
             {"$map": {"input": older, "as": "p", "in": _sup_record("$$p", by)}},
-            {"$cond": [take_back, [_sup_record("$ho", by)], []]},
+            {"$cond": [take_back, [_sup_record("$ho", by, reserved=True)], []]},
         ]
     }
     return in_order, superseded

@@ -180,7 +180,7 @@ def take_back_stage(
                 "$map": {
                     "input": {"$filter": {"input": _HS, "as": "h", "cond": older_hold}},
                     "as": "h",
-                    "in": sets.sup_record("$$h.ho", by),
+                    "in": sets.sup_record("$$h.ho", by, reserved=True),
                 }
             },
         ]
