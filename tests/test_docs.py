@@ -347,7 +347,7 @@ ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/how-to/several-keys.md", "and with `Queue`: on a key with slots the run parks"): lambda: _declare(
         keys=KEYS, limit={"g:{src}": 3}, on_contention="queue"
     ),
-    ("docs/how-to/per-tenant-limit.md", "With `Queue`, a run parks on every key it did not get"): lambda: (
+    ("docs/how-to/per-tenant-limit.md", "With `Queue` (and `Replace`), a run takes its keys one"): lambda: (
         _task_policy(keys=KEYS, limit=3, on_contention="queue")
     ),
     ("docs/how-to/per-tenant-limit.md", "`min_hold_seconds` works per slot"): lambda: _declare(
@@ -388,7 +388,7 @@ ACCEPTED: dict[tuple[str, str], Callable[[], Any]] = {
     ("docs/reference/settings.md", "with `Queue`, a run parks until it can have every key"): lambda: (
         _task_policy(keys=KEYS, on_contention="queue")
     ),
-    ("docs/reference/policies.md", "`Replace` with `keys=` waits on every key of its set"): lambda: _declare(
+    ("docs/reference/policies.md", "`Replace` with `keys=` takes the keys one at a time"): lambda: _declare(
         keys=KEYS, on_contention="replace"
     ),
     ("docs/how-to/several-keys.md", "`Replace()` with `keys=(...)` is latest-wins"): lambda: _declare(
