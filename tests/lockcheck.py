@@ -308,15 +308,16 @@ REENTRANT_INNER_TASK = "lockcheck.rmw_reentrant_inner"
 #: (its runs park on them, and runs of other tasks would be judged against them): the newest send of a set
 #: of keys wins; runs of other sets that share a key keep their place. A several-keys task.
 MULTI_REPLACE_TASK = "lockcheck.rmw_multi_replace"
-#: The same, debounced (``Replace(debounce=MULTI_REPLACE_DEBOUNCE)``): every run parks on both keys, and its
-#: delayed copy takes them once due, unless a newer send of its set came. Its runs and the undebounced
+#: The same, debounced (``Replace(debounce=MULTI_REPLACE_DEBOUNCE)``): every run parks on the first key of
+#: its set, and its delayed copy takes it once due (then the second, as a ``Queue`` run), unless a newer
+#: send of its set came. Its runs and the undebounced
 #: task's are judged together per set of keys (a set's signature is its keys: either task's newer send
 #: supersedes the other's older runs of that set).
 MULTI_REPLACE_DEBOUNCED_TASK = "lockcheck.rmw_multi_replace_debounced"
 MULTI_REPLACE_DEBOUNCE = 0.3
 #: The same with a ceiling (``Replace(debounce=MULTI_REPLACE_DEBOUNCE, max_wait=MULTI_REPLACE_MAX_WAIT)``):
-#: a set that keeps receiving sends still runs; the burst its ceiling sealed is not superseded on any key
-#: (``sets.in_burst``). Judged with the other several-keys ``Replace`` runs, and its directed burst
+#: a set that keeps receiving sends still runs; the burst its ceiling sealed is not superseded
+#: (``sets.in_burst``, on the first key of the set). Judged with the other several-keys ``Replace`` runs, and its directed burst
 #: (``Run._capped_directed``) sends until a body of it started.
 MULTI_REPLACE_CAPPED_TASK = "lockcheck.rmw_multi_replace_capped"
 MULTI_REPLACE_MAX_WAIT = 1.0
