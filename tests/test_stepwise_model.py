@@ -119,9 +119,11 @@ def test_runs_of_several_keys_match_their_model(app: Celery) -> None:
     )
 
 
-def test_replace_runs_of_sets_match_their_model(app: Celery) -> None:
+@pytest.mark.parametrize("limit", [None, {"k:{x}": 2}], ids=["single", "slots"])
+def test_replace_runs_of_sets_match_their_model(app: Celery, limit: dict[str, int] | None) -> None:
+    """(``slots``: the key rendered from ``x`` has 2 slots: the first key of a set when ``x`` sorts first.)"""
     run_state_machine_as_test(
-        _machine(app, Replace()),
+        _machine(app, Replace(), limit=limit),
         settings=settings(
             max_examples=EXAMPLES,
             stateful_step_count=30,
@@ -193,12 +195,47 @@ def test_a_late_handoff_message_of_a_run_that_ended_leaves_its_keys(app: Celery)
         machine.teardown()
 
 
-def _machine(app: Celery, policy: Queue | None = None) -> type[StepwiseMachine]:
+def test_an_older_run_of_a_set_past_a_first_key_with_slots_never_runs_after_a_newer_one(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Replace`` with a limit on the first key of the set (here 2 slots on ``k:a``): two runs of one set
+    can be past it at once. The older takes a slot and, before it admits ``k:b``, the newer takes the
+    other slot, takes ``k:b``, runs and ends. The older then finds ``k:b`` free: it must end superseded,
+    not run the older arguments after the newer ones (``KeySetAdmits.newer_past_gate``)."""
+    machine = _machine(app, Replace(), limit={"k:{x}": 2})()
+    try:
+        older, newer = machine.sent(["a", "b"]), machine.sent(["a", "b"])
+        admit = machine.store.admit
+        passed: list[str] = []
+
+        def slow_older(key: str, entry: Any, *args: Any, **kwargs: Any) -> Any:
+            if entry.get("t") == older and key == machine.key("b") and not passed:
+                passed.append(key)  # the newer run overtakes it here
+                machine.deliver_run(newer)
+                assert newer in machine.running
+                machine._finish(newer)
+            return admit(key, entry, *args, **kwargs)
+
+        monkeypatch.setattr(machine.store, "admit", slow_older)
+        machine.deliver_run(older)
+        monkeypatch.undo()
+        assert passed and machine.runs[newer].bodies == 1
+        assert machine.runs[older].bodies == 0 and machine.runs[older].superseded
+        machine.newer_sends_of_a_set_run_after_older_ones()
+        machine._drain()
+    finally:
+        machine.teardown()
+
+
+def _machine(
+    app: Celery, policy: Queue | None = None, limit: dict[str, int] | None = None
+) -> type[StepwiseMachine]:
     name = "stepwise_model.merge" if policy is None else f"stepwise_model.merge_{type(policy).__name__}"
+    name += "_limit" if limit else ""
 
     @singleton_task(
         keys=("k:{x}", "k:{y}", "k:{z}"), app=app, name=name, bind=True,
-        on_contention=policy or Queue(), shared=False,
+        on_contention=policy or Queue(), shared=False, limit=limit,
     )  # fmt: skip
     def merge(self: Any, x: str, y: str, z: str) -> str:
         return "ran"
@@ -240,7 +277,8 @@ class StepwiseMachine(RuleBasedStateMachine):
             called_directly=False,
         )  # fmt: skip
         try:
-            got = QueuedRun(task, list(run.keys), task._options(), one=False).take()
+            limits = task.mongolock_limits_for(*run.args)
+            got = QueuedRun(task, list(run.keys), task._options(), limits=limits, one=False).take()
         except Ignore:
             return
         except Retry:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import pytest
 
@@ -117,3 +118,41 @@ def test_a_burst_of_replace_sends_of_one_set_behind_its_held_second_key_runs_the
     for key in (key_a, key_b):
         info = cluster.store.inspect(key)
         assert info is None or not (info.held or info.parked or info.handoff), info
+
+
+@pytest.mark.slow
+def test_the_run_a_ceiling_chose_keeps_the_first_key_while_it_waits_on_a_held_later_key(
+    cluster: Cluster,
+) -> None:
+    """``Replace(debounce=1, max_wait=3)`` (``merge_capped``), the set's second key held: a send every
+    0.25 s. The ceiling hands the first key to a run of the burst, which claims it and waits on the held
+    key with the first key reserved for it; its burst is sealed, so the sends after it do not take that
+    reservation back (they wait behind it as a burst of their own). Released, it runs first. (Before the
+    handoff carried the run's burst, its reservation had none, and the next send superseded it: under
+    steady sends the ceiling never held while the later key was busy.)"""
+    suffix = tag()
+    a, b = f"a{suffix}", f"b{suffix}"
+    key_a, key_b = f"resource:{a}", f"resource:{b}"
+    blocker = cluster.store.acquire(key_b, 600)
+    assert blocker is not None
+    results: list[Any] = []
+
+    def chosen() -> Any:
+        """A run of the burst with the first key reserved for it, waiting on b (a send each call)."""
+        results.append(it.merge_capped.delay(a, b, tag(), 0.1))
+        holder = reserved_for(cluster, key_a)
+        waiting = parked(cluster, key_b)
+        return next((r for r in results if r.id == holder and r.id in waiting), None)
+
+    first = wait_for(chosen, timeout=90, interval=0.25, message="the ceiling's run to wait on b")
+    for _ in range(12):  # 3 s more of sends: more than the debounce, the reservation stays its own
+        results.append(it.merge_capped.delay(a, b, tag(), 0.1))
+        wait_for(lambda: results[-1].state != "PENDING", timeout=30, message="the send to reach a worker")
+    assert reserved_for(cluster, key_a) == first.id
+    assert not is_superseded(first)
+    blocker.release()
+    assert first.get(timeout=120) == sorted([key_a, key_b])
+    newest = results[-1]
+    assert newest.get(timeout=120) == sorted([key_a, key_b])  # (its own burst: by its debounce)
+    for r in results:
+        assert r.id in (first.id, newest.id) or r.get(timeout=60)["mongolock"] == "superseded"

@@ -56,6 +56,11 @@ class ParkedRuns:
         (``QueueUpkeep.keys_state``)."""
         return self.queue.keys_state(entry)
 
+    def newer_of_set(self, key: str, entry: Mapping[str, Any]) -> str | None:
+        """The newest send of the ``Replace`` set of ``entry`` newer than it that got ``key``, or None
+        (``QueueUpkeep.newer_of_set``)."""
+        return self.queue.newer_of_set(key, entry)
+
     def keys_places(self, entry: Mapping[str, Any]) -> builtins.list[tuple[str, str]]:
         """Where the multi-key run ``entry`` is on each of its keys, in key order: ``(key, place)``
         (``QueueUpkeep.keys_places``)."""

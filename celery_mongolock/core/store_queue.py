@@ -269,6 +269,16 @@ class QueueUpkeep:
             return "ready"
         return "waiting" if places and all(p in ("reserved", "parked") for p in places) else "missing"
 
+    def newer_of_set(self, key: str, entry: Mapping[str, Any]) -> str | None:
+        """The newest send of the set of the run ``entry`` (``g``, ``s``, ``t``) newer than it that got
+        ``key`` (``lg``; one point read), or None."""
+        store = self.store
+        with store.connection.operation(f"read {key!r}"):
+            doc = store.connection.collection.find_one({"_id": normalize_key(key)}, {"lg": 1}) or {}
+        return sets.newest_that_got_it(
+            doc.get("lg"), str(entry.get("g")), int(entry["s"]), str(entry.get("t"))
+        )
+
     def keys_places(self, entry: Mapping[str, Any]) -> builtins.list[tuple[str, str]]:
         """Where the multi-key run ``entry`` is on each of its keys (``ks``, in order), from one read:
         ``reserved`` (the key or a slot handed or reserved to it, not yet claimed), ``parked`` (in the

@@ -23,6 +23,7 @@ This module is the Celery side of it:
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import hashlib
 import logging
 import threading
@@ -201,6 +202,29 @@ def handoff_of_keys(request: Any, keys: list[str], run: str) -> str | None:
     return None
 
 
+def _burst_ms(entry: Mapping[str, Any]) -> int | None:
+    """The burst of a handed ``Replace(debounce=..., max_wait=...)`` run of a set (``sets.burst_of``): the
+    one it carries (``bu``, ms), else when its burst began waiting (``fw``); None when it has none."""
+    burst, began = entry.get("bu"), entry.get("fw")
+    if isinstance(burst, int) and not isinstance(burst, bool):
+        return burst
+    if isinstance(began, _dt.datetime):
+        aware = began if began.tzinfo is not None else began.replace(tzinfo=_dt.timezone.utc)
+        return int(aware.timestamp() * 1000)
+    return None
+
+
+def handoff_burst(request: Any) -> int | None:
+    """The burst a handoff message of a ``Replace`` run of a set carries (``bu``): the run keeps it in
+    the entry it claims and reserves with, so that the burst a ceiling sealed stays sealed when the run
+    claims the first key of its set and waits on a later one (its reservation would otherwise carry no
+    burst, and the next send of its set would take it back)."""
+    headers = getattr(request, "headers", None) or {}
+    handoff = headers.get(HANDOFF_HEADER) or getattr(request, HANDOFF_HEADER, None)
+    burst = handoff.get("bu") if isinstance(handoff, Mapping) else None
+    return burst if isinstance(burst, int) and not isinstance(burst, bool) else None
+
+
 def handoff_of(request: Any, key: str, run: str) -> str | None:
     """The token a handed run claims ``key`` with (None for a message that was not this run's handoff:
     a body's own ``Task.retry()`` of a handed run copies its headers, but is another run)."""
@@ -300,6 +324,9 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: Leas
     headers[HANDOFF_HEADER] = {"k": key, "tk": entry["tk"], "id": entry.get("id")}
     if entry.get("ks"):
         headers[HANDOFF_HEADER]["ks"] = list(entry["ks"])
+        burst = _burst_ms(entry) if entry.get("g") else None
+        if burst is not None:  # (the run's burst, for its reservation of the first key of its set)
+            headers[HANDOFF_HEADER]["bu"] = burst
     # The signature carries the run's task id, routing, links and retries; only the headers change, and
     # the handoff goes to the run's queue's lane (``lanes``): it does not wait behind the backlog. When
     # handed again, every other attempt goes to the queue itself (a lane nobody consumes).

@@ -189,6 +189,21 @@ class KeySetAdmits:
         )
         return False
 
+    def newer_past_gate(self, leases: list[Lease]) -> str | None:
+        """A ``Replace`` run of a set whose first key has slots (``limit=N``), about to start with
+        ``leases``: the newest send of its set that got that key after it did (``lg``), if any; then this
+        run gives back its keys and leaves them. (Slots let two runs of a set past the first key at once:
+        the newer may reach and run on the later keys first, and the older must not run after it. With
+        one lease on the first key no other run of the set can be past it: no read.)"""
+        gate = self.set_gate
+        if gate is None or (self.limits.get(gate, self.options.limit) or 1) <= 1:
+            return None
+        newer = self.store.newer_of_set(gate, self.entry)
+        if newer is not None:
+            give_back_quietly(self.store, leases)
+            self.leave_all()
+        return newer
+
     def leave_all(self) -> None:
         """Leave every key of a set of several: this run's parked entry, reservation or handoff (each key
         goes on to the next run, published by this process). (A single key's admit left it already.)"""

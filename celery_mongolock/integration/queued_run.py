@@ -141,6 +141,10 @@ class QueuedRun:
             if self.several
             else _queue.handoff_of(request, keys[0], ident)
         )
+        if self.claim and self.several and isinstance(policy, Replace) and policy.max_wait:
+            burst = _queue.handoff_burst(request)
+            if burst is not None:
+                entry["bu"] = burst
         fresh = not (
             self.claim
             or self.debounced_copy
@@ -192,7 +196,7 @@ class QueuedRun:
                 claim = None  # (from here on: admitted as any run)
                 if claimed is not None:
                     if admits.confirmed(claimed):
-                        return self._started(claimed)
+                        return self._start(claimed)
                     continue
                 if refused is not None:
                     outcome = self._claim_refused(key, refused)
@@ -205,8 +209,17 @@ class QueuedRun:
             if not taken:  # parked or reserved on every key
                 self._parked()
             if admits.confirmed(taken):  # every key taken in this attempt
-                return self._started(taken)
+                return self._start(taken)
         raise StoreUnavailable(f"the keys {self.keys} kept expiring while they were taken")
+
+    def _start(self, leases: list[Lease]) -> list[Lease] | Outcome:
+        """Every key confirmed: the run starts, unless a newer send of its set got past the first key of
+        its set meanwhile (``KeySetAdmits.newer_past_gate``: a first key with slots lets two runs of a set
+        past it; the older one, then, must not run after the newer)."""
+        newer = self.admits.newer_past_gate(leases)
+        if newer is not None:
+            return self._superseded(self.keys[0], newer, None)
+        return self._started(leases)
 
     def _started(self, leases: list[Lease]) -> list[Lease]:
         """Its keys taken or claimed: state ``STARTED`` (and the results of the runs it superseded); else,
@@ -239,7 +252,7 @@ class QueuedRun:
             self.admits.leave_all()
             holder = dict(refused.holder)
             signals.lease_contended.send(sender=task, key=key, holder=holder, policy=self.policy.name)
-            return self._superseded(key, refused)
+            return self._superseded(key, str(refused.by), refused.fence)
         if outcome in (AdmitOutcome.WAITING, AdmitOutcome.PARKED):  # waits on that key: published when ready
             self._parked()
         if outcome is AdmitOutcome.RETRIED:
@@ -292,7 +305,7 @@ class QueuedRun:
                 log_acquire.info("%s[%s]: a copy of a run that ended, superseded on %r; dropped", *who, key)
                 ignored_as(request.id, f"is a copy of a run that ended, superseded on {key!r}: dropped")
                 raise Ignore()
-            return self._superseded(key, admission)
+            return self._superseded(key, str(admission.by), admission.fence)
         if outcome is AdmitOutcome.MIXED:
             self._other_kind(key, admission)
         assert outcome is AdmitOutcome.FULL, outcome
@@ -325,11 +338,10 @@ class QueuedRun:
         )
         ContendedRun(task, self.store, key, direct=False).retry(Retry(), exc)
 
-    def _superseded(self, key: str, admission: Admission) -> Outcome:
+    def _superseded(self, key: str, by: str, fence: int | None) -> Outcome:
         """A newer send (of this run's set of keys) is known on ``key``: the run ends ``SUCCESS`` with a
         ``superseded`` result, without its body (what it held is given back, it is parked nowhere)."""
         task, request, keys = self.task, self.request, self.keys
-        by = str(admission.by)
         log_acquire.info(
             "%s[%s]: %r: a newer send (%s)%s supersedes this run: it ends %s, without running its body",
             task.name,
@@ -340,7 +352,7 @@ class QueuedRun:
             results.superseded_outcome_words(self.policy),
         )
         signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
-        self.store.record_run_ending(key, "superseded", self.entry, fence=admission.fence, by=by)  # history
+        self.store.record_run_ending(key, "superseded", self.entry, fence=fence, by=by)  # history
         leave_rate(task, keys, self.options)
         if getattr(self.policy, "fail_superseded", False):
             raise Superseded(keys[0], None, by, held=False)

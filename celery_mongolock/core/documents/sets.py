@@ -51,6 +51,7 @@ __all__ = [
     "message_fields",
     "newer_by",
     "newest_of",
+    "newest_that_got_it",
     "no_newer_send",
     "older_handoff",
     "other_run",
@@ -384,6 +385,21 @@ def queue_left_by(entry_id: str, handed_to_it: object) -> Document:
     left = {"$cond": [handed_to_it, "$ho", {"$arrayElemAt": [its_entry, 0]}]}
     rest = {"$filter": {"input": q, "as": "e", "cond": {"$ne": ["$$e.id", ident]}}}
     return carry_burst(rest, left)
+
+
+def newest_that_got_it(lg: object, group: str, stamp: int, task_id: str) -> str | None:
+    """Of a key's ``lg`` records (a stored list), the task id of the newest send of ``group`` newer than
+    ``stamp`` that got the key, never ``task_id``'s own; None when there is none."""
+    records = [
+        r
+        for r in (lg if isinstance(lg, list) else [])
+        if isinstance(r, dict)
+        and r.get("g") == group
+        and r.get("t") != task_id
+        and isinstance(r.get("s"), int)
+    ]
+    newer = [r for r in records if int(r["s"]) > stamp]
+    return str(max(newer, key=lambda r: int(r["s"]))["t"]) if newer else None
 
 
 def lg_update(group: str, stamp: int, task_id: str, free: object) -> Document:
