@@ -317,8 +317,8 @@ MULTI_REPLACE_DEBOUNCED_TASK = "lockcheck.rmw_multi_replace_debounced"
 MULTI_REPLACE_DEBOUNCE = 0.3
 #: The same with a ceiling (``Replace(debounce=MULTI_REPLACE_DEBOUNCE, max_wait=MULTI_REPLACE_MAX_WAIT)``):
 #: a set that keeps receiving sends still runs; the burst its ceiling sealed is not superseded
-#: (``sets.in_burst``, on the first key of the set). Judged with the other several-keys ``Replace`` runs, and its directed burst
-#: (``Run._capped_directed``) sends until a body of it started.
+#: (``sets.in_burst``, on the first key of the set). Judged with the other several-keys ``Replace`` runs,
+#: and its directed burst (``Run._capped_directed``) sends until a body of it started.
 MULTI_REPLACE_CAPPED_TASK = "lockcheck.rmw_multi_replace_capped"
 MULTI_REPLACE_MAX_WAIT = 1.0
 #: The directed capped burst: a send every ``CAPPED_EVERY`` seconds (less than the debounce: without the
@@ -415,11 +415,10 @@ WINDOW_MARKERS = "lockcheck_window"
 #: The directed burst of ``MULTI_REPLACE_DEBOUNCED_TASK`` runs (``Run._debounced_directed``): one set of two
 #: ``m`` keys (index ``DIRECTED_KEY + 5`` and ``+ 6``), sent one at a time behind a gate on the first.
 DEBOUNCED_BURST = 4
-#: The directed bursts of ``MULTI_LIMIT_REPLACE_TASK`` runs (``Run._multi_limit_replace_directed``): each
-#: one pair (an ``l`` key, a ``k`` key) of its own, sent one at a time behind a gate. In the first, the
-#: gate holds the ``k`` key and N - 1 slots: each run reserves the last slot, and each newer send takes
-#: that slot reservation back. In the second, the gate holds all N slots: each run parks for a slot
-#: (keeping the ``k`` key reserved), and each newer send supersedes the older one parked for the slot.
+#: The directed burst of ``MULTI_LIMIT_REPLACE_TASK`` runs (``Run._multi_limit_replace_directed``): on one
+#: pair (an ``l`` key, a ``k`` key) of its own, sent one at a time behind a gate that holds all N slots:
+#: each run parks for a slot (keeping the ``k`` key, the first of its set, reserved), and each newer send
+#: takes that reservation back and supersedes the older one parked for the slot.
 MULTI_LIMIT_REPLACE_BURST = 3
 #: The directed burst of ``MIN_HOLD_TASK`` runs, on an ``l`` key of its own (index ``DIRECTED_KEY`` + 2):
 #: the gate's N slots go to the first N; the others are handed a slot only once one of those runs' minimum
@@ -3950,16 +3949,14 @@ def unmet_coverage(report: Doc) -> list[str]:
       ``k`` key through ``store.hold``, each a reentrant hold (without one it writes nothing and is
       retried): so ``REENTRANT_BURST`` done runs reentered both ways, a slot among them;
     - the several-keys ``Replace`` burst (``Run._multi_replace_directed``): its runs are sent one at a time
-      while a gate holds their first key, each once the second key is reserved for the one before, so
+      while a gate holds their second key, each once the first key is reserved for the one before, so
       every newer send takes its set's reservation back from the older run (``MULTI_REPLACE_BURST - 1``
       times, seen in the lease document), and all but the newest end superseded; a run of an
       overlapping set parks behind the newest one's reservation, and both run once the gate lets go;
-    - the several-keys ``Replace`` bursts with a limit per key (``Run._multi_limit_replace_directed``):
-      each on a pair (an ``l`` key, a ``k`` key) of its own, its runs sent one at a time behind a gate,
-      each once the lease documents show the one before waiting as planned. Gate on the ``k`` key and
-      N - 1 slots: each run reserves the last slot, so every newer send takes its set's slot reservation
-      back (``MULTI_LIMIT_REPLACE_BURST - 1`` times, seen in the lease document). Gate on all N slots:
-      each run parks for a slot, so every newer send supersedes its set's run parked there. In each,
+    - the several-keys ``Replace`` burst with a limit per key (``Run._multi_limit_replace_directed``): on
+      a pair (an ``l`` key, a ``k`` key) of its own, its runs sent one at a time behind a gate on all N
+      slots, each once the lease documents show the one before waiting as planned: each run parks for a
+      slot (the ``k`` key reserved for it), so every newer send supersedes its set's run parked there;
       all but the newest end superseded and the newest runs once the gate lets go;
     - every fault began with a ``Queue`` run parked behind a gate on a key of its own (confirmed in its
       lease document), handed the key when the fault was over;
@@ -4135,15 +4132,10 @@ def unmet_coverage(report: Doc) -> list[str]:
     if mlrd:
         directed = {**mlr, **mlrd}
         claim(
-            mlr.get("directed_superseded", 0) == 2 * (MULTI_LIMIT_REPLACE_BURST - 1)
-            and mlr.get("directed_done_with_a_body", 0) == 2,
+            mlr.get("directed_superseded", 0) == MULTI_LIMIT_REPLACE_BURST - 1
+            and mlr.get("directed_done_with_a_body", 0) == 1,
             "the several-keys Replace bursts with a limit: all but each burst's newest send superseded, "
             "the newest ran",
-            directed,
-        )
-        claim(
-            mlrd.get("slot_reservations_taken_back", 0) == MULTI_LIMIT_REPLACE_BURST - 1,
-            "each newer send took its set's slot reservation back",
             directed,
         )
         claim(
@@ -5520,17 +5512,17 @@ class Run:
         return None
 
     def _multi_replace_directed(self) -> list[str]:
-        """``MULTI_REPLACE_BURST`` runs of ``MULTI_REPLACE_TASK`` on one set of two ``m`` keys (d0, d1),
-        naming it in both orders, sent one at a time while a gate holds d0: each parks on d0 and, d1 being
-        free, the first takes d1 and reserves it; the controller sends the next one only once d1 is
-        reserved for the last one sent, so each newer send finds its set's older run reserved on d1 and
-        takes that reservation back (``taken_back``: seen in the lease document). Then a run of the
-        overlapping set (d1, d2) parks on d1 behind the newest run's reservation, and the gate lets d0 go:
+        """``MULTI_REPLACE_BURST`` runs of ``MULTI_REPLACE_TASK`` on one set of two ``m`` keys (d0, d1: d0
+        sorts first), naming it in both orders, sent one at a time while a gate holds d1: each takes d0,
+        the first key of its set, waits on d1 and keeps d0 reserved; the controller sends the next one only
+        once d0 is reserved for the last one sent, so each newer send finds its set's older run reserved on
+        d0 and takes that reservation back (``taken_back``: seen in the lease document). Then a run of the
+        overlapping set (d0, d2) parks on d0 behind the newest run's reservation, and the gate lets d1 go:
         by construction the older runs of the set end superseded, the newest runs, then the other set's.
         Returns the task ids."""
         epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
-        d0, d1, d2 = (key_for(DIRECTED_KEY + i, epoch, "m") for i in range(3))
-        gate = self._gate_take(d0)
+        d0, d1, d2 = sorted(key_for(DIRECTED_KEY + i, epoch, "m") for i in range(3))
+        gate = self._gate_take(d1)
         ids: list[str] = []
         taken_back = 0
         for i in range(MULTI_REPLACE_BURST):
@@ -5544,22 +5536,22 @@ class Run:
             ids.append(tid)
             try:
                 _wait(
-                    lambda tid=tid: self._reserved_for(d1) == tid,  # type: ignore[misc]
-                    START_GUARD_S, f"{d1} to be reserved for the newest send", 0.1,
+                    lambda tid=tid: self._reserved_for(d0) == tid,  # type: ignore[misc]
+                    START_GUARD_S, f"{d0} to be reserved for the newest send", 0.1,
                 )  # fmt: skip
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
                 continue
-            if older is not None and older in self._waiting_on(d1) | self._ended([older]):
+            if older is not None and older in self._waiting_on(d0) | self._ended([older]):
                 taken_back += 1  # in sup there (its result not yet written), or ended superseded
         other = self._submit(
-            MULTI_REPLACE_TASK, "", "directed-multi-replace-other", keys=(d2, d1), queue="celery"
+            MULTI_REPLACE_TASK, "", "directed-multi-replace-other", keys=(d2, d0), queue="celery"
         )
         parked_behind = False
         if other is not None:
             with contextlib.suppress(TimeoutError):
                 parked_behind = bool(
-                    _wait(lambda: other in self._waiting_on(d1), START_GUARD_S, f"a run parked on {d1}", 0.1)
+                    _wait(lambda: other in self._waiting_on(d0), START_GUARD_S, f"a run parked on {d0}", 0.1)
                 )
         self._gate_release(gate)
         self.multi_replace_directed = {
@@ -5763,40 +5755,28 @@ class Run:
         return set()
 
     def _multi_limit_replace_directed(self) -> list[str]:
-        """Two bursts of ``MULTI_LIMIT_REPLACE_BURST`` runs of ``MULTI_LIMIT_REPLACE_TASK``, each on a pair
-        (an ``l`` key, a ``k`` key) of its own, sent one at a time behind a gate; the next run is sent only
-        once the lease documents show the last one waiting as planned, so each newer send finds its set's
-        older run there, by construction:
-
-        1. the gate holds the ``k`` key and N - 1 slots: each run parks on the ``k`` key (it is taken in
-           sorted order, first) and reserves the last slot; a newer send finds the ``l`` key full, parks,
-           and takes the older run's slot reservation back, which is handed to it in the same command
-           (``slot_reservations_taken_back``: the slot reserved for the newest, the older one superseded);
-        2. the gate holds all N slots: each run takes the ``k`` key, parks for a slot and keeps the ``k``
-           key reserved; a newer send takes that reservation back and supersedes the older run parked for
-           the slot (``parked_for_a_slot_superseded``: the older run gone from the ``l`` key's queue).
-
-        Then the gates let go: the newest of each burst runs. Returns the task ids."""
+        """A burst of ``MULTI_LIMIT_REPLACE_BURST`` runs of ``MULTI_LIMIT_REPLACE_TASK`` on a pair (an ``l``
+        key, a ``k`` key) of its own, sent one at a time behind a gate that holds all N slots of the ``l``
+        key; the next run is sent only once the lease documents show the last one waiting as planned, so
+        each newer send finds its set's older run there, by construction: each run takes the ``k`` key (the
+        first of its set: ``k`` sorts before ``l``), parks for a slot and keeps the ``k`` key reserved; a
+        newer send takes that reservation back, supersedes the older run and leaves its place on the ``l``
+        key (``parked_for_a_slot_superseded``: the older run gone from the ``l`` key's queue). Then the gate
+        lets go: the newest runs. (A run waits on one key at a time, so a run parked on the ``k`` key holds
+        no slot: the burst that had each run reserve the last slot while parked there is gone with the
+        layout in which a run parked on every key at once.) Returns the task ids."""
         epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
-        s1, k1 = key_for(DIRECTED_KEY + 6, epoch, "l"), key_for(DIRECTED_KEY + 6, epoch)
         s2, k2 = key_for(DIRECTED_KEY + 7, epoch, "l"), key_for(DIRECTED_KEY + 7, epoch)
-        gate1 = self._gate_take(k1) + self._gate_take(s1, slots=LIMIT - 1)
-        ids1, taken_back = self._limit_replace_sends(
-            "reserved", s1, k1, lambda tid: tid in self._slots_handed_to(s1)
-        )
         gate2 = self._gate_take(s2, slots=LIMIT)
         ids2, parked_superseded = self._limit_replace_sends(
             "parked", s2, k2, lambda tid: tid in self._parked_on(s2) and self._reserved_for(k2) == tid
         )
-        self._gate_release(gate1)
         self._gate_release(gate2)
         self.multi_limit_replace_directed = {
-            "reserved_burst": ids1,
             "parked_burst": ids2,
-            "slot_reservations_taken_back": taken_back,
             "parked_for_a_slot_superseded": parked_superseded,
         }
-        return ids1 + ids2
+        return ids2
 
     def _limit_replace_sends(
         self, what: str, slotted: str, single: str, waits: Callable[[str], bool]
@@ -6962,8 +6942,8 @@ def format_report(report: Doc) -> str:
         _multi_replace_line(
             "several keys with a limit per key under Replace",
             report.get("multi_limit_replace") or {},
-            "(directed bursts: slot reservations taken back by a newer send {slot_reservations_taken_back}, "
-            "runs parked for a slot superseded by a newer send {parked_for_a_slot_superseded})",
+            "(directed burst: runs parked for a slot superseded by a newer send "
+            "{parked_for_a_slot_superseded})",
             report.get("multi_limit_replace_directed") or {},
         ),
         "  unique sends: {sends} (refused: MongoDB did not answer {refused}), runs {runs}, sends answered "

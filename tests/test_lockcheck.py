@@ -1077,11 +1077,10 @@ def _covered() -> dict[str, Any]:
             "gated_lost_by_broker": 1,
         },
         "multi_limit_replace": {
-            "directed_superseded": 2 * (lockcheck.MULTI_LIMIT_REPLACE_BURST - 1),
-            "directed_done_with_a_body": 2,
+            "directed_superseded": lockcheck.MULTI_LIMIT_REPLACE_BURST - 1,
+            "directed_done_with_a_body": 1,
         },
         "multi_limit_replace_directed": {
-            "slot_reservations_taken_back": lockcheck.MULTI_LIMIT_REPLACE_BURST - 1,
             "parked_for_a_slot_superseded": lockcheck.MULTI_LIMIT_REPLACE_BURST - 1,
         },
         "held_back_directed": {
@@ -1143,7 +1142,7 @@ def test_the_bounded_runs_coverage_claims() -> None:
     assert unmet == ["a handed run's message came through its queue's handoff lane"]
     unreplaced = _covered()  # the several-keys Replace bursts with a limit: a newer send found nothing
     unreplaced["multi_limit_replace_directed"]["parked_for_a_slot_superseded"] = 1
-    unreplaced["multi_limit_replace"]["directed_superseded"] = 3
+    unreplaced["multi_limit_replace"]["directed_superseded"] = 1
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unreplaced)] == [
         "the several-keys Replace bursts with a limit",
         "each newer send superseded its set's run parked for a slot",
