@@ -402,28 +402,15 @@ class QueuedRun:
 
     def _says_it_waits_for_all(self) -> NoReturn:
         task, keys, entry = self.task, self.keys, self.entry
-        on = self.admits.waits_on
-        if self.admits.stepwise and on is not None:
-            signals.run_parked.send(sender=task, key=on, task_id=entry["t"], position=0, stamp=self.stamp)
-            log_acquire.info(
-                "%s[%s]: waits for %r, the first of %s it has not got (no worker slot held; the keys before "
-                "it are reserved for it): it takes the others in key order, then starts",
-                task.name,
-                entry["t"],
-                on,
-                keys,
-            )
-            ignored_as(entry["t"], f"waits for {on!r}, not dropped: it starts once it has all of {keys}")
-            raise Ignore()
-        signals.run_parked.send(sender=task, key=keys[0], task_id=entry["t"], position=0, stamp=self.stamp)
+        on = self.admits.waits_on or keys[0]
+        signals.run_parked.send(sender=task, key=on, task_id=entry["t"], position=0, stamp=self.stamp)
         log_acquire.info(
-            "%s[%s]: waits for %s (parked or reserved on each, no worker slot held): it starts once every "
-            "key is handed to it",
+            "%s[%s]: waits for %r, the first of %s it has not got (no worker slot held; the keys before "
+            "it are reserved for it): it takes the others in key order, then starts",
             task.name,
             entry["t"],
+            on,
             keys,
         )
-        ignored_as(
-            entry["t"], f"waits for {', '.join(map(repr, keys))}, not dropped: it starts once it has them all"
-        )
+        ignored_as(entry["t"], f"waits for {on!r}, not dropped: it starts once it has all of {keys}")
         raise Ignore()

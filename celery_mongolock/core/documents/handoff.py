@@ -284,8 +284,9 @@ def requeue_handoff() -> Document:
 def reserve_pipeline(entry: Mapping[str, Any], timeout_ms: int | None, by: str) -> list[Document]:
     """A run that needs several keys (``keys=``) took this one in an attempt that found another held: the
     key becomes a *reservation* for the run's parked entry (a handoff not yet claimed, ``ho``, owner the
-    entry's token ``tk``), in the same command, so the run keeps its place without running. The run is
-    published once every one of its keys is reserved for it (``ks``), and claims them all.
+    entry's token ``tk``), in the same command, so the run keeps its place without running. The run takes
+    its keys one at a time, in key order (``key_set``): it is published whenever a key handed to it lets
+    it move on (``handoff.moves_on``), and claims what is reserved for it.
 
     A reservation expires as any handoff (after the entry's lease time) and is handed again in send
     order (``requeue_handoff``): an older run that needs this key and was parked later (a late message)

@@ -112,7 +112,8 @@ def spilled_before(rank: object) -> Document:
 def _single(e: str) -> Document:
     """Entry ``e`` takes its place as a run of one key does: a run of one key (no ``ks``), or a ``Queue``
     run of several keys, which takes them one at a time (no set signature ``g``: it may be spilled, and
-    is never held back). Only a ``Replace`` run of a set waits on every key of it in send order."""
+    is never held back). Only a ``Replace`` run of a set, on the first key of its set (where its entry
+    carries ``g``), waits in send order in the document."""
     return {
         "$or": [
             {"$eq": [{"$ifNull": [f"{e}.ks", None]}, None]},

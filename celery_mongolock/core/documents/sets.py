@@ -22,9 +22,12 @@ On each key, the admit of run R (set ``g``, send stamp ``s``):
 2. else, when R parks, the older runs of ``g`` on the key leave it for ``sup`` (their results are written
    with ``superseded``): their parked entries, and a reservation or handoff of the key made to one of
    them and not yet claimed, which is taken back (the key is then handed to the oldest run parked on it,
-   in the same command). R visits every key of its set, so an older run of the same set loses its place
-   on each; one that learns it on any key (its own admit or claim answers ``superseded``) gives back what
-   it holds and leaves the others.
+   in the same command). A run of a set takes its keys one at a time, in key order, and is a ``Replace``
+   run (with ``g``) on the first key of its set only, which every run of the set admits first
+   (``key_set.KeySetAdmits.entry_on``): an older run loses its place there, and the newer one leaves its
+   places on the later keys (``rv``); one that learns it (its own admit or claim answers ``superseded``)
+   gives back what it holds and leaves the others. (Entries parked on every key of their set, by an
+   earlier version, meet these rules on each key.)
 3. A key R *holds* (took in an attempt that must wait for another key) is no reservation: a newer send
    that parks on it finds nothing to take back there. So R's reservation of it (``reserve``) is made only
    while the key knows no newer send of ``g`` (``no_newer_send``); else R gives the key back unrun (it
