@@ -260,14 +260,18 @@ def message_fields(e: str) -> Document:
 
 def sup_record(e: str, by: str, *, reserved: bool = False) -> Document:
     """The record in ``sup`` of the run whose entry is the expression ``e``, superseded by ``by``;
-    ``reserved``: its reservation or handoff of the key was taken back (``rv``: it may wait on a later key
-    of its set, which the superseding run leaves for it, ``key_set.KeySetAdmits.write_superseded``)."""
+    ``reserved``: its reservation or handoff of the key was taken back. ``rv`` says it had the key
+    reserved (taken back, or a lapsed reservation put back among the parked runs): it may wait on a later
+    key of its set, which the superseding run leaves for it (``key_set.KeySetAdmits.write_superseded``)."""
     return _sup_record(e, by, reserved=reserved)
 
 
 def _sup_record(e: str, by: str, *, reserved: bool = False) -> Document:
+    # (a parked entry that was handed the key before, ``hn``, had it reserved, and may wait further on:
+    # its reservation lapsed and was put back among the parked runs, ``handoff.requeue_handoff``)
+    was_handed = {"$ne": [{"$ifNull": [f"{e}.hn", None]}, None]}
     return {
-        **({"rv": {"$literal": True}} if reserved else {}),
+        "rv": {"$literal": True} if reserved else was_handed,
         "t": f"{e}.t",
         "by": {"$literal": by},
         "at": "$$NOW",
