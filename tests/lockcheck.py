@@ -5542,7 +5542,13 @@ class Run:
             except TimeoutError as exc:
                 self.log(f"directed phase: {exc}")
                 continue
-            if older is not None and older in self._waiting_on(d0) | self._ended([older]):
+            if older is None:
+                continue
+            with contextlib.suppress(TimeoutError):  # (the newer run writes its result after it reserved)
+                _wait(
+                    lambda older=older: older in self._waiting_on(d0) | self._ended([older]),  # type: ignore[misc]
+                    60.0, f"{older} in sup on {d0} or ended", 0.1,
+                )  # fmt: skip
                 taken_back += 1  # in sup there (its result not yet written), or ended superseded
         other = self._submit(
             MULTI_REPLACE_TASK, "", "directed-multi-replace-other", keys=(d2, d0), queue="celery"

@@ -70,6 +70,7 @@ from celery_mongolock import (
 from celery_mongolock import signals as mongolock_signals
 from celery_mongolock.config import get_store
 from celery_mongolock.core.documents.rate import RateWindow
+from celery_mongolock.core.documents.sets import set_signature
 from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.core.store_rate import RateWindows
 from celery_mongolock.integration.handoff import HANDOFF_HEADER, REPUBLISH_RETRY_POLICY
@@ -211,7 +212,9 @@ def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: 
     loaded machine); it writes on the marker whether it saw the newer send parked. Waits on the lease
     document, with a deadline."""
     first = lockcheck.window_first_key(key)
-    if first is None or doc.get("lo") != "parked" or not entry.get("g"):
+    # (on its second key a run of a set waits as a Queue run, its entry without its set's signature)
+    group = entry.get("g") or (set_signature(entry["ks"]) if entry.get("ks") else None)
+    if first is None or doc.get("lo") != "parked" or not group:
         return
     if not holds(self, first, entry):
         return
@@ -221,9 +224,7 @@ def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: 
 
     def newer_parked() -> bool:
         d = self.collection.find_one({"_id": first}, {"q.g": 1, "q.s": 1}) or {}
-        return any(
-            e.get("g") == entry["g"] and int(e.get("s") or 0) > int(entry["s"]) for e in d.get("q") or []
-        )
+        return any(e.get("g") == group and int(e.get("s") or 0) > int(entry["s"]) for e in d.get("q") or [])
 
     deadline = time.monotonic() + lockcheck.WINDOW_WAIT_S
     while not (seen := newer_parked()) and holds(self, first, entry) and time.monotonic() < deadline:

@@ -138,7 +138,7 @@ def test_why_says_a_key_is_reserved_for_a_run_that_waits_for_its_other_keys(stor
     story = store.why(X)
     assert story is not None and story.state == "handed"
     assert story.verdict.startswith("reserved ") and "merge[merge-10]" in story.verdict
-    assert f"waits for its other keys ({Y})" in story.verdict
+    assert f"which takes its other keys ({Y}) one at a time in key order" in story.verdict
     story_y = store.why(Y)
     assert story_y is not None and "1 run parked; next: merge[merge-10]" in story_y.verdict
     blocker.release()

@@ -412,8 +412,8 @@ class KeyStory:
             others = [k for k in self.handoff.keys if k != self.key]
             if others:
                 line = (
-                    f"reserved{when} for {self.handoff.task}, which waits for its other keys "
-                    f"({', '.join(others)}): it runs once all are reserved for it"
+                    f"reserved{when} for {self.handoff.task}, a run of several keys, which takes its other "
+                    f"keys ({', '.join(others)}) one at a time in key order, then runs"
                 )
             else:
                 line = (
@@ -433,6 +433,15 @@ class KeyStory:
                 )
             else:
                 line = f"held by {self.holder_phrase}{since}, {left}"
+            return f"{line}; {parked}" if parked else line
+        if self.state == "expired" and self.handoff is not None and len(self.handoff.keys) > 1:
+            ago = -(self.expires_in or 0.0)
+            later = ", ".join(k for k in self.handoff.keys if k != self.key)
+            line = (
+                f"reserved for {self.handoff.task}, a run of several keys that waits for a later one "
+                f"({later}); the reservation lapsed {ago:.1f} s ago and is left for it (it still claims "
+                "it; a run that parks here puts it back in send order)"
+            )
             return f"{line}; {parked}" if parked else line
         if self.state == "expired":
             ago = -(self.expires_in or 0.0)

@@ -404,13 +404,20 @@ class QueuedRun:
         task, keys, entry = self.task, self.keys, self.entry
         on = self.admits.waits_on or keys[0]
         signals.run_parked.send(sender=task, key=on, task_id=entry["t"], position=0, stamp=self.stamp)
+        policy = self.policy
+        if on == keys[0] and isinstance(policy, Replace) and policy.debounce:
+            why = f"debounced: due {policy.debounce:g} s after the last send of its set, no worker slot held"
+        elif on == keys[0]:
+            why = "the first of its keys; no worker slot held"
+        else:
+            why = "the first it has not got; no worker slot held, the keys before it reserved for it"
         log_acquire.info(
-            "%s[%s]: waits for %r, the first of %s it has not got (no worker slot held; the keys before "
-            "it are reserved for it): it takes the others in key order, then starts",
+            "%s[%s]: waits for %r of %s (%s): it takes the others in key order, then starts",
             task.name,
             entry["t"],
             on,
             keys,
+            why,
         )
         ignored_as(entry["t"], f"waits for {on!r}, not dropped: it starts once it has all of {keys}")
         raise Ignore()
