@@ -28,7 +28,10 @@ from .test_stepwise_keys import WINDOW, _no_overlap, _parked_as, _starts, reserv
 def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    with running_cluster("sr", broker_url, redis_server.url, mongo_url, tmp_path_factory) as c:
+    # (a lease of 120 s: the ceiling's run keeps its sealed reservation of the first key only until it has
+    # lapsed twice, docs/known-issues.md; a loaded machine must not reach that while the test sends)
+    env = {"MONGOLOCK_IT_LEASE": "120"}
+    with running_cluster("sr", broker_url, redis_server.url, mongo_url, tmp_path_factory, env=env) as c:
         yield c
 
 
