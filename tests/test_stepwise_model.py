@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as _dt
 import os
 import uuid
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ from celery_mongolock.core.lease import Lease
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration.queued_run import QueuedRun
 from celery_mongolock.integration.supersede import is_superseded_meta
+from celery_mongolock.testing import wait_for
 
 EXAMPLES = int(os.environ.get("MONGOLOCK_MODEL_EXAMPLES", "12"))
 LETTERS = ("a", "b", "c", "d")
@@ -227,6 +229,49 @@ def test_an_older_run_of_a_set_past_a_first_key_with_slots_never_runs_after_a_ne
         machine.teardown()
 
 
+def test_a_delayed_copy_refused_its_first_key_by_a_newer_send_ends_superseded(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Replace(debounce=...)`` with ``keys=``: the older run's delayed copy takes ``k:a`` (due) and, while
+    it admits ``k:b`` (held), a newer send of its set parks on ``k:a``, which the copy holds (nothing to
+    take back there). The copy's reservation of ``k:a`` is then refused: it must end superseded, with its
+    result written (nobody else writes it: the newer send superseded no entry of it), not be dropped as a
+    copy whose result was written (it stayed ``QUEUED`` for ever: seen in a real-worker test)."""
+    machine = _machine(app, Replace(debounce=0.2))()
+    try:
+        blocker = machine.store.acquire(machine.key("b"), 600)
+        assert blocker is not None
+        older, newer = machine.sent(["a", "b"]), machine.sent(["a", "b"])
+        machine.deliver_run(older)  # parks on k:a (debounced); its delayed copy is published
+        [copy] = [m for m in machine.pending if m.task_id == older]
+        machine.pending.remove(copy)
+        wait_for(lambda: machine.due(older, "a"), timeout=30, message="the older run due on k:a")
+        admit = machine.store.admit
+        passed: list[str] = []
+
+        def newer_meanwhile(key: str, entry: Any, *args: Any, **kwargs: Any) -> Any:
+            if entry.get("t") == older and key == machine.key("b") and not passed:
+                passed.append(key)  # the newer send parks on k:a while the copy holds it
+                machine.deliver_run(newer)
+            return admit(key, entry, *args, **kwargs)
+
+        monkeypatch.setattr(machine.store, "admit", newer_meanwhile)
+        machine._deliver(copy)
+        monkeypatch.undo()
+        assert passed
+        # (its take() returned the superseded outcome, which its worker stores as its result)
+        assert machine.runs[older].superseded and machine.runs[older].bodies == 0
+        [newer_copy] = [m for m in machine.pending if m.task_id == newer]
+        machine.pending.remove(newer_copy)  # (delivered once due, as the broker's countdown does)
+        blocker.release()
+        wait_for(lambda: machine.due(newer, "a"), timeout=30, message="the newer send due on k:a")
+        machine._deliver(newer_copy)
+        machine._drain()
+        assert machine.runs[newer].bodies == 1
+    finally:
+        machine.teardown()
+
+
 def _machine(
     app: Celery, policy: Queue | None = None, limit: dict[str, int] | None = None
 ) -> type[StepwiseMachine]:
@@ -349,6 +394,16 @@ class StepwiseMachine(RuleBasedStateMachine):
         message = next(m for m in self.pending if m.task_id == task_id)
         self.pending.remove(message)
         self._deliver(message)
+
+    def due(self, task_id: str, letter: str) -> bool:
+        """The run's parked entry on the key ``letter`` is due (its not-before time passed, server clock)."""
+        doc = self.store.collection.find_one(
+            {
+                "_id": self.key(letter),
+                "q": {"$elemMatch": {"t": task_id, "nb": {"$lte": _dt.datetime.now(_dt.timezone.utc)}}},
+            }
+        )
+        return doc is not None
 
     def places(self, task_id: str) -> list[str]:
         return [place for _, place in self.store.keys_places(self.runs[task_id].entry)]

@@ -157,5 +157,5 @@ def test_the_run_a_ceiling_chose_keeps_the_first_key_while_it_waits_on_a_held_la
     assert first.get(timeout=120) == sorted([key_a, key_b])
     newest = results[-1]
     assert newest.get(timeout=120) == sorted([key_a, key_b])  # (its own burst: by its debounce)
-    for r in results:
+    for r in results:  # (a delayed copy refused the first key by a newer send ends superseded: not lost)
         assert r.id in (first.id, newest.id) or r.get(timeout=60)["mongolock"] == "superseded"

@@ -296,8 +296,10 @@ class QueuedRun:
             self._parked()
         signals.lease_contended.send(sender=task, key=key, holder=holder, policy=self.policy.name)
         if outcome is AdmitOutcome.SUPERSEDED:
-            if self.debounced_copy:
+            if self.debounced_copy and has_final_state(task):
                 # The delayed copy of a run that a newer send replaced: its result is written already.
+                # (Not when the copy itself took the first key of its set, and the newer send parked there
+                # while it held it: its reservation was refused, and nobody else writes its result.)
                 raise Ignore()
             if copy_with_a_result(task, self.copy or admission.resent):
                 # A copy of a run whose body ran and stored its result (its lease was lost mid-body and a
