@@ -5808,8 +5808,13 @@ class Run:
                 continue
             if older is None:
                 continue
-            on_slotted = self._slots_handed_to(slotted) | self._parked_on(slotted)
-            if older not in on_slotted and older in self._waiting_on(slotted) | self._ended([older]):
+
+            def gone_from(older: str = older) -> bool:
+                on_slotted = self._slots_handed_to(slotted) | self._parked_on(slotted)
+                return older not in on_slotted and older in self._waiting_on(slotted) | self._ended([older])
+
+            with contextlib.suppress(TimeoutError):  # (the newer run leaves its place after it reserved)
+                _wait(gone_from, 60.0, f"{older} gone from {slotted}", 0.1)
                 gone += 1  # in sup there (its result not yet written), or ended superseded
         return ids, gone
 
