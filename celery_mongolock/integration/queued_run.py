@@ -361,9 +361,9 @@ class QueuedRun:
         return Outcome(results.superseded_result(keys[0], by, self.named_keys))
 
     def _parked(self) -> NoReturn:
-        """Parked (or, with several keys, reserved) on every key; acknowledging the message ends this
-        delivery. A run of several keys is published when all are reserved for it, by whoever makes the
-        last reservation (here if that was this attempt); a run of one key, by whoever hands it the key."""
+        """Parked on its key (with several keys: on the first it has not got, the keys before it reserved
+        for it); acknowledging the message ends this delivery. It is published again by whoever hands it
+        the key it waits on (here, if that came before its reservations were made: ``moves_on``)."""
         task, keys, entry, store, policy = self.task, self.keys, self.entry, self.store, self.policy
         self.admits.write_superseded()
         if self.admits.stepwise and _queue.moves_on(store, entry):
