@@ -257,6 +257,12 @@ class QueuedRun:
             self._parked()
         if outcome is AdmitOutcome.RETRIED:
             copy_of_a_retried_attempt(task, key, self.entry)
+        if outcome is AdmitOutcome.ALREADY_RAN:
+            # Over on a later key it was not handed (its body ran; its worker died before the result was
+            # stored, and this is its redelivered handoff): it ends as such a copy does, never admitted
+            # again (it would take its first key, find the later one over, and go round: the lock-set
+            # checker on RabbitMQ, a several-keys Replace run with slots).
+            return self._not_admitted(key, refused)
         if has_final_state(task):
             log_acquire.info("%s[%s]: stale handoff of %s; dropped", task.name, request.id, self.keys)
             raise Ignore()
