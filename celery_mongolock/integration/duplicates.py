@@ -227,7 +227,25 @@ def end_second_look(task: GuardedRun, look: Mapping[str, Any], options: TaskOpti
     # have parked and written ``QUEUED`` over the ``RETRY`` (the lock-set checker, Redis seed 1 in CI: the
     # task ended ``already-ran`` while its next attempt was parked, and that attempt's work was lost).
     def carried_on() -> bool:
-        return later_attempt_known(task, store, key)
+        try:
+            return bool(store.later_attempt(key, request.id, int(getattr(request, "retries", 0) or 0)))
+        except StoreUnavailable as exc:
+            # Not dropped (nobody else would end the task): this marked copy looks again later.
+            countdown = max(LOOK_AGAIN_AT_LEAST_S, min(options.lease_seconds, 300.0))
+            signature = task.signature_from_request(
+                request, countdown=countdown, headers=dict(request.headers or {}), expires=None
+            )
+            republish(task, signature, "second look at a run that is over")
+            log_acquire.warning(
+                "%s[%s]: cannot tell whether a later attempt carries the task on %r (%s); looked at "
+                "again in %gs",
+                task.name,
+                request.id,
+                key,
+                exc,
+                countdown,
+            )
+            raise Ignore() from exc
 
     if has_final_state(task, carried_on=carried_on) or carried_on():
         log_acquire.info("%s[%s]: the run over on %r has its result now; dropped", task.name, request.id, key)
