@@ -233,7 +233,9 @@ def end_second_look(task: GuardedRun, look: Mapping[str, Any], options: TaskOpti
             # Not dropped (nobody else would end the task): this marked copy looks again later.
             countdown = max(LOOK_AGAIN_AT_LEAST_S, min(options.lease_seconds, 300.0))
             headers = {**dict(request.headers or {}), LOOKED_AGAIN_HEADER: dict(look)}
-            signature = task.signature_from_request(request, countdown=countdown, headers=headers, expires=None)
+            signature = task.signature_from_request(
+                request, countdown=countdown, headers=headers, expires=None
+            )
             republish(task, signature, "second look at a run that is over")
             log_acquire.warning(
                 "%s[%s]: cannot tell whether a later attempt carries the task on %r (%s); looked at "
