@@ -141,8 +141,12 @@ class QueuedRun:
             if self.several
             else _queue.handoff_of(request, keys[0], ident)
         )
-        if self.claim and self.several and isinstance(policy, Replace) and policy.max_wait:
-            burst = _queue.handoff_burst(request)
+        if self.several and isinstance(policy, Replace) and policy.max_wait:
+            # (its burst, carried by its handoff or its delayed copy: ``handoff.handoff_burst``)
+            burst = _queue.handoff_burst(request) if self.claim else None
+            copy_of = _queue.header(request, _queue.DEBOUNCE_HEADER) if self.debounced_copy else None
+            if burst is None and isinstance(copy_of, Mapping) and isinstance(copy_of.get("bu"), int):
+                burst = int(copy_of["bu"])
             if burst is not None:
                 entry["bu"] = burst
         fresh = not (
@@ -383,7 +387,8 @@ class QueuedRun:
             # a set parked again on a key leaves its delayed copy to its first message.
             due_at = self.admits.due_at
             wait = debounce if due_at is None else min(max(0.0, due_at - time.monotonic()), debounce)
-            publish_debounced_copy(task, self.stamp, wait)
+            burst = entry.get("bu")
+            publish_debounced_copy(task, self.stamp, wait, burst if isinstance(burst, int) else None)
         if self.several:
             self._says_it_waits_for_all()
         key = keys[0]
