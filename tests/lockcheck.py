@@ -186,6 +186,7 @@ from celery_mongolock import (
 )
 from celery_mongolock.core.documents import rate as rate_docs
 from celery_mongolock.core.documents.rate import RateWindow
+from celery_mongolock.core.documents.sets import gate_of
 from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease
 from celery_mongolock.core.store_rate import STALE_AFTER_TURN_MS, RateTake, rate_windows
@@ -5546,8 +5547,8 @@ class Run:
                 continue
             with contextlib.suppress(TimeoutError):  # (the newer run writes its result after it reserved)
                 _wait(
-                    lambda older=older: older in self._waiting_on(d0) | self._ended([older]),  # type: ignore[misc]
-                    60.0, f"{older} in sup on {d0} or ended", 0.1,
+                    lambda older=older: older in self._waiting_on(gate_of([d0, d1])) | self._ended([older]),  # type: ignore[misc]
+                    60.0, f"{older} in sup on its set's gate or ended", 0.1,
                 )  # fmt: skip
                 taken_back += 1  # in sup there (its result not yet written), or ended superseded
         other = self._submit(
@@ -5658,7 +5659,9 @@ class Run:
                         seen = marker().get("seen")
                         if seen is False:
                             return "missed"
-                        return "handed on" if seen and self._reserved_for(w0) == new else None
+                        # (given back by the older run: its set's gate, handed to the newer send)
+                        handed = new in (self._reserved_for(w0), self._reserved_for(gate_of([w0, w1])))
+                        return "handed on" if seen and handed else None
 
                     handed_on = (
                         _wait(outcome, WINDOW_WAIT_S + 60.0, f"{w0} to be handed on to the newer send", 0.1)
@@ -5692,9 +5695,9 @@ class Run:
             ids.append(tid)
             try:
                 _wait(
-                    functools.partial(self._is_parked_on, e0, tid),
+                    functools.partial(self._is_parked_on, gate_of([e0, e1]), tid),
                     START_GUARD_S,
-                    f"a run parked on {e0}",
+                    "a run parked on its set's gate",
                     0.1,
                 )
             except TimeoutError as exc:

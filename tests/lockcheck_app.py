@@ -70,7 +70,7 @@ from celery_mongolock import (
 from celery_mongolock import signals as mongolock_signals
 from celery_mongolock.config import get_store
 from celery_mongolock.core.documents.rate import RateWindow
-from celery_mongolock.core.documents.sets import set_signature
+from celery_mongolock.core.documents.sets import gate_of, set_signature, user_keys
 from celery_mongolock.core.store_handoffs import Handoffs
 from celery_mongolock.core.store_rate import RateWindows
 from celery_mongolock.integration.handoff import HANDOFF_HEADER, REPUBLISH_RETRY_POLICY
@@ -212,10 +212,13 @@ def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: 
     loaded machine); it writes on the marker whether it saw the newer send parked. Waits on the lease
     document, with a deadline."""
     first = lockcheck.window_first_key(key)
-    # (on its second key a run of a set waits as a Queue run, its entry without its set's signature)
-    group = entry.get("g") or (set_signature(entry["ks"]) if entry.get("ks") else None)
+    # (on its second key a run of a set waits as a Queue run, its entry without its set's signature; runs
+    # of the set supersede each other on its gate, ``sets.gate_of``)
+    named = user_keys(entry.get("ks") or [])
+    group = entry.get("g") or (set_signature(named) if named else None)
     if first is None or doc.get("lo") != "parked" or not group:
         return
+    gate = gate_of(named)
     if not holds(self, first, entry):
         return
     markers = self.collection.database[lockcheck.WINDOW_MARKERS]
@@ -223,7 +226,7 @@ def _reservation_window(self: LeaseStore, key: str, entry: Any, doc: Any, hist: 
         return  # not the run this attempt's window was armed for (or it came here before)
 
     def newer_parked() -> bool:
-        d = self.collection.find_one({"_id": first}, {"q.g": 1, "q.s": 1}) or {}
+        d = self.collection.find_one({"_id": gate}, {"q.g": 1, "q.s": 1}) or {}
         return any(e.get("g") == group and int(e.get("s") or 0) > int(entry["s"]) for e in d.get("q") or [])
 
     deadline = time.monotonic() + lockcheck.WINDOW_WAIT_S

@@ -22,7 +22,7 @@ from celery.exceptions import Ignore
 
 from celery_mongolock import LeaseStore, Replace, singleton_task
 from celery_mongolock.config import get_store
-from celery_mongolock.core.documents.sets import set_signature
+from celery_mongolock.core.documents.sets import gate_of, set_signature
 
 A, B = "a:7", "b:7"
 
@@ -88,8 +88,9 @@ def test_a_copy_told_superseded_before_a_paused_run_starts_its_body(app: Celery)
 
     store: LeaseStore = get_store(app)
     ks = sorted([A, B])
+    gate = gate_of(ks)
     newer: dict[str, Any] = {
-        "id": "newer/0", "t": "newer", "n": "pair", "r": "0", "s": 20, "m": b"msg", "ks": ks,
+        "id": "newer/0", "t": "newer", "n": "pair", "r": "0", "s": 20, "m": b"msg", "ks": [gate, *ks],
         "g": set_signature(ks), "tk": "tk-newer",
     }  # fmt: skip
     order: list[str] = []
@@ -108,9 +109,13 @@ def test_a_copy_told_superseded_before_a_paused_run_starts_its_body(app: Celery)
     def stalled(sender: Any = None, key: str = "", **_: Any) -> None:
         if key != A or taken:
             return
-        store.collection.update_one({"_id": A}, [{"$set": {"expires_at": "$$NOW"}}])
+        # (past its lease on its set's gate and on A: the newer send takes both, superseding it on the gate)
+        store.collection.update_many({"_id": {"$in": [gate, A]}}, [{"$set": {"expires_at": "$$NOW"}}])
         info = {"task_id": "newer", "delivery": "0", "keys": ks}
-        lease, _doc = store.admit(A, newer, ttl=30, replace=True, group=newer["g"], info=info)
+        lease, _doc = store.admit(gate, newer, ttl=30, replace=True, group=newer["g"], info=info)
+        assert lease is not None
+        taken.append(lease)
+        lease, _doc = store.admit(A, {k: v for k, v in newer.items() if k != "g"}, ttl=30, info=info)
         assert lease is not None
         taken.append(lease)
         got: list[Any] = []
@@ -133,4 +138,5 @@ def test_a_copy_told_superseded_before_a_paused_run_starts_its_body(app: Celery)
     finally:
         signals.lease_acquired.disconnect(stalled)
     assert order == ["copy: superseded", f"body (own lease on {A}: False)"]
-    taken[0].release()
+    for lease in taken:
+        lease.release()

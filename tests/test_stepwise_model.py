@@ -51,6 +51,7 @@ from hypothesis.stateful import (
 from celery_mongolock import LeaseStore, Queue, Replace, singleton_task
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.config import get_store
+from celery_mongolock.core.documents.sets import gate_of, is_gate
 from celery_mongolock.core.lease import Lease
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration.queued_run import QueuedRun
@@ -83,11 +84,18 @@ class Run:
     superseded: bool = False
     #: When its body started (the machine's count of body starts), if it did.
     started: int | None = None
+    #: ``Replace``: the keys it admits, its set's gate first (``sets.gate_of``).
+    gated: bool = False
+
+    @property
+    def admitted(self) -> list[str]:
+        return [gate_of(self.keys), *self.keys] if self.gated else list(self.keys)
 
     @property
     def entry(self) -> dict[str, Any]:
         ident = f"{self.task_id}/0"
-        return {"id": ident, "t": self.task_id, "ks": self.keys, "tk": _queue.keys_token(ident, self.keys)}
+        keys = self.admitted
+        return {"id": ident, "t": self.task_id, "ks": keys, "tk": _queue.keys_token(ident, keys)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,14 +207,17 @@ def test_a_late_handoff_message_of_a_run_that_ended_leaves_its_keys(app: Celery)
         machine.teardown()
 
 
+@pytest.mark.parametrize("every_key", [False, True], ids=["first-key", "every-key"])
 def test_an_older_run_of_a_set_past_a_first_key_with_slots_never_runs_after_a_newer_one(
-    app: Celery, monkeypatch: pytest.MonkeyPatch
+    app: Celery, monkeypatch: pytest.MonkeyPatch, every_key: bool
 ) -> None:
-    """``Replace`` with a limit on the first key of the set (here 2 slots on ``k:a``): two runs of one set
-    can be past it at once. The older takes a slot and, before it admits ``k:b``, the newer takes the
-    other slot, takes ``k:b``, runs and ends. The older then finds ``k:b`` free: it must end superseded,
-    not run the older arguments after the newer ones (``KeySetAdmits.newer_past_gate``)."""
-    machine = _machine(app, Replace(), limit={"k:{x}": 2})()
+    """``Replace`` with a limit on the first key of the set (2 slots on ``k:a``). The older run takes its
+    set's gate and a slot of ``k:a`` and, before it admits ``k:b``, the newer send is delivered. With one
+    key of the set single (``first-key``) its gate is single too: the newer send waits there, and runs
+    after the older one. With every key of the set slotted (``every-key``) the gate has 2 slots: the newer
+    takes the other slot of each key, runs and ends; the older then finds ``k:b`` free, and must end
+    superseded, not run the older arguments after the newer ones (``KeySetAdmits.newer_past_gate``)."""
+    machine = _machine(app, Replace(), limit=2 if every_key else {"k:{x}": 2})()
     try:
         older, newer = machine.sent(["a", "b"]), machine.sent(["a", "b"])
         admit = machine.store.admit
@@ -214,19 +225,25 @@ def test_an_older_run_of_a_set_past_a_first_key_with_slots_never_runs_after_a_ne
 
         def slow_older(key: str, entry: Any, *args: Any, **kwargs: Any) -> Any:
             if entry.get("t") == older and key == machine.key("b") and not passed:
-                passed.append(key)  # the newer run overtakes it here
+                passed.append(key)  # the newer run is delivered here
                 machine.deliver_run(newer)
-                assert newer in machine.running
-                machine._finish(newer)
+                assert (newer in machine.running) is every_key
+                if every_key:
+                    machine._finish(newer)
             return admit(key, entry, *args, **kwargs)
 
         monkeypatch.setattr(machine.store, "admit", slow_older)
         machine.deliver_run(older)
         monkeypatch.undo()
-        assert passed and machine.runs[newer].bodies == 1
-        assert machine.runs[older].bodies == 0 and machine.runs[older].superseded
+        assert passed
+        if every_key:
+            assert machine.runs[newer].bodies == 1
+            assert machine.runs[older].bodies == 0 and machine.runs[older].superseded
+        else:
+            assert older in machine.running and machine.runs[newer].bodies == 0
         machine.newer_sends_of_a_set_run_after_older_ones()
         machine._drain()
+        assert machine.runs[newer].bodies == 1
     finally:
         machine.teardown()
 
@@ -234,11 +251,12 @@ def test_an_older_run_of_a_set_past_a_first_key_with_slots_never_runs_after_a_ne
 def test_a_delayed_copy_refused_its_first_key_by_a_newer_send_ends_superseded(
     app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``Replace(debounce=...)`` with ``keys=``: the older run's delayed copy takes ``k:a`` (due) and, while
-    it admits ``k:b`` (held), a newer send of its set parks on ``k:a``, which the copy holds (nothing to
-    take back there). The copy's reservation of ``k:a`` is then refused: it must end superseded, with its
-    result written (nobody else writes it: the newer send superseded no entry of it), not be dropped as a
-    copy whose result was written (it stayed ``QUEUED`` for ever: seen in a real-worker test)."""
+    """``Replace(debounce=...)`` with ``keys=``: the older run's delayed copy takes its set's gate (due) and
+    ``k:a`` and, while it admits ``k:b`` (held), a newer send of its set parks on the gate, which the copy
+    holds (nothing to take back there). The copy's reservation of the gate is then refused: it must end
+    superseded, with its result written (nobody else writes it: the newer send superseded no entry of it), not
+    be dropped as a copy whose result was written (it stayed ``QUEUED`` for ever: seen in a real-worker
+    test)."""
     # (a debounce long enough that the newer send cannot come due while the steps below run on a loaded
     # machine: it is delivered once due, below)
     machine = _machine(app, Replace(debounce=3.0))()
@@ -249,7 +267,7 @@ def test_a_delayed_copy_refused_its_first_key_by_a_newer_send_ends_superseded(
         machine.deliver_run(older)  # parks on k:a (debounced); its delayed copy is published
         [copy] = [m for m in machine.pending if m.task_id == older and m.headers.get(_queue.DEBOUNCE_HEADER)]
         machine.pending.remove(copy)
-        wait_for(lambda: machine.due(older, "a"), timeout=30, message="the older run due on k:a")
+        wait_for(lambda: machine.due(older), timeout=30, message="the older run due on its set's gate")
         admit = machine.store.admit
         passed: list[str] = []
 
@@ -270,7 +288,7 @@ def test_a_delayed_copy_refused_its_first_key_by_a_newer_send_ends_superseded(
         ]
         machine.pending.remove(newer_copy)  # (delivered once due, as the broker's countdown does)
         blocker.release()
-        wait_for(lambda: machine.due(newer, "a"), timeout=30, message="the newer send due on k:a")
+        wait_for(lambda: machine.due(newer), timeout=30, message="the newer send due on its set's gate")
         machine._deliver(newer_copy)
         machine._drain()
         assert machine.runs[newer].bodies == 1
@@ -349,7 +367,12 @@ class StepwiseMachine(RuleBasedStateMachine):
         limits = self.task.mongolock_limits_for(*run.args)
         for key in run.keys:  # (a key with N slots: at most N bodies at once)
             assert held[key] < (limits.get(key) or 1), f"{run.task_id} started holding a key that is full"
-        assert sorted(lease.key for lease in got) == run.keys
+        assert sorted(lease.key for lease in got if not is_gate(lease.key)) == run.keys
+        # (a Replace set holds its gate with its keys, and one run of the set holds it at most, unless
+        # every key of the set has slots)
+        assert [lease.key for lease in got if is_gate(lease.key)] == run.admitted[
+            : len(run.admitted) - len(run.keys)
+        ]
         run.bodies += 1
         assert run.bodies == 1, f"{run.task_id} ran twice"
         self.starts += 1
@@ -393,7 +416,8 @@ class StepwiseMachine(RuleBasedStateMachine):
         args = tuple(f"{self.prefix}{x}" for x in (letters + letters[-1:])[:3])
         keys = self.task.mongolock_keys_for(*args)
         task_id = uuid.uuid4().hex
-        self.runs[task_id] = Run(task_id, args, keys)  # type: ignore[arg-type]
+        gated = self.replace and len(set(keys)) > 1
+        self.runs[task_id] = Run(task_id, args, keys, gated=gated)  # type: ignore[arg-type]
         self.pending.append(Message(task_id, {_queue.SENT_HEADER: _queue.send_stamp(), "id": task_id}))
         return task_id
 
@@ -403,11 +427,11 @@ class StepwiseMachine(RuleBasedStateMachine):
         self.pending.remove(message)
         self._deliver(message)
 
-    def due(self, task_id: str, letter: str) -> bool:
-        """The run's parked entry on the key ``letter`` is due (its not-before time passed, server clock)."""
+    def due(self, task_id: str) -> bool:
+        """The run's parked entry on its set's gate is due (its not-before time passed, server clock)."""
         doc = self.store.collection.find_one(
             {
-                "_id": self.key(letter),
+                "_id": self.runs[task_id].admitted[0],
                 "q": {"$elemMatch": {"t": task_id, "nb": {"$lte": _dt.datetime.now(_dt.timezone.utc)}}},
             }
         )
@@ -440,6 +464,17 @@ class StepwiseMachine(RuleBasedStateMachine):
     def lapse(self, letter: str) -> None:
         self._lapse(self.key(letter))
 
+    @precondition(lambda self: self.replace and self.runs)
+    @rule(pick=st.integers(0, 1000))
+    def lapse_gate(self, pick: int) -> None:
+        """A reservation of a set's gate lapses (``Replace``)."""
+        gates = self._gates()
+        if gates:
+            self._lapse(gates[pick % len(gates)])
+
+    def _gates(self) -> list[str]:
+        return sorted({run.admitted[0] for run in self.runs.values() if run.gated})
+
     # -- invariants ---------------------------------------------------------------------------------
     @invariant()
     def waits_hold_only_earlier_keys(self) -> None:
@@ -453,12 +488,16 @@ class StepwiseMachine(RuleBasedStateMachine):
             if first is None:
                 continue
             assert "reserved" not in places[first + 1 :], (
-                f"{run.task_id} waits on {run.keys[first]}, holds a later key, nothing on its way: {places}"
+                f"{run.task_id} waits on {run.admitted[first]}, holds a later key, nothing on its way: "
+                f"{places}"
             )
 
     @invariant()
     def newer_sends_of_a_set_run_after_older_ones(self) -> None:
-        """``Replace``: a run of a set starts only before every newer send of its set that started."""
+        """``Replace``: a run of a set starts only before every newer send of its set that started. (Not
+        ``Queue``: a newer send delivered first may run first.)"""
+        if not self.replace:
+            return
         later_start: dict[tuple[str, ...], int] = {}
         for run in reversed(list(self.runs.values())):  # (newest send first)
             of_set = tuple(run.keys)
@@ -502,6 +541,8 @@ class StepwiseMachine(RuleBasedStateMachine):
             else:  # nothing moves: the sweeper hands every reservation not claimed again
                 for letter in LETTERS:
                     self._lapse(self.key(letter))
+                for gate in self._gates():
+                    self._lapse(gate)
         if not all(self._ended(run) for run in self.runs.values()):
             raise AssertionError(f"runs never ran (waited for ever): {self._describe()}")
         if self.replace:

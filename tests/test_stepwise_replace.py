@@ -1,8 +1,9 @@
 """Deep queues of ``Replace`` runs of sets of keys (``keys=``): such a run takes its keys one at a time, in
-key order, as a ``Queue`` run of several keys does. The first key of its set, which every run of the set
-admits first, is where runs of the set supersede each other; on a later key it waits as a ``Queue`` run,
-so it is spilled beyond the key's window: no cap of the lease document on how many sets wait on a shared
-later key (the per-tenant upload: one set per group, all waiting on the tenant's key).
+key order, as a ``Queue`` run of several keys does. Its set's gate (``sets.gate_of``), which every run of
+the set admits first, is where runs of the set supersede each other; on each of its keys it waits as a
+``Queue`` run, so it is spilled beyond the key's window: no cap of the lease document on how many sets
+wait on a shared key, first or later in their sets (the per-tenant upload: one set per group, all
+waiting on the tenant's key; ``merge_groups(src, dst)`` into one destination).
 
 With real ``celery worker`` processes (prefork) on each broker in turn (Redis, then RabbitMQ), whose
 workers keep 2 parked runs in a key's lease document (``integration_app``)."""
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from celery_mongolock import is_superseded
+from celery_mongolock.core.documents.sets import gate_of
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
@@ -28,7 +30,7 @@ from .test_stepwise_keys import WINDOW, _no_overlap, _parked_as, _starts, reserv
 def cluster(
     broker_url: str, redis_server: RedisServer, mongo_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    # (a lease of 120 s: the ceiling's run keeps its sealed reservation of the first key only until it has
+    # (a lease of 120 s: the ceiling's run keeps its sealed reservation of the gate only until it has
     # lapsed twice, docs/known-issues.md; a loaded machine must not reach that while the test sends)
     env = {"MONGOLOCK_IT_LEASE": "120"}
     with running_cluster("sr", broker_url, redis_server.url, mongo_url, tmp_path_factory, env=env) as c:
@@ -94,6 +96,65 @@ def test_replace_runs_of_sets_wait_spilled_on_a_shared_later_key_and_the_newest_
 
 
 @pytest.mark.slow
+def test_replace_runs_of_sets_wait_spilled_on_a_shared_first_key_and_the_newest_of_a_set_wins(
+    cluster: Cluster,
+) -> None:
+    """Sets (a, y_i), a held and the **first** key of every set (``merge_groups(src, dst)`` with one shared
+    destination sorting first): each run takes its set's gate (reserved for it) and waits on a as a
+    ``Queue`` run, spilled beyond the window (before stop 58 a key kept the runs of the sets whose first
+    key it is in its lease document: 5,000 sets at most). A newer send of (a, y_0) takes the gate's
+    reservation back from the older run, which ends superseded without its body and leaves a; the newer
+    send waits on a at the end. Released: every other run runs once, in the order it reached a."""
+    suffix = tag()
+    a = f"a{suffix}"  # (sorts before every "b...": a is each set's first key)
+    key_a = f"resource:{a}"
+    blocker = cluster.store.acquire(key_a, 600)
+    assert blocker is not None
+    seconds = [f"b{i}{suffix}" for i in range(6)]
+    tags = [tag() for _ in seconds]
+    results = []
+    for y, t in zip(seconds, tags, strict=True):
+        results.append(it.merge_latest.delay(y, a, t, 0.1))  # (named in either order: one set)
+        sent = [r.id for r in results]
+        wait_for(partial(_parked_as, cluster, key_a, sent), timeout=60, message=f"{t} to wait on a")
+    assert spilled_count(cluster, key_a) == len(tags) - WINDOW  # (before stop 58: never spilled)
+    gate = gate_of([key_a, f"resource:{seconds[0]}"])
+    wait_for(
+        lambda: reserved_for(cluster, gate) == results[0].id,
+        timeout=60,
+        message="the set's gate reserved for the first run",
+    )
+    newest_tag = tag()
+    newest = it.merge_latest.delay(a, seconds[0], newest_tag, 0.1)
+    old_run = results[0]
+    wait_for(lambda: is_superseded(old_run), timeout=60, message="the older run of (a, b0) superseded")
+    wait_for(
+        lambda: parked(cluster, key_a)[-1:] == [newest.id] and reserved_for(cluster, gate) == newest.id,
+        timeout=60,
+        message="the newer send of (a, b0) to wait on a",
+    )
+    wait_for(lambda: old_run.id not in parked(cluster, key_a), timeout=30, message="the older run off a")
+    expected = [r.id for r in results[1:]] + [newest.id]
+    wait_for(lambda: parked(cluster, key_a) == expected, timeout=30, message="the others waiting on a")
+    blocker.release()
+    for y, r in zip(seconds[1:], results[1:], strict=True):
+        assert r.get(timeout=120) == sorted([key_a, f"resource:{y}"])
+    assert newest.get(timeout=120) == sorted([key_a, f"resource:{seconds[0]}"])
+    superseded = old_run.get(timeout=30)
+    assert superseded["mongolock"] == "superseded" and superseded["keys"] == sorted(
+        [key_a, f"resource:{seconds[0]}"]
+    )  # (the task's own keys: not its set's gate)
+    ran = [*tags[1:], newest_tag]
+    assert _starts(cluster, ran) == ran  # (the order they reached a)
+    assert cluster.runs(tags[0], "start") == []
+    _no_overlap(cluster, ran)
+    for key in (key_a, gate):
+        info = cluster.store.inspect(key)
+        assert info is None or not (info.held or info.parked or info.handoff), info
+    assert spilled_count(cluster, key_a) == 0
+
+
+@pytest.mark.slow
 def test_a_burst_of_replace_sends_of_one_set_behind_its_held_second_key_runs_the_newest_once(
     cluster: Cluster,
 ) -> None:
@@ -127,26 +188,27 @@ def test_a_burst_of_replace_sends_of_one_set_behind_its_held_second_key_runs_the
 
 
 @pytest.mark.slow
-def test_the_run_a_ceiling_chose_keeps_the_first_key_while_it_waits_on_a_held_later_key(
+def test_the_run_a_ceiling_chose_keeps_its_gate_while_it_waits_on_a_held_key(
     cluster: Cluster,
 ) -> None:
-    """``Replace(debounce=1, max_wait=3)`` (``merge_capped``), the set's second key held: a send every
-    0.25 s. The ceiling hands the first key to a run of the burst, which claims it and waits on the held
-    key with the first key reserved for it; its burst is sealed, so the sends after it do not take that
+    """``Replace(debounce=1, max_wait=3)`` (``merge_capped``), the set's second key held: a send every 0.25 s.
+    The ceiling hands the set's gate to a run of the burst, which claims it, takes the first key and waits on
+    the held key with the gate reserved for it; its burst is sealed, so the sends after it do not take that
     reservation back (they wait behind it as a burst of their own). Released, it runs first. (Before the
-    handoff carried the run's burst, its reservation had none, and the next send superseded it: under
-    steady sends the ceiling never held while the later key was busy.)"""
+    handoff carried the run's burst, its reservation had none, and the next send superseded it: under steady
+    sends the ceiling never held while the later key was busy.)"""
     suffix = tag()
     a, b = f"a{suffix}", f"b{suffix}"
     key_a, key_b = f"resource:{a}", f"resource:{b}"
+    gate = gate_of([key_a, key_b])
     blocker = cluster.store.acquire(key_b, 600)
     assert blocker is not None
     results: list[Any] = []
 
     def chosen() -> Any:
-        """A run of the burst with the first key reserved for it, waiting on b (a send each call)."""
+        """A run of the burst with the gate reserved for it, waiting on b (a send each call)."""
         results.append(it.merge_capped.delay(a, b, tag(), 0.1))
-        holder = reserved_for(cluster, key_a)
+        holder = reserved_for(cluster, gate)
         waiting = parked(cluster, key_b)
         return next((r for r in results if r.id == holder and r.id in waiting), None)
 
@@ -154,11 +216,11 @@ def test_the_run_a_ceiling_chose_keeps_the_first_key_while_it_waits_on_a_held_la
     for _ in range(12):  # 3 s more of sends: more than the debounce, the reservation stays its own
         results.append(it.merge_capped.delay(a, b, tag(), 0.1))
         wait_for(lambda: results[-1].state != "PENDING", timeout=30, message="the send to reach a worker")
-    assert reserved_for(cluster, key_a) == first.id
+    assert reserved_for(cluster, gate) == first.id
     assert not is_superseded(first)
     blocker.release()
     assert first.get(timeout=120) == sorted([key_a, key_b])
     newest = results[-1]
     assert newest.get(timeout=120) == sorted([key_a, key_b])  # (its own burst: by its debounce)
-    for r in results:  # (a delayed copy refused the first key by a newer send ends superseded: not lost)
+    for r in results:  # (a delayed copy refused the gate by a newer send ends superseded: not lost)
         assert r.id in (first.id, newest.id) or r.get(timeout=60)["mongolock"] == "superseded"

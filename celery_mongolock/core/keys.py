@@ -23,6 +23,8 @@ __all__ = ["MAX_KEY_BYTES", "KeyRenderer", "KeySpec", "encode_value", "normalize
 #: Keys longer than this (in UTF-8 bytes) are stored as ``<prefix>~sha256:<hex>``.
 MAX_KEY_BYTES = 200
 _PREFIX_CHARS = 120
+#: Keys the library names itself (``documents.sets.gate_of``); no task's key may start with it.
+RESERVED_PREFIX = "mongolock-set:"
 
 
 def a_type(value: object) -> str:
@@ -351,7 +353,17 @@ class KeyRenderer:
         return arguments
 
     def render(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The lease key for one call (``InvalidKey`` if an argument cannot be encoded)."""
+        """The lease key for one call (``InvalidKey`` if an argument cannot be encoded, or if the key is
+        one of the library's own: a set's gate)."""
+        key = self._render(args, kwargs)
+        if key.startswith(RESERVED_PREFIX):
+            raise InvalidKey(
+                f"task {self.task_name!r}: the key {key!r:.80} starts with {RESERVED_PREFIX!r}, which "
+                "celery_mongolock keeps for the gates of Replace tasks' key sets; name it otherwise"
+            )
+        return key
+
+    def _render(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         if self._fixed is not None:
             return normalize_key(self._fixed)
         if self._callable is not None:

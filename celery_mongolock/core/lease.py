@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_mongolock.core.clock import MAX_DRIFT, Clock
+from celery_mongolock.core.keys import RESERVED_PREFIX
 from celery_mongolock.core.lease_info import LeaseInfo
 from celery_mongolock.exceptions import LeaseLost, StoreUnavailable, Superseded
 
@@ -399,17 +400,22 @@ class LeaseSet(Lease):
     ``lease_set["email-group:7"]`` is one key's ``Lease`` (its ``fence`` is the one to write with to what
     that key guards); ``lost`` is true when any of them is lost, and ``raise_if_lost()`` raises for the
     first lost one. ``fence`` is the largest of the fences, ``key`` the keys joined by ``+``.
+
+    A ``Replace`` task's set of two keys or more also holds its set's gate (a lease of the library's own,
+    ``mongolock-set:...``): renewed, released and watched with the others (its loss counts in ``lost``),
+    it is not among ``keys`` and ``fences``, which name the task's own keys.
     """
 
     def __init__(self, leases: Sequence[Lease]) -> None:  # a view over other leases: no Lease.__init__
         if not leases:
             raise ValueError("a LeaseSet needs at least one lease")
         self.leases: dict[str, Lease] = {lease.key: lease for lease in leases}
+        named = [lease for lease in leases if not lease.key.startswith(RESERVED_PREFIX)] or list(leases)
         first = leases[0]
         self.store = first.store
-        self.key = "+".join(self.leases)
+        self.key = "+".join(lease.key for lease in named)
         self.owner = first.owner
-        self.fence = max(lease.fence for lease in leases)
+        self.fence = max(lease.fence for lease in named)
         self.ttl = min(lease.ttl for lease in leases)
         self.heartbeat_seconds = first.heartbeat_seconds
         self.expires_at = min((lease.expires_at for lease in leases if lease.expires_at), default=None)
@@ -423,11 +429,11 @@ class LeaseSet(Lease):
 
     @property
     def keys(self) -> list[str]:
-        return list(self.leases)
+        return [key for key in self.leases if not key.startswith(RESERVED_PREFIX)] or list(self.leases)
 
     @property
     def fences(self) -> dict[str, int]:
-        return {key: lease.fence for key, lease in self.leases.items()}
+        return {key: self.leases[key].fence for key in self.keys}
 
     def __getitem__(self, key: str) -> Lease:
         return self.leases[key]

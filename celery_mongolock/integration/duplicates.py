@@ -16,6 +16,7 @@ from celery.exceptions import Ignore
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.admission.policies import Replace
 from celery_mongolock.core.documents import copies
+from celery_mongolock.core.documents.sets import user_keys
 from celery_mongolock.exceptions import StoreUnavailable, Superseded
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.results import has_backend, superseded_result
@@ -256,7 +257,7 @@ def end_second_look(task: GuardedRun, look: Mapping[str, Any], options: TaskOpti
         task,
         key,
         by if isinstance(by, str) and by else None,
-        [str(k) for k in keys] if isinstance(keys, list) and keys else None,
+        user_keys(keys) or None if isinstance(keys, list) else None,
         options,
     )
 

@@ -19,6 +19,7 @@ from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.admission.policies import Fail, Wait
+from celery_mongolock.core.documents.sets import is_gate
 from celery_mongolock.core.lease import LeaseSet
 from celery_mongolock.core.store import Lease, LeaseStore
 from celery_mongolock.exceptions import StoreUnavailable
@@ -103,7 +104,8 @@ def guarded(
         fences = LeaseSet(fresh).fences
         log_acquire.info("%s[%s] acquired %s (fences %s)", task.name, request.id, rest, fences)
     for lease in fresh:
-        signals.lease_acquired.send(sender=task, key=lease.key, lease=lease)
+        if not is_gate(lease.key):  # (a Replace set's gate is the library's own: no signal, no metric)
+            signals.lease_acquired.send(sender=task, key=lease.key, lease=lease)
     # (Replace(cancel_running=True): told of a newer send, ended superseded or terminated: supersede)
     return _run_holding(
         task, store, held=held, taken=taken, fresh=fresh, options=options, body=body, untick=untick
@@ -152,7 +154,8 @@ def _run_holding(
         except StoreUnavailable as exc:
             log_release.warning("%s[%s]: %s (retrying in the background)", task.name, task.request.id, exc)
         for lease in fresh:
-            signals.lease_released.send(sender=task, key=lease.key, lease=lease)
+            if not is_gate(lease.key):
+                signals.lease_released.send(sender=task, key=lease.key, lease=lease)
 
 
 def _give_back_cut_short(

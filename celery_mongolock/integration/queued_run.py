@@ -24,7 +24,7 @@ from celery.exceptions import Ignore
 
 from celery_mongolock.admission.contention import ContendedRun, Outcome
 from celery_mongolock.admission.policies import Fail, Queue, Replace, Retry
-from celery_mongolock.core.documents.sets import set_signature
+from celery_mongolock.core.documents.sets import gate_of, set_signature, user_keys
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import LockContended, QueueTimeout, StoreUnavailable, Superseded
 from celery_mongolock.integration import handoff as _queue
@@ -69,8 +69,9 @@ def _entry(
     task: GuardedRun, keys: list[str], policy: Queue, ident: str, *, stamp: int, src: Any, several: bool
 ) -> dict[str, Any]:
     """The run's parked entry, the same on each of its keys: who it is, its send stamp, its priority and
-    its message; for a set of keys (``several``), the keys and one handoff token for all of them (and, for
-    ``Replace``, its set's signature: only runs of the same set supersede each other, ``documents.sets``)."""
+    its message; for a set of keys (``several``), the keys it admits (its set's gate first, for a
+    ``Replace`` set of two keys or more) and one handoff token for all of them (and, for ``Replace``, its
+    set's signature: only runs of the same set supersede each other, ``documents.sets``)."""
     request = task.request
     entry: dict[str, Any] = {
         "id": ident,
@@ -84,10 +85,15 @@ def _entry(
     if several:
         entry.update(ks=keys, tk=_queue.keys_token(ident, keys))
         if isinstance(policy, Replace):
-            entry["g"] = set_signature(keys)
+            entry["g"] = set_signature(user_keys(keys))
     entry.update(priority.rank_field(task.app, request, policy))
     entry.update(_queue.message_of(task, request, stamp, ident))
     return entry
+
+
+def _delivery(task: GuardedRun) -> str:
+    """The run's own retry count: a queued run is one run per task id and own retry."""
+    return str(int(getattr(task.request, "retries", 0) or 0))
 
 
 class QueuedRun:
@@ -107,6 +113,7 @@ class QueuedRun:
         policy = options.on_contention
         assert isinstance(policy, Queue), policy
         self.task = task
+        #: The keys the task named (sorted): its results and states name them.
         self.keys = keys
         #: A run of a task of ``keys=(...)``: a set of keys whatever their number (its entry carries its
         #: keys, one handoff token and, for ``Replace``, its set's signature; its results name its keys).
@@ -117,13 +124,23 @@ class QueuedRun:
         self.store = get_store(task.app)
         #: The keys a result or a state names (``keys``), for a run of several keys.
         self.named_keys: list[str] | None = list(keys) if self.several else None
+        #: The keys it admits, in order: a ``Replace`` set of two keys or more admits its set's gate first
+        #: (``sets.gate_of``), where runs of the set supersede each other, and holds it with its keys.
+        gated = self.several and isinstance(policy, Replace) and len(keys) > 1
+        if gated and _queue.handoff_of_keys(task.request, list(keys), f"{task.request.id}/{_delivery(task)}"):
+            gated = False  # (the handoff of a run parked by an earlier version, which had no gate: as then)
+        self.admit_keys = [gate_of(keys), *keys] if gated else list(keys)
+        if gated:
+            limits = dict(limits or {})
+            # (as many runs of the set at once as its keys let: one, unless every key has slots)
+            limits[self.admit_keys[0]] = min(limits.get(k, options.limit) or 1 for k in keys)
         request = self.request
         self.stamp, src = _queue.stamp_of(request)
         # A queued run is one run per task id and own retry: a contention retry (after MongoDB did not
         # answer) is the same run, and must find its own park if that landed.
-        run_delivery = str(int(getattr(request, "retries", 0) or 0))
+        run_delivery = _delivery(task)
         ident = f"{request.id}/{run_delivery}"
-        entry = _entry(task, keys, policy, ident, stamp=self.stamp, src=src, several=self.several)
+        entry = _entry(task, self.admit_keys, policy, ident, stamp=self.stamp, src=src, several=self.several)
         self.entry = entry
         info: dict[str, Any] = {
             "task_name": task.name,
@@ -137,7 +154,7 @@ class QueuedRun:
         self.debounced_copy = bool(_queue.header(request, _queue.DEBOUNCE_HEADER))
         #: The token of the handoff this message is (None: not a handoff of this run).
         self.claim = (
-            _queue.handoff_of_keys(request, keys, ident)
+            _queue.handoff_of_keys(request, self.admit_keys, ident)
             if self.several
             else _queue.handoff_of(request, keys[0], ident)
         )
@@ -161,7 +178,7 @@ class QueuedRun:
         self.admits = KeySetAdmits(
             task,
             self.store,
-            keys,
+            self.admit_keys,
             options,
             policy,
             entry=entry,
@@ -222,7 +239,7 @@ class QueuedRun:
         past it; the older one, then, must not run after the newer)."""
         newer = self.admits.newer_past_gate(leases)
         if newer is not None:
-            return self._superseded(self.keys[0], newer, None)
+            return self._superseded(self.admit_keys[0], newer, None)
         return self._started(leases)
 
     def _started(self, leases: list[Lease]) -> list[Lease]:
@@ -364,7 +381,7 @@ class QueuedRun:
             results.superseded_outcome_words(self.policy),
         )
         signals.run_superseded.send(sender=task, key=key, task_id=request.id, by=by)
-        self.store.record_run_ending(key, "superseded", self.entry, fence=fence, by=by)  # history
+        results.record_superseded(self.store, key, self.entry, fence=fence, by=by)  # history
         leave_rate(task, keys, self.options)
         if getattr(self.policy, "fail_superseded", False):
             raise Superseded(keys[0], None, by, held=False)
@@ -379,7 +396,7 @@ class QueuedRun:
         if self.admits.stepwise and _queue.moves_on(store, entry):
             # Handed the key it waits on meanwhile (its release came before the keys before it were
             # reserved here): nobody else moves it on.
-            _queue.publish_handoff(task.app, keys[0], {**entry, "hn": 1}, store)
+            _queue.publish_handoff(task.app, self.admit_keys[0], {**entry, "hn": 1}, store)
         debounce = policy.debounce if isinstance(policy, Replace) else 0.0
         if debounce and not self.debounced_copy and not (self.several and self.claim):
             # Come back when the debounce has passed: the copy takes the keys if no newer send came. (Sooner
@@ -415,12 +432,15 @@ class QueuedRun:
 
     def _says_it_waits_for_all(self) -> NoReturn:
         task, keys, entry = self.task, self.keys, self.entry
-        on = self.admits.waits_on or keys[0]
+        first = self.admit_keys[0]
+        on = self.admits.waits_on or first
         signals.run_parked.send(sender=task, key=on, task_id=entry["t"], position=0, stamp=self.stamp)
         policy = self.policy
-        if on == keys[0] and isinstance(policy, Replace) and policy.debounce:
+        if on == first and isinstance(policy, Replace) and policy.debounce:
             why = f"debounced: due {policy.debounce:g} s after the last send of its set, no worker slot held"
-        elif on == keys[0]:
+        elif on == first and first != keys[0]:
+            why = "its set's gate: an older run of its set holds it or waits for it; no worker slot held"
+        elif on == first:
             why = "the first of its keys; no worker slot held"
         else:
             why = "the first it has not got; no worker slot held, the keys before it reserved for it"

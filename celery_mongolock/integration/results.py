@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 
 from celery_mongolock.core.documents.entries import MAX_PARKED
+from celery_mongolock.core.documents.sets import is_gate, user_keys
 from celery_mongolock.core.store_rate import rate_windows
 from celery_mongolock.exceptions import QueueTimeout, StoreUnavailable, Superseded
 from celery_mongolock.integration import signals
@@ -51,7 +52,9 @@ def has_backend(app: Celery) -> bool:
 
 def superseded_result(key: str, by: str, keys: Sequence[str] | None = None) -> SupersededResult:
     """The result of a run replaced by a newer send (``Replace``); with ``keys=``, ``key`` is its first
-    key and ``keys`` all of them (the same result whichever key it was superseded on)."""
+    key and ``keys`` all of them (the same result whichever key it was superseded on; a set's gate is not
+    named: ``sets.user_keys``)."""
+    keys = user_keys(keys or [])
     if keys:
         return {"mongolock": "superseded", "key": keys[0], "keys": list(keys), "by": by}
     return {"mongolock": "superseded", "key": key, "by": by}
@@ -63,8 +66,11 @@ def skipped_result(key: str, reason: str) -> dict[str, Any]:
 
 
 def superseded_ending(key: str, by: str, keys: list[str] | None = None) -> dict[str, Any]:
-    """The ``endings`` header of a run superseded by ``by`` on ``key`` (``keys``: all of its keys)."""
-    return {"how": "superseded", "k": key, "by": by, "ks": list(keys) if keys else None}
+    """The ``endings`` header of a run superseded by ``by`` on ``key`` (``keys``: all of its keys; a set's
+    gate is not named)."""
+    keys = user_keys(keys or [])
+    key = keys[0] if keys and is_gate(key) else key
+    return {"how": "superseded", "k": key, "by": by, "ks": keys or None}
 
 
 def timeout_ending(key: str, reason: str, *, fail: bool) -> dict[str, Any]:
@@ -197,6 +203,17 @@ def _left_to_a_worker_with_the_task(
     return left
 
 
+def record_superseded(
+    store: LeaseStore, key: str, entry: Mapping[str, Any], *, fence: int | None, by: str | None, **when: Any
+) -> None:
+    """The history record of a run superseded on ``key``; on a set's gate, in the history of each of the
+    task's own keys too (``why KEY`` on one of them tells of it), without a fence there."""
+    store.record_run_ending(key, "superseded", entry, fence=fence, by=by, **when)
+    if is_gate(key):
+        for other in user_keys(entry.get("ks") or []):
+            store.record_run_ending(other, "superseded", entry, fence=None, by=by, **when)
+
+
 def write_superseded(
     app: Celery,
     store: LeaseStore,
@@ -220,7 +237,7 @@ def write_superseded(
     left = [e for e in entries if ready is not None and not ready(str(e["t"]))]
     left += _left_to_a_worker_with_the_task(app, key, [e for e in entries if e not in left], "at", publish)
     for entry in _claimed(store, key, "sup", [e for e in entries if e not in left]):
-        by, keys = str(entry.get("by")), entry.get("ks") or None
+        by, keys = str(entry.get("by")), user_keys(entry.get("ks") or []) or None
         if publish is not None and publish(key, entry, superseded_ending(key, by, keys)):
             pass  # ended by a worker from its message: its callbacks, chain and chord go on
         elif has_backend(app) and fails_superseded(app, entry.get("n")):
@@ -231,9 +248,9 @@ def write_superseded(
             app.backend.store_result(entry["t"], superseded_result(key, by, keys), "SUCCESS")
         signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
         _leave_the_window(app, store, key, entry)
-        store.record_run_ending(
+        record_superseded(
+            store,
             key,
-            "superseded",
             entry,
             fence=fence,
             ended_at=entry.get("at"),

@@ -86,7 +86,7 @@ def _result(lease: Lease, by: str) -> SupersededResult:
 
 def _record(store: LeaseStore, lease: Lease, info: Mapping[str, Any], by: str) -> None:
     """The run's ``superseded`` record in the history of each of its keys."""
-    for one in _held(lease):
+    for one in _held(lease):  # (a set's gate included: its history tells of the set's runs)
         store.record_run_ending(one.key, "superseded", info, fence=one.fence, by=by, running=True)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from celery import Celery
 from kombu.serialization import dumps, loads, prepare_accept_content
 
+from celery_mongolock.core.documents.sets import gate_of, is_gate, user_keys
 from celery_mongolock.core.keys import normalize_key
 
 __all__ = ["RefusedEntry", "UnknownTask", "check_entry", "sign_entry"]
@@ -109,6 +110,10 @@ def _check_keys(task: Any, key: str, entry: Mapping[str, Any], fields: Mapping[s
         rendered = [normalize_key(k) for k in task.mongolock_keys_for(*args, **kwargs)]
     except Exception as exc:
         raise RefusedEntry(f"its arguments do not render the task's keys ({type(exc).__name__})") from None
-    parked_under = [normalize_key(str(k)) for k in entry.get("ks") or [key]]
-    if normalize_key(key) not in parked_under or sorted(rendered) != sorted(parked_under):
+    admitted = [normalize_key(str(k)) for k in entry.get("ks") or [key]]
+    parked_under = user_keys(admitted)  # (a Replace set's gate: from its keys, ``sets.gate_of``)
+    gates = [k for k in admitted if is_gate(k)]
+    if gates and (len(rendered) < 2 or gates != [gate_of(rendered)]):
+        raise RefusedEntry(f"its arguments render the key(s) {rendered}, not those of the gate {gates[0]!r}")
+    if normalize_key(key) not in admitted or sorted(rendered) != sorted(parked_under):
         raise RefusedEntry(f"its arguments render the key(s) {rendered}, not {sorted(parked_under)}")

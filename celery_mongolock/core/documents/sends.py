@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.base import Document
-from celery_mongolock.core.documents.sets import set_signature
+from celery_mongolock.core.documents.sets import gate_of, set_signature
 from celery_mongolock.core.keys import a_type, normalize_key
 from celery_mongolock.core.lease_info import aware
 from celery_mongolock.exceptions import ArgumentsNotComparable, ConfigurationError
@@ -161,6 +161,8 @@ def started_after(keys: Sequence[str], stamp: int) -> Document:
     sent at ``stamp`` and not started yet is superseded at its admission. For one key, ``Replace``'s
     ``last``; for a set of keys (``keys=``), the set's record in ``lg``."""
     ids = sorted({normalize_key(k) for k in keys})
+    if len(ids) > 1:  # (a set's sends get its gate, and only there: ``sets.gate_of``)
+        ids.append(gate_of(list(keys)))
     newer = {"$gt": int(stamp)}
     # (``g`` as a run of the set records it: from its rendered keys, as given here)
     return {

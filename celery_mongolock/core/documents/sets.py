@@ -41,15 +41,20 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from celery_mongolock.core.keys import RESERVED_PREFIX
+
 __all__ = [
+    "GATE_PREFIX",
     "LG_KEPT",
     "behind_its_set",
     "burst_identity",
     "burst_of",
     "carry_burst",
     "entries_of",
+    "gate_of",
     "holder_older_of_set",
     "in_burst",
+    "is_gate",
     "lg_update",
     "message_fields",
     "newer_by",
@@ -64,6 +69,7 @@ __all__ = [
     "set_signature",
     "sup_record",
     "superseded_cases",
+    "user_keys",
 ]
 
 Document = dict[str, Any]
@@ -79,6 +85,28 @@ def set_signature(keys: Sequence[str]) -> str:
     """The signature of a set of rendered keys (order and repeats do not matter): ``g`` in entries."""
     joined = "\x00".join(sorted(set(keys)))
     return "ks:" + hashlib.sha256(joined.encode()).hexdigest()[:24]
+
+
+#: The key of a set's gate starts with this (no task's key may: ``keys.KeyRenderer``).
+GATE_PREFIX = RESERVED_PREFIX
+
+
+def gate_of(keys: Sequence[str]) -> str:
+    """The key of the gate of a ``Replace`` task's set of two keys or more: a lease document of its own,
+    which every run of the set admits first and holds with the set's keys (``key_set.KeySetAdmits``).
+    Runs of the set supersede each other there, and nowhere else: on the set's own keys they wait as
+    ``Queue`` runs do, so a key shared by any number of sets stores none of them in its lease document."""
+    return GATE_PREFIX + set_signature(keys)[len("ks:") :]
+
+
+def is_gate(key: object) -> bool:
+    """Whether ``key`` is a set's gate (``gate_of``), not a key a task named."""
+    return isinstance(key, str) and key.startswith(GATE_PREFIX)
+
+
+def user_keys(keys: Sequence[object]) -> list[str]:
+    """``keys`` without a set's gate: the keys a task named, for results, states and displays."""
+    return [str(key) for key in keys if not is_gate(key)]
 
 
 def _field(name: str, doc: object) -> Document:
