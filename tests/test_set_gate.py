@@ -1,0 +1,118 @@
+"""A ``Replace`` task's set of two keys or more admits its set's gate first (``sets.gate_of``): a lease
+document of the library's own, held with the set's keys. Its name, the keys a task may not use, what a
+``LeaseSet`` shows of it, what a handoff checks of it, and the newer-send lookup of a pending send (no
+worker here; the behaviour with real workers: tests/test_stepwise_replace.py, tests/test_replace_keys.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu.serialization import dumps
+
+from celery_mongolock import InvalidKey, LeaseSet, LeaseStore, Queue, Replace, singleton_task
+from celery_mongolock.core.documents.sends import started_after
+from celery_mongolock.core.documents.sets import GATE_PREFIX, gate_of, is_gate, set_signature, user_keys
+from celery_mongolock.integration.trust import RefusedEntry, check_entry
+
+
+def _app() -> Celery:
+    return Celery(f"g{uuid.uuid4().hex[:6]}", set_as_current=False)
+
+
+def test_a_set_has_one_gate_whatever_the_order_of_its_keys() -> None:
+    gate = gate_of(["group:7", "tenant:1"])
+    assert gate == gate_of(["tenant:1", "group:7", "tenant:1"])
+    assert gate.startswith(GATE_PREFIX) and is_gate(gate)
+    assert gate != gate_of(["group:8", "tenant:1"])
+    assert gate[len(GATE_PREFIX) :] == set_signature(["group:7", "tenant:1"])[len("ks:") :]
+    assert user_keys([gate, "group:7", "tenant:1"]) == ["group:7", "tenant:1"]
+    assert not is_gate("group:7") and not is_gate(None)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"key": "mongolock-set:{x}"},
+        {"keys": ("a:{x}", "mongolock-set:{x}")},
+        {"key": lambda x: f"mongolock-set:{x}"},
+    ],
+    ids=["template", "keys", "callable"],
+)
+def test_a_task_key_that_names_a_gate_is_refused(options: dict[str, Any]) -> None:
+    @singleton_task(app=_app(), on_contention=Replace(), **options)
+    def job(x: str) -> None: ...
+
+    with pytest.raises(InvalidKey, match=r"starts with 'mongolock-set:'.*gates of Replace"):
+        job.mongolock_keys_for("1")
+
+
+def test_a_lease_set_names_the_task_s_keys_not_its_gate(store: LeaseStore) -> None:
+    keys = sorted([f"a:{uuid.uuid4().hex}", f"b:{uuid.uuid4().hex}"])
+    gate = gate_of(keys)
+    leases = [store.acquire(key, 30) for key in [gate, *keys]]
+    assert all(lease is not None for lease in leases)
+    held = LeaseSet([lease for lease in leases if lease is not None])
+    try:
+        assert held.keys == keys
+        assert set(held.fences) == set(keys)
+        assert held.key == "+".join(keys)
+        assert held.fence == max(held[key].fence for key in keys)
+        assert held[gate].key == gate  # (reachable by its name, renewed and released with the others)
+        assert len(held) == 3
+        assert store.collection.find_one({"_id": gate}, {"owner": 1})["owner"] == held[gate].owner  # type: ignore[index]
+    finally:
+        held.release()
+    assert all(lease.released for lease in held)
+
+
+def _merge_app() -> Celery:
+    app = _app()
+
+    @singleton_task(
+        keys=("g:{src}", "g:{dst}"), app=app, name="gate.merge", on_contention=Replace(), shared=False
+    )
+    def merge(src: str, dst: str) -> None: ...
+
+    @singleton_task(
+        keys=("g:{src}", "g:{dst}"), app=app, name="gate.queued", on_contention=Queue(), shared=False
+    )
+    def queued(src: str, dst: str) -> None: ...
+
+    return app
+
+
+def _entry(app: Celery, name: str, *args: Any, ks: list[str]) -> dict[str, Any]:
+    signature = app.signature(name, args=args, task_id="t-1")
+    content_type, encoding, body = dumps(dict(signature), serializer="json")  # type: ignore[no-untyped-call]
+    return {
+        "id": "t-1/0",
+        "t": "t-1",
+        "n": name,
+        "m": body.encode(encoding) if isinstance(body, str) else body,
+        "ct": content_type,
+        "ce": encoding,
+        "ks": ks,
+    }
+
+
+def test_a_handoff_checks_the_gate_its_entry_was_parked_under() -> None:
+    app = _merge_app()
+    keys = ["g:a", "g:b"]
+    entry = _entry(app, "gate.merge", "a", "b", ks=[gate_of(keys), *keys])
+    for key in [gate_of(keys), *keys]:  # (handed on its gate or on any of its keys)
+        assert check_entry(app, key, entry, None).task == "gate.merge"
+    other = _entry(app, "gate.merge", "a", "b", ks=[gate_of(["g:a", "g:c"]), *keys])
+    with pytest.raises(RefusedEntry, match="not those of the gate"):
+        check_entry(app, keys[0], other, None)
+    # (a run parked by the version before the gates: its keys alone)
+    assert check_entry(app, "g:a", _entry(app, "gate.merge", "a", "b", ks=keys), None).task == "gate.merge"
+
+
+def test_a_pending_send_of_a_set_is_overtaken_by_a_newer_send_that_got_its_gate() -> None:
+    query = started_after(["g:b", "g:a"], 5)
+    assert sorted(query["_id"]["$in"]) == sorted(["g:a", "g:b", gate_of(["g:a", "g:b"])])
+    assert started_after(["g:a"], 5)["_id"]["$in"] == ["g:a"]  # (one key: no gate)
