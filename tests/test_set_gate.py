@@ -64,6 +64,9 @@ def test_a_lease_set_names_the_task_s_keys_not_its_gate(store: LeaseStore) -> No
         assert held[gate].key == gate  # (reachable by its name, renewed and released with the others)
         assert len(held) == 3
         assert store.collection.find_one({"_id": gate}, {"owner": 1})["owner"] == held[gate].owner  # type: ignore[index]
+        story = store.why(gate)
+        assert story is not None and story.verdict.startswith("the gate of a Replace task's set of keys")
+        assert "held by" in story.verdict
     finally:
         held.release()
     assert all(lease.released for lease in held)

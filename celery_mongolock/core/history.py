@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.base import RUN_VIEW
+from celery_mongolock.core.documents.sets import is_gate, user_keys
 from celery_mongolock.core.lease_info import aware
 
 __all__ = ["ENDING_KINDS", "RUN_VIEW", "KeyStory", "LeaseEnding", "ParkedRun"]
@@ -395,7 +396,13 @@ class KeyStory:
 
     @property
     def verdict(self) -> str:
-        """One line: why the key is (not) running now."""
+        """One line: why the key is (not) running now (for a ``Replace`` set's gate, said first)."""
+        line = self._verdict()
+        if is_gate(self.key):
+            return f"the gate of a Replace task's set of keys (its runs supersede each other here): {line}"
+        return line
+
+    def _verdict(self) -> str:
         parked = self._parked_phrase()
         if self.state == "slots":
             who = ", ".join(
@@ -409,7 +416,7 @@ class KeyStory:
         if self.state == "handed" and self.handoff is not None:
             handed = self._since(self.handoff.handed_at)
             when = f" {_ago(handed)} ago" if handed is not None else ""
-            others = [k for k in self.handoff.keys if k != self.key]
+            others = [k for k in user_keys(self.handoff.keys) if k != self.key]
             if others:
                 line = (
                     f"reserved{when} for {self.handoff.task}, a run of several keys, which takes its other "
@@ -436,7 +443,7 @@ class KeyStory:
             return f"{line}; {parked}" if parked else line
         if self.state == "expired" and self.handoff is not None and len(self.handoff.keys) > 1:
             ago = -(self.expires_in or 0.0)
-            later = ", ".join(k for k in self.handoff.keys if k != self.key)
+            later = ", ".join(k for k in user_keys(self.handoff.keys) if k != self.key)
             line = (
                 f"reserved for {self.handoff.task}, a run of several keys that waits for a later one "
                 f"({later}); the reservation lapsed {ago:.1f} s ago and is left for it (it still claims "
