@@ -229,6 +229,7 @@ ARGUMENT_CASES = [
     case(lambda: TEMPLATE_TASK.mongolock_key_for([10**5000]), InvalidKey, "'group_id'", "cannot be encoded", "huge-int-in-list"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for("a\x00b"), InvalidKey, "'email-group:a\\x00b'", "NUL", "nul-in-str"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for("\ud800"), InvalidKey, "'email-group:\\ud800'", "not valid Unicode", "lone-surrogate"),
+    case(lambda: declare("mongolock-set:{group_id}").mongolock_key_for(1), InvalidKey, "'mongolock-set:1'", "keeps for the gates of Replace", "reserved-prefix"),
     case(TEMPLATE_TASK.mongolock_key_for, TypeError, "cannot call upload(group_id, path) with these arguments", "argument 'group_id' is not given", "missing-argument"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for(1, zzz=2), TypeError, "cannot call upload(group_id, path) with these arguments", "it has no argument 'zzz'", "unexpected-kwarg"),
 ]  # fmt: skip
