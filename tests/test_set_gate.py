@@ -13,7 +13,16 @@ import pytest
 from celery import Celery
 from kombu.serialization import dumps
 
-from celery_mongolock import InvalidKey, LeaseSet, LeaseStore, Queue, Replace, singleton_task
+from celery_mongolock import (
+    InvalidKey,
+    LeaseLost,
+    LeaseSet,
+    LeaseStore,
+    Queue,
+    Replace,
+    Superseded,
+    singleton_task,
+)
 from celery_mongolock.core.documents.sends import started_after
 from celery_mongolock.core.documents.sets import GATE_PREFIX, gate_of, is_gate, set_signature, user_keys
 from celery_mongolock.integration.trust import RefusedEntry, check_entry
@@ -70,6 +79,28 @@ def test_a_lease_set_names_the_task_s_keys_not_its_gate(store: LeaseStore) -> No
     finally:
         held.release()
     assert all(lease.released for lease in held)
+
+
+def test_a_lease_set_that_lost_or_was_superseded_on_its_gate_names_its_first_key(store: LeaseStore) -> None:
+    """``current_lease().raise_if_superseded()`` / ``raise_if_lost()`` of a set whose gate was marked (a
+    newer send marks the holder of the gate first): the error names the task's first key, with its fence,
+    never the gate (it becomes the task's ``Superseded`` failure under ``fail_superseded=True``)."""
+    keys = sorted([f"upload:{uuid.uuid4().hex}", f"user:{uuid.uuid4().hex}"])
+    gate = gate_of(keys)
+    taken = [store.acquire(key, 30) for key in [gate, *keys]]
+    held = LeaseSet([lease for lease in taken if lease is not None])
+    try:
+        assert held[gate].mark_superseded("newer-send")
+        with pytest.raises(Superseded) as superseded:
+            held.raise_if_superseded()
+        assert superseded.value.key == keys[0] and superseded.value.fence == held[keys[0]].fence
+        assert held[gate].mark_lost("a test says so", release=False)
+        with pytest.raises(LeaseLost) as lost:
+            held.raise_if_lost()
+        assert lost.value.key == keys[0] and "its set's gate" in str(lost.value)
+        assert held.lost_reason is not None and held.lost_reason.startswith(repr(keys[0]))
+    finally:
+        held.release()
 
 
 def _merge_app() -> Celery:

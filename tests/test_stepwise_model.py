@@ -53,8 +53,10 @@ from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.config import get_store
 from celery_mongolock.core.documents.sets import gate_of, is_gate
 from celery_mongolock.core.lease import Lease
+from celery_mongolock.core.waiting import Swept
 from celery_mongolock.integration import handoff as _queue
 from celery_mongolock.integration.queued_run import QueuedRun
+from celery_mongolock.integration.results import write_timed_out
 from celery_mongolock.integration.supersede import is_superseded_meta
 from celery_mongolock.testing import wait_for
 
@@ -294,6 +296,36 @@ def test_a_delayed_copy_refused_its_first_key_by_a_newer_send_ends_superseded(
         assert machine.runs[newer].bodies == 1
     finally:
         machine.teardown()
+
+
+def test_a_run_of_a_set_timed_out_on_its_gate_names_its_first_key(app: Celery) -> None:
+    """``Replace(timeout=...)`` with ``keys=``: a run parked on its set's gate (held) past its timeout ends
+    ``skipped`` by the sweep, and its result, its ending and the history of its own keys name its first
+    key, never the gate (``results.named_key``, ``record_ending``)."""
+    machine = _machine(app, Replace(timeout=0.5))()
+    try:
+        run_id = machine.sent(["a", "b"])
+        run = machine.runs[run_id]
+        gate = run.admitted[0]
+        blocker = machine.store.acquire(gate, 600)  # (the older run of the set, holding its gate)
+        assert blocker is not None
+        machine.deliver_run(run_id)
+        assert run_id in [e.get("t") for e in (machine.store.collection.find_one({"_id": gate}) or {})["q"]]
+
+        def timed_out() -> Any:
+            return [r for r in (machine.store.sweep(gate) or Swept(None)).timed_out if r.get("t") == run_id]
+
+        runs = wait_for(timed_out, timeout=30, message="the run timed out on its set's gate")
+        write_timed_out(app, machine.store, gate, list(runs), fence=None)
+        result = app.backend.get_task_meta(run_id)["result"]
+        assert result["mongolock"] == "skipped" and result["key"] == run.keys[0], result
+        machine.store.flush_history(timeout=5.0)
+        run.done = True
+        blocker.release()
+        for key in (gate, *run.keys):  # (``celery mongolock history KEY``)
+            assert run_id in {e.task_id for e in machine.store.history(key) if e.how == "timeout"}, key
+    finally:  # (no drain: the newest send of this set timed out, as it must)
+        before_task_publish.disconnect(machine._published)
 
 
 def _machine(

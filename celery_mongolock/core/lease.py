@@ -458,10 +458,19 @@ class LeaseSet(Lease):
 
     @property
     def lost_reason(self) -> str | None:
-        for lease in self.leases.values():
+        for lease in self._named_first():
             if lease.lost:
-                return f"{lease.key!r}: {lease.lost_reason}"
+                return f"{self._named(lease)!r}: {lease.lost_reason}"
         return None
+
+    def _named_first(self) -> list[Lease]:
+        """The leases of the task's own keys, then its set's gate (if any)."""
+        named = [self.leases[key] for key in self.keys]
+        return named + [lease for lease in self.leases.values() if lease not in named]
+
+    def _named(self, lease: Lease) -> str:
+        """The key to name for ``lease``: its own, or for a set's gate the set's first key."""
+        return lease.key if lease.key in self.keys else self.keys[0]
 
     @property
     def held(self) -> bool:
@@ -472,9 +481,17 @@ class LeaseSet(Lease):
         return all(lease.released for lease in self.leases.values())
 
     def raise_if_lost(self) -> None:
-        """Raise ``LeaseLost`` if any of the leases is lost (or released)."""
-        for lease in self.leases.values():
-            lease.raise_if_lost()
+        """Raise ``LeaseLost`` if any of the leases is lost (or released); it names one of the task's keys
+        (the first, for its set's gate)."""
+        for lease in self._named_first():
+            try:
+                lease.raise_if_lost()
+            except LeaseLost as exc:
+                if lease.key in self.keys:
+                    raise
+                raise LeaseLost(
+                    self.keys[0], self.leases[self.keys[0]].fence, f"its set's gate: {exc.reason}"
+                ) from None
 
     def wait_lost(self, timeout: float | None = None) -> bool:
         """Block until any of the leases is lost (True) or ``timeout`` passes (False)."""
@@ -503,10 +520,12 @@ class LeaseSet(Lease):
         )
 
     def raise_if_superseded(self) -> None:
-        """Raise ``Superseded`` if a newer send of the set superseded this run (on any of its keys)."""
-        for lease in self.leases.values():
+        """Raise ``Superseded`` if a newer send of the set superseded this run (on any of its keys, or its
+        set's gate: it names the set's first key then)."""
+        for lease in self._named_first():
             if lease.superseded:
-                raise Superseded(lease.key, lease.fence, lease.superseded_by)
+                named = self.leases[self._named(lease)]
+                raise Superseded(named.key, named.fence, lease.superseded_by)
 
     def wait_superseded(self, timeout: float | None = None) -> bool:
         """Block until a newer send supersedes this run on any of its keys (True) or ``timeout`` passes."""

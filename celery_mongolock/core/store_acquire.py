@@ -425,7 +425,7 @@ class Acquisition:
         ``admission``."""
         store = self.store
         # A plain Queue run may be spilled (``documents.spill``), of one key or of several (those take their
-        # keys one at a time, ``key_set``), not a Replace run: on the first key of its set (``g``), where a
+        # keys one at a time, ``key_set``), not a Replace run: on its set's gate (``g``), where a
         # newer send of the set must find it (on a later key it waits as a Queue run, without ``g``).
         spills = not (replace or debounce or group is not None or (entry.get("ks") and entry.get("g")))
         size, most = entry_bytes(entry), SPILL_MESSAGE_LIMIT if spills else PARK_BUDGET

@@ -16,7 +16,7 @@ from celery.exceptions import Ignore
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.admission.policies import Replace
 from celery_mongolock.core.documents import copies
-from celery_mongolock.core.documents.sets import user_keys
+from celery_mongolock.core.documents.sets import is_gate, user_keys
 from celery_mongolock.exceptions import StoreUnavailable, Superseded
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.integration.results import has_backend, superseded_result
@@ -184,8 +184,10 @@ def ended_without_a_result(
     countdown = max(LOOK_AGAIN_AT_LEAST_S, min(options.lease_seconds, 300.0))
     headers = dict(request.headers or {})
     look: dict[str, Any] = {"k": key, "r": int(getattr(request, "retries", 0) or 0)}
+    if keys:  # (its result names its keys, and the first of them for its set's gate)
+        look["ks"] = list(keys)
     if by is not None:
-        look.update(by=by, ks=list(keys) if keys else None)
+        look["by"] = by
     headers[LOOKED_AGAIN_HEADER] = look
     # (No expiry: the copy never runs the body, and an expired one would end the task REVOKED.)
     signature = task.signature_from_request(request, countdown=countdown, headers=headers, expires=None)
@@ -285,7 +287,7 @@ def _answer(
     """The result of a run over with no result stored: ``superseded`` when its body stopped for the newer
     send ``by`` (``Superseded`` raised with ``Replace(fail_superseded=True)``), else ``already-ran``."""
     if by is None:
-        return already_ran(key, task.request.id)
+        return already_ran(keys[0] if keys and is_gate(key) else key, task.request.id)
     policy = options.on_contention
     if isinstance(policy, Replace) and policy.fail_superseded:
         raise Superseded(keys[0] if keys else key, None, by)

@@ -217,7 +217,7 @@ def _burst_ms(entry: Mapping[str, Any]) -> int | None:
 def handoff_burst(request: Any) -> int | None:
     """The burst a handoff message of a ``Replace`` run of a set carries (``bu``): the run keeps it in
     the entry it claims and reserves with, so that the burst a ceiling sealed stays sealed when the run
-    claims the first key of its set and waits on a later one (its reservation would otherwise carry no
+    claims its set's gate and waits on a later one (its reservation would otherwise carry no
     burst, and the next send of its set would take it back)."""
     headers = getattr(request, "headers", None) or {}
     handoff = headers.get(HANDOFF_HEADER) or getattr(request, HANDOFF_HEADER, None)
@@ -325,7 +325,7 @@ def publish_handoff(app: Celery, key: str, entry: Mapping[str, Any], store: Leas
     if entry.get("ks"):
         headers[HANDOFF_HEADER]["ks"] = list(entry["ks"])
         burst = _burst_ms(entry) if entry.get("g") else None
-        if burst is not None:  # (the run's burst, for its reservation of the first key of its set)
+        if burst is not None:  # (the run's burst, for its reservation of its set's gate)
             headers[HANDOFF_HEADER]["bu"] = burst
     # The signature carries the run's task id, routing, links and retries; only the headers change, and
     # the handoff goes to the run's queue's lane (``lanes``): it does not wait behind the backlog. When

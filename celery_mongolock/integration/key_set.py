@@ -2,7 +2,7 @@
 in sorted order, and what a set of keys (a task of ``keys=(...)``) needs on top: the keys it got while it
 waits for others turned into reservations for it, a confirming renewal before its body starts, and leaving
 every key when it does not wait. A run of several keys stops at the first key where it waits
-(``stepwise``: one key at a time); a ``Replace`` run of a set is one on the first key of its set only, and
+(``stepwise``: one key at a time); a ``Replace`` run of a set is one on its set's gate only, and
 a ``Queue`` run after it (``entry_on``). For a task of one ``key=`` those steps are empty: one admit is the
 whole attempt.
 
@@ -84,10 +84,11 @@ class KeySetAdmits:
         #: A run of several keys takes them **one at a time, in key order**: it waits on at most one key,
         #: the first it has not got, holding reservations on the keys before it only (ordered resource
         #: acquisition: no cycle of waits). Its place on a key is where it arrived there, so it may be
-        #: spilled beyond the key's window like a run of one key (for a ``Replace`` run of a set: on a key
-        #: after the first of its set, ``entry_on``).
+        #: spilled beyond the key's window like a run of one key (for a ``Replace`` run of a set: on every
+        #: key after its set's gate, ``entry_on``).
         self.stepwise = several
-        #: ``Replace`` with several keys: the first key of the set, where its runs supersede each other.
+        #: ``Replace`` with several keys: the first key it admits, where its runs supersede each other: its
+        #: set's gate (``sets.gate_of``; ``QueuedRun.admit_keys``), or its one key for a set of one.
         self.set_gate: str | None = keys[0] if several and isinstance(policy, Replace) else None
         #: The key this run waits on (stepwise), once an attempt parked it there.
         self.waits_on: str | None = None
@@ -95,12 +96,12 @@ class KeySetAdmits:
         self.fresh = fresh
 
     def entry_on(self, key: str) -> dict[str, Any]:
-        """This run's entry as it waits on ``key``. A ``Replace`` run of a set is one on the first key of
-        its set only (every run of the set admits that key first: supersession, debounce, ``max_wait`` and
+        """This run's entry as it waits on ``key``. A ``Replace`` run of a set is one on its set's gate
+        only (every run of the set admits it first: supersession, debounce, ``max_wait`` and
         ``cancel_running`` happen there); on a later key it waits as a ``Queue`` run does, without its
         set's signature (``g``) and burst (``bu``): there it may be spilled, and at most one run of its
-        set waits there (the one that got the first key; an older one superseded there has left it, or
-        leaves it when its turn comes)."""
+        set waits there (the one that got the gate; an older one superseded there has left it, or leaves
+        it when its turn comes)."""
         if self.set_gate is None or key == self.set_gate:
             return self.entry
         return {name: value for name, value in self.entry.items() if name not in ("g", "bu")}
@@ -108,7 +109,7 @@ class KeySetAdmits:
     def admit(self, key: str, claim: str | None) -> Admission:
         """One admit of this run's entry on ``key`` (one ``findAndModify``)."""
         policy, options = self.policy, self.options
-        # (a Replace run of a set, on a key after the first of its set: a Queue run there, ``entry_on``)
+        # (a Replace run of a set, on a key after its set's gate: a Queue run there, ``entry_on``)
         rp = policy if isinstance(policy, Replace) and key == (self.set_gate or key) else None
         replace = rp is not None
         admission = Admission.of(
@@ -153,7 +154,7 @@ class KeySetAdmits:
 
     def write_superseded(self) -> None:
         """The results of the runs this run superseded on its keys (its admits' ``sup``). A run of its set
-        whose reservation of the set's first key it took back may wait on a later key (it took them one
+        whose reservation of the set's gate it took back may wait on a later key (it took them one
         at a time): this run leaves that key for it (the superseded run can claim nothing any more, and
         its place there would be handed to it for nothing)."""
         for key, (admission, runs) in self.superseded.items():

@@ -4,10 +4,10 @@
 The run takes every key, claims every key handed to it, or waits, the keys it got turned into reservations
 for it (``key_set.KeySetAdmits``): a run of several keys waits on the first key it has not got (one key
 at a time, in key order), and is published again whenever whoever hands it a key finds it can move on
-(``handoff.moves_on``); a run of one key, by whoever hands it the key. A ``Replace`` run of several keys
-carries its set's signature on the first key of its set, which every run of the set admits first: there a
-newer send of the same set supersedes it (``core.documents.sets``); told so, it gives back what it holds
-and leaves its other keys.
+(``handoff.moves_on``); a run of one key, by whoever hands it the key. A ``Replace`` run of a set of two
+keys or more admits its set's gate first (``sets.gate_of``: a lease document of its own, held with its
+keys, ``admit_keys``), where it carries its set's signature: there a newer send of the same set
+supersedes it (``core.documents.sets``); told so, it gives back what it holds and leaves its other keys.
 What an answer that does not let the run wait means (a copy of a run that ran, runs or waits; a full
 queue; a newer send) is decided here once for every shape.
 """
@@ -91,6 +91,16 @@ def _entry(
     return entry
 
 
+def _parked_without_a_gate(task: GuardedRun, keys: list[str]) -> bool:
+    """A message of a ``Replace`` run of a set parked by an earlier version, whose runs of sets had no gate:
+    its handoff (its keys' token over the keys alone) or its delayed copy (without ``gt``)."""
+    request = task.request
+    if _queue.handoff_of_keys(request, list(keys), f"{request.id}/{_delivery(task)}"):
+        return True
+    copy = _queue.header(request, _queue.DEBOUNCE_HEADER)
+    return bool(copy) and not (isinstance(copy, Mapping) and copy.get("gt"))
+
+
 def _delivery(task: GuardedRun) -> str:
     """The run's own retry count: a queued run is one run per task id and own retry."""
     return str(int(getattr(task.request, "retries", 0) or 0))
@@ -127,8 +137,8 @@ class QueuedRun:
         #: The keys it admits, in order: a ``Replace`` set of two keys or more admits its set's gate first
         #: (``sets.gate_of``), where runs of the set supersede each other, and holds it with its keys.
         gated = self.several and isinstance(policy, Replace) and len(keys) > 1
-        if gated and _queue.handoff_of_keys(task.request, list(keys), f"{task.request.id}/{_delivery(task)}"):
-            gated = False  # (the handoff of a run parked by an earlier version, which had no gate: as then)
+        if gated and _parked_without_a_gate(task, keys):
+            gated = False  # (a run parked by an earlier version, which had no gate: as then)
         self.admit_keys = [gate_of(keys), *keys] if gated else list(keys)
         if gated:
             limits = dict(limits or {})
@@ -325,7 +335,7 @@ class QueuedRun:
         if outcome is AdmitOutcome.SUPERSEDED:
             if self.debounced_copy and has_final_state(task):
                 # The delayed copy of a run that a newer send replaced: its result is written already.
-                # (Not when the copy itself took the first key of its set, and the newer send parked there
+                # (Not when the copy itself took its set's gate, and the newer send parked there
                 # while it held it: its reservation was refused, and nobody else writes its result.)
                 raise Ignore()
             if copy_with_a_result(task, self.copy or admission.resent):
@@ -341,6 +351,7 @@ class QueuedRun:
         reason = results.full_reason(
             key, admission.queued, self.policy.max_length, self.entry, in_document=len(admission.parked)
         )
+        key = results.named_key(key, self.admit_keys)  # (its set's gate: the set's first key)
         if isinstance(self.policy.then, Fail):
             raise QueueTimeout(key, reason)
         contended = ContendedRun(task, self.store, key, direct=False)
@@ -405,7 +416,13 @@ class QueuedRun:
             due_at = self.admits.due_at
             wait = debounce if due_at is None else min(max(0.0, due_at - time.monotonic()), debounce)
             burst = entry.get("bu")
-            publish_debounced_copy(task, self.stamp, wait, burst if isinstance(burst, int) else None)
+            publish_debounced_copy(
+                task,
+                self.stamp,
+                wait,
+                burst if isinstance(burst, int) else None,
+                gated=self.admit_keys != self.keys,
+            )
         if self.several:
             self._says_it_waits_for_all()
         key = keys[0]

@@ -203,15 +203,32 @@ def _left_to_a_worker_with_the_task(
     return left
 
 
+def named_key(key: str, keys: object) -> str:
+    """The key a result, an error or an ending names for a run that ended on ``key``: ``key``, or for a
+    ``Replace`` set's gate the first of the run's own keys (``keys``: its entry's ``ks``)."""
+    if not is_gate(key):
+        return key
+    named = user_keys(keys if isinstance(keys, list) else [])
+    return named[0] if named else key
+
+
+def record_ending(
+    store: LeaseStore, key: str, how: str, entry: Mapping[str, Any], *, fence: int | None, **when: Any
+) -> None:
+    """The history record of a run that ended ``how`` (``superseded``, ``timeout``) while it waited on
+    ``key``; on a set's gate, in the history of each of the task's own keys too (``why KEY`` on one of
+    them tells of it), without a fence there."""
+    store.record_run_ending(key, how, entry, fence=fence, **when)
+    if is_gate(key):
+        for other in user_keys(entry.get("ks") or []):
+            store.record_run_ending(other, how, entry, fence=None, **when)
+
+
 def record_superseded(
     store: LeaseStore, key: str, entry: Mapping[str, Any], *, fence: int | None, by: str | None, **when: Any
 ) -> None:
-    """The history record of a run superseded on ``key``; on a set's gate, in the history of each of the
-    task's own keys too (``why KEY`` on one of them tells of it), without a fence there."""
-    store.record_run_ending(key, "superseded", entry, fence=fence, by=by, **when)
-    if is_gate(key):
-        for other in user_keys(entry.get("ks") or []):
-            store.record_run_ending(other, "superseded", entry, fence=None, by=by, **when)
+    """``record_ending`` of a run superseded by ``by``."""
+    record_ending(store, key, "superseded", entry, fence=fence, by=by, **when)
 
 
 def write_superseded(
@@ -325,15 +342,16 @@ def write_timed_out(
         at = entry.get("at")
         reason = _timeout_reason(at, entry.get("dl"))
         fail = entry.get("th") == "fail"
-        if publish is not None and publish(key, entry, timeout_ending(key, reason, fail=fail)):
+        named = named_key(key, entry.get("ks"))  # (a set's gate: its first key)
+        if publish is not None and publish(key, entry, timeout_ending(named, reason, fail=fail)):
             pass  # ended by a worker from its message: its callbacks, chain and chord go on
         elif not has_backend(app):
             pass
         elif fail:
-            app.backend.mark_as_failure(entry["t"], QueueTimeout(key, reason))
+            app.backend.mark_as_failure(entry["t"], QueueTimeout(named, reason))
         else:
-            app.backend.store_result(entry["t"], skipped_result(key, reason), "SUCCESS")
-        store.record_run_ending(key, "timeout", entry, fence=fence, ended_at=entry.get("dl"), parked_at=at)
+            app.backend.store_result(entry["t"], skipped_result(named, reason), "SUCCESS")
+        record_ending(store, key, "timeout", entry, fence=fence, ended_at=entry.get("dl"), parked_at=at)
         log.info("%s on %r: %s", entry["t"], key, reason)
         done.append(entry["t"])
     if done:

@@ -208,14 +208,21 @@ def republish(task: GuardedRun, signature: Any, what: str) -> None:
         raise
 
 
-def publish_debounced_copy(task: GuardedRun, stamp: int, seconds: float, burst: int | None = None) -> None:
+def publish_debounced_copy(
+    task: GuardedRun, stamp: int, seconds: float, burst: int | None = None, *, gated: bool = False
+) -> None:
     """``Replace(debounce=seconds)``: publish the parked run's delayed copy (``DEBOUNCE_HEADER``, its send
     stamp kept), which comes back after ``seconds`` and takes the key (or its keys) if no newer send came.
     ``burst``: the run's burst (``max_wait`` with ``keys=``), which the copy keeps in its entry: once it took
-    the first key of its set its reply no longer shows it, and its reservation there must carry it."""
+    its set's gate its reply no longer shows it, and its reservation there must carry it. ``gated``: a run
+    of a set parked on its set's gate (``gt``: a copy without it was published by an earlier version, whose
+    runs of sets had no gate)."""
     request = task.request
     headers = dict(request.headers or {})
-    headers[_queue.DEBOUNCE_HEADER] = {"bu": burst} if burst is not None else 1
+    copy: dict[str, Any] = {} if burst is None else {"bu": burst}
+    if gated:
+        copy["gt"] = 1
+    headers[_queue.DEBOUNCE_HEADER] = copy or 1
     headers[_queue.SENT_HEADER] = stamp
     republish(task, task.signature_from_request(request, countdown=seconds, headers=headers), "debounce")
 

@@ -79,7 +79,7 @@ class AdmitRun:
     def burst(self) -> str | None:
         """``Replace(debounce=..., max_wait=...)`` with ``keys=``: the run's burst on this key, as the
         field ``__bu`` that ``burst_stages`` sets before the judge (``sets.run_burst``: its own entry's,
-        else the one it learned on the first key of its set, ``bu`` in its entry; null before it knows
+        else the one it learned on its set's gate, ``bu`` in its entry; null before it knows
         it), None for other runs."""
         return "$__bu" if self.by_set and self.max_wait_ms else None
 

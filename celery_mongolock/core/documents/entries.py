@@ -179,7 +179,7 @@ def burst_since(older: object, burst: object = None) -> Document:
 
 def first_wait_ms(e: object, default: object) -> Document:
     """When the burst of entry ``e`` began waiting, in ms: its ``fw``; else the burst its run learned on
-    the first key of its set (``bu``: a reservation, made from the run's entry without its ``fw``,
+    its set's gate (``bu``: a reservation, made from the run's entry without its ``fw``,
     ``handoff.reserve_pipeline``); else ``default``."""
     fw = {"$toLong": {"$ifNull": [field_of("fw", e), None]}}
     return {"$ifNull": [fw, {"$ifNull": [field_of("bu", e), default]}]}

@@ -112,7 +112,7 @@ def spilled_before(rank: object) -> Document:
 def _single(e: str) -> Document:
     """Entry ``e`` takes its place as a run of one key does: a run of one key (no ``ks``), or a ``Queue``
     run of several keys, which takes them one at a time (no set signature ``g``: it may be spilled, and
-    is never held back). Only a ``Replace`` run of a set, on the first key of its set (where its entry
+    is never held back). Only a ``Replace`` run of a set, on its set's gate (where its entry
     carries ``g``), waits in send order in the document."""
     return {
         "$or": [

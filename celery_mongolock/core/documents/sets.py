@@ -23,7 +23,7 @@ On each key, the admit of run R (set ``g``, send stamp ``s``):
    with ``superseded``): their parked entries, and a reservation or handoff of the key made to one of
    them and not yet claimed, which is taken back (the key is then handed to the oldest run parked on it,
    in the same command). A run of a set takes its keys one at a time, in key order, and is a ``Replace``
-   run (with ``g``) on the first key of its set only, which every run of the set admits first
+   run (with ``g``) on its set's gate only, which every run of the set admits first
    (``key_set.KeySetAdmits.entry_on``): an older run loses its place there, and the newer one leaves its
    places on the later keys (``rv``); one that learns it (its own admit or claim answers ``superseded``)
    gives back what it holds and leaves the others. (Entries parked on every key of their set, by an
@@ -140,7 +140,7 @@ def _before(e: object, stamp: int, ident: str) -> Document:
 
 def burst_of(e: object) -> Document:
     """The burst of entry ``e`` (``Replace(debounce=..., max_wait=...)``): the first wait its run learned
-    on the first key of its set (``bu``, ms), else when its burst began waiting on this key (``fw``)."""
+    on its set's gate (``bu``, ms), else when its burst began waiting on this key (``fw``)."""
     fw = {"$toLong": {"$ifNull": [_field("fw", e), None]}}
     return {"$ifNull": [_field("bu", e), fw]}
 
@@ -166,7 +166,7 @@ def in_burst(e: object, burst: object) -> Document | bool:
 def run_burst(ident: str, known: int | None) -> Document:
     """The burst of the run ``ident`` on this key (``Replace(debounce=..., max_wait=...)`` with
     ``keys=``): its own entry's here (parked, or handed the key), else ``known``, the one it learned on
-    the first key of its set (``bu``; ``key_set``), else null (it has none yet: its first park)."""
+    its set's gate (``bu``; ``key_set``), else null (it has none yet: its first park)."""
     lit = {"$literal": ident}
     own_q = {"$arrayElemAt": [{"$filter": {"input": _Q, "as": "e", "cond": {"$eq": ["$$e.id", lit]}}}, 0]}
     own_ho = {"$cond": [{"$eq": [{"$ifNull": ["$ho.id", None]}, lit]}, "$ho", None]}
