@@ -71,7 +71,8 @@ def test_a_lease_set_names_the_task_s_keys_not_its_gate(store: LeaseStore) -> No
         assert held.key == "+".join(keys)
         assert held.fence == max(held[key].fence for key in keys)
         assert held[gate].key == gate  # (reachable by its name, renewed and released with the others)
-        assert len(held) == 3
+        assert len(held) == 2 and [lease.key for lease in held] == keys  # (its keys; ``leases`` has the gate)
+        assert list(held.leases) == [gate, *keys]
         assert store.collection.find_one({"_id": gate}, {"owner": 1})["owner"] == held[gate].owner  # type: ignore[index]
         story = store.why(gate)
         assert story is not None and story.verdict.startswith("the gate of a Replace task's set of keys")

@@ -403,7 +403,8 @@ class LeaseSet(Lease):
 
     A ``Replace`` task's set of two keys or more also holds its set's gate (a lease of the library's own,
     ``mongolock-set:...``): renewed, released and watched with the others (its loss counts in ``lost``),
-    it is not among ``keys`` and ``fences``, which name the task's own keys.
+    it is not among ``keys``, ``fences``, ``len()`` and iteration, which are of the task's own keys
+    (``leases``, a dict by key, has it too).
     """
 
     def __init__(self, leases: Sequence[Lease]) -> None:  # a view over other leases: no Lease.__init__
@@ -439,10 +440,11 @@ class LeaseSet(Lease):
         return self.leases[key]
 
     def __iter__(self) -> Iterator[Lease]:
-        return iter(self.leases.values())
+        """The leases of the task's own keys (``keys``); ``leases`` has its set's gate too."""
+        return iter([self.leases[key] for key in self.keys])
 
     def __len__(self) -> int:
-        return len(self.leases)
+        return len(self.keys)
 
     @property
     def deadline(self) -> float:

@@ -50,12 +50,12 @@ def end_holds(inner: Mapping[str, ReentrantHold]) -> None:
 
 def note_taken(store: LeaseStore, taken: Lease, limits: Mapping[str, int | None]) -> None:
     """Note the leases a run took as the run's holds (a ``LeaseSet``'s reentrant holds are noted already)."""
-    for lease in taken if isinstance(taken, LeaseSet) else [taken]:
+    for lease in taken.leases.values() if isinstance(taken, LeaseSet) else [taken]:
         if not isinstance(lease, ReentrantHold):
             store.holds.add(lease, validate_limit(limits.get(lease.key)))
 
 
 def joined(inner: Mapping[str, ReentrantHold], taken: LeaseSet | None) -> LeaseSet:
     """One ``LeaseSet`` of the reentrant holds and the leases taken, in key order."""
-    leases: list[Lease] = [*inner.values(), *(taken or [])]
+    leases: list[Lease] = [*inner.values(), *(taken.leases.values() if taken else [])]
     return LeaseSet(sorted(leases, key=lambda lease: lease.key))

@@ -75,7 +75,7 @@ def _run_info(task: GuardedRun) -> dict[str, Any]:
 
 def _held(lease: Lease) -> list[Lease]:
     """The leases of a run: itself, or each of a ``LeaseSet``'s (``keys=``)."""
-    return list(lease) if isinstance(lease, LeaseSet) else [lease]
+    return list(lease.leases.values()) if isinstance(lease, LeaseSet) else [lease]
 
 
 def _result(lease: Lease, by: str) -> SupersededResult:
