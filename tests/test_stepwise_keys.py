@@ -55,6 +55,26 @@ def _parked_as(cluster: Cluster, key: str, task_ids: list[str]) -> bool:
     return parked(cluster, key) == task_ids
 
 
+def spilled_behind(
+    cluster: Cluster, task: Any, shared: str, pairs: list[tuple[str, str]]
+) -> tuple[Any, list[str], list[Any]]:
+    """Runs of ``task`` for each pair of arguments (naming ``resource:<shared>`` and another key), sent one
+    at a time while ``resource:<shared>`` is held, each once the one before waits there (send order is
+    arrival order); all but ``WINDOW`` of them spilled. (the blocker's lease, the tags, the results)"""
+    key = f"resource:{shared}"
+    blocker = cluster.store.acquire(key, 600)
+    assert blocker is not None
+    tags: list[str] = []
+    results: list[Any] = []
+    for x, y in pairs:
+        tags.append(tag())
+        results.append(task.delay(x, y, tags[-1], 0.1))
+        sent = [r.id for r in results]
+        wait_for(partial(_parked_as, cluster, key, sent), timeout=60, message=f"{tags[-1]} to wait there")
+    assert spilled_count(cluster, key) == len(tags) - WINDOW
+    return blocker, tags, results
+
+
 def _starts(cluster: Cluster, tags: list[str]) -> list[str]:
     runs = [r for r in cluster.runs(kind="start") if r["tag"] in tags]
     return [r["tag"] for r in sorted(runs, key=lambda r: r["t"])]
@@ -114,16 +134,8 @@ def test_runs_of_several_keys_queue_deep_on_a_later_key_each_holding_only_its_fi
     suffix = tag()
     b = f"b{suffix}"  # (sorts after every "a...": b is each run's second key)
     key_b = f"resource:{b}"
-    blocker = cluster.store.acquire(key_b, 600)
-    assert blocker is not None
     firsts = [f"a{i}{suffix}" for i in range(8)]
-    tags = [tag() for _ in firsts]
-    results = []
-    for x, t in zip(firsts, tags, strict=True):
-        results.append(it.merge_queued.delay(x, b, t, 0.1))
-        sent = [r.id for r in results]
-        wait_for(partial(_parked_as, cluster, key_b, sent), timeout=60, message=f"{t} to wait on b")
-    assert spilled_count(cluster, key_b) == len(tags) - WINDOW
+    blocker, tags, results = spilled_behind(cluster, it.merge_queued, b, [(x, b) for x in firsts])
     for x, r in zip(firsts, results, strict=True):  # (each parks on b, then reserves its first key)
         wait_for(
             partial(lambda k, tid: reserved_for(cluster, k) == tid, f"resource:{x}", r.id),

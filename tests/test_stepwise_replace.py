@@ -11,7 +11,6 @@ workers keep 2 parked runs in a key's lease document (``integration_app``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import partial
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ from . import integration_app as it
 from .servers import RedisServer, wait_for
 from .test_integration import Cluster, running_cluster
 from .test_queue import parked
-from .test_stepwise_keys import WINDOW, _no_overlap, _parked_as, _starts, reserved_for, spilled_count, tag
+from .test_stepwise_keys import _no_overlap, _starts, reserved_for, spilled_behind, spilled_count, tag
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +36,26 @@ def cluster(
         yield c
 
 
+def _newer_waits_last(cluster: Cluster, results: list[Any], newest: Any, shared: str, reserved: str) -> Any:
+    """The newer send of the first run's set supersedes that run (returned), which leaves ``shared``; the
+    newer send waits there after every other run, ``reserved`` (a key before ``shared``) reserved for it."""
+    old_run = results[0]
+    wait_for(lambda: is_superseded(old_run), timeout=60, message="the older run of the set superseded")
+    wait_for(
+        lambda: parked(cluster, shared)[-1:] == [newest.id] and reserved_for(cluster, reserved) == newest.id,
+        timeout=60,
+        message="the newer send of the set to wait on the shared key",
+    )
+    # The newer send left the shared key for the run it superseded (which can claim nothing any more): no
+    # place of it there is handed to it for nothing.
+    wait_for(lambda: old_run.id not in parked(cluster, shared), timeout=30, message="the older run off it")
+    expected = [r.id for r in results[1:]] + [newest.id]
+    # (a refill of the window from the spill moves runs, then deletes them there: a read in between sees
+    # a run in both places for a moment)
+    wait_for(lambda: parked(cluster, shared) == expected, timeout=30, message="the others waiting there")
+    return old_run
+
+
 @pytest.mark.slow
 def test_replace_runs_of_sets_wait_spilled_on_a_shared_later_key_and_the_newest_of_a_set_wins(
     cluster: Cluster,
@@ -48,16 +67,9 @@ def test_replace_runs_of_sets_wait_spilled_on_a_shared_later_key_and_the_newest_
     suffix = tag()
     b = f"b{suffix}"  # (sorts after every "a...": b is each set's second key)
     key_b = f"resource:{b}"
-    blocker = cluster.store.acquire(key_b, 600)
-    assert blocker is not None
     firsts = [f"a{i}{suffix}" for i in range(6)]
-    tags = [tag() for _ in firsts]
-    results = []
-    for x, t in zip(firsts, tags, strict=True):
-        results.append(it.merge_latest.delay(x, b, t, 0.1))
-        sent = [r.id for r in results]
-        wait_for(partial(_parked_as, cluster, key_b, sent), timeout=60, message=f"{t} to wait on b")
-    assert spilled_count(cluster, key_b) == len(tags) - WINDOW  # (before this version: never spilled)
+    # (all but the window's spilled; before stop 57: never)
+    blocker, tags, results = spilled_behind(cluster, it.merge_latest, b, [(x, b) for x in firsts])
     first_a = f"resource:{firsts[0]}"
     wait_for(
         lambda: reserved_for(cluster, first_a) == results[0].id,
@@ -66,20 +78,8 @@ def test_replace_runs_of_sets_wait_spilled_on_a_shared_later_key_and_the_newest_
     )
     newest_tag = tag()
     newest = it.merge_latest.delay(firsts[0], b, newest_tag, 0.1)
-    old_run = results[0]
-    wait_for(lambda: is_superseded(old_run), timeout=60, message="the older run of (a0, b) superseded")
-    wait_for(  # (it claims a0, handed to it, and waits on b behind every run there, spilled)
-        lambda: parked(cluster, key_b)[-1:] == [newest.id] and reserved_for(cluster, first_a) == newest.id,
-        timeout=60,
-        message="the newer send of (a0, b) to wait on b",
-    )
-    # The newer send left b for the run it superseded (which can claim nothing any more): no place of it
-    # there is handed to it for nothing.
-    wait_for(lambda: old_run.id not in parked(cluster, key_b), timeout=30, message="the older run off b")
-    expected = [r.id for r in results[1:]] + [newest.id]
-    # (a refill of b's window from the spill moves runs, then deletes them there: a read in between sees
-    # a run in both places for a moment)
-    wait_for(lambda: parked(cluster, key_b) == expected, timeout=30, message="the others waiting on b")
+    # (it claims a0, handed to it, and waits on b behind every run there, spilled)
+    old_run = _newer_waits_last(cluster, results, newest, key_b, first_a)
     blocker.release()
     for x, r in zip(firsts[1:], results[1:], strict=True):
         assert r.get(timeout=120) == sorted([f"resource:{x}", key_b])
@@ -108,16 +108,9 @@ def test_replace_runs_of_sets_wait_spilled_on_a_shared_first_key_and_the_newest_
     suffix = tag()
     a = f"a{suffix}"  # (sorts before every "b...": a is each set's first key)
     key_a = f"resource:{a}"
-    blocker = cluster.store.acquire(key_a, 600)
-    assert blocker is not None
     seconds = [f"b{i}{suffix}" for i in range(6)]
-    tags = [tag() for _ in seconds]
-    results = []
-    for y, t in zip(seconds, tags, strict=True):
-        results.append(it.merge_latest.delay(y, a, t, 0.1))  # (named in either order: one set)
-        sent = [r.id for r in results]
-        wait_for(partial(_parked_as, cluster, key_a, sent), timeout=60, message=f"{t} to wait on a")
-    assert spilled_count(cluster, key_a) == len(tags) - WINDOW  # (before stop 58: never spilled)
+    # (named in either order: one set; all but the window's spilled, before stop 58: never)
+    blocker, tags, results = spilled_behind(cluster, it.merge_latest, a, [(y, a) for y in seconds])
     gate = gate_of([key_a, f"resource:{seconds[0]}"])
     wait_for(
         lambda: reserved_for(cluster, gate) == results[0].id,
@@ -126,16 +119,7 @@ def test_replace_runs_of_sets_wait_spilled_on_a_shared_first_key_and_the_newest_
     )
     newest_tag = tag()
     newest = it.merge_latest.delay(a, seconds[0], newest_tag, 0.1)
-    old_run = results[0]
-    wait_for(lambda: is_superseded(old_run), timeout=60, message="the older run of (a, b0) superseded")
-    wait_for(
-        lambda: parked(cluster, key_a)[-1:] == [newest.id] and reserved_for(cluster, gate) == newest.id,
-        timeout=60,
-        message="the newer send of (a, b0) to wait on a",
-    )
-    wait_for(lambda: old_run.id not in parked(cluster, key_a), timeout=30, message="the older run off a")
-    expected = [r.id for r in results[1:]] + [newest.id]
-    wait_for(lambda: parked(cluster, key_a) == expected, timeout=30, message="the others waiting on a")
+    old_run = _newer_waits_last(cluster, results, newest, key_a, gate)
     blocker.release()
     for y, r in zip(seconds[1:], results[1:], strict=True):
         assert r.get(timeout=120) == sorted([key_a, f"resource:{y}"])
