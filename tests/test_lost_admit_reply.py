@@ -23,6 +23,7 @@ from pymongo.errors import AutoReconnect
 from celery_mongolock import LeaseStore, Queue, Replace, Superseded, singleton_task
 from celery_mongolock.config import get_store
 from celery_mongolock.core.store_acquire import Acquisition
+from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER, LOOKED_AGAIN_HEADER
 from celery_mongolock.integration.handoff import HANDOFF_HEADER
 from celery_mongolock.integration.queued_run import QueuedRun
@@ -389,3 +390,41 @@ def test_a_second_look_is_dropped_while_a_later_attempt_of_the_task_is_parked(
         upload.pop_request()
     assert app.backend.get_task_meta(run, cache=False)["status"] == "QUEUED"
     holder.release()
+
+
+def test_a_second_look_that_cannot_ask_mongodb_looks_again_later_instead_of_being_dropped(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, published: list[dict[str, Any]]
+) -> None:
+    """The second look of attempt 1 (its body ran, released its key and retried: ``RETRY``) must ask the
+    key whether a later attempt carries the task on. When MongoDB does not answer it cannot tell: it
+    publishes itself again for later, and the task keeps its state (before: it was dropped, and a task
+    whose last attempt's worker died stayed ``STARTED`` for ever; the lock-set checker, Redis seed 1 in
+    CI). Once MongoDB answers and no later attempt is known, it ends the task ``already-ran``."""
+    upload = _upload(app)
+    store: LeaseStore = get_store(app)
+    run = f"run-{uuid.uuid4().hex}"
+    app.backend.store_result(run, {"exc_type": "Retry", "exc_message": "retry"}, "RETRY")
+    look = {"k": KEY, "r": 1}
+
+    def second_look() -> Any:
+        upload.push_request(
+            id=run, args=(KEY,), kwargs={}, headers={LOOKED_AGAIN_HEADER: look}, delivery_info={},
+            hostname="w1", retries=1, is_eager=False, called_directly=False,
+        )  # fmt: skip
+        try:
+            return upload(KEY)
+        finally:
+            upload.pop_request()
+
+    def unreachable(*_: Any, **__: Any) -> bool:
+        raise StoreUnavailable("MongoDB did not answer (a test says so)")
+
+    monkeypatch.setattr(store, "later_attempt", unreachable)
+    with pytest.raises(Ignore):
+        second_look()
+    again = _marked_copies(published, run)
+    assert len(again) == 1 and again[0][LOOKED_AGAIN_HEADER] == look, published
+    assert app.backend.get_task_meta(run, cache=False)["status"] == "RETRY"
+    monkeypatch.undo()
+    ended = second_look()
+    assert isinstance(ended, dict) and ended["mongolock"] == "already-ran", ended
