@@ -18,12 +18,27 @@ import sys
 import time
 from typing import Any
 
-from celery_mongolock import LeaseLost, LeaseStore
+from pymongo.errors import PyMongoError
+
+from celery_mongolock import LeaseLost, LeaseStore, StoreUnavailable
+
+
+def _store(url: str, db: str) -> LeaseStore:
+    """The agent's store; on a loaded machine the server may not answer its first commands at once: it
+    tries again for up to a minute (then the error ends the agent, and the test shows it)."""
+    give_up = time.monotonic() + 60.0
+    while True:
+        try:
+            return LeaseStore(url, database=db, lease_seconds=30)
+        except (StoreUnavailable, PyMongoError):
+            if time.monotonic() > give_up:
+                raise
+            time.sleep(0.5)
 
 
 def main() -> None:
     url, db = sys.argv[1], sys.argv[2]
-    store = LeaseStore(url, database=db, lease_seconds=30)
+    store = _store(url, db)
     leases: dict[str, Any] = {}
     print(json.dumps({"ready": True, "wall": time.time()}), flush=True)
     for line in sys.stdin:

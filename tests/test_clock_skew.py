@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,10 +34,13 @@ class Agent:
         cmd = [sys.executable, "-m", "tests.agent", url, db]
         if offset is not None:
             cmd = ["faketime", "-f", offset, *cmd]
+        # (its stderr, shown if it exits before it is ready; closed with the agent)
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self.errors,
             text=True,
             cwd=ROOT,
             # Shift only the wall clock, as on a machine whose clock is wrong: CLOCK_MONOTONIC keeps
@@ -44,14 +48,28 @@ class Agent:
             # on that clock would then sleep for ten minutes or not at all).
             env={**os.environ, "PYTHONPATH": str(ROOT), "FAKETIME_DONT_FAKE_MONOTONIC": "1"},
         )
-        ready = self._read()
+        try:
+            ready = self._read()
+        except BaseException:
+            self._close()  # (its pipes, not left to the garbage collector in a later test)
+            raise
         self.wall: float = ready["wall"]
+
+    def _close(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        self.proc.wait(10)
+        self.errors.close()
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise AssertionError(f"agent exited with {self.proc.wait(5)}")
+            code = self.proc.wait(5)
+            self.errors.seek(0)
+            said = self.errors.read().decode(errors="replace")[-2000:]
+            raise AssertionError(f"agent exited with {code}: {said}")
         result: dict[str, Any] = json.loads(line)
         return result
 
@@ -72,6 +90,7 @@ class Agent:
                 self.proc.wait(5)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        self.errors.close()
 
 
 @pytest.fixture

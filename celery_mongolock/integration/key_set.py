@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from celery_mongolock.admission.policies import Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import StoreUnavailable
-from celery_mongolock.integration.results import has_backend
+from celery_mongolock.integration.results import has_backend, leave_later_keys
 from celery_mongolock.integration.runs import (
     GuardedRun,
     end_superseded,
@@ -158,12 +158,9 @@ class KeySetAdmits:
         at a time): this run leaves that key for it (the superseded run can claim nothing any more, and
         its place there would be handed to it for nothing)."""
         for key, (admission, runs) in self.superseded.items():
+            for run in runs:  # (at once, also for a run whose result is left to the sweeper for now)
+                leave_later_keys(self.store, key, run)
             end_superseded(self.task, self.store, key, runs, admission.fence)
-            for run in runs:
-                if run.get("rv") and run.get("ks") and run.get("id"):
-                    for later in [str(k) for k in run["ks"] if k != key]:
-                        self.store.unpark(later, str(run["id"]))
-                        self.store.spill.drop(later, [str(run.get("t"))])
         self.superseded = {}
 
     def confirmed(self, leases: list[Lease]) -> bool:

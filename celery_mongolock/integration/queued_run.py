@@ -380,8 +380,16 @@ class QueuedRun:
 
     def _superseded(self, key: str, by: str, fence: int | None) -> Outcome:
         """A newer send (of this run's set of keys) is known on ``key``: the run ends ``SUCCESS`` with a
-        ``superseded`` result, without its body (what it held is given back, it is parked nowhere)."""
+        ``superseded`` result, without its body (what it held is given back, it is parked nowhere). The runs
+        it superseded itself before are ended first (their later keys left): nobody else would until the
+        sweeper comes."""
         task, request, keys = self.task, self.request, self.keys
+        try:
+            self.admits.write_superseded()
+        except StoreUnavailable as exc:  # (the sweeper writes them)
+            log_acquire.warning(
+                "%s[%s]: ending the runs it superseded failed: %s", task.name, request.id, exc
+            )
         log_acquire.info(
             "%s[%s]: %r: a newer send (%s)%s supersedes this run: it ends %s, without running its body",
             task.name,

@@ -120,6 +120,23 @@ def _leave_the_window(app: Celery, store: LeaseStore, key: str, entry: Mapping[s
         log.warning("%s: leaving the rate window of %r failed: %s", entry.get("t"), key, exc)
 
 
+def leave_later_keys(store: LeaseStore, key: str, entry: Mapping[str, Any]) -> None:
+    """A run of a set superseded on ``key`` (its set's gate) after it got that key (``rv``: its reservation
+    was taken back, or it was handed the key before): it may wait on, or hold a reservation of, its later
+    keys, which it can never claim now. It leaves them (its place there would be handed to it for nothing,
+    and a reservation would keep the key from every run until it lapsed: a lease time). Done by whichever
+    process ends it (the run that superseded it, or the sweeper when that run did not), best effort: a
+    place left behind heals when it is handed (the run's claim of the gate answers ``superseded``)."""
+    if not (entry.get("rv") and entry.get("ks") and entry.get("id")):
+        return
+    try:
+        for later in [str(k) for k in entry["ks"] if k != key]:
+            store.unpark(later, str(entry["id"]))
+            store.spill.drop(later, [str(entry.get("t"))])
+    except StoreUnavailable as exc:
+        log.warning("%s: leaving its later keys after %r failed: %s", entry.get("t"), key, exc)
+
+
 def full_reason(
     key: str, parked: int, max_length: int | None, entry: Mapping[str, Any], *, in_document: int | None = None
 ) -> str:
@@ -265,6 +282,7 @@ def write_superseded(
             app.backend.store_result(entry["t"], superseded_result(key, by, keys), "SUCCESS")
         signals.run_superseded.send(sender=None, app=app, key=key, task_id=entry["t"], by=entry.get("by"))
         _leave_the_window(app, store, key, entry)
+        leave_later_keys(store, key, entry)
         record_superseded(
             store,
             key,
