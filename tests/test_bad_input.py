@@ -157,6 +157,8 @@ SPEC_CASES = [
     case(lambda: declare("{x.__class__}"), ConfigurationError, "{x.__class__}", "plain argument name", "template-attribute-unknown"),
     case(lambda: declare("g:{group_id[0]}"), ConfigurationError, "{group_id[0]}", "no attribute access, indexing", "template-index"),
     case(lambda: declare("g:{0}"), ConfigurationError, "{0}", "positional fields", "template-positional"),
+    case(lambda: declare("mongolock-set:{group_id}"), ConfigurationError, "'mongolock-set:{group_id}'", "keeps for the gates of Replace", "template-reserved-prefix"),
+    case(lambda: declare("mongolock-set:all"), ConfigurationError, "'mongolock-set:all'", "keeps for the gates of Replace", "fixed-reserved-prefix"),
     case(lambda: declare("g:{}"), ConfigurationError, "{}", "plain argument name", "template-empty-field"),
     case(lambda: declare("g:{ group_id }"), ConfigurationError, "{ group_id }", "plain argument name", "template-spaces"),
     case(lambda: declare("g:{group_id!r}"), ConfigurationError, "{group_id}", "format spec or conversion", "template-conversion"),
@@ -229,7 +231,7 @@ ARGUMENT_CASES = [
     case(lambda: TEMPLATE_TASK.mongolock_key_for([10**5000]), InvalidKey, "'group_id'", "cannot be encoded", "huge-int-in-list"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for("a\x00b"), InvalidKey, "'email-group:a\\x00b'", "NUL", "nul-in-str"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for("\ud800"), InvalidKey, "'email-group:\\ud800'", "not valid Unicode", "lone-surrogate"),
-    case(lambda: declare("mongolock-set:{group_id}").mongolock_key_for(1), InvalidKey, "'mongolock-set:1'", "keeps for the gates of Replace", "reserved-prefix"),
+    case(lambda: declare("{group_id}").mongolock_key_for("mongolock-set:1"), InvalidKey, "'mongolock-set:1'", "keeps for the gates of Replace", "reserved-prefix"),
     case(TEMPLATE_TASK.mongolock_key_for, TypeError, "cannot call upload(group_id, path) with these arguments", "argument 'group_id' is not given", "missing-argument"),
     case(lambda: TEMPLATE_TASK.mongolock_key_for(1, zzz=2), TypeError, "cannot call upload(group_id, path) with these arguments", "it has no argument 'zzz'", "unexpected-kwarg"),
 ]  # fmt: skip

@@ -14,6 +14,7 @@ from celery import Celery
 from kombu.serialization import dumps
 
 from celery_mongolock import (
+    ConfigurationError,
     InvalidKey,
     LeaseLost,
     LeaseSet,
@@ -45,8 +46,8 @@ def test_a_set_has_one_gate_whatever_the_order_of_its_keys() -> None:
 @pytest.mark.parametrize(
     "options",
     [
-        {"key": "mongolock-set:{x}"},
-        {"keys": ("a:{x}", "mongolock-set:{x}")},
+        {"key": "{x}"},
+        {"keys": ("a:{x}", "{x}")},
         {"key": lambda x: f"mongolock-set:{x}"},
     ],
     ids=["template", "keys", "callable"],
@@ -56,7 +57,19 @@ def test_a_task_key_that_names_a_gate_is_refused(options: dict[str, Any]) -> Non
     def job(x: str) -> None: ...
 
     with pytest.raises(InvalidKey, match=r"starts with 'mongolock-set:'.*gates of Replace"):
-        job.mongolock_keys_for("1")
+        job.mongolock_keys_for("mongolock-set:1")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"key": "mongolock-set:{x}"}, {"keys": ("a:{x}", "mongolock-set:{x}")}, {"key": "mongolock-set:all"}],
+    ids=["template", "keys", "fixed"],
+)
+def test_a_task_key_in_the_gates_names_is_refused_when_the_task_is_declared(options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError, match=r"starts with 'mongolock-set:'.*gates of Replace"):
+
+        @singleton_task(app=_app(), on_contention=Replace(), **options)
+        def job(x: str) -> None: ...
 
 
 def test_a_lease_set_names_the_task_s_keys_not_its_gate(store: LeaseStore) -> None:

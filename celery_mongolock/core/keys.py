@@ -206,6 +206,17 @@ class KeyRenderer:
                 f"{where}: key must be None, an argument name, a list of names, a template string or a "
                 f"callable, got {type(spec).__name__}"
             )
+        self._refuse_reserved(where)
+
+    def _refuse_reserved(self, where: str) -> None:
+        """Refuse, now, a fixed key (or a template's fixed start) in the library's own names: a set's
+        gate (a key rendered there is refused when it is rendered too)."""
+        start = self._fixed if self._fixed is not None else self._template
+        if start is not None and start.split("{", 1)[0].startswith(RESERVED_PREFIX):
+            raise ConfigurationError(
+                f"{where}: the key {start!r:.80} starts with {RESERVED_PREFIX!r}, which celery_mongolock "
+                "keeps for the gates of Replace tasks' key sets; name it otherwise"
+            )
 
     def _check_callable(
         self, spec: Callable[..., Any], params: Mapping[str, inspect.Parameter], where: str
