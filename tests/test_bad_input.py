@@ -140,6 +140,20 @@ KEY_CASES = [
     case(lambda s: s.inspect(""), InvalidKey, "lease key", "must not be empty", "inspect-empty"),
     case(lambda s: s.force_release(None), InvalidKey, "lease key", "got NoneType", "force-release-none"),
     case(lambda s: s.hold("a\x00b").__enter__(), InvalidKey, "lease key", "NUL", "hold-nul"),
+    case(
+        lambda s: s.acquire("mongolock-set:abc"),
+        InvalidKey,
+        "lease key 'mongolock-set:abc'",
+        "keeps for the gates of Replace",
+        "acquire-gate-name",
+    ),
+    case(
+        lambda s: s.hold("mongolock-set:abc").__enter__(),
+        InvalidKey,
+        "lease key 'mongolock-set:abc'",
+        "keeps for the gates of Replace",
+        "hold-gate-name",
+    ),
     case(lambda s: s.wait_free("", 1), InvalidKey, "lease key", "must not be empty", "wait-free-empty"),
 ]
 

@@ -53,6 +53,17 @@ def normalize_key(key: object) -> str:
     return f"{key[:_PREFIX_CHARS]}~sha256:{digest}"
 
 
+def user_key(key: object) -> str:
+    """``normalize_key`` for a key a caller names to the store (``LeaseStore.acquire``, ``hold``): also
+    refused (``InvalidKey``) when it is one of the library's own, a set's gate."""
+    if isinstance(key, str) and key.startswith(RESERVED_PREFIX):
+        raise InvalidKey(
+            f"lease key {key!r:.80} starts with {RESERVED_PREFIX!r}, which celery_mongolock keeps for the "
+            "gates of Replace tasks' key sets; name it otherwise"
+        )
+    return normalize_key(key)
+
+
 # -- key specs: how a task's arguments name its lease key ----------------------------------------------
 
 KeySpec = None | str | Sequence[str] | Callable[..., Any]

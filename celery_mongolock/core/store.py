@@ -36,7 +36,7 @@ from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents.base import MAX_INFO_BYTES, Document
 from celery_mongolock.core.heartbeat import Heartbeat
 from celery_mongolock.core.history import KeyStory, LeaseEnding
-from celery_mongolock.core.keys import normalize_key
+from celery_mongolock.core.keys import normalize_key, user_key
 from celery_mongolock.core.lease import Lease, LeaseInfo, LostCallback, local_ttl
 from celery_mongolock.core.lease_watch import LeaseWatch
 from celery_mongolock.core.reentry import Holds
@@ -279,6 +279,7 @@ class LeaseStore(ParkedRuns):
         through this store already (see ``hold``). The default, False, is one try like anyone else's (a
         second acquire of a held key returns None): a lease from ``acquire`` has no scope.
         """
+        user_key(key)  # (not a set's gate)
         if reentrant is not False:
             return acquire_reentrant(
                 self,
@@ -423,6 +424,7 @@ class LeaseStore(ParkedRuns):
         command; ``reentrant=False``: an acquisition like anyone else's, ``LockContended`` at once (not
         waiting for itself) when the key is held.
         """
+        user_key(key)  # (not a set's gate)
         return _hold(
             self,
             key,
