@@ -53,14 +53,15 @@ def normalize_key(key: object) -> str:
     return f"{key[:_PREFIX_CHARS]}~sha256:{digest}"
 
 
+#: Why a key in the gates' names (``RESERVED_PREFIX``) is refused, for every place that refuses one.
+RESERVED_WHY = "which celery_mongolock keeps for the gates of Replace tasks' key sets; name it otherwise"
+
+
 def user_key(key: object) -> str:
     """``normalize_key`` for a key a caller names to the store (``LeaseStore.acquire``, ``hold``): also
     refused (``InvalidKey``) when it is one of the library's own, a set's gate."""
     if isinstance(key, str) and key.startswith(RESERVED_PREFIX):
-        raise InvalidKey(
-            f"lease key {key!r:.80} starts with {RESERVED_PREFIX!r}, which celery_mongolock keeps for the "
-            "gates of Replace tasks' key sets; name it otherwise"
-        )
+        raise InvalidKey(f"lease key {key!r:.80} starts with {RESERVED_PREFIX!r}, {RESERVED_WHY}")
     return normalize_key(key)
 
 
@@ -225,8 +226,7 @@ class KeyRenderer:
         start = self._fixed if self._fixed is not None else self._template
         if start is not None and start.split("{", 1)[0].startswith(RESERVED_PREFIX):
             raise ConfigurationError(
-                f"{where}: the key {start!r:.80} starts with {RESERVED_PREFIX!r}, which celery_mongolock "
-                "keeps for the gates of Replace tasks' key sets; name it otherwise"
+                f"{where}: the key {start!r:.80} starts with {RESERVED_PREFIX!r}, {RESERVED_WHY}"
             )
 
     def _check_callable(
@@ -380,8 +380,8 @@ class KeyRenderer:
         key = self._render(args, kwargs)
         if key.startswith(RESERVED_PREFIX):
             raise InvalidKey(
-                f"task {self.task_name!r}: the key {key!r:.80} starts with {RESERVED_PREFIX!r}, which "
-                "celery_mongolock keeps for the gates of Replace tasks' key sets; name it otherwise"
+                f"task {self.task_name!r}: the key {key!r:.80} starts with {RESERVED_PREFIX!r}, "
+                + RESERVED_WHY
             )
         return key
 

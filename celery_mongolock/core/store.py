@@ -388,12 +388,9 @@ class LeaseStore(ParkedRuns):
     def wait_free(
         self, key: str, timeout: float, *, poll_interval: float = 0.05, max_poll_interval: float = 1.0
     ) -> bool:
-        """Block until ``key`` looks free or ``timeout`` passes; True if it is worth trying to acquire.
-
-        Wakes at once when the lease document changes (a MongoDB change stream, where the server has
-        them), and at the holder's expiry; without change streams it polls with backoff, never sleeping
-        longer than ``max_poll_interval`` between looks.
-        """
+        """Block until ``key`` looks free or ``timeout`` passes; True if it is worth trying to acquire. Wakes
+        at once when the lease document changes (a change stream, where the server has them) and at the
+        holder's expiry; without change streams it polls with backoff, ``max_poll_interval`` apart at most."""
         return self.acquisition.wait_free(
             key, timeout, poll_interval=poll_interval, max_poll_interval=max_poll_interval
         )
