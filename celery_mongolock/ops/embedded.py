@@ -86,8 +86,59 @@ try:
 except Exception:
     pass
 """
+#: SecantusDB 0.7 finds where a change stream opened with ``startAtOperationTime`` begins by reading and
+#: decoding its whole oplog, from the oldest entry, while it holds the lock every other command needs. Its
+#: oplog keeps up to 100,000 entries for an hour, so a busy server's stream openings got slower with every
+#: write: 4 s each with 46,801 entries (the lock-set checker's server in CI), during which no command
+#: was answered and 2-second leases lapsed everywhere (the lease watcher opens such a stream for each new
+#: batch of leases). Entries are in send order of their time and sequence number together, so here the
+#: first entry at or after the time is found by bisection over the sequence numbers, a few point reads
+#: (the same answer; the whole scan again if an entry has no time). Left as it is when SecantusDB's
+#: internals are not the ones this was written for.
+_SEEK = """
+try:
+    from bson import Timestamp as _Ts
+    from secantus import storage as _st
+
+    _scan_all = _st.Storage._find_seq_for_ts_scan
+
+    def _seek(self, ts):
+        with self._lock:
+            if self._closed:
+                return 0
+            session = self._conn.open_session()
+            try:
+                found, lo, hi = self._next_seq, 0, self._next_seq
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    rows, _high = self._merge_oplog_on_session(session, mid, 1)
+                    if not rows or rows[0][0] >= hi:
+                        hi = mid  # no entry in [mid, hi)
+                        continue
+                    seq, entry = rows[0]
+                    at = entry.get("ts")
+                    if not isinstance(at, _Ts):
+                        found = None
+                        break
+                    if at.time > ts.time or (at.time == ts.time and at.inc >= ts.inc):
+                        found, hi = seq, mid  # this one qualifies: the first is here or before mid
+                    else:
+                        lo = seq + 1  # it and every entry before it are older
+            finally:
+                try:
+                    session.close()
+                except Exception:
+                    pass
+        return _scan_all(self, ts) if found is None else found
+
+    if callable(getattr(_st.Storage, "_merge_oplog_on_session", None)) and callable(_scan_all):
+        _st.Storage._find_seq_for_ts_scan = _seek
+except Exception:
+    pass
+"""
 _LAUNCH = (
     _TUNE
+    + _SEEK
     + _WAKE
     + "import sys; from secantus.cli import main; sys.argv[0] = 'secantusd-py'; sys.exit(main())"
 )
