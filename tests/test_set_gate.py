@@ -6,6 +6,7 @@ worker here; the behaviour with real workers: tests/test_stepwise_replace.py, te
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -27,6 +28,8 @@ from celery_mongolock import (
 from celery_mongolock.core.documents.sends import started_after
 from celery_mongolock.core.documents.sets import GATE_PREFIX, gate_of, is_gate, set_signature, user_keys
 from celery_mongolock.integration.trust import RefusedEntry, check_entry
+
+from .servers import server_past, wait_for
 
 
 def _app() -> Celery:
@@ -164,3 +167,61 @@ def test_a_pending_send_of_a_set_is_overtaken_by_a_newer_send_that_got_its_gate(
     query = started_after(["g:b", "g:a"], 5)
     assert sorted(query["_id"]["$in"]) == sorted(["g:a", "g:b", gate_of(["g:a", "g:b"])])
     assert started_after(["g:a"], 5)["_id"]["$in"] == ["g:a"]  # (one key: no gate)
+
+
+def _set_run(stamp: int, keys: list[str], tid: str) -> dict[str, Any]:
+    """A run's entry on its set's gate, as ``QueuedRun`` makes it (its set's signature ``g``)."""
+    return {
+        "id": f"{tid}/0", "t": tid, "n": "merge", "r": "0", "s": stamp, "m": b"msg",
+        "ks": sorted(keys), "g": set_signature(keys), "tk": f"tk-{tid}",
+    }  # fmt: skip
+
+
+def test_an_older_send_back_on_its_gate_while_a_newer_send_is_handed_it_is_superseded(
+    store: LeaseStore,
+) -> None:
+    """The lock-set checker's ``replace-order`` (RabbitMQ, seed 1, CI of stop 49): a capped burst
+    (``Replace(debounce, max_wait)``) on a set whose keys all have slots, so its gate has slots too. The
+    older send A, handed a slot by its burst's ceiling (which seals that burst: the newer send B began
+    one of its own), lost it when its lease lapsed, and the sweeper handed it to B. A's next admit came
+    before B claimed it: nothing that *got* the gate was newer, B's handoff was of another burst, and A
+    parked again, to be handed a slot, and its keys, after B. A newer send handed the gate counts as one
+    that got it, whatever its burst: A is superseded by B, and B claims its slot."""
+    keys = sorted([f"a:{uuid.uuid4().hex}", f"b:{uuid.uuid4().hex}"])
+    gate = gate_of(keys)
+    older, newer = _set_run(1, keys, "older"), _set_run(2, keys, "newer")
+
+    def admit(
+        entry: dict[str, Any], ttl: float, due: bool = False, claim: str | None = None
+    ) -> tuple[Any, Any]:
+        info = {"task_id": entry["t"], "delivery": entry["r"], "keys": entry["ks"]}
+        return store.admit(
+            gate, entry, ttl=ttl, claim=claim, replace=True, group=entry["g"], info=info,
+            debounce=5.0, max_wait=0.3, limit=2, due=due,
+        )  # fmt: skip
+
+    def due_admit(entry: dict[str, Any], ttl: float) -> tuple[Any, Any]:
+        deadline = time.monotonic() + 30
+        while True:  # its delayed copy, again until its ceiling passed on the server's clock
+            lease, doc = admit(entry, ttl, due=True)
+            if doc["lo"] != "dup" or time.monotonic() > deadline:
+                return lease, doc
+            time.sleep(0.05)
+
+    _, doc = admit(older, ttl=1.0)
+    assert doc["lo"] == "parked"
+    older["bu"] = next(e["bu"] for e in doc["q"] if e["t"] == "older")  # its burst (``KeySetAdmits.admit``)
+    held, doc = due_admit(older, ttl=1.0)
+    assert held is not None and doc["lo"] == "due"  # by its ceiling: that burst is sealed
+    _, doc = admit(newer, ttl=30)
+    assert doc["lo"] == "parked"  # not superseding the run its ceiling chose
+    assert held.expires_at is not None
+    wait_for(
+        lambda: server_past(store, held.expires_at), timeout=30, message="the older send's slot to lapse"
+    )
+    swept = store.sweep(gate)
+    assert swept is not None and swept.on_key == {"newer"}  # handed a slot, not yet claimed
+    lease, doc = due_admit(older, ttl=30)  # the older send's next attempt, before the newer one claims
+    assert lease is None and doc["lo"] == "superseded" and doc["lo_by"] == "newer"
+    lease, doc = admit(newer, ttl=30, claim=newer["tk"])
+    assert lease is not None and doc["lo"] == "claimed", doc

@@ -190,8 +190,8 @@ def _newer_sends(
     """``[{s, t}, ...]``: the sends of ``group`` newer than ``stamp`` the key knows (``lg``, ``q``,
     ``ho``), other than the run ``task_id`` itself. ``handed``: an array expression of the entries the key
     is handed or reserved to and not yet claimed, for a key with a limit (``slot_sets``); None: the key's
-    one ``ho``. ``burst``: of the parked and handed runs, only those of that burst (``in_burst``); a
-    newer send that got the key (``lg``) counts whatever its burst."""
+    one ``ho``. ``burst``: of the parked runs, only those of that burst (``in_burst``); a newer send that
+    got the key (``lg``), or is handed or reserved it, counts whatever its burst."""
     of_set = {"$and": [_same_set("$$e", group), _newer("$$e", stamp), other_run("$$e", task_id)]}
     of_burst = {"$and": [of_set, in_burst("$$e", burst)]}
 
@@ -204,9 +204,13 @@ def _newer_sends(
             }
         }
 
+    # A newer send handed (or reserved) the key counts whatever its burst, as one that got it (``lg``):
+    # it is about to run, and an older run of its set that came back (its lease lapsed, the key handed
+    # on) must not be handed the key after it (the lock-set checker's ``replace-order``, CI: an older
+    # send re-admitted the gate between a newer send's handoff and its claim, and parked again there).
     newer_ho = [_has_ho(), _same_set("$ho", group), _newer("$ho", stamp), other_run("$ho", task_id)]
-    ho = {"$cond": [{"$and": [*newer_ho, in_burst("$ho", burst)]}, [{"s": "$ho.s", "t": "$ho.t"}], []]}
-    return {"$concatArrays": [pick(_LG, of_set), pick(_Q), ho if handed is None else pick(handed)]}
+    ho = {"$cond": [{"$and": newer_ho}, [{"s": "$ho.s", "t": "$ho.t"}], []]}
+    return {"$concatArrays": [pick(_LG, of_set), pick(_Q), ho if handed is None else pick(handed, of_set)]}
 
 
 def newest_of(sends: object) -> Document:
