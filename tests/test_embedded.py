@@ -253,3 +253,45 @@ def test_a_stream_opened_at_an_operation_time_starts_with_the_next_write() -> No
             assert seen == list(range(120, 200))
         finally:
             client.close()
+
+
+def test_a_database_s_profiling_level_is_read_once_and_forgotten_when_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``embedded._PROFILE``, run in the server's process: the level SecantusDB reads after every command
+    is kept per database, and ``set_profile`` (the ``profile`` command) is seen at once."""
+    from secantus import storage
+
+    from celery_mongolock.ops import embedded
+
+    for name in ("get_profile", "set_profile"):  # restored after the test (the server's process only)
+        monkeypatch.setattr(storage.Storage, name, getattr(storage.Storage, name))
+    exec(embedded._PROFILE, {})
+    db = storage.Storage(":memory:")
+    try:
+        assert db.get_profile("a")["level"] == 0
+        db.set_profile("a", level=2, slowms=5)
+        assert db.get_profile("a") == {"level": 2, "slowms": 5, "sampleRate": 1.0}
+        assert db.get_profile("b")["level"] == 0
+        db.get_profile("a")["level"] = 0  # a copy: what the caller changes is not kept
+        assert db.get_profile("a")["level"] == 2
+        db.set_profile("a", level=0)
+        assert db.get_profile("a")["level"] == 0
+    finally:
+        db.close()
+
+
+def test_the_profile_command_still_turns_profiling_on_and_off() -> None:
+    """Over the wire, on the embedded server (its process patched by ``_PROFILE``)."""
+    with EmbeddedMongo() as server:
+        client: MongoClient[dict[str, object]] = MongoClient(server.url)
+        try:
+            db = client["prof"]
+            assert db.command("profile", -1)["was"] == 0
+            db.command("profile", 2)
+            db["c"].insert_one({"_id": 1})
+            assert db.command("profile", -1)["was"] == 2
+            db.command("profile", 0)
+            assert db.command("profile", -1)["was"] == 0
+        finally:
+            client.close()
