@@ -8,6 +8,7 @@ task's (docs/discussions/failure-semantics.md, "What the duplicate guard remembe
 from __future__ import annotations
 
 import datetime as _dt
+import uuid
 from typing import Any
 
 import pytest
@@ -238,3 +239,51 @@ def test_a_refused_guarded_acquire_says_why_in_its_own_reply(store: LeaseStore, 
         lease, doc = store.try_acquire(KEY, 30, info=info("third"), limit=limit)
         assert lease is not None and "seen" not in (doc or {})
         store.give_back(lease)
+
+
+@pytest.mark.parametrize(
+    ("headers", "checked"),
+    [
+        ({"mongolock_handoff": {"k": "k", "tk": "t"}}, True),
+        ({"mongolock_debounce": 1}, True),
+        ({"mongolock_parked_duplicate": 1}, True),
+        ({}, False),
+    ],
+    ids=["handoff", "delayed-copy", "parked-copy", "first-delivery"],
+)
+def test_a_message_published_again_does_not_start_a_body_of_a_task_that_has_ended(
+    headers: dict[str, Any], checked: bool
+) -> None:
+    """Its keys taken, a run whose message is a handoff, a ``Replace(debounce=...)`` delayed copy or a
+    copy looks at the task's stored state first (``duplicates.stale_line``): a run superseded meanwhile
+    (its result written by the newer send, its record gone from the key) is dropped, its body never
+    started (the lock-set checker, Redis seed 1: ``superseded-ran``, a debounced run of a set whose
+    delayed copy was handed the gate after it was superseded). A first delivery is not looked at."""
+    import celery
+
+    from celery_mongolock import Replace, singleton_task
+    from celery_mongolock.integration.duplicates import stale_line
+
+    app = celery.Celery("stale_line", broker="memory://", backend="cache+memory://", set_as_current=False)
+
+    @singleton_task(
+        keys=("a:{x}", "b:{x}"), app=app, name="stale_line.job", bind=True, shared=False,
+        on_contention=Replace(debounce=1.0),
+    )  # fmt: skip
+    def job(self: Any, x: str) -> None:  # pragma: no cover - never run here
+        pass
+
+    task_id = f"t-{uuid.uuid4().hex}"  # (the in-memory backend is one per process)
+    job.push_request(
+        id=task_id, args=("1",), kwargs={}, called_directly=False, is_eager=False, retries=0,
+        delivery_info={"routing_key": "celery", "exchange": ""}, headers=headers,
+    )  # fmt: skip
+    try:
+        assert stale_line(job, None, "a:1") is None  # no stored state yet: it runs
+        app.backend.store_result(task_id, {"mongolock": "superseded", "by": "t-2"}, "SUCCESS")
+        why = stale_line(job, None, "a:1")
+        assert (why is not None) == checked
+        if checked:
+            assert why is not None and "has ended already (SUCCESS)" in why
+    finally:
+        job.pop_request()

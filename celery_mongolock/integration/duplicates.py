@@ -19,6 +19,7 @@ from celery_mongolock.core.documents import copies
 from celery_mongolock.core.documents.sets import is_gate, user_keys
 from celery_mongolock.exceptions import StoreUnavailable, Superseded
 from celery_mongolock.integration.config import get_store
+from celery_mongolock.integration.handoff import DEBOUNCE_HEADER, HANDOFF_HEADER
 from celery_mongolock.integration.results import has_backend, superseded_result
 from celery_mongolock.integration.runs import (
     CONTENTION_HEADER,
@@ -323,8 +324,15 @@ def copy_of_an_ended_run(
 def stale_line(task: GuardedRun, store: Any, key: str) -> str | None:
     """Why this run, its keys taken, must not start its body: the task's stored state shows that another
     line of it (a copy of its attempt, or a later attempt) has settled it (``settled_by_another_line``);
-    None when it may run. A backend read, only for copies and for later attempts."""
-    copy = bool(copy_run_ids(task.request))
+    None when it may run. A backend read, only for copies, handoffs, delayed copies and later attempts.
+
+    A handoff or a ``Replace(debounce=...)`` delayed copy is the run's message published again: the run
+    may have ended meanwhile, superseded by a newer send (its result written, its record gone from the
+    key) while that message was on its way (the lock-set checker, Redis seed 1: a debounced run of a set
+    superseded on its gate, whose delayed copy was then handed the gate and ran its body 1.9 s later)."""
+    headers = getattr(task.request, "headers", None) or {}
+    published_again = any(headers.get(name) for name in (HANDOFF_HEADER, DEBOUNCE_HEADER))
+    copy = bool(copy_run_ids(task.request)) or published_again
     return settled_by_another_line(task, copy, lambda: later_attempt_known(task, store, key))
 
 
