@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pymongo import MongoClient
@@ -243,13 +245,13 @@ def test_a_stream_opened_at_an_operation_time_starts_with_the_next_write() -> No
                     coll.insert_one({"_id": i}, session=s)
                     session_times.append(s.operation_time)
             at = session_times[120]
+            seen: list[object] = []
+            deadline = time.monotonic() + 60  # (an empty batch is no end: the events are in the oplog)
             with coll.watch(start_at_operation_time=at, max_await_time_ms=200) as stream:
-                seen = []
-                while len(seen) < 80:
-                    event = stream.try_next()
-                    if event is None:
-                        break
-                    seen.append(event["documentKey"]["_id"])
+                while len(seen) < 80 and time.monotonic() < deadline:
+                    event: Any = stream.try_next()
+                    if event is not None:
+                        seen.append(event["documentKey"]["_id"])
             assert seen == list(range(120, 200))
         finally:
             client.close()
