@@ -16,7 +16,7 @@ import datetime as _dt
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_mongolock.core.clock import MAX_DRIFT, Clock
@@ -165,6 +165,8 @@ class Lease:
         self._superseded_event = threading.Event()
         self._superseded_callbacks: list[SupersededCallback] = []
         self._ended_superseded_by: str | None = None
+        #: The other leases of its run's set (``LeaseSet.supersede_together``): one of them marked, it is.
+        self._together: tuple[Lease, ...] = ()
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -222,12 +224,27 @@ class Lease:
     def superseded(self) -> bool:
         """True once a newer send of the key superseded this holder (``Replace(cancel_running=True)``): the
         body should stop (``raise_if_superseded``); its fenced writes are refused from now on."""
-        return self._superseded_event.is_set()
+        return self._marked() is not None
 
     @property
     def superseded_by(self) -> str | None:
         """The task id of the newer send that superseded this holder (None: not superseded)."""
-        return self._superseded_by
+        marked = self._marked()
+        return self._superseded_by if marked is None else marked._superseded_by
+
+    def _marked(self) -> Lease | None:
+        """This lease if it was marked superseded, else a marked lease of its set (``supersede_together``:
+        the moment the run learns of it on one key, a fenced write with any of its leases is refused),
+        else None. (``mark_superseded`` marks the set's other leases too, at once: this only closes the
+        instant between.)"""
+        if self._superseded_event.is_set() or self._released or self._lost_reason is not None:
+            return self if self._superseded_event.is_set() else None
+        return next((lease for lease in self._together if lease._superseded_event.is_set()), None)
+
+    def supersede_with(self, leases: Iterable[object]) -> None:
+        """Superseded with the other leases of its run's set (``LeaseSet.supersede_together``): marked when
+        one of them is, in the same call."""
+        self._together = tuple(lease for lease in leases if isinstance(lease, Lease) and lease is not self)
 
     @property
     def superseded_at(self) -> float | None:
@@ -237,8 +254,8 @@ class Lease:
     def raise_if_superseded(self) -> None:
         """Raise ``Superseded`` if a newer send superseded this holder: call it between steps of long
         work. Raised out of a singleton task's body, it ends the run as superseded, not as a failure."""
-        if self._superseded_event.is_set():
-            raise Superseded(self.key, self.fence, self._superseded_by)
+        if self.superseded:
+            raise Superseded(self.key, self.fence, self.superseded_by)
 
     def wait_superseded(self, timeout: float | None = None) -> bool:
         """Block until a newer send supersedes this holder (True) or ``timeout`` passes (False)."""
@@ -256,17 +273,28 @@ class Lease:
 
     def mark_superseded(self, by: str) -> bool:
         """A newer send (task id ``by``) superseded this holder (the store calls this when the lease
-        document says so); False if it already was, or the lease is released or lost."""
+        document says so), and the other leases of its set with it (``supersede_with``); False if it
+        already was, or the lease is released or lost."""
+        callbacks = self._mark(by)
+        if callbacks is None:
+            return False
+        marked = [(self, callbacks)]
+        marked += [(mate, found) for mate in self._together if (found := mate._mark(by)) is not None]
+        for lease, found in marked:  # (every lease marked before any callback runs)
+            log_renew.info("lease %r (fence %s): superseded by a newer send (%s)", lease.key, lease.fence, by)
+            _run_callbacks(found, lease, by)
+        return True
+
+    def _mark(self, by: str) -> list[SupersededCallback] | None:
+        """Mark this lease superseded by ``by``: its callbacks to run, or None when it was already, or is
+        released or lost."""
         with self._lock:
             if self._superseded_event.is_set() or self._released or self._lost_reason is not None:
-                return False
+                return None
             self._superseded_by = by
             self._superseded_at = self.store.clock.monotonic()
             self._superseded_event.set()
-            callbacks = list(self._superseded_callbacks)
-        log_renew.info("lease %r (fence %s): superseded by a newer send (%s)", self.key, self.fence, by)
-        _run_callbacks(callbacks, self, by)
-        return True
+            return list(self._superseded_callbacks)
 
     def end_superseded(self) -> None:
         """The body stopped because a newer send superseded this holder (the Celery layer says so before
@@ -555,10 +583,12 @@ class LeaseSet(Lease):
         """A newer send of the set marks the holder on one key first (it visits them in turn): from then on
         every lease of the set is superseded, so that a fenced write with any of them is refused."""
 
-        def mark_all(_: Lease, by: str) -> None:
+        def mark_all(_: Lease, by: str) -> None:  # (each lease's own callbacks, from this thread)
             for lease in self.leases.values():
                 lease.mark_superseded(by)
 
+        for lease in self.leases.values():
+            lease.supersede_with(self.leases.values())
         self.on_superseded(mark_all)
 
     def mark_superseded(self, by: str) -> bool:
