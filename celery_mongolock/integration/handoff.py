@@ -397,6 +397,21 @@ def moves_on(store: LeaseStore, entry: Mapping[str, Any]) -> bool:
 _installed: weakref.WeakSet[LeaseStore] = weakref.WeakSet()
 
 
+_claiming = threading.local()
+
+
+@contextlib.contextmanager
+def claimed_at_once(run: str) -> Iterator[None]:
+    """Within: a handoff made to the run ``run`` by this thread's command is not published (the run claims
+    it in the same attempt, ``KeySetAdmits.admit_each``)."""
+    runs: set[str] = getattr(_claiming, "runs", set())
+    _claiming.runs = runs | {run}
+    try:
+        yield
+    finally:
+        _claiming.runs = runs
+
+
 def install_publisher(app: Celery, store: LeaseStore) -> None:
     """Have ``store`` publish the handoffs its commands make, through ``app``."""
     if store in _installed:
@@ -406,6 +421,12 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
     def publish(key: str, entry: dict[str, Any], doc: dict[str, Any]) -> None:
         owner = app_ref()
         if owner is None:
+            return
+        if entry.get("id") in getattr(_claiming, "runs", ()):
+            # Handed to the very run whose admit made the handoff (a newer send of a set that took back an
+            # older run's reservation of the gate, and was the next on it): it claims it in this attempt
+            # (``KeySetAdmits.admit_each``). A message would only come back as a copy of a running run.
+            log.debug("%r handed to %s, which claims it at once", key, entry.get("t"))
             return
         if stepwise(entry) and not moves_on(store, entry):
             log.debug("%r reserved for %s, which waits for its next key", key, entry.get("t"))

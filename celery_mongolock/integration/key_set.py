@@ -12,6 +12,7 @@ decides what each answer means for the task.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery_mongolock.admission.policies import Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.integration.handoff import claimed_at_once
 from celery_mongolock.integration.results import has_backend, leave_later_keys
 from celery_mongolock.integration.runs import (
     GuardedRun,
@@ -292,10 +294,14 @@ class KeySetAdmits:
         taken: list[Lease] = []
         waiting = False
         try:
+            own = str(self.entry["id"])
             for key in self.keys:
-                admission = self.admit(key, None)
-                if self.stepwise and admission.lease is None and admission.handed_to(str(self.entry["id"])):
-                    # Reserved for it already (its handoff was made, this is another message of it): claimed
+                with claimed_at_once(own) if self.stepwise else contextlib.nullcontext():
+                    admission = self.admit(key, None)
+                if self.stepwise and admission.lease is None and admission.handed_to(own):
+                    # Reserved for it already (its handoff was made, this is another message of it), or
+                    # handed to it by this admit (it took back an older run's reservation and was next):
+                    # claimed now, no handoff message published for it
                     admission = self.admit(key, str(self.entry["tk"]))
                 if admission.lease is not None:
                     taken.append(admission.lease)
