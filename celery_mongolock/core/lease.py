@@ -597,4 +597,4 @@ class LeaseSet(Lease):
         return self
 
     def __repr__(self) -> str:
-        return f"<LeaseSet {', '.join(repr(lease) for lease in self.leases.values())}>"
+        return f"<LeaseSet {', '.join(repr(lease) for lease in self)}>"
