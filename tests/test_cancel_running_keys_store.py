@@ -6,6 +6,7 @@ them is refused; released, the keys go to the newest run of the set."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -122,6 +123,36 @@ def test_the_superseded_sets_writes_are_refused_and_the_keys_go_to_the_newest_ru
         assert sorted(handoffs.tasks) == ["r20", "r20"]
         assert store.reserved_for_all(new)
     finally:
+        client.close()
+
+
+def test_the_moment_one_lease_of_the_set_is_marked_a_write_with_any_other_is_refused(
+    store: LeaseStore, mongo_url: str
+) -> None:
+    """The holder learns of the newer send on one key (its set's gate, with a ``Replace`` set): from that
+    moment ``held.superseded`` is true and a fenced write with any lease of the set is refused, not only
+    once the other leases are marked from a thread (ci42: the holder saw the notice on the gate, wrote
+    once more with its group key's lease, and that write went through)."""
+    holder = holds(store, run(10, [X, Y]))
+    callbacks_held = threading.Event()  # (X's callbacks, the marking of the others among them, wait)
+    holder[X].on_superseded(lambda *_: callbacks_held.wait(DEADLINE))
+    holder.supersede_together()
+    client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
+    try:
+        target = client["cx_keys_test"]["reports_at_once"]
+        target.delete_many({})
+        target.insert_one({"_id": "r"})
+        assert holder[X].mark_superseded("r20")  # (as the lease watch does, on the first key it is told)
+        assert holder.superseded and holder[Y].superseded and holder[Y].superseded_by == "r20"
+        with pytest.raises(FencedOut) as refused:  # (no wait: the same thread, right after the mark)
+            fenced_update_one(target, {"_id": "r"}, {"$set": {"by": "old-late"}}, holder[Y])
+        assert refused.value.superseded_by == "r20"
+        with pytest.raises(Superseded):
+            holder[Y].raise_if_superseded()
+        assert (target.find_one({"_id": "r"}) or {}).get("by") is None
+    finally:
+        callbacks_held.set()
+        holder.release()
         client.close()
 
 

@@ -225,3 +225,65 @@ def test_an_older_send_back_on_its_gate_while_a_newer_send_is_handed_it_is_super
     assert lease is None and doc["lo"] == "superseded" and doc["lo_by"] == "newer"
     lease, doc = admit(newer, ttl=30, claim=newer["tk"])
     assert lease is not None and doc["lo"] == "claimed", doc
+
+
+def test_a_newer_send_that_takes_back_the_gate_and_is_next_on_it_publishes_no_handoff_to_itself(
+    mongo_url: str, db_name: str, published: list[dict[str, Any]]
+) -> None:
+    """A newer send of a set meets the older run's reservation of the gate (the older run waits for a
+    later key), takes it back and is the next on the gate itself: it claims the gate in that attempt.
+    No handoff message is published for it: one would only come back as a copy of a running run (the
+    new-user trial of stop 58: 2,678 handoff messages for 900 sends of 300 sets). A handoff made to the
+    run by another command (here the release of the key it waits for) is published as ever."""
+    from celery.exceptions import Ignore
+
+    from celery_mongolock.config import get_store
+    from celery_mongolock.integration.handoff import HANDOFF_HEADER
+    from celery_mongolock.integration.queued_run import QueuedRun
+
+    app = Celery("gate_self_handoff", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name, mongolock_lease_seconds=5.0)
+
+    @singleton_task(
+        keys=("src:{src}", "dst:{dst}"), app=app, name="gate.merge_groups", bind=True,
+        on_contention=Replace(), shared=False,
+    )  # fmt: skip
+    def merge(self: Any, src: int, dst: int) -> str:
+        return "merged"
+
+    store = get_store(app)
+    keys = ["dst:1", "src:1"]
+    holder = store.acquire("src:1", ttl=30)  # (the set's later key is busy: its runs wait there)
+    assert holder is not None
+
+    def take(run: str, sent: int, headers: dict[str, Any] | None = None) -> Any:
+        merge.push_request(
+            id=run, args=(1, 1), kwargs={}, headers={"mongolock_sent": sent, **(headers or {})},
+            delivery_info={}, hostname="w1", retries=0, is_eager=False, called_directly=False,
+        )  # fmt: skip
+        try:
+            got = QueuedRun(merge, keys, merge._options(), one=False).take()
+            return LeaseSet(got) if isinstance(got, list) else got
+        finally:
+            merge.pop_request()
+
+    def handoffs_to(run: str) -> list[dict[str, Any]]:
+        return [h for h in published if h.get("id") == run and HANDOFF_HEADER in h]
+
+    try:
+        older, newer = f"older-{uuid.uuid4().hex}", f"newer-{uuid.uuid4().hex}"
+        with pytest.raises(Ignore):  # (it got the gate and dst:1, and waits on src:1)
+            take(older, 100)
+        with pytest.raises(Ignore):  # (it took the gate back from the older run, and waits on src:1)
+            take(newer, 200)
+        assert handoffs_to(newer) == [], [h[HANDOFF_HEADER]["k"] for h in handoffs_to(newer)]
+        older_result = app.backend.get_task_meta(older, cache=False)
+        assert older_result["status"] == "SUCCESS" and older_result["result"]["mongolock"] == "superseded"
+        holder.release()  # (src:1 is handed to the newer run by this release: published once)
+        [handoff] = handoffs_to(newer)
+        taken = take(newer, 200, handoff)
+        assert isinstance(taken, LeaseSet) and sorted(taken.keys) == keys
+        taken.release()
+        assert handoffs_to(older) == []
+    finally:
+        store.close()

@@ -16,7 +16,7 @@ import datetime as _dt
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_mongolock.core.clock import MAX_DRIFT, Clock
@@ -165,6 +165,8 @@ class Lease:
         self._superseded_event = threading.Event()
         self._superseded_callbacks: list[SupersededCallback] = []
         self._ended_superseded_by: str | None = None
+        #: The other leases of its run's set (``LeaseSet.supersede_together``): one of them marked, it is.
+        self._together: tuple[Lease, ...] = ()
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -222,12 +224,25 @@ class Lease:
     def superseded(self) -> bool:
         """True once a newer send of the key superseded this holder (``Replace(cancel_running=True)``): the
         body should stop (``raise_if_superseded``); its fenced writes are refused from now on."""
-        return self._superseded_event.is_set()
+        return self._marked() is not None
 
     @property
     def superseded_by(self) -> str | None:
         """The task id of the newer send that superseded this holder (None: not superseded)."""
-        return self._superseded_by
+        marked = self._marked()
+        return self._superseded_by if marked is None else marked._superseded_by
+
+    def _marked(self) -> Lease | None:
+        """This lease if it was marked superseded, else a marked lease of its set (``supersede_together``:
+        the moment the run learns of it on one key, a fenced write with any of its leases is refused,
+        not only once the others are marked from a thread), else None."""
+        if self._superseded_event.is_set():
+            return self
+        return next((lease for lease in self._together if lease._superseded_event.is_set()), None)
+
+    def supersede_with(self, leases: Iterable[Lease]) -> None:
+        """Count as superseded as soon as any of ``leases`` (its run's set) is (``LeaseSet``)."""
+        self._together = tuple(lease for lease in leases if lease is not self)
 
     @property
     def superseded_at(self) -> float | None:
@@ -237,8 +252,8 @@ class Lease:
     def raise_if_superseded(self) -> None:
         """Raise ``Superseded`` if a newer send superseded this holder: call it between steps of long
         work. Raised out of a singleton task's body, it ends the run as superseded, not as a failure."""
-        if self._superseded_event.is_set():
-            raise Superseded(self.key, self.fence, self._superseded_by)
+        if self.superseded:
+            raise Superseded(self.key, self.fence, self.superseded_by)
 
     def wait_superseded(self, timeout: float | None = None) -> bool:
         """Block until a newer send supersedes this holder (True) or ``timeout`` passes (False)."""
@@ -555,10 +570,12 @@ class LeaseSet(Lease):
         """A newer send of the set marks the holder on one key first (it visits them in turn): from then on
         every lease of the set is superseded, so that a fenced write with any of them is refused."""
 
-        def mark_all(_: Lease, by: str) -> None:
+        def mark_all(_: Lease, by: str) -> None:  # (each lease's own callbacks, from this thread)
             for lease in self.leases.values():
                 lease.mark_superseded(by)
 
+        for lease in self.leases.values():
+            lease.supersede_with(self.leases.values())
         self.on_superseded(mark_all)
 
     def mark_superseded(self, by: str) -> bool:

@@ -36,6 +36,7 @@ from celery import Celery
 from celery import signals as celery_signals
 from kombu.serialization import dumps
 
+from celery_mongolock.core.documents.handoff import made_by_an_admit
 from celery_mongolock.exceptions import UntrustedMessage
 from celery_mongolock.integration import config, lanes, signals
 from celery_mongolock.integration.results import (
@@ -402,8 +403,9 @@ _claiming = threading.local()
 
 @contextlib.contextmanager
 def claimed_at_once(run: str) -> Iterator[None]:
-    """Within: a handoff made to the run ``run`` by this thread's command is not published (the run claims
-    it in the same attempt, ``KeySetAdmits.admit_each``)."""
+    """Within: a handoff made to the run ``run`` by an admit of this thread (its own: the run claims it in
+    the same attempt, ``KeySetAdmits.admit_each``) is not published. Handoffs made to it by any other
+    command (a release, a sweep, a refill) are published as ever: that run may not be admitting them."""
     runs: set[str] = getattr(_claiming, "runs", set())
     _claiming.runs = runs | {run}
     try:
@@ -422,7 +424,7 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
         owner = app_ref()
         if owner is None:
             return
-        if entry.get("id") in getattr(_claiming, "runs", ()):
+        if entry.get("id") in getattr(_claiming, "runs", ()) and made_by_an_admit(entry):
             # Handed to the very run whose admit made the handoff (a newer send of a set that took back an
             # older run's reservation of the gate, and was the next on it): it claims it in this attempt
             # (``KeySetAdmits.admit_each``). A message would only come back as a copy of a running run.

@@ -152,16 +152,17 @@ class KeySetAdmits:
         mine = admission.superseded_by(request_id)
         if mine:  # older runs it superseded here: their results are written once it is parked (or runs)
             self.superseded[key] = (admission, list(mine))
+            for run in mine:
+                # A run of its set whose reservation of the gate it took back may wait on (or hold a
+                # reservation of) a later key: left at once, before this run admits that key, which it
+                # then finds free rather than waiting there to be handed it (one handoff message less)
+                leave_later_keys(self.store, key, run)
         return admission
 
     def write_superseded(self) -> None:
-        """The results of the runs this run superseded on its keys (its admits' ``sup``). A run of its set
-        whose reservation of the set's gate it took back may wait on a later key (it took them one
-        at a time): this run leaves that key for it (the superseded run can claim nothing any more, and
-        its place there would be handed to it for nothing)."""
+        """The results of the runs this run superseded on its keys (its admits' ``sup``; their later keys
+        were left by the admit that superseded them: ``admit``)."""
         for key, (admission, runs) in self.superseded.items():
-            for run in runs:  # (at once, also for a run whose result is left to the sweeper for now)
-                leave_later_keys(self.store, key, run)
             end_superseded(self.task, self.store, key, runs, admission.fence)
         self.superseded = {}
 
