@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -402,16 +402,17 @@ _claiming = threading.local()
 
 
 @contextlib.contextmanager
-def claimed_at_once(run: str) -> Iterator[None]:
-    """Within: a handoff made to the run ``run`` by an admit of this thread (its own: the run claims it in
-    the same attempt, ``KeySetAdmits.admit_each``) is not published. Handoffs made to it by any other
-    command (a release, a sweep, a refill) are published as ever: that run may not be admitting them."""
-    runs: set[str] = getattr(_claiming, "runs", set())
-    _claiming.runs = runs | {run}
+def claimed_at_once(run: str, held: list[Callable[[], None]]) -> Iterator[None]:
+    """Within: a handoff made to the run ``run`` by an admit of this thread (its own) is held back in
+    ``held`` (its publishing, to call), not published: the run claims it in the same attempt
+    (``KeySetAdmits.admit_claiming``), and publishes it only when that claim did not take the key.
+    Handoffs made to it by any other command (a release, a sweep, a refill) are published as ever."""
+    before: dict[str, list[Callable[[], None]]] = getattr(_claiming, "held", {})
+    _claiming.held = {**before, run: held}
     try:
         yield
     finally:
-        _claiming.runs = runs
+        _claiming.held = before
 
 
 def install_publisher(app: Celery, store: LeaseStore) -> None:
@@ -420,20 +421,25 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
         return
     app_ref = weakref.ref(app)
 
-    def publish(key: str, entry: dict[str, Any], doc: dict[str, Any]) -> None:
-        owner = app_ref()
-        if owner is None:
-            return
-        if entry.get("id") in getattr(_claiming, "runs", ()) and made_by_an_admit(entry):
-            # Handed to the very run whose admit made the handoff (a newer send of a set that took back an
-            # older run's reservation of the gate, and was the next on it): it claims it in this attempt
-            # (``KeySetAdmits.admit_each``). A message would only come back as a copy of a running run.
-            log.debug("%r handed to %s, which claims it at once", key, entry.get("t"))
-            return
+    def publish_now(owner: Celery, key: str, entry: dict[str, Any]) -> None:
         if stepwise(entry) and not moves_on(store, entry):
             log.debug("%r reserved for %s, which waits for its next key", key, entry.get("t"))
             return
         publish_handoff(owner, key, entry, store)
+
+    def publish(key: str, entry: dict[str, Any], doc: dict[str, Any]) -> None:
+        owner = app_ref()
+        if owner is None:
+            return
+        held = getattr(_claiming, "held", {}).get(entry.get("id"))
+        if held is not None and made_by_an_admit(entry):
+            # Handed to the very run whose admit made the handoff (a newer send of a set that took back an
+            # older run's reservation of the gate, and was the next on it): it claims it in this attempt.
+            # A message would only come back as a copy of a running run.
+            log.debug("%r handed to %s, which claims it at once", key, entry.get("t"))
+            held.append(lambda: publish_now(owner, key, entry))
+            return
+        publish_now(owner, key, entry)
 
     store.add_handoff_callback(publish)
     _installed.add(store)

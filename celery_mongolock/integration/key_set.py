@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery_mongolock.admission.policies import Queue, Replace
@@ -284,6 +284,28 @@ class KeySetAdmits:
             self.store.unpark(later, self.entry["id"])
             self.store.spill.drop(later, [str(self.entry["t"])])
 
+    def admit_claiming(self, key: str) -> Admission:
+        """The first admit of ``key`` in an attempt; for a run of several keys, then its claim of the key
+        when it is reserved for it already (its handoff was made: this is another message of it), or was
+        handed to it by that very admit (it took back an older run's reservation and was the next): no
+        handoff message is published for it unless that claim did not take the key."""
+        own = str(self.entry["id"])
+        held: list[Callable[[], None]] = []
+        admission: Admission | None = None
+        try:
+            with claimed_at_once(own, held) if self.stepwise else contextlib.nullcontext():
+                admission = self.admit(key, None)
+            if self.stepwise and admission.lease is None and admission.handed_to(own):
+                admission = self.admit(key, str(self.entry["tk"]))
+            return admission
+        finally:
+            if admission is None or admission.lease is None:
+                for publish in held:  # (not claimed now: its message claims it)
+                    try:
+                        publish()
+                    except Exception:  # (as ``Handoffs.publish`` does: the sweeper publishes it later)
+                        log_acquire.exception("publishing the handoff of %r to %s failed", key, own)
+
     def admit_each(self) -> tuple[list[Lease], tuple[str, Admission] | None]:
         """One attempt over every key: ``(leases, None)`` when all were taken; ``([], None)`` when the
         run is parked (or, with several keys, reserved) on each; otherwise the keys taken are given back,
@@ -295,15 +317,8 @@ class KeySetAdmits:
         taken: list[Lease] = []
         waiting = False
         try:
-            own = str(self.entry["id"])
             for key in self.keys:
-                with claimed_at_once(own) if self.stepwise else contextlib.nullcontext():
-                    admission = self.admit(key, None)
-                if self.stepwise and admission.lease is None and admission.handed_to(own):
-                    # Reserved for it already (its handoff was made, this is another message of it), or
-                    # handed to it by this admit (it took back an older run's reservation and was next):
-                    # claimed now, no handoff message published for it
-                    admission = self.admit(key, str(self.entry["tk"]))
+                admission = self.admit_claiming(key)
                 if admission.lease is not None:
                     taken.append(admission.lease)
                     continue
