@@ -135,7 +135,11 @@ def test_the_moment_one_lease_of_the_set_is_marked_a_write_with_any_other_is_ref
     once more with its group key's lease, and that write went through)."""
     holder = holds(store, run(10, [X, Y]))
     callbacks_held = threading.Event()  # (X's callbacks, the marking of the others among them, wait)
-    holder[X].on_superseded(lambda *_: callbacks_held.wait(DEADLINE))
+
+    def hold_callbacks(*_: Any) -> None:
+        callbacks_held.wait(DEADLINE)
+
+    holder[X].on_superseded(hold_callbacks)
     holder.supersede_together()
     client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
     try:

@@ -59,6 +59,12 @@ _REFILL_MOST = 256
 REFILL_BYTES = 4 * 2**20
 
 
+def _server_now(doc: Mapping[str, Any] | None) -> _dt.datetime:
+    """The server's time a read of ``doc`` carried (``__now``), else this process's."""
+    now = (doc or {}).get("__now")
+    return now if isinstance(now, _dt.datetime) else _dt.datetime.now(_dt.timezone.utc)
+
+
 class SpillOwner(Protocol):
     """What the spill needs of ``LeaseStore``."""
 
@@ -288,10 +294,23 @@ class Spill:
         return moved
 
     def drop(self, key: str, task_ids: Collection[str]) -> int:
-        """Delete the spilled runs of ``task_ids`` on ``key`` (an operator's drop): their numbers become
-        holes, which the refills skip. Returns how many were deleted."""
+        """Take the spilled runs of ``task_ids`` on ``key`` out of its queue (an operator's drop; a run that
+        left before its turn): each becomes a tombstone where it is (``lanes.LEFT``), which the refills
+        skip, the parked count leaves out (``gone``) and the server deletes a day later. Returns how many
+        were taken out."""
         with self.store.connection.operation(f"drop parked runs of {key!r}"):
-            return int(self.collection.delete_many({"k": key, "rid": {"$in": list(task_ids)}}).deleted_count)
+            match = {"k": key, "rid": {"$in": list(task_ids)}}
+            return int(self.collection.update_many(match, lanes.LEFT).modified_count)
+
+    def gone(self, key: str, doc: Mapping[str, Any]) -> int:
+        """How many of the numbers the lanes of ``key`` (its document ``doc``) still hold are tombstones,
+        not runs: a range of the ``(k, rid)`` index per lane, which reads only tombstones."""
+        total = 0
+        for lane in lanes.lanes_of(doc):
+            if lane.held > 0:
+                with self.store.connection.operation(f"count the parked runs of {key!r} that left"):
+                    total += int(self.collection.count_documents(lanes.gone_between(key, lane)))
+        return total
 
     # -- refill ----------------------------------------------------------------------------------------
     def refill_if_low(self, key: str, doc: Mapping[str, Any] | None) -> Document | None:
@@ -370,7 +389,7 @@ class Spill:
                 d = found.get(ident)
                 if d is None:
                     try:
-                        coll.insert_one(lanes.tombstone(key, ident))
+                        coll.insert_one(lanes.tombstone(key, ident, _server_now(current)))
                     except DuplicateKeyError:  # stored just now: read it
                         d = coll.find_one({"_id": ident, "k": key})
                 if d is not None and not d.get("x") and isinstance(d.get("e"), Mapping):
