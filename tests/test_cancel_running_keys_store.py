@@ -148,6 +148,7 @@ def test_the_moment_one_lease_of_the_set_is_marked_a_write_with_any_other_is_ref
         target.insert_one({"_id": "r"})
         assert holder[X].mark_superseded("r20")  # (as the lease watch does, on the first key it is told)
         assert holder.superseded and holder[Y].superseded and holder[Y].superseded_by == "r20"
+        assert holder[Y].wait_superseded(0) and holder[Y].superseded_at is not None  # (marked, not only seen)
         with pytest.raises(FencedOut) as refused:  # (no wait: the same thread, right after the mark)
             fenced_update_one(target, {"_id": "r"}, {"$set": {"by": "old-late"}}, holder[Y])
         assert refused.value.superseded_by == "r20"

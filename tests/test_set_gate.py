@@ -27,6 +27,7 @@ from celery_mongolock import (
 )
 from celery_mongolock.core.documents.sends import started_after
 from celery_mongolock.core.documents.sets import GATE_PREFIX, gate_of, is_gate, set_signature, user_keys
+from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration.trust import RefusedEntry, check_entry
 
 from .servers import server_past, wait_for
@@ -228,14 +229,17 @@ def test_an_older_send_back_on_its_gate_while_a_newer_send_is_handed_it_is_super
     assert lease is not None and doc["lo"] == "claimed", doc
 
 
+@pytest.mark.parametrize("claim", ["claims", "claim fails"])
 def test_a_newer_send_that_takes_back_the_gate_and_is_next_on_it_publishes_no_handoff_to_itself(
-    mongo_url: str, db_name: str, published: list[dict[str, Any]]
+    mongo_url: str, db_name: str, published: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, claim: str
 ) -> None:
     """A newer send of a set meets the older run's reservation of the gate (the older run waits for a
     later key), takes it back and is the next on the gate itself: it claims the gate in that attempt.
     No handoff message is published for it: one would only come back as a copy of a running run (the
     new-user trial of stop 58: 2,678 handoff messages for 900 sends of 300 sets). A handoff made to the
-    run by another command (here the release of the key it waits for) is published as ever."""
+    run by another command (here the release of the key it waits for) is published as ever. When its
+    claim in that attempt does not take the gate (MongoDB did not answer it), the handoff is published:
+    its message claims the gate later."""
     from celery.exceptions import Ignore
 
     from celery_mongolock.config import get_store
@@ -275,6 +279,24 @@ def test_a_newer_send_that_takes_back_the_gate_and_is_next_on_it_publishes_no_ha
         older, newer = f"older-{uuid.uuid4().hex}", f"newer-{uuid.uuid4().hex}"
         with pytest.raises(Ignore):  # (it got the gate and dst:1, and waits on src:1)
             take(older, 100)
+        if claim == "claim fails":
+            from celery_mongolock.integration.key_set import KeySetAdmits
+
+            admit = KeySetAdmits.admit
+
+            def claim_unanswered(admits: KeySetAdmits, key: str, token: str | None) -> Any:
+                if token is not None and key == gate_of(keys):
+                    raise StoreUnavailable("MongoDB did not answer (the test says so)")
+                return admit(admits, key, token)
+
+            monkeypatch.setattr(KeySetAdmits, "admit", claim_unanswered)
+            with pytest.raises(Exception):  # noqa: B017 (Queue's retry when MongoDB does not answer)
+                take(newer, 200)
+            monkeypatch.undo()
+            [handoff] = handoffs_to(newer)
+            assert handoff[HANDOFF_HEADER]["k"] == gate_of(keys)
+            assert store.inspect(gate_of(keys)).handoff is not None  # type: ignore[union-attr]
+            return
         with pytest.raises(Ignore):  # (it took the gate back from the older run, and waits on src:1)
             take(newer, 200)
         assert handoffs_to(newer) == [], [h[HANDOFF_HEADER]["k"] for h in handoffs_to(newer)]

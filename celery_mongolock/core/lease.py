@@ -234,15 +234,17 @@ class Lease:
 
     def _marked(self) -> Lease | None:
         """This lease if it was marked superseded, else a marked lease of its set (``supersede_together``:
-        the moment the run learns of it on one key, a fenced write with any of its leases is refused,
-        not only once the others are marked from a thread), else None."""
-        if self._superseded_event.is_set():
-            return self
+        the moment the run learns of it on one key, a fenced write with any of its leases is refused),
+        else None. (``mark_superseded`` marks the set's other leases too, at once: this only closes the
+        instant between.)"""
+        if self._superseded_event.is_set() or self._released or self._lost_reason is not None:
+            return self if self._superseded_event.is_set() else None
         return next((lease for lease in self._together if lease._superseded_event.is_set()), None)
 
-    def supersede_with(self, leases: Iterable[Lease]) -> None:
-        """Count as superseded as soon as any of ``leases`` (its run's set) is (``LeaseSet``)."""
-        self._together = tuple(lease for lease in leases if lease is not self)
+    def supersede_with(self, leases: Iterable[object]) -> None:
+        """Superseded with the other leases of its run's set (``LeaseSet.supersede_together``): marked when
+        one of them is, in the same call."""
+        self._together = tuple(lease for lease in leases if isinstance(lease, Lease) and lease is not self)
 
     @property
     def superseded_at(self) -> float | None:
@@ -271,17 +273,28 @@ class Lease:
 
     def mark_superseded(self, by: str) -> bool:
         """A newer send (task id ``by``) superseded this holder (the store calls this when the lease
-        document says so); False if it already was, or the lease is released or lost."""
+        document says so), and the other leases of its set with it (``supersede_with``); False if it
+        already was, or the lease is released or lost."""
+        callbacks = self._mark(by)
+        if callbacks is None:
+            return False
+        marked = [(self, callbacks)]
+        marked += [(mate, found) for mate in self._together if (found := mate._mark(by)) is not None]
+        for lease, found in marked:  # (every lease marked before any callback runs)
+            log_renew.info("lease %r (fence %s): superseded by a newer send (%s)", lease.key, lease.fence, by)
+            _run_callbacks(found, lease, by)
+        return True
+
+    def _mark(self, by: str) -> list[SupersededCallback] | None:
+        """Mark this lease superseded by ``by``: its callbacks to run, or None when it was already, or is
+        released or lost."""
         with self._lock:
             if self._superseded_event.is_set() or self._released or self._lost_reason is not None:
-                return False
+                return None
             self._superseded_by = by
             self._superseded_at = self.store.clock.monotonic()
             self._superseded_event.set()
-            callbacks = list(self._superseded_callbacks)
-        log_renew.info("lease %r (fence %s): superseded by a newer send (%s)", self.key, self.fence, by)
-        _run_callbacks(callbacks, self, by)
-        return True
+            return list(self._superseded_callbacks)
 
     def end_superseded(self) -> None:
         """The body stopped because a newer send superseded this holder (the Celery layer says so before

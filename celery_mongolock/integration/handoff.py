@@ -37,6 +37,7 @@ from celery import signals as celery_signals
 from kombu.serialization import dumps
 
 from celery_mongolock.core.documents.handoff import made_by_an_admit
+from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.exceptions import UntrustedMessage
 from celery_mongolock.integration import config, lanes, signals
 from celery_mongolock.integration.results import (
@@ -402,13 +403,13 @@ _claiming = threading.local()
 
 
 @contextlib.contextmanager
-def claimed_at_once(run: str, held: list[Callable[[], None]]) -> Iterator[None]:
-    """Within: a handoff made to the run ``run`` by an admit of this thread (its own) is held back in
-    ``held`` (its publishing, to call), not published: the run claims it in the same attempt
+def claimed_at_once(run: str, key: str, held: list[Callable[[], None]]) -> Iterator[None]:
+    """Within: a handoff of ``key`` made to the run ``run`` by an admit of this thread (its own) is held
+    back in ``held`` (its publishing, to call), not published: the run claims it in the same attempt
     (``KeySetAdmits.admit_claiming``), and publishes it only when that claim did not take the key.
     Handoffs made to it by any other command (a release, a sweep, a refill) are published as ever."""
-    before: dict[str, list[Callable[[], None]]] = getattr(_claiming, "held", {})
-    _claiming.held = {**before, run: held}
+    before: dict[tuple[str, str], list[Callable[[], None]]] = getattr(_claiming, "held", {})
+    _claiming.held = {**before, (run, normalize_key(key)): held}  # (as the store names it)
     try:
         yield
     finally:
@@ -431,7 +432,7 @@ def install_publisher(app: Celery, store: LeaseStore) -> None:
         owner = app_ref()
         if owner is None:
             return
-        held = getattr(_claiming, "held", {}).get(entry.get("id"))
+        held = getattr(_claiming, "held", {}).get((entry.get("id"), key))
         if held is not None and made_by_an_admit(entry):
             # Handed to the very run whose admit made the handoff (a newer send of a set that took back an
             # older run's reservation of the gate, and was the next on it): it claims it in this attempt.

@@ -80,6 +80,8 @@ class KeySetAdmits:
         self.answers: dict[str, Admission] = {}
         #: Runs this run superseded on each key (their results are written once it is parked or runs).
         self.superseded: dict[str, tuple[Admission, list[Any]]] = {}
+        #: The runs it superseded whose later keys it left already (``leave_later_keys``).
+        self.left: set[str] = set()
         #: When (``time.monotonic()``) its entry is due on the key where it is due latest: a
         #: ``Replace(debounce=...)`` run's delayed copy comes back then (``max_wait`` may make it sooner).
         self.due_at: float | None = None
@@ -152,17 +154,25 @@ class KeySetAdmits:
         mine = admission.superseded_by(request_id)
         if mine:  # older runs it superseded here: their results are written once it is parked (or runs)
             self.superseded[key] = (admission, list(mine))
-            for run in mine:
-                # A run of its set whose reservation of the gate it took back may wait on (or hold a
-                # reservation of) a later key: left at once, before this run admits that key, which it
-                # then finds free rather than waiting there to be handed it (one handoff message less)
-                leave_later_keys(self.store, key, run)
+            if admission.lease is None:  # (with a lease taken: left by ``write_superseded``, under give-back)
+                self.leave_later_keys(key, mine)
         return admission
 
+    def leave_later_keys(self, key: str, runs: list[Mapping[str, Any]]) -> None:
+        """A run of its set whose reservation of the gate this run took back may wait on (or hold a
+        reservation of) a later key: left once (every admit reply shows it until its result is written),
+        at once, before this run admits that key, which it then finds free rather than waiting there to
+        be handed it (one handoff message less)."""
+        for run in runs:
+            if str(run.get("id")) not in self.left:
+                leave_later_keys(self.store, key, run)
+                self.left.add(str(run.get("id")))
+
     def write_superseded(self) -> None:
-        """The results of the runs this run superseded on its keys (its admits' ``sup``; their later keys
-        were left by the admit that superseded them: ``admit``)."""
+        """The results of the runs this run superseded on its keys (its admits' ``sup``), their later keys
+        left first (``leave_later_keys``, if the admit that superseded them did not)."""
         for key, (admission, runs) in self.superseded.items():
+            self.leave_later_keys(key, runs)
             end_superseded(self.task, self.store, key, runs, admission.fence)
         self.superseded = {}
 
@@ -293,7 +303,7 @@ class KeySetAdmits:
         held: list[Callable[[], None]] = []
         admission: Admission | None = None
         try:
-            with claimed_at_once(own, held) if self.stepwise else contextlib.nullcontext():
+            with claimed_at_once(own, key, held) if self.stepwise else contextlib.nullcontext():
                 admission = self.admit(key, None)
             if self.stepwise and admission.lease is None and admission.handed_to(own):
                 admission = self.admit(key, str(self.entry["tk"]))
@@ -303,7 +313,7 @@ class KeySetAdmits:
                 for publish in held:  # (not claimed now: its message claims it)
                     try:
                         publish()
-                    except Exception:  # (as ``Handoffs.publish`` does: the sweeper publishes it later)
+                    except Exception:  # (as ``Handoffs.publish`` does: its handoff lapses, then goes on)
                         log_acquire.exception("publishing the handoff of %r to %s failed", key, own)
 
     def admit_each(self) -> tuple[list[Lease], tuple[str, Admission] | None]:
