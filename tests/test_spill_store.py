@@ -194,6 +194,26 @@ def test_max_length_counts_the_spilled_runs(deep: LeaseStore) -> None:
     holder.release()
 
 
+@pytest.mark.parametrize("limit", [None, 2], ids=["single", "slots"])
+def test_max_length_leaves_out_the_spilled_runs_that_left(deep: LeaseStore, limit: int | None) -> None:
+    """A ``max_length`` queue whose spilled runs left before their turn (dropped, revoked, superseded):
+    they no longer count, at once (before: until a refill passed them, and the key refused runs as full
+    while fewer than ``max_length`` waited); the cap holds all the same."""
+    holders = [deep.acquire(KEY, 30, limit=limit) for _ in range(limit or 1)]
+    assert all(holders)
+    outcomes = [deep.admit(KEY, entry(stamp), max_length=5, limit=limit)[1]["lo"] for stamp in range(10, 16)]
+    assert outcomes == ["parked"] * 5 + ["full"]
+    assert deep.spill.drop(KEY, ["task-12", "task-13"]) == 2  # (spilled: the window holds 10 and 11)
+    outcomes = [deep.admit(KEY, entry(stamp), max_length=5, limit=limit)[1]["lo"] for stamp in range(20, 24)]
+    assert outcomes == ["parked", "parked", "full", "full"]
+    info = deep.inspect(KEY)
+    assert info is not None and info.parked_total == 5
+    assert [p["task_id"] for p in info.parked] == ["task-10", "task-11", "task-14", "task-20", "task-21"]
+    for holder in holders:
+        assert holder is not None
+        holder.release()
+
+
 def test_a_newcomer_never_passes_spilled_runs_on_a_free_key(deep: LeaseStore) -> None:
     holder = deep.acquire(KEY, 30)
     assert holder is not None

@@ -432,13 +432,20 @@ class Acquisition:
         if size > most:  # (the command itself would pass MongoDB's limit; a spilled run must fit alone)
             raise MessageTooLarge(key, size, most)
         full_entry = _parked_entry(entry, store.lease_seconds if ttl is None else ttl)
+        gone: tuple[int, tuple[tuple[int, int, int], ...]] | None = None
         for _ in range(_SPILL_TRIES):
             lease, doc = self._admit_once(
                 key, full_entry, ttl, timeout=timeout, max_length=max_length, claim=claim, replace=replace,
                 debounce=debounce, due=due, max_wait=max_wait, min_hold=min_hold, info=info,
                 heartbeat=heartbeat, heartbeat_seconds=heartbeat_seconds, limit=limit, group=group,
-                cancel=cancel, window=store.spill.window if spills else None,
+                cancel=cancel, window=store.spill.window if spills else None, gone=gone,
             )  # fmt: skip
+            if doc.get("lo") == "full" and max_length is not None and spills and gone is None:
+                # Its lanes may hold runs that left before their turn: counted out, the admit is made again
+                # (once; only when the queue looks full).
+                gone = store.spill.gone_allowance(normalize_key(key), doc)
+                if gone is not None:
+                    continue
             if lease is not None or doc.get("lo") != "spilled":
                 return lease, doc
             if store.spill.park(normalize_key(key), full_entry, doc, timeout) != Stored.AGAIN:
@@ -468,6 +475,7 @@ class Acquisition:
         group: str | None,
         cancel: bool,
         window: int | None,
+        gone: tuple[int, tuple[tuple[int, int, int], ...]] | None = None,
     ) -> tuple[Lease | None, Document]:
         """One admit command (``admit``)."""
         store = self.store
@@ -501,6 +509,7 @@ class Acquisition:
                 **({"cancel": True} if cancel else {}),
                 **({"max_wait_ms": int(max_wait * 1000)} if max_wait and debounce else {}),
                 **({"window": window} if window else {}),
+                **({"gone": gone} if gone else {}),
             },
             limit=limit,
         )

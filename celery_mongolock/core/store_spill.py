@@ -302,6 +302,22 @@ class Spill:
             match = {"k": key, "rid": {"$in": list(task_ids)}}
             return int(self.collection.update_many(match, lanes.LEFT).modified_count)
 
+    def gone_allowance(
+        self, key: str, doc: Mapping[str, Any]
+    ) -> tuple[int, tuple[tuple[int, int, int], ...]] | None:
+        """The tombstones the lanes of ``key`` hold (its document ``doc``) and where each lane stood:
+        what a ``max_length`` admit may leave out of its count (``admit_stages.gone_allowance``); None when
+        there are none (or MongoDB did not answer the count: the admit's answer stands)."""
+        if not any(lane.held > 0 for lane in lanes.lanes_of(doc)):
+            return None
+        try:
+            count = self.gone(key, doc)
+        except StoreUnavailable as exc:
+            log.warning("counting the parked runs of %r that left failed: %s", key, exc)
+            return None
+        heads = tuple((lane.rank, lane.epoch, lane.head) for lane in lanes.lanes_of(doc))
+        return (count, heads) if count else None
+
     def gone(self, key: str, doc: Mapping[str, Any]) -> int:
         """How many of the numbers the lanes of ``key`` (its document ``doc``) still hold are tombstones,
         not runs: a range of the ``(k, rid)`` index per lane, which reads only tombstones."""
