@@ -152,11 +152,22 @@ class Spill:
         )
         ident = lanes.spill_id(key, rank, epoch, number)
         doc = {"_id": ident, "k": key, "rid": str(entry["t"]), "r": rank, "ep": epoch, "n": number, "e": full}
-        for _ in range(3):
-            outcome = self._insert(key, doc)
-            if outcome is not None:
-                return outcome
-        return Stored.DUP  # (a stored run of the task kept coming back under a passed number: never twice)
+        outcome = next((o for o in (self._insert(key, doc) for _ in range(3)) if o is not None), Stored.DUP)
+        if outcome == Stored.DUP:  # (a stored run of the task kept coming back under a passed number: DUP)
+            self._give_up(key, ident, at)
+        return outcome
+
+    def _give_up(self, key: str, ident: str, now: object) -> None:
+        """The number ``ident`` a copy's admit took holds no run: a tombstone under it at once, so that the
+        parked count leaves it out (``gone``) before a refill passes it. Best effort: else a hole."""
+        when = now if isinstance(now, _dt.datetime) else None
+        try:
+            with self.store.connection.operation(f"give up a number of {key!r}"):
+                self.collection.insert_one(lanes.tombstone(key, ident, when or _server_now(None)))
+        except DuplicateKeyError:
+            pass  # (a refill gave it up first)
+        except StoreUnavailable as exc:
+            log.debug("giving up a number of %r failed: %s", key, exc)
 
     def _insert(self, key: str, doc: Document) -> str | None:
         """One insert of the spilled run ``doc``, sent again while its outcome is unknown (the same
