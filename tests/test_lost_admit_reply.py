@@ -46,6 +46,19 @@ def admit_set(task: Any, keys: list[str]) -> Any:
     return LeaseSet(got) if isinstance(got, list) else got
 
 
+def _delivered(task: Any, run: str, headers: dict[str, Any], keys: list[str]) -> Any:
+    """A delivery of the run ``run`` of a task of two keys (arguments ``(1, 1)``) reaching admission in a
+    worker: its ``LeaseSet``, or its outcome (or it raises)."""
+    task.push_request(
+        id=run, args=(1, 1), kwargs={}, headers={"mongolock_sent": 100, **headers}, delivery_info={},
+        hostname="w1", retries=0, is_eager=False, called_directly=False,
+    )  # fmt: skip
+    try:
+        return admit_set(task, keys)
+    finally:
+        task.pop_request()
+
+
 @pytest.fixture
 def app(mongo_url: str, db_name: str) -> Iterator[Celery]:
     app = Celery("lost_admit_reply", broker="memory://", backend="cache+memory://")
@@ -260,14 +273,7 @@ def test_the_same_for_a_run_that_needs_several_keys(
     run = f"run-{uuid.uuid4().hex}"
 
     def take(headers: dict[str, Any]) -> Any:
-        pair.push_request(
-            id=run, args=(1, 1), kwargs={}, headers={"mongolock_sent": 100, **headers}, delivery_info={},
-            hostname="w1", retries=0, is_eager=False, called_directly=False,
-        )  # fmt: skip
-        try:
-            return admit_set(pair, keys)
-        finally:
-            pair.pop_request()
+        return _delivered(pair, run, headers, keys)
 
     def handed_and_ran(reply: Any) -> None:
         assert reply is not None and reply["lo"] == "parked", reply
@@ -457,14 +463,7 @@ def test_a_redelivered_handoff_of_a_set_whose_run_ran_is_never_admitted_again(
     run = f"run-{uuid.uuid4().hex}"
 
     def take(headers: dict[str, Any]) -> Any:
-        pair.push_request(
-            id=run, args=(1, 1), kwargs={}, headers={"mongolock_sent": 100, **headers}, delivery_info={},
-            hostname="w1", retries=0, is_eager=False, called_directly=False,
-        )  # fmt: skip
-        try:
-            return admit_set(pair, keys)
-        finally:
-            pair.pop_request()
+        return _delivered(pair, run, headers, keys)
 
     with pytest.raises(Ignore):  # (it takes a:1 and waits on b:1)
         take({})
