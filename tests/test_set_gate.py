@@ -27,7 +27,6 @@ from celery_mongolock import (
 )
 from celery_mongolock.core.documents.sends import started_after
 from celery_mongolock.core.documents.sets import GATE_PREFIX, gate_of, is_gate, set_signature, user_keys
-from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration.trust import RefusedEntry, check_entry
 
 from .servers import server_past, wait_for
@@ -227,89 +226,6 @@ def test_an_older_send_back_on_its_gate_while_a_newer_send_is_handed_it_is_super
     assert lease is None and doc["lo"] == "superseded" and doc["lo_by"] == "newer"
     lease, doc = admit(newer, ttl=30, claim=newer["tk"])
     assert lease is not None and doc["lo"] == "claimed", doc
-
-
-@pytest.mark.parametrize("claim", ["claims", "claim fails"])
-def test_a_newer_send_that_takes_back_the_gate_and_is_next_on_it_publishes_no_handoff_to_itself(
-    mongo_url: str, db_name: str, published: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, claim: str
-) -> None:
-    """A newer send of a set meets the older run's reservation of the gate (the older run waits for a
-    later key), takes it back and is the next on the gate itself: it claims the gate in that attempt.
-    No handoff message is published for it: one would only come back as a copy of a running run (the
-    new-user trial of stop 58: 2,678 handoff messages for 900 sends of 300 sets). A handoff made to the
-    run by another command (here the release of the key it waits for) is published as ever. When its
-    claim in that attempt does not take the gate (MongoDB did not answer it), the handoff is published:
-    its message claims the gate later."""
-    from celery.exceptions import Ignore
-
-    from celery_mongolock.config import get_store
-    from celery_mongolock.integration.handoff import HANDOFF_HEADER
-    from celery_mongolock.integration.queued_run import QueuedRun
-
-    app = Celery("gate_self_handoff", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(mongolock_url=mongo_url, mongolock_database=db_name, mongolock_lease_seconds=5.0)
-
-    @singleton_task(
-        keys=("src:{src}", "dst:{dst}"), app=app, name="gate.merge_groups", bind=True,
-        on_contention=Replace(), shared=False,
-    )  # fmt: skip
-    def merge(self: Any, src: int, dst: int) -> str:
-        return "merged"
-
-    store = get_store(app)
-    keys = ["dst:1", "src:1"]
-    holder = store.acquire("src:1", ttl=30)  # (the set's later key is busy: its runs wait there)
-    assert holder is not None
-
-    def take(run: str, sent: int, headers: dict[str, Any] | None = None) -> Any:
-        merge.push_request(
-            id=run, args=(1, 1), kwargs={}, headers={"mongolock_sent": sent, **(headers or {})},
-            delivery_info={}, hostname="w1", retries=0, is_eager=False, called_directly=False,
-        )  # fmt: skip
-        try:
-            got = QueuedRun(merge, keys, merge._options(), one=False).take()
-            return LeaseSet(got) if isinstance(got, list) else got
-        finally:
-            merge.pop_request()
-
-    def handoffs_to(run: str) -> list[dict[str, Any]]:
-        return [h for h in published if h.get("id") == run and HANDOFF_HEADER in h]
-
-    try:
-        older, newer = f"older-{uuid.uuid4().hex}", f"newer-{uuid.uuid4().hex}"
-        with pytest.raises(Ignore):  # (it got the gate and dst:1, and waits on src:1)
-            take(older, 100)
-        if claim == "claim fails":
-            from celery_mongolock.integration.key_set import KeySetAdmits
-
-            admit = KeySetAdmits.admit
-
-            def claim_unanswered(admits: KeySetAdmits, key: str, token: str | None) -> Any:
-                if token is not None and key == gate_of(keys):
-                    raise StoreUnavailable("MongoDB did not answer (the test says so)")
-                return admit(admits, key, token)
-
-            monkeypatch.setattr(KeySetAdmits, "admit", claim_unanswered)
-            with pytest.raises(Exception):  # noqa: B017 (Queue's retry when MongoDB does not answer)
-                take(newer, 200)
-            monkeypatch.undo()
-            [handoff] = handoffs_to(newer)
-            assert handoff[HANDOFF_HEADER]["k"] == gate_of(keys)
-            assert store.inspect(gate_of(keys)).handoff is not None  # type: ignore[union-attr]
-            return
-        with pytest.raises(Ignore):  # (it took the gate back from the older run, and waits on src:1)
-            take(newer, 200)
-        assert handoffs_to(newer) == [], [h[HANDOFF_HEADER]["k"] for h in handoffs_to(newer)]
-        older_result = app.backend.get_task_meta(older, cache=False)
-        assert older_result["status"] == "SUCCESS" and older_result["result"]["mongolock"] == "superseded"
-        holder.release()  # (src:1 is handed to the newer run by this release: published once)
-        [handoff] = handoffs_to(newer)
-        taken = take(newer, 200, handoff)
-        assert isinstance(taken, LeaseSet) and sorted(taken.keys) == keys
-        taken.release()
-        assert handoffs_to(older) == []
-    finally:
-        store.close()
 
 
 def test_a_parked_run_of_a_set_shows_the_task_s_keys_not_its_gate(store: LeaseStore) -> None:

@@ -29,15 +29,13 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery import signals as celery_signals
 from kombu.serialization import dumps
 
-from celery_mongolock.core.documents.handoff import made_by_an_admit
-from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.exceptions import UntrustedMessage
 from celery_mongolock.integration import config, lanes, signals
 from celery_mongolock.integration.results import (
@@ -399,48 +397,20 @@ def moves_on(store: LeaseStore, entry: Mapping[str, Any]) -> bool:
 _installed: weakref.WeakSet[LeaseStore] = weakref.WeakSet()
 
 
-_claiming = threading.local()
-
-
-@contextlib.contextmanager
-def claimed_at_once(run: str, key: str, held: list[Callable[[], None]]) -> Iterator[None]:
-    """Within: a handoff of ``key`` made to the run ``run`` by an admit of this thread (its own) is held
-    back in ``held`` (its publishing, to call), not published: the run claims it in the same attempt
-    (``KeySetAdmits.admit_claiming``), and publishes it only when that claim did not take the key.
-    Handoffs made to it by any other command (a release, a sweep, a refill) are published as ever."""
-    before: dict[tuple[str, str], list[Callable[[], None]]] = getattr(_claiming, "held", {})
-    _claiming.held = {**before, (run, normalize_key(key)): held}  # (as the store names it)
-    try:
-        yield
-    finally:
-        _claiming.held = before
-
-
 def install_publisher(app: Celery, store: LeaseStore) -> None:
     """Have ``store`` publish the handoffs its commands make, through ``app``."""
     if store in _installed:
         return
     app_ref = weakref.ref(app)
 
-    def publish_now(owner: Celery, key: str, entry: dict[str, Any]) -> None:
-        if stepwise(entry) and not moves_on(store, entry):
-            log.debug("%r reserved for %s, which waits for its next key", key, entry.get("t"))
-            return
-        publish_handoff(owner, key, entry, store)
-
     def publish(key: str, entry: dict[str, Any], doc: dict[str, Any]) -> None:
         owner = app_ref()
         if owner is None:
             return
-        held = getattr(_claiming, "held", {}).get((entry.get("id"), key))
-        if held is not None and made_by_an_admit(entry):
-            # Handed to the very run whose admit made the handoff (a newer send of a set that took back an
-            # older run's reservation of the gate, and was the next on it): it claims it in this attempt.
-            # A message would only come back as a copy of a running run.
-            log.debug("%r handed to %s, which claims it at once", key, entry.get("t"))
-            held.append(lambda: publish_now(owner, key, entry))
+        if stepwise(entry) and not moves_on(store, entry):
+            log.debug("%r reserved for %s, which waits for its next key", key, entry.get("t"))
             return
-        publish_now(owner, key, entry)
+        publish_handoff(owner, key, entry, store)
 
     store.add_handoff_callback(publish)
     _installed.add(store)

@@ -12,15 +12,13 @@ decides what each answer means for the task.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery_mongolock.admission.policies import Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import StoreUnavailable
-from celery_mongolock.integration.handoff import claimed_at_once
 from celery_mongolock.integration.results import has_backend, leave_later_keys
 from celery_mongolock.integration.runs import (
     GuardedRun,
@@ -80,8 +78,6 @@ class KeySetAdmits:
         self.answers: dict[str, Admission] = {}
         #: Runs this run superseded on each key (their results are written once it is parked or runs).
         self.superseded: dict[str, tuple[Admission, list[Any]]] = {}
-        #: The runs it superseded whose later keys it left already (``leave_later_keys``).
-        self.left: set[str] = set()
         #: When (``time.monotonic()``) its entry is due on the key where it is due latest: a
         #: ``Replace(debounce=...)`` run's delayed copy comes back then (``max_wait`` may make it sooner).
         self.due_at: float | None = None
@@ -154,25 +150,16 @@ class KeySetAdmits:
         mine = admission.superseded_by(request_id)
         if mine:  # older runs it superseded here: their results are written once it is parked (or runs)
             self.superseded[key] = (admission, list(mine))
-            if admission.lease is None:  # (with a lease taken: left by ``write_superseded``, under give-back)
-                self.leave_later_keys(key, mine)
         return admission
 
-    def leave_later_keys(self, key: str, runs: list[Mapping[str, Any]]) -> None:
-        """A run of its set whose reservation of the gate this run took back may wait on (or hold a
-        reservation of) a later key: left once (every admit reply shows it until its result is written),
-        at once, before this run admits that key, which it then finds free rather than waiting there to
-        be handed it (one handoff message less)."""
-        for run in runs:
-            if str(run.get("id")) not in self.left:
-                leave_later_keys(self.store, key, run)
-                self.left.add(str(run.get("id")))
-
     def write_superseded(self) -> None:
-        """The results of the runs this run superseded on its keys (its admits' ``sup``), their later keys
-        left first (``leave_later_keys``, if the admit that superseded them did not)."""
+        """The results of the runs this run superseded on its keys (its admits' ``sup``). A run of its set
+        whose reservation of the set's gate it took back may wait on a later key (it took them one
+        at a time): this run leaves that key for it (the superseded run can claim nothing any more, and
+        its place there would be handed to it for nothing)."""
         for key, (admission, runs) in self.superseded.items():
-            self.leave_later_keys(key, runs)
+            for run in runs:  # (at once, also for a run whose result is left to the sweeper for now)
+                leave_later_keys(self.store, key, run)
             end_superseded(self.task, self.store, key, runs, admission.fence)
         self.superseded = {}
 
@@ -294,28 +281,6 @@ class KeySetAdmits:
             self.store.unpark(later, self.entry["id"])
             self.store.spill.drop(later, [str(self.entry["t"])])
 
-    def admit_claiming(self, key: str) -> Admission:
-        """The first admit of ``key`` in an attempt; for a run of several keys, then its claim of the key
-        when it is reserved for it already (its handoff was made: this is another message of it), or was
-        handed to it by that very admit (it took back an older run's reservation and was the next): no
-        handoff message is published for it unless that claim did not take the key."""
-        own = str(self.entry["id"])
-        held: list[Callable[[], None]] = []
-        admission: Admission | None = None
-        try:
-            with claimed_at_once(own, key, held) if self.stepwise else contextlib.nullcontext():
-                admission = self.admit(key, None)
-            if self.stepwise and admission.lease is None and admission.handed_to(own):
-                admission = self.admit(key, str(self.entry["tk"]))
-            return admission
-        finally:
-            if admission is None or admission.lease is None:
-                for publish in held:  # (not claimed now: its message claims it)
-                    try:
-                        publish()
-                    except Exception:  # (as ``Handoffs.publish`` does: its handoff lapses, then goes on)
-                        log_acquire.exception("publishing the handoff of %r to %s failed", key, own)
-
     def admit_each(self) -> tuple[list[Lease], tuple[str, Admission] | None]:
         """One attempt over every key: ``(leases, None)`` when all were taken; ``([], None)`` when the
         run is parked (or, with several keys, reserved) on each; otherwise the keys taken are given back,
@@ -328,7 +293,10 @@ class KeySetAdmits:
         waiting = False
         try:
             for key in self.keys:
-                admission = self.admit_claiming(key)
+                admission = self.admit(key, None)
+                if self.stepwise and admission.lease is None and admission.handed_to(str(self.entry["id"])):
+                    # Reserved for it already (its handoff was made, this is another message of it): claimed
+                    admission = self.admit(key, str(self.entry["tk"]))
                 if admission.lease is not None:
                     taken.append(admission.lease)
                     continue

@@ -23,7 +23,6 @@ __all__ = [
     "HANDOFF_PROJECTION",
     "admit_marker",
     "handoff_stages",
-    "made_by_an_admit",
     "release_handoff_stages",
     "requeue_handoff",
     "reserve_pipeline",
@@ -55,12 +54,6 @@ def admit_marker(token: str) -> str:
     takes, and that hold's release (marked with the owner's token) must not take pending handoffs made
     by the admit for its own and publish them a second time."""
     return f"admit:{token}"
-
-
-def made_by_an_admit(handoff: Mapping[str, Any]) -> bool:
-    """Whether the handoff ``handoff`` (an ``ho``) was made by an admit (marked with ``admit_marker``),
-    not by a release, a sweep or a refill."""
-    return str(handoff.get("by") or "").startswith("admit:")
 
 
 #: How many endings a lease document keeps in ``ends`` (``_documents.ENDS_KEPT``).
