@@ -40,7 +40,7 @@ def admit_one(task: Any, key: str) -> Any:
 
 def admit_set(task: Any, keys: list[str]) -> Any:
     """The same for a run of several keys: a ``LeaseSet`` of them all."""
-    from celery_mongolock.core.lease import LeaseSet
+    from celery_mongolock.core.lease_set import LeaseSet
 
     got = QueuedRun(task, keys, task._options(), one=False).take()
     return LeaseSet(got) if isinstance(got, list) else got
