@@ -11,7 +11,7 @@ from celery_mongolock.admission.policies import Fail, Queue, Replace, Retry, Ski
 from celery_mongolock.admission.rate import RateLimit, Throttle
 from celery_mongolock.core.document_lock import DocumentLease, DocumentLock, DocumentWrite
 from celery_mongolock.core.fencing import FencedOut, fenced_update_one
-from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.lease_set import LeaseSet
 from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.store import Lease, LeaseInfo, LeaseStore
 from celery_mongolock.exceptions import (

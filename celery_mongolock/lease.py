@@ -1,7 +1,22 @@
-"""The public import path of :mod:`celery_mongolock.core.lease`.
+"""The public import path of the lease value objects (:mod:`celery_mongolock.core.lease`,
+:mod:`celery_mongolock.core.lease_set`), for users' imports and settings that name this path."""
 
-Everything that module exports, for users' imports and settings that name this path.
-"""
+from celery_mongolock.core.lease import (
+    Lease,
+    LeaseBackend,
+    LeaseInfo,
+    LostCallback,
+    SupersededCallback,
+    local_ttl,
+)
+from celery_mongolock.core.lease_set import LeaseSet
 
-from celery_mongolock.core.lease import *  # noqa: F403
-from celery_mongolock.core.lease import __all__  # noqa: F401  (re-exported)
+__all__ = [
+    "Lease",
+    "LeaseBackend",
+    "LeaseInfo",
+    "LeaseSet",
+    "LostCallback",
+    "SupersededCallback",
+    "local_ttl",
+]

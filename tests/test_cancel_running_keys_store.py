@@ -13,7 +13,7 @@ import pytest
 from pymongo import MongoClient
 
 from celery_mongolock import FencedOut, LeaseStore, Superseded, fenced_update_one
-from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.lease_set import LeaseSet
 
 from .servers import wait_for
 from .test_admission_store import Handoffs

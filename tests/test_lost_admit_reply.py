@@ -22,6 +22,7 @@ from pymongo.errors import AutoReconnect
 
 from celery_mongolock import LeaseStore, Queue, Replace, Superseded, singleton_task
 from celery_mongolock.config import get_store
+from celery_mongolock.core.documents.sets import gate_of
 from celery_mongolock.core.store_acquire import Acquisition
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration.duplicates import DUPLICATE_HEADER, LOOKED_AGAIN_HEADER
@@ -39,10 +40,23 @@ def admit_one(task: Any, key: str) -> Any:
 
 def admit_set(task: Any, keys: list[str]) -> Any:
     """The same for a run of several keys: a ``LeaseSet`` of them all."""
-    from celery_mongolock.core.lease import LeaseSet
+    from celery_mongolock.core.lease_set import LeaseSet
 
     got = QueuedRun(task, keys, task._options(), one=False).take()
     return LeaseSet(got) if isinstance(got, list) else got
+
+
+def _delivered(task: Any, run: str, headers: dict[str, Any], keys: list[str]) -> Any:
+    """A delivery of the run ``run`` of a task of two keys (arguments ``(1, 1)``) reaching admission in a
+    worker: its ``LeaseSet``, or its outcome (or it raises)."""
+    task.push_request(
+        id=run, args=(1, 1), kwargs={}, headers={"mongolock_sent": 100, **headers}, delivery_info={},
+        hostname="w1", retries=0, is_eager=False, called_directly=False,
+    )  # fmt: skip
+    try:
+        return admit_set(task, keys)
+    finally:
+        task.pop_request()
 
 
 @pytest.fixture
@@ -259,14 +273,7 @@ def test_the_same_for_a_run_that_needs_several_keys(
     run = f"run-{uuid.uuid4().hex}"
 
     def take(headers: dict[str, Any]) -> Any:
-        pair.push_request(
-            id=run, args=(1, 1), kwargs={}, headers={"mongolock_sent": 100, **headers}, delivery_info={},
-            hostname="w1", retries=0, is_eager=False, called_directly=False,
-        )  # fmt: skip
-        try:
-            return admit_set(pair, keys)
-        finally:
-            pair.pop_request()
+        return _delivered(pair, run, headers, keys)
 
     def handed_and_ran(reply: Any) -> None:
         assert reply is not None and reply["lo"] == "parked", reply
@@ -428,3 +435,56 @@ def test_a_second_look_that_cannot_ask_mongodb_looks_again_later_instead_of_bein
     monkeypatch.undo()
     ended = second_look()
     assert isinstance(ended, dict) and ended["mongolock"] == "already-ran", ended
+
+
+@pytest.mark.parametrize("limit", [None, 2], ids=["single", "slots"])
+@pytest.mark.parametrize("policy", ["queue", "replace"])
+def test_a_redelivered_handoff_of_a_set_whose_run_ran_is_never_admitted_again(
+    app: Celery, published: list[dict[str, Any]], policy: str, limit: int | None
+) -> None:
+    """A run of two keys waited on its second key, was handed it, ran and released both keys; its worker
+    died before storing the result, and its handoff message comes again (``acks_late``). That delivery
+    finds the run over: it looks again later and is never admitted again (nothing taken, parked or handed),
+    and a result stored meanwhile is kept. (The loop stop 57 fixed, a redelivered handoff that went round
+    from key to key, needed more than this: this test passes without that fix; the lock-set checker's
+    RabbitMQ run found it.)"""
+
+    @singleton_task(
+        keys=("a:{a}", "b:{b}"), app=app, name=f"lost_reply.ran_{policy}{limit}", bind=True, shared=False,
+        on_contention=Queue() if policy == "queue" else Replace(), limit=limit,
+    )  # fmt: skip
+    def pair(self: Any, a: int, b: int) -> str:
+        return "ran"
+
+    store: LeaseStore = get_store(app)
+    keys = ["a:1", "b:1"]
+    holders = [store.acquire("b:1", ttl=30, limit=limit) for _ in range(limit or 1)]
+    assert all(holders)
+    run = f"run-{uuid.uuid4().hex}"
+
+    def take(headers: dict[str, Any]) -> Any:
+        return _delivered(pair, run, headers, keys)
+
+    with pytest.raises(Ignore):  # (it takes a:1 and waits on b:1)
+        take({})
+    for holder in holders:
+        assert holder is not None
+        holder.release()
+    [published_handoff] = [h for h in published if h.get("id") == run and HANDOFF_HEADER in h]
+    # (its custom headers, as a worker's request has them: Celery's own are attributes there)
+    handoff = {name: value for name, value in published_handoff.items() if name.startswith("mongolock")}
+    taken = take(handoff)
+    assert sorted(taken.keys) == keys
+    taken.release()  # (its body ran; its worker dies before storing the result)
+    before = len(published)
+    with pytest.raises(Ignore):
+        take(handoff)  # the handoff message, delivered again
+    for key in keys:  # (not taken again, nor parked, nor handed)
+        info = store.inspect(key)
+        assert info is None or not (info.held or info.parked or info.handoff), info
+    [copy] = _marked_copies(published[before:], run)
+    assert copy[LOOKED_AGAIN_HEADER]["k"] in [gate_of(keys), *keys]
+    app.backend.mark_as_done(run, "its own result")
+    with pytest.raises(Ignore):
+        _second_look(pair, run, copy, (1, 1))
+    assert app.backend.get_task_meta(run, cache=False)["result"] == "its own result"

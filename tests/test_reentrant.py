@@ -18,7 +18,7 @@ from celery_mongolock import (
     ReentrantHold,
     Superseded,
 )
-from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.lease_set import LeaseSet
 from celery_mongolock.core.reentry import current_owner, run_scope
 
 from .conftest import CommandCounter

@@ -89,6 +89,7 @@ def test_a_lease_set_names_the_task_s_keys_not_its_gate(store: LeaseStore) -> No
         assert held[gate].key == gate  # (reachable by its name, renewed and released with the others)
         assert len(held) == 2 and [lease.key for lease in held] == keys  # (its keys; ``leases`` has the gate)
         assert list(held.leases) == [gate, *keys]
+        assert GATE_PREFIX not in repr(held) and all(key in repr(held) for key in keys)
         assert store.collection.find_one({"_id": gate}, {"owner": 1})["owner"] == held[gate].owner  # type: ignore[index]
         story = store.why(gate)
         assert story is not None and story.verdict.startswith("the gate of a Replace task's set of keys")
@@ -225,3 +226,21 @@ def test_an_older_send_back_on_its_gate_while_a_newer_send_is_handed_it_is_super
     assert lease is None and doc["lo"] == "superseded" and doc["lo_by"] == "newer"
     lease, doc = admit(newer, ttl=30, claim=newer["tk"])
     assert lease is not None and doc["lo"] == "claimed", doc
+
+
+def test_a_parked_run_of_a_set_shows_the_task_s_keys_not_its_gate(store: LeaseStore) -> None:
+    """What ``inspect``, ``why`` and ``celery mongolock queue`` show of a parked run of a set: its keys,
+    never its gate (its entry's ``ks`` holds the gate first)."""
+    keys = sorted([f"a:{uuid.uuid4().hex}", f"b:{uuid.uuid4().hex}"])
+    holder = store.acquire(keys[0], 30)
+    assert holder is not None
+    try:
+        run = {"id": "t-9/0", "t": "t-9", "n": "gate.merge", "s": 9, "ks": [gate_of(keys), *keys]}
+        lease, doc = store.admit(keys[0], run, ttl=30)
+        assert lease is None and doc["lo"] == "parked", doc.get("lo")
+        info = store.inspect(keys[0])
+        assert info is not None and [p["keys"] for p in info.parked] == [keys]
+        story = store.why(keys[0])
+        assert story is not None and [p.keys for p in story.parked] == [tuple(keys)]
+    finally:
+        holder.release()

@@ -76,6 +76,8 @@ class SpillMachine(RuleBasedStateMachine):
         #: The last release's refill never came (``release_without_its_refill``): a free key (or slot) may
         #: wait for the next refill or the sweeper.
         self.refill_missed = False
+        #: Numbers whose run was never stored (``stop_before_insert``): counted until a refill passes them.
+        self.holes = 0
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _entry(self, tid: str, stamp: int, rank: int) -> dict[str, Any]:
@@ -148,6 +150,43 @@ class SpillMachine(RuleBasedStateMachine):
         lease, doc = self.store.admit(KEY, self._entry(tid, stamp, rank), ttl=600, limit=self.LIMIT)
         assert lease is None and doc["lo"] == "dup", doc.get("lo")
 
+    @precondition(lambda self: self.sent < 40)
+    @rule(rank=st.sampled_from([0, 0, 1]), cap=st.integers(min_value=1, max_value=8))
+    def send_capped(self, rank: int, cap: int) -> None:
+        """A ``Queue(max_length=cap)`` send: ``full`` exactly when ``cap`` runs wait (runs that left before
+        their turn not counted; a hole may be, until a refill passes it)."""
+        self.refill_missed = False
+        tid, stamp = self._new(rank)
+        waiting = len(self.parked)
+        pending = 0 if self.unclaimed is None else 1  # (a run handed the key may count until it claims it)
+        entry = self._entry(tid, stamp, rank)
+        lease, doc = self.store.admit(KEY, entry, ttl=600, limit=self.LIMIT, max_length=cap)
+        outcome = "acquired" if lease is not None else str(doc.get("lo"))
+        if outcome == "full":
+            assert waiting + pending + self.holes >= cap, (
+                f"full at {waiting} waiting (cap {cap}): {self.parked}"
+            )
+        elif outcome == "parked":
+            assert waiting < cap, f"parked as the {waiting + 1}th (cap {cap}): {self.parked}"
+            self.parked.append((rank, stamp, tid))
+        else:
+            assert outcome == "acquired", outcome
+            assert lease is not None and not self.parked, f"{tid} took the key past {self.parked}"
+            self.holders.append(lease)
+            self.ran.append(tid)
+        self._claim_handed()
+
+    @precondition(lambda self: bool(self.parked))
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        """A parked run leaves before its turn (revoked, dropped, superseded): out of the window or the
+        spill, where it is."""
+        rank, stamp, tid = data.draw(st.sampled_from(self.parked), label="leaves")
+        self.store.unpark(KEY, f"{tid}/0")
+        self.store.spill.drop(KEY, [tid])
+        self.parked.remove((rank, stamp, tid))
+        self._claim_handed()
+
     @precondition(lambda self: len(self.holders) == (self.LIMIT or 1) and self.sent < 40)
     @rule(rank=st.sampled_from([0, 1]))
     def stop_before_insert(self, rank: int) -> None:
@@ -169,6 +208,7 @@ class SpillMachine(RuleBasedStateMachine):
             self.store.spill.store_entry = real  # type: ignore[method-assign]
         assert outcome in ("parked", "stopped")
         if outcome == "stopped":
+            self.holes += 1
             again, stamp = self._new(rank)  # (the same message, delivered again later: a new place)
             assert self._admit(again, stamp, rank) == "parked"
 
@@ -251,6 +291,12 @@ class SpillMachine(RuleBasedStateMachine):
             f"the key has room ({self.holders}) while runs wait: {self.parked}"
         )
         assert all(t is None or t in self.ran or t in pending for t in handed), handed
+        info = self.store.inspect(KEY)
+        counted = 0 if info is None else info.parked_total
+        # (the count leaves out runs that left; a run handed the key may keep its place until it claims it,
+        # and a hole counts until a refill passes it)
+        most = len(self.parked) + len(pending) + self.holes
+        assert len(self.parked) <= counted <= most, (counted, self.parked, pending, self.holes)
 
     def teardown(self) -> None:
         try:

@@ -194,6 +194,26 @@ def test_max_length_counts_the_spilled_runs(deep: LeaseStore) -> None:
     holder.release()
 
 
+@pytest.mark.parametrize("limit", [None, 2], ids=["single", "slots"])
+def test_max_length_leaves_out_the_spilled_runs_that_left(deep: LeaseStore, limit: int | None) -> None:
+    """A ``max_length`` queue whose spilled runs left before their turn (dropped, revoked, superseded):
+    they no longer count, at once (before: until a refill passed them, and the key refused runs as full
+    while fewer than ``max_length`` waited); the cap holds all the same."""
+    holders = [deep.acquire(KEY, 30, limit=limit) for _ in range(limit or 1)]
+    assert all(holders)
+    outcomes = [deep.admit(KEY, entry(stamp), max_length=5, limit=limit)[1]["lo"] for stamp in range(10, 16)]
+    assert outcomes == ["parked"] * 5 + ["full"]
+    assert deep.spill.drop(KEY, ["task-12", "task-13"]) == 2  # (spilled: the window holds 10 and 11)
+    outcomes = [deep.admit(KEY, entry(stamp), max_length=5, limit=limit)[1]["lo"] for stamp in range(20, 24)]
+    assert outcomes == ["parked", "parked", "full", "full"]
+    info = deep.inspect(KEY)
+    assert info is not None and info.parked_total == 5
+    assert [p["task_id"] for p in info.parked] == ["task-10", "task-11", "task-14", "task-20", "task-21"]
+    for holder in holders:
+        assert holder is not None
+        holder.release()
+
+
 def test_a_newcomer_never_passes_spilled_runs_on_a_free_key(deep: LeaseStore) -> None:
     holder = deep.acquire(KEY, 30)
     assert holder is not None
@@ -409,6 +429,41 @@ def test_revoked_spilled_runs_are_found_by_their_task_ids_and_dropped(deep: Leas
     assert sorted(r["t"] for r in found) == ["task-13", "task-15"]  # (task-10 is in the window)
     assert deep.spill.drop(KEY, ["task-13", "task-15"]) == 2
     assert run_all(deep, handoffs, holder) == ["task-10", "task-11", "task-12", "task-14"]
+
+
+def test_a_spilled_run_that_left_is_counted_out_at_once_and_its_tombstone_expires(deep: LeaseStore) -> None:
+    """A spilled run that leaves before its turn (dropped, revoked, superseded) becomes a tombstone where
+    it is: the parked count of ``inspect``, ``why`` and ``list`` leaves it out at once (before: until a
+    refill passed its number; a new user's trial counted 485 runs and listed 299), the server deletes it a
+    day later (before: never), and a late store of the run under its number still finds it taken."""
+    from celery_mongolock.core.store_spill import Stored
+
+    holder = deep.acquire(KEY, 30)
+    assert holder is not None
+    for stamp in range(10, 16):
+        deep.admit(KEY, entry(stamp))
+    info = deep.inspect(KEY)
+    assert info is not None and info.parked_total == 6
+    left = deep.spill.collection.find_one({"k": KEY, "rid": "task-13"})
+    assert left is not None
+    assert deep.spill.drop(KEY, ["task-13", "task-15"]) == 2
+    assert deep.spill.drop(KEY, ["task-13"]) == 0  # (gone already)
+    info = deep.inspect(KEY)
+    assert info is not None and info.parked_total == 4
+    assert [p["task_id"] for p in info.parked] == ["task-10", "task-11", "task-12", "task-14"]
+    story = deep.why(KEY)
+    assert story is not None and story.parked_total == 4
+    assert [i.parked_total for i in deep.list(KEY)] == [4]
+    tomb = deep.spill.collection.find_one({"_id": left["_id"]})
+    assert tomb is not None and tomb["x"] is True and "e" not in tomb
+    now = deep.collection.database.command("hello")["localTime"].replace(tzinfo=None)
+    kept = tomb["xa"].replace(tzinfo=None) - now
+    assert _dt.timedelta(hours=23) < kept <= _dt.timedelta(hours=24)
+    ttl = deep.spill.collection.index_information()["xa_ttl"]
+    assert ttl["key"] == [("xa", 1)] and ttl["expireAfterSeconds"] == 0
+    late = {"r": left["r"], "e": left["ep"], "n": left["n"], "at": left["e"]["at"]}
+    assert deep.spill.store_entry(KEY, entry(13), late, None) == Stored.AGAIN
+    holder.release()
 
 
 def test_a_refill_overtaken_by_another_leaves_no_tombstone(deep: LeaseStore, make_store: Any) -> None:

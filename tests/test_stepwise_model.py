@@ -428,6 +428,9 @@ class StepwiseMachine(RuleBasedStateMachine):
         for lease in self.running.pop(task_id):
             lease.release()
         self.runs[task_id].done = True
+        # (its worker stores its result, as Celery's trace does: a copy of the run, or its second look,
+        # then finds it and is dropped; without it they would look again for ever)
+        self.task.app.backend.mark_as_done(task_id, "ran")
 
     def _lapse(self, key: str) -> None:
         """A reservation (or any handoff) of ``key`` not claimed lapses; the sweeper hands the key again."""
@@ -569,7 +572,13 @@ class StepwiseMachine(RuleBasedStateMachine):
                         break  # (a copy of a running run comes back later, after it ended: next round)
                     self._deliver(self.pending.pop(0))
                 else:
-                    raise AssertionError(f"messages kept coming (a loop of publishes): {self._describe()}")
+                    waiting = [
+                        (m.task_id[:8], sorted(k for k in m.headers if k.startswith("mongolock")))
+                        for m in self.pending[-6:]
+                    ]
+                    raise AssertionError(
+                        f"messages kept coming (a loop of publishes): {self._describe()} last: {waiting}"
+                    )
             else:  # nothing moves: the sweeper hands every reservation not claimed again
                 for letter in LETTERS:
                     self._lapse(self.key(letter))

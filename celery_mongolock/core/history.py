@@ -233,7 +233,8 @@ class ParkedRun:
             deadline=aware(entry.get("dl")),
             handed_at=aware(entry.get("hat")),
             attempt=_int(entry.get("hn")),
-            keys=tuple(str(k) for k in entry.get("ks") or ()),
+            # (the task's own keys: a Replace set's gate is not among them)
+            keys=tuple(user_keys([str(k) for k in entry.get("ks") or ()])),
         )
 
     @property

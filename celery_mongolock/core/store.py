@@ -4,7 +4,8 @@ server's clock), a façade over the parts that each own one concern:
 * ``store_connection``: the client per process (fork safety), the collections and their indexes,
   MongoDB's errors in our words (``operation``), ``close``;
 * ``store_acquire``: ``try_acquire`` (the acquire algorithm, one round trip: see that module), ``acquire``,
-  ``admit``, ``wait_free``; ``store_hold``: ``hold``; ``reentry``: the holds of each owner (reentrant holds);
+  ``admit``; ``store_wait``: ``wait_free``; ``store_hold``: ``hold``; ``reentry``: the holds of each
+  owner (reentrant holds);
 * ``store_release``: renewals and releases, the heartbeat's background releases, ``release_held_by``,
   ``force_release``;
 * ``store_handoffs``: the callbacks that publish the runs a command of this process handed a key to;
@@ -50,6 +51,7 @@ from celery_mongolock.core.store_parked import ParkedRuns
 from celery_mongolock.core.store_queue import QueueUpkeep
 from celery_mongolock.core.store_release import Releases
 from celery_mongolock.core.store_spill import DEFAULT_WINDOW, Spill, validate_window
+from celery_mongolock.core.store_wait import wait_free
 from celery_mongolock.core.urls import validate_client_options, validate_mongo_url
 from celery_mongolock.core.validation import (
     DEFAULT_HISTORY_DAYS,
@@ -97,8 +99,8 @@ class LeaseStore(ParkedRuns):
 
     The store holds the settings and is a façade over its parts, each owning one concern (its methods
     delegate to them): ``connection`` (``Connection``: client, collections, indexes, errors, ``close``),
-    ``acquisition`` (``Acquisition``: ``try_acquire``, ``acquire``, ``admit``, ``wait_free``), ``holds``
-    (``Holds``: what each owner holds, for reentrant holds),
+    ``acquisition`` (``Acquisition``: ``try_acquire``, ``acquire``, ``admit``; ``wait_free`` is in
+    ``store_wait``), ``holds`` (``Holds``: what each owner holds, for reentrant holds),
     ``releases`` (``Releases``: renew, release, ``release_tokens``, ``release_later``,
     ``release_held_by``, ``force_release``), ``handoffs`` (``Handoffs``: ``add_handoff_callback`` and the
     publishing of handoffs), ``queue`` (``QueueUpkeep``: ``reserve``, ``unpark``, ``give_back``,
@@ -391,9 +393,7 @@ class LeaseStore(ParkedRuns):
         """Block until ``key`` looks free or ``timeout`` passes; True if it is worth trying to acquire. Wakes
         at once when the lease document changes (a change stream, where the server has them) and at the
         holder's expiry; without change streams it polls with backoff, ``max_poll_interval`` apart at most."""
-        return self.acquisition.wait_free(
-            key, timeout, poll_interval=poll_interval, max_poll_interval=max_poll_interval
-        )
+        return wait_free(self, key, timeout, poll_interval=poll_interval, max_poll_interval=max_poll_interval)
 
     def hold(
         self,

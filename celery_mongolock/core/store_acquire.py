@@ -1,6 +1,7 @@
 """The lease store's acquisitions (a part of ``LeaseStore``): ``try_acquire`` (one command, retried with
-the same token on an ambiguous outcome), ``acquire``, ``admit`` (a queued run's acquire) and ``wait_free``
-(``hold`` is in ``store_hold``). What is sent is chosen by ``acquire_command`` and built in ``documents``.
+the same token on an ambiguous outcome), ``acquire`` and ``admit`` (a queued run's acquire); ``hold`` is in
+``store_hold``, ``wait_free`` in ``store_wait``. What is sent is chosen by ``acquire_command`` and built
+in ``documents``.
 
 The acquire algorithm (one round trip)
 ======================================
@@ -24,9 +25,7 @@ The acquire algorithm (one round trip)
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
 import random
 import uuid
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pymongo import ReadPreference, ReturnDocument
 from pymongo.collection import Collection
-from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from celery_mongolock.core.acquire_command import acquire_command
 from celery_mongolock.core.documents import base as documents
@@ -432,13 +431,20 @@ class Acquisition:
         if size > most:  # (the command itself would pass MongoDB's limit; a spilled run must fit alone)
             raise MessageTooLarge(key, size, most)
         full_entry = _parked_entry(entry, store.lease_seconds if ttl is None else ttl)
+        gone: tuple[int, tuple[tuple[int, int, int], ...]] | None = None
         for _ in range(_SPILL_TRIES):
             lease, doc = self._admit_once(
                 key, full_entry, ttl, timeout=timeout, max_length=max_length, claim=claim, replace=replace,
                 debounce=debounce, due=due, max_wait=max_wait, min_hold=min_hold, info=info,
                 heartbeat=heartbeat, heartbeat_seconds=heartbeat_seconds, limit=limit, group=group,
-                cancel=cancel, window=store.spill.window if spills else None,
+                cancel=cancel, window=store.spill.window if spills else None, gone=gone,
             )  # fmt: skip
+            if doc.get("lo") == "full" and max_length is not None and spills and gone is None:
+                # Its lanes may hold runs that left before their turn: counted out, the admit is made again
+                # (once; only when the queue looks full).
+                gone = store.spill.gone_allowance(normalize_key(key), doc)
+                if gone is not None:
+                    continue
             if lease is not None or doc.get("lo") != "spilled":
                 return lease, doc
             if store.spill.park(normalize_key(key), full_entry, doc, timeout) != Stored.AGAIN:
@@ -468,6 +474,7 @@ class Acquisition:
         group: str | None,
         cancel: bool,
         window: int | None,
+        gone: tuple[int, tuple[tuple[int, int, int], ...]] | None = None,
     ) -> tuple[Lease | None, Document]:
         """One admit command (``admit``)."""
         store = self.store
@@ -501,6 +508,7 @@ class Acquisition:
                 **({"cancel": True} if cancel else {}),
                 **({"max_wait_ms": int(max_wait * 1000)} if max_wait and debounce else {}),
                 **({"window": window} if window else {}),
+                **({"gone": gone} if gone else {}),
             },
             limit=limit,
         )
@@ -536,54 +544,6 @@ class Acquisition:
         if handed is not None and self.store.history_days:
             # The key was found vacant: an expired lease's ending may be in ``ends`` (same command).
             self.store.heartbeat.copy_endings({"_id": key})
-
-    def wait_free(
-        self, key: str, timeout: float, *, poll_interval: float = 0.05, max_poll_interval: float = 1.0
-    ) -> bool:
-        """``LeaseStore.wait_free``: a change stream where the server has them, else polling."""
-        key = normalize_key(key)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout):
-            raise ConfigurationError(f"timeout must be a number of seconds, got {timeout!r}")
-        store = self.store
-        clock = store.clock
-        give_up_at = clock.monotonic() + max(0.0, timeout)
-        try:
-            with store.connection.operation(f"watch lease {key!r}", timeout=None):
-                # (the store's collection: a store may stand in one without change streams, as a test's does)
-                stream = store.collection.watch([{"$match": {"documentKey._id": key}}], max_await_time_ms=200)
-        except (StoreUnavailable, OperationFailure, *AMBIGUOUS):
-            stream = None  # no change streams here (standalone server, permissions): poll instead
-        interval = poll_interval
-        try:
-            while True:
-                info = store.records.inspect(key)
-                queued = info is not None and bool(info.parked or info.handoff)
-                if info is None or not (info.full or queued):
-                    return True
-                remaining = give_up_at - clock.monotonic()
-                if remaining <= 0:
-                    return False
-                # Sleep until a change, the holder's expiry, or the deadline, whichever is first. A key
-                # with runs parked is theirs first, even when nobody holds it: look again later.
-                nap = min(remaining, max(0.01, (info.expires_in or 0.0) + 0.005))
-                if queued and not info.full:
-                    nap = min(remaining, max_poll_interval)
-                if stream is not None:
-                    wake_at = clock.monotonic() + nap
-                    try:
-                        # Each try_next waits on the server up to max_await_time_ms for a change.
-                        while stream.try_next() is None and clock.monotonic() < wake_at:
-                            pass
-                    except (PyMongoError, *AMBIGUOUS):
-                        stream = None
-                else:
-                    # Jittered, but never past max_poll_interval: that bounds how late a release is seen.
-                    clock.sleep(min(nap, max_poll_interval, interval * (0.5 + random.random())))
-                    interval = min(max_poll_interval, interval * 2)
-        finally:
-            if stream is not None:
-                with contextlib.suppress(Exception):
-                    stream.close()
 
 
 #: How many times an admit whose run was spilled takes a new number when a refill gave its number up.

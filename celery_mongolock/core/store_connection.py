@@ -334,14 +334,18 @@ class Connection:
                         ) from None
                     if exc.code != 68:
                         raise
-            try:
+            spill_indexes: tuple[tuple[list[tuple[str, int]], dict[str, Any]], ...] = (
                 # A run stored once per key: a copy of a spilled run is told apart by its insert.
-                self.spill_collection.create_index(
-                    [("k", pymongo.ASCENDING), ("rid", pymongo.ASCENDING)], name="k_rid", unique=True
-                )
-            except OperationFailure as exc:
-                if exc.code != 68:
-                    raise
+                ([("k", pymongo.ASCENDING), ("rid", pymongo.ASCENDING)], {"name": "k_rid", "unique": True}),
+                # Tombstones (only they have ``xa``) are deleted by the server a day after they were made.
+                ([("xa", pymongo.ASCENDING)], {"name": "xa_ttl", "expireAfterSeconds": 0}),
+            )
+            for spec, options in spill_indexes:
+                try:
+                    self.spill_collection.create_index(spec, **options)
+                except OperationFailure as exc:
+                    if exc.code != 68:
+                        raise
             try:
                 coll.drop_index("expires_at_ttl")
             except OperationFailure as exc:

@@ -17,6 +17,7 @@ from pymongo.errors import BulkWriteError
 
 from celery_mongolock.core.documents import base as documents
 from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.documents.lanes import lanes_of
 from celery_mongolock.core.history import KeyStory, LeaseEnding, merge_endings
 from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import LeaseInfo
@@ -153,7 +154,7 @@ class Records:
                 )
         if not docs:
             return None
-        doc = docs[0]
+        doc = self._without_gone(key, docs[0])
         window = doc.get("q") or []
         ranks = [
             int(la.get("r", 0)) for la in doc.get("sp") or [] if int(la.get("t", 0)) > int(la.get("h", 0))
@@ -215,7 +216,7 @@ class Records:
         found = self.read({"_id": key}, action, parked_from=parked_from, parked_limit=parked_limit, raw=True)
         if not found:
             return None
-        doc = found[0]
+        doc = self._without_gone(key, found[0])
         if any(int(lane.get("t", 0)) > int(lane.get("h", 0)) for lane in doc.get("sp") or []):
             if parked_limit is not None:  # (the whole window: a key that spills keeps a short one)
                 doc = self.read({"_id": key}, action, raw=True)[0]
@@ -227,8 +228,17 @@ class Records:
         self, prefix: str | None = None, *, include_free: bool = False, parked_limit: int | None = None
     ) -> builtins.list[LeaseInfo]:
         """``LeaseStore.list``."""
-        infos = self.read(documents.prefix_filter(prefix), "list leases", parked_limit=parked_limit)
+        docs = self.read(documents.prefix_filter(prefix), "list leases", parked_limit=parked_limit, raw=True)
+        infos = [documents.lease_info(self._without_gone(str(d["_id"]), d)) for d in docs]
         return infos if include_free else [i for i in infos if i.held or i.parked_total or i.handoff]
+
+    def _without_gone(self, key: str, doc: Document) -> Document:
+        """``doc`` with its parked count (``__parked_total``) less the spilled runs that left before their
+        turn (tombstones its lanes still hold: ``Spill.gone``), when it has any lane to refill."""
+        if "__parked_total" not in doc or not any(lane.held > 0 for lane in lanes_of(doc)):
+            return doc
+        gone = self.store.spill.gone(key, doc)
+        return {**doc, "__parked_total": max(0, int(doc["__parked_total"]) - gone)} if gone else doc
 
 
 def _page_size(value: int | None, name: str) -> int | None:

@@ -59,6 +59,12 @@ _REFILL_MOST = 256
 REFILL_BYTES = 4 * 2**20
 
 
+def _server_now(doc: Mapping[str, Any] | None) -> _dt.datetime:
+    """The server's time a read of ``doc`` carried (``__now``), else this process's."""
+    now = (doc or {}).get("__now")
+    return now if isinstance(now, _dt.datetime) else _dt.datetime.now(_dt.timezone.utc)
+
+
 class SpillOwner(Protocol):
     """What the spill needs of ``LeaseStore``."""
 
@@ -146,11 +152,22 @@ class Spill:
         )
         ident = lanes.spill_id(key, rank, epoch, number)
         doc = {"_id": ident, "k": key, "rid": str(entry["t"]), "r": rank, "ep": epoch, "n": number, "e": full}
-        for _ in range(3):
-            outcome = self._insert(key, doc)
-            if outcome is not None:
-                return outcome
-        return Stored.DUP  # (a stored run of the task kept coming back under a passed number: never twice)
+        outcome = next((o for o in (self._insert(key, doc) for _ in range(3)) if o is not None), Stored.DUP)
+        if outcome == Stored.DUP:  # (a stored run of the task kept coming back under a passed number: DUP)
+            self._give_up(key, ident, at)
+        return outcome
+
+    def _give_up(self, key: str, ident: str, now: object) -> None:
+        """The number ``ident`` a copy's admit took holds no run: a tombstone under it at once, so that the
+        parked count leaves it out (``gone``) before a refill passes it. Best effort: else a hole."""
+        when = now if isinstance(now, _dt.datetime) else None
+        try:
+            with self.store.connection.operation(f"give up a number of {key!r}"):
+                self.collection.insert_one(lanes.tombstone(key, ident, when or _server_now(None)))
+        except DuplicateKeyError:
+            pass  # (a refill gave it up first)
+        except StoreUnavailable as exc:
+            log.debug("giving up a number of %r failed: %s", key, exc)
 
     def _insert(self, key: str, doc: Document) -> str | None:
         """One insert of the spilled run ``doc``, sent again while its outcome is unknown (the same
@@ -288,10 +305,39 @@ class Spill:
         return moved
 
     def drop(self, key: str, task_ids: Collection[str]) -> int:
-        """Delete the spilled runs of ``task_ids`` on ``key`` (an operator's drop): their numbers become
-        holes, which the refills skip. Returns how many were deleted."""
+        """Take the spilled runs of ``task_ids`` on ``key`` out of its queue (an operator's drop; a run that
+        left before its turn): each becomes a tombstone where it is (``lanes.LEFT``), which the refills
+        skip, the parked count leaves out (``gone``) and the server deletes a day later. Returns how many
+        were taken out."""
         with self.store.connection.operation(f"drop parked runs of {key!r}"):
-            return int(self.collection.delete_many({"k": key, "rid": {"$in": list(task_ids)}}).deleted_count)
+            match = {"k": key, "rid": {"$in": list(task_ids)}}
+            return int(self.collection.update_many(match, lanes.LEFT).modified_count)
+
+    def gone_allowance(
+        self, key: str, doc: Mapping[str, Any]
+    ) -> tuple[int, tuple[tuple[int, int, int], ...]] | None:
+        """The tombstones the lanes of ``key`` hold (its document ``doc``) and where each lane stood:
+        what a ``max_length`` admit may leave out of its count (``admit_stages.gone_allowance``); None when
+        there are none (or MongoDB did not answer the count: the admit's answer stands)."""
+        if not any(lane.held > 0 for lane in lanes.lanes_of(doc)):
+            return None
+        try:
+            count = self.gone(key, doc)
+        except StoreUnavailable as exc:
+            log.warning("counting the parked runs of %r that left failed: %s", key, exc)
+            return None
+        heads = tuple((lane.rank, lane.epoch, lane.head) for lane in lanes.lanes_of(doc))
+        return (count, heads) if count else None
+
+    def gone(self, key: str, doc: Mapping[str, Any]) -> int:
+        """How many of the numbers the lanes of ``key`` (its document ``doc``) still hold are tombstones,
+        not runs: a range of the ``(k, rid)`` index per lane, which reads only tombstones."""
+        total = 0
+        for lane in lanes.lanes_of(doc):
+            if lane.held > 0:
+                with self.store.connection.operation(f"count the parked runs of {key!r} that left"):
+                    total += int(self.collection.count_documents(lanes.gone_between(key, lane)))
+        return total
 
     # -- refill ----------------------------------------------------------------------------------------
     def refill_if_low(self, key: str, doc: Mapping[str, Any] | None) -> Document | None:
@@ -370,7 +416,7 @@ class Spill:
                 d = found.get(ident)
                 if d is None:
                     try:
-                        coll.insert_one(lanes.tombstone(key, ident))
+                        coll.insert_one(lanes.tombstone(key, ident, _server_now(current)))
                     except DuplicateKeyError:  # stored just now: read it
                         d = coll.find_one({"_id": ident, "k": key})
                 if d is not None and not d.get("x") and isinstance(d.get("e"), Mapping):

@@ -20,7 +20,7 @@ from celery.exceptions import Ignore
 from celery_mongolock.admission.contention import Outcome
 from celery_mongolock.admission.policies import Fail, Wait
 from celery_mongolock.core.documents.sets import is_gate
-from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.lease_set import LeaseSet
 from celery_mongolock.core.store import Lease, LeaseStore
 from celery_mongolock.exceptions import StoreUnavailable
 from celery_mongolock.integration import signals

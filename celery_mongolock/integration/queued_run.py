@@ -91,6 +91,25 @@ def _entry(
     return entry
 
 
+def _admitted(
+    task: GuardedRun,
+    keys: list[str],
+    options: TaskOptions,
+    limits: Mapping[str, int | None] | None,
+    *,
+    several: bool,
+) -> tuple[list[str], Mapping[str, int | None] | None]:
+    """The keys a run admits, in order, and their limits: a ``Replace`` set of two keys or more, its set's
+    gate first, with as many slots as the set's keys let run at once (one, unless every key has slots)."""
+    gated = several and isinstance(options.on_contention, Replace) and len(keys) > 1
+    if not gated or _parked_without_a_gate(task, keys):
+        return list(keys), limits  # (a run parked by an earlier version, which had no gate: as then)
+    gate = gate_of(keys)
+    with_gate = dict(limits or {})
+    with_gate[gate] = min(with_gate.get(k, options.limit) or 1 for k in keys)
+    return [gate, *keys], with_gate
+
+
 def _parked_without_a_gate(task: GuardedRun, keys: list[str]) -> bool:
     """A message of a ``Replace`` run of a set parked by an earlier version, whose runs of sets had no gate:
     its handoff (its keys' token over the keys alone) or its delayed copy (without ``gt``)."""
@@ -136,14 +155,7 @@ class QueuedRun:
         self.named_keys: list[str] | None = list(keys) if self.several else None
         #: The keys it admits, in order: a ``Replace`` set of two keys or more admits its set's gate first
         #: (``sets.gate_of``), where runs of the set supersede each other, and holds it with its keys.
-        gated = self.several and isinstance(policy, Replace) and len(keys) > 1
-        if gated and _parked_without_a_gate(task, keys):
-            gated = False  # (a run parked by an earlier version, which had no gate: as then)
-        self.admit_keys = [gate_of(keys), *keys] if gated else list(keys)
-        if gated:
-            limits = dict(limits or {})
-            # (as many runs of the set at once as its keys let: one, unless every key has slots)
-            limits[self.admit_keys[0]] = min(limits.get(k, options.limit) or 1 for k in keys)
+        self.admit_keys, limits = _admitted(task, keys, options, limits, several=self.several)
         request = self.request
         self.stamp, src = _queue.stamp_of(request)
         # A queued run is one run per task id and own retry: a contention retry (after MongoDB did not

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from celery_mongolock.core.lease import Lease, LeaseSet
+from celery_mongolock.core.lease import Lease
+from celery_mongolock.core.lease_set import LeaseSet
 from celery_mongolock.core.reentry import ReentrantHold
 from celery_mongolock.core.validation import validate_limit
 

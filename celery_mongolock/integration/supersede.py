@@ -34,7 +34,7 @@ from celery import signals as celery_signals
 
 from celery_mongolock.admission.policies import Policy, Replace
 from celery_mongolock.core.fencing import FencedOut
-from celery_mongolock.core.lease import LeaseSet
+from celery_mongolock.core.lease_set import LeaseSet
 from celery_mongolock.exceptions import ConfigurationError, Superseded
 from celery_mongolock.integration import results, signals
 from celery_mongolock.integration.endings import publish_own_ending

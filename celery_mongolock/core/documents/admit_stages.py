@@ -61,6 +61,10 @@ class AdmitRun:
     #: a plain ``Queue`` run on a single lease: the most runs of one rank the document keeps parked; the
     #: others are spilled (``spill``). None: every parked run in the document (up to ``cap``).
     window: int | None = None
+    #: ``max_length``: how many numbers of the key's lanes a count found to be tombstones (runs that left
+    #: before their turn), and each lane's ``(rank, epoch, head)`` then: left out of the count while no
+    #: lane moved since (``gone_allowance``; a lane that moved may have passed them).
+    gone: tuple[int, tuple[tuple[int, int, int], ...]] | None = None
 
     @property
     def ident(self) -> str:
@@ -199,7 +203,7 @@ def judge(run: AdmitRun, shape: Shape) -> Document:
     if run.window:
         if run.max_length is not None:
             # (the user's cap counts the spilled runs too; a free key still takes a run, as below)
-            total = {"$add": [{"$size": _Q}, spilled_total()]}
+            total = {"$subtract": [{"$add": [{"$size": _Q}, spilled_total()]}, gone_allowance(run.gone)]}
             at_cap = {"$and": [{"$not": [shape.room]}, {"$gte": [total, int(run.max_length)]}]}
             branches.append({"case": at_cap, "then": "full"})
         branches.append(
@@ -210,6 +214,25 @@ def judge(run: AdmitRun, shape: Shape) -> Document:
     branches.append({"case": shape.room, "then": "parked"})  # and handed to the oldest (when due)
     branches.append({"case": {"$gte": [{"$size": _Q}, run.cap]}, "then": "full"})
     return {"$switch": {"branches": branches, "default": "parked"}}
+
+
+def gone_allowance(gone: tuple[int, tuple[tuple[int, int, int], ...]] | None) -> Document | int:
+    """How many of the key's spilled numbers the ``max_length`` count leaves out (``AdmitRun.gone``): the
+    tombstones counted, while every lane is where it was when they were counted (a tombstone leaves a
+    lane only when a refill moves its head past it; one made since is not left out: never under the
+    true count), else none."""
+    if not gone or gone[0] <= 0:
+        return 0
+    count, heads = gone
+    now = {
+        "$map": {
+            "input": {"$ifNull": ["$sp", []]},
+            "as": "l",
+            "in": [{"$ifNull": ["$$l.r", 0]}, {"$ifNull": ["$$l.e", 0]}, {"$ifNull": ["$$l.h", 0]}],
+        }
+    }
+    unmoved = [{"$in": [{"$literal": [r, e, h]}, now]} for r, e, h in heads]
+    return {"$cond": [{"$and": unmoved} if unmoved else False, int(count), 0]}
 
 
 def without_entry(ident: str) -> Document:

@@ -26,14 +26,19 @@ older runs have left too.
 
 from __future__ import annotations
 
+import datetime as _dt
 from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "LEFT",
     "SPILL_PROJECTION",
     "SPILL_SUFFIX",
+    "TOMBSTONE_KEEP_MS",
     "Lane",
     "any_blocked",
+    "gone_between",
+    "gone_rid",
     "held_back",
     "held_back_at",
     "lanes_of",
@@ -67,10 +72,49 @@ def spill_id(key: str, rank: int, epoch: int, number: int) -> str:
     return f"{key}\x1f{int(rank)}\x1f{int(epoch)}\x1f{int(number):012d}"
 
 
-def tombstone(key: str, ident: str) -> Document:
-    """The document a refill stores under a number it found missing (a hole), kept: a worker that stores
-    its run late finds the number taken (``spill``)."""
-    return {"_id": ident, "k": key, "rid": f"gone:{ident}", "x": True}
+#: How long a tombstone is kept (``xa``, the spill collection's TTL index): far longer than a worker can
+#: take between the admit that gave its run a number and the store under it (its store gives up after the
+#: store's operation timeout).
+TOMBSTONE_KEEP_MS = 24 * 3600 * 1000
+
+
+def gone_rid(ident: str) -> str:
+    """The ``rid`` of the tombstone under ``ident`` (the ``(k, rid)`` index counts a lane's tombstones)."""
+    return f"gone:{ident}"
+
+
+def tombstone(key: str, ident: str, now: _dt.datetime) -> Document:
+    """The document a refill stores under a number it found missing (a hole): a worker that stores its run
+    late finds the number taken (``spill``). Deleted by the server a day after ``now`` (``xa``)."""
+    keep = _dt.timedelta(milliseconds=TOMBSTONE_KEEP_MS)
+    return {"_id": ident, "k": key, "rid": gone_rid(ident), "x": True, "xa": now + keep}
+
+
+#: A spilled run that left before its turn (superseded, revoked, dropped), made a tombstone where it is
+#: (an update pipeline): counted out of its lane's runs by ``gone_between``, deleted by the server a day
+#: later, and a late store of the run under its number still finds it taken.
+LEFT: list[Document] = [
+    {
+        "$set": {
+            "x": True,
+            "rid": {"$concat": ["gone:", "$_id"]},
+            "xa": {"$add": ["$$NOW", TOMBSTONE_KEEP_MS]},
+        }
+    },
+    {"$unset": ["e"]},
+]
+
+
+def gone_between(key: str, lane: Lane) -> Document:
+    """The filter of the tombstones among a lane's numbers still to refill (``[h, t)``: a range of the
+    ``(k, rid)`` index, which reads only tombstones)."""
+    return {
+        "k": key,
+        "rid": {
+            "$gte": gone_rid(lane.spill_id(key, lane.head)),
+            "$lt": gone_rid(lane.spill_id(key, lane.tail)),
+        },
+    }
 
 
 def _get(field: str, doc: object) -> Document:

@@ -246,6 +246,7 @@ def admit_pipeline(
     cancel: bool = False,
     max_wait_ms: int | None = None,
     window: int | None = None,
+    gone: tuple[int, tuple[tuple[int, int, int], ...]] | None = None,
 ) -> list[Document]:
     """The admit: one command that acquires the key, claims a handoff, or parks the run.
 
@@ -260,11 +261,10 @@ def admit_pipeline(
     holder supersedes that holder too (``cx``, ``cancel_mark``); with ``group``, only a holder that is an
     older run of the same set. ``max_wait_ms`` (with ``debounce_ms``): a run that supersedes others is
     due no later than that long after the first of them began waiting. ``window`` (a plain ``Queue``
-    run): the most runs of one rank kept in ``q``, a run behind them is ``spilled`` (``spill``). The
-    outcome is left in ``lo`` (the reply carries it); fields starting with ``__`` are removed.
-
-    The stages (``admit_stages``): judge the run, take or park, hand over, record.
-    """
+    run): the most runs of one rank kept in ``q``, a run behind them is ``spilled`` (``spill``); ``gone``:
+    the tombstones ``max_length`` leaves out (``AdmitRun.gone``). The outcome is left in ``lo`` (the reply
+    carries it); fields starting with ``__`` are removed. The stages (``admit_stages``): judge the run,
+    take or park, hand over, record."""
     run = AdmitRun(
         entry=entry,
         timeout_ms=timeout_ms,
@@ -276,6 +276,7 @@ def admit_pipeline(
         group=group,
         max_wait_ms=max_wait_ms,
         window=window if window and not (replace or debounce_ms or group) else None,
+        gone=gone,
     )
     shape = _one_lease(run, token)
     stages: list[Document] = [

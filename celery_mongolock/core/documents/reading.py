@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.lanes import spilled_total
+from celery_mongolock.core.keys import RESERVED_PREFIX
 from celery_mongolock.core.lease_info import LeaseInfo, aware
 from celery_mongolock.exceptions import ConfigurationError
 
@@ -154,7 +155,10 @@ def _parked_view(position: int, entry: Mapping[str, Any], now_ms: Any) -> Docume
         "stamp": entry.get("s"),
         "parked_for": _since(entry.get("at"), now_ms),
         "deadline": aware(entry.get("dl")),
-        "keys": list(entry["ks"]) if isinstance(entry.get("ks"), list) else None,
+        # (the task's own keys: a Replace set's gate is not among them, ``sets.is_gate``)
+        "keys": [str(k) for k in entry["ks"] if not str(k).startswith(RESERVED_PREFIX)]
+        if isinstance(entry.get("ks"), list)
+        else None,
         "rank": int(entry.get("pr") or 0),
     }
 

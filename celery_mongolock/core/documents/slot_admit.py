@@ -60,6 +60,7 @@ def slot_admit_pipeline(
     min_hold_ms: int = 0,
     group: str | None = None,
     window: int | None = None,
+    gone: tuple[int, tuple[tuple[int, int, int], ...]] | None = None,
 ) -> list[Document]:
     """The admit of a queued run on a ``limit=N`` key (one command): take a free slot when no older run
     is parked, claim the slot handed to this run, or park the run; then hand every free slot to the
@@ -82,6 +83,7 @@ def slot_admit_pipeline(
         group=group,
         max_wait_ms=max_wait_ms,
         window=window if window and not (replace or debounce_ms or group) else None,
+        gone=gone,
     )
     take_back: list[Document] = []
     if run.by_set and run.group is not None:
