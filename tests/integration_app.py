@@ -272,6 +272,21 @@ def queued(resource: str, tag: str, seconds: float = 0.3) -> str:
 @singleton_task(
     key="resource:{resource}",
     app=app,
+    name="integration_app.queued_own_priority",
+    on_contention=Queue(),
+    bind=True,
+)
+def queued_own_priority(self: Any, resource: str, tag: str) -> str:
+    """A queued task that records the priority its request carries (a handoff through a lane puts the
+    run's own back: ``lanes.restore_route``)."""
+    record("start", tag, priority=(self.request.delivery_info or {}).get("priority"))
+    record("end", tag)
+    return tag
+
+
+@singleton_task(
+    key="resource:{resource}",
+    app=app,
     name="integration_app.queued_briefly",
     on_contention=Queue(timeout=1.0, then=Fail()),
 )

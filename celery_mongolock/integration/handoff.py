@@ -356,7 +356,7 @@ def publish_through_lane(
     """Publish ``signature`` with ``headers`` (``header``: the one that carries its own routing) to its
     queue's handoff lane (``lanes``), or to its queue when ``lane`` is False, the app has no lane for it,
     or the broker refused the lane."""
-    found = lanes.lane_of(app, signature.options) if lane else None
+    found = lanes.lane_of(app, signature.options, getattr(signature, "task", None)) if lane else None
     if found is None or not lanes.publish_to_lane(
         signature, headers, header, found, lambda **options: publish_patiently(app, signature, **options)
     ):
@@ -484,8 +484,13 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 celery_signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_mongolock.revoked")
-celery_signals.task_prerun.connect(
-    lambda sender=None, task=None, **_: lanes.restore_route(task or sender, HANDOFF_HEADER),
-    weak=False,
-    dispatch_uid="celery_mongolock.lane-route",
-)
+
+
+def _restore_route(sender: Any = None, task: Any = None, **_: Any) -> None:
+    """Before a body (or the ending of one, ``endings``) delivered through a lane: its own routing and
+    priority back (``lanes.restore_route``)."""
+    for header in (HANDOFF_HEADER, ENDED_HEADER):
+        lanes.restore_route(task or sender, header)
+
+
+celery_signals.task_prerun.connect(_restore_route, weak=False, dispatch_uid="celery_mongolock.lane-route")

@@ -18,6 +18,16 @@ queue also consumes (added at worker start, before the consumer starts). Why thi
   backlog. A message priority would need the task queue declared with ``x-max-priority``, and RabbitMQ
   refuses to redeclare an existing queue with other arguments.
 
+**A run sent with a priority.** kombu's Redis transport keeps a list per priority step and pops the
+most urgent step (0) of *every* queue before the next step of any: a lane message carrying the run's own
+priority 9 waited behind every plain task of priority 0 to 6, however the queues were ordered (the
+lock-set checker: a key reserved for such a run for 180 s while the workers ran other tasks, handed again
+56 times). The priority already ordered the run among the runs parked on its key; once the key is handed
+to it, its message is published to the lane with priority 0 on Redis, and its own priority (``pr`` of
+``rt``) is put back with its routing before its body (``restore_route``), so that a retry or a park again
+carries it. On RabbitMQ the lane is a queue of its own, delivered from alongside the task queue whatever
+the priorities: the run's priority is published unchanged.
+
 Either way, the messages a worker has already reserved (``worker_prefetch_multiplier`` times the concurrency)
 start first: the bound on the idle time is the prefetch window, not the backlog.
 
@@ -39,12 +49,16 @@ from typing import Any
 from celery import Celery
 from kombu.entity import Exchange, Queue
 
+from celery_mongolock.integration import priority
+
 __all__ = ["LANE_SUFFIX", "add_lanes", "lane_for", "lane_of", "publish_to_lane", "restore_route", "route_of"]
 
 log = logging.getLogger("celery_mongolock.queue")
 
 #: A task queue's handoff lane is named ``<queue>`` + this.
 LANE_SUFFIX = ".mongolock-handoff"
+#: The priority a handoff goes to its lane with on Redis (kombu pops 0 first): module docstring.
+URGENT_PRIORITY = 0
 
 
 def lane_name(queue: str) -> str:
@@ -136,9 +150,14 @@ def route_of(app: Celery, options: Mapping[str, Any]) -> Any:
     return queue if queue is not None else queues.new_missing(name)
 
 
-def lane_of(app: Celery, options: Mapping[str, Any]) -> tuple[Any, dict[str, str]] | None:
+def lane_of(
+    app: Celery, options: Mapping[str, Any], task_name: str | None = None
+) -> tuple[Any, dict[str, Any]] | None:
     """The lane to publish a handed run to and the run's own routing (``rt`` of the handoff header), or
-    None (no lane: turned off, or the run's queue is unknown or gets none)."""
+    None (no lane: turned off, or the run's queue is unknown or gets none). ``task_name``: the run's task,
+    whose default priority its message carries when ``options`` name none. On a broker that pops a lower
+    number first (Redis), a run with a priority other than 0 gets its own priority as ``pr`` of its
+    routing, and is published to the lane with 0 (``publish_to_lane``; module docstring)."""
     from celery_mongolock.integration import config
 
     if not config.get_settings(app).handoff_lane:
@@ -152,31 +171,59 @@ def lane_of(app: Celery, options: Mapping[str, Any]) -> tuple[Any, dict[str, str
     if exchange is None and key is None:
         exchange = queue.exchange.name if queue.exchange is not None else ""
         key = queue.routing_key or queue.name
-    route = {"exchange": str(exchange or ""), "routing_key": str(key or "")}
+    route: dict[str, Any] = {"exchange": str(exchange or ""), "routing_key": str(key or "")}
     if route["exchange"].endswith(LANE_SUFFIX) or route["routing_key"].endswith(LANE_SUFFIX):
         # A run that came through a lane and was parked again without ``restore_route``: its own queue.
         route = {"exchange": queue.exchange.name if queue.exchange is not None else "", "routing_key": ""}
         route["routing_key"] = str(queue.routing_key or queue.name)
+    own = own_priority(app, options, task_name)
+    if own and priority.lower_first(app):
+        route["pr"] = own
     return lane_for(queue), route
+
+
+def own_priority(app: Celery, options: Mapping[str, Any], task_name: str | None) -> int | None:
+    """The priority a run's message is published with, as Celery fills it in: its options' own, else its
+    task's default (the app's ``task_default_priority`` when the task sets none), else its route's
+    (``task_routes``)."""
+    value = options.get("priority")
+    if value is None and task_name:
+        task = app.tasks.get(task_name)
+        value = getattr(task, "priority", None) if task is not None else app.conf.task_default_priority
+        if value is None:
+            try:
+                value = app.amqp.router.route({}, task_name).get("priority")
+            except Exception:  # a router of the user's that fails: Celery says so when it sends
+                value = None
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def publish_to_lane(
     signature: Any,
     headers: dict[str, Any],
     header: str,
-    lane: tuple[Any, dict[str, str]],
+    lane: tuple[Any, dict[str, Any]],
     publish: Callable[..., Any],
 ) -> bool:
     """Publish a handed run (``signature``, decoded for this publish alone) to its queue's lane with
-    ``publish(**options)``, its own routing in the handoff header (``headers[header]["rt"]``); False, with
-    a warning, if the broker refused it (then the caller publishes it to its queue as before lanes)."""
+    ``publish(**options)``, its own routing in the handoff header (``headers[header]["rt"]``); with
+    priority 0 when its routing keeps its own priority (``pr``: Redis, ``lane_of``). False, with a
+    warning, if the broker refused it (then the caller publishes it to its queue as before lanes)."""
     queue, route = lane
     headers[header]["rt"] = route
     own = {
         k: signature.options.pop(k) for k in ("exchange", "routing_key", "queue") if k in signature.options
     }
+    urgent = {"priority": URGENT_PRIORITY} if "pr" in route else {}
     try:
-        publish(headers=headers, queue=queue, exchange=queue.exchange, routing_key=queue.routing_key)
+        publish(
+            headers=headers, queue=queue, exchange=queue.exchange, routing_key=queue.routing_key, **urgent
+        )
     except Exception as exc:
         log.warning(
             "could not publish a handoff to the lane %s (publishing to its queue): %s", queue.name, exc
@@ -202,4 +249,6 @@ def restore_route(task: Any, header: str) -> None:
     route = handoff["rt"]
     info["exchange"] = str(route.get("exchange") or "")
     info["routing_key"] = str(route.get("routing_key") or "")
+    if "pr" in route:  # published to the lane with priority 0 (Redis): its own back
+        info["priority"] = route["pr"]
     request.delivery_info = info
