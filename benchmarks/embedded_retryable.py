@@ -7,7 +7,7 @@ Run it from the repository root (after ``make venv``)::
 
 SecantusDB 0.7 keeps the replies of its last 10,000 retryable writes (pymongo makes every write
 retryable) and prunes them on each one: a scan of all of them, and once there are 10,000, a sort of all of
-them. ``celery_mongolock.ops.embedded`` starts the server with that pruning done in bulk (``_TUNE``). This
+them. ``EmbeddedMongo`` starts the server with that pruning done in bulk (``server_patches.TUNE``). This
 starts the server both ways (``tuned``: as ``EmbeddedMongo`` does; ``as-shipped``: SecantusDB's own
 pruning) and times ``--writes`` single-document updates, one client, one at a time, reporting the median
 latency of each block of 1,000 writes: flat when tuned, rising with the record count as shipped.
@@ -18,32 +18,14 @@ Output: JSON (``benchmarks/results/embedded_retryable.json`` by default) with a 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
 import time
-from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
+from embedded_common import RESULTS, as_shipped, embedded, server_patches, write_results
 from pymongo import MongoClient
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from celery_mongolock.ops import embedded  # noqa: E402 - after the path
-
 TARGET = "the median write of the last block within 2x of the first block's (tuned)"
-
-
-class _AsShipped(embedded.EmbeddedMongo):
-    """The embedded server with SecantusDB's own pruning (the launch code without ``_TUNE``)."""
-
-    def command(self) -> list[str]:
-        cmd = super().command()
-        cmd[cmd.index("-c") + 1] = embedded._LAUNCH.replace(embedded._TUNE, "")
-        return cmd
 
 
 def measure(server_cls: type[embedded.EmbeddedMongo], writes: int, block: int) -> list[float]:
@@ -70,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writes", type=int, default=14_000, help="updates per variant (default 14,000)")
     parser.add_argument("--block", type=int, default=1_000)
     parser.add_argument("--quick", action="store_true", help="the tuned variant only")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "embedded_retryable.json"))
+    parser.add_argument("--out", default=str(RESULTS / "embedded_retryable.json"))
     args = parser.parse_args(argv)
     variants: dict[str, list[float]] = {"tuned": measure(embedded.EmbeddedMongo, args.writes, args.block)}
     if not args.quick:
-        variants["as-shipped"] = measure(_AsShipped, args.writes, args.block)
+        variants["as-shipped"] = measure(as_shipped(server_patches.TUNE), args.writes, args.block)
     tuned = variants["tuned"]
     met = bool(tuned) and tuned[-1] <= 2 * tuned[0]
     lines = ["| block of writes | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
@@ -82,21 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         row = [f"{variants[v][b]:.2f} ms" if b < len(variants[v]) else "" for v in variants]
         lines.append(f"| {b * args.block + 1}-{(b + 1) * args.block} | " + " | ".join(row) + " |")
     data = {
-        "benchmark": "embedded_retryable",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "secantusdb": version("secantusdb"),
         "writes": args.writes,
         "block": args.block,
         "median_ms_per_block": variants,
-        "target": TARGET,
-        "target_met": met,
         "summary": "\n".join(lines),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
-    print(data["summary"])
-    print(f"target ({TARGET}): {'met' if met else 'MISSED'}")
+    write_results("embedded_retryable", args.out, data, TARGET, met)
     return 0
 
 

@@ -7,9 +7,9 @@ Run it from the repository root (after ``make venv``)::
 
 SecantusDB 0.7 finds where a stream opened with ``startAtOperationTime`` begins by decoding its whole
 oplog (up to 100,000 entries, an hour) under the lock every other command needs; the lease watcher opens
-such a stream for each new batch of leases. ``celery_mongolock.ops.embedded`` starts the server with that
-search done by bisection (``_SEEK``). This starts the server both ways (``tuned``: as ``EmbeddedMongo``
-does; ``as-shipped``: without ``_SEEK``), writes documents until the oplog holds each of ``--sizes``
+such a stream for each new batch of leases. ``EmbeddedMongo`` starts the server with that search done by
+bisection (``server_patches.SEEK``). This starts the server both ways (``tuned``: as ``EmbeddedMongo``
+does; ``as-shipped``: without ``SEEK``), writes documents until the oplog holds each of ``--sizes``
 entries, and times the opening of a stream at the time of the last write (the median of ``--opens``).
 
 Output: JSON (``benchmarks/results/embedded_seek.json`` by default) with a Markdown ``summary``.
@@ -18,32 +18,14 @@ Output: JSON (``benchmarks/results/embedded_seek.json`` by default) with a Markd
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
 import time
-from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
+from embedded_common import RESULTS, as_shipped, embedded, server_patches, write_results
 from pymongo import MongoClient
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from celery_mongolock.ops import embedded  # noqa: E402 - after the path
-
 TARGET = "opening a stream at the largest size within 5x of the smallest (tuned)"
-
-
-class _AsShipped(embedded.EmbeddedMongo):
-    """The embedded server with SecantusDB's own search (the launch code without ``_SEEK``)."""
-
-    def command(self) -> list[str]:
-        cmd = super().command()
-        cmd[cmd.index("-c") + 1] = embedded._LAUNCH.replace(embedded._SEEK, "")
-        return cmd
 
 
 def measure(server_cls: type[embedded.EmbeddedMongo], sizes: list[int], opens: int) -> list[float]:
@@ -77,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1000,10000,40000", help="oplog sizes, comma-separated")
     parser.add_argument("--opens", type=int, default=5, help="stream openings timed at each size")
     parser.add_argument("--quick", action="store_true", help="the tuned variant only")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "embedded_seek.json"))
+    parser.add_argument("--out", default=str(RESULTS / "embedded_seek.json"))
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     variants: dict[str, list[float]] = {"tuned": measure(embedded.EmbeddedMongo, sizes, args.opens)}
     if not args.quick:
-        variants["as-shipped"] = measure(_AsShipped, sizes, args.opens)
+        variants["as-shipped"] = measure(as_shipped(server_patches.SEEK), sizes, args.opens)
     tuned = variants["tuned"]
     met = bool(tuned) and tuned[-1] <= 5 * max(tuned[0], 1.0)
     lines = ["| oplog entries | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
@@ -90,21 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         row = [f"{variants[v][i]:.1f} ms" for v in variants]
         lines.append(f"| {size:,} | " + " | ".join(row) + " |")
     data = {
-        "benchmark": "embedded_seek",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "secantusdb": version("secantusdb"),
         "sizes": sizes,
         "opens": args.opens,
         "median_ms_per_size": variants,
-        "target": TARGET,
-        "target_met": met,
         "summary": "\n".join(lines),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
-    print(data["summary"])
-    print(f"target ({TARGET}): {'met' if met else 'MISSED'}")
+    write_results("embedded_seek", args.out, data, TARGET, met)
     return 0
 
 

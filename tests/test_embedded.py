@@ -167,19 +167,19 @@ def test_stop_with_no_client_connected_exits_cleanly() -> None:
 
 
 def test_the_servers_retryable_write_records_are_pruned_in_bulk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``embedded._TUNE``, run in the server's process: the records of retryable writes are kept as
+    """``server_patches.TUNE``, run in the server's process: the records of retryable writes are kept as
     SecantusDB keeps them (its cap and lifetime), but pruned in bulk instead of by a scan and a sort on
     every write (the before and after are in ``benchmarks/embedded_retryable.py``)."""
     from secantus import transactions
 
-    from celery_mongolock.ops import embedded
+    from celery_mongolock.ops import server_patches
 
     monkeypatch.setattr(  # restored after the test: the patch is for the server's process, not ours
         transactions.TransactionRegistry,
         "_prune_retryable_locked",
         transactions.TransactionRegistry._prune_retryable_locked,
     )
-    exec(embedded._TUNE, {})
+    exec(server_patches.TUNE, {})
     cap = transactions._RETRYABLE_RECORD_MAX
     life = transactions._RETRYABLE_RECORD_LIFETIME_SECONDS
     now = [1000.0]
@@ -199,19 +199,19 @@ def test_the_servers_retryable_write_records_are_pruned_in_bulk(monkeypatch: pyt
 def test_a_change_stream_start_time_is_found_by_bisection_with_the_same_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``embedded._SEEK``, run in the server's process: where a stream opened at an operation time starts
+    """``server_patches.SEEK``, run in the server's process: where a stream opened at an operation time starts
     is found in a few point reads, not by decoding the whole oplog under the server's lock (4 s per
     opening with 46,801 entries, every other command waiting), with the same answer as SecantusDB's scan
     for every time: before the first entry, at each entry, between two, after the last."""
     from bson import Timestamp
     from secantus import storage
 
-    from celery_mongolock.ops import embedded
+    from celery_mongolock.ops import server_patches
 
     scan = storage.Storage._find_seq_for_ts_scan
     # restored after the test: the patch is for the server's process, not ours
     monkeypatch.setattr(storage.Storage, "_find_seq_for_ts_scan", scan)
-    exec(embedded._SEEK, {})
+    exec(server_patches.SEEK, {})
     seek = storage.Storage._find_seq_for_ts_scan
     assert seek is not scan
     db = storage.Storage(":memory:")
@@ -233,7 +233,7 @@ def test_a_change_stream_start_time_is_found_by_bisection_with_the_same_answer(
 
 
 def test_a_stream_opened_at_an_operation_time_starts_with_the_next_write() -> None:
-    """Over the wire, on the embedded server (its process patched by ``_SEEK``): a change stream opened
+    """Over the wire, on the embedded server (its process patched by ``SEEK``): a change stream opened
     at the operation time of a write sees every write after it, and nothing before."""
     with EmbeddedMongo() as server:
         client: MongoClient[dict[str, object]] = MongoClient(server.url)
@@ -260,15 +260,15 @@ def test_a_stream_opened_at_an_operation_time_starts_with_the_next_write() -> No
 def test_a_database_s_profiling_level_is_read_once_and_forgotten_when_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``embedded._PROFILE``, run in the server's process: the level SecantusDB reads after every command
+    """``server_patches.PROFILE``, run in the server's process: the level SecantusDB reads after every command
     is kept per database, and ``set_profile`` (the ``profile`` command) is seen at once."""
     from secantus import storage
 
-    from celery_mongolock.ops import embedded
+    from celery_mongolock.ops import server_patches
 
     for name in ("get_profile", "set_profile"):  # restored after the test (the server's process only)
         monkeypatch.setattr(storage.Storage, name, getattr(storage.Storage, name))
-    exec(embedded._PROFILE, {})
+    exec(server_patches.PROFILE, {})
     db = storage.Storage(":memory:")
     try:
         assert db.get_profile("a")["level"] == 0
@@ -284,7 +284,7 @@ def test_a_database_s_profiling_level_is_read_once_and_forgotten_when_set(
 
 
 def test_the_profile_command_still_turns_profiling_on_and_off() -> None:
-    """Over the wire, on the embedded server (its process patched by ``_PROFILE``)."""
+    """Over the wire, on the embedded server (its process patched by ``PROFILE``)."""
     with EmbeddedMongo() as server:
         client: MongoClient[dict[str, object]] = MongoClient(server.url)
         try:
@@ -297,3 +297,189 @@ def test_the_profile_command_still_turns_profiling_on_and_off() -> None:
             assert db.command("profile", -1)["was"] == 0
         finally:
             client.close()
+
+
+# -- COPY: stages that copy the top level only -------------------------------------------------------------
+
+_NAMES = ("a", "b", "q", "ho")
+
+
+def _values(depth: int = 0) -> Any:
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.integers(-3, 3), st.text("xy", max_size=2), st.none(), st.booleans())
+    if depth >= 2:
+        return scalars
+    inner = _values(depth + 1)
+    return st.one_of(
+        scalars,
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.sampled_from(_NAMES), inner, max_size=3),
+    )
+
+
+def _paths() -> Any:
+    from hypothesis import strategies as st
+
+    segment = st.one_of(st.sampled_from(_NAMES), st.sampled_from(("0", "1")))
+    return st.builds(
+        lambda top, below: ".".join([top, *below]), st.sampled_from(_NAMES), st.lists(segment, max_size=3)
+    )
+
+
+def _stages() -> Any:
+    from hypothesis import strategies as st
+
+    expressions = st.one_of(
+        _values(1).map(lambda v: {"$literal": v}),
+        _paths().map(lambda p: "$" + p),
+        st.just("$$REMOVE"),
+        st.tuples(st.sampled_from(_NAMES), st.sampled_from(_NAMES)).map(
+            lambda ab: {"$concatArrays": [{"$ifNull": ["$" + ab[0], []]}, [{"$ifNull": ["$" + ab[1], 0]}]]}
+        ),
+    )
+    add = st.dictionaries(_paths(), expressions, min_size=1, max_size=3)
+    return st.one_of(
+        add.map(lambda spec: {"$set": spec}),
+        add.map(lambda spec: {"$addFields": spec}),
+        st.lists(_paths(), min_size=1, max_size=3, unique=True).map(
+            lambda ps: {"$project": dict.fromkeys(ps, 0)}
+        ),
+        st.lists(_paths(), min_size=1, max_size=3, unique=True).map(lambda ps: {"$unset": ps}),
+        _paths().map(lambda p: {"$unset": p}),
+        st.just({"$project": {"_id": 0}}),
+    )
+
+
+def test_stages_that_copy_the_top_level_only_give_the_same_documents_and_leave_their_input_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``server_patches.COPY``, run in the server's process: ``$set``/``$addFields``, exclusion
+    ``$project`` and ``$unset`` give what SecantusDB's own stages give, over nested documents and arrays,
+    dotted paths, and values taken from other fields; and the documents a pipeline was given are not
+    changed."""
+    import copy
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from secantus import aggregate
+
+    from celery_mongolock.ops import server_patches
+
+    shipped = dict(aggregate._STAGES)
+    patched = dict(shipped)
+    monkeypatch.setattr(aggregate, "_STAGES", patched)
+    exec(server_patches.COPY, {})
+    assert all(patched[n] is not shipped[n] for n in ("$set", "$addFields", "$project", "$unset"))
+
+    def run(stages: dict[str, Any], docs: list[dict[str, Any]], pipeline: list[dict[str, Any]]) -> Any:
+        monkeypatch.setattr(aggregate, "_STAGES", stages)
+        try:
+            return ("ok", aggregate.apply_pipeline(docs, pipeline, aggregate.PipelineContext()))
+        except Exception as exc:  # the same refusal, whichever stages ran
+            return ("error", type(exc).__name__)
+
+    docs_st = st.lists(
+        st.dictionaries(st.sampled_from(_NAMES), _values(), max_size=4).map(lambda d: {"_id": 1, **d}),
+        min_size=1,
+        max_size=3,
+    )
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(docs=docs_st, pipeline=st.lists(_stages(), min_size=1, max_size=4))
+    def same(docs: list[dict[str, Any]], pipeline: list[dict[str, Any]]) -> None:
+        expected = run(shipped, copy.deepcopy(docs), pipeline)
+        given_docs = copy.deepcopy(docs)
+        got = run(patched, given_docs, pipeline)
+        assert got == expected
+        assert given_docs == docs  # the input left alone
+
+    same()
+    # The stages that ran were the patched ones: a field no stage touched is the input's own object.
+    for stage in ({"$set": {"a": 2}}, {"$project": {"a": 0}}, {"$unset": "a"}):
+        doc = {"_id": 1, "a": 1, "keep": {"x": [1]}}
+        _kind, [out] = run(patched, [doc], [stage])
+        assert out["keep"] is doc["keep"], stage
+        assert run(shipped, [doc], [stage])[1][0]["keep"] is not doc["keep"]
+
+
+def test_a_filter_with_top_level_operators_is_planned_on_its_plain_fields_with_the_same_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``server_patches.PLAN``, run in the server's process: ``{"_id": k, "$or": [...]}`` and the like are
+    answered from the ``_id`` (or another) index instead of a scan of the collection, with the same
+    documents as SecantusDB's own plan."""
+    from secantus import storage
+
+    from celery_mongolock.ops import server_patches
+
+    db = storage.Storage(":memory:")
+    scans: list[str] = []
+    scan = storage.Storage._scan_docs_natural
+
+    def counted(self: Any, database: str, coll: str) -> Any:
+        scans.append(coll)
+        return scan(self, database, coll)
+
+    monkeypatch.setattr(storage.Storage, "_scan_docs_natural", counted)
+    monkeypatch.setattr(storage.Storage, "_try_index_id_keys", storage.Storage._try_index_id_keys)
+    try:
+        db.insert("d", "c", [{"_id": f"k{i}", "n": i, "q": [{"id": f"r{i}"}], "o": i % 3} for i in range(50)])
+        filters: list[dict[str, Any]] = [
+            {"_id": "k7", "$or": [{"q.id": "r7"}, {"o": 9}]},
+            {"_id": "k7", "$or": [{"q.id": "nope"}]},
+            {"_id": "k8", "$expr": {"$eq": ["$n", 8]}},
+            {"_id": "k8", "$expr": {"$eq": ["$n", 9]}},
+            {"_id": {"$in": ["k1", "k2", "k3"]}, "$and": [{"o": {"$gte": 1}}], "$comment": "x"},
+            {"_id": "k9", "n": 9, "$nor": [{"o": 1}]},
+            {"$or": [{"_id": "k1"}, {"_id": "k2"}]},  # no plain field: planned as shipped
+        ]
+        shipped = [db.find_matching("d", "c", dict(f)) for f in filters]
+        shipped_scans = len(scans)
+        exec(server_patches.PLAN, {})
+        scans.clear()
+        patched = [db.find_matching("d", "c", dict(f)) for f in filters]
+        assert patched == shipped
+        assert [len(found) for found in patched] == [1, 0, 1, 0, 2, 1, 2]
+        assert shipped_scans == len(filters) and scans == ["c"]  # only the filter without a plain field
+    finally:
+        db.close()
+
+
+def test_the_time_zone_check_of_a_stage_gives_secantus_answer_and_walks_only_a_stage_that_names_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``server_patches.ZONE``, run in the server's process: the same answer as SecantusDB's own walk for
+    stages with and without date operators, good and bad zones; the walk runs only for the former."""
+    from secantus import aggregate
+
+    from celery_mongolock.ops import server_patches
+
+    shipped = aggregate._literal_timezone_problem
+    monkeypatch.setattr(aggregate, "_literal_timezone_problem", shipped)
+    specs: list[Any] = [
+        {"a": {"$add": [1, "$b"]}, "q": {"$concatArrays": ["$q", [{"s": 1}]]}},
+        {"h": {"$hour": {"date": "$d", "timezone": "Not/AZone"}}},
+        {"h": {"$hour": {"date": "$d", "timezone": "Europe/Paris"}}},
+        [{"x": {"$cond": [True, {"$dateToString": {"date": "$d", "timezone": "Bad/Zone"}}, 1]}}],
+        {"s": "$hour", "t": {"$literal": "$dateFromString"}},  # the names as values: walked, no problem
+        {"d": {"$dateFromString": {"dateString": "$s", "format": "%Q"}}},
+        7,
+    ]
+    expected = [shipped(spec) for spec in specs]
+    assert expected[1] is not None and expected[3] is not None and expected[5] is not None
+    namespace: dict[str, Any] = {}
+    exec(server_patches.ZONE, namespace)
+    patched = aggregate._literal_timezone_problem
+    assert patched is not shipped
+    walked: list[Any] = []
+
+    def counted(spec: Any) -> Any:
+        walked.append(spec)
+        return shipped(spec)
+
+    namespace["_zone_as_shipped"] = counted
+    assert [patched(spec) for spec in specs] == expected
+    # The first names no date operator: neither it nor any part of it was walked.
+    first = [specs[0], specs[0]["a"], specs[0]["q"]]
+    assert walked and not [w for w in walked if any(w is part for part in first)]

@@ -32,144 +32,8 @@ from urllib.parse import quote
 
 __all__ = ["EmbeddedMongo", "EmbeddedMongoError", "find_free_port", "main"]
 
-#: Run in the server's process before it starts (never in ours). SecantusDB 0.7 keeps the replies of the
-#: last 10,000 retryable writes, and prunes them on every retryable write and lookup: a scan of all of
-#: them, and once there are 10,000, a sort of all of them to drop the oldest one. pymongo makes every
-#: write retryable, so a busy server spent a quarter of its time there (the lock-set checker's server,
-#: measured with py-spy), every write slower than the last, until the 10,000th, then each one paying for
-#: a sort. Here the scan for records past their lifetime runs at most once a second, and past the cap the
-#: oldest tenth is dropped at once (in insertion order, which is their age): the same records are kept,
-#: give or take a second and a tenth of the cap. Left as it is when SecantusDB's internals are not the
-#: ones this was written for.
-_TUNE = """
-try:
-    import itertools
-    from secantus import transactions as _t
+from celery_mongolock.ops.server_patches import LAUNCH
 
-    _cap, _life = int(_t._RETRYABLE_RECORD_MAX), float(_t._RETRYABLE_RECORD_LIFETIME_SECONDS)
-
-    def _prune(self):
-        now = self._time()
-        if now >= getattr(self, "_mongolock_next_sweep", 0.0):
-            self._mongolock_next_sweep = now + 1.0
-            for k in [k for k, v in self._retryable.items() if v[1] < now - _life]:
-                self._retryable.pop(k, None)
-        excess = len(self._retryable) - _cap
-        if excess > 0:
-            for k in list(itertools.islice(iter(self._retryable), excess + _cap // 10)):
-                self._retryable.pop(k, None)
-
-    if callable(getattr(_t.TransactionRegistry, "_prune_retryable_locked", None)):
-        _t.TransactionRegistry._prune_retryable_locked = _prune
-except Exception:
-    pass
-"""
-#: SecantusDB's main thread waits for its stop in ``Event.wait()`` with no timeout, and its SIGTERM handler
-#: (which stops the server) runs only in that thread. A process signal the kernel delivers to another of
-#: its threads does not wake that wait, so the handler never ran and the server never exited: ``stop`` then
-#: SIGKILLed it after its timeout (2 of 150 stops under load; a fault handler's stacks showed the main
-#: thread still in ``wait``). Waiting in slices of 0.2 s lets the handler run within one slice.
-_WAKE = """
-try:
-    from secantus import server as _s
-
-    _wait_forever = _s.SecantusDBServer.wait
-
-    def _wait(self):
-        stop = getattr(self, "_stop_event", None)
-        if stop is None:
-            return _wait_forever(self)
-        while not stop.wait(0.2):
-            pass
-
-    _s.SecantusDBServer.wait = _wait
-except Exception:
-    pass
-"""
-#: SecantusDB 0.7 finds where a change stream opened with ``startAtOperationTime`` begins by reading and
-#: decoding its whole oplog, from the oldest entry, while it holds the lock every other command needs. Its
-#: oplog keeps up to 100,000 entries for an hour, so a busy server's stream openings got slower with every
-#: write: 4 s each with 46,801 entries (the lock-set checker's server in CI), during which no command
-#: was answered and 2-second leases lapsed everywhere (the lease watcher opens such a stream for each new
-#: batch of leases). Entries are in send order of their time and sequence number together, so here the
-#: first entry at or after the time is found by bisection over the sequence numbers, a few point reads
-#: (the same answer; the whole scan again if an entry has no time). Left as it is when SecantusDB's
-#: internals are not the ones this was written for.
-_SEEK = """
-try:
-    from bson import Timestamp as _Ts
-    from secantus import storage as _st
-
-    _scan_all = _st.Storage._find_seq_for_ts_scan
-
-    def _seek(self, ts):
-        with self._lock:
-            if self._closed:
-                return 0
-            session = self._conn.open_session()
-            try:
-                found, lo, hi = self._next_seq, 0, self._next_seq
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    rows, _high = self._merge_oplog_on_session(session, mid, 1)
-                    if not rows or rows[0][0] >= hi:
-                        hi = mid  # no entry in [mid, hi)
-                        continue
-                    seq, entry = rows[0]
-                    at = entry.get("ts")
-                    if not isinstance(at, _Ts):
-                        found = None
-                        break
-                    if at.time > ts.time or (at.time == ts.time and at.inc >= ts.inc):
-                        found, hi = seq, mid  # this one qualifies: the first is here or before mid
-                    else:
-                        lo = seq + 1  # it and every entry before it are older
-            finally:
-                try:
-                    session.close()
-                except Exception:
-                    pass
-        return _scan_all(self, ts) if found is None else found
-
-    if callable(getattr(_st.Storage, "_merge_oplog_on_session", None)) and callable(_scan_all):
-        _st.Storage._find_seq_for_ts_scan = _seek
-except Exception:
-    pass
-"""
-#: SecantusDB 0.7 reads a database's profiling level from its storage, under the same lock, after every
-#: command it answers (6 to 8% of the lock-set checker's server, measured with py-spy). Only
-#: ``set_profile`` writes it, so here it is read once per database and kept until ``set_profile`` runs.
-_PROFILE = """
-try:
-    from secantus import storage as _sp
-
-    _get_profile, _set_profile = _sp.Storage.get_profile, _sp.Storage.set_profile
-
-    def _cached_profile(self, db):
-        kept = self.__dict__.setdefault("_mongolock_profiles", {})
-        if db not in kept:
-            kept[db] = _get_profile(self, db)
-        return dict(kept[db])
-
-    def _set_and_forget(self, db, **settings):
-        self.__dict__.setdefault("_mongolock_profiles", {}).pop(db, None)
-        try:
-            return _set_profile(self, db, **settings)
-        finally:
-            self.__dict__["_mongolock_profiles"].pop(db, None)
-
-    if "_PROFILE_TABLE" in vars(_sp) and callable(_get_profile) and callable(_set_profile):
-        _sp.Storage.get_profile, _sp.Storage.set_profile = _cached_profile, _set_and_forget
-except Exception:
-    pass
-"""
-_LAUNCH = (
-    _TUNE
-    + _SEEK
-    + _PROFILE
-    + _WAKE
-    + "import sys; from secantus.cli import main; sys.argv[0] = 'secantusd-py'; sys.exit(main())"
-)
 _RUNNING: weakref.WeakSet[EmbeddedMongo] = weakref.WeakSet()
 
 
@@ -262,7 +126,7 @@ class EmbeddedMongo:
 
     def command(self) -> list[str]:
         storage = ":memory:" if self.storage_path is None else str(self.storage_path)
-        cmd = [_python_with_secantus(), "-c", _LAUNCH, "--host", self.host, "--port", str(self.port)]
+        cmd = [_python_with_secantus(), "-c", LAUNCH, "--host", self.host, "--port", str(self.port)]
         cmd += ["--storage-path", storage, "--log-level", "WARNING"]
         if self.auth:
             cmd.append("--auth")

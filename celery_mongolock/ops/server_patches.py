@@ -1,0 +1,309 @@
+"""The code ``EmbeddedMongo`` runs in the embedded server's process before it starts (never in ours):
+patches of SecantusDB's internals, each measured (py-spy, ``benchmarks/embedded_*.py``), each tested
+against SecantusDB's own answer (``tests/test_embedded.py``), and each left out when SecantusDB's
+internals are not the ones it was written for. ``LAUNCH`` is the whole ``python -c`` program."""
+
+from __future__ import annotations
+
+__all__ = ["COPY", "LAUNCH", "PLAN", "PROFILE", "SEEK", "TUNE", "WAKE", "ZONE"]
+
+#: Run in the server's process before it starts (never in ours). SecantusDB 0.7 keeps the replies of the
+#: last 10,000 retryable writes, and prunes them on every retryable write and lookup: a scan of all of
+#: them, and once there are 10,000, a sort of all of them to drop the oldest one. pymongo makes every
+#: write retryable, so a busy server spent a quarter of its time there (the lock-set checker's server,
+#: measured with py-spy), every write slower than the last, until the 10,000th, then each one paying for
+#: a sort. Here the scan for records past their lifetime runs at most once a second, and past the cap the
+#: oldest tenth is dropped at once (in insertion order, which is their age): the same records are kept,
+#: give or take a second and a tenth of the cap. Left as it is when SecantusDB's internals are not the
+#: ones this was written for.
+TUNE = """
+try:
+    import itertools
+    from secantus import transactions as _t
+
+    _cap, _life = int(_t._RETRYABLE_RECORD_MAX), float(_t._RETRYABLE_RECORD_LIFETIME_SECONDS)
+
+    def _prune(self):
+        now = self._time()
+        if now >= getattr(self, "_mongolock_next_sweep", 0.0):
+            self._mongolock_next_sweep = now + 1.0
+            for k in [k for k, v in self._retryable.items() if v[1] < now - _life]:
+                self._retryable.pop(k, None)
+        excess = len(self._retryable) - _cap
+        if excess > 0:
+            for k in list(itertools.islice(iter(self._retryable), excess + _cap // 10)):
+                self._retryable.pop(k, None)
+
+    if callable(getattr(_t.TransactionRegistry, "_prune_retryable_locked", None)):
+        _t.TransactionRegistry._prune_retryable_locked = _prune
+except Exception:
+    pass
+"""
+#: SecantusDB's main thread waits for its stop in ``Event.wait()`` with no timeout, and its SIGTERM handler
+#: (which stops the server) runs only in that thread. A process signal the kernel delivers to another of
+#: its threads does not wake that wait, so the handler never ran and the server never exited: ``stop`` then
+#: SIGKILLed it after its timeout (2 of 150 stops under load; a fault handler's stacks showed the main
+#: thread still in ``wait``). Waiting in slices of 0.2 s lets the handler run within one slice.
+WAKE = """
+try:
+    from secantus import server as _s
+
+    _wait_forever = _s.SecantusDBServer.wait
+
+    def _wait(self):
+        stop = getattr(self, "_stop_event", None)
+        if stop is None:
+            return _wait_forever(self)
+        while not stop.wait(0.2):
+            pass
+
+    _s.SecantusDBServer.wait = _wait
+except Exception:
+    pass
+"""
+#: SecantusDB 0.7 finds where a change stream opened with ``startAtOperationTime`` begins by reading and
+#: decoding its whole oplog, from the oldest entry, while it holds the lock every other command needs. Its
+#: oplog keeps up to 100,000 entries for an hour, so a busy server's stream openings got slower with every
+#: write: 4 s each with 46,801 entries (the lock-set checker's server in CI), during which no command
+#: was answered and 2-second leases lapsed everywhere (the lease watcher opens such a stream for each new
+#: batch of leases). Entries are in send order of their time and sequence number together, so here the
+#: first entry at or after the time is found by bisection over the sequence numbers, a few point reads
+#: (the same answer; the whole scan again if an entry has no time). Left as it is when SecantusDB's
+#: internals are not the ones this was written for.
+SEEK = """
+try:
+    from bson import Timestamp as _Ts
+    from secantus import storage as _st
+
+    _scan_all = _st.Storage._find_seq_for_ts_scan
+
+    def _seek(self, ts):
+        with self._lock:
+            if self._closed:
+                return 0
+            session = self._conn.open_session()
+            try:
+                found, lo, hi = self._next_seq, 0, self._next_seq
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    rows, _high = self._merge_oplog_on_session(session, mid, 1)
+                    if not rows or rows[0][0] >= hi:
+                        hi = mid  # no entry in [mid, hi)
+                        continue
+                    seq, entry = rows[0]
+                    at = entry.get("ts")
+                    if not isinstance(at, _Ts):
+                        found = None
+                        break
+                    if at.time > ts.time or (at.time == ts.time and at.inc >= ts.inc):
+                        found, hi = seq, mid  # this one qualifies: the first is here or before mid
+                    else:
+                        lo = seq + 1  # it and every entry before it are older
+            finally:
+                try:
+                    session.close()
+                except Exception:
+                    pass
+        return _scan_all(self, ts) if found is None else found
+
+    if callable(getattr(_st.Storage, "_merge_oplog_on_session", None)) and callable(_scan_all):
+        _st.Storage._find_seq_for_ts_scan = _seek
+except Exception:
+    pass
+"""
+#: SecantusDB 0.7 reads a database's profiling level from its storage, under the same lock, after every
+#: command it answers (6 to 8% of the lock-set checker's server, measured with py-spy). Only
+#: ``set_profile`` writes it, so here it is read once per database and kept until ``set_profile`` runs.
+PROFILE = """
+try:
+    from secantus import storage as _sp
+
+    _get_profile, _set_profile = _sp.Storage.get_profile, _sp.Storage.set_profile
+
+    def _cached_profile(self, db):
+        kept = self.__dict__.setdefault("_mongolock_profiles", {})
+        if db not in kept:
+            kept[db] = _get_profile(self, db)
+        return dict(kept[db])
+
+    def _set_and_forget(self, db, **settings):
+        self.__dict__.setdefault("_mongolock_profiles", {}).pop(db, None)
+        try:
+            return _set_profile(self, db, **settings)
+        finally:
+            self.__dict__["_mongolock_profiles"].pop(db, None)
+
+    if "_PROFILE_TABLE" in vars(_sp) and callable(_get_profile) and callable(_set_profile):
+        _sp.Storage.get_profile, _sp.Storage.set_profile = _cached_profile, _set_and_forget
+except Exception:
+    pass
+"""
+#: Run in the server's process. SecantusDB's ``$set``/``$addFields``, exclusion ``$project`` and ``$unset``
+#: stages deep-copy each whole document before they change a few of its fields. The library's admission
+#: and release commands are update pipelines of several such stages over a lease document, and the
+#: sweeper's list is an aggregation of two over every key with parked runs, so each copied the documents,
+#: their parked runs and their history, once per stage: about a third of the server's time in
+#: ``copy.deepcopy`` (py-spy, holding the GIL, on the lock-set checker's server and a CI worker's). Here a
+#: stage copies a document's top level, and the containers on the paths it changes (a dotted path's), and
+#: shares the rest: its output is the same, and no document it was given is changed. (A value a stage
+#: computes from a field may be that field's very object, as before.) Only where SecantusDB itself lets
+#: stages share subtrees (no ``$fill`` or ``$densify`` in the pipeline), and left as it is when its
+#: internals are not the ones this was written for.
+COPY = """
+try:
+    from collections.abc import Mapping as _Mapping
+    from secantus import aggregate as _ag
+
+    def _fresh(value, segments):
+        # A copy of ``value`` whose containers along ``segments`` are new, the rest shared: every container
+        # ``set_path``/``unset_path`` can write to on that path (by key, by index, or element by element).
+        if not segments or not isinstance(value, (dict, list)):
+            return value
+        head, rest = segments[0], segments[1:]
+        if isinstance(value, dict):
+            out = dict(value)
+            if head in out:
+                out[head] = _fresh(out[head], rest)
+            return out
+        index = int(head) if head.isdigit() else -1
+        return [
+            _fresh(_fresh(v, rest), segments) if i == index else _fresh(v, segments)
+            for i, v in enumerate(value)
+        ]
+
+    def _fresh_top(result, path):
+        top, _, below = path.partition(".")
+        if below and top in result:
+            result[top] = _fresh(result[top], below.split("."))
+
+    def _add_fields_one(doc, spec, vars):
+        result = dict(doc)
+        for path, expr in spec.items():
+            value = _ag.evaluate_or_missing(expr, doc, vars)
+            _fresh_top(result, path)
+            if value is _ag.MISSING:
+                _ag.unset_path(result, path)
+            else:
+                _ag.set_path(result, path, value)
+        return result
+
+    def _without(doc, paths):
+        result = dict(doc)
+        for path in paths:
+            _fresh_top(result, path)
+            _ag.unset_path(result, path)
+        return result
+
+    def _excludes_only(spec):
+        return bool(spec) and all(v is False or (not isinstance(v, bool) and v == 0) for v in spec.values())
+
+    def _gated(shipped, fast):
+        # Only where SecantusDB itself lets stages share subtrees: no stage of the pipeline writes through
+        # the documents it is given ($fill, $densify: ``PipelineContext.shared_unwind_ok``).
+        def stage(spec, docs, ctx, **kwargs):
+            if getattr(ctx, "shared_unwind_ok", None) is True:
+                out = fast(spec, docs, ctx)
+                if out is not None:
+                    return out
+            return shipped(spec, docs, ctx, **kwargs)
+
+        return stage
+
+    def _set_fast(spec, docs, ctx):
+        if isinstance(spec, _Mapping):
+            return [_add_fields_one(d, spec, ctx.vars) for d in docs]
+        return None
+
+    def _project_fast(spec, docs, ctx):
+        if isinstance(spec, _Mapping) and _excludes_only(spec):
+            return [_without(d, spec) for d in docs]
+        return None
+
+    def _unset_fast(spec, docs, ctx):
+        _shipped["$unset"](spec, [], ctx)  # its checks of the spec, and their errors
+        paths = [spec] if isinstance(spec, str) else list(spec)
+        return [_without(d, paths) for d in docs]
+
+    _stages = getattr(_ag, "_STAGES", None)
+    _shipped = {n: _stages.get(n) for n in ("$addFields", "$set", "$project", "$unset")} if _stages else {}
+    if (
+        all(callable(f) for f in _shipped.values()) and len(_shipped) == 4
+        and all(callable(getattr(_ag, n, None)) for n in ("evaluate_or_missing", "set_path", "unset_path"))
+        and hasattr(_ag, "MISSING")
+        and "shared_unwind_ok" in getattr(_ag.PipelineContext, "__dataclass_fields__", {})
+    ):
+        for _name, _fast in (
+            ("$addFields", _set_fast), ("$set", _set_fast),
+            ("$project", _project_fast), ("$unset", _unset_fast),
+        ):
+            _stages[_name] = _gated(_shipped[_name], _fast)
+except Exception:
+    pass
+"""
+#: Run in the server's process. SecantusDB plans a query on an index only when its filter has no top-level
+#: operator: ``{"_id": key, "$or": [...]}`` and ``{"_id": key, "$expr": ...}``, the shape of the library's
+#: conditional writes (a release by its owner, a slot's claim, a spilled run's refill), read and decoded
+#: every lease document to find one (the lock-set checker's server: 600 such scans, 15 ms each). Here a
+#: filter whose top-level operators are all conjunctions (``$and``, ``$or``, ``$nor``, ``$expr``,
+#: ``$comment``, ``$jsonSchema``) is planned on its plain fields, as MongoDB does; every caller then
+#: matches the whole filter against each candidate, so the answer is the same. Left as it is when
+#: SecantusDB's internals are not the ones this was written for.
+PLAN = """
+try:
+    from secantus import storage as _sp
+
+    _plan_as_shipped = _sp.Storage._try_index_id_keys
+    _ANDED = frozenset({"$and", "$or", "$nor", "$expr", "$comment", "$jsonSchema"})
+
+    def _try_index_id_keys(self, db, coll, filter, *, collation=None):
+        if filter and isinstance(filter, dict):
+            ops = [f for f in filter if isinstance(f, str) and f.startswith("$")]
+            if ops and len(ops) < len(filter) and all(op in _ANDED for op in ops):
+                plain = {f: v for f, v in filter.items() if f not in ops}
+                return _plan_as_shipped(self, db, coll, plain, collation=collation)
+        return _plan_as_shipped(self, db, coll, filter, collation=collation)
+
+    if callable(_plan_as_shipped) and callable(getattr(_sp.Storage, "_scan_docs_natural", None)):
+        _sp.Storage._try_index_id_keys = _try_index_id_keys
+except Exception:
+    pass
+"""
+#: Run in the server's process. Before every pipeline update and aggregation SecantusDB walks each stage's
+#: expressions for a date operator with a literal time zone, in Python, node by node (a tenth of its time
+#: under the lock-set checker: the library's admission pipelines are large). Here the stage is first
+#: encoded to BSON (in C) and walked only when an operator's name is in its bytes: an answer of "no
+#: problem" without the walk, the same answer with it. Left as it is when SecantusDB's internals are not
+#: the ones this was written for.
+ZONE = """
+try:
+    import bson as _bson
+    from secantus import aggregate as _ag
+
+    _zone_as_shipped = _ag._literal_timezone_problem
+    _zone_names = tuple(n.encode() + b"\\x00" for n in (*_ag._TIMEZONE_OPERATORS, "$dateFromString"))
+
+    def _literal_timezone_problem(spec):
+        if isinstance(spec, (dict, list)):
+            try:
+                blob = _bson.encode({"s": spec})
+            except Exception:
+                blob = None
+            if blob is not None and not any(name in blob for name in _zone_names):
+                return None
+        return _zone_as_shipped(spec)
+
+    if callable(_zone_as_shipped) and isinstance(getattr(_ag, "_TIMEZONE_OPERATORS", None), frozenset):
+        _ag._literal_timezone_problem = _literal_timezone_problem
+except Exception:
+    pass
+"""
+LAUNCH = (
+    TUNE
+    + COPY
+    + PLAN
+    + ZONE
+    + SEEK
+    + PROFILE
+    + WAKE
+    + "import sys; from secantus.cli import main; sys.argv[0] = 'secantusd-py'; sys.exit(main())"
+)
