@@ -7,10 +7,12 @@ them is refused; released, the keys go to the newest run of the set."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from pymongo import MongoClient
+from pymongo.collection import Collection
 
 from celery_mongolock import FencedOut, LeaseStore, Superseded, fenced_update_one
 from celery_mongolock.core.lease_set import LeaseSet
@@ -99,35 +101,41 @@ def test_without_cancel_running_the_holder_of_the_set_is_not_marked(store: Lease
     assert not holder.superseded
 
 
-def test_the_superseded_sets_writes_are_refused_and_the_keys_go_to_the_newest_run(
-    store: LeaseStore, mongo_url: str
-) -> None:
-    handoffs = Handoffs(store)
-    old, new = run(10, [X, Y]), run(20, [X, Y])
-    holder = holds(store, old)
-    holder.supersede_together()
+@pytest.fixture
+def reports(mongo_url: str) -> Iterator[Collection[dict[str, Any]]]:
+    """A collection the holder writes to with its fences, holding one report ``r`` (written by nobody)."""
     client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
     try:
         target = client["cx_keys_test"]["reports"]
         target.delete_many({})
         target.insert_one({"_id": "r"})
-        fenced_update_one(target, {"_id": "r"}, {"$set": {"by": "old"}}, holder[Y])
-        for key in (X, Y):
-            assert admit(store, key, new)[1]["lo"] == "parked"
-        wait_for(lambda: holder[Y].superseded, timeout=DEADLINE, message="the set to be told")
-        for lease in holder:
-            with pytest.raises(FencedOut):
-                fenced_update_one(target, {"_id": "r"}, {"$set": {"by": "old-late"}}, lease)
-        assert (target.find_one({"_id": "r"}) or {})["by"] == "old"
-        holder.release()
-        assert sorted(handoffs.tasks) == ["r20", "r20"]
-        assert store.reserved_for_all(new)
+        yield target
     finally:
         client.close()
 
 
+def test_the_superseded_sets_writes_are_refused_and_the_keys_go_to_the_newest_run(
+    store: LeaseStore, reports: Collection[dict[str, Any]]
+) -> None:
+    handoffs = Handoffs(store)
+    old, new = run(10, [X, Y]), run(20, [X, Y])
+    holder = holds(store, old)
+    holder.supersede_together()
+    fenced_update_one(reports, {"_id": "r"}, {"$set": {"by": "old"}}, holder[Y])
+    for key in (X, Y):
+        assert admit(store, key, new)[1]["lo"] == "parked"
+    wait_for(lambda: holder[Y].superseded, timeout=DEADLINE, message="the set to be told")
+    for lease in holder:
+        with pytest.raises(FencedOut):
+            fenced_update_one(reports, {"_id": "r"}, {"$set": {"by": "old-late"}}, lease)
+    assert (reports.find_one({"_id": "r"}) or {})["by"] == "old"
+    holder.release()
+    assert sorted(handoffs.tasks) == ["r20", "r20"]
+    assert store.reserved_for_all(new)
+
+
 def test_the_moment_one_lease_of_the_set_is_marked_a_write_with_any_other_is_refused(
-    store: LeaseStore, mongo_url: str
+    store: LeaseStore, reports: Collection[dict[str, Any]]
 ) -> None:
     """The holder learns of the newer send on one key (its set's gate, with a ``Replace`` set): from that
     moment ``held.superseded`` is true and a fenced write with any lease of the set is refused, not only
@@ -141,24 +149,19 @@ def test_the_moment_one_lease_of_the_set_is_marked_a_write_with_any_other_is_ref
 
     holder[X].on_superseded(hold_callbacks)
     holder.supersede_together()
-    client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
     try:
-        target = client["cx_keys_test"]["reports_at_once"]
-        target.delete_many({})
-        target.insert_one({"_id": "r"})
         assert holder[X].mark_superseded("r20")  # (as the lease watch does, on the first key it is told)
         assert holder.superseded and holder[Y].superseded and holder[Y].superseded_by == "r20"
         assert holder[Y].wait_superseded(0) and holder[Y].superseded_at is not None  # (marked, not only seen)
         with pytest.raises(FencedOut) as refused:  # (no wait: the same thread, right after the mark)
-            fenced_update_one(target, {"_id": "r"}, {"$set": {"by": "old-late"}}, holder[Y])
+            fenced_update_one(reports, {"_id": "r"}, {"$set": {"by": "old-late"}}, holder[Y])
         assert refused.value.superseded_by == "r20"
         with pytest.raises(Superseded):
             holder[Y].raise_if_superseded()
-        assert (target.find_one({"_id": "r"}) or {}).get("by") is None
+        assert (reports.find_one({"_id": "r"}) or {}).get("by") is None
     finally:
         callbacks_held.set()
         holder.release()
-        client.close()
 
 
 def test_a_one_key_send_never_marks_the_holder_of_a_set(store: LeaseStore) -> None:
