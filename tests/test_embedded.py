@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pymongo import MongoClient
+from pymongo import MongoClient, monitoring
 from pymongo.errors import PyMongoError
 
 from celery_mongolock import LeaseStore
@@ -483,3 +484,56 @@ def test_the_time_zone_check_of_a_stage_gives_secantus_answer_and_walks_only_a_s
     # The first names no date operator: neither it nor any part of it was walked.
     first = [specs[0], specs[0]["a"], specs[0]["q"]]
     assert walked and not [w for w in walked if any(w is part for part in first)]
+
+
+class _GetMores(monitoring.CommandListener):
+    """Counts the ``getMore`` commands a client sends; calls ``on_first`` when the first one starts."""
+
+    def __init__(self, on_first: Any) -> None:
+        self.count = 0
+        self._on_first = on_first
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "getMore":
+            self.count += 1
+            if self.count == 1:
+                self._on_first()
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def test_a_stream_s_get_more_answers_only_with_an_event_that_passes_or_at_the_end_of_its_wait() -> None:
+    """Over the wire (``AWAIT``): while one ``getMore`` of a stream waits, writes to another collection and
+    writes its ``$match`` drops do not answer it; the first event that passes does, in that same
+    ``getMore``. As shipped, each of those writes answered the waiting ``getMore`` with an empty batch."""
+    with EmbeddedMongo() as server:
+        writer: MongoClient[dict[str, Any]] = MongoClient(server.url)
+        done = threading.Event()
+
+        def write() -> None:
+            try:
+                for i in range(20):
+                    writer["await"]["other"].insert_one({"_id": i})
+                    writer["await"]["watched"].insert_one({"_id": i, "kind": "dropped"})
+                writer["await"]["watched"].insert_one({"_id": "last", "kind": "passes"})
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=write, daemon=True)
+        listener = _GetMores(thread.start)
+        reader: MongoClient[dict[str, Any]] = MongoClient(server.url, event_listeners=[listener])
+        try:
+            pipeline = [{"$match": {"fullDocument.kind": "passes"}}]
+            # The wait is long (60 s): the writes all come inside the first getMore's wait.
+            with reader["await"]["watched"].watch(pipeline, max_await_time_ms=60_000) as stream:
+                event: Any = stream.next()
+            assert event["documentKey"]["_id"] == "last"
+            assert done.wait(60)
+            assert listener.count == 1, listener.count
+        finally:
+            reader.close()
+            writer.close()

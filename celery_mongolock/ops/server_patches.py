@@ -5,7 +5,7 @@ internals are not the ones it was written for. ``LAUNCH`` is the whole ``python 
 
 from __future__ import annotations
 
-__all__ = ["COPY", "LAUNCH", "PLAN", "PROFILE", "SEEK", "TUNE", "WAKE", "ZONE"]
+__all__ = ["AWAIT", "COPY", "LAUNCH", "PLAN", "PROFILE", "SEEK", "TUNE", "WAKE", "ZONE"]
 
 #: Run in the server's process before it starts (never in ours). SecantusDB 0.7 keeps the replies of the
 #: last 10,000 retryable writes, and prunes them on every retryable write and lookup: a scan of all of
@@ -297,6 +297,51 @@ try:
 except Exception:
     pass
 """
+#: Run in the server's process. A change stream's ``getMore`` in SecantusDB 0.7 waits for a write to *any*
+#: collection, then answers at once, with an empty batch when that write was on another collection or did
+#: not pass the stream's ``$match``; the driver asks again at once. Every write therefore cost each open
+#: stream a whole command (the lease watchers: one per worker process), most of them with nothing in them.
+#: mongod waits out ``maxAwaitTimeMS`` until an event passes; here an empty, still-open change-stream
+#: batch is asked for again within the same budget. Only with a positive ``maxTimeMS`` (the driver sends
+#: the stream's ``max_await_time_ms``): an explicit 0 (a poll) and an absent one are as shipped. Left as
+#: it is when SecantusDB's internals are not the ones this was written for.
+AWAIT = """
+try:
+    import time as _aw_time
+    from secantus import commands as _aw
+
+    _get_more_as_shipped = _aw._HANDLERS["getMore"]
+
+    def _waits_on(doc, ctx, reply):
+        cursor = reply.get("cursor") if isinstance(reply, dict) else None
+        if reply.get("ok") != 1 or not isinstance(cursor, dict) or cursor.get("nextBatch") != []:
+            return False
+        if not cursor.get("id") or getattr(ctx.storage, "_shutting_down", True):
+            return False
+        try:
+            entry = ctx.cursors.get(int(doc["getMore"]))
+        except Exception:
+            return False
+        return bool(getattr(entry, "change_stream", False)) and not entry.invalidated and not entry.dropped
+
+    def _get_more(doc, ctx):
+        reply = _get_more_as_shipped(doc, ctx)
+        budget = doc.get("maxTimeMS")
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+            return reply
+        deadline = _aw_time.monotonic() + budget / 1000.0
+        while _waits_on(doc, ctx, reply):
+            left_ms = int((deadline - _aw_time.monotonic()) * 1000)
+            if left_ms < 5:
+                break
+            reply = _get_more_as_shipped({**doc, "maxTimeMS": left_ms}, ctx)
+        return reply
+
+    if callable(_get_more_as_shipped) and callable(getattr(_aw, "_drain_change_stream_producer", None)):
+        _aw._HANDLERS["getMore"] = _get_more
+except Exception:
+    pass
+"""
 LAUNCH = (
     TUNE
     + COPY
@@ -305,5 +350,6 @@ LAUNCH = (
     + SEEK
     + PROFILE
     + WAKE
+    + AWAIT
     + "import sys; from secantus.cli import main; sys.argv[0] = 'secantusd-py'; sys.exit(main())"
 )
