@@ -30,25 +30,28 @@ if celery.VERSION < (5, 7):
     AsyncResult.__del__ = lambda self: None
 
 
-# `make test` runs the suite in three processes (pytest-xdist, ``-n 3 --dist loadfile``: each file's tests in
+# `make test` runs the suite in four processes (pytest-xdist, ``-n 4 --dist loadfile``: each file's tests in
 # one process, which has servers of its own). Files are handed out in collection order, so the longest go
-# first: a long file started last would leave the others idle at the end. The figures (seconds on
-# an idle machine, for the order only) are from `pytest --durations`; a file not named here goes after.
+# first: a long file started last would leave the others idle at the end. The figures (seconds in a CI
+# run, for the order only) are from its JUnit report; a file not named here goes after.
 LONGEST_FIRST = {
-    "test_integration.py": 190,  # Redis and RabbitMQ
-    "test_lockcheck.py": 260,  # the bounded runs on Redis, then RabbitMQ (one process: never side by side)
-    "test_benchmarks.py": 80,
-    "test_queue.py": 75,
-    "test_limit.py": 70,
-    "test_demo.py": 60,  # Redis and RabbitMQ
-    "test_store_contract.py": 58,
-    "test_security.py": 53,
-    "test_cli.py": 43,
-    "test_engine_model.py": 40,
-    "test_clock_skew.py": 35,
-    "test_keys.py": 32,
-    "test_quickstart.py": 25,
-    "test_packaging.py": 24,
+    "test_lockcheck.py": 920,  # the bounded runs on Redis, then RabbitMQ (one process: never side by side)
+    "test_integration.py": 440,  # Redis and RabbitMQ
+    "test_cli.py": 310,
+    "test_benchmarks.py": 270,
+    "test_queue.py": 160,
+    "test_rate_workers.py": 130,
+    "test_stepwise_replace.py": 130,
+    "test_replace_keys_debounce.py": 110,
+    "test_demo.py": 100,  # Redis and RabbitMQ
+    "test_stepwise_model.py": 95,
+    "test_security.py": 90,
+    "test_unique_send_workers.py": 85,
+    "test_handoff_lanes.py": 80,
+    "test_clock_skew.py": 80,
+    "test_quickstart.py": 75,
+    "test_limit.py": 65,
+    "test_store_contract.py": 60,
 }
 
 
