@@ -3813,6 +3813,13 @@ def unrestored_task_ids(workdir: Path) -> set[str]:
     return found
 
 
+def lost_for_good(waiting: Iterable[str], where: Mapping[str, str], unrestored: set[str]) -> bool:
+    """Every task in ``waiting`` has no message in the broker and is parked nowhere, and a node's log says
+    kombu could not restore its message (``unrestored_task_ids``): none of them can run any more."""
+    ids = list(waiting)
+    return bool(ids) and all(where.get(t) == "nowhere" and t in unrestored for t in ids)
+
+
 def broker_steps(log: brokerlog.BrokerLog, task_id: str, start: float) -> list[str]:
     """A task's message copies as the broker's file tells them (for the report of an unfinished task)."""
     out = []
@@ -6511,6 +6518,7 @@ class Run:
         states: dict[str, Doc] = {}
         waiting = dict(self.submitted)
         t_begin = last_progress = time.monotonic()
+        unrestored_at = 0.0
         seen: dict[str, str] = {}
         while waiting:
             now = time.monotonic()
@@ -6542,6 +6550,13 @@ class Run:
             if nowhere and quiet > self._stall_allowance():
                 self.log(f"drain: no progress for {quiet:.0f}s; {len(waiting)} task(s) unfinished, nowhere")
                 break
+            # Messages a node's log says kombu could not restore, and that are nowhere since: they cannot
+            # come back, so the drain does not wait out the allowance for them (a minute a Redis run).
+            if nowhere and quiet > 2 * self.cfg.lease_seconds + 5 and now - unrestored_at > 5:
+                unrestored_at = now
+                if lost_for_good(waiting, where, unrestored_task_ids(self.dir)):
+                    self.log(f"drain: {len(waiting)} unfinished, their messages not restored by kombu")
+                    break
             if now - t_begin > DRAIN_GUARD_S:
                 self.log(f"drain: still {len(waiting)} unfinished after {DRAIN_GUARD_S:.0f}s; giving up")
                 break

@@ -554,6 +554,16 @@ def test_a_message_removed_by_a_failed_restore_is_the_broker_s_loss_only_with_bo
     assert lockcheck.unrestored_task_ids(tmp_path) == {"71683f65-1997-4b0d-893e-7417868a921c"}
 
 
+def test_the_drain_stops_waiting_only_for_messages_that_are_nowhere_and_were_not_restored() -> None:
+    lost = lockcheck.lost_for_good
+    assert lost(["a", "b"], {"a": "nowhere", "b": "nowhere"}, {"a", "b", "c"})
+    assert not lost(["a", "b"], {"a": "nowhere", "b": "nowhere"}, {"a"})  # b may still come back
+    assert not lost(["a"], {"a": "unacked"}, {"a"})  # restored after all: a node holds it
+    assert not lost(["a"], {"a": "parked lockcheck:q1.e0 #1 owner x fence 3"}, {"a"})
+    assert not lost(["a"], {}, {"a"})  # not looked at
+    assert not lost([], {}, set())
+
+
 @pytest.mark.timeout(lockcheck.DRAIN_GUARD_S + 2 * lockcheck.START_GUARD_S)
 def test_bounded_run_under_all_faults_has_no_violation(tmp_path: Any) -> None:
     seed = int(os.environ.get("LOCKCHECK_SEED", "1"))
