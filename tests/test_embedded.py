@@ -537,3 +537,29 @@ def test_a_stream_s_get_more_answers_only_with_an_event_that_passes_or_at_the_en
         finally:
             reader.close()
             writer.close()
+
+
+def test_a_stream_s_get_more_reads_all_that_was_written_before_it_waits() -> None:
+    """Over the wire (``AWAIT``): a stream opened before 700 writes its ``$match`` drops (more than one
+    read of the oplog takes) and one that passes gets that one in its first ``getMore``: the ``getMore``
+    reads on while the oplog holds more than it read, and waits only once it has read everything."""
+    with EmbeddedMongo() as server:
+        client: MongoClient[dict[str, Any]] = MongoClient(server.url)
+        listener = _GetMores(lambda: None)
+        reader: MongoClient[dict[str, Any]] = MongoClient(server.url, event_listeners=[listener])
+        try:
+            coll = client["await"]["watched"]
+            with client.start_session() as session:
+                coll.insert_one({"_id": "first", "kind": "before"}, session=session)
+                since = session.operation_time
+            coll.insert_many([{"_id": i, "kind": "dropped"} for i in range(700)])
+            coll.insert_one({"_id": "last", "kind": "passes"})
+            pipeline = [{"$match": {"fullDocument.kind": "passes"}}]
+            watched = reader["await"]["watched"]
+            with watched.watch(pipeline, start_at_operation_time=since, max_await_time_ms=5_000) as stream:
+                event: Any = stream.next()
+            assert event["documentKey"]["_id"] == "last"
+            assert listener.count <= 1, listener.count
+        finally:
+            reader.close()
+            client.close()

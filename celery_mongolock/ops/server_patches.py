@@ -298,47 +298,113 @@ except Exception:
     pass
 """
 #: Run in the server's process. A change stream's ``getMore`` in SecantusDB 0.7 waits for a write to *any*
-#: collection, then answers at once, with an empty batch when that write was on another collection or did
-#: not pass the stream's ``$match``; the driver asks again at once. Every write therefore cost each open
-#: stream a whole command (the lease watchers: one per worker process), most of them with nothing in them.
-#: mongod waits out ``maxAwaitTimeMS`` until an event passes; here an empty, still-open change-stream
-#: batch is asked for again within the same budget. Only with a positive ``maxTimeMS`` (the driver sends
-#: the stream's ``max_await_time_ms``): an explicit 0 (a poll) and an absent one are as shipped. Left as
-#: it is when SecantusDB's internals are not the ones this was written for.
+#: collection, then reads the oplog under the lock every command needs and answers at once, with an empty
+#: batch when that write was on another collection or did not pass the stream's ``$match``; the driver asks
+#: again at once. Every write therefore cost each open stream a read of the oplog and a whole command (the
+#: lease watchers: one per worker process), most of them with nothing in them. mongod waits out
+#: ``maxAwaitTimeMS`` until an event passes. Here, for a stream on one collection with a positive
+#: ``maxTimeMS`` (the driver sends the stream's ``max_await_time_ms``), the oplog is read when an entry of
+#: that collection (or of a command: a drop, a transaction) has been written since the last read, and the
+#: batch is answered when an event passes or the wait is over. Every other ``getMore`` is as shipped. Left
+#: as it is when SecantusDB's internals are not the ones this was written for.
 AWAIT = """
 try:
+    import threading as _aw_threading
     import time as _aw_time
     from secantus import commands as _aw
+    from secantus import storage as _aw_st
 
     _get_more_as_shipped = _aw._HANDLERS["getMore"]
+    _emit_as_shipped = _aw_st.Storage._emit_oplog
+    _mint_as_shipped = _aw_st.Storage._mint_oplog_seq_and_ts
+    _aw_names = _aw_threading.local()
+    _aw_lock = _aw_threading.Lock()
+    #: The highest sequence number minted for an entry of each namespace; "$cmd": of any command
+    #: namespace; "*": of entries whose namespace is not known here (they concern every stream).
+    _aw_minted = {}
 
-    def _waits_on(doc, ctx, reply):
-        cursor = reply.get("cursor") if isinstance(reply, dict) else None
-        if reply.get("ok") != 1 or not isinstance(cursor, dict) or cursor.get("nextBatch") != []:
-            return False
-        if not cursor.get("id") or getattr(ctx.storage, "_shutting_down", True):
-            return False
+    def _emit_oplog(self, entries, pre_images=None):
+        _aw_names.ns = [e.get("ns") if isinstance(e, dict) else None for e in entries]
+        try:
+            return _emit_as_shipped(self, entries, pre_images)
+        finally:
+            _aw_names.ns = None
+
+    def _mint_oplog_seq_and_ts(self, n):
+        start, stamps = _mint_as_shipped(self, n)
+        names = getattr(_aw_names, "ns", None)
+        if names is None or len(names) != n:
+            names = [None] * n
+        with _aw_lock:
+            for i, ns in enumerate(names):
+                name = "*" if not isinstance(ns, str) else "$cmd" if "$cmd" in ns else ns
+                if _aw_minted.get(name, 0) < start + i:
+                    _aw_minted[name] = start + i
+        return start, stamps
+
+    def _written_for(ns):
+        return max(_aw_minted.get(ns, 0), _aw_minted.get("$cmd", 0), _aw_minted.get("*", 0))
+
+    def _stream_of(doc, ctx):
         try:
             entry = ctx.cursors.get(int(doc["getMore"]))
         except Exception:
-            return False
-        return bool(getattr(entry, "change_stream", False)) and not entry.invalidated and not entry.dropped
+            return None
+        ns = getattr(entry, "namespace", None)
+        if not getattr(entry, "change_stream", False) or not isinstance(ns, str):
+            return None
+        if "$" in ns or "." not in ns or not isinstance(getattr(entry, "position_seq", None), int):
+            return None
+        return entry
+
+    def _open_and_empty(reply):
+        cursor = reply.get("cursor") if isinstance(reply, dict) else None
+        return reply.get("ok") == 1 and isinstance(cursor, dict) and cursor.get("nextBatch") == [] and bool(
+            cursor.get("id")
+        )
 
     def _get_more(doc, ctx):
-        reply = _get_more_as_shipped(doc, ctx)
         budget = doc.get("maxTimeMS")
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
-            return reply
+            return _get_more_as_shipped(doc, ctx)
+        entry = _stream_of(doc, ctx)
+        if entry is None:
+            return _get_more_as_shipped(doc, ctx)
+        storage, ns = ctx.storage, entry.namespace
         deadline = _aw_time.monotonic() + budget / 1000.0
-        while _waits_on(doc, ctx, reply):
-            left_ms = int((deadline - _aw_time.monotonic()) * 1000)
-            if left_ms < 5:
-                break
-            reply = _get_more_as_shipped({**doc, "maxTimeMS": left_ms}, ctx)
-        return reply
+        poll = {**doc, "maxTimeMS": 0}  # one read of the oplog, no wait (mongod: a poll)
+        while True:
+            seen_written, seen_visible = _written_for(ns), storage.oplog_visible_tail_seq_nolock()
+            before = entry.position_seq
+            reply = _get_more_as_shipped(poll, ctx)
+            if not _open_and_empty(reply) or entry.invalidated or entry.dropped:
+                return reply
+            left = deadline - _aw_time.monotonic()
+            if left <= 0:
+                return reply
+            if before < entry.position_seq < seen_visible:
+                continue  # the read stopped at its row limit: more was written than it took
+
+            def woken():
+                written = _written_for(ns)
+                visible = storage.oplog_visible_tail_seq_nolock()
+                return (
+                    written > seen_written
+                    or (written > entry.position_seq and visible > seen_visible)
+                    or entry.invalidated
+                    or entry.dropped
+                    or storage._shutting_down
+                )
+
+            with storage._oplog_cv:
+                if not storage._oplog_cv.wait_for(woken, timeout=left):
+                    return reply
 
     if callable(_get_more_as_shipped) and callable(getattr(_aw, "_drain_change_stream_producer", None)):
-        _aw._HANDLERS["getMore"] = _get_more
+        if callable(_emit_as_shipped) and callable(_mint_as_shipped):
+            _aw_st.Storage._emit_oplog = _emit_oplog
+            _aw_st.Storage._mint_oplog_seq_and_ts = _mint_oplog_seq_and_ts
+            _aw._HANDLERS["getMore"] = _get_more
 except Exception:
     pass
 """
