@@ -16,6 +16,7 @@ from pymongo.errors import AutoReconnect
 
 from celery_mongolock import ConfigurationError, LeaseStore, MessageTooLarge
 from celery_mongolock.core.documents import lanes as spill_docs
+from celery_mongolock.core.outcomes import Admission
 
 from .servers import server_past, wait_for
 from .test_admission_store import KEY, Handoffs, entry
@@ -204,8 +205,12 @@ def test_max_length_leaves_out_the_spilled_runs_that_left(deep: LeaseStore, limi
     outcomes = [deep.admit(KEY, entry(stamp), max_length=5, limit=limit)[1]["lo"] for stamp in range(10, 16)]
     assert outcomes == ["parked"] * 5 + ["full"]
     assert deep.spill.drop(KEY, ["task-12", "task-13"]) == 2  # (spilled: the window holds 10 and 11)
-    outcomes = [deep.admit(KEY, entry(stamp), max_length=5, limit=limit)[1]["lo"] for stamp in range(20, 24)]
-    assert outcomes == ["parked", "parked", "full", "full"]
+    answers = [
+        Admission.of(*deep.admit(KEY, entry(stamp), max_length=5, limit=limit)) for stamp in range(20, 24)
+    ]
+    assert [a.outcome.value for a in answers] == ["parked", "parked", "full", "full"]
+    # The count a full queue's answer gives (its refusal's words) leaves them out too.
+    assert [a.queued for a in answers[2:]] == [5, 5]
     info = deep.inspect(KEY)
     assert info is not None and info.parked_total == 5
     assert [p["task_id"] for p in info.parked] == ["task-10", "task-11", "task-14", "task-20", "task-21"]

@@ -172,7 +172,8 @@ class Admission:
             fence=_int(doc.get("fence")),
             by=None if doc.get("lo_by") is None else str(doc.get("lo_by")),
             parked=tuple(str(e.get("t")) for e in doc.get("q") or [] if isinstance(e, Mapping)),
-            queued=len(doc.get("q") or []) + _spilled(doc),
+            # (less the tombstones counted under its lanes, when the admit counted them: ``_gone``)
+            queued=max(0, len(doc.get("q") or []) + _spilled(doc) - (_int(doc.get("_gone")) or 0)),
             spilled_position=_int(doc.get("_position")) or 0,
             superseded=tuple(s for s in doc.get("sup") or [] if isinstance(s, Mapping)),
             not_before=_not_before(doc.get("q") or []),

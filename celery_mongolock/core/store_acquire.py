@@ -39,6 +39,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from celery_mongolock.core.acquire_command import acquire_command
 from celery_mongolock.core.documents import base as documents
+from celery_mongolock.core.documents import lanes
 from celery_mongolock.core.documents import queue as admission_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.documents.entries import PARK_BUDGET, entry_bytes
@@ -445,6 +446,8 @@ class Acquisition:
                 gone = store.spill.gone_allowance(normalize_key(key), doc)
                 if gone is not None:
                     continue
+            if gone is not None and _unmoved(doc, gone[1]):
+                doc = {**doc, "_gone": gone[0]}  # (tombstones still under the lanes: ``Admission.queued``)
             if lease is not None or doc.get("lo") != "spilled":
                 return lease, doc
             if store.spill.park(normalize_key(key), full_entry, doc, timeout) != Stored.AGAIN:
@@ -560,3 +563,9 @@ def _parked_entry(entry: Mapping[str, Any], ttl_seconds: float) -> dict[str, Any
     full_entry.setdefault("tk", uuid.uuid4().hex)
     full_entry["ttl"] = int(ttl_seconds * 1000)
     return full_entry
+
+
+def _unmoved(doc: Mapping[str, Any], heads: tuple[tuple[int, int, int], ...]) -> bool:
+    """Every lane of the reply ``doc`` is where it stood when its tombstones were counted (``heads``)."""
+    now = {(lane.rank, lane.epoch, lane.head) for lane in lanes.lanes_of(doc)}
+    return bool(heads) and all(head in now for head in heads)
