@@ -563,3 +563,44 @@ def test_a_stream_s_get_more_reads_all_that_was_written_before_it_waits() -> Non
         finally:
             reader.close()
             client.close()
+
+
+def _waiting_get_more(
+    server: EmbeddedMongo, max_time_ms: int
+) -> tuple[Any, threading.Thread, dict[str, Any]]:
+    """A change stream opened by hand and its ``getMore`` sent from a thread (its answer in the dict, under
+    "reply" or "error"); returns once the ``getMore`` is on its way."""
+    started = threading.Event()
+    listener = _GetMores(started.set)
+    client: MongoClient[dict[str, Any]] = MongoClient(server.url, event_listeners=[listener])
+    db = client["await"]
+    opened = db.command("aggregate", "watched", pipeline=[{"$changeStream": {}}], cursor={})
+    cursor_id = opened["cursor"]["id"]
+    answer: dict[str, Any] = {"id": cursor_id}
+
+    def get_more() -> None:
+        try:
+            answer["reply"] = db.command("getMore", cursor_id, collection="watched", maxTimeMS=max_time_ms)
+        except PyMongoError as exc:
+            answer["error"] = exc
+
+    thread = threading.Thread(target=get_more, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    return client, thread, answer
+
+
+def test_a_stream_killed_while_its_get_more_waits_answers_it_as_closed() -> None:
+    """Over the wire (``AWAIT``): ``killCursors`` while the stream's ``getMore`` waits answers that
+    ``getMore`` ``ok`` with the cursor closed (id 0), as SecantusDB and mongod do, not "cursor not found"
+    (which a driver takes for a reason to resume the stream: the lease watcher's stop opened a new one)."""
+    with EmbeddedMongo() as server:
+        client, thread, answer = _waiting_get_more(server, 60_000)
+        try:
+            killed = client["await"].command("killCursors", "watched", cursors=[answer["id"]])
+            assert killed["cursorsKilled"] == [answer["id"]]
+            thread.join(60)
+            assert "error" not in answer, answer
+            assert answer["reply"]["ok"] == 1 and answer["reply"]["cursor"]["id"] == 0
+        finally:
+            client.close()
