@@ -41,8 +41,9 @@ def run(mongo_url: str, db: str, *args: str, **env: str) -> subprocess.Completed
 @pytest.fixture
 def leases(mongo_url: str, db_name: str) -> Any:
     store = LeaseStore(mongo_url, database=db_name)
-    a = store.acquire("email-group:1", ttl=60, info={"task_name": "upload", "task_id": "t-1"})
-    b = store.acquire("email-group:2", ttl=60)
+    # (600 s: no heartbeat renews them, and a test's CLI processes take minutes on a busy machine)
+    a = store.acquire("email-group:1", ttl=600, info={"task_name": "upload", "task_id": "t-1"})
+    b = store.acquire("email-group:2", ttl=600)
     c = store.acquire("tenant:9", ttl=60)
     assert a and b and c
     c.release()
@@ -60,7 +61,7 @@ def test_list_table_and_json(mongo_url: str, db_name: str, leases: LeaseStore) -
     assert not any(line.startswith("tenant:9") for line in lines)  # released
     data = json.loads(run(mongo_url, db_name, "list", "--json", "--prefix", "email-group:").stdout)
     assert [d["key"] for d in data] == ["email-group:1", "email-group:2"]
-    assert data[0]["holder"]["task_id"] == "t-1" and data[0]["fence"] > 0 and 0 < data[0]["expires_in"] <= 60
+    assert data[0]["holder"]["task_id"] == "t-1" and data[0]["fence"] > 0 and 0 < data[0]["expires_in"] <= 600
     everything = json.loads(run(mongo_url, db_name, "list", "--json", "--all").stdout)
     assert "tenant:9" in [d["key"] for d in everything]
 

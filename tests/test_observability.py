@@ -318,6 +318,8 @@ def test_prometheus_metrics_from_the_pool_children_are_scraped_from_the_worker(
             def settled() -> dict[str, float] | None:
                 s = _scrape(port)
                 done = s.get('celery_mongolock_wait_seconds_count{task="observability_app.waiter"}') == 1.0
+                # (the loss is counted by the child that ran the waiter, beside its result: both are awaited)
+                done = done and s.get('celery_mongolock_lost_total{task="observability_app.waiter"}') == 1.0
                 return s if done and s.get(f"celery_mongolock_leases_held{{{hold}}}") == 0.0 else None
 
             found = wait_for(settled, timeout=30, message="the final counts in the scrape")
