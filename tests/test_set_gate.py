@@ -217,8 +217,13 @@ def test_an_older_send_back_on_its_gate_while_a_newer_send_is_handed_it_is_super
     _, doc = admit(newer, ttl=30)
     assert doc["lo"] == "parked"  # not superseding the run its ceiling chose
     assert held.expires_at is not None
+    # The newer send's own ceiling passed too (0.3 s after it parked; on a busy machine its park may come
+    # later than the older send's lapse), so that the sweeper hands it a slot.
+    due_at = next(e["nb"] for e in doc["q"] if e["t"] == "newer")
     wait_for(
-        lambda: server_past(store, held.expires_at), timeout=30, message="the older send's slot to lapse"
+        lambda: server_past(store, held.expires_at) and server_past(store, due_at),
+        timeout=30,
+        message="the older send's slot to lapse and the newer send to be due",
     )
     swept = store.sweep(gate)
     assert swept is not None and swept.on_key == {"newer"}  # handed a slot, not yet claimed
