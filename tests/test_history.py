@@ -385,3 +385,35 @@ def test_a_slot_s_ending_keeps_how_long_its_run_waited(store: LeaseStore) -> Non
     [one] = store.history("waits")
     [other] = store.history("waits-single")
     assert one.waited_ms == other.waited_ms == 1234
+
+
+@pytest.mark.parametrize("how", ["holder-died", "expired"])
+def test_a_dead_holder_s_ending_is_kept_when_the_runs_behind_it_end_before_the_tick(
+    make_store: Any, how: str
+) -> None:
+    """A key with 12 runs parked behind a holder that died (its child killed: its parent releases the key;
+    or its node: the sweeper hands the expired key on). The parked runs then run and end, more of them than
+    the lease document's ``ends`` keeps (8), before the heartbeat's tick: the dead holder's ending is in
+    the history all the same (a new-user trial: ``history`` showed 10 ``released`` lines and nothing for
+    the dead holder; it was copied from ``ends`` at the tick, once it had dropped out)."""
+    store = make_store(lease_seconds=30)
+    key = "q:behind-a-dead-holder"
+    holder = store.acquire(key, 30, info={**INFO, "task_id": "t-dead", "pid": 4242})
+    assert holder is not None
+    for n in range(12):
+        assert store.admit(key, parked_entry(n, f"t-{n}"))[1]["lo"] == "parked"
+    if how == "holder-died":
+        assert store.release_held_by(task_id="t-dead", pid=4242) == 1
+    else:
+        expire(store, key)
+        assert store.sweep(key) is not None
+    for _ in range(12):  # each run handed the key claims it and ends (as fast as a worker can)
+        ho = (store.collection.find_one({"_id": key}) or {})["ho"]
+        lease, doc = store.admit(key, {**parked_entry(int(ho["s"]), ho["t"]), "tk": ho["tk"]}, claim=ho["tk"])
+        assert lease is not None and doc["lo"] == "claimed", doc.get("lo")
+        assert lease.release()
+    ends = (store.collection.find_one({"_id": key}) or {})["ends"]
+    assert len(ends) == 8 and how not in {e["how"] for e in ends}  # dropped out of ``ends``
+    assert store.flush_history()
+    assert [(r["how"], r["t"]) for r in stored(store, key) if r["how"] == how] == [(how, "t-dead")]
+    assert [e.how for e in store.history(key, limit=20)].count(how) == 1

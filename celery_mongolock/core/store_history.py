@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import datetime as _dt
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pymongo
@@ -97,6 +97,16 @@ class Records:
         """Queue a history record; the heartbeat thread inserts it at its next tick."""
         if self.store.history_days:
             self.store.heartbeat.record(record)
+
+    def record_endings(self, key: str, doc: Mapping[str, Any], hows: Sequence[str]) -> None:
+        """Queue for the history the endings of ``doc`` (a command's reply with its last ``ends``) whose
+        ``how`` is one of ``hows``: those that command wrote for a holder that did not end its lease itself
+        (its own ending is recorded by its holder). A record already in the history is skipped there."""
+        if not self.store.history_days:
+            return
+        for ending in doc.get("ends") or []:
+            if isinstance(ending, Mapping) and ending.get("how") in hows:
+                self.record(documents.history_record(key, dict(ending)))
 
     def record_lost(self, lease: Lease, reason: str) -> None:
         """``LeaseStore.record_lost``."""

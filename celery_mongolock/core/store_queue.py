@@ -48,6 +48,11 @@ Claim = Literal["got", "held", "ended", "absent"]
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 
+#: How many of a key's last endings a sweep reads back, and which of them it wrote (for a holder or a
+#: handoff that lapsed: nobody else records them).
+ENDS_READ_BACK = 4
+SWEPT_ENDINGS = ("expired", "handoff-expired")
+
 
 class QueueOwner(Protocol):
     """What the queue's upkeep needs from the store that owns it (``LeaseStore`` implements it)."""
@@ -390,17 +395,21 @@ class QueueUpkeep:
             doc = coll.find_one_and_update(
                 {"_id": key, "wq": True},
                 pipeline,
-                projection={"q.m": 0, "ends": 0, "seen": 0},
+                projection={"q.m": 0, "seen": 0, "ends": {"$slice": -ENDS_READ_BACK}},
                 return_document=ReturnDocument.AFTER,
             )
-        # The sweep may have ended an expired lease or handoff (its ending is in ``ends``): the
-        # heartbeat copies it at its next tick, with whatever else this process ended.
+        # The sweep may have ended an expired lease or handoff (its ending is in ``ends``): queued for
+        # the history from the reply, with whatever else this process ended.
         return self._swept(key, doc, token)
 
     def _swept(self, key: str, doc: Document | None, token: str) -> Document | None:
         if doc is not None:
             self.store.handoffs.publish(key, doc, token)
-            if self.store.history_days:
+            # (in hand: a copy at the heartbeat's tick came too late when more runs than ``ends`` keeps
+            # ended on the key meanwhile, the parked runs behind the dead holder: a new-user trial)
+            self.store.records.record_endings(key, doc, SWEPT_ENDINGS)
+            doc.pop("ends", None)
+            if self.store.history_days:  # (and copied at the tick, as before: more than it read back)
                 self.store.heartbeat.copy_endings({"_id": key})
         return doc
 
@@ -428,7 +437,7 @@ class QueueUpkeep:
             doc = connection.collection.find_one_and_update(
                 {"_id": key, "hs.o": {"$exists": True}},
                 slot_admission.slot_sweep_pipeline(token, []),
-                projection={"q.m": 0, "ends": 0, "seen": 0},
+                projection={"q.m": 0, "seen": 0, "ends": {"$slice": -ENDS_READ_BACK}},
                 return_document=ReturnDocument.AFTER,
             )
         # a run parked meanwhile may have been handed a freed slot

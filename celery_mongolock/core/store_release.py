@@ -49,6 +49,8 @@ log_release = logging.getLogger("celery_mongolock.release")
 log_renew = logging.getLogger("celery_mongolock.renew")
 
 SLOT_HANDOFF_PROJECTION = slot_admission.SLOT_HANDOFF_PROJECTION
+#: How many of a document's last endings a release of a dead holder or a sweep reads back (its own).
+ENDS_READ_BACK = 4
 
 
 def ended_for(holder: Mapping[str, Any]) -> Document:
@@ -395,7 +397,8 @@ class Releases:
             held_by = ", ".join(f"{k}={v}" for k, v in holder.items())  # (its caller says why, once)
             log_release.info("released %d lease(s) held by %s", released, held_by)
             if store.history_days:
-                # The endings are in the documents (same update); the heartbeat copies them at its tick.
+                # The endings are in the documents (same update) and were queued from the replies; the
+                # heartbeat copies them again at its tick (a reply that lost them: the same records).
                 store.heartbeat.copy_endings(ended_for(holder))
         return released
 
@@ -404,11 +407,17 @@ class Releases:
     ) -> int:
         """One key's release in ``release_held_by`` (inside its operation): 1 if released, else 0."""
         doc = self.store.connection.collection.find_one_and_update(
-            match, pipeline, projection=projection, return_document=ReturnDocument.AFTER
+            match,
+            pipeline,
+            projection={**projection, "ends": {"$slice": -ENDS_READ_BACK}},
+            return_document=ReturnDocument.AFTER,
         )
         if doc is None:
             return 0
         self.store.handoffs.publish(key, doc, token)
+        # Its ending, in hand: a copy at the heartbeat's tick came too late when more runs than ``ends``
+        # keeps ended on the key meanwhile (the parked runs behind the dead holder: a new-user trial).
+        self.store.records.record_endings(key, doc, ("holder-died",))
         return 1
 
     def force_release(self, key: str) -> bool:
