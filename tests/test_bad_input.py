@@ -892,3 +892,15 @@ def test_a_bad_limit_in_a_settings_entry_with_keys_names_the_limit() -> None:
 def test_a_policy_name_is_read_alike_as_a_string_and_in_a_dict() -> None:
     """Surrounding blanks and case: the same in both forms (a name read from an environment variable)."""
     assert parse_policy(" Replace ") == parse_policy({"policy": " Replace "}) == Replace()
+
+
+def test_an_error_answered_by_mongodb_is_not_called_no_answer(store: Any) -> None:
+    """A store error says whether MongoDB answered with an error (a command it refused: here InternalError,
+    as the embedded server answers a document it cannot write) or did not answer at all."""
+    from pymongo.errors import NetworkTimeout, OperationFailure
+
+    answered = store.connection.unavailable("acquire lease 'k'", OperationFailure("boom", code=1))
+    assert str(answered).startswith("MongoDB answered with an error while trying to acquire lease 'k' (")
+    assert "OperationFailure (code 1): boom" in str(answered)
+    silent = store.connection.unavailable("acquire lease 'k'", NetworkTimeout("timed out"))
+    assert str(silent).startswith("MongoDB did not answer while trying to acquire lease 'k' (")

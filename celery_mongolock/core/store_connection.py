@@ -261,9 +261,16 @@ class Connection:
         if refused is not None:
             return refused
         s = self.settings
+        where = f"({s.database_name}.{s.collection_name})"
+        if isinstance(exc, OperationFailure) and not isinstance(exc, AMBIGUOUS):
+            # It answered, with an error (e.g. InternalError on a document it could not write).
+            return StoreUnavailable(
+                f"MongoDB answered with an error while trying to {action} {where}: {type(exc).__name__} "
+                f"(code {exc.code}): {redact(str(exc))[:500]}"
+            )
         return StoreUnavailable(
-            f"MongoDB did not answer while trying to {action} "
-            f"({s.database_name}.{s.collection_name}): {type(exc).__name__}: {redact(str(exc))[:500]}"
+            f"MongoDB did not answer while trying to {action} {where}: {type(exc).__name__}: "
+            f"{redact(str(exc))[:500]}"
         )
 
     @contextlib.contextmanager
