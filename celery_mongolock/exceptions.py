@@ -119,18 +119,22 @@ class MessageTooLarge(MongoLockError, ValueError):
     document (16 MiB at most) and is handed the key from its key's lease document, and this one alone
     would not fit. Pass large data by reference (a file name, a document id), not as task arguments."""
 
-    def __init__(self, key: str, size: int, limit: int) -> None:
-        self.key, self.size, self.limit = key, size, limit
+    def __init__(self, key: str, size: int, limit: int, task: str | None = None) -> None:
+        self.key, self.size, self.limit, self.task = key, size, limit, task
+        whose = f"a run of task {task!r}: its" if task else "the run's"
         self.message = (
-            f"the run's message is {size / 2**20:.1f} MiB, over the {limit / 2**20:.1f} MiB a run of "
+            f"{whose} message is {size / 2**20:.1f} MiB, over the {limit / 2**20:.1f} MiB a run of "
             f"{key!r} can take into its lease document (a MongoDB document of at most 16 MiB, which also "
             "holds the key's state): it is not admitted; pass large data by reference (a file name, a "
             "document id), not as task arguments"
         )
-        super().__init__(key, size, limit)
+        super().__init__(*((key, size, limit) if task is None else (key, size, limit, task)))
 
     def __str__(self) -> str:
         return self.message
+
+    def __repr__(self) -> str:
+        return f"MessageTooLarge({self.message!r})"
 
 
 class Superseded(MongoLockError):

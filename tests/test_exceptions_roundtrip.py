@@ -51,6 +51,7 @@ RAISED: dict[str, Callable[[], BaseException]] = {
     "FencedOut-newer": lambda: FencedOut("email-group:42", 17, 18),
     "FencedOut-superseded": lambda: FencedOut("email-group:42", 17, superseded_by="abc-123"),
     "MessageTooLarge": lambda: MessageTooLarge("email-group:42", 20 * 2**20, 15 * 2**20),
+    "MessageTooLarge-task": lambda: MessageTooLarge("email-group:42", 20 * 2**20, 15 * 2**20, "app.upload"),
     "Superseded": lambda: Superseded("email-group:42", 17, "abc-123"),
     "Superseded-not-held": lambda: Superseded("email-group:42", None, "abc-123", held=False),
     "UntrustedMessage": lambda: UntrustedMessage("email-group:42", "its arguments render another key"),

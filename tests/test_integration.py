@@ -727,6 +727,27 @@ def test_a_debounced_copy_whose_node_died_holding_the_key_runs_again(
     second.kill()
 
 
+def test_a_run_too_large_to_park_fails_in_our_words_naming_the_task(cluster: Cluster) -> None:
+    """A Queue run whose message alone would pass what a lease document takes (20 MiB: MongoDB's
+    documents hold 16) ends FAILURE with ``MessageTooLarge`` naming the task, the key and the size, logged
+    as an expected error (issue 28 item 8: before, the driver's raw ``findAndModify command document too
+    large``)."""
+    from celery_mongolock import MessageTooLarge
+
+    w = cluster.worker(name=f"big{tag()}@localhost", extra_args=["-Q", "bigq"])
+    resource = tag()
+    res = it.queued.apply_async((resource, "x" * (20 * 2**20)), queue="bigq")
+    with pytest.raises(MessageTooLarge) as refused:
+        res.get(timeout=90)
+    assert res.state == "FAILURE"
+    words = str(refused.value)
+    assert words.startswith("a run of task 'integration_app.queued': its message is 20.0 MiB, over ")
+    assert f"a run of 'resource:{resource}'" in words and "by reference" in words
+    wait_for(lambda: "raised expected: MessageTooLarge" in w.log(), timeout=30, message="its log line")
+    assert "raised unexpected: MessageTooLarge" not in w.log()
+    w.kill()
+
+
 def test_hard_time_limit_frees_the_key(cluster: Cluster) -> None:
     long_lease = cluster.env(MONGOLOCK_IT_LEASE=60)
     w = cluster.worker(name=f"h{tag()}@localhost", env=long_lease, extra_args=["-Q", "hardq"])

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_mongolock.admission.policies import Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
-from celery_mongolock.exceptions import StoreUnavailable
+from celery_mongolock.exceptions import MessageTooLarge, StoreUnavailable
 from celery_mongolock.integration.results import has_backend, leave_later_keys
 from celery_mongolock.integration.runs import (
     GuardedRun,
@@ -112,8 +112,8 @@ class KeySetAdmits:
         # (a Replace run of a set, on a key after its set's gate: a Queue run there, ``entry_on``)
         rp = policy if isinstance(policy, Replace) and key == (self.set_gate or key) else None
         replace = rp is not None
-        admission = Admission.of(
-            *self.store.admit(
+        try:
+            reply = self.store.admit(
                 key,
                 self.entry_on(key),
                 ttl=options.lease_seconds,
@@ -134,7 +134,9 @@ class KeySetAdmits:
                 # Replace(cancel_running=True): parked behind a running older run of its set, it tells it.
                 cancel=rp is not None and rp.cancel_running,
             )
-        )
+        except MessageTooLarge as exc:  # (named with the task: the store knows only the key)
+            raise MessageTooLarge(exc.key, exc.size, exc.limit, self.task.name) from None
+        admission = Admission.of(*reply)
         self.answers[key] = admission
         request_id = self.task.request.id
         due_in = admission.due_in(request_id)

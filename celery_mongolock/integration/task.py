@@ -44,7 +44,7 @@ from celery_mongolock.core.documents.sends import check_unique_send
 from celery_mongolock.core.keys import KeyRenderer, KeySpec
 from celery_mongolock.core.reentry import run_scope
 from celery_mongolock.core.store import Lease
-from celery_mongolock.exceptions import ConfigurationError, LockContended, Superseded
+from celery_mongolock.exceptions import ConfigurationError, LockContended, MessageTooLarge, Superseded
 from celery_mongolock.integration import (
     forksafe,  # noqa: F401  (its fork hook: pool children start clean)
     results,
@@ -131,7 +131,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     mongolock_unique_send: ClassVar[bool | str | None] = None  # True, "best_effort": unique_send
     mongolock_unique_send_seconds: ClassVar[float | None] = None
     #: Expected errors: logged at INFO without a traceback.
-    throws = (LockContended, Superseded)
+    throws = (LockContended, Superseded, MessageTooLarge)
     Request = "celery_mongolock.task:SingletonRequest"
 
     _mongolock_renderer: KeyRenderer | None = None
