@@ -40,7 +40,7 @@ from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops import cli_documents, cli_queue
 from celery_mongolock.ops.cli_rate import rate_lines, rate_verdict, read_window
 from celery_mongolock.ops.cli_sends import pending_send_lines, pending_sends_json
-from celery_mongolock.ops.cli_why import history_table, why_lines
+from celery_mongolock.ops.cli_why import history_table, no_lease_words, why_lines
 
 __all__ = ["history_table", "mongolock", "why_lines"]
 
@@ -334,7 +334,7 @@ def inspect_lease(ctx: click.Context, /, key: str | None, as_json: bool, **docum
         if as_json:
             click.echo("null")
             return
-        raise click.ClickException(f"no lease {key!r}")
+        raise click.ClickException(no_lease_words(key))
     if as_json:
         click.echo(_json(info.as_dict()))
         return
@@ -497,8 +497,8 @@ def queue_of(ctx: click.Context, key: str, page: int, per_page: int, as_json: bo
 def drop_parked(ctx: click.Context, key: str, task_ids: tuple[str, ...], yes: bool) -> None:
     """Drop parked runs from KEY's queue by task id: they end REVOKED without running."""
     store, info = _parked_info(ctx, key)
-    if info is None:
-        raise click.ClickException(f"no lease {key!r}: nothing is parked on it")
+    if info is None:  # (a usage error, as for task ids not parked on a key that has a lease: exit 2)
+        raise click.UsageError(f"no lease {key!r}: nothing is parked on it")
     _drop(ctx, store, info, list(dict.fromkeys(task_ids)), yes)
 
 
@@ -580,10 +580,7 @@ def why_key(ctx: click.Context, key: str, as_json: bool) -> None:
         )
         return
     if story is None and not pending and not rate:
-        raise click.ClickException(
-            f"no lease {key!r}: nothing has taken this key (or its lease document expired and was removed); "
-            "it is free. Check the spelling with: celery mongolock list --all"
-        )
+        raise click.ClickException(no_lease_words(key))
     now = story.server_now if story is not None else _dt.datetime.now(_dt.timezone.utc)
     if story is not None:
         lines = why_lines(story)

@@ -8,7 +8,7 @@ import datetime as _dt
 
 from celery_mongolock.core.history import KeyStory, LeaseEnding, clock
 
-__all__ = ["history_table", "why_lines"]
+__all__ = ["history_table", "no_lease_words", "why_lines"]
 
 
 def _seconds(value: float | None) -> str:
@@ -176,3 +176,11 @@ def _ending_rows(story: KeyStory, endings: int) -> list[str]:
             )
         )
     return lines
+
+
+def no_lease_words(key: str) -> str:
+    """What ``inspect`` and ``why`` say of a key with no lease document."""
+    return (
+        f"no lease {key!r}: nothing has taken this key (or its lease document expired and was removed); "
+        "it is free. Check the spelling with: celery mongolock list --all"
+    )
