@@ -624,17 +624,39 @@ def test_a_killed_child_frees_its_key_long_before_expiry(cluster: Cluster) -> No
     w.kill()
 
 
+def _terminate(pid: int) -> None:
+    """SIGTERM to a pool child, again every 15 s while it lives, until it has exited: a signal taken while
+    a finalizer runs is swallowed (its SystemExit is "ignored in __del__": ci67, under a load average of
+    15, a child ran on 120 s)."""
+    import os
+    import signal
+
+    sent = [time.monotonic()]
+    os.kill(pid, signal.SIGTERM)
+
+    def exited() -> bool:
+        try:
+            if time.monotonic() - sent[-1] > 15:
+                sent.append(time.monotonic())
+                os.kill(pid, signal.SIGTERM)
+            else:
+                os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(exited, timeout=120, message="the pool child to exit on SIGTERM")
+
+
 def _cut_short_by_sigterm_runs_again(cluster: Cluster, queue: str, headers: dict[str, Any] | None) -> str:
     """Start a gated run on ``queue``, SIGTERM its pool child while its body runs, and wait until the
     message, delivered again, runs the body again in another child; its worker's log."""
-    import os
-    import signal
 
     w = cluster.worker(name=f"{queue}{tag()}@localhost", extra_args=["-Q", queue])
     resource, t = tag(), tag()
     res = it.gated.apply_async((resource, t), queue=queue, headers=headers)
     start = wait_for(lambda: cluster.runs(t, "start"), timeout=30, message="the task to start")[0]
-    os.kill(start["pid"], signal.SIGTERM)
+    _terminate(start["pid"])
     again = wait_for(
         lambda: cluster.runs(t, "start")[1:], timeout=60, message="the cut-short run to run again"
     )
@@ -668,8 +690,6 @@ def test_a_run_cut_short_before_its_body_started_runs_again(cluster: Cluster) ->
     in a ``lease_acquired`` receiver) exits with the key still held; the process's exit gives it back unrun
     (before: released as a run that ended, so the message, delivered again, ended ``already-ran`` and the
     body never ran; found by the lock-set checker's ``sigterm-node`` fault on RabbitMQ)."""
-    import os
-    import signal
 
     w = cluster.worker(name=f"pb{tag()}@localhost", extra_args=["-Q", "prebodyq"])
     resource, t = tag(), tag()
@@ -677,23 +697,7 @@ def test_a_run_cut_short_before_its_body_started_runs_again(cluster: Cluster) ->
     waiting = wait_for(lambda: cluster.runs(t, "before-body"), timeout=60, message="the run to take its key")[
         0
     ]
-    # SIGTERM, again every 15 s while the child lives: a signal taken while a finalizer runs is swallowed
-    # (its SystemExit is "ignored in __del__": ci67, under a load average of 15, the child ran on 120 s).
-    sent = [time.monotonic()]
-    os.kill(waiting["pid"], signal.SIGTERM)
-
-    def exited() -> bool:
-        try:
-            if time.monotonic() - sent[-1] > 15:
-                sent.append(time.monotonic())
-                os.kill(waiting["pid"], signal.SIGTERM)
-            else:
-                os.kill(waiting["pid"], 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    wait_for(exited, timeout=120, message="the pool child to exit on SIGTERM")
+    _terminate(waiting["pid"])
     assert res.get(timeout=90) == t  # (before: {"mongolock": "already-ran", ...})
     start = cluster.runs(t, "start")
     assert len(start) == 1 and start[0]["pid"] != waiting["pid"]

@@ -264,9 +264,10 @@ class Connection:
         where = f"({s.database_name}.{s.collection_name})"
         if isinstance(exc, OperationFailure) and not isinstance(exc, AMBIGUOUS):
             # It answered, with an error (e.g. InternalError on a document it could not write).
+            code = f" (code {exc.code})" if exc.code is not None else ""
             return StoreUnavailable(
-                f"MongoDB answered with an error while trying to {action} {where}: {type(exc).__name__} "
-                f"(code {exc.code}): {redact(str(exc))[:500]}"
+                f"MongoDB answered with an error while trying to {action} {where}: {type(exc).__name__}"
+                f"{code}: {redact(str(exc))[:500]}"
             )
         return StoreUnavailable(
             f"MongoDB did not answer while trying to {action} {where}: {type(exc).__name__}: "

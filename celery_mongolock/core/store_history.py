@@ -105,7 +105,7 @@ class Records:
         if not self.store.history_days:
             return
         for ending in doc.get("ends") or []:
-            if isinstance(ending, Mapping) and ending.get("how") in hows:
+            if isinstance(ending, Mapping) and ending.get("how") in hows and ending.get("f") is not None:
                 self.record(documents.history_record(key, dict(ending)))
 
     def record_lost(self, lease: Lease, reason: str) -> None:

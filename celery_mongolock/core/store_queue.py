@@ -48,9 +48,8 @@ Claim = Literal["got", "held", "ended", "absent"]
 
 log_acquire = logging.getLogger("celery_mongolock.acquire")
 
-#: How many of a key's last endings a sweep reads back, and which of them it wrote (for a holder or a
-#: handoff that lapsed: nobody else records them).
-ENDS_READ_BACK = 4
+#: Which of a key's last endings (all it keeps, ``ENDS_KEPT``, read back) a sweep wrote: for a holder or
+#: a handoff that lapsed (nobody else records them).
 SWEPT_ENDINGS = ("expired", "handoff-expired")
 
 
@@ -395,7 +394,7 @@ class QueueUpkeep:
             doc = coll.find_one_and_update(
                 {"_id": key, "wq": True},
                 pipeline,
-                projection={"q.m": 0, "seen": 0, "ends": {"$slice": -ENDS_READ_BACK}},
+                projection={"q.m": 0, "seen": 0, "ends": {"$slice": -documents.ENDS_KEPT}},
                 return_document=ReturnDocument.AFTER,
             )
         # The sweep may have ended an expired lease or handoff (its ending is in ``ends``): queued for
@@ -437,7 +436,7 @@ class QueueUpkeep:
             doc = connection.collection.find_one_and_update(
                 {"_id": key, "hs.o": {"$exists": True}},
                 slot_admission.slot_sweep_pipeline(token, []),
-                projection={"q.m": 0, "seen": 0, "ends": {"$slice": -ENDS_READ_BACK}},
+                projection={"q.m": 0, "seen": 0, "ends": {"$slice": -documents.ENDS_KEPT}},
                 return_document=ReturnDocument.AFTER,
             )
         # a run parked meanwhile may have been handed a freed slot

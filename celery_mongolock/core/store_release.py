@@ -49,8 +49,6 @@ log_release = logging.getLogger("celery_mongolock.release")
 log_renew = logging.getLogger("celery_mongolock.renew")
 
 SLOT_HANDOFF_PROJECTION = slot_admission.SLOT_HANDOFF_PROJECTION
-#: How many of a document's last endings a release of a dead holder or a sweep reads back (its own).
-ENDS_READ_BACK = 4
 
 
 def ended_for(holder: Mapping[str, Any]) -> Document:
@@ -409,7 +407,7 @@ class Releases:
         doc = self.store.connection.collection.find_one_and_update(
             match,
             pipeline,
-            projection={**projection, "ends": {"$slice": -ENDS_READ_BACK}},
+            projection={**projection, "ends": {"$slice": -documents.ENDS_KEPT}},
             return_document=ReturnDocument.AFTER,
         )
         if doc is None:

@@ -377,7 +377,7 @@ def retry_later(task: GuardedRun, policy: Any, exc: Exception, *, rate_parks: in
     if in_force is not None and in_force.queued and isinstance(exc, StoreUnavailable):
         # A Queue/Replace run that could not park: it comes back as itself, in its place (its send stamp).
         message = (
-            f"{exc}; policy {in_force.name}: not parked, MongoDB did not answer; tried again as a "
+            f"{exc}; policy {in_force.name}: not parked (MongoDB could not store it); tried again as a "
             f"{in_force.name} run in {countdown:.2f}s (attempt {attempt + 1}), its place in send order kept"
         )
     log_acquire.debug("%s[%s]: %s", name, request.id, message)

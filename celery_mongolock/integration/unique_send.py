@@ -136,8 +136,8 @@ def send_unique(
     except StoreUnavailable as exc:
         if mode == "best_effort":
             log.warning(
-                "%s: MongoDB did not answer, so this send is published without deduplication "
-                "(unique_send='best_effort'): %s",
+                "%s: MongoDB could not say whether an equal send is pending, so this send is published "
+                "without deduplication (unique_send='best_effort'): %s",
                 task.name,
                 exc,
             )
