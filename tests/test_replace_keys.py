@@ -80,11 +80,15 @@ def test_a_burst_of_one_key_set_runs_only_the_newest_send(cluster: Cluster) -> N
     a, b = tag(), tag()
     keys = sorted([f"resource:{a}", f"resource:{b}"])
     holder = tag()
-    r0 = it.merge_latest.delay(a, b, holder, 1.5)
+    r0 = it.merge_latest.delay(a, b, holder, 120)  # (until its gate opens)
     wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the first merge to start")
     tags = [tag() for _ in range(5)]
     # Both argument orders: one set of keys.
     results = [it.merge_latest.delay(*((a, b) if i % 2 else (b, a)), t, 0.1) for i, t in enumerate(tags)]
+    # The first holder runs until every send has been admitted (each older one superseded by a newer),
+    # not for a time: on a busy machine the admissions took longer than its 1.5 s (ci68: one ran).
+    wait_for(lambda: all(r.ready() for r in results[:-1]), timeout=90, message="the older sends superseded")
+    cluster.db["gates"].insert_one({"_id": holder})
     assert r0.get(timeout=90) == keys
     assert results[-1].get(timeout=90) == keys
     for i, r in enumerate(results[:-1]):
@@ -112,7 +116,7 @@ def test_a_burst_of_one_key_set_runs_only_the_newest_send(cluster: Cluster) -> N
 def test_a_run_of_an_overlapping_set_is_not_superseded_and_runs_in_send_order(cluster: Cluster) -> None:
     a, b, c = tag(), tag(), tag()
     holder = tag()
-    r0 = it.merge_latest.delay(a, b, holder, 1.5)  # holds a and b
+    r0 = it.merge_latest.delay(a, b, holder, 120)  # holds a and b, until its gate opens
     wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the first merge to start")
     other, single, old, new = tag(), tag(), tag(), tag()
     r_other = it.merge_latest.delay(b, c, other, 0.3)  # the set {b, c}: shares b
@@ -124,6 +128,17 @@ def test_a_run_of_an_overlapping_set_is_not_superseded_and_runs_in_send_order(cl
     r_single = it.queued.delay(b, single, 0.1)  # a single-key Queue run on b
     r_old = it.merge_latest.delay(a, b, old, 0.1)
     r_new = it.merge_latest.delay(b, a, new, 0.1)
+    # The first holder runs until the later sends have been admitted, not for a time (ci68: a burst's
+    # admissions took longer than its 1.5 s on a busy machine).
+    wait_for(
+        lambda: (
+            r_old.ready()
+            and cluster.store.collection.find_one({"_id": f"resource:{b}", "q.t": r_single.id}) is not None
+        ),
+        timeout=90,
+        message="the older {a, b} merge superseded and the single run parked on b",
+    )
+    cluster.db["gates"].insert_one({"_id": holder})
     assert r0.get(timeout=90) == sorted([f"resource:{a}", f"resource:{b}"])
     assert r_other.get(timeout=90) == sorted([f"resource:{b}", f"resource:{c}"])
     assert r_single.get(timeout=90) == single
