@@ -3813,11 +3813,11 @@ def unrestored_task_ids(workdir: Path) -> set[str]:
     return found
 
 
-def lost_for_good(waiting: Iterable[str], where: Mapping[str, str], unrestored: set[str]) -> bool:
-    """Every task in ``waiting`` has no message in the broker and is parked nowhere, and a node's log says
-    kombu could not restore its message (``unrestored_task_ids``): none of them can run any more."""
+def lost_for_good(waiting: Iterable[str], where: Mapping[str, str], proven: set[str]) -> bool:
+    """Every task in ``waiting`` has no message in the broker and is parked nowhere, and the broker's own
+    record proves its message lost (``proven``: ``lost_by_broker``): none of them can run any more."""
     ids = list(waiting)
-    return bool(ids) and all(where.get(t) == "nowhere" and t in unrestored for t in ids)
+    return bool(ids) and all(where.get(t) == "nowhere" and t in proven for t in ids)
 
 
 def broker_steps(log: brokerlog.BrokerLog, task_id: str, start: float) -> list[str]:
@@ -6518,7 +6518,7 @@ class Run:
         states: dict[str, Doc] = {}
         waiting = dict(self.submitted)
         t_begin = last_progress = time.monotonic()
-        unrestored_at = 0.0
+        proven_at = 0.0
         seen: dict[str, str] = {}
         while waiting:
             now = time.monotonic()
@@ -6550,12 +6550,14 @@ class Run:
             if nowhere and quiet > self._stall_allowance():
                 self.log(f"drain: no progress for {quiet:.0f}s; {len(waiting)} task(s) unfinished, nowhere")
                 break
-            # Messages a node's log says kombu could not restore, and that are nowhere since: they cannot
-            # come back, so the drain does not wait out the allowance for them (a minute a Redis run).
-            if nowhere and quiet > 2 * self.cfg.lease_seconds + 5 and now - unrestored_at > 5:
-                unrestored_at = now
-                if lost_for_good(waiting, where, unrestored_task_ids(self.dir)):
-                    self.log(f"drain: {len(waiting)} unfinished, their messages not restored by kombu")
+            # Messages the broker's own record proves lost (``lost_by_broker``: a node's log says kombu
+            # could not restore it, or it was popped off its queue and never recorded as unacknowledged),
+            # and that are nowhere since: they cannot come back, so the drain does not wait out the
+            # allowance for them (about a minute of most Redis runs).
+            if nowhere and quiet > 2 * self.cfg.lease_seconds + 5 and now - proven_at > 10:
+                proven_at = now
+                if lost_for_good(waiting, where, self._proven_lost(waiting, where)):
+                    self.log(f"drain: {len(waiting)} unfinished, their messages lost by the broker")
                     break
             if now - t_begin > DRAIN_GUARD_S:
                 self.log(f"drain: still {len(waiting)} unfinished after {DRAIN_GUARD_S:.0f}s; giving up")
@@ -6713,6 +6715,19 @@ class Run:
             lost = lost_by_broker(link_id, "nowhere", log, self.faults, start=self.start_mono)
             if lost:
                 tasks[tid]["link_lost_by_broker"] = lost
+
+    def _proven_lost(self, waiting: Iterable[str], where: Mapping[str, str]) -> set[str]:
+        """The tasks of ``waiting`` that are nowhere and whose message the broker's record proves lost."""
+        nowhere = [t for t in waiting if where.get(t) == "nowhere"]
+        if not nowhere:
+            return set()
+        unrestored = unrestored_task_ids(self.dir)
+        log = self._broker_log()
+        return {
+            t
+            for t in nowhere
+            if lost_by_broker(t, "nowhere", log, self.faults, start=self.start_mono, unrestored=unrestored)
+        }
 
     def _broker_log(self) -> brokerlog.BrokerLog | None:
         if self.rabbit is not None:

@@ -554,7 +554,7 @@ def test_a_message_removed_by_a_failed_restore_is_the_broker_s_loss_only_with_bo
     assert lockcheck.unrestored_task_ids(tmp_path) == {"71683f65-1997-4b0d-893e-7417868a921c"}
 
 
-def test_the_drain_stops_waiting_only_for_messages_that_are_nowhere_and_were_not_restored() -> None:
+def test_the_drain_stops_waiting_only_for_messages_that_are_nowhere_and_proven_lost() -> None:
     lost = lockcheck.lost_for_good
     assert lost(["a", "b"], {"a": "nowhere", "b": "nowhere"}, {"a", "b", "c"})
     assert not lost(["a", "b"], {"a": "nowhere", "b": "nowhere"}, {"a"})  # b may still come back
