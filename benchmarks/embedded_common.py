@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from celery_mongolock.ops import embedded, server_patches  # noqa: E402 - after the path
 
-__all__ = ["RESULTS", "ROOT", "as_shipped", "embedded", "server_patches", "write_results"]
+__all__ = ["RESULTS", "ROOT", "as_shipped", "embedded", "server_patches", "variants_table", "write_results"]
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -54,3 +54,12 @@ def write_results(name: str, out: str, data: dict[str, Any], target: str, met: b
     Path(out).write_text(json.dumps(data, indent=2) + "\n")
     print(data["summary"])
     print(f"target ({target}): {'met' if met else 'MISSED'}")
+
+
+def variants_table(label: str, rows: list[tuple[str, Any]], variants: dict[str, Any]) -> str:
+    """A Markdown table of milliseconds: one row per ``(row label, key)``, one column per variant
+    (``variants[name][key]``)."""
+    lines = [f"| {label} | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
+    for shown, key in rows:
+        lines.append(f"| {shown} | " + " | ".join(f"{variants[v][key]:.1f} ms" for v in variants) + " |")
+    return "\n".join(lines)

@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any
 
-from embedded_common import RESULTS, as_shipped, embedded, server_patches, write_results
+from embedded_common import RESULTS, as_shipped, embedded, server_patches, variants_table, write_results
 from pymongo import MongoClient
 
 TARGET = "opening a stream at the largest size within 5x of the smallest (tuned)"
@@ -67,15 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         variants["as-shipped"] = measure(as_shipped(server_patches.SEEK), sizes, args.opens)
     tuned = variants["tuned"]
     met = bool(tuned) and tuned[-1] <= 5 * max(tuned[0], 1.0)
-    lines = ["| oplog entries | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
-    for i, size in enumerate(sizes):
-        row = [f"{variants[v][i]:.1f} ms" for v in variants]
-        lines.append(f"| {size:,} | " + " | ".join(row) + " |")
     data = {
         "sizes": sizes,
         "opens": args.opens,
         "median_ms_per_size": variants,
-        "summary": "\n".join(lines),
+        "summary": variants_table(
+            "oplog entries", [(f"{size:,}", i) for i, size in enumerate(sizes)], variants
+        ),
     }
     write_results("embedded_seek", args.out, data, TARGET, met)
     return 0

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from embedded_common import RESULTS, as_shipped, embedded, server_patches, write_results
+from embedded_common import RESULTS, as_shipped, embedded, server_patches, variants_table, write_results
 from pymongo import MongoClient
 
 from celery_mongolock.core.documents.changes import loss_events_pipeline
@@ -101,14 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         variants["as-shipped"] = {str(w): measure(shipped, w, args.writes) for w in counts}
     top = str(counts[-1])
     met = "as-shipped" in variants and variants["tuned"][top] * 1.2 <= variants["as-shipped"][top]
-    lines = ["| watchers | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
-    for w in counts:
-        lines.append(f"| {w} | " + " | ".join(f"{variants[v][str(w)]:.1f} ms" for v in variants) + " |")
     data = {
         "watchers": counts,
         "writes": args.writes,
         "server_cpu_ms_per_write": variants,
-        "summary": "\n".join(lines),
+        "summary": variants_table("watchers", [(str(w), str(w)) for w in counts], variants),
     }
     write_results("embedded_watch", args.out, data, TARGET, met)
     return 0
