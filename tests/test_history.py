@@ -387,15 +387,39 @@ def test_a_slot_s_ending_keeps_how_long_its_run_waited(store: LeaseStore) -> Non
     assert one.waited_ms == other.waited_ms == 1234
 
 
-@pytest.mark.parametrize("how", ["holder-died", "expired"])
+def test_an_expired_lease_found_by_a_refill_of_the_window_is_recorded_from_its_reply(
+    make_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key whose window of parked runs emptied (its runs left) while runs wait in the spill, and whose
+    holder's node died: the refill that brings the spilled runs in finds the lease expired and hands the key
+    to the oldest of them, in one command, which writes the dead holder's ending. That command's reply
+    carries it, and it is recorded from there (not only copied from ``ends`` at the heartbeat's tick, by
+    when more endings may have pushed it out)."""
+    store = make_store(lease_seconds=30, parked_window=2)
+    monkeypatch.setattr(store.heartbeat, "copy_endings", lambda match: None)
+    key = "q:refilled-behind-a-dead-holder"
+    holder = store.acquire(key, 30, info={**INFO, "task_id": "t-dead"})
+    assert holder is not None
+    for n in range(5):  # 2 in the window, 3 spilled
+        assert store.admit(key, parked_entry(n, f"t-{n}"))[1]["lo"] == "parked"
+    store.collection.update_one({"_id": key}, {"$set": {"q": []}})  # the window's runs left
+    expire(store, key)
+    assert store.spill.refill(key, 0) is not None
+    assert (store.collection.find_one({"_id": key}) or {})["ho"]["t"] == "t-2"
+    assert store.flush_history()
+    assert [(r["how"], r["t"]) for r in stored(store, key)] == [("expired", "t-dead")]
+
+
+@pytest.mark.parametrize("how", ["holder-died", "expired", "expired-found-by-an-admit"])
 def test_a_dead_holder_s_ending_is_kept_when_the_runs_behind_it_end_before_the_tick(
     make_store: Any, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A key with 12 runs parked behind a holder that died (its child killed: its parent releases the key;
-    or its node: the sweeper hands the expired key on). The parked runs then run and end, more of them than
-    the lease document's ``ends`` keeps (8), before the heartbeat's tick: the dead holder's ending is in
-    the history all the same (a new-user trial: ``history`` showed 10 ``released`` lines and nothing for
-    the dead holder; it was copied from ``ends`` at the tick, once it had dropped out)."""
+    or its node: the sweeper, or a new send's admit, hands the expired key on). The parked runs then run
+    and end, more of them than the lease document's ``ends`` keeps (8), before the heartbeat's tick: the
+    dead holder's ending is in the history all the same (a new-user trial: ``history`` showed 10
+    ``released`` lines and nothing for the dead holder; it was copied from ``ends`` at the tick, once it
+    had dropped out)."""
     store = make_store(lease_seconds=30)
     # (no copy of ``ends`` at the tick, which a slow machine may reach while the ending is still there)
     monkeypatch.setattr(store.heartbeat, "copy_endings", lambda match: None)
@@ -404,12 +428,18 @@ def test_a_dead_holder_s_ending_is_kept_when_the_runs_behind_it_end_before_the_t
     assert holder is not None
     for n in range(12):
         assert store.admit(key, parked_entry(n, f"t-{n}"))[1]["lo"] == "parked"
+    runs = 12
     if how == "holder-died":
         assert store.release_held_by(task_id="t-dead", pid=4242) == 1
-    else:
+    elif how == "expired":
         expire(store, key)
         assert store.sweep(key) is not None
-    for _ in range(12):  # each run handed the key claims it and ends (as fast as a worker can)
+    else:  # a new send, before any sweep: its admit finds the lease expired and hands the key on
+        expire(store, key)
+        assert store.admit(key, parked_entry(12, "t-12"))[1]["lo"] == "parked"
+        assert (store.collection.find_one({"_id": key}) or {})["ho"]["t"] == "t-0"
+        runs, how = 13, "expired"
+    for _ in range(runs):  # each run handed the key claims it and ends (as fast as a worker can)
         ho = (store.collection.find_one({"_id": key}) or {})["ho"]
         lease, doc = store.admit(key, {**parked_entry(int(ho["s"]), ho["t"]), "tk": ho["tk"]}, claim=ho["tk"])
         assert lease is not None and doc["lo"] == "claimed", doc.get("lo")

@@ -38,7 +38,7 @@ def acquire_command(
         pipeline = slot_admit.slot_admit_pipeline(
             token, ttl_ms, holder, limit, waited_ms=waited_ms, min_hold_ms=hold_ms, **admission
         )
-        return pipeline, admission_docs.ADMIT_PROJECTION
+        return pipeline, admission_docs.SLOT_ADMIT_PROJECTION
     if limit is not None:
         if waited_since_ms is not None and waited_ms is None:
             waited_ms = max(0, int(time.time() * 1000) - waited_since_ms)

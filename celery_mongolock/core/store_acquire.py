@@ -545,7 +545,10 @@ class Acquisition:
         elif lease is not None and doc.get("lo") == "claimed":
             self.store.spill.after_claim(key, doc)
         if handed is not None and self.store.history_days:
-            # The key was found vacant: an expired lease's ending may be in ``ends`` (same command).
+            # The key was found vacant: the ending of a lease it found expired is in the reply's ``ends``
+            # (``ADMIT_PROJECTION``), written by this command. (And copied at the tick, as before: a
+            # ``limit=N`` key's slot endings were taken out of the reply by ``slot_lease``.)
+            self.store.records.record_endings(key, doc, documents.TAKEOVER_ENDINGS)
             self.store.heartbeat.copy_endings({"_id": key})
 
 

@@ -50,7 +50,7 @@ log_acquire = logging.getLogger("celery_mongolock.acquire")
 
 #: Which of a key's last endings (all it keeps, ``ENDS_KEPT``, read back) a sweep wrote: for a holder or
 #: a handoff that lapsed (nobody else records them).
-SWEPT_ENDINGS = ("expired", "handoff-expired")
+SWEPT_ENDINGS = documents.TAKEOVER_ENDINGS
 
 
 class QueueOwner(Protocol):

@@ -10,7 +10,7 @@ import datetime as _dt
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from pymongo import ReturnDocument
@@ -18,7 +18,7 @@ from pymongo.errors import DuplicateKeyError
 
 from celery_mongolock.core.documents import lanes
 from celery_mongolock.core.documents import spill as spill_docs
-from celery_mongolock.core.documents.base import Document
+from celery_mongolock.core.documents.base import ENDS_KEPT, TAKEOVER_ENDINGS, Document
 from celery_mongolock.core.documents.entries import PARK_BUDGET
 from celery_mongolock.core.documents.handoff import HANDOFF_PROJECTION
 from celery_mongolock.core.documents.slot_queue import (
@@ -65,8 +65,22 @@ def _server_now(doc: Mapping[str, Any] | None) -> _dt.datetime:
     return now if isinstance(now, _dt.datetime) else _dt.datetime.now(_dt.timezone.utc)
 
 
+class EndingsRecorder(Protocol):
+    """``store_history.Records``, as the spill uses it (a layer it may not import)."""
+
+    def record_endings(self, key: str, doc: Mapping[str, Any], hows: Sequence[str]) -> None: ...
+
+
+#: What a refill's reply carries besides what publishing its handoff needs: the endings kept, among them
+#: the one it wrote when it found the key's lease (or a handoff) lapsed and handed the key on.
+_ENDS: Document = {"ends": {"$slice": -ENDS_KEPT}}
+
+
 class SpillOwner(Protocol):
     """What the spill needs of ``LeaseStore``."""
+
+    @property
+    def records(self) -> EndingsRecorder: ...
 
     @property
     def connection(self) -> Connection: ...
@@ -436,7 +450,7 @@ class Spill:
         # The handoff first; then the runs moved leave the spill (tombstones stay: a late store under
         # their number must fail). A delete that fails leaves them under passed numbers: never read
         # again, and deleted by a later store of their task (``store_entry``).
-        self.store.handoffs.publish(key, after, by, refill=False)
+        self._hand_on(key, after, by)
         try:
             with connection.operation(f"delete the parked runs moved out of the spill of {key!r}"):
                 coll.delete_many({"_id": {"$in": moved}, "k": key})
@@ -467,7 +481,7 @@ class Spill:
         (16 MiB), the first of them alone (the lane's head moves past it and the holes before it). None
         when another refill moved the lane first, or when the document cannot take even one yet."""
         connection = self.store.connection
-        projection = SLOT_HANDOFF_PROJECTION if slots else HANDOFF_PROJECTION
+        projection = {**(SLOT_HANDOFF_PROJECTION if slots else HANDOFF_PROJECTION), **_ENDS}
         pipeline = slot_refill_pipeline if slots else spill_docs.refill_pipeline
         tries = [(stored, ids)]
         if len(stored) > 1:
@@ -504,8 +518,16 @@ class Spill:
         after = self.store.connection.collection.find_one_and_update(
             {"_id": key, "sp": {"$elemMatch": at}},
             pipeline,
-            projection=projection,
+            projection={**projection, **_ENDS},
             return_document=ReturnDocument.AFTER,
         )
         # The slots, or the key, held back for the lane's runs and now handed to the window's.
-        self.store.handoffs.publish(key, after, by, refill=False)
+        self._hand_on(key, after, by)
+
+    def _hand_on(self, key: str, after: Mapping[str, Any] | None, by: str) -> None:
+        """Publish the handoff a refill's command (or a blocked lane's mark) made. When it found the key's
+        lease, or a slot's, lapsed, it wrote that ending as it handed the key on, and nobody else records
+        it: recorded from the reply (an ending recorded already is skipped by the history)."""
+        handed = self.store.handoffs.publish(key, after, by, refill=False)
+        if after and (handed is not None or not by):
+            self.store.records.record_endings(key, after, TAKEOVER_ENDINGS)

@@ -81,6 +81,7 @@ __all__ = [
     "NOT_EXPIRED",
     "RUN_VIEW",
     "SERVER_VIEW",
+    "TAKEOVER_ENDINGS",
     "Document",
     "acquire_fields",
     "acquire_filter",
@@ -118,6 +119,11 @@ _NOW_MS: Document = {"$toLong": "$$NOW"}
 
 #: How many endings a lease document keeps in ``ends``.
 ENDS_KEPT = 8
+
+#: The endings a command writes for a lease it found lapsed (its holder stopped renewing, or the run it
+#: was handed to never claimed it) while handing the key on: nobody else records them
+#: (``Records.record_endings``).
+TAKEOVER_ENDINGS = ("expired", "handoff-expired")
 
 #: The fence of the last ending recorded (missing when there is none).
 _LAST_ENDED_FENCE: Document = {

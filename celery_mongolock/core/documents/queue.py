@@ -108,6 +108,7 @@ __all__ = [
     "SEEN_KEEP_MS",
     "SEEN_KEPT",
     "SINGLE_HELD",
+    "SLOT_ADMIT_PROJECTION",
     "WAITS",
     "admit_marker",
     "admit_pipeline",
@@ -148,8 +149,14 @@ _VACANT = VACANT
 _HAS_HO: Document = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
 
 
-#: What an admit's reply carries: not the parked runs' messages, not the histories.
-ADMIT_PROJECTION: Document = {"q.m": 0, "seen": 0, "ends": 0, "dead": 0}
+#: What an admit's reply carries: not the parked runs' messages, not the histories; the newest ending
+#: only, which an admit that found the lease expired has just written (it records it: no other process
+#: will, ``Acquisitions._admitted``).
+ADMIT_PROJECTION: Document = {"q.m": 0, "seen": 0, "ends": {"$slice": -1}, "dead": 0}
+#: How many endings a lease document keeps in ``ends`` (``base.ENDS_KEPT``, which this layer may not import).
+_ENDS_KEPT = 8
+#: A ``limit=N`` key's admit: one command can find several holds expired, so all the endings kept.
+SLOT_ADMIT_PROJECTION: Document = {**ADMIT_PROJECTION, "ends": {"$slice": -_ENDS_KEPT}}
 
 
 #: What the admit pipeline can decide (``__o`` in the reply's ``lo``).
