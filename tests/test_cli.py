@@ -312,14 +312,19 @@ def test_queue_lists_a_key_s_parked_runs_page_by_page(
     assert [line.split()[:2] for line in lines[1:]] == [["3.", "upload[run-2]"], ["4.", "upload[run-3]"]]
     data = json.loads(run(mongo_url, db_name, "queue", "email-group:1", "--json", "--per-page", "2").stdout)
     assert data["parked"] == 5 and [r["task_id"] for r in data["runs"]] == ["run-0", "run-1"]
-    # Bad input in our words.
+    assert data["pages"] == 3
+    # Bad input in our words: a page below 1, or past the last (a new-user trial: --page 99999 exited 0).
     bad = run(mongo_url, db_name, "queue", "email-group:1", "--page", "0")
     assert bad.returncode == 2 and "--page" in bad.stderr
+    for page, more in (("99999", []), ("4", ["--per-page", "2", "--json"])):
+        past = run(mongo_url, db_name, "queue", "email-group:1", "--page", page, *more)
+        assert past.returncode == 2 and not past.stdout, past
+        assert f"no page {page} of the runs parked on 'email-group:1'" in past.stderr, past.stderr
     # A key without a lease document: an empty queue, not an error (as inspect/why --json print null).
     empty = run(mongo_url, db_name, "queue", "nope:1")
     assert empty.returncode == 0 and empty.stdout.startswith("nope:1: 0 run(s) parked"), empty
     empty_json = json.loads(run(mongo_url, db_name, "queue", "nope:1", "--json").stdout)
-    assert empty_json == {"key": "nope:1", "parked": 0, "page": 1, "runs": []}
+    assert empty_json == {"key": "nope:1", "parked": 0, "page": 1, "pages": 1, "runs": []}
     purged = run(mongo_url, db_name, "purge", "nope:1", "--yes")
     assert purged.returncode == 0 and "nothing to purge" in purged.stdout
     no_lease = run(mongo_url, db_name, "drop", "nope:1", "t-1", "--yes")

@@ -476,15 +476,21 @@ def _parked_info(
 def queue_of(ctx: click.Context, key: str, page: int, per_page: int, as_json: bool) -> None:
     """The runs parked on KEY, next first, a page at a time."""
     info = _parked_info(ctx, key, page, per_page)[1]
+    total = 0 if info is None else info.parked_total
+    pages = cli_queue.pages(total, per_page)
+    if page > pages:
+        raise click.UsageError(
+            f"no page {page} of the runs parked on {key!r}: {total} run(s), {pages} page(s) of {per_page}"
+        )
     if info is None:  # an empty queue, as for a key with a lease and no parked run
         if as_json:
-            click.echo(_json({"key": key, "parked": 0, "page": page, "runs": []}))
+            click.echo(_json({"key": key, "parked": 0, "page": page, "pages": 1, "runs": []}))
         else:
             click.echo(f"{key}: 0 run(s) parked (no lease document)")
         return
     if as_json:
         rows = cli_queue.page_of(info, page, per_page)
-        click.echo(_json({"key": info.key, "parked": info.parked_total, "page": page, "runs": rows}))
+        click.echo(_json({"key": info.key, "parked": total, "page": page, "pages": pages, "runs": rows}))
         return
     click.echo("\n".join(cli_queue.queue_lines(info, page, per_page)))
 

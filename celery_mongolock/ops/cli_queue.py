@@ -19,7 +19,7 @@ from celery_mongolock.core.store import LeaseStore
 from celery_mongolock.integration.handoff import install_publisher
 from celery_mongolock.integration.results import has_backend
 
-__all__ = ["drop_runs", "not_parked", "page_of", "queue_lines"]
+__all__ = ["drop_runs", "not_parked", "page_of", "pages", "queue_lines"]
 
 
 def page_of(info: LeaseInfo, page: int, per_page: int) -> list[dict[str, Any]]:
@@ -32,17 +32,23 @@ def page_of(info: LeaseInfo, page: int, per_page: int) -> list[dict[str, Any]]:
     return list(runs[start - offset : start - offset + per_page]) if start >= offset else []
 
 
+def pages(total: int, per_page: int) -> int:
+    """How many pages ``total`` parked runs fill (1 for none: an empty page 1)."""
+    return max(1, -(-total // per_page))
+
+
 def queue_lines(info: LeaseInfo, page: int, per_page: int) -> list[str]:
-    """``queue KEY``: how many runs wait, then one line per run of the page, next first."""
+    """``queue KEY``: how many runs wait, then one line per run of the page (one that exists: the
+    command refuses a page past the last), next first."""
     total = info.parked_total
-    pages = max(1, -(-total // per_page))
+    pages_in_all = pages(total, per_page)
     rows = page_of(info, page, per_page)
-    head = f"{info.key}: {total} run(s) parked" + (f", page {page} of {pages}" if total > per_page else "")
+    head = f"{info.key}: {total} run(s) parked" + (
+        f", page {page} of {pages_in_all}" if total > per_page else ""
+    )
     if info.handoff:
         head += f"; handed to {info.handoff.get('task_name')}[{info.handoff.get('task_id')}]"
     lines = [head]
-    if not rows and total:
-        lines.append(f"  no page {page}: there are {pages}")
     for run in rows:
         waited = run.get("parked_for")
         keys = f"  keys {', '.join(run['keys'])}" if run.get("keys") else ""
