@@ -169,6 +169,7 @@ import traceback
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
@@ -467,7 +468,10 @@ DOC_SUCCESSOR = "doc-successor"
 #: The submitter sends nothing more while this many messages wait in the broker's queues: on a machine
 #: too loaded to keep up, the random workload shrinks instead of piling up (unthrottled, a backlog of
 #: 3,000 messages under load average 40 turned one bounded seed into a run of more than 20 minutes).
-MAX_BACKLOG = 40
+#: Every message the controller sends (a directed burst's, a fault's gated run) waits behind it: 40 made
+#: each such wait 10 to 15 s; the workers' four children are kept as busy by 12 (Redis seed 1 on a quiet
+#: machine: the directed phase 105 s instead of 140 to 154 s, the whole run 286 s instead of 312 to 347 s).
+MAX_BACKLOG = 12
 #: A random task goes to the skewed node's queue (a quarter of them) only while fewer than this many wait
 #: there: that node has one child against the others' six, and with a quarter of the workload its queue
 #: filled up to the whole ``MAX_BACKLOG``, so every fault's gated run (sent there, ``Run._fault_gate``)
@@ -4518,6 +4522,16 @@ class RateGate:
             self.hist.event("rleave", key=self.key, run=run, at=self.last_seen_ms, t=time.monotonic())
 
 
+#: A fault's gates (``Run._fault_gates``): the gated Queue run's, the unique sends', the rate's (None
+#: without rate keys) and the document lock (None without document keys).
+FaultGates = tuple[
+    "tuple[list[Lease], Doc] | None",
+    "tuple[list[Lease], Doc]",
+    "tuple[RateGate, Doc] | None",
+    "DocumentLease | None",
+]
+
+
 class Run:
     """One checker run: set up, inject faults while the workload runs, drain, check."""
 
@@ -4612,6 +4626,7 @@ class Run:
         #: The other keys of a directed burst of runs of several keys, by its gated key (``_burst``).
         self.burst_keys: dict[str, list[str]] = {}
         self.directed_s = 0.0
+        self.directed_steps: dict[str, float] = {}
         # The lingering holders of the directed cancel_running steps (``_cancel_directed_again``).
         self.cancel_lingering: str | None = None
         self.cancel_deaf: str | None = None
@@ -5234,11 +5249,15 @@ class Run:
             plan.append(("multi", MULTI_BURST))
         if self.cfg.doc_keys:
             self._document_takeover()
-        bursts = [self._burst(kind, n) for kind, n in plan]
+        step = self._directed_step
+        bursts = step("gated bursts sent", lambda: [self._burst(kind, n) for kind, n in plan])
         # Equal unique sends behind a gate: one run, seen contending (pending) before the gate lets go.
-        unique_gate, self.unique_directed = self._unique_pending(DIRECTED_KEY + 5, UNIQUE_BURST)
-        staged = self._multi_limit_burst() if self.cfg.limit_keys else None
-        reentrant = self._reentrant_burst() if self.cfg.limit_keys else []
+        unique_gate, self.unique_directed = step(
+            "unique", self._unique_pending, DIRECTED_KEY + 5, UNIQUE_BURST
+        )
+        staged = step("multi-limit burst", self._multi_limit_burst) if self.cfg.limit_keys else None
+        reentrant = step("reentrant", self._reentrant_burst) if self.cfg.limit_keys else []
+        t_bursts = time.monotonic()
         for key, gate, ids in bursts:
 
             def waiting(key: str = key, ids: list[str] = ids) -> bool:
@@ -5254,35 +5273,50 @@ class Run:
                 self.log(f"directed phase: {exc}")
             self._gate_release(gate)
         self._gate_release(unique_gate)
+        self.directed_steps["gated bursts waited"] = round(time.monotonic() - t_bursts, 1)
         if self.cfg.rate_keys:
-            bursts.append(("", [], self._rate_directed()))
+            bursts.append(("", [], step("rate", self._rate_directed)))
         if staged is not None:
-            self._multi_limit_stages(*staged)
+            step("multi-limit stages", self._multi_limit_stages, *staged)
             bursts.append(("", [], staged[3]))
         bursts.append(("", [], reentrant))
         bursts.append(("", [], self.unique_directed["runs"]))
         if self.cfg.multi_replace_keys > 2:
-            bursts.append(("", [], self._multi_replace_directed()))
-            bursts.append(("", [], self._reservation_window()))
-            bursts.append(("", [], self._debounced_directed()))
-            bursts.append(("", [], self._capped_directed()))
+            bursts.append(("", [], step("multi-replace", self._multi_replace_directed)))
+            bursts.append(("", [], step("reservation window", self._reservation_window)))
+            bursts.append(("", [], step("debounced", self._debounced_directed)))
+            bursts.append(("", [], step("capped", self._capped_directed)))
         if self.cfg.replace_keys:
-            bursts.append(("", [], self._cancel_directed()))
+            bursts.append(("", [], step("cancel", self._cancel_directed)))
         if self.cfg.multi_replace_keys > 2:
-            bursts.append(("", [], self._multi_cancel_directed()))
+            bursts.append(("", [], step("multi-cancel", self._multi_cancel_directed)))
         if self.cfg.limit_keys and self.cfg.keys > 1:
-            bursts.append(("", [], self._multi_limit_replace_directed()))
-            bursts.append(("", [], self._capped_directed(MULTI_LIMITS_CAPPED_TASK)))
+            bursts.append(("", [], step("multi-limit-replace", self._multi_limit_replace_directed)))
+            bursts.append(("", [], step("capped limits", self._capped_directed, MULTI_LIMITS_CAPPED_TASK)))
         everyone = [t for _k, _g, ids in bursts for t in ids]
+        t_end = time.monotonic()
         try:
             _wait(
                 lambda: len(self._ended(everyone)) == len(everyone), START_GUARD_S, "the bursts to end", 0.5
             )
         except TimeoutError as exc:
             self.log(f"directed phase: {exc} ({len(everyone) - len(self._ended(everyone))} unfinished)")
-        self._cancel_directed_again()
+        self.directed_steps["the bursts to end"] = round(time.monotonic() - t_end, 1)
+        step("cancel again", self._cancel_directed_again)
         self.directed_s = round(time.monotonic() - t0, 1)
-        self.log(f"directed phase: {len(everyone)} runs waited behind gates and ended in {self.directed_s}s")
+        self.log(
+            f"directed phase: {len(everyone)} runs waited behind gates and ended in {self.directed_s}s "
+            f"(by step: {', '.join(f'{k} {v}s' for k, v in self.directed_steps.items())})"
+        )
+
+    def _directed_step(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its time kept in ``directed_steps`` (the report's, by step: where the directed
+        phase's time goes)."""
+        t0 = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.directed_steps[name] = round(time.monotonic() - t0, 1)
 
     def _document_takeover(self) -> None:
         """A document lock whose holder stops renewing (a process paused past its lock) is taken by the
@@ -6336,40 +6370,57 @@ class Run:
         return True
 
     def inject(self, kind: str) -> bool:
-        # Every fault lands while a queued run waits: a run parked behind a gate on a key of its own,
-        # confirmed in its lease document before the fault begins, handed the key when the fault is over.
-        gated = self._fault_gate()
+        """Set up the fault's gates (``_fault_gates``), inject the fault, then let the gates go."""
+        gates = self._fault_gates()
+        gated, (_, self._unique_info), rated, _ = gates
         self._gate_info = gated[1] if gated else None
-        # ... and while a unique send's run is pending (its equal sends got it), run when it is over.
-        self._unique_gates += 1
-        unique_gate, self._unique_info = self._unique_pending(
-            FAULT_GATE_KEYS + self._unique_gates, UNIQUE_GATE_SENDS
-        )
-        # ... and while runs parked by the rate wait for a window the controller keeps full (``RateGate``).
-        self._rate_gates += 1
-        rated = (
-            self._rate_pending(FAULT_GATE_KEYS + self._rate_gates, RATE_GATE_SENDS)
-            if self.cfg.rate_keys
-            else None
-        )
         self._rate_info = rated[1] if rated else None
-        # ... and while a document lock is held (``DocumentLock``), written once when the fault is over.
-        document = self._document_gate()
         parked = self._parked_now()
         self._parked_before = max(parked, 1) if gated and gated[1]["parked"] else parked
         try:
             return self._inject(kind)
         finally:
-            self._gate_release(unique_gate)
-            self._unique_info = None
-            if rated is not None:
-                rated[0].stop()
-            self._rate_info = None
-            if gated:
-                self._gate_release(gated[0])
-            if document is not None:
-                self._document_gate_end(document)
-            self._gate_info = None
+            self._unique_info = self._rate_info = self._gate_info = None
+            self._end_fault_gates(gates)
+
+    def _fault_gates(self) -> FaultGates:
+        """Every fault lands while a queued run waits: a run parked behind a gate on a key of its own,
+        confirmed in its lease document before the fault begins, handed the key when the fault is over;
+        while a unique send's run is pending (its equal sends got it), run when it is over; while runs
+        parked by the rate wait for a window the controller keeps full (``RateGate``); and while a document
+        lock is held (``DocumentLease``), written once when the fault is over.
+
+        The four are set up side by side, each on keys of its own: each waits for the workers to take its
+        runs from behind the random workload's backlog (10 to 20 s apiece on a loaded machine), and one
+        after the other they made a fault take 25 s instead of the ``duration``'s share of 5 s."""
+        self._gate_history()  # (made once, before the threads share it)
+        self._unique_gates += 1
+        self._rate_gates += 1
+        n_unique, n_rate = FAULT_GATE_KEYS + self._unique_gates, FAULT_GATE_KEYS + self._rate_gates
+        with ThreadPoolExecutor(4, thread_name_prefix="lockcheck-gate") as pool:
+            futures = (
+                pool.submit(self._fault_gate),
+                pool.submit(self._unique_pending, n_unique, UNIQUE_GATE_SENDS),
+                pool.submit(self._rate_pending, n_rate, RATE_GATE_SENDS) if self.cfg.rate_keys else None,
+                pool.submit(self._document_gate),
+            )
+        errors = [exc for f in futures if f is not None and (exc := f.exception()) is not None]
+        got = tuple(None if f is None or f.exception() is not None else f.result() for f in futures)
+        if errors:  # (a guard ran out: the gates that were set up are let go before the run fails)
+            self._end_fault_gates(got)  # type: ignore[arg-type]
+            raise errors[0]
+        return got  # type: ignore[return-value]
+
+    def _end_fault_gates(self, gates: FaultGates) -> None:
+        gated, unique, rated, document = gates
+        if unique is not None:
+            self._gate_release(unique[0])
+        if rated is not None:
+            rated[0].stop()
+        if gated:
+            self._gate_release(gated[0])
+        if document is not None:
+            self._document_gate_end(document)
 
     def _document_gate(self) -> DocumentLease | None:
         """A document lock of the controller's on a ``d`` key of its own, claimed, for the fault about
@@ -6807,6 +6858,7 @@ class Run:
                 "duration_s": round(time.monotonic() - t_start, 1),
                 "fault_phase_s": round(self.cfg.duration + self.cfg.warmup, 1),
                 "directed_s": self.directed_s,
+                "directed_steps_s": self.directed_steps,
                 "setup_s": round(setup_s, 1),
                 "clients": self.cfg.clients,
                 "worker_nodes": self.cfg.nodes + (1 if self.skewed_node else 0),
