@@ -174,6 +174,48 @@ def test_a_reservation_made_by_the_ceiling_is_sealed_too(store: LeaseStore) -> N
     assert newer["bu"] > older["bu"]  # a burst of its own
 
 
+def test_the_ceiling_s_reservation_that_lapses_again_and_again_stays_sealed(store: LeaseStore) -> None:
+    """The run the ceiling chose reserved the first key of its set (waiting for the second) with a short
+    lease, and its reservation lapses three times: once swept, then each time as a newer send that does
+    not know its burst parks. Each lapse hands the key back to that run (a reservation keeps its place,
+    and it is the oldest), and each newer send begins a burst of its own, superseding only the newer
+    sends before it: the seal holds past two lease times (docs/known-issues.md, "the ceiling's run
+    waiting long on a key", which feared it would not)."""
+    first, older = run(10, [X, Y]), run(20, [X, Y])
+
+    def admit(key: str, r: dict[str, Any], ttl: float = 30, **kw: Any) -> tuple[Any, dict[str, Any]]:
+        lease, doc = store.admit(key, r, ttl=ttl, replace=True, group=r["g"], debounce=30, max_wait=2, **kw)
+        burst = Admission.of(lease, doc).burst_of(r["id"])
+        if burst is not None:
+            r.setdefault("bu", burst)
+        return lease, doc
+
+    def lapse() -> None:
+        expires = (store.collection.find_one({"_id": X}) or {})["expires_at"]
+        wait_for(lambda: server_past(store, expires), timeout=30, message="the reservation lapsed")
+
+    for key in (X, Y):
+        assert admit(key, first)[1]["lo"] == "parked"
+    ceiling = parked_entry(store, Y)["nb"]
+    wait_for(lambda: server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
+    admit(X, older)  # past the ceiling: handed X at once, claimed, kept as a reservation (1 s)
+    lease, _ = admit(X, older, ttl=1, claim=(store.collection.find_one({"_id": X}) or {})["ho"]["tk"])
+    assert lease is not None and store.reserve(lease, older)
+    lapse()
+    assert store.sweep(X) is not None
+    sends = []
+    for stamp in (31, 32, 33):
+        lapse()
+        sends.append(run(stamp, [X, Y]))
+        assert admit(X, sends[-1])[1]["lo"] == "parked"
+        doc = store.collection.find_one({"_id": X}) or {}
+        assert doc["ho"]["t"] == "r20" and doc["ho"]["hn"] >= 2  # handed back to the ceiling's run
+        assert [e["t"] for e in doc["q"]] == [sends[-1]["t"]]  # the newer sends before it superseded
+        assert sends[-1]["bu"] > older["bu"]  # a burst of its own
+    assert {s["t"] for s in doc.get("sup") or []} == {"r10", "r31", "r32"}
+    assert admit(X, older)[1]["lo"] != "superseded"
+
+
 def test_max_wait_with_keys_is_accepted() -> None:
     from celery import Celery
 
