@@ -33,25 +33,28 @@ if celery.VERSION < (5, 7):
 # `make test` runs the suite in four processes (pytest-xdist, ``-n 4 --dist loadfile``: each file's tests in
 # one process, which has servers of its own). Files are handed out in collection order, so the longest go
 # first: a long file started last would leave the others idle at the end. The figures (seconds in a CI
-# run, for the order only) are from its JUnit report; a file not named here goes after.
+# run, for the order only) are from its JUnit report (ci70, stop 61); a file not named here goes after.
 LONGEST_FIRST = {
-    "test_lockcheck.py": 920,  # the bounded runs on Redis, then RabbitMQ (one process: never side by side)
-    "test_integration.py": 440,  # Redis and RabbitMQ
-    "test_cli.py": 310,
-    "test_benchmarks.py": 270,
-    "test_queue.py": 160,
-    "test_rate_workers.py": 130,
-    "test_stepwise_replace.py": 130,
-    "test_replace_keys_debounce.py": 110,
-    "test_demo.py": 100,  # Redis and RabbitMQ
-    "test_stepwise_model.py": 95,
-    "test_security.py": 90,
-    "test_unique_send_workers.py": 85,
-    "test_handoff_lanes.py": 80,
-    "test_clock_skew.py": 80,
-    "test_quickstart.py": 75,
-    "test_limit.py": 65,
-    "test_store_contract.py": 60,
+    "test_lockcheck.py": 740,  # the bounded runs on Redis, then RabbitMQ (one process: never side by side)
+    "test_integration.py": 550,  # Redis and RabbitMQ
+    "test_cli.py": 335,
+    "test_benchmarks.py": 325,
+    "test_replace_keys_debounce.py": 190,
+    "test_queue.py": 185,
+    "test_rate_workers.py": 160,
+    "test_stepwise_replace.py": 150,
+    "test_demo.py": 145,  # Redis and RabbitMQ
+    "test_stepwise_model.py": 135,
+    "test_unique_send_workers.py": 105,
+    "test_handoff_lanes.py": 100,
+    "test_security.py": 80,
+    "test_packaging.py": 65,
+    "test_document_lock.py": 60,
+    "test_cancel_running.py": 60,
+    "test_canvas_endings.py": 60,
+    "test_spill_slots.py": 55,
+    "test_quickstart.py": 55,
+    "test_spill_model.py": 50,
 }
 
 
