@@ -316,15 +316,22 @@ def test_queue_lists_a_key_s_parked_runs_page_by_page(
     # Bad input in our words: a page below 1, or past the last (a new-user trial: --page 99999 exited 0).
     bad = run(mongo_url, db_name, "queue", "email-group:1", "--page", "0")
     assert bad.returncode == 2 and "--page" in bad.stderr
-    for page, more in (("99999", []), ("4", ["--per-page", "2", "--json"])):
+    for page, more in (("99999", []), ("4", ["--per-page", "2", "--json"]), (str(10**19), [])):
         past = run(mongo_url, db_name, "queue", "email-group:1", "--page", page, *more)
         assert past.returncode == 2 and not past.stdout, past
         assert f"no page {page} of the runs parked on 'email-group:1'" in past.stderr, past.stderr
+    huge = run(mongo_url, db_name, "queue", "email-group:1", "--per-page", str(3 * 10**9))
+    assert huge.returncode == 2 and "--per-page" in huge.stderr and "at most 1000000" in huge.stderr
     # A key without a lease document: an empty queue, not an error (as inspect/why --json print null).
     empty = run(mongo_url, db_name, "queue", "nope:1")
     assert empty.returncode == 0 and empty.stdout.startswith("nope:1: 0 run(s) parked"), empty
     empty_json = json.loads(run(mongo_url, db_name, "queue", "nope:1", "--json").stdout)
     assert empty_json == {"key": "nope:1", "parked": 0, "page": 1, "pages": 1, "runs": []}
+    empty_past = run(mongo_url, db_name, "queue", "nope:1", "--page", "2")  # an empty queue has page 1 only
+    assert (
+        empty_past.returncode == 2
+        and "no page 2 of the runs parked on 'nope:1': 0 run(s)" in empty_past.stderr
+    )
     purged = run(mongo_url, db_name, "purge", "nope:1", "--yes")
     assert purged.returncode == 0 and "nothing to purge" in purged.stdout
     no_lease = run(mongo_url, db_name, "drop", "nope:1", "t-1", "--yes")

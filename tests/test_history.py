@@ -387,6 +387,27 @@ def test_a_slot_s_ending_keeps_how_long_its_run_waited(store: LeaseStore) -> Non
     assert one.waited_ms == other.waited_ms == 1234
 
 
+def test_a_handoff_s_reply_records_only_the_takeover_its_own_command_wrote(
+    store: LeaseStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Records.record_takeovers``: of the endings a reply carries, a single lease's takeover is taken
+    only when its ``seen`` is the ``hat`` of a handoff in the reply (the same command's time), not an older
+    one still kept; a slot's (no ``seen``) is taken; a release is not."""
+    import datetime as dt
+
+    queued: list[dict[str, Any]] = []
+    monkeypatch.setattr(store.heartbeat, "record", queued.append)
+    now, before = dt.datetime(2026, 1, 2, 3, 4, 5), dt.datetime(2026, 1, 2, 3, 0, 0)
+    ends = [
+        {"f": 1, "how": "expired", "seen": before, "e": before},
+        {"f": 2, "how": "released", "e": before},
+        {"f": 3, "how": "handoff-expired", "seen": now, "e": now},
+        {"f": 4, "how": "expired", "slot": 0, "e": now},
+    ]
+    store.records.record_takeovers("k", {"ho": {"t": "t-1", "hat": now}, "ends": ends})
+    assert sorted(r["f"] for r in queued) == [3, 4]
+
+
 def test_an_expired_lease_found_by_a_refill_of_the_window_is_recorded_from_its_reply(
     make_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -548,7 +548,7 @@ class Acquisition:
             # The key was found vacant: the ending of a lease it found expired is in the reply's ``ends``
             # (``ADMIT_PROJECTION``), written by this command. (And copied at the tick, as before: a
             # ``limit=N`` key's slot endings were taken out of the reply by ``slot_lease``.)
-            self.store.records.record_endings(key, doc, documents.TAKEOVER_ENDINGS)
+            self.store.records.record_takeovers(key, doc)
             self.store.heartbeat.copy_endings({"_id": key})
 
 

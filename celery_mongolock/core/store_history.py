@@ -108,6 +108,18 @@ class Records:
             if isinstance(ending, Mapping) and ending.get("how") in hows and ending.get("f") is not None:
                 self.record(documents.history_record(key, dict(ending)))
 
+    def record_takeovers(self, key: str, doc: Mapping[str, Any]) -> None:
+        """Queue for the history the endings that the command whose reply is ``doc`` wrote for a lease (or
+        a handoff) it found lapsed as it handed the key on (``documents.TAKEOVER_ENDINGS``). A single
+        lease's ending carries ``seen``, the command's time, which is the ``hat`` of the handoff it made:
+        only those are taken, not an older takeover still among the endings kept. A slot's carries none:
+        each is taken (one already in the history is skipped there)."""
+        hats = [doc.get("ho")] + [h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)]
+        made = {ho.get("hat") for ho in hats if isinstance(ho, Mapping) and ho.get("hat") is not None}
+        ends = [e for e in doc.get("ends") or [] if isinstance(e, Mapping)]
+        mine = [e for e in ends if e.get("seen") is None or e.get("seen") in made]
+        self.record_endings(key, {"ends": mine}, documents.TAKEOVER_ENDINGS)
+
     def record_lost(self, lease: Lease, reason: str) -> None:
         """``LeaseStore.record_lost``."""
         if lease.acquired_at is not None:  # a lease this store issued (not a made-up Lease object)

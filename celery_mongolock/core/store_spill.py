@@ -10,7 +10,7 @@ import datetime as _dt
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
 from pymongo import ReturnDocument
@@ -18,7 +18,7 @@ from pymongo.errors import DuplicateKeyError
 
 from celery_mongolock.core.documents import lanes
 from celery_mongolock.core.documents import spill as spill_docs
-from celery_mongolock.core.documents.base import ENDS_KEPT, TAKEOVER_ENDINGS, Document
+from celery_mongolock.core.documents.base import ENDS_KEPT, Document
 from celery_mongolock.core.documents.entries import PARK_BUDGET
 from celery_mongolock.core.documents.handoff import HANDOFF_PROJECTION
 from celery_mongolock.core.documents.slot_queue import (
@@ -68,7 +68,7 @@ def _server_now(doc: Mapping[str, Any] | None) -> _dt.datetime:
 class EndingsRecorder(Protocol):
     """``store_history.Records``, as the spill uses it (a layer it may not import)."""
 
-    def record_endings(self, key: str, doc: Mapping[str, Any], hows: Sequence[str]) -> None: ...
+    def record_takeovers(self, key: str, doc: Mapping[str, Any]) -> None: ...
 
 
 #: What a refill's reply carries besides what publishing its handoff needs: the endings kept, among them
@@ -527,7 +527,7 @@ class Spill:
     def _hand_on(self, key: str, after: Mapping[str, Any] | None, by: str) -> None:
         """Publish the handoff a refill's command (or a blocked lane's mark) made. When it found the key's
         lease, or a slot's, lapsed, it wrote that ending as it handed the key on, and nobody else records
-        it: recorded from the reply (an ending recorded already is skipped by the history)."""
-        handed = self.store.handoffs.publish(key, after, by, refill=False)
-        if after and (handed is not None or not by):
-            self.store.records.record_endings(key, after, TAKEOVER_ENDINGS)
+        it: recorded from the reply (``Records.record_takeovers``)."""
+        self.store.handoffs.publish(key, after, by, refill=False)
+        if after:
+            self.store.records.record_takeovers(key, after)

@@ -85,10 +85,13 @@ def _in_our_words(command: click.Command, ctx: click.Context, exc: click.UsageEr
 
 
 class _Number(click.ParamType):  # type: ignore[type-arg]  # generic in click 8.3+ only
-    """A number of at least ``low``, refused in our words (click's ranges word it their own way)."""
+    """A number of at least ``low`` (and at most ``high``), refused in our words (click's ranges word it
+    their own way)."""
 
-    def __init__(self, kind: type[int] | type[float], low: float, unit: str = "") -> None:
-        self.kind, self.low, self.unit = kind, low, unit
+    def __init__(
+        self, kind: type[int] | type[float], low: float, unit: str = "", high: float | None = None
+    ) -> None:
+        self.kind, self.low, self.unit, self.high = kind, low, unit, high
         self.name = kind.__name__
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
@@ -97,10 +100,12 @@ class _Number(click.ParamType):  # type: ignore[type-arg]  # generic in click 8.
             number = self.kind(value) if not isinstance(value, bool) else None
         except (TypeError, ValueError):
             number = None
-        if number is None or not math.isfinite(number) or number < self.low:
+        high = math.inf if self.high is None else self.high
+        if number is None or not math.isfinite(number) or not self.low <= number <= high:
             what = "an int" if self.kind is int else "a number"
             unit = f" {self.unit}" if self.unit else ""
-            self.fail(f"must be {what} of at least {self.low:g}{unit}, got {value!r}", param, ctx)
+            most = "" if self.high is None else f" and at most {self.high:.15g}"
+            self.fail(f"must be {what} of at least {self.low:g}{most}{unit}, got {value!r}", param, ctx)
         return number
 
 
@@ -456,6 +461,12 @@ def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count:
 
 
 # -- a key's parked runs (``cli_queue``) --------------------------------------------------------------
+#: ``queue --per-page`` at most; and the first run a page may start at (MongoDB's ``$slice`` takes 32-bit
+#: numbers): a page further on is past the last, and only the count is read to say so.
+MAX_PER_PAGE = 1_000_000
+_MAX_PARKED_FROM = 2**31 - 1 - MAX_PER_PAGE
+
+
 def _parked_info(
     ctx: click.Context, key: str, page: int | None = None, per_page: int = 50
 ) -> tuple[LeaseStore, LeaseInfo | None]:
@@ -464,13 +475,18 @@ def _parked_info(
     store = _store(ctx)
     if page is None:
         return store, _run(lambda: store.inspect(key))
-    return store, _run(lambda: store.inspect(key, parked_from=(page - 1) * per_page, parked_limit=per_page))
+    start = (page - 1) * per_page
+    if start > _MAX_PARKED_FROM:  # past any queue (and past what MongoDB's $slice takes): the count only
+        start, per_page = 0, 1
+    return store, _run(lambda: store.inspect(key, parked_from=start, parked_limit=per_page))
 
 
 @mongolock.command(name="queue", cls=_Command)
 @click.argument("key")
 @click.option("--page", default=1, show_default=True, type=_Number(int, 1), help="page N (1: the next runs)")
-@click.option("--per-page", default=50, show_default=True, type=_Number(int, 1), help="runs per page")
+@click.option(
+    "--per-page", default=50, show_default=True, type=_Number(int, 1, high=MAX_PER_PAGE), help="runs per page"
+)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_context
 def queue_of(ctx: click.Context, key: str, page: int, per_page: int, as_json: bool) -> None:
