@@ -24,7 +24,6 @@ import datetime as _dt
 import difflib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -38,6 +37,7 @@ from celery_mongolock.core.urls import redact
 from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops import cli_documents, cli_queue
+from celery_mongolock.ops.cli_params import Number
 from celery_mongolock.ops.cli_rate import rate_lines, rate_verdict, read_window
 from celery_mongolock.ops.cli_sends import pending_send_lines, pending_sends_json
 from celery_mongolock.ops.cli_why import history_table, no_lease_words, why_lines
@@ -75,38 +75,11 @@ def _in_our_words(command: click.Command, ctx: click.Context, exc: click.UsageEr
         name = exc.param.human_readable_name
         what = _ARGUMENTS.get(exc.param.name or "", "an argument")
         text = f"{where} needs {name}, {what}: celery -A proj {where} {name}"
-    elif (
-        isinstance(exc, click.BadParameter) and exc.param is not None and isinstance(exc.param.type, _Number)
-    ):
-        text = f"{where}: {exc.param.opts[0]} {exc.message}"  # _Number's message is ours
+    elif isinstance(exc, click.BadParameter) and exc.param is not None and isinstance(exc.param.type, Number):
+        text = f"{where}: {exc.param.opts[0]} {exc.message}"  # Number's message is ours
     else:  # pragma: no cover - another of click's usage errors: its words, after ours
         text = f"{where}: bad command line ({exc.format_message()})"
     return click.UsageError(text, ctx)
-
-
-class _Number(click.ParamType):  # type: ignore[type-arg]  # generic in click 8.3+ only
-    """A number of at least ``low`` (and at most ``high``), refused in our words (click's ranges word it
-    their own way)."""
-
-    def __init__(
-        self, kind: type[int] | type[float], low: float, unit: str = "", high: float | None = None
-    ) -> None:
-        self.kind, self.low, self.unit, self.high = kind, low, unit, high
-        self.name = kind.__name__
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        number: float | None
-        try:
-            number = self.kind(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
-            number = None
-        high = math.inf if self.high is None else self.high
-        if number is None or not math.isfinite(number) or not self.low <= number <= high:
-            what = "an int" if self.kind is int else "a number"
-            unit = f" {self.unit}" if self.unit else ""
-            most = "" if self.high is None else f" and at most {self.high:.15g}"
-            self.fail(f"must be {what} of at least {self.low:g}{most}{unit}, got {value!r}", param, ctx)
-        return number
 
 
 class _Command(click.Command):
@@ -436,8 +409,8 @@ def release_lease(ctx: click.Context, /, key: str | None, force: bool, **documen
 
 @mongolock.command(name="watch")
 @click.option("--prefix", default=None, help="only keys starting with this text")
-@click.option("--interval", default=1.0, show_default=True, type=_Number(float, 0.1, "seconds"))
-@click.option("--count", default=0, type=_Number(int, 0), help="stop after N refreshes (0: until Ctrl-C)")
+@click.option("--interval", default=1.0, show_default=True, type=Number(float, 0.1, "seconds"))
+@click.option("--count", default=0, type=Number(int, 0), help="stop after N refreshes (0: until Ctrl-C)")
 @click.pass_context
 def watch_leases(ctx: click.Context, prefix: str | None, interval: float, count: int) -> None:
     """Show held leases live, refreshed every INTERVAL seconds, until Ctrl-C."""
@@ -483,9 +456,9 @@ def _parked_info(
 
 @mongolock.command(name="queue", cls=_Command)
 @click.argument("key")
-@click.option("--page", default=1, show_default=True, type=_Number(int, 1), help="page N (1: the next runs)")
+@click.option("--page", default=1, show_default=True, type=Number(int, 1), help="page N (1: the next runs)")
 @click.option(
-    "--per-page", default=50, show_default=True, type=_Number(int, 1, high=MAX_PER_PAGE), help="runs per page"
+    "--per-page", default=50, show_default=True, type=Number(int, 1, high=MAX_PER_PAGE), help="runs per page"
 )
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_context
@@ -564,7 +537,7 @@ def _drop(ctx: click.Context, store: LeaseStore, info: LeaseInfo, ids: list[str]
 # -- history and why (rendered by ``cli_why``) ------------------------------------------------------
 @mongolock.command(name="history")
 @click.argument("key")
-@click.option("--limit", default=20, show_default=True, type=_Number(int, 1), help="at most N leases")
+@click.option("--limit", default=20, show_default=True, type=Number(int, 1), help="at most N leases")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_context
 def lease_history(ctx: click.Context, key: str, limit: int, as_json: bool) -> None:
