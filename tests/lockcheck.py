@@ -473,7 +473,7 @@ DOC_SUCCESSOR = "doc-successor"
 #: machine: the directed phase 105 s instead of 140 to 154 s, the whole run 286 s instead of 312 to 347 s).
 MAX_BACKLOG = 12
 #: A random task goes to the skewed node's queue (a quarter of them) only while fewer than this many wait
-#: there: that node has one child against the others' six, and with a quarter of the workload its queue
+#: there: that node has one child against the others' four, and with a quarter of the workload its queue
 #: filled up to the whole ``MAX_BACKLOG``, so every fault's gated run (sent there, ``Run._fault_gate``)
 #: waited behind 30 and more messages, minutes per fault (a bounded seed of 25 minutes instead of 7).
 SKEWED_MAX_BACKLOG = 3
@@ -6406,21 +6406,34 @@ class Run:
             )
         errors = [exc for f in futures if f is not None and (exc := f.exception()) is not None]
         got = tuple(None if f is None or f.exception() is not None else f.result() for f in futures)
-        if errors:  # (a guard ran out: the gates that were set up are let go before the run fails)
-            self._end_fault_gates(got)  # type: ignore[arg-type]
-            raise errors[0]
+        if errors:  # (a guard ran out: the gates that were set up are let go before the run fails with it)
+            try:
+                self._end_fault_gates(got)  # type: ignore[arg-type]
+            finally:
+                raise errors[0]
         return got  # type: ignore[return-value]
 
     def _end_fault_gates(self, gates: FaultGates) -> None:
+        """Let each gate go, each whatever became of the others; then the first failure, if any."""
         gated, unique, rated, document = gates
+        ends: list[Callable[[], object]] = []
         if unique is not None:
-            self._gate_release(unique[0])
+            ends.append(functools.partial(self._gate_release, unique[0]))
         if rated is not None:
-            rated[0].stop()
+            ends.append(rated[0].stop)
         if gated:
-            self._gate_release(gated[0])
+            ends.append(functools.partial(self._gate_release, gated[0]))
         if document is not None:
-            self._document_gate_end(document)
+            ends.append(functools.partial(self._document_gate_end, document))
+        failed: list[BaseException] = []
+        for end in ends:
+            try:
+                end()
+            except Exception as exc:
+                self.log(f"fault gate: letting a gate go failed: {exc!r}")
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
     def _document_gate(self) -> DocumentLease | None:
         """A document lock of the controller's on a ``d`` key of its own, claimed, for the fault about
