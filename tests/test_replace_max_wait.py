@@ -179,8 +179,8 @@ def test_the_ceiling_s_reservation_that_lapses_again_and_again_stays_sealed(stor
     lease, and its reservation lapses three times: once swept, then each time as a newer send that does
     not know its burst parks. Each lapse hands the key back to that run (a reservation keeps its place,
     and it is the oldest), and each newer send begins a burst of its own, superseding only the newer
-    sends before it: the seal holds past two lease times (docs/known-issues.md, "the ceiling's run
-    waiting long on a key", which feared it would not)."""
+    sends before it. This path keeps the seal past two lease times; docs/known-issues.md ("the ceiling's
+    run waiting long on a key") describes another, not reproduced here."""
     first, older = run(10, [X, Y]), run(20, [X, Y])
 
     def admit(key: str, r: dict[str, Any], ttl: float = 30, **kw: Any) -> tuple[Any, dict[str, Any]]:
@@ -203,13 +203,14 @@ def test_the_ceiling_s_reservation_that_lapses_again_and_again_stays_sealed(stor
     assert lease is not None and store.reserve(lease, older)
     lapse()
     assert store.sweep(X) is not None
-    sends = []
+    sends, handed = [], (store.collection.find_one({"_id": X}) or {})["ho"]["hn"]
     for stamp in (31, 32, 33):
         lapse()
         sends.append(run(stamp, [X, Y]))
         assert admit(X, sends[-1])[1]["lo"] == "parked"
         doc = store.collection.find_one({"_id": X}) or {}
-        assert doc["ho"]["t"] == "r20" and doc["ho"]["hn"] >= 2  # handed back to the ceiling's run
+        assert doc["ho"]["t"] == "r20" and doc["ho"]["hn"] == handed + 1  # handed back to the ceiling's run
+        handed += 1
         assert [e["t"] for e in doc["q"]] == [sends[-1]["t"]]  # the newer sends before it superseded
         assert sends[-1]["bu"] > older["bu"]  # a burst of its own
     assert {s["t"] for s in doc.get("sup") or []} == {"r10", "r31", "r32"}
