@@ -532,3 +532,12 @@ def test_both_key_shapes_judge_a_run_in_one_order(
     # (the key's document cannot take its message; parked, and handed to the oldest; the count's cap)
     assert one[-3:] == ["full", "parked", "full"]
     assert (one[-4] == "acquired") == (not debounce_ms)  # a debounced run always parks first
+
+
+def test_every_layer_keeps_as_many_endings_as_the_lease_document() -> None:
+    """``ends`` keeps ``base.ENDS_KEPT`` endings; the layers below base that write or read it back (a
+    handoff's takeover, a slot's ending, an admit's reply) keep their own copy of the number: the same."""
+    from celery_mongolock.core.documents import handoff, queue, slots
+
+    assert handoff.ENDS_KEPT == slots._ENDS_KEPT == documents.ENDS_KEPT
+    assert queue.SLOT_ADMIT_PROJECTION["ends"] == {"$slice": -documents.ENDS_KEPT}

@@ -20,6 +20,7 @@ from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage
 from celery_mongolock.core.documents.lanes import held_back, spill_bars, spilled_before
 
 __all__ = [
+    "ENDS_KEPT",
     "HANDOFF_PROJECTION",
     "admit_marker",
     "handoff_stages",
@@ -57,7 +58,7 @@ def admit_marker(token: str) -> str:
 
 
 #: How many endings a lease document keeps in ``ends`` (``_documents.ENDS_KEPT``).
-_ENDS_KEPT = 8
+ENDS_KEPT = 8
 
 
 def _expired_ending(when: object) -> Document:
@@ -90,7 +91,7 @@ def _expired_ending(when: object) -> Document:
             {"$ne": [last_fence, "$fence"]},
         ]
     }
-    appended = {"$slice": [{"$concatArrays": [{"$ifNull": ["$ends", []]}, [ending]]}, -_ENDS_KEPT]}
+    appended = {"$slice": [{"$concatArrays": [{"$ifNull": ["$ends", []]}, [ending]]}, -ENDS_KEPT]}
     return {"$cond": [expired, appended, "$ends"]}
 
 

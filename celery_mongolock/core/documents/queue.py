@@ -78,6 +78,7 @@ from celery_mongolock.core.documents.entries import (
     rank_of_entry,
 )
 from celery_mongolock.core.documents.handoff import (
+    ENDS_KEPT,
     HANDOFF_PROJECTION,
     admit_marker,
     handoff_stages,
@@ -153,10 +154,8 @@ _HAS_HO: Document = {"$ne": [{"$ifNull": ["$ho", None]}, None]}
 #: only, which an admit that found the lease expired has just written (it records it: no other process
 #: will, ``Acquisitions._admitted``).
 ADMIT_PROJECTION: Document = {"q.m": 0, "seen": 0, "ends": {"$slice": -1}, "dead": 0}
-#: How many endings a lease document keeps in ``ends`` (``base.ENDS_KEPT``, which this layer may not import).
-_ENDS_KEPT = 8
 #: A ``limit=N`` key's admit: one command can find several holds expired, so all the endings kept.
-SLOT_ADMIT_PROJECTION: Document = {**ADMIT_PROJECTION, "ends": {"$slice": -_ENDS_KEPT}}
+SLOT_ADMIT_PROJECTION: Document = {**ADMIT_PROJECTION, "ends": {"$slice": -ENDS_KEPT}}
 
 
 #: What the admit pipeline can decide (``__o`` in the reply's ``lo``).
