@@ -1,6 +1,8 @@
 """The admit of a run whose key is in use as the other kind of key (``limit=N`` slots for a run that takes
 it as a single lease, or the reverse) answers ``mixed`` and parks nothing: a release would hand the run
-what it cannot claim (``tests/test_mixed_kinds.py`` has the loop that made with real workers)."""
+what it cannot claim (``tests/test_mixed_kinds.py`` has the loop that made with real workers). In use
+means held, handed, or with runs of the other kind parked (``qk``): behind a holder that died, or runs of
+slots debounced while no slot is held (the two cases the known issue listed until stop 62)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 from celery_mongolock import LeaseStore
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
+from celery_mongolock.testing import wait_for
 
 KEY = "kinds:a"
 
@@ -63,3 +66,74 @@ def _token(store: LeaseStore, task_id: str) -> str:
     handed = [h["ho"] for h in doc.get("hs") or [] if h.get("ho") and h["ho"]["t"] == task_id]
     assert handed, doc
     return str(handed[0]["tk"])
+
+
+def _expired(store: LeaseStore) -> bool:
+    """The key's lease has expired on the server's clock."""
+    doc = store.collection.find_one({"_id": KEY}, {"expires_at": 1}) or {}
+    now = store.collection.database.command("hello")["localTime"]
+    return bool(doc.get("expires_at") and doc["expires_at"].replace(tzinfo=None) < now.replace(tzinfo=None))
+
+
+def _handed(published: list[tuple[str, str]], task_id: str) -> str:
+    tokens = [tk for t, tk in published if t == task_id]
+    assert tokens, published
+    return tokens[-1]
+
+
+def test_a_run_of_slots_does_not_park_behind_runs_of_a_single_lease_whose_holder_died(
+    store: LeaseStore,
+) -> None:
+    published: list[tuple[str, str]] = []
+    store.add_handoff_callback(lambda key, e, doc: published.append((str(e.get("t")), str(e.get("tk")))))
+    assert store.acquire(KEY, 0.5) is not None  # never renewed: its holder "died"
+    for task_id, stamp in (("one-1", 10), ("one-2", 11)):
+        assert store.admit(KEY, entry(task_id, stamp), ttl=30)[1]["lo"] == "parked"
+    wait_for(lambda: _expired(store), timeout=30, message="the dead holder's lease to expire")
+    # Before: the run of slots parked behind them, and its admit handed a slot to each of the three
+    # (their claims answered ``stale``: the runs of a single lease never ran while slots were handed).
+    lease, doc = store.admit(KEY, entry("slots", 12), ttl=30, limit=3)
+    assert lease is None and doc["lo"] == "mixed"
+    assert parked(store) == ["one-1", "one-2"] and published == []
+    # The sweeper serves the key as a single lease (its runs parked are), though it has had a limit.
+    found = [w for w in store.waiting() if w.key == KEY]
+    assert found and found[0].slotted is False
+    assert store.sweep(KEY) is not None and [t for t, _ in published] == ["one-1"]
+    for task_id, stamp in (("one-1", 10), ("one-2", 11)):
+        claimed, doc = store.admit(KEY, entry(task_id, stamp), ttl=30, claim=_handed(published, task_id))
+        assert claimed is not None and doc["lo"] == "claimed", doc["lo"]
+        assert store.admit(KEY, entry("slots", 12), ttl=30, limit=3)[1]["lo"] == "mixed"
+        assert claimed.release()
+    taken, doc = store.admit(KEY, entry("slots", 12), ttl=30, limit=3)  # nothing of the other kind left
+    assert taken is not None and doc["lo"] == "acquired"
+    assert taken.release()
+
+
+def test_a_run_of_a_single_lease_does_not_park_behind_runs_of_slots_waiting_for_their_debounce(
+    store: LeaseStore,
+) -> None:
+    published: list[tuple[str, str]] = []
+    store.add_handoff_callback(lambda key, e, doc: published.append((str(e.get("t")), str(e.get("tk")))))
+    _, doc = store.admit(KEY, entry("slots", 10), ttl=30, limit=3, replace=True, debounce=0.3)
+    assert doc["lo"] == "parked"  # no slot held: it waits for its debounce
+    # Before: the run of a single lease parked behind it (no slot in use), and the sweeper's slot fill
+    # then handed it a slot.
+    lease, doc = store.admit(KEY, entry("one", 11), ttl=30)
+    assert lease is None and doc["lo"] == "mixed" and parked(store) == ["slots"]
+
+    def handed_on_sweep() -> bool:
+        store.sweep(KEY)
+        return bool(published)
+
+    wait_for(handed_on_sweep, timeout=30, message="the debounced run of slots to be handed a slot")
+    assert [t for t, _ in published] == ["slots"]
+    token = _handed(published, "slots")
+    claimed, doc = store.admit(
+        KEY, entry("slots", 10), ttl=30, limit=3, replace=True, debounce=0.3, claim=token
+    )
+    assert claimed is not None and doc["lo"] == "claimed", doc["lo"]
+    assert store.admit(KEY, entry("one", 11), ttl=30)[1]["lo"] == "mixed"  # a slot is held
+    assert claimed.release()
+    taken, doc = store.admit(KEY, entry("one", 11), ttl=30)
+    assert taken is not None and doc["lo"] == "acquired"
+    assert taken.release()

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from pymongo import ReturnDocument
 
 from celery_mongolock.core.documents import base as documents
+from celery_mongolock.core.documents import key_state, sets, slot_reserve, slot_sets
 from celery_mongolock.core.documents import queue as admission_docs
-from celery_mongolock.core.documents import sets, slot_reserve, slot_sets
 from celery_mongolock.core.documents import slot_queue as slot_admission
 from celery_mongolock.core.documents import slots as slots_docs
 from celery_mongolock.core.documents.base import Document
@@ -384,8 +384,8 @@ class QueueUpkeep:
         coll = self.store.connection.collection
         with self.store.connection.operation(f"sweep lease {key!r}"):
             if slots is None:
-                found = coll.find_one({"_id": key}, {"lim": 1, "hs.s": 1})
-                slots = found is not None and ("hs" in found or "lim" in found)
+                found = coll.find_one({"_id": key}, {"lim": 1, "hs.s": 1, "qk": 1, "q.id": 1, "sp": 1})
+                slots = found is not None and key_state.serves_slots(found)
             pipeline = (
                 slot_admission.slot_sweep_pipeline(token, builtins.list(revoked))
                 if slots

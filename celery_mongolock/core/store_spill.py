@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
-from celery_mongolock.core.documents import lanes
+from celery_mongolock.core.documents import key_state, lanes
 from celery_mongolock.core.documents import spill as spill_docs
 from celery_mongolock.core.documents.base import ENDS_KEPT, Document
 from celery_mongolock.core.documents.entries import PARK_BUDGET
@@ -122,6 +122,9 @@ def _expired(entry: Mapping[str, Any], now: Any) -> bool:
 def _slotted(doc: Mapping[str, Any], lane: lanes.Lane) -> bool:
     """Whether a refill of ``lane`` hands the key's free slots (``limit=N``) or the key as one lease: as
     the key is held now (holds in ``hs``, or an ``owner``), else as its runs were spilled (``sl``)."""
+    kind = key_state.parked_kind_of(doc)
+    if kind is not None:  # (the kind of the runs parked: ``qk``)
+        return kind == key_state.KIND_SLOTS
     if doc.get("hs"):
         return True
     return False if doc.get("owner") else lane.slots
@@ -404,6 +407,7 @@ class Spill:
                         "q.pr": 1,
                         "q.ks": 1,
                         "q.g": 1,
+                        "qk": 1,
                         "owner": 1,
                         "hs.o": 1,
                         "__now": "$$NOW",

@@ -9,6 +9,8 @@ import datetime as _dt
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from celery_mongolock.core.documents import key_state
+
 __all__ = ["Swept", "WaitingKey", "lone_reservations", "needs_sweep"]
 
 #: A parked run's entry, a handoff, or its record in ``dead`` / ``sup``: handed on as it is to the code that
@@ -24,9 +26,7 @@ def _ms(value: Any) -> float | None:
     return None
 
 
-def _slotted(doc: Mapping[str, Any]) -> bool:
-    """A ``limit=N`` key (its holds in ``hs``)."""
-    return "hs" in doc or "lim" in doc
+_slotted = key_state.serves_slots
 
 
 def _handoffs(doc: Mapping[str, Any]) -> list[Run]:

@@ -16,7 +16,7 @@ from celery_mongolock.core.documents.entries import (
     entry_expr,
     live_entries,
 )
-from celery_mongolock.core.documents.key_state import NO_SLOT_HELD, gc_stage
+from celery_mongolock.core.documents.key_state import KIND_SLOTS, NO_SLOT_HELD, gc_stage, parked_as
 from celery_mongolock.core.documents.lanes import held_back, spill_bars, spilled_before
 
 __all__ = [
@@ -119,9 +119,11 @@ def handoff_stages(
 
 def _take_queue_stage(hand: object, queue: object) -> Document:
     """``__hq``: the queue to hand from (when ``hand``); the ending of a lease that expired, recorded."""
+    # (never to runs of ``limit=N`` slots parked on the key: they are handed slots, ``key_state.parked_as``)
+    to_runs_of_one = {"$and": [hand, {"$not": [parked_as(KIND_SLOTS)]}]}
     return {
         "$set": {
-            "__hq": {"$cond": [hand, queue, None]},
+            "__hq": {"$cond": [to_runs_of_one, queue, None]},
             # A key handed over because its lease expired: that lease's ending, in this same command.
             "ends": _expired_ending(hand),
         }

@@ -7,11 +7,14 @@ Every pipeline builder of the lease documents reads these; nothing here knows a 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from celery_mongolock.core.documents.lanes import spilled_total
 
 __all__ = [
+    "KIND_ONE",
+    "KIND_SLOTS",
     "NO_SLOT_HELD",
     "SEEN_KEEP_MS",
     "SINGLE_HELD",
@@ -22,6 +25,10 @@ __all__ = [
     "gc_stage",
     "own_lease",
     "own_live_lease",
+    "parked_as",
+    "parked_kind",
+    "parked_kind_of",
+    "serves_slots",
 ]
 
 Document = dict[str, Any]
@@ -170,11 +177,54 @@ SINGLE_HELD: Document = {
 }
 
 
-#: A single-lease admit (a run whose key has no limit) finds the key in use as ``limit=N`` slots (a slot
-#: held, kept for its minimum hold, or handed): its run must not park there, where a slot's release
-#: would hand it a slot, which it cannot claim as a single lease.
-SLOTS_IN_USE: Document = {"$not": [NO_SLOT_HELD]}
+#: The kind of the runs parked on a key (``qk``), written by the admit that parks or spills one: runs of
+#: ``limit=N`` slots, or of a single lease. A run of the other kind does not park while they wait (its
+#: admit answers ``mixed``), so the runs parked on a key are all of one kind, and every handoff (a
+#: release's, a slot fill's, the sweeper's) serves that kind only. A key with nothing parked forgets
+#: nothing: its ``qk`` is simply not read. (A document written before ``qk`` has none: its parked runs
+#: are judged as before, by ``hs`` and ``lim``.)
+KIND_SLOTS = "slots"
+KIND_ONE = "one"
 
-#: A ``limit=N`` admit finds the key in use as a single lease (held, or handed as one): its run must not
-#: park there, where the release would hand it the key as a single lease, which it cannot claim as a slot.
-SINGLE_IN_USE: Document = SINGLE_HELD
+
+def parked_kind(kind: str, flag: object) -> Document:
+    """``qk`` after an admit: ``kind`` when ``flag`` (the run parked or spilled), else as it was."""
+    return {"$cond": [flag, kind, "$qk"]}
+
+
+def parked_as(kind: str) -> Document:
+    """Runs of ``kind`` wait on the key: parked in ``q`` or spilled beyond the window, and ``qk`` says
+    that they are of ``kind``."""
+    waiting = {"$or": [{"$gt": [{"$size": _Q}, 0]}, {"$gt": [spilled_total(), 0]}]}
+    return {"$and": [{"$eq": [{"$ifNull": ["$qk", None]}, kind]}, waiting]}
+
+
+def parked_kind_of(doc: Mapping[str, Any]) -> str | None:
+    """``parked_as`` read from a document (``q``, ``sp`` and ``qk`` read): the kind of the runs waiting on
+    the key, or None when none waits or the document has no ``qk`` (written before it)."""
+    lanes = [lane for lane in doc.get("sp") or [] if isinstance(lane, Mapping)]
+    if not (doc.get("q") or any(lane.get("t") != lane.get("h") for lane in lanes)):
+        return None
+    kind = doc.get("qk")
+    return kind if kind in (KIND_ONE, KIND_SLOTS) else None
+
+
+def serves_slots(doc: Mapping[str, Any]) -> bool:
+    """Whether the sweeper serves the key as ``limit=N`` slots (a slot fill) rather than as a single lease:
+    so when its parked runs are runs of slots (``qk``), or, with none of a known kind parked, when it has
+    slots (``hs``, ``lim``)."""
+    kind = parked_kind_of(doc)
+    if kind is not None:
+        return kind == KIND_SLOTS
+    return "hs" in doc or "lim" in doc
+
+
+#: A single-lease admit (a run whose key has no limit) finds the key in use as ``limit=N`` slots (a slot
+#: held, kept for its minimum hold, or handed; or runs of slots parked): its run must not park there,
+#: where a slot's release or fill would hand it a slot, which it cannot claim as a single lease.
+SLOTS_IN_USE: Document = {"$or": [{"$not": [NO_SLOT_HELD]}, parked_as(KIND_SLOTS)]}
+
+#: A ``limit=N`` admit finds the key in use as a single lease (held, or handed as one; or runs of a
+#: single lease parked, behind a holder that died, say): its run must not park there, where the release
+#: would hand it the key as a single lease, which it cannot claim as a slot.
+SINGLE_IN_USE: Document = {"$or": [SINGLE_HELD, parked_as(KIND_ONE)]}

@@ -89,6 +89,7 @@ from celery_mongolock.core.documents.handoff import (
     unmark_slot_pipeline,
 )
 from celery_mongolock.core.documents.key_state import (
+    KIND_ONE,
     NO_SLOT_HELD,
     SEEN_KEEP_MS,
     SINGLE_HELD,
@@ -98,6 +99,7 @@ from celery_mongolock.core.documents.key_state import (
     gc_stage,
     own_lease,
     own_live_lease,
+    parked_kind,
 )
 
 __all__ = [
@@ -431,6 +433,7 @@ def _take_or_park_fields(
                 ]
             },
             "sup": sup_update("$__park", superseded),
+            "qk": parked_kind(KIND_ONE, {"$or": ["$__park", {"$eq": ["$__o", "spilled"]}]}),
             "ho": {"$cond": [{"$or": [{"$eq": ["$__o", "claimed"]}, "$__tb"]}, None, "$ho"]},
             "lo": "$__o",
             # Whose admit ``lo`` answers: a reply read back instead of returned is trusted only when it is

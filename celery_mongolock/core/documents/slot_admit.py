@@ -22,7 +22,13 @@ from celery_mongolock.core.documents.admit_stages import (
 )
 from celery_mongolock.core.documents.entries import entry_due, field_of, none_ahead, park_exprs
 from celery_mongolock.core.documents.handoff import admit_marker
-from celery_mongolock.core.documents.key_state import SINGLE_HELD, SINGLE_IN_USE, gc_stage
+from celery_mongolock.core.documents.key_state import (
+    KIND_SLOTS,
+    SINGLE_HELD,
+    SINGLE_IN_USE,
+    gc_stage,
+    parked_kind,
+)
 from celery_mongolock.core.documents.slot_queue import (
     SET_RUNS,
     fence_base,
@@ -278,6 +284,7 @@ def _take_or_park_fields(run: AdmitRun, shape: Shape, taken: _Taken) -> Document
             }
         },
         "sup": sup_update(parked, superseded),
+        "qk": parked_kind(KIND_SLOTS, {"$in": ["$__o", ["parked", "spilled"]]}),
         "lo": {"$cond": [{"$eq": ["$__o", "mine"]}, "acquired", "$__o"]},
         "lt": {"$literal": taken.token},  # whose answer ``lo`` is (``queue``'s fields)
     }

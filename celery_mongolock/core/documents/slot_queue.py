@@ -28,7 +28,7 @@ from celery_mongolock.core.documents import sets, spill
 from celery_mongolock.core.documents import slots as _slots
 from celery_mongolock.core.documents.copies import SEEN_KEPT
 from celery_mongolock.core.documents.entries import dead_entries, entry_due, live_entries
-from celery_mongolock.core.documents.key_state import SINGLE_HELD, gc_stage
+from celery_mongolock.core.documents.key_state import KIND_ONE, SINGLE_HELD, gc_stage, parked_as
 from celery_mongolock.core.documents.lanes import SPILL_PROJECTION, held_back, spill_bars, spilled_before
 from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
@@ -209,7 +209,8 @@ def fill_stages(by: str) -> list[Document]:
             "cond": {"$not": [{"$in": ["$$s", used]}]},
         }
     }
-    single_held = SINGLE_HELD
+    # (no slot while the key is a single lease, or runs of one wait on it: ``key_state.parked_as``)
+    single_held = {"$or": [SINGLE_HELD, parked_as(KIND_ONE)]}
     hold = {
         "$let": {
             "vars": {"h": {"$arrayElemAt": ["$__hd", "$$i"]}, "s": {"$arrayElemAt": ["$__fs", "$$i"]}},
