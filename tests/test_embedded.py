@@ -19,6 +19,7 @@ from pymongo.errors import PyMongoError
 
 from celery_mongolock import LeaseStore
 from celery_mongolock.embedded import EmbeddedMongo, EmbeddedMongoError
+from celery_mongolock.testing import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,8 +118,6 @@ def test_a_killed_module_leaves_no_server_behind() -> None:
     """``python -m celery_mongolock.embedded`` SIGKILLed (no handler runs): its server goes too, and the
     port is free to start it again (a user's trial: the server went on serving, and a restart failed with
     'port ... already in use')."""
-    from celery_mongolock.testing import wait_for
-
     with _module_server() as (proc, url):
         proc.kill()
         proc.wait(30)
@@ -587,20 +586,36 @@ def _waiting_get_more(
     thread = threading.Thread(target=get_more, daemon=True)
     thread.start()
     assert started.wait(30)
+    # Sent is not yet received: the server lists the getMore among its operations once it handles it.
+    wait_for(
+        lambda: any(op.get("op") == "getMore" for op in client.admin.command("currentOp").get("inprog", [])),
+        timeout=60,
+        message="the server to be handling the getMore",
+    )
     return client, thread, answer
 
 
 def test_a_stream_killed_while_its_get_more_waits_answers_it_as_closed() -> None:
     """Over the wire (``AWAIT``): ``killCursors`` while the stream's ``getMore`` waits answers that
     ``getMore`` ``ok`` with the cursor closed (id 0), as SecantusDB and mongod do, not "cursor not found"
-    (which a driver takes for a reason to resume the stream: the lease watcher's stop opened a new one)."""
+    (which a driver takes for a reason to resume the stream: the lease watcher's stop opened a new one).
+
+    The kill can still come between the server taking the getMore and its first read of the stream (a busy
+    machine: ci74, with CPU taken by the suite beside it), and then "not found" is the right answer: so
+    up to three streams, each of which must end either way, and one must be answered closed."""
+    answers: list[dict[str, Any]] = []
     with EmbeddedMongo() as server:
-        client, thread, answer = _waiting_get_more(server, 60_000)
-        try:
-            killed = client["await"].command("killCursors", "watched", cursors=[answer["id"]])
-            assert killed["cursorsKilled"] == [answer["id"]]
-            thread.join(60)
-            assert "error" not in answer, answer
-            assert answer["reply"]["ok"] == 1 and answer["reply"]["cursor"]["id"] == 0
-        finally:
-            client.close()
+        for _ in range(3):
+            client, thread, answer = _waiting_get_more(server, 60_000)
+            try:
+                killed = client["await"].command("killCursors", "watched", cursors=[answer["id"]])
+                assert killed["cursorsKilled"] == [answer["id"]]
+                thread.join(60)
+                assert not thread.is_alive(), "the getMore was not answered after its cursor was killed"
+            finally:
+                client.close()
+            answers.append(answer)
+            if "error" not in answer:
+                break
+        assert "error" not in answers[-1], answers
+        assert answers[-1]["reply"]["ok"] == 1 and answers[-1]["reply"]["cursor"]["id"] == 0
