@@ -6,7 +6,10 @@ slots debounced while no slot is held (the two cases the known issue listed unti
 
 from __future__ import annotations
 
+import datetime as _dt
 from typing import Any
+
+import pytest
 
 from celery_mongolock import LeaseStore
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
@@ -137,3 +140,78 @@ def test_a_run_of_a_single_lease_does_not_park_behind_runs_of_slots_waiting_for_
     taken, doc = store.admit(KEY, entry("one", 11), ttl=30)
     assert taken is not None and doc["lo"] == "acquired"
     assert taken.release()
+
+
+# -- what the kind of the parked runs does not outlive (a review of stop 62) --------------------------------
+T, G = "kinds:t", "kinds:g"
+LONG_AGO = _dt.datetime(2000, 1, 1)  # (a lease or hold made to have expired: the server's clock is past it)
+
+
+def one(task_id: str, stamp: int) -> dict[str, Any]:
+    return {"id": f"{task_id}/0", "t": task_id, "n": "merge", "r": "0", "s": stamp, "m": b"m"}
+
+
+def handed_on(store: LeaseStore) -> list[str]:
+    seen: list[str] = []
+    store.add_handoff_callback(lambda key, ho, doc: seen.append(str(ho["t"])) if key == T else None)
+    return seen
+
+
+def test_a_lapsed_reservation_of_slots_is_handed_a_slot_whatever_kind_ran_before(store: LeaseStore) -> None:
+    """``qk`` is dropped with the last parked run, and a lapsed slot reservation back in ``q`` says
+    ``slots``: a kind written long ago does not turn the sweeper into handing it a single lease (which
+    its claim, with a limit, cannot take)."""
+    seen = handed_on(store)
+    holder = store.acquire(T, 30)  # T first as a single lease, a run parked: qk "one"
+    assert holder is not None
+    assert store.admit(T, one("one-1", 1), ttl=30)[1]["lo"] == "parked"
+    assert holder.release()
+    lease, doc = store.admit(
+        T, one("one-1", 1), ttl=30, claim=(store.collection.find_one({"_id": T}) or {})["ho"]["tk"]
+    )
+    assert lease is not None and doc["lo"] == "claimed" and lease.release()
+    assert "qk" not in (store.collection.find_one({"_id": T}) or {})  # nothing parked: no kind
+    # A run of slots of T and G: G held, so it parks there; its slot of T becomes a reservation.
+    blocker = store.acquire(G, 30)
+    assert blocker is not None
+    run = {**one("upload-10", 10), "n": "upload", "ks": [G, T], "tk": "tk-upload-10"}
+    assert store.admit(G, run, ttl=30)[1]["lo"] == "parked"
+    slot, doc = store.admit(T, run, ttl=30, limit=2)
+    assert slot is not None and doc["lo"] == "acquired" and store.reserve(slot, run)
+    # The reservation lapses (its run waits on G longer than a lease): the sweeps hand it a slot again.
+    store.collection.update_one(
+        {"_id": T}, {"$set": {"hs.$[h].x": LONG_AGO}}, array_filters=[{"h.o": run["tk"]}]
+    )
+    store.sweep(T)
+    store.sweep(T)
+    after = store.collection.find_one({"_id": T}) or {}
+    assert after.get("ho") is None and [h["ho"]["t"] for h in after["hs"] if h.get("ho")] == ["upload-10"]
+    _, doc = store.admit(T, run, ttl=30, limit=2, claim=run["tk"])
+    assert doc["lo"] == "claimed"
+    assert seen.count("upload-10") >= 1
+
+
+@pytest.mark.parametrize("limit_from", ["a-run-of-slots-refused", "an-earlier-slot"])
+def test_a_lapsed_handoff_of_a_single_lease_on_a_key_that_has_had_a_limit_is_handed_again(
+    store: LeaseStore, limit_from: str
+) -> None:
+    """A key keeps ``lim`` once it has had one (``hs`` too): a single lease's handoff that lapsed (its
+    run's message lost) is still handed again, by the single pass (the slot pass left it for good, and
+    every run of slots was refused ``mixed`` meanwhile)."""
+    seen = handed_on(store)
+    if limit_from == "an-earlier-slot":
+        slot = store.acquire(T, 30, limit=3)
+        assert slot is not None and slot.release()
+    holder = store.acquire(T, 30)
+    assert holder is not None
+    assert store.admit(T, one("one-1", 1), ttl=30)[1]["lo"] == "parked"
+    if limit_from == "a-run-of-slots-refused":
+        assert store.admit(T, one("slots", 2), ttl=30, limit=3)[1]["lo"] == "mixed"  # (it writes lim)
+    store.collection.update_one({"_id": T}, {"$set": {"expires_at": LONG_AGO}})  # the holder died
+    store.sweep(T)
+    assert seen == ["one-1"]
+    store.collection.update_one({"_id": T}, {"$set": {"expires_at": LONG_AGO}})  # its handoff lapses
+    found = [w for w in store.waiting() if w.key == T]
+    assert found and found[0].slotted is False and found[0].needs_sweep
+    store.sweep(T)
+    assert seen == ["one-1", "one-1"]

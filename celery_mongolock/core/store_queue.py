@@ -384,7 +384,7 @@ class QueueUpkeep:
         coll = self.store.connection.collection
         with self.store.connection.operation(f"sweep lease {key!r}"):
             if slots is None:
-                found = coll.find_one({"_id": key}, {"lim": 1, "hs.s": 1, "qk": 1, "q.id": 1, "sp": 1})
+                found = coll.find_one({"_id": key}, key_state.SERVES_SLOTS_PROJECTION)
                 slots = found is not None and key_state.serves_slots(found)
             pipeline = (
                 slot_admission.slot_sweep_pipeline(token, builtins.list(revoked))

@@ -17,6 +17,7 @@ __all__ = [
     "KIND_SLOTS",
     "NO_SLOT_HELD",
     "SEEN_KEEP_MS",
+    "SERVES_SLOTS_PROJECTION",
     "SINGLE_HELD",
     "SINGLE_IN_USE",
     "SLOTS_IN_USE",
@@ -111,6 +112,8 @@ def gc_stage() -> Document:
     return {
         "$set": {
             "wq": {"$cond": [WAITS, True, "$$REMOVE"]},
+            # (a kind outlives no run: the next run parked says its own, a run put back in ``q`` too)
+            "qk": {"$cond": [_RUNS_PARKED, "$qk", "$$REMOVE"]},
             "gc_at": {
                 "$cond": [
                     WAITS,
@@ -192,11 +195,14 @@ def parked_kind(kind: str, flag: object) -> Document:
     return {"$cond": [flag, kind, "$qk"]}
 
 
+#: Runs are parked on the key: in ``q``, or spilled beyond the window.
+_RUNS_PARKED: Document = {"$or": [{"$gt": [{"$size": _Q}, 0]}, {"$gt": [spilled_total(), 0]}]}
+
+
 def parked_as(kind: str) -> Document:
     """Runs of ``kind`` wait on the key: parked in ``q`` or spilled beyond the window, and ``qk`` says
     that they are of ``kind``."""
-    waiting = {"$or": [{"$gt": [{"$size": _Q}, 0]}, {"$gt": [spilled_total(), 0]}]}
-    return {"$and": [{"$eq": [{"$ifNull": ["$qk", None]}, kind]}, waiting]}
+    return {"$and": [{"$eq": [{"$ifNull": ["$qk", None]}, kind]}, _RUNS_PARKED]}
 
 
 def parked_kind_of(doc: Mapping[str, Any]) -> str | None:
@@ -209,13 +215,26 @@ def parked_kind_of(doc: Mapping[str, Any]) -> str | None:
     return kind if kind in (KIND_ONE, KIND_SLOTS) else None
 
 
+#: What ``serves_slots`` reads of a document.
+SERVES_SLOTS_PROJECTION: Document = dict.fromkeys(
+    ("lim", "hs.s", "hs.ho.tk", "qk", "q.id", "sp", "owner", "ho.tk"), 1
+)
+
+
 def serves_slots(doc: Mapping[str, Any]) -> bool:
     """Whether the sweeper serves the key as ``limit=N`` slots (a slot fill) rather than as a single lease:
-    so when its parked runs are runs of slots (``qk``), or, with none of a known kind parked, when it has
-    slots (``hs``, ``lim``)."""
+    so when its parked runs are runs of slots (``qk``); with none of a known kind parked, when a slot is
+    handed (not a single lease), else when it has slots (``hs``, ``lim``). Reads ``q``, ``sp``, ``qk``,
+    ``owner``, ``ho`` and ``hs[].ho``."""
     kind = parked_kind_of(doc)
     if kind is not None:
         return kind == KIND_SLOTS
+    # (a handoff pending says its kind: a single lease's lapsed on a key that has had a limit is handed
+    # again by the single pass, which the slot pass would leave alone for good)
+    if isinstance(doc.get("ho"), Mapping) and doc.get("owner") is not None:
+        return False
+    if any(isinstance(hold, Mapping) and isinstance(hold.get("ho"), Mapping) for hold in doc.get("hs") or []):
+        return True
     return "hs" in doc or "lim" in doc
 
 

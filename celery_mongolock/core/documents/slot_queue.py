@@ -28,7 +28,7 @@ from celery_mongolock.core.documents import sets, spill
 from celery_mongolock.core.documents import slots as _slots
 from celery_mongolock.core.documents.copies import SEEN_KEPT
 from celery_mongolock.core.documents.entries import dead_entries, entry_due, live_entries
-from celery_mongolock.core.documents.key_state import KIND_ONE, SINGLE_HELD, gc_stage, parked_as
+from celery_mongolock.core.documents.key_state import KIND_ONE, KIND_SLOTS, SINGLE_HELD, gc_stage, parked_as
 from celery_mongolock.core.documents.lanes import SPILL_PROJECTION, held_back, spill_bars, spilled_before
 from celery_mongolock.core.documents.slot_reserve import requeue_in_send_order
 
@@ -138,6 +138,10 @@ def _handed_back(gone: str, *, several: bool) -> Document:
     }
 
 
+#: Per hold gone (``__gone``): whether it was handed to a parked run (its run goes back to ``q``).
+_HANDED_GONE: Document = {"$map": {"input": "$__gone", "as": "e", "in": has_handoff("$$e")}}
+
+
 def normalize_stages(keep_owner: str | None = None) -> list[Document]:
     """Expired holds leave ``hs``: a handed one's entry goes back to the front of ``q`` (it keeps its
     token and attempt count), or, for a run that needs several keys (a reservation, ``slot_reserve``),
@@ -178,6 +182,8 @@ def normalize_stages(keep_owner: str | None = None) -> list[Document]:
                 "q": live_entries(_Q),
             }
         },
+        # (a handed slot that lapsed puts its run back in ``q``: a run of slots, whatever ``qk`` said)
+        {"$set": {"qk": {"$cond": [{"$anyElementTrue": [_HANDED_GONE]}, KIND_SLOTS, "$qk"]}}},
         {"$unset": ["__gone", "__died"]},
     ]
 
