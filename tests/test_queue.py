@@ -291,7 +291,9 @@ def test_chains_and_a_body_s_own_retry_go_through_the_queue(cluster: Cluster) ->
 def test_a_revoked_parked_run_is_dropped_and_the_next_one_runs(cluster: Cluster) -> None:
     resource = tag()
     holder, revoked, nxt = tag(), tag(), tag()
-    r0 = it.queued.delay(resource, holder, 2.0)
+    # (the holder runs until its gate opens, after the sweeper's drop: a 2 s body ended first on a busy
+    # machine, ci75, and the key went to the revoked run, which gave it on, before the test looked)
+    r0 = it.gated.delay(resource, holder)
     wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder to start")
     r1 = it.queued.delay(resource, revoked, 0.1)
     r2 = it.queued.delay(resource, nxt, 0.1)
@@ -302,6 +304,7 @@ def test_a_revoked_parked_run_is_dropped_and_the_next_one_runs(cluster: Cluster)
         lambda: parked(cluster, key) == [r2.id], timeout=60, message="the sweeper to drop the revoked run"
     )
     wait_for(lambda: r1.state == "REVOKED", timeout=60, message="the revoked run's state")
+    cluster.db["gates"].insert_one({"_id": holder})
     r0.get(timeout=60)
     assert r2.get(timeout=60) == nxt
     assert not cluster.runs(revoked, "start")
