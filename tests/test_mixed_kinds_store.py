@@ -215,3 +215,39 @@ def test_a_lapsed_handoff_of_a_single_lease_on_a_key_that_has_had_a_limit_is_han
     assert found and found[0].slotted is False and found[0].needs_sweep
     store.sweep(T)
     assert seen == ["one-1", "one-1"]
+
+
+def test_a_replace_run_of_slots_waiting_on_a_single_lease_is_not_superseded_by_runs_of_that_kind(
+    store: LeaseStore,
+) -> None:
+    """A new user's trial (stop 62): ``Replace(debounce=...)`` with a limit, on a key held as a single
+    lease by a ``Queue`` task, a run of which parked after the Replace sends: every Replace send came back
+    to find that run parked, a newer send of the key, and ended superseded by it; the Replace task never
+    ran. The runs of the other kind are not sends it waits among: it waits (``mixed``) until the key is
+    free of them, and then the newest of its own sends wins."""
+    seen = handed_on(store)
+
+    def deb(task_id: str, stamp: int) -> tuple[Any, dict[str, Any]]:
+        return store.admit(T, one(task_id, stamp), ttl=30, limit=3, replace=True, debounce=0.2)
+
+    holder, doc = store.admit(T, one("single-1", 1), ttl=30)
+    assert holder is not None and doc["lo"] == "acquired"
+    assert deb("deb-1", 2)[1]["lo"] == "mixed" and deb("deb-2", 3)[1]["lo"] == "mixed"
+    assert store.admit(T, one("single-2", 4), ttl=30)[1]["lo"] == "parked"
+    # They come back (a contention retry each) while the run of a single lease waits: still mixed.
+    assert deb("deb-1", 2)[1]["lo"] == "mixed" and deb("deb-2", 3)[1]["lo"] == "mixed"
+    assert holder.release() and seen == ["single-2"]
+    handed = (store.collection.find_one({"_id": T}) or {})["ho"]["tk"]
+    second, doc = store.admit(T, one("single-2", 4), ttl=30, claim=handed)
+    assert second is not None and doc["lo"] == "claimed" and second.release()
+    # Free of the other kind: the older send parks, the newer supersedes it and is the one that runs.
+    assert deb("deb-1", 2)[1]["lo"] == "parked"
+    _, doc = deb("deb-2", 3)
+    assert doc["lo"] == "parked"
+    assert [s["t"] for s in (store.collection.find_one({"_id": T}) or {}).get("sup") or []] == ["deb-1"]
+
+    def handed_on_sweep() -> bool:
+        store.sweep(T)
+        return "deb-2" in seen
+
+    wait_for(handed_on_sweep, timeout=30, message="the newest Replace send to be handed a slot")

@@ -193,11 +193,13 @@ def judge(run: AdmitRun, shape: Shape) -> Document:
         # A handoff message whose claim failed, of a run no longer parked or handed (timed out, revoked,
         # handed again with another token): never a new run.
         branches.append({"case": {"$literal": True}, "then": "stale"})
+    # (before taking or parking: a run parked behind the other kind of key would be handed what it cannot
+    # claim; it comes back later instead, as the contended runs of other policies do. And before a newer
+    # send supersedes it: the runs of the other kind parked meanwhile are not sends it waits among, and a
+    # Replace run that comes back would be superseded by them, never to run: a new user's trial, stop 62)
+    branches.append({"case": shape.other_kind, "then": "mixed"})
     if run.replace and not run.by_set:
         branches += newer_send_cases(run, shape)
-    # (before taking or parking: a run parked behind the other kind of key would be handed what it cannot
-    # claim; it comes back later instead, as the contended runs of other policies do)
-    branches.append({"case": shape.other_kind, "then": "mixed"})
     if not run.debounce_ms:
         branches.append({"case": shape.free, "then": "acquired"})
     if run.window:
