@@ -251,3 +251,11 @@ def test_a_replace_run_of_slots_waiting_on_a_single_lease_is_not_superseded_by_r
         return "deb-2" in seen
 
     wait_for(handed_on_sweep, timeout=30, message="the newest Replace send to be handed a slot")
+
+
+def test_a_run_that_finds_the_other_kind_comes_back_within_five_seconds() -> None:
+    """Nobody hands such a run the key: it looks again soon, not after ``Retry()``'s minute."""
+    from celery_mongolock.integration.queued_run import MIXED_RETRY
+
+    delays = [MIXED_RETRY.delay(attempt) for attempt in range(200)]
+    assert max(delays) <= 5.0 and min(delays) > 0 and not MIXED_RETRY.exhausted(10_000)
