@@ -324,14 +324,18 @@ class QueuedRun:
         outcome = admission.outcome
         who = (task.name, request.id)
         # (The admit judged a later attempt in its own command: ``retried``, not ``done``, when known.)
-        if self.debounced_copy and outcome in (AdmitOutcome.ALREADY_RAN, AdmitOutcome.RUNNING):
+        stored = outcome is AdmitOutcome.ALREADY_RAN and has_final_state(task, carried_on=lambda: False)
+        if self.debounced_copy and (outcome is AdmitOutcome.RUNNING or stored):
             if outcome is AdmitOutcome.RUNNING:
                 keep_a_debounced_copy_delivered_again(task, key, self.options)
             # Handed its keys (due) before its delayed copy came: it ran or runs under its own message
-            # (which reports a result lost with its worker): this copy has nothing to do.
+            # (which reports a result lost with its worker): this copy has nothing to do. (Not when it ran
+            # and no result is stored: its own message, redelivered, may have parked on its gate and been
+            # taken by this copy's turn, so this copy ends it as below: the lock-set checker, RabbitMQ,
+            # stop 62, a child killed after its body released its keys, the task STARTED for good.)
             log_acquire.info("%s[%s]: delayed copy of a run that ran or runs on %r; dropped", *who, key)
             raise Ignore()
-        if outcome is AdmitOutcome.ALREADY_RAN and not has_final_state(task, carried_on=lambda: False):
+        if outcome is AdmitOutcome.ALREADY_RAN and not stored:
             # The run ran and released its key, and no result is stored: its worker may be storing it now,
             # or died first. Look again later, then end the task saying so (never run the body twice).
             return ended_without_a_result(task, key, self.options, self.named_keys)
