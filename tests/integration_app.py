@@ -439,6 +439,30 @@ def merge_kinds(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]
 
 
 @singleton_task(
+    keys=("kind:{src}", "kind:{dst}"),
+    limit={"kind:{src}": 3},
+    app=app,
+    name="integration_app.merge_kinds_timed",
+    on_contention=Queue(timeout=1.0),
+)
+def merge_kinds_timed(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    """``merge_kinds`` that waits at most 1 s (then skipped), parked or waiting on the other kind."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
+    keys=("kind:{src}", "kind:{dst}"),
+    limit={"kind:{src}": 3},
+    app=app,
+    name="integration_app.merge_kinds_timed_fail",
+    on_contention=Queue(timeout=1.0, then=Fail()),
+)
+def merge_kinds_timed_fail(src: str, dst: str, tag: str, seconds: float = 0.2) -> list[str]:
+    """``merge_kinds_timed`` that fails (``QueueTimeout``) past its timeout."""
+    return _merge_body(tag, seconds)
+
+
+@singleton_task(
     keys=("resource:{src}", "resource:{dst}"),
     app=app,
     name="integration_app.merge_latest",

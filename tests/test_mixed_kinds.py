@@ -17,8 +17,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from celery_mongolock import QueueTimeout
+
 from . import integration_app as it
-from .servers import RedisServer
+from .servers import RedisServer, wait_for
 from .test_integration import Cluster, running_cluster
 from .test_replace_keys import settled, tag
 
@@ -66,3 +68,24 @@ def test_runs_that_take_one_key_as_slots_and_as_a_single_lease_all_run(
             if key in single[t1] or key in single[t2]:
                 assert e1 <= s2, f"{t1} and {t2} held {key} at once, one of them as a single lease"
     settled(cluster, [f"kind:{n}" for n in names.values()])
+
+
+def test_a_run_that_waits_on_the_other_kind_past_its_timeout_ends_by_its_then(cluster: Cluster) -> None:
+    """A run waiting on a key in use as the other kind is not parked, but its ``Queue(timeout=...)`` counts
+    all the same (from its first contention): past it, ``then`` ends it (skipped, or ``QueueTimeout``),
+    unrun. Before, it came back every few seconds for as long as the other kind held the key."""
+    a, b, c, d = (tag() for _ in range(4))
+    holder = tag()
+    it.merge_kinds.delay(a, b, holder, 60.0)  # holds kind:b as a single lease until its gate opens
+    wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder's body to start")
+    skipped = it.merge_kinds_timed.delay(b, c, tag())  # takes kind:b as slots: in use as the other kind
+    failed = it.merge_kinds_timed_fail.delay(b, d, tag())
+    outcome = skipped.get(timeout=90)
+    assert outcome["mongolock"] == "skipped", outcome
+    assert "in use as the other kind of key, past its policy's timeout=1" in outcome["reason"], outcome
+    with pytest.raises(QueueTimeout, match="in use as the other kind of key"):
+        failed.get(timeout=90)
+    assert cluster.runs(holder, "end") == []  # (the key stayed held all along)
+    cluster.db["gates"].insert_one({"_id": holder})
+    wait_for(lambda: cluster.runs(holder, "end"), timeout=60, message="the holder's body to end")
+    settled(cluster, [f"kind:{k}" for k in (a, b, c, d)])

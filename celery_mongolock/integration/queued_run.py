@@ -42,6 +42,7 @@ from celery_mongolock.integration.key_set import KeySetAdmits
 from celery_mongolock.integration.rate_gate import leave_rate
 from celery_mongolock.integration.runs import (
     GuardedRun,
+    contended_since,
     give_back_quietly,
     has_final_state,
     ignored_as,
@@ -368,7 +369,16 @@ class QueuedRun:
                 raise Ignore()
             return self._superseded(key, str(admission.by), admission.fence)
         if outcome is AdmitOutcome.MIXED:
-            self._other_kind(key, admission)
+            past = self._waited_past_timeout(key)
+            if past is None:
+                self._other_kind(key, admission)
+            if isinstance(self.policy.then, Fail):
+                raise QueueTimeout(results.named_key(key, self.admit_keys), past)
+            return (
+                ContendedRun(task, self.store, key, direct=False)
+                .held_by(holder, admission.expires_at)
+                .skip(past)
+            )
         assert outcome is AdmitOutcome.FULL, outcome
         reason = results.full_reason(
             key, admission.queued, self.policy.max_length, self.entry, in_document=len(admission.parked)
@@ -378,6 +388,19 @@ class QueuedRun:
             raise QueueTimeout(key, reason)
         contended = ContendedRun(task, self.store, key, direct=False)
         return contended.held_by(holder, admission.expires_at).skip(reason)
+
+    def _waited_past_timeout(self, key: str) -> str | None:
+        """Why a run that finds ``key`` in use as the other kind has waited past its policy's ``timeout``
+        (None: it has not, or has no timeout). Such a run is not parked, so no deadline is kept for it: its
+        wait counts from its first contention (the header its contention retries carry)."""
+        timeout, since = self.policy.timeout, contended_since(self.request)
+        if timeout is None or since is None or time.time() * 1000 - since <= timeout * 1000:
+            return None
+        at = _dt.datetime.fromtimestamp(since / 1000, _dt.timezone.utc).isoformat()
+        return (
+            f"waited since {at} for {results.named_key(key, self.admit_keys)!r}, in use as the other kind of "
+            f"key, past its policy's timeout={timeout:g}"
+        )
 
     def _other_kind(self, key: str, admission: Admission) -> NoReturn:
         """``key`` is in use as the other kind of key: ``limit=N`` slots while this run takes it as a single
