@@ -26,9 +26,6 @@ def _ms(value: Any) -> float | None:
     return None
 
 
-_slotted = key_state.serves_slots
-
-
 def _handoffs(doc: Mapping[str, Any]) -> list[Run]:
     """The key's handoff and its slots' (handed or reserved to a parked run, not yet claimed)."""
     found = [doc.get("ho")] + [h.get("ho") for h in doc.get("hs") or [] if isinstance(h, Mapping)]
@@ -90,7 +87,7 @@ def _names_of_live_handoffs(doc: Mapping[str, Any]) -> frozenset[str]:
     if now is None:
         return frozenset()
     found: list[object] = []
-    if _slotted(doc):
+    if key_state.serves_slots(doc):
         for hold in doc.get("hs") or []:
             if not isinstance(hold, Mapping) or not isinstance(hold.get("ho"), Mapping):
                 continue
@@ -111,7 +108,7 @@ def needs_sweep(doc: Mapping[str, Any]) -> bool:
     now = _ms(doc.get("__now"))
     if now is None or doc.get("dead") or doc.get("sup"):
         return True
-    if _slotted(doc):
+    if key_state.serves_slots(doc):
         holds = [h for h in doc.get("hs") or [] if isinstance(h, Mapping)]
         for hold in holds:
             x, ho = _ms(hold.get("x")), hold.get("ho")
@@ -145,7 +142,7 @@ def lone_reservations(doc: Mapping[str, Any]) -> frozenset[str]:
     if now is None:
         return frozenset()
     found = []
-    if _slotted(doc):
+    if key_state.serves_slots(doc):
         for hold in doc.get("hs") or []:
             x = _ms(hold.get("x")) if isinstance(hold, Mapping) else None
             if x is not None and x <= now and _lone_reservation(doc, hold.get("ho"), x, now):
@@ -195,7 +192,7 @@ class WaitingKey:
         read_at = doc.get("__now")
         return cls(
             key=str(doc["_id"]),
-            slotted=_slotted(doc),
+            slotted=key_state.serves_slots(doc),
             parked_ids=frozenset(str(e.get("t")) for e in parked),
             handed_ids=frozenset(str(ho.get("t")) for ho in handed),
             needs_sweep=needs_sweep(doc),
