@@ -363,6 +363,21 @@ def queued_retry(self: Any, resource: str, tag: str, seconds: float = 0.1) -> st
 
 
 @singleton_task(
+    keys=("resource:{src}", "resource:{dst}"),
+    app=app,
+    name="integration_app.merge_debounced_retry",
+    on_contention=Replace(debounce=0.5),
+    bind=True,
+)
+def merge_debounced_retry(self: Any, src: str, dst: str, tag: str) -> list[str]:
+    """A debounced set of two keys whose first attempt retries once (Celery's own retry)."""
+    if self.request.retries == 0:
+        record("own-retry", tag)
+        raise self.retry(countdown=0.2)
+    return _merge_body(tag, 0.1)
+
+
+@singleton_task(
     key="resource:{resource}",
     app=app,
     name="integration_app.debounced",

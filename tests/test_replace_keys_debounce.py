@@ -176,3 +176,16 @@ def test_a_burst_of_a_set_whose_keys_all_have_limits_runs_once(cluster: Cluster)
         assert value["by"] in [x.id for x in results[i + 1 :]], "superseded only by a newer send"
     assert started(cluster, tags) == [tags[-1]]  # exactly one body: the newest send's
     settled(cluster, keys)
+
+
+def test_a_set_whose_body_retries_runs_its_retry(cluster: Cluster) -> None:
+    """A debounced run of a set of keys whose body retries (Celery's own ``self.retry()``): the retry
+    parks on the set's gate for its debounce and is handed the gate, not its later key, which it then
+    takes as any run. Before, it took the ``RETRY`` its first attempt stored for its own result, was
+    dropped as a stale handoff, and the task stayed ``RETRY`` for good (the lock-set checker on RabbitMQ,
+    seed 1)."""
+    a, b, t = tag(), tag(), tag()
+    result = it.merge_debounced_retry.delay(a, b, t)
+    assert result.get(timeout=90) == sorted([f"resource:{a}", f"resource:{b}"])
+    assert len(cluster.runs(t, "own-retry")) == 1 and started(cluster, [t]) == [t]
+    settled(cluster, [f"resource:{a}", f"resource:{b}"])

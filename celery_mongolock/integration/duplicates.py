@@ -51,6 +51,7 @@ __all__ = [
     "park_duplicate",
     "second_look_of",
     "stale_line",
+    "this_attempt_over",
 ]
 
 #: Set on the copy of a message delivered again while its first run still held the key (see
@@ -351,6 +352,16 @@ def later_attempt_known(task: GuardedRun, store: Any, key: str) -> bool:
             exc,
         )
         return True
+
+
+def this_attempt_over(task: GuardedRun, store: Any, keys: list[str]) -> bool:
+    """Whether the task's stored state says this attempt has nothing left to do: a final state, or a body's
+    ``RETRY`` written by this attempt (a later attempt is known on one of ``keys``), not by an earlier one
+    whose retry this attempt is. (Without ``result_extended`` a ``RETRY`` does not say which attempt wrote
+    it: the retried attempt of a ``Replace(debounce)`` set, handed its gate by the sweeper, found its
+    later key not handed to it, took the ``RETRY`` its first attempt wrote for its own, and was dropped:
+    the task stayed ``RETRY`` for good, the lock-set checker on RabbitMQ, seed 1.)"""
+    return has_final_state(task, carried_on=lambda: any(later_attempt_known(task, store, k) for k in keys))
 
 
 def first_run_done(task: GuardedRun, store: Any, key: str) -> bool:

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 from celery_mongolock.admission.policies import Queue, Replace
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
 from celery_mongolock.exceptions import MessageTooLarge, StoreUnavailable
+from celery_mongolock.integration.duplicates import this_attempt_over
 from celery_mongolock.integration.results import has_backend, leave_later_keys
 from celery_mongolock.integration.runs import (
     GuardedRun,
     end_superseded,
     give_back_quietly,
-    has_final_state,
     log_acquire,
 )
 
@@ -227,7 +227,7 @@ class KeySetAdmits:
                     # run ended meanwhile (a late handoff message of a run that timed out, or ran under
                     # another message): it gives back what it claimed and leaves its keys (dropped then). (An
                     # app with no result backend cannot tell: the keys that remember the run do.)
-                    if has_backend(self.task.app) and has_final_state(self.task):
+                    if has_backend(self.task.app) and this_attempt_over(self.task, self.store, self.keys):
                         give_back_quietly(self.store, claimed)
                         self.leave_all()
                         return None, admission, key

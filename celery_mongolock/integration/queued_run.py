@@ -37,6 +37,7 @@ from celery_mongolock.integration.duplicates import (
     ended_without_a_result,
     keep_a_debounced_copy_delivered_again,
     park_duplicate,
+    this_attempt_over,
 )
 from celery_mongolock.integration.key_set import KeySetAdmits
 from celery_mongolock.integration.rate_gate import leave_rate
@@ -292,7 +293,7 @@ class QueuedRun:
         task, request = self.task, self.request
         outcome = refused.outcome
         if not self.several:
-            if outcome is AdmitOutcome.STALE and not has_final_state(task):
+            if outcome is AdmitOutcome.STALE and not this_attempt_over(task, self.store, self.admit_keys):
                 return None  # a handoff whose claim failed, of a run with no result: it runs again
             return self._not_admitted(key, refused)
         if outcome is AdmitOutcome.RUNNING:  # a copy of the handoff while the first copy runs
@@ -313,7 +314,7 @@ class QueuedRun:
             # again (it would take its first key, find the later one over, and go round: the lock-set
             # checker on RabbitMQ, a several-keys Replace run with slots).
             return self._not_admitted(key, refused)
-        if has_final_state(task):
+        if this_attempt_over(task, self.store, self.admit_keys):
             log_acquire.info("%s[%s]: stale handoff of %s; dropped", task.name, request.id, self.keys)
             raise Ignore()
         return None
