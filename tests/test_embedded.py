@@ -619,3 +619,52 @@ def test_a_stream_killed_while_its_get_more_waits_answers_it_as_closed() -> None
                 break
         assert "error" not in answers[-1], answers
         assert answers[-1]["reply"]["ok"] == 1 and answers[-1]["reply"]["cursor"]["id"] == 0
+
+
+def test_the_parse_check_of_a_pipeline_gives_secantus_answer_and_checks_a_stage_seen_before_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``server_patches.PARSE``, run in the server's process: the same answer as SecantusDB's own check for
+    pipelines with and without problems (a fold error, an unknown operator, an undefined variable, one
+    bound by the command's ``let``), and a stage seen before (with the same variables) is not checked
+    again."""
+    from secantus import aggregate, commands
+
+    from celery_mongolock.ops import server_patches
+
+    shipped = aggregate.expression_problem_in_pipeline
+    monkeypatch.setattr(aggregate, "expression_problem_in_pipeline", shipped)
+    monkeypatch.setattr(commands, "expression_problem_in_pipeline", shipped)
+    ok = {"$set": {"a": {"$add": [1, "$b"]}, "q": {"$concatArrays": ["$q", [{"s": 1}]]}}}
+    cases: list[tuple[Any, frozenset[str], Any]] = [
+        ([ok, {"$unset": "c"}], frozenset(), None),
+        ([ok, {"$set": {"a": {"$divide": [1, 0]}}}], frozenset(), None),
+        ([{"$set": {"a": {"$noSuchOperator": 1}}}, ok], frozenset(), None),
+        ([ok, {"$set": {"a": "$$nowhere"}}], frozenset(), None),
+        ([ok, {"$set": {"a": "$$x"}}], frozenset({"x"}), {"x": 2}),
+        ([ok, {"$set": {"a": {"$divide": [1, "$$x"]}}}], frozenset({"x"}), {"x": 0}),
+        ([ok, {"$set": {"a": {"$divide": [1, "$$x"]}}}], frozenset({"x"}), {"x": 2}),
+        ([{"$project": {"a": 0}}, {"$match": {"$expr": {"$eq": ["$a", 1]}}}], frozenset(), None),
+        ("not a pipeline", frozenset(), None),
+    ]
+    expected = [shipped(p, bound, let) for p, bound, let in cases]
+    assert expected[0] is None and expected[4] is None and expected[6] is None
+    assert all(expected[i] is not None for i in (1, 2, 3, 5)), expected
+    namespace: dict[str, Any] = {}
+    exec(server_patches.PARSE, namespace)
+    patched = aggregate.expression_problem_in_pipeline
+    assert patched is not shipped and commands.expression_problem_in_pipeline is patched
+    checked: list[Any] = []
+
+    def counted(pipeline: Any, bound: frozenset[str], fold_vars: Any = None) -> Any:
+        checked.append(pipeline)
+        return shipped(pipeline, bound, fold_vars)
+
+    namespace["_pp_as_shipped"] = counted
+    assert [patched(p, bound, let) for p, bound, let in cases] == expected
+    first = len(checked)
+    assert [patched(p, bound, let) for p, bound, let in cases] == expected  # from the kept answers
+    assert checked[first:] == ["not a pipeline"]  # (not a list: as shipped, each time)
+    # The stage common to seven pipelines was checked once for each of its three sets of variables.
+    assert sum(1 for p, _, _ in cases if isinstance(p, list) and ok in p) == 7
+    assert checked[:first].count([ok]) == 3

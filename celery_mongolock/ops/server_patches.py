@@ -5,7 +5,7 @@ internals are not the ones it was written for. ``LAUNCH`` is the whole ``python 
 
 from __future__ import annotations
 
-__all__ = ["AWAIT", "COPY", "LAUNCH", "PLAN", "PROFILE", "SEEK", "TUNE", "WAKE", "ZONE"]
+__all__ = ["AWAIT", "COPY", "LAUNCH", "PARSE", "PLAN", "PROFILE", "SEEK", "TUNE", "WAKE", "ZONE"]
 
 #: Run in the server's process before it starts (never in ours). SecantusDB 0.7 keeps the replies of the
 #: last 10,000 retryable writes, and prunes them on every retryable write and lookup: a scan of all of
@@ -420,6 +420,60 @@ try:
 except Exception:
     pass
 """
+#: Run in the server's process. Before every pipeline update (and aggregation) SecantusDB checks each stage
+#: of the pipeline for parse-time problems, in Python: it walks every expression, and folds the constant
+#: ones to find an error in them. The library's admission pipelines are large, and most of their stages are
+#: the same from one command to the next (the values that change sit in a few): a third of the server's
+#: time under the test suite went to these checks (py-spy). Here each stage's answer is kept, by the
+#: stage's BSON with the command's variables and the names bound: a stage seen before gets the answer it
+#: got then (the check reads nothing else), and a pipeline's answer is its first stage's problem, as
+#: shipped. Stages over 64 KiB (a parked run's message) are checked each time, and the kept answers are
+#: dropped at 32 MiB. Left as it is when SecantusDB's internals are not the ones this was written for.
+PARSE = """
+try:
+    import bson as _pp_bson
+    from secantus import aggregate as _pp_ag
+    from secantus import commands as _pp_cmd
+
+    _pp_as_shipped = _pp_ag.expression_problem_in_pipeline
+    _pp_kept = {}
+    _pp_size = [0]
+
+    def _pp_problem(stage, bound, fold_vars):
+        try:
+            blob = _pp_bson.encode({"s": stage, "v": dict(fold_vars or {})})
+        except Exception:
+            blob = None
+        if blob is None or len(blob) > 65536:
+            return _pp_as_shipped([stage], bound, fold_vars)
+        key = (blob, frozenset(bound))
+        try:
+            return _pp_kept[key]
+        except KeyError:
+            pass
+        found = _pp_as_shipped([stage], bound, fold_vars)
+        if _pp_size[0] > 32 * 2**20:
+            _pp_kept.clear()
+            _pp_size[0] = 0
+        _pp_kept[key] = found
+        _pp_size[0] += len(blob)
+        return found
+
+    def expression_problem_in_pipeline(pipeline, bound, fold_vars=None):
+        if not isinstance(pipeline, list):
+            return _pp_as_shipped(pipeline, bound, fold_vars)
+        for stage in pipeline:
+            found = _pp_problem(stage, bound, fold_vars)
+            if found:
+                return found
+        return None
+
+    if callable(_pp_as_shipped) and _pp_cmd.expression_problem_in_pipeline is _pp_as_shipped:
+        _pp_ag.expression_problem_in_pipeline = expression_problem_in_pipeline
+        _pp_cmd.expression_problem_in_pipeline = expression_problem_in_pipeline
+except Exception:
+    pass
+"""
 LAUNCH = (
     TUNE
     + COPY
@@ -429,5 +483,6 @@ LAUNCH = (
     + PROFILE
     + WAKE
     + AWAIT
+    + PARSE
     + "import sys; from secantus.cli import main; sys.argv[0] = 'secantusd-py'; sys.exit(main())"
 )
