@@ -357,8 +357,9 @@ class QueuedRun:
             self._parked()
         signals.lease_contended.send(sender=task, key=key, holder=holder, policy=self.policy.name)
         if outcome is AdmitOutcome.SUPERSEDED:
-            if self.debounced_copy and has_final_state(task):
-                # The delayed copy of a run that a newer send replaced: its result is written already.
+            if self.debounced_copy and this_attempt_over(task, self.store, self.admit_keys):
+                # The delayed copy of a run that a newer send replaced: its result is written already
+                # (a RETRY an earlier attempt stored is not this attempt's: ``this_attempt_over``).
                 # (Not when the copy itself took its set's gate, and the newer send parked there
                 # while it held it: its reservation was refused, and nobody else writes its result.)
                 raise Ignore()
