@@ -75,7 +75,8 @@ LONG = 600.0
 SHORT = 0.5
 PAST = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
 
-#: The keys of an example: name -> (limit, replace, debounce). Each key is used by one kind of task only.
+#: The keys of an example: name -> (limit, replace, debounce). Each key is used by one kind of task only,
+#: except the mixed key's two (``MIXED``).
 KEYS: dict[str, tuple[int, bool, bool]] = {
     "queue-1": (1, False, False),
     "queue-2": (2, False, False),
@@ -85,7 +86,22 @@ KEYS: dict[str, tuple[int, bool, bool]] = {
     "debounce-2": (2, True, True),
     "held-2": (2, False, False),
     "set-2": (2, True, False),
+    "mixed-one": (1, False, False),
+    "mixed-slots": (2, False, False),
 }
+#: The mixed key: one document taken by ``Queue`` runs and plain acquirers of two kinds, as a single lease
+#: (its model ``mixed-one``) and as ``limit=2`` slots (``mixed-slots``). Each kind's model is a key of the
+#: example of its own (its runs, its holds, its parked runs: never both kinds parked at once), paired with
+#: the other's (``KeyModel.pair``): document -> (the single lease's model, the slots' model).
+MIXED: dict[str, tuple[str, str]] = {"mixed": ("mixed-one", "mixed-slots")}
+#: What an example's keys are drawn from: the keys, the mixed key as one.
+KEY_CHOICES = sorted(
+    {name for name in KEYS if not any(name in kinds for kinds in MIXED.values())} | set(MIXED)
+)
+#: ``MONGOLOCK_MODEL_KNOWN_BUGS=1``: reach the interleavings of the engine's known bugs too (``_unpark_bug``).
+KNOWN_BUGS = os.environ.get("MONGOLOCK_MODEL_KNOWN_BUGS") == "1"
+#: ``MONGOLOCK_MODEL_MIXED=1``: every example has the mixed key (a soak of the mixed kinds).
+ALWAYS_MIXED = os.environ.get("MONGOLOCK_MODEL_MIXED") == "1"
 #: Keys whose runs are several-keys ``Replace`` runs with a limit on this key (``keys=`` with a limit per
 #: key): each run carries its set of keys (``g``, one of two sets, by its stamp's parity; ``ks``), a newer
 #: send supersedes only the older runs of its own set (``core.documents.slot_sets``).
@@ -206,18 +222,53 @@ class KeyModel:
         self.cx: tuple[str, str] | None = None  # Replace(cancel_running=True): (holder's token, by)
         self.seen: list[str] = []  # runs that ended with a normal release
         self.dead: list[Run] = []  # runs parked past their deadline, results not yet written
-        self.max_fence = 0
+        self._fence = [0]  # (a list: the two kinds of a mixed key share it)
         self.sets = name in SET_KEYS
         self.lg: dict[str, tuple[int, str]] = {}  # (sets) per set: the newest send that got the key
+        self.key = name  # the document's ``_id`` (a mixed key: both kinds' models name the one document)
+        self.other: KeyModel | None = None  # (a mixed key) the model of its other kind
+
+    @property
+    def max_fence(self) -> int:
+        return self._fence[0]
+
+    @max_fence.setter
+    def max_fence(self, fence: int) -> None:
+        self._fence[0] = fence
+
+    def pair(self, slots: KeyModel, key: str) -> None:
+        """A mixed key (``MIXED``): this single lease's model and ``slots``' name one document, ``key``;
+        they share what the document keeps once for both (the fence, the runs over, the results not yet
+        written)."""
+        self.key = slots.key = key
+        slots._fence, slots.seen, slots.dead, slots.sup = self._fence, self.seen, self.dead, self.sup
+        self.other, slots.other = slots, self
 
     @property
     def single(self) -> bool:
         return self.limit == 1
 
     # the state as the engine's pipelines see it
+    def held_or_handed(self) -> bool:
+        """A hold of this kind is live or handed (a single key: ``SINGLE_HELD``; slots: not
+        ``NO_SLOT_HELD``)."""
+        return any(not h.expired or h.handed for h in self.holds)
+
+    def in_use(self) -> bool:
+        """(A mixed key) in use as this kind: held or handed, or runs of this kind parked
+        (``key_state.SINGLE_IN_USE``, ``SLOTS_IN_USE``)."""
+        return self.held_or_handed() or bool(self.q)
+
+    def other_in_use(self) -> bool:
+        """(A mixed key) in use as the other kind: a run of this kind is refused ``mixed``, parks nothing,
+        and is handed nothing."""
+        return self.other is not None and self.other.in_use()
+
     def vacant(self) -> bool:
-        """(Single key) nobody holds it: no owner, or the owner's lease or handoff has expired."""
-        return not self.holds or self.holds[0].expired
+        """(Single key) nobody holds it: no owner, or the owner's lease or handoff has expired (a mixed key:
+        and no slot is live or handed, ``key_state.VACANT``)."""
+        mine = not self.holds or self.holds[0].expired
+        return mine and not (self.other is not None and self.other.held_or_handed())
 
     def handoff(self) -> Hold | None:
         return next((h for h in self.holds if h.handed), None)
@@ -282,7 +333,10 @@ class KeyModel:
         self.q = self.time_out(q)
 
     def fill(self) -> list[Hold]:
-        """(Slots) every free slot goes to the oldest due parked run, in queue order."""
+        """(Slots) every free slot goes to the oldest due parked run, in queue order (a mixed key: none
+        while it is in use as a single lease)."""
+        if self.other_in_use():
+            return []
         due = [r for r in self.q if r.due]
         handed = due[: max(0, min(self.limit - len(self.holds), len(due)))]
         self.q = [r for r in self.q if r not in handed]
@@ -400,6 +454,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.published = Published()
         self.store.add_handoff_callback(self.published)
         self.keys = {name: KeyModel(name, *spec) for name, spec in KEYS.items()}
+        for key, (one, slots) in MIXED.items():
+            self.keys[one].pair(self.keys[slots], key)
         self.runs: list[Run] = []
         self.lapses = 0
         self.leases: list[tuple[KeyModel, Hold]] = []  # every lease taken, until released
@@ -433,7 +489,7 @@ class EngineMachine(RuleBasedStateMachine):
         # marks its handoffs apart from its own token, test_a_pending_slot_handoff_is_published_once.)
         for _, _, _, attempt in got:
             event(f"handoff ({'first' if attempt == 1 else 'again'}, {'single' if km.single else 'slots'})")
-        assert [(k, t) for k, t, _, _ in got] == [(km.name, h.run.tid if h.run else "") for h in expected], (
+        assert [(k, t) for k, t, _, _ in got] == [(km.key, h.run.tid if h.run else "") for h in expected], (
             f"{km.name}: handed {[t for _, t, _, _ in got]}, the model expected "
             f"{[h.run.tid if h.run else '' for h in expected]}"
         )
@@ -477,15 +533,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _doc(self, km: KeyModel) -> dict[str, Any] | None:
         docs = list(
-            self.store.collection.aggregate(
-                [{"$match": {"_id": km.name}}, {"$addFields": {"__now": "$$NOW"}}]
-            )
+            self.store.collection.aggregate([{"$match": {"_id": km.key}}, {"$addFields": {"__now": "$$NOW"}}])
         )
         return docs[0] if docs else None
 
     def _check(self, km: KeyModel, view: bool = False) -> None:
         """The key's document matches the model, and the invariants hold; ``view``: ``inspect`` (the
         operators' view) too (a round trip more: at sweeps and at the end of each example)."""
+        if km.other is not None:
+            self._check_mixed(km, view)
+            return
         doc = self._doc(km)
         if doc is None:
             # Never written (the TTL index is dropped: nothing deletes a document here).
@@ -502,6 +559,9 @@ class EngineMachine(RuleBasedStateMachine):
         parked = [e["t"] for e in doc.get("q") or []]
         assert parked == [r.tid for r in km.q], (
             f"{km.name}: parked {parked}, the model {[r.tid for r in km.q]}"
+        )
+        assert doc.get("qk") == (("one" if km.single else "slots") if km.q else None), (
+            f"{km.name}: the kind of the runs parked is {doc.get('qk')}, the model {[r.tid for r in km.q]}"
         )
         if view:
             info = self.store.inspect(km.name)
@@ -549,6 +609,61 @@ class EngineMachine(RuleBasedStateMachine):
         assert int(doc.get("fence") or 0) == km.max_fence, "a fence was given that nobody saw"
         assert len(km.live()) <= km.limit
 
+    def _check_mixed(self, km: KeyModel, view: bool) -> None:
+        """``_check`` of the mixed key: its document against both kinds' models (the single lease's fields
+        against ``mixed-one``, ``hs`` against ``mixed-slots``), and never both kinds in use at once."""
+        assert km.other is not None
+        one, slots = (km, km.other) if km.single else (km.other, km)
+        doc = self._doc(km)
+        if doc is None:
+            assert not (one.holds or slots.holds or one.waits() or slots.waits()), f"{km.key}: gone"
+            assert not km.seen and not km.max_fence, f"{km.key}: gone"
+            return
+        now = doc["__now"]
+        hs = doc.get("hs") or []
+        # Never a single lease and slots at once: not held (or handed) as both kinds, nor runs of both
+        # kinds parked; never more live slots than the limit.
+        slot_held = [h for h in hs if h["x"] > now or h.get("ho") is not None]
+        single_held = doc.get("owner") is not None and (doc["expires_at"] > now or doc.get("ho") is not None)
+        assert not (single_held and slot_held), f"{km.key}: a single lease beside slots"
+        assert len([h for h in hs if h["x"] > now]) <= slots.limit, f"{km.key}: more slots than {slots.limit}"
+        assert not (one.q and slots.q), f"{km.key}: the model parked runs of both kinds"
+        assert not (one.held_or_handed() and slots.held_or_handed()), f"{km.key}: the model holds both kinds"
+        parked = [e["t"] for e in doc.get("q") or []]
+        model_q = one.q + slots.q
+        assert parked == [r.tid for r in model_q], (
+            f"{km.key}: parked {parked}, the model {[r.tid for r in model_q]}"
+        )
+        kind = "one" if one.q else "slots" if slots.q else None
+        assert doc.get("qk") == kind, f"{km.key}: the kind of the runs parked is {doc.get('qk')}, not {kind}"
+        if view:
+            info = self.store.inspect(km.key)
+            assert info is not None
+            assert info.held == bool(one.live() or slots.live())
+            assert len(info.slots) == len(slots.live()) <= slots.limit
+            assert [p["task_id"] for p in info.parked] == parked
+            first = one.handoff() or slots.handoff()
+            assert (info.handoff or {}).get("task_id") == (first.run.tid if first and first.run else None)
+        # The single lease (its fence is the key's when it was taken: the slots taken since have larger
+        # ones, checked as they were given), and the slots, in order, exactly as the models have them.
+        store_one = []
+        if doc.get("owner") is not None:
+            ho = doc.get("ho") or {}
+            handed = ho.get("tk") == doc["owner"]
+            store_one.append((doc["owner"], ho.get("t") if handed else None, doc["expires_at"] <= now))
+        assert doc.get("ho") is None or doc.get("owner") == doc["ho"].get("tk"), "a handoff without its owner"
+        model_one = [(h.token, h.run.tid if h.handed and h.run else None, h.expired) for h in one.holds]
+        assert store_one == model_one, f"{km.key}: the single lease is {store_one}, the model {model_one}"
+        store_slots = [(h["o"], (h.get("ho") or {}).get("t"), h["x"] <= now, h.get("f")) for h in hs]
+        model_slots = [
+            (h.token, h.run.tid if h.handed and h.run else None, h.expired, h.fence) for h in slots.holds
+        ]
+        assert store_slots == model_slots, f"{km.key}: the slots are {store_slots}, the model {model_slots}"
+        assert [(s["t"], s["by"]) for s in doc.get("sup") or []] == km.sup
+        assert list(doc.get("seen") or []) == km.seen
+        assert [d["t"] for d in doc.get("dead") or []] == [r.tid for r in km.dead]
+        assert int(doc.get("fence") or 0) == km.max_fence, "a fence was given that nobody saw"
+
     def _check_runs(self) -> None:
         for run in self.runs:
             assert run.starts <= 1, f"{run.tid} started {run.starts} times"
@@ -575,13 +690,13 @@ class EngineMachine(RuleBasedStateMachine):
         # The document as the engine would have left it had the time passed: the derived fields (a
         # slotted key's latest expiry ``sx``, the TTL index's ``gc_at``) follow.
         if km.single:
-            match = {"_id": km.name, "owner": hold.token}
+            match = {"_id": km.key, "owner": hold.token}
             update = [{"$set": {"expires_at": PAST}}, gc_stage()]
         else:
             past = {"$cond": [{"$eq": ["$$h.o", hold.token]}, PAST, "$$h.x"]}
             hs = {"$map": {"input": "$hs", "as": "h", "in": {"$mergeObjects": ["$$h", {"x": past}]}}}
             latest = {"$max": {"$map": {"input": "$hs", "as": "h", "in": "$$h.x"}}}
-            match = {"_id": km.name, "hs.o": hold.token}
+            match = {"_id": km.key, "hs.o": hold.token}
             update = [{"$set": {"hs": hs}}, {"$set": {"sx": latest}}, gc_stage()]
         result = self.store.collection.update_one(match, update)
         assert result.matched_count == 1
@@ -604,7 +719,7 @@ class EngineMachine(RuleBasedStateMachine):
             km.cx = (running.token, run.tid)
             event("send: marks the running holder superseded")
         lease, doc = self.store.admit(
-            km.name,
+            km.key,
             run.entry(),
             ttl=LONG,
             limit=self._limit(km),
@@ -636,6 +751,9 @@ class EngineMachine(RuleBasedStateMachine):
         copy = km.copy_outcome(run)
         if copy is not None:
             return copy, None, []
+        if km.other_in_use():  # (judged before a newer send: ``admit_stages.judge``)
+            run.state = "mixed"
+            return "mixed", None, []
         if km.superseded(run):
             run.state = "superseded"
             run.superseded_by = self._newer_than(km, run)
@@ -664,6 +782,9 @@ class EngineMachine(RuleBasedStateMachine):
         hold = None
         if copy is not None:
             outcome = copy
+        elif km.other_in_use():  # (a mixed key's runs are Queue runs: no newer send to judge before it)
+            run.state = "mixed"
+            outcome = "mixed"
         elif km.superseded(run):
             run.state = "superseded"
             run.superseded_by = self._newer_than(km, run)
@@ -708,9 +829,11 @@ class EngineMachine(RuleBasedStateMachine):
     def _plain_free(km: KeyModel) -> bool:
         """A plain acquire would take the key: nobody holds it (slots: fewer than N live or handed
         holds) and no run is parked or handed it."""
+        parked = bool(km.q) or (km.other is not None and bool(km.other.q))
         if km.single:
-            return km.vacant() and km.handoff() is None and not km.q
-        return len([h for h in km.holds if not h.expired or h.handed]) < km.limit and not km.q
+            return km.vacant() and km.handoff() is None and not parked
+        taken = len([h for h in km.holds if not h.expired or h.handed])
+        return taken < km.limit and not parked and not (km.other is not None and km.other.held_or_handed())
 
     def do_acquire(self, km: KeyModel) -> None:
         """A plain acquire (a task with Retry/Skip, or code outside Celery)."""
@@ -724,7 +847,7 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             for h in [h for h in km.holds if h.expired and not h.handed]:
                 km.drop(h, "ended")
-        lease = self.store.acquire(km.name, LONG, limit=self._limit(km), min_hold=self._hold_s(km))
+        lease = self.store.acquire(km.key, LONG, limit=self._limit(km), min_hold=self._hold_s(km))
         if free:
             km.holds.append(hold)
             self._took(km, hold, lease)
@@ -773,7 +896,7 @@ class EngineMachine(RuleBasedStateMachine):
         if not km.single:
             handed = km.fill()
         lease, doc = self.store.admit(
-            km.name,
+            km.key,
             run.entry(),
             ttl=LONG,
             claim=run.tk,
@@ -827,9 +950,27 @@ class EngineMachine(RuleBasedStateMachine):
             h.lost = True
         self._step_done(*{km.name: km for km, _ in held}.values())
 
+    def _serving(self, km: KeyModel) -> KeyModel:
+        """(A mixed key) the kind the sweeper serves the key as (``key_state.serves_slots``): the kind of
+        its parked runs; else of its pending handoff; else slots once the document has had a slot or a
+        ``limit=N`` admit (``hs``, ``lim``: read from it; nothing of either kind waits then)."""
+        if km.other is None:
+            return km
+        one, slots = (km, km.other) if km.single else (km.other, km)
+        assert not (one.q and slots.q), f"{km.key}: runs of both kinds parked"
+        if one.q or slots.q:
+            return one if one.q else slots
+        if one.handoff() is not None or slots.handoff() is not None:
+            return one if one.handoff() is not None else slots
+        doc = self.store.collection.find_one({"_id": km.key}, {"hs": 1, "lim": 1}) or {}
+        return slots if "hs" in doc or "lim" in doc else one
+
     def do_sweep(self, km: KeyModel, revoked: set[str]) -> None:
         """The sweeper's pass over the key, with ``revoked`` task ids (Celery's revoke of parked runs)."""
         self.clean = False
+        km = self._serving(km)
+        if km.other is not None:
+            event(f"sweep: mixed key served as {'a single lease' if km.single else 'slots'}")
         handed: list[Hold] = []
         if km.waits():
             if not km.single:
@@ -846,18 +987,18 @@ class EngineMachine(RuleBasedStateMachine):
             handed = km.hand_single() if km.single else km.fill()
             # and the handoffs nobody published (a background release made them) are adopted
             handed = [h for h in km.holds if h in handed or (h.handed and not h.published)]
-        self.store.sweep(km.name, revoked=revoked)
+        self.store.sweep(km.key, revoked=revoked)
         self._handoffs(km, handed)
         self._check(km, view=True)
         # The sweeper writes the results of runs that timed out or were superseded, then forgets them
         # (a timed-out run is remembered as over).
         if km.dead:
-            self.store.forget_results(km.name, "dead", [r.tid for r in km.dead])
+            self.store.forget_results(km.key, "dead", [r.tid for r in km.dead])
             km.seen += [r.rid for r in km.dead]
-            km.dead = []
+            km.dead.clear()
         if km.sup:
-            self.store.forget_results(km.name, "sup", [t for t, _ in km.sup])
-            km.sup = []
+            self.store.forget_results(km.key, "sup", [t for t, _ in km.sup])
+            km.sup.clear()
         self._step_done(km)
 
     def do_due(self, km: KeyModel, run: Run) -> None:
@@ -886,7 +1027,7 @@ class EngineMachine(RuleBasedStateMachine):
         if not km.single:
             handed = km.fill()
         lease, doc = self.store.admit(
-            km.name,
+            km.key,
             run.entry(),
             ttl=LONG,
             limit=self._limit(km),
@@ -910,7 +1051,7 @@ class EngineMachine(RuleBasedStateMachine):
         """A parked run's debounce ends (its not-before time passes on the server's clock)."""
         self.clean = False
         result = self.store.collection.update_one(
-            {"_id": km.name, "q.id": run.rid}, {"$set": {"q.$.nb": PAST}}
+            {"_id": km.key, "q.id": run.rid}, {"$set": {"q.$.nb": PAST}}
         )
         assert result.matched_count == 1
         run.due = True
@@ -986,7 +1127,7 @@ class EngineMachine(RuleBasedStateMachine):
                 km.holds.remove(ho)
             run.state = "revoked"
             handed = km.hand_single()
-        self.store.unpark(km.name, run.rid)
+        self.store.unpark(km.key, run.rid)
         self._handoffs(km, handed)
         self._step_done(km)
 
@@ -1007,13 +1148,16 @@ class EngineMachine(RuleBasedStateMachine):
         elif run in km.q:
             km.q.remove(run)
             run.state = "revoked"
-        self.store.unpark(km.name, run.rid)
+        self.store.unpark(km.key, run.rid)
         self._handoffs(km, handed)
         self._step_done(km)
 
     def do_force_release(self, km: KeyModel) -> None:
         """An operator's release of the key, whoever holds it."""
         self.clean = False
+        if km.other is not None:
+            self._force_release_mixed(km)
+            return
         handed: list[Hold] = []
         if km.single:
             expected = bool(km.holds)
@@ -1029,9 +1173,35 @@ class EngineMachine(RuleBasedStateMachine):
                     km.drop(h, "ended")
                 km.normalize()
                 handed = km.fill()
-        released = self.store.force_release(km.name)
+        released = self.store.force_release(km.key)
         assert released == expected, f"{km.name}: force_release gave {released}"
         self._handoffs(km, handed)
+        self._step_done(km)
+
+    def _force_release_mixed(self, km: KeyModel) -> None:
+        """``force_release`` of the mixed key: the single lease (one command: the key handed to runs of a
+        single lease, once no slot is held), then every slot (the next: slots handed to runs of slots)."""
+        assert km.other is not None
+        one, slots = (km, km.other) if km.single else (km.other, km)
+        expected = bool(one.holds or slots.holds)
+        handed_one: list[Hold] = []
+        handed_slots: list[Hold] = []
+        if one.holds:
+            if not one.holds[0].handed:
+                one.drop(one.holds[0], "ended")
+            else:
+                one.holds[0].expired = True  # owner cleared: the handoff is handed again
+            handed_one = one.hand_single()
+        if slots.holds:
+            for h in [h for h in slots.holds if not h.handed]:
+                slots.drop(h, "ended")
+            slots.normalize()
+            handed_slots = slots.fill()
+        released = self.store.force_release(km.key)
+        assert released == expected, f"{km.key}: force_release gave {released}"
+        assert not (handed_one and handed_slots), f"{km.key}: handed as both kinds"
+        # (published in this order: the slots' command's handoffs, then the single lease's)
+        self._handoffs(one if handed_one else slots, handed_slots + handed_one)
         self._step_done(km)
 
     def do_crash(self, km: KeyModel, hold: Hold) -> None:
@@ -1055,7 +1225,7 @@ class EngineMachine(RuleBasedStateMachine):
             for h in [h for h in km.holds if h.expired and not h.handed]:
                 km.drop(h, "ended")
         km.holds.append(hold)
-        self._took(km, hold, self.store.acquire(km.name, SHORT, limit=self._limit(km)))
+        self._took(km, hold, self.store.acquire(km.key, SHORT, limit=self._limit(km)))
         mine = {"$filter": {"input": "$hs", "as": "h", "cond": {"$eq": ["$$h.o", hold.token]}}}
         field = "$expires_at" if km.single else {"$max": {"$map": {"input": mine, "as": "h", "in": "$$h.x"}}}
         # (dates compared as numbers: the embedded server compares dates in expressions wrongly)
@@ -1063,7 +1233,7 @@ class EngineMachine(RuleBasedStateMachine):
 
         def expired() -> bool:
             docs = list(
-                self.store.collection.aggregate([{"$match": {"_id": km.name}}, {"$project": {"e": lapsed}}])
+                self.store.collection.aggregate([{"$match": {"_id": km.key}}, {"$project": {"e": lapsed}}])
             )
             return not docs or bool(docs[0]["e"])
 
@@ -1073,10 +1243,13 @@ class EngineMachine(RuleBasedStateMachine):
         self._step_done(km)
 
     # -- rules ---------------------------------------------------------------------------------------
-    @initialize(names=st.lists(st.sampled_from(sorted(KEYS)), min_size=1, max_size=2, unique=True))
+    @initialize(names=st.lists(st.sampled_from(KEY_CHOICES), min_size=1, max_size=2, unique=True))
     def start(self, names: list[str]) -> None:
-        """The keys of this example (one or two: the rules then reach deep states on each)."""
-        self.keys = {name: self.keys[name] for name in names}
+        """The keys of this example (one or two: the rules then reach deep states on each; the mixed key
+        is its two kinds' models)."""
+        if ALWAYS_MIXED and not set(MIXED) & set(names):
+            names = [*names[:1], *MIXED]
+        self.keys = {name: self.keys[name] for group in names for name in MIXED.get(group, (group,))}
         self.store.ensure_indexes()
         # No TTL index: MongoDB's TTL monitor deleting an idle document (about once a minute) is not the
         # engine's doing, and would make outcomes depend on when it runs.
@@ -1222,6 +1395,17 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             self.do_claim(self.keys[run.key], run)
 
+    def _mixed(self) -> list[Run]:
+        """Runs refused ``mixed``: each comes back (``MIXED_RETRY``) until the key is free of the other
+        kind."""
+        return [r for r in self.runs if r.state == "mixed"]
+
+    @precondition(lambda self: bool(self._mixed()))
+    @rule(data=st.data())
+    def come_back(self, data: st.DataObject) -> None:
+        run = self._pick(data, self._mixed(), lambda r: r.tid, "run")
+        self.do_send(self.keys[run.key], run)
+
     def _debounced(self) -> list[Run]:
         return [r for km in self.keys.values() if km.debounce for r in km.q]
 
@@ -1251,7 +1435,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.clean = False
         km = self.keys[run.key]
         result = self.store.collection.update_one(
-            {"_id": km.name, "q.id": run.rid}, {"$set": {"q.$.dl": PAST}}
+            {"_id": km.key, "q.id": run.rid}, {"$set": {"q.$.dl": PAST}}
         )
         assert result.matched_count == 1
         run.past_deadline = True
@@ -1271,13 +1455,24 @@ class EngineMachine(RuleBasedStateMachine):
     def sweep(self, data: st.DataObject, revoke: bool) -> None:
         km = self._key(data, lambda km: km.waits() or km.holds)
         revoked: set[str] = set()
-        candidates = [r for r in self.runs if r.key == km.name and r.state in ("parked", "handed", "running")]
+        names = {km.name} | ({km.other.name} if km.other is not None else set())
+        candidates = [r for r in self.runs if r.key in names and r.state in ("parked", "handed", "running")]
         if revoke and candidates:
             revoked.add(self._pick(data, candidates, lambda r: f"{r.tid} ({r.state})", "revoked").tid)
         self.do_sweep(km, revoked)
 
     def _unparkable(self) -> list[Run]:
-        return [r for r in self.runs if r.state in ("parked", "handed")]
+        return [r for r in self.runs if r.state in ("parked", "handed") and not self._unpark_bug(r)]
+
+    def _unpark_bug(self, run: Run) -> bool:
+        """A run of a single lease on the mixed key while its document keeps a slot hold (expired: a slot
+        holder died, and a single lease was taken since): ``unpark`` chooses the slots' pipeline by the
+        document's holds (``hs.0``), not by the kind of the run, and so never removes a single lease's
+        handoff (nothing matches: it answers False and the run keeps the key), nor hands the key to the
+        next parked run (``tests/test_mixed_kinds_found.py``). Left out of the examples unless
+        ``MONGOLOCK_MODEL_KNOWN_BUGS=1`` (the model then expects what a single key does: it fails)."""
+        km = self.keys[run.key]
+        return not KNOWN_BUGS and km.other is not None and km.single and bool(km.other.holds)
 
     @precondition(lambda self: bool(self._unparkable()))
     @rule(data=st.data())
@@ -1300,7 +1495,25 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- the end of an example -----------------------------------------------------------------------
     def drain(self) -> None:
-        """Release every hold and claim every handoff until no run waits; every run then ran once."""
+        """Release every hold and claim every handoff until no run waits; every run then ran once (a run
+        refused ``mixed`` comes back once the keys are drained, and is drained in turn)."""
+        self._drain_keys()
+        for _ in range(MAX_RUNS * 2):
+            if not self._mixed():
+                break
+            run = self._mixed()[0]
+            self.do_send(self.keys[run.key], run)
+            self._drain_keys()
+        for run in self.runs:
+            assert run.state in ("done", "ended", "superseded", "revoked", "refused", "timedout"), (
+                f"{run.tid} is left {run.state}"
+            )
+            if run.state in ("done", "ended"):
+                assert run.starts == 1, f"{run.tid} ran {run.starts} times"
+            else:
+                assert run.starts == 0
+
+    def _drain_keys(self) -> None:
         for km in self.keys.values():
             for _ in range(200):
                 if not km.holds and not km.q:
@@ -1319,14 +1532,6 @@ class EngineMachine(RuleBasedStateMachine):
                     self.do_force_release(km)
             assert not km.holds and not km.q, f"{km.name}: could not drain"
             self._check(km, view=True)
-        for run in self.runs:
-            assert run.state in ("done", "ended", "superseded", "revoked", "refused", "timedout"), (
-                f"{run.tid} is left {run.state}"
-            )
-            if run.state in ("done", "ended"):
-                assert run.starts == 1, f"{run.tid} ran {run.starts} times"
-            else:
-                assert run.starts == 0
 
     def teardown(self) -> None:
         try:
