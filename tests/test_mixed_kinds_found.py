@@ -1,0 +1,83 @@
+"""Engine bugs the model test found on a key used as both kinds (``tests/test_engine_model.py``, the mixed
+key): store-level reproductions, strict xfails until they are fixed.
+
+``unpark`` chooses its pipeline by the document's holds (``hs.0`` exists: the slots' pipeline), not by the
+kind of the run it removes. A key used as a single lease keeps the holds of its earlier slots that expired
+(a single lease's admit or acquire does not drop them), so a run of a single lease on such a key is
+unparked by the slots' pipeline: its handoff (``ho``) is not among the slots' handoffs, and the key, free
+for a single lease, is not handed to the next parked run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+import pytest
+
+from celery_mongolock import LeaseStore
+
+KEY = "kinds:found"
+PAST = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
+
+
+def entry(task_id: str, stamp: int) -> dict[str, Any]:
+    return {
+        "id": f"{task_id}/0",
+        "t": task_id,
+        "n": "m",
+        "r": "0",
+        "s": stamp,
+        "tk": f"{task_id}-tk",
+        "m": b"m",
+    }
+
+
+def doc(store: LeaseStore) -> dict[str, Any]:
+    return store.collection.find_one({"_id": KEY}) or {}
+
+
+def a_dead_slot_then_a_single_lease(store: LeaseStore) -> Any:
+    """A slot taken and its holder dead (its hold expired, kept in ``hs``), then a single lease taken, and
+    two runs of a single lease parked behind it."""
+    assert store.acquire(KEY, 600, limit=2) is not None
+    store.collection.update_one({"_id": KEY}, {"$set": {"hs.$[].x": PAST}})
+    holder = store.acquire(KEY, 600)
+    assert holder is not None
+    for task_id, stamp in (("a", 1), ("b", 2)):
+        assert store.admit(KEY, entry(task_id, stamp), ttl=600)[1]["lo"] == "parked"
+    assert len(doc(store)["hs"]) == 1 and doc(store)["qk"] == "one"
+    return holder
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="unpark takes the slots' pipeline on a document with a (dead) slot hold: a single lease's "
+    "handoff is not removed (answers False)",
+)
+def test_unpark_removes_the_handoff_of_a_single_lease_on_a_key_keeping_a_dead_slot(store: LeaseStore) -> None:
+    published: list[str] = []
+    store.add_handoff_callback(lambda key, ho, d: published.append(str(ho["t"])))
+    holder = a_dead_slot_then_a_single_lease(store)
+    assert holder.release() and published == ["a"]
+    assert doc(store)["ho"]["t"] == "a" and doc(store)["owner"] == "a-tk"
+    # "a" is handed the key; it is unparked (revoked): the handoff goes, the key goes to "b".
+    assert store.unpark(KEY, "a/0")  # (actual: False, "a" is still handed the key)
+    after = doc(store)
+    assert (after.get("ho") or {}).get("t") == "b" and published == ["a", "b"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="unpark takes the slots' pipeline on a document with a (dead) slot hold: a key free for a single "
+    "lease is not handed to the next parked run",
+)
+def test_unpark_hands_a_free_single_lease_on_a_key_keeping_a_dead_slot(store: LeaseStore) -> None:
+    published: list[str] = []
+    store.add_handoff_callback(lambda key, ho, d: published.append(str(ho["t"])))
+    a_dead_slot_then_a_single_lease(store)
+    store.collection.update_one({"_id": KEY}, {"$set": {"expires_at": PAST}})  # the single holder died
+    assert store.unpark(KEY, "a/0")
+    # As on a key never taken as slots: the free key goes to "b" in the same command.
+    after = doc(store)
+    assert (after.get("ho") or {}).get("t") == "b" and published == ["b"]  # (actual: "b" still parked)
