@@ -23,9 +23,8 @@ keeps the holds of the other kind that expired (a single lease's commands leave 
 the slots' leave an expired owner), and the model with it (``slots_crash``: every slot's holder dies at
 once, so a single lease is taken beside them). A second mixed key has ``Replace`` runs of ``limit=3``
 slots beside ``Queue`` runs of a single lease (a newer send is judged after ``mixed``: the runs of the
-other kind are not sends a run waits among). Left out: ``unpark`` of a run of a single lease while the
-document keeps a slot hold (an engine bug: ``tests/test_mixed_kinds_found.py``; reached with
-``MONGOLOCK_MODEL_KNOWN_BUGS=1``); debounce, minimum holds, sets and priorities' spills on the mixed keys.
+other kind are not sends a run waits among). It found the bugs of ``tests/test_mixed_kinds_found.py``.
+Left out: debounce, minimum holds, sets and priorities' spills on the mixed keys.
 
 Each step's outcome is predicted by the model and compared with what the store returned, and after every
 step the key's document (read with the server's time) must match the model exactly. Besides, after every
@@ -123,8 +122,6 @@ MIXED: dict[str, tuple[str, str]] = {
 KEY_CHOICES = sorted(
     {name for name in KEYS if not any(name in kinds for kinds in MIXED.values())} | set(MIXED)
 )
-#: ``MONGOLOCK_MODEL_KNOWN_BUGS=1``: reach the interleavings of the engine's known bugs too (``_unpark_bug``).
-KNOWN_BUGS = os.environ.get("MONGOLOCK_MODEL_KNOWN_BUGS") == "1"
 #: ``MONGOLOCK_MODEL_MIXED=1``: every example has the mixed key (a soak of the mixed kinds).
 ALWAYS_MIXED = os.environ.get("MONGOLOCK_MODEL_MIXED") == "1"
 #: Keys whose runs are several-keys ``Replace`` runs with a limit on this key (``keys=`` with a limit per
@@ -1524,17 +1521,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.do_sweep(km, revoked)
 
     def _unparkable(self) -> list[Run]:
-        return [r for r in self.runs if r.state in ("parked", "handed") and not self._unpark_bug(r)]
-
-    def _unpark_bug(self, run: Run) -> bool:
-        """A run of a single lease on the mixed key while its document keeps a slot hold (expired: a slot
-        holder died, and a single lease was taken since): ``unpark`` chooses the slots' pipeline by the
-        document's holds (``hs.0``), not by the kind of the run, and so never removes a single lease's
-        handoff (nothing matches: it answers False and the run keeps the key), nor hands the key to the
-        next parked run (``tests/test_mixed_kinds_found.py``). Left out of the examples unless
-        ``MONGOLOCK_MODEL_KNOWN_BUGS=1`` (the model then expects what a single key does: it fails)."""
-        km = self.keys[run.key]
-        return not KNOWN_BUGS and km.other is not None and km.single and bool(km.other.holds)
+        return [r for r in self.runs if r.state in ("parked", "handed")]
 
     @precondition(lambda self: bool(self._unparkable()))
     @rule(data=st.data())

@@ -1,23 +1,21 @@
 """Engine bugs the model test found on a key used as both kinds (``tests/test_engine_model.py``, the mixed
-key): store-level reproductions, strict xfails until they are fixed.
+key), fixed: store-level reproductions, each failing before its fix.
 
-``unpark`` chooses its pipeline by the document's holds (``hs.0`` exists: the slots' pipeline), not by the
+``unpark`` chose its pipeline by the document's holds (``hs.0`` exists: the slots' pipeline), not by the
 kind of the run it removes. A key used as a single lease keeps the holds of its earlier slots that expired
-(a single lease's admit or acquire does not drop them), so a run of a single lease on such a key is
-unparked by the slots' pipeline: its handoff (``ho``) is not among the slots' handoffs, and the key, free
-for a single lease, is not handed to the next parked run.
+(a single lease's admit or acquire does not drop them), so a run of a single lease on such a key was
+unparked by the slots' pipeline: its handoff (``ho``) was not among the slots' handoffs, and the key, free
+for a single lease, was not handed to the next parked run. Now the filter picks by the run's kind.
 
-A single lease's admit judges a copy ``running`` when the run is the holder and the key is not ``VACANT``;
+A single lease's admit judged a copy ``running`` when the run is the holder and the key is not ``VACANT``;
 ``VACANT`` includes ``NO_SLOT_HELD``, so the copy of a run whose single lease expired, on a key held as
-slots since, is told it is a copy of the run holding the key.
+slots since, was told it is a copy of the run holding the key. Now ``running`` needs the lease live.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 from typing import Any
-
-import pytest
 
 from celery_mongolock import LeaseStore
 
@@ -54,11 +52,6 @@ def a_dead_slot_then_a_single_lease(store: LeaseStore) -> Any:
     return holder
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unpark takes the slots' pipeline on a document with a (dead) slot hold: a single lease's "
-    "handoff is not removed (answers False)",
-)
 def test_unpark_removes_the_handoff_of_a_single_lease_on_a_key_keeping_a_dead_slot(store: LeaseStore) -> None:
     published: list[str] = []
     store.add_handoff_callback(lambda key, ho, d: published.append(str(ho["t"])))
@@ -66,16 +59,11 @@ def test_unpark_removes_the_handoff_of_a_single_lease_on_a_key_keeping_a_dead_sl
     assert holder.release() and published == ["a"]
     assert doc(store)["ho"]["t"] == "a" and doc(store)["owner"] == "a-tk"
     # "a" is handed the key; it is unparked (revoked): the handoff goes, the key goes to "b".
-    assert store.unpark(KEY, "a/0")  # (actual: False, "a" is still handed the key)
+    assert store.unpark(KEY, "a/0")  # (before the fix: False, "a" kept the key)
     after = doc(store)
     assert (after.get("ho") or {}).get("t") == "b" and published == ["a", "b"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unpark takes the slots' pipeline on a document with a (dead) slot hold: a key free for a single "
-    "lease is not handed to the next parked run",
-)
 def test_unpark_hands_a_free_single_lease_on_a_key_keeping_a_dead_slot(store: LeaseStore) -> None:
     published: list[str] = []
     store.add_handoff_callback(lambda key, ho, d: published.append(str(ho["t"])))
@@ -84,14 +72,9 @@ def test_unpark_hands_a_free_single_lease_on_a_key_keeping_a_dead_slot(store: Le
     assert store.unpark(KEY, "a/0")
     # As on a key never taken as slots: the free key goes to "b" in the same command.
     after = doc(store)
-    assert (after.get("ho") or {}).get("t") == "b" and published == ["b"]  # (actual: "b" still parked)
+    assert (after.get("ho") or {}).get("t") == "b" and published == ["b"]  # (before: "b" parked)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a single-lease admit's `running` case reads `not VACANT`, and VACANT includes NO_SLOT_HELD: "
-    "a copy of a run whose lease expired is told `running` while slots are held",
-)
 def test_a_copy_of_a_run_whose_single_lease_expired_is_not_running_beside_slots(store: LeaseStore) -> None:
     """The redelivered message of a run whose worker died (its single lease expired), while the key is
     held as slots by others: the run holds nothing, so its copy is refused as any run of a single lease is
@@ -103,4 +86,4 @@ def test_a_copy_of_a_run_whose_single_lease_expired_is_not_running_beside_slots(
     slot = store.acquire(KEY, 600, limit=2)
     assert slot is not None  # (the key is free of the single lease: taken as a slot)
     assert store.admit(KEY, entry("y", 2), ttl=600)[1]["lo"] == "mixed"  # any other run of a single lease
-    assert store.admit(KEY, entry("x", 1), ttl=600)[1]["lo"] == "mixed"  # (actual: "running")
+    assert store.admit(KEY, entry("x", 1), ttl=600)[1]["lo"] == "mixed"  # (before the fix: "running")

@@ -330,7 +330,9 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
             {"$eq": ["$holder.task_id", {"$literal": run.entry["t"]}]},
             {"$eq": ["$holder.delivery", {"$literal": run.entry.get("r")}]},
             {"$ne": [{"$ifNull": ["$owner", None]}, None]},
-            {"$not": [_VACANT]},
+            # (its lease live: not ``not VACANT``, which slots held by others also make true, and a copy of a
+            # run whose lease expired would be told it is a copy of the run holding the key)
+            {"$gt": [{"$toLong": "$expires_at"}, _NOW_MS]},
         ]
     }
     claimable = None
