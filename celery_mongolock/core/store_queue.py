@@ -53,26 +53,6 @@ log_acquire = logging.getLogger("celery_mongolock.acquire")
 SWEPT_ENDINGS = documents.TAKEOVER_ENDINGS
 
 
-def _slot_run(entry_id: str) -> list[Document]:
-    """``unpark``'s filter for a run of slots: handed a slot, or parked on a key whose parked runs are runs
-    of slots (``qk``; a document from before ``qk``: one with slot holds)."""
-    return [
-        {"hs.ho.id": entry_id},
-        {"q.id": entry_id, "qk": key_state.KIND_SLOTS},
-        {"q.id": entry_id, "qk": {"$exists": False}, "hs.0": {"$exists": True}},
-    ]
-
-
-def _single_run(entry_id: str) -> list[Document]:
-    """``unpark``'s filter for a run of a single lease: handed the key, or parked where ``_slot_run`` says
-    the runs are not runs of slots."""
-    return [
-        {"ho.id": entry_id},
-        {"q.id": entry_id, "qk": key_state.KIND_ONE},
-        {"q.id": entry_id, "qk": {"$exists": False}, "hs.0": {"$exists": False}},
-    ]
-
-
 class QueueOwner(Protocol):
     """What the queue's upkeep needs from the store that owns it (``LeaseStore`` implements it)."""
 
@@ -223,14 +203,14 @@ class QueueUpkeep:
             # single lease that kept an expired slot's hold unparked its runs as runs of slots: the model
             # test's mixed key.)
             doc = connection.collection.find_one_and_update(
-                {"_id": key, "$or": _slot_run(entry_id)},
+                {"_id": key, "$or": key_state.slot_run_filter(entry_id)},
                 slot_admission.slot_unpark_pipeline(entry_id, by),
                 projection=slot_admission.SLOT_HANDOFF_PROJECTION,
                 return_document=ReturnDocument.AFTER,
             )
             if doc is None:
                 doc = connection.collection.find_one_and_update(
-                    {"_id": key, "$or": _single_run(entry_id)},
+                    {"_id": key, "$or": key_state.single_run_filter(entry_id)},
                     pipeline,
                     projection=admission_docs.HANDOFF_PROJECTION,
                     return_document=ReturnDocument.AFTER,

@@ -30,6 +30,8 @@ __all__ = [
     "parked_kind",
     "parked_kind_of",
     "serves_slots",
+    "single_run_filter",
+    "slot_run_filter",
 ]
 
 Document = dict[str, Any]
@@ -247,3 +249,23 @@ SLOTS_IN_USE: Document = {"$or": [{"$not": [NO_SLOT_HELD]}, parked_as(KIND_SLOTS
 #: single lease parked, behind a holder that died, say): its run must not park there, where the release
 #: would hand it the key as a single lease, which it cannot claim as a slot.
 SINGLE_IN_USE: Document = {"$or": [SINGLE_HELD, parked_as(KIND_ONE)]}
+
+
+def slot_run_filter(entry_id: str) -> list[Document]:
+    """``unpark``'s filter for a run of slots: handed a slot, or parked on a key whose parked runs are runs
+    of slots (``qk``; a document from before ``qk``: one with slot holds)."""
+    return [
+        {"hs.ho.id": entry_id},
+        {"q.id": entry_id, "qk": KIND_SLOTS},
+        {"q.id": entry_id, "qk": {"$exists": False}, "hs.0": {"$exists": True}},
+    ]
+
+
+def single_run_filter(entry_id: str) -> list[Document]:
+    """``unpark``'s filter for a run of a single lease: handed the key, or parked where
+    ``slot_run_filter`` says the runs are not runs of slots."""
+    return [
+        {"ho.id": entry_id},
+        {"q.id": entry_id, "qk": KIND_ONE},
+        {"q.id": entry_id, "qk": {"$exists": False}, "hs.0": {"$exists": False}},
+    ]
