@@ -374,22 +374,21 @@ class QueuedRun:
             past = self._waited_past_timeout(key)
             if past is None:
                 self._other_kind(key, admission)
-            if isinstance(self.policy.then, Fail):
-                raise QueueTimeout(results.named_key(key, self.admit_keys), past)
-            return (
-                ContendedRun(task, self.store, key, direct=False)
-                .held_by(holder, admission.expires_at)
-                .skip(past)
-            )
+            return self._ended_by_then(key, admission, past)
         assert outcome is AdmitOutcome.FULL, outcome
         reason = results.full_reason(
             key, admission.queued, self.policy.max_length, self.entry, in_document=len(admission.parked)
         )
-        key = results.named_key(key, self.admit_keys)  # (its set's gate: the set's first key)
+        return self._ended_by_then(key, admission, reason)
+
+    def _ended_by_then(self, key: str, admission: Admission, reason: str) -> Outcome:
+        """The run cannot wait on ``key`` (a full queue, or past its timeout): its policy's ``then`` ends it,
+        ``QueueTimeout`` (``Fail``) or skipped, with ``reason`` (``key``: its set's first key for a gate)."""
+        key = results.named_key(key, self.admit_keys)
         if isinstance(self.policy.then, Fail):
             raise QueueTimeout(key, reason)
-        contended = ContendedRun(task, self.store, key, direct=False)
-        return contended.held_by(holder, admission.expires_at).skip(reason)
+        contended = ContendedRun(self.task, self.store, key, direct=False)
+        return contended.held_by(dict(admission.holder), admission.expires_at).skip(reason)
 
     def _waited_past_timeout(self, key: str) -> str | None:
         """Why a run that finds ``key`` in use as the other kind has waited past its policy's ``timeout``
