@@ -272,26 +272,29 @@ def _on_acquired(sender: Any = None, key: str = "", lease: Any = None, **_: Any)
     m.held.labels(sender.name).inc()
 
 
-def _drop_holding(m: _Metrics, lease: Any) -> str | None:
+def _drop_holding(m: _Metrics, lease: Any, *, lost: bool) -> None:
+    """The run no longer holds ``lease``: its gauge goes down, and a loss is counted, each exactly once.
+
+    Both the release (the task's thread, after the body) and the loss notice (a thread of its own, started
+    after ``lease.lost`` turns true) come here; whichever comes first drops the holding. A body that saw
+    ``lease.lost`` may end, and be released, before the loss notice runs: the release then counts the loss
+    itself (``lost``), so the count is in before the run's result is stored."""
     with m.lock:
         name = m.holding.pop(lease.owner, None)
     if name is not None:
         m.held.labels(name).dec()
-    return name
+        if lost:
+            m.lost.labels(name).inc()
 
 
 def _on_released(sender: Any = None, lease: Any = None, **_: Any) -> None:
     if _metrics is not None and lease is not None:
-        _drop_holding(_metrics, lease)
+        _drop_holding(_metrics, lease, lost=bool(getattr(lease, "lost", False)))
 
 
 def _on_lost(sender: Any = None, lease: Any = None, **_: Any) -> None:
-    m = _metrics
-    if m is None or lease is None:
-        return
-    name = _drop_holding(m, lease)
-    if name is not None:
-        m.lost.labels(name).inc()
+    if _metrics is not None and lease is not None:
+        _drop_holding(_metrics, lease, lost=True)
 
 
 def _on_parked(sender: Any = None, **_: Any) -> None:
