@@ -247,3 +247,24 @@ def test_runs_of_another_burst_keep_their_place_on_the_slotted_key(store: LeaseS
     assert parked(store, T) == ["r10", "r20"] and superseded(store, T) == []
     assert park({**run(30), "bu": 2_000})["lo"] == "parked"  # of the newer one's burst: supersedes it
     assert parked(store, T) == ["r10", "r30"] and superseded(store, T) == [("r20", "r30")]
+
+
+def test_a_run_of_the_set_sent_at_the_same_stamp_is_never_dropped_unrecorded(store: LeaseStore) -> None:
+    """Two sends of one set at the same stamp: neither is newer, and the one whose id sorts later is not
+    older either (ties go by the entry's id). A run parked at that stamp must keep its place, or be
+    recorded superseded; the slotted key's park dropped every parked run of the set, recording only the
+    older ones (found by the model test, seed 13: ``r9`` vanished when ``r10`` parked)."""
+    holders = [store.acquire(T, 30, limit=N) for _ in range(N)]
+    assert all(holders)
+    later_id, earlier_id = run(5, task_id="r9"), run(5, task_id="r10")  # "r10/0" < "r9/0"
+    assert admit(store, T, later_id)[1]["lo"] == "parked"
+    assert admit(store, T, earlier_id)[1]["lo"] == "parked"
+    recorded = {t for t, _ in superseded(store, T)}
+    assert {"r9", "r10"} <= set(parked(store, T)) | recorded
+    assert parked(store, T) == ["r10", "r9"] and not recorded  # the tie-break's order: both run
+    # The key hands them on in that order as the slots come free (the handoff is published in the release's
+    # own command, so it is seen when the release returns).
+    handed = Handoffs(store)
+    for lease in holders:
+        assert lease is not None and lease.release()
+    assert handed.tasks == ["r10", "r9"]

@@ -142,18 +142,27 @@ def parked_queue(
     max_wait_ms: int | None = None,
 ) -> Document:
     """The queue when the run ``entry`` of ``group`` parks: its entry in its place (rank, then send order;
-    the older runs of its set, of its burst when given, are gone already: ``take_back_stage``; the
-    entries of its set of another burst keep their place). With ``debounce_ms``, the entry is not due
-    before it has passed (``nb``), nor later than its burst's first wait (``__fw``, ``burst_stage``) plus
-    ``max_wait_ms``; with a burst, the entry keeps it (``bu``: ``__bid``)."""
+    the older runs of its set, of its burst when given, are gone already: ``take_back_stage``; the other
+    entries of its set, of another burst or sent at the same stamp, keep their place). With
+    ``debounce_ms``, the entry is not due before it has passed (``nb``), nor later than its burst's first
+    wait (``__fw``, ``burst_stage``) plus ``max_wait_ms``; with a burst, the entry keeps it (``bu``:
+    ``__bid``)."""
     ident, stamp = str(entry["id"]), int(entry["s"])
     ahead = adm.entry_ahead("$$e", stamp, ident, adm.rank_of_entry(entry))
     since = "$__fw" if debounce_ms and max_wait_ms else None
     parked = adm.entry_expr(entry, timeout_ms, debounce_ms, max_wait_ms=max_wait_ms, since=since)
     if debounce_ms and max_wait_ms and burst is not None:
         parked["bu"] = "$__bid"
-    q, _ = sets.park_queue(parked, group, ahead, by=str(entry["t"]), take_back=False, burst=burst)
-    return q
+    # Only the older runs leave (``take_back_stage``, by send stamp, then entry id): a parked run of its
+    # set sent at the same stamp with a later id is neither older nor newer, and keeps its place (dropping
+    # every run of the set here lost it, with no ``sup`` record: found by the model test, seed 13).
+    return {
+        "$concatArrays": [
+            {"$filter": {"input": _Q, "as": "e", "cond": ahead}},
+            [parked],
+            {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [ahead]}}},
+        ]
+    }
 
 
 def take_back_stage(
