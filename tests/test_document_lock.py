@@ -315,7 +315,7 @@ def test_updates_that_would_touch_the_lock_are_refused(
         assert not locked.lost and _lock_of(coll, "inv-5")["owner"] == locked.owner
 
 
-# -- the CLI, run as a user runs it ------------------------------------------------------------------------
+# -- the CLI (its commands, in this process: test_cli.run) ---------------------------------------------------
 def test_cli_inspects_and_force_releases_a_document_lock(
     make_store: Any, mongo_url: str, db_name: str
 ) -> None:

@@ -885,7 +885,7 @@ def test_a_force_release_from_the_cli_is_noticed_by_the_running_task_at_once(clu
     """Issue 29 item 3, in a real prefork worker: the body of a run learns of an operator's force release
     (the real ``celery mongolock release --force``, another process) from its process's lease watch. Its
     renewal interval is 300 s: within this test's deadline, only the change stream can have told it."""
-    from .test_cli import run as run_cli
+    from .test_cli import real_run as run_cli
 
     env = cluster.env(MONGOLOCK_IT_LEASE=900, MONGOLOCK_IT_HEARTBEAT=300)
     w = cluster.worker(name=f"n{tag()}@localhost", env=env, extra_args=["-Q", "nq"])

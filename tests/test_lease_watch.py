@@ -29,7 +29,7 @@ from celery_mongolock.ops.testing import configure
 
 from .conftest import CommandCounter
 from .servers import wait_for
-from .test_cli import run as run_cli
+from .test_cli import real_run as run_cli
 
 #: Lease and renewal interval of the holders below: no renewal tick within any test's deadline.
 LEASE, SLOW_BEAT = 900.0, 400.0
