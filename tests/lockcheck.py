@@ -3760,9 +3760,11 @@ def lost_by_broker(
     - the message is in no queue and not unacknowledged now (``where == "nowhere"``);
     - the broker's append-only file, replayed (``tests/brokerlog.py``), shows the task's last message
       copy popped and never recorded as unacknowledged, nor pushed again, afterwards;
-    - a fault that cuts a consumer off (``kill-node``, ``broker-restart``) happened after the clock mark
-      before that pop and no later than the clock mark after it plus the longest pop-to-record time that
-      the file shows for the messages that were recorded in this run (measured, not assumed).
+    - a fault that cuts a consumer off (``kill-node``, ``broker-restart``) happened no later than the clock
+      mark after that pop plus the longest pop-to-record time that the file shows for the messages that
+      were recorded in this run (measured, not assumed: the latency), and not before the clock mark before
+      the pop; for a kill, not before it less the time the node took to be reaped plus that latency (the
+      broker serves a killed consumer's pending pop until it handles its closed connection).
 
     Or, a second way the same transport loses a message: a restore (a worker's ``reject(requeue=True)``
     or its shutdown) that fails with an error other than a connection error (a channel closed under it by
@@ -3784,13 +3786,23 @@ def lost_by_broker(
     if popped is None:
         return None
     tag, after, before = popped
-    window_end = before + max(log.max_pop_to_record_s, CLOCK_MARK_INTERVAL)
+    latency = max(log.max_pop_to_record_s, CLOCK_MARK_INTERVAL)
+    window_end = before + latency
     cuts = [
         {**f, "kind": "kill-node", "t": f["killed_t"]} if f.get("killed_t") is not None else f
         for f in faults
         if f["kind"] in ("kill-node", "broker-restart") or f.get("killed_t") is not None
     ]
-    cuts = [f for f in cuts if after <= float(f["t"]) <= window_end]
+
+    def cut_until(f: Doc) -> float:
+        # A killed node's pending BRPOP is still served by the broker until the broker handles its closed
+        # connection: after the node is reaped (``dead_t``), by at most the broker's latency, bounded by the
+        # longest pop-to-record time this run measured (ci of stop 63: the pop 64 ms after the kill's time).
+        if f["kind"] != "kill-node":
+            return float(f["t"])
+        return float(f.get("dead_t", f["t"])) + latency
+
+    cuts = [f for f in cuts if float(f["t"]) <= window_end and cut_until(f) >= after]
     if not cuts:
         return None
     cut = cuts[0]
@@ -6203,6 +6215,7 @@ class Run:
             t = time.monotonic()
             node.kill()
             self._record_node("kill-node", t, node, held)
+            self.faults[-1]["dead_t"] = time.monotonic()  # (reaped: its sockets are closed)
             self.nodes.remove(node)
             node.stop()
             self._start_node()
@@ -6247,6 +6260,7 @@ class Run:
             fault["stuck"] = self._stuck_evidence(node)
             fault["killed_t"] = time.monotonic()
             node.kill()
+            fault["dead_t"] = time.monotonic()
             self.log(f"fault sigterm-node: {node.name} had not exited after {SIGTERM_STOP_S:g} s; killed")
         node.stop()  # (its children, if its parent left any behind)
 
@@ -6853,18 +6867,35 @@ class Run:
             self._stop.set()
             submitter.join(10)
             self.log("draining: clients stop, submitted tasks finish")
+            # Where the time after the fault phase goes (``after_s``), stage by stage.
+            after: dict[str, float] = {}
+            mark = time.monotonic()
+
+            def stage(name: str) -> None:
+                nonlocal mark
+                now = time.monotonic()
+                after[name] = round(now - mark, 1)
+                mark = now
+
             tasks = self.drain()
+            stage("drain")
             self._links_lost_by_broker(tasks)
+            stage("links")
             self._supervisor_stop.set()
             supervisor.join(130)
+            stage("supervisor")
             for node in [*self.nodes, *([self.skewed_node] if self.skewed_node else [])]:
                 node.stop()
+            stage("nodes_stop")
             docs = self._final_docs()
             # Kept with the histories, so that a run can be checked again (``check``) from its workdir.
             (self.dir / "tasks.json").write_text(json.dumps(tasks, indent=1, default=str))
             (self.dir / "unique_sends.json").write_text(json.dumps(self.unique_sends, indent=1))
             history = History(read_histories(self.hist_dir), docs, tasks, self.unique_sends)
+            stage("read")
             violations = check(history)
+            stage("check")
+            self.log(f"after the fault phase: {after}")
             extra = {
                 "seed": self.cfg.seed,
                 "broker": self.cfg.broker,
@@ -6882,6 +6913,7 @@ class Run:
                 "node_exits": self.node_exits,
                 "node_stalls": self.node_stalls,
                 "drain_s": self.drain_s,
+                "after_s": after,
                 "node_start_s": _stats(self.start_times),
                 "multi_replace_directed": self.multi_replace_directed,
                 "unique_directed": self.unique_directed,

@@ -500,6 +500,13 @@ def test_lost_by_the_broker_only_when_its_own_log_proves_it(tmp_path: Path) -> N
     assert not lost("nowhere", [{"kind": "kill-child", "t": 11.05}, {"kind": "server-pause", "t": 11.05}])
     assert not lost("nowhere", [{**crash, "t": 30.0}])
     assert not lost("nowhere", [{**crash, "t": 9.0}])  # before the pop
+    # A kill just before the pop: the broker served the killed node's pending pop before it handled its
+    # closed connection (after the node was reaped, within the latency measured: 0.2 s here). Long before
+    # the pop, or reaped long before it: not.
+    assert lost("nowhere", [{**kill, "t": 10.95}]) and lost("nowhere", [{**kill, "t": 10.7, "dead_t": 10.9}])
+    assert not lost("nowhere", [{**kill, "t": 9.0}]) and not lost(
+        "nowhere", [{**kill, "t": 9.0, "dead_t": 9.5}]
+    )
     # Recorded as unacknowledged after the pop: whatever lost it, the pop window did not.
     assert not lost("nowhere", [crash], _aof(tmp_path, *popped_then_cut, _recorded("t", "d1")))
     # The previous copy's acknowledgement comes after the new copy's pop in the file (a run publishes its
