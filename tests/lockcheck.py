@@ -3800,7 +3800,8 @@ def lost_by_broker(
         # longest pop-to-record time this run measured (ci of stop 63: the pop 64 ms after the kill's time).
         if f["kind"] != "kill-node":
             return float(f["t"])
-        return float(f.get("dead_t", f["t"])) + latency
+        dead = f.get("dead_t")
+        return float(f["t"] if dead is None else dead) + latency
 
     cuts = [f for f in cuts if float(f["t"]) <= window_end and cut_until(f) >= after]
     if not cuts:

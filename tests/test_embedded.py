@@ -668,3 +668,83 @@ def test_the_parse_check_of_a_pipeline_gives_secantus_answer_and_checks_a_stage_
     # The stage common to seven pipelines was checked once for each of its three sets of variables.
     assert sum(1 for p, _, _ in cases if isinstance(p, list) and ok in p) == 7
     assert checked[:first].count([ok]) == 3
+
+
+def _stream_events(url: str, pipeline: list[Any], writes: Any) -> list[dict[str, Any]]:
+    """The events a stream with ``pipeline`` (``updateLookup``) gets for ``writes(collection)``, read up to
+    a sentinel deletion (which every pipeline here passes)."""
+    client: MongoClient[dict[str, Any]] = MongoClient(url)
+    try:
+        coll = client["lookup"]["leases"]
+        coll.delete_many({})
+        got: list[dict[str, Any]] = []
+        with coll.watch(pipeline, full_document="updateLookup", max_await_time_ms=200) as stream:
+            writes(coll)
+            coll.insert_one({"_id": "sentinel"})
+            coll.delete_one({"_id": "sentinel"})
+            while not got or got[-1]["operationType"] != "delete":
+                event = stream.try_next()
+                if event is not None:
+                    got.append(
+                        {k: v for k, v in event.items() if k not in ("_id", "clusterTime", "wallTime")}
+                    )
+        return got
+    finally:
+        client.close()
+
+
+def test_an_update_the_stream_s_first_match_drops_is_not_looked_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``server_patches.LOOKUP``, on a SecantusDB server in this process: a stream whose first ``$match``
+    names no ``fullDocument`` field (as the lease watch's) gets the same events as shipped, and the updates
+    that ``$match`` drops (a lease's renewals) are no longer looked up: one read, not 31."""
+    from secantus import changestreams, commands
+    from secantus.server import SecantusDBServer
+
+    from celery_mongolock.ops import server_patches
+
+    lookups: list[Any] = []
+    shipped_lookup = changestreams._do_lookup
+
+    def counted(storage: Any, db: str, coll: str, doc_id: Any) -> Any:
+        lookups.append(doc_id)
+        return shipped_lookup(storage, db, coll, doc_id)
+
+    monkeypatch.setattr(changestreams, "_do_lookup", counted)
+    monkeypatch.setattr(changestreams, "project", changestreams.project)
+    monkeypatch.setattr(commands, "_drain_change_stream_producer", commands._drain_change_stream_producer)
+    pipeline = [
+        {
+            "$match": {
+                "$or": [{"operationType": "delete"}, {"updateDescription.updatedFields.end": {"$exists": 1}}]
+            }
+        },
+        {"$match": {"$or": [{"operationType": "delete"}, {"fullDocument.who": "me"}]}},
+    ]
+
+    def writes(coll: Any) -> None:
+        coll.insert_many([{"_id": "k", "n": 0, "who": "me"}, {"_id": "j", "who": "them"}])
+        for _ in range(30):
+            coll.update_one({"_id": "k"}, {"$inc": {"n": 1}})  # renewals: the first $match drops them
+        coll.update_one({"_id": "k"}, {"$set": {"end": 1}})  # passes both
+        coll.update_one({"_id": "j"}, {"$set": {"end": 2}})  # passes the first, not the second
+
+    server = SecantusDBServer(port=0, storage_path=str(tmp_path / "data"))
+    server.start()
+    try:
+        host, port = server.address[:2]
+        url = f"mongodb://{host}:{port}/?directConnection=true"
+        shipped = _stream_events(url, pipeline, writes)
+        shipped_reads = len(lookups)
+        shipped_project = changestreams.project
+        exec(server_patches.LOOKUP, {})
+        assert changestreams.project is not shipped_project  # (SecantusDB's internals are the ones expected)
+        lookups.clear()
+        patched = _stream_events(url, pipeline, writes)
+    finally:
+        server.stop()
+    assert [e["operationType"] for e in shipped] == ["update", "delete"], shipped
+    assert shipped[0]["fullDocument"]["who"] == "me" and shipped[0]["fullDocument"]["n"] == 30
+    assert patched == shipped
+    assert shipped_reads == 32 and len(lookups) == 2  # (the last update passes the first $match, is read)

@@ -5,7 +5,7 @@ internals are not the ones it was written for. ``LAUNCH`` is the whole ``python 
 
 from __future__ import annotations
 
-__all__ = ["AWAIT", "COPY", "LAUNCH", "PARSE", "PLAN", "PROFILE", "SEEK", "TUNE", "WAKE", "ZONE"]
+__all__ = ["AWAIT", "COPY", "LAUNCH", "LOOKUP", "PARSE", "PLAN", "PROFILE", "SEEK", "TUNE", "WAKE", "ZONE"]
 
 #: Run in the server's process before it starts (never in ours). SecantusDB 0.7 keeps the replies of the
 #: last 10,000 retryable writes, and prunes them on every retryable write and lookup: a scan of all of
@@ -474,6 +474,87 @@ try:
 except Exception:
     pass
 """
+#: Run in the server's process. For a change stream opened with ``fullDocument: "updateLookup"``, SecantusDB
+#: reads the changed document of every update before the stream's own stages see the event, so each update
+#: of the lease collection cost one read per open stream (a process's lease watch), the heartbeat's renewals
+#: included, which the watch's first ``$match`` drops (``documents.changes.loss_events_pipeline``): the
+#: lookups were 15% of the lock-set checker's server time, and the streams 31% (py-spy). MongoDB applies
+#: such a ``$match`` to the oplog before the lookup (its change-stream rewrites). Here the stream's leading
+#: ``$match`` stages that name no ``fullDocument`` field are tried on the event without its document first;
+#: an update they drop is dropped before the read. Every other event, and every event they keep, is made
+#: as shipped and goes through the whole pipeline as shipped. Left as it is when SecantusDB's internals are
+#: not the ones this was written for.
+LOOKUP = """
+try:
+    import threading as _lk_threading
+    from secantus import aggregate as _lk_ag
+    from secantus import changestreams as _lk_cs
+    from secantus import commands as _lk_cmd
+
+    _lk_drain_as_shipped = _lk_cmd._drain_change_stream_producer
+    _lk_project_as_shipped = _lk_cs.project
+    _lk_plain = _lk_cs.FULL_DOC_DEFAULT
+    _lk_here = _lk_threading.local()
+
+    def _lk_leading_match(producer):
+        # (the stages after ``$changeStream`` and their context, from the stream's producer)
+        try:
+            cells = dict(zip(producer.__code__.co_freevars, producer.__closure__ or ()))
+            stages, ctx = cells["pipeline_after_cs"].cell_contents, cells["pipeline_ctx"].cell_contents
+        except Exception:
+            return None
+        lead = []
+        for stage in stages if isinstance(stages, list) else ():
+            if not (isinstance(stage, dict) and list(stage) == ["$match"]) or "fullDocument" in repr(stage):
+                break
+            lead.append(stage)
+        return (lead, ctx) if lead else None
+
+    def _lk_drain(entry):
+        producer = getattr(entry, "producer", None)
+        lead = None
+        if producer is not None:
+            lead = getattr(producer, "_mongolock_lead", False)
+            if lead is False:
+                lead = _lk_leading_match(producer)
+                producer._mongolock_lead = lead
+        _lk_here.lead = lead
+        try:
+            return _lk_drain_as_shipped(entry)
+        finally:
+            _lk_here.lead = None
+
+    def _lk_project(seq, oplog_entry, **kwargs):
+        lead = getattr(_lk_here, "lead", None)
+        if (
+            lead is not None
+            and kwargs.get("full_document_mode", _lk_plain) != _lk_plain
+            and isinstance(oplog_entry, dict)
+            and oplog_entry.get("op") == "u"
+        ):
+            try:
+                event, invalidates = _lk_project_as_shipped(
+                    seq, oplog_entry, **{**kwargs, "full_document_mode": _lk_plain}
+                )
+                kept = event is None or invalidates or _lk_ag.apply_pipeline([event], lead[0], lead[1])
+                if not kept:
+                    return None, False
+            except Exception:
+                pass
+        return _lk_project_as_shipped(seq, oplog_entry, **kwargs)
+
+    if (
+        callable(_lk_drain_as_shipped)
+        and callable(_lk_project_as_shipped)
+        and callable(getattr(_lk_ag, "apply_pipeline", None))
+        and "pipeline_after_cs" in _lk_cmd._aggregate_change_stream.__code__.co_cellvars
+        and "pipeline_ctx" in _lk_cmd._aggregate_change_stream.__code__.co_cellvars
+    ):
+        _lk_cmd._drain_change_stream_producer = _lk_drain
+        _lk_cs.project = _lk_project
+except Exception:
+    pass
+"""
 LAUNCH = (
     TUNE
     + COPY
@@ -484,5 +565,6 @@ LAUNCH = (
     + WAKE
     + AWAIT
     + PARSE
+    + LOOKUP
     + "import sys; from secantus.cli import main; sys.argv[0] = 'secantusd-py'; sys.exit(main())"
 )

@@ -86,7 +86,9 @@ def loss_events_pipeline(host: str | None = None, pid: int | None = None) -> lis
             },
         ]
     }
-    return [{"$match": {"$and": [can_end, ours]}}]
+    # (two stages: the first names no ``fullDocument`` field, so a server applies it before it reads the
+    # changed document, as MongoDB's change-stream rewrites do and ``server_patches.LOOKUP`` does)
+    return [{"$match": can_end}, {"$match": ours}]
 
 
 class Verdict:
