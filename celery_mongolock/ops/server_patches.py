@@ -477,13 +477,14 @@ except Exception:
 #: Run in the server's process. For a change stream opened with ``fullDocument: "updateLookup"``, SecantusDB
 #: reads the changed document of every update before the stream's own stages see the event, so each update
 #: of the lease collection cost one read per open stream (a process's lease watch), the heartbeat's renewals
-#: included, which the watch's first ``$match`` drops (``documents.changes.loss_events_pipeline``): the
-#: lookups were 15% of the lock-set checker's server time, and the streams 31% (py-spy). MongoDB applies
-#: such a ``$match`` to the oplog before the lookup (its change-stream rewrites). Here the stream's leading
-#: ``$match`` stages that name no ``fullDocument`` field are tried on the event without its document first;
-#: an update they drop is dropped before the read. Every other event, and every event they keep, is made
-#: as shipped and goes through the whole pipeline as shipped. Left as it is when SecantusDB's internals are
-#: not the ones this was written for.
+#: included, which the watch's first ``$match`` drops (``documents.changes.loss_events_pipeline``). MongoDB
+#: applies such a ``$match`` to the oplog before the lookup (its change-stream rewrites). Here the stream's
+#: leading ``$match`` stages that name no ``fullDocument`` field (nor ``$$NOW``, which the first pipeline
+#: run fixes) are tried on the event without its document first; an update they drop is dropped before
+#: the read. Every other event, and every event they keep, is made as shipped and goes through the whole
+#: pipeline as shipped. The server's CPU for 3,030 updates of leases with one watch open: 8.8 s -> 7.7 s;
+#: with nine: 38.9 s -> 36.6 s (most of a stream's cost is its reads of the oplog). Left as it is when
+#: SecantusDB's internals are not the ones this was written for.
 LOOKUP = """
 try:
     import threading as _lk_threading
@@ -505,7 +506,10 @@ try:
             return None
         lead = []
         for stage in stages if isinstance(stages, list) else ():
-            if not (isinstance(stage, dict) and list(stage) == ["$match"]) or "fullDocument" in repr(stage):
+            said = repr(stage)
+            if not (isinstance(stage, dict) and list(stage) == ["$match"]) or "fullDocument" in said:
+                break
+            if "$$NOW" in said:
                 break
             lead.append(stage)
         return (lead, ctx) if lead else None
