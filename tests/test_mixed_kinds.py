@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from celery_mongolock import QueueTimeout
+from celery_mongolock import LeaseStore, QueueTimeout
 
 from . import integration_app as it
 from .servers import RedisServer, wait_for
@@ -74,10 +75,23 @@ def test_a_run_that_waits_on_the_other_kind_past_its_timeout_ends_by_its_then(cl
     """A run waiting on a key in use as the other kind is not parked, but its ``Queue(timeout=...)`` counts
     all the same (from its first contention): past it, ``then`` ends it (skipped, or ``QueueTimeout``),
     unrun. Before, it came back every few seconds for as long as the other kind held the key."""
-    a, b, c, d = (tag() for _ in range(4))
+    a, b, c, d, e = (tag() for _ in range(5))
     holder = tag()
     it.merge_kinds.delay(a, b, holder, 60.0)  # holds kind:b as a single lease until its gate opens
     wait_for(lambda: cluster.runs(holder, "start"), timeout=60, message="the holder's body to start")
+    # A run with no timeout waits as long as the key is held as the other kind: `why` shows it, though it
+    # is parked nowhere (its worker notes it each time it is kept aside).
+    waiting = it.merge_kinds.delay(b, e, tag())
+    with LeaseStore(cluster.mongo_url, database=cluster.db_name) as store:
+
+        def shown() -> Any:
+            story = store.why(f"kind:{b}")
+            return story if story and any(w.task_id == waiting.id for w in story.other_kind) else None
+
+        story = wait_for(shown, timeout=60, message="why to show the run waiting as the other kind")
+    wait = next(w for w in story.other_kind if w.task_id == waiting.id)
+    assert wait.wants == "slots" and wait.task_name == "integration_app.merge_kinds" and story.parked == ()
+    assert "to take it as a slot (not parked: each comes back within 5 s)" in story.verdict, story.verdict
     skipped = it.merge_kinds_timed.delay(b, c, tag())  # takes kind:b as slots: in use as the other kind
     failed = it.merge_kinds_timed_fail.delay(b, d, tag())
     outcome = skipped.get(timeout=90)
@@ -88,4 +102,5 @@ def test_a_run_that_waits_on_the_other_kind_past_its_timeout_ends_by_its_then(cl
     assert cluster.runs(holder, "end") == []  # (the key stayed held all along)
     cluster.db["gates"].insert_one({"_id": holder})
     wait_for(lambda: cluster.runs(holder, "end"), timeout=60, message="the holder's body to end")
-    settled(cluster, [f"kind:{k}" for k in (a, b, c, d)])
+    assert waiting.get(timeout=90) is not None  # (it ran once the key was free of the single lease)
+    settled(cluster, [f"kind:{k}" for k in (a, b, c, d, e)])

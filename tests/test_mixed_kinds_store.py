@@ -259,3 +259,26 @@ def test_a_run_that_finds_the_other_kind_comes_back_within_five_seconds() -> Non
 
     delays = [MIXED_RETRY.delay(attempt) for attempt in range(200)]
     assert max(delays) <= 5.0 and min(delays) > 0 and not MIXED_RETRY.exhausted(10_000)
+
+
+def test_a_run_kept_aside_as_the_other_kind_is_noted_for_why_once_and_the_newest_kept(
+    store: LeaseStore,
+) -> None:
+    """``LeaseStore.note_kind_wait`` (``documents.kind_waits``): one record per run in the key's document
+    (a run noted again keeps one, with its first wait), the newest 16 kept; nothing is written for a key
+    with no document; ``why`` shows them."""
+    store.note_kind_wait("kinds:none", "t0", "app.sync", "slots", None)
+    assert store.collection.find_one({"_id": "kinds:none"}) is None
+    holder = store.acquire("kinds:noted", 600)
+    assert holder is not None
+    store.note_kind_wait("kinds:noted", "t1", "app.sync", "slots", 1_000)
+    store.note_kind_wait("kinds:noted", "t1", "app.sync", "slots", 1_000)
+    story = store.why("kinds:noted")
+    assert story is not None and [(w.task_id, w.wants) for w in story.other_kind] == [("t1", "slots")]
+    assert story.other_kind[0].since is not None and story.other_kind[0].since.timestamp() == 1.0
+    for n in range(2, 20):
+        store.note_kind_wait("kinds:noted", f"t{n}", "app.sync", "slots", None)
+    doc = store.collection.find_one({"_id": "kinds:noted"}) or {}
+    assert [w["t"] for w in doc["kw"]] == [f"t{n}" for n in range(4, 20)]
+    story = store.why("kinds:noted")
+    assert story is not None and len(story.other_kind) == 16 and story.state == "held"

@@ -295,3 +295,34 @@ def test_a_run_ended_with_no_fence_known_sorts_by_its_time() -> None:
         ("ee55", "superseded"),
         ("1b9a", "released"),
     ]
+
+
+def test_runs_waiting_as_the_other_kind_are_shown_while_fresh_the_longest_waiting_first() -> None:
+    """``kw`` (``documents.kind_waits``): runs kept aside because the key is in use as the other kind. Not
+    parked, they are in the verdict and the report while noted within the last 15 s, and in the JSON."""
+    kw = [
+        {"t": "c3", "n": "app.sync", "w": "slots", "sc": int(at(-3.0).timestamp() * 1000), "at": at(-1.0)},
+        {"t": "a1", "n": "app.sync", "w": "slots", "sc": int(at(-9.0).timestamp() * 1000), "at": at(-2.0)},
+        {"t": "old", "n": "app.sync", "w": "slots", "sc": None, "at": at(-16.0)},  # took the key, or ended
+    ]
+    story = KeyStory.from_document(held(kw=kw))
+    assert [w.task_id for w in story.other_kind] == ["a1", "c3"]
+    assert story.verdict.endswith(
+        "; 2 runs wait to take it as a slot (not parked: each comes back within 5 s), the first for 9.0 s: "
+        "app.sync[a1]"
+    ), story.verdict
+    report = why_lines(story)
+    assert (
+        "other kind  app.sync[a1] waits to take it as a slot, since 12:39:58.0 (9.0 s ago); last back "
+        "12:40:05.0 (2.0 s ago)" in report
+    ), report
+    assert story.as_dict()["other_kind"][0] == {
+        "task_id": "a1",
+        "task_name": "app.sync",
+        "wants": "slots",
+        "since": at(-9.0).isoformat(),
+        "noted_at": at(-2.0).isoformat(),
+    }
+    single = KeyStory.from_document(held(kw=[{**kw[0], "w": "single"}]))
+    assert "1 run waits to take it as a single lease" in single.verdict
+    assert KeyStory.from_document(held(kw=kw[2:])).other_kind == ()

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.documents.base import RUN_VIEW
+from celery_mongolock.core.documents.kind_waits import KindWait, waits_in
 from celery_mongolock.core.documents.sets import is_gate, user_keys
 from celery_mongolock.core.lease_info import aware
 
@@ -296,6 +297,9 @@ class KeyStory:
     limit: int | None = None
     #: How many runs are parked (``parked`` holds the first ``LeaseStore.why(parked_limit=...)`` of them).
     parked_total: int = 0
+    #: Runs kept aside lately because the key is in use as the other kind (``documents.kind_waits``): not
+    #: parked, they come back as contention retries; the longest waiting first.
+    other_kind: tuple[KindWait, ...] = ()
 
     @classmethod
     def from_document(
@@ -366,6 +370,7 @@ class KeyStory:
             endings=endings,
             slots=tuple(slots),
             limit=_int(doc.get("lim")) if slots else None,
+            other_kind=waits_in(doc, now),
         )
 
     # -- phrases -------------------------------------------------------------------------------------
@@ -385,6 +390,22 @@ class KeyStory:
             who += f" (task {task})"
         return who
 
+    def _other_kind_phrase(self) -> str:
+        """The runs that wait to take the key as the other kind (``documents.kind_waits``)."""
+        n, first = len(self.other_kind), self.other_kind[0]
+        runs = "1 run waits" if n == 1 else f"{n} runs wait"
+        kinds = {w.wants for w in self.other_kind}
+        as_what = (
+            "as a single lease"
+            if kinds == {"single"}
+            else "as a slot"
+            if kinds == {"slots"}
+            else "as the other kind"
+        )
+        waited = self._since(first.since)
+        since = f", the first for {_ago(waited)}" if waited is not None else ""
+        return f"{runs} to take it {as_what} (not parked: each comes back within 5 s){since}: {first.task}"
+
     def _parked_phrase(self) -> str:
         n = max(self.parked_total, len(self.parked))
         if not n:
@@ -399,6 +420,8 @@ class KeyStory:
     def verdict(self) -> str:
         """One line: why the key is (not) running now (for a ``Replace`` set's gate, said first)."""
         line = self._verdict()
+        if self.other_kind:
+            line += f"; {self._other_kind_phrase()}"
         if is_gate(self.key):
             return f"the gate of a Replace task's set of keys (its runs supersede each other here): {line}"
         return line
@@ -498,7 +521,7 @@ class KeyStory:
             value = getattr(self, field.name)
             if isinstance(value, _dt.datetime):
                 value = value.isoformat()
-            elif field.name in ("parked", "endings"):
+            elif field.name in ("parked", "endings", "other_kind"):
                 value = [v.as_dict() for v in value]
             elif field.name == "handoff" and value is not None:
                 value = value.as_dict()

@@ -533,13 +533,14 @@ class LeaseStore(ParkedRuns):
         tick (at a worker process's shutdown); False if MongoDB did not answer (they stay queued)."""
         return self.records.flush_history(timeout)
 
+    def note_kind_wait(self, key: str, task_id: str, name: str, wants: str, since_ms: int | None) -> None:
+        """Note that run ``task_id`` waits on ``key``, in use as the other kind (``documents.kind_waits``)."""
+        self.records.note_kind_wait(key, task_id, name, wants, since_ms)
+
     def why(self, key: str, *, parked_limit: int | None = None) -> KeyStory | None:
-        """Why ``key`` is (not) running: its lease document, holder, expiry on the server's clock, parked
-        runs and last endings (``celery mongolock why``): the document in one command, and the newest
-        records of the history collection in a second (runs that ended while parked are only there). None
-        if there is no lease document for ``key`` (never taken, or removed by the TTL index after it
-        expired). ``parked_limit``: read only the first that many parked runs (``KeyStory.parked_total``
-        says how many there are)."""
+        """Why ``key`` is (not) running (``celery mongolock why``): its lease document in one command, the
+        newest history records in a second (runs that ended while parked are only there); None if it has
+        no lease document. ``parked_limit``: read only the first that many parked runs."""
         return self.records.why(key, parked_limit=parked_limit)
 
     def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:

@@ -16,6 +16,7 @@ import pymongo
 from pymongo.errors import BulkWriteError
 
 from celery_mongolock.core.documents import base as documents
+from celery_mongolock.core.documents import kind_waits
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.documents.lanes import lanes_of
 from celery_mongolock.core.history import KeyStory, LeaseEnding, merge_endings
@@ -190,6 +191,17 @@ class Records:
             whole = doc if whole_window else self.read({"_id": key}, f"read lease {key!r}", raw=True)[0]
             doc = {**doc, "q": self.store.spill.page(key, whole, 0, parked_limit)}
         return KeyStory.from_document(doc, stored, documents.HOLDER_VIEW)
+
+    def note_kind_wait(
+        self, key: str, task_id: str, task_name: str, wants: str, since_ms: int | None
+    ) -> None:
+        """``LeaseStore.note_kind_wait``: one update of the key's document (none when it has none)."""
+        key = normalize_key(key)
+        connection = self.store.connection
+        with connection.operation(f"note a run waiting on {key!r}"):
+            connection.collection.update_one(
+                {"_id": key}, kind_waits.note_update(task_id, task_name, wants, since_ms)
+            )
 
     def history(self, key: str, limit: int = 20) -> builtins.list[LeaseEnding]:
         """``LeaseStore.history``: the history collection merged with the document's ``ends``."""

@@ -423,6 +423,11 @@ class QueuedRun:
             other,
             mine,
         )
+        wants, since = ("slots" if limit and limit > 1 else "single"), contended_since(self.request)
+        try:  # (for ``why`` to show; the retry does not depend on it)
+            self.store.note_kind_wait(key, str(task.request.id), task.name, wants, since)
+        except StoreUnavailable as note_failed:
+            log_acquire.debug("%s[%s]: not noted on %r: %s", task.name, task.request.id, key, note_failed)
         ContendedRun(task, self.store, key, direct=False).retry(MIXED_RETRY, exc)
 
     def _superseded(self, key: str, by: str, fence: int | None) -> Outcome:

@@ -155,6 +155,15 @@ def _queue_rows(story: KeyStory) -> list[str]:
         lines.append(
             _row("handoff", f"to {ho.task}, handed {_ago(story, ho.handed_at)}{attempt}, not taken up yet")
         )
+    for n, wait in enumerate(story.other_kind):
+        wants = "a single lease" if wait.wants == "single" else "a slot" if wait.wants == "slots" else "?"
+        lines.append(
+            _row(
+                "other kind" if n == 0 else "",
+                f"{wait.task} waits to take it as {wants}, since {_ago(story, wait.since)}; last back "
+                f"{_ago(story, wait.noted_at)}",
+            )
+        )
     return lines
 
 
