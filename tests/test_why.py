@@ -300,7 +300,7 @@ def test_a_run_ended_with_no_fence_known_sorts_by_its_time() -> None:
 def test_runs_waiting_as_the_other_kind_are_shown_while_fresh_the_longest_waiting_first() -> None:
     """``kw`` (``documents.kind_waits``): runs kept aside because the key is in use as the other kind. Not
     parked, they are in the verdict and the report while noted within the last 15 s, and in the JSON."""
-    kw = [
+    kw: list[dict[str, Any]] = [
         {"t": "c3", "n": "app.sync", "w": "slots", "sc": int(at(-3.0).timestamp() * 1000), "at": at(-1.0)},
         {"t": "a1", "n": "app.sync", "w": "slots", "sc": int(at(-9.0).timestamp() * 1000), "at": at(-2.0)},
         {"t": "old", "n": "app.sync", "w": "slots", "sc": None, "at": at(-16.0)},  # took the key, or ended
