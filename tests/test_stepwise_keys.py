@@ -245,3 +245,47 @@ def test_where_a_run_of_several_keys_is_and_when_its_handoff_is_published(deep: 
     assert deep.spill.waits(b2, str(other["t"]))
     assert [p for _, p in deep.keys_places(other)] == ["reserved", "absent"]
     assert not _queue.moves_on(deep, other)
+
+
+def test_a_run_read_ready_by_two_parties_at_once_is_published_by_one(deep: LeaseStore) -> None:
+    """Its last keys reserved a few milliseconds apart (a release and the run's own attempt, or two
+    releases): both parties read every key reserved for it, and only the first to mark it publishes its
+    message. A reservation made again after a lapse has a new time: the run is published again. A party
+    that leaves it unpublished (this worker lacks its task) takes its mark off: the adopter publishes."""
+    run = several(8)
+    holder_b = deep.acquire(B, 60)
+    assert holder_b is not None
+    lease_a, _ = deep.admit(A, run)
+    assert lease_a is not None
+    assert deep.admit(B, run)[1]["lo"] == "parked"
+    assert deep.reserve(lease_a, run)
+    holder_b.release()  # b is handed to it
+    first = deep.places_of(run)
+    assert first.ready and None not in first.handed_ms
+    assert [_queue.moves_on(deep, run), _queue.moves_on(deep, run)] == [True, False]
+    # b's reservation lapses unclaimed; a sweep hands it to the run again: a new completion.
+    deep.collection.update_one({"_id": B}, [{"$set": {"expires_at": {"$subtract": ["$$NOW", 1000]}}}])
+    deep.sweep(B)
+    again = deep.places_of(run)
+    assert again.ready and again.handed_ms[1] != first.handed_ms[1], again
+    assert [_queue.moves_on(deep, run), _queue.moves_on(deep, run)] == [True, False]
+    deep.unpublish(run)  # (``handoff.leave``)
+    assert _queue.moves_on(deep, run)
+    marks = (deep.collection.find_one({"_id": A}) or {}).get("hp")
+    assert marks and {m["i"] for m in marks} == {run["id"]}
+
+
+def test_a_run_of_slots_read_ready_by_two_parties_at_once_is_published_by_one(make_store: Any) -> None:
+    """The same on keys with a limit: the reservations are slots, and their times make the mark."""
+    store = make_store(lease_seconds=30)
+    run = several(9)
+    slot_b, other_b = store.acquire(B, 60, limit=2), store.acquire(B, 60, limit=2)
+    assert slot_b is not None and other_b is not None
+    lease_a, _ = store.admit(A, run, ttl=30, limit=2)
+    assert lease_a is not None and lease_a.slot is not None
+    assert store.admit(B, run, ttl=30, limit=2)[1]["lo"] == "parked"
+    assert store.reserve(lease_a, run)
+    slot_b.release()
+    read = store.places_of(run)
+    assert read.ready and None not in read.handed_ms, read
+    assert [_queue.moves_on(store, run), _queue.moves_on(store, run)] == [True, False]

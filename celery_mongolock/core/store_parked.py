@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.lease import Lease
+from celery_mongolock.core.store_places import KeyPlaces
 from celery_mongolock.core.waiting import Swept, WaitingKey
 
 if TYPE_CHECKING:
@@ -65,6 +66,20 @@ class ParkedRuns:
         """Where the multi-key run ``entry`` is on each of its keys, in key order: ``(key, place)``
         (``QueueUpkeep.keys_places``)."""
         return self.queue.keys_places(entry)
+
+    def places_of(self, entry: Mapping[str, Any]) -> KeyPlaces:
+        """``keys_places``, with when each reservation was made (``QueueUpkeep.places_of``)."""
+        return self.queue.places_of(entry)
+
+    def publish_once(self, entry: Mapping[str, Any], places: KeyPlaces) -> bool:
+        """Whether the caller publishes the run ``entry``, read with every key reserved for it in
+        ``places``: True for exactly one of the parties that read it so (``QueueUpkeep.publish_once``)."""
+        return self.queue.publish_once(entry, places)
+
+    def unpublish(self, entry: Mapping[str, Any]) -> None:
+        """Undo ``publish_once`` for the run ``entry``: its message was left unpublished for a worker
+        that has its task, which publishes it when it adopts the handoff (``QueueUpkeep.unpublish``)."""
+        self.queue.unpublish(entry)
 
     def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:
         """Lease documents with parked runs, a pending handoff or results to write: the sweeper's list

@@ -30,6 +30,7 @@ from celery_mongolock.core.outcomes import (
     later_attempt_known,
     run_ended,
 )
+from celery_mongolock.core.store_places import KeyPlaces, mark_published, read_places, unmark_published
 from celery_mongolock.core.validation import MAX_LEASE_SECONDS, validate_seconds
 from celery_mongolock.exceptions import StoreUnavailable
 
@@ -284,75 +285,22 @@ class QueueUpkeep:
         )
 
     def keys_places(self, entry: Mapping[str, Any]) -> builtins.list[tuple[str, str]]:
-        """Where the multi-key run ``entry`` is on each of its keys (``ks``, in order), from one read:
-        ``reserved`` (the key or a slot handed or reserved to it, not yet claimed), ``parked`` (in the
-        key's window), ``held`` (the key or a slot held by a worker of the run and not expired: an
-        attempt under way, or its body; an expired one is ``absent``: its worker died), ``dead`` (timed
-        out there, its result not yet written) or ``absent`` (none of these: not there, or spilled beyond
-        the window: ``Spill.waits``), with each key as stored. (Dates are compared as ``$toLong``: the
-        embedded server compares a stored date with ``$$NOW`` wrongly in ``$gt``.)"""
-        keys = [normalize_key(k) for k in entry.get("ks") or []]
-        if not keys:
-            return []
-        ident, token = {"$literal": entry.get("id")}, {"$literal": entry.get("tk")}
-        task_id = {"$literal": entry.get("t")}
-        slots = {"$ifNull": ["$hs", []]}
+        """Where the multi-key run ``entry`` is on each of its keys (``ks``, in order), from one read
+        (``store_places.read_places``)."""
+        return self.places_of(entry).places
 
-        def any_slot(cond: Document) -> Document:
-            return {"$anyElementTrue": [{"$map": {"input": slots, "as": "h", "in": cond}}]}
+    def places_of(self, entry: Mapping[str, Any]) -> KeyPlaces:
+        """``keys_places`` with when each reservation was made (``store_places.read_places``)."""
+        return read_places(self.store.connection, entry)
 
-        reserved = {
-            "$or": [
-                {"$and": [{"$eq": ["$ho.id", ident]}, {"$eq": ["$owner", token]}]},
-                # a slot of a limit=N key reserved for it (``slot_reserve``)
-                any_slot({"$and": [{"$eq": ["$$h.ho.id", ident]}, {"$eq": ["$$h.o", token]}]}),
-            ]
-        }
-        no_handoff = {"$eq": [{"$ifNull": ["$ho", None]}, None]}
-        held = {
-            "$or": [
-                {
-                    "$and": [
-                        {"$ne": [{"$ifNull": ["$owner", None]}, None]},
-                        no_handoff,
-                        {"$eq": ["$holder.task_id", task_id]},
-                        {"$gt": [{"$toLong": "$expires_at"}, {"$toLong": "$$NOW"}]},
-                    ]
-                },
-                any_slot(
-                    {
-                        "$and": [
-                            {"$eq": [{"$ifNull": ["$$h.ho", None]}, None]},
-                            {"$eq": ["$$h.h.task_id", task_id]},
-                            {"$gt": [{"$toLong": "$$h.x"}, {"$toLong": "$$NOW"}]},
-                        ]
-                    }
-                ),
-            ]
-        }
+    def publish_once(self, entry: Mapping[str, Any], places: KeyPlaces) -> bool:
+        """Whether this party publishes the run ``entry``, every key reserved for it in ``places``: True
+        for exactly one of the parties that read it so (``store_places.mark_published``)."""
+        return mark_published(self.store.connection, entry, places)
 
-        def listed(field: str) -> Document:
-            return {"$in": [ident, {"$map": {"input": {"$ifNull": [field, []]}, "as": "e", "in": "$$e.id"}}]}
-
-        place = {
-            "$switch": {
-                "branches": [
-                    {"case": reserved, "then": "reserved"},
-                    {"case": listed("$q"), "then": "parked"},
-                    {"case": held, "then": "held"},
-                    {"case": listed("$dead"), "then": "dead"},
-                ],
-                "default": "absent",
-            }
-        }
-        pipeline: builtins.list[Document] = [
-            {"$match": {"_id": {"$in": keys}}},
-            {"$project": {"place": place}},
-        ]
-        connection = self.store.connection
-        with connection.operation(f"read the keys of {entry.get('t')}"):
-            docs = {d["_id"]: str(d.get("place")) for d in connection.collection.aggregate(pipeline)}
-        return [(key, docs.get(key, "absent")) for key in keys]
+    def unpublish(self, entry: Mapping[str, Any]) -> None:
+        """Undo ``publish_once`` for the run ``entry`` (``store_places.unmark_published``)."""
+        unmark_published(self.store.connection, entry)
 
     # -- the sweeper ---------------------------------------------------------------------------------
     def waiting_keys(self, limit: int = 1000, after: str | None = None) -> builtins.list[Document]:

@@ -296,6 +296,8 @@ def leave(store: LeaseStore, key: str, entry: Mapping[str, Any], reason: str) ->
     no worker has its task any more (it is never refused for that: a busy worker that has the task may
     simply not have taken it up yet)."""
     left = store.unmark_handoff(key, entry)
+    if stepwise(entry):  # (the run of several keys that adopts it publishes it: ``moves_on``)
+        store.unpublish(entry)
     handed = int(entry.get("hn") or 1)
     # Handed again after a lapse: no worker took it up within a lease. Say so, and what to do if no
     # worker has that task any more (the run is never refused for it: its key waits).
@@ -381,8 +383,15 @@ def moves_on(store: LeaseStore, entry: Mapping[str, Any]) -> bool:
       by an earlier attempt, or a reservation that lapsed and went on): its message leaves the later
       keys, so that it never holds a later key while it waits for an earlier one;
     * else (it waits on that key and holds nothing after it; a worker of it is taking the key now; it
-      timed out there, and whoever ends it leaves its other keys) nothing is published."""
-    places = store.keys_places(entry)
+      timed out there, and whoever ends it leaves its other keys) nothing is published.
+
+    When every key is reserved, two parties may read it so at once (its last two keys reserved a few
+    milliseconds apart): only the one whose mark is written first publishes (``LeaseStore.publish_once``),
+    so its message is published once."""
+    read = store.places_of(entry)
+    if read.ready:
+        return store.publish_once(entry, read)
+    places = read.places
     for index, (key, place) in enumerate(places):
         if place == "reserved":
             continue
