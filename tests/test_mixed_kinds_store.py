@@ -13,6 +13,7 @@ import pytest
 
 from celery_mongolock import LeaseStore
 from celery_mongolock.core.outcomes import Admission, AdmitOutcome
+from celery_mongolock.ops import cli_queue
 from celery_mongolock.testing import wait_for
 
 KEY = "kinds:a"
@@ -276,6 +277,15 @@ def test_a_run_kept_aside_as_the_other_kind_is_noted_for_why_once_and_the_newest
     story = store.why("kinds:noted")
     assert story is not None and [(w.task_id, w.wants) for w in story.other_kind] == [("t1", "slots")]
     assert story.other_kind[0].since is not None and story.other_kind[0].since.timestamp() == 1.0
+    # `inspect`, `list` and `celery mongolock queue` show it too: not parked, not counted in the queue.
+    info = store.inspect("kinds:noted")
+    assert info is not None and info.parked_total == 0
+    [wait] = info.other_kind
+    assert (wait["task_id"], wait["wants"]) == ("t1", "slots") and wait["waiting_for"] > 1e6
+    assert 0 <= wait["back_ago"] < 60 and info.as_dict()["other_kind"] == [wait]
+    lines = cli_queue.queue_lines(info, 1, 50)
+    assert lines[0] == "kinds:noted: 0 run(s) parked" and "1 run(s) not parked" in lines[1]
+    assert lines[2].split()[:6] == ["app.sync[t1]", "waits", "to", "take", "it", "as"], lines
     for n in range(2, 20):
         store.note_kind_wait("kinds:noted", f"t{n}", "app.sync", "slots", None)
     doc = store.collection.find_one({"_id": "kinds:noted"}) or {}

@@ -45,6 +45,12 @@ class LeaseInfo:
     #: ``limit=N`` keys: the live holds, by slot (``slot``, ``fence``, ``holder``, ``expires_in``), and N.
     slots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     limit: int | None = None
+    #: Runs that wait to take the key as the other kind (a single lease while it is used as ``limit=N``
+    #: slots, or the reverse): not parked, they come back as contention retries, each noted in the
+    #: document when kept aside (``documents.kind_waits``); those noted lately, the longest waiting first:
+    #: ``task_id``, ``task_name``, ``wants`` (``single`` or ``slots``), ``waiting_for`` (s since its first
+    #: wait), ``back_ago`` (s since it was last kept aside).
+    other_kind: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def full(self) -> bool:

@@ -479,7 +479,8 @@ def queue_of(ctx: click.Context, key: str, page: int, per_page: int, as_json: bo
         return
     if as_json:
         rows = cli_queue.page_of(info, page, per_page)
-        click.echo(_json({"key": info.key, "parked": total, "page": page, "pages": pages, "runs": rows}))
+        found = {"key": info.key, "parked": total, "page": page, "pages": pages, "runs": rows}
+        click.echo(_json({**found, "other_kind": info.other_kind}))
         return
     click.echo("\n".join(cli_queue.queue_lines(info, page, per_page)))
 

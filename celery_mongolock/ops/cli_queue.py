@@ -19,7 +19,7 @@ from celery_mongolock.core.store import LeaseStore
 from celery_mongolock.integration.handoff import install_publisher
 from celery_mongolock.integration.results import has_backend
 
-__all__ = ["drop_runs", "not_parked", "page_of", "pages", "queue_lines"]
+__all__ = ["drop_runs", "not_parked", "other_kind_lines", "page_of", "pages", "queue_lines"]
 
 
 def page_of(info: LeaseInfo, page: int, per_page: int) -> list[dict[str, Any]]:
@@ -57,6 +57,26 @@ def queue_lines(info: LeaseInfo, page: int, per_page: int) -> list[str]:
         lines.append(
             f"  {run['position']:>4}. {run.get('task_name')}[{run.get('task_id')}]  parked "
             f"{'?' if waited is None else f'{waited:.1f} s'} ago{sent_with}{keys}"
+        )
+    return lines + other_kind_lines(info)
+
+
+def other_kind_lines(info: LeaseInfo) -> list[str]:
+    """The runs waiting to take the key as the other kind (``LeaseInfo.other_kind``): not parked, so not
+    in the queue's order nor counted in it; each comes back within a few seconds until the key is free
+    of the kind it is held as."""
+    if not info.other_kind:
+        return []
+    lines = [
+        f"  and {len(info.other_kind)} run(s) not parked: each waits to take the key as the other kind, "
+        "back within 5 s each time until the key is free of the kind it is used as"
+    ]
+    for wait in info.other_kind:
+        wants = {"single": "a single lease", "slots": "a slot"}.get(str(wait.get("wants")), "?")
+        waited, back = float(wait.get("waiting_for") or 0), float(wait.get("back_ago") or 0)
+        lines.append(
+            f"        {wait.get('task_name')}[{wait.get('task_id')}]  waits to take it as {wants} for "
+            f"{waited:.1f} s, last back {back:.1f} s ago"
         )
     return lines
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from celery_mongolock.core.lease_info import aware
 
-__all__ = ["FIELD", "FRESH_MS", "KEPT", "KindWait", "note_update", "waits_in"]
+__all__ = ["FIELD", "FRESH_MS", "KEPT", "KindWait", "note_update", "views", "waits_in"]
 
 Document = dict[str, Any]
 
@@ -113,3 +113,21 @@ def waits_in(doc: Mapping[str, Any], now: _dt.datetime) -> tuple[KindWait, ...]:
             )
         )
     return tuple(sorted(found, key=lambda w: w.since or w.noted_at))
+
+
+def views(doc: Mapping[str, Any], now_ms: Any) -> list[Document]:
+    """``waits_in`` as ``LeaseInfo.other_kind`` shows them, at ``now_ms`` (the server's time, ms; no
+    records without it): ``task_id``, ``task_name``, ``wants``, ``waiting_for`` and ``back_ago`` (s)."""
+    if not isinstance(now_ms, int) or isinstance(now_ms, bool):
+        return []
+    now = _dt.datetime.fromtimestamp(now_ms / 1000, _dt.timezone.utc)
+    return [
+        {
+            "task_id": w.task_id,
+            "task_name": w.task_name,
+            "wants": w.wants,
+            "waiting_for": round((now - (w.since or w.noted_at)).total_seconds(), 3),
+            "back_ago": round((now - w.noted_at).total_seconds(), 3),
+        }
+        for w in waits_in(doc, now)
+    ]

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from celery_mongolock.core.documents import kind_waits
 from celery_mongolock.core.documents.lanes import spilled_total
 from celery_mongolock.core.keys import RESERVED_PREFIX
 from celery_mongolock.core.lease_info import LeaseInfo, aware
@@ -131,6 +132,7 @@ def lease_info(doc: Document, first: int = 0) -> LeaseInfo:
         ),
         slots=slots,
         limit=doc.get("lim") if slots or doc.get("hs") else None,
+        other_kind=kind_waits.views(doc, now_ms),
     )
 
 
