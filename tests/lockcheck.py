@@ -197,6 +197,7 @@ from celery_mongolock.integration.handoff import SENT_HEADER, send_stamp
 from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
 from . import brokerlog, nodewatch
+from . import lockcheck_mixed as mixed
 from .nodewatch import broker_ready
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -382,6 +383,8 @@ DIE_TASKS = ("lockcheck.rmw", "lockcheck.rmw_skip", QUEUE_TASK, LIMIT_TASKS[0], 
 #: all N slots of a ``limit=N`` key) that let go only once the lease document shows every run of the
 #: burst parked. So the runs park, are handed the key and run to the end by construction, not by timing.
 DIRECTED_KEY = 90
+#: The directed burst on a key used both ways (``Run._mixed_directed``): runs of slots and of a single lease.
+MIXED_DIRECTED = (mixed.SLOTS_TASK, mixed.SINGLE_TASK, mixed.SLOTS_TASK, mixed.SINGLE_TASK)
 QUEUE_BURST = 7
 #: The parked ``Queue`` runs of a priority the workers' lease documents keep (``mongolock_parked_window``,
 #: ``lockcheck_app``): the rest are spilled (``documents.spill``), the directed burst's included.
@@ -1244,9 +1247,11 @@ def window_first_key(key: str) -> str | None:
 def key_policy(key: str) -> str:
     """Which runs a key takes: ``plain``, ``queue``, ``replace``, ``limit``, ``document`` (``d`` keys:
     the protected document's own ``DocumentLock``, taken by the bare clients and the controller),
-    ``multi_replace`` or ``rate`` (``t`` keys: ``RATE_TASK`` runs only)."""
+    ``multi_replace``, ``rate`` (``t`` keys: ``RATE_TASK`` runs only) or ``mixed`` (``x`` keys:
+    ``lockcheck_mixed``)."""
     kind = key[len(PREFIX) : len(PREFIX) + 1] if key.startswith(PREFIX) else "k"
     kinds = {"q": "queue", "r": "replace", "l": "limit", "d": "document", "m": "multi_replace", "t": "rate"}
+    kinds[mixed.KIND] = "mixed"  # (``x`` keys: used both as a single lease and as slots, lockcheck_mixed)
     return kinds.get(kind, "plain")
 
 
@@ -1254,7 +1259,7 @@ def any_key(rng: random.Random, cfg: Doc, epoch: int) -> str:
     """A bare client's next key: mostly a plain one, sometimes a queued one (where runs park)."""
     kinds = [("k", cfg["keys"])] * 3 + [("q", cfg.get("queue_keys", 0)), ("r", cfg.get("replace_keys", 0))]
     kinds += [("l", cfg.get("limit_keys", 0)), ("d", cfg.get("doc_keys", 0))]
-    kinds += [("m", cfg.get("multi_replace_keys", 0))]
+    kinds += [("m", cfg.get("multi_replace_keys", 0)), (mixed.KIND, cfg.get("mixed_keys", 0))]
     kind, n = rng.choice([k for k in kinds if k[1] > 0])
     return key_for(rng.randrange(n), epoch, kind)
 
@@ -1281,6 +1286,8 @@ def client_main(cfg: Doc) -> None:
             seq = _document_round(store, docs, hist, key, name, rng=rng, cfg=cfg, seq=seq)
             continue
         limit = LIMIT if key_policy(key) == "limit" else None
+        if key_policy(key) == "mixed":  # (either kind, at random)
+            limit = LIMIT if rng.random() < 0.5 else None
         t0 = time.monotonic()
         try:
             lease = store.acquire(key, heartbeat=True, info={"who": name}, limit=limit)
@@ -1302,6 +1309,8 @@ def client_main(cfg: Doc) -> None:
             seq += 1
             ops.append(f"{name}-{seq}")
         hold = run_hold if lease.slot is None else run_slot_hold
+        if key_policy(key) == "mixed":
+            hold = mixed.run_mixed_hold
         try:
             hold(lease, docs, hist, ops, rng, reckless=rng.random() < cfg["reckless"], who=name)
         except Exception:  # a bug in the workload or the library: recorded, and the run goes on
@@ -1591,6 +1600,9 @@ def check(history: History) -> list[Violation]:
         if key_policy(key) == "limit":
             found += check_slot_log(key, doc, applied)
             continue
+        if key_policy(key) == "mixed":
+            found += [Violation(kind, detail) for kind, detail in mixed.check_mixed_log(key, doc, applied)]
+            continue
         log = doc.get("log") or []
         writes = 0
         prev_fence: int | None = None
@@ -1690,7 +1702,8 @@ def check(history: History) -> list[Violation]:
         # An acquisition by a Celery run's admit began when that admit was sent (its ``acq`` record is
         # written later, by the run: ci17, a skewed node's run recorded it 0.65 s after its admit's reply,
         # after a bare client's acquisition with a larger fence had ended).
-        began = handed_grant_starts(history.events, key) if key_policy(key) == "limit" else {}
+        slotted = key_policy(key) in ("limit", "mixed")
+        began = handed_grant_starts(history.events, key) if slotted else {}
         began.update((grant, min(t0, began.get(grant, t0))) for grant, t0 in admitted.get(key, {}).items())
         start_of: dict[int, float] = {
             id(e): min(float(e["t0"]), began.get((str(e.get("task_id")), int(e["fence"])), float("inf")))
@@ -1714,6 +1727,10 @@ def check(history: History) -> list[Violation]:
                 )
         if key_policy(key) == "limit":
             found += check_limit_holds(key, items, releases)
+            continue
+        if key_policy(key) == "mixed":
+            spans = clean_spans(items, releases)
+            found += [Violation(k, d) for k, d in mixed.check_mixed_holds(key, spans, LIMIT)]
             continue
         # A release that matched its owner token proves nobody else acquired in between.
         spans = sorted(
@@ -3921,6 +3938,19 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
                 k: v for k, v in (extra.get("limits_capped_directed") or {}).items() if k != "runs"
             },
         },
+        "mixed": {
+            **mixed.mixed_figures(ev, tasks),
+            "directed": extra.get("mixed_directed") or {},
+            "faults_hitting_mixed_keys": dict(
+                sorted(
+                    Counter(
+                        f["kind"]
+                        for f in faults
+                        if any(key_policy(str(k)) == "mixed" for k in f.get("keys") or [])
+                    ).items()
+                )
+            ),
+        },
         "faults": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovery": recovery_times(faults, ev),
         "violations": len(violations),
@@ -4217,6 +4247,15 @@ def unmet_coverage(report: Doc) -> list[str]:
             "a document lock taken over, the stopped holder's write refused",
             doc,
         )
+    mx = report.get("mixed_directed")
+    if mx:
+        slots, single = MIXED_DIRECTED.count(mixed.SLOTS_TASK), MIXED_DIRECTED.count(mixed.SINGLE_TASK)
+        claim(
+            mx.get("slot_runs_kept_aside") == slots and mx.get("single_runs_parked") == single,
+            "the mixed burst: every run of slots kept aside (the key in use as a single lease), every run "
+            "of a single lease parked, before the gate let go",
+            mx,
+        )
     if "clock-jump" not in skipped:
         claim(faults.get("clock-jump", 0) >= 2, "the clock jumped twice", faults)
         gated = sum(faults.values())
@@ -4298,6 +4337,12 @@ class Config:
     #: ``soak.py --bounded --rate-keys 2``.
     rate_keys: int = 0
     rate_share: float = 0.3
+    #: ``x`` keys, each used both as a single lease and as ``limit=N`` slots (``lockcheck_mixed``), and the
+    #: share of the plain single-key sends that are a burst of runs of both kinds on one of them instead
+    #: (``Queue``: a run of the kind the key is not in use as is kept aside, back within 5 s; a generator
+    #: of its own). The bare clients take these keys too, as either kind.
+    mixed_keys: int = 1
+    mixed_share: float = 0.4
     epoch_seconds: float = 40.0
     lease_seconds: float = 2.0
     task_rate: float = 1.5
@@ -4576,6 +4621,11 @@ class Run:
         self.rate_rng = random.Random(cfg.seed * 7919 + 33)
         self.link_rng = random.Random(cfg.seed * 7919 + 34)
         self.priority_rng = random.Random(cfg.seed * 7919 + 35)
+        self.mixed_rng = random.Random(cfg.seed * 7919 + 36)
+        #: What the directed burst on a key used both ways showed (``_mixed_directed``).
+        self.mixed_directed: Doc = {}
+        self._admits_read: dict[Path, int] = {}
+        self._mixed_answers: dict[str, set[str]] = defaultdict(set)
         self._rate_gates = 0
         self._rate_info: Doc | None = None
         #: What the directed rate burst showed (``_rate_directed``).
@@ -4815,7 +4865,7 @@ class Run:
             "start": self.start_mono, "stop_file": str(self.stop_file), "hist_dir": str(self.hist_dir),
             "reckless": self.cfg.reckless, "queue_keys": self.cfg.queue_keys,
             "replace_keys": self.cfg.replace_keys, "limit_keys": self.cfg.limit_keys,
-            "doc_keys": self.cfg.doc_keys,
+            "doc_keys": self.cfg.doc_keys, "mixed_keys": self.cfg.mixed_keys,
         }  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if skewed:
@@ -4928,6 +4978,13 @@ class Run:
                 if self.unique_rng.random() < self.cfg.unique_share:
                     n += 1
                     self._submit_unique(key, f"task-{n}", self.unique_rng.randint(2, 4))
+                    continue
+                if self.cfg.mixed_keys and self.mixed_rng.random() < self.cfg.mixed_share:
+                    # A burst on an x key, runs of both kinds: one kind takes it, the other is kept aside.
+                    used = key_for(self.mixed_rng.randrange(self.cfg.mixed_keys), epoch, mixed.KIND)
+                    for _ in range(self.mixed_rng.randint(*mixed.BURST)):
+                        n += 1
+                        self._submit(self.mixed_rng.choice(mixed.TASKS), used, f"task-{n}")
                     continue
                 if self.cfg.rate_keys and self.rate_rng.random() < self.cfg.rate_share:
                     # A burst of rate-limited runs on a t key: more than n at once half of the time.
@@ -5311,6 +5368,8 @@ class Run:
             bursts.append(("", [], step("cancel", self._cancel_directed)))
         if self.cfg.multi_replace_keys > 2:
             bursts.append(("", [], step("multi-cancel", self._multi_cancel_directed)))
+        if self.cfg.mixed_keys:
+            bursts.append(("", [], step("mixed", self._mixed_directed)))
         if self.cfg.limit_keys and self.cfg.keys > 1:
             bursts.append(("", [], step("multi-limit-replace", self._multi_limit_replace_directed)))
             bursts.append(("", [], step("capped limits", self._capped_directed, MULTI_LIMITS_CAPPED_TASK)))
@@ -5939,6 +5998,48 @@ class Run:
                             if e.get("ev") == ev:
                                 out.append(e)
         return out
+
+    def _mixed_directed(self) -> list[str]:
+        """A key used both ways (``lockcheck_mixed``): a gate holds an ``x`` key of its own as a single
+        lease, and ``MIXED_DIRECTED`` runs of both kinds are sent to it. By construction: a run of slots
+        finds the key in use as a single lease, so its admit answers ``mixed`` (it is kept aside, not parked)
+        and a run of a single lease parks; once the workers' admits show every run of slots kept aside and
+        the lease document every run of a single lease waiting, the gate lets go: the key goes to the runs
+        of a single lease one after another, then to the runs of slots. Returns the task ids."""
+        epoch = current_epoch(self.start_mono, self.cfg.epoch_seconds)
+        key = key_for(DIRECTED_KEY, epoch, mixed.KIND)
+        gate = self._gate_take(key)
+        sent = [
+            (name, self._submit(name, key, f"directed-mixed-{i}", queue="celery"))
+            for i, name in enumerate(MIXED_DIRECTED)
+        ]
+        slots = {t for name, t in sent if t and name == mixed.SLOTS_TASK}
+        single = {t for name, t in sent if t and name == mixed.SINGLE_TASK}
+
+        def waiting() -> bool:
+            return slots <= self._kept_aside(key) and single <= self._waiting_on(key)
+
+        try:
+            _wait(waiting, START_GUARD_S, f"the mixed burst on {key} to wait behind the gate", interval=0.2)
+        except TimeoutError as exc:
+            self.log(f"directed phase: {exc}")
+        self.mixed_directed = {
+            "key": key,
+            "slot_runs": len(slots),
+            "single_runs": len(single),
+            "slot_runs_kept_aside": len(slots & self._kept_aside(key)),
+            "single_runs_parked": len(single & self._waiting_on(key)),
+        }
+        self._gate_release(gate)
+        return [t for _name, t in sent if t]
+
+    def _kept_aside(self, key: str) -> set[str]:
+        """The task ids whose admit on ``key`` answered ``mixed`` so far (the workers' ``admit`` events, read
+        on from where the last call stopped)."""
+        for e in self._new_events("admit", self._admits_read):
+            if e.get("outcome") == "mixed" and e.get("task_id"):
+                self._mixed_answers[str(e.get("key"))].add(str(e["task_id"]))
+        return set(self._mixed_answers.get(key, set()))
 
     def _contended_runs(self, key: str) -> set[str]:
         """The task ids that found ``key`` held or full so far (``tcont`` events of the workers' histories,
@@ -6937,6 +7038,7 @@ class Run:
                 "multi_replace_window": self.multi_replace_window,
                 "multi_limit_replace_directed": self.multi_limit_replace_directed,
                 "held_back_directed": self.held_back_directed,
+                "mixed_directed": self.mixed_directed,
                 "slow_waits": list(slow_waits),
             }
             report = figures(history, self.faults, violations, extra)
@@ -7162,6 +7264,13 @@ def format_report(report: Doc) -> str:
         lines.append(
             f"  the controller's waits over {SLOW_WAIT_S:g}s: {len(waits)}, {total}s in all: "
             + "; ".join(f"{what} {s}s{'' if met else ' (timed out)'}" for what, s, met in waits)
+        )
+    mx = report.get("mixed") or {}
+    if mx:
+        lines.append(
+            f"  keys used both ways: runs {mx.get('runs')}, holds {mx.get('holds')}, runs kept aside as the "
+            f"other kind {mx.get('runs_kept_aside_as_the_other_kind')}; directed {mx.get('directed')}; "
+            f"faults hitting such a key {mx.get('faults_hitting_mixed_keys')}"
         )
     lines.append(f"  violations {report['violations']}")
     lines += [f"    {v}" for v in report["violation_list"]]

@@ -78,6 +78,7 @@ from celery_mongolock.lease import LeaseSet
 from celery_mongolock.task import DUPLICATE_HEADER
 
 from . import lockcheck
+from . import lockcheck_mixed as mixed
 
 app = Celery("lockcheck_app")
 app.conf.update(
@@ -509,6 +510,8 @@ def _body(
         )  # fmt: skip
         _linger(lease, linger)
         hold = lockcheck.run_hold if lease.slot is None else lockcheck.run_slot_hold
+        if lockcheck.key_policy(key) == "mixed":  # (a key used both ways: both kinds' fences)
+            hold = mixed.run_mixed_hold
         outcomes = hold(lease, docs, hist, [op], _rng, reckless=reckless, who=who, task_id=task.request.id)
         _stop_if_superseded(lease, outcomes[:1] == ["ack"])
         released = lockcheck.release_and_record(lease, hist, who)
@@ -704,6 +707,24 @@ def rmw_limit_queued(
 ) -> dict[str, Any]:
     """The same, but a run that finds every slot held is parked and handed a slot in send order."""
     return _body(self, key, op, reckless, die=die)
+
+
+@singleton_task(
+    key="{key}", app=app, name=mixed.SINGLE_TASK, bind=True, on_contention=Queue(), max_retries=200
+)
+def rmw_mixed_single(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """A key used both ways (``lockcheck_mixed``): this run takes it as a single lease, parks behind its
+    kind, and is kept aside (a contention retry) while the key is in use as slots."""
+    return _body(self, key, op, reckless)
+
+
+@singleton_task(
+    key="{key}", app=app, name=mixed.SLOTS_TASK, bind=True, limit=lockcheck.LIMIT, on_contention=Queue(),
+    max_retries=200,
+)  # fmt: skip
+def rmw_mixed_slots(self: Any, key: str, op: str, reckless: bool = False) -> dict[str, Any]:
+    """The same key taken as one of ``LIMIT`` slots: kept aside while it is in use as a single lease."""
+    return _body(self, key, op, reckless)
 
 
 @singleton_task(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -1109,6 +1110,10 @@ def _covered() -> dict[str, Any]:
             "run": "t-1", "spilled_older_runs": lockcheck.LIMIT_BURST - lockcheck.PARKED_WINDOW,
             "spilled_behind": True,
         },
+        "mixed_directed": {
+            "key": "lockcheck:x90.e0", "slot_runs": 2, "single_runs": 2, "slot_runs_kept_aside": 2,
+            "single_runs_parked": 2,
+        },
     }  # fmt: skip
 
 
@@ -1844,3 +1849,87 @@ def test_a_document_write_sent_again_is_applied_once(store: Any) -> None:
         locked.release()
     doc = docs.find_one({"_id": key}) or {}
     assert [e.get("o") for e in doc["log"]] == [None, "op-1", "op-2"] and doc["counter"] == 2
+
+
+# -- keys used both ways (lockcheck_mixed) ------------------------------------------------------------------
+
+XKEY = "lockcheck:x0.e0"
+
+
+def _mixed_good() -> History:
+    """A single lease (A), then two slots at once (B in slot 0, C in slot 1), then a single lease (D)."""
+    log = [
+        _claim(HOLD_A, 10), _write("a1", HOLD_A, 10, 0),
+        _slot_claim(HOLD_B, 11, 0), _slot_claim(HOLD_C, 12, 1), _slot_write("b1", HOLD_B, 11, 0, 0),
+        _slot_write("c1", HOLD_C, 12, 1, 0), _slot_write("b2", HOLD_B, 11, 0, 1),
+        _claim(HOLD_D, 13), _write("d1", HOLD_D, 13, 4),
+    ]  # fmt: skip
+    events = [
+        _acq(HOLD_A, 10, 0.0, 0.1, key=XKEY), _ack("a1", HOLD_A, 10, key=XKEY), _rel(HOLD_A, 0.5, key=XKEY),
+        {**_acq(HOLD_B, 11, 0.6, 0.7, key=XKEY), "slot": 0},
+        {**_acq(HOLD_C, 12, 0.6, 0.8, key=XKEY), "slot": 1},
+        _ack("b1", HOLD_B, 11, key=XKEY), _ack("c1", HOLD_C, 12, key=XKEY), _ack("b2", HOLD_B, 11, key=XKEY),
+        _rel(HOLD_B, 1.0, key=XKEY), _rel(HOLD_C, 1.1, key=XKEY),
+        _acq(HOLD_D, 13, 1.2, 1.3, key=XKEY), _ack("d1", HOLD_D, 13, key=XKEY), _rel(HOLD_D, 1.5, key=XKEY),
+    ]  # fmt: skip
+    doc = {"_id": XKEY, "counter": 5, "fence": 13, "sm": 12, "sc": {"0": 2, "1": 1}, "log": log}
+    return History(events, {XKEY: doc})
+
+
+def test_a_key_used_both_ways_one_kind_at_a_time_passes() -> None:
+    assert lockcheck.key_policy(XKEY) == "mixed"
+    assert check(_mixed_good()) == []
+
+
+def test_a_slot_written_inside_a_single_lease_s_hold_is_found() -> None:
+    """A single lease's hold (A) read the counter, a slot's hold (B) wrote, then A wrote: B's write is lost
+    (A set the counter from what it read), and A wrote again after another kind's hold."""
+    log = [
+        _claim(HOLD_A, 10), _write("a1", HOLD_A, 10, 0),
+        _slot_claim(HOLD_B, 11, 0), _slot_write("b1", HOLD_B, 11, 0, 0),
+        _write("a2", HOLD_A, 10, 1),
+    ]  # fmt: skip
+    doc = {"_id": XKEY, "counter": 2, "fence": 10, "sm": 11, "sc": {"0": 1}, "log": log}
+    found = check(History([], {XKEY: doc}))
+    assert {"kinds-overlap", "lost-update"} <= kinds(found), found
+
+
+def test_a_single_lease_held_beside_a_slot_is_found_from_the_clients_view() -> None:
+    events = [
+        _acq(HOLD_A, 10, 0.0, 0.1, key=XKEY), {**_acq(HOLD_B, 11, 0.2, 0.3, key=XKEY), "slot": 0},
+        _rel(HOLD_A, 0.5, key=XKEY), _rel(HOLD_B, 0.6, key=XKEY),
+    ]  # fmt: skip
+    assert kinds(check(History(events, {}))) == {"kinds-overlap"}
+    over = [{**_acq(h, f, 0.0, 0.1 * f, key=XKEY), "slot": s} for h, f, s in ((HOLD_A, 1, 0), (HOLD_B, 2, 1))]
+    over += [
+        {**_acq(HOLD_C, 3, 0.0, 0.3, key=XKEY), "slot": 2},
+        {**_acq(HOLD_D, 4, 0.0, 0.4, key=XKEY), "slot": 0},
+    ]
+    over += [_rel(h, 1.0, key=XKEY) for h in (HOLD_A, HOLD_B, HOLD_C, HOLD_D)]
+    assert {"over-limit", "slot-overlap"} <= kinds(check(History(over, {})))
+
+
+def test_a_stale_holder_of_either_kind_is_fenced_out_of_a_key_used_both_ways(mongo_url: str) -> None:
+    """``run_mixed_hold``'s writes against a real server: a slot's hold whose fence is older than a single
+    lease's that wrote is refused, and a single lease's hold older than a slot's that wrote too."""
+    from pymongo import MongoClient
+
+    from . import lockcheck_mixed as mixed
+
+    client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
+    try:
+        docs = client.lockcheck_unit[f"mixed_{uuid.uuid4().hex[:8]}"]
+        key = "lockcheck:x1.e0"
+        docs.insert_one({"_id": key, "counter": 0, "log": []})
+        claim = {"$push": {"log": {"k": "c"}}}
+        assert mixed._update(docs, key, 20, None, flt={}, update=claim)
+        with pytest.raises(mixed._Fenced):
+            mixed._update(docs, key, 19, 0, flt={}, update=claim)
+        assert mixed._update(docs, key, 21, 1, flt={}, update=claim)
+        with pytest.raises(mixed._Fenced):
+            mixed._update(docs, key, 20, None, flt={}, update=claim)
+        assert mixed._update(docs, key, 22, None, flt={}, update=claim)
+        stamps = docs.find_one({"_id": key}, {"_id": 0, "fence": 1, "sm": 1, "sf": 1})
+        assert stamps == {"fence": 22, "sm": 21, "sf": {"1": 21}}
+    finally:
+        client.close()
