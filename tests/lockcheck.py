@@ -3941,6 +3941,9 @@ def figures(history: History, faults: list[Doc], violations: list[Violation], ex
         "mixed": {
             **mixed.mixed_figures(ev, tasks),
             "directed": extra.get("mixed_directed") or {},
+            "faults_with_a_run_kept_aside": dict(
+                sorted(Counter(f["kind"] for f in faults if (f.get("mixed") or {}).get("kept_aside")).items())
+            ),
             "faults_hitting_mixed_keys": dict(
                 sorted(
                     Counter(
@@ -4255,6 +4258,12 @@ def unmet_coverage(report: Doc) -> list[str]:
             "the mixed burst: every run of slots kept aside (the key in use as a single lease), every run "
             "of a single lease parked, before the gate let go",
             mx,
+        )
+        kept = (report.get("mixed") or {}).get("faults_with_a_run_kept_aside") or {}
+        claim(
+            sum(kept.values()) >= sum(faults.values()),
+            "every fault began with a run kept aside as the other kind",
+            kept,
         )
     if "clock-jump" not in skipped:
         claim(faults.get("clock-jump", 0) >= 2, "the clock jumped twice", faults)
@@ -4589,12 +4598,14 @@ class RateGate:
 
 
 #: A fault's gates (``Run._fault_gates``): the gated Queue run's, the unique sends', the rate's (None
-#: without rate keys) and the document lock (None without document keys).
+#: without rate keys), the document lock (None without document keys) and the run kept aside as the other
+#: kind (None without ``x`` keys).
 FaultGates = tuple[
     "tuple[list[Lease], Doc] | None",
     "tuple[list[Lease], Doc]",
     "tuple[RateGate, Doc] | None",
     "DocumentLease | None",
+    "tuple[list[Lease], Doc] | None",
 ]
 
 
@@ -4681,6 +4692,8 @@ class Run:
         self.limits_capped_directed: Doc = {}
         self._gates = 0
         self._doc_gates = 0
+        self._mixed_gates = 0
+        self._mixed_info: Doc | None = None
         self._lingers = 0
         self._gate_hist: HistoryWriter | None = None
         #: The ``tcont`` events read so far (``_contended_runs``): task ids by key; where each file was left.
@@ -6212,6 +6225,8 @@ class Run:
             fault["unique"] = self._unique_info
         if self._rate_info is not None:
             fault["rate"] = self._rate_info
+        if self._mixed_info is not None:
+            fault["mixed"] = self._mixed_info
         self.faults.append(fault)
         self.log(f"[{fault['at_s']:7.2f}s] fault {kind} {json.dumps(fields, default=str)}")
 
@@ -6496,15 +6511,16 @@ class Run:
     def inject(self, kind: str) -> bool:
         """Set up the fault's gates (``_fault_gates``), inject the fault, then let the gates go."""
         gates = self._fault_gates()
-        gated, (_, self._unique_info), rated, _ = gates
+        gated, (_, self._unique_info), rated, _, kept_aside = gates
         self._gate_info = gated[1] if gated else None
+        self._mixed_info = kept_aside[1] if kept_aside else None
         self._rate_info = rated[1] if rated else None
         parked = self._parked_now()
         self._parked_before = max(parked, 1) if gated and gated[1]["parked"] else parked
         try:
             return self._inject(kind)
         finally:
-            self._unique_info = self._rate_info = self._gate_info = None
+            self._unique_info = self._rate_info = self._gate_info = self._mixed_info = None
             self._end_fault_gates(gates)
 
     def _fault_gates(self) -> FaultGates:
@@ -6512,21 +6528,23 @@ class Run:
         confirmed in its lease document before the fault begins, handed the key when the fault is over;
         while a unique send's run is pending (its equal sends got it), run when it is over; while runs
         parked by the rate wait for a window the controller keeps full (``RateGate``); and while a document
-        lock is held (``DocumentLease``), written once when the fault is over.
+        lock is held (``DocumentLease``), written once when the fault is over; and while a run of slots is
+        kept aside on a key held as a single lease (``_mixed_gate``), which takes a slot when it is over.
 
-        The four are set up side by side, each on keys of its own: each waits for the workers to take its
+        They are set up side by side, each on keys of its own: each waits for the workers to take its
         runs from behind the random workload's backlog (10 to 20 s apiece on a loaded machine), and one
         after the other they made a fault take 25 s instead of the ``duration``'s share of 5 s."""
         self._gate_history()  # (made once, before the threads share it)
         self._unique_gates += 1
         self._rate_gates += 1
         n_unique, n_rate = FAULT_GATE_KEYS + self._unique_gates, FAULT_GATE_KEYS + self._rate_gates
-        with ThreadPoolExecutor(4, thread_name_prefix="lockcheck-gate") as pool:
+        with ThreadPoolExecutor(5, thread_name_prefix="lockcheck-gate") as pool:
             futures = (
                 pool.submit(self._fault_gate),
                 pool.submit(self._unique_pending, n_unique, UNIQUE_GATE_SENDS),
                 pool.submit(self._rate_pending, n_rate, RATE_GATE_SENDS) if self.cfg.rate_keys else None,
                 pool.submit(self._document_gate),
+                pool.submit(self._mixed_gate),
             )
         errors = [exc for f in futures if f is not None and (exc := f.exception()) is not None]
         got = tuple(None if f is None or f.exception() is not None else f.result() for f in futures)
@@ -6539,8 +6557,10 @@ class Run:
 
     def _end_fault_gates(self, gates: FaultGates) -> None:
         """Let each gate go, each whatever became of the others; then the first failure, if any."""
-        gated, unique, rated, document = gates
+        gated, unique, rated, document, kept_aside = gates
         ends: list[Callable[[], object]] = []
+        if kept_aside is not None:
+            ends.append(functools.partial(self._gate_release, kept_aside[0]))
         if unique is not None:
             ends.append(functools.partial(self._gate_release, unique[0]))
         if rated is not None:
@@ -6558,6 +6578,26 @@ class Run:
                 failed.append(exc)
         if failed:
             raise failed[0]
+
+    def _mixed_gate(self) -> tuple[list[Lease], Doc] | None:
+        """A gate that holds an ``x`` key of its own as a single lease, and a run of slots sent to it, for
+        the fault about to begin: the run is kept aside (its admit answers ``mixed``: the workers' admit
+        records show it) before the fault begins, and takes a slot when it comes back after the gate let
+        go (``lockcheck_mixed``)."""
+        if not self.cfg.mixed_keys:
+            return None
+        self._mixed_gates += 1
+        n = self._mixed_gates
+        key = key_for(FAULT_GATE_KEYS + n, current_epoch(self.start_mono, self.cfg.epoch_seconds), mixed.KIND)
+        gate = self._gate_take(key)
+        task_id = self._submit(mixed.SLOTS_TASK, key, f"fault-mixed-{n}", queue="celery")
+        info: Doc = {"key": key, "task_id": task_id, "kept_aside": False}
+        if task_id is not None:
+            what = f"a run of slots kept aside on {key}"
+            with contextlib.suppress(TimeoutError):
+                kept = _wait(lambda: task_id in self._kept_aside(key), START_GUARD_S, what, 0.1)
+                info["kept_aside"] = bool(kept)
+        return gate, info
 
     def _document_gate(self) -> DocumentLease | None:
         """A document lock of the controller's on a ``d`` key of its own, claimed, for the fault about
@@ -7270,7 +7310,8 @@ def format_report(report: Doc) -> str:
         lines.append(
             f"  keys used both ways: runs {mx.get('runs')}, holds {mx.get('holds')}, runs kept aside as the "
             f"other kind {mx.get('runs_kept_aside_as_the_other_kind')}; directed {mx.get('directed')}; "
-            f"faults hitting such a key {mx.get('faults_hitting_mixed_keys')}"
+            f"faults hitting such a key {mx.get('faults_hitting_mixed_keys')}, that began with a run kept "
+            f"aside {mx.get('faults_with_a_run_kept_aside')}"
         )
     lines.append(f"  violations {report['violations']}")
     lines += [f"    {v}" for v in report["violation_list"]]

@@ -1110,6 +1110,7 @@ def _covered() -> dict[str, Any]:
             "run": "t-1", "spilled_older_runs": lockcheck.LIMIT_BURST - lockcheck.PARKED_WINDOW,
             "spilled_behind": True,
         },
+        "mixed": {"faults_with_a_run_kept_aside": dict(faults)},
         "mixed_directed": {
             "key": "lockcheck:x90.e0", "slot_runs": 2, "single_runs": 2, "slot_runs_kept_aside": 2,
             "single_runs_parked": 2,
@@ -1119,6 +1120,13 @@ def _covered() -> dict[str, Any]:
 
 def test_the_bounded_runs_coverage_claims() -> None:
     assert lockcheck.unmet_coverage(_covered()) == []
+    unkept = _covered()  # a fault that began with no run kept aside as the other kind
+    unkept["mixed"]["faults_with_a_run_kept_aside"]["kill-node"] = 0
+    unkept["mixed_directed"]["slot_runs_kept_aside"] = 1
+    assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unkept)] == [
+        "the mixed burst",
+        "every fault began with a run kept aside as the other kind",
+    ]
     unspilled = _covered()  # the Queue burst all in its key's lease document
     unspilled["queued"]["spilled"] = 0
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(unspilled)] == [
@@ -1148,6 +1156,7 @@ def test_the_bounded_runs_coverage_claims() -> None:
     skewed["faults"]["clock-jump"] = skewed["queued"]["faults_hitting_queued_runs"]["clock-jump"] = 2
     skewed["unique"]["faults_with_a_pending_unique_run"]["clock-jump"] = 2
     skewed["rate"]["faults_with_a_rate_parked_run"]["clock-jump"] = 2
+    skewed["mixed"]["faults_with_a_run_kept_aside"]["clock-jump"] = 2
     skewed["rate"]["gated"] += 2 * lockcheck.RATE_GATE_SENDS
     skewed["rate"]["gated_parked_then_done"] += 2 * lockcheck.RATE_GATE_SENDS
     assert [u.split(":")[0] for u in lockcheck.unmet_coverage(skewed)] == ["the skewed node's gated runs"]
