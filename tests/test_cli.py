@@ -296,6 +296,13 @@ def test_history_and_why_on_real_data(mongo_url: str, db_name: str) -> None:
         assert empty.returncode == 0 and empty.stdout == "no endings recorded for 'nope'\n"
         bad = run(mongo_url, db_name, "history", "email-group:7", "--limit", "0")
         assert bad.returncode == 2
+        # A key that is no key is bad input, as a bad option is (a trial, stop 65: it exited 1).
+        for command, key, says in (
+            ("why", "", "must not be empty"), ("queue", "  ", "must not be only whitespace"),
+            ("inspect", "", "must not be empty"), ("history", " ", "must not be only whitespace"),
+        ):  # fmt: skip
+            refused = run(mongo_url, db_name, command, key)
+            assert refused.returncode == 2 and f"lease key {says}" in refused.stderr, (command, refused)
     finally:
         store.client.drop_database(db_name)
         store.close()
@@ -556,3 +563,28 @@ def test_why_shows_spilled_runs_of_a_higher_priority_before_the_window_s_of_a_lo
     story = store.why("ledger:5", parked_limit=3)
     assert story is not None and story.parked_total == 5
     assert [r.task_id for r in story.parked] == ["a", "b", "c"]  # ("c" is spilled, rank 0)
+
+
+def test_a_deep_queue_is_dropped_in_rounds_each_said_as_it_is_done(leases: LeaseStore) -> None:
+    """``purge`` of a deep queue (a new-user trial, stop 65: one command over 10,000 task ids ran past the
+    operation timeout and dropped nothing): ``drop_runs`` takes the runs out ``batch`` at a time, each
+    round's lines yielded once its runs are out, spilled runs and the key's window alike."""
+    from celery import Celery
+
+    from celery_mongolock.ops import cli_queue
+
+    key, depth = "ledger:deep-purge", 120
+    assert leases.acquire(key, 600) is not None
+    _park(leases, key, *[f"run-{i}" for i in range(depth)])
+    info = leases.inspect(key)
+    assert info is not None and len(info.parked) == depth
+    ids = [str(r["task_id"]) for r in info.parked]
+    app = Celery("purge", broker="memory://", set_as_current=False)
+    rounds = [len(lines) for lines in cli_queue.drop_runs(app, leases, info, ids, batch=50)]
+    assert rounds == [50, 50, 20]
+    after = leases.inspect(key)
+    assert after is not None and after.parked_total == 0 and after.parked == [] and after.held
+    spilled = leases.spill.collection.count_documents({"k": key, "x": {"$ne": True}})
+    assert spilled == 0  # (each spilled run a tombstone: the refills skip it)
+    revoked = {e.task_id for e in leases.history(key, limit=depth + 10) if e.how == "revoked"}
+    assert revoked == set(ids)

@@ -34,7 +34,7 @@ import click
 from celery_mongolock.core.store import LeaseInfo, LeaseStore
 from celery_mongolock.core.store_sends import sends_of
 from celery_mongolock.core.urls import redact
-from celery_mongolock.exceptions import MongoLockError, StoreUnavailable
+from celery_mongolock.exceptions import InvalidKey, MongoLockError, StoreUnavailable
 from celery_mongolock.integration.config import get_store
 from celery_mongolock.ops import cli_documents, cli_queue
 from celery_mongolock.ops.cli_params import Number
@@ -251,6 +251,8 @@ def _run(action: Any) -> Any:
         return action()
     except StoreUnavailable as exc:
         raise click.ClickException(_unreachable(exc)) from None
+    except InvalidKey as exc:  # (bad input: a usage error, exit status 2)
+        raise click.UsageError(redact(str(exc))) from None
     except MongoLockError as exc:
         raise click.ClickException(redact(str(exc))) from None
 
@@ -527,12 +529,12 @@ def _drop(ctx: click.Context, store: LeaseStore, info: LeaseInfo, ids: list[str]
             raise click.ClickException("nothing dropped: no answer (pass --yes in scripts)") from None
         if not answer:
             raise click.ClickException("nothing dropped")
-    app = ctx.obj.app
+    rounds = iter(cli_queue.drop_runs(ctx.obj.app, store, info, ids))
     try:
-        lines = _run(lambda: cli_queue.drop_runs(app, store, info, ids))
+        while (lines := _run(lambda: next(rounds, None))) is not None:
+            click.echo("\n".join(lines))  # (each round as it is done: a deep queue takes a while)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    click.echo("\n".join(lines))
 
 
 # -- history and why (rendered by ``cli_why``) ------------------------------------------------------

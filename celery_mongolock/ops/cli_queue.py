@@ -9,7 +9,7 @@ any copy of its message still in flight). Nothing is dropped without a line sayi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from celery import Celery
@@ -19,7 +19,7 @@ from celery_mongolock.core.store import LeaseStore
 from celery_mongolock.integration.handoff import install_publisher
 from celery_mongolock.integration.results import has_backend
 
-__all__ = ["drop_runs", "not_parked", "other_kind_lines", "page_of", "pages", "queue_lines"]
+__all__ = ["DROP_BATCH", "drop_runs", "not_parked", "other_kind_lines", "page_of", "pages", "queue_lines"]
 
 
 def page_of(info: LeaseInfo, page: int, per_page: int) -> list[dict[str, Any]]:
@@ -93,34 +93,48 @@ def not_parked(info: LeaseInfo, task_ids: Sequence[str]) -> str:
     )
 
 
-def drop_runs(app: Celery, store: LeaseStore, info: LeaseInfo, task_ids: Sequence[str]) -> list[str]:
+#: How many runs one round of ``drop_runs`` takes out (a few commands each, whatever the queue's depth):
+#: one command over 10,000 task ids ran past the operation timeout on the embedded server and dropped
+#: nothing (a new-user trial, stop 65); 500 take about a second there.
+DROP_BATCH = 500
+
+
+def drop_runs(
+    app: Celery, store: LeaseStore, info: LeaseInfo, task_ids: Sequence[str], *, batch: int = DROP_BATCH
+) -> Iterator[list[str]]:
     """Drop the parked runs ``task_ids`` from ``info.key`` (and the other keys of a several-keys run):
-    their results ``REVOKED``, their history ``revoked``, their task ids revoked in Celery. Returns one
-    line per run; ``ValueError`` naming the ids that are not parked on the key (nothing dropped then)."""
+    their results ``REVOKED``, their history ``revoked``, their task ids revoked in Celery. ``batch`` runs
+    at a time, each round's lines (one per run) yielded once its runs are out: when MongoDB stops
+    answering, the lines already yielded say what was dropped. ``ValueError`` naming the ids that are not
+    parked on the key (before anything is dropped)."""
     parked = {str(run.get("task_id")): run for run in info.parked}
     missing = not_parked(info, task_ids)
     if missing:
         raise ValueError(missing)
     install_publisher(app, store)  # (a key handed to a dropped run goes on to the next one, published)
-    keys = {info.key}
-    for tid in task_ids:
-        keys.update(parked[tid].get("keys") or ())
-    store.spill.drop(info.key, task_ids)  # (those spilled beyond the window: ``documents.spill``)
-    for key in sorted(keys):
-        after = store.sweep(key, revoked=set(task_ids))
+    for start in range(0, len(task_ids), batch):
+        yield _drop_batch(app, store, info.key, {tid: parked[tid] for tid in task_ids[start : start + batch]})
+
+
+def _drop_batch(app: Celery, store: LeaseStore, key: str, runs: dict[str, dict[str, Any]]) -> list[str]:
+    """One round of ``drop_runs``: the runs ``runs`` (task id: its ``parked`` view) out of ``key``."""
+    ids = list(runs)
+    keys = {key}
+    for run in runs.values():
+        keys.update(run.get("keys") or ())
+    store.spill.drop(key, ids)  # (those spilled beyond the window: ``documents.spill``)
+    for each in sorted(keys):
+        after = store.sweep(each, revoked=set(ids))
         fence = None if after is None else after.fence
-        for tid in task_ids:
-            run = {"t": tid, "n": parked[tid].get("task_name")}
-            store.record_run_ending(key, "revoked", run, fence=fence)
-    reason = f"dropped from the queue of {info.key!r} by celery mongolock"
-    for tid in task_ids:
-        if has_backend(app):
+        for tid, run in runs.items():
+            store.record_run_ending(each, "revoked", {"t": tid, "n": run.get("task_name")}, fence=fence)
+    reason = f"dropped from the queue of {key!r} by celery mongolock"
+    if has_backend(app):
+        for tid in ids:
             app.backend.mark_as_revoked(tid, reason)
-    told = _revoke(app, task_ids)
+    told = _revoke(app, ids)
     store.flush_history(timeout=5.0)
-    return [
-        f"dropped {parked[tid].get('task_name')}[{tid}] from {info.key!r}: REVOKED{told}" for tid in task_ids
-    ]
+    return [f"dropped {run.get('task_name')}[{tid}] from {key!r}: REVOKED{told}" for tid, run in runs.items()]
 
 
 def _revoke(app: Celery, task_ids: Sequence[str]) -> str:
