@@ -77,10 +77,10 @@ def test_a_server_that_cannot_start_reports_why() -> None:
 
 
 @contextlib.contextmanager
-def _module_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
+def _module_server(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``python -m celery_mongolock.embedded`` started, with the URL it printed (it answers ping)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery_mongolock.embedded"],
+        [sys.executable, "-m", "celery_mongolock.embedded", *args],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -97,6 +97,17 @@ def _module_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
             proc.kill()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_module_passes_its_cache_size_to_the_server() -> None:
+    """``--cache-size`` (a trial's in-memory server filled its 1G cache with runs of 1 MB messages): the
+    server process it starts is given it."""
+    with _module_server("--cache-size", "2G") as (proc, _url):
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
+        assert any(b"--cache-size" in c and c[c.index(b"--cache-size") + 1] == b"2G" for c in commands)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
 
 
 def test_module_prints_url_and_stops_on_sigint() -> None:

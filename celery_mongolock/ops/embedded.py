@@ -290,7 +290,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run the embedded MongoDB-compatible server on a loopback port until Ctrl-C.",
     )
     parser.add_argument("--port", type=int, default=None, help="port (default: a free one)")
-    parser.add_argument("--storage-path", default=None, help="data directory (default: in memory)")
+    parser.add_argument(
+        "--storage-path",
+        default=None,
+        help="data directory (default: in memory, where everything stays in the cache: parked runs with "
+        "messages of megabytes fill it; a directory lets the server write them out)",
+    )
+    parser.add_argument(
+        "--cache-size", default=None, help="the storage engine's cache, e.g. 2G (default: the server's, 1G)"
+    )
     parser.add_argument("--auth", action="store_true", help="require authentication")
     parser.add_argument("--enable-test-commands", action="store_true", help="allow configureFailPoint")
     args = parser.parse_args(argv)
@@ -299,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         storage_path=args.storage_path,
         auth=args.auth,
         enable_test_commands=args.enable_test_commands,
+        extra_args=[] if args.cache_size is None else ["--cache-size", str(args.cache_size)],
         die_with_parent=True,  # (a SIGKILLed command must not leave its server serving the port)
     )
     stop = False
