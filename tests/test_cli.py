@@ -580,10 +580,20 @@ def test_a_deep_queue_is_dropped_in_rounds_each_said_as_it_is_done(leases: Lease
     assert info is not None and len(info.parked) == depth
     ids = [str(r["task_id"]) for r in info.parked]
     app = Celery("purge", broker="memory://", set_as_current=False)
-    rounds = [len(lines) for lines in cli_queue.drop_runs(app, leases, info, ids, batch=50)]
-    assert rounds == [50, 50, 20]
+    # The spilled runs first (the window stays full: no refill passes their numbers), then the rest.
+    spilled = [len(lines) for lines in cli_queue.drop_runs(app, leases, info, ids[DEFAULT_WINDOW:], batch=50)]
+    assert spilled == [50, 38]
+    # A page counts them out too (``queue --page``: it said 2,288 after a trial's purge of 10,000).
+    page = leases.inspect(key, parked_from=0, parked_limit=5)
+    assert page is not None and page.parked_total == DEFAULT_WINDOW and len(page.parked) == 5
+    info = leases.inspect(key)
+    assert info is not None and info.parked_total == DEFAULT_WINDOW
+    rounds = [len(lines) for lines in cli_queue.drop_runs(app, leases, info, ids[:DEFAULT_WINDOW], batch=50)]
+    assert rounds == [DEFAULT_WINDOW]
     after = leases.inspect(key)
     assert after is not None and after.parked_total == 0 and after.parked == [] and after.held
+    page = leases.inspect(key, parked_from=0, parked_limit=5)
+    assert page is not None and page.parked_total == 0 and page.parked == []
     spilled = leases.spill.collection.count_documents({"k": key, "x": {"$ne": True}})
     assert spilled == 0  # (each spilled run a tombstone: the refills skip it)
     revoked = {e.task_id for e in leases.history(key, limit=depth + 10) if e.how == "revoked"}

@@ -253,7 +253,10 @@ class Records:
         doc = self._without_gone(key, found[0])
         if any(int(lane.get("t", 0)) > int(lane.get("h", 0)) for lane in doc.get("sp") or []):
             if parked_limit is not None:  # (the whole window: a key that spills keeps a short one)
-                doc = self.read({"_id": key}, action, raw=True)[0]
+                whole = self.read({"_id": key}, action, raw=True)
+                # (its count as read first, less the runs that left: a trial's queue --page counted 2,288
+                # tombstones as parked runs after a purge, stop 65)
+                doc = {**whole[0], "__parked_total": doc["__parked_total"]} if whole else doc
             entries = self.store.spill.page(key, doc, parked_from, parked_limit)
             doc = {**doc, "q": entries}
         return documents.lease_info(doc, parked_from)
