@@ -16,10 +16,11 @@ from celery import Celery
 
 from celery_mongolock.core.lease import LeaseInfo
 from celery_mongolock.core.store import LeaseStore
+from celery_mongolock.core.store_spill import DROP_BATCH
 from celery_mongolock.integration.handoff import install_publisher
 from celery_mongolock.integration.results import has_backend
 
-__all__ = ["DROP_BATCH", "drop_runs", "not_parked", "other_kind_lines", "page_of", "pages", "queue_lines"]
+__all__ = ["drop_runs", "not_parked", "other_kind_lines", "page_of", "pages", "queue_lines"]
 
 
 def page_of(info: LeaseInfo, page: int, per_page: int) -> list[dict[str, Any]]:
@@ -93,18 +94,13 @@ def not_parked(info: LeaseInfo, task_ids: Sequence[str]) -> str:
     )
 
 
-#: How many runs one round of ``drop_runs`` takes out (a few commands each, whatever the queue's depth):
-#: one command over 10,000 task ids ran past the operation timeout on the embedded server and dropped
-#: nothing (a new-user trial, stop 65); 500 take about a second there.
-DROP_BATCH = 500
-
-
 def drop_runs(
     app: Celery, store: LeaseStore, info: LeaseInfo, task_ids: Sequence[str], *, batch: int = DROP_BATCH
 ) -> Iterator[list[str]]:
     """Drop the parked runs ``task_ids`` from ``info.key`` (and the other keys of a several-keys run):
     their results ``REVOKED``, their history ``revoked``, their task ids revoked in Celery. ``batch`` runs
-    at a time, each round's lines (one per run) yielded once its runs are out: when MongoDB stops
+    at a time (the spill's own batch, ``store_spill.DROP_BATCH``: a few commands a round, whatever the
+    queue's depth), each round's lines (one per run) yielded once its runs are out: when MongoDB stops
     answering, the lines already yielded say what was dropped. ``ValueError`` naming the ids that are not
     parked on the key (before anything is dropped)."""
     parked = {str(run.get("task_id")): run for run in info.parked}
