@@ -2305,17 +2305,32 @@ def handed_grant_starts(events: Iterable[Doc], key: str) -> dict[tuple[str, int]
     """For each claim of a handoff on ``key`` (an admission with outcome ``claimed``: task id and fence),
     the earliest time its grant can have been made: the send time of the run's first admission on the
     key (a run is handed a slot only after its admission parked it)."""
-    events = [e for e in events if e.get("ev") == "admit" and str(e.get("key")) == key]
+    events = [e for e in events if str(e.get("key")) == key]
+    admits = [e for e in events if e.get("ev") == "admit"]
     first: dict[str, float] = {}
-    for e in events:
+    for e in admits:
         if e.get("t0") is not None:
             tid = str(e.get("task_id"))
             first[tid] = min(first.get(tid, float(e["t0"])), float(e["t0"]))
-    return {
-        (str(e.get("task_id")), int(e["fence"])): first.get(str(e.get("task_id")), float("-inf"))
-        for e in events
-        if e.get("outcome") == "claimed" and e.get("fence") is not None
-    }
+    # The command that handed the slot was answered before its ``handoff`` record (or a ``handed-seen``
+    # of another process's reply): the grant was made no later. (ci of stop 65: the run's parking admit
+    # was never recorded, its claim's own admit stood in, and a client's later acquisition with a
+    # larger fence looked older.)
+    handed: dict[tuple[str, int], float] = {}
+    for e in events:
+        seen = [(e.get("task_id"), e.get("fence"))] if e.get("ev") == "handoff" else []
+        if e.get("ev") == "handed-seen":
+            seen = [(h[0], h[1]) for h in e.get("handed_slots") or [] if len(h) >= 2]
+        for run, fence in seen:
+            if fence is not None and e.get("t") is not None:
+                grant = (str(run), int(fence))
+                handed[grant] = min(handed.get(grant, float(e["t"])), float(e["t"]))
+    out: dict[tuple[str, int], float] = {}
+    for e in admits:
+        if e.get("outcome") == "claimed" and e.get("fence") is not None:
+            grant = (str(e.get("task_id")), int(e["fence"]))
+            out[grant] = min(first.get(grant[0], float("-inf")), handed.get(grant, float("inf")))
+    return out
 
 
 def admitted_grant_starts(events: Iterable[Doc]) -> dict[str, dict[tuple[str, int], float]]:

@@ -1942,3 +1942,18 @@ def test_a_stale_holder_of_either_kind_is_fenced_out_of_a_key_used_both_ways(mon
         assert stamps == {"fence": 22, "sm": 21, "sf": {"1": 21}}
     finally:
         client.close()
+
+
+def test_a_slot_handed_before_a_later_acquisition_is_not_backwards_without_its_park_record() -> None:
+    """ci of stop 65: a run's parking admit was never recorded; a release handed it slot 2 with fence 13
+    (its ``handoff`` record at 1.0), a client took slot 0 with fence 14 (1.1 to 1.2), and the run claimed
+    its slot later (1.5). The grant was made before the handoff record: not backwards."""
+    handoff = {"ev": "handoff", "key": LKEY, "task_id": "A", "fence": 13, "t": 1.0, "slot": 2}
+    claimed = {**_admit("A", "claimed", 13, LKEY), "t0": 1.5, "t": 1.6, "slot": 2}
+    a_acq = {**_slot_acq(HOLD_A, 13, 2, 1.5, 1.6), "task_id": "A"}
+    client = _slot_acq(HOLD_B, 14, 0, 1.1, 1.2)
+    assert check(History([handoff, client, claimed, a_acq], {})) == []
+    seen = {"ev": "handed-seen", "key": LKEY, "handed_slots": [["A", 13, 2, 1]], "t": 1.05}
+    assert check(History([seen, client, claimed, a_acq], {})) == []
+    # Without any record of the grant, fence 13 after fence 14's acquisition ended is backwards.
+    assert kinds(check(History([client, claimed, a_acq], {}))) == {"fence-backwards"}
