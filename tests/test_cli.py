@@ -214,6 +214,22 @@ def test_release_says_who_holds_a_held_key_and_that_a_free_key_is_free(
     assert forced.returncode == 0 and forced.stderr == "" and forced.stdout == free.stdout
 
 
+def test_a_key_handed_to_a_parked_run_shows_it_not_yet_claimed(
+    mongo_url: str, db_name: str, leases: LeaseStore
+) -> None:
+    """A release hands the key to the run parked on it; until a worker claims it there is no host and no
+    pid to show (a new-user trial saw ``list`` and ``watch`` show the task alone, as if held)."""
+    holder = leases.acquire("email-group:5", ttl=600)
+    assert holder is not None
+    entry = {"id": "next/0.0", "t": "next", "n": "upload", "r": "0.0", "s": 1, "m": b""}
+    assert leases.admit("email-group:5", entry, timeout=600)[1]["lo"] == "parked"
+    assert holder.release()
+    line = next(x for x in run(mongo_url, db_name, "list").stdout.splitlines() if x.startswith("email-group:5"))
+    assert "upload[next] (handed, not yet claimed)" in line
+    watched = run(mongo_url, db_name, "watch", "--count", "1", "--interval", "0.1").stdout
+    assert "(handed, not yet claimed)" in watched
+
+
 def test_watch_refreshes(mongo_url: str, db_name: str, leases: LeaseStore) -> None:
     out = run(mongo_url, db_name, "watch", "--count", "2", "--interval", "0.1")
     assert out.returncode == 0, out.stderr

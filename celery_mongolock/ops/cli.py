@@ -160,6 +160,8 @@ def _who(h: dict[str, Any], short: bool = False) -> str:
     task = h.get("task_name") or h.get("role") or ""
     if h.get("task_id"):
         task += f"[{_short_id(h['task_id']) if short else h['task_id']}]"
+    if h.get("handed") and not where:  # (no worker has it yet: no host, no pid)
+        return f"{task} (handed, not yet claimed)".strip()
     return f"{where} {task}".strip() or "-"
 
 
