@@ -224,7 +224,8 @@ def test_a_key_handed_to_a_parked_run_shows_it_not_yet_claimed(
     entry = {"id": "next/0.0", "t": "next", "n": "upload", "r": "0.0", "s": 1, "m": b""}
     assert leases.admit("email-group:5", entry, timeout=600)[1]["lo"] == "parked"
     assert holder.release()
-    line = next(x for x in run(mongo_url, db_name, "list").stdout.splitlines() if x.startswith("email-group:5"))
+    lines = run(mongo_url, db_name, "list").stdout.splitlines()
+    line = next(x for x in lines if x.startswith("email-group:5"))
     assert "upload[next] (handed, not yet claimed)" in line
     watched = run(mongo_url, db_name, "watch", "--count", "1", "--interval", "0.1").stdout
     assert "(handed, not yet claimed)" in watched

@@ -46,6 +46,22 @@ def past_its_ceiling(cluster: Cluster, key: str, max_wait: float) -> bool:
     return bool(found) and found[0].get("age") is not None and found[0]["age"] >= max_wait * 1000
 
 
+def _story(cluster: Cluster, keys: list[str], task_id: str) -> str:
+    """What a failure needs to be read: each key's holder, handoff and parked runs, and the workers' log
+    lines about the run ``task_id``."""
+    lines = []
+    for key in keys:
+        d = cluster.store.collection.find_one({"_id": key}) or {}
+        ho = d.get("ho") or {}
+        lines.append(
+            f"{key}: holder {(d.get('holder') or {}).get('task_id')} owner {d.get('owner')} "
+            f"ho {ho.get('t')} (hn {ho.get('hn')} bu {ho.get('bu')} fw {ho.get('fw')} by {ho.get('by')}) "
+            f"q {[(e.get('t'), e.get('bu'), e.get('hn')) for e in d.get('q') or []]}"
+        )
+    lines += [line for w in cluster.workers for line in w.log().splitlines() if task_id in line]
+    return "\n".join(lines)
+
+
 def _newer_waits_last(cluster: Cluster, results: list[Any], newest: Any, shared: str, reserved: str) -> Any:
     """The newer send of the first run's set supersedes that run (returned), which leaves ``shared``; the
     newer send waits there after every other run, ``reserved`` (a key before ``shared``) reserved for it."""
@@ -216,7 +232,7 @@ def test_the_run_a_ceiling_chose_keeps_its_gate_while_it_waits_on_a_held_key(
     for _ in range(12):  # 3 s more of sends: more than the debounce, the reservation stays its own
         results.append(it.merge_capped.delay(a, b, tag(), 0.1))
         wait_for(lambda: results[-1].state != "PENDING", timeout=30, message="the send to reach a worker")
-    assert reserved_for(cluster, gate) == first.id
+    assert reserved_for(cluster, gate) == first.id, _story(cluster, [gate, key_a, key_b], first.id)
     assert not is_superseded(first)
     blocker.release()
     assert first.get(timeout=120) == sorted([key_a, key_b])
