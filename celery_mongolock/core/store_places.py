@@ -1,14 +1,15 @@
 """Where a run of several keys stands on each of its keys (one read), and the mark that lets exactly one
-party publish its message once every key is reserved for it.
+party publish its message when it is ready or moves on.
 
 A run of several keys takes its keys one at a time (``key_set.KeySetAdmits.stepwise``); whoever reserves
 a key for it reads where it stands on all of them (``read_places``) and publishes its handoff message when
-every one is reserved. When its last two keys are reserved a few milliseconds apart (two releases at once,
-or a release and the run's own attempt), both parties read it ready. Before publishing, each writes a mark
-into the run's first key's document (``mark_published``): the reservations it saw, by the server times
-they were made (``hat``). One update per mark, conditional on the mark being absent: exactly one party
-writes it and publishes. A reservation that lapses and is made again has a new time, so the run is
-published again then (its first message may be lost with a dead worker).
+every one is reserved, or when it moves on (``handoff.moves_on``). When two of its keys are reserved a few
+milliseconds apart (two releases at once, or a release and the run's own attempt), both parties read the
+same. Before publishing, each writes a mark into the document of the run's first key reserved for it
+(``mark_published``): the reservations it saw, by the server times they were made (``hat``). One update
+per mark, conditional on the mark being absent: exactly one party writes it and publishes. A reservation
+that lapses and is made again has a new time, so the run is published again then (its first message may
+be lost with a dead worker).
 
 A part of ``LeaseStore`` (``store_queue.QueueUpkeep.keys_places``, ``LeaseStore.publish_once``).
 """
@@ -49,6 +50,13 @@ class KeyPlaces:
     def mark(self) -> str:
         """The mark of this completion of the run's reservations: when each was made."""
         return ",".join("-" if ms is None else str(ms) for ms in self.handed_ms)
+
+    @property
+    def mark_key(self) -> str | None:
+        """The key whose document takes the mark: the first reserved for the run (its document exists;
+        every party that read the same places picks the same one), None when none is."""
+        pairs = zip(self.places, self.handed_ms, strict=True)
+        return next((key for (key, _), ms in pairs if ms is not None), None)
 
 
 def read_places(connection: Connection, entry: Mapping[str, Any]) -> KeyPlaces:
@@ -137,24 +145,30 @@ def _place_fields(entry: Mapping[str, Any]) -> Document:
 
 
 def mark_published(connection: Connection, entry: Mapping[str, Any], places: KeyPlaces) -> bool:
-    """Write the mark of ``places`` (every key reserved for the run ``entry``) into the run's first key's
-    document (``hp``: ``{i: run, m: mark}``, the newest ``MARKS_KEPT``), unless it is there: True for the
-    one party that wrote it, which publishes the run's message; False for any other (it was published,
-    or is being)."""
+    """Write the mark of ``places`` (some or all of the run ``entry``'s keys reserved for it) into the
+    document of the first key reserved for it (``hp``: ``{i: run, m: mark}``, the newest ``MARKS_KEPT``),
+    unless it is there: True for the one party that wrote it, which publishes the run's message; False
+    for any other (it was published, or is being). With no key reserved: True, no mark."""
+    key = places.mark_key
+    if key is None:
+        return True
     mark = {"i": str(entry.get("id")), "m": places.mark()}
     with connection.operation(f"mark the handoff of {entry.get('t')} published"):
         done = connection.collection.update_one(
-            {"_id": places.places[0][0], "hp": {"$not": {"$elemMatch": mark}}},
+            {"_id": key, "hp": {"$not": {"$elemMatch": mark}}},
             {"$push": {"hp": {"$each": [mark], "$slice": -MARKS_KEPT}}},
         )
     return bool(done.modified_count)
 
 
 def unmark_published(connection: Connection, entry: Mapping[str, Any]) -> None:
-    """Take the marks of the run ``entry`` off its first key (``mark_published``): its message was not
+    """Take the marks of the run ``entry`` off its keys (``mark_published``): its message was not
     published after all (left for a worker that has its task), and whoever adopts its handoff publishes
     it."""
     keys = [normalize_key(k) for k in entry.get("ks") or []]
     if keys:
         with connection.operation(f"unmark the handoff of {entry.get('t')}"):
-            connection.collection.update_one({"_id": keys[0]}, {"$pull": {"hp": {"i": str(entry.get("id"))}}})
+            connection.collection.update_many(
+                {"_id": {"$in": keys}, "hp.i": str(entry.get("id"))},
+                {"$pull": {"hp": {"i": str(entry.get("id"))}}},
+            )

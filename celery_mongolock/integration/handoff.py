@@ -385,9 +385,10 @@ def moves_on(store: LeaseStore, entry: Mapping[str, Any]) -> bool:
     * else (it waits on that key and holds nothing after it; a worker of it is taking the key now; it
       timed out there, and whoever ends it leaves its other keys) nothing is published.
 
-    When every key is reserved, two parties may read it so at once (its last two keys reserved a few
-    milliseconds apart): only the one whose mark is written first publishes (``LeaseStore.publish_once``),
-    so its message is published once."""
+    Two parties may read it so at once (two of its keys reserved a few milliseconds apart): only the one
+    whose mark is written first publishes (``LeaseStore.publish_once``: the mark is when each reservation
+    they saw was made; with none reserved when read, a reservation dropped meanwhile, no mark: one that
+    said none would stand for any later read), so its message is published once."""
     read = store.places_of(entry)
     if read.ready:
         return store.publish_once(entry, read)
@@ -398,8 +399,10 @@ def moves_on(store: LeaseStore, entry: Mapping[str, Any]) -> bool:
         if place in ("held", "dead"):
             return False
         if place == "absent" and not store.spill.waits(key, str(entry.get("t"))):
-            return True
-        return any(later == "reserved" for _, later in places[index + 1 :])
+            return store.publish_once(entry, read)
+        if any(later == "reserved" for _, later in places[index + 1 :]):
+            return store.publish_once(entry, read)
+        return False
     return True
 
 
