@@ -46,6 +46,14 @@ def past_its_ceiling(cluster: Cluster, key: str, max_wait: float) -> bool:
     return bool(found) and found[0].get("age") is not None and found[0]["age"] >= max_wait * 1000
 
 
+def _gate_is_of(cluster: Cluster, gate: str) -> str | None:
+    """The run the gate is reserved for, else the run that holds it (a worker of it claiming it), or None."""
+    d = cluster.store.collection.find_one({"_id": gate}) or {}
+    if d.get("ho"):
+        return str(d["ho"].get("t"))
+    return (d.get("holder") or {}).get("task_id") if d.get("owner") else None
+
+
 def _story(cluster: Cluster, keys: list[str], task_id: str) -> str:
     """What a failure needs to be read: each key's holder, handoff and parked runs, and the workers' log
     lines about the run ``task_id``."""
@@ -232,7 +240,10 @@ def test_the_run_a_ceiling_chose_keeps_its_gate_while_it_waits_on_a_held_key(
     for _ in range(12):  # 3 s more of sends: more than the debounce, the reservation stays its own
         results.append(it.merge_capped.delay(a, b, tag(), 0.1))
         wait_for(lambda: results[-1].state != "PENDING", timeout=30, message="the send to reach a worker")
-    assert reserved_for(cluster, gate) == first.id, _story(cluster, [gate, key_a, key_b], first.id)
+    # (reserved for it, or held by a worker of it: with two busy loops beside it, 1 run in 16 found no
+    # reservation on the gate here; a worker of the run claiming its keys again, its delayed copy or a
+    # second copy of its handoff, holds the gate until it reserves it again)
+    assert _gate_is_of(cluster, gate) == first.id, _story(cluster, [gate, key_a, key_b], first.id)
     assert not is_superseded(first)
     blocker.release()
     assert first.get(timeout=120) == sorted([key_a, key_b])
