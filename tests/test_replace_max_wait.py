@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from celery_mongolock import ConfigurationError, LeaseStore, Replace
+from celery_mongolock.core.documents.sets import gate_of
 from celery_mongolock.core.outcomes import Admission
 
 from .servers import server_past, wait_for
@@ -217,48 +218,53 @@ def test_the_ceiling_s_reservation_that_lapses_again_and_again_stays_sealed(stor
     assert admit(X, older)[1]["lo"] != "superseded"
 
 
-def test_the_ceiling_s_run_put_back_among_the_parked_runs_stays_sealed_there(store: LeaseStore) -> None:
+def test_a_newer_send_of_a_higher_priority_does_not_pass_the_ceiling_s_run_on_its_gate(
+    store: LeaseStore,
+) -> None:
     """The path of docs/known-issues.md ("the ceiling's run waiting long on a key"): the ceiling's run
-    (r20) reserved the first key of its set with a short lease; a newer send of a higher priority (r31,
-    rank -9) parked behind that reservation (sealed: a burst of its own). The reservation lapses and goes
-    back among the parked runs in its place, behind r31, which the sweeper hands the key. A fresh send
-    (r32) then parks: the ceiling's run stays parked, sealed, and r32 waits behind it (before, r32
-    superseded it there, and the set ran later than ``max_wait`` promised)."""
-    first, older = run(10, [X, Y]), run(20, [X, Y])
-    urgent, fresh = {**run(31, [X, Y]), "pr": -9}, run(32, [X, Y])
+    (r20) reserved its set's gate with a short lease; a newer send of a higher priority (r31, rank -9)
+    parks behind that reservation (sealed: a burst of its own). The reservation lapses and goes back among
+    the parked runs: on a gate in send order alone, so the sweeper hands it to the ceiling's run again.
+    (Before, r31 was ranked ahead and handed the gate; the ceiling's run, left parked, was superseded by
+    the next send, and then ran after r31 when there was none.) A fresh send (r32) supersedes r31 and
+    waits behind the ceiling's run, which runs first."""
+    gate = gate_of([X, Y])
+    first, older = run(10, [gate, X, Y]), run(20, [gate, X, Y])
+    urgent, fresh = {**run(31, [gate, X, Y]), "pr": -9}, run(32, [gate, X, Y])
 
-    def admit(key: str, r: dict[str, Any], ttl: float = 30, **kw: Any) -> tuple[Any, dict[str, Any]]:
-        lease, doc = store.admit(key, r, ttl=ttl, replace=True, group=r["g"], debounce=30, max_wait=2, **kw)
+    def admit(r: dict[str, Any], ttl: float = 30, **kw: Any) -> tuple[Any, dict[str, Any]]:
+        lease, doc = store.admit(gate, r, ttl=ttl, replace=True, group=r["g"], debounce=30, max_wait=2, **kw)
         burst = Admission.of(lease, doc).burst_of(r["id"])
         if burst is not None:
             r.setdefault("bu", burst)
         return lease, doc
 
     def doc() -> dict[str, Any]:
-        return store.collection.find_one({"_id": X}) or {}
+        return store.collection.find_one({"_id": gate}) or {}
 
-    for key in (X, Y):
-        assert admit(key, first)[1]["lo"] == "parked"
-    ceiling = parked_entry(store, Y)["nb"]
+    assert admit(first)[1]["lo"] == "parked"
+    ceiling = parked_entry(store, gate)["nb"]
     wait_for(lambda: server_past(store, ceiling), timeout=30, message="the burst's ceiling passed")
-    admit(X, older)  # past the ceiling: handed X at once, claimed, kept as a reservation (1 s)
-    lease, _ = admit(X, older, ttl=1, claim=doc()["ho"]["tk"])
+    admit(older)  # past the ceiling: handed the gate at once, claimed, kept as a reservation (1 s)
+    lease, _ = admit(older, ttl=1, claim=doc()["ho"]["tk"])
     assert lease is not None and store.reserve(lease, older)
-    assert admit(X, urgent)[1]["lo"] == "parked"  # behind the sealed reservation, not taking it back
-    assert doc()["ho"]["t"] == "r20"
+    assert admit(urgent)[1]["lo"] == "parked"  # behind the sealed reservation, not taking it back
+    assert doc()["ho"]["t"] == "r20" and "pr" not in doc()["q"][0]  # (no rank on a gate)
     urgent_due = doc()["q"][0]["nb"]
     wait_for(
         lambda: server_past(store, max(doc()["expires_at"], urgent_due)),
         timeout=30,
         message="the reservation lapsed and the urgent run came due",
     )
-    assert store.sweep(X) is not None
-    assert doc()["ho"]["t"] == "r31"  # (the higher priority first: docs/known-issues.md)
-    assert [e["t"] for e in doc()["q"]] == ["r20"]  # the ceiling's run back in its place
-    assert admit(X, fresh)[1]["lo"] == "parked"
-    assert [e["t"] for e in doc()["q"]] == ["r20", "r32"]  # still sealed: the fresh send waits behind it
-    assert "r20" not in {s["t"] for s in doc().get("sup") or []}
-    assert fresh["bu"] > older["bu"]  # a burst of its own
+    assert store.sweep(gate) is not None
+    assert doc()["ho"]["t"] == "r20" and doc()["ho"]["hn"] == 2  # the ceiling's run, handed it again
+    assert [e["t"] for e in doc()["q"]] == ["r31"]
+    assert admit(fresh)[1]["lo"] == "parked"
+    assert [e["t"] for e in doc()["q"]] == ["r32"]  # r31 superseded (its own burst), r20 sealed
+    assert {s["t"] for s in doc().get("sup") or []} == {"r10", "r31"}
+    lease, _ = admit(older, claim=doc()["ho"]["tk"])
+    assert lease is not None and lease.release()
+    assert doc()["ho"]["t"] == "r32"
 
 
 def test_max_wait_with_keys_is_accepted() -> None:

@@ -372,14 +372,6 @@ def _one_lease(run: AdmitRun, token: str) -> Shape:
     )
 
 
-def sealed_entry(max_wait_ms: int) -> Document:
-    """Parked entry ``$$e`` was handed the key before (``hn``) and its burst is past its ceiling: the
-    ceiling's run, its reservation lapsed and put back among the parked runs (``requeue_handoff``) behind
-    a run ahead of it (a higher priority). It stays sealed there as its reservation was: a newer send
-    parks behind it, in a burst of its own, and does not supersede it."""
-    return {"$and": [{"$gt": [{"$ifNull": ["$$e.hn", 0]}, 0]}, past_ceiling("$$e", max_wait_ms)]}
-
-
 def _park(run: AdmitRun) -> tuple[list[Document], object, object]:
     """Take or park, the queue: ``(stages, q, superseded)``, the stages before the fields (``__tb``, a
     handoff of an older run of the set taken back), the queue with this run parked, and the runs it
@@ -393,7 +385,6 @@ def _park(run: AdmitRun) -> tuple[list[Document], object, object]:
     # Parked: an older run of its set loses the key's reservation or handoff made to it (unless
     # max_wait: it was handed the key by its burst's ceiling, and runs; this run waits behind it).
     older_ho = sets.older_handoff(group, stamp, ident, run.burst)
-    sealed_q: object = False
     if run.max_wait_ms:
         # (A run that knows its burst takes back the handoff of an older run of that burst, ceiling or
         # not: that run was superseded where the burst began. One that does not, on the first key of its
@@ -401,11 +392,10 @@ def _park(run: AdmitRun) -> tuple[list[Document], object, object]:
         knows = {"$ne": [run.burst, None]} if run.burst is not None else False
         sealed = {"$and": [{"$not": [knows]}, past_ceiling("$ho", run.max_wait_ms)]}
         older_ho = {"$and": [older_ho, {"$not": [sealed]}]}
-        sealed_q = {"$and": [{"$not": [knows]}, sealed_entry(run.max_wait_ms)]}
     take_back = {"$and": ["$__park", older_ho]}
     # (A burst goes on through the older runs it supersedes: parked, or the handoff taken back.)
     taken_back = {"$cond": [older_ho, ["$ho"], []]}
-    older = {"$concatArrays": [sets.entries_of(group, run.burst, sealed_q), taken_back]}
+    older = {"$concatArrays": [sets.entries_of(group, run.burst), taken_back]}
     # (A run that knows its burst keeps it on every key: the same ceiling everywhere.)
     since = burst_since(older, run.burst) if run.max_wait_ms else None
     e = entry_expr(run.entry, run.timeout_ms, run.debounce_ms, max_wait_ms=run.max_wait_ms, since=since)
@@ -416,7 +406,7 @@ def _park(run: AdmitRun) -> tuple[list[Document], object, object]:
         e["bu"] = {"$ifNull": [run.burst, sets.burst_identity(older)]}
     ahead = entry_ahead("$$e", stamp, ident, run.rank)
     parked_q, superseded = sets.park_queue(
-        e, group, ahead, by=str(run.entry["t"]), take_back="$__tb", burst=run.burst, sealed=sealed_q
+        e, group, ahead, by=str(run.entry["t"]), take_back="$__tb", burst=run.burst
     )
     return [{"$set": {"__tb": take_back}}], parked_q, superseded
 

@@ -316,16 +316,14 @@ def _sup_record(e: str, by: str, *, reserved: bool = False) -> Document:
     }
 
 
-def _of_set(group: str, burst: object, sealed: object = False) -> Document:
-    """Parked entry ``$$e`` is of ``group`` (and ``burst``), and not ``sealed`` (an expression on ``$$e``)."""
-    return {"$and": [_same_set("$$e", group), in_burst("$$e", burst), {"$not": [sealed]}]}
+def _of_set(e: str, group: str, burst: object) -> Document:
+    return {"$and": [_same_set(e, group), in_burst(e, burst)]}
 
 
-def entries_of(group: str, burst: object = None, sealed: object = False) -> Document:
+def entries_of(group: str, burst: object = None) -> Document:
     """The entries of ``group`` (of ``burst``, when given) parked on the key: the older runs of its set a
-    newer send supersedes. ``sealed``: an expression on ``$$e``, true for an entry no newer send of this
-    run's supersedes (the ceiling's run put back among the parked runs, ``queue.sealed_entry``)."""
-    return {"$filter": {"input": _Q, "as": "e", "cond": _of_set(group, burst, sealed)}}
+    newer send supersedes."""
+    return {"$filter": {"input": _Q, "as": "e", "cond": _of_set("$$e", group, burst)}}
 
 
 def park_queue(
@@ -336,13 +334,12 @@ def park_queue(
     by: str,
     take_back: object,
     burst: object = None,
-    sealed: object = False,
 ) -> tuple[Document, Document]:
     """``(q, superseded)`` when a run of ``group`` parks: the queue with its entry in its place (``ahead``:
-    entry ``$$e`` is ahead of it, ``entries.entry_ahead``) and without the older runs of its set (but
-    those ``sealed``: ``entries_of``); and those runs (plus the run whose reservation or handoff
-    ``take_back`` says is taken back), in the shape of ``sup``."""
-    others = {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_of_set(group, burst, sealed)]}}}
+    entry ``$$e`` is ahead of it, ``entries.entry_ahead``) and without the older runs of its set; and
+    those runs (plus the run whose reservation or handoff ``take_back`` says is taken back), in the shape
+    of ``sup``."""
+    others = {"$filter": {"input": _Q, "as": "e", "cond": {"$not": [_of_set("$$e", group, burst)]}}}
     in_order = {
         "$concatArrays": [
             {"$filter": {"input": others, "as": "e", "cond": ahead}},
@@ -350,7 +347,7 @@ def park_queue(
             {"$filter": {"input": others, "as": "e", "cond": {"$not": [ahead]}}},
         ]
     }
-    older = entries_of(group, burst, sealed)
+    older = entries_of(group, burst)
     superseded = {
         "$concatArrays": [
             {"$map": {"input": older, "as": "p", "in": _sup_record("$$p", by)}},
