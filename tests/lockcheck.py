@@ -198,6 +198,7 @@ from celery_mongolock.task import REPUBLISH_RETRY_POLICY
 
 from . import brokerlog, nodewatch
 from . import lockcheck_mixed as mixed
+from .lockcheck_retry import write_retrying
 from .nodewatch import broker_ready
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -632,41 +633,19 @@ def _write(docs: Collection[Doc], lease: Lease, op: str, p: int) -> tuple[str, b
     """The fenced, idempotent write of ``counter = p + 1``. Returns (outcome, resolved after a retry)."""
     key = lease.key
     entry = {"k": "w", "o": op, "h": lease.owner, "f": lease.fence, "p": p}
-    give_up = time.monotonic() + 8.0
-    retried = False
-    while True:
-        try:
-            result = fenced_update_one(
-                docs,
-                {"_id": key, "log.o": {"$ne": op}},
-                {"$set": {"counter": p + 1}, "$push": {"log": entry}},
-                lease,
-            )
-            # matched 0: the filter excludes documents holding ``op`` already: an earlier attempt of
-            # this operation (ours, or a previous run of the same Celery task) was applied.
-            return ("ack" if result.matched_count == 1 else "ack-earlier"), retried
-        except FencedOut:
-            if retried:
-                # An earlier attempt whose reply was lost may have been applied before the fence moved
-                # (a cancel_running supersession, a newer holder): then the filter excluded the
-                # document, and the fence check answered. The document says which (ci21: a holder's
-                # write applied, its reply lost to a fault, the retry fenced out and reported fenced).
-                return _resolved_after_fenced_retry(docs, key, op), retried
-            return "fenced", retried
-        except PyMongoError:
-            retried = True
-            if time.monotonic() > give_up:
-                return "ambiguous", retried
-            time.sleep(0.1 + random.random() * 0.2)
 
+    def write() -> bool:
+        result = fenced_update_one(
+            docs,
+            {"_id": key, "log.o": {"$ne": op}},
+            {"$set": {"counter": p + 1}, "$push": {"log": entry}},
+            lease,
+        )
+        # matched 0: the filter excludes documents holding ``op`` already: an earlier attempt of this
+        # operation (ours, or a previous run of the same Celery task) was applied.
+        return result.matched_count == 1
 
-def _resolved_after_fenced_retry(docs: Collection[Doc], key: str, op: str) -> str:
-    """A retried write fenced out: ``ack-earlier`` if the document holds ``op`` (an earlier attempt was
-    applied), ``fenced`` if it does not, ``ambiguous`` if it cannot be read."""
-    try:
-        return "ack-earlier" if docs.find_one({"_id": key, "log.o": op}, {"_id": 1}) else "fenced"
-    except PyMongoError:
-        return "ambiguous"
+    return write_retrying(write, FencedOut, docs, key, op)
 
 
 def run_hold(
@@ -988,21 +967,15 @@ def run_slot_hold(
             break
         entry = {"k": "w", "o": op, "h": hold, "f": fence, "s": slot, "p": p}
         update = {"$set": {f"sc.{slot}": p + 1}, "$inc": {"counter": 1}, "$push": {"log": entry}}
-        give_up, retried = time.monotonic() + 8.0, False
-        while True:
-            try:
-                applied = _slot_update(docs, key, fence, slot, flt={"log.o": {"$ne": op}}, update=update)
-                outcome = "ack" if applied else "ack-earlier"
-                break
-            except _SlotFenced:
-                outcome = "fenced"
-                break
-            except PyMongoError:
-                retried = True
-                if time.monotonic() > give_up:
-                    outcome = "ambiguous"
-                    break
-                time.sleep(0.1 + random.random() * 0.2)
+        outcome, retried = write_retrying(
+            functools.partial(
+                _slot_update, docs, key, fence, slot, flt={"log.o": {"$ne": op}}, update=update
+            ),
+            _SlotFenced,
+            docs,
+            key,
+            op,
+        )
         hist.event("write", **base, outcome=outcome, retried=retried, reckless=reckless, t=time.monotonic())
         outcomes.append("ack" if outcome.startswith("ack") else outcome)
         if not outcome.startswith("ack"):

@@ -29,6 +29,7 @@ single hold overlaps any other clean hold, and at most ``LIMIT`` clean slot hold
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import random
 import time
@@ -38,6 +39,8 @@ from typing import Any
 
 from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
+
+from .lockcheck_retry import write_retrying
 
 Doc = dict[str, Any]
 
@@ -140,20 +143,13 @@ def run_mixed_hold(
         update: Doc = {"$set": {counter: p + 1}, "$push": {"log": entry}}
         if slot is not None:
             update["$inc"] = {"counter": 1}
-        outcome, retried, give_up = "ambiguous", False, time.monotonic() + 8.0
-        while True:
-            try:
-                applied = _update(docs, key, fence, slot, flt={"log.o": {"$ne": op}}, update=update)
-                outcome = "ack" if applied else "ack-earlier"
-                break
-            except _Fenced:
-                outcome = "fenced"
-                break
-            except PyMongoError:
-                retried = True
-                if time.monotonic() > give_up:
-                    break
-                time.sleep(0.1 + random.random() * 0.2)
+        outcome, retried = write_retrying(
+            functools.partial(_update, docs, key, fence, slot, flt={"log.o": {"$ne": op}}, update=update),
+            _Fenced,
+            docs,
+            key,
+            op,
+        )
         hist.event(
             "write", **base, **where, outcome=outcome, retried=retried, reckless=reckless, t=time.monotonic()
         )

@@ -22,6 +22,7 @@ from celery_mongolock.core.lease import Lease
 
 from . import brokerlog, lockcheck
 from .lockcheck import Config, History, Violation, check
+from .lockcheck_retry import resolved_after_fenced_retry
 from .servers import NO_RABBITMQ
 
 pytestmark = pytest.mark.lockcheck
@@ -1836,8 +1837,8 @@ def test_a_retried_write_fenced_out_is_judged_on_the_document(client: Any, db_na
     checker reported ``fenced-but-applied``. A retried write fenced out is now resolved on the document."""
     docs = client[db_name]["protected"]
     docs.insert_one({"_id": "k", "log": [{"o": "applied-op"}]})
-    assert lockcheck._resolved_after_fenced_retry(docs, "k", "applied-op") == "ack-earlier"
-    assert lockcheck._resolved_after_fenced_retry(docs, "k", "other-op") == "fenced"
+    assert resolved_after_fenced_retry(docs, "k", "applied-op") == "ack-earlier"
+    assert resolved_after_fenced_retry(docs, "k", "other-op") == "fenced"
 
 
 def test_a_document_write_sent_again_is_applied_once(store: Any) -> None:
