@@ -94,8 +94,8 @@ def park_duplicate(
     ``resent``: a first delivery whose admit was sent again after a lost reply (``Admission.resent``):
     the run holding the key is most likely its own handoff (the lost send parked it), not a duplicate.
     ``handoff_copy``: another copy of the handoff message of a run of several keys whose first copy
-    runs, most often of our own making (two of its keys were reserved for it at once, and each reserver
-    saw it ready and published it), so logged at INFO.
+    runs, most often of our own making (a debounced run's delayed copy beside the handoff that a release
+    published; docs/known-issues.md), so logged at INFO.
     """
     request = task.request
     if direct or request.is_eager or request.called_directly:
@@ -108,9 +108,9 @@ def park_duplicate(
     )
     if handoff_copy:
         log_acquire.info(
-            "%s[%s]: another copy of its handoff message (published twice when its last keys were "
-            "reserved for it at once, or delivered again) while the first runs with %r; kept aside, "
-            "looked at again in %gs",
+            "%s[%s]: another copy of its handoff message (its debounced copy beside its handoff, a "
+            "handoff published twice, or a message delivered again) while the first runs with %r; kept "
+            "aside, looked at again in %gs",
             task.name,
             task.request.id,
             key,
