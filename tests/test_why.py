@@ -326,3 +326,20 @@ def test_runs_waiting_as_the_other_kind_are_shown_while_fresh_the_longest_waitin
     single = KeyStory.from_document(held(kw=[{**kw[0], "w": "single"}]))
     assert "1 run waits to take it as a single lease" in single.verdict
     assert KeyStory.from_document(held(kw=kw[2:])).other_kind == ()
+
+
+def test_a_run_parked_a_moment_after_the_read_and_a_handoff_never_claimed_read_plainly() -> None:
+    """A new-user trial: ``parked -0.0 s ago`` (a run parked a few ms after the server's time of the read),
+    and each lapsed reservation of a run that waits for a later key shown ``on ?``."""
+    just = [{**PARKED[0], "at": at(0.004)}]
+    report = "\n".join(why_lines(KeyStory.from_document(held(q=just, ho=None))))
+    assert "parked 0.0 s ago" in report and "-0.0" not in report
+    lapsed = LeaseEnding(key="k", fence=7, how="handoff-expired", task_id="t1", task_name="app.pair")
+    assert "no worker (handed, not claimed)" in history_table([lapsed])
+    assert " on ?" not in "\n".join(
+        why_lines(
+            KeyStory.from_document(
+                released(ends=[{"f": 7, "how": "handoff-expired", "t": "t1", "n": "app.pair", "e": at(-1)}])
+            )
+        )
+    )

@@ -252,7 +252,9 @@ class ParkedRun:
 
 
 def _ago(seconds: float) -> str:
-    return f"{seconds:.1f} s"
+    """A duration up to the server's time of the read: never below zero (a run parked a few ms after the
+    read reads "0.0 s", not "-0.0 s")."""
+    return f"{max(0.0, seconds):.1f} s"
 
 
 def clock(when: _dt.datetime | None) -> str:

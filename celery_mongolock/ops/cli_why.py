@@ -31,6 +31,14 @@ def _how(ending: LeaseEnding) -> str:
     return ending.how
 
 
+def _where(ending: LeaseEnding) -> str:
+    """Where the lease was held; a key handed to a run that never claimed it was held by no worker (for a
+    run of several keys waiting for a later key, its reservation lapses so once per lease time)."""
+    if ending.how == "handoff-expired" and ending.where == "?":
+        return "no worker (handed, not claimed)"
+    return ending.where
+
+
 def history_table(entries: list[LeaseEnding]) -> str:
     """``celery mongolock history``: one line per acquisition, newest first."""
     rows = [("FENCE", "HOW", "TASK", "WHERE", "WAITED", "HELD", "ENDED (UTC)")]
@@ -39,7 +47,7 @@ def history_table(entries: list[LeaseEnding]) -> str:
             "-" if e.parked else str(e.fence),
             _how(e),
             e.task,
-            "-" if e.parked else e.where,
+            "-" if e.parked else _where(e),
             _seconds(None if e.waited_ms is None else e.waited_ms / 1000),
             _seconds(e.held_seconds),
             _stamp(e.ended_at),
@@ -140,7 +148,8 @@ def _queue_rows(story: KeyStory) -> list[str]:
         first = "" if total == len(story.parked) else f" (the first {len(story.parked)} shown)"
         lines = [_row("parked", f"{total}, in queue order{first}:")]
         for n, run in enumerate(story.parked, 1):
-            parked = (story.server_now - run.parked_at).total_seconds() if run.parked_at else None
+            # (a run parked after the server's time of the read, by a few ms: "0.0 s ago", not "-0.0")
+            parked = max(0.0, (story.server_now - run.parked_at).total_seconds()) if run.parked_at else None
             deadline = "none"
             if run.deadline is not None:
                 left = (run.deadline - story.server_now).total_seconds()
@@ -174,7 +183,7 @@ def _ending_rows(story: KeyStory, endings: int) -> list[str]:
     lines = []
     for n, e in enumerate(story.endings[:endings]):
         held = f", held {e.held_seconds:.2f} s" if e.held_seconds is not None else ""
-        where = f" on {e.where}"
+        where = f" on {_where(e)}"
         if e.parked:  # a run that never held the key
             where = ""
             held = f", parked {e.waited_ms / 1000:.2f} s" if e.waited_ms is not None else ""
