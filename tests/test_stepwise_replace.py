@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from celery_mongolock import is_superseded
+from celery_mongolock.core.documents.entries import past_ceiling
 from celery_mongolock.core.documents.sets import gate_of
 
 from . import integration_app as it
@@ -37,13 +38,11 @@ def cluster(
 
 
 def past_its_ceiling(cluster: Cluster, key: str, max_wait: float) -> bool:
-    """Whether the run ``key`` is reserved or handed to is sealed, its burst past its ``max_wait`` ceiling
-    on the server's clock (``entries.past_ceiling``: when the burst began waiting, ``fw``, else the one
-    its run learned on its set's gate, ``bu``)."""
-    began = {"$toLong": {"$ifNull": ["$ho.fw", "$ho.bu"]}}
-    age = {"$subtract": [{"$toLong": "$$NOW"}, began]}
-    found = list(cluster.store.collection.aggregate([{"$match": {"_id": key}}, {"$project": {"age": age}}]))
-    return bool(found) and found[0].get("age") is not None and found[0]["age"] >= max_wait * 1000
+    """Whether the run ``key`` is reserved or handed to is sealed: its burst past its ``max_wait`` ceiling
+    on the server's clock, as the admit judges it (``entries.past_ceiling``)."""
+    past = {"$and": [{"$ne": [{"$ifNull": ["$ho", None]}, None]}, past_ceiling("$ho", int(max_wait * 1000))]}
+    found = list(cluster.store.collection.aggregate([{"$match": {"_id": key}}, {"$project": {"past": past}}]))
+    return bool(found) and found[0].get("past") is True
 
 
 def _gate_is_of(cluster: Cluster, gate: str) -> str | None:
