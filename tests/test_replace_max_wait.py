@@ -229,7 +229,8 @@ def test_a_newer_send_of_a_higher_priority_does_not_pass_the_ceiling_s_run_on_it
     the next send, and then ran after r31 when there was none.) A fresh send (r32) supersedes r31 and
     waits behind the ceiling's run, which runs first."""
     gate = gate_of([X, Y])
-    first, older = run(10, [gate, X, Y]), run(20, [gate, X, Y])
+    # (the ceiling's run of a lower priority than most, rank 5; the newer send of a higher one, -9)
+    first, older = run(10, [gate, X, Y]), {**run(20, [gate, X, Y]), "pr": 5}
     urgent, fresh = {**run(31, [gate, X, Y]), "pr": -9}, run(32, [gate, X, Y])
 
     def admit(r: dict[str, Any], ttl: float = 30, **kw: Any) -> tuple[Any, dict[str, Any]]:
@@ -249,7 +250,7 @@ def test_a_newer_send_of_a_higher_priority_does_not_pass_the_ceiling_s_run_on_it
     lease, _ = admit(older, ttl=1, claim=doc()["ho"]["tk"])
     assert lease is not None and store.reserve(lease, older)
     assert admit(urgent)[1]["lo"] == "parked"  # behind the sealed reservation, not taking it back
-    assert doc()["ho"]["t"] == "r20" and "pr" not in doc()["q"][0]  # (no rank on a gate)
+    assert doc()["ho"]["t"] == "r20" and "pr" not in doc()["q"][0] and "pr" not in doc()["ho"]  # (no rank)
     urgent_due = doc()["q"][0]["nb"]
     wait_for(
         lambda: server_past(store, max(doc()["expires_at"], urgent_due)),

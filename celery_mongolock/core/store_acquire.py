@@ -43,7 +43,7 @@ from celery_mongolock.core.documents import lanes
 from celery_mongolock.core.documents import queue as admission_docs
 from celery_mongolock.core.documents.base import Document
 from celery_mongolock.core.documents.entries import PARK_BUDGET, entry_bytes
-from celery_mongolock.core.documents.sets import is_gate
+from celery_mongolock.core.documents.sets import as_on_key
 from celery_mongolock.core.keys import normalize_key
 from celery_mongolock.core.lease import Lease, LeaseBackend
 from celery_mongolock.core.lease_info import aware
@@ -432,13 +432,7 @@ class Acquisition:
         size, most = entry_bytes(entry), SPILL_MESSAGE_LIMIT if spills else PARK_BUDGET
         if size > most:  # (the command itself would pass MongoDB's limit; a spilled run must fit alone)
             raise MessageTooLarge(key, size, most)
-        full_entry = _parked_entry(entry, store.lease_seconds if ttl is None else ttl)
-        if is_gate(key):
-            # On a set's gate its runs are in send order alone, whatever their priority: a newer send
-            # supersedes the older ones there, and the run a burst's ceiling sealed is handed the gate
-            # again when its reservation lapses (one ranked ahead of it was handed it: a newer send, run
-            # before the run the ceiling chose, which then ended superseded by it).
-            full_entry.pop("pr", None)  # (its rank: ``entries.entry_ahead``)
+        full_entry = _parked_entry(as_on_key(key, entry), store.lease_seconds if ttl is None else ttl)
         gone: tuple[int, tuple[tuple[int, int, int], ...]] | None = None
         for _ in range(_SPILL_TRIES):
             lease, doc = self._admit_once(

@@ -100,7 +100,7 @@ class QueueUpkeep:
         (the run must admit that key again); also when the key knows a newer send of the entry's set of
         keys (``Replace``, ``sets.no_newer_send``): the key is then given back unrun, to the oldest run
         parked on it, and the run's admit of it answers ``superseded``."""
-        full_entry = dict(entry)
+        full_entry = sets.as_on_key(lease.key, entry)  # (on a set's gate, without its rank)
         full_entry["ttl"] = int(lease.ttl * 1000)
         timeout_ms = _timeout_ms(timeout)
         by = "reserve:" + uuid.uuid4().hex

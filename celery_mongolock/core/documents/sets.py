@@ -38,7 +38,7 @@ On each key, the admit of run R (set ``g``, send stamp ``s``):
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_mongolock.core.keys import RESERVED_PREFIX
@@ -46,6 +46,7 @@ from celery_mongolock.core.keys import RESERVED_PREFIX
 __all__ = [
     "GATE_PREFIX",
     "LG_KEPT",
+    "as_on_key",
     "behind_its_set",
     "burst_identity",
     "burst_of",
@@ -102,6 +103,18 @@ def gate_of(keys: Sequence[str]) -> str:
 def is_gate(key: object) -> bool:
     """Whether ``key`` is a set's gate (``gate_of``), not a key a task named."""
     return isinstance(key, str) and key.startswith(GATE_PREFIX)
+
+
+def as_on_key(key: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The run ``entry`` as it is parked or reserved on ``key``. On a set's gate without its rank
+    (``pr``, ``entries.entry_ahead``): the runs of a set are there in send order alone, whatever their
+    priority. A newer send supersedes the older ones there anyway, so a rank would only ever order the run
+    a burst's ceiling sealed against the newer sends behind it: when its reservation lapsed, a newer send
+    of a higher priority was handed the gate first (and ran first; the ceiling's run, left parked, was
+    superseded, or ran after it with older arguments)."""
+    if not is_gate(key):
+        return dict(entry)
+    return {k: v for k, v in entry.items() if k != "pr"}
 
 
 def user_keys(keys: Sequence[object]) -> list[str]:
